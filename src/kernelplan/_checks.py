@@ -1,0 +1,76 @@
+"""Validation helpers shared by the ops: each raises with operand, value, requirement, fix."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .errors import BufferTooSmall, InvalidProblem
+
+
+def check_tensor(
+    t,
+    operand: str,
+    *,
+    shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidProblem(f"{operand} is a {type(t).__name__}; it must be a torch.Tensor")
+    if dtype is not None and t.dtype != dtype:
+        raise InvalidProblem(
+            f"{operand} has dtype {t.dtype} but must have dtype {dtype}: convert it with .to({dtype})"
+        )
+    if device is not None and t.device != torch.device(device):
+        raise InvalidProblem(
+            f"{operand} is on {t.device} but the op runs on {device}: move it with .to({str(device)!r})"
+        )
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        if t.numel() < _numel(shape):
+            raise BufferTooSmall(_numel(shape), t.numel(), operand=f"{operand} (shape {tuple(t.shape)})")
+        raise InvalidProblem(
+            f"{operand} has shape {tuple(t.shape)} but must have shape {tuple(shape)}; "
+            f"allocate it with that shape or reshape it"
+        )
+
+
+def check_no_overlap(out: torch.Tensor, out_name: str, inputs: dict[str, torch.Tensor | None]) -> None:
+    """Refuse an output that shares memory with an input: the kernels read after writing."""
+    for name, t in inputs.items():
+        if t is not None and t.numel() > 0 and out.numel() > 0 and _overlaps(out, t):
+            raise InvalidProblem(
+                f"{out_name} shares memory with {name}; the op would overwrite its own input. "
+                f"Pass a separate {out_name} tensor (or leave it None)"
+            )
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device:
+        return False
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    if sa.data_ptr() != sb.data_ptr():
+        return False
+    # Same storage: compare the byte ranges each view can touch.
+    def span(t):
+        start = t.storage_offset() * t.element_size()
+        extent = sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride())) + 1
+        return start, start + extent * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def choice(value, operand: str, allowed: Sequence[str]) -> str:
+    """Normalise a string option, or raise naming the allowed ones."""
+    if isinstance(value, str) and value.lower() in allowed:
+        return value.lower()
+    raise InvalidProblem(f"{operand} is {value!r}; it must be one of {', '.join(map(repr, allowed))}")

@@ -1,0 +1,69 @@
+"""Pointwise activations and their derivatives, as one table used by every op.
+
+Math runs in the dtype given (callers pass fp32, or fp64 for fp64 inputs).
+"gelu" is the exact erf form, "gelu_tanh" the tanh approximation
+(``0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))``, as in cuBLASLt).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+def _gelu_erf(z):
+    return z * _phi_cdf(z)
+
+
+def _gelu_erf_grad(z):
+    return _phi_cdf(z) + z * torch.exp(-0.5 * z * z) * _INV_SQRT_2PI
+
+
+def _phi_cdf(z):
+    return 0.5 * (1.0 + torch.erf(z * _INV_SQRT_2))
+
+
+def _gelu_tanh(z):
+    return 0.5 * z * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z * z * z)))
+
+
+def _gelu_tanh_grad(z):
+    t = torch.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z * z * z))
+    return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * z * z)
+
+
+def _silu_grad(z):
+    s = torch.sigmoid(z)
+    return s * (1.0 + z * (1.0 - s))
+
+
+def _sigmoid_grad(z):
+    s = torch.sigmoid(z)
+    return s * (1.0 - s)
+
+
+@dataclass(frozen=True)
+class Activation:
+    name: str
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    grad: Callable[[torch.Tensor], torch.Tensor]  # d fn / dz, evaluated at z
+
+
+ACTIVATIONS: dict[str, Activation] = {
+    a.name: a
+    for a in (
+        Activation("identity", lambda z: z, torch.ones_like),
+        Activation("relu", torch.relu, lambda z: (z > 0).to(z.dtype)),
+        Activation("gelu", _gelu_erf, _gelu_erf_grad),
+        Activation("gelu_tanh", _gelu_tanh, _gelu_tanh_grad),
+        Activation("silu", lambda z: z * torch.sigmoid(z), _silu_grad),
+        Activation("sigmoid", torch.sigmoid, _sigmoid_grad),
+    )
+}

@@ -1,0 +1,277 @@
+"""The plan contract shared by every op (modelled on baracuda-kernels' plans).
+
+A call is described by a frozen ``Descriptor`` dataclass.  ``Plan.select``
+asks every registered backend whether it ``supports`` the descriptor; a
+backend answers ``None`` (yes) or a reason string (no).  If none can take the
+problem, the error lists every reason.  The chosen plan then validates real
+tensors (``can_implement``), reports the ``workspace_size`` it needs and
+``run``s.  ``sku`` and ``precision_guarantee`` say what ran and what the
+numbers can be trusted for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterator
+
+import torch
+
+from .errors import InvalidProblem, Unsupported, WorkspaceTooSmall
+
+log = logging.getLogger("kernelplan.plan")
+
+
+@dataclass(frozen=True)
+class PlanPreference:
+    """What ``Plan.select`` should optimise for.
+
+    * ``PlanPreference()`` / ``PlanPreference.FASTEST``: the fastest backend
+      measured on this device for this problem, else the highest-priority one;
+    * ``PlanPreference.only("reference")``: that backend or an error;
+    * ``PlanPreference.deterministic_only()``: only bitwise-reproducible backends.
+    """
+
+    backend: str | None = None
+    deterministic: bool = False
+
+    @classmethod
+    def only(cls, backend: str) -> "PlanPreference":
+        return cls(backend=backend)
+
+    @classmethod
+    def deterministic_only(cls) -> "PlanPreference":
+        return cls(deterministic=True)
+
+
+PlanPreference.FASTEST = PlanPreference()
+
+
+@dataclass(frozen=True)
+class PrecisionGuarantee:
+    math_precision: str  # precision of the products: "f64", "f32", "tf32", "bf16", ...
+    accumulator: str  # dtype sums are kept in
+    deterministic: bool  # same inputs, same device -> same bits, run after run
+    bit_stable: bool  # same bits across launches with other shapes in flight / batch sizes
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Sku:
+    """Which op, dtype, architecture and backend a plan runs."""
+
+    op: str
+    dtype: str
+    arch: str
+    backend: str
+    epilogue: str | None = None
+
+
+class Backend:
+    """One way to run an op.  Subclasses override what differs from these defaults."""
+
+    name: ClassVar[str]
+    # Which backend ``PlanPreference.FASTEST`` takes before anything was measured.
+    # The reference is 0; a GPU kernel that is usually faster says so with more.
+    priority: ClassVar[int] = 0
+
+    def supports(self, desc) -> str | None:
+        raise NotImplementedError(f"{type(self).__name__}.supports")
+
+    def precision(self, desc) -> PrecisionGuarantee:
+        raise NotImplementedError(f"{type(self).__name__}.precision")
+
+    def workspace_size(self, desc) -> int:
+        return 0
+
+    def can_implement(self, desc, args) -> None:
+        """Backend-specific checks of real tensors (alignment, contiguity)."""
+
+    def run(self, desc, args, workspace: torch.Tensor | None) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.run")
+
+
+class BackendRegistry:
+    """The ordered backends of one op.  ``reference`` is registered first."""
+
+    def __init__(self, op: str):
+        self.op = op
+        self._backends: dict[str, Backend] = {}
+        self.version = 0  # bumps on every change, so memoised plans are dropped
+
+    def register(self, backend: Backend) -> Backend:
+        if backend.name in self._backends:
+            raise InvalidProblem(
+                f"backend name {backend.name!r} is already registered for op {self.op!r}; "
+                f"unregister it first or choose another name"
+            )
+        self._backends[backend.name] = backend
+        self.version += 1
+        return backend
+
+    def unregister(self, name: str) -> Backend:
+        backend = self._backends.pop(name)
+        self.version += 1
+        return backend
+
+    def names(self) -> list[str]:
+        return list(self._backends)
+
+    def __iter__(self) -> Iterator[Backend]:
+        return iter(list(self._backends.values()))
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+def arch_of(device: str) -> str:
+    """``"cpu"`` or ``"sm90"``-style; queries CUDA only when first asked about a GPU."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return _cuda_arch(dev.index if dev.index is not None else torch.cuda.current_device())
+    return dev.type
+
+
+def descriptor_key(desc) -> dict[str, Any]:
+    """A JSON-able dict of a descriptor, for plan-cache keys."""
+    return {f.name: getattr(desc, f.name) for f in dataclasses.fields(desc)}
+
+
+class Plan:
+    """Base of every op's plan.  Build one with ``select``, never directly."""
+
+    op: ClassVar[str]
+    registry: ClassVar[BackendRegistry]
+
+    def __init__(self, desc, backend: Backend):
+        self.desc = desc
+        self.backend = backend
+        self.sku = Sku(
+            op=self.op,
+            dtype=desc.dtype,
+            arch=arch_of(desc.device),
+            backend=backend.name,
+            epilogue=getattr(desc, "epilogue", None),
+        )
+        self.precision_guarantee = backend.precision(desc)
+
+    # -- selection -------------------------------------------------------
+    @classmethod
+    def check_descriptor(cls, desc) -> None:
+        """Raise :class:`InvalidProblem` if ``desc`` is ill-formed for every backend."""
+
+    @classmethod
+    def select(cls, desc, preference: PlanPreference = PlanPreference.FASTEST) -> "Plan":
+        cls.check_descriptor(desc)
+        reasons: dict[str, str] = {}
+        candidates: list[Backend] = []
+        for backend in cls.registry:
+            if preference.backend is not None and backend.name != preference.backend:
+                reasons[backend.name] = f"not the requested backend {preference.backend!r}"
+                continue
+            reason = backend.supports(desc)
+            if reason is None and preference.deterministic and not backend.precision(desc).deterministic:
+                reason = "not deterministic, and a deterministic backend was requested"
+            if reason is not None:
+                log.debug("%s: backend %s skipped: %s", cls.op, backend.name, reason)
+                reasons[backend.name] = reason
+                continue
+            candidates.append(backend)
+        if not candidates:
+            if preference.backend is not None and preference.backend not in reasons:
+                reasons[preference.backend] = (
+                    f"no such backend; registered: {', '.join(cls.registry.names())}"
+                )
+            listing = "; ".join(f"{name}: {why}" for name, why in reasons.items())
+            raise Unsupported(f"no backend of {cls.op} can run {desc}. Reasons: {listing}")
+        return cls(desc, cls._choose(desc, candidates))
+
+    @classmethod
+    def _choose(cls, desc, candidates: list[Backend]) -> Backend:
+        if len(candidates) > 1:
+            from .cache import plan_cache
+
+            measured = plan_cache().get(f"dispatch:{cls.op}", descriptor_key(desc))
+            for backend in candidates:
+                if measured is not None and backend.name == measured.get("backend"):
+                    return backend
+        return max(candidates, key=lambda b: b.priority)
+
+    @classmethod
+    def remember_fastest(cls, desc, timings_s: dict[str, float]) -> str:
+        """Store the fastest of measured ``{backend: seconds}`` for ``desc``; return its name."""
+        unknown = set(timings_s) - set(cls.registry.names())
+        if unknown or not timings_s:
+            raise InvalidProblem(
+                f"timings_s names backends {sorted(unknown) or 'none'}; it must time at least "
+                f"one of the registered backends {cls.registry.names()}"
+            )
+        best = min(timings_s, key=timings_s.get)
+        from .cache import plan_cache
+
+        plan_cache().put(
+            f"dispatch:{cls.op}", descriptor_key(desc), {"backend": best, "timings_s": timings_s}
+        )
+        _memo.cache_clear()  # memoised plans chose before this measurement existed
+        return best
+
+    # -- execution -------------------------------------------------------
+    def check_args(self, args) -> None:
+        """Op-specific checks of real tensors against the descriptor."""
+
+    def can_implement(self, args) -> None:
+        """Raise if ``args`` do not match this plan; return None if they do."""
+        self.check_args(args)
+        self.backend.can_implement(self.desc, args)
+
+    def workspace_size(self) -> int:
+        return self.backend.workspace_size(self.desc)
+
+    def run(self, args, workspace: torch.Tensor | None = None, stream=None):
+        """Validate everything, then launch.  Nothing is written if a check fails."""
+        self.can_implement(args)
+        workspace = self._workspace(workspace)
+        device = torch.device(self.desc.device)
+        if stream is None:
+            return self.backend.run(self.desc, args, workspace)
+        if device.type != "cuda":
+            raise InvalidProblem(
+                f"stream is {stream!r} but this plan runs on {device}; streams exist only on "
+                f"CUDA devices: pass stream=None"
+            )
+        with torch.cuda.stream(stream):
+            return self.backend.run(self.desc, args, workspace)
+
+    def _workspace(self, workspace: torch.Tensor | None) -> torch.Tensor | None:
+        needed = self.workspace_size()
+        if workspace is None:
+            if needed == 0:
+                return None
+            return torch.empty(needed, dtype=torch.uint8, device=self.desc.device)
+        got = workspace.numel() * workspace.element_size()
+        if got < needed:
+            raise WorkspaceTooSmall(needed, got)
+        if workspace.device != torch.device(self.desc.device) and needed > 0:
+            raise InvalidProblem(
+                f"workspace is on {workspace.device} but the plan runs on {self.desc.device}; "
+                f"allocate the workspace on {self.desc.device}"
+            )
+        return workspace
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.sku}, {self.precision_guarantee})"
+
+
+def memoised_select(plan_cls: type[Plan], desc, preference: PlanPreference = PlanPreference.FASTEST) -> Plan:
+    """``plan_cls.select`` behind an in-process memo, for the functional hot path."""
+    return _memo(plan_cls, desc, preference, plan_cls.registry.version)
+
+
+@functools.lru_cache(maxsize=4096)
+def _memo(plan_cls, desc, preference, _registry_version):
+    return plan_cls.select(desc, preference)

@@ -1,0 +1,16 @@
+"""2:4 structured sparsity: the compressed format and the sparse GEMM."""
+
+from .format import FORMAT_VERSION, Sparse24Weight, compress, is_sparse24, prune
+from .gemm import GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan, linear
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Sparse24Weight",
+    "compress",
+    "is_sparse24",
+    "prune",
+    "linear",
+    "GemmSparse24Args",
+    "GemmSparse24Descriptor",
+    "GemmSparse24Plan",
+]

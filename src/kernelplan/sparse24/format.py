@@ -1,0 +1,227 @@
+"""The 2:4 structured-sparse weight format (kernelplan's public interchange format, v1).
+
+In every group of 4 consecutive weights along K at most 2 are non-zero.  A
+weight ``W [M, K]`` is stored as
+
+* ``values   [M, K/2]``: the kept weights, in the weight's dtype;
+* ``metadata [M, K/8]``: 16-bit words, two groups per word, low byte first.
+  In each byte bits 0-1 are ``pos0`` and bits 2-3 are ``pos1``, ``pos0 < pos1``;
+  ``values[m, 2g]`` sits at ``W[m, 4g + pos0]`` and ``values[m, 2g+1]`` at
+  ``W[m, 4g + pos1]``.  A group with fewer than 2 non-zeros still names two
+  distinct positions (non-zeros first, then the lowest free indices) and
+  stores zeros there.
+
+The words are kept in a ``torch.int16`` tensor: every valid byte is at most
+``0b1110``, so every valid word is below ``0x8000`` and its int16 value equals
+its u16 value -- no sign games.  Backend layouts (cuSPARSELt's buffer, packed
+4-bit metadata) are derived from this format and cached on the weight with
+:meth:`Sparse24Weight.derived`; they are never the public format.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .._checks import check_tensor
+from ..dtypes import dtype_info
+from ..errors import InvalidProblem, MisalignedOperand
+
+FORMAT_VERSION = 1
+SPARSE24_DTYPES = ("f64", "f32", "f16", "bf16")
+
+
+def _groups(w: torch.Tensor, operand: str, multiple: int) -> torch.Tensor:
+    """View ``w [..., K]`` as ``[..., K/4, 4]``, checking K first."""
+    check_tensor(w, operand)
+    if w.dim() < 1:
+        raise InvalidProblem(f"{operand} is a 0-d tensor; it needs a last dimension K to group by 4")
+    k = w.shape[-1]
+    if k % multiple:
+        raise MisalignedOperand(
+            f"{operand} has K = shape[-1] = {k}, which is not a multiple of {multiple}; "
+            f"the 2:4 format needs K % {multiple} == 0: pad K with zero columns up to "
+            f"{-(-k // multiple) * multiple} (or leave this layer dense)"
+        )
+    return w.reshape(*w.shape[:-1], k // 4, 4)
+
+
+def _two_positions(keep: torch.Tensor) -> torch.Tensor:
+    """For a bool ``[..., 4]`` mask with <= 2 True, the two positions to store, ascending.
+
+    Kept entries come first, then the lowest free indices; a stable sort on
+    ``~keep`` gives exactly that order.
+    """
+    order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :2]
+    return order.sort(dim=-1).values
+
+
+def prune(w: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Zero all but the 2 largest ``|w|`` of each group of 4 along the last dim.
+
+    Ties go to the lower index.  With ``mask`` (bool, same shape, at most 2
+    True per group), apply that mask instead.  Returns a new dense tensor of
+    ``w``'s shape and dtype.
+    """
+    groups = _groups(w, "w", 4)
+    if mask is None:
+        if torch.isnan(w).any():
+            raise InvalidProblem(
+                "w contains NaN, and magnitude pruning cannot rank NaN; replace the NaNs "
+                "(torch.nan_to_num) or pass an explicit mask="
+            )
+        # Stable descending sort on |w|: equal magnitudes keep index order, so ties
+        # go to the lower index, as the format promises.
+        top2 = torch.sort(groups.abs().to(torch.float32), dim=-1, descending=True, stable=True).indices[..., :2]
+        keep = torch.zeros(groups.shape, dtype=torch.bool, device=w.device).scatter_(-1, top2, True)
+    else:
+        check_tensor(mask, "mask", shape=w.shape, dtype=torch.bool, device=w.device)
+        keep = mask.reshape(groups.shape)
+        bad = keep.sum(-1) > 2
+        if bad.any():
+            raise InvalidProblem(
+                f"mask keeps more than 2 of 4 entries in {int(bad.sum())} groups "
+                f"(first at flat group {int(bad.flatten().nonzero()[0])}); a 2:4 mask keeps at "
+                f"most 2 per group: build it with kernelplan.sparse24.prune(w) != 0"
+            )
+    return torch.where(keep, groups, torch.zeros((), dtype=w.dtype, device=w.device)).reshape(w.shape)
+
+
+def is_sparse24(w: torch.Tensor) -> bool:
+    """True if every group of 4 along the last dim has at most 2 non-zeros."""
+    if not isinstance(w, torch.Tensor) or w.dim() < 1 or w.shape[-1] % 4:
+        return False
+    groups = w.reshape(*w.shape[:-1], w.shape[-1] // 4, 4)
+    return bool(((groups != 0).sum(-1) <= 2).all())
+
+
+def compress(w: torch.Tensor) -> "Sparse24Weight":
+    """Compress a 2:4-sparse ``w [M, K]`` (see :func:`prune`) to values + metadata."""
+    check_tensor(w, "w")
+    if w.dim() != 2:
+        raise InvalidProblem(
+            f"w has shape {tuple(w.shape)}; compress takes a 2-D weight [M, K]: reshape it to 2-D first"
+        )
+    dtype_info(w.dtype, "w", SPARSE24_DTYPES)
+    groups = _groups(w, "w", 8)
+    nonzero = groups != 0
+    counts = nonzero.sum(-1)
+    if (counts > 2).any():
+        row, group = (counts > 2).nonzero()[0].tolist()
+        raise InvalidProblem(
+            f"w is not 2:4 sparse: row {row}, group {group} (columns {4 * group}..{4 * group + 3}) "
+            f"has {int(counts[row, group])} non-zeros, more than 2; prune it first with "
+            f"kernelplan.sparse24.prune(w)"
+        )
+    pos = _two_positions(nonzero)  # [M, K/4, 2]
+    values = torch.gather(groups, -1, pos).reshape(w.shape[0], -1)
+    byte = (pos[..., 0] | (pos[..., 1] << 2)).to(torch.int32)  # [M, K/4]
+    words = byte[:, 0::2] | (byte[:, 1::2] << 8)
+    return Sparse24Weight(values.contiguous(), words.to(torch.int16), _validate=False)
+
+
+def unpack_positions(metadata: torch.Tensor) -> torch.Tensor:
+    """``metadata [M, K/8]`` -> ``[M, K/4, 2]`` int64 positions (pos0, pos1) per group."""
+    words = metadata.to(torch.int32)
+    byte = torch.stack((words & 0xFF, (words >> 8) & 0xFF), dim=-1).reshape(metadata.shape[0], -1)
+    return torch.stack((byte & 0x3, (byte >> 2) & 0x3), dim=-1).long()
+
+
+class Sparse24Weight:
+    """A 2:4-compressed weight of logical shape ``[M, K]``: ``values`` and ``metadata``.
+
+    ``values`` may be an ``nn.Parameter`` (training updates it; the mask, held
+    in ``metadata``, stays fixed).  Constructing one from user tensors checks
+    the metadata bits, since a bad word would otherwise scatter out of place.
+    """
+
+    __slots__ = ("values", "metadata", "_derived")
+
+    def __init__(self, values: torch.Tensor, metadata: torch.Tensor, *, _validate: bool = True):
+        if _validate:
+            _validate_compressed(values, metadata)
+        self.values = values
+        self.metadata = metadata
+        self._derived: dict = {}
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.values.shape[0], self.values.shape[1] * 2))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def positions(self) -> torch.Tensor:
+        """Column index in ``W`` of every stored value: ``[M, K/2]`` int64."""
+        pos = unpack_positions(self.metadata)  # [M, K/4, 2]
+        base = 4 * torch.arange(pos.shape[1], device=pos.device).view(1, -1, 1)
+        return (pos + base).reshape(self.values.shape)
+
+    def mask(self) -> torch.Tensor:
+        """Bool ``[M, K]``: True where a value is stored (zeros stored as fillers count)."""
+        m, k = self.shape
+        return torch.zeros((m, k), dtype=torch.bool, device=self.device).scatter_(1, self.positions(), True)
+
+    def decompress(self) -> torch.Tensor:
+        """The dense ``W [M, K]``; differentiable in ``values``."""
+        m, k = self.shape
+        dense = torch.zeros((m, k), dtype=self.dtype, device=self.device)
+        return dense.scatter(1, self.positions(), self.values)
+
+    def to(self, *args, **kwargs) -> "Sparse24Weight":
+        """Move/convert the values; metadata only moves (it is not a float tensor)."""
+        values = self.values.to(*args, **kwargs)
+        return Sparse24Weight(values, self.metadata.to(values.device), _validate=False)
+
+    def derived(self, key, build: Callable[["Sparse24Weight"], object]):
+        """A backend layout built from this weight once, and rebuilt after values change.
+
+        ``key`` names the layout (for example ``("cusparselt", device)``).
+        The values' version counter is part of the cache key, so an optimizer
+        step or an in-place edit invalidates the layout.
+        """
+        full = (key, self.values._version, self.values.data_ptr())
+        hit = self._derived.get(key)
+        if hit is not None and hit[0] == full:
+            return hit[1]
+        layout = build(self)
+        self._derived[key] = (full, layout)
+        return layout
+
+    def __repr__(self) -> str:
+        m, k = self.shape
+        return f"Sparse24Weight(shape=({m}, {k}), dtype={self.dtype}, device={self.device})"
+
+
+def _validate_compressed(values: torch.Tensor, metadata: torch.Tensor) -> None:
+    check_tensor(values, "values")
+    check_tensor(metadata, "metadata", dtype=torch.int16, device=values.device)
+    dtype_info(values.dtype, "values", SPARSE24_DTYPES)
+    if values.dim() != 2 or metadata.dim() != 2:
+        raise InvalidProblem(
+            f"values has shape {tuple(values.shape)} and metadata {tuple(metadata.shape)}; both "
+            f"must be 2-D: values [M, K/2], metadata [M, K/8]"
+        )
+    m, half = values.shape
+    if half % 4 or tuple(metadata.shape) != (m, half // 4):
+        raise InvalidProblem(
+            f"values has shape {tuple(values.shape)} and metadata {tuple(metadata.shape)}; "
+            f"for a weight [M, K] they must be [M, K/2] and [M, K/8] with K % 8 == 0: "
+            f"build them with kernelplan.sparse24.compress(w)"
+        )
+    words = metadata.to(torch.int32)
+    byte = torch.stack((words & 0xFF, (words >> 8) & 0xFF), dim=-1)
+    bad = (words < 0) | ((byte & 0xF0) != 0).any(-1) | ((byte & 0x3) >= (byte >> 2)).any(-1)
+    if bad.any():
+        row, col = bad.nonzero()[0].tolist()
+        raise InvalidProblem(
+            f"metadata[{row}, {col}] = {int(metadata[row, col]) & 0xFFFF:#06x} is not a valid 2:4 "
+            f"word: each byte must hold pos0 in bits 0-1 and pos1 > pos0 in bits 2-3, bits 4-7 "
+            f"clear; the file or tensor is corrupt: recompress the weight with compress(w)"
+        )

@@ -1,0 +1,196 @@
+"""2:4 sparse GEMM: ``Y[N, M] = X[N, K] @ W^T (+ bias) -> activation``, W in the 2:4 format.
+
+Layered top to bottom: descriptor and args, the plan, the reference backend,
+the custom op with its autograd formula, and the functional wrapper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .._checks import check_no_overlap, check_tensor, choice
+from ..activations import ACTIVATIONS
+from ..dtypes import dtype_info
+from ..errors import InvalidProblem, MisalignedOperand
+from ..plan import Backend, BackendRegistry, Plan, PrecisionGuarantee, memoised_select
+from .format import SPARSE24_DTYPES, Sparse24Weight
+
+SPARSE24_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
+
+
+@dataclass(frozen=True)
+class GemmSparse24Descriptor:
+    n: int  # rows of X and Y (tokens)
+    m: int  # rows of W, columns of Y (output features)
+    k: int  # columns of X and W (input features); a multiple of 8
+    dtype: str  # short dtype name, see kernelplan.dtypes
+    activation: str | None = None
+    has_bias: bool = False
+    device: str = "cpu"
+
+
+@dataclass
+class GemmSparse24Args:
+    x: torch.Tensor  # [N, K]
+    values: torch.Tensor  # [M, K/2]
+    metadata: torch.Tensor  # [M, K/8] int16
+    y: torch.Tensor  # [N, M], written
+    bias: torch.Tensor | None = None  # [M]
+
+
+class GemmSparse24Plan(Plan):
+    op = "sparse24_gemm"
+    registry = BackendRegistry(op)
+
+    @classmethod
+    def check_descriptor(cls, desc: GemmSparse24Descriptor) -> None:
+        for name in ("n", "m", "k"):
+            if getattr(desc, name) < 0:
+                raise InvalidProblem(f"descriptor.{name} is {getattr(desc, name)}; it must be >= 0")
+        if desc.k % 8:
+            raise MisalignedOperand(
+                f"descriptor.k is {desc.k}; 2:4 GEMM needs K % 8 == 0: pad K to "
+                f"{-(-desc.k // 8) * 8} with zero columns"
+            )
+        dtype_info(desc.dtype, "descriptor.dtype")
+        if desc.activation is not None:
+            choice(desc.activation, "descriptor.activation", SPARSE24_ACTIVATIONS)
+
+    def check_args(self, args: GemmSparse24Args) -> None:
+        d = self.desc
+        dtype = dtype_info(d.dtype).dtype
+        check_tensor(args.x, "x", shape=(d.n, d.k), dtype=dtype, device=d.device)
+        check_tensor(args.values, "values", shape=(d.m, d.k // 2), dtype=dtype, device=d.device)
+        check_tensor(args.metadata, "metadata", shape=(d.m, d.k // 8), dtype=torch.int16, device=d.device)
+        check_tensor(args.y, "y", shape=(d.n, d.m), dtype=dtype, device=d.device)
+        if d.has_bias != (args.bias is not None):
+            raise InvalidProblem(
+                f"bias is {'given' if args.bias is not None else 'None'} but the descriptor says "
+                f"has_bias={d.has_bias}; select a plan whose descriptor matches the call"
+            )
+        if args.bias is not None:
+            check_tensor(args.bias, "bias", shape=(d.m,), dtype=dtype, device=d.device)
+        check_no_overlap(args.y, "y", {"x": args.x, "values": args.values, "bias": args.bias})
+
+
+class ReferenceSparse24Backend(Backend):
+    """Decompress, then one matmul in fp32 (fp64 for fp64): exact semantics, any device."""
+
+    name = "reference"
+    priority = 0
+
+    def supports(self, desc: GemmSparse24Descriptor) -> str | None:
+        if desc.dtype not in SPARSE24_DTYPES:
+            return f"dtype {desc.dtype} is not one of {SPARSE24_DTYPES}"
+        return None
+
+    def precision(self, desc) -> PrecisionGuarantee:
+        compute = dtype_info(desc.dtype).compute
+        name = dtype_info(compute).name
+        # BLAS picks its blocking by shape and thread count, so bits may change with N.
+        return PrecisionGuarantee(name, name, deterministic=True, bit_stable=False)
+
+    def run(self, desc, args: GemmSparse24Args, workspace) -> None:
+        compute = dtype_info(desc.dtype).compute
+        w = Sparse24Weight(args.values.to(compute), args.metadata, _validate=False).decompress()
+        z = args.x.to(compute) @ w.T
+        if args.bias is not None:
+            z += args.bias.to(compute)
+        args.y.copy_(ACTIVATIONS[desc.activation or "identity"].fn(z))
+
+
+GemmSparse24Plan.registry.register(ReferenceSparse24Backend())
+
+
+# -- custom op: torch.compile-safe, autograd-aware ---------------------------
+
+
+@torch.library.custom_op("kernelplan::sparse24_linear", mutates_args=())
+def _sparse24_linear_op(
+    x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias: Optional[torch.Tensor], activation: str
+) -> torch.Tensor:
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m = values.shape[0]
+    desc = GemmSparse24Descriptor(
+        n=x2.shape[0],
+        m=m,
+        k=k,
+        dtype=dtype_info(x.dtype).name,
+        activation=activation or None,
+        has_bias=bias is not None,
+        device=str(x.device),
+    )
+    y = torch.empty((x2.shape[0], m), dtype=x.dtype, device=x.device)
+    memoised_select(GemmSparse24Plan, desc).run(GemmSparse24Args(x2, values, metadata, y, bias))
+    return y.reshape(*x.shape[:-1], m)
+
+
+@_sparse24_linear_op.register_fake
+def _(x, values, metadata, bias, activation):
+    return x.new_empty((*x.shape[:-1], values.shape[0]))
+
+
+def _setup(ctx, inputs, output):
+    x, values, metadata, bias, activation = inputs
+    ctx.save_for_backward(x, values, metadata, bias)
+    ctx.activation = activation
+
+
+def _backward(ctx, dy):
+    # Recomputes the pre-activation instead of saving it: one more GEMM in
+    # backward, one less [N, M] tensor kept alive between passes.
+    x, values, metadata, bias = ctx.saved_tensors
+    compute = dtype_info(x.dtype).compute
+    w24 = Sparse24Weight(values.to(compute), metadata, _validate=False)
+    w = w24.decompress()
+    x2 = x.reshape(-1, x.shape[-1]).to(compute)
+    g = dy.reshape(-1, values.shape[0]).to(compute)
+    if ctx.activation:
+        z = x2 @ w.T
+        if bias is not None:
+            z = z + bias.to(compute)
+        g = g * ACTIVATIONS[ctx.activation].grad(z)
+    dx = (g @ w).reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
+    dvalues = None
+    if ctx.needs_input_grad[1]:
+        # Only the stored positions get gradient: the mask stays fixed.
+        dvalues = torch.gather(g.T @ x2, 1, w24.positions()).to(values.dtype)
+    dbias = g.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[3] else None
+    return dx, dvalues, None, dbias, None
+
+
+_sparse24_linear_op.register_autograd(_backward, setup_context=_setup)
+
+
+def linear(
+    x: torch.Tensor,
+    w24: Sparse24Weight,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """``activation(x @ W^T + bias)`` with ``W`` 2:4-compressed; x of any leading shape.
+
+    Differentiable in ``x``, ``bias`` and ``w24.values`` (the mask is fixed).
+    ``activation`` is None, "relu", "gelu" (erf), "gelu_tanh" or "silu".
+    """
+    if not isinstance(w24, Sparse24Weight):
+        raise InvalidProblem(
+            f"w24 is a {type(w24).__name__}; it must be a Sparse24Weight: build it with "
+            f"kernelplan.sparse24.compress(kernelplan.sparse24.prune(w))"
+        )
+    m, k = w24.shape
+    check_tensor(x, "x", dtype=w24.dtype, device=w24.device)
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise InvalidProblem(
+            f"x has shape {tuple(x.shape)}; its last dimension must equal the weight's K = {k} "
+            f"(weight shape [M, K] = [{m}, {k}])"
+        )
+    if bias is not None:
+        check_tensor(bias, "bias", shape=(m,), dtype=w24.dtype, device=w24.device)
+    if activation is not None:
+        activation = choice(activation, "activation", SPARSE24_ACTIVATIONS)
+    return _sparse24_linear_op(x, w24.values, w24.metadata, bias, activation or "")
