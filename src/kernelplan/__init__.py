@@ -15,4 +15,46 @@ from .errors import (  # noqa: E402
     Unsupported,
     WorkspaceTooSmall,
 )
+from .gated import (  # noqa: E402
+    GatedActivationArgs,
+    GatedActivationBackwardArgs,
+    GatedActivationBackwardPlan,
+    GatedActivationDescriptor,
+    GatedActivationPlan,
+    gated_activation,
+    gated_activation_backward,
+)
+from .gemm import Epilogue, GemmArgs, GemmDescriptor, GemmPlan, ScaleSet, linear  # noqa: E402
 from .plan import Plan, PlanPreference, PrecisionGuarantee, Sku  # noqa: E402
+from . import nn  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "errors",
+    "sparse24",
+    "nn",
+    "KernelPlanError",
+    "InvalidProblem",
+    "Unsupported",
+    "MisalignedOperand",
+    "WorkspaceTooSmall",
+    "BufferTooSmall",
+    "InvalidState",
+    "gated_activation",
+    "gated_activation_backward",
+    "GatedActivationDescriptor",
+    "GatedActivationArgs",
+    "GatedActivationBackwardArgs",
+    "GatedActivationPlan",
+    "GatedActivationBackwardPlan",
+    "Epilogue",
+    "ScaleSet",
+    "linear",
+    "GemmArgs",
+    "GemmDescriptor",
+    "GemmPlan",
+    "Plan",
+    "PlanPreference",
+    "PrecisionGuarantee",
+    "Sku",
+]

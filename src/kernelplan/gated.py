@@ -1,0 +1,257 @@
+"""Gated activations (GLU, ReGLU, SwiGLU, GeGLU), forward and backward.
+
+``x`` is split along ``split_dim`` into halves ``(a, b)``:
+
+* ``gate="second"`` (the seed, ``F.glu``):   ``y = a * act(b)``
+* ``gate="first"``  (Llama/Megatron ``[gate | up]``): ``y = act(a) * b``
+
+with ``act`` = sigmoid (glu), relu (reglu), silu (swiglu), gelu (geglu; erf,
+or tanh with ``approximate="tanh"``).  Writing ``g`` for the gate half and
+``v`` for the other, backward is ``dv = dy * act(g)``, ``dg = dy * v * act'(g)``
+(the seed's table, with the halves named by role).  It recomputes ``act``
+from ``x``, so ``x`` is all that is saved.  Math runs in fp32 (fp64 for fp64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import check_no_overlap, check_tensor, choice
+from .activations import ACTIVATIONS
+from .dtypes import FLOAT_DTYPES, dtype_info
+from .errors import InvalidProblem, Unsupported
+from .plan import Backend, BackendRegistry, Plan, PrecisionGuarantee, memoised_select
+
+KINDS = ("glu", "reglu", "swiglu", "geglu")
+GATES = ("second", "first")
+APPROXIMATIONS = ("none", "tanh")
+MAX_RANK = 8  # the GPU kernels pass shape and strides in a fixed 8-slot parameter block
+_ACT = {"glu": "sigmoid", "reglu": "relu", "swiglu": "silu", "geglu": "gelu"}
+
+
+@dataclass(frozen=True)
+class GatedActivationDescriptor:
+    kind: str  # glu | reglu | swiglu | geglu
+    input_shape: tuple[int, ...]  # the full, pre-split shape of x (and dx)
+    split_dim: int  # 0 <= split_dim < rank; input_shape[split_dim] is even
+    dtype: str
+    gate: str = "second"
+    approximate: str = "none"  # "tanh" only for geglu
+    device: str = "cpu"
+
+    def output_shape(self) -> tuple[int, ...]:
+        out = list(self.input_shape)
+        out[self.split_dim] //= 2
+        return tuple(out)
+
+    @property
+    def activation(self) -> str:
+        act = _ACT[self.kind]
+        return "gelu_tanh" if act == "gelu" and self.approximate == "tanh" else act
+
+
+@dataclass
+class GatedActivationArgs:
+    x: torch.Tensor  # input_shape
+    y: torch.Tensor  # output_shape, written
+
+
+@dataclass
+class GatedActivationBackwardArgs:
+    dy: torch.Tensor  # output_shape
+    x: torch.Tensor  # input_shape, the saved forward input
+    dx: torch.Tensor  # input_shape, written
+
+
+def _check_descriptor(desc: GatedActivationDescriptor) -> None:
+    """The seed's validation order: rank, split_dim, dims, parity, rank cap, scope."""
+    dtype_info(desc.dtype, "descriptor.dtype")
+    rank = len(desc.input_shape)
+    if rank == 0:
+        raise InvalidProblem("x is 0-d; a gated activation needs an axis to split: pass x with rank >= 1")
+    if not 0 <= desc.split_dim < rank:
+        raise InvalidProblem(
+            f"split_dim is {desc.split_dim} but x has rank {rank}; it must lie in [{-rank}, {rank - 1}]"
+        )
+    if any(d < 0 for d in desc.input_shape):
+        raise InvalidProblem(f"input_shape {desc.input_shape} has a negative dimension; dims must be >= 0")
+    size = desc.input_shape[desc.split_dim]
+    if size % 2:
+        raise InvalidProblem(
+            f"x has size {size} along split_dim {desc.split_dim}, which is odd; it must be even to "
+            f"split into two halves: check the projection width (2 * hidden)"
+        )
+    if rank > MAX_RANK:
+        raise Unsupported(
+            f"x has rank {rank}; gated activations support rank <= {MAX_RANK}: merge adjacent "
+            f"dimensions that are not split_dim with reshape"
+        )
+    choice(desc.kind, "kind", KINDS)
+    choice(desc.gate, "gate", GATES)
+    choice(desc.approximate, "approximate", APPROXIMATIONS)
+    if desc.approximate != "none" and desc.kind != "geglu":
+        raise InvalidProblem(
+            f"approximate is {desc.approximate!r} with kind {desc.kind!r}; only geglu has a tanh "
+            f"approximation: use approximate='none'"
+        )
+
+
+def _halves(t: torch.Tensor, desc: GatedActivationDescriptor):
+    """(gate half, value half) as views: no copies, any strides."""
+    half = desc.input_shape[desc.split_dim] // 2
+    a = t.narrow(desc.split_dim, 0, half)
+    b = t.narrow(desc.split_dim, half, half)
+    return (a, b) if desc.gate == "first" else (b, a)
+
+
+class GatedActivationPlan(Plan):
+    op = "gated_activation"
+    registry = BackendRegistry(op)
+    check_descriptor = classmethod(lambda cls, desc: _check_descriptor(desc))
+
+    def check_args(self, args: GatedActivationArgs) -> None:
+        d = self.desc
+        dtype = dtype_info(d.dtype).dtype
+        check_tensor(args.x, "x", shape=d.input_shape, dtype=dtype, device=d.device)
+        check_tensor(args.y, "y", shape=d.output_shape(), dtype=dtype, device=d.device)
+        check_no_overlap(args.y, "y", {"x": args.x})
+
+
+class GatedActivationBackwardPlan(Plan):
+    op = "gated_activation_backward"
+    registry = BackendRegistry(op)
+    check_descriptor = classmethod(lambda cls, desc: _check_descriptor(desc))
+
+    def check_args(self, args: GatedActivationBackwardArgs) -> None:
+        d = self.desc
+        dtype = dtype_info(d.dtype).dtype
+        check_tensor(args.dy, "dy", shape=d.output_shape(), dtype=dtype, device=d.device)
+        check_tensor(args.x, "x", shape=d.input_shape, dtype=dtype, device=d.device)
+        check_tensor(args.dx, "dx", shape=d.input_shape, dtype=dtype, device=d.device)
+        check_no_overlap(args.dx, "dx", {"x": args.x, "dy": args.dy})
+
+
+class _ReferenceGated(Backend):
+    name = "reference"
+    priority = 0
+
+    def supports(self, desc) -> str | None:
+        if desc.dtype not in FLOAT_DTYPES:
+            return f"dtype {desc.dtype} is not one of {FLOAT_DTYPES}"
+        return None
+
+    def precision(self, desc) -> PrecisionGuarantee:
+        name = dtype_info(dtype_info(desc.dtype).compute).name
+        return PrecisionGuarantee(name, name, deterministic=True, bit_stable=True)
+
+
+class ReferenceGatedForward(_ReferenceGated):
+    def run(self, desc, args: GatedActivationArgs, workspace) -> None:
+        compute = dtype_info(desc.dtype).compute
+        g, v = _halves(args.x, desc)
+        args.y.copy_(v.to(compute) * ACTIVATIONS[desc.activation].fn(g.to(compute)))
+
+
+class ReferenceGatedBackward(_ReferenceGated):
+    def run(self, desc, args: GatedActivationBackwardArgs, workspace) -> None:
+        compute = dtype_info(desc.dtype).compute
+        act = ACTIVATIONS[desc.activation]
+        g, v = (h.to(compute) for h in _halves(args.x, desc))
+        dy = args.dy.to(compute)
+        dg, dv = _halves(args.dx, desc)
+        dv.copy_(dy * act.fn(g))
+        dg.copy_(dy * v * act.grad(g))
+
+
+GatedActivationPlan.registry.register(ReferenceGatedForward())
+GatedActivationBackwardPlan.registry.register(ReferenceGatedBackward())
+
+
+# -- custom ops --------------------------------------------------------------
+
+
+def _descriptor(x: torch.Tensor, kind: str, dim: int, gate: str, approximate: str) -> GatedActivationDescriptor:
+    return GatedActivationDescriptor(
+        kind=kind,
+        input_shape=tuple(x.shape),
+        split_dim=dim,
+        dtype=dtype_info(x.dtype).name,
+        gate=gate,
+        approximate=approximate,
+        device=str(x.device),
+    )
+
+
+@torch.library.custom_op("kernelplan::gated_activation", mutates_args=())
+def _gated_op(x: torch.Tensor, kind: str, dim: int, gate: str, approximate: str) -> torch.Tensor:
+    desc = _descriptor(x, kind, dim, gate, approximate)
+    y = torch.empty(desc.output_shape(), dtype=x.dtype, device=x.device)
+    memoised_select(GatedActivationPlan, desc).run(GatedActivationArgs(x, y))
+    return y
+
+
+@_gated_op.register_fake
+def _(x, kind, dim, gate, approximate):
+    shape = list(x.shape)
+    shape[dim] //= 2
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("kernelplan::gated_activation_backward", mutates_args=())
+def _gated_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, kind: str, dim: int, gate: str, approximate: str
+) -> torch.Tensor:
+    desc = _descriptor(x, kind, dim, gate, approximate)
+    dx = torch.empty_like(x)
+    memoised_select(GatedActivationBackwardPlan, desc).run(GatedActivationBackwardArgs(dy, x, dx))
+    return dx
+
+
+@_gated_backward_op.register_fake
+def _(dy, x, kind, dim, gate, approximate):
+    return torch.empty_like(x)
+
+
+def _setup(ctx, inputs, output):
+    x, ctx.kind, ctx.dim, ctx.gate, ctx.approximate = inputs
+    ctx.save_for_backward(x)
+
+
+def _backward(ctx, dy):
+    (x,) = ctx.saved_tensors
+    dx = _gated_backward_op(dy, x, ctx.kind, ctx.dim, ctx.gate, ctx.approximate)
+    return dx, None, None, None, None
+
+
+_gated_op.register_autograd(_backward, setup_context=_setup)
+
+
+def _normalise(x, kind, dim, gate, approximate):
+    check_tensor(x, "x")
+    dtype_info(x.dtype, "x", FLOAT_DTYPES)
+    rank = x.dim()
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -max(rank, 1) <= dim < max(rank, 1):
+        raise InvalidProblem(f"dim is {dim!r} but x has rank {rank}; it must be an int in [{-rank}, {rank - 1}]")
+    desc = _descriptor(x, choice(kind, "kind", KINDS), dim % max(rank, 1), choice(gate, "gate", GATES),
+                       choice(approximate, "approximate", APPROXIMATIONS))
+    _check_descriptor(desc)
+    return desc
+
+
+def gated_activation(
+    x: torch.Tensor, kind: str, dim: int = -1, gate: str = "second", approximate: str = "none"
+) -> torch.Tensor:
+    """Split ``x`` along ``dim`` and gate one half with the other; differentiable in ``x``."""
+    d = _normalise(x, kind, dim, gate, approximate)
+    return _gated_op(x, d.kind, d.split_dim, d.gate, d.approximate)
+
+
+def gated_activation_backward(
+    dy: torch.Tensor, x: torch.Tensor, kind: str, dim: int = -1, gate: str = "second", approximate: str = "none"
+) -> torch.Tensor:
+    """``dx`` of :func:`gated_activation` from the upstream ``dy`` and the forward input ``x``."""
+    d = _normalise(x, kind, dim, gate, approximate)
+    check_tensor(dy, "dy", shape=d.output_shape(), dtype=x.dtype, device=x.device)
+    return _gated_backward_op(dy, x, d.kind, d.split_dim, d.gate, d.approximate)

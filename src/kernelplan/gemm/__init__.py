@@ -1,0 +1,7 @@
+"""GEMM with fused epilogues and fp8 scaling."""
+
+from .epilogue import Epilogue, EpilogueSpec, ScaleSet
+from .functional import linear
+from .plan import GemmArgs, GemmDescriptor, GemmPlan
+
+__all__ = ["Epilogue", "EpilogueSpec", "ScaleSet", "linear", "GemmArgs", "GemmDescriptor", "GemmPlan"]

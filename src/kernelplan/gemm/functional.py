@@ -1,0 +1,172 @@
+"""``kernelplan.linear``: nn.Linear-layout GEMM with a fused epilogue, autograd-aware."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from .._checks import check_tensor
+from ..activations import ACTIVATIONS
+from ..dtypes import dtype_info
+from ..errors import InvalidProblem, Unsupported
+from ..plan import memoised_select
+from .epilogue import Epilogue, ScaleSet
+from .plan import GemmArgs, GemmDescriptor, GemmPlan
+
+# The forward epilogue whose aux backward needs, for each activation epilogue.
+_WITH_AUX = {
+    Epilogue.RELU: Epilogue.RELU_AUX,
+    Epilogue.RELU_BIAS: Epilogue.RELU_AUX_BIAS,
+    Epilogue.GELU: Epilogue.GELU_AUX,
+    Epilogue.GELU_BIAS: Epilogue.GELU_AUX_BIAS,
+}
+
+
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    epilogue: Epilogue | str = Epilogue.NONE,
+    *,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    c: torch.Tensor | None = None,
+    aux: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    scales: ScaleSet | None = None,
+    out_dtype: torch.dtype | None = None,
+):
+    """``epilogue(alpha * x @ w^T + beta * c)``, ``w`` in nn.Linear layout ``[out, in]``.
+
+    ``x`` may have any leading shape ``[..., in]``; ``c``, ``aux`` and ``out``
+    are ``[..., out]``.  Returns ``D``; the *_AUX epilogues return
+    ``(D, aux)`` and the *BGRAD ones ``(D, bgrad)``.  For DRELU/DGELU pass the
+    ``aux`` written by the matching *_AUX forward.  Forward epilogues in
+    f16/bf16/f32/f64 are differentiable in ``x``, ``w``, ``bias`` and ``c``.
+    """
+    ep = Epilogue.parse(epilogue)
+    spec = ep.spec
+    scales = scales if scales is not None else ScaleSet()
+    check_tensor(x, "x")
+    check_tensor(w, "w", device=x.device)
+    if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != w.shape[1]:
+        raise InvalidProblem(
+            f"x has shape {tuple(x.shape)} and w {tuple(w.shape)}; w must be [out, in] and x [..., in] "
+            f"with the same in (nn.Linear layout)"
+        )
+    lead = tuple(x.shape[:-1])
+    m, n, k = math.prod(lead), w.shape[0], w.shape[1]
+    x_name = dtype_info(x.dtype, "x").name
+    desc = GemmDescriptor(
+        m=m,
+        n=n,
+        k=k,
+        dtype=x_name,
+        b_dtype=dtype_info(w.dtype, "w").name,
+        out_dtype=dtype_info(out_dtype, "out_dtype").name if out_dtype is not None else None,
+        epilogue=ep.value,
+        transb=True,
+        has_c=c is not None,
+        scale_a=scales.mode("a", m),
+        scale_b=scales.mode("b", n),
+        scale_out=scales.out is not None,
+        amax=scales.amax is not None,
+        device=str(x.device),
+    )
+    plan = memoised_select(GemmPlan, desc)
+    side = dtype_info(desc.side_dtype).dtype
+    out_shape = (*lead, n)
+    x2 = x.reshape(m, k)
+    c2 = _as_2d(c, "c", out_shape, m, n)
+    d = _as_2d(out, "out", out_shape, m, n)
+    if d is None:
+        d = torch.empty((m, n), dtype=dtype_info(desc.d_dtype).dtype, device=x.device)
+    aux2 = _as_2d(aux, "aux", out_shape, m, n)
+    if aux2 is None and spec.aux_out:
+        aux2 = torch.empty((m, n), dtype=torch.bool if spec.activation == "relu" else side, device=x.device)
+    bgrad = None
+    if spec.bgrad is not None:
+        bgrad = torch.empty((n if spec.bgrad == "d" else m,), dtype=side, device=x.device)
+    args = GemmArgs(x2, w, d, c=c2, bias=bias, aux=aux2, bgrad=bgrad, alpha=alpha, beta=beta, scales=scales)
+
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, bias, c, aux)):
+        if desc.is_fp8 or spec.aux_in or spec.bgrad or (aux is not None and aux.requires_grad):
+            raise Unsupported(
+                f"kernelplan.linear with epilogue {ep.name} and dtype {x_name} is not differentiable "
+                f"(backward building blocks, fp8 and gradients into aux have no autograd formula); "
+                f"call it under torch.no_grad() or detach the inputs"
+            )
+        if out is not None:
+            raise InvalidProblem(
+                "out= was given while inputs require grad; out= does not support autograd: "
+                "drop out= or call under torch.no_grad()"
+            )
+        plan.can_implement(args)
+        d, aux_saved = _LinearFunction.apply(x2, w, bias, c2, plan, alpha, beta, aux2)
+        if aux2 is not None:
+            aux2 = aux_saved
+    else:
+        plan.run(args)
+    d = d.reshape(out_shape) if out is None else out
+    if spec.aux_out:
+        return d, aux2.reshape(out_shape)
+    if spec.bgrad == "a":
+        return d, bgrad.reshape(lead)
+    if spec.bgrad == "d":
+        return d, bgrad
+    return d
+
+
+def _as_2d(t, operand, shape, m, n):
+    if t is None:
+        return None
+    check_tensor(t, operand)
+    if tuple(t.shape) != shape:
+        raise InvalidProblem(f"{operand} has shape {tuple(t.shape)} but must be {shape}, the shape of the output")
+    try:
+        return t.view(m, n)
+    except RuntimeError:
+        raise InvalidProblem(
+            f"{operand} of shape {tuple(t.shape)} and strides {t.stride()} cannot be viewed as "
+            f"[{m}, {n}] without a copy; pass a contiguous {operand}"
+        ) from None
+
+
+class _LinearFunction(torch.autograd.Function):
+    """Forward through the plan (with the _AUX epilogue when backward needs it)."""
+
+    @staticmethod
+    def forward(ctx, x2, w, bias, c2, plan, alpha, beta, aux_out):
+        desc = plan.desc
+        ep = Epilogue(desc.epilogue)
+        act = ep.spec.activation
+        aux = aux_out
+        if act != "identity" and aux is None:
+            plan = memoised_select(GemmPlan, dataclasses.replace(desc, epilogue=_WITH_AUX[ep].value))
+            aux = torch.empty(
+                (desc.m, desc.n), dtype=torch.bool if act == "relu" else x2.dtype, device=x2.device
+            )
+        d = torch.empty((desc.m, desc.n), dtype=x2.dtype, device=x2.device)
+        plan.run(GemmArgs(x2, w, d, c=c2, bias=bias, aux=aux, alpha=alpha, beta=beta))
+        ctx.save_for_backward(x2, w, aux)
+        ctx.act, ctx.alpha, ctx.beta = act, alpha, beta
+        ctx.has_bias, ctx.has_c = bias is not None, c2 is not None
+        if aux_out is not None:
+            ctx.mark_non_differentiable(aux)
+        return d, aux_out if aux_out is not None else d.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, dd, _daux):
+        x2, w, aux = ctx.saved_tensors
+        cd = dtype_info(x2.dtype).compute
+        dz = dd.to(cd)
+        if ctx.act != "identity":
+            dz = dz * ACTIVATIONS[ctx.act].grad(aux.to(cd))
+        need = ctx.needs_input_grad
+        dx = (ctx.alpha * dz @ w.to(cd)).to(x2.dtype) if need[0] else None
+        dw = (ctx.alpha * dz.T @ x2.to(cd)).to(w.dtype) if need[1] else None
+        dbias = dz.sum(0).to(x2.dtype) if ctx.has_bias and need[2] else None
+        dc = (ctx.beta * dz).to(x2.dtype) if ctx.has_c and need[3] else None
+        return dx, dw, dbias, dc, None, None, None, None
