@@ -5,7 +5,7 @@ Importing kernelplan never touches CUDA; GPU-only dependencies load lazily.
 
 __version__ = "0.1.0"
 
-from . import errors, sparse24  # noqa: E402
+from . import dtypes, errors, sparse24  # noqa: E402
 from .errors import (  # noqa: E402
     BufferTooSmall,
     InvalidProblem,

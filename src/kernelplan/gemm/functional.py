@@ -28,7 +28,7 @@ def linear(
     x: torch.Tensor,
     w: torch.Tensor,
     bias: torch.Tensor | None = None,
-    epilogue: Epilogue | str = Epilogue.NONE,
+    epilogue: Epilogue | str | None = None,
     *,
     alpha: float = 1.0,
     beta: float = 0.0,
@@ -45,7 +45,10 @@ def linear(
     ``(D, aux)`` and the *BGRAD ones ``(D, bgrad)``.  For DRELU/DGELU pass the
     ``aux`` written by the matching *_AUX forward.  Forward epilogues in
     f16/bf16/f32/f64 are differentiable in ``x``, ``w``, ``bias`` and ``c``.
+    ``epilogue=None`` means BIAS when ``bias`` is given, else NONE.
     """
+    if epilogue is None:
+        epilogue = Epilogue.BIAS if bias is not None else Epilogue.NONE
     ep = Epilogue.parse(epilogue)
     spec = ep.spec
     scales = scales if scales is not None else ScaleSet()

@@ -1,0 +1,99 @@
+"""``kernelplan bench``: correctness and timing of every op, beside the torch baseline.
+
+Each case runs kernelplan and the same-dtype torch composite on the same
+inputs, reports the error of both against an fp64 oracle, and their median
+times.  On CPU the shapes are small and the times only show the reference's
+overhead; on a GPU, times come from ``triton.testing.do_bench`` (median).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .cases import SUITES
+
+
+@dataclass
+class Row:
+    suite: str
+    case: str
+    dtype: str
+    backend: str
+    err: float  # max |out - oracle| / max |oracle|
+    torch_err: float  # the same for the torch baseline in the same dtype
+    kp_ms: float
+    torch_ms: float
+    ok: bool
+
+
+def _time_ms(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, return_mode="median")
+    fn()  # warm-up: plan selection and allocator
+    samples = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def _rel_err(out: torch.Tensor, oracle: torch.Tensor) -> float:
+    scale = oracle.abs().max().clamp_min(1e-30)
+    return float((out.double() - oracle).abs().max() / scale)
+
+
+def run_bench(suite: str = "all", device: str | None = None, json_path: str | None = None) -> int:
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    names = list(SUITES) if suite == "all" else [suite]
+    unknown = [n for n in names if n not in SUITES]
+    if unknown:
+        print(f"unknown suite {unknown[0]!r}; choose one of: all, {', '.join(SUITES)}")
+        return 2
+    rows: list[Row] = []
+    for name in names:
+        for case in SUITES[name](dev):
+            out, backend = case.run_kp()
+            baseline = case.run_torch()
+            err, torch_err = _rel_err(out, case.oracle), _rel_err(baseline, case.oracle)
+            rows.append(
+                Row(
+                    suite=name,
+                    case=case.name,
+                    dtype=str(case.dtype).replace("torch.", ""),
+                    backend=backend,
+                    err=err,
+                    torch_err=torch_err,
+                    kp_ms=_time_ms(case.run_kp, dev),
+                    torch_ms=_time_ms(case.run_torch, dev),
+                    # the bar the tests use: within 2x torch's own error plus a small floor
+                    ok=err <= 2 * torch_err + case.atol,
+                )
+            )
+    _print(rows, dev)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"device": str(dev), "torch": torch.__version__, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    return 0 if all(r.ok for r in rows) else 1
+
+
+def _print(rows: list[Row], dev: torch.device) -> None:
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    print(f"kernelplan bench on {name} (torch {torch.__version__}); errors are relative to an fp64 oracle")
+    if dev.type == "cpu":
+        print("CPU times show the reference backends' overhead; speed claims come from GPU runs only")
+    header = f"{'suite':10} {'case':34} {'dtype':9} {'backend':10} {'err':>9} {'torch err':>9} {'kp ms':>8} {'torch ms':>8}  ok"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r.suite:10} {r.case:34} {r.dtype:9} {r.backend:10} {r.err:9.2e} {r.torch_err:9.2e} "
+            f"{r.kp_ms:8.3f} {r.torch_ms:8.3f}  {'yes' if r.ok else 'NO'}"
+        )
