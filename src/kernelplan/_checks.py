@@ -16,7 +16,9 @@ def check_tensor(
     shape: Sequence[int] | None = None,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
+    output: bool = False,
 ) -> None:
+    """Check type, dtype, device and shape; an ``output`` with too few elements is BufferTooSmall."""
     if not isinstance(t, torch.Tensor):
         raise InvalidProblem(f"{operand} is a {type(t).__name__}; it must be a torch.Tensor")
     if dtype is not None and t.dtype != dtype:
@@ -28,7 +30,7 @@ def check_tensor(
             f"{operand} is on {t.device} but the op runs on {device}: move it with .to({str(device)!r})"
         )
     if shape is not None and tuple(t.shape) != tuple(shape):
-        if t.numel() < _numel(shape):
+        if output and t.numel() < _numel(shape):
             raise BufferTooSmall(_numel(shape), t.numel(), operand=f"{operand} (shape {tuple(t.shape)})")
         raise InvalidProblem(
             f"{operand} has shape {tuple(t.shape)} but must have shape {tuple(shape)}; "

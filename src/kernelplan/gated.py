@@ -115,7 +115,7 @@ class GatedActivationPlan(Plan):
         d = self.desc
         dtype = dtype_info(d.dtype).dtype
         check_tensor(args.x, "x", shape=d.input_shape, dtype=dtype, device=d.device)
-        check_tensor(args.y, "y", shape=d.output_shape(), dtype=dtype, device=d.device)
+        check_tensor(args.y, "y", shape=d.output_shape(), dtype=dtype, device=d.device, output=True)
         check_no_overlap(args.y, "y", {"x": args.x})
 
 
@@ -129,7 +129,7 @@ class GatedActivationBackwardPlan(Plan):
         dtype = dtype_info(d.dtype).dtype
         check_tensor(args.dy, "dy", shape=d.output_shape(), dtype=dtype, device=d.device)
         check_tensor(args.x, "x", shape=d.input_shape, dtype=dtype, device=d.device)
-        check_tensor(args.dx, "dx", shape=d.input_shape, dtype=dtype, device=d.device)
+        check_tensor(args.dx, "dx", shape=d.input_shape, dtype=dtype, device=d.device, output=True)
         check_no_overlap(args.dx, "dx", {"x": args.x, "dy": args.dy})
 
 

@@ -109,7 +109,7 @@ class GemmPlan(Plan):
         b_shape = (d.n, d.k) if d.transb else (d.k, d.n)
         check_tensor(args.a, "A", shape=a_shape, dtype=dt(d.dtype), device=dev)
         check_tensor(args.b, "B", shape=b_shape, dtype=dt(d.b_dtype or d.dtype), device=dev)
-        check_tensor(args.d, "D", shape=(d.m, d.n), dtype=dt(d.d_dtype), device=dev)
+        check_tensor(args.d, "D", shape=(d.m, d.n), dtype=dt(d.d_dtype), device=dev, output=True)
         side = dt(d.side_dtype)
         _presence(args.c, d.has_c, "C", "has_c")
         if args.c is not None:
@@ -125,7 +125,7 @@ class GemmPlan(Plan):
         _presence(args.bgrad, spec.bgrad is not None, "bgrad", f"epilogue {d.epilogue}")
         if args.bgrad is not None:
             length = d.n if spec.bgrad == "d" else d.m
-            check_tensor(args.bgrad, "bgrad", shape=(length,), dtype=side, device=dev)
+            check_tensor(args.bgrad, "bgrad", shape=(length,), dtype=side, device=dev, output=True)
         for which, length, mode in (("a", d.m, d.scale_a), ("b", d.n, d.scale_b), ("out", 1, "tensor" if d.scale_out else "none")):
             if args.scales.mode(which, length) != mode:
                 raise InvalidProblem(

@@ -65,7 +65,7 @@ class GemmSparse24Plan(Plan):
         check_tensor(args.x, "x", shape=(d.n, d.k), dtype=dtype, device=d.device)
         check_tensor(args.values, "values", shape=(d.m, d.k // 2), dtype=dtype, device=d.device)
         check_tensor(args.metadata, "metadata", shape=(d.m, d.k // 8), dtype=torch.int16, device=d.device)
-        check_tensor(args.y, "y", shape=(d.n, d.m), dtype=dtype, device=d.device)
+        check_tensor(args.y, "y", shape=(d.n, d.m), dtype=dtype, device=d.device, output=True)
         if d.has_bias != (args.bias is not None):
             raise InvalidProblem(
                 f"bias is {'given' if args.bias is not None else 'None'} but the descriptor says "

@@ -1,0 +1,193 @@
+"""The plan contract: select, reasons, preferences, sku, workspace, poisoning, nothing written on error."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernelplan as kp
+from helpers import poisoned
+from kernelplan.errors import InvalidProblem, Unsupported, WorkspaceTooSmall
+from kernelplan.gated import GatedActivationArgs, GatedActivationBackwardArgs, GatedActivationBackwardPlan
+from kernelplan.plan import Backend, PrecisionGuarantee
+from kernelplan.sparse24 import GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan
+
+
+class FakeBackend(Backend):
+    """Runs the reference math, but with its own name, priority and workspace."""
+
+    def __init__(self, name, priority=1, refuse=None, deterministic=True, workspace=0):
+        self.name, self.priority, self.refuse = name, priority, refuse
+        self.deterministic, self.ws = deterministic, workspace
+        self.runs = 0
+
+    def supports(self, desc):
+        return self.refuse
+
+    def precision(self, desc):
+        return PrecisionGuarantee("f32", "f32", self.deterministic, self.deterministic)
+
+    def workspace_size(self, desc):
+        return self.ws
+
+    def run(self, desc, args, workspace):
+        self.runs += 1
+        GemmSparse24Plan.registry._backends["reference"].run(desc, args, workspace)
+
+
+@pytest.fixture
+def fakes():
+    added = []
+
+    def add(*backends):
+        for b in backends:
+            GemmSparse24Plan.registry.register(b)
+            added.append(b.name)
+
+    yield add
+    for name in added:
+        GemmSparse24Plan.registry.unregister(name)
+
+
+DESC = GemmSparse24Descriptor(n=4, m=8, k=16, dtype="f32")
+
+
+def _args(desc=DESC):
+    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(desc.m, desc.k)))
+    return GemmSparse24Args(torch.randn(desc.n, desc.k), w24.values, w24.metadata, poisoned((desc.n, desc.m), torch.float32))
+
+
+def test_reference_is_registered_first_for_every_op():
+    for plan in (GemmSparse24Plan, kp.GatedActivationPlan, GatedActivationBackwardPlan, kp.GemmPlan):
+        assert plan.registry.names()[0] == "reference"
+
+
+def test_sku_and_precision_guarantee():
+    plan = GemmSparse24Plan.select(GemmSparse24Descriptor(4, 8, 16, "bf16", activation="relu"))
+    assert plan.sku == kp.Sku(op="sparse24_gemm", dtype="bf16", arch="cpu", backend="reference")
+    g = plan.precision_guarantee
+    assert (g.math_precision, g.accumulator, g.deterministic) == ("f32", "f32", True)
+    assert GemmSparse24Plan.select(GemmSparse24Descriptor(4, 8, 16, "f64")).precision_guarantee.accumulator == "f64"
+    gemm = kp.GemmPlan.select(kp.GemmDescriptor(4, 8, 16, "bf16", epilogue="gelu_bias"))
+    assert gemm.sku.epilogue == "gelu_bias" and "tanh" in gemm.precision_guarantee.note
+
+
+def test_run_writes_every_element_and_matches(fakes):
+    args = _args()
+    GemmSparse24Plan.select(DESC).run(args)
+    w = kp.sparse24.Sparse24Weight(args.values, args.metadata).decompress()
+    assert not torch.isnan(args.y).any()
+    torch.testing.assert_close(args.y, args.x @ w.T)
+
+
+def test_select_lists_every_backends_reason(fakes):
+    fakes(FakeBackend("picky", refuse="n=4 is below the minimum of 16"))
+    with pytest.raises(Unsupported) as info:
+        GemmSparse24Plan.select(DESC, kp.PlanPreference.only("picky"))
+    msg = str(info.value)
+    assert "reference: not the requested backend 'picky'" in msg and "picky: n=4 is below the minimum of 16" in msg
+    with pytest.raises(Unsupported, match=r"nosuch: no such backend; registered: reference, picky"):
+        GemmSparse24Plan.select(DESC, kp.PlanPreference.only("nosuch"))
+
+
+def test_preferences(fakes):
+    fakes(FakeBackend("fast", priority=5, deterministic=False), FakeBackend("slow", priority=1))
+    assert GemmSparse24Plan.select(DESC).sku.backend == "fast"
+    assert GemmSparse24Plan.select(DESC, kp.PlanPreference.deterministic_only()).sku.backend == "slow"
+    assert GemmSparse24Plan.select(DESC, kp.PlanPreference.only("reference")).sku.backend == "reference"
+
+
+def test_fastest_uses_measured_timings_and_they_persist(fakes):
+    fakes(FakeBackend("a", priority=5), FakeBackend("b", priority=1))
+    assert GemmSparse24Plan.select(DESC).sku.backend == "a"
+    best = GemmSparse24Plan.remember_fastest(DESC, {"a": 3e-5, "b": 1e-5, "reference": 9e-4})
+    assert best == "b" and GemmSparse24Plan.select(DESC).sku.backend == "b"
+    # A new process sees the choice through the SQLite file, not the memory layer.
+    from kernelplan import cache
+
+    cache._DEFAULT = None
+    assert GemmSparse24Plan.select(DESC).sku.backend == "b"
+    with pytest.raises(InvalidProblem, match="names backends \\['zzz'\\]"):
+        GemmSparse24Plan.remember_fastest(DESC, {"zzz": 1.0})
+
+
+def test_workspace_too_small_and_stream_on_cpu(fakes):
+    fakes(FakeBackend("needs_ws", priority=9, workspace=256))
+    plan = GemmSparse24Plan.select(DESC)
+    assert plan.workspace_size() == 256
+    args = _args()
+    with pytest.raises(WorkspaceTooSmall, match="holds 100 bytes but this plan needs 256") as info:
+        plan.run(args, workspace=torch.empty(100, dtype=torch.uint8))
+    assert (info.value.needed, info.value.got) == (256, 100)
+    assert torch.isnan(args.y).all(), "nothing may be written when a check fails"
+    plan.run(args, workspace=torch.empty(64, dtype=torch.float32))  # 256 bytes, any dtype
+    plan.run(args)  # allocated on demand
+    with pytest.raises(InvalidProblem, match="streams exist only on CUDA"):
+        plan.run(args, stream=object())
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda a: setattr(a, "x", a.x[:, :8]), r"x has shape \(4, 8\) but must have shape \(4, 16\)"),
+        (lambda a: setattr(a, "bias", torch.randn(8)), r"bias is given but the descriptor says has_bias=False"),
+        (lambda a: setattr(a, "metadata", a.metadata.int()), r"metadata has dtype torch.int32"),
+        (lambda a: setattr(a, "x", a.x.double()), r"x has dtype torch.float64"),
+    ],
+)
+def test_bad_args_raise_and_write_nothing(mutate, match):
+    args = _args()
+    mutate(args)
+    with pytest.raises(InvalidProblem, match=match):
+        GemmSparse24Plan.select(DESC).run(args)
+    assert torch.isnan(args.y).all()
+
+
+def test_output_too_small_is_buffer_too_small():
+    args = _args()
+    args.y = poisoned((2, 8), torch.float32)
+    with pytest.raises(kp.BufferTooSmall, match=r"y \(shape \(2, 8\)\) holds 16 elements but the op writes 32"):
+        GemmSparse24Plan.select(DESC).run(args)
+
+
+def test_descriptor_checks():
+    with pytest.raises(kp.MisalignedOperand, match="descriptor.k is 12"):
+        GemmSparse24Plan.select(GemmSparse24Descriptor(4, 8, 12, "f32"))
+    with pytest.raises(InvalidProblem, match="descriptor.n is -1"):
+        GemmSparse24Plan.select(GemmSparse24Descriptor(-1, 8, 16, "f32"))
+    with pytest.raises(Unsupported, match="reference: dtype e4m3"):
+        GemmSparse24Plan.select(GemmSparse24Descriptor(4, 8, 16, "e4m3"))
+
+
+def test_gated_plans_poison_and_refuse_aliasing():
+    desc = kp.GatedActivationDescriptor("swiglu", (4, 8, 3), split_dim=1, dtype="f32", gate="first")
+    x = torch.randn(4, 3, 8).transpose(1, 2)  # non-contiguous input of shape (4, 8, 3)
+    y, dx, dy = poisoned((4, 4, 3), torch.float32), poisoned((4, 8, 3), torch.float32), torch.randn(4, 4, 3)
+    plan, bwd = kp.GatedActivationPlan.select(desc), GatedActivationBackwardPlan.select(desc)
+    assert (plan.sku.op, bwd.sku.op) == ("gated_activation", "gated_activation_backward")
+    with pytest.raises(InvalidProblem, match="dx shares memory with x"):
+        bwd.run(GatedActivationBackwardArgs(dy, x, x))
+    with pytest.raises(InvalidProblem, match=r"y has shape \(4, 8, 3\) but must have shape \(4, 4, 3\)"):
+        plan.run(GatedActivationArgs(x, dx))
+    with pytest.raises(kp.BufferTooSmall, match=r"dx \(shape \(4, 4, 3\)\) holds 48 elements but the op writes 96"):
+        bwd.run(GatedActivationBackwardArgs(dy, x, y))
+    assert torch.isnan(dx).all() and torch.isnan(y).all(), "a failed check wrote into an output"
+    plan.run(GatedActivationArgs(x, y))
+    bwd.run(GatedActivationBackwardArgs(dy, x, dx))
+    assert not torch.isnan(y).any() and not torch.isnan(dx).any()
+
+
+def test_importing_kernelplan_never_touches_cuda():
+    code = (
+        "import torch\n"
+        "def boom(*a, **k): raise SystemExit('CUDA queried at import')\n"
+        "for name in ('is_available', 'device_count', 'get_device_capability', 'init', 'current_device', 'get_device_properties'):\n"
+        "    setattr(torch.cuda, name, boom)\n"
+        "import kernelplan, kernelplan.nn, kernelplan.cache, kernelplan.cli, kernelplan.bench\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
