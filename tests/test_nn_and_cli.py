@@ -1,0 +1,40 @@
+"""nn modules and the bench command, end to end on CPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+import kernelplan as kp
+
+
+def test_sparse24_linear_from_dense_trains_and_stays_2_4():
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(32, 12)
+    layer = kp.nn.Sparse24Linear.from_dense(dense)
+    masked = kp.sparse24.prune(dense.weight.detach())
+    x = torch.randn(3, 5, 32)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, masked, dense.bias.detach()))
+    mask = layer.to_dense() != 0
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    layer(x).square().mean().backward()
+    assert layer.values.grad.norm() > 0 and layer.bias.grad.norm() > 0
+    opt.step()
+    w = layer.to_dense()
+    assert kp.sparse24.is_sparse24(w) and not (w[~mask] != 0).any(), "the mask must stay fixed"
+
+
+def test_bench_command_runs_and_reports_correctness(tmp_path):
+    env = {**os.environ, "KERNELPLAN_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-m", "kernelplan", "bench", "--json", str(tmp_path / "b.json")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "sparse24" in out.stdout and "gated" in out.stdout and "gemm" in out.stdout
+    assert " NO" not in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "kernelplan", "bench", "nosuch"], env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown suite 'nosuch'" in bad.stdout
