@@ -8,8 +8,11 @@ overhead; on a GPU, times come from ``triton.testing.do_bench`` (median).
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import statistics
+import subprocess
 import time
 from dataclasses import asdict, dataclass
 
@@ -80,8 +83,32 @@ def run_bench(suite: str = "all", device: str | None = None, json_path: str | No
     _print(rows, dev)
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"device": str(dev), "torch": torch.__version__, "rows": [asdict(r) for r in rows]}, f, indent=1)
+            json.dump({**environment(dev), "rows": [asdict(r) for r in rows]}, f, indent=1)
     return 0 if all(r.ok for r in rows) else 1
+
+
+def environment(dev: torch.device) -> dict:
+    """What a result file must name: device, library versions, commit and date."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "commit": os.environ.get("KERNELPLAN_COMMIT", commit),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def _print(rows: list[Row], dev: torch.device) -> None:
