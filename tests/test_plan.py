@@ -114,12 +114,24 @@ def test_fastest_uses_measured_timings_and_they_persist(fakes):
         GemmSparse24Plan.remember_fastest(DESC, {"zzz": 1.0})
 
 
+def test_a_plan_whose_backend_was_unregistered_is_in_an_invalid_state():
+    backend = FakeBackend("temporary", priority=9)
+    GemmSparse24Plan.registry.register(backend)
+    plan = GemmSparse24Plan.select(DESC)
+    GemmSparse24Plan.registry.unregister("temporary")
+    args = _args()
+    with pytest.raises(kp.InvalidState, match="backend 'temporary'.*select\\(desc\\) again"):
+        plan.run(args)
+    assert torch.isnan(args.y).all() and backend.runs == 0
+    assert GemmSparse24Plan.select(DESC).sku.backend == "reference"
+
+
 def test_workspace_too_small_and_stream_on_cpu(fakes):
     fakes(FakeBackend("needs_ws", priority=9, workspace=256))
     plan = GemmSparse24Plan.select(DESC)
     assert plan.workspace_size() == 256
     args = _args()
-    with pytest.raises(WorkspaceTooSmall, match="holds 100 bytes but this plan needs 256") as info:
+    with pytest.raises(WorkspaceTooSmall, match=r"holds 100 bytes but 256 are needed.*workspace_size\(\) = 256") as info:
         plan.run(args, workspace=torch.empty(100, dtype=torch.uint8))
     assert (info.value.needed, info.value.got) == (256, 100)
     assert torch.isnan(args.y).all(), "nothing may be written when a check fails"
@@ -149,7 +161,7 @@ def test_bad_args_raise_and_write_nothing(mutate, match):
 def test_output_too_small_is_buffer_too_small():
     args = _args()
     args.y = poisoned((2, 8), torch.float32)
-    with pytest.raises(kp.BufferTooSmall, match=r"y \(shape \(2, 8\)\) holds 16 elements but the op writes 32"):
+    with pytest.raises(kp.BufferTooSmall, match=r"y \(shape \(2, 8\)\) holds 16 elements but 32 are needed"):
         GemmSparse24Plan.select(DESC).run(args)
 
 
@@ -172,7 +184,7 @@ def test_gated_plans_poison_and_refuse_aliasing():
         bwd.run(GatedActivationBackwardArgs(dy, x, x))
     with pytest.raises(InvalidProblem, match=r"y has shape \(4, 8, 3\) but must have shape \(4, 4, 3\)"):
         plan.run(GatedActivationArgs(x, dx))
-    with pytest.raises(kp.BufferTooSmall, match=r"dx \(shape \(4, 4, 3\)\) holds 48 elements but the op writes 96"):
+    with pytest.raises(kp.BufferTooSmall, match=r"dx \(shape \(4, 4, 3\)\) holds 48 elements but 96 are needed"):
         bwd.run(GatedActivationBackwardArgs(dy, x, y))
     assert torch.isnan(dx).all() and torch.isnan(y).all(), "a failed check wrote into an output"
     plan.run(GatedActivationArgs(x, y))

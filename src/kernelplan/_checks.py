@@ -71,6 +71,14 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
+def check_dims(desc, names: Sequence[str]) -> None:
+    """Every named descriptor dimension is a non-negative int."""
+    for name in names:
+        value = getattr(desc, name)
+        if value < 0:
+            raise InvalidProblem(f"descriptor.{name} is {value}; it must be >= 0")
+
+
 def choice(value, operand: str, allowed: Sequence[str]) -> str:
     """Normalise a string option, or raise naming the allowed ones."""
     if isinstance(value, str) and value.lower() in allowed:

@@ -32,29 +32,34 @@ class MisalignedOperand(InvalidProblem):
     """
 
 
-class WorkspaceTooSmall(InvalidProblem):
+class _TooSmall(InvalidProblem):
+    unit = "elements"
+    fix = "allocate {operand} with at least {needed} {unit}"
+
+    def __init__(self, needed: int, got: int, operand: str):
+        self.needed = int(needed)
+        self.got = int(got)
+        fix = self.fix.format(operand=operand, needed=self.needed, unit=self.unit)
+        super().__init__(f"{operand} holds {self.got} {self.unit} but {self.needed} are needed; {fix}")
+
+
+class WorkspaceTooSmall(_TooSmall):
     """The workspace handed to ``plan.run`` is smaller than ``plan.workspace_size()``."""
 
+    unit = "bytes"
+    fix = "pass at least plan.workspace_size() = {needed} bytes, or workspace=None to let the plan allocate it"
+
     def __init__(self, needed: int, got: int, operand: str = "workspace"):
-        self.needed = int(needed)
-        self.got = int(got)
-        super().__init__(
-            f"{operand} holds {self.got} bytes but this plan needs {self.needed}; "
-            f"pass a buffer of at least plan.workspace_size() = {self.needed} bytes "
-            f"(or workspace=None to let the plan allocate it)"
-        )
+        super().__init__(needed, got, operand)
 
 
-class BufferTooSmall(InvalidProblem):
+class BufferTooSmall(_TooSmall):
     """An output or auxiliary buffer holds fewer elements than the op writes."""
 
+    fix = "allocate {operand} with {needed} elements (or leave it None)"
+
     def __init__(self, needed: int, got: int, operand: str = "buffer"):
-        self.needed = int(needed)
-        self.got = int(got)
-        super().__init__(
-            f"{operand} holds {self.got} elements but the op writes {self.needed}; "
-            f"allocate {operand} with {self.needed} elements (or leave it None)"
-        )
+        super().__init__(needed, got, operand)
 
 
 class InvalidState(KernelPlanError, RuntimeError):

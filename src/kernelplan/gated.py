@@ -106,10 +106,17 @@ def _halves(t: torch.Tensor, desc: GatedActivationDescriptor):
     return (a, b) if desc.gate == "first" else (b, a)
 
 
-class GatedActivationPlan(Plan):
+class _GatedPlan(Plan):
+    """Forward and backward share one descriptor and its validation."""
+
+    @classmethod
+    def check_descriptor(cls, desc: GatedActivationDescriptor) -> None:
+        _check_descriptor(desc)
+
+
+class GatedActivationPlan(_GatedPlan):
     op = "gated_activation"
     registry = BackendRegistry(op)
-    check_descriptor = classmethod(lambda cls, desc: _check_descriptor(desc))
 
     def check_args(self, args: GatedActivationArgs) -> None:
         d = self.desc
@@ -119,10 +126,9 @@ class GatedActivationPlan(Plan):
         check_no_overlap(args.y, "y", {"x": args.x})
 
 
-class GatedActivationBackwardPlan(Plan):
+class GatedActivationBackwardPlan(_GatedPlan):
     op = "gated_activation_backward"
     registry = BackendRegistry(op)
-    check_descriptor = classmethod(lambda cls, desc: _check_descriptor(desc))
 
     def check_args(self, args: GatedActivationBackwardArgs) -> None:
         d = self.desc

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Iterator
 
 import torch
 
-from .errors import InvalidProblem, Unsupported, WorkspaceTooSmall
+from .errors import InvalidProblem, InvalidState, Unsupported, WorkspaceTooSmall
 
 log = logging.getLogger("kernelplan.plan")
 
@@ -115,6 +115,9 @@ class BackendRegistry:
         backend = self._backends.pop(name)
         self.version += 1
         return backend
+
+    def get(self, name: str) -> Backend | None:
+        return self._backends.get(name)
 
     def names(self) -> list[str]:
         return list(self._backends)
@@ -234,6 +237,11 @@ class Plan:
 
     def run(self, args, workspace: torch.Tensor | None = None, stream=None):
         """Validate everything, then launch.  Nothing is written if a check fails."""
+        if self.registry.get(self.backend.name) is not self.backend:
+            raise InvalidState(
+                f"this {type(self).__name__} was selected with backend {self.backend.name!r}, which has "
+                f"since been unregistered or replaced; call {type(self).__name__}.select(desc) again"
+            )
         self.can_implement(args)
         workspace = self._workspace(workspace)
         device = torch.device(self.desc.device)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._checks import check_no_overlap, check_tensor
+from .._checks import check_dims, check_no_overlap, check_tensor
 from ..activations import ACTIVATIONS
 from ..dtypes import FLOAT_DTYPES, FP8_DTYPES, dtype_info
 from ..errors import InvalidProblem
@@ -74,9 +74,7 @@ class GemmPlan(Plan):
 
     @classmethod
     def check_descriptor(cls, desc: GemmDescriptor) -> None:
-        for name in ("m", "n", "k"):
-            if getattr(desc, name) < 0:
-                raise InvalidProblem(f"descriptor.{name} is {getattr(desc, name)}; it must be >= 0")
+        check_dims(desc, ("m", "n", "k"))
         spec = Epilogue.parse(desc.epilogue).spec
         a = dtype_info(desc.dtype, "A", FLOAT_DTYPES + FP8_DTYPES).name
         b = dtype_info(desc.b_dtype or a, "B", FLOAT_DTYPES + FP8_DTYPES).name

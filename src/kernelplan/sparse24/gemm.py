@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .._checks import check_no_overlap, check_tensor, choice
+from .._checks import check_dims, check_no_overlap, check_tensor, choice
 from ..activations import ACTIVATIONS
 from ..dtypes import dtype_info
 from ..errors import InvalidProblem, MisalignedOperand
@@ -47,9 +47,7 @@ class GemmSparse24Plan(Plan):
 
     @classmethod
     def check_descriptor(cls, desc: GemmSparse24Descriptor) -> None:
-        for name in ("n", "m", "k"):
-            if getattr(desc, name) < 0:
-                raise InvalidProblem(f"descriptor.{name} is {getattr(desc, name)}; it must be >= 0")
+        check_dims(desc, ("n", "m", "k"))
         if desc.k % 8:
             raise MisalignedOperand(
                 f"descriptor.k is {desc.k}; 2:4 GEMM needs K % 8 == 0: pad K to "
