@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import kernelplan as kp
-from kernelplan.errors import InvalidProblem, MisalignedOperand, Unsupported
+from kernelplan.errors import InvalidProblem, Unsupported
 
 
 @dataclass

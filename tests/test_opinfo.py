@@ -9,7 +9,6 @@ from helpers import BWD_ATOL, FWD_ATOL, assert_close
 from kernelplan.sparse24 import Sparse24Weight
 from opinfo import OPS
 
-DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def _cast(obj, dtype, requires_grad=False):
@@ -41,7 +40,7 @@ def _leaves(args, kwargs):
     return out
 
 
-def _cases(cpu_only_dtypes=DTYPES):
+def _cases():
     for op in OPS:
         for dtype in op.dtypes:
             torch.manual_seed(0)

@@ -30,6 +30,7 @@ from . import nn  # noqa: E402
 
 __all__ = [
     "__version__",
+    "dtypes",
     "errors",
     "sparse24",
     "nn",

@@ -75,7 +75,7 @@ class GemmPlan(Plan):
     @classmethod
     def check_descriptor(cls, desc: GemmDescriptor) -> None:
         check_dims(desc, ("m", "n", "k"))
-        spec = Epilogue.parse(desc.epilogue).spec
+        Epilogue.parse(desc.epilogue)  # raises, naming the allowed epilogues
         a = dtype_info(desc.dtype, "A", FLOAT_DTYPES + FP8_DTYPES).name
         b = dtype_info(desc.b_dtype or a, "B", FLOAT_DTYPES + FP8_DTYPES).name
         if desc.is_fp8:
