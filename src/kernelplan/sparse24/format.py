@@ -121,10 +121,15 @@ def compress(w: torch.Tensor) -> "Sparse24Weight":
     return Sparse24Weight(values.contiguous(), words.to(torch.int16), _validate=False)
 
 
+def _metadata_bytes(metadata: torch.Tensor) -> torch.Tensor:
+    """``metadata [M, K/8]`` -> ``[M, K/8, 2]`` int32 bytes, low byte first."""
+    words = metadata.to(torch.int32)
+    return torch.stack((words & 0xFF, (words >> 8) & 0xFF), dim=-1)
+
+
 def unpack_positions(metadata: torch.Tensor) -> torch.Tensor:
     """``metadata [M, K/8]`` -> ``[M, K/4, 2]`` int64 positions (pos0, pos1) per group."""
-    words = metadata.to(torch.int32)
-    byte = torch.stack((words & 0xFF, (words >> 8) & 0xFF), dim=-1).reshape(metadata.shape[0], -1)
+    byte = _metadata_bytes(metadata).reshape(metadata.shape[0], -1)
     return torch.stack((byte & 0x3, (byte >> 2) & 0x3), dim=-1).long()
 
 
@@ -168,11 +173,14 @@ class Sparse24Weight:
         m, k = self.shape
         return torch.zeros((m, k), dtype=torch.bool, device=self.device).scatter_(1, self.positions(), True)
 
-    def decompress(self) -> torch.Tensor:
-        """The dense ``W [M, K]``; differentiable in ``values``."""
+    def decompress(self, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The dense ``W [M, K]``; differentiable in ``values``.
+
+        ``positions`` (from :meth:`positions`) saves unpacking the metadata again.
+        """
         m, k = self.shape
         dense = torch.zeros((m, k), dtype=self.dtype, device=self.device)
-        return dense.scatter(1, self.positions(), self.values)
+        return dense.scatter(1, self.positions() if positions is None else positions, self.values)
 
     def to(self, *args, **kwargs) -> "Sparse24Weight":
         """Move/convert the values; metadata only moves (it is not a float tensor)."""
@@ -215,9 +223,8 @@ def _validate_compressed(values: torch.Tensor, metadata: torch.Tensor) -> None:
             f"for a weight [M, K] they must be [M, K/2] and [M, K/8] with K % 8 == 0: "
             f"build them with kernelplan.sparse24.compress(w)"
         )
-    words = metadata.to(torch.int32)
-    byte = torch.stack((words & 0xFF, (words >> 8) & 0xFF), dim=-1)
-    bad = (words < 0) | ((byte & 0xF0) != 0).any(-1) | ((byte & 0x3) >= (byte >> 2)).any(-1)
+    byte = _metadata_bytes(metadata)
+    bad = (metadata < 0) | ((byte & 0xF0) != 0).any(-1) | ((byte & 0x3) >= (byte >> 2)).any(-1)
     if bad.any():
         row, col = bad.nonzero()[0].tolist()
         raise InvalidProblem(

@@ -144,7 +144,8 @@ def _backward(ctx, dy):
     x, values, metadata, bias = ctx.saved_tensors
     compute = dtype_info(x.dtype).compute
     w24 = Sparse24Weight(values.to(compute), metadata, _validate=False)
-    w = w24.decompress()
+    positions = w24.positions()  # unpacked once: for W and for the gradient gather
+    w = w24.decompress(positions)
     x2 = x.reshape(-1, x.shape[-1]).to(compute)
     g = dy.reshape(-1, values.shape[0]).to(compute)
     if ctx.activation:
@@ -156,7 +157,7 @@ def _backward(ctx, dy):
     dvalues = None
     if ctx.needs_input_grad[1]:
         # Only the stored positions get gradient: the mask stays fixed.
-        dvalues = torch.gather(g.T @ x2, 1, w24.positions()).to(values.dtype)
+        dvalues = torch.gather(g.T @ x2, 1, positions).to(values.dtype)
     dbias = g.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[3] else None
     return dx, dvalues, None, dbias, None
 
