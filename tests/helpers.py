@@ -13,8 +13,8 @@ BWD_ATOL = {torch.float64: 1e-11, torch.float32: 1e-5, torch.float16: 2e-3, torc
 def rel_err(out: torch.Tensor, oracle: torch.Tensor) -> float:
     if oracle.numel() == 0:
         return 0.0
-    scale = oracle.double().abs().max().clamp_min(1e-30)
-    return float((out.double() - oracle.double()).abs().max() / scale)
+    scale = oracle.detach().double().abs().max().clamp_min(1e-30)
+    return float((out.detach().double() - oracle.detach().double()).abs().max() / scale)
 
 
 def assert_close(out, oracle, baseline, *, atol: float, what: str = "output") -> None:

@@ -55,3 +55,48 @@ def test_plan_runs_on_a_side_stream():
     torch.cuda.current_stream().wait_stream(s)
     a, b = x.chunk(2, -1)
     torch.testing.assert_close(y, a * torch.nn.functional.gelu(b))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("kind, approximate", [("glu", "none"), ("reglu", "none"), ("swiglu", "none"),
+                                               ("geglu", "none"), ("geglu", "tanh")])
+@pytest.mark.parametrize("gate", ["second", "first"])
+def test_gated_triton_bf16_and_f64(kind, approximate, gate, dtype):
+    from test_gated_triton import _check, _layouts, _run
+
+    torch.manual_seed(0)
+    for desc, x, dim in _layouts(dtype):
+        assert kp.GatedActivationPlan.select(
+            kp.gated._descriptor(x, kind, dim % x.dim(), gate, approximate)).sku.backend == "triton"
+        _check(x, kind, dim, gate, approximate, *_run(x, kind, dim, gate, approximate))
+
+
+def test_gated_triton_above_2_31_elements():
+    """x has 2**31 + 256 elements: offsets past 2**31 must be formed in 64 bits."""
+    free, _ = torch.cuda.mem_get_info()
+    if free < 12 * 2**30:
+        pytest.skip("needs 12 GiB of free GPU memory")
+    x = torch.randn(2, 2**30 + 128, device="cuda", dtype=torch.bfloat16)
+    y = kp.gated_activation(x, "swiglu", gate="first")
+    dy = torch.ones_like(y)
+    dx = kp.gated_activation_backward(dy, x, "swiglu", gate="first")
+    half = 2**30 + 128
+    for lo in (0, half - 4096):  # the start and the far end of each half
+        a = x[:, lo:lo + 4096].float()
+        b = x[:, half + lo:half + lo + 4096].float()
+        torch.testing.assert_close(y[:, lo:lo + 4096].float(), (torch.nn.functional.silu(a) * b).bfloat16().float(),
+                                   rtol=1e-2, atol=1e-2)  # one bf16 ulp; a wrong address is far off
+        torch.testing.assert_close(dx[:, half + lo:half + lo + 4096].float(),
+                                   torch.nn.functional.silu(a).bfloat16().float(), rtol=1e-2, atol=1e-2)
+
+
+def test_gated_compiles_with_inductor_fullgraph():
+    torch._dynamo.reset()
+    mlp = kp.nn.GatedMLP(256, 512, kind="swiglu", device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(mlp, fullgraph=True)
+    x = torch.randn(4, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    compiled(x).float().square().sum().backward()
+    g = x.grad.clone()
+    x.grad = None
+    mlp(x).float().square().sum().backward()
+    torch.testing.assert_close(g, x.grad, rtol=2e-2, atol=2e-2)

@@ -48,6 +48,20 @@ def check_no_overlap(out: torch.Tensor, out_name: str, inputs: dict[str, torch.T
             )
 
 
+def check_no_internal_overlap(out: torch.Tensor, operand: str) -> None:
+    """Refuse an output whose elements share memory (an expanded view, say): writes would race."""
+    dims = sorted((st, n) for st, n in zip(out.stride(), out.shape) if n > 1)
+    reach = 0  # the furthest offset the smaller-stride dims reach
+    for st, n in dims:
+        if st <= reach:
+            raise InvalidProblem(
+                f"{operand} has shape {tuple(out.shape)} and strides {out.stride()}, so some of its "
+                f"elements share memory; an output needs distinct elements: pass a fresh tensor "
+                f"(torch.empty) or a view of one"
+            )
+        reach += st * (n - 1)
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.device != b.device:
         return False

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_no_overlap, check_tensor, choice
+from ._checks import check_no_internal_overlap, check_no_overlap, check_tensor, choice
 from .activations import ACTIVATIONS
 from .dtypes import FLOAT_DTYPES, dtype_info
 from .errors import InvalidProblem, Unsupported
+from .kernels import triton_reason
 from .plan import Backend, BackendRegistry, Plan, PrecisionGuarantee, memoised_select
 
 KINDS = ("glu", "reglu", "swiglu", "geglu")
@@ -123,6 +124,7 @@ class GatedActivationPlan(_GatedPlan):
         dtype = dtype_info(d.dtype).dtype
         check_tensor(args.x, "x", shape=d.input_shape, dtype=dtype, device=d.device)
         check_tensor(args.y, "y", shape=d.output_shape(), dtype=dtype, device=d.device, output=True)
+        check_no_internal_overlap(args.y, "y")
         check_no_overlap(args.y, "y", {"x": args.x})
 
 
@@ -136,6 +138,7 @@ class GatedActivationBackwardPlan(_GatedPlan):
         check_tensor(args.dy, "dy", shape=d.output_shape(), dtype=dtype, device=d.device)
         check_tensor(args.x, "x", shape=d.input_shape, dtype=dtype, device=d.device)
         check_tensor(args.dx, "dx", shape=d.input_shape, dtype=dtype, device=d.device, output=True)
+        check_no_internal_overlap(args.dx, "dx")
         check_no_overlap(args.dx, "dx", {"x": args.x, "dy": args.dy})
 
 
@@ -171,11 +174,52 @@ class ReferenceGatedBackward(_ReferenceGated):
         dg.copy_(dy * v * act.grad(g))
 
 
+class _TritonGated(Backend):
+    """``kernels/gated.py``: one pass over x (and dy), any rank and strides, no copies."""
+
+    name = "triton"
+    priority = 10
+
+    def supports(self, desc) -> str | None:
+        if desc.dtype not in FLOAT_DTYPES:
+            return f"dtype {desc.dtype} is not one of {FLOAT_DTYPES}"
+        return triton_reason(desc.device)
+
+    def priority_for(self, desc) -> int:
+        # On CPU the kernel runs only under the Triton interpreter: a test tool, never the default.
+        return self.priority if desc.device.startswith("cuda") else -1
+
+    def precision(self, desc) -> PrecisionGuarantee:
+        name = dtype_info(dtype_info(desc.dtype).compute).name
+        return PrecisionGuarantee(
+            name, name, deterministic=True, bit_stable=True,
+            note="elementwise; exp-based sigmoid/tanh, so results may differ from torch's in the last ulps",
+        )
+
+
+class TritonGatedForward(_TritonGated):
+    def run(self, desc, args: GatedActivationArgs, workspace) -> None:
+        from .kernels.gated import launch
+
+        launch(args.x, None, args.y, desc)
+
+
+class TritonGatedBackward(_TritonGated):
+    def run(self, desc, args: GatedActivationBackwardArgs, workspace) -> None:
+        from .kernels.gated import launch
+
+        launch(args.x, args.dy, args.dx, desc)
+
+
 GatedActivationPlan.registry.register(ReferenceGatedForward())
+GatedActivationPlan.registry.register(TritonGatedForward())
 GatedActivationBackwardPlan.registry.register(ReferenceGatedBackward())
+GatedActivationBackwardPlan.registry.register(TritonGatedBackward())
 
 
 # -- custom ops --------------------------------------------------------------
+# Four ops: forward and backward, each returning a new tensor or writing ``out``.
+# The ``out`` forms mutate their last argument, so torch.compile functionalises them.
 
 
 def _descriptor(x: torch.Tensor, kind: str, dim: int, gate: str, approximate: str) -> GatedActivationDescriptor:
@@ -190,34 +234,68 @@ def _descriptor(x: torch.Tensor, kind: str, dim: int, gate: str, approximate: st
     )
 
 
+def _forward(x, kind, dim, gate, approximate, y) -> None:
+    desc = _descriptor(x, kind, dim, gate, approximate)
+    memoised_select(GatedActivationPlan, desc).run(GatedActivationArgs(x, y))
+
+
+def _backward_into(dy, x, kind, dim, gate, approximate, dx) -> None:
+    desc = _descriptor(x, kind, dim, gate, approximate)
+    memoised_select(GatedActivationBackwardPlan, desc).run(GatedActivationBackwardArgs(dy, x, dx))
+
+
+def _halved(x: torch.Tensor, dim: int) -> list[int]:
+    shape = list(x.shape)
+    shape[dim] //= 2
+    return shape
+
+
 @torch.library.custom_op("kernelplan::gated_activation", mutates_args=())
 def _gated_op(x: torch.Tensor, kind: str, dim: int, gate: str, approximate: str) -> torch.Tensor:
-    desc = _descriptor(x, kind, dim, gate, approximate)
-    y = torch.empty(desc.output_shape(), dtype=x.dtype, device=x.device)
-    memoised_select(GatedActivationPlan, desc).run(GatedActivationArgs(x, y))
+    y = x.new_empty(_halved(x, dim))
+    _forward(x, kind, dim, gate, approximate, y)
     return y
 
 
 @_gated_op.register_fake
 def _(x, kind, dim, gate, approximate):
-    shape = list(x.shape)
-    shape[dim] //= 2
-    return x.new_empty(shape)
+    return x.new_empty(_halved(x, dim))
+
+
+@torch.library.custom_op("kernelplan::gated_activation_out", mutates_args=("out",))
+def _gated_out_op(x: torch.Tensor, kind: str, dim: int, gate: str, approximate: str, out: torch.Tensor) -> None:
+    _forward(x, kind, dim, gate, approximate, out)
+
+
+@_gated_out_op.register_fake
+def _(x, kind, dim, gate, approximate, out):
+    return None
 
 
 @torch.library.custom_op("kernelplan::gated_activation_backward", mutates_args=())
 def _gated_backward_op(
     dy: torch.Tensor, x: torch.Tensor, kind: str, dim: int, gate: str, approximate: str
 ) -> torch.Tensor:
-    desc = _descriptor(x, kind, dim, gate, approximate)
     dx = torch.empty_like(x)
-    memoised_select(GatedActivationBackwardPlan, desc).run(GatedActivationBackwardArgs(dy, x, dx))
+    _backward_into(dy, x, kind, dim, gate, approximate, dx)
     return dx
 
 
 @_gated_backward_op.register_fake
 def _(dy, x, kind, dim, gate, approximate):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("kernelplan::gated_activation_backward_out", mutates_args=("out",))
+def _gated_backward_out_op(
+    dy: torch.Tensor, x: torch.Tensor, kind: str, dim: int, gate: str, approximate: str, out: torch.Tensor
+) -> None:
+    _backward_into(dy, x, kind, dim, gate, approximate, out)
+
+
+@_gated_backward_out_op.register_fake
+def _(dy, x, kind, dim, gate, approximate, out):
+    return None
 
 
 def _setup(ctx, inputs, output):
@@ -246,18 +324,57 @@ def _normalise(x, kind, dim, gate, approximate):
     return desc
 
 
+def _check_out_without_grad(out, *inputs: tuple[str, torch.Tensor]) -> None:
+    if out is None or not torch.is_grad_enabled():
+        return
+    for name, t in inputs:
+        if t.requires_grad:
+            raise InvalidProblem(
+                f"out= was given but {name} requires grad; like torch's out= functions, the out= "
+                f"form is not differentiable: drop out=, or call it under torch.no_grad()"
+            )
+
+
 def gated_activation(
-    x: torch.Tensor, kind: str, dim: int = -1, gate: str = "second", approximate: str = "none"
+    x: torch.Tensor,
+    kind: str,
+    dim: int = -1,
+    gate: str = "second",
+    approximate: str = "none",
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Split ``x`` along ``dim`` and gate one half with the other; differentiable in ``x``."""
+    """Split ``x`` along ``dim`` and gate one half with the other; differentiable in ``x``.
+
+    ``out``, if given, receives the result (any strides; it must not overlap ``x``)
+    and is returned.  That form is for inference and is not differentiable.
+    """
     d = _normalise(x, kind, dim, gate, approximate)
-    return _gated_op(x, d.kind, d.split_dim, d.gate, d.approximate)
+    if out is None:
+        return _gated_op(x, d.kind, d.split_dim, d.gate, d.approximate)
+    _check_out_without_grad(out, ("x", x))
+    _gated_out_op(x, d.kind, d.split_dim, d.gate, d.approximate, out)
+    return out
 
 
 def gated_activation_backward(
-    dy: torch.Tensor, x: torch.Tensor, kind: str, dim: int = -1, gate: str = "second", approximate: str = "none"
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    kind: str,
+    dim: int = -1,
+    gate: str = "second",
+    approximate: str = "none",
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``dx`` of :func:`gated_activation` from the upstream ``dy`` and the forward input ``x``."""
+    """``dx`` of :func:`gated_activation` from the upstream ``dy`` and the forward input ``x``.
+
+    Nothing is written into ``x`` or ``dy``; ``out``, if given, receives ``dx`` and is returned.
+    """
     d = _normalise(x, kind, dim, gate, approximate)
     check_tensor(dy, "dy", shape=d.output_shape(), dtype=x.dtype, device=x.device)
-    return _gated_backward_op(dy, x, d.kind, d.split_dim, d.gate, d.approximate)
+    if out is None:
+        return _gated_backward_op(dy, x, d.kind, d.split_dim, d.gate, d.approximate)
+    _check_out_without_grad(out, ("x", x), ("dy", dy))
+    _gated_backward_out_op(dy, x, d.kind, d.split_dim, d.gate, d.approximate, out)
+    return out

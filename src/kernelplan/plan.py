@@ -83,6 +83,10 @@ class Backend:
     def precision(self, desc) -> PrecisionGuarantee:
         raise NotImplementedError(f"{type(self).__name__}.precision")
 
+    def priority_for(self, desc) -> int:
+        """``priority`` for this problem; a backend that can run but should not be the default lowers it."""
+        return self.priority
+
     def workspace_size(self, desc) -> int:
         return 0
 
@@ -203,7 +207,7 @@ class Plan:
             for backend in candidates:
                 if measured is not None and backend.name == measured.get("backend"):
                     return backend
-        return max(candidates, key=lambda b: b.priority)
+        return max(candidates, key=lambda b: b.priority_for(desc))
 
     @classmethod
     def remember_fastest(cls, desc, timings_s: dict[str, float]) -> str:

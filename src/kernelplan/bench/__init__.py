@@ -55,36 +55,47 @@ def _rel_err(out: torch.Tensor, oracle: torch.Tensor) -> float:
 
 def run_bench(suite: str = "all", device: str | None = None, json_path: str | None = None) -> int:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    names = list(SUITES) if suite == "all" else [suite]
-    unknown = [n for n in names if n not in SUITES]
+    from . import gated
+
+    runners = {**{name: (lambda d, name=name: _run_cases(name, d)) for name in SUITES}, "gated": gated.run}
+    names = list(runners) if suite == "all" else [suite]
+    unknown = [n for n in names if n not in runners]
     if unknown:
-        print(f"unknown suite {unknown[0]!r}; choose one of: all, {', '.join(SUITES)}")
+        print(f"unknown suite {unknown[0]!r}; choose one of: all, {', '.join(runners)}")
         return 2
-    rows: list[Row] = []
+    results, ok = {}, True
     for name in names:
-        for case in SUITES[name](dev):
-            out, backend = case.run_kp()
-            baseline = case.run_torch()
-            err, torch_err = _rel_err(out, case.oracle), _rel_err(baseline, case.oracle)
-            rows.append(
-                Row(
-                    suite=name,
-                    case=case.name,
-                    dtype=str(case.dtype).replace("torch.", ""),
-                    backend=backend,
-                    err=err,
-                    torch_err=torch_err,
-                    kp_ms=_time_ms(case.run_kp, dev),
-                    torch_ms=_time_ms(case.run_torch, dev),
-                    # the bar the tests use: within 2x torch's own error plus a small floor
-                    ok=err <= 2 * torch_err + case.atol,
-                )
-            )
-    _print(rows, dev)
+        results[name], good = runners[name](dev)
+        ok = ok and good
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({**environment(dev), "rows": [asdict(r) for r in rows]}, f, indent=1)
-    return 0 if all(r.ok for r in rows) else 1
+            json.dump({**environment(dev), "suites": results}, f, indent=1)
+    return 0 if ok else 1
+
+
+def _run_cases(name: str, dev: torch.device) -> tuple[list[dict], bool]:
+    """A suite of ``Case``s: kernelplan and the torch baseline, error and median time of each."""
+    rows: list[Row] = []
+    for case in SUITES[name](dev):
+        out, backend = case.run_kp()
+        baseline = case.run_torch()
+        err, torch_err = _rel_err(out, case.oracle), _rel_err(baseline, case.oracle)
+        rows.append(
+            Row(
+                suite=name,
+                case=case.name,
+                dtype=str(case.dtype).replace("torch.", ""),
+                backend=backend,
+                err=err,
+                torch_err=torch_err,
+                kp_ms=_time_ms(case.run_kp, dev),
+                torch_ms=_time_ms(case.run_torch, dev),
+                # the bar the tests use: within 2x torch's own error plus a small floor
+                ok=err <= 2 * torch_err + case.atol,
+            )
+        )
+    _print(rows, dev)
+    return [asdict(r) for r in rows], all(r.ok for r in rows)
 
 
 def environment(dev: torch.device) -> dict:

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 import kernelplan as kp
-from kernelplan.gated import GatedActivationPlan, _descriptor
 from kernelplan.plan import memoised_select
 from kernelplan.sparse24 import GemmSparse24Descriptor, GemmSparse24Plan
 
@@ -49,23 +48,6 @@ def sparse24_cases(dev):
             )
 
 
-def gated_cases(dev):
-    shapes = [(64, 2048)] if dev.type == "cpu" else [(8192, 28672)]
-    for rows, cols in shapes:
-        for dtype in _dtypes(dev):
-            x = torch.randn(rows, cols, device=dev).to(dtype)
-            a, b = x.chunk(2, dim=-1)
-            backend = memoised_select(GatedActivationPlan, _descriptor(x, "swiglu", 1, "first", "none")).sku.backend
-            yield Case(
-                f"swiglu [{rows}, {cols}] gate=first",
-                dtype,
-                _with_backend(lambda: kp.gated_activation(x, "swiglu", gate="first"), backend),
-                lambda: F.silu(a) * b,
-                F.silu(a.double()) * b.double(),
-                1e-3,
-            )
-
-
 def gemm_cases(dev):
     shapes = [(64, 512, 256)] if dev.type == "cpu" else [(2048, 14336, 4096)]
     for m, n, k in shapes:
@@ -99,4 +81,4 @@ def _with_backend(fn, backend):
     return run
 
 
-SUITES: dict[str, Callable] = {"sparse24": sparse24_cases, "gated": gated_cases, "gemm": gemm_cases}
+SUITES: dict[str, Callable] = {"sparse24": sparse24_cases, "gemm": gemm_cases}  # "gated" has its own runner
