@@ -27,11 +27,13 @@ def sweep(x, configs, label):
     original = kernels._tile
     for cfg in configs:
         kernels._tile = lambda layout, cfg=cfg: cfg
+        kernels._launch_params.cache_clear()
         fwd = triton.testing.do_bench(lambda: kp.gated_activation(x, "swiglu", gate="first", out=y), return_mode="median")
         bwd = triton.testing.do_bench(
             lambda: kp.gated_activation_backward(dy, x, "swiglu", gate="first", out=dx), return_mode="median")
         print(f"{label:12} {str(cfg):16} fwd {gbytes_f / fwd:5.2f} TB/s  bwd {gbytes_b / bwd:5.2f} TB/s")
     kernels._tile = original
+    kernels._launch_params.cache_clear()
     print(f"{label:12} {'heuristic':16} -> {original(kernels.collapse(tuple(y.shape), [x.stride(), y.stride(), y.stride()]))}")
 
 

@@ -104,8 +104,12 @@ def test_64_bit_indexing_path(monkeypatch, seed):
     import kernelplan.kernels.gated as kernels
 
     monkeypatch.setattr(kernels, "_needs_int64", lambda *a: True)
-    x = torch.randn(30, 3, 40, device=DEV)[:, 1:]
-    _check(x, "swiglu", 2, "second", "none", *_run(x, "swiglu", 2, "second", "none"))
+    kernels._launch_params.cache_clear()  # launch parameters are memoised per problem
+    try:
+        x = torch.randn(30, 3, 40, device=DEV)[:, 1:]
+        _check(x, "swiglu", 2, "second", "none", *_run(x, "swiglu", 2, "second", "none"))
+    finally:
+        kernels._launch_params.cache_clear()
 
 
 def test_needs_int64_counts_masked_lanes_and_the_half_offset():
@@ -199,3 +203,30 @@ def test_out_errors_write_nothing(case, backend):
         call()
     if watched is not None:
         assert torch.equal(watched, before), "a refused call wrote into its input"
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_geglu_keeps_relative_accuracy_in_the_tails(approximate):
+    """fp32 GeGLU elementwise, not just against the largest value, out to |z| = 9.
+
+    The bound grows with z^2 because fp32 rounding of the argument of exp(-z^2/2)
+    is relative to z^2; torch's fp32 F.gelu, by contrast, is 100% off below z = -6.
+    """
+    z = torch.linspace(-9, 9, 4001, device=DEV)
+    x = torch.stack([z, torch.ones_like(z)], dim=1)  # gate="first": y = gelu(z) * 1
+    y, dy, dx = _run(x, "geglu", 1, "first", approximate, dy=torch.ones(4001, 1, device=DEV))
+    z64 = z.double().requires_grad_()
+    # Not F.gelu: its 1 + erf(z) (1 + tanh) cancels to nothing below z = -8 even in fp64.
+    if approximate == "tanh":
+        want = z64 * torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (z64 + 0.044715 * z64**3))
+    else:
+        want = z64 * 0.5 * torch.special.erfc(-z64 / 2**0.5)
+    (want_grad,) = torch.autograd.grad(want.sum(), z64)
+    z_d = z.double()
+    # gelu' = Phi(z) + z phi(z) crosses zero near z = -0.75: measure it against its terms' size there.
+    terms = want_grad.detach().abs() + z_d.abs() * torch.exp(-z_d**2 / 2) / (2 * torch.pi) ** 0.5
+    for got, ref, scale, c, what in ((y[:, 0], want, want.detach().abs(), 5e-7, "gelu"),
+                                     (dx[:, 0], want_grad, terms, 1e-6, "gelu'")):
+        keep = scale > 1e-30
+        rel = ((got.double() - ref.detach()).abs() / scale / (1 + z_d**2))[keep]
+        assert rel.max() < c, f"{what}: relative error / (1 + z^2) {rel.max():.2e} at z={z[keep][rel.argmax()]:.2f}"

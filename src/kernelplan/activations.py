@@ -2,7 +2,9 @@
 
 Math runs in the dtype given (callers pass fp32, or fp64 for fp64 inputs).
 "gelu" is the exact erf form, "gelu_tanh" the tanh approximation
-(``0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))``, as in cuBLASLt).
+(``0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))``, as in cuBLASLt).  Both are
+written so that they keep relative accuracy in the left tail (erfc, sigmoid),
+where the textbook ``1 + erf`` and ``1 + tanh`` cancel.
 """
 
 from __future__ import annotations
@@ -27,16 +29,18 @@ def _gelu_erf_grad(z):
 
 
 def _phi_cdf(z):
-    return 0.5 * (1.0 + torch.erf(z * _INV_SQRT_2))
+    # erfc rather than 1 + erf: the latter cancels to nothing in the left tail.
+    return 0.5 * torch.special.erfc(-z * _INV_SQRT_2)
 
 
 def _gelu_tanh(z):
-    return 0.5 * z * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z * z * z)))
+    # 0.5 (1 + tanh u) == sigmoid(2u), which keeps its relative accuracy in the left tail.
+    return z * torch.sigmoid(2.0 * _SQRT_2_OVER_PI * (z + 0.044715 * z * z * z))
 
 
 def _gelu_tanh_grad(z):
-    t = torch.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z * z * z))
-    return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * z * z)
+    s = torch.sigmoid(2.0 * _SQRT_2_OVER_PI * (z + 0.044715 * z * z * z))
+    return s + 2.0 * z * s * (1.0 - s) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * z * z)
 
 
 def _silu_grad(z):

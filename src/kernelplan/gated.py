@@ -14,6 +14,7 @@ from ``x``, so ``x`` is all that is saved.  Math runs in fp32 (fp64 for fp64).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -223,14 +224,20 @@ GatedActivationBackwardPlan.registry.register(TritonGatedBackward())
 
 
 def _descriptor(x: torch.Tensor, kind: str, dim: int, gate: str, approximate: str) -> GatedActivationDescriptor:
+    return _descriptor_of(x.shape, x.dtype, x.device, kind, dim, gate, approximate)
+
+
+# Descriptors are rebuilt from hashable call parameters on every call: memoised, they cost a dict hit.
+@functools.lru_cache(maxsize=4096)
+def _descriptor_of(shape, dtype, device, kind, dim, gate, approximate) -> GatedActivationDescriptor:
     return GatedActivationDescriptor(
         kind=kind,
-        input_shape=tuple(x.shape),
+        input_shape=tuple(shape),
         split_dim=dim,
-        dtype=dtype_info(x.dtype).name,
+        dtype=dtype_info(dtype).name,
         gate=gate,
         approximate=approximate,
-        device=str(x.device),
+        device=str(device),
     )
 
 
@@ -312,14 +319,23 @@ def _backward(ctx, dy):
 _gated_op.register_autograd(_backward, setup_context=_setup)
 
 
-def _normalise(x, kind, dim, gate, approximate):
+def _normalise(x, kind, dim, gate, approximate) -> GatedActivationDescriptor:
+    """The validated descriptor of a call; raises naming the bad argument."""
     check_tensor(x, "x")
-    dtype_info(x.dtype, "x", FLOAT_DTYPES)
-    rank = x.dim()
+    key = (x.shape, x.dtype, x.device, kind, dim, gate, approximate)
+    if all(isinstance(v, str) for v in (kind, gate, approximate)) and type(dim) is int:
+        return _validated(*key)  # hashable: a repeat call is a dict hit
+    return _validated.__wrapped__(*key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _validated(shape, dtype, device, kind, dim, gate, approximate) -> GatedActivationDescriptor:
+    dtype_info(dtype, "x", FLOAT_DTYPES)
+    rank = len(shape)
     if isinstance(dim, bool) or not isinstance(dim, int) or not -max(rank, 1) <= dim < max(rank, 1):
         raise InvalidProblem(f"dim is {dim!r} but x has rank {rank}; it must be an int in [{-rank}, {rank - 1}]")
-    desc = _descriptor(x, choice(kind, "kind", KINDS), dim % max(rank, 1), choice(gate, "gate", GATES),
-                       choice(approximate, "approximate", APPROXIMATIONS))
+    desc = _descriptor_of(shape, dtype, device, choice(kind, "kind", KINDS), dim % max(rank, 1),
+                          choice(gate, "gate", GATES), choice(approximate, "approximate", APPROXIMATIONS))
     _check_descriptor(desc)
     return desc
 
