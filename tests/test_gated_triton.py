@@ -77,7 +77,9 @@ def _check(x, kind, dim, gate, approximate, y, dy, dx):
 @pytest.mark.parametrize("gate", ["second", "first"])
 @pytest.mark.parametrize("kind, approximate", VARIANTS)
 def test_every_kind_and_gate(kind, approximate, gate, dtype, seed):
-    x = torch.randn(33, 2 * 40, device=DEV).to(dtype) * 3
+    # f16 takes a shape the tiles divide (the unmasked EVEN variant), f32 one they do not.
+    shape = (32, 2 * 64) if dtype == torch.float16 else (33, 2 * 40)
+    x = torch.randn(shape, device=DEV).to(dtype) * 3
     _check(x, kind, -1, gate, approximate, *_run(x, kind, -1, gate, approximate))
 
 
