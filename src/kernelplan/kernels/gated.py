@@ -265,4 +265,10 @@ def _launch_params(desc, x_stride, dy_stride, out_stride):
         EVEN=r % block_r == 0 and c % block_c == 0,
         num_warps=warps,
     )
+    if not backward and desc.dtype != "f64":
+        # Measured on an H200: ptxas gives the forward 38-40 registers, which caps occupancy at
+        # 75%; held to 32 (2 spills at most) it runs 3-7% faster on GeGLU and on transposed
+        # inputs, and the same elsewhere.  Backward loses at 32, so it keeps its own allocation.
+        meta["maxnreg"] = 32
+
     return grid, scalars, meta
