@@ -173,6 +173,24 @@ class Plan:
         """Raise :class:`InvalidProblem` if ``desc`` is ill-formed for every backend."""
 
     @classmethod
+    def dispatch_key(cls, desc) -> dict[str, Any]:
+        """The plan-cache key a measured choice is stored under; ops that bucket sizes override it."""
+        return descriptor_key(desc)
+
+    @classmethod
+    def candidates(cls, desc) -> list[Backend]:
+        """The backends that support ``desc``, in registration order."""
+        cls.check_descriptor(desc)
+        return [b for b in cls.registry if b.supports(desc) is None]
+
+    @classmethod
+    def measured(cls, desc) -> dict | None:
+        """The stored measurement for ``desc``'s dispatch key, if any."""
+        from .cache import plan_cache
+
+        return plan_cache().get(f"dispatch:{cls.op}", cls.dispatch_key(desc))
+
+    @classmethod
     def select(cls, desc, preference: PlanPreference = PlanPreference.FASTEST) -> "Plan":
         cls.check_descriptor(desc)
         reasons: dict[str, str] = {}
@@ -201,9 +219,7 @@ class Plan:
     @classmethod
     def _choose(cls, desc, candidates: list[Backend]) -> Backend:
         if len(candidates) > 1:
-            from .cache import plan_cache
-
-            measured = plan_cache().get(f"dispatch:{cls.op}", descriptor_key(desc))
+            measured = cls.measured(desc)
             for backend in candidates:
                 if measured is not None and backend.name == measured.get("backend"):
                     return backend
@@ -222,7 +238,7 @@ class Plan:
         from .cache import plan_cache
 
         plan_cache().put(
-            f"dispatch:{cls.op}", descriptor_key(desc), {"backend": best, "timings_s": timings_s}
+            f"dispatch:{cls.op}", cls.dispatch_key(desc), {"backend": best, "timings_s": timings_s}
         )
         _memo.cache_clear()  # memoised plans chose before this measurement existed
         return best

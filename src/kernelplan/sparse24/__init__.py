@@ -2,6 +2,7 @@
 
 from .format import FORMAT_VERSION, Sparse24Weight, compress, is_sparse24, prune
 from .gemm import GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan, linear
+from . import backends  # noqa: E402,F401  registers the GPU backends (importing no GPU library)
 
 __all__ = [
     "FORMAT_VERSION",

@@ -20,6 +20,7 @@ its u16 value -- no sign games.  Backend layouts (cuSPARSELt's buffer, packed
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -131,6 +132,28 @@ def unpack_positions(metadata: torch.Tensor) -> torch.Tensor:
     """``metadata [M, K/8]`` -> ``[M, K/4, 2]`` int64 positions (pos0, pos1) per group."""
     byte = _metadata_bytes(metadata).reshape(metadata.shape[0], -1)
     return torch.stack((byte & 0x3, (byte >> 2) & 0x3), dim=-1).long()
+
+
+# Backend layouts derived from (values, metadata) tensors, for backends that see tensors
+# rather than a Sparse24Weight.  Keyed on the identity of ``values`` (a WeakKeyDictionary
+# would compare tensors with ==) and dropped when it is collected; an in-place change of
+# either tensor (its version counter moves) rebuilds the layout.
+_DERIVED: dict[int, dict] = {}
+
+
+def derived_from(values: torch.Tensor, metadata: torch.Tensor, key: str, build: Callable):
+    """``build(values, metadata)``, computed once per weight state and cached."""
+    per_weight = _DERIVED.get(id(values))
+    if per_weight is None:
+        per_weight = _DERIVED[id(values)] = {}
+        weakref.finalize(values, _DERIVED.pop, id(values), None)
+    state = (values._version, metadata._version, metadata.data_ptr())
+    hit = per_weight.get(key)
+    if hit is not None and hit[0] == state:
+        return hit[1]
+    layout = build(values, metadata)
+    per_weight[key] = (state, layout)
+    return layout
 
 
 class Sparse24Weight:

@@ -1,0 +1,183 @@
+"""Triton 2:4 linear for small N: ``Y[N, M] = act(X[N, K] @ W^T + bias)``, W compressed.
+
+At small N the work is bound by the weight's bytes.  The kernel streams the
+compressed values (``[M, K/2]``) and a packed copy of the metadata (4 bits per
+group, ``int32 [M, K/32]``, derived once per weight from the public 2-bits-
+per-position bytes), expands each ``[BLOCK_M, BLOCK_K]`` tile to dense in
+registers and multiplies it on the tensor cores with fp32 accumulation.  Bytes
+per weight element: 9/16 of dense (a 1.78x bound), against 10/16 for the
+public byte-per-group metadata.
+
+Small M leaves SMs idle, so K is split: each split writes fp32 partials to the
+plan's workspace and a second kernel sums them, adds the bias and applies the
+activation.  Without a split, bias and activation are fused into the GEMM.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..sparse24.format import _metadata_bytes, derived_from
+from .activations import ACTIVATION_CODES, act_and_grad
+
+K_ALIGN = 64  # the smallest BLOCK_K; K must be a multiple of it
+
+
+@triton.jit
+def _dense_tile(v_ptr, meta_ptr, rm, m_mask, k0, svm, svk, spm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The dense ``[BLOCK_M, BLOCK_K]`` fp32 tile of W at columns ``k0 ...`` from values and packed metadata."""
+    G: tl.constexpr = BLOCK_K // 4
+    v = tl.load(v_ptr + rm[:, None] * svm + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :] * svk,
+                mask=m_mask[:, None], other=0.0).to(tl.float32)
+    words = tl.load(meta_ptr + rm[:, None] * spm + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :],
+                    mask=m_mask[:, None], other=0)
+    words = tl.reshape(tl.broadcast_to(words[:, :, None], [BLOCK_M, BLOCK_K // 32, 8]), [BLOCK_M, G])
+    nib = (words >> ((tl.arange(0, G) % 8) * 4)[None, :]) & 0xF
+    p0 = nib & 3
+    p1 = nib >> 2
+    v0, v1 = tl.split(tl.reshape(v, [BLOCK_M, G, 2]))
+    # p0 < p1, so position 0 can only hold v0 and position 3 only v1.
+    w0 = tl.where(p0 == 0, v0, 0.0)
+    w1 = tl.where(p0 == 1, v0, tl.where(p1 == 1, v1, 0.0))
+    w2 = tl.where(p0 == 2, v0, tl.where(p1 == 2, v1, 0.0))
+    w3 = tl.where(p1 == 3, v1, 0.0)
+    # join(join(w0, w2), join(w1, w3))[..., i, j] is w_(2i + j): row-major it is w0 w1 w2 w3.
+    return tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [BLOCK_M, BLOCK_K])
+
+
+@triton.jit
+def sparse24_kernel(
+    x_ptr, v_ptr, meta_ptr, bias_ptr, out_ptr,
+    N, M, K_PER_SPLIT,
+    sxn, sxk, svm, svk, spm, son, som, sos,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_start = pid_k * K_PER_SPLIT
+    for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+        w = _dense_tile(v_ptr, meta_ptr, rm, m_mask, k0, svm, svk, spm, BLOCK_M, BLOCK_K)
+        x = tl.load(x_ptr + rn[:, None] * sxn + (k0 + tl.arange(0, BLOCK_K))[None, :] * sxk,
+                    mask=n_mask[:, None], other=0.0)
+        if IEEE:  # f32: full-precision products, as the reference
+            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+        else:  # f16/bf16 values are exact in their own dtype: the tensor cores see the true weights
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    out = out_ptr + rn[:, None] * son + rm[None, :] * som
+    mask = n_mask[:, None] & m_mask[None, :]
+    if PARTIAL:
+        tl.store(out + pid_k * sos, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rm, mask=m_mask, other=0.0).to(tl.float32)[None, :]
+        acc, _ = act_and_grad(acc, ACT, False, False)
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def sparse24_reduce_kernel(
+    ws_ptr, bias_ptr, y_ptr, N, M, SPLITS, syn, sym,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """y[n, :] = act(sum over splits of the fp32 partials + bias)."""
+    n = tl.program_id(1)
+    rm = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = rm < M
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(SPLITS):
+        acc += tl.load(ws_ptr + (s * N + n) * M + rm, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rm, mask=mask, other=0.0).to(tl.float32)
+    acc, _ = act_and_grad(acc, ACT, False, False)
+    tl.store(y_ptr + n * syn + rm * sym, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# -- host side ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    block_n: int
+    block_m: int
+    block_k: int
+    splits: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def config_for(n: int, m: int, k: int, sm_count: int) -> Config:
+    """Tiles for a problem: whole N in one tile up to 64, K split until the SMs are busy."""
+    block_n = max(16, min(64, triton.next_power_of_2(max(n, 1))))
+    block_m = 64
+    block_k = next(b for b in (256, 128, 64) if k % b == 0)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    steps = k // block_k
+    # About 4 programs per SM, each with at least 4 K steps to amortise its start.
+    splits = max(1, min(steps // 4, triton.cdiv(4 * sm_count, tiles)))
+    while steps % splits:
+        splits -= 1
+    return Config(block_n, block_m, block_k, splits)
+
+
+def workspace_bytes(cfg: Config, n: int, m: int) -> int:
+    return 4 * cfg.splits * n * m if cfg.splits > 1 else 0
+
+
+def packed_metadata(metadata: torch.Tensor) -> torch.Tensor:
+    """int32 ``[M, K/32]``: eight 4-bit groups per word, group 8q+i in bits 4i..4i+3."""
+    m = metadata.shape[0]
+    nibbles = _metadata_bytes(metadata).to(torch.int64).reshape(m, -1) & 0xF  # [M, K/4], a group per byte
+    groups = nibbles.shape[1]
+    shifts = torch.arange(0, 32, 4, device=metadata.device, dtype=torch.int64)
+    words = (nibbles.reshape(m, groups // 8, 8) << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # u32 bits in an int32
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def launch(x, values, metadata, bias, y, activation: str | None, cfg: Config, workspace) -> None:
+    """``y = act(x @ W^T + bias)``; shapes, dtypes and alignment were checked by the plan."""
+    n, k = x.shape
+    m = values.shape[0]
+    if n == 0 or m == 0:
+        return
+    packed = derived_from(values, metadata, "packed_metadata", lambda v, meta: packed_metadata(meta))
+    act = ACTIVATION_CODES[activation or "identity"]
+    ieee = x.dtype == torch.float32
+    has_bias = bias is not None
+    grid = (triton.cdiv(m, cfg.block_m), cfg.splits, triton.cdiv(n, cfg.block_n))
+    common = dict(BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.splits == 1:
+        sparse24_kernel[grid](
+            x, values, packed, bias if has_bias else values, y, n, m, k,
+            x.stride(0), x.stride(1), *values.stride(), packed.stride(0), y.stride(0), y.stride(1), 0,
+            ACT=act, HAS_BIAS=has_bias, PARTIAL=False, IEEE=ieee, **common,
+        )
+        return
+    ws = workspace[: workspace_bytes(cfg, n, m)].view(torch.float32)
+    sparse24_kernel[grid](
+        x, values, packed, values, ws, n, m, k // cfg.splits,
+        x.stride(0), x.stride(1), *values.stride(), packed.stride(0), m, 1, n * m,
+        ACT=act, HAS_BIAS=False, PARTIAL=True, IEEE=ieee, **common,
+    )
+    block = min(1024, triton.next_power_of_2(m))
+    sparse24_reduce_kernel[(triton.cdiv(m, block), n)](
+        ws, bias if has_bias else ws, y, n, m, cfg.splits, y.stride(0), y.stride(1),
+        ACT=act, HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
+    )

@@ -1,0 +1,125 @@
+"""GPU backends of the 2:4 linear and the measurement that picks between them.
+
+* ``triton``: ``kernels/sparse24.py``, bandwidth-bound, for small N;
+* ``dense``: the weight decompressed once (cached with it) and ``F.linear``:
+  the floor that keeps dispatch from ever losing to dense, at the price of
+  a dense copy of each weight it is chosen for.
+
+``tune`` times every candidate on the caller's tensors and stores the
+fastest per (device, M, K, N bucket, dtype, epilogue) in the plan cache; the
+functional path calls it once per bucket, on CUDA, outside graph capture.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..activations import ACTIVATIONS
+from ..errors import InvalidProblem
+from ..kernels import triton_reason
+from ..plan import Backend, PrecisionGuarantee
+from .format import derived_from
+from .gemm import GemmSparse24Args, GemmSparse24Plan
+
+GPU_DTYPES = ("f32", "f16", "bf16")
+SMALL_N = 64  # up to here the Triton kernel is the default before anything is measured
+
+
+def _sm_count(device: str) -> int:
+    from ..kernels.sparse24 import sm_count
+
+    dev = torch.device(device)
+    return sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 4
+
+
+class TritonSparse24Backend(Backend):
+    name = "triton"
+    priority = 10
+
+    def supports(self, desc) -> str | None:
+        if desc.dtype not in GPU_DTYPES:
+            return f"dtype {desc.dtype} is not one of {GPU_DTYPES}"
+        if desc.k % 64:
+            return f"K = {desc.k} is not a multiple of 64, the kernel's smallest K tile"
+        return triton_reason(desc.device)
+
+    def priority_for(self, desc) -> int:
+        if not desc.device.startswith("cuda"):
+            return -1  # the interpreter: a test tool, never the CPU default
+        return self.priority if desc.n <= SMALL_N else 1
+
+    def precision(self, desc) -> PrecisionGuarantee:
+        return PrecisionGuarantee(
+            "f32" if desc.dtype == "f32" else desc.dtype, "f32", deterministic=True, bit_stable=False,
+            note="fp32 accumulation; K is split by shape (a fixed order per shape), so bits can change with N",
+        )
+
+    def _config(self, desc):
+        from ..kernels.sparse24 import config_for
+
+        return config_for(desc.n, desc.m, desc.k, _sm_count(desc.device))
+
+    def workspace_size(self, desc) -> int:
+        from ..kernels.sparse24 import workspace_bytes
+
+        return workspace_bytes(self._config(desc), desc.n, desc.m)
+
+    def run(self, desc, args: GemmSparse24Args, workspace) -> None:
+        from ..kernels.sparse24 import launch
+
+        launch(args.x, args.values, args.metadata, args.bias, args.y, desc.activation, self._config(desc), workspace)
+
+
+def _dense_weight(values: torch.Tensor, metadata: torch.Tensor) -> torch.Tensor:
+    from .format import Sparse24Weight
+
+    return Sparse24Weight(values.detach(), metadata, _validate=False).decompress()
+
+
+class DenseSparse24Backend(Backend):
+    name = "dense"
+    priority = 5
+
+    def supports(self, desc) -> str | None:
+        if desc.dtype not in GPU_DTYPES:
+            return f"dtype {desc.dtype} is not one of {GPU_DTYPES}"
+        if not desc.device.startswith("cuda"):
+            return f"device {desc.device}: the dense floor is for CUDA; the reference is the CPU path"
+        return None
+
+    def precision(self, desc) -> PrecisionGuarantee:
+        return PrecisionGuarantee(
+            "tf32" if desc.dtype == "f32" and torch.backends.cuda.matmul.allow_tf32 else desc.dtype,
+            "f32", deterministic=True, bit_stable=False,
+            note="cuBLAS through F.linear on a cached dense copy of the weight; f16 may reduce in f16 "
+            "when torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction is set",
+        )
+
+    def run(self, desc, args: GemmSparse24Args, workspace) -> None:
+        w = derived_from(args.values, args.metadata, "dense", _dense_weight)
+        z = F.linear(args.x, w, args.bias)
+        if desc.activation:
+            z = ACTIVATIONS[desc.activation].fn(z.float())
+        args.y.copy_(z)
+
+
+GemmSparse24Plan.registry.register(TritonSparse24Backend())
+GemmSparse24Plan.registry.register(DenseSparse24Backend())
+
+
+def tune(desc, args: GemmSparse24Args, *, rep_ms: float = 10.0) -> str:
+    """Time every GPU candidate on ``args`` (``y`` is written) and remember the fastest; return it."""
+    if not desc.device.startswith("cuda"):
+        raise InvalidProblem(f"descriptor.device is {desc.device}; tuning measures CUDA kernels only")
+    import triton.testing
+
+    candidates = [b for b in GemmSparse24Plan.candidates(desc) if b.name != "reference"] or \
+        GemmSparse24Plan.candidates(desc)
+    timings = {}
+    for backend in candidates:
+        plan = GemmSparse24Plan(desc, backend)
+        workspace = plan._workspace(None)
+        fn = lambda plan=plan, workspace=workspace: plan.backend.run(desc, args, workspace)  # noqa: E731
+        timings[backend.name] = triton.testing.do_bench(fn, warmup=2, rep=rep_ms, return_mode="median") * 1e-3
+    return GemmSparse24Plan.remember_fastest(desc, timings)

@@ -1,0 +1,132 @@
+"""The Triton 2:4 linear against the fp64 oracle, and dispatch by measurement.
+
+On CPU the kernel runs under the Triton interpreter (f32, f16); on a GPU the
+same tests run compiled, and ``test_gpu.py`` adds bf16, the dense backend,
+graph capture and the persisted tuning.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernelplan as kp
+from helpers import FWD_ATOL, assert_close, poisoned
+from kernelplan.kernels import interpreting
+from kernelplan.sparse24 import GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan
+from kernelplan.sparse24.gemm import n_bucket
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEV == "cpu" and not interpreting(), reason="Triton kernels need CUDA or TRITON_INTERPRET=1"
+)
+_ACT = {None: lambda z: z, "relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+        "silu": F.silu}
+
+
+def run_backend(backend, x, w, bias=None, activation=None):
+    """Run one backend's plan on dense ``w`` (already 2:4), into a poisoned y; return (y, oracle, baseline)."""
+    w24 = kp.sparse24.compress(w)
+    n, m = x.shape[0], w.shape[0]
+    desc = GemmSparse24Descriptor(n, m, w.shape[1], kp.dtypes.dtype_info(x.dtype).name, activation,
+                                  bias is not None, str(x.device))
+    plan = GemmSparse24Plan.select(desc, kp.PlanPreference.only(backend))
+    y = poisoned((n, m), x.dtype, x.device)
+    plan.run(GemmSparse24Args(x, w24.values, w24.metadata, y, bias))
+    b64 = None if bias is None else bias.double()
+    oracle = _ACT[activation](F.linear(x.double(), w.double(), b64))
+    baseline = _ACT[activation](F.linear(x, w, bias))
+    return y, oracle, baseline
+
+
+CASES = [  # (n, m, k, activation, bias, x layout)
+    (1, 64, 128, None, False, "contiguous"),
+    (3, 70, 192, "relu", True, "contiguous"),  # odd M: masked rows
+    (17, 64, 256, "gelu", True, "transposed"),  # non-contiguous x
+    (5, 32, 2048, "silu", True, "contiguous"),  # K split in two: the partial-sum path
+    (65, 16, 64, "gelu_tanh", False, "strided"),  # two N tiles
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("n, m, k, activation, bias, layout", CASES, ids=[f"n{c[0]}-m{c[1]}-k{c[2]}-{c[3]}-{c[5]}" for c in CASES])
+def test_triton_matches_fp64(n, m, k, activation, bias, layout, dtype, seed):
+    w = kp.sparse24.prune(torch.randn(m, k, device=DEV)).to(dtype)
+    x = torch.randn(n, k, device=DEV).to(dtype)
+    if layout == "transposed":
+        x = x.t().contiguous().t()
+    elif layout == "strided":
+        x = torch.randn(n, 2 * k, device=DEV).to(dtype)[:, ::2]
+    b = torch.randn(m, device=DEV).to(dtype) if bias else None
+    y, oracle, baseline = run_backend("triton", x, w, b, activation)
+    assert_close(y, oracle, baseline, atol=FWD_ATOL[dtype])
+
+
+def test_split_k_path_is_taken_where_expected():
+    from kernelplan.kernels.sparse24 import config_for
+
+    assert config_for(5, 32, 2048, sm_count=4).splits == 2
+    assert config_for(1, 8192, 8192, sm_count=132).splits == 4  # 128 M tiles: 4 splits fill 132 SMs 4x over
+    assert config_for(64, 65536, 8192, sm_count=132).splits == 1  # 1024 tiles already fill the SMs
+
+
+def test_packed_metadata_holds_every_group_position(seed):
+    from kernelplan.kernels.sparse24 import packed_metadata
+    from kernelplan.sparse24.format import unpack_positions
+
+    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(9, 96)))
+    packed = packed_metadata(w24.metadata).to(torch.int64) & 0xFFFFFFFF
+    groups = torch.arange(96 // 4)
+    nib = (packed[:, groups // 8] >> (4 * (groups % 8))) & 0xF
+    positions = unpack_positions(w24.metadata)
+    assert torch.equal(nib & 3, positions[..., 0]) and torch.equal(nib >> 2, positions[..., 1])
+
+
+def test_derived_layouts_follow_in_place_changes(seed):
+    from kernelplan.sparse24.format import derived_from
+
+    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(8, 64)))
+    builds = []
+    build = lambda v, m: builds.append(1) or v.sum().item()  # noqa: E731
+    first = derived_from(w24.values, w24.metadata, "probe", build)
+    assert derived_from(w24.values, w24.metadata, "probe", build) == first and len(builds) == 1
+    with torch.no_grad():
+        w24.values.mul_(2)  # an optimizer step, say
+    assert derived_from(w24.values, w24.metadata, "probe", build) == pytest.approx(2 * first)
+    assert len(builds) == 2
+
+
+def test_unaligned_k_is_a_reason_not_an_error():
+    desc = GemmSparse24Descriptor(4, 16, 72, "f32", device=DEV)
+    with pytest.raises(kp.Unsupported, match=r"triton: K = 72 is not a multiple of 64"):
+        GemmSparse24Plan.select(desc, kp.PlanPreference.only("triton"))
+    assert GemmSparse24Plan.select(desc).sku.backend in ("reference", "dense")
+
+
+def test_dispatch_remembers_per_n_bucket(seed):
+    def desc(n):
+        return GemmSparse24Descriptor(n, 64, 128, "f32", device=DEV)
+
+    default = GemmSparse24Plan.select(desc(3)).sku.backend
+    assert default == ("triton" if DEV == "cuda" else "reference")
+    GemmSparse24Plan.remember_fastest(desc(3), {"reference": 1e-6, "triton": 1e-3})  # a fake timing table
+    assert [n_bucket(n) for n in (3, 4, 5)] == [4, 4, 8]
+    assert GemmSparse24Plan.select(desc(4)).sku.backend == "reference"  # same bucket as n=3
+    assert GemmSparse24Plan.select(desc(5)).sku.backend == default  # another bucket: unmeasured
+    GemmSparse24Plan.remember_fastest(desc(5), {"reference": 1e-3, "triton": 1e-6})
+    assert GemmSparse24Plan.select(desc(8)).sku.backend == "triton"
+
+
+def test_functional_path_runs_the_measured_backend_with_autograd(seed):
+    w = kp.sparse24.prune(torch.randn(64, 128, device=DEV))
+    w24 = kp.sparse24.compress(w)
+    x = torch.randn(2, 3, 128, device=DEV, requires_grad=True)
+    GemmSparse24Plan.remember_fastest(GemmSparse24Descriptor(6, 64, 128, "f32", "relu", device=DEV),
+                                      {"triton": 1e-6, "reference": 1e-3})
+    y = kp.sparse24.linear(x, w24, activation="relu")
+    y.sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    F.relu(F.linear(x64, w.double())).sum().backward()
+    assert_close(y, F.relu(F.linear(x64.detach(), w.double())), F.relu(F.linear(x.detach(), w)), atol=FWD_ATOL[torch.float32])
+    torch.testing.assert_close(x.grad, x64.grad.float())
