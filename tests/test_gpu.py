@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kernelplan as kp
+import torch.nn.functional as F
 from helpers import BWD_ATOL, FWD_ATOL, assert_close
 from opinfo import OPS
 from test_opinfo import _cast_sample
@@ -100,3 +101,84 @@ def test_gated_compiles_with_inductor_fullgraph():
     x.grad = None
     mlp(x).float().square().sum().backward()
     torch.testing.assert_close(g, x.grad, rtol=2e-2, atol=2e-2)
+
+
+# -- 2:4 linear on the GPU backends ---------------------------------------------
+
+_SPARSE_CASES = [(1, 4096, 4096, None, False, "contiguous"), (7, 1000, 512, "gelu", True, "transposed"),
+                 (33, 256, 1024, "relu", True, "strided"), (64, 512, 4096, "silu", False, "contiguous"),
+                 (300, 768, 768, "gelu_tanh", True, "contiguous")]
+
+
+@pytest.mark.parametrize("backend", ["triton", "dense"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_sparse24_gpu_backends_match_fp64(backend, dtype):
+    from test_sparse24_triton import run_backend
+
+    torch.manual_seed(0)
+    for n, m, k, act, bias, layout in _SPARSE_CASES:
+        w = kp.sparse24.prune(torch.randn(m, k, device="cuda")).to(dtype)
+        x = torch.randn(n, k, device="cuda").to(dtype)
+        if layout == "transposed":
+            x = x.t().contiguous().t()
+        elif layout == "strided":
+            x = torch.randn(n, 2 * k, device="cuda").to(dtype)[:, ::2]
+        b = torch.randn(m, device="cuda").to(dtype) if bias else None
+        y, oracle, baseline = run_backend(backend, x, w, b, act)
+        assert_close(y, oracle, baseline, atol=FWD_ATOL[dtype], what=f"{backend} n={n} {m}x{k} {act} {layout}")
+
+
+def test_sparse24_functional_3d_x_tunes_and_matches():
+    from kernelplan.sparse24 import GemmSparse24Descriptor, GemmSparse24Plan
+
+    w = kp.sparse24.prune(torch.randn(512, 1024, device="cuda")).bfloat16()
+    w24 = kp.sparse24.compress(w)
+    x = torch.randn(2, 5, 1024, device="cuda", dtype=torch.bfloat16)
+    y = kp.sparse24.linear(x, w24, activation="gelu")
+    desc = GemmSparse24Descriptor(10, 512, 1024, "bf16", "gelu", device="cuda")
+    measured = GemmSparse24Plan.measured(desc)
+    assert measured is not None and set(measured["timings_s"]) == {"triton", "dense"}
+    assert_close(y, F.gelu(F.linear(x.double(), w.double())), F.gelu(F.linear(x, w)), atol=FWD_ATOL[torch.bfloat16])
+
+
+def test_sparse24_graph_capture_replays_the_right_result():
+    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(2048, 2048, device="cuda")).bfloat16())
+    bias = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
+    kp.sparse24.linear(x, w24, bias, "relu")  # warm-up: tuning and compilation outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kp.sparse24.linear(x, w24, bias, "relu")
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = kp.sparse24.linear(x, w24, bias, "relu")
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(y, kp.sparse24.linear(x, w24, bias, "relu"))
+    w = w24.decompress()
+    torch.testing.assert_close(y.float(), F.relu(F.linear(x.float(), w.float(), bias.float())), rtol=2e-2, atol=2e-2)
+
+
+def test_sparse24_tuning_is_reused_by_a_second_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import torch, kernelplan as kp
+from kernelplan.sparse24 import GemmSparse24Descriptor, GemmSparse24Plan
+import kernelplan.sparse24.backends as backends
+calls = []
+real = backends.tune
+backends.tune = lambda *a, **k: calls.append(1) or real(*a, **k)
+w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(1024, 1024, device="cuda")).half())
+kp.sparse24.linear(torch.randn(3, 1024, device="cuda").half(), w24)
+print(len(calls), GemmSparse24Plan.measured(GemmSparse24Descriptor(3, 1024, 1024, "f16", device="cuda"))["backend"])
+"""
+    env = {**os.environ, "KERNELPLAN_CACHE_DIR": str(tmp_path)}
+    first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    tuned, backend = first.stdout.split()
+    assert tuned == "1" and second.stdout.split() == ["0", backend]
