@@ -8,6 +8,7 @@ speedup over dense and as effective bandwidth on the compressed bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
@@ -33,9 +34,8 @@ def main():
         dense = triton.testing.do_bench(lambda: F.linear(x, w), return_mode="median")
         heuristic = ks.config_for(n, m, k, sms)
         results = []
-        for cfg in GRID + [heuristic]:
-            cfg = ks.Config(max(16, min(64, triton.next_power_of_2(n))), *list(vars(cfg).values())[1:]) \
-                if cfg is not heuristic else cfg
+        block_n = heuristic.block_n
+        for cfg in [dataclasses.replace(c, block_n=block_n) for c in GRID] + [heuristic]:
             if (k // cfg.block_k) % cfg.splits:
                 continue
             ws = torch.empty(ks.workspace_bytes(cfg, n, m), dtype=torch.uint8, device="cuda")
