@@ -19,11 +19,9 @@ import kernelplan as kp
 import kernelplan.kernels.sparse24 as ks
 
 SHAPES = [(4096, 4096), (8192, 8192), (28672, 8192), (8192, 28672)]
-NS = [1, 4, 8, 16, 64]
-GEMV = [ks.Config(1, bm, bk, s, w, st, gemv=True) for bm, bk, s, w, st in itertools.product(
-    [32, 64], [128], [1, 2, 4, 8], [4], [2, 3])]
-DOT = [ks.Config(16, bm, bk, s, w, st) for bm, bk, s, w, st in itertools.product(
-    [64], [128, 256], [1, 2, 4], [4], [3, 4])]
+NS = [1, 16, 64, 128]
+GRID = [ks.Config(bn, bm, bk, s, w, st) for bn, bm, bk, s, w, st in itertools.product(
+    [16], [32, 64, 128], [128, 256], [1, 2, 4, 8], [4, 8], [3, 4])]
 
 
 def main():
@@ -37,8 +35,7 @@ def main():
         heuristic = ks.config_for(n, m, k, sms)
         results = []
         block_n = heuristic.block_n
-        grid = GEMV if heuristic.gemv else DOT
-        for cfg in [dataclasses.replace(c, block_n=block_n) for c in grid] + [heuristic]:
+        for cfg in [dataclasses.replace(c, block_n=block_n) for c in GRID] + [heuristic]:
             if (k // cfg.block_k) % cfg.splits:
                 continue
             ws = torch.empty(ks.workspace_bytes(cfg, n, m), dtype=torch.uint8, device="cuda")

@@ -87,61 +87,6 @@ def sparse24_kernel(
 
 
 @triton.jit
-def sparse24_gemv_kernel(
-    x_ptr, v_ptr, meta_ptr, bias_ptr, out_ptr,
-    N, M, K_PER_SPLIT,
-    sxn, sxk, svm, svk, spm, son, som, sos,
-    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """The same product for N <= 8 on the FMA units, with no dense tile at all.
-
-    Each kept value multiplies the x element its position selects (three
-    selects among the group's four x values), so the weight is read once, as
-    stored, and nothing is reshaped; partial sums stay per (n, m, group) until
-    the end of the K loop.
-    """
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_n = tl.program_id(2)
-    G: tl.constexpr = BLOCK_K // 4
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    g = tl.arange(0, G)
-    m_mask = rm < M
-    n_mask = rn < N
-    acc = tl.zeros([BLOCK_N, BLOCK_M, G], dtype=tl.float32)
-    k_start = pid_k * K_PER_SPLIT
-    for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
-        v_row = v_ptr + rm[:, None] * svm + (k0 // 2 + 2 * g)[None, :] * svk
-        v0 = tl.load(v_row, mask=m_mask[:, None], other=0.0).to(tl.float32)[None, :, :]
-        v1 = tl.load(v_row + svk, mask=m_mask[:, None], other=0.0).to(tl.float32)[None, :, :]
-        words = tl.load(meta_ptr + rm[:, None] * spm + (k0 // 32 + g // 8)[None, :], mask=m_mask[:, None], other=0)
-        nib = (words >> ((g % 8) * 4)[None, :]) & 0xF
-        p0 = (nib & 3)[None, :, :]
-        p1 = (nib >> 2)[None, :, :]
-        x_row = x_ptr + rn[:, None] * sxn + (k0 + 4 * g)[None, :] * sxk
-        x0 = tl.load(x_row, mask=n_mask[:, None], other=0.0).to(tl.float32)[:, None, :]
-        x1 = tl.load(x_row + sxk, mask=n_mask[:, None], other=0.0).to(tl.float32)[:, None, :]
-        x2 = tl.load(x_row + 2 * sxk, mask=n_mask[:, None], other=0.0).to(tl.float32)[:, None, :]
-        x3 = tl.load(x_row + 3 * sxk, mask=n_mask[:, None], other=0.0).to(tl.float32)[:, None, :]
-        # p0 is 0, 1 or 2 and p1 is 1, 2 or 3 (p0 < p1).
-        xs0 = tl.where(p0 == 0, x0, tl.where(p0 == 1, x1, x2))
-        xs1 = tl.where(p1 == 3, x3, tl.where(p1 == 2, x2, x1))
-        acc += v0 * xs0 + v1 * xs1
-    acc2 = tl.sum(acc, axis=2)
-    out = out_ptr + rn[:, None] * son + rm[None, :] * som
-    mask = n_mask[:, None] & m_mask[None, :]
-    if PARTIAL:
-        tl.store(out + pid_k * sos, acc2, mask=mask)
-    else:
-        if HAS_BIAS:
-            acc2 += tl.load(bias_ptr + rm, mask=m_mask, other=0.0).to(tl.float32)[None, :]
-        acc2, _ = act_and_grad(acc2, ACT, False, False)
-        tl.store(out, acc2.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def sparse24_reduce_kernel(
     ws_ptr, bias_ptr, y_ptr, N, M, SPLITS, syn, sym,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
@@ -170,27 +115,20 @@ class Config:
     splits: int
     num_warps: int = 4
     num_stages: int = 3
-    gemv: bool = False  # the FMA kernel (N <= 8) rather than the tensor-core one
 
 
 def config_for(n: int, m: int, k: int, sm_count: int) -> Config:
-    """Tiles for a problem: the FMA kernel up to N = 8, else whole N in one tensor-core tile up
-    to 64; K split until there are about 4 programs per SM, each with at least 4 K steps."""
-    gemv = n <= 8
-    if gemv:
-        block_n = triton.next_power_of_2(max(n, 1))
-        block_m = 64 if n <= 2 else 32  # the [N, M, K/4] partial sums live in registers
-        block_k = next(b for b in (128, 64) if k % b == 0)
-    else:
-        block_n = min(64, triton.next_power_of_2(n))
-        block_m = 64
-        block_k = next(b for b in (256, 128, 64) if k % b == 0)
+    """Tiles for a problem: whole N in one tile up to 64, K split until the SMs are busy."""
+    block_n = max(16, min(64, triton.next_power_of_2(max(n, 1))))
+    block_m = 64
+    block_k = next(b for b in (256, 128, 64) if k % b == 0)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     steps = k // block_k
+    # About 4 programs per SM, each with at least 4 K steps to amortise its start.
     splits = max(1, min(steps // 4, triton.cdiv(4 * sm_count, tiles)))
     while steps % splits:
         splits -= 1
-    return Config(block_n, block_m, block_k, splits, gemv=gemv)
+    return Config(block_n, block_m, block_k, splits)
 
 
 def workspace_bytes(cfg: Config, n: int, m: int) -> int:
@@ -220,27 +158,23 @@ def launch(x, values, metadata, bias, y, activation: str | None, cfg: Config, wo
         return
     packed = derived_from(values, metadata, "packed_metadata", lambda v, meta: packed_metadata(meta))
     act = ACTIVATION_CODES[activation or "identity"]
+    ieee = x.dtype == torch.float32
     has_bias = bias is not None
     grid = (triton.cdiv(m, cfg.block_m), cfg.splits, triton.cdiv(n, cfg.block_n))
     common = dict(BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.gemv:
-        kernel = sparse24_gemv_kernel
-    else:
-        kernel = sparse24_kernel
-        common["IEEE"] = x.dtype == torch.float32
     if cfg.splits == 1:
-        kernel[grid](
+        sparse24_kernel[grid](
             x, values, packed, bias if has_bias else values, y, n, m, k,
             x.stride(0), x.stride(1), *values.stride(), packed.stride(0), y.stride(0), y.stride(1), 0,
-            ACT=act, HAS_BIAS=has_bias, PARTIAL=False, **common,
+            ACT=act, HAS_BIAS=has_bias, PARTIAL=False, IEEE=ieee, **common,
         )
         return
     ws = workspace[: workspace_bytes(cfg, n, m)].view(torch.float32)
-    kernel[grid](
+    sparse24_kernel[grid](
         x, values, packed, values, ws, n, m, k // cfg.splits,
         x.stride(0), x.stride(1), *values.stride(), packed.stride(0), m, 1, n * m,
-        ACT=act, HAS_BIAS=False, PARTIAL=True, **common,
+        ACT=act, HAS_BIAS=False, PARTIAL=True, IEEE=ieee, **common,
     )
     block = min(1024, triton.next_power_of_2(m))
     sparse24_reduce_kernel[(triton.cdiv(m, block), n)](
