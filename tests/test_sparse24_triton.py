@@ -67,7 +67,7 @@ def test_split_k_path_is_taken_where_expected():
     from kernelplan.kernels.sparse24 import config_for
 
     assert config_for(5, 32, 2048, sm_count=4).splits == 2
-    assert config_for(1, 8192, 8192, sm_count=132).splits == 4  # 128 M tiles: 4 splits fill 132 SMs 4x over
+    assert config_for(1, 8192, 8192, sm_count=132).splits == 2  # 128 M tiles: 2 splits fill 132 SMs twice
     assert config_for(64, 65536, 8192, sm_count=132).splits == 1  # 1024 tiles already fill the SMs
 
 

@@ -55,9 +55,10 @@ def _rel_err(out: torch.Tensor, oracle: torch.Tensor) -> float:
 
 def run_bench(suite: str = "all", device: str | None = None, json_path: str | None = None) -> int:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    from . import gated
+    from . import gated, sparse24
 
-    runners = {**{name: (lambda d, name=name: _run_cases(name, d)) for name in SUITES}, "gated": gated.run}
+    runners = {"sparse24": sparse24.run, **{name: (lambda d, name=name: _run_cases(name, d)) for name in SUITES},
+               "gated": gated.run}
     names = list(runners) if suite == "all" else [suite]
     unknown = [n for n in names if n not in runners]
     if unknown:
@@ -68,9 +69,25 @@ def run_bench(suite: str = "all", device: str | None = None, json_path: str | No
         results[name], good = runners[name](dev)
         ok = ok and good
     if json_path:
+        env = environment(dev)
+        if "sparse24" in results and dev.type == "cuda":
+            env["cusparselt"] = torch.backends.cusparselt.version()
         with open(json_path, "w") as f:
-            json.dump({**environment(dev), "suites": results}, f, indent=1)
+            json.dump({**env, "suites": results}, f, indent=1)
+        if "sparse24" in results:
+            _plot(results["sparse24"], json_path.removesuffix(".json") + ".png")
     return 0 if ok else 1
+
+
+def _plot(rows, path: str) -> None:
+    from .sparse24 import plot
+
+    try:
+        plot(rows, path)
+    except ImportError:
+        print(f"no plot written to {path}: matplotlib is not installed (pip install matplotlib)")
+        return
+    print(f"plot written to {path}")
 
 
 def _run_cases(name: str, dev: torch.device) -> tuple[list[dict], bool]:

@@ -9,8 +9,6 @@ import torch
 import torch.nn.functional as F
 
 import kernelplan as kp
-from kernelplan.plan import memoised_select
-from kernelplan.sparse24 import GemmSparse24Descriptor, GemmSparse24Plan
 
 
 @dataclass
@@ -25,27 +23,6 @@ class Case:
 
 def _dtypes(dev):
     return (torch.float32, torch.bfloat16) if dev.type == "cpu" else (torch.bfloat16, torch.float16)
-
-
-def sparse24_cases(dev):
-    shapes = [(16, 256, 512), (128, 512, 512)] if dev.type == "cpu" else [(16, 8192, 8192), (4096, 8192, 8192)]
-    for n, m, k in shapes:
-        for dtype in _dtypes(dev):
-            gen = torch.Generator(device="cpu").manual_seed(n + m + k)
-            w = kp.sparse24.prune(torch.randn(m, k, generator=gen)).to(dev, dtype)
-            x = torch.randn(n, k, generator=gen).to(dev, dtype)
-            w24 = kp.sparse24.compress(w)
-            backend = memoised_select(
-                GemmSparse24Plan, GemmSparse24Descriptor(n, m, k, kp.dtypes.dtype_info(dtype).name, device=str(dev))
-            ).sku.backend
-            yield Case(
-                f"linear n={n} {m}x{k}",
-                dtype,
-                _with_backend(lambda: kp.sparse24.linear(x, w24), backend),
-                lambda: F.linear(x, w),
-                x.double() @ w.double().T,
-                1e-3,
-            )
 
 
 def gemm_cases(dev):
@@ -81,4 +58,4 @@ def _with_backend(fn, backend):
     return run
 
 
-SUITES: dict[str, Callable] = {"sparse24": sparse24_cases, "gemm": gemm_cases}  # "gated" has its own runner
+SUITES: dict[str, Callable] = {"gemm": gemm_cases}  # "sparse24" and "gated" have their own runners

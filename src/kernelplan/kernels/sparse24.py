@@ -124,8 +124,9 @@ def config_for(n: int, m: int, k: int, sm_count: int) -> Config:
     block_k = next(b for b in (256, 128, 64) if k % b == 0)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     steps = k // block_k
-    # About 4 programs per SM, each with at least 4 K steps to amortise its start.
-    splits = max(1, min(steps // 4, triton.cdiv(4 * sm_count, tiles)))
+    # About 2 programs per SM, each with at least 4 K steps to amortise its start
+    # (bench/sparse24_tiles.py on an H200: 4 per SM lost 3-10% to the partial sums).
+    splits = max(1, min(steps // 4, triton.cdiv(2 * sm_count, tiles)))
     while steps % splits:
         splits -= 1
     return Config(block_n, block_m, block_k, splits)

@@ -146,12 +146,15 @@ _seen_buckets: set = set()
 
 def _first_of_its_bucket(desc: GemmSparse24Descriptor) -> bool:
     """True once per dispatch bucket that has several candidates and no stored measurement."""
+    if desc in _seen_buckets:  # the hot path: one set lookup
+        return False
     key = tuple(GemmSparse24Plan.dispatch_key(desc).items())
     if key in _seen_buckets:
+        _seen_buckets.add(desc)
         return False
     if torch.cuda.is_current_stream_capturing():
         return False  # no timing inside a graph capture: the priority order decides there
-    _seen_buckets.add(key)
+    _seen_buckets.update((key, desc))
     return len(GemmSparse24Plan.candidates(desc)) > 1 and GemmSparse24Plan.measured(desc) is None
 
 
