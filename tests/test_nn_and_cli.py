@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -36,5 +37,6 @@ def test_bench_command_runs_and_reports_correctness(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "sparse24" in out.stdout and "gated" in out.stdout and "gemm" in out.stdout
     assert " NO" not in out.stdout
+    assert set(json.loads((tmp_path / "b.json").read_text())["suites"]) == {"sparse24", "gemm", "gated"}
     bad = subprocess.run([sys.executable, "-m", "kernelplan", "bench", "nosuch"], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "unknown suite 'nosuch'" in bad.stdout

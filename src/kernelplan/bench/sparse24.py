@@ -88,6 +88,9 @@ def run(dev: torch.device) -> tuple[list[dict], bool]:
     torch.manual_seed(0)
     rows: list[SparseRow] = []
     notes: dict[str, str] = {}
+    print(f"\nsparse24: kernelplan.sparse24.linear (tuned dispatch) vs dense F.linear and torch's 2:4 on {dev}")
+    if dev.type == "cpu":
+        print("CPU: the reference backend; times support no speed claim")
     for dtype in dtypes:
         for m, k in shapes:
             w = kp.sparse24.prune(torch.randn(m, k, device=dev)).to(dtype)
