@@ -144,6 +144,14 @@ def arch_of(device: str) -> str:
     return dev.type
 
 
+def _canonical_device(key: dict[str, Any]) -> dict[str, Any]:
+    """``cuda`` and ``cuda:0`` name one GPU: measurements must not depend on the spelling."""
+    dev = torch.device(key["device"]) if "device" in key else None
+    if dev is not None and dev.type == "cuda" and dev.index is None:
+        key["device"] = f"cuda:{torch.cuda.current_device()}"
+    return key
+
+
 def descriptor_key(desc) -> dict[str, Any]:
     """A JSON-able dict of a descriptor, for plan-cache keys."""
     return {f.name: getattr(desc, f.name) for f in dataclasses.fields(desc)}
@@ -175,7 +183,7 @@ class Plan:
     @classmethod
     def dispatch_key(cls, desc) -> dict[str, Any]:
         """The plan-cache key a measured choice is stored under; ops that bucket sizes override it."""
-        return descriptor_key(desc)
+        return _canonical_device(descriptor_key(desc))
 
     @classmethod
     def candidates(cls, desc) -> list[Backend]:

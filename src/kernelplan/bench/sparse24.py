@@ -104,7 +104,7 @@ def run(dev: torch.device) -> tuple[list[dict], bool]:
                 oracle = F.linear(x.double(), w.double())
                 err, dense_err = _rel(y, oracle), _rel(F.linear(x, w), oracle)
                 del oracle, y
-                desc = GemmSparse24Descriptor(n, m, k, kp.dtypes.dtype_info(dtype).name, device=str(dev))
+                desc = GemmSparse24Descriptor(n, m, k, kp.dtypes.dtype_info(dtype).name, device=str(x.device))
                 backend = GemmSparse24Plan.select(desc).sku.backend
                 kp_ms = timed(lambda: kp.sparse24.linear(x, w24))
                 dense_ms = timed(lambda: F.linear(x, w))

@@ -117,11 +117,13 @@ class Config:
     num_stages: int = 3
 
 
-def config_for(n: int, m: int, k: int, sm_count: int) -> Config:
+def config_for(n: int, m: int, k: int, sm_count: int, itemsize: int = 2) -> Config:
     """Tiles for a problem: whole N in one tile up to 64, K split until the SMs are busy."""
     block_n = max(16, min(64, triton.next_power_of_2(max(n, 1))))
     block_m = 64
-    block_k = next(b for b in (256, 128, 64) if k % b == 0)
+    # fp32 tiles are twice the bytes: 256-wide K tiles in 3 stages overflow shared memory.
+    block_k = next(b for b in ((256, 128, 64) if itemsize <= 2 else (128, 64)) if k % b == 0)
+    stages = 3 if itemsize <= 2 else 2
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     steps = k // block_k
     # About 2 programs per SM, each with at least 4 K steps to amortise its start
@@ -129,7 +131,7 @@ def config_for(n: int, m: int, k: int, sm_count: int) -> Config:
     splits = max(1, min(steps // 4, triton.cdiv(2 * sm_count, tiles)))
     while steps % splits:
         splits -= 1
-    return Config(block_n, block_m, block_k, splits)
+    return Config(block_n, block_m, block_k, splits, num_stages=stages)
 
 
 def workspace_bytes(cfg: Config, n: int, m: int) -> int:

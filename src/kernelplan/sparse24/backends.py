@@ -13,9 +13,9 @@ functional path calls it once per bucket, on CUDA, outside graph capture.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..activations import ACTIVATIONS
+from ..dtypes import dtype_info
 from ..errors import InvalidProblem
 from ..kernels import triton_reason
 from ..plan import Backend, PrecisionGuarantee
@@ -58,7 +58,7 @@ class TritonSparse24Backend(Backend):
     def _config(self, desc):
         from ..kernels.sparse24 import config_for
 
-        return config_for(desc.n, desc.m, desc.k, _sm_count(desc.device))
+        return config_for(desc.n, desc.m, desc.k, _sm_count(desc.device), dtype_info(desc.dtype).itemsize)
 
     def workspace_size(self, desc) -> int:
         from ..kernels.sparse24 import workspace_bytes
@@ -98,10 +98,13 @@ class DenseSparse24Backend(Backend):
 
     def run(self, desc, args: GemmSparse24Args, workspace) -> None:
         w = derived_from(args.values, args.metadata, "dense", _dense_weight)
-        z = F.linear(args.x, w, args.bias)
+        # Straight into y: F.linear's own output and a copy would cost one more pass over y.
+        if args.bias is None:
+            torch.mm(args.x, w.t(), out=args.y)
+        else:
+            torch.addmm(args.bias, args.x, w.t(), out=args.y)
         if desc.activation:
-            z = ACTIVATIONS[desc.activation].fn(z.float())
-        args.y.copy_(z)
+            args.y.copy_(ACTIVATIONS[desc.activation].fn(args.y.float()))
 
 
 GemmSparse24Plan.registry.register(TritonSparse24Backend())

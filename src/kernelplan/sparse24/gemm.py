@@ -15,7 +15,7 @@ from .._checks import check_dims, check_no_overlap, check_tensor, choice
 from ..activations import ACTIVATIONS
 from ..dtypes import dtype_info
 from ..errors import InvalidProblem, MisalignedOperand
-from ..plan import Backend, BackendRegistry, Plan, PrecisionGuarantee, descriptor_key, memoised_select
+from ..plan import Backend, BackendRegistry, Plan, PrecisionGuarantee, memoised_select
 from .format import SPARSE24_DTYPES, Sparse24Weight
 
 SPARSE24_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
@@ -52,7 +52,7 @@ class GemmSparse24Plan(Plan):
 
     @classmethod
     def dispatch_key(cls, desc: GemmSparse24Descriptor) -> dict:
-        return {**descriptor_key(desc), "n": n_bucket(desc.n)}
+        return {**super().dispatch_key(desc), "n": n_bucket(desc.n)}
 
     @classmethod
     def check_descriptor(cls, desc: GemmSparse24Descriptor) -> None:
