@@ -182,3 +182,53 @@ print(len(calls), GemmSparse24Plan.measured(GemmSparse24Descriptor(3, 1024, 1024
     second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     tuned, backend = first.stdout.split()
     assert tuned == "1" and second.stdout.split() == ["0", backend]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_cusparselt_matches_fp64_and_stores_its_search(dtype):
+    from kernelplan.cache import plan_cache
+    from test_sparse24_triton import run_backend
+
+    torch.manual_seed(0)
+    for n, m, k, act in [(16, 512, 1024, None), (256, 1024, 512, "relu"), (48, 4096, 4096, None)]:
+        w = kp.sparse24.prune(torch.randn(m, k, device="cuda")).to(dtype)
+        x = torch.randn(n, k, device="cuda").to(dtype)
+        y, oracle, baseline = run_backend("cusparselt", x, w, None, act)
+        # f32 runs on TF32 tensor cores (the precision guarantee says so): 10 mantissa bits.
+        atol = 2e-3 if dtype == torch.float32 else FWD_ATOL[dtype]
+        assert_close(y, oracle, baseline, atol=atol, what=f"cusparselt n={n} {m}x{k} {act}")
+        dt = kp.dtypes.dtype_info(dtype).name
+        assert plan_cache().get("cusparselt_search", {"m": m, "k": k, "n": n, "dtype": dt, "relu": act == "relu"},
+                                device="cuda:0") is not None
+
+
+def test_cusparselt_reports_shapes_it_cannot_take():
+    from kernelplan.sparse24 import GemmSparse24Descriptor, GemmSparse24Plan
+
+    with pytest.raises(kp.Unsupported, match=r"cusparselt: cuSPARSELt needs n, m and k to be multiples of 16.*n=1"):
+        GemmSparse24Plan.select(GemmSparse24Descriptor(1, 4096, 4096, "bf16", device="cuda"),
+                                kp.PlanPreference.only("cusparselt"))
+
+
+def test_cusparselt_under_graph_capture():
+    from kernelplan.sparse24 import GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan
+
+    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(1024, 2048, device="cuda")).half())
+    x = torch.randn(64, 2048, device="cuda", dtype=torch.float16)
+    y = torch.empty(64, 1024, device="cuda", dtype=torch.float16)
+    plan = GemmSparse24Plan.select(GemmSparse24Descriptor(64, 1024, 2048, "f16", device="cuda:0"),
+                                   kp.PlanPreference.only("cusparselt"))
+    args = GemmSparse24Args(x, w24.values, w24.metadata, y)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        plan.run(args)  # search, compression and planning happen outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(args)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = F.linear(x.float(), w24.decompress().float())
+    torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)

@@ -1,7 +1,8 @@
 """GPU backends of the 2:4 linear and the measurement that picks between them.
 
 * ``triton``: ``kernels/sparse24.py``, bandwidth-bound, for small N;
-* ``dense``: the weight decompressed once (cached with it) and ``F.linear``:
+* ``cusparselt``: cuSPARSELt through nvmath-python (``cusparselt.py``), for large N;
+* ``dense``: the weight decompressed once (cached with it) and a cuBLAS GEMM:
   the floor that keeps dispatch from ever losing to dense, at the price of
   a dense copy of each weight it is chosen for.
 
@@ -19,6 +20,7 @@ from ..dtypes import dtype_info
 from ..errors import InvalidProblem
 from ..kernels import triton_reason
 from ..plan import Backend, PrecisionGuarantee
+from .cusparselt import CusparseLtSparse24Backend
 from .format import derived_from
 from .gemm import GemmSparse24Args, GemmSparse24Plan
 
@@ -109,6 +111,7 @@ class DenseSparse24Backend(Backend):
 
 GemmSparse24Plan.registry.register(TritonSparse24Backend())
 GemmSparse24Plan.registry.register(DenseSparse24Backend())
+GemmSparse24Plan.registry.register(CusparseLtSparse24Backend())
 
 
 def tune(desc, args: GemmSparse24Args, *, rep_ms: float = 10.0) -> str:

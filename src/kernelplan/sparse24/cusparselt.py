@@ -1,0 +1,248 @@
+"""The cuSPARSELt backend of the 2:4 linear, through ``nvmath.bindings.cusparseLt``.
+
+cuSPARSELt computes ``D = op(A) op(B)`` with A structured.  We ask it for
+``Y^T[M, N] = W[M, K] @ X^T[K, N]``: W is row-major, and X (row-major ``[N, K]``)
+read column-major is ``X^T`` with no copy; so is Y written column-major.
+
+* one library handle per device;
+* the compressed weight is derived once per weight (``derived_from``);
+* plans are cached per (device, M, K, N, dtype, activation) in a bounded LRU
+  whose evictions free the library objects;
+* ``matmul_search`` runs once per key and its result (config id, split-K
+  settings) goes to the plan cache, so a new process plans straight from it;
+* every call runs on the caller's current torch stream, read at call time,
+  so it works under ``torch.cuda.graph`` capture.
+
+Fused here: relu (a descriptor attribute).  Bias and the other activations
+are refused with a reason, and dispatch takes another backend.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..plan import Backend, PrecisionGuarantee
+from .format import derived_from
+from .gemm import GemmSparse24Args
+
+# cudaDataType and cuSPARSE enums the bindings take as plain ints.
+_CUDA_DTYPE = {"f16": 2, "bf16": 14, "f32": 0}
+_ORDER_COL, _ORDER_ROW = 1, 2
+_OP_N = 0
+_ALIGN = 16  # bytes
+_MAX_PLANS = 256
+_SEARCH_OP = "cusparselt_search"
+
+
+def _lib():
+    from nvmath.bindings import cusparseLt
+
+    return cusparseLt
+
+
+def available() -> str | None:
+    """None if nvmath-python's cuSPARSELt bindings load, else why not."""
+    try:
+        _lib()
+    except Exception as e:  # ImportError, or the shared library missing
+        return f"nvmath-python's cuSPARSELt bindings do not load ({type(e).__name__}: {e}); pip install nvmath-python"
+    return None
+
+
+_handles: dict[int, int] = {}
+_lock = threading.Lock()
+
+
+def _handle(index: int) -> int:
+    with _lock:
+        if index not in _handles:
+            with torch.cuda.device(index):
+                _handles[index] = _lib().init()
+        return _handles[index]
+
+
+@dataclass(frozen=True)
+class _Key:
+    device: int
+    m: int
+    k: int
+    n: int
+    dtype: str
+    relu: bool
+
+
+class _Plan:
+    """The library objects of one problem; destroyed when evicted."""
+
+    def __init__(self, key: _Key):
+        lib = _lib()
+        self.key = key
+        h = self.handle = _handle(key.device)
+        dt = _CUDA_DTYPE[key.dtype]
+        self.mat_a = lib.structured_descriptor_init(h, key.m, key.k, key.k, _ALIGN, dt, _ORDER_ROW,
+                                                    lib.Sparsity.SPARSITY_50_PERCENT)
+        self.mat_b = lib.dense_descriptor_init(h, key.k, key.n, key.k, _ALIGN, dt, _ORDER_COL)
+        self.mat_d = lib.dense_descriptor_init(h, key.m, key.n, key.m, _ALIGN, dt, _ORDER_COL)
+        self.matmul = lib.matmul_descriptor_init(h, _OP_N, _OP_N, self.mat_a, self.mat_b, self.mat_d, self.mat_d,
+                                                 lib.ComputeType.COMPUTE_32F)
+        if key.relu:
+            one = np.array([1], dtype=np.int32)
+            lib.matmul_desc_set_attribute(h, self.matmul, lib.MatmulDescAttribute.ACTIVATION_RELU,
+                                          one.ctypes.data, one.nbytes)
+        self.alg = lib.matmul_alg_selection_init(h, self.matmul, lib.MatmulAlg.DEFAULT)
+        self.plan = None
+        self.workspace_size = 0
+
+    def set_alg(self, found: dict) -> None:
+        lib = _lib()
+        for attr, name in ((lib.MatmulAlgAttribute.CONFIG_ID, "config_id"), (lib.MatmulAlgAttribute.SPLIT_K, "split_k"),
+                           (lib.MatmulAlgAttribute.SPLIT_K_MODE, "split_k_mode"),
+                           (lib.MatmulAlgAttribute.SPLIT_K_BUFFERS, "split_k_buffers")):
+            value = np.array([found[name]], dtype=np.int32)
+            lib.matmul_alg_set_attribute(self.handle, self.alg, attr, value.ctypes.data, value.nbytes)
+
+    def get_alg(self) -> dict:
+        lib = _lib()
+        found = {}
+        for attr, name in ((lib.MatmulAlgAttribute.CONFIG_ID, "config_id"), (lib.MatmulAlgAttribute.SPLIT_K, "split_k"),
+                           (lib.MatmulAlgAttribute.SPLIT_K_MODE, "split_k_mode"),
+                           (lib.MatmulAlgAttribute.SPLIT_K_BUFFERS, "split_k_buffers")):
+            value = np.zeros(1, dtype=np.int32)
+            lib.matmul_alg_get_attribute(self.handle, self.alg, attr, value.ctypes.data, value.nbytes)
+            found[name] = int(value[0])
+        return found
+
+    def init_plan(self) -> None:
+        lib = _lib()
+        if self.plan is not None:
+            lib.matmul_plan_destroy(self.plan)
+        self.plan = lib.matmul_plan_init(self.handle, self.matmul, self.alg)
+        self.workspace_size = lib.matmul_get_workspace(self.handle, self.plan)
+
+    def destroy(self) -> None:
+        lib = _lib()
+        if self.plan is not None:
+            lib.matmul_plan_destroy(self.plan)
+        lib.matmul_alg_selection_destroy(self.alg)
+        lib.matmul_descriptor_destroy(self.matmul)
+        for d in (self.mat_a, self.mat_b, self.mat_d):
+            lib.mat_descriptor_destroy(d)
+
+
+_plans: "OrderedDict[_Key, _Plan]" = OrderedDict()
+_ALPHA = np.array([1.0], dtype=np.float32)
+_BETA = np.array([0.0], dtype=np.float32)
+
+
+def _compressed(plan: _Plan, values: torch.Tensor, metadata: torch.Tensor) -> torch.Tensor:
+    """cuSPARSELt's compressed copy of W, built from our format once per weight state."""
+
+    def build(v, meta):
+        from .format import Sparse24Weight
+
+        dense = Sparse24Weight(v.detach(), meta, _validate=False).decompress().contiguous()
+        size, buffer_size = _lib().sp_mma_compressed_size(plan.handle, plan.plan)
+        out = torch.empty(size, dtype=torch.uint8, device=v.device)
+        scratch = torch.empty(max(buffer_size, 1), dtype=torch.uint8, device=v.device)
+        stream = torch.cuda.current_stream(v.device).cuda_stream
+        _lib().sp_mma_compress(plan.handle, plan.plan, dense.data_ptr(), out.data_ptr(), scratch.data_ptr(), stream)
+        return out
+
+    return derived_from(values, metadata, f"cusparselt:{plan.key.dtype}", build)
+
+
+def _workspace(plan: _Plan, device) -> torch.Tensor | None:
+    # The size is known only once the searched plan exists, so it comes from torch's caching
+    # allocator per call (the plan contract's workspace_size says 0) rather than from the caller.
+    return torch.empty(plan.workspace_size, dtype=torch.uint8, device=device) if plan.workspace_size else None
+
+
+def _run(plan: _Plan, a: torch.Tensor, x: torch.Tensor, y: torch.Tensor, workspace: torch.Tensor | None, search: bool):
+    lib = _lib()
+    streams = np.array([torch.cuda.current_stream(x.device).cuda_stream], dtype=np.int64)
+    ws = workspace.data_ptr() if workspace is not None else 0
+    fn = lib.matmul_search if search else lib.matmul
+    fn(plan.handle, plan.plan, _ALPHA.ctypes.data, a.data_ptr(), x.data_ptr(), _BETA.ctypes.data,
+       y.data_ptr(), y.data_ptr(), ws, streams.ctypes.data, 1)
+
+
+def plan_for(key: _Key, args: GemmSparse24Args) -> _Plan:
+    """The cached plan of ``key``; a new one is planned from the stored search, or searched on ``args``."""
+    plan = _plans.get(key)
+    if plan is not None:
+        _plans.move_to_end(key)
+        return plan
+    from ..cache import plan_cache
+
+    plan = _Plan(key)
+    problem = {"m": key.m, "k": key.k, "n": key.n, "dtype": key.dtype, "relu": key.relu}
+    stored = plan_cache().get(_SEARCH_OP, problem, device=f"cuda:{key.device}")
+    if stored is not None:
+        plan.set_alg(stored)
+        plan.init_plan()
+    else:  # search on the caller's tensors (y is written), then plan with what it found
+        plan.init_plan()
+        a = _compressed(plan, args.values, args.metadata)
+        _run(plan, a, args.x, args.y, _workspace(plan, args.x.device), search=True)
+        found = plan.get_alg()
+        plan.init_plan()
+        plan_cache().put(_SEARCH_OP, problem, found, device=f"cuda:{key.device}")
+    _plans[key] = plan
+    while len(_plans) > _MAX_PLANS:
+        _plans.popitem(last=False)[1].destroy()
+    return plan
+
+
+def _key(desc) -> _Key:
+    dev = torch.device(desc.device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return _Key(index, desc.m, desc.k, desc.n, desc.dtype, desc.activation == "relu")
+
+
+class CusparseLtSparse24Backend(Backend):
+    name = "cusparselt"
+    priority = 8
+
+    def supports(self, desc) -> str | None:
+        if not desc.device.startswith("cuda"):
+            return f"device {desc.device}: cuSPARSELt runs on CUDA devices"
+        if desc.dtype not in _CUDA_DTYPE:
+            return f"dtype {desc.dtype} is not one of {tuple(_CUDA_DTYPE)}"
+        if desc.has_bias or desc.activation not in (None, "relu"):
+            return "bias and activations other than relu are not fused by this backend"
+        # The library's shape rules for 16-bit 2:4 operands: every dim a multiple of 16 and N >= 16
+        # (n = 1 is refused by the library itself).
+        bad = [f"{name}={v}" for name, v in (("n", desc.n), ("m", desc.m), ("k", desc.k)) if v % 16 or v < 16]
+        if bad:
+            return f"cuSPARSELt needs n, m and k to be multiples of 16 (and at least 16); got {', '.join(bad)}"
+        return available()
+
+    def priority_for(self, desc) -> int:
+        return self.priority if desc.n >= 128 else 2
+
+    def precision(self, desc) -> PrecisionGuarantee:
+        return PrecisionGuarantee(
+            "tf32" if desc.dtype == "f32" else desc.dtype, "f32", deterministic=True, bit_stable=False,
+            note="cuSPARSELt picks its kernel (and split-K) per shape by search; f32 runs on TF32 tensor cores",
+        )
+
+    def can_implement(self, desc, args: GemmSparse24Args) -> None:
+        from ..errors import MisalignedOperand
+
+        for name, t in (("x", args.x), ("values", args.values)):
+            if not t.is_contiguous() or t.data_ptr() % _ALIGN:
+                raise MisalignedOperand(
+                    f"{name} has strides {t.stride()} at address {t.data_ptr():#x}; the cuSPARSELt backend "
+                    f"needs contiguous, {_ALIGN}-byte aligned operands: pass {name}.contiguous(), or "
+                    f"select another backend"
+                )
+
+    def run(self, desc, args: GemmSparse24Args, workspace) -> None:
+        plan = plan_for(_key(desc), args)
+        a = _compressed(plan, args.values, args.metadata)
+        _run(plan, a, args.x, args.y, _workspace(plan, args.x.device), search=False)
