@@ -14,7 +14,14 @@ read column-major is ``X^T`` with no copy; so is Y written column-major.
   so it works under ``torch.cuda.graph`` capture.
 
 Fused here: relu (a descriptor attribute).  Bias and the other activations
-are refused with a reason, and dispatch takes another backend.
+are refused with a reason, and dispatch takes another backend.  So is f32:
+cuSPARSELt runs f32 as TF32 with 1:2 sparsity, which is not our 2:4 format.
+
+The library's opaque structs (handle, descriptors, plan) are allocated here
+and filled by the bindings' in-place initialisers (``_dense_descriptor_init``
+and friends): nvmath-python 1.0.0's allocating wrappers size them at 512
+bytes, while cuSPARSELt 0.8 writes 1024, which corrupted the heap (measured:
+a segfault in ``matmul_plan_init`` on the second plan of a process).
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ from .format import derived_from
 from .gemm import GemmSparse24Args
 
 # cudaDataType and cuSPARSE enums the bindings take as plain ints.
-_CUDA_DTYPE = {"f16": 2, "bf16": 14, "f32": 0}
+_CUDA_DTYPE = {"f16": 2, "bf16": 14}
+_STRUCT_BYTES = 4096  # >= every cuSPARSELt opaque struct (1024 in 0.8), with room to grow
 _ORDER_COL, _ORDER_ROW = 1, 2
 _OP_N = 0
 _ALIGN = 16  # bytes
@@ -54,16 +62,25 @@ def available() -> str | None:
     return None
 
 
-_handles: dict[int, int] = {}
+def _struct() -> tuple[np.ndarray, int]:
+    """Host memory for one opaque library struct, 64-byte aligned; keep the array alive."""
+    buf = np.zeros(_STRUCT_BYTES + 64, dtype=np.uint8)
+    ptr = buf.ctypes.data
+    return buf, ptr + (-ptr % 64)
+
+
+_handles: dict[int, tuple[np.ndarray, int]] = {}
 _lock = threading.Lock()
 
 
 def _handle(index: int) -> int:
     with _lock:
         if index not in _handles:
+            buf, ptr = _struct()
             with torch.cuda.device(index):
-                _handles[index] = _lib().init()
-        return _handles[index]
+                _lib()._init(ptr)
+            _handles[index] = (buf, ptr)
+        return _handles[index][1]
 
 
 @dataclass(frozen=True)
@@ -84,17 +101,19 @@ class _Plan:
         self.key = key
         h = self.handle = _handle(key.device)
         dt = _CUDA_DTYPE[key.dtype]
-        self.mat_a = lib.structured_descriptor_init(h, key.m, key.k, key.k, _ALIGN, dt, _ORDER_ROW,
-                                                    lib.Sparsity.SPARSITY_50_PERCENT)
-        self.mat_b = lib.dense_descriptor_init(h, key.k, key.n, key.k, _ALIGN, dt, _ORDER_COL)
-        self.mat_d = lib.dense_descriptor_init(h, key.m, key.n, key.m, _ALIGN, dt, _ORDER_COL)
-        self.matmul = lib.matmul_descriptor_init(h, _OP_N, _OP_N, self.mat_a, self.mat_b, self.mat_d, self.mat_d,
-                                                 lib.ComputeType.COMPUTE_32F)
+        self._buffers, (self.mat_a, self.mat_b, self.mat_d, self.matmul, self.alg, self._plan) = zip(
+            *(_struct() for _ in range(6)))
+        lib._structured_descriptor_init(h, self.mat_a, key.m, key.k, key.k, _ALIGN, dt, _ORDER_ROW,
+                                        lib.Sparsity.SPARSITY_50_PERCENT)
+        lib._dense_descriptor_init(h, self.mat_b, key.k, key.n, key.k, _ALIGN, dt, _ORDER_COL)
+        lib._dense_descriptor_init(h, self.mat_d, key.m, key.n, key.m, _ALIGN, dt, _ORDER_COL)
+        lib._matmul_descriptor_init(h, self.matmul, _OP_N, _OP_N, self.mat_a, self.mat_b, self.mat_d, self.mat_d,
+                                    lib.ComputeType.COMPUTE_32F)
         if key.relu:
             one = np.array([1], dtype=np.int32)
             lib.matmul_desc_set_attribute(h, self.matmul, lib.MatmulDescAttribute.ACTIVATION_RELU,
                                           one.ctypes.data, one.nbytes)
-        self.alg = lib.matmul_alg_selection_init(h, self.matmul, lib.MatmulAlg.DEFAULT)
+        lib._matmul_alg_selection_init(h, self.alg, self.matmul, lib.MatmulAlg.DEFAULT)
         self.plan = None
         self.workspace_size = 0
 
@@ -120,18 +139,18 @@ class _Plan:
     def init_plan(self) -> None:
         lib = _lib()
         if self.plan is not None:
-            lib.matmul_plan_destroy(self.plan)
-        self.plan = lib.matmul_plan_init(self.handle, self.matmul, self.alg)
+            lib._matmul_plan_destroy(self.plan)
+        lib._matmul_plan_init(self.handle, self._plan, self.matmul, self.alg)
+        self.plan = self._plan
         self.workspace_size = lib.matmul_get_workspace(self.handle, self.plan)
 
     def destroy(self) -> None:
         lib = _lib()
         if self.plan is not None:
-            lib.matmul_plan_destroy(self.plan)
-        lib.matmul_alg_selection_destroy(self.alg)
-        lib.matmul_descriptor_destroy(self.matmul)
+            lib._matmul_plan_destroy(self.plan)
+        lib._matmul_alg_selection_destroy(self.alg)
         for d in (self.mat_a, self.mat_b, self.mat_d):
-            lib.mat_descriptor_destroy(d)
+            lib._mat_descriptor_destroy(d)
 
 
 _plans: "OrderedDict[_Key, _Plan]" = OrderedDict()
@@ -212,7 +231,8 @@ class CusparseLtSparse24Backend(Backend):
         if not desc.device.startswith("cuda"):
             return f"device {desc.device}: cuSPARSELt runs on CUDA devices"
         if desc.dtype not in _CUDA_DTYPE:
-            return f"dtype {desc.dtype} is not one of {tuple(_CUDA_DTYPE)}"
+            return (f"dtype {desc.dtype} is not one of {tuple(_CUDA_DTYPE)} (cuSPARSELt runs f32 as TF32 "
+                    f"with 1:2 sparsity, not 2:4)")
         if desc.has_bias or desc.activation not in (None, "relu"):
             return "bias and activations other than relu are not fused by this backend"
         # The library's shape rules for 16-bit 2:4 operands: every dim a multiple of 16 and N >= 16
@@ -227,8 +247,8 @@ class CusparseLtSparse24Backend(Backend):
 
     def precision(self, desc) -> PrecisionGuarantee:
         return PrecisionGuarantee(
-            "tf32" if desc.dtype == "f32" else desc.dtype, "f32", deterministic=True, bit_stable=False,
-            note="cuSPARSELt picks its kernel (and split-K) per shape by search; f32 runs on TF32 tensor cores",
+            desc.dtype, "f32", deterministic=True, bit_stable=False,
+            note="cuSPARSELt picks its kernel (and split-K) per shape by search, so bits can change with N",
         )
 
     def can_implement(self, desc, args: GemmSparse24Args) -> None:
