@@ -21,7 +21,9 @@ The library's opaque structs (handle, descriptors, plan) are allocated here
 and filled by the bindings' in-place initialisers (``_dense_descriptor_init``
 and friends): nvmath-python 1.0.0's allocating wrappers size them at 512
 bytes, while cuSPARSELt 0.8 writes 1024, which corrupted the heap (measured:
-a segfault in ``matmul_plan_init`` on the second plan of a process).
+a segfault in ``matmul_plan_init`` on the second plan of a process).  A plan
+is initialised once: ``matmul_search`` updates it in place, and re-initialising
+a destroyed plan in the same memory crashed cuSPARSELt 0.8.
 """
 
 from __future__ import annotations
@@ -138,8 +140,6 @@ class _Plan:
 
     def init_plan(self) -> None:
         lib = _lib()
-        if self.plan is not None:
-            lib._matmul_plan_destroy(self.plan)
         lib._matmul_plan_init(self.handle, self._plan, self.matmul, self.alg)
         self.plan = self._plan
         self.workspace_size = lib.matmul_get_workspace(self.handle, self.plan)
@@ -204,12 +204,12 @@ def plan_for(key: _Key, args: GemmSparse24Args) -> _Plan:
     if stored is not None:
         plan.set_alg(stored)
         plan.init_plan()
-    else:  # search on the caller's tensors (y is written), then plan with what it found
+    else:  # search on the caller's tensors (y is written); the search updates the plan in place
         plan.init_plan()
         a = _compressed(plan, args.values, args.metadata)
         _run(plan, a, args.x, args.y, _workspace(plan, args.x.device), search=True)
         found = plan.get_alg()
-        plan.init_plan()
+        plan.workspace_size = _lib().matmul_get_workspace(plan.handle, plan.plan)
         plan_cache().put(_SEARCH_OP, problem, found, device=f"cuda:{key.device}")
     _plans[key] = plan
     while len(_plans) > _MAX_PLANS:
