@@ -22,8 +22,8 @@ and filled by the bindings' in-place initialisers (``_dense_descriptor_init``
 and friends): nvmath-python 1.0.0's allocating wrappers size them at 512
 bytes, while cuSPARSELt 0.8 writes 1024, which corrupted the heap (measured:
 a segfault in ``matmul_plan_init`` on the second plan of a process).  A plan
-is initialised once: ``matmul_search`` updates it in place, and re-initialising
-a destroyed plan in the same memory crashed cuSPARSELt 0.8.
+is initialised once: ``matmul_search`` updates it in place (re-initialising it
+after the search crashed cuSPARSELt 0.8 in a measured run).
 """
 
 from __future__ import annotations
