@@ -165,11 +165,14 @@ def _compressed(plan: _Plan, values: torch.Tensor, metadata: torch.Tensor) -> to
         from .format import Sparse24Weight
 
         dense = Sparse24Weight(v.detach(), meta, _validate=False).decompress().contiguous()
-        size, buffer_size = _lib().sp_mma_compressed_size(plan.handle, plan.plan)
+        # The *2 forms take only W's descriptor: the compressed copy does not depend on N, so one
+        # copy serves the plans of every N bucket.
+        size, buffer_size = _lib().sp_mma_compressed_size2(plan.handle, plan.mat_a)
         out = torch.empty(size, dtype=torch.uint8, device=v.device)
         scratch = torch.empty(max(buffer_size, 1), dtype=torch.uint8, device=v.device)
         stream = torch.cuda.current_stream(v.device).cuda_stream
-        _lib().sp_mma_compress(plan.handle, plan.plan, dense.data_ptr(), out.data_ptr(), scratch.data_ptr(), stream)
+        _lib().sp_mma_compress2(plan.handle, plan.mat_a, 1, _OP_N, dense.data_ptr(), out.data_ptr(),
+                                scratch.data_ptr(), stream)
         return out
 
     return derived_from(values, metadata, f"cusparselt:{plan.key.dtype}", build)
@@ -182,12 +185,22 @@ def _workspace(plan: _Plan, device) -> torch.Tensor | None:
 
 
 def _run(plan: _Plan, a: torch.Tensor, x: torch.Tensor, y: torch.Tensor, workspace: torch.Tensor | None, search: bool):
+    """One matmul (or the search), with the library's status turned into a KernelPlanError."""
     lib = _lib()
     streams = np.array([torch.cuda.current_stream(x.device).cuda_stream], dtype=np.int64)
     ws = workspace.data_ptr() if workspace is not None else 0
     fn = lib.matmul_search if search else lib.matmul
-    fn(plan.handle, plan.plan, _ALPHA.ctypes.data, a.data_ptr(), x.data_ptr(), _BETA.ctypes.data,
-       y.data_ptr(), y.data_ptr(), ws, streams.ctypes.data, 1)
+    try:
+        fn(plan.handle, plan.plan, _ALPHA.ctypes.data, a.data_ptr(), x.data_ptr(), _BETA.ctypes.data,
+           y.data_ptr(), y.data_ptr(), ws, streams.ctypes.data, 1)
+    except lib.cuSPARSELtError as e:
+        from ..errors import Unsupported
+
+        k = plan.key
+        raise Unsupported(
+            f"cuSPARSELt failed on n={k.n}, m={k.m}, k={k.k}, {k.dtype} ({'search' if search else 'matmul'}: "
+            f"{e}); select another backend with PlanPreference.only('dense') or 'triton'"
+        ) from e
 
 
 def plan_for(key: _Key, args: GemmSparse24Args) -> _Plan:
