@@ -6,6 +6,7 @@ the custom op with its autograd formula, and the functional wrapper.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -115,22 +116,18 @@ GemmSparse24Plan.registry.register(ReferenceSparse24Backend())
 # -- custom op: torch.compile-safe, autograd-aware ---------------------------
 
 
-@torch.library.custom_op("kernelplan::sparse24_linear", mutates_args=())
-def _sparse24_linear_op(
+@functools.lru_cache(maxsize=4096)
+def _descriptor(n, m, k, dtype, activation, has_bias, device) -> GemmSparse24Descriptor:
+    return GemmSparse24Descriptor(n, m, k, dtype_info(dtype).name, activation or None, has_bias, str(device))
+
+
+def _sparse24_linear_impl(
     x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias: Optional[torch.Tensor], activation: str
 ) -> torch.Tensor:
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m = values.shape[0]
-    desc = GemmSparse24Descriptor(
-        n=x2.shape[0],
-        m=m,
-        k=k,
-        dtype=dtype_info(x.dtype).name,
-        activation=activation or None,
-        has_bias=bias is not None,
-        device=str(x.device),
-    )
+    desc = _descriptor(x2.shape[0], m, k, x.dtype, activation, bias is not None, x.device)
     y = torch.empty((x2.shape[0], m), dtype=x.dtype, device=x.device)
     args = GemmSparse24Args(x2, values, metadata, y, bias)
     if x.is_cuda and _first_of_its_bucket(desc):
@@ -139,6 +136,29 @@ def _sparse24_linear_op(
         tune(desc, args)  # once per bucket and environment; later processes read the plan cache
     memoised_select(GemmSparse24Plan, desc).run(args)
     return y.reshape(*x.shape[:-1], m)
+
+
+_sparse24_linear_op = torch.library.custom_op("kernelplan::sparse24_linear", mutates_args=())(_sparse24_linear_impl)
+
+
+def _plain_eager(*tensors: torch.Tensor | None) -> bool:
+    """True when the custom op would add nothing: no tracing, no autograd, plain tensors.
+
+    The op's dispatcher round trip costs more host time than the rest of a call
+    (about 15 us on an H200 host); torch.compile, autograd and tensor subclasses
+    (FakeTensor, DTensor, ...) still go through it.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            return False
+        if grad and t.requires_grad:
+            return False
+    return True
 
 
 _seen_buckets: set = set()
@@ -223,4 +243,5 @@ def linear(
         check_tensor(bias, "bias", shape=(m,), dtype=w24.dtype, device=w24.device)
     if activation is not None:
         activation = choice(activation, "activation", SPARSE24_ACTIVATIONS)
-    return _sparse24_linear_op(x, w24.values, w24.metadata, bias, activation or "")
+    op = _sparse24_linear_impl if _plain_eager(x, w24.values, bias) else _sparse24_linear_op
+    return op(x, w24.values, w24.metadata, bias, activation or "")
