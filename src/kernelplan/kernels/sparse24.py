@@ -25,9 +25,6 @@ import triton.language as tl
 from ..sparse24.format import _metadata_bytes, derived_from
 from .activations import ACTIVATION_CODES, act_and_grad
 
-K_ALIGN = 64  # the smallest BLOCK_K; K must be a multiple of it
-
-
 @triton.jit
 def _dense_tile(v_ptr, meta_ptr, rm, m_mask, k0, svm, svk, spm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """The dense ``[BLOCK_M, BLOCK_K]`` fp32 tile of W at columns ``k0 ...`` from values and packed metadata."""
@@ -117,6 +114,7 @@ class Config:
     num_stages: int = 3
 
 
+@functools.lru_cache(maxsize=4096)
 def config_for(n: int, m: int, k: int, sm_count: int, itemsize: int = 2) -> Config:
     """Tiles for a problem: whole N in one tile up to 64, K split until the SMs are busy."""
     block_n = max(16, min(64, triton.next_power_of_2(max(n, 1))))

@@ -85,6 +85,14 @@ def _handle(index: int) -> int:
         return _handles[index][1]
 
 
+# What matmul_search decides, as stored in the plan cache: the algorithm attributes by name.
+_ALG_ATTRS = ("config_id", "split_k", "split_k_mode", "split_k_buffers")
+
+
+def _alg_attr(name: str) -> int:
+    return getattr(_lib().MatmulAlgAttribute, name.upper())
+
+
 @dataclass(frozen=True)
 class _Key:
     device: int
@@ -121,20 +129,16 @@ class _Plan:
 
     def set_alg(self, found: dict) -> None:
         lib = _lib()
-        for attr, name in ((lib.MatmulAlgAttribute.CONFIG_ID, "config_id"), (lib.MatmulAlgAttribute.SPLIT_K, "split_k"),
-                           (lib.MatmulAlgAttribute.SPLIT_K_MODE, "split_k_mode"),
-                           (lib.MatmulAlgAttribute.SPLIT_K_BUFFERS, "split_k_buffers")):
+        for name in _ALG_ATTRS:
             value = np.array([found[name]], dtype=np.int32)
-            lib.matmul_alg_set_attribute(self.handle, self.alg, attr, value.ctypes.data, value.nbytes)
+            lib.matmul_alg_set_attribute(self.handle, self.alg, _alg_attr(name), value.ctypes.data, value.nbytes)
 
     def get_alg(self) -> dict:
         lib = _lib()
         found = {}
-        for attr, name in ((lib.MatmulAlgAttribute.CONFIG_ID, "config_id"), (lib.MatmulAlgAttribute.SPLIT_K, "split_k"),
-                           (lib.MatmulAlgAttribute.SPLIT_K_MODE, "split_k_mode"),
-                           (lib.MatmulAlgAttribute.SPLIT_K_BUFFERS, "split_k_buffers")):
+        for name in _ALG_ATTRS:
             value = np.zeros(1, dtype=np.int32)
-            lib.matmul_alg_get_attribute(self.handle, self.alg, attr, value.ctypes.data, value.nbytes)
+            lib.matmul_alg_get_attribute(self.handle, self.alg, _alg_attr(name), value.ctypes.data, value.nbytes)
             found[name] = int(value[0])
         return found
 
