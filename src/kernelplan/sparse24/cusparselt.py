@@ -20,8 +20,8 @@ cuSPARSELt runs f32 as TF32 with 1:2 sparsity, which is not our 2:4 format.
 The library's opaque structs (handle, descriptors, plan) are allocated here
 and filled by the bindings' in-place initialisers (``_dense_descriptor_init``
 and friends): nvmath-python 1.0.0's allocating wrappers size them at 512
-bytes, while cuSPARSELt 0.8 writes 1024, which corrupted the heap (measured:
-a segfault in ``matmul_plan_init`` on the second plan of a process).  A plan
+bytes, while cuSPARSELt 0.8's structs are 1024: the likely cause of a measured
+segfault in ``matmul_plan_init`` on the second plan of a process, gone since.  A plan
 is initialised once: ``matmul_search`` updates it in place (re-initialising it
 after the search crashed cuSPARSELt 0.8 in a measured run).
 """
@@ -268,18 +268,11 @@ class CusparseLtSparse24Backend(Backend):
             note="cuSPARSELt picks its kernel (and split-K) per shape by search, so bits can change with N",
         )
 
-    def can_implement(self, desc, args: GemmSparse24Args) -> None:
-        from ..errors import MisalignedOperand
-
-        for name, t in (("x", args.x), ("values", args.values)):
-            if not t.is_contiguous() or t.data_ptr() % _ALIGN:
-                raise MisalignedOperand(
-                    f"{name} has strides {t.stride()} at address {t.data_ptr():#x}; the cuSPARSELt backend "
-                    f"needs contiguous, {_ALIGN}-byte aligned operands: pass {name}.contiguous(), or "
-                    f"select another backend"
-                )
-
     def run(self, desc, args: GemmSparse24Args, workspace) -> None:
+        # cuSPARSELt reads X^T column-major with ld = K from a 16-byte aligned address: any other
+        # x (a transposed or sliced view) is copied once into that layout, so every x is accepted.
+        if not args.x.is_contiguous() or args.x.data_ptr() % _ALIGN:
+            args = GemmSparse24Args(args.x.contiguous(), args.values, args.metadata, args.y, args.bias)
         plan = plan_for(_key(desc), args)
-        a = _compressed(plan, args.values, args.metadata)
+        a = _compressed(plan, args.values, args.metadata)  # built from a contiguous dense copy of W
         _run(plan, a, args.x, args.y, _workspace(plan, args.x.device), search=False)
