@@ -271,8 +271,15 @@ class CusparseLtSparse24Backend(Backend):
     def run(self, desc, args: GemmSparse24Args, workspace) -> None:
         # cuSPARSELt reads X^T column-major with ld = K from a 16-byte aligned address: any other
         # x (a transposed or sliced view) is copied once into that layout, so every x is accepted.
-        if not args.x.is_contiguous() or args.x.data_ptr() % _ALIGN:
-            args = GemmSparse24Args(args.x.contiguous(), args.values, args.metadata, args.y, args.bias)
-        plan = plan_for(_key(desc), args)
+        # The same holds for y, which it writes as Y^T column-major with ld = M.
+        x, y = args.x, args.y
+        if not x.is_contiguous() or x.data_ptr() % _ALIGN:
+            x = x.contiguous()
+        if not y.is_contiguous() or y.data_ptr() % _ALIGN:
+            y = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+        args_here = GemmSparse24Args(x, args.values, args.metadata, y, args.bias)
+        plan = plan_for(_key(desc), args_here)
         a = _compressed(plan, args.values, args.metadata)  # built from a contiguous dense copy of W
-        _run(plan, a, args.x, args.y, _workspace(plan, args.x.device), search=False)
+        _run(plan, a, x, y, _workspace(plan, x.device), search=False)
+        if y is not args.y:
+            args.y.copy_(y)
