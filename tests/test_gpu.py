@@ -233,3 +233,18 @@ def test_cusparselt_under_graph_capture():
     torch.cuda.synchronize()
     want = F.linear(x.float(), w24.decompress().float())
     torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_cusparselt_takes_transposed_x_and_strided_y():
+    from kernelplan.sparse24 import GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan
+
+    w = kp.sparse24.prune(torch.randn(512, 1024, device="cuda")).half()
+    w24 = kp.sparse24.compress(w)
+    x = torch.randn(1024, 64, device="cuda", dtype=torch.float16).t()  # [64, 1024], column-major
+    y_buf = torch.full((64, 1024), float("nan"), device="cuda", dtype=torch.float16)
+    y = y_buf[:, ::2]  # [64, 512], stride 2
+    plan = GemmSparse24Plan.select(GemmSparse24Descriptor(64, 512, 1024, "f16", device="cuda:0"),
+                                   kp.PlanPreference.only("cusparselt"))
+    plan.run(GemmSparse24Args(x, w24.values, w24.metadata, y))
+    assert_close(y, F.linear(x.double(), w.double()), F.linear(x, w), atol=FWD_ATOL[torch.float16])
+    assert torch.isnan(y_buf[:, 1::2]).all()
