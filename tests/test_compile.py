@@ -77,3 +77,26 @@ def test_sparse24_inference_skips_the_op_in_eager_but_not_under_compile():
     assert any("kernelplan.sparse24_linear" in g for g in graphs)
     torch.testing.assert_close(eager, compiled)
     torch.testing.assert_close(eager, torch.relu(x @ w24.decompress().T))
+
+
+def test_gated_inference_skips_the_op_in_eager_and_compile_keeps_it():
+    from unittest import mock
+
+    from kernelplan import gated
+
+    torch._dynamo.reset()
+    x = torch.randn(4, 10)
+    with mock.patch.object(gated, "_gated_op", wraps=gated._gated_op) as op:
+        eager = kp.gated_activation(x, "geglu", gate="first")
+        assert op.call_count == 0
+        kp.gated_activation(x.clone().requires_grad_(), "geglu", gate="first").sum().backward()
+        assert op.call_count == 1
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    compiled = torch.compile(lambda t: kp.gated_activation(t, "geglu", gate="first"), fullgraph=True, backend=backend)(x)
+    assert any("kernelplan.gated_activation" in g for g in graphs)
+    torch.testing.assert_close(eager, compiled)

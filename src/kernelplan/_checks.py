@@ -98,3 +98,24 @@ def choice(value, operand: str, allowed: Sequence[str]) -> str:
     if isinstance(value, str) and value.lower() in allowed:
         return value.lower()
     raise InvalidProblem(f"{operand} is {value!r}; it must be one of {', '.join(map(repr, allowed))}")
+
+
+def plain_eager(*tensors: torch.Tensor | None) -> bool:
+    """True when the custom op would add nothing: no tracing, no autograd, plain tensors.
+
+    The op's dispatcher round trip cost more host time than the rest of a call
+    (measured on the CPU CI machine with a no-op 2:4 backend: 61 us per call
+    through the op, 23 us without); torch.compile, autograd and tensor
+    subclasses (FakeTensor, DTensor, ...) still go through it.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            return False
+        if grad and t.requires_grad:
+            return False
+    return True

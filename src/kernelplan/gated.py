@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_no_internal_overlap, check_no_overlap, check_tensor, choice
+from ._checks import check_no_internal_overlap, check_no_overlap, check_tensor, choice, plain_eager
 from .activations import ACTIVATIONS
 from .dtypes import FLOAT_DTYPES, dtype_info
 from .errors import InvalidProblem, Unsupported
@@ -261,11 +261,13 @@ def _halved(x: torch.Tensor, dim: int) -> list[int]:
     return shape
 
 
-@torch.library.custom_op("kernelplan::gated_activation", mutates_args=())
-def _gated_op(x: torch.Tensor, kind: str, dim: int, gate: str, approximate: str) -> torch.Tensor:
+def _gated_impl(x: torch.Tensor, kind: str, dim: int, gate: str, approximate: str) -> torch.Tensor:
     y = x.new_empty(_halved(x, dim))
     _forward(x, kind, dim, gate, approximate, y)
     return y
+
+
+_gated_op = torch.library.custom_op("kernelplan::gated_activation", mutates_args=())(_gated_impl)
 
 
 @_gated_op.register_fake
@@ -371,7 +373,8 @@ def gated_activation(
     """
     d = _normalise(x, kind, dim, gate, approximate)
     if out is None:
-        return _gated_op(x, d.kind, d.split_dim, d.gate, d.approximate)
+        op = _gated_impl if plain_eager(x) else _gated_op
+        return op(x, d.kind, d.split_dim, d.gate, d.approximate)
     _check_out_without_grad(out, ("x", x))
     _gated_out_op(x, d.kind, d.split_dim, d.gate, d.approximate, out)
     return out

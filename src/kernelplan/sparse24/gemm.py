@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .._checks import check_dims, check_no_overlap, check_tensor, choice
+from .._checks import check_dims, check_no_overlap, check_tensor, choice, plain_eager
 from ..activations import ACTIVATIONS
 from ..dtypes import dtype_info
 from ..errors import InvalidProblem, MisalignedOperand
@@ -141,26 +141,6 @@ def _sparse24_linear_impl(
 _sparse24_linear_op = torch.library.custom_op("kernelplan::sparse24_linear", mutates_args=())(_sparse24_linear_impl)
 
 
-def _plain_eager(*tensors: torch.Tensor | None) -> bool:
-    """True when the custom op would add nothing: no tracing, no autograd, plain tensors.
-
-    The op's dispatcher round trip costs more host time than the rest of a call
-    (about 15 us on an H200 host); torch.compile, autograd and tensor subclasses
-    (FakeTensor, DTensor, ...) still go through it.
-    """
-    if torch.compiler.is_compiling():
-        return False
-    grad = torch.is_grad_enabled()
-    for t in tensors:
-        if t is None:
-            continue
-        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-            return False
-        if grad and t.requires_grad:
-            return False
-    return True
-
-
 _seen_buckets: set = set()
 
 
@@ -243,5 +223,5 @@ def linear(
         check_tensor(bias, "bias", shape=(m,), dtype=w24.dtype, device=w24.device)
     if activation is not None:
         activation = choice(activation, "activation", SPARSE24_ACTIVATIONS)
-    op = _sparse24_linear_impl if _plain_eager(x, w24.values, bias) else _sparse24_linear_op
+    op = _sparse24_linear_impl if plain_eager(x, w24.values, bias) else _sparse24_linear_op
     return op(x, w24.values, w24.metadata, bias, activation or "")
