@@ -26,7 +26,7 @@ from .gated import (  # noqa: E402
 )
 from .gemm import Epilogue, GemmArgs, GemmDescriptor, GemmPlan, ScaleSet, linear  # noqa: E402
 from .plan import Plan, PlanPreference, PrecisionGuarantee, Sku  # noqa: E402
-from . import nn  # noqa: E402
+from . import fp8, nn  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -34,6 +34,7 @@ __all__ = [
     "errors",
     "sparse24",
     "nn",
+    "fp8",
     "KernelPlanError",
     "InvalidProblem",
     "Unsupported",
