@@ -27,6 +27,7 @@ from .gated import (  # noqa: E402
 from .gemm import Epilogue, GemmArgs, GemmDescriptor, GemmPlan, ScaleSet, linear  # noqa: E402
 from .plan import Plan, PlanPreference, PrecisionGuarantee, Sku  # noqa: E402
 from . import fp8, nn  # noqa: E402
+from .checkpoint import load_compressed, save_compressed, sparsify  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -35,6 +36,9 @@ __all__ = [
     "sparse24",
     "nn",
     "fp8",
+    "sparsify",
+    "save_compressed",
+    "load_compressed",
     "KernelPlanError",
     "InvalidProblem",
     "Unsupported",

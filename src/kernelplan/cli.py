@@ -16,6 +16,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--device", default=None, help="cpu or cuda[:i]; default: cuda if present, else cpu")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
 
+    sparsify = sub.add_parser("sparsify", help="prune a safetensors checkpoint to 2:4 and write it compressed")
+    sparsify.add_argument("input", nargs="?", help="a .safetensors file of dense weights (default: a built-in example)")
+    sparsify.add_argument("output", nargs="?", help="where to write the compressed checkpoint")
+    sparsify.add_argument("--filter", default=None, metavar="REGEX", help="prune only the 2-D weights whose name matches")
+    sparsify.add_argument("--dry-run", action="store_true", help="report what would change; write nothing")
+
     cache = sub.add_parser("cache", help="inspect or clear the persistent plan cache")
     cache.add_argument("action", choices=("info", "clear"))
     cache.add_argument("--json", action="store_true", help="print info as JSON")
@@ -23,9 +29,71 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "cache":
         return _cache(args)
+    if args.command == "sparsify":
+        return _sparsify(args)
     from .bench import run_bench
 
     return run_bench(args.suite, device=args.device, json_path=args.json)
+
+
+def _sparsify(args) -> int:
+    import os
+    import tempfile
+
+    from .checkpoint import save_compressed, sparsify_state_dict
+    from .errors import KernelPlanError
+
+    if (args.input is None) != (args.output is None):
+        print("kernelplan sparsify: give both IN.safetensors and OUT.safetensors, or neither for the example")
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        source, target = args.input, args.output
+        if source is None:
+            source, target = _example_checkpoint(tmp), os.path.join(tmp, "example-2of4.safetensors")
+            print(f"no checkpoint given: sparsifying a built-in example model ({source})")
+        try:
+            state = _load_dense(source)
+            compressed, report = sparsify_state_dict(state, args.filter)
+            print(report.summary())
+            if not args.dry_run:
+                save_compressed(compressed, target)
+                print(f"wrote {target}")
+        except KernelPlanError as e:
+            print(f"kernelplan sparsify: {e}")
+            return 2
+    return 0
+
+
+def _load_dense(path: str) -> dict:
+    import os
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from .errors import InvalidProblem
+
+    if not os.path.isfile(path):
+        raise InvalidProblem(f"{path} does not exist or is not a file")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise InvalidProblem(f"{path} is not a safetensors file ({e})") from e
+
+
+def _example_checkpoint(directory: str) -> str:
+    """A small MLP's dense weights, one layer of which cannot be 2:4 (in_features=60)."""
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 60), torch.nn.Linear(60, 8)
+    )
+    path = os.path.join(directory, "example.safetensors")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    return path
 
 
 def _cache(args) -> int:

@@ -1,0 +1,191 @@
+"""Compressed checkpoints (safetensors) and ``sparsify``: dense models to 2:4 ones.
+
+A compressed checkpoint is a plain safetensors file.  Its metadata names the
+format (``kernelplan.sparse24``), the format version, the kernelplan version
+and a SHA-256 over every tensor's name, dtype, shape and bytes, so a newer
+format, a truncated file or changed bytes are refused with a clear error.  A
+2:4 layer ``p`` is stored as ``p.values`` and ``p.metadata`` (the public
+format of ``kernelplan.sparse24``), beside its ``p.bias``: exactly the
+``state_dict`` of a model whose ``nn.Linear``s ``sparsify`` replaced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from . import __version__
+from .errors import InvalidProblem
+from .nn.sparse24_linear import Sparse24Linear
+from .sparse24.format import FORMAT_VERSION, SPARSE24_DTYPES, Sparse24Weight
+
+FORMAT_NAME = "kernelplan.sparse24"
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def save_compressed(model_or_state_dict: nn.Module | dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """Write a model's (or a state dict's) tensors to ``path`` as a compressed checkpoint."""
+    from safetensors.torch import save_file
+
+    state = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, nn.Module) else model_or_state_dict
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise InvalidProblem("model_or_state_dict must be an nn.Module or a dict of tensors")
+    tensors, seen = {}, set()
+    for name, t in state.items():
+        t = t.detach().contiguous()
+        key = (t.untyped_storage().data_ptr(), t.device) if t.numel() else None
+        # safetensors refuses tensors that share memory (tied weights): store such a one as a copy.
+        tensors[name] = t.clone() if key in seen else t
+        seen.add(key)
+    metadata = {
+        "format": FORMAT_NAME,
+        "format_version": str(FORMAT_VERSION),
+        "kernelplan_version": __version__,
+        "sha256": _digest(tensors),
+    }
+    save_file(tensors, os.fspath(path), metadata=metadata)
+
+
+def load_compressed(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Read a compressed checkpoint into a state dict on ``device``, checking format and integrity."""
+    from safetensors import SafetensorError, safe_open
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise InvalidProblem(f"{path} does not exist or is not a file: pass the path of a .safetensors checkpoint")
+    try:
+        with safe_open(path, framework="pt", device=str(device)) as f:
+            meta = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise InvalidProblem(f"{path} is not a readable safetensors file ({e}); it may be truncated or another format") from e
+    if meta.get("format") != FORMAT_NAME:
+        raise InvalidProblem(
+            f"{path} has format {meta.get('format')!r}, not {FORMAT_NAME!r}: write it with kernelplan.save_compressed "
+            f"or the `kernelplan sparsify` command"
+        )
+    version = int(meta.get("format_version", "0"))
+    if version > FORMAT_VERSION:
+        raise InvalidProblem(
+            f"{path} has format version {version}, newer than this kernelplan's {FORMAT_VERSION} "
+            f"(written by kernelplan {meta.get('kernelplan_version')}): upgrade kernelplan"
+        )
+    if _digest(tensors) != meta.get("sha256"):
+        raise InvalidProblem(f"{path}: the tensors do not match the checksum recorded when it was written; "
+                             f"the file was changed or damaged after saving")
+    for name in tensors:
+        if name.endswith(".metadata") and name[: -len("metadata")] + "values" in tensors:
+            Sparse24Weight(tensors[name[: -len("metadata")] + "values"], tensors[name])  # checks the metadata bits
+    return tensors
+
+
+@dataclass
+class SparsifyReport:
+    converted: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # layer name -> why it stayed dense
+    bytes_before: int = 0  # weights of the converted layers, dense
+    bytes_after: int = 0  # the same layers, compressed
+
+    def summary(self) -> str:
+        saved = self.bytes_before - self.bytes_after
+        lines = [f"converted {len(self.converted)} layers: {self.bytes_before / 2**20:.2f} MiB -> "
+                 f"{self.bytes_after / 2**20:.2f} MiB ({saved / 2**20:.2f} MiB saved)"]
+        lines += [f"skipped {name}: {why}" for name, why in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def eligibility(weight: torch.Tensor) -> str | None:
+    """Why a 2-D weight cannot be stored 2:4, or None if it can."""
+    from .dtypes import dtype_info
+
+    info = dtype_info(weight.dtype) if weight.is_floating_point() else None
+    if info is None or info.name not in SPARSE24_DTYPES:
+        return f"dtype {weight.dtype} is not one of {SPARSE24_DTYPES}"
+    if weight.dim() != 2:
+        return f"weight has {weight.dim()} dims; only 2-D weights are pruned"
+    if weight.shape[1] % 8:
+        return f"in_features={weight.shape[1]} is not a multiple of 8"
+    return None
+
+
+def _compressed_bytes(weight: torch.Tensor) -> int:
+    m, k = weight.shape
+    return m * k // 2 * weight.element_size() + m * k // 8 * 2
+
+
+def sparsify(
+    model: nn.Module, filter_fn: Callable[[str, nn.Linear], bool] | None = None, progress: bool = True
+) -> SparsifyReport:
+    """Replace every eligible ``nn.Linear`` of ``model`` in place with a 2:4 ``Sparse24Linear``."""
+    from tqdm.auto import tqdm
+
+    if not isinstance(model, nn.Module):
+        raise InvalidProblem(f"model is a {type(model).__name__}; sparsify takes an nn.Module")
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    report = SparsifyReport()
+    for name, layer in tqdm(linears, desc="sparsify", disable=not progress or len(linears) < 8):
+        if not name:
+            report.skipped["<model>"] = "the model itself is an nn.Linear: use Sparse24Linear.from_dense(model)"
+            continue
+        if filter_fn is not None and not filter_fn(name, layer):
+            report.skipped[name] = "filtered out by filter_fn"
+            continue
+        reason = eligibility(layer.weight)
+        if reason is not None:
+            report.skipped[name] = reason
+            continue
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        setattr(parent, name.rpartition(".")[2], Sparse24Linear.from_dense(layer))
+        report.converted.append(name)
+        report.bytes_before += layer.weight.numel() * layer.weight.element_size()
+        report.bytes_after += _compressed_bytes(layer.weight)
+    return report
+
+
+def sparsify_state_dict(state: dict[str, torch.Tensor], pattern: str | None = None) -> tuple[dict, SparsifyReport]:
+    """Prune and compress every 2-D ``*.weight`` whose name matches ``pattern`` (a regex; default all).
+
+    ``p.weight`` becomes ``p.values`` and ``p.metadata``; everything else is kept.  Embedding
+    tables (names containing "embed") stay dense unless ``pattern`` names them.
+    """
+    import re
+
+    from .sparse24.format import compress, prune
+
+    try:
+        regex = re.compile(pattern) if pattern is not None else None
+    except re.error as e:
+        raise InvalidProblem(f"filter {pattern!r} is not a valid regular expression: {e}") from e
+    out, report = {}, SparsifyReport()
+    for name, t in state.items():
+        wanted = name.endswith(".weight") and t.dim() == 2 and (regex is None or regex.search(name))
+        if not wanted:
+            out[name] = t
+            continue
+        prefix = name[: -len(".weight")]
+        reason = eligibility(t)
+        if reason is None and regex is None and "embed" in name:
+            reason = "an embedding table, not a linear weight (name it in --filter to prune it anyway)"
+        if reason is not None:
+            report.skipped[prefix] = reason
+            out[name] = t
+            continue
+        w24 = compress(prune(t))
+        out[prefix + ".values"], out[prefix + ".metadata"] = w24.values, w24.metadata
+        report.converted.append(prefix)
+        report.bytes_before += t.numel() * t.element_size()
+        report.bytes_after += _compressed_bytes(t)
+    return out, report

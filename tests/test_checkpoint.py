@@ -1,0 +1,141 @@
+"""``sparsify``, compressed safetensors checkpoints and the ``kernelplan sparsify`` command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import kernelplan as kp
+from kernelplan.errors import InvalidProblem
+
+
+def _model():
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16), nn.Sequential(nn.Linear(16, 20), nn.Linear(20, 4)))
+
+
+def test_sparsify_swaps_eligible_linears_and_matches_the_masked_dense_model(seed):
+    model = _model()
+    dense = _model()
+    dense.load_state_dict(model.state_dict())
+    report = kp.sparsify(model, progress=False)
+    assert report.converted == ["0", "2", "3.0"]
+    assert report.skipped == {"3.1": "in_features=20 is not a multiple of 8"}
+    assert report.bytes_before == 4 * (64 * 32 + 32 * 16 + 16 * 20)
+    assert report.bytes_after == sum(m * k // 2 * 4 + m * k // 8 * 2 for m, k in ((32, 64), (16, 32), (20, 16)))
+    assert isinstance(model[0], kp.nn.Sparse24Linear) and isinstance(model[3][1], nn.Linear)
+    with torch.no_grad():
+        for name in report.converted:  # the masked-dense reference: the same pruned weights, dense
+            dense.get_submodule(name).weight.copy_(model.get_submodule(name).to_dense())
+        x = torch.randn(5, 64)
+        torch.testing.assert_close(model(x), dense(x))
+
+
+def test_filter_fn_and_its_reason():
+    model = _model()
+    report = kp.sparsify(model, filter_fn=lambda name, layer: name != "2", progress=False)
+    assert report.skipped["2"] == "filtered out by filter_fn" and "2" not in report.converted
+
+
+def test_round_trip_is_bit_exact_and_loads_into_a_sparsified_model(tmp_path, seed):
+    model = _model()
+    kp.sparsify(model, progress=False)
+    path = tmp_path / "m.safetensors"
+    kp.save_compressed(model, path)
+    state = kp.load_compressed(path)
+    assert state.keys() == model.state_dict().keys()
+    for name, t in model.state_dict().items():
+        assert torch.equal(state[name], t) and state[name].dtype == t.dtype, name
+    fresh = _model()
+    kp.sparsify(fresh, progress=False)
+    fresh.load_state_dict(state)
+    x = torch.randn(3, 64)
+    assert torch.equal(fresh(x), model(x))
+
+
+def _write(path, tensors, **meta):
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={k: str(v) for k, v in meta.items()})
+
+
+def test_newer_foreign_truncated_and_tampered_files_are_refused(tmp_path):
+    model = _model()
+    kp.sparsify(model, progress=False)
+    good = tmp_path / "good.safetensors"
+    kp.save_compressed(model, good)
+    data = good.read_bytes()
+
+    newer = tmp_path / "newer.safetensors"
+    _write(newer, {"a": torch.ones(2)}, format="kernelplan.sparse24", format_version=99, sha256="x")
+    with pytest.raises(InvalidProblem, match=r"format version 99, newer than this kernelplan's 1.*upgrade"):
+        kp.load_compressed(newer)
+    foreign = tmp_path / "foreign.safetensors"
+    _write(foreign, {"a": torch.ones(2)})
+    with pytest.raises(InvalidProblem, match=r"has format None, not 'kernelplan.sparse24'"):
+        kp.load_compressed(foreign)
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(data[: len(data) // 2])
+    with pytest.raises(InvalidProblem, match=r"not a readable safetensors file"):
+        kp.load_compressed(truncated)
+    tampered = tmp_path / "tampered.safetensors"
+    tampered.write_bytes(data[:-8] + bytes(b ^ 0xFF for b in data[-8:]))
+    with pytest.raises(InvalidProblem, match=r"do not match the checksum"):
+        kp.load_compressed(tampered)
+    with pytest.raises(InvalidProblem, match=r"does not exist"):
+        kp.load_compressed(tmp_path / "missing.safetensors")
+
+
+def test_tied_weights_are_saved():
+    shared = nn.Linear(8, 8)
+    state = {"a.weight": shared.weight, "b.weight": shared.weight}
+    # safetensors itself refuses shared memory; save_compressed stores the second as a copy.
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        kp.save_compressed(state, os.path.join(d, "t.safetensors"))
+        loaded = kp.load_compressed(os.path.join(d, "t.safetensors"))
+    assert torch.equal(loaded["a.weight"], loaded["b.weight"])
+
+
+def test_sparse24_linear_casts_and_keeps_its_mask():
+    layer = kp.nn.Sparse24Linear.from_dense(nn.Linear(32, 8)).to(torch.float64)
+    assert layer.values.dtype == torch.float64 and layer.metadata.dtype == torch.int16
+    x = torch.randn(2, 32, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), x @ layer.to_dense().T + layer.bias)
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "kernelplan", "sparsify", *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)
+
+
+def test_cli_example_real_file_dry_run_filter_and_errors(tmp_path):
+    example = _cli()
+    assert example.returncode == 0, example.stderr
+    assert "converted 2 layers" in example.stdout and "in_features=60 is not a multiple of 8" in example.stdout
+
+    from safetensors.torch import save_file
+
+    model = _model()
+    src, dst = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(src))
+    dry = _cli(str(src), str(dst), "--dry-run")
+    assert dry.returncode == 0 and not dst.exists() and "converted 3 layers" in dry.stdout
+    only = _cli(str(src), str(dst), "--filter", r"^2\.")
+    assert only.returncode == 0 and "converted 1 layers" in only.stdout
+    assert set(kp.load_compressed(dst)) >= {"2.values", "2.metadata", "0.weight"}
+
+    for args, text in (((str(tmp_path / "nope.safetensors"), str(dst)), "does not exist"),
+                       ((str(tmp_path / "in.safetensors"),), "give both"),
+                       ((str(src), str(dst), "--filter", "("), "not a valid regular expression")):
+        bad = _cli(*args)
+        assert bad.returncode == 2 and text in bad.stdout and "Traceback" not in bad.stdout + bad.stderr
+    junk = tmp_path / "junk.safetensors"
+    junk.write_text("not a checkpoint")
+    bad = _cli(str(junk), str(dst))
+    assert bad.returncode == 2 and "is not a safetensors file" in bad.stdout and bad.stdout.count("\n") == 1
