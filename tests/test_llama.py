@@ -10,7 +10,11 @@ import torch
 
 import kernelplan as kp
 
-transformers = pytest.importorskip("transformers")
+try:
+    import transformers
+except ImportError:
+    transformers = None
+needs_transformers = pytest.mark.skipif(transformers is None, reason="transformers is not installed")
 
 
 def _tiny_llama():
@@ -22,6 +26,7 @@ def _tiny_llama():
     return transformers.LlamaForCausalLM(config).eval()
 
 
+@needs_transformers
 def test_sparsified_llama_matches_masked_dense_and_generates(seed):
     model = _tiny_llama()
     dense = _tiny_llama()
@@ -37,3 +42,23 @@ def test_sparsified_llama_matches_masked_dense_and_generates(seed):
         out = model.generate(ids[:1, :4], max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 9)
     assert torch.equal(out, dense.generate(ids[:1, :4], max_new_tokens=5, do_sample=False, pad_token_id=0))
+
+
+@needs_transformers
+def test_bench_llama_runs_on_cpu():
+    from kernelplan.bench import llama
+
+    rows, ok = llama.run(torch.device("cpu"))
+    assert ok and rows[0]["logits_rel_err"] <= 1e-5 and rows[0]["converted"] == 15
+    assert [r["case"] for r in rows[1:]] == ["prefill 128 tokens", "decode batch 1", "decode batch 16"]
+    assert all(r["dense_tokens_per_s"] > 0 and r["sparse_tokens_per_s"] > 0 for r in rows[1:])
+
+
+@pytest.mark.skipif(transformers is not None, reason="checks the message shown where transformers is missing")
+def test_bench_llama_says_what_is_missing():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "kernelplan", "bench", "llama"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1 and "needs transformers: pip install transformers" in out.stdout
