@@ -1,6 +1,7 @@
 """GPU backends of the 2:4 linear and the measurement that picks between them.
 
-* ``triton``: ``kernels/sparse24.py``, bandwidth-bound, for small N;
+* ``triton``: ``kernels/sparse24.py``, aimed at small N; on an H200 it reached
+  0.74-0.89x of dense there, so it is never the default and wins only if measured;
 * ``cusparselt``: cuSPARSELt through nvmath-python (``cusparselt.py``), for large N;
 * ``dense``: the weight decompressed once (cached with it) and a cuBLAS GEMM:
   the floor that keeps dispatch from ever losing to dense, at the price of
@@ -27,7 +28,6 @@ from .format import derived_from
 from .gemm import GemmSparse24Args, GemmSparse24Plan
 
 GPU_DTYPES = ("f32", "f16", "bf16")
-SMALL_N = 64  # up to here the Triton kernel is the default before anything is measured
 
 
 def _sm_count(device: str) -> int:
@@ -39,7 +39,7 @@ def _sm_count(device: str) -> int:
 
 class TritonSparse24Backend(Backend):
     name = "triton"
-    priority = 10
+    priority = -1
 
     def supports(self, desc) -> str | None:
         if desc.dtype not in GPU_DTYPES:
@@ -49,9 +49,9 @@ class TritonSparse24Backend(Backend):
         return triton_reason(desc.device)
 
     def priority_for(self, desc) -> int:
-        if not desc.device.startswith("cuda"):
-            return -1  # the interpreter: a test tool, never the CPU default
-        return self.priority if desc.n <= SMALL_N else 1
+        # Never the unmeasured default: on CPU it is the interpreter (a test tool), and on an
+        # H200 it measured slower than the dense floor at every N (bench/sparse24_tiles.py).
+        return -1
 
     def precision(self, desc) -> PrecisionGuarantee:
         return PrecisionGuarantee(
