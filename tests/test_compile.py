@@ -100,3 +100,19 @@ def test_gated_inference_skips_the_op_in_eager_and_compile_keeps_it():
     compiled = torch.compile(lambda t: kp.gated_activation(t, "geglu", gate="first"), fullgraph=True, backend=backend)(x)
     assert any("kernelplan.gated_activation" in g for g in graphs)
     torch.testing.assert_close(eager, compiled)
+
+
+def test_model_holding_sparse24_linear_compiles_fullgraph_and_trains():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    kp.sparsify(model, progress=False)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(4, 64)
+    compiled(x).square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).square().sum().backward()
+    for got, want in zip(grads, (p.grad for p in model.parameters())):
+        assert want.norm() > 0
+        torch.testing.assert_close(got, want)
