@@ -164,14 +164,13 @@ class Sparse24Weight:
     the metadata bits, since a bad word would otherwise scatter out of place.
     """
 
-    __slots__ = ("values", "metadata", "_derived")
+    __slots__ = ("values", "metadata")
 
     def __init__(self, values: torch.Tensor, metadata: torch.Tensor, *, _validate: bool = True):
         if _validate:
             _validate_compressed(values, metadata)
         self.values = values
         self.metadata = metadata
-        self._derived: dict = {}
 
     @property
     def shape(self) -> torch.Size:
@@ -215,15 +214,12 @@ class Sparse24Weight:
 
         ``key`` names the layout (for example ``("cusparselt", device)``).
         The values' version counter is part of the cache key, so an optimizer
-        step or an in-place edit invalidates the layout.
+        step or an in-place edit invalidates the layout.  The cache is the one
+        backends use (``derived_from``), kept with the values tensor, so a new
+        ``Sparse24Weight`` over the same tensors (``Sparse24Linear.weight24``
+        builds one per call) finds the layout already built.
         """
-        full = (key, self.values._version, self.values.data_ptr())
-        hit = self._derived.get(key)
-        if hit is not None and hit[0] == full:
-            return hit[1]
-        layout = build(self)
-        self._derived[key] = (full, layout)
-        return layout
+        return derived_from(self.values, self.metadata, key, lambda values, metadata: build(self))
 
     def __repr__(self) -> str:
         m, k = self.shape
