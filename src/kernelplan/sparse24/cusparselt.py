@@ -28,6 +28,7 @@ after the search crashed cuSPARSELt 0.8 in a measured run).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -234,6 +235,7 @@ def plan_for(key: _Key, args: GemmSparse24Args) -> _Plan:
     return plan
 
 
+@functools.lru_cache(maxsize=4096)  # per call otherwise: a device parse on the hot path
 def _key(desc) -> _Key:
     dev = torch.device(desc.device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
