@@ -235,11 +235,15 @@ def plan_for(key: _Key, args: GemmSparse24Args) -> _Plan:
     return plan
 
 
-@functools.lru_cache(maxsize=4096)  # per call otherwise: a device parse on the hot path
 def _key(desc) -> _Key:
-    dev = torch.device(desc.device)
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    return _Key(index, desc.m, desc.k, desc.n, desc.dtype, desc.activation == "relu")
+    index = _device_index(desc.device)
+    return _Key(torch.cuda.current_device() if index is None else index, desc.m, desc.k, desc.n, desc.dtype,
+                desc.activation == "relu")
+
+
+@functools.lru_cache(maxsize=64)  # a device-string parse would otherwise run on every call
+def _device_index(device: str) -> int | None:
+    return torch.device(device).index
 
 
 class CusparseLtSparse24Backend(Backend):
