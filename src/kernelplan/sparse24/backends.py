@@ -39,6 +39,8 @@ def _sm_count(device: str) -> int:
 
 class TritonSparse24Backend(Backend):
     name = "triton"
+    # Never the unmeasured default: on CPU it is the interpreter (a test tool), and on an
+    # H200 it measured slower than the dense floor at every N (bench/sparse24_tiles.py).
     priority = -1
 
     def supports(self, desc) -> str | None:
@@ -47,11 +49,6 @@ class TritonSparse24Backend(Backend):
         if desc.k % 64:
             return f"K = {desc.k} is not a multiple of 64, the kernel's smallest K tile"
         return triton_reason(desc.device)
-
-    def priority_for(self, desc) -> int:
-        # Never the unmeasured default: on CPU it is the interpreter (a test tool), and on an
-        # H200 it measured slower than the dense floor at every N (bench/sparse24_tiles.py).
-        return -1
 
     def precision(self, desc) -> PrecisionGuarantee:
         return PrecisionGuarantee(
