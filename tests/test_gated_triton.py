@@ -232,3 +232,22 @@ def test_geglu_keeps_relative_accuracy_in_the_tails(approximate):
         keep = scale > 1e-30
         rel = ((got.double() - ref.detach()).abs() / scale / (1 + z_d**2))[keep]
         assert rel.max() < c, f"{what}: relative error / (1 + z^2) {rel.max():.2e} at z={z[keep][rel.argmax()]:.2f}"
+
+
+# bf16 only compiled: the interpreter's bf16 conversions are not IEEE rounding.
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEV == "cuda" else []), ids=str)
+def test_16_bit_geglu_is_within_half_an_ulp_and_its_erfc_fit(dtype):
+    """f16/bf16 GeGLU takes a cheaper erfc (fractional error < 6.4e-5): elementwise, in the tails too.
+
+    Every normal result must be within half an ulp of the exact GELU plus that
+    fit error; 1 + erf in fp32 already fails this near z = -4.
+    """
+    z = torch.linspace(-9, 9, 4001, device=DEV).to(dtype)
+    x = torch.stack([z, torch.ones_like(z)], dim=1)
+    y, _, _ = _run(x, "geglu", 1, "first", "none", dy=torch.ones(4001, 1, device=DEV, dtype=dtype))
+    z64 = z.double()
+    want = z64 * 0.5 * torch.special.erfc(-z64 / 2**0.5)
+    normal = want.abs() >= torch.finfo(dtype).tiny
+    rel = ((y[:, 0].double() - want).abs() / want.abs())[normal]
+    bound = torch.finfo(dtype).eps / 2 + 6.4e-5 + 1e-6  # + fp32 evaluation
+    assert rel.max() <= bound, f"relative error {rel.max():.2e} at z={z[normal][rel.argmax()]:.2f}; bound {bound:.2e}"

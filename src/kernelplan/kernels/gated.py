@@ -94,7 +94,8 @@ def gated_kernel(
     else:
         g = hi
         v = lo
-    f, df = act_and_grad(g, ACT, BACKWARD, F64)
+    OUT16: tl.constexpr = out_ptr.dtype.element_ty.primitive_bitwidth == 16
+    f, df = act_and_grad(g, ACT, BACKWARD, F64, OUT16)
 
     oo = oo + rows[:, None] * so_r + cols[None, :] * so_c
     if BACKWARD:

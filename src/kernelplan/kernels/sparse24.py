@@ -79,7 +79,8 @@ def sparse24_kernel(
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rm, mask=m_mask, other=0.0).to(tl.float32)[None, :]
-        acc, _ = act_and_grad(acc, ACT, False, False)
+        OUT16: tl.constexpr = out_ptr.dtype.element_ty.primitive_bitwidth == 16
+        acc, _ = act_and_grad(acc, ACT, False, False, OUT16)
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -97,7 +98,8 @@ def sparse24_reduce_kernel(
         acc += tl.load(ws_ptr + (s * N + n) * M + rm, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rm, mask=mask, other=0.0).to(tl.float32)
-    acc, _ = act_and_grad(acc, ACT, False, False)
+    OUT16: tl.constexpr = y_ptr.dtype.element_ty.primitive_bitwidth == 16
+    acc, _ = act_and_grad(acc, ACT, False, False, OUT16)
     tl.store(y_ptr + n * syn + rm * sym, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
