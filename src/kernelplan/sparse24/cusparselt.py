@@ -170,14 +170,16 @@ def _compressed(plan: _Plan, values: torch.Tensor, metadata: torch.Tensor) -> to
         from .format import Sparse24Weight
 
         dense = Sparse24Weight(v.detach(), meta, _validate=False).decompress().contiguous()
-        # One copy serves the plans of every N bucket, as W's descriptor is the same for all.
-        # (Measured: an internal error in matmul_search on f16 4096x4096 n=32 after n=16 had
-        # compressed; whether the compressed layout depends on the plan is open: see the notes.)
-        size, buffer_size = _lib().sp_mma_compressed_size(plan.handle, plan.plan)
+        # The "2" entry points compress against W's descriptor alone, not a plan: the layout every
+        # plan of this weight reads, so one copy serves every N bucket.  (The plan-based compress,
+        # reused across buckets, failed in matmul_search with an internal error on an H200.)
+        lib = _lib()
+        size, buffer_size = lib.sp_mma_compressed_size2(plan.handle, plan.mat_a)
         out = torch.empty(size, dtype=torch.uint8, device=v.device)
         scratch = torch.empty(max(buffer_size, 1), dtype=torch.uint8, device=v.device)
         stream = torch.cuda.current_stream(v.device).cuda_stream
-        _lib().sp_mma_compress(plan.handle, plan.plan, dense.data_ptr(), out.data_ptr(), scratch.data_ptr(), stream)
+        lib.sp_mma_compress2(plan.handle, plan.mat_a, 1, _OP_N, dense.data_ptr(), out.data_ptr(),
+                             scratch.data_ptr(), stream)
         return out
 
     return derived_from(values, metadata, f"cusparselt:{plan.key.dtype}", build)
