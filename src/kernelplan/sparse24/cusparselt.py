@@ -5,7 +5,7 @@ cuSPARSELt computes ``D = op(A) op(B)`` with A structured.  We ask it for
 read column-major is ``X^T`` with no copy; so is Y written column-major.
 
 * one library handle per device;
-* the compressed weight is derived once per weight (``derived_from``);
+* the compressed weight is derived once per weight and plan (``derived_from``);
 * plans are cached per (device, M, K, N, dtype, activation) in a bounded LRU
   whose evictions free the library objects;
 * ``matmul_search`` runs once per key and its result (config id, split-K
@@ -164,25 +164,29 @@ _BETA = np.array([0.0], dtype=np.float32)
 
 
 def _compressed(plan: _Plan, values: torch.Tensor, metadata: torch.Tensor) -> torch.Tensor:
-    """cuSPARSELt's compressed copy of W, built from our format once per weight state."""
+    """cuSPARSELt's compressed copy of W for one plan, built from our format once per weight state.
+
+    One copy per plan, not per weight: measured on an H200 with cuSPARSELt 0.8,
+    f16 ``matmul_search`` fails (internal error, status 7) on a copy compressed
+    against W's descriptor alone (``sp_mma_compress2``) or against another N's
+    plan, and succeeds on one compressed against its own plan; bf16 takes either.
+    The price is a compressed copy (9/16 of dense) per N bucket a weight runs at.
+    """
 
     def build(v, meta):
         from .format import Sparse24Weight
 
-        dense = Sparse24Weight(v.detach(), meta, _validate=False).decompress().contiguous()
-        # The "2" entry points compress against W's descriptor alone, not a plan: the layout every
-        # plan of this weight reads, so one copy serves every N bucket.  (The plan-based compress,
-        # reused across buckets, failed in matmul_search with an internal error on an H200.)
         lib = _lib()
-        size, buffer_size = lib.sp_mma_compressed_size2(plan.handle, plan.mat_a)
+        dense = Sparse24Weight(v.detach(), meta, _validate=False).decompress().contiguous()
+        size, buffer_size = lib.sp_mma_compressed_size(plan.handle, plan.plan)
         out = torch.empty(size, dtype=torch.uint8, device=v.device)
         scratch = torch.empty(max(buffer_size, 1), dtype=torch.uint8, device=v.device)
         stream = torch.cuda.current_stream(v.device).cuda_stream
-        lib.sp_mma_compress2(plan.handle, plan.mat_a, 1, _OP_N, dense.data_ptr(), out.data_ptr(),
-                             scratch.data_ptr(), stream)
+        lib.sp_mma_compress(plan.handle, plan.plan, dense.data_ptr(), out.data_ptr(), scratch.data_ptr(), stream)
         return out
 
-    return derived_from(values, metadata, f"cusparselt:{plan.key.dtype}", build)
+    k = plan.key
+    return derived_from(values, metadata, f"cusparselt:{k.dtype}:n={k.n}:relu={k.relu}", build)
 
 
 def _workspace(plan: _Plan, device) -> torch.Tensor | None:
