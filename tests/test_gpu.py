@@ -203,12 +203,30 @@ def test_cusparselt_matches_fp64_and_stores_its_search(dtype):
 def test_cusparselt_reports_shapes_it_cannot_take():
     from kernelplan.sparse24 import GemmSparse24Descriptor, GemmSparse24Plan
 
-    with pytest.raises(kp.Unsupported, match=r"cusparselt: cuSPARSELt needs n, m and k to be multiples of 16.*n=1"):
-        GemmSparse24Plan.select(GemmSparse24Descriptor(1, 4096, 4096, "bf16", device="cuda"),
+    with pytest.raises(kp.Unsupported, match=r"cusparselt: cuSPARSELt needs m and k to be multiples of 16.*k=4104"):
+        GemmSparse24Plan.select(GemmSparse24Descriptor(16, 4096, 4104, "bf16", device="cuda"),
                                 kp.PlanPreference.only("cusparselt"))
     with pytest.raises(kp.Unsupported, match=r"cusparselt: dtype f32 .*1:2 sparsity"):
         GemmSparse24Plan.select(GemmSparse24Descriptor(64, 4096, 4096, "f32", device="cuda"),
                                 kp.PlanPreference.only("cusparselt"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cusparselt_pads_any_n(dtype):
+    """N off the library's multiple of 16 (1 included) runs padded; only y's own elements are written."""
+    from kernelplan.sparse24 import GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan
+
+    w = kp.sparse24.prune(torch.randn(256, 512, device="cuda")).to(dtype)
+    w24 = kp.sparse24.compress(w)
+    for n in (1, 5, 17, 40):
+        x = torch.randn(512, n, device="cuda").to(dtype).t()  # [n, 512], column-major as well
+        y_buf = torch.full((n + 1, 256), float("nan"), device="cuda", dtype=dtype)
+        y = y_buf[:n]
+        plan = GemmSparse24Plan.select(GemmSparse24Descriptor(n, 256, 512, kp.dtypes.dtype_info(dtype).name,
+                                                              device="cuda:0"), kp.PlanPreference.only("cusparselt"))
+        plan.run(GemmSparse24Args(x, w24.values, w24.metadata, y))
+        assert_close(y, F.linear(x.double(), w.double()), F.linear(x, w), atol=FWD_ATOL[dtype], what=f"n={n}")
+        assert torch.isnan(y_buf[n]).all(), f"n={n}: a row past y was written"
 
 
 def test_cusparselt_under_graph_capture():

@@ -6,7 +6,10 @@ read column-major is ``X^T`` with no copy; so is Y written column-major.
 
 * one library handle per device;
 * the compressed weight is derived once per weight and plan (``derived_from``);
-* plans are cached per (device, M, K, N, dtype, activation) in a bounded LRU
+* N is padded to the library's multiple of 16 (it refuses every other N, and
+  N = 1 outright); x and y go through padded buffers then, at the price of
+  two small copies;
+* plans are cached per (device, M, K, padded N, dtype, activation) in a bounded LRU
   whose evictions free the library objects;
 * ``matmul_search`` runs once per key and its result (config id, split-K
   settings) goes to the plan cache, so a new process plans straight from it;
@@ -47,6 +50,7 @@ _ORDER_COL, _ORDER_ROW = 1, 2
 _OP_N = 0
 _ALIGN = 16  # bytes
 _MAX_PLANS = 256
+_N_MULTIPLE = 16  # the library's rule for N of 16-bit 2:4 problems
 _SEARCH_OP = "cusparselt_search"
 
 
@@ -241,9 +245,14 @@ def plan_for(key: _Key, args: GemmSparse24Args) -> _Plan:
     return plan
 
 
+def _padded(n: int) -> int:
+    """The N the library runs: the next multiple of 16 (it takes no other N, and no N < 16)."""
+    return -(-n // _N_MULTIPLE) * _N_MULTIPLE
+
+
 def _key(desc) -> _Key:
     index = _device_index(desc.device)
-    return _Key(torch.cuda.current_device() if index is None else index, desc.m, desc.k, desc.n, desc.dtype,
+    return _Key(torch.cuda.current_device() if index is None else index, desc.m, desc.k, _padded(desc.n), desc.dtype,
                 desc.activation == "relu")
 
 
@@ -264,11 +273,12 @@ class CusparseLtSparse24Backend(Backend):
                     f"with 1:2 sparsity, not 2:4)")
         if desc.has_bias or desc.activation not in (None, "relu"):
             return "bias and activations other than relu are not fused by this backend"
-        # The library's shape rules for 16-bit 2:4 operands: every dim a multiple of 16 and N >= 16
-        # (n = 1 is refused by the library itself).
-        bad = [f"{name}={v}" for name, v in (("n", desc.n), ("m", desc.m), ("k", desc.k)) if v % 16 or v < 16]
+        # The library's shape rules for 16-bit 2:4 operands: M and K multiples of 16.  N has the
+        # same rule, but run() pads it, so any N goes.
+        bad = [f"{name}={v}" for name, v in (("m", desc.m), ("k", desc.k)) if v % 16 or v < 16]
         if bad:
-            return f"cuSPARSELt needs n, m and k to be multiples of 16 (and at least 16); got {', '.join(bad)}"
+            return (f"cuSPARSELt needs m and k to be multiples of 16 (and at least 16); got {', '.join(bad)}: "
+                    f"pad the weight, or take another backend")
         return available()
 
     def priority_for(self, desc) -> int:
@@ -281,17 +291,24 @@ class CusparseLtSparse24Backend(Backend):
         )
 
     def run(self, desc, args: GemmSparse24Args, workspace) -> None:
-        # cuSPARSELt reads X^T column-major with ld = K from a 16-byte aligned address: any other
-        # x (a transposed or sliced view) is copied once into that layout, so every x is accepted.
-        # The same holds for y, which it writes as Y^T column-major with ld = M.
+        # cuSPARSELt reads X^T column-major with ld = K from a 16-byte aligned address, and writes
+        # Y^T column-major with ld = M, for N a multiple of 16.  Any other x (a transposed or sliced
+        # view, or an N off the multiple) is copied into a padded buffer, and y comes back through
+        # one.  The pad rows are left unset: column j of Y^T reads only column j of X^T, and the
+        # pad columns are dropped, so they cannot reach the result.
         x, y = args.x, args.y
-        if not x.is_contiguous() or x.data_ptr() % _ALIGN:
-            x = x.contiguous()
-        if not y.is_contiguous() or y.data_ptr() % _ALIGN:
-            y = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+        n = x.shape[0]
+        if n == 0:
+            return
+        n_run = _padded(n)
+        if n_run != n or not x.is_contiguous() or x.data_ptr() % _ALIGN:
+            x = torch.empty((n_run, x.shape[1]), dtype=x.dtype, device=x.device)
+            x[:n].copy_(args.x)
+        if n_run != n or not y.is_contiguous() or y.data_ptr() % _ALIGN:
+            y = torch.empty((n_run, y.shape[1]), dtype=y.dtype, device=y.device)
         args_here = GemmSparse24Args(x, args.values, args.metadata, y, args.bias)
         plan = plan_for(_key(desc), args_here)
         a = _compressed(plan, args.values, args.metadata)  # built from a contiguous dense copy of W
         _run(plan, a, x, y, _workspace(plan, x.device), search=False)
         if y is not args.y:
-            args.y.copy_(y)
+            args.y.copy_(y[:n])
