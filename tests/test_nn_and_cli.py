@@ -28,6 +28,19 @@ def test_sparse24_linear_from_dense_trains_and_stays_2_4():
     assert kp.sparse24.is_sparse24(w) and not (w[~mask] != 0).any(), "the mask must stay fixed"
 
 
+def test_sparse24_linear_refuses_mismatched_parts_and_unknown_pruning():
+    import pytest
+
+    layer = kp.nn.Sparse24Linear.from_dense(torch.nn.Linear(32, 8), prune="magnitude")
+    with pytest.raises(kp.InvalidProblem, match=r"prune is 'random'.*prune='magnitude'"):
+        kp.nn.Sparse24Linear.from_dense(torch.nn.Linear(32, 8), prune="random")
+    # The module's Sparse24Weight skips validation: a metadata buffer of the wrong shape must
+    # still be caught before any kernel reads past it.
+    layer.metadata = layer.metadata[:, :-1].clone()
+    with pytest.raises(kp.InvalidProblem, match=r"w24.metadata has shape \(8, 3\) but must have shape \(8, 4\)"):
+        layer(torch.randn(2, 32))
+
+
 def test_bench_command_runs_and_reports_correctness(tmp_path):
     env = {**os.environ, "KERNELPLAN_CACHE_DIR": str(tmp_path)}
     out = subprocess.run(

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from ..errors import InvalidProblem
-from ..sparse24 import Sparse24Weight, compress, linear, prune
+from .. import sparse24
+from ..sparse24 import Sparse24Weight, compress, linear
 
 
 class Sparse24Linear(nn.Module):
@@ -25,16 +26,16 @@ class Sparse24Linear(nn.Module):
         self.bias = nn.Parameter(bias) if bias is not None else None
 
     @classmethod
-    def from_dense(cls, linear_module: nn.Linear, prune_method: str = "magnitude") -> "Sparse24Linear":
+    def from_dense(cls, linear_module: nn.Linear, prune: str = "magnitude") -> "Sparse24Linear":
         """Prune ``linear_module.weight`` by magnitude (2 of every 4 kept) and compress it."""
         if not isinstance(linear_module, nn.Linear):
             raise InvalidProblem(
                 f"linear_module is a {type(linear_module).__name__}; from_dense takes an nn.Linear"
             )
-        if prune_method != "magnitude":
-            raise InvalidProblem(f"prune_method is {prune_method!r}; the one method is 'magnitude'")
+        if prune != "magnitude":
+            raise InvalidProblem(f"prune is {prune!r}; the one pruning method is prune='magnitude'")
         with torch.no_grad():
-            w24 = compress(prune(linear_module.weight.detach()))
+            w24 = compress(sparse24.prune(linear_module.weight.detach()))
             bias = linear_module.bias.detach().clone() if linear_module.bias is not None else None
         return cls(w24.values, w24.metadata, bias)
 

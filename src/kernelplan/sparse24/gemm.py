@@ -134,7 +134,9 @@ def _sparse24_linear_impl(
         from .backends import tune
 
         tune(desc, args)  # once per bucket and environment; later processes read the plan cache
-    memoised_select(GemmSparse24Plan, desc).run(args)
+    # linear() checked x and bias and Sparse24Weight its parts, or the custom op's schema did;
+    # y is ours: the plan's own re-checks would only add host time.
+    memoised_select(GemmSparse24Plan, desc).run_prechecked(args)
     return y.reshape(*x.shape[:-1], m)
 
 
@@ -214,6 +216,8 @@ def linear(
         )
     m, k = w24.shape
     check_tensor(x, "x", dtype=w24.dtype, device=w24.device)
+    # A Sparse24Weight built with _validate=False (Sparse24Linear's) has not had its parts matched.
+    check_tensor(w24.metadata, "w24.metadata", shape=(m, k // 8), dtype=torch.int16, device=w24.device)
     if x.dim() < 1 or x.shape[-1] != k:
         raise InvalidProblem(
             f"x has shape {tuple(x.shape)}; its last dimension must equal the weight's K = {k} "
