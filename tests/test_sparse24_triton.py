@@ -67,7 +67,7 @@ def test_split_k_path_is_taken_where_expected():
     from kernelplan.kernels.sparse24 import config_for
 
     assert config_for(5, 32, 2048, sm_count=4).splits == 2
-    assert config_for(1, 8192, 8192, sm_count=132).splits == 2  # 128 M tiles: 2 splits fill 132 SMs twice
+    assert config_for(1, 8192, 8192, sm_count=132).splits == 4  # 128 M tiles: 4 splits give ~4 programs per SM
     assert config_for(64, 65536, 8192, sm_count=132).splits == 1  # 1024 tiles already fill the SMs
 
 
@@ -75,10 +75,12 @@ def test_packed_metadata_holds_every_group_position(seed):
     from kernelplan.kernels.sparse24 import packed_metadata
     from kernelplan.sparse24.format import unpack_positions
 
-    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(9, 96)))
+    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(9, 192)))
     packed = packed_metadata(w24.metadata).to(torch.int64) & 0xFFFFFFFF
-    groups = torch.arange(96 // 4)
-    nib = (packed[:, groups // 8] >> (4 * (groups % 8))) & 0xF
+    assert packed.shape == (192 // 64, 9, 2)
+    groups = torch.arange(192 // 4)
+    words = packed[groups // 16, :, (groups // 8) % 2].T  # [M, groups]: word q = [q // 2, row, q % 2]
+    nib = (words >> (4 * (groups % 8))) & 0xF
     positions = unpack_positions(w24.metadata)
     assert torch.equal(nib & 3, positions[..., 0]) and torch.equal(nib >> 2, positions[..., 1])
 

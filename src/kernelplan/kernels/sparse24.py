@@ -1,12 +1,22 @@
 """Triton 2:4 linear for small N: ``Y[N, M] = act(X[N, K] @ W^T + bias)``, W compressed.
 
 At small N the work is bound by the weight's bytes.  The kernel streams the
-compressed values (``[M, K/2]``) and a packed copy of the metadata (4 bits per
-group, ``int32 [M, K/32]``, derived once per weight from the public 2-bits-
-per-position bytes), expands each ``[BLOCK_M, BLOCK_K]`` tile to dense in
-registers and multiplies it on the tensor cores with fp32 accumulation.  Bytes
-per weight element: 9/16 of dense (a 1.78x bound), against 10/16 for the
-public byte-per-group metadata.
+compressed values (``[M, K/2]``) and a packed copy of the metadata, expands
+each ``[BLOCK_M, BLOCK_K]`` tile of W to dense in registers and multiplies it
+on the tensor cores with fp32 accumulation.  Bytes per weight element: 9/16 of
+dense (a 1.78x bound), against 10/16 for the public byte-per-group metadata.
+
+Two layout choices, each measured on an H200 (bf16, n = 1 and 16, Llama-70B
+shapes; ``bench/sparse24_tiles.py``):
+
+* W is the MMA's M operand and X^T its N (``acc[BLOCK_M, BLOCK_N]``): with X
+  as M, a 16-row X filled a 64-row MMA a quarter full (0.68-0.86x of dense
+  before, 0.87-0.96x after);
+* the packed metadata is blocked, ``int32 [K/64, M, 2]`` (4 bits per group, 8
+  groups per word, 64 K-columns per block), so a tile's words are one
+  contiguous run: row-major ``[M, K/32]`` gave 16-byte pieces 3.5 KB apart
+  (to 1.0-1.06x of dense).  Without any metadata the same loop reaches 1.4-1.6x:
+  what is left is the second load stream, not the expansion arithmetic.
 
 Small M leaves SMs idle, so K is split: each split writes fp32 partials to the
 plan's workspace and a second kernel sums them, adds the bias and applies the
@@ -25,24 +35,27 @@ import triton.language as tl
 from ..sparse24.format import _metadata_bytes, derived_from
 from .activations import ACTIVATION_CODES, act_and_grad
 
+
 @triton.jit
-def _dense_tile(v_ptr, meta_ptr, rm, m_mask, k0, svm, svk, spm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The dense ``[BLOCK_M, BLOCK_K]`` fp32 tile of W at columns ``k0 ...`` from values and packed metadata."""
+def _dense_tile(v_ptr, meta_ptr, rm, m_mask, k0, svm, svk, M, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The dense ``[BLOCK_M, BLOCK_K]`` tile of W at columns ``k0 ...`` from values and blocked metadata."""
     G: tl.constexpr = BLOCK_K // 4
     v = tl.load(v_ptr + rm[:, None] * svm + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :] * svk,
-                mask=m_mask[:, None], other=0.0).to(tl.float32)
-    words = tl.load(meta_ptr + rm[:, None] * spm + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :],
+                mask=m_mask[:, None], other=0.0)
+    j = tl.arange(0, BLOCK_K // 32)  # word j of the tile: block k0/64 + j/2, word j%2 of the row's pair
+    words = tl.load(meta_ptr + (k0 // 64 + j // 2)[None, :] * (2 * M) + rm[:, None] * 2 + (j % 2)[None, :],
                     mask=m_mask[:, None], other=0)
     words = tl.reshape(tl.broadcast_to(words[:, :, None], [BLOCK_M, BLOCK_K // 32, 8]), [BLOCK_M, G])
     nib = (words >> ((tl.arange(0, G) % 8) * 4)[None, :]) & 0xF
     p0 = nib & 3
     p1 = nib >> 2
     v0, v1 = tl.split(tl.reshape(v, [BLOCK_M, G, 2]))
+    zero = tl.zeros_like(v0)
     # p0 < p1, so position 0 can only hold v0 and position 3 only v1.
-    w0 = tl.where(p0 == 0, v0, 0.0)
-    w1 = tl.where(p0 == 1, v0, tl.where(p1 == 1, v1, 0.0))
-    w2 = tl.where(p0 == 2, v0, tl.where(p1 == 2, v1, 0.0))
-    w3 = tl.where(p1 == 3, v1, 0.0)
+    w0 = tl.where(p0 == 0, v0, zero)
+    w1 = tl.where(p0 == 1, v0, tl.where(p1 == 1, v1, zero))
+    w2 = tl.where(p0 == 2, v0, tl.where(p1 == 2, v1, zero))
+    w3 = tl.where(p1 == 3, v1, zero)
     # join(join(w0, w2), join(w1, w3))[..., i, j] is w_(2i + j): row-major it is w0 w1 w2 w3.
     return tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [BLOCK_M, BLOCK_K])
 
@@ -51,7 +64,7 @@ def _dense_tile(v_ptr, meta_ptr, rm, m_mask, k0, svm, svk, spm, BLOCK_M: tl.cons
 def sparse24_kernel(
     x_ptr, v_ptr, meta_ptr, bias_ptr, out_ptr,
     N, M, K_PER_SPLIT,
-    sxn, sxk, svm, svk, spm, son, som, sos,
+    sxn, sxk, svm, svk, son, som, sos,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -62,23 +75,23 @@ def sparse24_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < N
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_start = pid_k * K_PER_SPLIT
     for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
-        w = _dense_tile(v_ptr, meta_ptr, rm, m_mask, k0, svm, svk, spm, BLOCK_M, BLOCK_K)
-        x = tl.load(x_ptr + rn[:, None] * sxn + (k0 + tl.arange(0, BLOCK_K))[None, :] * sxk,
-                    mask=n_mask[:, None], other=0.0)
+        w = _dense_tile(v_ptr, meta_ptr, rm, m_mask, k0, svm, svk, M, BLOCK_M, BLOCK_K)
+        xt = tl.load(x_ptr + rn[None, :] * sxn + (k0 + tl.arange(0, BLOCK_K))[:, None] * sxk,
+                     mask=n_mask[None, :], other=0.0)
         if IEEE:  # f32: full-precision products, as the reference
-            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
         else:  # f16/bf16 values are exact in their own dtype: the tensor cores see the true weights
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    out = out_ptr + rn[:, None] * son + rm[None, :] * som
-    mask = n_mask[:, None] & m_mask[None, :]
+            acc += tl.dot(w, xt)
+    out = out_ptr + rn[None, :] * son + rm[:, None] * som
+    mask = n_mask[None, :] & m_mask[:, None]
     if PARTIAL:
         tl.store(out + pid_k * sos, acc, mask=mask)
     else:
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + rm, mask=m_mask, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(bias_ptr + rm, mask=m_mask, other=0.0).to(tl.float32)[:, None]
         OUT16: tl.constexpr = out_ptr.dtype.element_ty.primitive_bitwidth == 16
         acc, _ = act_and_grad(acc, ACT, False, False, OUT16)
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -118,7 +131,7 @@ class Config:
 
 @functools.lru_cache(maxsize=4096)
 def config_for(n: int, m: int, k: int, sm_count: int, itemsize: int = 2) -> Config:
-    """Tiles for a problem: whole N in one tile up to 64, K split until the SMs are busy."""
+    """Tiles for a problem: N padded to an MMA width up to 64, K split until the SMs are busy."""
     block_n = max(16, min(64, triton.next_power_of_2(max(n, 1))))
     block_m = 64
     # fp32 tiles are twice the bytes: 256-wide K tiles in 3 stages overflow shared memory.
@@ -126,9 +139,9 @@ def config_for(n: int, m: int, k: int, sm_count: int, itemsize: int = 2) -> Conf
     stages = 3 if itemsize <= 2 else 2
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     steps = k // block_k
-    # About 2 programs per SM, each with at least 4 K steps to amortise its start
-    # (bench/sparse24_tiles.py on an H200: 4 per SM lost 3-10% to the partial sums).
-    splits = max(1, min(steps // 4, triton.cdiv(2 * sm_count, tiles)))
+    # About 4 programs per SM, each with at least 4 K steps to amortise its start
+    # (bench/sparse24_tiles.py on an H200: the best split was 2-4 on the Llama shapes).
+    splits = max(1, min(steps // 4, triton.cdiv(4 * sm_count, tiles)))
     while steps % splits:
         splits -= 1
     return Config(block_n, block_m, block_k, splits, num_stages=stages)
@@ -139,13 +152,18 @@ def workspace_bytes(cfg: Config, n: int, m: int) -> int:
 
 
 def packed_metadata(metadata: torch.Tensor) -> torch.Tensor:
-    """int32 ``[M, K/32]``: eight 4-bit groups per word, group 8q+i in bits 4i..4i+3."""
+    """int32 ``[K/64, M, 2]``: per 64-column block and row, two words of eight 4-bit groups.
+
+    Group ``8q + i`` of a row sits in bits ``4i..4i+3`` of word ``q``; word ``q``
+    is ``[q // 2, row, q % 2]``.  K must be a multiple of 64.
+    """
     m = metadata.shape[0]
     nibbles = _metadata_bytes(metadata).to(torch.int64).reshape(m, -1) & 0xF  # [M, K/4], a group per byte
     groups = nibbles.shape[1]
     shifts = torch.arange(0, 32, 4, device=metadata.device, dtype=torch.int64)
-    words = (nibbles.reshape(m, groups // 8, 8) << shifts).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # u32 bits in an int32
+    words = (nibbles.reshape(m, groups // 8, 8) << shifts).sum(-1)  # [M, K/32]
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # u32 bits in an int32
+    return words.reshape(m, groups // 16, 2).permute(1, 0, 2).contiguous()
 
 
 @functools.lru_cache(maxsize=None)
@@ -159,7 +177,7 @@ def launch(x, values, metadata, bias, y, activation: str | None, cfg: Config, wo
     m = values.shape[0]
     if n == 0 or m == 0:
         return
-    packed = derived_from(values, metadata, "packed_metadata", lambda v, meta: packed_metadata(meta))
+    packed = derived_from(values, metadata, "packed_metadata_blocked", lambda v, meta: packed_metadata(meta))
     act = ACTIVATION_CODES[activation or "identity"]
     ieee = x.dtype == torch.float32
     has_bias = bias is not None
@@ -169,14 +187,14 @@ def launch(x, values, metadata, bias, y, activation: str | None, cfg: Config, wo
     if cfg.splits == 1:
         sparse24_kernel[grid](
             x, values, packed, bias if has_bias else values, y, n, m, k,
-            x.stride(0), x.stride(1), *values.stride(), packed.stride(0), y.stride(0), y.stride(1), 0,
+            x.stride(0), x.stride(1), *values.stride(), y.stride(0), y.stride(1), 0,
             ACT=act, HAS_BIAS=has_bias, PARTIAL=False, IEEE=ieee, **common,
         )
         return
     ws = workspace[: workspace_bytes(cfg, n, m)].view(torch.float32)
     sparse24_kernel[grid](
         x, values, packed, values, ws, n, m, k // cfg.splits,
-        x.stride(0), x.stride(1), *values.stride(), packed.stride(0), m, 1, n * m,
+        x.stride(0), x.stride(1), *values.stride(), m, 1, n * m,
         ACT=act, HAS_BIAS=False, PARTIAL=True, IEEE=ieee, **common,
     )
     block = min(1024, triton.next_power_of_2(m))
