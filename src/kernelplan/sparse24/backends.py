@@ -16,6 +16,7 @@ functional path calls it once per bucket, on CUDA, outside graph capture.
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import torch
 
@@ -114,8 +115,13 @@ GemmSparse24Plan.registry.register(DenseSparse24Backend())
 GemmSparse24Plan.registry.register(CusparseLtSparse24Backend())
 
 
-def tune(desc, args: GemmSparse24Args, *, rep_ms: float = 10.0) -> str:
-    """Time every GPU candidate on ``args`` (``y`` is written) and remember the fastest; return it."""
+def tune(desc, call: Callable, *, rep_ms: float = 10.0) -> str:
+    """Time every GPU candidate and remember the fastest; return its name.
+
+    ``call(plan)`` returns a no-argument function that runs one whole call
+    through ``plan`` (outputs written), so that host work counts as the user
+    will see it.
+    """
     if not desc.device.startswith("cuda"):
         raise InvalidProblem(f"descriptor.device is {desc.device}; tuning measures CUDA kernels only")
     import triton.testing
@@ -124,9 +130,7 @@ def tune(desc, args: GemmSparse24Args, *, rep_ms: float = 10.0) -> str:
         GemmSparse24Plan.candidates(desc)
     timings = {}
     for backend in candidates:
-        plan = GemmSparse24Plan(desc, backend)
-        workspace = plan._workspace(None)
-        fn = lambda plan=plan, workspace=workspace: plan.backend.run(desc, args, workspace)  # noqa: E731
+        fn = call(GemmSparse24Plan(desc, backend))
         try:
             timings[backend.name] = triton.testing.do_bench(fn, warmup=2, rep=rep_ms, return_mode="median") * 1e-3
         except KernelPlanError as e:  # a library refused the shape at run time: say so, time the others

@@ -7,6 +7,7 @@ the custom op with its autograd formula, and the functional wrapper.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -124,19 +125,27 @@ def _descriptor(n, m, k, dtype, activation, has_bias, device) -> GemmSparse24Des
 def _sparse24_linear_impl(
     x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias: Optional[torch.Tensor], activation: str
 ) -> torch.Tensor:
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    m = values.shape[0]
-    desc = _descriptor(x2.shape[0], m, k, x.dtype, activation, bias is not None, x.device)
-    y = torch.empty((x2.shape[0], m), dtype=x.dtype, device=x.device)
-    args = GemmSparse24Args(x2, values, metadata, y, bias)
+    desc = _descriptor(math.prod(x.shape[:-1]), values.shape[0], x.shape[-1], x.dtype,
+                       activation, bias is not None, x.device)
     if x.is_cuda and _first_of_its_bucket(desc):
         from .backends import tune
 
-        tune(desc, args)  # once per bucket and environment; later processes read the plan cache
+        # Each candidate is timed through this very call path, host work included: a backend
+        # whose launches cost more host time than its kernel saves must not win (measured: the
+        # Triton path timed alone beat dense at 4096^2, n = 4, and lost 2x through the full call).
+        tune(desc, lambda plan: lambda: _linear_with(plan, x, values, metadata, bias))
+    return _linear_with(memoised_select(GemmSparse24Plan, desc), x, values, metadata, bias)
+
+
+def _linear_with(plan, x, values, metadata, bias) -> torch.Tensor:
+    """One call through ``plan``: y allocated here, the args built from inputs already checked."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m = values.shape[0]
+    y = torch.empty((x2.shape[0], m), dtype=x.dtype, device=x.device)
     # linear() checked x and bias and Sparse24Weight its parts, or the custom op's schema did;
     # y is ours: the plan's own re-checks would only add host time.
-    memoised_select(GemmSparse24Plan, desc).run_prechecked(args)
+    plan.run_prechecked(GemmSparse24Args(x2, values, metadata, y, bias))
     return y.reshape(*x.shape[:-1], m)
 
 
