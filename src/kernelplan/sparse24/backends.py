@@ -28,7 +28,7 @@ from ..kernels import triton_reason
 from ..plan import Backend, PrecisionGuarantee
 from .cusparselt import CusparseLtSparse24Backend
 from .format import derived_from
-from .gemm import GemmSparse24Args, GemmSparse24Plan
+from .gemm import GemmSparse24Args, GemmSparse24Plan, tunable
 
 GPU_DTYPES = ("f32", "f16", "bf16")
 
@@ -130,8 +130,7 @@ def tune(desc, call: Callable, *, warmup_ms: float = 10.0, rep_ms: float = 25.0)
         raise InvalidProblem(f"descriptor.device is {desc.device}; tuning measures CUDA kernels only")
     import triton.testing
 
-    candidates = [b for b in GemmSparse24Plan.candidates(desc)
-                  if b.name != "reference" and b.priority_for(desc) >= 0] or GemmSparse24Plan.candidates(desc)
+    candidates = tunable(desc) or GemmSparse24Plan.candidates(desc)
     timings = {}
     for backend in candidates:
         fn = call(GemmSparse24Plan(desc, backend))

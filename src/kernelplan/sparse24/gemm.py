@@ -166,7 +166,12 @@ def _first_of_its_bucket(desc: GemmSparse24Descriptor) -> bool:
     if torch.cuda.is_current_stream_capturing():
         return False  # no timing inside a graph capture: the priority order decides there
     _seen_buckets.update((key, desc))
-    return len(GemmSparse24Plan.candidates(desc)) > 1 and GemmSparse24Plan.measured(desc) is None
+    return len(tunable(desc)) > 1 and GemmSparse24Plan.measured(desc) is None
+
+
+def tunable(desc: GemmSparse24Descriptor) -> list:
+    """The candidates tuning times: not the reference, nor backends that run by name only."""
+    return [b for b in GemmSparse24Plan.candidates(desc) if b.name != "reference" and b.priority_for(desc) >= 0]
 
 
 @_sparse24_linear_op.register_fake
