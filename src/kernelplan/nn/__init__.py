@@ -1,6 +1,7 @@
 """nn.Module drop-ins built on kernelplan's functional ops."""
 
+from .fused_linear import FusedLinear, FusedMLP
 from .gated_mlp import GatedMLP
 from .sparse24_linear import Sparse24Linear
 
-__all__ = ["GatedMLP", "Sparse24Linear"]
+__all__ = ["FusedLinear", "FusedMLP", "GatedMLP", "Sparse24Linear"]
