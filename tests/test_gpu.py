@@ -274,3 +274,30 @@ def test_cusparselt_takes_transposed_x_and_strided_y():
     plan.run(GemmSparse24Args(x, w24.values, w24.metadata, y))
     assert_close(y, F.linear(x.double(), w.double()), F.linear(x, w), atol=FWD_ATOL[torch.float16])
     assert torch.isnan(y_buf[:, 1::2]).all()
+
+
+def test_sparsified_model_compiles_with_inductor_and_trains_on_cuda():
+    """Issue 6: torch.compile(fullgraph=True) over Sparse24Linear layers on the GPU, then optimizer steps."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 128))
+    model = model.to("cuda", torch.bfloat16)
+    kp.sparsify(model, progress=False)
+    x = torch.randn(4, 16, 256, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(model, fullgraph=True)
+    compiled(x).float().square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).float().square().mean().backward()
+    for got, want in zip(grads, (p.grad for p in model.parameters())):
+        assert want.norm() > 0
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    masks = [layer.to_dense() != 0 for layer in model if isinstance(layer, kp.nn.Sparse24Linear)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        compiled(x).float().square().mean().backward()
+        opt.step()
+    for layer, mask in zip((m for m in model if isinstance(m, kp.nn.Sparse24Linear)), masks):
+        w = layer.to_dense()
+        assert kp.sparse24.is_sparse24(w) and not (w[~mask] != 0).any(), "an optimizer step broke the 2:4 mask"
