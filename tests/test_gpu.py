@@ -198,14 +198,18 @@ def test_cusparselt_matches_fp64_and_stores_its_search(dtype):
     from test_sparse24_triton import run_backend
 
     torch.manual_seed(0)
-    for n, m, k, act in [(16, 512, 1024, None), (256, 1024, 512, "relu"), (48, 4096, 4096, None)]:
+    cases = [(16, 512, 1024, None, False), (256, 1024, 512, "relu", False), (48, 4096, 4096, None, False),
+             (32, 512, 1024, "relu", True), (7, 256, 512, "gelu", True), (64, 256, 512, "silu", False)]
+    for n, m, k, act, has_bias in cases:
         w = kp.sparse24.prune(torch.randn(m, k, device="cuda")).to(dtype)
         x = torch.randn(n, k, device="cuda").to(dtype)
-        y, oracle, baseline = run_backend("cusparselt", x, w, None, act)
-        assert_close(y, oracle, baseline, atol=FWD_ATOL[dtype], what=f"cusparselt n={n} {m}x{k} {act}")
+        bias = torch.randn(m, device="cuda").to(dtype) if has_bias else None
+        y, oracle, baseline = run_backend("cusparselt", x, w, bias, act)
+        assert_close(y, oracle, baseline, atol=FWD_ATOL[dtype], what=f"cusparselt n={n} {m}x{k} {act} bias={has_bias}")
         dt = kp.dtypes.dtype_info(dtype).name
-        assert plan_cache().get("cusparselt_search", {"m": m, "k": k, "n": n, "dtype": dt, "relu": act == "relu"},
-                                device="cuda:0") is not None
+        fused_relu = act == "relu" and not has_bias  # with a bias, relu runs in the epilogue pass
+        problem = {"m": m, "k": k, "n": -(-n // 16) * 16, "dtype": dt, "relu": fused_relu}
+        assert plan_cache().get("cusparselt_search", problem, device="cuda:0") is not None
 
 
 def test_cusparselt_reports_shapes_it_cannot_take():

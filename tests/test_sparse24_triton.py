@@ -63,6 +63,22 @@ def test_triton_matches_fp64(n, m, k, activation, bias, layout, dtype, seed):
     assert_close(y, oracle, baseline, atol=FWD_ATOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh", "silu"])
+def test_bias_act_pass_in_place(activation, dtype, seed):
+    """The epilogue pass cuSPARSELt's results go through: y = act(y + bias), every element, in place."""
+    from kernelplan.kernels.sparse24 import bias_act_
+
+    y = (3 * torch.randn(7, 300, device=DEV)).to(dtype)
+    bias = torch.randn(300, device=DEV).to(dtype)
+    for b in (bias, None):
+        out = y.clone()
+        bias_act_(out, b, activation)
+        z = y.double() + (0 if b is None else b.double())
+        baseline = _ACT[activation](y + (0 if b is None else b))
+        assert_close(out, _ACT[activation](z), baseline, atol=FWD_ATOL[dtype], what=f"bias={b is not None}")
+
+
 def test_split_k_path_is_taken_where_expected():
     from kernelplan.kernels.sparse24 import config_for
 

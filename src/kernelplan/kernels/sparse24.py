@@ -166,6 +166,23 @@ def packed_metadata(metadata: torch.Tensor) -> torch.Tensor:
     return words.reshape(m, groups // 16, 2).permute(1, 0, 2).contiguous()
 
 
+def bias_act_(y: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> None:
+    """In place, one pass: ``y = act(y + bias)`` for a contiguous ``y [N, M]``.
+
+    The epilogue of backends whose library cannot fuse it (cuSPARSELt fuses
+    relu alone, and no bias we can rebind per call); it is the split-K
+    reduction kernel with one "split", y itself.
+    """
+    n, m = y.shape
+    if n == 0 or m == 0:
+        return
+    block = min(1024, triton.next_power_of_2(m))
+    sparse24_reduce_kernel[(triton.cdiv(m, block), n)](
+        y, bias if bias is not None else y, y, n, m, 1, y.stride(0), y.stride(1),
+        ACT=ACTIVATION_CODES[activation or "identity"], HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+    )
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

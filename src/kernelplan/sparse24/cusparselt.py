@@ -16,9 +16,11 @@ read column-major is ``X^T`` with no copy; so is Y written column-major.
 * every call runs on the caller's current torch stream, read at call time,
   so it works under ``torch.cuda.graph`` capture.
 
-Fused here: relu (a descriptor attribute).  Bias and the other activations
-are refused with a reason, and dispatch takes another backend.  So is f32:
-cuSPARSELt runs f32 as TF32 with 1:2 sparsity, which is not our 2:4 format.
+Fused here: relu, without a bias (a descriptor attribute).  A bias (whose
+pointer a plan would bake in) and the other activations run in one extra
+Triton pass over y (``kernels.sparse24.bias_act_``), never a chain of torch
+ops.  f32 is refused: cuSPARSELt runs f32 as TF32 with 1:2 sparsity, which is
+not our 2:4 format.
 
 The library's opaque structs (handle, descriptors, plan) are allocated here
 and filled by the bindings' in-place initialisers (``_dense_descriptor_init``
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..kernels import triton_reason
 from ..plan import Backend, PrecisionGuarantee
 from .format import derived_from
 from .gemm import GemmSparse24Args
@@ -253,7 +256,16 @@ def _padded(n: int) -> int:
 def _key(desc) -> _Key:
     index = _device_index(desc.device)
     return _Key(torch.cuda.current_device() if index is None else index, desc.m, desc.k, _padded(desc.n), desc.dtype,
-                desc.activation == "relu")
+                _fuses_relu(desc))
+
+
+def _fuses_relu(desc) -> bool:
+    """relu goes into the library's epilogue only when no bias has to come before it."""
+    return desc.activation == "relu" and not desc.has_bias
+
+
+def _needs_pass(desc) -> bool:
+    return desc.has_bias or (desc.activation is not None and not _fuses_relu(desc))
 
 
 @functools.lru_cache(maxsize=64)  # a device-string parse would otherwise run on every call
@@ -271,8 +283,10 @@ class CusparseLtSparse24Backend(Backend):
         if desc.dtype not in _CUDA_DTYPE:
             return (f"dtype {desc.dtype} is not one of {tuple(_CUDA_DTYPE)} (cuSPARSELt runs f32 as TF32 "
                     f"with 1:2 sparsity, not 2:4)")
-        if desc.has_bias or desc.activation not in (None, "relu"):
-            return "bias and activations other than relu are not fused by this backend"
+        if _needs_pass(desc):
+            reason = triton_reason(desc.device)  # the bias/activation pass is a Triton kernel
+            if reason is not None:
+                return f"bias and activations other than relu need the Triton epilogue pass: {reason}"
         # The library's shape rules for 16-bit 2:4 operands: M and K multiples of 16.  N has the
         # same rule, but run() pads it, so any N goes.
         bad = [f"{name}={v}" for name, v in (("m", desc.m), ("k", desc.k)) if v % 16 or v < 16]
@@ -287,7 +301,9 @@ class CusparseLtSparse24Backend(Backend):
     def precision(self, desc) -> PrecisionGuarantee:
         return PrecisionGuarantee(
             desc.dtype, "f32", deterministic=True, bit_stable=False,
-            note="cuSPARSELt picks its kernel (and split-K) per shape by search, so bits can change with N",
+            note="cuSPARSELt picks its kernel (and split-K) per shape by search, so bits can change with N; "
+            "a bias, or an activation other than relu, is applied by one more pass over y after the GEMM "
+            "rounded it to the output dtype (fp32 math in the pass)",
         )
 
     def run(self, desc, args: GemmSparse24Args, workspace) -> None:
@@ -310,5 +326,9 @@ class CusparseLtSparse24Backend(Backend):
         plan = plan_for(_key(desc), args_here)
         a = _compressed(plan, args.values, args.metadata)  # built from a contiguous dense copy of W
         _run(plan, a, x, y, _workspace(plan, x.device), search=False)
+        if _needs_pass(desc):
+            from ..kernels.sparse24 import bias_act_
+
+            bias_act_(y, args.bias, None if _fuses_relu(desc) else desc.activation)
         if y is not args.y:
             args.y.copy_(y[:n])
