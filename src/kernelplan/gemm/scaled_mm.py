@@ -7,7 +7,10 @@ copy), dequantisation scales tensor-wise or row-wise (``a`` per row of A,
 What it does not take (C, fp8 D, ``scales.out``, ``amax``, activations) is
 refused with a reason, and dispatch takes the reference backend.
 
-``alpha`` is folded into A's scales.  A tensor-wise scale beside a row-wise
+``alpha`` is folded into A's scales.  ``_scaled_mm`` needs k and n to be
+multiples of 16: other shapes are zero-padded into fresh buffers (zeros add
+nothing to the products; the pad columns of D are dropped), at the price of
+copying A and B.  A tensor-wise scale beside a row-wise
 one is expanded into a vector: ``_scaled_mm`` takes both or neither as
 vectors.  On CPU it runs only when asked for by name (torch has a CPU
 ``_scaled_mm``, which is what the CPU tests use); the reference stays the
@@ -56,10 +59,6 @@ class ScaledMMGemmBackend(Backend):
             return f"row-wise scales give a bf16 D in _scaled_mm, not {desc.d_dtype}: pass out_dtype=torch.bfloat16"
         if desc.epilogue == Epilogue.BIAS.value and desc.d_dtype == "f32":
             return "_scaled_mm adds no bias to an f32 D: ask for out_dtype=torch.bfloat16, or add the bias after"
-        bad = [f"{name}={v}" for name, v in (("k", desc.k), ("n", desc.n)) if v % _ALIGN]
-        if bad:
-            return (f"_scaled_mm needs k and n to be multiples of {_ALIGN}; got {', '.join(bad)}: pad the "
-                    f"weight's rows and columns with zeros")
         if desc.device.startswith("cuda"):
             major, minor = _capability(desc.device)
             if (major, minor) < (8, 9):
@@ -78,26 +77,44 @@ class ScaledMMGemmBackend(Backend):
         )
 
     def run(self, desc: GemmDescriptor, args: GemmArgs, workspace) -> None:
-        a = args.a if args.a.is_contiguous() else args.a.contiguous()
-        b = args.b if args.b.is_contiguous() else args.b.contiguous()
+        k, n = _padded(desc.k), _padded(desc.n)
+        a = _into(args.a, desc.m, k)
+        b = _into(args.b, n, k)
+        bias = args.bias
         sa = _scale(args.scales.a, desc.scale_a, desc.m, a.device)
         sb = _scale(args.scales.b, desc.scale_b, desc.n, a.device)
+        if n != desc.n:
+            bias = None if bias is None else torch.cat([bias, bias.new_zeros(n - desc.n)])
+            sb = sb if sb.dim() == 0 else torch.cat([sb, sb.new_ones(n - desc.n)])
         if args.alpha != 1.0:
             sa = sa * args.alpha
         if sa.dim() != sb.dim():  # one row-wise, one tensor-wise: both as vectors
             sa = sa.reshape(()).expand(desc.m).contiguous() if sa.dim() == 0 else sa
-            sb = sb.reshape(()).expand(desc.n).contiguous() if sb.dim() == 0 else sb
+            sb = sb.reshape(()).expand(n).contiguous() if sb.dim() == 0 else sb
         if sa.dim():
-            sa, sb = sa.reshape(desc.m, 1), sb.reshape(1, desc.n)
+            sa, sb = sa.reshape(desc.m, 1), sb.reshape(1, n)
         try:
-            out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, bias=args.bias,
+            out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, bias=bias,
                                    out_dtype=dtype_info(desc.d_dtype).dtype, use_fast_accum=False)
         except RuntimeError as e:  # a rule of this torch build that supports() does not know
             raise Unsupported(
                 f"torch._scaled_mm refused m={desc.m}, n={desc.n}, k={desc.k} ({e}); select the reference "
                 f"backend with PlanPreference.only('reference')"
             ) from e
-        args.d.copy_(out)
+        args.d.copy_(out if n == desc.n else out[:, :desc.n])
+
+
+def _padded(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
+
+
+def _into(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``t`` as a contiguous ``[rows, cols]`` tensor, zero-padded on the right and bottom if it is smaller."""
+    if tuple(t.shape) == (rows, cols):
+        return t if t.is_contiguous() else t.contiguous()
+    out = torch.zeros((rows, cols), dtype=t.dtype, device=t.device)
+    out[: t.shape[0], : t.shape[1]].copy_(t)
+    return out
 
 
 def _scale(s, mode: str, length: int, device) -> torch.Tensor:
