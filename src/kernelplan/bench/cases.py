@@ -45,6 +45,58 @@ def gemm_cases(dev):
             )
 
 
+def fp8_cases(dev):
+    """fp8 rowwise linear (operands quantized beforehand) against bf16 ``F.linear`` on the same data.
+
+    The oracle is the fp64 product of the dequantized operands, so ``err`` is
+    the GEMM's own error; the torch column's error against it is fp8's
+    quantisation error, by construction.
+    """
+    shapes = [(64, 256, 512)] if dev.type == "cpu" else [(8192, 8192, 8192), (2048, 14336, 4096), (8192, 28672, 8192)]
+    for m, n, k in shapes:
+        x = torch.randn(m, k, device=dev).bfloat16()
+        w = (torch.randn(n, k, device=dev) / k**0.5).bfloat16()
+        xq, wq = kp.fp8.quantize(x, "rowwise"), kp.fp8.quantize(w, "rowwise")
+        desc = kp.GemmDescriptor(m, n, k, "e4m3", out_dtype="bf16", transb=True, scale_a="vector",
+                                 scale_b="vector", device=str(dev))
+        yield Case(
+            f"fp8 rowwise {m}x{k} -> {n}",
+            torch.bfloat16,
+            _with_backend(lambda: kp.fp8.linear(xq, wq), kp.GemmPlan.select(desc).sku.backend),
+            lambda: F.linear(x, w),
+            xq.dequantize(torch.float64) @ wq.dequantize(torch.float64).T,
+            8e-3,
+        )
+
+
+def fused_linear_cases(dev):
+    """One training step's gradients, FusedLinear against ``act(F.linear)`` with autograd; the output is dx."""
+    shapes = [(64, 256, 128)] if dev.type == "cpu" else [(8192, 28672, 8192), (2048, 14336, 4096)]
+    for (m, n, k), activation in ((s, a) for s in shapes for a in ("gelu", "relu")):
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        layer = kp.nn.FusedLinear(k, n, activation=activation, device=dev, dtype=dtype)
+        w, b = layer.weight, layer.bias
+        x = torch.randn(m, k, device=dev, dtype=dtype, requires_grad=True)
+        dy = torch.randn(m, n, device=dev, dtype=dtype)
+        act = (lambda z: F.gelu(z, approximate="tanh")) if activation == "gelu" else F.relu
+
+        def step(fn):
+            return lambda: torch.autograd.grad(fn(x), (x, w, b), dy)[0]
+
+        x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+        oracle = torch.autograd.grad(act(F.linear(x64, w64, b64)), x64, dy.double())[0]
+        plan = kp.GemmPlan.select(kp.GemmDescriptor(m, n, k, kp.dtypes.dtype_info(dtype).name,
+                                                    epilogue=f"{activation}_aux_bias", transb=True, device=str(dev)))
+        yield Case(
+            f"FusedLinear {activation} step {m}x{k}->{n}",
+            dtype,
+            _with_backend(step(layer), plan.sku.backend),
+            step(lambda t: act(F.linear(t, w, b))),
+            oracle,
+            1e-3 if dtype == torch.float32 else 1.6e-2,
+        )
+
+
 def _with_backend(fn, backend):
     """First call returns (output, backend) for the report; later calls (timing) just run."""
     state = {"first": True}
@@ -58,4 +110,10 @@ def _with_backend(fn, backend):
     return run
 
 
-SUITES: dict[str, Callable] = {"gemm": gemm_cases}  # "sparse24" and "gated" have their own runners
+def all_gemm_cases(dev):
+    yield from gemm_cases(dev)
+    yield from fp8_cases(dev)
+    yield from fused_linear_cases(dev)
+
+
+SUITES: dict[str, Callable] = {"gemm": all_gemm_cases}  # "sparse24" and "gated" have their own runners
