@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..gemm import linear
 from .cases import SUITES
 
 
@@ -114,7 +115,24 @@ def _run_cases(name: str, dev: torch.device) -> tuple[list[dict], bool]:
             )
         )
     _print(rows, dev)
-    return [asdict(r) for r in rows], all(r.ok for r in rows)
+    extra = [{"host_overhead_us": gemm_host_overhead_us(dev)}] if name == "gemm" else []
+    return extra + [asdict(r) for r in rows], all(r.ok for r in rows)
+
+
+def gemm_host_overhead_us(dev: torch.device) -> dict:
+    """``kernelplan.linear`` against ``F.linear`` at a small shape, host time per call."""
+    import torch.nn.functional as F
+
+    from .timing import host_us_per_call
+
+    (m, n, k), calls = ((16, 4096, 4096), 500) if dev.type == "cuda" else ((16, 256, 512), 50)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    x, w = torch.randn(m, k, device=dev, dtype=dtype), torch.randn(n, k, device=dev, dtype=dtype)
+    out = {name: host_us_per_call(fn, dev, calls)
+           for name, fn in (("kernelplan", lambda: linear(x, w)), ("F.linear", lambda: F.linear(x, w)))}
+    print(f"host time per call at {m}x{k} -> {n}: kernelplan.linear {out['kernelplan']:.1f} us, "
+          f"F.linear {out['F.linear']:.1f} us")
+    return {"shape": [m, n, k], **out}
 
 
 def environment(dev: torch.device) -> dict:

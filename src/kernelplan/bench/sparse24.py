@@ -9,7 +9,6 @@ bar of the test suite, and reports the host time per call at a small shape.
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -65,18 +64,10 @@ def host_overhead_us(dev) -> dict:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     w = kp.sparse24.prune(torch.randn(m, k, device=dev)).to(dtype)
     w24, x = kp.sparse24.compress(w), torch.randn(n, k, device=dev, dtype=dtype)
-    out = {}
-    for name, fn in (("kernelplan", lambda: kp.sparse24.linear(x, w24)), ("F.linear", lambda: F.linear(x, w))):
-        for _ in range(calls // 10):
-            fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        out[name] = (time.perf_counter() - t0) / calls * 1e6
+    from .timing import host_us_per_call
+
+    out = {name: host_us_per_call(fn, dev, calls)
+           for name, fn in (("kernelplan", lambda: kp.sparse24.linear(x, w24)), ("F.linear", lambda: F.linear(x, w)))}
     return {"shape": [n, m, k], **out}
 
 
