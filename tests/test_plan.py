@@ -103,6 +103,9 @@ def test_preferences(fakes):
 def test_fastest_uses_measured_timings_and_they_persist(fakes):
     fakes(FakeBackend("a", priority=5), FakeBackend("b", priority=1))
     assert GemmSparse24Plan.select(DESC).sku.backend == "a"
+    # A floor backend is kept unless another beats it by more than the margin.
+    assert GemmSparse24Plan.remember_fastest(DESC, {"a": 0.98e-5, "b": 1e-5}, floor="b", margin=0.03) == "b"
+    assert GemmSparse24Plan.remember_fastest(DESC, {"a": 0.96e-5, "b": 1e-5}, floor="b", margin=0.03) == "a"
     best = GemmSparse24Plan.remember_fastest(DESC, {"a": 3e-5, "b": 1e-5, "reference": 9e-4})
     assert best == "b" and GemmSparse24Plan.select(DESC).sku.backend == "b"
     # A new process sees the choice through the SQLite file, not the memory layer.

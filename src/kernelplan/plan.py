@@ -234,8 +234,14 @@ class Plan:
         return max(candidates, key=lambda b: b.priority_for(desc))
 
     @classmethod
-    def remember_fastest(cls, desc, timings_s: dict[str, float]) -> str:
-        """Store the fastest of measured ``{backend: seconds}`` for ``desc``; return its name."""
+    def remember_fastest(cls, desc, timings_s: dict[str, float], *, floor: str | None = None,
+                         margin: float = 0.0) -> str:
+        """Store the fastest of measured ``{backend: seconds}`` for ``desc``; return its name.
+
+        With ``floor``, that backend is kept unless another beats it by more than
+        ``margin`` (a fraction): timings of a few microseconds differ by a few
+        percent from run to run, and a win inside that noise is not a win.
+        """
         unknown = set(timings_s) - set(cls.registry.names())
         if unknown or not timings_s:
             raise InvalidProblem(
@@ -243,6 +249,8 @@ class Plan:
                 f"one of the registered backends {cls.registry.names()}"
             )
         best = min(timings_s, key=timings_s.get)
+        if floor in timings_s and timings_s[best] > (1 - margin) * timings_s[floor]:
+            best = floor
         from .cache import plan_cache
 
         plan_cache().put(
