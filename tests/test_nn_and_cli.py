@@ -37,7 +37,7 @@ def test_sparse24_linear_refuses_mismatched_parts_and_unknown_pruning():
     # The module's Sparse24Weight skips validation: a metadata buffer of the wrong shape must
     # still be caught before any kernel reads past it.
     layer.metadata = layer.metadata[:, :-1].clone()
-    with pytest.raises(kp.InvalidProblem, match=r"w24.metadata has shape \(8, 3\) but must have shape \(8, 4\)"):
+    with pytest.raises(kp.InvalidProblem, match=r"metadata has shape \(8, 3\) but must have shape \(8, 4\)"):
         layer(torch.randn(2, 32))
 
 

@@ -148,3 +148,40 @@ def test_functional_path_runs_the_measured_backend_with_autograd(seed):
     F.relu(F.linear(x64, w.double())).sum().backward()
     assert_close(y, F.relu(F.linear(x64.detach(), w.double())), F.relu(F.linear(x.detach(), w)), atol=FWD_ATOL[torch.float32])
     torch.testing.assert_close(x.grad, x64.grad.float())
+
+
+def test_inference_fast_path_follows_new_measurements_and_changed_operands(monkeypatch, seed):
+    """Repeated inference calls skip checks and dispatch, but never outlive a new measurement or a new weight."""
+    from kernelplan.sparse24 import backends  # noqa: F401  (registers the GPU backends)
+
+    ran = []
+    for name in ("reference", "triton"):
+        backend = GemmSparse24Plan.registry.get(name)
+        real = type(backend).run
+        monkeypatch.setattr(type(backend), "run", lambda self, *a, real=real: ran.append(self.name) or real(self, *a))
+    w = kp.sparse24.prune(torch.randn(64, 128, device=DEV))
+    w24 = kp.sparse24.compress(w)
+    x = torch.randn(5, 128, device=DEV)
+    desc = GemmSparse24Descriptor(5, 64, 128, "f32", device=DEV)
+    import kernelplan.sparse24.gemm as gemm
+
+    checks = []
+    monkeypatch.setattr(gemm, "check_tensor", lambda *a, real=gemm.check_tensor, **k: checks.append(1) or real(*a, **k))
+    with torch.inference_mode():
+        GemmSparse24Plan.remember_fastest(desc, {"reference": 1e-6, "triton": 1e-3})
+        kp.sparse24.linear(x, w24)
+        assert checks, "the first call checks its operands"
+        checks.clear()
+        kp.sparse24.linear(x, w24)
+        assert not checks, "a repeated inference call takes the fast path"
+        GemmSparse24Plan.remember_fastest(desc, {"reference": 1e-3, "triton": 1e-6})
+        y = kp.sparse24.linear(x, w24)
+        assert ran == ["reference", "reference", "triton"]
+        assert_close(y, F.linear(x.double(), w.double()), F.linear(x, w), atol=FWD_ATOL[torch.float32])
+        # The same Parameter converted in place (as nn.Module.to does) must not hit the old entry.
+        other = kp.sparse24.compress(kp.sparse24.prune(torch.randn(64, 128, device=DEV)).double())
+        with pytest.raises(kp.InvalidProblem, match=r"x has dtype torch.float32 but must have dtype torch.float64"):
+            kp.sparse24.linear(x, kp.sparse24.Sparse24Weight(w24.values.data.double(), w24.metadata))
+        w24.values.data = other.values  # same tensor object, new dtype
+        with pytest.raises(kp.InvalidProblem, match=r"x has dtype torch.float32 but must have dtype torch.float64"):
+            kp.sparse24.linear(x, w24)

@@ -257,6 +257,7 @@ class Plan:
             f"dispatch:{cls.op}", cls.dispatch_key(desc), {"backend": best, "timings_s": timings_s}
         )
         _memo.cache_clear()  # memoised plans chose before this measurement existed
+        _MEASURED[0] += 1
         return best
 
     # -- execution -------------------------------------------------------
@@ -318,6 +319,15 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.sku}, {self.precision_guarantee})"
+
+
+# Bumped by every new measurement: callers that keep selected plans past the memo compare it.
+_MEASURED = [0]
+
+
+def dispatch_generation(plan_cls: type[Plan]) -> tuple[int, int]:
+    """Changes whenever what ``memoised_select`` returns for ``plan_cls`` may change."""
+    return plan_cls.registry.version, _MEASURED[0]
 
 
 def memoised_select(plan_cls: type[Plan], desc, preference: PlanPreference = PlanPreference.FASTEST) -> Plan:

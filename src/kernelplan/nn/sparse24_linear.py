@@ -7,7 +7,8 @@ from torch import nn
 
 from ..errors import InvalidProblem
 from .. import sparse24
-from ..sparse24 import Sparse24Weight, compress, linear
+from ..sparse24 import Sparse24Weight, compress
+from ..sparse24.gemm import linear_parts
 
 
 class Sparse24Linear(nn.Module):
@@ -47,7 +48,7 @@ class Sparse24Linear(nn.Module):
         return self.weight24.decompress()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight24, self.bias)
+        return linear_parts(x, self.values, self.metadata, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,7 +18,7 @@ from .._checks import check_dims, check_no_overlap, check_tensor, choice, plain_
 from ..activations import ACTIVATIONS
 from ..dtypes import dtype_info
 from ..errors import InvalidProblem, MisalignedOperand
-from ..plan import Backend, BackendRegistry, Plan, PrecisionGuarantee, memoised_select
+from ..plan import Backend, BackendRegistry, Plan, PrecisionGuarantee, dispatch_generation, memoised_select
 from .format import SPARSE24_DTYPES, Sparse24Weight
 
 SPARSE24_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
@@ -125,6 +126,11 @@ def _descriptor(n, m, k, dtype, activation, has_bias, device) -> GemmSparse24Des
 def _sparse24_linear_impl(
     x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias: Optional[torch.Tensor], activation: str
 ) -> torch.Tensor:
+    return _linear_with(_plan_for(x, values, metadata, bias, activation), x, values, metadata, bias)
+
+
+def _plan_for(x, values, metadata, bias, activation) -> GemmSparse24Plan:
+    """The dispatched plan of a call, tuning its bucket first if it is the bucket's first call."""
     desc = _descriptor(math.prod(x.shape[:-1]), values.shape[0], x.shape[-1], x.dtype,
                        activation, bias is not None, x.device)
     if x.is_cuda and _first_of_its_bucket(desc):
@@ -134,7 +140,7 @@ def _sparse24_linear_impl(
         # whose launches cost more host time than its kernel saves must not win (measured: the
         # Triton path timed alone beat dense at 4096^2, n = 4, and lost 2x through the full call).
         tune(desc, lambda plan: lambda: _linear_with(plan, x, values, metadata, bias))
-    return _linear_with(memoised_select(GemmSparse24Plan, desc), x, values, metadata, bias)
+    return memoised_select(GemmSparse24Plan, desc)
 
 
 def _linear_with(plan, x, values, metadata, bias) -> torch.Tensor:
@@ -228,18 +234,46 @@ def linear(
             f"w24 is a {type(w24).__name__}; it must be a Sparse24Weight: build it with "
             f"kernelplan.sparse24.compress(kernelplan.sparse24.prune(w))"
         )
-    m, k = w24.shape
-    check_tensor(x, "x", dtype=w24.dtype, device=w24.device)
-    # A Sparse24Weight built with _validate=False (Sparse24Linear's) has not had its parts matched.
-    check_tensor(w24.metadata, "w24.metadata", shape=(m, k // 8), dtype=torch.int16, device=w24.device)
+    return linear_parts(x, w24.values, w24.metadata, bias, activation)
+
+
+def linear_parts(x, values, metadata, bias=None, activation=None) -> torch.Tensor:
+    """``linear`` on a weight's parts, for holders of them (``Sparse24Linear``): no Sparse24Weight built."""
+    eager = plain_eager(x, values, bias)
+    if eager:
+        # Inference on operands seen before: the checks below passed for exactly this key, and the
+        # plan is the one dispatch chose (the key's generation says the choice has not changed).
+        key = (id(values), values.dtype, values.device, id(metadata), None if bias is None else id(bias),
+               x.shape, x.dtype, x.device, activation)
+        hit = _prepared.get(key)
+        if hit is not None and hit[0] == dispatch_generation(GemmSparse24Plan) and \
+                hit[1]() is values and hit[2]() is metadata and (bias is None or hit[3]() is bias):
+            return _linear_with(hit[4], x, values, metadata, bias)
+    check_tensor(values, "values")
+    m, k = values.shape[0], 2 * values.shape[1]
+    check_tensor(x, "x", dtype=values.dtype, device=values.device)
+    # Parts held apart (a Sparse24Weight built with _validate=False, a module's buffers) have not
+    # been matched to each other: a wrong metadata shape would send kernels past its end.
+    check_tensor(metadata, "metadata", shape=(m, k // 8), dtype=torch.int16, device=values.device)
     if x.dim() < 1 or x.shape[-1] != k:
         raise InvalidProblem(
             f"x has shape {tuple(x.shape)}; its last dimension must equal the weight's K = {k} "
             f"(weight shape [M, K] = [{m}, {k}])"
         )
     if bias is not None:
-        check_tensor(bias, "bias", shape=(m,), dtype=w24.dtype, device=w24.device)
+        check_tensor(bias, "bias", shape=(m,), dtype=values.dtype, device=values.device)
     if activation is not None:
         activation = choice(activation, "activation", SPARSE24_ACTIVATIONS)
-    op = _sparse24_linear_impl if plain_eager(x, w24.values, bias) else _sparse24_linear_op
-    return op(x, w24.values, w24.metadata, bias, activation or "")
+    if not eager:
+        return _sparse24_linear_op(x, values, metadata, bias, activation or "")
+    plan = _plan_for(x, values, metadata, bias, activation or "")
+    if len(_prepared) >= _MAX_PREPARED:
+        _prepared.clear()
+    _prepared[key] = (dispatch_generation(GemmSparse24Plan), weakref.ref(values), weakref.ref(metadata),
+                      None if bias is None else weakref.ref(bias), plan)
+    return _linear_with(plan, x, values, metadata, bias)
+
+
+# linear()'s inference fast path: (operand ids and properties) -> (generation, weakrefs, plan).
+_prepared: dict = {}
+_MAX_PREPARED = 4096
