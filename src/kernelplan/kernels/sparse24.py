@@ -6,8 +6,9 @@ each ``[BLOCK_M, BLOCK_K]`` tile of W to dense in registers and multiplies it
 on the tensor cores with fp32 accumulation.  Bytes per weight element: 9/16 of
 dense (a 1.78x bound), against 10/16 for the public byte-per-group metadata.
 
-Two layout choices, each measured on an H200 (bf16, n = 1 and 16, Llama-70B
-shapes; ``bench/sparse24_tiles.py``):
+Two layout choices, each measured on an H200 against variants of this kernel
+(bf16, n = 1 and 16, Llama-70B shapes, best tiles of each; the tile sweep of
+the kernel as it stands is ``bench/sparse24_tiles.py``):
 
 * W is the MMA's M operand and X^T its N (``acc[BLOCK_M, BLOCK_N]``): with X
   as M, a 16-row X filled a 64-row MMA a quarter full (0.68-0.86x of dense
