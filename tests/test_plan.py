@@ -206,3 +206,26 @@ def test_importing_kernelplan_never_touches_cuda():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_tuning_takes_the_better_of_two_rounds_and_leaves_out_refusals():
+    """How sparse24 tuning turns timings into a choice, with the timer faked: no GPU needed."""
+    from kernelplan.errors import KernelPlanError
+    from kernelplan.sparse24.backends import measure
+
+    rounds = {"dense": [10.0, 10.0], "fast": [12.0, 9.0]}  # "fast" was slow in its first, cold round
+
+    def bench(name):
+        if name == "broken":
+            raise KernelPlanError("the library refused this shape")
+        return rounds[name].pop(0)
+
+    with pytest.warns(RuntimeWarning, match="tuning x: backend broken left out: the library refused"):
+        timings = measure({n: n for n in ("dense", "broken", "fast")}, bench, what="tuning x")
+    assert timings == {"dense": 10.0, "fast": 9.0} and not any(rounds.values())
+    # The floor stays unless beaten by more than the margin.
+    from kernelplan.sparse24 import backends  # noqa: F401  (registers dense and cusparselt)
+
+    remember = GemmSparse24Plan.remember_fastest
+    assert remember(DESC, {"dense": 10.0, "cusparselt": 9.8}, floor="dense", margin=0.03) == "dense"
+    assert remember(DESC, {"dense": 10.0, "cusparselt": 9.0}, floor="dense", margin=0.03) == "cusparselt"
