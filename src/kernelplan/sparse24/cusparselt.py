@@ -167,6 +167,12 @@ class _Plan:
 
 _plans: "OrderedDict[_Key, _Plan]" = OrderedDict()
 _ALPHA = np.array([1.0], dtype=np.float32)
+
+
+def release_plans() -> None:
+    """Destroy every cached cuSPARSELt plan of this process; the next call plans again from the plan cache."""
+    while _plans:
+        _plans.popitem()[1].destroy()
 _BETA = np.array([0.0], dtype=np.float32)
 
 
