@@ -14,6 +14,7 @@ from kernelplan.gemm import Epilogue, GemmArgs, GemmDescriptor, GemmPlan
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+DEV = "cuda:0"  # the spelling torch gives tensors: descriptors name the device they check against
 
 
 def _run(backend, desc, a, b, *, c=None, bias=None, aux_in=None, alpha=1.0, beta=0.0):
@@ -33,7 +34,7 @@ def _run(backend, desc, a, b, *, c=None, bias=None, aux_in=None, alpha=1.0, beta
 def _problem(dtype, epilogue, m=37, n=50, k=72, transa=False, transb=True, has_c=False):
     """Odd sizes on purpose: n off 8 sends GELU aux through the padded buffer, ReLU aux through bit padding."""
     spec = Epilogue(epilogue).spec
-    dev = "cuda"
+    dev = DEV
     a = torch.randn((k, m) if transa else (m, k), device=dev).to(dtype)
     b = (torch.randn((n, k) if transb else (k, n), device=dev) / k**0.5).to(dtype)
     c = torch.randn(m, n, device=dev).to(dtype) if has_c else None
@@ -43,7 +44,7 @@ def _problem(dtype, epilogue, m=37, n=50, k=72, transa=False, transb=True, has_c
         z = torch.randn(m, n, device=dev).to(dtype)
         aux = z > 0 if spec.aux_in == "relu" else z
     desc = GemmDescriptor(m, n, k, kp.dtypes.dtype_info(dtype).name, epilogue=epilogue, transa=transa,
-                          transb=transb, has_c=has_c, device=dev)
+                          transb=transb, has_c=has_c, device=DEV)
     return desc, a, b, c, bias, aux
 
 
@@ -91,13 +92,13 @@ def test_strided_operands_and_outputs():
     """A D, C and aux that are views of larger buffers; a B strided in both dims (copied inside)."""
     torch.manual_seed(1)
     m, n, k = 24, 40, 64
-    a = torch.randn(m, k, device="cuda")
-    b = torch.randn(n, 2 * k, device="cuda")[:, ::2]  # neither dim unit-stride
-    c_buf = torch.randn(m, n + 8, device="cuda")
-    d_buf = torch.full((m, n + 8), float("nan"), device="cuda")
-    aux_buf = torch.full((m, n + 8), float("nan"), device="cuda")
-    bias = torch.randn(n, device="cuda")
-    desc = GemmDescriptor(m, n, k, "f32", epilogue="gelu_aux_bias", transb=True, has_c=True, device="cuda")
+    a = torch.randn(m, k, device=DEV)
+    b = torch.randn(n, 2 * k, device=DEV)[:, ::2]  # neither dim unit-stride
+    c_buf = torch.randn(m, n + 8, device=DEV)
+    d_buf = torch.full((m, n + 8), float("nan"), device=DEV)
+    aux_buf = torch.full((m, n + 8), float("nan"), device=DEV)
+    bias = torch.randn(n, device=DEV)
+    desc = GemmDescriptor(m, n, k, "f32", epilogue="gelu_aux_bias", transb=True, has_c=True, device=DEV)
     plan = GemmPlan.select(desc, kp.PlanPreference.only("cublaslt"))
     plan.run(GemmArgs(a, b, d_buf[:, :n], c=c_buf[:, :n], bias=bias, aux=aux_buf[:, :n], beta=0.5))
     z = a.double() @ b.double().T + 0.5 * c_buf[:, :n].double() + bias.double()
@@ -109,24 +110,24 @@ def test_strided_operands_and_outputs():
 
 def test_linear_dispatches_to_cublaslt_with_3d_and_transposed_x():
     torch.manual_seed(2)
-    w = torch.randn(96, 64, device="cuda", dtype=torch.bfloat16)
-    bias = torch.randn(96, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(3, 64, 10, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # [3, 10, 64], strided
+    w = torch.randn(96, 64, device=DEV, dtype=torch.bfloat16)
+    bias = torch.randn(96, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(3, 64, 10, device=DEV, dtype=torch.bfloat16).transpose(1, 2)  # [3, 10, 64], strided
     y = kp.linear(x, w, bias, "gelu_bias")
     ref = torch.nn.functional.gelu(torch.nn.functional.linear(x.double(), w.double(), bias.double()),
                                    approximate="tanh")
     assert_close(y, ref, torch.nn.functional.gelu(torch.nn.functional.linear(x, w, bias), approximate="tanh"),
                  atol=FWD_ATOL[torch.bfloat16])
-    plan = GemmPlan.select(GemmDescriptor(30, 96, 64, "bf16", epilogue="gelu_bias", transb=True, device="cuda"))
+    plan = GemmPlan.select(GemmDescriptor(30, 96, 64, "bf16", epilogue="gelu_bias", transb=True, device=DEV))
     assert plan.sku.backend == "cublaslt"
     assert "tanh" in plan.precision_guarantee.note
 
 
 def test_runs_on_the_current_stream_and_under_graph_capture():
     torch.manual_seed(3)
-    x = torch.randn(64, 128, device="cuda", dtype=torch.float16)
-    w = torch.randn(256, 128, device="cuda", dtype=torch.float16)
-    b = torch.randn(256, device="cuda", dtype=torch.float16)
+    x = torch.randn(64, 128, device=DEV, dtype=torch.float16)
+    w = torch.randn(256, 128, device=DEV, dtype=torch.float16)
+    b = torch.randn(256, device=DEV, dtype=torch.float16)
     kp.linear(x, w, b, "relu_bias")  # plan and tune outside the capture
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -150,8 +151,8 @@ from kernelplan.gemm import cublaslt
 def refuse(*a, **k):
     raise AssertionError("timed again although the plan cache holds the choice")
 cublaslt._tune = refuse
-x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
-w = torch.randn(768, 1024, device="cuda", dtype=torch.bfloat16)
+x = torch.randn(512, 1024, device=DEV, dtype=torch.bfloat16)
+w = torch.randn(768, 1024, device=DEV, dtype=torch.bfloat16)
 kp.linear(x, w)
 print("ok")
 """
@@ -162,8 +163,8 @@ def test_tuned_algorithm_persists_for_a_new_process(tmp_path, monkeypatch):
 
     monkeypatch.setenv("KERNELPLAN_CACHE_DIR", str(tmp_path / "cache"))
     cublaslt.release_plans()
-    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(768, 1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(512, 1024, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(768, 1024, device=DEV, dtype=torch.bfloat16)
     kp.linear(x, w)
     plan = next(iter(cublaslt._plans.values()))
     if len(plan.results) == 1:

@@ -14,6 +14,14 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ACT = {"gelu": lambda z: F.gelu(z, approximate="tanh"), "relu": F.relu, None: lambda z: z}
 
 
+def _fwd_atol(dtype, activation):
+    """cuBLASLt's f32 GELU epilogue is accurate to ~1e-5 relative (measured up to 4.9e-6 on an H200),
+    not to f32 rounding; its precision_guarantee says so."""
+    if activation == "gelu" and DEV == "cuda" and dtype == torch.float32:
+        return 1e-5
+    return FWD_ATOL[dtype]
+
+
 def _torch_linear(x, w, b, activation):
     return ACT[activation](F.linear(x, w, b))
 
@@ -47,7 +55,7 @@ def test_fused_linear_matches_fp64(activation, bias, layout, dtype, seed):
     y, grads = _grads(ours, x, [w, b], dy)
     y64, grads64 = _grads(ref, x.double(), [w.double(), None if b is None else b.double()], dy.double())
     yb, gradsb = _grads(ref, x, [w, b], dy)
-    assert_close(y, y64, yb, atol=FWD_ATOL[dtype], what="y")
+    assert_close(y, y64, yb, atol=_fwd_atol(dtype, activation), what="y")
     for name, g, g64, gb in zip(("dx", "dw", "db"), grads, grads64, gradsb):
         assert_close(g, g64, gb, atol=BWD_ATOL[dtype], what=name)
 
@@ -76,7 +84,7 @@ def test_fused_mlp_matches_fp64(activation, bias, dtype, seed):
     y, grads = run(ours, x, params, dy)
     y64, grads64 = run(ref, x.double(), [p.double() if p is not None else None for p in params], dy.double())
     yb, gradsb = run(ref, x, params, dy)
-    assert_close(y, y64, yb, atol=FWD_ATOL[dtype], what="y")
+    assert_close(y, y64, yb, atol=_fwd_atol(dtype, activation), what="y")
     for i, (g, g64, gb) in enumerate(zip(grads, grads64, gradsb)):
         assert_close(g, g64, gb, atol=BWD_ATOL[dtype], what=f"grad {i}")
 

@@ -11,7 +11,7 @@ from .._checks import check_tensor
 from ..activations import ACTIVATIONS
 from ..dtypes import dtype_info
 from ..errors import InvalidProblem, Unsupported
-from ..plan import memoised_select
+from ..plan import dispatch_generation, memoised_select
 from .epilogue import Epilogue, ScaleSet
 from .plan import GemmArgs, GemmDescriptor, GemmPlan
 
@@ -47,6 +47,19 @@ def linear(
     f16/bf16/f32/f64 are differentiable in ``x``, ``w``, ``bias`` and ``c``.
     ``epilogue=None`` means BIAS when ``bias`` is given, else NONE.
     """
+    plain = (epilogue is None and c is None and aux is None and out is None and scales is None
+             and out_dtype is None and alpha == 1.0)
+    if plain and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or
+                                                   (bias is not None and bias.requires_grad))):
+        fast_key = _fast_key(x, w, bias)
+        hit = _prepared.get(fast_key)
+        if hit is not None and hit[0] == dispatch_generation(GemmPlan):
+            _, plan, m, n, k = hit
+            d = torch.empty((m, n), dtype=x.dtype, device=x.device)
+            plan.run_prechecked(GemmArgs(x.reshape(m, k), w, d, bias=bias))
+            return d.reshape(*x.shape[:-1], n)
+    else:
+        fast_key = None
     if epilogue is None:
         epilogue = Epilogue.BIAS if bias is not None else Epilogue.NONE
     ep = Epilogue.parse(epilogue)
@@ -112,6 +125,10 @@ def linear(
             aux2 = aux_saved
     else:
         plan.run(args)
+        if fast_key is not None:
+            if len(_prepared) >= _MAX_PREPARED:
+                _prepared.clear()
+            _prepared[fast_key] = (dispatch_generation(GemmPlan), plan, m, n, k)
     d = d.reshape(out_shape) if out is None else out
     if spec.aux_out:
         return d, aux2.reshape(out_shape)
@@ -120,6 +137,19 @@ def linear(
     if spec.bgrad == "d":
         return d, bgrad
     return d
+
+
+# The inference fast path: a plain ``linear(x, w[, bias])`` whose operands have the shapes,
+# strides, dtypes and devices of a call that passed every check reuses that call's plan and
+# skips the checks (they would pass again: nothing they look at differs).  Void once dispatch
+# may answer differently (a new measurement, a registry change).
+_prepared: dict = {}
+_MAX_PREPARED = 4096
+
+
+def _fast_key(x, w, bias):
+    b = None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device)
+    return x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device, b
 
 
 def _as_2d(t, operand, shape, m, n):

@@ -25,8 +25,6 @@ import torch
 from torch import nn
 
 from .._checks import choice
-from ..activations import ACTIVATIONS
-from ..dtypes import dtype_info
 from ..gemm import linear
 
 ACTIVATIONS_FUSED = ("gelu", "relu")
@@ -52,10 +50,11 @@ def _weight_grads(dz, x2, has_bias):
 
 def _act_grad(dy, aux, activation):
     """``dy * act'(z)`` from the aux the forward epilogue wrote (bool mask for relu, z for gelu)."""
+    # One elementwise kernel each (torch's own GELU backward computes in fp32 for 16-bit dy):
+    # the chain of ops of the generic activation table costs more than the GEMMs save.
     if activation == "relu":
-        return dy * aux.to(dy.dtype)
-    compute = dtype_info(dy.dtype).compute
-    return (dy.to(compute) * ACTIVATIONS["gelu_tanh"].grad(aux.to(compute))).to(dy.dtype)
+        return dy * aux
+    return torch.ops.aten.gelu_backward(dy, aux, approximate="tanh")
 
 
 class _FusedLinearFunction(torch.autograd.Function):
