@@ -132,8 +132,9 @@ def _operand(v: torch.Tensor, trans_first: bool = False) -> tuple[_Layout, torch
     """
     r, c = v.shape
     s0, s1 = v.stride()
-    col = s0 == 1 and (c == 1 or s1 >= r)
-    row = s1 == 1 and (r == 1 or s0 >= c)
+    # A size-1 dim's stride means nothing: a vector is both row- and column-major.
+    col = (s0 == 1 or r == 1) and (c == 1 or s1 >= r)
+    row = (s1 == 1 or c == 1) and (r == 1 or s0 >= c)
     if col and not (row and trans_first):
         return _Layout(r, c, max(s1, r, 1)), v
     if row:
@@ -145,7 +146,7 @@ def _operand(v: torch.Tensor, trans_first: bool = False) -> tuple[_Layout, torch
 def _column_major(t: torch.Tensor) -> _Layout | None:
     """The layout of ``t^T`` when ``t [m, n]`` can be D or C as it is (unit stride along n), else None."""
     m, n = t.shape
-    if t.stride(1) == 1 and (m == 1 or t.stride(0) >= n):
+    if (t.stride(1) == 1 or n == 1) and (m == 1 or t.stride(0) >= n):
         return _Layout(n, m, max(t.stride(0), n, 1))
     return None
 
@@ -216,6 +217,11 @@ class _Plan:
         dt = CudaDataType[dt_name]
         self.alpha = np.zeros(1, dtype=scale_np)
         self.beta = np.zeros(1, dtype=scale_np)
+        # Host addresses, taken once: numpy's .ctypes costs about a microsecond per access.
+        self.alpha_ptr, self.beta_ptr = self.alpha.ctypes.data, self.beta.ctypes.data
+        self.pointer = np.zeros(1, dtype=np.uint64)  # staging for the per-call bias / aux pointers
+        self.pointer_ptr = self.pointer.ctypes.data
+        self.handle = _handle(key.device)
         self.lock = threading.Lock()
         self.tuned = False
         self.desc = lt.matmul_desc_create(cublas.ComputeType[compute_name], CudaDataType[
@@ -249,6 +255,7 @@ class _Plan:
 
     def choose(self, i: int) -> None:
         self.algo = np.array(self.results["algo"][i])  # a contiguous copy, for its pointer
+        self.algo_ptr = self.algo.ctypes.data
         self.workspace = int(self.results["workspace_size"][i])
 
     def algo_hex(self, i: int) -> str:
@@ -292,6 +299,10 @@ class CublasLtGemmBackend(Backend):
             return "cuBLASLt runs on CUDA devices only"
         if desc.dtype not in _TYPES:
             return f"dtype {desc.dtype}: this backend takes f64, f32, f16 and bf16 (fp8 runs on scaled_mm)"
+        spec = Epilogue.parse(desc.epilogue).spec
+        if desc.dtype == "f64" and "gelu_tanh" in (spec.activation, spec.aux_in):
+            return ("f64 GELU: cuBLASLt evaluates GELU in fp32 (measured 8e-11 relative error in f64 on an "
+                    "H200), short of f64; the reference backend runs it")
         return available()
 
     def precision(self, desc: GemmDescriptor) -> PrecisionGuarantee:
@@ -331,7 +342,7 @@ class CublasLtGemmBackend(Backend):
         bgrad = args.bgrad
         if bgrad is not None and (bgrad.stride(0) != 1 or bgrad.data_ptr() % 16):
             bgrad = torch.empty(bgrad.shape, dtype=bgrad.dtype, device=bgrad.device)
-        stream = torch.cuda.current_stream(d.device)
+        stream = torch.cuda.current_stream(plan.key.device)
         call = functools.partial(_launch, plan, a, b, c, d, bias, aux, bgrad, args.alpha,
                                  args.beta if c is not None else 0.0, stream)
         if not plan.tuned:
@@ -354,7 +365,8 @@ def _route(desc, a, b, c, d, aux):
     """The plan of a call and which operands it copies: the slow half of ``run``, once per layout."""
     spec = Epilogue.parse(desc.epilogue).spec
     # BGRADB takes B' with op T only: that is B' stored row-major.
-    copy_b = spec.bgrad == "a" and not (b.stride(1) == 1 and (b.shape[0] == 1 or b.stride(0) >= b.shape[1]))
+    copy_b = spec.bgrad == "a" and not ((b.stride(1) == 1 or b.shape[1] == 1)
+                                        and (b.shape[0] == 1 or b.stride(0) >= b.shape[1]))
     la, a2 = _operand(a)
     lb, b2 = _operand(b.contiguous() if copy_b else b, trans_first=spec.bgrad == "a")
     copy_b = copy_b or b2 is not b
@@ -442,27 +454,34 @@ def _workspace(nbytes: int, stream) -> torch.Tensor | None:
         return None
     if torch.cuda.is_current_stream_capturing():
         return torch.empty(nbytes, dtype=torch.uint8, device=stream.device)  # the graph's pool keeps it
-    key = (stream.device, stream.cuda_stream)
+    key = stream.cuda_stream  # stream handles are unique across devices
     ws = _workspaces.get(key)
     if ws is None or ws.numel() < nbytes:
         ws = _workspaces[key] = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=stream.device)
     return ws
 
 
+@functools.lru_cache(maxsize=1)
+def _pointer_attrs() -> tuple[int, int]:
+    attrs = _lt().MatmulDescAttribute
+    return int(attrs.BIAS_POINTER), int(attrs.EPILOGUE_AUX_POINTER)
+
+
 def _launch(plan: _Plan, a, b, c, d, bias, aux, bgrad, alpha, beta, stream) -> None:
     lt = _lt()
     ws = _workspace(plan.workspace, stream)
+    bias_attr, aux_attr = _pointer_attrs()
     with plan.lock:
         plan.alpha[0], plan.beta[0] = alpha, beta
         if bias is not None or bgrad is not None:
-            _set(lt.matmul_desc_set_attribute, plan.desc, lt.MatmulDescAttribute, "BIAS_POINTER",
-                 (bias if bias is not None else bgrad).data_ptr())
+            plan.pointer[0] = (bias if bias is not None else bgrad).data_ptr()
+            lt.matmul_desc_set_attribute(plan.desc, bias_attr, plan.pointer_ptr, 8)
         if aux is not None:
-            _set(lt.matmul_desc_set_attribute, plan.desc, lt.MatmulDescAttribute, "EPILOGUE_AUX_POINTER",
-                 aux.data_ptr())
-        lt.matmul(_handle(plan.key.device), plan.desc, plan.alpha.ctypes.data, a.data_ptr(), plan.layouts[0],
-                  b.data_ptr(), plan.layouts[1], plan.beta.ctypes.data, (c if c is not None else d).data_ptr(),
-                  plan.layouts[2], d.data_ptr(), plan.layouts[3], plan.algo.ctypes.data,
+            plan.pointer[0] = aux.data_ptr()
+            lt.matmul_desc_set_attribute(plan.desc, aux_attr, plan.pointer_ptr, 8)
+        lt.matmul(plan.handle, plan.desc, plan.alpha_ptr, a.data_ptr(), plan.layouts[0],
+                  b.data_ptr(), plan.layouts[1], plan.beta_ptr, (c if c is not None else d).data_ptr(),
+                  plan.layouts[2], d.data_ptr(), plan.layouts[3], plan.algo_ptr,
                   ws.data_ptr() if ws is not None else 0, plan.workspace, stream.cuda_stream)
 
 

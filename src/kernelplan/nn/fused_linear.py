@@ -2,7 +2,8 @@
 
 Forward runs the ``*_AUX_BIAS`` epilogue: ``act(x @ W^T + b)`` in one GEMM,
 which also writes what backward needs (the pre-activation for GELU, the mask
-for ReLU).  Backward is built from the epilogues of ``kernelplan.gemm``:
+for ReLU).  A lone ``FusedLinear`` with ReLU runs ``RELU_BIAS`` and keeps its
+output instead: ``y > 0`` is the mask.  Backward is built from the epilogues of ``kernelplan.gemm``:
 
 * ``dW`` and ``db`` in one GEMM, ``dW = dZ^T @ X`` with ``BGRAD`` summing the
   rows of ``dZ^T`` beside it;
@@ -61,7 +62,12 @@ class _FusedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, activation):
         x2 = x.reshape(-1, x.shape[-1])
-        y, aux = _forward_layer(x2, w, b, activation)
+        if activation == "relu":
+            # relu'(z) is y > 0: the output is the mask, and an aux (a bitmask in cuBLASLt, unpacked
+            # into bools) would cost passes over y that backward does not need.
+            y = aux = linear(x2, w, b, epilogue="relu_bias" if b is not None else "relu")
+        else:
+            y, aux = _forward_layer(x2, w, b, activation)
         ctx.save_for_backward(x2, w, aux)
         ctx.activation, ctx.has_bias, ctx.x_shape = activation, b is not None, x.shape
         return y.reshape(*x.shape[:-1], w.shape[0])
@@ -70,7 +76,9 @@ class _FusedLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x2, w, aux = ctx.saved_tensors
         dz = dy.reshape(-1, w.shape[0])
-        if ctx.activation is not None:
+        if ctx.activation == "relu":
+            dz = torch.ops.aten.threshold_backward(dz, aux, 0)  # aux is y here
+        elif ctx.activation is not None:
             dz = _act_grad(dz, aux, ctx.activation)
         need = ctx.needs_input_grad
         dx = linear(dz, w.t()).reshape(ctx.x_shape) if need[0] else None
