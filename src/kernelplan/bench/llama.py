@@ -92,10 +92,15 @@ def run(dev: torch.device) -> tuple[list[dict], bool]:
             t_dense, t_sparse = (_seconds(lambda m=m: decode(m), dev, repeats) for m in (dense, sparse))
             rows.append(LlamaRow(f"decode batch {batch}", batch * new / t_dense, batch * new / t_sparse,
                                  t_dense / t_sparse))
+    from ..sparse24.gemm import fast_path_backends
+
+    backends = fast_path_backends()  # what the sparsified model's layers ran, per problem
+    print("2:4 backends: " + ", ".join(f"{b['m']}x{b['k']} n={b['n']} {b['backend']}" for b in backends))
     for r in rows:
         print(f"{r.case:24} dense {r.dense_tokens_per_s:10.1f} tok/s  sparse {r.sparse_tokens_per_s:10.1f} tok/s  "
               f"{r.speedup:5.2f}x")
     if not gpu:
         print("CPU: a tiny model to check the path; speed claims come from GPU runs only")
-    return [{"logits_rel_err": err, "converted": len(report.converted), "skipped": report.skipped}] + \
+    return [{"logits_rel_err": err, "converted": len(report.converted), "skipped": report.skipped,
+             "sparse24_backends": backends}] + \
         [asdict(r) for r in rows], ok

@@ -276,4 +276,10 @@ def linear_parts(x, values, metadata, bias=None, activation=None) -> torch.Tenso
 
 # linear()'s inference fast path: (operand ids and properties) -> (generation, weakrefs, plan).
 _prepared: dict = {}
+
+
+def fast_path_backends() -> list[dict]:
+    """Which backend each problem on the inference fast path runs: one row per (n, m, k, dtype, backend)."""
+    rows = {(p.desc.n, p.desc.m, p.desc.k, p.desc.dtype, p.sku.backend) for *_, p in _prepared.values()}
+    return [dict(zip(("n", "m", "k", "dtype", "backend"), r)) for r in sorted(rows)]
 _MAX_PREPARED = 4096
