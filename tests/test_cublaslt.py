@@ -184,3 +184,13 @@ def test_tuned_algorithm_persists_for_a_new_process(tmp_path, monkeypatch):
     out = subprocess.run([sys.executable, "-c", _SECOND_PROCESS], capture_output=True, text=True,
                          env={**__import__("os").environ}, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+def test_bare_cuda_descriptor_takes_tensors_on_the_current_device():
+    """``device="cuda"`` means the current device, as in torch: its tensors report ``cuda:0``."""
+    x = torch.randn(8, 32, device="cuda")
+    w = torch.randn(16, 32, device="cuda")
+    d = torch.empty(8, 16, device="cuda")
+    plan = GemmPlan.select(GemmDescriptor(8, 16, 32, "f32", transb=True, device="cuda"))
+    plan.run(GemmArgs(x, w, d))
+    torch.testing.assert_close(d, x @ w.T)

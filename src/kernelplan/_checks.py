@@ -9,6 +9,14 @@ import torch
 from .errors import BufferTooSmall, InvalidProblem
 
 
+def same_device(actual: torch.device, wanted: str | torch.device) -> bool:
+    """``actual`` is ``wanted``, where a bare ``"cuda"`` means the current CUDA device (as in torch)."""
+    want = torch.device(wanted)
+    if want.type == "cuda" and want.index is None and actual.type == "cuda":
+        return actual.index == torch.cuda.current_device()
+    return actual == want
+
+
 def check_tensor(
     t,
     operand: str,
@@ -25,7 +33,7 @@ def check_tensor(
         raise InvalidProblem(
             f"{operand} has dtype {t.dtype} but must have dtype {dtype}: convert it with .to({dtype})"
         )
-    if device is not None and t.device != torch.device(device):
+    if device is not None and not same_device(t.device, device):
         raise InvalidProblem(
             f"{operand} is on {t.device} but the op runs on {device}: move it with .to({str(device)!r})"
         )

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Iterator
 
 import torch
 
+from ._checks import same_device
 from .errors import InvalidProblem, InvalidState, Unsupported, WorkspaceTooSmall
 
 log = logging.getLogger("kernelplan.plan")
@@ -310,7 +311,7 @@ class Plan:
         got = workspace.numel() * workspace.element_size()
         if got < needed:
             raise WorkspaceTooSmall(needed, got)
-        if workspace.device != torch.device(self.desc.device) and needed > 0:
+        if needed > 0 and not same_device(workspace.device, self.desc.device):
             raise InvalidProblem(
                 f"workspace is on {workspace.device} but the plan runs on {self.desc.device}; "
                 f"allocate the workspace on {self.desc.device}"
