@@ -73,7 +73,8 @@ class ScaledMMGemmBackend(Backend):
         return PrecisionGuarantee(
             desc.dtype, "f32", deterministic=True, bit_stable=False,
             note="torch._scaled_mm with fp32 accumulation (use_fast_accum=False); the bias is added in the "
-            "library's epilogue",
+            "library's epilogue. On Hopper the fp8 tensor cores accumulate with about 14 mantissa bits "
+            "(measured 9.8e-5 relative error in an f32 D at k=48 on an H200)",
         )
 
     def run(self, desc: GemmDescriptor, args: GemmArgs, workspace) -> None:
