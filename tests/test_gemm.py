@@ -82,6 +82,32 @@ def test_errors_write_nothing_into_out():
     assert torch.isnan(out).all()
 
 
+@pytest.mark.parametrize("call, error, match", [
+    (lambda x, w, out: kp.linear(x, torch.randn(6, 7), out=out), InvalidProblem, r"w must be \[out, in\]"),
+    (lambda x, w, out: kp.linear(x, w, None, "dgelu", aux=torch.zeros(4, 8, dtype=torch.float64), out=out),
+     InvalidProblem, r"aux has dtype torch.float64 but must have dtype torch.float32"),
+    (lambda x, w, out: kp.linear(x, w, None, "drelu", aux=torch.zeros(4, 8), out=out),
+     InvalidProblem, r"aux has dtype torch.float32 but must have dtype torch.bool"),
+    (lambda x, w, out: kp.linear(out, w, out=out), InvalidProblem, r"D shares memory with A"),
+    (lambda x, w, out: kp.linear(x.to(torch.float8_e4m3fn), torch.randn(8, 8).to(torch.float8_e4m3fn),
+                                 out_dtype=torch.float32, out=out, pad=False),
+     kp.MisalignedOperand, r"k is 8; fp8 GEMMs .* multiples of 16.*zero-pad k to 16.*pass pad=True"),
+])
+def test_error_inputs_name_the_fix_and_write_nothing(call, error, match):
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    out = poisoned((4, 8), torch.float32)
+    with pytest.raises(error, match=match):
+        call(x, w, out)
+    assert torch.isnan(out).all()
+
+
+def test_fp8_pad_false_runs_aligned_dims():
+    xq, wq = kp.fp8.quantize(torch.randn(4, 32)), kp.fp8.quantize(torch.randn(48, 32))
+    torch.testing.assert_close(kp.fp8.linear(xq, wq, pad=False), kp.fp8.linear(xq, wq))
+    with pytest.raises(kp.MisalignedOperand, match="n is 40"):
+        kp.fp8.linear(xq, kp.fp8.quantize(torch.randn(40, 32)), pad=False)
+
+
 def test_autograd_guards():
     x = torch.randn(3, 8, requires_grad=True)
     w = torch.randn(4, 8)

@@ -36,10 +36,10 @@ class _TooSmall(InvalidProblem):
     unit = "elements"
     fix = "allocate {operand} with at least {needed} {unit}"
 
-    def __init__(self, needed: int, got: int, operand: str):
+    def __init__(self, needed: int, got: int, operand: str, fix: str | None = None):
         self.needed = int(needed)
         self.got = int(got)
-        fix = self.fix.format(operand=operand, needed=self.needed, unit=self.unit)
+        fix = (fix or self.fix).format(operand=operand, needed=self.needed, unit=self.unit)
         super().__init__(f"{operand} holds {self.got} {self.unit} but {self.needed} are needed; {fix}")
 
 
@@ -49,8 +49,8 @@ class WorkspaceTooSmall(_TooSmall):
     unit = "bytes"
     fix = "pass at least plan.workspace_size() = {needed} bytes, or workspace=None to let the plan allocate it"
 
-    def __init__(self, needed: int, got: int, operand: str = "workspace"):
-        super().__init__(needed, got, operand)
+    def __init__(self, needed: int, got: int, operand: str = "workspace", fix: str | None = None):
+        super().__init__(needed, got, operand, fix)
 
 
 class BufferTooSmall(_TooSmall):

@@ -61,12 +61,15 @@ def quantize(x: torch.Tensor, recipe: str = "tensor", dtype: torch.dtype = torch
 
 
 def linear(
-    xq: Quantized, wq: Quantized, bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16
+    xq: Quantized, wq: Quantized, bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+    pad: bool = True,
 ) -> torch.Tensor:
     """``xq @ wq^T (+ bias)`` from quantized operands, fp32 accumulation, in ``out_dtype``.
 
     ``xq`` is ``[..., K]``; ``wq`` is ``[out, K]``.  Tensor-wise and row-wise
     scales mix freely: a row-wise ``wq`` has one scale per output feature.
+    K and ``out`` off a multiple of 16 are zero-padded inside; ``pad=False``
+    raises :class:`MisalignedOperand` for them instead.
     """
     for name, q in (("xq", xq), ("wq", wq)):
         if not isinstance(q, Quantized):
@@ -78,4 +81,4 @@ def linear(
         raise InvalidProblem(f"wq has shape {tuple(wq.data.shape)}; it must be [out, in] (nn.Linear layout)")
     a_scale = xq.scale if xq.recipe == "tensor" else xq.scale.reshape(-1)
     scales = ScaleSet(a=a_scale, b=wq.scale)
-    return _linear(xq.data, wq.data, bias, scales=scales, out_dtype=out_dtype)
+    return _linear(xq.data, wq.data, bias, scales=scales, out_dtype=out_dtype, pad=pad)

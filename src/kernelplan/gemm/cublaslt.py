@@ -24,6 +24,11 @@ time per call in place and 53 µs out of place, against 13.9 µs for
 not be written into the caller's buffer either.  Here a call is a dict
 lookup, up to three pointer attributes and ``cublasLtMatmul``.
 
+**Workspace.**  ``workspace_size`` is 0: by default the backend keeps one buffer per
+stream (launches on a stream are ordered, so it is reused safely) and a fresh one
+inside graph capture.  A workspace passed to ``plan.run`` is used instead, as a
+hint; one smaller than the chosen algorithm needs is ``WorkspaceTooSmall``.
+
 **Plans** (descriptors, layouts, algorithm) are cached per (device, dtype,
 epilogue, layouts, pointer alignments) in a bounded LRU.  The first call of
 a key times up to ``_CANDIDATES`` heuristic algorithms on the caller's
@@ -43,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import Unsupported
+from ..errors import Unsupported, WorkspaceTooSmall
 from ..plan import Backend, PrecisionGuarantee
 from .epilogue import Epilogue
 from .plan import GemmArgs, GemmDescriptor, GemmPlan
@@ -342,8 +347,14 @@ class CublasLtGemmBackend(Backend):
         bgrad = args.bgrad
         if bgrad is not None and (bgrad.stride(0) != 1 or bgrad.data_ptr() % 16):
             bgrad = torch.empty(bgrad.shape, dtype=bgrad.dtype, device=bgrad.device)
+        if workspace is not None and workspace.numel() * workspace.element_size() < plan.workspace:
+            raise WorkspaceTooSmall(
+                plan.workspace, workspace.numel() * workspace.element_size(),
+                fix="the cuBLASLt algorithm chosen for this problem needs {needed} bytes: pass at least "
+                    "that, or workspace=None to use the backend's own",
+            )
         call = functools.partial(_launch, plan, a, b, c, d, bias, aux, bgrad, args.alpha,
-                                 args.beta if c is not None else 0.0, _raw_stream(plan.key.device))
+                                 args.beta if c is not None else 0.0, _raw_stream(plan.key.device), workspace)
         if not plan.tuned:
             _tune(plan, call, torch.cuda.current_stream(plan.key.device))
         call()
@@ -480,9 +491,9 @@ def _pointer_attrs() -> tuple[int, int]:
     return int(attrs.BIAS_POINTER), int(attrs.EPILOGUE_AUX_POINTER)
 
 
-def _launch(plan: _Plan, a, b, c, d, bias, aux, bgrad, alpha, beta, stream: int) -> None:
+def _launch(plan: _Plan, a, b, c, d, bias, aux, bgrad, alpha, beta, stream: int, given=None) -> None:
     lt = _lt()
-    ws = _workspace(plan.workspace, stream, plan.key.device)
+    ws = given if given is not None and plan.workspace else _workspace(plan.workspace, stream, plan.key.device)
     bias_attr, aux_attr = _pointer_attrs()
     with plan.lock:
         plan.alpha[0], plan.beta[0] = alpha, beta

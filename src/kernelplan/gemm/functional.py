@@ -37,6 +37,7 @@ def linear(
     out: torch.Tensor | None = None,
     scales: ScaleSet | None = None,
     out_dtype: torch.dtype | None = None,
+    pad: bool = True,
 ):
     """``epilogue(alpha * x @ w^T + beta * c)``, ``w`` in nn.Linear layout ``[out, in]``.
 
@@ -45,10 +46,12 @@ def linear(
     ``(D, aux)`` and the *BGRAD ones ``(D, bgrad)``.  For DRELU/DGELU pass the
     ``aux`` written by the matching *_AUX forward.  Forward epilogues in
     f16/bf16/f32/f64 are differentiable in ``x``, ``w``, ``bias`` and ``c``.
-    ``epilogue=None`` means BIAS when ``bias`` is given, else NONE.
+    ``epilogue=None`` means BIAS when ``bias`` is given, else NONE.  With fp8
+    inputs, ``pad=False`` turns a k or n off the multiple of 16 into a
+    :class:`MisalignedOperand` instead of a padded copy of the operands.
     """
     plain = (epilogue is None and c is None and aux is None and out is None and scales is None
-             and out_dtype is None and alpha == 1.0)
+             and out_dtype is None and alpha == 1.0 and pad)
     if plain and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or
                                                    (bias is not None and bias.requires_grad))):
         fast_key = _fast_key(x, w, bias)
@@ -90,6 +93,7 @@ def linear(
         scale_out=scales.out is not None,
         amax=scales.amax is not None,
         device=str(x.device),
+        pad=pad,
     )
     plan = memoised_select(GemmPlan, desc)
     side = dtype_info(desc.side_dtype).dtype

@@ -15,11 +15,12 @@ import torch
 from .._checks import check_dims, check_no_overlap, check_tensor
 from ..activations import ACTIVATIONS
 from ..dtypes import FLOAT_DTYPES, FP8_DTYPES, dtype_info
-from ..errors import InvalidProblem
+from ..errors import InvalidProblem, MisalignedOperand
 from ..plan import Backend, BackendRegistry, Plan, PrecisionGuarantee
 from .epilogue import Epilogue, ScaleSet
 
 FP8_OUT_DTYPES = ("f32", "f16", "bf16") + FP8_DTYPES
+FP8_ALIGN = 16  # cuBLASLt's rule for fp8 k and n, which torch._scaled_mm inherits
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class GemmDescriptor:
     scale_out: bool = False
     amax: bool = False
     device: str = "cpu"
+    pad: bool = True  # fp8: may a backend zero-pad k and n to 16 in fresh buffers (a copy of A and B)?
 
     @property
     def is_fp8(self) -> bool:
@@ -82,6 +84,16 @@ class GemmPlan(Plan):
             if b not in FP8_DTYPES:
                 raise InvalidProblem(f"A is {a} but B is {b}; fp8 GEMM needs both in fp8: quantize B too")
             dtype_info(desc.d_dtype, "out_dtype", FP8_OUT_DTYPES)
+            if not desc.pad:
+                for dim in ("k", "n"):
+                    size = getattr(desc, dim)
+                    if size % FP8_ALIGN:
+                        raise MisalignedOperand(
+                            f"{dim} is {size}; fp8 GEMMs (cuBLASLt, torch._scaled_mm) need k and n to be "
+                            f"multiples of {FP8_ALIGN}, and padding was turned off (pad=False): zero-pad "
+                            f"{dim} to {-(-size // FP8_ALIGN) * FP8_ALIGN} yourself, or pass pad=True to pad "
+                            f"inside (a copy of the operands)"
+                        )
         else:
             if b != a or desc.d_dtype != a:
                 raise InvalidProblem(

@@ -27,9 +27,8 @@ from ..dtypes import dtype_info
 from ..errors import Unsupported
 from ..plan import Backend, PrecisionGuarantee
 from .epilogue import Epilogue
+from .plan import FP8_ALIGN as _ALIGN
 from .plan import GemmArgs, GemmDescriptor, GemmPlan
-
-_ALIGN = 16  # _scaled_mm's rule for k and n
 
 
 @functools.lru_cache(maxsize=16)
