@@ -214,4 +214,6 @@ def test_workspace_hint_is_used_or_refused_before_writing():
     d2 = poisoned((m, n), torch.bfloat16, DEV)
     with pytest.raises(kp.WorkspaceTooSmall, match="cuBLASLt algorithm chosen"):
         plan.run(GemmArgs(x, w, d2), workspace=torch.empty(1, dtype=torch.uint8, device=DEV))
+    with pytest.raises(kp.InvalidProblem, match="workspace is on cpu"):
+        plan.run(GemmArgs(x, w, d2), workspace=torch.empty(64 << 20, dtype=torch.uint8))
     assert torch.isnan(d2).all()

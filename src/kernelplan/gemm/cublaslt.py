@@ -48,7 +48,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import Unsupported, WorkspaceTooSmall
+from .._checks import same_device
+from ..errors import InvalidProblem, Unsupported, WorkspaceTooSmall
 from ..plan import Backend, PrecisionGuarantee
 from .epilogue import Epilogue
 from .plan import GemmArgs, GemmDescriptor, GemmPlan
@@ -347,6 +348,11 @@ class CublasLtGemmBackend(Backend):
         bgrad = args.bgrad
         if bgrad is not None and (bgrad.stride(0) != 1 or bgrad.data_ptr() % 16):
             bgrad = torch.empty(bgrad.shape, dtype=bgrad.dtype, device=bgrad.device)
+        if workspace is not None and not same_device(workspace.device, desc.device):
+            raise InvalidProblem(
+                f"workspace is on {workspace.device} but the plan runs on {desc.device}; allocate the "
+                f"workspace on {desc.device}, or pass workspace=None to use the backend's own"
+            )
         if workspace is not None and workspace.numel() * workspace.element_size() < plan.workspace:
             raise WorkspaceTooSmall(
                 plan.workspace, workspace.numel() * workspace.element_size(),
