@@ -87,18 +87,29 @@ def test_split_k_path_is_taken_where_expected():
     assert config_for(64, 65536, 8192, sm_count=132).splits == 1  # 1024 tiles already fill the SMs
 
 
-def test_packed_metadata_holds_every_group_position(seed):
-    from kernelplan.kernels.sparse24 import packed_metadata
-    from kernelplan.sparse24.format import unpack_positions
+def test_group_codes_rebuild_the_dense_weight(seed):
+    """The derived codes, read as documented (a picks the low pair, b the high), give back W exactly."""
+    from kernelplan.kernels.sparse24 import code_metadata
 
-    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(9, 192)))
-    packed = packed_metadata(w24.metadata).to(torch.int64) & 0xFFFFFFFF
-    assert packed.shape == (192 // 64, 9, 2)
+    w = kp.sparse24.prune(torch.randn(9, 192))
+    w[0, :4] = torch.tensor([0.0, 0.0, 0.0, 1.5])  # a group with one non-zero
+    w[1, :4] = 0.0  # and one with none
+    w24 = kp.sparse24.compress(w)
+    words = code_metadata(w24.metadata).to(torch.int64) & 0xFFFFFFFF
+    assert words.shape == (192 // 64, 9, 2)
     groups = torch.arange(192 // 4)
-    words = packed[groups // 16, :, (groups // 8) % 2].T  # [M, groups]: word q = [q // 2, row, q % 2]
-    nib = (words >> (4 * (groups % 8))) & 0xF
-    positions = unpack_positions(w24.metadata)
-    assert torch.equal(nib & 3, positions[..., 0]) and torch.equal(nib >> 2, positions[..., 1])
+    word = words[groups // 16, :, (groups // 8) % 2].T  # [M, groups]: word q = [q // 2, row, q % 2]
+    code = (word >> (4 * (groups % 8))) & 0xF
+    v0, v1 = w24.values.reshape(9, -1, 2).unbind(-1)
+    zero = torch.zeros_like(v0)
+    low = {0: (v0, v1), 1: (v0, zero), 2: (zero, v0), 3: (zero, zero)}
+    high = {0: (zero, zero), 1: (v1, zero), 2: (zero, v1), 3: (v0, v1)}
+    dense = torch.zeros(9, 192 // 4, 4)
+    for c in range(4):
+        for e in range(2):
+            dense[..., e] = torch.where((code & 3) == c, low[c][e], dense[..., e])
+            dense[..., 2 + e] = torch.where((code >> 2) == c, high[c][e], dense[..., 2 + e])
+    assert torch.equal(dense.reshape(9, 192), w)
 
 
 def test_derived_layouts_follow_in_place_changes(seed):
