@@ -148,6 +148,25 @@ def test_sparse24_triton_reads_values_it_cannot_pair_in_place(dtype):
     assert_close(y, F.linear(x.double(), w.double()), F.linear(x, w), atol=FWD_ATOL[dtype])
 
 
+def test_sparse24_triton_relaunch_respecializes_on_alignment_and_strides():
+    """The direct launcher keeps one compiled kernel per specialization: x aligned, then x at an odd
+    offset and stride, then aligned again, all in one process and shape, each against the oracle."""
+    from kernelplan.sparse24 import GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan
+
+    torch.manual_seed(0)
+    w = kp.sparse24.prune(torch.randn(256, 1024, device="cuda")).bfloat16()
+    w24 = kp.sparse24.compress(w)
+    plan = GemmSparse24Plan.select(GemmSparse24Descriptor(3, 256, 1024, "bf16", device="cuda"),
+                                   kp.PlanPreference.only("triton"))
+    wide = torch.randn(3, 1025 * 2, device="cuda", dtype=torch.bfloat16)
+    for x in (torch.randn(3, 1024, device="cuda", dtype=torch.bfloat16), wide[:, 1:2049:2],
+              wide[:, 1:1025], torch.randn(3, 1024, device="cuda", dtype=torch.bfloat16)):
+        for _ in range(2):  # the second launch of a key takes the direct path
+            y = torch.full((3, 256), float("nan"), device="cuda", dtype=torch.bfloat16)
+            plan.run(GemmSparse24Args(x, w24.values, w24.metadata, y, None))
+            assert_close(y, F.linear(x.double(), w.double()), F.linear(x, w), atol=FWD_ATOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_sparse24_functional_3d_x_tunes_and_matches(activation):
     from kernelplan.sparse24 import GemmSparse24Descriptor, GemmSparse24Plan

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from ..sparse24.format import derived_from, unpack_positions
-from . import interpreting
+from . import Launcher, interpreting
 from .activations import ACTIVATION_CODES, act_and_grad
 
 # (pos0, pos1) -> code a | b << 2, where
@@ -259,15 +259,17 @@ def bias_act_(y: torch.Tensor, bias: torch.Tensor | None, activation: str | None
     if n == 0 or m == 0:
         return
     block = min(1024, triton.next_power_of_2(m))
-    sparse24_reduce_kernel[(triton.cdiv(m, block), n)](
-        y, bias if bias is not None else y, y, n, m, 1, y.stride(0), y.stride(1),
-        ACT=ACTIVATION_CODES[activation or "identity"], HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
-    )
+    _reduce((triton.cdiv(m, block), n), (y, bias if bias is not None else y, y, n, m, 1, y.stride(0), y.stride(1)),
+            dict(ACT=ACTIVATION_CODES[activation or "identity"], HAS_BIAS=bias is not None, BLOCK=block), num_warps=4)
 
 
 @functools.lru_cache(maxsize=None)
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+_gemm = Launcher(sparse24_kernel)
+_reduce = Launcher(sparse24_reduce_kernel)
 
 
 def launch(x, values, metadata, bias, y, activation: str | None, cfg: Config, workspace) -> None:
@@ -284,23 +286,17 @@ def launch(x, values, metadata, bias, y, activation: str | None, cfg: Config, wo
         values = derived_from(values, metadata, "values_contiguous", lambda v, meta: v.contiguous())
     has_bias = bias is not None
     grid = (triton.cdiv(m, cfg.block_m), cfg.splits, triton.cdiv(n, cfg.block_n))
-    common = dict(BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    tiles = dict(BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k)
     if cfg.splits == 1:
-        sparse24_kernel[grid](
-            x, values, codes, bias if has_bias else values, y, n, m, k,
-            x.stride(0), x.stride(1), *values.stride(), y.stride(0), y.stride(1), 0,
-            ACT=act, HAS_BIAS=has_bias, PARTIAL=False, IEEE=ieee, PRMT=prmt, **common,
-        )
+        _gemm(grid, (x, values, codes, bias if has_bias else values, y, n, m, k,
+                     x.stride(0), x.stride(1), *values.stride(), y.stride(0), y.stride(1), 0),
+              dict(ACT=act, HAS_BIAS=has_bias, PARTIAL=False, IEEE=ieee, PRMT=prmt, **tiles), **options)
         return
     ws = workspace[: workspace_bytes(cfg, n, m)].view(torch.float32)
-    sparse24_kernel[grid](
-        x, values, codes, values, ws, n, m, k // cfg.splits,
-        x.stride(0), x.stride(1), *values.stride(), m, 1, n * m,
-        ACT=act, HAS_BIAS=False, PARTIAL=True, IEEE=ieee, PRMT=prmt, **common,
-    )
+    _gemm(grid, (x, values, codes, values, ws, n, m, k // cfg.splits,
+                 x.stride(0), x.stride(1), *values.stride(), m, 1, n * m),
+          dict(ACT=act, HAS_BIAS=False, PARTIAL=True, IEEE=ieee, PRMT=prmt, **tiles), **options)
     block = min(1024, triton.next_power_of_2(m))
-    sparse24_reduce_kernel[(triton.cdiv(m, block), n)](
-        ws, bias if has_bias else ws, y, n, m, cfg.splits, y.stride(0), y.stride(1),
-        ACT=act, HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
-    )
+    _reduce((triton.cdiv(m, block), n), (ws, bias if has_bias else ws, y, n, m, cfg.splits, y.stride(0), y.stride(1)),
+            dict(ACT=act, HAS_BIAS=has_bias, BLOCK=block), num_warps=4)
