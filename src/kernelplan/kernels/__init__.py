@@ -65,4 +65,5 @@ class Launcher:
             self._compiled[key] = self.fn[grid](*args, **constexprs, **options)
             return
         device = args[0].device.index
-        kernel[grid](*args, *values, stream=torch._C._cuda_getCurrentRawStream(device))
+        # A compiled kernel's launcher reads all three grid dimensions.
+        kernel[(*grid, 1, 1)[:3]](*args, *values, stream=torch._C._cuda_getCurrentRawStream(device))
