@@ -52,12 +52,15 @@ class Launcher:
     def __init__(self, fn):
         self.fn = fn
         self._compiled: dict = {}
+        self._constexpr_names: dict[int, list[str]] = {}  # by the number of positional args
 
     def __call__(self, grid, args: tuple, constexprs: dict, **options) -> None:
         if interpreting():
             self.fn[grid](*args, **constexprs, **options)
             return
-        names = self.fn.arg_names[len(args):]
+        names = self._constexpr_names.get(len(args))
+        if names is None:
+            names = self._constexpr_names[len(args)] = self.fn.arg_names[len(args):]
         values = tuple(constexprs[name] for name in names)  # the kernel's parameter order
         key = (values, tuple(options.items()), tuple(_specialization(a) for a in args))
         kernel = self._compiled.get(key)
