@@ -45,6 +45,7 @@ CASES = [  # (n, m, k, activation, bias, x layout)
     (3, 70, 192, "relu", True, "contiguous"),  # odd M: masked rows
     (17, 64, 256, "gelu", True, "transposed"),  # non-contiguous x
     (5, 32, 2048, "silu", True, "contiguous"),  # K split in two: the partial-sum path
+    (70, 130, 2048, "relu", True, "transposed"),  # split, over 3 M tiles and 2 N tiles: one counter each
     (65, 16, 64, "gelu_tanh", False, "strided"),  # two N tiles
 ]
 
@@ -83,6 +84,8 @@ def test_split_k_path_is_taken_where_expected():
     from kernelplan.kernels.sparse24 import config_for
 
     assert config_for(5, 32, 2048, sm_count=4).splits == 2
+    cfg = config_for(70, 130, 2048, sm_count=4, itemsize=4)
+    assert cfg.splits > 1 and 130 > 2 * cfg.block_m and 70 > cfg.block_n  # the multi-tile split case above
     assert config_for(1, 8192, 8192, sm_count=132).splits == 4  # 128 M tiles: 4 splits give ~4 programs per SM
     assert config_for(64, 65536, 8192, sm_count=132).splits == 1  # 1024 tiles already fill the SMs
 

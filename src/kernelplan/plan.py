@@ -175,6 +175,7 @@ class Plan:
             epilogue=getattr(desc, "epilogue", None),
         )
         self.precision_guarantee = backend.precision(desc)
+        self._workspace_bytes: int | None = None  # run_prechecked's, asked of the backend once
 
     # -- selection -------------------------------------------------------
     @classmethod
@@ -300,7 +301,11 @@ class Plan:
         they validated and outputs they allocated: the checks of ``run`` would
         repeat theirs, and on a small problem they are a third of the host time.
         """
-        return self.backend.run(self.desc, args, self._workspace(None))
+        needed = self._workspace_bytes
+        if needed is None:
+            needed = self._workspace_bytes = self.workspace_size()
+        workspace = torch.empty(needed, dtype=torch.uint8, device=self.desc.device) if needed else None
+        return self.backend.run(self.desc, args, workspace)
 
     def _workspace(self, workspace: torch.Tensor | None) -> torch.Tensor | None:
         needed = self.workspace_size()

@@ -71,15 +71,11 @@ class TritonSparse24Backend(Backend):
 
         return config_for(desc.n, desc.m, desc.k, _sm_count(desc.device), dtype_info(desc.dtype).itemsize)
 
-    def workspace_size(self, desc) -> int:
-        from ..kernels.sparse24 import workspace_bytes
-
-        return workspace_bytes(self._config(desc), desc.n, desc.m)
-
     def run(self, desc, args: GemmSparse24Args, workspace) -> None:
         from ..kernels.sparse24 import launch
 
-        launch(args.x, args.values, args.metadata, args.bias, args.y, desc.activation, self._config(desc), workspace)
+        # No plan workspace: a K split keeps its partials in a per-stream scratch (split_scratch).
+        launch(args.x, args.values, args.metadata, args.bias, args.y, desc.activation, self._config(desc))
 
 
 def _dense_weight(values: torch.Tensor, metadata: torch.Tensor) -> torch.Tensor:

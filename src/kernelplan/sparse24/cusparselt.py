@@ -134,8 +134,11 @@ class _Plan:
         lib._matmul_alg_selection_init(h, self.alg, self.matmul, lib.MatmulAlg.DEFAULT)
         self.plan = None
         self.workspace_size = 0
+        self.alg_found: dict | None = None  # set_alg's: what weights' own plans are planned with
+        self.alive = True
 
     def set_alg(self, found: dict) -> None:
+        self.alg_found = found
         lib = _lib()
         for name in _ALG_ATTRS:
             value = np.array([found[name]], dtype=np.int32)
@@ -156,7 +159,15 @@ class _Plan:
         self.plan = self._plan
         self.workspace_size = lib.matmul_get_workspace(self.handle, self.plan)
 
+    def __del__(self):  # a weight's own plan goes with its cache entry (see _weight_plan)
+        if getattr(self, "alive", False):
+            self.destroy()
+
     def destroy(self) -> None:
+        """Release the library objects, once: an evicted plan is destroyed, then collected."""
+        if not self.alive:
+            return
+        self.alive = False
         lib = _lib()
         if self.plan is not None:
             lib._matmul_plan_destroy(self.plan)
@@ -176,27 +187,44 @@ def release_plans() -> None:
 _BETA = np.array([0.0], dtype=np.float32)
 
 
-def _compressed(plan: _Plan, values: torch.Tensor, metadata: torch.Tensor) -> torch.Tensor:
-    """cuSPARSELt's compressed copy of W for one plan, built from our format once per weight state.
+def _compress(plan: _Plan, values: torch.Tensor, metadata: torch.Tensor) -> torch.Tensor:
+    """W in cuSPARSELt's compressed layout, compressed against ``plan``."""
+    from .format import Sparse24Weight
 
-    One copy per plan, not per weight: measured on an H200 with cuSPARSELt 0.8,
-    f16 ``matmul_search`` fails (internal error, status 7) on a copy compressed
-    against W's descriptor alone (``sp_mma_compress2``) or against another N's
-    plan, and succeeds on one compressed against its own plan; bf16 takes either.
-    The price is a compressed copy (9/16 of dense) per N bucket a weight runs at.
+    lib = _lib()
+    dense = Sparse24Weight(values.detach(), metadata, _validate=False).decompress().contiguous()
+    size, buffer_size = lib.sp_mma_compressed_size(plan.handle, plan.plan)
+    out = torch.empty(size, dtype=torch.uint8, device=values.device)
+    scratch = torch.empty(max(buffer_size, 1), dtype=torch.uint8, device=values.device)
+    stream = torch.cuda.current_stream(values.device).cuda_stream
+    lib.sp_mma_compress(plan.handle, plan.plan, dense.data_ptr(), out.data_ptr(), scratch.data_ptr(), stream)
+    return out
+
+
+def _weight_plan(plan: _Plan, values: torch.Tensor, metadata: torch.Tensor) -> tuple[_Plan, torch.Tensor]:
+    """A plan of ``plan``'s algorithm that is this weight's own, and W compressed against it.
+
+    Built once per weight state and N bucket.  Measured on an H200 with
+    cuSPARSELt 0.8 (f16; bf16 took every variant):
+
+    * ``matmul_search`` fails (internal error, status 7) on a copy compressed
+      against W's descriptor alone (``sp_mma_compress2``) or another N's plan;
+    * a copy compressed against a plan that had already run a matmul (or its
+      search) gave wrong products, relative error 1.0-1.4;
+    * a copy compressed against a second, unused plan of the same algorithm
+      failed to run (CUBLAS execution failure after it);
+    * a copy compressed against an unused plan, run on that same plan, is right.
+
+    So each weight gets its own plan, compressed against before it first runs.
+    The price is a compressed copy (9/16 of dense) and a plan per N bucket a
+    weight runs at.
     """
 
     def build(v, meta):
-        from .format import Sparse24Weight
-
-        lib = _lib()
-        dense = Sparse24Weight(v.detach(), meta, _validate=False).decompress().contiguous()
-        size, buffer_size = lib.sp_mma_compressed_size(plan.handle, plan.plan)
-        out = torch.empty(size, dtype=torch.uint8, device=v.device)
-        scratch = torch.empty(max(buffer_size, 1), dtype=torch.uint8, device=v.device)
-        stream = torch.cuda.current_stream(v.device).cuda_stream
-        lib.sp_mma_compress(plan.handle, plan.plan, dense.data_ptr(), out.data_ptr(), scratch.data_ptr(), stream)
-        return out
+        own = _Plan(plan.key)
+        own.set_alg(plan.alg_found)
+        own.init_plan()
+        return own, _compress(own, v, meta)
 
     k = plan.key
     return derived_from(values, metadata, f"cusparselt:{k.dtype}:n={k.n}:relu={k.relu}", build)
@@ -241,12 +269,21 @@ def plan_for(key: _Key, args: GemmSparse24Args) -> _Plan:
     if stored is not None:
         plan.set_alg(stored)
         plan.init_plan()
-    else:  # search on the caller's tensors (y is written); the search updates the plan in place
+    else:  # search on the caller's tensors (y is written), then plan afresh from what it found
+        searched = plan
+        try:
+            searched.init_plan()
+            a = _compress(searched, args.values, args.metadata)  # against the unused plan: see _weight_plan
+            _run(searched, a, args.x, args.y, _workspace(searched, args.x.device), search=True)
+            found = searched.get_alg()
+        finally:
+            torch.cuda.current_stream(args.x.device).synchronize()  # nothing in flight uses it
+            searched.destroy()
+        # As a new process would from the stored search: the searched plan's own state after the
+        # search does not match copies compressed afresh (see _weight_plan).
+        plan = _Plan(key)
+        plan.set_alg(found)
         plan.init_plan()
-        a = _compressed(plan, args.values, args.metadata)
-        _run(plan, a, args.x, args.y, _workspace(plan, args.x.device), search=True)
-        found = plan.get_alg()
-        plan.workspace_size = _lib().matmul_get_workspace(plan.handle, plan.plan)
         plan_cache().put(_SEARCH_OP, problem, found, device=f"cuda:{key.device}")
     _plans[key] = plan
     while len(_plans) > _MAX_PLANS:
@@ -329,9 +366,8 @@ class CusparseLtSparse24Backend(Backend):
         if n_run != n or not y.is_contiguous() or y.data_ptr() % _ALIGN:
             y = torch.empty((n_run, y.shape[1]), dtype=y.dtype, device=y.device)
         args_here = GemmSparse24Args(x, args.values, args.metadata, y, args.bias)
-        plan = plan_for(_key(desc), args_here)
-        a = _compressed(plan, args.values, args.metadata)  # built from a contiguous dense copy of W
-        _run(plan, a, x, y, _workspace(plan, x.device), search=False)
+        own, a = _weight_plan(plan_for(_key(desc), args_here), args.values, args.metadata)
+        _run(own, a, x, y, _workspace(own, x.device), search=False)
         if _needs_pass(desc):
             from ..kernels.sparse24 import bias_act_
 

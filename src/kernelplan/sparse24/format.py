@@ -147,7 +147,7 @@ def derived_from(values: torch.Tensor, metadata: torch.Tensor, key: str, build: 
     if per_weight is None:
         per_weight = _DERIVED[id(values)] = {}
         weakref.finalize(values, _DERIVED.pop, id(values), None)
-    state = (values._version, metadata._version, metadata.data_ptr())
+    state = (values._version, values.data_ptr(), metadata._version, metadata.data_ptr())
     hit = per_weight.get(key)
     if hit is not None and hit[0] == state:
         return hit[1]

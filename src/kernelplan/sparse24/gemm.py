@@ -145,14 +145,17 @@ def _plan_for(x, values, metadata, bias, activation) -> GemmSparse24Plan:
 
 def _linear_with(plan, x, values, metadata, bias) -> torch.Tensor:
     """One call through ``plan``: y allocated here, the args built from inputs already checked."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
     m = values.shape[0]
-    y = torch.empty((x2.shape[0], m), dtype=x.dtype, device=x.device)
+    if x.dim() == 2:  # no views to make: each costs a microsecond or two of host time
+        y = x.new_empty((x.shape[0], m))
+        x2, y2 = x, y
+    else:
+        y = x.new_empty((*x.shape[:-1], m))
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, m)
     # linear() checked x and bias and Sparse24Weight its parts, or the custom op's schema did;
     # y is ours: the plan's own re-checks would only add host time.
-    plan.run_prechecked(GemmSparse24Args(x2, values, metadata, y, bias))
-    return y.reshape(*x.shape[:-1], m)
+    plan.run_prechecked(GemmSparse24Args(x2, values, metadata, y2, bias))
+    return y
 
 
 _sparse24_linear_op = torch.library.custom_op("kernelplan::sparse24_linear", mutates_args=())(_sparse24_linear_impl)
