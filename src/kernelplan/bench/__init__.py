@@ -123,7 +123,7 @@ def gemm_host_overhead_us(dev: torch.device) -> dict:
     """``kernelplan.linear`` against ``F.linear`` at a small shape, host time per call."""
     import torch.nn.functional as F
 
-    from .timing import host_us_per_call
+    from ..timing import host_us_per_call
 
     (m, n, k), calls = ((16, 4096, 4096), 500) if dev.type == "cuda" else ((16, 256, 512), 50)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

@@ -64,7 +64,7 @@ def host_overhead_us(dev) -> dict:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     w = kp.sparse24.prune(torch.randn(m, k, device=dev)).to(dtype)
     w24, x = kp.sparse24.compress(w), torch.randn(n, k, device=dev, dtype=dtype)
-    from .timing import host_us_per_call
+    from ..timing import host_us_per_call
 
     out = {name: host_us_per_call(fn, dev, calls)
            for name, fn in (("kernelplan", lambda: kp.sparse24.linear(x, w24)), ("F.linear", lambda: F.linear(x, w)))}

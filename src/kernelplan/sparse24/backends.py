@@ -162,7 +162,7 @@ def tune(desc, call: Callable, *, warmup_ms: float = 10.0, rep_ms: float = 25.0)
     candidates = tunable(desc) or GemmSparse24Plan.candidates(desc)
     fns = {b.name: call(GemmSparse24Plan(desc, b)) for b in candidates}
 
-    from ..bench.timing import host_us_per_call
+    from ..timing import host_us_per_call
 
     def bench(fn):
         kernels = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e-3

@@ -1,4 +1,4 @@
-"""Host time per call: what a small problem costs on the CPU side of a launch."""
+"""Host time per call: what a small problem costs on the CPU side of a launch (tuning and the benchmarks)."""
 
 from __future__ import annotations
 
