@@ -270,8 +270,9 @@ def bias_act_(y: torch.Tensor, bias: torch.Tensor | None, activation: str | None
     """In place, one pass: ``y = act(y + bias)`` for a contiguous ``y [N, M]``.
 
     The epilogue of backends whose library cannot fuse it (cuSPARSELt fuses
-    relu alone, and no bias we can rebind per call); it is the split-K
-    reduction kernel with one "split", y itself.
+    relu alone, and no bias we can rebind per call): the partial-sum kernel
+    with one "partial", y itself.  (The Triton GEMM's own K splits are summed
+    inside its launch.)
     """
     n, m = y.shape
     if n == 0 or m == 0:
