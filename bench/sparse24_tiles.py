@@ -1,14 +1,18 @@
 """Sweep the Triton 2:4 kernel's tiles on the GPU (the heuristic in ``kernels/sparse24.py::config_for``).
 
-    PYTHONPATH=src python bench/sparse24_tiles.py
+    PYTHONPATH=src python bench/sparse24_tiles.py [--fma] [--ns 1,2,4] [--dtype bf16]
 
 For each (M, K, n) prints dense ``F.linear`` and the best few configs, as
 speedup over dense and as effective bandwidth on the compressed bytes.
+``--fma`` sweeps the FMA loop (no tensor cores) instead of the MMA loop.
+Each config's output is checked against dense before it is timed.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import importlib
 import itertools
 
 import torch
@@ -19,38 +23,66 @@ import kernelplan as kp
 import kernelplan.kernels.sparse24 as ks
 
 SHAPES = [(4096, 4096), (8192, 8192), (28672, 8192), (8192, 28672)]
-NS = [1, 16, 64, 128]
-GRID = [ks.Config(bn, bm, bk, s, w, st) for bn, bm, bk, s, w, st in itertools.product(
-    [16], [32, 64, 128], [128, 256], [1, 2, 4, 8], [4, 8], [3, 4])]
+MMA_GRID = [ks.Config(16, bm, bk, s, w, st) for bm, bk, s, w, st in itertools.product(
+    [32, 64, 128], [128, 256], [1, 2, 4, 8], [4, 8], [3, 4])]
+FMA_GRID = [ks.Config(1, bm, bk, s, w, 1, fma=True) for bm, bk, s, w in itertools.product(
+    [16, 32, 64], [128, 256, 512], [1, 2, 4, 8, 16], [4, 8])]
+
+
+def grid_for(n: int, fma: bool) -> list:
+    if not fma:
+        return [dataclasses.replace(c, block_n=ks.config_for(n, 1, 64, 1).block_n) for c in MMA_GRID]
+    bn = triton.next_power_of_2(n)
+    # Keep the accumulator (BN x BM x BK/4 fp32 over the threads) within 128 registers a thread.
+    return [dataclasses.replace(c, block_n=bn) for c in FMA_GRID
+            if bn * c.block_m * c.block_k // 4 <= 128 * 32 * c.num_warps]
 
 
 def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--fma", action="store_true")
+    p.add_argument("--ns", default="1,16,64,128")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "f16"])
+    p.add_argument("--top", type=int, default=3)
+    p.add_argument("--warps", default="4,8")
+    p.add_argument("--module", default="sparse24", help="a variant of kernels/sparse24.py to sweep instead")
+    a = p.parse_args()
+    global ks
+    ks = importlib.import_module(f"kernelplan.kernels.{a.module}")
+    warps = [int(v) for v in a.warps.split(",")]
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[a.dtype]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for (m, k), n in itertools.product(SHAPES, NS):
-        w = kp.sparse24.prune(torch.randn(m, k, device="cuda")).bfloat16()
+    for (m, k), n in itertools.product(SHAPES, [int(v) for v in a.ns.split(",")]):
+        w = kp.sparse24.prune(torch.randn(m, k, device="cuda")).to(dtype)
         w24 = kp.sparse24.compress(w)
-        x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        y = torch.empty(n, m, device="cuda", dtype=torch.bfloat16)
-        dense = triton.testing.do_bench(lambda: F.linear(x, w), return_mode="median")
-        heuristic = ks.config_for(n, m, k, sms)
+        x = torch.randn(n, k, device="cuda", dtype=dtype)
+        y = torch.empty(n, m, device="cuda", dtype=dtype)
+        ref = F.linear(x.float(), w.float())
+        dense = triton.testing.do_bench(lambda: F.linear(x, w), warmup=5, rep=20, return_mode="median")
+        heuristic = ks.config_for(n, m, k, sms, fma=a.fma)
         results = []
-        block_n = heuristic.block_n
-        for cfg in [dataclasses.replace(c, block_n=block_n) for c in GRID] + [heuristic]:
-            if (k // cfg.block_k) % cfg.splits:
+        for cfg in [c for c in grid_for(n, a.fma) if c.num_warps in warps] + [heuristic]:
+            if k % cfg.block_k or (k // cfg.block_k) % cfg.splits:
                 continue
             try:
-                ms = triton.testing.do_bench(
-                    lambda: ks.launch(x, w24.values, w24.metadata, None, y, None, cfg), return_mode="median")
-            except Exception as e:  # out of shared memory, say: skip the config
-                print(f"  {cfg}: {type(e).__name__}")
+                y.fill_(float("nan"))
+                ks.launch(x, w24.values, w24.metadata, None, y, None, cfg)
+                err = float((y.float() - ref).norm() / ref.norm())
+                if not err < 2e-2:
+                    print(f"  WRONG {cfg}: rel err {err:.3g}")
+                    continue
+                ms = triton.testing.do_bench(lambda: ks.launch(x, w24.values, w24.metadata, None, y, None, cfg),
+                                             warmup=5, rep=20, return_mode="median")
+            except Exception as e:  # out of shared memory or registers, say: skip the config
+                print(f"  {cfg}: {type(e).__name__}: {str(e)[:100]}")
                 continue
             results.append((ms, cfg))
         results.sort(key=lambda r: r[0])
         gbytes = m * k * 9 / 16 * 2 / 1e9
         h = next(ms for ms, cfg in results if cfg is heuristic)
-        print(f"M={m} K={k} n={n}: dense {dense * 1e3:.1f} us; heuristic {heuristic} {dense / h:.2f}x")
-        for ms, cfg in results[:3]:
-            print(f"   {dense / ms:.2f}x  {gbytes / ms:.2f} TB/s  {cfg}")
+        print(f"{a.module} M={m} K={k} n={n}: dense {dense * 1e3:.1f} us; heuristic {dense / h:.2f}x {heuristic}", flush=True)
+        for ms, cfg in results[:a.top]:
+            print(f"   {dense / ms:.2f}x  {ms * 1e3:.1f} us  {gbytes / ms:.2f} TB/s  {cfg}", flush=True)
 
 
 if __name__ == "__main__":
