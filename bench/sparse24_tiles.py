@@ -1,17 +1,16 @@
 """Sweep the Triton 2:4 kernel's tiles on the GPU (the heuristic in ``kernels/sparse24.py::config_for``).
 
-    PYTHONPATH=src python bench/sparse24_tiles.py [--fma] [--ns 1,2,4] [--dtype bf16]
+    PYTHONPATH=src python bench/sparse24_tiles.py [--ns 1,2,4] [--dtype bf16] [--heuristic] [--module NAME]
 
 For each (M, K, n) prints dense ``F.linear`` and the best few configs, as
 speedup over dense and as effective bandwidth on the compressed bytes.
-``--fma`` sweeps the FMA loop (no tensor cores) instead of the MMA loop.
-Each config's output is checked against dense before it is timed.
+Each config's output is checked against dense before it is timed.  ``--module``
+sweeps a variant of ``kernels/sparse24.py`` (a copy beside it, same interface).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import itertools
 
@@ -23,28 +22,17 @@ import kernelplan as kp
 import kernelplan.kernels.sparse24 as ks
 
 SHAPES = [(4096, 4096), (8192, 8192), (28672, 8192), (8192, 28672)]
-MMA_GRID = [ks.Config(16, bm, bk, s, w, st) for bm, bk, s, w, st in itertools.product(
+GRID = [(bm, bk, s, w, st) for bm, bk, s, w, st in itertools.product(
     [32, 64, 128], [128, 256], [1, 2, 4, 8], [4, 8], [3, 4])]
-FMA_GRID = [ks.Config(1, bm, bk, s, w, 1, fma=True) for bm, bk, s, w in itertools.product(
-    [16, 32, 64], [128, 256, 512], [1, 2, 4, 8, 16], [4, 8])]
-
-
-def grid_for(n: int, fma: bool) -> list:
-    if not fma:
-        return [dataclasses.replace(c, block_n=ks.config_for(n, 1, 64, 1).block_n) for c in MMA_GRID]
-    bn = triton.next_power_of_2(n)
-    # Keep the accumulator (BN x BM x BK/4 fp32 over the threads) within 128 registers a thread.
-    return [dataclasses.replace(c, block_n=bn) for c in FMA_GRID
-            if bn * c.block_m * c.block_k // 4 <= 128 * 32 * c.num_warps]
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--fma", action="store_true")
     p.add_argument("--ns", default="1,16,64,128")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "f16"])
     p.add_argument("--top", type=int, default=3)
     p.add_argument("--warps", default="4,8")
+    p.add_argument("--heuristic", action="store_true", help="time config_for's choice alone")
     p.add_argument("--module", default="sparse24", help="a variant of kernels/sparse24.py to sweep instead")
     a = p.parse_args()
     global ks
@@ -59,9 +47,10 @@ def main():
         y = torch.empty(n, m, device="cuda", dtype=dtype)
         ref = F.linear(x.float(), w.float())
         dense = triton.testing.do_bench(lambda: F.linear(x, w), warmup=5, rep=20, return_mode="median")
-        heuristic = ks.config_for(n, m, k, sms, fma=a.fma)
+        heuristic = ks.config_for(n, m, k, sms)
         results = []
-        for cfg in [c for c in grid_for(n, a.fma) if c.num_warps in warps] + [heuristic]:
+        grid = [] if a.heuristic else [ks.Config(heuristic.block_n, *c) for c in GRID if c[3] in warps]
+        for cfg in grid + [heuristic]:
             if k % cfg.block_k or (k // cfg.block_k) % cfg.splits:
                 continue
             try:

@@ -64,41 +64,6 @@ def test_triton_matches_fp64(n, m, k, activation, bias, layout, dtype, seed):
     assert_close(y, oracle, baseline, atol=FWD_ATOL[dtype])
 
 
-FMA_CASES = [  # (n, m, k, activation, bias, x layout): the FMA loop takes n <= 2
-    (1, 64, 128, None, False, "contiguous"),
-    (2, 70, 192, "gelu", True, "transposed"),  # odd M over 5 row tiles, non-contiguous x
-    (1, 33, 1024, "silu", True, "strided"),  # K split: the last split reduces
-    (2, 16, 64, "relu", False, "contiguous"),  # one K tile of 64
-]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("n, m, k, activation, bias, layout", FMA_CASES,
-                         ids=[f"n{c[0]}-m{c[1]}-k{c[2]}-{c[3]}-{c[5]}" for c in FMA_CASES])
-def test_triton_fma_matches_fp64(n, m, k, activation, bias, layout, dtype, seed):
-    w = kp.sparse24.prune(torch.randn(m, k, device=DEV)).to(dtype)
-    x = torch.randn(n, k, device=DEV).to(dtype)
-    if layout == "transposed":
-        x = x.t().contiguous().t()
-    elif layout == "strided":
-        x = torch.randn(n, 2 * k, device=DEV).to(dtype)[:, ::2]
-    b = torch.randn(m, device=DEV).to(dtype) if bias else None
-    y, oracle, baseline = run_backend("triton_fma", x, w, b, activation)
-    assert_close(y, oracle, baseline, atol=FWD_ATOL[dtype])
-
-
-def test_triton_fma_refuses_larger_n_with_its_reason():
-    desc = GemmSparse24Descriptor(3, 64, 128, "f32", device=DEV)
-    with pytest.raises(kp.Unsupported, match=r"triton_fma: n = 3: the FMA loop is for n <= 2"):
-        GemmSparse24Plan.select(desc, kp.PlanPreference.only("triton_fma"))
-    from kernelplan.kernels.sparse24 import config_for
-
-    with pytest.raises(ValueError, match=r"n = 3: the FMA loop takes N <= 2"):
-        config_for(3, 64, 128, sm_count=4, fma=True)
-    cfg = config_for(1, 28672, 8192, sm_count=132, fma=True)
-    assert (cfg.block_n, cfg.block_m, cfg.block_k, cfg.splits) == (1, 16, 128, 4)  # the H100 sweep's best tile
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh", "silu"])
 def test_bias_act_pass_in_place(activation, dtype, seed):

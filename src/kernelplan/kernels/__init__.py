@@ -14,12 +14,6 @@ import os
 import torch
 
 
-# The 2:4 kernel's FMA loop spends 4 FMAs per group and row of X: on an H100 it beat dense by
-# 1.25-1.38x at n = 1 and 1.16-1.23x at n = 2 (bf16, Llama shapes), and lost at n = 4 (0.77-0.95x).
-# Here, not in sparse24.py, so that a backend's ``supports`` reads it without importing Triton.
-SPARSE24_FMA_MAX_N = 2
-
-
 def interpreting() -> bool:
     """True when Triton runs kernels on CPU tensors (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -19,6 +19,16 @@ of each; ``bench/sparse24_tiles.py`` sweeps the tiles):
   selectors looked up from the code by a third: 1.11-1.21x at 8192 rows and
   up, 1.05-1.07x at 4096x4096.
 
+Not the tensor cores at all, for n <= 2 (commit 4e62b25, since reverted): an
+FMA loop, four FMAs per group and row of X, each thread keeping its groups'
+products and K reduced once after the loop, no N padded to 16 and no shared
+memory.  Its best tiles ran at 2.0-2.1 TB/s on an H100; timed beside this
+kernel's heuristic tiles (bf16, Llama shapes, n = 1 and 2, one run per GPU):
+1.07-1.36x of dense against 1.30-1.51x on an H100, 0.83-1.02x against
+1.09-1.19x on an H200.  A bfe costs ptxas four instructions on sm_90 (two
+PRMTs, a shift and an SGXT); shifts and masks save four per group, but moved
+the FMA loop 3% at n = 1 and cost 15% at n = 2 there.
+
 The code of a group (``code_metadata``) is ``a | b << 2``: ``a`` names the low
 pair of the dense group ``(w0, w1)``, ``b`` the high pair ``(w2, w3)``, so that
 each pair is one PRMT of the packed values ``v0 | v1 << 16`` and zero.  The
@@ -40,7 +50,6 @@ from 1.05-1.07x with a separate reduction kernel.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -49,7 +58,6 @@ import triton
 import triton.language as tl
 
 from ..sparse24.format import derived_from, unpack_positions
-from . import SPARSE24_FMA_MAX_N as FMA_MAX_N
 from . import Launcher, current_stream, interpreting
 from .activations import ACTIVATION_CODES, act_and_grad
 
@@ -102,38 +110,23 @@ def _dense(w0, w1, w2, w3, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _pairs_prmt(v_ptr, meta_ptr, rm, m_mask, k0, svm, M, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """16-bit W at columns ``k0 ...``: each group's dense pairs ``(w0 | w1 << 16, w2 | w3 << 16)``, by PRMT."""
+def _expand_prmt(v_ptr, meta_ptr, rm, m_mask, k0, svm, M, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The dense tile of W at columns ``k0 ...``, 16-bit W, two PRMTs per group."""
     pairs = v_ptr.to(tl.pointer_type(tl.int32))  # v0 | v1 << 16 per group; svm is even (launch)
     v = tl.load(pairs + rm[:, None] * (svm // 2) + (k0 // 4 + tl.arange(0, BLOCK_K // 4))[None, :],
                 mask=m_mask[:, None], other=0)
     words, shift = _codes(meta_ptr, rm, m_mask, k0, M, BLOCK_M, BLOCK_K)
-    return tl.inline_asm_elementwise(_EXPAND_PTX, "=r,=r,r,r,r", [v, words, shift],
-                                     dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    lo, hi = tl.inline_asm_elementwise(_EXPAND_PTX, "=r,=r,r,r,r", [v, words, shift],
+                                       dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    dt: tl.constexpr = v_ptr.dtype.element_ty
+    return _dense(lo.to(tl.int16).to(dt, bitcast=True), (lo >> 16).to(tl.int16).to(dt, bitcast=True),
+                  hi.to(tl.int16).to(dt, bitcast=True), (hi >> 16).to(tl.int16).to(dt, bitcast=True),
+                  BLOCK_M, BLOCK_K)
 
 
 @triton.jit
-def _halves(pair, dt: tl.constexpr):
-    """The two 16-bit values of int32 pairs, low half first, as ``dt``."""
-    return pair.to(tl.int16).to(dt, bitcast=True), (pair >> 16).to(tl.int16).to(dt, bitcast=True)
-
-
-@triton.jit
-def _groups_prmt(v_ptr, meta_ptr, rm, m_mask, k0, svm, M, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Each group's four dense weights ``[BLOCK_M, BLOCK_K/4]``, 16-bit W: in W's dtype, bf16 in fp32."""
-    lo, hi = _pairs_prmt(v_ptr, meta_ptr, rm, m_mask, k0, svm, M, BLOCK_M, BLOCK_K)
-    if v_ptr.dtype.element_ty == tl.bfloat16:  # the high half of an fp32: one shift or mask per weight
-        return ((lo << 16).to(tl.float32, bitcast=True), (lo & -65536).to(tl.float32, bitcast=True),
-                (hi << 16).to(tl.float32, bitcast=True), (hi & -65536).to(tl.float32, bitcast=True))
-    else:
-        w0, w1 = _halves(lo, tl.float16)
-        w2, w3 = _halves(hi, tl.float16)
-        return w0, w1, w2, w3
-
-
-@triton.jit
-def _groups_where(v_ptr, meta_ptr, rm, m_mask, k0, svm, svk, M, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The same weights by compares and selects, in W's dtype: any dtype, and the interpreter."""
+def _expand_where(v_ptr, meta_ptr, rm, m_mask, k0, svm, svk, M, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The same tile by compares and selects: any dtype, and the interpreter."""
     v = tl.load(v_ptr + rm[:, None] * svm + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :] * svk,
                 mask=m_mask[:, None], other=0.0)
     words, shift = _codes(meta_ptr, rm, m_mask, k0, M, BLOCK_M, BLOCK_K)
@@ -142,62 +135,9 @@ def _groups_where(v_ptr, meta_ptr, rm, m_mask, k0, svm, svk, M, BLOCK_M: tl.cons
     b = code >> 2
     v0, v1 = tl.split(tl.reshape(v, [BLOCK_M, BLOCK_K // 4, 2]))
     zero = tl.zeros_like(v0)
-    return (tl.where(a <= 1, v0, zero), tl.where(a == 0, v1, tl.where(a == 2, v0, zero)),
-            tl.where(b == 1, v1, tl.where(b == 3, v0, zero)), tl.where(b >= 2, v1, zero))
-
-
-@triton.jit
-def _mma_loop(x_ptr, v_ptr, meta_ptr, rm, m_mask, rn, n_mask, k_start, K_PER_SPLIT, sxn, sxk, svm, svk, M,
-              IEEE: tl.constexpr, PRMT: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``acc[BLOCK_M, BLOCK_N]`` over one split's K: each dense tile of W times X^T on the tensor cores."""
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
-        if PRMT:
-            lo, hi = _pairs_prmt(v_ptr, meta_ptr, rm, m_mask, k0, svm, M, BLOCK_M, BLOCK_K)
-            dt: tl.constexpr = v_ptr.dtype.element_ty
-            w0, w1 = _halves(lo, dt)
-            w2, w3 = _halves(hi, dt)
-        else:
-            w0, w1, w2, w3 = _groups_where(v_ptr, meta_ptr, rm, m_mask, k0, svm, svk, M, BLOCK_M, BLOCK_K)
-        w = _dense(w0, w1, w2, w3, BLOCK_M, BLOCK_K)
-        xt = tl.load(x_ptr + rn[None, :] * sxn + (k0 + tl.arange(0, BLOCK_K))[:, None] * sxk,
-                     mask=n_mask[None, :], other=0.0)
-        if IEEE:  # f32: full-precision products, as the reference
-            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-        else:  # f16/bf16 values are exact in their own dtype: the tensor cores see the true weights
-            acc += tl.dot(w, xt)
-    return acc
-
-
-@triton.jit
-def _fma_loop(x_ptr, v_ptr, meta_ptr, rm, m_mask, rn, n_mask, k_start, K_PER_SPLIT, sxn, sxk, svm, svk, M,
-              PRMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The same ``acc[BLOCK_M, BLOCK_N]`` on the fp32 FMA pipes, for the smallest N.
-
-    No shared memory and no MMA padding N to 16: each thread keeps its groups'
-    products in ``acc[BLOCK_N, BLOCK_M, BLOCK_K/4]``, and K is reduced across
-    threads once, after the loop.  Per group: the expansion (three PRMTs, and
-    four shifts or masks for bf16) and four FMAs per row of X.
-    """
-    G: tl.constexpr = BLOCK_K // 4
-    acc = tl.zeros([BLOCK_N, BLOCK_M, G], dtype=tl.float32)
-    group_k = 4 * tl.arange(0, G)[None, :, None] + tl.arange(0, 4)[None, None, :]  # [1, G, 4]: k - k0
-    for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
-        if PRMT:
-            w0, w1, w2, w3 = _groups_prmt(v_ptr, meta_ptr, rm, m_mask, k0, svm, M, BLOCK_M, BLOCK_K)
-        else:
-            w0, w1, w2, w3 = _groups_where(v_ptr, meta_ptr, rm, m_mask, k0, svm, svk, M, BLOCK_M, BLOCK_K)
-        xs = tl.load(x_ptr + rn[:, None, None] * sxn + (k0 + group_k) * sxk, mask=n_mask[:, None, None], other=0.0)
-        # [BLOCK_N, G, 4] -> x at each position of the groups, [BLOCK_N, G] each
-        x02, x13 = tl.split(tl.reshape(xs.to(tl.float32), [BLOCK_N, G, 2, 2]))
-        x0, x2 = tl.split(x02)
-        x1, x3 = tl.split(x13)
-        acc += w0.to(tl.float32)[None, :, :] * x0[:, None, :]
-        acc += w1.to(tl.float32)[None, :, :] * x1[:, None, :]
-        acc += w2.to(tl.float32)[None, :, :] * x2[:, None, :]
-        acc += w3.to(tl.float32)[None, :, :] * x3[:, None, :]
-    return tl.trans(tl.sum(acc, axis=2))
+    return _dense(tl.where(a <= 1, v0, zero), tl.where(a == 0, v1, tl.where(a == 2, v0, zero)),
+                  tl.where(b == 1, v1, tl.where(b == 3, v0, zero)), tl.where(b >= 2, v1, zero),
+                  BLOCK_M, BLOCK_K)
 
 
 @triton.jit
@@ -206,7 +146,7 @@ def sparse24_kernel(
     N, M, K_PER_SPLIT,
     sxn, sxk, svm, svk, syn, sym,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, PRMT: tl.constexpr,
-    FMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -216,13 +156,19 @@ def sparse24_kernel(
     m_mask = rm < M
     n_mask = rn < N
     mask = n_mask[None, :] & m_mask[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_start = pid_k * K_PER_SPLIT
-    if FMA:
-        acc = _fma_loop(x_ptr, v_ptr, meta_ptr, rm, m_mask, rn, n_mask, k_start, K_PER_SPLIT, sxn, sxk, svm, svk, M,
-                        PRMT, BLOCK_N, BLOCK_M, BLOCK_K)
-    else:
-        acc = _mma_loop(x_ptr, v_ptr, meta_ptr, rm, m_mask, rn, n_mask, k_start, K_PER_SPLIT, sxn, sxk, svm, svk, M,
-                        IEEE, PRMT, BLOCK_N, BLOCK_M, BLOCK_K)
+    for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+        if PRMT:
+            w = _expand_prmt(v_ptr, meta_ptr, rm, m_mask, k0, svm, M, BLOCK_M, BLOCK_K)
+        else:
+            w = _expand_where(v_ptr, meta_ptr, rm, m_mask, k0, svm, svk, M, BLOCK_M, BLOCK_K)
+        xt = tl.load(x_ptr + rn[None, :] * sxn + (k0 + tl.arange(0, BLOCK_K))[:, None] * sxk,
+                     mask=n_mask[None, :], other=0.0)
+        if IEEE:  # f32: full-precision products, as the reference
+            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+        else:  # f16/bf16 values are exact in their own dtype: the tensor cores see the true weights
+            acc += tl.dot(w, xt)
     if SPLIT:
         # fp32 partials [splits, N, M]; the tile's last split to arrive sums them in split order
         # (the same order whichever arrives last: the result does not depend on timing) and
@@ -278,43 +224,26 @@ class Config:
     splits: int
     num_warps: int = 4
     num_stages: int = 3
-    fma: bool = False  # the FMA loop (_fma_loop) instead of the tensor cores
 
 
 @functools.lru_cache(maxsize=4096)
-def config_for(n: int, m: int, k: int, sm_count: int, itemsize: int = 2, fma: bool = False) -> Config:
-    """Tiles for a problem: N padded to an MMA width up to 64, K split until the SMs are busy.
-
-    ``fma``: tiles of the FMA loop, which pads N only to a power of two (at most ``FMA_MAX_N``).
-    """
-    if fma:
-        block_n = triton.next_power_of_2(max(n, 1))
-        if block_n > FMA_MAX_N:
-            raise ValueError(f"n = {n}: the FMA loop takes N <= {FMA_MAX_N}")
-        # The accumulator is BLOCK_N x BLOCK_M x BLOCK_K/4 fp32 over 128 threads: 16 registers a
-        # thread at n <= 2.  Tiles from bench/sparse24_tiles.py --fma on an H100 (bf16, Llama
-        # shapes): at n = 1 16x128 tiles with ~48 programs per SM, at n = 2 64x128 with ~16.
-        block_m, per_sm = (16, 48) if block_n == 1 else (64, 16)
-        return _with_splits(Config(block_n, block_m, 128 if k % 128 == 0 else 64, 1, num_stages=1, fma=True),
-                            n, m, k, sm_count, per_sm)
+def config_for(n: int, m: int, k: int, sm_count: int, itemsize: int = 2) -> Config:
+    """Tiles for a problem: N padded to an MMA width up to 64, K split until the SMs are busy."""
     block_n = max(16, min(64, triton.next_power_of_2(max(n, 1))))
+    block_m = 64
     # fp32 tiles are twice the bytes: 256-wide K tiles in 3 stages overflow shared memory.  A
     # 64-wide N tile does best with 128-wide K tiles (bench/sparse24_tiles.py on an H200).
     widths = (256, 128, 64) if itemsize <= 2 and block_n < 64 else (128, 64)
     block_k = next(b for b in widths if k % b == 0)
     stages = 3 if itemsize <= 2 else 2
-    # About 4 programs per SM (bench/sparse24_tiles.py on an H200: the best split was 2-4 on the Llama shapes).
-    return _with_splits(Config(block_n, 64, block_k, 1, num_stages=stages), n, m, k, sm_count, 4)
-
-
-def _with_splits(cfg: Config, n: int, m: int, k: int, sm_count: int, per_sm: int) -> Config:
-    """``cfg`` with K split until about ``per_sm`` programs run per SM, each of at least 4 K steps."""
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    steps = k // cfg.block_k
-    splits = max(1, min(steps // 4, triton.cdiv(per_sm * sm_count, tiles)))
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    steps = k // block_k
+    # About 4 programs per SM, each with at least 4 K steps to amortise its start
+    # (bench/sparse24_tiles.py on an H200: the best split was 2-4 on the Llama shapes).
+    splits = max(1, min(steps // 4, triton.cdiv(4 * sm_count, tiles)))
     while steps % splits:
         splits -= 1
-    return dataclasses.replace(cfg, splits=splits)
+    return Config(block_n, block_m, block_k, splits, num_stages=stages)
 
 
 def partial_count(cfg: Config, n: int, m: int) -> int:
@@ -436,7 +365,7 @@ def _launch_jit(x, values, metadata, bias, y, activation, cfg) -> None:
     _gemm(grid, (x, values, _group_codes(values, metadata), bias if bias is not None else values, y, ws, counters,
                  n, m, k // cfg.splits, *x.stride(), *values.stride(), *y.stride()),
           dict(ACT=ACTIVATION_CODES[activation or "identity"], HAS_BIAS=bias is not None, SPLIT=split,
-               IEEE=x.dtype == torch.float32, PRMT=False, FMA=cfg.fma, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
+               IEEE=x.dtype == torch.float32, PRMT=False, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
                BLOCK_K=cfg.block_k),
           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -464,7 +393,7 @@ class _WeightLaunch:
             self.copy = derived_from(values, metadata, "values_contiguous", lambda v, meta: v.contiguous())
         self.cfg, self.has_bias = cfg, has_bias
         self.consts = dict(ACT=ACTIVATION_CODES[activation or "identity"], HAS_BIAS=has_bias, SPLIT=cfg.splits > 1,
-                           IEEE=not self.prmt, PRMT=self.prmt, FMA=cfg.fma,
+                           IEEE=not self.prmt, PRMT=self.prmt,
                            BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k)
         self.m, self.k = values.shape[0], 2 * values.shape[1]
         self._kernels: dict = {}

@@ -4,9 +4,6 @@
   the compressed tile); on an H200 it measured 1.11-1.21x of dense at n = 1
   and 16 on the Llama-70B shapes (bf16, in a tile probe); a tuning candidate
   on CUDA, never the unmeasured default;
-* ``triton_fma``: the same kernel's FMA loop for n <= 2: no tensor cores, so
-  no N padded to 16 and no shared-memory round trip of the tile; on an H100
-  1.25-1.38x of dense at n = 1 (bf16, Llama shapes, kernel alone);
 * ``cusparselt``: cuSPARSELt through nvmath-python (``cusparselt.py``), for large N;
 * ``dense``: the weight decompressed once (cached with it) and a cuBLAS GEMM:
   the floor that keeps dispatch from ever losing to dense, at the price of
@@ -28,7 +25,7 @@ import torch
 from ..activations import ACTIVATIONS
 from ..dtypes import dtype_info
 from ..errors import InvalidProblem, KernelPlanError
-from ..kernels import SPARSE24_FMA_MAX_N, triton_reason
+from ..kernels import triton_reason
 from ..plan import Backend, PrecisionGuarantee
 from .cusparselt import CusparseLtSparse24Backend
 from .format import derived_from
@@ -81,24 +78,6 @@ class TritonSparse24Backend(Backend):
         launch(args.x, args.values, args.metadata, args.bias, args.y, desc.activation, self._config(desc))
 
 
-class TritonFmaSparse24Backend(TritonSparse24Backend):
-    """The Triton kernel's FMA loop: for the smallest N, where an MMA would be mostly padding."""
-
-    name = "triton_fma"
-
-    def supports(self, desc) -> str | None:
-        if desc.n > SPARSE24_FMA_MAX_N:
-            return f"n = {desc.n}: the FMA loop is for n <= {SPARSE24_FMA_MAX_N} (4 FMAs per group and row of x)"
-        return super().supports(desc)
-
-    @staticmethod
-    @functools.lru_cache(maxsize=4096)
-    def _config(desc):
-        from ..kernels.sparse24 import config_for
-
-        return config_for(desc.n, desc.m, desc.k, _sm_count(desc.device), dtype_info(desc.dtype).itemsize, fma=True)
-
-
 def _dense_weight(values: torch.Tensor, metadata: torch.Tensor) -> torch.Tensor:
     from .format import Sparse24Weight
 
@@ -136,7 +115,6 @@ class DenseSparse24Backend(Backend):
 
 
 GemmSparse24Plan.registry.register(TritonSparse24Backend())
-GemmSparse24Plan.registry.register(TritonFmaSparse24Backend())
 GemmSparse24Plan.registry.register(DenseSparse24Backend())
 GemmSparse24Plan.registry.register(CusparseLtSparse24Backend())
 
