@@ -17,7 +17,8 @@ of each; ``bench/sparse24_tiles.py`` sweeps the tiles):
   0.67-0.76x, for more selects;
 * two PRMT byte permutes per group (``_expand_prmt``, inline PTX), their
   selectors looked up from the code by a third: 1.11-1.21x at 8192 rows and
-  up, 1.05-1.07x at 4096x4096.
+  up, 1.05-1.07x at 4096x4096; with the code cut out by shift and mask
+  rather than ``bfe`` (see ``_EXPAND_PTX``), 1.11-1.35x at n <= 16.
 
 Not the tensor cores at all, for n <= 2 (commit 4e62b25, since reverted): an
 FMA loop, four FMAs per group and row of X, each thread keeping its groups'
@@ -25,9 +26,8 @@ products and K reduced once after the loop, no N padded to 16 and no shared
 memory.  Its best tiles ran at 2.0-2.1 TB/s on an H100; timed beside this
 kernel's heuristic tiles (bf16, Llama shapes, n = 1 and 2, one run per GPU):
 1.07-1.36x of dense against 1.30-1.51x on an H100, 0.83-1.02x against
-1.09-1.19x on an H200.  A bfe costs ptxas four instructions on sm_90 (two
-PRMTs, a shift and an SGXT); shifts and masks save four per group, but moved
-the FMA loop 3% at n = 1 and cost 15% at n = 2 there.
+1.09-1.19x on an H200.  The FMA loop also took the bfe-free expansion of
+``_EXPAND_PTX`` (3% at n = 1 on the H100, a 15% loss at n = 2).
 
 The code of a group (``code_metadata``) is ``a | b << 2``: ``a`` names the low
 pair of the dense group ``(w0, w1)``, ``b`` the high pair ``(w2, w3)``, so that
@@ -71,21 +71,26 @@ GROUP_CODES = {(0, 1): 0 | 0 << 2, (0, 2): 1 | 1 << 2, (0, 3): 1 | 2 << 2,
 # low and high dense pairs.  `prmt d, a, b, c` builds d byte by byte from the 8 bytes of (b:a),
 # nibble i of c naming byte i's source: 0x10 selects v0, 0x32 v1, 0x44 a zero byte.  The
 # selector of each pair is itself looked up by PRMT in an 8-byte table of the four
-# selectors (a at bytes 2a, 2a + 1: c = a * 0x22 + 0x10).
+# selectors (a at bytes 2a, 2a + 1: c = a * 0x22 + 0x10).  The code is cut out by shifts and
+# masks: sm_90 has no bfe, and ptxas spent four instructions on each (two PRMTs, a shift, an
+# SGXT).  That took the loop from 804 to 675 SASS instructions per 64x256 tile and thread block,
+# and on an H200 (bf16, same run) 28672x8192 n = 1-16 from 1.13-1.15x of dense to 1.34-1.35x,
+# 8192x28672 n = 16 from 1.14x to 1.29x, 4096x4096 from 1.13-1.20x to 1.22-1.26x.
 _EXPAND_PTX = tl.constexpr("""
 {
-.reg .b32 i, c, s, o, z, la, lb, ha, hb;
+.reg .b32 t, i, c, s, z, la, lb, ha, hb;
 mov.b32 z, 0;
 mov.b32 la, 0x44103210;
 mov.b32 lb, 0x44441044;
 mov.b32 ha, 0x44324444;
 mov.b32 hb, 0x32103244;
-bfe.u32 i, $3, $4, 2;
+shr.b32 t, $3, $4;
+and.b32 i, t, 3;
 mad.lo.u32 c, i, 34, 16;
 prmt.b32 s, la, lb, c;
 prmt.b32 $0, $2, z, s;
-add.u32 o, $4, 2;
-bfe.u32 i, $3, o, 2;
+shr.b32 i, t, 2;
+and.b32 i, i, 3;
 mad.lo.u32 c, i, 34, 16;
 prmt.b32 s, ha, hb, c;
 prmt.b32 $1, $2, z, s;
