@@ -110,7 +110,7 @@ _SPARSE_CASES = [(1, 4096, 4096, None, False, "contiguous"), (7, 1000, 512, "gel
                  (300, 768, 768, "gelu_tanh", True, "contiguous")]
 
 
-@pytest.mark.parametrize("backend", ["triton", "dense"])
+@pytest.mark.parametrize("backend", ["triton", "triton_bfe", "dense"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_sparse24_gpu_backends_match_fp64(backend, dtype):
     from test_sparse24_triton import run_backend
@@ -128,8 +128,9 @@ def test_sparse24_gpu_backends_match_fp64(backend, dtype):
         assert_close(y, oracle, baseline, atol=FWD_ATOL[dtype], what=f"{backend} n={n} {m}x{k} {act} {layout}")
 
 
+@pytest.mark.parametrize("backend", ["triton", "triton_bfe"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_sparse24_triton_reads_values_it_cannot_pair_in_place(dtype):
+def test_sparse24_triton_reads_values_it_cannot_pair_in_place(dtype, backend):
     """Values at an odd offset and odd row stride: the PRMT path reads a contiguous copy, same result."""
     from kernelplan.sparse24 import GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan
 
@@ -142,7 +143,7 @@ def test_sparse24_triton_reads_values_it_cannot_pair_in_place(dtype):
     assert values.stride(0) % 2 and values.data_ptr() % 4
     x = torch.randn(5, 512, device="cuda", dtype=dtype)
     desc = GemmSparse24Descriptor(5, 96, 512, kp.dtypes.dtype_info(dtype).name, device="cuda")
-    plan = GemmSparse24Plan.select(desc, kp.PlanPreference.only("triton"))
+    plan = GemmSparse24Plan.select(desc, kp.PlanPreference.only(backend))
     y = torch.full((5, 96), float("nan"), device="cuda", dtype=dtype)
     plan.run(GemmSparse24Args(x, values, w24.metadata, y, None))
     assert_close(y, F.linear(x.double(), w.double()), F.linear(x, w), atol=FWD_ATOL[dtype])
@@ -258,7 +259,7 @@ def test_sparse24_functional_3d_x_tunes_and_matches(activation):
     y = kp.sparse24.linear(x, w24, activation=activation)
     desc = GemmSparse24Descriptor(10, 512, 1024, "bf16", activation, device="cuda")
     timed = {b.name for b in tunable(desc)}
-    assert {"triton", "dense"} <= timed  # and cusparselt for relu, where it is installed
+    assert {"triton", "triton_bfe", "dense"} <= timed  # and cusparselt for relu, where it is installed
     measured = GemmSparse24Plan.measured(desc)
     assert measured is not None and set(measured["timings_s"]) == timed
     act = getattr(F, activation)

@@ -17,8 +17,9 @@ of each; ``bench/sparse24_tiles.py`` sweeps the tiles):
   0.67-0.76x, for more selects;
 * two PRMT byte permutes per group (``_expand_prmt``, inline PTX), their
   selectors looked up from the code by a third: 1.11-1.21x at 8192 rows and
-  up, 1.05-1.07x at 4096x4096; with the code cut out by shift and mask
-  rather than ``bfe`` (see ``_EXPAND_PTX``), 1.11-1.35x at n <= 16.
+  up, 1.05-1.07x at 4096x4096; on an H100 1.32-1.51x; with the code cut out
+  by shift and mask rather than ``bfe`` (``_EXPAND_SHIFT``), 1.11-1.35x on an
+  H200, and tuning measures both.
 
 Not the tensor cores at all, for n <= 2 (commit 4e62b25, since reverted): an
 FMA loop, four FMAs per group and row of X, each thread keeping its groups'
@@ -26,8 +27,8 @@ products and K reduced once after the loop, no N padded to 16 and no shared
 memory.  Its best tiles ran at 2.0-2.1 TB/s on an H100; timed beside this
 kernel's heuristic tiles (bf16, Llama shapes, n = 1 and 2, one run per GPU):
 1.07-1.36x of dense against 1.30-1.51x on an H100, 0.83-1.02x against
-1.09-1.19x on an H200.  The FMA loop also took the bfe-free expansion of
-``_EXPAND_PTX`` (3% at n = 1 on the H100, a 15% loss at n = 2).
+1.09-1.19x on an H200.  The FMA loop also took the shift-and-mask expansion
+(3% at n = 1 on the H100, a 15% loss at n = 2).
 
 The code of a group (``code_metadata``) is ``a | b << 2``: ``a`` names the low
 pair of the dense group ``(w0, w1)``, ``b`` the high pair ``(w2, w3)``, so that
@@ -71,31 +72,24 @@ GROUP_CODES = {(0, 1): 0 | 0 << 2, (0, 2): 1 | 1 << 2, (0, 3): 1 | 2 << 2,
 # low and high dense pairs.  `prmt d, a, b, c` builds d byte by byte from the 8 bytes of (b:a),
 # nibble i of c naming byte i's source: 0x10 selects v0, 0x32 v1, 0x44 a zero byte.  The
 # selector of each pair is itself looked up by PRMT in an 8-byte table of the four
-# selectors (a at bytes 2a, 2a + 1: c = a * 0x22 + 0x10).  The code is cut out by shifts and
-# masks: sm_90 has no bfe, and ptxas spent four instructions on each (two PRMTs, a shift, an
-# SGXT).  That took the loop from 804 to 675 SASS instructions per 64x256 tile and thread block,
-# and on an H200 (bf16, same run) 28672x8192 n = 1-16 from 1.13-1.15x of dense to 1.34-1.35x,
-# 8192x28672 n = 16 from 1.14x to 1.29x, 4096x4096 from 1.13-1.20x to 1.22-1.26x.
-_EXPAND_PTX = tl.constexpr("""
-{
-.reg .b32 t, i, c, s, z, la, lb, ha, hb;
-mov.b32 z, 0;
-mov.b32 la, 0x44103210;
-mov.b32 lb, 0x44441044;
-mov.b32 ha, 0x44324444;
-mov.b32 hb, 0x32103244;
-shr.b32 t, $3, $4;
-and.b32 i, t, 3;
-mad.lo.u32 c, i, 34, 16;
-prmt.b32 s, la, lb, c;
-prmt.b32 $0, $2, z, s;
-shr.b32 i, t, 2;
-and.b32 i, i, 3;
-mad.lo.u32 c, i, 34, 16;
-prmt.b32 s, ha, hb, c;
-prmt.b32 $1, $2, z, s;
-}
-""")
+# selectors (a at bytes 2a, 2a + 1: c = a * 0x22 + 0x10).
+def _expand_ptx(cut_low: str, cut_high: str) -> str:
+    """The expansion of one group, the code's two 2-bit fields cut out into ``i`` by the given PTX."""
+    pair = "mad.lo.u32 c, i, 34, 16;\nprmt.b32 s, {0}a, {0}b, c;\nprmt.b32 ${1}, $2, z, s;\n"
+    return ("{\n.reg .b32 t, i, c, s, o, z, la, lb, ha, hb;\nmov.b32 z, 0;\n"
+            "mov.b32 la, 0x44103210;\nmov.b32 lb, 0x44441044;\nmov.b32 ha, 0x44324444;\nmov.b32 hb, 0x32103244;\n"
+            + cut_low + pair.format("l", 0) + cut_high + pair.format("h", 1) + "}")
+
+
+# Two ways to cut the code out, both timed by tuning (the ``triton`` and ``triton_bfe``
+# backends): sm_90 has no bfe, and ptxas spends four instructions on each (two PRMTs, a shift,
+# an SGXT), where shifts and masks take two.  That takes the loop from 804 to 675 SASS
+# instructions per 64x256 tile and thread block, yet neither wins everywhere (bf16, n = 1 and
+# 16, heuristic tiles, each pair in one run): on an H200 shifts give 1.34x of dense at
+# 28672x8192 (bfe 1.13x) and 1.22-1.26x at 4096^2 (1.13-1.20x), on an H100 bfe gives 1.50x at
+# 8192x28672 (shifts 1.24x) and 1.32x at 8192^2 (1.16x).
+_EXPAND_SHIFT = tl.constexpr(_expand_ptx("shr.b32 t, $3, $4;\nand.b32 i, t, 3;\n", "shr.b32 i, t, 2;\nand.b32 i, i, 3;\n"))
+_EXPAND_BFE = tl.constexpr(_expand_ptx("bfe.u32 i, $3, $4, 2;\n", "add.u32 o, $4, 2;\nbfe.u32 i, $3, o, 2;\n"))
 
 
 @triton.jit
@@ -115,14 +109,19 @@ def _dense(w0, w1, w2, w3, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _expand_prmt(v_ptr, meta_ptr, rm, m_mask, k0, svm, M, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _expand_prmt(v_ptr, meta_ptr, rm, m_mask, k0, svm, M, BFE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """The dense tile of W at columns ``k0 ...``, 16-bit W, two PRMTs per group."""
     pairs = v_ptr.to(tl.pointer_type(tl.int32))  # v0 | v1 << 16 per group; svm is even (launch)
     v = tl.load(pairs + rm[:, None] * (svm // 2) + (k0 // 4 + tl.arange(0, BLOCK_K // 4))[None, :],
                 mask=m_mask[:, None], other=0)
     words, shift = _codes(meta_ptr, rm, m_mask, k0, M, BLOCK_M, BLOCK_K)
-    lo, hi = tl.inline_asm_elementwise(_EXPAND_PTX, "=r,=r,r,r,r", [v, words, shift],
-                                       dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    if BFE:
+        lo, hi = tl.inline_asm_elementwise(_EXPAND_BFE, "=r,=r,r,r,r", [v, words, shift],
+                                           dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        lo, hi = tl.inline_asm_elementwise(_EXPAND_SHIFT, "=r,=r,r,r,r", [v, words, shift],
+                                           dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
     dt: tl.constexpr = v_ptr.dtype.element_ty
     return _dense(lo.to(tl.int16).to(dt, bitcast=True), (lo >> 16).to(tl.int16).to(dt, bitcast=True),
                   hi.to(tl.int16).to(dt, bitcast=True), (hi >> 16).to(tl.int16).to(dt, bitcast=True),
@@ -151,7 +150,7 @@ def sparse24_kernel(
     N, M, K_PER_SPLIT,
     sxn, sxk, svm, svk, syn, sym,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, PRMT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BFE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -165,7 +164,7 @@ def sparse24_kernel(
     k_start = pid_k * K_PER_SPLIT
     for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
         if PRMT:
-            w = _expand_prmt(v_ptr, meta_ptr, rm, m_mask, k0, svm, M, BLOCK_M, BLOCK_K)
+            w = _expand_prmt(v_ptr, meta_ptr, rm, m_mask, k0, svm, M, BFE, BLOCK_M, BLOCK_K)
         else:
             w = _expand_where(v_ptr, meta_ptr, rm, m_mask, k0, svm, svk, M, BLOCK_M, BLOCK_K)
         xt = tl.load(x_ptr + rn[None, :] * sxn + (k0 + tl.arange(0, BLOCK_K))[:, None] * sxk,
@@ -229,10 +228,11 @@ class Config:
     splits: int
     num_warps: int = 4
     num_stages: int = 3
+    bfe: bool = False  # the code cut out by bfe, not by shift and mask (_EXPAND_BFE)
 
 
 @functools.lru_cache(maxsize=4096)
-def config_for(n: int, m: int, k: int, sm_count: int, itemsize: int = 2) -> Config:
+def config_for(n: int, m: int, k: int, sm_count: int, itemsize: int = 2, bfe: bool = False) -> Config:
     """Tiles for a problem: N padded to an MMA width up to 64, K split until the SMs are busy."""
     block_n = max(16, min(64, triton.next_power_of_2(max(n, 1))))
     block_m = 64
@@ -248,7 +248,7 @@ def config_for(n: int, m: int, k: int, sm_count: int, itemsize: int = 2) -> Conf
     splits = max(1, min(steps // 4, triton.cdiv(4 * sm_count, tiles)))
     while steps % splits:
         splits -= 1
-    return Config(block_n, block_m, block_k, splits, num_stages=stages)
+    return Config(block_n, block_m, block_k, splits, num_stages=stages, bfe=bfe)
 
 
 def partial_count(cfg: Config, n: int, m: int) -> int:
@@ -370,7 +370,7 @@ def _launch_jit(x, values, metadata, bias, y, activation, cfg) -> None:
     _gemm(grid, (x, values, _group_codes(values, metadata), bias if bias is not None else values, y, ws, counters,
                  n, m, k // cfg.splits, *x.stride(), *values.stride(), *y.stride()),
           dict(ACT=ACTIVATION_CODES[activation or "identity"], HAS_BIAS=bias is not None, SPLIT=split,
-               IEEE=x.dtype == torch.float32, PRMT=False, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
+               IEEE=x.dtype == torch.float32, PRMT=False, BFE=cfg.bfe, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
                BLOCK_K=cfg.block_k),
           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -398,7 +398,7 @@ class _WeightLaunch:
             self.copy = derived_from(values, metadata, "values_contiguous", lambda v, meta: v.contiguous())
         self.cfg, self.has_bias = cfg, has_bias
         self.consts = dict(ACT=ACTIVATION_CODES[activation or "identity"], HAS_BIAS=has_bias, SPLIT=cfg.splits > 1,
-                           IEEE=not self.prmt, PRMT=self.prmt,
+                           IEEE=not self.prmt, PRMT=self.prmt, BFE=cfg.bfe,
                            BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k)
         self.m, self.k = values.shape[0], 2 * values.shape[1]
         self._kernels: dict = {}

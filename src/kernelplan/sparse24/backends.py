@@ -4,6 +4,8 @@
   the compressed tile); on an H200 it measured 1.11-1.21x of dense at n = 1
   and 16 on the Llama-70B shapes (bf16, in a tile probe); a tuning candidate
   on CUDA, never the unmeasured default;
+* ``triton_bfe``: the same kernel, its expansion cutting each group's code
+  out by ``bfe`` instead of shift and mask: each wins on some GPU and shape;
 * ``cusparselt``: cuSPARSELt through nvmath-python (``cusparselt.py``), for large N;
 * ``dense``: the weight decompressed once (cached with it) and a cuBLAS GEMM:
   the floor that keeps dispatch from ever losing to dense, at the price of
@@ -78,6 +80,24 @@ class TritonSparse24Backend(Backend):
         launch(args.x, args.values, args.metadata, args.bias, args.y, desc.activation, self._config(desc))
 
 
+class TritonBfeSparse24Backend(TritonSparse24Backend):
+    """The same kernel, each group's code cut out by ``bfe``: a tuning candidate beside ``triton``.
+
+    Neither expansion wins everywhere (``kernels/sparse24.py``, ``_EXPAND_BFE``):
+    on an H100 bfe ran 8192x28672 at n <= 16 at 1.50x of dense against 1.24x,
+    on an H200 it ran 28672x8192 at 1.13x against 1.34x.
+    """
+
+    name = "triton_bfe"
+
+    @staticmethod
+    @functools.lru_cache(maxsize=4096)
+    def _config(desc):
+        from ..kernels.sparse24 import config_for
+
+        return config_for(desc.n, desc.m, desc.k, _sm_count(desc.device), dtype_info(desc.dtype).itemsize, bfe=True)
+
+
 def _dense_weight(values: torch.Tensor, metadata: torch.Tensor) -> torch.Tensor:
     from .format import Sparse24Weight
 
@@ -115,6 +135,7 @@ class DenseSparse24Backend(Backend):
 
 
 GemmSparse24Plan.registry.register(TritonSparse24Backend())
+GemmSparse24Plan.registry.register(TritonBfeSparse24Backend())
 GemmSparse24Plan.registry.register(DenseSparse24Backend())
 GemmSparse24Plan.registry.register(CusparseLtSparse24Backend())
 
