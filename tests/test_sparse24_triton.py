@@ -136,6 +136,15 @@ def test_unaligned_k_is_a_reason_not_an_error():
     assert GemmSparse24Plan.select(desc).sku.backend in ("reference", "dense")
 
 
+def test_triton_bfe_refuses_f32_with_its_reason():
+    """f32 has no PRMT expansion: triton_bfe would be triton's kernel again, timed twice by tuning."""
+    desc = GemmSparse24Descriptor(4, 16, 64, "f32", device=DEV)
+    with pytest.raises(kp.Unsupported, match=r"triton_bfe: dtype f32: 32-bit weights are expanded by selects"):
+        GemmSparse24Plan.select(desc, kp.PlanPreference.only("triton_bfe"))
+    f16 = GemmSparse24Descriptor(4, 16, 64, "f16", device=DEV)
+    assert GemmSparse24Plan.select(f16, kp.PlanPreference.only("triton_bfe")).sku.backend == "triton_bfe"
+
+
 def test_dispatch_remembers_per_n_bucket(seed):
     def desc(n):
         return GemmSparse24Descriptor(n, 64, 128, "f32", device=DEV)

@@ -90,6 +90,11 @@ class TritonBfeSparse24Backend(TritonSparse24Backend):
 
     name = "triton_bfe"
 
+    def supports(self, desc) -> str | None:
+        if desc.dtype == "f32":
+            return "dtype f32: 32-bit weights are expanded by selects, not PRMT; the kernel is triton's"
+        return super().supports(desc)
+
     @staticmethod
     @functools.lru_cache(maxsize=4096)
     def _config(desc):
