@@ -116,7 +116,7 @@ def test_sparse24_gpu_backends_match_fp64(backend, dtype):
     from test_sparse24_triton import run_backend
 
     if backend == "triton_bfe" and dtype == torch.float32:
-        pytest.skip("triton_bfe refuses f32 (test_triton_bfe_refuses_f32)")
+        pytest.skip("triton_bfe refuses f32 (test_triton_bfe_refuses_f32_with_its_reason)")
     torch.manual_seed(0)
     for n, m, k, act, bias, layout in _SPARSE_CASES:
         w = kp.sparse24.prune(torch.randn(m, k, device="cuda")).to(dtype)

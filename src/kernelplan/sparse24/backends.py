@@ -43,12 +43,20 @@ def _sm_count(device: str) -> int:
     return sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 4
 
 
+@functools.lru_cache(maxsize=4096)
+def _triton_config(desc, bfe: bool):  # per call, so memoised: the device lookup alone is microseconds
+    from ..kernels.sparse24 import config_for
+
+    return config_for(desc.n, desc.m, desc.k, _sm_count(desc.device), dtype_info(desc.dtype).itemsize, bfe=bfe)
+
+
 class TritonSparse24Backend(Backend):
     name = "triton"
     # Timed by tuning on CUDA, below the dense floor when nothing is measured: its lead over
     # dense depends on the shape (1.05x at 4096x4096, up to 1.2x at 28672x8192 on an H200).
     # On CPU it is the interpreter, a test tool: by name only.
     priority = 1
+    bfe = False  # how the expansion cuts each group's code out (kernels/sparse24.py, _EXPAND_BFE)
 
     def priority_for(self, desc) -> int:
         return self.priority if desc.device.startswith("cuda") else -1
@@ -66,12 +74,8 @@ class TritonSparse24Backend(Backend):
             note="fp32 accumulation; K is split by shape (a fixed order per shape), so bits can change with N",
         )
 
-    @staticmethod
-    @functools.lru_cache(maxsize=4096)
-    def _config(desc):  # per call, so memoised: the device lookup alone is microseconds
-        from ..kernels.sparse24 import config_for
-
-        return config_for(desc.n, desc.m, desc.k, _sm_count(desc.device), dtype_info(desc.dtype).itemsize)
+    def _config(self, desc):
+        return _triton_config(desc, self.bfe)
 
     def run(self, desc, args: GemmSparse24Args, workspace) -> None:
         from ..kernels.sparse24 import launch
@@ -89,18 +93,12 @@ class TritonBfeSparse24Backend(TritonSparse24Backend):
     """
 
     name = "triton_bfe"
+    bfe = True
 
     def supports(self, desc) -> str | None:
         if desc.dtype == "f32":
             return "dtype f32: 32-bit weights are expanded by selects, not PRMT; the kernel is triton's"
         return super().supports(desc)
-
-    @staticmethod
-    @functools.lru_cache(maxsize=4096)
-    def _config(desc):
-        from ..kernels.sparse24 import config_for
-
-        return config_for(desc.n, desc.m, desc.k, _sm_count(desc.device), dtype_info(desc.dtype).itemsize, bfe=True)
 
 
 def _dense_weight(values: torch.Tensor, metadata: torch.Tensor) -> torch.Tensor:
