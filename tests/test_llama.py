@@ -62,3 +62,26 @@ def test_bench_llama_says_what_is_missing():
     out = subprocess.run([sys.executable, "-m", "kernelplan", "bench", "llama"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 1 and "needs transformers: pip install transformers" in out.stdout
+
+
+@needs_transformers
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_step_on_a_static_cache_is_greedy_generate(seed, batch):
+    """The step ``kernelplan bench llama`` captures in a CUDA graph decodes what generate() does."""
+    from kernelplan.bench.decode import DecodeStep
+
+    model = _tiny_llama()
+    kp.sparsify(model, progress=False)
+    prompt = torch.randint(0, 128, (batch, 7))
+    with torch.inference_mode():
+        want = model.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)[:, 7:]
+        step = DecodeStep(model, prompt, max_len=16)
+        got = [step.tok.clone()]
+        for _ in range(5):
+            step()
+            got.append(step.tok.clone())
+        # The state it lists is what a graph replay reads and writes: the token, the position, the cache.
+        state = {id(t) for t in step.state()}
+        assert id(step.tok) in state and id(step.pos) in state and len(state) > 2
+    assert int(step.pos) == 7 + 5
+    torch.testing.assert_close(torch.cat(got, 1), want, rtol=0, atol=0)

@@ -230,3 +230,32 @@ def test_tuning_takes_the_median_of_three_rounds_and_leaves_out_refusals():
     remember = GemmSparse24Plan.remember_fastest
     assert remember(DESC, {"dense": 10.0, "cusparselt": 9.8}, floor="dense", margin=0.03) == "dense"
     assert remember(DESC, {"dense": 10.0, "cusparselt": 9.0}, floor="dense", margin=0.03) == "cusparselt"
+
+
+def test_a_win_over_the_floor_must_hold_when_measured_again():
+    """``confirmed`` with the timer faked: a challenger's win is repeated once before it counts."""
+    from kernelplan.sparse24.backends import confirmed
+
+    def run(first: dict, later: dict[str, list[float]]):
+        calls = []
+
+        def bench(name):
+            calls.append(name)
+            return later[name].pop(0)
+
+        return confirmed(first, {n: n for n in first}, bench, "tuning x", floor="dense", margin=0.03), calls
+
+    # triton_bfe won the first measurement by 10% and lost the repeat; cusparselt wins both and is kept.
+    later = {"dense": [10.0] * 6, "triton_bfe": [11.0, 12.0, 11.0], "cusparselt": [9.0, 9.1, 9.0]}
+    timings, calls = run({"dense": 10.0, "triton_bfe": 9.0, "cusparselt": 9.5}, later)
+    assert timings == {"dense": 10.0, "triton_bfe": 11.0, "cusparselt": 9.5}
+    assert calls == ["dense", "triton_bfe", "triton_bfe", "dense", "dense", "triton_bfe",
+                     "dense", "cusparselt", "cusparselt", "dense", "dense", "cusparselt"]
+    assert GemmSparse24Plan.remember_fastest(DESC, timings, floor="dense", margin=0.03) == "cusparselt"
+    # A repeat where the floor ran faster moves the floor's time down: the challenger must beat that.
+    timings, _ = run({"dense": 10.0, "fast": 9.6}, {"dense": [9.0, 9.0, 9.0], "fast": [9.6, 9.6, 9.6]})
+    assert timings == {"dense": 9.0, "fast": 9.6}
+    # Nothing beat the floor by the margin, or the floor won: nothing is timed again.
+    for first in ({"dense": 10.0, "near": 9.8}, {"dense": 10.0, "slow": 12.0}):
+        timings, calls = run(first, {})
+        assert timings == first and calls == []

@@ -192,7 +192,31 @@ def tune(desc, call: Callable, *, warmup_ms: float = 10.0, rep_ms: float = 25.0)
         kernels = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e-3
         return max(kernels, host_us_per_call(fn, torch.device(desc.device), calls=100) * 1e-6)
 
-    timings = measure(fns, bench, what=f"tuning {desc}")
-    # The dense floor stays unless another backend beats it by 3%: on an H200 a 1-5% tuning win
-    # at ~20 us was repeatedly a loss when measured again (bench/results/sparse24-h200.json).
+    what = f"tuning {desc}"
+    # The dense floor stays unless another backend beats it by 3%, twice: on an H200 a 1-5% tuning
+    # win at ~20 us was repeatedly a loss when measured again (bench/results/sparse24-h200.json).
+    timings = confirmed(measure(fns, bench, what), fns, bench, what, floor="dense", margin=0.03)
     return GemmSparse24Plan.remember_fastest(desc, timings, floor="dense", margin=0.03)
+
+
+def confirmed(timings: dict[str, float], fns: dict[str, Callable], bench: Callable, what: str, *,
+              floor: str, margin: float) -> dict[str, float]:
+    """``timings`` after every backend that beat ``floor`` by ``margin`` was measured against it again.
+
+    Each such challenger and the floor are timed anew (``measure``) and the
+    challenger keeps the worse of its two times, the floor the better: a win
+    must hold in both measurements.  One run won by ``triton_bfe`` at 0.97x of
+    dense measured 0.85x of dense right after (H100, f16 4096^2, n = 64,
+    bench/results/sparse24-h100.json).  A challenger that fails its repeat
+    makes way for the next; each is repeated at most once.
+    """
+    timings, repeated = dict(timings), set()
+    while floor in timings:
+        best = min(timings, key=timings.get)
+        if best == floor or best in repeated or timings[best] > (1 - margin) * timings[floor]:
+            break
+        repeated.add(best)
+        again = measure({floor: fns[floor], best: fns[best]}, bench, what)
+        timings[floor] = min(timings[floor], again.get(floor, timings[floor]))
+        timings[best] = max(timings[best], again.get(best, float("inf")))
+    return timings

@@ -1,0 +1,98 @@
+"""Greedy decode one token per call on a static KV cache, eagerly or replayed as a CUDA graph.
+
+``generate()`` spends milliseconds of Python per token on a small model, so
+what it measures on a GPU is the host, for dense and sparse alike.  A decode
+step captured once in a CUDA graph and replayed measures what the weights
+cost: the way servers (vLLM, torch.compile's "reduce-overhead") run decode.
+The step reads and writes only tensors at fixed addresses: the token, its
+position and the cache all advance in place, inside the graph.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import torch
+
+
+def static_cache(model, batch: int, max_len: int):
+    from transformers import StaticCache
+
+    params = inspect.signature(StaticCache.__init__).parameters
+    kw = dict(config=model.config, max_cache_len=max_len)
+    if "max_batch_size" in params:  # transformers 4.x sizes the cache up front
+        kw.update(max_batch_size=batch, device=model.device, dtype=model.dtype)
+    return StaticCache(**kw)
+
+
+class DecodeStep:
+    """``step()`` appends one greedy token to each row: ``self.tok`` and ``self.pos`` advance in place."""
+
+    def __init__(self, model, prompt: torch.Tensor, max_len: int):
+        batch, length = prompt.shape
+        self.model, self.cache = model, static_cache(model, batch, max_len)
+        # transformers 4.x locates the cache write by cache_position; 5.x by the cache's own counter.
+        self.legacy = "cache_position" in inspect.signature(model.forward).parameters
+        self.pos = torch.arange(length, device=prompt.device)
+        logits = self._forward(prompt)  # the prefill
+        self.tok = logits[:, -1].argmax(-1, keepdim=True)
+        self.pos = torch.full((1,), length, device=prompt.device, dtype=torch.long)
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        kw = dict(position_ids=self.pos.view(1, -1).expand(ids.shape[0], -1), past_key_values=self.cache,
+                  use_cache=True)
+        if self.legacy:
+            kw["cache_position"] = self.pos
+        return self.model(input_ids=ids, **kw).logits
+
+    def __call__(self) -> torch.Tensor:
+        logits = self._forward(self.tok)
+        self.tok.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        self.pos.add_(1)
+        return logits
+
+    def state(self) -> list[torch.Tensor]:
+        """Every tensor a step reads and writes: the token, its position, the cache."""
+        tensors = [self.tok, self.pos]
+        for layer in getattr(self.cache, "layers", ()):  # transformers 5.x
+            tensors += [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+        for name in ("key_cache", "value_cache"):  # transformers 4.x
+            tensors += list(getattr(self.cache, name, ()))
+        return tensors
+
+
+class GraphedDecode:
+    """A ``DecodeStep`` captured once; ``check()`` compares a replay with the eager step from the same state."""
+
+    def __init__(self, step: DecodeStep, warmup: int = 3):
+        self.step = step
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compiles kernels and tunes 2:4 dispatch outside the capture
+            for _ in range(warmup):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = step()
+
+    def check(self) -> float:
+        """max |replay - eager| / max |eager| of one step's logits, the state restored in between."""
+        saved = [t.clone() for t in self.step.state()]
+        eager = self.step().float()
+        for t, s in zip(self.step.state(), saved):
+            t.copy_(s)
+        self.graph.replay()
+        return float((self.logits.float() - eager).abs().max() / eager.abs().max())
+
+    def seconds_per_step(self, steps: int, repeats: int) -> float:
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                self.graph.replay()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) / steps)
+        return sorted(times)[len(times) // 2]
