@@ -288,6 +288,39 @@ def test_sparse24_graph_capture_replays_the_right_result():
     torch.testing.assert_close(y.float(), F.relu(F.linear(x.float(), w.float(), bias.float())), rtol=2e-2, atol=2e-2)
 
 
+def test_sparse24_a_graph_capture_runs_the_choice_made_for_graphs():
+    """Tuning stores two choices, by host-inclusive time and by kernel time; a capture takes the second."""
+    import dataclasses
+
+    from kernelplan.sparse24 import GemmSparse24Descriptor, GemmSparse24Plan
+    from kernelplan.sparse24.gemm import fast_path_backends
+
+    w = kp.sparse24.prune(torch.randn(768, 1024, device="cuda")).half()
+    w24 = kp.sparse24.compress(w)
+    x = torch.randn(6, 1024, device="cuda", dtype=torch.half)
+    kp.sparse24.linear(x, w24)  # tunes this bucket
+    desc = GemmSparse24Descriptor(6, 768, 1024, "f16", device="cuda")
+    graphed = dataclasses.replace(desc, graph=True)
+    assert set(GemmSparse24Plan.measured(graphed)["timings_s"]) == set(GemmSparse24Plan.measured(desc)["timings_s"])
+    # Fake tables, so that the two choices differ whatever this GPU measured.
+    GemmSparse24Plan.remember_fastest(desc, {"dense": 1e-6, "triton": 1e-3})
+    GemmSparse24Plan.remember_fastest(graphed, {"dense": 1e-3, "triton": 1e-6})
+    with torch.inference_mode():
+        eager = kp.sparse24.linear(x, w24)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            kp.sparse24.linear(x, w24)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = kp.sparse24.linear(x, w24)
+        graph.replay()
+    ran = {(r["graph"], r["backend"]) for r in fast_path_backends() if (r["n"], r["m"], r["k"]) == (6, 768, 1024)}
+    assert ran == {(False, "dense"), (True, "triton")}
+    assert_close(y, F.linear(x.double(), w.double()), eager, atol=FWD_ATOL[torch.half])
+
+
 def test_sparse24_tuning_is_reused_by_a_second_process(tmp_path):
     import os
     import subprocess

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 
@@ -96,6 +96,15 @@ class Backend:
 
     def run(self, desc, args, workspace: torch.Tensor | None) -> None:
         raise NotImplementedError(f"{type(self).__name__}.run")
+
+    def bind(self, desc) -> Callable | None:
+        """A call for ``desc`` that takes the op's checked inputs and returns its output, or None.
+
+        An op's functional path calls it, where offered, instead of building
+        args for ``run``: the host work of each call is then what the backend
+        itself needs, which on a host-bound call (decode) is the call's time.
+        """
+        return None
 
 
 class BackendRegistry:

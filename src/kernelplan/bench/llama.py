@@ -117,7 +117,8 @@ def run(dev: torch.device) -> tuple[list[dict], bool]:
     from ..sparse24.gemm import fast_path_backends
 
     backends = fast_path_backends()  # what the sparsified model's layers ran, per problem
-    print("2:4 backends: " + ", ".join(f"{b['m']}x{b['k']} n={b['n']} {b['backend']}" for b in backends))
+    print("2:4 backends: " + ", ".join(f"{b['m']}x{b['k']} n={b['n']}{' graph' if b['graph'] else ''} {b['backend']}"
+                                       for b in backends))
     for r in rows:
         print(f"{r.case:24} dense {r.dense_tokens_per_s:10.1f} tok/s  sparse {r.sparse_tokens_per_s:10.1f} tok/s  "
               f"{r.speedup:5.2f}x")

@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..sparse24.format import derived_from, unpack_positions
+from ..sparse24.format import derived_from, output_rows, unpack_positions
 from . import Launcher, current_stream, interpreting
 from .activations import ACTIVATION_CODES, act_and_grad
 
@@ -317,6 +317,13 @@ def launch(x, values, metadata, bias, y, activation: str | None, cfg: Config) ->
     prepared = derived_from(values, metadata, ("launch", cfg, activation, bias is not None),
                             lambda v, meta: _WeightLaunch(v, meta, cfg, activation, bias is not None))
     prepared(x, values, bias, y)
+
+
+def linear_call(x, values, metadata, bias, *, activation: str | None, cfg: Config) -> torch.Tensor:
+    """``act(x @ W^T + bias)`` for x of any leading shape, its output allocated here; inputs checked."""
+    y, x2, y2 = output_rows(x, values.shape[0])
+    launch(x2, values, metadata, bias, y2, activation, cfg)
+    return y
 
 
 def _group_codes(values, metadata):

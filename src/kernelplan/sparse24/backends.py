@@ -18,11 +18,13 @@ functional path calls it once per bucket, on CUDA, outside graph capture.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from ..activations import ACTIVATIONS
 from ..dtypes import dtype_info
@@ -83,6 +85,11 @@ class TritonSparse24Backend(Backend):
         # No plan workspace: a K split keeps its partials in a per-stream scratch (split_scratch).
         launch(args.x, args.values, args.metadata, args.bias, args.y, desc.activation, self._config(desc))
 
+    def bind(self, desc):
+        from ..kernels.sparse24 import linear_call
+
+        return functools.partial(linear_call, activation=desc.activation, cfg=self._config(desc))
+
 
 class TritonBfeSparse24Backend(TritonSparse24Backend):
     """The same kernel, each group's code cut out by ``bfe``: a tuning candidate beside ``triton``.
@@ -136,6 +143,16 @@ class DenseSparse24Backend(Backend):
         if desc.activation:
             args.y.copy_(ACTIVATIONS[desc.activation].fn(args.y.float()))
 
+    def bind(self, desc):
+        # F.linear, as nn.Linear calls it: on a host-bound call it costs what the dense model's layer costs.
+        act = ACTIVATIONS[desc.activation].fn if desc.activation else None
+
+        def call(x, values, metadata, bias):
+            y = F.linear(x, derived_from(values, metadata, "dense", _dense_weight), bias)
+            return y if act is None else y.copy_(act(y.float()))
+
+        return call
+
 
 GemmSparse24Plan.registry.register(TritonSparse24Backend())
 GemmSparse24Plan.registry.register(TritonBfeSparse24Backend())
@@ -143,17 +160,19 @@ GemmSparse24Plan.registry.register(DenseSparse24Backend())
 GemmSparse24Plan.registry.register(CusparseLtSparse24Backend())
 
 
-def measure(fns: dict[str, Callable], bench: Callable, what: str) -> dict[str, float]:
-    """``{name: seconds}``: three rounds in alternating orders, each function keeping its median.
+def measure(fns: dict[str, Callable], bench: Callable, what: str) -> dict:
+    """``{name: median}``: three rounds in alternating orders, each function keeping its median.
 
-    The first timing of a process can run at other clocks than the next, and a
-    call near the host-bound edge can be lucky once: neither may decide alone
-    (on an H200, a 2:4 path chosen on one fast round measured 0.82x of dense
-    afterwards).  A function whose library refuses the problem at run time (a
-    KernelPlanError) is left out with a RuntimeWarning.
+    ``bench(fn)`` returns seconds, or a tuple of them (kernel, host): a tuple's
+    median is taken per element.  The first timing of a process can run at
+    other clocks than the next, and a call near the host-bound edge can be
+    lucky once: neither may decide alone (on an H200, a 2:4 path chosen on one
+    fast round measured 0.82x of dense afterwards).  A function whose library
+    refuses the problem at run time (a KernelPlanError) is left out with a
+    RuntimeWarning.
     """
     live = dict(fns)
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    times: dict[str, list] = {name: [] for name in fns}
     for order in (list(fns), list(fns)[::-1], list(fns)):
         for name in order:
             if name not in live:
@@ -163,19 +182,29 @@ def measure(fns: dict[str, Callable], bench: Callable, what: str) -> dict[str, f
             except KernelPlanError as e:
                 warnings.warn(f"{what}: backend {name} left out: {e}", RuntimeWarning, stacklevel=3)
                 del live[name]
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items() if name in live}
+
+    def median(samples: list):
+        if isinstance(samples[0], tuple):
+            return tuple(median(list(column)) for column in zip(*samples))
+        return sorted(samples)[len(samples) // 2]
+
+    return {name: median(t) for name, t in times.items() if name in live}
 
 
 def tune(desc, call: Callable, *, warmup_ms: float = 10.0, rep_ms: float = 25.0) -> str:
-    """Time every GPU candidate and remember the fastest; return its name.
+    """Time every GPU candidate and remember the fastest, for eager calls and for graphs; return the eager one.
 
     ``call(plan)`` returns a no-argument function that runs one whole call
-    through ``plan`` (outputs written).  A candidate's time is the larger of
-    its kernels' time (``do_bench``, L2 flushed between calls) and its wall
-    time per call in a back-to-back loop, which is its host work wherever that
-    is longer: ``do_bench`` alone hides host work behind its cache flush, and
-    picked a Triton path of 57 us host work over dense's 23 us on an H200 for
-    kernels of 20-40 us, a loss wherever the host is the bound (decode).
+    through ``plan`` (outputs written).  For eager calls a candidate's time is
+    the larger of its kernels' time (``do_bench``, L2 flushed between calls)
+    and its wall time per call in a back-to-back loop, which is its host work
+    wherever that is longer: ``do_bench`` alone hides host work behind its
+    cache flush, and picked a Triton path of 57 us host work over dense's 23 us
+    on an H200 for kernels of 20-40 us, a loss wherever the host is the bound
+    (decode).  For the same problem recorded into a CUDA graph
+    (``desc.graph``), whose replays cost no host time, the kernels' time alone
+    decides: on an H200 the host criterion kept 2:4 decode of a Llama replayed
+    as a graph on dense at n = 1 for every projection but the LM head.
     Backends of negative priority (the Triton kernel on CPU, which is the
     interpreter) run by name only and are not timed.
     """
@@ -188,15 +217,23 @@ def tune(desc, call: Callable, *, warmup_ms: float = 10.0, rep_ms: float = 25.0)
 
     from ..timing import host_us_per_call
 
-    def bench(fn):
+    def kernel_and_host(fn) -> tuple[float, float]:
         kernels = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e-3
-        return max(kernels, host_us_per_call(fn, torch.device(desc.device), calls=100) * 1e-6)
+        return kernels, host_us_per_call(fn, torch.device(desc.device), calls=100) * 1e-6
 
+    criteria = {True: lambda kernel, host: kernel, False: max}  # by desc.graph
     what = f"tuning {desc}"
-    # The dense floor stays unless another backend beats it by 3%, twice: on an H200 a 1-5% tuning
-    # win at ~20 us was repeatedly a loss when measured again (bench/results/sparse24-h200.json).
-    timings = confirmed(measure(fns, bench, what), fns, bench, what, floor="dense", margin=0.03)
-    return GemmSparse24Plan.remember_fastest(desc, timings, floor="dense", margin=0.03)
+    both = measure(fns, kernel_and_host, what)
+    chosen = {}
+    for graph, criterion in criteria.items():
+        timings = {name: criterion(*t) for name, t in both.items()}
+        # The dense floor stays unless another backend beats it by 3%, twice: on an H200 a 1-5% tuning
+        # win at ~20 us was repeatedly a loss when measured again (bench/results/sparse24-h200.json).
+        timings = confirmed(timings, fns, lambda fn, c=criterion: c(*kernel_and_host(fn)), what, floor="dense",
+                            margin=0.03)
+        chosen[graph] = GemmSparse24Plan.remember_fastest(dataclasses.replace(desc, graph=graph), timings,
+                                                          floor="dense", margin=0.03)
+    return chosen[False]
 
 
 def confirmed(timings: dict[str, float], fns: dict[str, Callable], bench: Callable, what: str, *,

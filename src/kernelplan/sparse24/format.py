@@ -141,6 +141,15 @@ def unpack_positions(metadata: torch.Tensor) -> torch.Tensor:
 _DERIVED: dict[int, dict] = {}
 
 
+def output_rows(x: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, x2, y2)``: y of shape ``[*x.shape[:-1], m]`` allocated, and x and y as 2-D row views."""
+    if x.dim() == 2:  # no views to make: each costs a microsecond or two of host time
+        y = x.new_empty((x.shape[0], m))
+        return y, x, y
+    y = x.new_empty((*x.shape[:-1], m))
+    return y, x.reshape(-1, x.shape[-1]), y.view(-1, m)
+
+
 def derived_from(values: torch.Tensor, metadata: torch.Tensor, key: str, build: Callable):
     """``build(values, metadata)``, computed once per weight state and cached."""
     per_weight = _DERIVED.get(id(values))

@@ -19,7 +19,7 @@ from ..activations import ACTIVATIONS
 from ..dtypes import dtype_info
 from ..errors import InvalidProblem, MisalignedOperand
 from ..plan import Backend, BackendRegistry, Plan, PrecisionGuarantee, dispatch_generation, memoised_select
-from .format import SPARSE24_DTYPES, Sparse24Weight
+from .format import SPARSE24_DTYPES, Sparse24Weight, output_rows
 
 SPARSE24_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 
@@ -33,6 +33,8 @@ class GemmSparse24Descriptor:
     activation: str | None = None
     has_bias: bool = False
     device: str = "cpu"
+    # Recorded into a CUDA graph: replays cost no host time, so dispatch picks by kernel time alone.
+    graph: bool = False
 
 
 @dataclass
@@ -119,8 +121,8 @@ GemmSparse24Plan.registry.register(ReferenceSparse24Backend())
 
 
 @functools.lru_cache(maxsize=4096)
-def _descriptor(n, m, k, dtype, activation, has_bias, device) -> GemmSparse24Descriptor:
-    return GemmSparse24Descriptor(n, m, k, dtype_info(dtype).name, activation or None, has_bias, str(device))
+def _descriptor(n, m, k, dtype, activation, has_bias, device, graph) -> GemmSparse24Descriptor:
+    return GemmSparse24Descriptor(n, m, k, dtype_info(dtype).name, activation or None, has_bias, str(device), graph)
 
 
 def _sparse24_linear_impl(
@@ -131,27 +133,28 @@ def _sparse24_linear_impl(
 
 def _plan_for(x, values, metadata, bias, activation) -> GemmSparse24Plan:
     """The dispatched plan of a call, tuning its bucket first if it is the bucket's first call."""
+    graph = x.is_cuda and torch.cuda.is_current_stream_capturing()
     desc = _descriptor(math.prod(x.shape[:-1]), values.shape[0], x.shape[-1], x.dtype,
-                       activation, bias is not None, x.device)
-    if x.is_cuda and _first_of_its_bucket(desc):
+                       activation, bias is not None, x.device, graph)
+    if x.is_cuda and not graph and _first_of_its_bucket(desc):
         from .backends import tune
 
         # Each candidate is timed through this very call path, host work included: a backend
         # whose launches cost more host time than its kernel saves must not win (measured: the
         # Triton path timed alone beat dense at 4096^2, n = 4, and lost 2x through the full call).
-        tune(desc, lambda plan: lambda: _linear_with(plan, x, values, metadata, bias))
+        # The same timings, kernels alone, choose for the bucket's calls recorded into CUDA graphs.
+        tune(desc, lambda plan: functools.partial(_bound(plan), x, values, metadata, bias))
     return memoised_select(GemmSparse24Plan, desc)
+
+
+def _bound(plan: GemmSparse24Plan):
+    """``call(x, values, metadata, bias) -> y`` through ``plan``: its backend's bound call if it has one."""
+    return plan.backend.bind(plan.desc) or functools.partial(_linear_with, plan)
 
 
 def _linear_with(plan, x, values, metadata, bias) -> torch.Tensor:
     """One call through ``plan``: y allocated here, the args built from inputs already checked."""
-    m = values.shape[0]
-    if x.dim() == 2:  # no views to make: each costs a microsecond or two of host time
-        y = x.new_empty((x.shape[0], m))
-        x2, y2 = x, y
-    else:
-        y = x.new_empty((*x.shape[:-1], m))
-        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, m)
+    y, x2, y2 = output_rows(x, values.shape[0])
     # linear() checked x and bias and Sparse24Weight its parts, or the custom op's schema did;
     # y is ours: the plan's own re-checks would only add host time.
     plan.run_prechecked(GemmSparse24Args(x2, values, metadata, y2, bias))
@@ -172,8 +175,6 @@ def _first_of_its_bucket(desc: GemmSparse24Descriptor) -> bool:
     if key in _seen_buckets:
         _seen_buckets.add(desc)
         return False
-    if torch.cuda.is_current_stream_capturing():
-        return False  # no timing inside a graph capture: the priority order decides there
     _seen_buckets.update((key, desc))
     return len(tunable(desc)) > 1 and GemmSparse24Plan.measured(desc) is None
 
@@ -246,12 +247,13 @@ def linear_parts(x, values, metadata, bias=None, activation=None) -> torch.Tenso
     if eager:
         # Inference on operands seen before: the checks below passed for exactly this key, and the
         # plan is the one dispatch chose (the key's generation says the choice has not changed).
+        # A call recorded into a CUDA graph has its own choice (GemmSparse24Descriptor.graph).
         key = (id(values), values.dtype, values.device, id(metadata), None if bias is None else id(bias),
-               x.shape, x.dtype, x.device, activation)
+               x.shape, x.dtype, x.device, activation, x.is_cuda and torch.cuda.is_current_stream_capturing())
         hit = _prepared.get(key)
         if hit is not None and hit[0] == dispatch_generation(GemmSparse24Plan) and \
                 hit[1]() is values and hit[2]() is metadata and (bias is None or hit[3]() is bias):
-            return _linear_with(hit[4], x, values, metadata, bias)
+            return hit[5](x, values, metadata, bias)
     check_tensor(values, "values")
     m, k = values.shape[0], 2 * values.shape[1]
     check_tensor(x, "x", dtype=values.dtype, device=values.device)
@@ -270,19 +272,23 @@ def linear_parts(x, values, metadata, bias=None, activation=None) -> torch.Tenso
     if not eager:
         return _sparse24_linear_op(x, values, metadata, bias, activation or "")
     plan = _plan_for(x, values, metadata, bias, activation or "")
+    call = _bound(plan)
     if len(_prepared) >= _MAX_PREPARED:
         _prepared.clear()
     _prepared[key] = (dispatch_generation(GemmSparse24Plan), weakref.ref(values), weakref.ref(metadata),
-                      None if bias is None else weakref.ref(bias), plan)
-    return _linear_with(plan, x, values, metadata, bias)
+                      None if bias is None else weakref.ref(bias), plan, call)
+    return call(x, values, metadata, bias)
 
 
-# linear()'s inference fast path: (operand ids and properties) -> (generation, weakrefs, plan).
+# linear()'s inference fast path: (operand ids and properties) -> (generation, weakrefs, plan, call).
+# ``call(x, values, metadata, bias) -> y`` is the plan's backend bound to its descriptor where the
+# backend offers that (``Backend.bind``): no args object, no plan, the least host work per call.
 _prepared: dict = {}
 
 
 def fast_path_backends() -> list[dict]:
-    """Which backend each problem on the inference fast path runs: one row per (n, m, k, dtype, backend)."""
-    rows = {(p.desc.n, p.desc.m, p.desc.k, p.desc.dtype, p.sku.backend) for *_, p in _prepared.values()}
-    return [dict(zip(("n", "m", "k", "dtype", "backend"), r)) for r in sorted(rows)]
+    """Which backend each problem on the inference fast path runs: one row per (n, m, k, dtype, graph, backend)."""
+    plans = (entry[4] for entry in _prepared.values())
+    rows = {(p.desc.n, p.desc.m, p.desc.k, p.desc.dtype, p.desc.graph, p.sku.backend) for p in plans}
+    return [dict(zip(("n", "m", "k", "dtype", "graph", "backend"), r)) for r in sorted(rows)]
 _MAX_PREPARED = 4096
