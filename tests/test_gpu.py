@@ -305,20 +305,27 @@ def test_sparse24_a_graph_capture_runs_the_choice_made_for_graphs():
     # Fake tables, so that the two choices differ whatever this GPU measured.
     GemmSparse24Plan.remember_fastest(desc, {"dense": 1e-6, "triton": 1e-3})
     GemmSparse24Plan.remember_fastest(graphed, {"dense": 1e-3, "triton": 1e-6})
+    # Another weight of the bucket, never tuned: its eager warm-up must build what the capture's choice needs.
+    w = kp.sparse24.prune(torch.randn(768, 1024, device="cuda")).half()
+    w24 = kp.sparse24.compress(w)
     with torch.inference_mode():
-        eager = kp.sparse24.linear(x, w24)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            kp.sparse24.linear(x, w24)
+            eager = kp.sparse24.linear(x, w24)
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             y = kp.sparse24.linear(x, w24)
         graph.replay()
-    ran = {(r["graph"], r["backend"]) for r in fast_path_backends() if (r["n"], r["m"], r["k"]) == (6, 768, 1024)}
-    assert ran == {(False, "dense"), (True, "triton")}
-    assert_close(y, F.linear(x.double(), w.double()), eager, atol=FWD_ATOL[torch.half])
+        ran = {(r["graph"], r["backend"]) for r in fast_path_backends() if (r["n"], r["m"], r["k"]) == (6, 768, 1024)}
+        assert ran == {(False, "dense"), (True, "triton")}
+        assert_close(y, F.linear(x.double(), w.double()), eager, atol=FWD_ATOL[torch.half])
+        # A weight captured before any eager call: its layouts cannot be built inside the capture.
+        cold = kp.sparse24.compress(kp.sparse24.prune(torch.randn(768, 1024, device="cuda")).half())
+        with pytest.raises(kp.InvalidState, match=r"inside a CUDA graph capture.*run the same call once eagerly"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                kp.sparse24.linear(x, cold)
 
 
 def test_sparse24_tuning_is_reused_by_a_second_process(tmp_path):

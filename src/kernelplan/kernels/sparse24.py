@@ -315,7 +315,8 @@ def launch(x, values, metadata, bias, y, activation: str | None, cfg: Config) ->
         _launch_jit(x, values, metadata, bias, y, activation, cfg)
         return
     prepared = derived_from(values, metadata, ("launch", cfg, activation, bias is not None),
-                            lambda v, meta: _WeightLaunch(v, meta, cfg, activation, bias is not None))
+                            lambda v, meta: _WeightLaunch(v, meta, cfg, activation, bias is not None),
+                            device_work=False)  # host objects only; its own layouts are derived_from too
     prepared(x, values, bias, y)
 
 

@@ -27,7 +27,7 @@ import torch
 
 from .._checks import check_tensor
 from ..dtypes import dtype_info
-from ..errors import InvalidProblem, MisalignedOperand
+from ..errors import InvalidProblem, InvalidState, MisalignedOperand
 
 FORMAT_VERSION = 1
 SPARSE24_DTYPES = ("f64", "f32", "f16", "bf16")
@@ -150,8 +150,13 @@ def output_rows(x: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, to
     return y, x.reshape(-1, x.shape[-1]), y.view(-1, m)
 
 
-def derived_from(values: torch.Tensor, metadata: torch.Tensor, key: str, build: Callable):
-    """``build(values, metadata)``, computed once per weight state and cached."""
+def derived_from(values: torch.Tensor, metadata: torch.Tensor, key, build: Callable, *, device_work: bool = True):
+    """``build(values, metadata)``, computed once per weight state and cached.
+
+    A build that runs kernels (``device_work``) is refused inside a CUDA graph
+    capture: its kernels would only be recorded, and the cache would hold a
+    layout that is empty until the graph's first replay.
+    """
     per_weight = _DERIVED.get(id(values))
     if per_weight is None:
         per_weight = _DERIVED[id(values)] = {}
@@ -160,6 +165,11 @@ def derived_from(values: torch.Tensor, metadata: torch.Tensor, key: str, build: 
     hit = per_weight.get(key)
     if hit is not None and hit[0] == state:
         return hit[1]
+    if device_work and values.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise InvalidState(
+            f"the 2:4 weight's {key} layout (shape {tuple(values.shape)}) would first be built inside a CUDA "
+            f"graph capture, where its kernels only record; run the same call once eagerly before capturing"
+        )
     layout = build(values, metadata)
     per_weight[key] = (state, layout)
     return layout

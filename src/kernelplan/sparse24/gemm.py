@@ -6,6 +6,7 @@ the custom op with its autograd formula, and the functional wrapper.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import weakref
@@ -128,7 +129,10 @@ def _descriptor(n, m, k, dtype, activation, has_bias, device, graph) -> GemmSpar
 def _sparse24_linear_impl(
     x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias: Optional[torch.Tensor], activation: str
 ) -> torch.Tensor:
-    return _linear_with(_plan_for(x, values, metadata, bias, activation), x, values, metadata, bias)
+    plan = _plan_for(x, values, metadata, bias, activation)
+    if x.is_cuda and not plan.desc.graph:
+        _ready_for_graphs(plan, x, values, metadata, bias)
+    return _linear_with(plan, x, values, metadata, bias)
 
 
 def _plan_for(x, values, metadata, bias, activation) -> GemmSparse24Plan:
@@ -273,11 +277,36 @@ def linear_parts(x, values, metadata, bias=None, activation=None) -> torch.Tenso
         return _sparse24_linear_op(x, values, metadata, bias, activation or "")
     plan = _plan_for(x, values, metadata, bias, activation or "")
     call = _bound(plan)
+    if x.is_cuda and not plan.desc.graph:
+        _ready_for_graphs(plan, x, values, metadata, bias)
     if len(_prepared) >= _MAX_PREPARED:
         _prepared.clear()
     _prepared[key] = (dispatch_generation(GemmSparse24Plan), weakref.ref(values), weakref.ref(metadata),
                       None if bias is None else weakref.ref(bias), plan, call)
     return call(x, values, metadata, bias)
+
+
+def _ready_for_graphs(plan: GemmSparse24Plan, x, values, metadata, bias) -> None:
+    """Run the choice made for graphs once, eagerly, where it is not ``plan``'s backend.
+
+    A capture may not build a weight's layouts (``derived_from``), and the
+    capture's choice can differ from the eager one (GemmSparse24Descriptor.graph):
+    so the first eager call with each weight, the warm-up before a capture,
+    builds both.  Its output is discarded.  Once per weight, not per weight
+    state: a training step would otherwise pay for a second GEMM per layer.
+    """
+    graphed = memoised_select(GemmSparse24Plan, dataclasses.replace(plan.desc, graph=True))
+    if graphed.backend is plan.backend:
+        return
+    key = (id(values), values.data_ptr(), graphed.backend.name)
+    if key not in _graph_ready:
+        _bound(graphed)(x, values, metadata, bias)
+        if len(_graph_ready) >= _MAX_PREPARED:
+            _graph_ready.clear()
+        _graph_ready.add(key)
+
+
+_graph_ready: set = set()  # (id(values), its data pointer, backend) already run by _ready_for_graphs
 
 
 # linear()'s inference fast path: (operand ids and properties) -> (generation, weakrefs, plan, call).
