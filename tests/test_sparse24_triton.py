@@ -209,3 +209,12 @@ def test_inference_fast_path_follows_new_measurements_and_changed_operands(monke
         w24.values.data = other.values  # same tensor object, new dtype
         with pytest.raises(kp.InvalidProblem, match=r"x has dtype torch.float32 but must have dtype torch.float64"):
             kp.sparse24.linear(x, w24)
+
+
+def test_weights_made_under_inference_mode_run(seed):
+    """Inference tensors have no version counter: the layouts kept with a weight must not need one."""
+    with torch.inference_mode():
+        w = kp.sparse24.prune(torch.randn(64, 128, device=DEV))
+        x = torch.randn(5, 128, device=DEV)
+        y, oracle, baseline = run_backend("triton", x, w)
+    assert_close(y, oracle, baseline, atol=FWD_ATOL[torch.float32])

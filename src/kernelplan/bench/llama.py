@@ -113,7 +113,9 @@ def run(dev: torch.device) -> tuple[list[dict], bool]:
             if gpu:
                 row, replay_err = _graphed_decode(dense, sparse, prompt, new, repeats)
                 rows.append(row)
-                ok = ok and replay_err <= 1e-3
+                # A capture may run other 2:4 backends than the eager step (GemmSparse24Descriptor.graph):
+                # the bar is the logits check's, not bitwise equality.
+                ok = ok and replay_err <= 2e-2
     from ..sparse24.gemm import fast_path_backends
 
     backends = fast_path_backends()  # what the sparsified model's layers ran, per problem

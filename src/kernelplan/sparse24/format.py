@@ -161,7 +161,10 @@ def derived_from(values: torch.Tensor, metadata: torch.Tensor, key, build: Calla
     if per_weight is None:
         per_weight = _DERIVED[id(values)] = {}
         weakref.finalize(values, _DERIVED.pop, id(values), None)
-    state = (values._version, values.data_ptr(), metadata._version, metadata.data_ptr())
+    try:
+        state = (values._version, values.data_ptr(), metadata._version, metadata.data_ptr())
+    except RuntimeError:  # inference tensors count no versions; outside inference mode they are read-only
+        state = (None, values.data_ptr(), None, metadata.data_ptr())
     hit = per_weight.get(key)
     if hit is not None and hit[0] == state:
         return hit[1]
