@@ -49,7 +49,9 @@ class Compiled:
     takes as they are: the caller vouches that they are device pointers of the
     right dtype and alignment (the specialization the kernel was compiled for).
     With a launch hook set (a profiler), launches go through ``kernel[grid]``
-    so that the hook sees them.
+    so that the hook sees them.  (Triton 3.6 keeps an empty hook chain where
+    no hook is set; before ``_unhooked`` knew that, every launch on the GPU
+    machines took ``kernel[grid]``: 8.5 of 44 us per call on an H200's host.)
     """
 
     __slots__ = ("kernel", "constexpr_values")
@@ -61,10 +63,15 @@ class Compiled:
     def __call__(self, grid: tuple, args: tuple, stream: int) -> None:
         k = self.kernel
         hooks = _knobs().runtime
-        if hooks.launch_enter_hook is None and hooks.launch_exit_hook is None:
+        if _unhooked(hooks.launch_enter_hook) and _unhooked(hooks.launch_exit_hook):
             k.run(*grid, stream, k.function, k.packed_metadata, None, None, None, *args, *self.constexpr_values)
         else:
             k[grid](*args, *self.constexpr_values, stream=stream)
+
+
+def _unhooked(hook) -> bool:
+    """No launch hook is set: Triton 3.6 and later hold an always-present chain, empty when none is."""
+    return hook is None or not getattr(hook, "calls", True)
 
 
 @functools.lru_cache(maxsize=1)
