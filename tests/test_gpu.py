@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -12,6 +14,10 @@ from opinfo import OPS
 from test_opinfo import _cast_sample
 
 pytestmark = pytest.mark.gpu
+
+# The cuSPARSELt backend's tests; without nvmath-python its supports() says so, tested on CPU too.
+needs_nvmath = pytest.mark.skipif(importlib.util.find_spec("nvmath") is None,
+                                  reason="nvmath-python is not installed: the cuSPARSELt backend needs it")
 
 
 @pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
@@ -367,6 +373,7 @@ print(len(calls), GemmSparse24Plan.measured(GemmSparse24Descriptor(3, 1024, 1024
     assert tuned == "1" and second.stdout.split() == ["0", backend]
 
 
+@needs_nvmath
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_cusparselt_matches_fp64_and_stores_its_search(dtype):
     from kernelplan.cache import plan_cache
@@ -400,6 +407,7 @@ def test_cusparselt_reports_shapes_it_cannot_take():
                                 kp.PlanPreference.only("cusparselt"))
 
 
+@needs_nvmath
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_cusparselt_pads_any_n(dtype):
     """N off the library's multiple of 16 (1 included) runs padded; only y's own elements are written."""
@@ -418,6 +426,7 @@ def test_cusparselt_pads_any_n(dtype):
         assert torch.isnan(y_buf[n]).all(), f"n={n}: a row past y was written"
 
 
+@needs_nvmath
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_cusparselt_weights_after_the_first_on_a_used_plan(dtype):
     """Weights compressed after their plan has searched and run (f16 once got a relative error of 1.4)."""
@@ -438,6 +447,7 @@ def test_cusparselt_weights_after_the_first_on_a_used_plan(dtype):
             assert_close(y, F.linear(x.double(), w.double()), F.linear(x, w), atol=FWD_ATOL[dtype], what=f"weight {i}")
 
 
+@needs_nvmath
 def test_cusparselt_under_graph_capture():
     from kernelplan.sparse24 import GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan
 
@@ -462,6 +472,7 @@ def test_cusparselt_under_graph_capture():
     torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
 
 
+@needs_nvmath
 def test_cusparselt_takes_transposed_x_and_strided_y():
     from kernelplan.sparse24 import GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan
 
