@@ -1,6 +1,7 @@
 """Sweep the Triton 2:4 kernel's tiles on the GPU (the heuristic in ``kernels/sparse24.py::config_for``).
 
-    PYTHONPATH=src python bench/sparse24_tiles.py [--ns 1,2,4] [--dtype bf16] [--heuristic] [--module NAME]
+    PYTHONPATH=src python bench/sparse24_tiles.py [--ns 1,2,4] [--shapes 4096x14336,...] [--dtype bf16]
+        [--heuristic] [--module NAME]
 
 For each (M, K, n) prints dense ``F.linear`` and the best few configs, as
 speedup over dense and as effective bandwidth on the compressed bytes.
@@ -29,6 +30,7 @@ GRID = [(bm, bk, s, w, st) for bm, bk, s, w, st in itertools.product(
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--ns", default="1,16,64,128")
+    p.add_argument("--shapes", default=",".join(f"{m}x{k}" for m, k in SHAPES), help="MxK weights, comma-separated")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "f16"])
     p.add_argument("--top", type=int, default=3)
     p.add_argument("--warps", default="4,8")
@@ -40,7 +42,8 @@ def main():
     warps = [int(v) for v in a.warps.split(",")]
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[a.dtype]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for (m, k), n in itertools.product(SHAPES, [int(v) for v in a.ns.split(",")]):
+    shapes = [tuple(int(d) for d in shape.split("x")) for shape in a.shapes.split(",")]
+    for (m, k), n in itertools.product(shapes, [int(v) for v in a.ns.split(",")]):
         w = kp.sparse24.prune(torch.randn(m, k, device="cuda")).to(dtype)
         w24 = kp.sparse24.compress(w)
         x = torch.randn(n, k, device="cuda", dtype=dtype)
