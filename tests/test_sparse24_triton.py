@@ -83,7 +83,7 @@ def test_bias_act_pass_in_place(activation, dtype, seed):
 def test_split_k_path_is_taken_where_expected():
     from kernelplan.kernels.sparse24 import config_for
 
-    assert config_for(5, 32, 2048, sm_count=4).splits == 2
+    assert config_for(5, 32, 2048, sm_count=4).splits == 4  # 16 K steps of 128: 4 splits of 4 steps each
     cfg = config_for(70, 130, 2048, sm_count=4, itemsize=4)
     assert cfg.splits > 1 and 130 > 2 * cfg.block_m and 70 > cfg.block_n  # the multi-tile split case above
     assert config_for(1, 8192, 8192, sm_count=132).splits == 4  # 128 M tiles: 4 splits give ~4 programs per SM
