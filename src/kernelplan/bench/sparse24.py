@@ -9,6 +9,7 @@ bar of the test suite, and reports the host time per call at a small shape.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -54,7 +55,9 @@ def _torch24(w: torch.Tensor):
 
 def _cases(dev):
     if dev.type == "cuda":
-        return LLAMA, NS, (torch.bfloat16, torch.float16)
+        # KERNELPLAN_BENCH_DTYPES=bf16 runs one dtype: tuning every bucket makes both ~10 minutes.
+        names = os.environ.get("KERNELPLAN_BENCH_DTYPES", "bf16,f16").split(",")
+        return LLAMA, NS, tuple(kp.dtypes.dtype_info(name.strip(), "KERNELPLAN_BENCH_DTYPES").dtype for name in names)
     return [(256, 512)], [1, 16, 128], (torch.float32,)
 
 
