@@ -234,7 +234,7 @@ def test_tuning_takes_the_median_of_three_rounds_and_leaves_out_refusals():
 
 def test_a_win_over_the_floor_must_hold_when_measured_again():
     """``confirmed`` with the timer faked: a challenger's win is repeated once before it counts."""
-    from kernelplan.sparse24.backends import confirmed
+    from kernelplan.sparse24.backends import confirmed, measure
 
     def run(first: dict, later: dict[str, list[float]]):
         calls = []
@@ -243,7 +243,8 @@ def test_a_win_over_the_floor_must_hold_when_measured_again():
             calls.append(name)
             return later[name].pop(0)
 
-        return confirmed(first, {n: n for n in first}, bench, "tuning x", floor="dense", margin=0.03), calls
+        again = lambda floor, challenger: measure({floor: floor, challenger: challenger}, bench, "tuning x")  # noqa: E731
+        return confirmed(first, again, floor="dense", margin=0.03), calls
 
     # triton_bfe won the first measurement by 10% and lost the repeat; cusparselt wins both and is kept.
     later = {"dense": [10.0] * 6, "triton_bfe": [11.0, 12.0, 11.0], "cusparselt": [9.0, 9.1, 9.0]}

@@ -6,7 +6,6 @@ the custom op with its autograd formula, and the functional wrapper.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import weakref
@@ -129,17 +128,14 @@ def _descriptor(n, m, k, dtype, activation, has_bias, device, graph) -> GemmSpar
 def _sparse24_linear_impl(
     x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias: Optional[torch.Tensor], activation: str
 ) -> torch.Tensor:
-    plan = _plan_for(x, values, metadata, bias, activation)
-    if x.is_cuda and not plan.desc.graph:
-        _ready_for_graphs(plan, x, values, metadata, bias)
-    return _linear_with(plan, x, values, metadata, bias)
+    return _linear_with(_plan_for(x, values, metadata, bias, activation), x, values, metadata, bias)
 
 
 def _plan_for(x, values, metadata, bias, activation) -> GemmSparse24Plan:
     """The dispatched plan of a call, tuning its bucket first if it is the bucket's first call."""
     graph = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    desc = _descriptor(math.prod(x.shape[:-1]), values.shape[0], x.shape[-1], x.dtype,
-                       activation, bias is not None, x.device, graph)
+    problem = (math.prod(x.shape[:-1]), values.shape[0], x.shape[-1], x.dtype, activation, bias is not None, x.device)
+    desc = _descriptor(*problem, graph)
     if x.is_cuda and not graph and _first_of_its_bucket(desc):
         from .backends import tune
 
@@ -148,7 +144,11 @@ def _plan_for(x, values, metadata, bias, activation) -> GemmSparse24Plan:
         # Triton path timed alone beat dense at 4096^2, n = 4, and lost 2x through the full call).
         # The same timings, kernels alone, choose for the bucket's calls recorded into CUDA graphs.
         tune(desc, lambda plan: functools.partial(_bound(plan), x, values, metadata, bias))
-    return memoised_select(GemmSparse24Plan, desc)
+    plan = memoised_select(GemmSparse24Plan, desc)
+    if x.is_cuda and not graph:
+        _ready_for_graphs(plan, memoised_select(GemmSparse24Plan, _descriptor(*problem, True)),
+                          x, values, metadata, bias)
+    return plan
 
 
 def _bound(plan: GemmSparse24Plan):
@@ -277,8 +277,6 @@ def linear_parts(x, values, metadata, bias=None, activation=None) -> torch.Tenso
         return _sparse24_linear_op(x, values, metadata, bias, activation or "")
     plan = _plan_for(x, values, metadata, bias, activation or "")
     call = _bound(plan)
-    if x.is_cuda and not plan.desc.graph:
-        _ready_for_graphs(plan, x, values, metadata, bias)
     if len(_prepared) >= _MAX_PREPARED:
         _prepared.clear()
     _prepared[key] = (dispatch_generation(GemmSparse24Plan), weakref.ref(values), weakref.ref(metadata),
@@ -286,8 +284,8 @@ def linear_parts(x, values, metadata, bias=None, activation=None) -> torch.Tenso
     return call(x, values, metadata, bias)
 
 
-def _ready_for_graphs(plan: GemmSparse24Plan, x, values, metadata, bias) -> None:
-    """Run the choice made for graphs once, eagerly, where it is not ``plan``'s backend.
+def _ready_for_graphs(plan: GemmSparse24Plan, graphed: GemmSparse24Plan, x, values, metadata, bias) -> None:
+    """Run ``graphed``, the choice made for graphs, once, eagerly, where it is not ``plan``'s backend.
 
     A capture may not build a weight's layouts (``derived_from``), and the
     capture's choice can differ from the eager one (GemmSparse24Descriptor.graph):
@@ -295,7 +293,6 @@ def _ready_for_graphs(plan: GemmSparse24Plan, x, values, metadata, bias) -> None
     builds both.  Its output is discarded.  Once per weight, not per weight
     state: a training step would otherwise pay for a second GEMM per layer.
     """
-    graphed = memoised_select(GemmSparse24Plan, dataclasses.replace(plan.desc, graph=True))
     if graphed.backend is plan.backend:
         return
     key = (id(values), values.data_ptr(), graphed.backend.name)
