@@ -135,6 +135,36 @@ def test_linear_dispatches_to_cublaslt_with_3d_and_transposed_x():
     assert "tanh" in plan.precision_guarantee.note
 
 
+def test_repeated_plain_linear_takes_the_bound_call(monkeypatch):
+    """The fast path's bound call: no run() once planned and tuned, right for every layout, after a release too."""
+    from kernelplan.gemm import cublaslt
+
+    runs = []
+    backend = GemmPlan.registry.get("cublaslt")
+    monkeypatch.setattr(type(backend), "run", lambda self, *a, real=type(backend).run: runs.append(1) or real(self, *a))
+    torch.manual_seed(4)
+    w = torch.randn(96, 64, device=DEV, dtype=torch.bfloat16)
+    bias = torch.randn(96, device=DEV, dtype=torch.bfloat16)
+    strided_bias = torch.randn(96, 2, device=DEV, dtype=torch.bfloat16)[:, 0]  # run() copies it: never bound
+    base = torch.randn(3, 11, 65, device=DEV, dtype=torch.bfloat16)
+    cases = [(torch.randn(10, 64, device=DEV, dtype=torch.bfloat16), bias, True),
+             (base[..., 1:], None, True),  # 3-D, rows 130 bytes apart, data 2 bytes off alignment
+             (base[..., :64].transpose(0, 1), bias, True),
+             (torch.randn(10, 64, device=DEV, dtype=torch.bfloat16), strided_bias, False)]
+    with torch.no_grad():
+        for x, b, bound in cases:
+            for call in range(4):
+                if call == 3:
+                    cublaslt.release_plans()  # the bound call's plan is destroyed: it plans again
+                runs.clear()
+                y = kp.linear(x, w, b)
+                ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+                assert_close(y, ref, torch.nn.functional.linear(x, w, b), atol=FWD_ATOL[torch.bfloat16])
+                assert y.shape == (*x.shape[:-1], 96)
+                if call == 2:
+                    assert (not runs) == bound, "a warm plain call launches from the bound call"
+
+
 def test_runs_on_the_current_stream_and_under_graph_capture():
     torch.manual_seed(3)
     x = torch.randn(64, 128, device=DEV, dtype=torch.float16)
@@ -144,17 +174,22 @@ def test_runs_on_the_current_stream_and_under_graph_capture():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):
+        for _ in range(3):  # the plain call's third run is its fast path's bound call
             kp.linear(x, w, b, "relu_bias")
+            with torch.no_grad():
+                kp.linear(x, w, b)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             y = kp.linear(x, w, b, "relu_bias")
+            with torch.no_grad():
+                plain = kp.linear(x, w, b)
     torch.cuda.current_stream().wait_stream(side)
     x.copy_(torch.randn_like(x))
     g.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(y.float(), torch.relu(torch.nn.functional.linear(x.float(), w.float(), b.float())),
-                               rtol=2e-3, atol=2e-2)
+    z = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(y.float(), torch.relu(z), rtol=2e-3, atol=2e-2)
+    torch.testing.assert_close(plain.float(), z, rtol=2e-3, atol=2e-2)
 
 
 _SECOND_PROCESS = """

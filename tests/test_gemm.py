@@ -108,6 +108,30 @@ def test_fp8_pad_false_runs_aligned_dims():
         kp.fp8.linear(xq, kp.fp8.quantize(torch.randn(40, 32)), pad=False)
 
 
+def test_inference_fast_path_skips_checks_and_keeps_shapes(monkeypatch, seed):
+    """A repeated plain linear skips the checks, returns the caller's leading shape, and never outlives a change."""
+    import kernelplan.gemm.functional as functional
+
+    checks = []
+    monkeypatch.setattr(functional, "check_tensor", lambda *a, real=functional.check_tensor, **k: checks.append(1) or real(*a, **k))
+    w, bias = torch.randn(24, 40), torch.randn(24)
+    for x in (torch.randn(7, 40), torch.randn(2, 40, 5).transpose(1, 2), torch.randn(9, 80)[:, ::2]):
+        with torch.no_grad():
+            kp.linear(x, w, bias)
+            checks.clear()
+            for _ in range(2):  # new values in the same layout: both calls take the fast path
+                x.copy_(torch.randn(x.shape))
+                y = kp.linear(x, w, bias)
+                assert_close(y, F.linear(x.double(), w.double(), bias.double()), F.linear(x, w, bias),
+                             atol=FWD_ATOL[torch.float32])
+                assert y.shape == (*x.shape[:-1], 24)
+            assert not checks, "a repeated call with the same layout takes the fast path"
+    # The same layout in another dtype is another entry: the checks run and name the mismatch.
+    with torch.no_grad(), pytest.raises(InvalidProblem, match="w"):
+        kp.linear(torch.randn(7, 40), w.double(), bias)
+    assert checks
+
+
 def test_autograd_guards():
     x = torch.randn(3, 8, requires_grad=True)
     w = torch.randn(4, 8)

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from .._checks import same_device
+from ..dtypes import dtype_info
 from ..errors import InvalidProblem, Unsupported, WorkspaceTooSmall
 from ..plan import Backend, PrecisionGuarantee
 from .epilogue import Epilogue
@@ -225,11 +226,14 @@ class _Plan:
         self.beta = np.zeros(1, dtype=scale_np)
         # Host addresses, taken once: numpy's .ctypes costs about a microsecond per access.
         self.alpha_ptr, self.beta_ptr = self.alpha.ctypes.data, self.beta.ctypes.data
+        self.unit = np.array([1, 0], dtype=scale_np)  # alpha = 1 and beta = 0, for the bound call
+        self.one_ptr, self.zero_ptr = self.unit.ctypes.data, self.unit.ctypes.data + self.unit.itemsize
         self.pointer = np.zeros(1, dtype=np.uint64)  # staging for the per-call bias / aux pointers
         self.pointer_ptr = self.pointer.ctypes.data
         self.handle = _handle(key.device)
         self.lock = threading.Lock()
         self.tuned = False
+        self.alive = True  # False once destroyed: a bound call holding it plans again
         self.desc = lt.matmul_desc_create(cublas.ComputeType[compute_name], CudaDataType[
             "CUDA_R_64F" if key.dtype == "f64" else "CUDA_R_32F"])
         self.layouts = []
@@ -268,6 +272,7 @@ class _Plan:
         return self.results["algo"][i].tobytes().hex()
 
     def destroy(self) -> None:
+        self.alive = False
         lt = _lt()
         if self.pref is not None:
             lt.matmul_preference_destroy(self.pref)
@@ -318,6 +323,50 @@ class CublasLtGemmBackend(Backend):
                 "(measured up to 4.9e-6 on an H200), not to f32 rounding") if gelu else "cuBLASLt"
         acc = "f64" if desc.dtype == "f64" else "f32"
         return PrecisionGuarantee(acc, acc, deterministic=True, bit_stable=False, note=note)
+
+    def bind(self, desc: GemmDescriptor):
+        """The plain linear (NONE or BIAS, nn.Linear layouts): a route lookup and ``cublasLtMatmul``.
+
+        ``linear()``'s inference fast path calls it for a repeated call it has
+        checked once.  The route (plan and algorithm) is kept per strides and
+        pointer alignments of x and w; a layout ``run`` would copy, a bias it
+        would copy, and a call that still tunes all go through ``run``.
+        """
+        if (Epilogue(desc.epilogue) not in (Epilogue.NONE, Epilogue.BIAS) or desc.has_c or desc.transa
+                or not desc.transb or desc.dtype not in _TYPES or desc.b_dtype not in (None, desc.dtype)
+                or desc.d_dtype != desc.dtype):
+            return None
+        m, n = desc.m, desc.n
+        out_dtype = dtype_info(desc.dtype).dtype
+        routes: dict = {}  # (x strides, w strides, x and w alignment) -> plan
+        lt = _lt()
+        bias_attr = _pointer_attrs()[0]
+        run = self.run
+
+        def call(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            d = torch.empty((m, n), dtype=out_dtype, device=x2.device)
+            px, pw = x2.data_ptr(), w.data_ptr()
+            key = (x2.stride(), w.stride(), px & 255, pw & 255)
+            plan = routes.get(key)
+            if plan is None or not plan.alive or (bias is not None and (bias.stride(0) != 1 or bias.data_ptr() & 15)):
+                run(desc, GemmArgs(x2, w, d, bias=bias), None)
+                plan, copy_a, copy_b, _, _, _ = _route(desc, w, x2.T, None, d, None)
+                if plan.tuned and not (copy_a or copy_b):
+                    routes[key] = plan
+                return d
+            stream = _raw_stream(plan.key.device)
+            ws = _workspace(plan.workspace, stream, plan.key.device)
+            pd = d.data_ptr()
+            with plan.lock:
+                if bias is not None:
+                    plan.pointer[0] = bias.data_ptr()
+                    lt.matmul_desc_set_attribute(plan.desc, bias_attr, plan.pointer_ptr, 8)
+                lt.matmul(plan.handle, plan.desc, plan.one_ptr, pw, plan.layouts[0], px, plan.layouts[1],
+                          plan.zero_ptr, pd, plan.layouts[2], pd, plan.layouts[3], plan.algo_ptr,
+                          0 if ws is None else ws.data_ptr(), plan.workspace, stream)
+            return d
+
+        return call
 
     def run(self, desc: GemmDescriptor, args: GemmArgs, workspace) -> None:
         op_a = args.a.T if desc.transa else args.a  # [m, k]

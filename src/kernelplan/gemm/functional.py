@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -57,10 +58,9 @@ def linear(
         fast_key = _fast_key(x, w, bias)
         hit = _prepared.get(fast_key)
         if hit is not None and hit[0] == dispatch_generation(GemmPlan):
-            _, plan, m, n, k = hit
-            d = torch.empty((m, n), dtype=x.dtype, device=x.device)
-            plan.run_prechecked(GemmArgs(x.reshape(m, k), w, d, bias=bias))
-            return d.reshape(*x.shape[:-1], n)
+            _, call, x_2d, out_shape = hit
+            d = call(x if x_2d is None else x.reshape(x_2d), w, bias)
+            return d if out_shape is None else d.reshape(out_shape)
     else:
         fast_key = None
     if epilogue is None:
@@ -132,7 +132,10 @@ def linear(
         if fast_key is not None:
             if len(_prepared) >= _MAX_PREPARED:
                 _prepared.clear()
-            _prepared[fast_key] = (dispatch_generation(GemmPlan), plan, m, n, k)
+            # The reshapes are skipped where x is already [m, k]: each is a microsecond of host time.
+            flat = x.dim() == 2
+            _prepared[fast_key] = (dispatch_generation(GemmPlan), _bound(plan), None if flat else (m, k),
+                                   None if flat else out_shape)
     d = d.reshape(out_shape) if out is None else out
     if spec.aux_out:
         return d, aux2.reshape(out_shape)
@@ -146,9 +149,24 @@ def linear(
 # The inference fast path: a plain ``linear(x, w[, bias])`` whose operands have the shapes,
 # strides, dtypes and devices of a call that passed every check reuses that call's plan and
 # skips the checks (they would pass again: nothing they look at differs).  Void once dispatch
-# may answer differently (a new measurement, a registry change).
+# may answer differently (a new measurement, a registry change).  Entries are
+# (generation, call, x as 2-D or None, output shape or None); ``call(x2, w, bias) -> d`` is the
+# plan's backend bound to its descriptor where the backend offers that (``Backend.bind``).
 _prepared: dict = {}
 _MAX_PREPARED = 4096
+
+
+def _bound(plan: GemmPlan):
+    """``call(x2, w, bias) -> d [m, n]`` for a plain linear through ``plan``."""
+    out_dtype = dtype_info(plan.desc.d_dtype).dtype
+    return plan.backend.bind(plan.desc) or functools.partial(_run_plain, plan, out_dtype)
+
+
+def _run_plain(plan: GemmPlan, out_dtype: torch.dtype, x2, w, bias) -> torch.Tensor:
+    d = torch.empty((plan.desc.m, plan.desc.n), dtype=out_dtype, device=x2.device)
+    # linear() checked every operand against this descriptor on the call that made the entry.
+    plan.run_prechecked(GemmArgs(x2, w, d, bias=bias))
+    return d
 
 
 def _fast_key(x, w, bias):
