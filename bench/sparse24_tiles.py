@@ -1,7 +1,7 @@
 """Sweep the Triton 2:4 kernel's tiles on the GPU (the heuristic in ``kernels/sparse24.py::config_for``).
 
     PYTHONPATH=src python bench/sparse24_tiles.py [--ns 1,2,4] [--shapes 4096x14336,...] [--dtype bf16]
-        [--heuristic] [--module NAME]
+        [--heuristic] [--module NAME] [--block-n 32] [--block-m 64,128] [--warps 4]
 
 For each (M, K, n) prints dense ``F.linear`` and the best few configs, as
 speedup over dense and as effective bandwidth on the compressed bytes.
@@ -34,6 +34,8 @@ def main():
     p.add_argument("--dtype", default="bf16", choices=["bf16", "f16"])
     p.add_argument("--top", type=int, default=3)
     p.add_argument("--warps", default="4,8")
+    p.add_argument("--block-n", type=int, default=None, help="sweep this N tile instead of the heuristic's")
+    p.add_argument("--block-m", default="32,64,128")
     p.add_argument("--heuristic", action="store_true", help="time config_for's choice alone")
     p.add_argument("--module", default="sparse24", help="a variant of kernels/sparse24.py to sweep instead")
     a = p.parse_args()
@@ -52,7 +54,9 @@ def main():
         dense = triton.testing.do_bench(lambda: F.linear(x, w), warmup=5, rep=20, return_mode="median")
         heuristic = ks.config_for(n, m, k, sms)
         results = []
-        grid = [] if a.heuristic else [ks.Config(heuristic.block_n, *c) for c in GRID if c[3] in warps]
+        block_ms = [int(v) for v in a.block_m.split(",")]
+        grid = [] if a.heuristic else [ks.Config(a.block_n or heuristic.block_n, *c) for c in GRID
+                                       if c[3] in warps and c[0] in block_ms]
         for cfg in grid + [heuristic]:
             if k % cfg.block_k or (k // cfg.block_k) % cfg.splits:
                 continue

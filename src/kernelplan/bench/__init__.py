@@ -123,13 +123,12 @@ def gemm_host_overhead_us(dev: torch.device) -> dict:
     """``kernelplan.linear`` against ``F.linear`` at a small shape, host time per call."""
     import torch.nn.functional as F
 
-    from ..timing import host_us_per_call
+    from ..timing import host_us_side_by_side
 
     (m, n, k), calls = ((16, 4096, 4096), 500) if dev.type == "cuda" else ((16, 256, 512), 50)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     x, w = torch.randn(m, k, device=dev, dtype=dtype), torch.randn(n, k, device=dev, dtype=dtype)
-    out = {name: host_us_per_call(fn, dev, calls)
-           for name, fn in (("kernelplan", lambda: linear(x, w)), ("F.linear", lambda: F.linear(x, w)))}
+    out = host_us_side_by_side({"kernelplan": lambda: linear(x, w), "F.linear": lambda: F.linear(x, w)}, dev, calls)
     print(f"host time per call at {m}x{k} -> {n}: kernelplan.linear {out['kernelplan']:.1f} us, "
           f"F.linear {out['F.linear']:.1f} us")
     return {"shape": [m, n, k], **out}

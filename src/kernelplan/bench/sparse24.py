@@ -67,10 +67,10 @@ def host_overhead_us(dev) -> dict:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     w = kp.sparse24.prune(torch.randn(m, k, device=dev)).to(dtype)
     w24, x = kp.sparse24.compress(w), torch.randn(n, k, device=dev, dtype=dtype)
-    from ..timing import host_us_per_call
+    from ..timing import host_us_side_by_side
 
-    out = {name: host_us_per_call(fn, dev, calls)
-           for name, fn in (("kernelplan", lambda: kp.sparse24.linear(x, w24)), ("F.linear", lambda: F.linear(x, w)))}
+    out = host_us_side_by_side({"kernelplan": lambda: kp.sparse24.linear(x, w24), "F.linear": lambda: F.linear(x, w)},
+                               dev, calls)
     return {"shape": [n, m, k], **out}
 
 
