@@ -1,7 +1,8 @@
 """Sweep the Triton 2:4 kernel's tiles on the GPU (the heuristic in ``kernels/sparse24.py::config_for``).
 
     PYTHONPATH=src python bench/sparse24_tiles.py [--ns 1,2,4] [--shapes 4096x14336,...] [--dtype bf16]
-        [--heuristic] [--module NAME] [--block-n 32] [--block-m 64,128] [--warps 4]
+        [--heuristic] [--module NAME] [--block-n 32] [--block-m 64,128] [--block-k 128]
+        [--splits 1,2] [--warps 4] [--stages 3,4]
 
 For each (M, K, n) prints dense ``F.linear`` and the best few configs, as
 speedup over dense and as effective bandwidth on the compressed bytes.
@@ -36,12 +37,14 @@ def main():
     p.add_argument("--warps", default="4,8")
     p.add_argument("--block-n", type=int, default=None, help="sweep this N tile instead of the heuristic's")
     p.add_argument("--block-m", default="32,64,128")
+    p.add_argument("--block-k", default="128,256")
+    p.add_argument("--splits", default="1,2,4,8")
+    p.add_argument("--stages", default="3,4")
     p.add_argument("--heuristic", action="store_true", help="time config_for's choice alone")
     p.add_argument("--module", default="sparse24", help="a variant of kernels/sparse24.py to sweep instead")
     a = p.parse_args()
     global ks
     ks = importlib.import_module(f"kernelplan.kernels.{a.module}")
-    warps = [int(v) for v in a.warps.split(",")]
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[a.dtype]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [tuple(int(d) for d in shape.split("x")) for shape in a.shapes.split(",")]
@@ -54,9 +57,9 @@ def main():
         dense = triton.testing.do_bench(lambda: F.linear(x, w), warmup=5, rep=20, return_mode="median")
         heuristic = ks.config_for(n, m, k, sms)
         results = []
-        block_ms = [int(v) for v in a.block_m.split(",")]
+        allowed = [[int(v) for v in opt.split(",")] for opt in (a.block_m, a.block_k, a.splits, a.warps, a.stages)]
         grid = [] if a.heuristic else [ks.Config(a.block_n or heuristic.block_n, *c) for c in GRID
-                                       if c[3] in warps and c[0] in block_ms]
+                                       if all(v in ok for v, ok in zip(c, allowed))]
         for cfg in grid + [heuristic]:
             if k % cfg.block_k or (k // cfg.block_k) % cfg.splits:
                 continue

@@ -84,10 +84,12 @@ def test_split_k_path_is_taken_where_expected():
     from kernelplan.kernels.sparse24 import config_for
 
     assert config_for(5, 32, 2048, sm_count=4).splits == 4  # 16 K steps of 128: 4 splits of 4 steps each
-    cfg = config_for(70, 130, 2048, sm_count=4, itemsize=4)
+    cfg = config_for(70, 130, 2048, sm_count=16, itemsize=4)
     assert cfg.splits > 1 and 130 > 2 * cfg.block_m and 70 > cfg.block_n  # the multi-tile split case above
     assert config_for(1, 8192, 8192, sm_count=132).splits == 4  # 128 M tiles: 4 splits give ~4 programs per SM
     assert config_for(64, 65536, 8192, sm_count=132).splits == 1  # 1024 tiles already fill the SMs
+    # 64-wide N tiles: about two programs per SM, from 128 M tiles at 8192 rows.
+    assert config_for(64, 8192, 8192, sm_count=132).splits == 2
 
 
 def test_group_codes_rebuild_the_dense_weight(seed):

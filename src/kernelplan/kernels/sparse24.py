@@ -238,18 +238,25 @@ def config_for(n: int, m: int, k: int, sm_count: int, itemsize: int = 2, bfe: bo
     # Few rows (a K or V projection): 32-row tiles make twice the programs (1024x4096, n <= 16, on
     # an H200: 1.08-1.13x of dense against 0.92-0.99x with 64 rows).
     block_m = 32 if block_n == 16 and triton.cdiv(m, 64) < sm_count // 4 else 64
-    # fp32 tiles are twice the bytes: 256-wide K tiles in 3 stages overflow shared memory.  A
-    # 64-wide N tile does best with 128-wide K tiles (bench/sparse24_tiles.py on an H200), and so
-    # does a 16-wide one since codes are cut out by shift and mask (on an H200 at n = 1 and 16:
-    # 4096x14336 1.38x of dense against 1.16x, 14336x4096 1.31x against 1.14x); bfe kept 256.
-    widths = (256, 128, 64) if itemsize <= 2 and block_n < 64 and (bfe or block_n > 16) else (128, 64)
+    # fp32 tiles are twice the bytes: 256-wide K tiles in 3 stages overflow shared memory.  N tiles
+    # of 32 and 64 do best with 128-wide K tiles, and so does a 16-wide one since codes are cut
+    # out by shift and mask (bench/sparse24_tiles.py: on an H200 at n = 1 and 16, 4096x14336 1.38x
+    # of dense against 1.16x; on an H100 at n = 32, 4096x14336 1.43x against 1.26x); bfe kept 256.
+    widths = (256, 128, 64) if itemsize <= 2 and block_n < 64 and bfe else (128, 64)
     block_k = next(b for b in widths if k % b == 0)
-    stages = 3 if itemsize <= 2 else 2
+    # A fourth stage pays at N tiles of 32 and 64 (H100: 8192x8192 n = 64, 1.26x -> 1.32x).
+    stages = 2 if itemsize > 2 else 4 if block_n > 16 and block_k == 128 else 3
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     steps = k // block_k
-    # About 4 programs per SM, each with at least 4 K steps to amortise its start
-    # (bench/sparse24_tiles.py on an H200: the best split was 2-4 on the Llama shapes).
-    splits = max(1, min(steps // 4, triton.cdiv(4 * sm_count, tiles)))
+    if block_n == 16:
+        # About 4 programs per SM, each with at least 4 K steps to amortise its start
+        # (bench/sparse24_tiles.py on an H200: the best split was 2-4 on the Llama shapes).
+        splits = max(1, min(steps // 4, triton.cdiv(4 * sm_count, tiles)))
+    else:
+        # Wider N tiles want about two programs per SM: each split reads its x tile again
+        # (H100, n = 32 and 64, the six Llama shapes: 8192x8192 n = 64 1.08x of dense at 4
+        # splits, 1.32x at 2; 14336x4096 1.06x at 2, 1.32x at 1).
+        splits = max(1, min(steps // 4, round(2 * sm_count / tiles)))
     if block_n == 16 and block_k == 128 and tiles >= 2 * sm_count:
         # Tall weights at n <= 16 still want K split to 2048 per program, though their tiles
         # alone fill the SMs (on an H200: 28672x8192 1.33-1.37x of dense at 4 splits, 1.21-1.25x
