@@ -202,3 +202,12 @@ def test_fp8_scale_errors():
         kp.linear(xq, wq, scales=kp.ScaleSet(amax=torch.zeros(2)), out_dtype=torch.bfloat16)
     with pytest.raises(InvalidProblem, match="out_dtype has dtype f64.*f32, f16, bf16, e4m3, e5m2"):
         kp.linear(xq, wq, out_dtype=torch.float64)
+
+
+def test_gpu_backends_are_registered_and_say_why_they_cannot_run_here():
+    """The GPU backends register on import everywhere; on a CPU descriptor each names its reason."""
+    from kernelplan.gemm import GemmDescriptor, GemmPlan
+
+    assert {"reference", "cublaslt", "scaled_mm"} <= set(GemmPlan.registry.names())
+    with pytest.raises(Unsupported, match="cublaslt: cuBLASLt runs on CUDA devices only"):
+        GemmPlan.select(GemmDescriptor(4, 8, 16, "f32", transb=True, device="cpu"), kp.PlanPreference.only("cublaslt"))
