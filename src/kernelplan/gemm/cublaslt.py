@@ -49,7 +49,6 @@ import numpy as np
 import torch
 
 from .._checks import same_device
-from ..dtypes import dtype_info
 from ..errors import InvalidProblem, Unsupported, WorkspaceTooSmall
 from ..plan import Backend, PrecisionGuarantee
 from .epilogue import Epilogue
@@ -337,33 +336,33 @@ class CublasLtGemmBackend(Backend):
                 or desc.d_dtype != desc.dtype):
             return None
         m, n = desc.m, desc.n
-        out_dtype = dtype_info(desc.dtype).dtype
-        routes: dict = {}  # (x strides, w strides, x and w alignment) -> plan
+        # (x strides, w strides, x and w alignment) -> the plan's launch arguments, unpacked once
+        routes: dict = {}
         lt = _lt()
         bias_attr = _pointer_attrs()[0]
         run = self.run
 
         def call(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            d = torch.empty((m, n), dtype=out_dtype, device=x2.device)
+            d = x2.new_empty((m, n))  # D has x's dtype here, and new_empty is the cheapest allocation
             px, pw = x2.data_ptr(), w.data_ptr()
             key = (x2.stride(), w.stride(), px & 255, pw & 255)
-            plan = routes.get(key)
-            if plan is None or not plan.alive or (bias is not None and (bias.stride(0) != 1 or bias.data_ptr() & 15)):
+            route = routes.get(key)
+            if route is None or not route[0].alive or (bias is not None and (bias.stride(0) != 1 or bias.data_ptr() & 15)):
                 run(desc, GemmArgs(x2, w, d, bias=bias), None)
                 plan, copy_a, copy_b, _, _, _ = _route(desc, w, x2.T, None, d, None)
                 if plan.tuned and not (copy_a or copy_b):
-                    routes[key] = plan
+                    routes[key] = (plan, plan.handle, plan.desc, *plan.layouts, plan.algo_ptr, plan.workspace,
+                                   plan.one_ptr, plan.zero_ptr, plan.key.device)
                 return d
-            stream = _raw_stream(plan.key.device)
-            ws = _workspace(plan.workspace, stream, plan.key.device)
+            plan, handle, mdesc, la, lb, lc, ld, algo, ws_bytes, one, zero, device = route
+            stream = _raw_stream(device)
+            ws = _workspace(ws_bytes, stream, device).data_ptr() if ws_bytes else 0
             pd = d.data_ptr()
             with plan.lock:
                 if bias is not None:
                     plan.pointer[0] = bias.data_ptr()
-                    lt.matmul_desc_set_attribute(plan.desc, bias_attr, plan.pointer_ptr, 8)
-                lt.matmul(plan.handle, plan.desc, plan.one_ptr, pw, plan.layouts[0], px, plan.layouts[1],
-                          plan.zero_ptr, pd, plan.layouts[2], pd, plan.layouts[3], plan.algo_ptr,
-                          0 if ws is None else ws.data_ptr(), plan.workspace, stream)
+                    lt.matmul_desc_set_attribute(mdesc, bias_attr, plan.pointer_ptr, 8)
+                lt.matmul(handle, mdesc, one, pw, la, px, lb, zero, pd, lc, pd, ld, algo, ws, ws_bytes, stream)
             return d
 
         return call
