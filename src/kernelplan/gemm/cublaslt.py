@@ -344,10 +344,13 @@ class CublasLtGemmBackend(Backend):
 
         def call(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
             d = x2.new_empty((m, n))  # D has x's dtype here, and new_empty is the cheapest allocation
+            if bias is not None and (bias.stride(0) != 1 or bias.data_ptr() & 15):
+                run(desc, GemmArgs(x2, w, d, bias=bias), None)  # run copies such a bias; nothing to route
+                return d
             px, pw = x2.data_ptr(), w.data_ptr()
             key = (x2.stride(), w.stride(), px & 255, pw & 255)
             route = routes.get(key)
-            if route is None or not route[0].alive or (bias is not None and (bias.stride(0) != 1 or bias.data_ptr() & 15)):
+            if route is None or not route[0].alive:
                 run(desc, GemmArgs(x2, w, d, bias=bias), None)
                 plan, copy_a, copy_b, _, _, _ = _route(desc, w, x2.T, None, d, None)
                 if plan.tuned and not (copy_a or copy_b):
