@@ -62,37 +62,48 @@ class DecodeStep:
         return tensors
 
 
-class GraphedDecode:
-    """A ``DecodeStep`` captured once; ``check()`` compares a replay with the eager step from the same state."""
+class Graphed:
+    """``fn()`` (returning a tensor) captured once in a CUDA graph, after a warm-up on a side stream."""
 
-    def __init__(self, step: DecodeStep, warmup: int = 3):
-        self.step = step
+    def __init__(self, fn, warmup: int = 3):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compiles kernels and tunes 2:4 dispatch outside the capture
             for _ in range(warmup):
-                step()
+                fn()
         torch.cuda.current_stream().wait_stream(side)
+        self.fn = fn
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.logits = step()
+            self.out = fn()
 
     def check(self) -> float:
-        """max |replay - eager| / max |eager| of one step's logits, the state restored in between."""
+        """max |replay - eager| / max |eager| of one call (for a ``fn`` whose state it does not advance)."""
+        eager = self.fn().float()
+        self.graph.replay()
+        return float((self.out.float() - eager).abs().max() / eager.abs().max())
+
+    def replay_seconds(self, replays: int) -> float:
+        """Wall time per replay of ``replays`` back-to-back replays."""
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(replays):
+            self.graph.replay()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / replays
+
+
+class GraphedDecode(Graphed):
+    """A ``DecodeStep`` captured once; ``check()`` compares a replay with the eager step from the same state."""
+
+    def __init__(self, step: DecodeStep, warmup: int = 3):
+        self.step = step
+        super().__init__(step, warmup)
+
+    def check(self) -> float:
         saved = [t.clone() for t in self.step.state()]
         eager = self.step().float()
         for t, s in zip(self.step.state(), saved):
             t.copy_(s)
         self.graph.replay()
-        return float((self.logits.float() - eager).abs().max() / eager.abs().max())
-
-    def seconds_per_step(self, steps: int, repeats: int) -> float:
-        times = []
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                self.graph.replay()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) / steps)
-        return sorted(times)[len(times) // 2]
+        return float((self.out.float() - eager).abs().max() / eager.abs().max())
