@@ -64,6 +64,49 @@ def test_triton_matches_fp64(n, m, k, activation, bias, layout, dtype, seed):
     assert_close(y, oracle, baseline, atol=FWD_ATOL[dtype])
 
 
+WIDE_CASES = [  # n > 16, K % 128 == 0: the cases triton_m128 takes
+    (17, 64, 256, "gelu", True, "transposed"),  # one 128-row tile, rows past M masked
+    (70, 130, 2048, "relu", True, "transposed"),  # 2 M tiles x 2 N tiles, K split: one counter each
+    (33, 256, 1024, None, False, "strided"),  # 32-wide N tiles, two of them
+]
+
+
+@pytest.mark.parametrize("n, m, k, activation, bias, layout", WIDE_CASES,
+                         ids=[f"n{c[0]}-m{c[1]}-k{c[2]}-{c[3]}-{c[5]}" for c in WIDE_CASES])
+def test_triton_wide_tiles_match_fp64(n, m, k, activation, bias, layout, seed):
+    """triton_m128: the same kernel on 128-row tiles (f16: the variant refuses f32)."""
+    dtype = torch.float16
+    w = kp.sparse24.prune(torch.randn(m, k, device=DEV)).to(dtype)
+    x = torch.randn(n, k, device=DEV).to(dtype)
+    if layout == "transposed":
+        x = x.t().contiguous().t()
+    elif layout == "strided":
+        x = torch.randn(n, 2 * k, device=DEV).to(dtype)[:, ::2]
+    b = torch.randn(m, device=DEV).to(dtype) if bias else None
+    y, oracle, baseline = run_backend("triton_m128", x, w, b, activation)
+    assert_close(y, oracle, baseline, atol=FWD_ATOL[dtype])
+
+
+def test_triton_wide_tiles_say_where_they_do_not_apply():
+    for desc, reason in ((GemmSparse24Descriptor(16, 256, 1024, "f16", device=DEV), r"n = 16 runs 16-wide N tiles"),
+                         (GemmSparse24Descriptor(32, 256, 192, "f16", device=DEV), r"K = 192 is not a multiple of 128"),
+                         (GemmSparse24Descriptor(32, 256, 1024, "f32", device=DEV), r"dtype f32: 128-row tiles")):
+        with pytest.raises(kp.Unsupported, match="triton_m128: " + reason):
+            GemmSparse24Plan.select(desc, kp.PlanPreference.only("triton_m128"))
+
+
+def test_triton_wide_config_splits_k_to_2048_columns_per_program():
+    from kernelplan.kernels.sparse24 import Config, config_for
+
+    # 64 tiles of 128 rows at 8192: ~2 programs per SM on 132 SMs.
+    assert config_for(64, 8192, 8192, sm_count=132, wide=True) == Config(64, 128, 128, 4, num_stages=3)
+    # 224 tiles already fill the SMs, and K is still split to 2048 columns per program.
+    assert config_for(32, 28672, 8192, sm_count=132, wide=True).splits == 4
+    assert config_for(32, 28672, 8192, sm_count=132, wide=True).num_stages == 4
+    with pytest.raises(ValueError, match="16-wide"):
+        config_for(16, 8192, 8192, sm_count=132, wide=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh", "silu"])
 def test_bias_act_pass_in_place(activation, dtype, seed):

@@ -232,9 +232,16 @@ class Config:
 
 
 @functools.lru_cache(maxsize=4096)
-def config_for(n: int, m: int, k: int, sm_count: int, itemsize: int = 2, bfe: bool = False) -> Config:
-    """Tiles for a problem: N padded to an MMA width up to 64, K split until the SMs are busy."""
+def config_for(n: int, m: int, k: int, sm_count: int, itemsize: int = 2, bfe: bool = False,
+               wide: bool = False) -> Config:
+    """Tiles for a problem: N padded to an MMA width up to 64, K split until the SMs are busy.
+
+    ``wide`` asks for 128-row tiles at N tiles of 32 and 64 (16-bit weights): the
+    ``triton_m128`` candidate.
+    """
     block_n = max(16, min(64, triton.next_power_of_2(max(n, 1))))
+    if wide:
+        return _wide_config(n, m, k, sm_count, block_n)
     # Few rows (a K or V projection): 32-row tiles make twice the programs (1024x4096, n <= 16, on
     # an H200: 1.08-1.13x of dense against 0.92-0.99x with 64 rows).
     block_m = 32 if block_n == 16 and triton.cdiv(m, 64) < sm_count // 4 else 64
@@ -265,6 +272,28 @@ def config_for(n: int, m: int, k: int, sm_count: int, itemsize: int = 2, bfe: bo
     while steps % splits:
         splits -= 1
     return Config(block_n, block_m, block_k, splits, num_stages=stages, bfe=bfe)
+
+
+def _wide_config(n: int, m: int, k: int, sm_count: int, block_n: int) -> Config:
+    """128-row tiles for N tiles of 32 and 64: each x tile serves twice the rows, so K splits re-read less.
+
+    From an H200 sweep (bench/sparse24_tiles.py, bf16, the Llama-70B shapes):
+    4 K splits beat the 64-row heuristic's 1-2 (8192x28672 at n = 32 1.33x of dense
+    against 1.15x, at n = 64 1.21x against 1.11x; 8192x8192 at n = 32 1.29x against
+    1.19x; 28672x8192 at n = 32 1.20x against 0.90x, where 2048 K columns per
+    program paid though the tiles alone fill the SMs).  A fourth stage paid at 32-wide
+    N tiles, not at 64.  The H100 sweep that set the 64-row heuristic preferred that
+    one: tuning times both.
+    """
+    if block_n < 32:
+        raise ValueError(f"wide tiles are for N tiles of 32 and 64; n = {n} runs 16-wide ones")
+    block_m, block_k = 128, 128
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    steps = k // block_k
+    splits = max(1, min(steps // 4, max(round(2 * sm_count / tiles), min(4, k // 2048))))
+    while steps % splits:
+        splits -= 1
+    return Config(block_n, block_m, block_k, splits, num_stages=4 if block_n == 32 else 3)
 
 
 def partial_count(cfg: Config, n: int, m: int) -> int:

@@ -47,10 +47,11 @@ def _sm_count(device: str) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _triton_config(desc, bfe: bool):  # per call, so memoised: the device lookup alone is microseconds
+def _triton_config(desc, bfe: bool, wide: bool = False):  # per call, so memoised: the device lookup is microseconds
     from ..kernels.sparse24 import config_for
 
-    return config_for(desc.n, desc.m, desc.k, _sm_count(desc.device), dtype_info(desc.dtype).itemsize, bfe=bfe)
+    return config_for(desc.n, desc.m, desc.k, _sm_count(desc.device), dtype_info(desc.dtype).itemsize, bfe=bfe,
+                      wide=wide)
 
 
 class TritonSparse24Backend(Backend):
@@ -60,6 +61,7 @@ class TritonSparse24Backend(Backend):
     # On CPU it is the interpreter, a test tool: by name only.
     priority = 1
     bfe = False  # how the expansion cuts each group's code out (kernels/sparse24.py, _EXPAND_BFE)
+    wide = False  # 128-row tiles at N tiles of 32 and 64 (kernels/sparse24.py, _wide_config)
 
     def priority_for(self, desc) -> int:
         return self.priority if desc.device.startswith("cuda") else -1
@@ -78,7 +80,7 @@ class TritonSparse24Backend(Backend):
         )
 
     def _config(self, desc):
-        return _triton_config(desc, self.bfe)
+        return _triton_config(desc, self.bfe, self.wide)
 
     def run(self, desc, args: GemmSparse24Args, workspace) -> None:
         from ..kernels.sparse24 import launch
@@ -106,6 +108,27 @@ class TritonBfeSparse24Backend(TritonSparse24Backend):
     def supports(self, desc) -> str | None:
         if desc.dtype == "f32":
             return "dtype f32: 32-bit weights are expanded by selects, not PRMT; the kernel is triton's"
+        return super().supports(desc)
+
+
+class TritonWideSparse24Backend(TritonSparse24Backend):
+    """The same kernel on 128-row tiles with more K splits, for n > 16: a tuning candidate.
+
+    On an H200 it ran the Llama-70B shapes at n = 32 and 64 at 1.12-1.33x of
+    dense where ``triton``'s 64-row tiles gave 0.90-1.19x; on an H100 the 64-row
+    tiles were the sweep's best (``kernels/sparse24.py``, ``_wide_config``).
+    """
+
+    name = "triton_m128"
+    wide = True
+
+    def supports(self, desc) -> str | None:
+        if desc.n <= 16:
+            return f"n = {desc.n} runs 16-wide N tiles; 128-row tiles are a candidate for n > 16"
+        if desc.k % 128:
+            return f"K = {desc.k} is not a multiple of 128, the K tile of 128-row tiles"
+        if desc.dtype == "f32":
+            return "dtype f32: 128-row tiles of 32-bit weights overflow shared memory; the kernel is triton's"
         return super().supports(desc)
 
 
@@ -157,6 +180,7 @@ class DenseSparse24Backend(Backend):
 
 GemmSparse24Plan.registry.register(TritonSparse24Backend())
 GemmSparse24Plan.registry.register(TritonBfeSparse24Backend())
+GemmSparse24Plan.registry.register(TritonWideSparse24Backend())
 GemmSparse24Plan.registry.register(DenseSparse24Backend())
 GemmSparse24Plan.registry.register(CusparseLtSparse24Backend())
 
