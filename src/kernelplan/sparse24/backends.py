@@ -7,6 +7,8 @@
   a tuning candidate on CUDA, never the unmeasured default;
 * ``triton_bfe``: the same kernel, its expansion cutting each group's code
   out by ``bfe`` instead of shift and mask: each wins on some GPU and shape;
+* ``triton_m128``: the same kernel on 128-row tiles with more K splits, for
+  n > 16 (on an H200 the 70B shapes at n = 32 went from 0.99-1.19x to 1.18-1.26x);
 * ``cusparselt``: cuSPARSELt through nvmath-python (``cusparselt.py``), for large N;
 * ``dense``: the weight decompressed once (cached with it) and a cuBLAS GEMM:
   the floor that keeps dispatch from ever losing to dense, at the price of
