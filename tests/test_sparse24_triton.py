@@ -174,6 +174,28 @@ def test_derived_layouts_follow_in_place_changes(seed):
     assert len(builds) == 2
 
 
+@pytest.mark.parametrize("inference_part", ["values", "metadata", "both"])
+def test_derived_layouts_of_inference_tensors_follow_what_can_change(inference_part, seed):
+    """An inference tensor has no version counter: its layouts key on its pointer alone, while
+    the other part, a normal tensor, still rebuilds them when changed in place."""
+    from kernelplan.sparse24.format import derived_from
+
+    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(8, 64)))
+    with torch.inference_mode():
+        frozen = {"values": w24.values.clone(), "metadata": w24.metadata.clone()}
+    values = frozen["values"] if inference_part in ("values", "both") else w24.values
+    metadata = frozen["metadata"] if inference_part in ("metadata", "both") else w24.metadata
+    builds = []
+    build = lambda v, m: builds.append(1) or (v.sum().item(), int(m.sum()))  # noqa: E731
+    first = derived_from(values, metadata, "probe", build)
+    assert derived_from(values, metadata, "probe", build) == first and len(builds) == 1
+    if inference_part != "both":
+        normal = values if inference_part == "metadata" else metadata
+        with torch.no_grad():
+            normal.add_(1)  # in place: its version moves
+        assert derived_from(values, metadata, "probe", build) != first and len(builds) == 2
+
+
 def test_unaligned_k_is_a_reason_not_an_error():
     desc = GemmSparse24Descriptor(4, 16, 72, "f32", device=DEV)
     with pytest.raises(kp.Unsupported, match=r"triton: K = 72 is not a multiple of 64"):

@@ -137,8 +137,9 @@ def unpack_positions(metadata: torch.Tensor) -> torch.Tensor:
 # Backend layouts derived from (values, metadata) tensors, for backends that see tensors
 # rather than a Sparse24Weight.  Keyed on the identity of ``values`` (a WeakKeyDictionary
 # would compare tensors with ==) and dropped when it is collected; an in-place change of
-# either tensor (its version counter moves) rebuilds the layout.
-_DERIVED: dict[int, dict] = {}
+# either tensor (its version counter moves) rebuilds the layout.  Per weight: whether
+# ``values`` is an inference tensor, and its layouts by key.
+_DERIVED: dict[int, tuple[bool, dict]] = {}
 
 
 def output_rows(x: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -157,14 +158,21 @@ def derived_from(values: torch.Tensor, metadata: torch.Tensor, key, build: Calla
     capture: its kernels would only be recorded, and the cache would hold a
     layout that is empty until the graph's first replay.
     """
-    per_weight = _DERIVED.get(id(values))
-    if per_weight is None:
-        per_weight = _DERIVED[id(values)] = {}
+    entry = _DERIVED.get(id(values))
+    if entry is None:
+        entry = _DERIVED[id(values)] = (values.is_inference(), {})
         weakref.finalize(values, _DERIVED.pop, id(values), None)
-    try:
-        state = (values._version, values.data_ptr(), metadata._version, metadata.data_ptr())
-    except RuntimeError:  # inference tensors count no versions; outside inference mode they are read-only
-        state = (None, values.data_ptr(), None, metadata.data_ptr())
+    inference, per_weight = entry
+    # Inference tensors count no versions (outside inference mode they are read-only), and reading
+    # ``_version`` of one raises: 11 us per call of host time where caught, so it is asked first.
+    if inference:
+        state = (None, values.data_ptr(), None if metadata.is_inference() else metadata._version,
+                 metadata.data_ptr())
+    else:
+        try:
+            state = (values._version, values.data_ptr(), metadata._version, metadata.data_ptr())
+        except RuntimeError:  # metadata alone is an inference tensor
+            state = (values._version, values.data_ptr(), None, metadata.data_ptr())
     hit = per_weight.get(key)
     if hit is not None and hit[0] == state:
         return hit[1]
