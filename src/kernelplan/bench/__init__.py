@@ -49,6 +49,21 @@ def _time_ms(fn, device: torch.device) -> float:
     return statistics.median(samples)
 
 
+def _side_by_side_ms(kp_fn, torch_fn, device: torch.device, rounds: int = 3) -> dict[str, float]:
+    """``kp_ms`` and ``torch_ms``: each the median of ``rounds`` timings taken in alternation.
+
+    A single timing of each, kernelplan's first, is exposed to whatever drifts
+    between the two: on an H200 the FusedLinear gelu step at 2048x4096->14336
+    timed 1.30 ms in this suite and 1.01 ms alone, and its ratio to torch moved
+    between 0.90x and 1.00x from run to run.
+    """
+    kp, base = [], []
+    for _ in range(rounds):
+        kp.append(_time_ms(kp_fn, device))
+        base.append(_time_ms(torch_fn, device))
+    return {"kp_ms": statistics.median(kp), "torch_ms": statistics.median(base)}
+
+
 def _rel_err(out: torch.Tensor, oracle: torch.Tensor) -> float:
     scale = oracle.abs().max().clamp_min(1e-30)
     return float((out.double() - oracle).abs().max() / scale)
@@ -108,8 +123,7 @@ def _run_cases(name: str, dev: torch.device) -> tuple[list[dict], bool]:
                 backend=backend,
                 err=err,
                 torch_err=torch_err,
-                kp_ms=_time_ms(case.run_kp, dev),
-                torch_ms=_time_ms(case.run_torch, dev),
+                **_side_by_side_ms(case.run_kp, case.run_torch, dev),
                 # the bar the tests use: within 2x torch's own error plus a small floor
                 ok=err <= 2 * torch_err + case.atol,
             )
