@@ -53,6 +53,11 @@ CASES = [  # (n, m, k, activation, bias, x layout)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("n, m, k, activation, bias, layout", CASES, ids=[f"n{c[0]}-m{c[1]}-k{c[2]}-{c[3]}-{c[5]}" for c in CASES])
 def test_triton_matches_fp64(n, m, k, activation, bias, layout, dtype, seed):
+    check_backend("triton", n, m, k, activation, bias, layout, dtype)
+
+
+def check_backend(backend, n, m, k, activation, bias, layout, dtype):
+    """``backend`` on a fresh 2:4 weight and x of the given layout, against the fp64 oracle."""
     w = kp.sparse24.prune(torch.randn(m, k, device=DEV)).to(dtype)
     x = torch.randn(n, k, device=DEV).to(dtype)
     if layout == "transposed":
@@ -60,7 +65,7 @@ def test_triton_matches_fp64(n, m, k, activation, bias, layout, dtype, seed):
     elif layout == "strided":
         x = torch.randn(n, 2 * k, device=DEV).to(dtype)[:, ::2]
     b = torch.randn(m, device=DEV).to(dtype) if bias else None
-    y, oracle, baseline = run_backend("triton", x, w, b, activation)
+    y, oracle, baseline = run_backend(backend, x, w, b, activation)
     assert_close(y, oracle, baseline, atol=FWD_ATOL[dtype])
 
 
@@ -75,16 +80,7 @@ WIDE_CASES = [  # n > 16, K % 128 == 0: the cases triton_m128 takes
                          ids=[f"n{c[0]}-m{c[1]}-k{c[2]}-{c[3]}-{c[5]}" for c in WIDE_CASES])
 def test_triton_wide_tiles_match_fp64(n, m, k, activation, bias, layout, seed):
     """triton_m128: the same kernel on 128-row tiles (f16: the variant refuses f32)."""
-    dtype = torch.float16
-    w = kp.sparse24.prune(torch.randn(m, k, device=DEV)).to(dtype)
-    x = torch.randn(n, k, device=DEV).to(dtype)
-    if layout == "transposed":
-        x = x.t().contiguous().t()
-    elif layout == "strided":
-        x = torch.randn(n, 2 * k, device=DEV).to(dtype)[:, ::2]
-    b = torch.randn(m, device=DEV).to(dtype) if bias else None
-    y, oracle, baseline = run_backend("triton_m128", x, w, b, activation)
-    assert_close(y, oracle, baseline, atol=FWD_ATOL[dtype])
+    check_backend("triton_m128", n, m, k, activation, bias, layout, torch.float16)
 
 
 def test_triton_wide_tiles_say_where_they_do_not_apply():
