@@ -34,6 +34,7 @@ after the search crashed cuSPARSELt 0.8 in a measured run).
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -159,8 +160,11 @@ class _Plan:
         self.plan = self._plan
         self.workspace_size = lib.matmul_get_workspace(self.handle, self.plan)
 
-    def __del__(self):  # a weight's own plan goes with its cache entry (see _weight_plan)
-        if getattr(self, "alive", False):
+    def __del__(self, _exiting=sys.is_finalizing):  # a weight's own plan goes with its cache entry (_weight_plan)
+        # At interpreter exit this module's globals may already be gone (a GPU test run printed
+        # "'NoneType' object is not callable" from destroy), and the exiting process frees the
+        # library's objects anyway.
+        if getattr(self, "alive", False) and not _exiting():
             self.destroy()
 
     def destroy(self) -> None:
