@@ -54,10 +54,10 @@ def test_bench_llama_runs_on_cpu():
     assert all(r["dense_tokens_per_s"] > 0 and r["sparse_tokens_per_s"] > 0 for r in rows[1:])
 
 
-def test_bench_llama_times_in_alternating_rounds_with_the_collector_paused():
+def test_benchmarks_time_in_alternating_rounds_with_the_collector_paused():
     import gc
 
-    from kernelplan.bench.llama import _interleaved
+    from kernelplan.timing import interleaved
 
     order, collecting = [], []
     samples = {"dense": iter([3.0, 1.0, 2.0, 9.0]), "sparse": iter([1.0, 5.0, 2.0, 2.0])}
@@ -70,7 +70,7 @@ def test_bench_llama_times_in_alternating_rounds_with_the_collector_paused():
         return sample
 
     was = gc.isenabled()
-    out = _interleaved({name: sampler(name) for name in samples}, rounds=2, per_round=2)
+    out = interleaved({name: sampler(name) for name in samples}, rounds=2, per_round=2)
     assert order == ["dense", "dense", "sparse", "sparse"] * 2
     assert out == {"dense": 2.5, "sparse": 2.0}  # medians of all four samples each
     assert not any(collecting) and gc.isenabled() == was
@@ -79,7 +79,7 @@ def test_bench_llama_times_in_alternating_rounds_with_the_collector_paused():
         raise RuntimeError("a sampler failed")
 
     with pytest.raises(RuntimeError, match="a sampler failed"):
-        _interleaved({"dense": failing}, rounds=1, per_round=1)
+        interleaved({"dense": failing}, rounds=1, per_round=1)
     assert gc.isenabled() == was  # restored on the way out
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import statistics
 import time
 from typing import Callable
 
@@ -26,15 +28,31 @@ def host_us_per_call(fn: Callable, dev: torch.device, calls: int) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-def host_us_side_by_side(fns: dict[str, Callable], dev: torch.device, calls: int, rounds: int = 7) -> dict[str, float]:
-    """``host_us_per_call`` of each of ``fns``, in interleaved rounds; the median round of each.
+def interleaved(samplers: dict[str, Callable[[], float]], rounds: int, per_round: int = 1) -> dict[str, float]:
+    """The median of each sampler's readings, taken in rounds that alternate between the samplers.
 
-    Host time on a shared machine drifts and jumps (one H100 host gave F.linear 22 and then
-    24 µs, and torch.empty 5.6 and then 15 µs, in back-to-back rounds): rounds that alternate
-    between the calls compared expose each to the same drift, and the median drops the jumps.
+    Time on the GPU machines drifts and jumps: one H100 host gave F.linear 22 and then 24 µs,
+    and torch.empty 5.6 and then 15 µs, in back-to-back rounds, and ran the same dense Llama
+    ``generate()`` at 3.6 and at 7.5 ms per token minutes apart.  Rounds that alternate expose
+    every sampler to the same drift, and the median drops the jumps.  The garbage collector is
+    paused while timing, as ``timeit`` does: with transformers imported a process holds ~350k
+    objects, and a collection of them (160 ms on a CI machine) lands in whichever call
+    happens to trigger it.
     """
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(host_us_per_call(fn, dev, calls))
-    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    samples: dict[str, list[float]] = {name: [] for name in samplers}
+    gc.collect()
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            for name, sample in samplers.items():
+                samples[name] += [sample() for _ in range(per_round)]
+    finally:
+        if paused:
+            gc.enable()
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def host_us_side_by_side(fns: dict[str, Callable], dev: torch.device, calls: int, rounds: int = 7) -> dict[str, float]:
+    """``host_us_per_call`` of each of ``fns``, in ``interleaved`` rounds."""
+    return interleaved({name: lambda fn=fn: host_us_per_call(fn, dev, calls) for name, fn in fns.items()}, rounds)

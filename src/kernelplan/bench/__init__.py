@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..gemm import linear
+from ..timing import host_us_side_by_side, interleaved
 from .cases import SUITES
 
 
@@ -47,21 +48,6 @@ def _time_ms(fn, device: torch.device) -> float:
         fn()
         samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
-
-
-def _side_by_side_ms(kp_fn, torch_fn, device: torch.device, rounds: int = 3) -> dict[str, float]:
-    """``kp_ms`` and ``torch_ms``: each the median of ``rounds`` timings taken in alternation.
-
-    A single timing of each, kernelplan's first, is exposed to whatever drifts
-    between the two: on an H200 the FusedLinear gelu step at 2048x4096->14336
-    timed 1.30 ms in this suite and 1.01 ms alone, and its ratio to torch moved
-    between 0.90x and 1.00x from run to run.
-    """
-    kp, base = [], []
-    for _ in range(rounds):
-        kp.append(_time_ms(kp_fn, device))
-        base.append(_time_ms(torch_fn, device))
-    return {"kp_ms": statistics.median(kp), "torch_ms": statistics.median(base)}
 
 
 def _rel_err(out: torch.Tensor, oracle: torch.Tensor) -> float:
@@ -123,7 +109,11 @@ def _run_cases(name: str, dev: torch.device) -> tuple[list[dict], bool]:
                 backend=backend,
                 err=err,
                 torch_err=torch_err,
-                **_side_by_side_ms(case.run_kp, case.run_torch, dev),
+                # three alternating rounds: one timing each left the ratio to drift (the FusedLinear
+                # gelu step at 2048x4096->14336 timed 1.30 ms here on an H200 and 1.01 ms alone)
+                **{f"{name}_ms": ms for name, ms in interleaved(
+                    {"kp": lambda: _time_ms(case.run_kp, dev), "torch": lambda: _time_ms(case.run_torch, dev)},
+                    rounds=3).items()},
                 # the bar the tests use: within 2x torch's own error plus a small floor
                 ok=err <= 2 * torch_err + case.atol,
             )
@@ -136,8 +126,6 @@ def _run_cases(name: str, dev: torch.device) -> tuple[list[dict], bool]:
 def gemm_host_overhead_us(dev: torch.device) -> dict:
     """``kernelplan.linear`` against ``F.linear`` at a small shape, host time per call."""
     import torch.nn.functional as F
-
-    from ..timing import host_us_side_by_side
 
     (m, n, k), calls = ((16, 4096, 4096), 500) if dev.type == "cuda" else ((16, 256, 512), 50)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

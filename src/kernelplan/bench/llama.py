@@ -13,15 +13,13 @@ weights, dense) before anything is timed.
 from __future__ import annotations
 
 import copy
-import gc
-import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
 import kernelplan as kp
+from ..timing import interleaved
 
 
 @dataclass
@@ -52,31 +50,6 @@ def _wall(fn, dev) -> float:
     return time.perf_counter() - t0
 
 
-def _interleaved(samplers: dict[str, Callable[[], float]], rounds: int, per_round: int) -> dict[str, float]:
-    """The median of each sampler's seconds, taken in rounds that alternate between the samplers.
-
-    Host time on the GPU machines drifts and jumps: one H100 host ran the same
-    dense ``generate()`` at 3.6 and at 7.5 ms per token minutes apart.  Rounds
-    that alternate expose dense and sparse to the same drift, and the median
-    drops the jumps.  The garbage collector is paused while timing, as
-    ``timeit`` does: with transformers imported a process holds ~350k objects,
-    and a collection of them (160 ms on a CI machine) lands in whichever call
-    happens to trigger it.
-    """
-    samples: dict[str, list[float]] = {name: [] for name in samplers}
-    gc.collect()
-    paused = gc.isenabled()
-    gc.disable()
-    try:
-        for _ in range(rounds):
-            for name, sample in samplers.items():
-                samples[name] += [sample() for _ in range(per_round)]
-    finally:
-        if paused:
-            gc.enable()
-    return {name: statistics.median(s) for name, s in samples.items()}
-
-
 def _row(case: str, tokens: int, seconds: dict[str, float]) -> LlamaRow:
     return LlamaRow(case, tokens / seconds["dense"], tokens / seconds["sparse"], seconds["dense"] / seconds["sparse"])
 
@@ -88,7 +61,7 @@ def _graphed_prefill(models: dict, ids: torch.Tensor, rounds: int) -> tuple[Llam
     graphs = {name: Graphed(lambda m=m: m(ids).logits) for name, m in models.items()}
     worst = max(g.check() for g in graphs.values())
     print(f"prefill, CUDA graph: replay vs eager rel err {worst:.1e}")
-    seconds = _interleaved({name: lambda g=g: g.replay_seconds(3) for name, g in graphs.items()}, rounds, 1)
+    seconds = interleaved({name: lambda g=g: g.replay_seconds(3) for name, g in graphs.items()}, rounds, 1)
     return _row(f"prefill {ids.shape[1]} tokens, CUDA graph", ids.shape[1], seconds), worst
 
 
@@ -101,7 +74,7 @@ def _graphed_decode(models: dict, prompt: torch.Tensor, new: int, rounds: int) -
     graphs = {name: GraphedDecode(DecodeStep(m, prompt, length + 8 + new * rounds)) for name, m in models.items()}
     worst = max(g.check() for g in graphs.values())
     print(f"decode batch {batch}, CUDA graph: replay vs eager step rel err {worst:.1e}")
-    seconds = _interleaved({name: lambda g=g: g.replay_seconds(new) for name, g in graphs.items()}, rounds, 1)
+    seconds = interleaved({name: lambda g=g: g.replay_seconds(new) for name, g in graphs.items()}, rounds, 1)
     return _row(f"decode batch {batch}, CUDA graph", batch, seconds), worst
 
 
@@ -135,7 +108,7 @@ def run(dev: torch.device) -> tuple[list[dict], bool]:
         ids = torch.randint(0, vocab, (1, prefill_len), device=dev)
         for m in models.values():
             m(ids)  # warm-up: kernels compiled and 2:4 dispatch tuned outside the timing
-        seconds = _interleaved({name: lambda m=m: _wall(lambda: m(ids), dev) for name, m in models.items()},
+        seconds = interleaved({name: lambda m=m: _wall(lambda: m(ids), dev) for name, m in models.items()},
                                rounds, 3)
         rows = [_row(f"prefill {prefill_len} tokens", prefill_len, seconds)]
         if gpu:
@@ -151,7 +124,7 @@ def run(dev: torch.device) -> tuple[list[dict], bool]:
 
             for m in models.values():
                 decode(m)
-            seconds = _interleaved({name: lambda m=m: _wall(lambda: decode(m), dev) for name, m in models.items()},
+            seconds = interleaved({name: lambda m=m: _wall(lambda: decode(m), dev) for name, m in models.items()},
                                    rounds if gpu else 1, 1)
             rows.append(_row(f"decode batch {batch}", batch * new, seconds))
             if gpu:
