@@ -132,8 +132,8 @@ def test_split_k_path_is_taken_where_expected():
 
 
 def test_group_codes_rebuild_the_dense_weight(seed):
-    """The derived codes, read as documented (a picks the low pair, b the high), give back W exactly."""
-    from kernelplan.kernels.sparse24 import code_metadata
+    """The derived codes, read as documented (each position's table index names its source), give back W exactly."""
+    from kernelplan.kernels.sparse24 import SOURCES, code_metadata, group_indices
 
     w = kp.sparse24.prune(torch.randn(9, 192))
     w[0, :4] = torch.tensor([0.0, 0.0, 0.0, 1.5])  # a group with one non-zero
@@ -145,15 +145,74 @@ def test_group_codes_rebuild_the_dense_weight(seed):
     word = words[groups // 16, :, (groups // 8) % 2].T  # [M, groups]: word q = [q // 2, row, q % 2]
     code = (word >> (4 * (groups % 8))) & 0xF
     v0, v1 = w24.values.reshape(9, -1, 2).unbind(-1)
-    zero = torch.zeros_like(v0)
-    low = {0: (v0, v1), 1: (v0, zero), 2: (zero, v0), 3: (zero, zero)}
-    high = {0: (zero, zero), 1: (v1, zero), 2: (zero, v1), 3: (v0, v1)}
-    dense = torch.zeros(9, 192 // 4, 4)
-    for c in range(4):
-        for e in range(2):
-            dense[..., e] = torch.where((code & 3) == c, low[c][e], dense[..., e])
-            dense[..., 2 + e] = torch.where((code >> 2) == c, high[c][e], dense[..., 2 + e])
+    source = {"v0": v0, "v1": v1, "zero": torch.zeros_like(v0)}
+    dense = torch.full((9, 192 // 4, 4), float("nan"))
+    for c in code.unique().tolist():
+        for j, index in enumerate(group_indices(c)):
+            assert 4 <= index < 8  # the table is bytes 4-7 of the lookup
+            dense[..., j] = torch.where(code == c, source[SOURCES[index - 4]], dense[..., j])
     assert torch.equal(dense.reshape(9, 192), w)
+
+
+def _run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
+    """Run a straight-line PTX block of the integer instructions the expansion uses (a model of PTX)."""
+    regs = dict(inputs)
+    u32 = 0xFFFFFFFF
+
+    def val(op):
+        op = op.strip()
+        return int(op, 0) & u32 if op[0].isdigit() else regs[op]
+
+    def prmt(a, b, c):
+        src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+        out = 0
+        for i in range(4):
+            nib = (c >> 4 * i) & 0xF
+            byte = src[nib & 7]
+            if nib & 8:  # sign-replicate mode
+                byte = 0xFF if byte & 0x80 else 0
+            out |= byte << 8 * i
+        return out
+
+    def lop3(a, b, c, lut):
+        return sum(((lut >> ((a >> i & 1) << 2 | (b >> i & 1) << 1 | (c >> i & 1))) & 1) << i for i in range(32))
+
+    ops = {
+        "mov.b32": lambda a: a,
+        "shr.b32": lambda a, b: a >> b,
+        "and.b32": lambda a, b: a & b,
+        "add.u32": lambda a, b: (a + b) & u32,
+        "mul.lo.u32": lambda a, b: (a * b) & u32,
+        "bfe.u32": lambda a, pos, length: (a >> pos) & ((1 << length) - 1),
+        "lop3.b32": lop3,
+        "prmt.b32": prmt,
+    }
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        opcode, rest = line.split(None, 1)
+        dest, *operands = rest.split(",")
+        regs[dest.strip()] = ops[opcode](*(val(o) for o in operands))
+    return regs
+
+
+@pytest.mark.parametrize("variant", ["_EXPAND_SHIFT", "_EXPAND_BFE"])
+def test_expansion_ptx_builds_each_groups_dense_pairs(variant):
+    """The kernel's inline PTX itself (the interpreter cannot run it), on every code in every slot of a word."""
+    from kernelplan.kernels import sparse24
+
+    asm = getattr(sparse24, variant).value
+    gen = torch.Generator().manual_seed(0)
+    for (p0, p1), code in sparse24.GROUP_CODES.items():
+        for slot in range(8):
+            noise = torch.randint(0, 8, (8,), generator=gen).tolist()  # the word's other codes
+            word = sum(c << 4 * i for i, c in enumerate(noise)) & ~(0xF << 4 * slot) | code << 4 * slot
+            v0, v1 = torch.randint(0, 1 << 16, (2,), generator=gen).tolist()
+            out = _run_ptx(asm, {"$2": v0 | v1 << 16, "$3": word, "$4": 4 * slot})
+            dense = [out["$0"] & 0xFFFF, out["$0"] >> 16, out["$1"] & 0xFFFF, out["$1"] >> 16]
+            want = [v0 if j == p0 else v1 if j == p1 else 0 for j in range(4)]
+            assert dense == want, (p0, p1, slot)
 
 
 def test_derived_layouts_follow_in_place_changes(seed):

@@ -6,20 +6,32 @@ expands each ``[BLOCK_M, BLOCK_K]`` tile of W to dense in registers and
 multiplies it on the tensor cores with fp32 accumulation.  Bytes per weight
 element: 9/16 of dense (a 1.78x bound).
 
-What limits it is the expansion's instruction count, not the bytes: the
-expansion touches every dense element, M*K of them, on the SMs' integer
-pipes.  Measured on an H200 (bf16, n = 1 and 16, Llama-70B shapes, best tiles
+What limits it is not the bytes: the expansion touches every dense element,
+M*K of them, on the SMs' integer pipes, and cutting its instructions paid
+until the cut below (n <= 16 on an H200 stayed where it was).  Measured on an H200 (bf16, n = 1 and 16, Llama-70B shapes, best tiles
 of each; ``bench/sparse24_tiles.py`` sweeps the tiles):
 
 * compares and selects per element (``_expand_where``): 1.0x of dense;
 * four tensor-core products per K tile on planar values, one per position in
   the group (the expansion elementwise, so it stays in the MMA's registers):
   0.67-0.76x, for more selects;
-* two PRMT byte permutes per group (``_expand_prmt``, inline PTX), their
-  selectors looked up from the code by a third: 1.11-1.21x at 8192 rows and
-  up, 1.05-1.07x at 4096x4096; on an H100 1.32-1.51x; with the code cut out
-  by shift and mask rather than ``bfe`` (``_EXPAND_SHIFT``), 1.11-1.35x on an
-  H200, and tuning measures both.
+* two PRMT byte permutes per group (inline PTX), their selectors looked up
+  from the code by a third: 1.11-1.21x at 8192 rows and up, 1.05-1.07x at
+  4096x4096; on an H100 1.32-1.51x; with the code cut out by shift and mask
+  rather than ``bfe`` (``_EXPAND_SHIFT``), 1.11-1.35x on an H200, and tuning
+  measures both;
+* the same PRMTs with all four positions' selectors looked up by one PRMT
+  (``GROUP_CODES``): eight instructions a group, not twelve, and 324 SASS
+  instructions per 64x128 tile step, not 387.  On an H200 (bf16, heuristic
+  tiles, both in one run, the 8B and 70B shapes and the 128256x4096 LM head):
+  1.01-1.08x faster at n = 32 and 64, and no change at n = 1 and 16
+  (0.97-1.01x), where the instructions no longer bound the step.  The ``bfe``
+  cut gained most: at 28672x8192 n = 1 1.35x of dense, from 1.11x.
+
+What bounds n <= 16 there is not settled.  Values loaded straight to registers
+one tile ahead (no cp.async, no trip through shared memory: 240 instructions
+a step) ran 0.80-0.90x of this kernel on the same H200 run: the latency the
+cp.async stages hide is worth more than the shared-memory traffic they cost.
 
 Not the tensor cores at all, for n <= 2 (commit 4e62b25, since reverted): an
 FMA loop, four FMAs per group and row of X, each thread keeping its groups'
@@ -30,11 +42,12 @@ kernel's heuristic tiles (bf16, Llama shapes, n = 1 and 2, one run per GPU):
 1.09-1.19x on an H200.  The FMA loop also took the shift-and-mask expansion
 (3% at n = 1 on the H100, a 15% loss at n = 2).
 
-The code of a group (``code_metadata``) is ``a | b << 2``: ``a`` names the low
-pair of the dense group ``(w0, w1)``, ``b`` the high pair ``(w2, w3)``, so that
-each pair is one PRMT of the packed values ``v0 | v1 << 16`` and zero.  The
+The code of a group (``code_metadata``, ``GROUP_CODES``) becomes four table
+indices by a multiply and a LOP3; one PRMT looks up the four selectors and two
+build the dense pairs from the packed values ``v0 | v1 << 16`` and zero.  The
 interpreter cannot run PTX, and 32-bit weights are not pairs of 16-bit
-halves, so f32 and the interpreter expand the same codes with selects.
+halves, so f32 and the interpreter expand the same indices with selects; a
+CPU test runs the PTX itself through a model of the instructions it uses.
 
 W is the MMA's M operand and X^T its N (``acc[BLOCK_M, BLOCK_N]``): a 16-row X
 as M filled a 64-row MMA a quarter full.  The codes are blocked, ``int32
@@ -62,44 +75,76 @@ from ..sparse24.format import derived_from, output_rows, unpack_positions
 from . import Launcher, current_stream, interpreting
 from .activations import ACTIVATION_CODES, act_and_grad
 
-# (pos0, pos1) -> code a | b << 2, where
-#   a: 0 (v0, v1)  1 (v0, 0)  2 (0, v0)  3 (0, 0)     the low pair (w0, w1)
-#   b: 0 (0, 0)    1 (v1, 0)  2 (0, v1)  3 (v0, v1)   the high pair (w2, w3)
-GROUP_CODES = {(0, 1): 0 | 0 << 2, (0, 2): 1 | 1 << 2, (0, 3): 1 | 2 << 2,
-               (1, 2): 2 | 1 << 2, (1, 3): 2 | 2 << 2, (2, 3): 3 | 3 << 2}
+# The code of a group names the dense positions (p0, p1) of its values v0, v1.  The expansion
+# turns a code into four table indices, one per dense position j: nibble j of
+# ``INDEX_FLIP ^ (code * MULTIPLIER & INDEX_MASK)``.  The multiply lays copies of the code's
+# three bits under the nibbles; the mask and flip keep, invert or set each bit.  Every index is
+# 4 + i, naming SOURCES[i]: where that position's weight comes from.  The codes and constants
+# were found by search (scratch work, any such set does): with no multiply (each nibble a mask
+# of the code itself) no set exists, and with the table's other half in use PRMT needs it in a
+# register, which ptxas moves in again for every group.
+GROUP_CODES = {(0, 1): 0, (0, 2): 2, (0, 3): 6, (1, 2): 3, (1, 3): 7, (2, 3): 5}
+MULTIPLIER, INDEX_MASK, INDEX_FLIP = 0x491, 0x1331, 0x6674
+SOURCES = ("v0", "zero", "zero", "v1")
 
-# One group: $2 = v0 | v1 << 16, $3 = its code word, $4 = the code's bit offset; $0, $1 = the
-# low and high dense pairs.  `prmt d, a, b, c` builds d byte by byte from the 8 bytes of (b:a),
-# nibble i of c naming byte i's source: 0x10 selects v0, 0x32 v1, 0x44 a zero byte.  The
-# selector of each pair is itself looked up by PRMT in an 8-byte table of the four
-# selectors (a at bytes 2a, 2a + 1: c = a * 0x22 + 0x10).
-def _expand_ptx(cut_low: str, cut_high: str) -> str:
-    """The expansion of one group, the code's two 2-bit fields cut out into ``i`` by the given PTX."""
-    pair = "mad.lo.u32 c, i, 34, 16;\nprmt.b32 s, {0}a, {0}b, c;\nprmt.b32 ${1}, $2, z, s;\n"
-    return ("{\n.reg .b32 t, i, c, s, o, z, la, lb, ha, hb;\nmov.b32 z, 0;\n"
-            "mov.b32 la, 0x44103210;\nmov.b32 lb, 0x44441044;\nmov.b32 ha, 0x44324444;\nmov.b32 hb, 0x32103244;\n"
-            + cut_low + pair.format("l", 0) + cut_high + pair.format("h", 1) + "}")
+
+def group_indices(code: int) -> tuple[int, int, int, int]:
+    """The table index of each dense position of a group with this code (what the kernel computes)."""
+    c = INDEX_FLIP ^ (code * MULTIPLIER & INDEX_MASK)
+    return tuple((c >> 4 * j) & 0xF for j in range(4))
+
+
+# PRMT builds its result byte by byte from the 8 bytes of (b:a), nibble i of the selector naming
+# byte i's source: with a = v0 | v1 << 16 and b = 0, selector byte 0x10 copies v0, 0x32 v1 and
+# 0x44 a zero.  So the table is 4 selector bytes, bytes 4-7 of a lookup PRMT (its immediate
+# operand), and that one PRMT looks up all four positions at once with the indices as its
+# selector; two more PRMTs build the dense pairs (w0, w1) and (w2, w3).
+_SELECTOR = {"v0": 0x10, "v1": 0x32, "zero": 0x44}
+_TABLE = sum(_SELECTOR[src] << 8 * i for i, src in enumerate(SOURCES))
+
+
+def _expand_ptx(cut: str) -> str:
+    """The expansion of one group, its code cut out into ``t`` by the given PTX.
+
+    $2 = v0 | v1 << 16, $3 = the code word, $4 = the code's bit offset; $0, $1 = the dense
+    pairs (w0, w1) and (w2, w3).  Eight instructions a group, with ``cut`` two.
+    """
+    return ("{\n.reg .b32 t, c, s, z;\nmov.b32 z, 0;\n" + cut +
+            f"mul.lo.u32 t, t, {MULTIPLIER:#x};\n"
+            f"lop3.b32 c, t, {INDEX_MASK:#x}, {INDEX_FLIP:#x}, 0x6a;\n"  # b ? a ^ c : c, bit by bit
+            f"prmt.b32 s, z, {_TABLE:#x}, c;\nprmt.b32 $0, $2, z, s;\nshr.b32 s, s, 16;\nprmt.b32 $1, $2, z, s;\n}}")
 
 
 # Two ways to cut the code out, both timed by tuning (the ``triton`` and ``triton_bfe``
-# backends): sm_90 has no bfe, and ptxas spends four instructions on each (two PRMTs, a shift,
-# an SGXT), where shifts and masks take two.  That takes the loop from 804 to 675 SASS
-# instructions per 64x256 tile and thread block, yet neither wins everywhere (bf16, n = 1 and
-# 16, heuristic tiles, each pair in one run): on an H200 shifts give 1.34x of dense at
-# 28672x8192 (bfe 1.13x) and 1.22-1.26x at 4096^2 (1.13-1.20x), on an H100 bfe gives 1.50x at
-# 8192x28672 (shifts 1.24x) and 1.32x at 8192^2 (1.16x).
-_EXPAND_SHIFT = tl.constexpr(_expand_ptx("shr.b32 t, $3, $4;\nand.b32 i, t, 3;\n", "shr.b32 i, t, 2;\nand.b32 i, i, 3;\n"))
-_EXPAND_BFE = tl.constexpr(_expand_ptx("bfe.u32 i, $3, $4, 2;\n", "add.u32 o, $4, 2;\nbfe.u32 i, $3, o, 2;\n"))
+# backends): sm_90 has no bfe, and ptxas spends four instructions on it (two PRMTs, a shift, an
+# SGXT), where a shift and a mask take two.  With the previous code (two 2-bit fields, each cut
+# out and looked up alone) neither won everywhere (bf16, n = 1 and 16, heuristic tiles, each pair
+# in one run): on an H200 shifts gave 1.34x of dense at 28672x8192 (bfe 1.13x) and 1.22-1.26x at
+# 4096^2 (1.13-1.20x), on an H100 bfe gave 1.50x at 8192x28672 (shifts 1.24x) and 1.32x at 8192^2
+# (1.16x).
+_EXPAND_SHIFT = tl.constexpr(_expand_ptx("shr.b32 t, $3, $4;\nand.b32 t, t, 7;\n"))
+_EXPAND_BFE = tl.constexpr(_expand_ptx("bfe.u32 t, $3, $4, 3;\n"))
 
 
 @triton.jit
-def _codes(meta_ptr, rm, m_mask, k0, M, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Each group's code word ``[BLOCK_M, BLOCK_K/4]`` and the code's bit offset in it ``[1, BLOCK_K/4]``."""
+def _load_w(v_ptr, meta_ptr, rm, m_mask, k0, svm, svk, M, PRMT: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The compressed tile of W at columns ``k0 ...``: its values and its code words ``[BLOCK_M, BLOCK_K/32]``.
+
+    For the PRMT expansion the values are int32 pairs ``v0 | v1 << 16`` ``[BLOCK_M, BLOCK_K/4]``
+    (svm is even: launch), else ``[BLOCK_M, BLOCK_K/2]`` in W's dtype.
+    """
+    if PRMT:
+        pairs = v_ptr.to(tl.pointer_type(tl.int32))
+        v = tl.load(pairs + rm[:, None] * (svm // 2) + (k0 // 4 + tl.arange(0, BLOCK_K // 4))[None, :],
+                    mask=m_mask[:, None], other=0)
+    else:
+        v = tl.load(v_ptr + rm[:, None] * svm + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :] * svk,
+                    mask=m_mask[:, None], other=0.0)
     j = tl.arange(0, BLOCK_K // 32)  # word j of the tile: block k0/64 + j/2, word j%2 of the row's pair
     words = tl.load(meta_ptr + (k0 // 64 + j // 2)[None, :] * (2 * M) + rm[:, None] * 2 + (j % 2)[None, :],
                     mask=m_mask[:, None], other=0)
-    words = tl.reshape(tl.broadcast_to(words[:, :, None], [BLOCK_M, BLOCK_K // 32, 8]), [BLOCK_M, BLOCK_K // 4])
-    return words, ((tl.arange(0, BLOCK_K // 4) % 8) * 4)[None, :]
+    return v, words
 
 
 @triton.jit
@@ -108,40 +153,45 @@ def _dense(w0, w1, w2, w3, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     return tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [BLOCK_M, BLOCK_K])
 
 
+# The table again, two bits per entry (1 v0, 2 v1, 0 zero), for the expansion by selects.
+_SOURCE_BITS = tl.constexpr(sum({"v0": 1, "v1": 2, "zero": 0}[src] << 2 * i for i, src in enumerate(SOURCES)))
+_MULTIPLIER = tl.constexpr(MULTIPLIER)
+_INDEX_MASK = tl.constexpr(INDEX_MASK)
+_INDEX_FLIP = tl.constexpr(INDEX_FLIP)
+
+
 @triton.jit
-def _expand_prmt(v_ptr, meta_ptr, rm, m_mask, k0, svm, M, BFE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The dense tile of W at columns ``k0 ...``, 16-bit W, two PRMTs per group."""
-    pairs = v_ptr.to(tl.pointer_type(tl.int32))  # v0 | v1 << 16 per group; svm is even (launch)
-    v = tl.load(pairs + rm[:, None] * (svm // 2) + (k0 // 4 + tl.arange(0, BLOCK_K // 4))[None, :],
-                mask=m_mask[:, None], other=0)
-    words, shift = _codes(meta_ptr, rm, m_mask, k0, M, BLOCK_M, BLOCK_K)
-    if BFE:
-        lo, hi = tl.inline_asm_elementwise(_EXPAND_BFE, "=r,=r,r,r,r", [v, words, shift],
-                                           dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+def _pick(c, j: tl.constexpr, v0, v1):
+    """Dense position ``j`` of each group, from its indices ``c``."""
+    source = (_SOURCE_BITS >> (2 * ((c >> (4 * j)) & 3))) & 3  # index 4 + i: bit 2 is always set
+    return tl.where(source == 1, v0, tl.where(source == 2, v1, tl.zeros_like(v0)))
+
+
+@triton.jit
+def _expand(v, words, dt: tl.constexpr, PRMT: tl.constexpr, BFE: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The dense tile ``[BLOCK_M, BLOCK_K]`` of a compressed one (``_load_w``).
+
+    16-bit W by the inline PTX (``_EXPAND_SHIFT`` / ``_EXPAND_BFE``); any dtype, and the
+    interpreter, by compares and selects on the same indices.
+    """
+    words = tl.reshape(tl.broadcast_to(words[:, :, None], [BLOCK_M, BLOCK_K // 32, 8]), [BLOCK_M, BLOCK_K // 4])
+    shift = ((tl.arange(0, BLOCK_K // 4) % 8) * 4)[None, :]  # the group's code in its word
+    if PRMT:
+        if BFE:
+            lo, hi = tl.inline_asm_elementwise(_EXPAND_BFE, "=r,=r,r,r,r", [v, words, shift],
+                                               dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        else:
+            lo, hi = tl.inline_asm_elementwise(_EXPAND_SHIFT, "=r,=r,r,r,r", [v, words, shift],
+                                               dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        return _dense(lo.to(tl.int16).to(dt, bitcast=True), (lo >> 16).to(tl.int16).to(dt, bitcast=True),
+                      hi.to(tl.int16).to(dt, bitcast=True), (hi >> 16).to(tl.int16).to(dt, bitcast=True),
+                      BLOCK_M, BLOCK_K)
     else:
-        lo, hi = tl.inline_asm_elementwise(_EXPAND_SHIFT, "=r,=r,r,r,r", [v, words, shift],
-                                           dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-    dt: tl.constexpr = v_ptr.dtype.element_ty
-    return _dense(lo.to(tl.int16).to(dt, bitcast=True), (lo >> 16).to(tl.int16).to(dt, bitcast=True),
-                  hi.to(tl.int16).to(dt, bitcast=True), (hi >> 16).to(tl.int16).to(dt, bitcast=True),
-                  BLOCK_M, BLOCK_K)
-
-
-@triton.jit
-def _expand_where(v_ptr, meta_ptr, rm, m_mask, k0, svm, svk, M, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The same tile by compares and selects: any dtype, and the interpreter."""
-    v = tl.load(v_ptr + rm[:, None] * svm + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :] * svk,
-                mask=m_mask[:, None], other=0.0)
-    words, shift = _codes(meta_ptr, rm, m_mask, k0, M, BLOCK_M, BLOCK_K)
-    code = (words >> shift) & 0xF
-    a = code & 3
-    b = code >> 2
-    v0, v1 = tl.split(tl.reshape(v, [BLOCK_M, BLOCK_K // 4, 2]))
-    zero = tl.zeros_like(v0)
-    return _dense(tl.where(a <= 1, v0, zero), tl.where(a == 0, v1, tl.where(a == 2, v0, zero)),
-                  tl.where(b == 1, v1, tl.where(b == 3, v0, zero)), tl.where(b >= 2, v1, zero),
-                  BLOCK_M, BLOCK_K)
+        c = _INDEX_FLIP ^ (((words >> shift) & 7) * _MULTIPLIER & _INDEX_MASK)
+        v0, v1 = tl.split(tl.reshape(v, [BLOCK_M, BLOCK_K // 4, 2]))
+        return _dense(_pick(c, 0, v0, v1), _pick(c, 1, v0, v1), _pick(c, 2, v0, v1), _pick(c, 3, v0, v1),
+                      BLOCK_M, BLOCK_K)
 
 
 @triton.jit
@@ -162,11 +212,10 @@ def sparse24_kernel(
     mask = n_mask[None, :] & m_mask[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_start = pid_k * K_PER_SPLIT
-    for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
-        if PRMT:
-            w = _expand_prmt(v_ptr, meta_ptr, rm, m_mask, k0, svm, M, BFE, BLOCK_M, BLOCK_K)
-        else:
-            w = _expand_where(v_ptr, meta_ptr, rm, m_mask, k0, svm, svk, M, BLOCK_M, BLOCK_K)
+    k_end = k_start + K_PER_SPLIT
+    for k0 in range(k_start, k_end, BLOCK_K):
+        v, words = _load_w(v_ptr, meta_ptr, rm, m_mask, k0, svm, svk, M, PRMT, BLOCK_M, BLOCK_K)
+        w = _expand(v, words, v_ptr.dtype.element_ty, PRMT, BFE, BLOCK_M, BLOCK_K)
         xt = tl.load(x_ptr + rn[None, :] * sxn + (k0 + tl.arange(0, BLOCK_K))[:, None] * sxk,
                      mask=n_mask[None, :], other=0.0)
         if IEEE:  # f32: full-precision products, as the reference

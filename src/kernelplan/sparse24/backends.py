@@ -99,9 +99,10 @@ class TritonSparse24Backend(Backend):
 class TritonBfeSparse24Backend(TritonSparse24Backend):
     """The same kernel, each group's code cut out by ``bfe``: a tuning candidate beside ``triton``.
 
-    Neither expansion wins everywhere (``kernels/sparse24.py``, ``_EXPAND_BFE``):
-    on an H100 bfe ran 8192x28672 at n <= 16 at 1.50x of dense against 1.24x,
-    on an H200 it ran 28672x8192 at 1.13x against 1.34x.
+    Neither cut has won everywhere (``kernels/sparse24.py``, ``_EXPAND_BFE``).
+    With the previous group codes, on an H100 bfe ran 8192x28672 at n <= 16 at
+    1.50x of dense against 1.24x, on an H200 it ran 28672x8192 at 1.13x against
+    1.34x; with the present ones the two are within a few percent on an H200.
     """
 
     name = "triton_bfe"
