@@ -131,6 +131,15 @@ def test_split_k_path_is_taken_where_expected():
     assert config_for(64, 8192, 8192, sm_count=132).splits == 2
 
 
+def test_bfe_candidate_at_small_n_takes_256_wide_k_tiles_two_programs_per_sm():
+    from kernelplan.kernels.sparse24 import config_for
+
+    cfg = config_for(1, 8192, 8192, sm_count=132, bfe=True)
+    assert (cfg.block_k, cfg.splits) == (256, 2)  # 128 tiles x 2 splits: one wave of two programs per SM
+    assert config_for(16, 128256, 4096, sm_count=132, bfe=True).splits == 1  # 2004 tiles fill the SMs alone
+    assert config_for(1, 8192, 8192, sm_count=132).block_k == 128  # the shift cut keeps 128-wide K tiles
+
+
 def test_group_codes_rebuild_the_dense_weight(seed):
     """The derived codes, read as documented (each position's table index names its source), give back W exactly."""
     from kernelplan.kernels.sparse24 import SOURCES, code_metadata, group_indices

@@ -304,10 +304,16 @@ def config_for(n: int, m: int, k: int, sm_count: int, itemsize: int = 2, bfe: bo
     stages = 2 if itemsize > 2 else 4 if block_n > 16 and block_k == 128 else 3
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     steps = k // block_k
-    if block_n == 16:
+    if block_n == 16 and block_k < 256:
         # About 4 programs per SM, each with at least 4 K steps to amortise its start
         # (bench/sparse24_tiles.py on an H200: the best split was 2-4 on the Llama shapes).
         splits = max(1, min(steps // 4, triton.cdiv(4 * sm_count, tiles)))
+    elif block_n == 16:
+        # 256-wide K tiles (the bfe candidate) take twice the shared memory, so two programs fit
+        # an SM: about two per SM is one wave (H200 sweep at n = 1 and 16 with the present group
+        # codes: 8192x8192 1.35x of dense at 2 splits, below 1.33x at 4; 4096x4096 1.31-1.34x at
+        # 4; 8192x28672 1.44x at 2; 128256x4096 1.44-1.46x at 1).
+        splits = max(1, min(steps // 4, round(2 * sm_count / tiles)))
     else:
         # Wider N tiles want about two programs per SM: each split reads its x tile again
         # (H100, n = 32 and 64, the six Llama shapes: 8192x8192 n = 64 1.08x of dense at 4
