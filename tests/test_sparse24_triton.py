@@ -122,10 +122,14 @@ def test_bias_act_pass_in_place(activation, dtype, seed):
 def test_split_k_path_is_taken_where_expected():
     from kernelplan.kernels.sparse24 import config_for
 
-    assert config_for(5, 32, 2048, sm_count=4).splits == 4  # 16 K steps of 128: 4 splits of 4 steps each
+    cfg = config_for(5, 32, 2048, sm_count=4)  # one M tile: 256-wide K tiles, about 2 programs per SM
+    assert (cfg.block_k, cfg.splits) == (256, 2)  # 8 K steps of 256: 2 splits of 4 steps each
     cfg = config_for(70, 130, 2048, sm_count=16, itemsize=4)
     assert cfg.splits > 1 and 130 > 2 * cfg.block_m and 70 > cfg.block_n  # the multi-tile split case above
-    assert config_for(1, 8192, 8192, sm_count=132).splits == 4  # 128 M tiles: 4 splits give ~4 programs per SM
+    cfg = config_for(1, 8192, 8192, sm_count=132)  # 128 M tiles: 2 splits of 256-wide K steps, one wave
+    assert (cfg.block_k, cfg.splits, cfg.num_stages) == (256, 2, 4)  # 16 steps a program: a fourth stage
+    cfg = config_for(1, 28672, 8192, sm_count=132)  # 448 M tiles fill the SMs twice: 128-wide K tiles,
+    assert (cfg.block_k, cfg.splits) == (128, 4)  # still split to 2048 columns per program
     assert config_for(64, 65536, 8192, sm_count=132).splits == 1  # 1024 tiles already fill the SMs
     # 64-wide N tiles: about two programs per SM, from 128 M tiles at 8192 rows.
     assert config_for(64, 8192, 8192, sm_count=132).splits == 2
@@ -134,10 +138,9 @@ def test_split_k_path_is_taken_where_expected():
 def test_bfe_candidate_at_small_n_takes_256_wide_k_tiles_two_programs_per_sm():
     from kernelplan.kernels.sparse24 import config_for
 
-    cfg = config_for(1, 8192, 8192, sm_count=132, bfe=True)
-    assert (cfg.block_k, cfg.splits) == (256, 2)  # 128 tiles x 2 splits: one wave of two programs per SM
-    assert config_for(16, 128256, 4096, sm_count=132, bfe=True).splits == 1  # 2004 tiles fill the SMs alone
-    assert config_for(1, 8192, 8192, sm_count=132).block_k == 128  # the shift cut keeps 128-wide K tiles
+    cfg = config_for(16, 128256, 4096, sm_count=132, bfe=True)  # 2004 M tiles fill the SMs alone
+    assert (cfg.block_k, cfg.splits) == (256, 1)
+    assert config_for(16, 128256, 4096, sm_count=132).block_k == 128  # where the shift cut keeps 128
 
 
 def test_group_codes_rebuild_the_dense_weight(seed):

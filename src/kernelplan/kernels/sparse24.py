@@ -294,30 +294,28 @@ def config_for(n: int, m: int, k: int, sm_count: int, itemsize: int = 2, bfe: bo
     # Few rows (a K or V projection): 32-row tiles make twice the programs (1024x4096, n <= 16, on
     # an H200: 1.08-1.13x of dense against 0.92-0.99x with 64 rows).
     block_m = 32 if block_n == 16 and triton.cdiv(m, 64) < sm_count // 4 else 64
-    # fp32 tiles are twice the bytes: 256-wide K tiles in 3 stages overflow shared memory.  N tiles
-    # of 32 and 64 do best with 128-wide K tiles, and so does a 16-wide one since codes are cut
-    # out by shift and mask (bench/sparse24_tiles.py: on an H200 at n = 1 and 16, 4096x14336 1.38x
-    # of dense against 1.16x; on an H100 at n = 32, 4096x14336 1.43x against 1.26x); bfe kept 256.
-    widths = (256, 128, 64) if itemsize <= 2 and block_n < 64 and bfe else (128, 64)
-    block_k = next(b for b in widths if k % b == 0)
-    # A fourth stage pays at N tiles of 32 and 64 (H100: 8192x8192 n = 64, 1.26x -> 1.32x).
-    stages = 2 if itemsize > 2 else 4 if block_n > 16 and block_k == 128 else 3
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    # fp32 tiles are twice the bytes: 256-wide K tiles in 3 stages overflow shared memory.  N tiles
+    # of 32 and 64 do best with 128-wide K tiles (on an H100 at n = 32, 4096x14336 1.43x of dense
+    # against 1.26x), and so do 16-wide ones on weights whose M tiles fill the SMs twice.  With
+    # fewer M tiles, since the group codes became one lookup, 256-wide ones pay (H200 sweep, n = 1
+    # and 16: 8192x8192 1.35-1.39x against 1.33x, 8192x28672 1.44-1.47x against 1.38-1.40x,
+    # 4096x4096 1.31-1.34x against 1.23-1.31x; 28672x8192 1.36x at 128, 1.32x at 256).  The bfe
+    # candidate takes them wherever it can.
+    wide_k = block_n < 64 and (bfe or (block_n == 16 and tiles < 2 * sm_count))
+    widths = (256, 128, 64) if itemsize <= 2 and wide_k else (128, 64)
+    block_k = next(b for b in widths if k % b == 0)
     steps = k // block_k
     if block_n == 16 and block_k < 256:
         # About 4 programs per SM, each with at least 4 K steps to amortise its start
         # (bench/sparse24_tiles.py on an H200: the best split was 2-4 on the Llama shapes).
         splits = max(1, min(steps // 4, triton.cdiv(4 * sm_count, tiles)))
-    elif block_n == 16:
-        # 256-wide K tiles (the bfe candidate) take twice the shared memory, so two programs fit
-        # an SM: about two per SM is one wave (H200 sweep at n = 1 and 16 with the present group
-        # codes: 8192x8192 1.35x of dense at 2 splits, below 1.33x at 4; 4096x4096 1.31-1.34x at
-        # 4; 8192x28672 1.44x at 2; 128256x4096 1.44-1.46x at 1).
-        splits = max(1, min(steps // 4, round(2 * sm_count / tiles)))
     else:
         # Wider N tiles want about two programs per SM: each split reads its x tile again
         # (H100, n = 32 and 64, the six Llama shapes: 8192x8192 n = 64 1.08x of dense at 4
-        # splits, 1.32x at 2; 14336x4096 1.06x at 2, 1.32x at 1).
+        # splits, 1.32x at 2; 14336x4096 1.06x at 2, 1.32x at 1).  So do 256-wide K tiles, whose
+        # shared memory fits two programs an SM: two per SM is one wave (H200 sweep at n = 1 and
+        # 16: 8192x8192 1.35x of dense at 2 splits, below 1.33x at 4; 128256x4096 1.44-1.46x at 1).
         splits = max(1, min(steps // 4, round(2 * sm_count / tiles)))
     if block_n == 16 and block_k == 128 and tiles >= 2 * sm_count:
         # Tall weights at n <= 16 still want K split to 2048 per program, though their tiles
@@ -326,6 +324,11 @@ def config_for(n: int, m: int, k: int, sm_count: int, itemsize: int = 2, bfe: bo
         splits = max(splits, min(steps // 4, k // 2048))
     while steps % splits:
         splits -= 1
+    # A fourth stage pays at N tiles of 32 and 64 (H100: 8192x8192 n = 64, 1.26x -> 1.32x), and at
+    # 256-wide K tiles on long programs (H200, n = 1: 8192x8192 1.39x against 1.35x, 16 steps each;
+    # 4096x4096, 4 steps each, 1.27x against 1.31x).
+    deep = (block_n > 16 and block_k == 128) or (block_n == 16 and block_k == 256 and steps // splits >= 16)
+    stages = 2 if itemsize > 2 else 4 if deep else 3
     return Config(block_n, block_m, block_k, splits, num_stages=stages, bfe=bfe)
 
 
