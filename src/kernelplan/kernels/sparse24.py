@@ -80,9 +80,9 @@ from .activations import ACTIVATION_CODES, act_and_grad
 # ``INDEX_FLIP ^ (code * MULTIPLIER & INDEX_MASK)``.  The multiply lays copies of the code's
 # three bits under the nibbles; the mask and flip keep, invert or set each bit.  Every index is
 # 4 + i, naming SOURCES[i]: where that position's weight comes from.  The codes and constants
-# were found by search (scratch work, any such set does): with no multiply (each nibble a mask
-# of the code itself) no set exists, and with the table's other half in use PRMT needs it in a
-# register, which ptxas moves in again for every group.
+# were found by search (tools/sparse24_group_codes.py; any such set does): with no multiply
+# (each nibble a mask of the code itself) no set exists, and with the table's other half in use
+# PRMT needs it in a register, which ptxas moves in again for every group.
 GROUP_CODES = {(0, 1): 0, (0, 2): 2, (0, 3): 6, (1, 2): 3, (1, 3): 7, (2, 3): 5}
 MULTIPLIER, INDEX_MASK, INDEX_FLIP = 0x491, 0x1331, 0x6674
 SOURCES = ("v0", "zero", "zero", "v1")
