@@ -8,8 +8,9 @@ element: 9/16 of dense (a 1.78x bound).
 
 What limits it is not the bytes: the expansion touches every dense element,
 M*K of them, on the SMs' integer pipes, and cutting its instructions paid
-until the cut below (n <= 16 on an H200 stayed where it was).  Measured on an H200 (bf16, n = 1 and 16, Llama-70B shapes, best tiles
-of each; ``bench/sparse24_tiles.py`` sweeps the tiles):
+until the cut below (n <= 16 on an H200 stayed where it was).  Measured on an
+H200 (bf16, n = 1 and 16, Llama-70B shapes, best tiles of each;
+``bench/sparse24_tiles.py`` sweeps the tiles):
 
 * compares and selects per element (``_expand_where``): 1.0x of dense;
 * four tensor-core products per K tile on planar values, one per position in
@@ -178,12 +179,8 @@ def _expand(v, words, dt: tl.constexpr, PRMT: tl.constexpr, BFE: tl.constexpr,
     words = tl.reshape(tl.broadcast_to(words[:, :, None], [BLOCK_M, BLOCK_K // 32, 8]), [BLOCK_M, BLOCK_K // 4])
     shift = ((tl.arange(0, BLOCK_K // 4) % 8) * 4)[None, :]  # the group's code in its word
     if PRMT:
-        if BFE:
-            lo, hi = tl.inline_asm_elementwise(_EXPAND_BFE, "=r,=r,r,r,r", [v, words, shift],
-                                               dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-        else:
-            lo, hi = tl.inline_asm_elementwise(_EXPAND_SHIFT, "=r,=r,r,r,r", [v, words, shift],
-                                               dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        lo, hi = tl.inline_asm_elementwise(_EXPAND_BFE if BFE else _EXPAND_SHIFT, "=r,=r,r,r,r", [v, words, shift],
+                                           dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
         return _dense(lo.to(tl.int16).to(dt, bitcast=True), (lo >> 16).to(tl.int16).to(dt, bitcast=True),
                       hi.to(tl.int16).to(dt, bitcast=True), (hi >> 16).to(tl.int16).to(dt, bitcast=True),
                       BLOCK_M, BLOCK_K)
