@@ -316,7 +316,8 @@ def test_inference_fast_path_follows_new_measurements_and_changed_operands(monke
     monkeypatch.setattr(reference, "run", lambda self, *a, real=reference.run: ran.append("reference") or real(self, *a))
     import kernelplan.kernels.sparse24 as kernel  # the Triton backend's bound call launches through it
 
-    monkeypatch.setattr(kernel, "launch", lambda *a, real=kernel.launch: ran.append("triton") or real(*a))
+    monkeypatch.setattr(kernel.BoundLinear, "launch",
+                        lambda *a, real=kernel.BoundLinear.launch: ran.append("triton") or real(*a))
     w = kp.sparse24.prune(torch.randn(64, 128, device=DEV))
     w24 = kp.sparse24.compress(w)
     x = torch.randn(5, 128, device=DEV)

@@ -41,45 +41,50 @@ def _specialization(arg):
 class Compiled:
     """One compiled kernel, launched without Triton's per-call Python.
 
-    ``kernel[grid](*args)`` builds a closure and reads the launch hooks, and
-    its C launcher calls ``data_ptr()`` and checks each tensor's pointer with
-    the driver: about 5 us of host time per launch on an H200's host, where a
-    launch given the pointers as ints takes 4 us (measured with a 2:4 kernel of
-    15 arguments).  Pointer arguments may be passed as ints, which the launcher
-    takes as they are: the caller vouches that they are device pointers of the
-    right dtype and alignment (the specialization the kernel was compiled for).
-    With a launch hook set (a profiler), launches go through ``kernel[grid]``
-    so that the hook sees them.  (Triton 3.6 keeps an empty hook chain where
-    no hook is set; before ``_unhooked`` knew that, every launch on the GPU
-    machines took ``kernel[grid]``, whose runner and launch metadata showed in
-    a profile of 2:4 calls on an H200's host.)
+    ``kernel[grid](*args)`` binds its arguments, builds launch metadata and
+    reads the launch hooks on every call; its C launcher then parses every
+    argument again.  A ``Compiled`` launches with one driver call
+    (``direct.DirectLaunch``: 5.5-6.6 us of host time per launch on an H100's
+    host, where ``kernel.run`` took 7.2 and ``kernel[grid]`` more).  Pointer
+    arguments are passed as ints: the caller vouches that they are device
+    pointers of the dtype and alignment the kernel was compiled for.
+
+    ``route`` says how it launches: ``"cuLaunchKernel"``, or Triton's launcher
+    with the reason (``direct.why_not_direct``: no cuda-bindings, launch
+    attributes, Triton scratch).  With a launch hook set (a profiler),
+    launches go through ``kernel[grid]`` so that the hook sees them.  (Triton
+    3.6 keeps an empty hook chain where no hook is set.)
     """
 
-    __slots__ = ("kernel", "constexpr_values")
+    __slots__ = ("kernel", "constexpr_values", "route", "_direct")
 
-    def __init__(self, kernel, constexpr_values: tuple):
+    def __init__(self, kernel, constexpr_values: tuple, n_args: int):
+        from .direct import DirectLaunch, why_not_direct
+
+        if not _RUNTIME_KNOBS:
+            import triton.knobs
+
+            _RUNTIME_KNOBS.append(triton.knobs.runtime)
         self.kernel = kernel
-        self.constexpr_values = constexpr_values  # passed after the arguments, as the launcher expects
+        self.constexpr_values = constexpr_values  # passed after the arguments, as Triton's launcher expects
+        why = why_not_direct(kernel)
+        self._direct = DirectLaunch(kernel, n_args) if why is None else None
+        self.route = "cuLaunchKernel" if why is None else f"triton's launcher: {why}"
 
     def __call__(self, grid: tuple, args: tuple, stream: int) -> None:
-        k = self.kernel
-        hooks = _knobs().runtime
-        if _unhooked(hooks.launch_enter_hook) and _unhooked(hooks.launch_exit_hook):
+        hooks = _RUNTIME_KNOBS[0]
+        enter, exit_ = hooks.launch_enter_hook, hooks.launch_exit_hook
+        if (enter is None or not getattr(enter, "calls", True)) and (exit_ is None or not getattr(exit_, "calls", True)):
+            if self._direct is not None:
+                self._direct(grid, args, stream)
+                return
+            k = self.kernel
             k.run(*grid, stream, k.function, k.packed_metadata, None, None, None, *args, *self.constexpr_values)
-        else:
-            k[grid](*args, *self.constexpr_values, stream=stream)
+        else:  # a hook is set (Triton 3.6 and later hold an empty chain where none is)
+            self.kernel[grid](*args, *self.constexpr_values, stream=stream)
 
 
-def _unhooked(hook) -> bool:
-    """No launch hook is set: Triton 3.6 and later hold an always-present chain, empty when none is."""
-    return hook is None or not getattr(hook, "calls", True)
-
-
-@functools.lru_cache(maxsize=1)
-def _knobs():
-    import triton.knobs
-
-    return triton.knobs
+_RUNTIME_KNOBS: list = []  # [triton.knobs.runtime], filled by the first Compiled: read per launch, cheaply
 
 
 class Launcher:
@@ -96,6 +101,8 @@ class Launcher:
 
     def __init__(self, fn):
         self.fn = fn
+        # Triton reads TRITON_INTERPRET when ``@triton.jit`` runs: the kernel object itself says.
+        self.interpreted = type(fn).__name__ == "InterpretedFunction"
         self._compiled: dict = {}
         self._constexpr_names: dict[int, list[str]] = {}  # by the number of positional args
 
@@ -109,17 +116,23 @@ class Launcher:
         hit = self._compiled.get(key)
         if hit is None:
             kernel = self.fn.warmup(*args, grid=(1,), **constexprs, **options)
-            hit = self._compiled[key] = Compiled(kernel, values)
+            hit = self._compiled[key] = Compiled(kernel, values, len(args))
         return hit
 
     def __call__(self, grid, args: tuple, constexprs: dict, **options) -> None:
-        if interpreting():
+        if self.interpreted:
             self.fn[grid](*args, **constexprs, **options)
             return
-        # A compiled kernel's launcher reads all three grid dimensions.
-        self.compiled(args, constexprs, **options)((*grid, 1, 1)[:3], args, current_stream(args[0].device))
+        # A compiled kernel's launcher reads all three grid dimensions; pointers go as ints.
+        ints = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+        self.compiled(args, constexprs, **options)((*grid, 1, 1)[:3], ints, current_stream(args[0].device))
 
 
 def current_stream(device: torch.device) -> int:
     """The raw handle of the caller's current CUDA stream on ``device``."""
     return torch._C._cuda_getCurrentRawStream(device.index)
+
+
+def current_stream_index(device_index: int) -> int:
+    """``current_stream`` by device index (``tensor.get_device()``): no device object built."""
+    return torch._C._cuda_getCurrentRawStream(device_index)

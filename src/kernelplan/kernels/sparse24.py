@@ -73,7 +73,7 @@ import triton
 import triton.language as tl
 
 from ..sparse24.format import derived_from, output_rows, unpack_positions
-from . import Launcher, current_stream, interpreting
+from . import Launcher, current_stream_index
 from .activations import ACTIVATION_CODES, act_and_grad
 
 # The code of a group names the dense positions (p0, p1) of its values v0, v1.  The expansion
@@ -406,25 +406,49 @@ _gemm = Launcher(sparse24_kernel)
 _reduce = Launcher(sparse24_reduce_kernel)
 
 
-def launch(x, values, metadata, bias, y, activation: str | None, cfg: Config) -> None:
-    """``y = act(x @ W^T + bias)``; shapes, dtypes and alignment were checked by the plan."""
-    n = x.shape[0]
-    if n == 0 or values.shape[0] == 0:
-        return
-    if interpreting():
-        _launch_jit(x, values, metadata, bias, y, activation, cfg)
-        return
-    prepared = derived_from(values, metadata, ("launch", cfg, activation, bias is not None),
-                            lambda v, meta: _WeightLaunch(v, meta, cfg, activation, bias is not None),
-                            device_work=False)  # host objects only; its own layouts are derived_from too
-    prepared(x, values, bias, y)
+def launch(x, values, metadata, bias, y, activation: str | None, cfg: Config, capturing: bool | None = None) -> None:
+    """``y = act(x @ W^T + bias)``; shapes, dtypes and alignment were checked by the plan.
+
+    ``capturing`` says whether the caller's stream is being captured into a
+    CUDA graph, where the caller knows (None: asked here).
+    """
+    BoundLinear(cfg, activation, capturing).launch(x, values, metadata, bias, y)
 
 
-def linear_call(x, values, metadata, bias, *, activation: str | None, cfg: Config) -> torch.Tensor:
-    """``act(x @ W^T + bias)`` for x of any leading shape, its output allocated here; inputs checked."""
-    y, x2, y2 = output_rows(x, values.shape[0])
-    launch(x2, values, metadata, bias, y2, activation, cfg)
-    return y
+class BoundLinear:
+    """``call(x, values, metadata, bias) -> act(x @ W^T + bias)`` at one tile config: a backend's bound call.
+
+    The output is allocated here.  ``capturing`` is the descriptor's ``graph``
+    (dispatch binds a call recorded into a CUDA graph to a plan of its own), or
+    None where unknown.  Everything per call that does not depend on the call
+    is built here once: on the GPU machines' hosts, hashing the tile config
+    (a dataclass) alone cost a microsecond a call.
+    """
+
+    __slots__ = ("cfg", "activation", "capturing", "_keys", "_builds")
+
+    def __init__(self, cfg: Config, activation: str | None, capturing: bool | None):
+        self.cfg, self.activation, self.capturing = cfg, activation, capturing
+        # derived_from keys, by has_bias: strings, whose hashes Python caches.
+        self._keys = tuple(f"launch {cfg} {activation} {has_bias}" for has_bias in (False, True))
+        self._builds = tuple(functools.partial(_WeightLaunch, cfg=cfg, activation=activation, has_bias=has_bias)
+                             for has_bias in (False, True))
+
+    def __call__(self, x, values, metadata, bias) -> torch.Tensor:
+        y, x2, y2 = output_rows(x, values.shape[0])
+        self.launch(x2, values, metadata, bias, y2)
+        return y
+
+    def launch(self, x, values, metadata, bias, y) -> None:
+        if x.shape[0] == 0 or values.shape[0] == 0:
+            return
+        if _gemm.interpreted or not x.is_cuda:
+            _launch_jit(x, values, metadata, bias, y, self.activation, self.cfg)
+            return
+        has_bias = bias is not None
+        # Host objects only (device_work=False); their own layouts are derived_from too.
+        prepared = derived_from(values, metadata, self._keys[has_bias], self._builds[has_bias], device_work=False)
+        prepared(x, bias, y, self.capturing)
 
 
 def _group_codes(values, metadata):
@@ -434,7 +458,8 @@ def _group_codes(values, metadata):
 _SCRATCH: dict = {}  # (device index, raw stream) -> [int32 tile counters, all zero; fp32 partials]
 
 
-def split_scratch(device: torch.device, tiles: int, partials: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_scratch(device_index: int, stream: int, tiles: int, partials: int,
+                  capturing: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``tiles`` zeroed int32 arrival counters and room for ``partials`` fp32 values, for one split launch.
 
     A split launch leaves every counter at zero when it ends and reads its
@@ -447,19 +472,27 @@ def split_scratch(device: torch.device, tiles: int, partials: int) -> tuple[torc
     on this one).  The caller holds both until its launch is recorded; freed
     after it, their memory is reused only by work ordered after it.
     """
-    if torch.cuda.is_current_stream_capturing():
+    if capturing:
+        device = torch.device("cuda", device_index)
         return (torch.zeros(tiles, dtype=torch.int32, device=device),
                 torch.empty(partials, dtype=torch.float32, device=device))
-    key = (device.index, current_stream(device))
-    scratch = _SCRATCH.get(key)
+    scratch = _SCRATCH.get((device_index, stream))
+    if scratch is None or scratch[0].numel() < tiles or scratch[1].numel() < partials:
+        scratch = _grown_scratch(device_index, stream, tiles, partials)
+    return scratch[0], scratch[1]
+
+
+def _grown_scratch(device_index: int, stream: int, tiles: int, partials: int) -> list:
+    device = torch.device("cuda", device_index)
+    scratch = _SCRATCH.get((device_index, stream))
     if scratch is None:
-        scratch = _SCRATCH[key] = [torch.zeros(4096, dtype=torch.int32, device=device),
-                                   torch.empty(1 << 18, dtype=torch.float32, device=device)]
+        scratch = _SCRATCH[device_index, stream] = [torch.zeros(4096, dtype=torch.int32, device=device),
+                                                    torch.empty(1 << 18, dtype=torch.float32, device=device)]
     if scratch[0].numel() < tiles:
         scratch[0] = torch.zeros(2 * tiles, dtype=torch.int32, device=device)
     if scratch[1].numel() < partials:
         scratch[1] = torch.empty(2 * partials, dtype=torch.float32, device=device)
-    return scratch[0], scratch[1]
+    return scratch
 
 
 def _tiles(cfg: Config, n: int, m: int) -> tuple[int, int, int]:
@@ -486,11 +519,12 @@ def _launch_jit(x, values, metadata, bias, y, activation, cfg) -> None:
 class _WeightLaunch:
     """The compiled launch of one weight at one tile config; per call only x, y, bias and N vary.
 
-    Built once per weight state (``derived_from``).  Each call looks its
-    kernel up by the varying arguments' raw values (N, strides, pointer
-    alignment) and launches it with the pointers as ints: the host time of a
-    call is then a dictionary lookup and the launch (``Launcher``'s full key
-    of 17 arguments, and two cache lookups, cost 14 us per call on an H200's host).
+    Built once per weight state (``derived_from``): the weight's pointers and
+    strides are fixed in it.  Each call looks its kernel up by the varying
+    arguments' raw values (N, strides, pointer alignment) and launches it with
+    the pointers as ints: the host time of a call is then a dictionary lookup
+    and the launch (``Launcher``'s full key of 17 arguments, and two cache
+    lookups, cost 14 us per call on an H200's host).
     """
 
     _MAX_KEYS = 256
@@ -499,45 +533,62 @@ class _WeightLaunch:
         # Holds nothing of the weight but what is derived from it: the cache entry holding this
         # object lives as long as ``values`` does, so a reference to ``values`` would keep it alive.
         self.codes = _group_codes(values, metadata)
-        self.prmt = values.dtype != torch.float32
+        prmt = values.dtype != torch.float32
         # A strided view the PRMT path cannot read as int32 pairs: one contiguous copy, kept with the weight.
         self.copy = None
-        if self.prmt and not _pairs_readable(values):
+        if prmt and not _pairs_readable(values):
             self.copy = derived_from(values, metadata, "values_contiguous", lambda v, meta: v.contiguous())
+        read = self.copy if self.copy is not None else values
+        self.weight = (read.data_ptr(), self.codes.data_ptr(), *read.stride())
+        self.dtype, self.itemsize = values.dtype, values.element_size()
         self.cfg, self.has_bias = cfg, has_bias
         self.consts = dict(ACT=ACTIVATION_CODES[activation or "identity"], HAS_BIAS=has_bias, SPLIT=cfg.splits > 1,
-                           IEEE=not self.prmt, PRMT=self.prmt, BFE=cfg.bfe,
+                           IEEE=not prmt, PRMT=prmt, BFE=cfg.bfe,
                            BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k)
         self.m, self.k = values.shape[0], 2 * values.shape[1]
-        self._kernels: dict = {}
+        self._kernels: dict = {}  # per-call key -> (Compiled, grid, tiles, partials)
 
-    def __call__(self, x, values, bias, y) -> None:
-        if self.copy is not None:
-            values = self.copy
-        n, m, cfg = x.shape[0], self.m, self.cfg
-        grid = _tiles(cfg, n, m)
-        vp, yp = values.data_ptr(), y.data_ptr()
-        if cfg.splits > 1:
-            counters, partials = split_scratch(x.device, grid[0] * grid[2], partial_count(cfg, n, m))
-            cp, wp = counters.data_ptr(), partials.data_ptr()
+    def __call__(self, x, bias, y, capturing: bool | None = None) -> None:
+        n = x.shape[0]
+        xp, yp = x.data_ptr(), y.data_ptr()
+        vp, codes, svm, svk = self.weight
+        bp = bias.data_ptr() if bias is not None else vp
+        sx, sy = x.stride(), y.stride()
+        hit = self._kernels.get((n, sx, sy, xp & 15, bp & 15, yp & 15))
+        if hit is None:
+            hit = self._compile(x, bias, y, n)
+        kernel, grid, tiles, partials = hit
+        device = x.get_device()
+        stream = current_stream_index(device)
+        if tiles:  # a K split: its partials and counters live in scratch
+            if capturing is None:
+                capturing = torch.cuda.is_current_stream_capturing()
+            counters, ws = split_scratch(device, stream, tiles, partials, capturing)
+            cp, wp = counters.data_ptr(), ws.data_ptr()
         else:  # never read: placeholders
             cp = wp = yp
-        args = (x.data_ptr(), vp, self.codes.data_ptr(), bias.data_ptr() if bias is not None else vp, yp, wp, cp,
-                n, m, self.k // cfg.splits, *x.stride(), *values.stride(), *y.stride())
-        key = (n, *args[10:], args[0] & 15, args[3] & 15, yp & 15)
-        kernel = self._kernels.get(key)
-        if kernel is None:
-            kernel = self._compile(x, values, bias, y, args)
-            if len(self._kernels) >= self._MAX_KEYS:
-                self._kernels.clear()
-            self._kernels[key] = kernel
-        kernel(grid, args, current_stream(x.device))
+        kernel(grid, (xp, vp, codes, bp, yp, wp, cp, n, self.m, self.k // self.cfg.splits, sx[0], sx[1], svm, svk,
+                      sy[0], sy[1]), stream)
 
-    def _compile(self, x, values, bias, y, args):
+    def _compile(self, x, bias, y, n):
         """The kernel for this call's specialization; the scratch stands in by dtype (it is aligned)."""
-        split = self.cfg.splits > 1
+        if len(self._kernels) >= self._MAX_KEYS:
+            self._kernels.clear()
+        cfg = self.cfg
+        split = cfg.splits > 1
         ws = torch.empty(1, dtype=torch.float32, device=x.device) if split else y
         counters = torch.empty(1, dtype=torch.int32, device=x.device) if split else y
-        tensors = (x, values, self.codes, bias if bias is not None else values, y, ws, counters)
-        return _gemm.compiled(tensors + args[7:], self.consts, num_warps=self.cfg.num_warps,
-                              num_stages=self.cfg.num_stages)
+        # Stand-ins for the weight and its codes: only their dtypes and 16-byte alignment matter to
+        # the compile (the codes are an allocation of their own: aligned).
+        vp, _, svm, svk = self.weight
+        weight = torch.empty(32, dtype=self.dtype, device=x.device)[(vp % 16) // self.itemsize:]
+        codes = torch.empty(16, dtype=torch.int32, device=x.device)
+        args = (x, weight, codes, bias if bias is not None else weight, y, ws, counters,
+                n, self.m, self.k // cfg.splits, *x.stride(), svm, svk, *y.stride())
+        kernel = _gemm.compiled(args, self.consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        grid = _tiles(cfg, n, self.m)
+        tiles = grid[0] * grid[2] if split else 0
+        bp = bias.data_ptr() if bias is not None else vp
+        hit = self._kernels[(n, x.stride(), y.stride(), x.data_ptr() & 15, bp & 15, y.data_ptr() & 15)] = (
+            kernel, grid, tiles, partial_count(cfg, n, self.m) if split else 0)
+        return hit

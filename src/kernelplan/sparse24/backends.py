@@ -91,9 +91,9 @@ class TritonSparse24Backend(Backend):
         launch(args.x, args.values, args.metadata, args.bias, args.y, desc.activation, self._config(desc))
 
     def bind(self, desc):
-        from ..kernels.sparse24 import linear_call
+        from ..kernels.sparse24 import BoundLinear
 
-        return functools.partial(linear_call, activation=desc.activation, cfg=self._config(desc))
+        return BoundLinear(self._config(desc), desc.activation, desc.graph)
 
 
 class TritonBfeSparse24Backend(TritonSparse24Backend):

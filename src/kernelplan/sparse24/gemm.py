@@ -253,7 +253,7 @@ def linear_parts(x, values, metadata, bias=None, activation=None) -> torch.Tenso
         # plan is the one dispatch chose (the key's generation says the choice has not changed).
         # A call recorded into a CUDA graph has its own choice (GemmSparse24Descriptor.graph).
         key = (id(values), values.dtype, values.device, id(metadata), None if bias is None else id(bias),
-               x.shape, x.dtype, x.device, activation, x.is_cuda and torch.cuda.is_current_stream_capturing())
+               x.shape, x.dtype, x.device, activation, x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())
         hit = _prepared.get(key)
         if hit is not None and hit[0] == dispatch_generation(GemmSparse24Plan) and \
                 hit[1]() is values and hit[2]() is metadata and (bias is None or hit[3]() is bias):
@@ -313,8 +313,12 @@ _prepared: dict = {}
 
 
 def fast_path_backends() -> list[dict]:
-    """Which backend each problem on the inference fast path runs: one row per (n, m, k, dtype, graph, backend)."""
-    plans = (entry[4] for entry in _prepared.values())
+    """Which backend each problem on the inference fast path runs: one row per (n, m, k, dtype, graph, backend).
+
+    Entries made before the latest dispatch change (a new measurement) are left out: no call runs them.
+    """
+    generation = dispatch_generation(GemmSparse24Plan)
+    plans = (entry[4] for entry in _prepared.values() if entry[0] == generation)
     rows = {(p.desc.n, p.desc.m, p.desc.k, p.desc.dtype, p.desc.graph, p.sku.backend) for p in plans}
     return [dict(zip(("n", "m", "k", "dtype", "graph", "backend"), r)) for r in sorted(rows)]
 _MAX_PREPARED = 4096

@@ -1,0 +1,158 @@
+"""Launching a compiled Triton kernel with one driver call: ``cuLaunchKernel`` through cuda-bindings.
+
+Triton's launcher costs host time a small GEMM cannot hide.  Measured on an
+H100's host with the 2:4 kernel (13 runtime arguments), host time alone, the
+GPU never waited on:
+
+============================================  =======
+route                                         us/call
+============================================  =======
+``kernel.run`` (Triton's Python, then its C)     7.2
+Triton's C launcher called directly              5.7
+``cuLaunchKernel`` through cuda-bindings         5.5
+the same, arguments packed by ``struct``         6.6
+============================================  =======
+
+Triton's C launcher is generated per signature and its argument list differs
+between releases (38 positional arguments for this kernel on 3.6, a generic
+form on 3.9), so it is not called from here; cuda-bindings' ``cuLaunchKernel``
+is one public call on every release.
+
+Which parameters the compiled function takes is read from the function itself
+(``cuFuncGetParamInfo``) and matched against Triton's signature: the
+arguments not specialized away, in order, then the scratch pointers Triton
+appends (null here: ``direct_launch`` refuses kernels that use scratch).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import operator
+import struct
+import threading
+
+from ..errors import KernelPlanError
+
+# Each parameter gets an 8-byte slot; the driver copies the parameter's own size from its slot's start.
+_SLOT = {
+    "i8": "b7x", "i16": "h6x", "i32": "i4x", "i64": "q",
+    "u8": "B7x", "u16": "H6x", "u32": "I4x", "u64": "Q",
+    "fp32": "f4x", "fp64": "d",
+}
+_SIZE = {"i8": 1, "i16": 2, "i32": 4, "i64": 8, "u8": 1, "u16": 2, "u32": 4, "u64": 8, "fp32": 4, "fp64": 8}
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return None
+    return driver
+
+
+def _slot_code(ty: str) -> tuple[str, int] | None:
+    """The struct code of a parameter of Triton type ``ty`` and its size, or None if not packable here."""
+    if ty.startswith("*"):
+        return "Q", 8
+    if ty in _SLOT:
+        return _SLOT[ty], _SIZE[ty]
+    return None
+
+
+def why_not_direct(kernel) -> str | None:
+    """Why ``kernel`` must go through Triton's launcher, or None if ``DirectLaunch`` can launch it."""
+    md = kernel.metadata
+    if _driver() is None:
+        return "cuda-bindings is not installed (pip install cuda-bindings)"
+    if getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False) or \
+            getattr(md, "launch_pdl", False):
+        return "the kernel launches with clusters, a cooperative grid or PDL (launch attributes)"
+    if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
+        return "the kernel uses Triton's global or profile scratch"
+    types = [t for t in kernel.src.signature.values() if t != "constexpr"]
+    bad = [t for t in types if _slot_code(t) is None]
+    if bad:
+        return f"argument types {sorted(set(bad))} are not packed here"
+    return None
+
+
+class DirectLaunch:
+    """``cuLaunchKernel`` of one compiled Triton kernel; arguments as Python ints and floats.
+
+    The arguments are the kernel's positional ones as Triton took them when it
+    compiled (those it specialized to constants are dropped here), pointers
+    as ints.  Each thread packs them into a buffer of its own: the driver
+    copies a launch's parameters before the call returns.
+    """
+
+    __slots__ = ("name", "function", "block", "shared", "pick", "pack", "size", "_local", "_cu")
+
+    def __init__(self, kernel, n_args: int):
+        cu = _driver()
+        signature = list(kernel.src.signature.values())[:n_args]
+        runtime = [i for i, ty in enumerate(signature) if ty != "constexpr"]
+        codes = [_slot_code(signature[i]) for i in runtime]
+        self.name = kernel.metadata.name
+        if kernel.function is None:
+            # Triton loads a compiled module onto the device at its first launch, with this; it also
+            # raises the function's dynamic shared memory limit to what the kernel uses.
+            kernel._init_handles()
+        self.function = cu.CUfunction(kernel.function)
+        sizes = _param_sizes(cu, self.function)
+        extra = sizes[len(runtime):]
+        # The function's parameters must be the runtime arguments, then Triton's null scratch pointers:
+        # anything else means this Triton passes its kernels arguments in a way not known here.
+        if [size for _, size in codes] != sizes[:len(runtime)] or any(size != 8 for size in extra):
+            raise KernelPlanError(
+                f"kernel {self.name}: its compiled parameters have sizes {sizes}, where the Triton signature "
+                f"{signature} gives {[size for _, size in codes]} and 8-byte scratch pointers; launch it "
+                f"through Triton (kernelplan.kernels.Compiled with direct=False) and report the Triton version"
+            )
+        self.pick = operator.itemgetter(*runtime) if len(runtime) > 1 else (lambda args: (args[runtime[0]],))
+        self.pack = struct.Struct("<" + "".join(code for code, _ in codes) + "8x" * len(extra)).pack_into
+        self.size = 8 * len(sizes)
+        self.block = 32 * kernel.metadata.num_warps
+        self.shared = kernel.metadata.shared
+        self._local = threading.local()
+        self._cu = cu
+
+    def _buffers(self):
+        storage = ctypes.create_string_buffer(max(self.size, 8))
+        base = ctypes.addressof(storage)
+        pointers = (ctypes.c_void_p * max(self.size // 8, 1))(*[base + 8 * i for i in range(self.size // 8)])
+        self._local.held = (storage, pointers)  # kept alive with the thread's buffers
+        self._local.buffers = buffers = (storage, ctypes.addressof(pointers))
+        return buffers
+
+    def __call__(self, grid: tuple, args: tuple, stream: int) -> None:
+        buffers = getattr(self._local, "buffers", None) or self._buffers()
+        self.pack(buffers[0], 0, *self.pick(args))
+        err, = self._cu.cuLaunchKernel(self.function, grid[0], grid[1], grid[2], self.block, 1, 1, self.shared,
+                                       _stream(self._cu, stream), buffers[1], 0)
+        if err:
+            raise KernelPlanError(
+                f"cuLaunchKernel of {self.name} (grid {grid}, {self.block} threads, {self.shared} bytes of "
+                f"shared memory) failed: {err.name}; the device is in an error state or the launch does not fit it"
+            )
+
+
+def _param_sizes(cu, function) -> list[int]:
+    """The byte size of each parameter of a compiled function, in order."""
+    sizes = []
+    while True:
+        err, _offset, size = cu.cuFuncGetParamInfo(function, len(sizes))
+        if err:  # CUDA_ERROR_INVALID_VALUE past the last parameter
+            return sizes
+        sizes.append(size)
+
+
+_STREAMS: dict = {}  # raw handle -> CUstream: building one per call costs host time
+
+
+def _stream(cu, raw: int):
+    stream = _STREAMS.get(raw)
+    if stream is None:
+        if len(_STREAMS) >= 256:
+            _STREAMS.clear()
+        stream = _STREAMS[raw] = cu.CUstream(raw)
+    return stream
