@@ -28,6 +28,27 @@ def host_us_per_call(fn: Callable, dev: torch.device, calls: int) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
+def host_only_us_per_call(fn: Callable, dev: torch.device, calls: int) -> float:
+    """Host time per call alone: ``calls`` back-to-back calls timed until the last one returns.
+
+    The device is idle at the start and not waited for at the end, so where
+    the kernels are longer than the host work (``host_us_per_call`` then
+    reads the device) this still reads the host.  ``calls`` must stay well
+    under the launch queue's depth (about a thousand launches), or the host
+    stalls on a full queue.
+    """
+    fn()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
 def interleaved(samplers: dict[str, Callable[[], float]], rounds: int, per_round: int = 1) -> dict[str, float]:
     """The median of each sampler's readings, taken in rounds that alternate between the samplers.
 
@@ -56,3 +77,14 @@ def interleaved(samplers: dict[str, Callable[[], float]], rounds: int, per_round
 def host_us_side_by_side(fns: dict[str, Callable], dev: torch.device, calls: int, rounds: int = 7) -> dict[str, float]:
     """``host_us_per_call`` of each of ``fns``, in ``interleaved`` rounds."""
     return interleaved({name: lambda fn=fn: host_us_per_call(fn, dev, calls) for name, fn in fns.items()}, rounds)
+
+
+def host_report(fns: dict[str, Callable], dev: torch.device, calls: int = 200, rounds: int = 15) -> dict:
+    """Per call of each of ``fns``, side by side: ``host_us`` (host work alone) and ``wall_us`` (back to back, waited for).
+
+    Both are medians of ``interleaved`` rounds.  ``wall_us`` is the larger of
+    the host work and the device time; ``host_us`` is what the issue budgets.
+    """
+    host = interleaved({name: lambda fn=fn: host_only_us_per_call(fn, dev, calls) for name, fn in fns.items()}, rounds)
+    wall = host_us_side_by_side(fns, dev, 2 * calls, rounds=max(rounds // 3, 3))
+    return {"host_us": host, "wall_us": wall}
