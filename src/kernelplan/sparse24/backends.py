@@ -1,9 +1,9 @@
 """GPU backends of the 2:4 linear and the measurement that picks between them.
 
 * ``triton``: ``kernels/sparse24.py``, aimed at small N (PRMT expansion of
-  the compressed tile); on the Llama-70B shapes it measured 1.29-1.40x of dense
-  at n <= 16 on an H200 and 1.24-1.32x at n = 64 on an H100 (bf16, whole calls,
-  bench/results/sparse24-h200.json and -h100.json);
+  the compressed tile); on the Llama-70B shapes it (or ``triton_bfe``) measured
+  1.36-1.43x of dense at n <= 16 on an H200 and 1.24-1.32x at n = 64 on an H100
+  (bf16, whole calls, bench/results/sparse24-h200.json and -h100.json);
   a tuning candidate on CUDA, never the unmeasured default;
 * ``triton_bfe``: the same kernel, its expansion cutting each group's code
   out by ``bfe`` instead of shift and mask: each wins on some GPU and shape;
