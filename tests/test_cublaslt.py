@@ -165,6 +165,26 @@ def test_repeated_plain_linear_takes_the_bound_call(monkeypatch):
                     assert (not runs) == bound, "a warm plain call launches from the bound call"
 
 
+def test_bound_call_follows_a_changed_bias():
+    """The bound call sets the bias pointer only when it changes: a new bias, or one run() set, must be used."""
+    torch.manual_seed(5)
+    w = torch.randn(96, 64, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(10, 64, device=DEV, dtype=torch.bfloat16)
+    biases = [torch.randn(96, device=DEV, dtype=torch.bfloat16) for _ in range(2)]
+    with torch.no_grad():
+        for b in (biases[0], biases[0], biases[1], biases[0], biases[1], biases[1]):
+            y = kp.linear(x, w, b)
+            ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+            assert_close(y, ref, torch.nn.functional.linear(x, w, b), atol=FWD_ATOL[torch.bfloat16])
+    # A grad-enabled call runs through run(), which sets the same plan's bias pointer on its own.
+    b = biases[1].clone().requires_grad_()
+    kp.linear(x, w, b).sum().backward()
+    with torch.no_grad():
+        y = kp.linear(x, w, biases[0])
+    assert_close(y, torch.nn.functional.linear(x.double(), w.double(), biases[0].double()),
+                 torch.nn.functional.linear(x, w, biases[0]), atol=FWD_ATOL[torch.bfloat16])
+
+
 def test_runs_on_the_current_stream_and_under_graph_capture():
     torch.manual_seed(3)
     x = torch.randn(64, 128, device=DEV, dtype=torch.float16)

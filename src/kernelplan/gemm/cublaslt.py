@@ -229,6 +229,7 @@ class _Plan:
         self.one_ptr, self.zero_ptr = self.unit.ctypes.data, self.unit.ctypes.data + self.unit.itemsize
         self.pointer = np.zeros(1, dtype=np.uint64)  # staging for the per-call bias / aux pointers
         self.pointer_ptr = self.pointer.ctypes.data
+        self.bias_set = None  # the bias pointer the descriptor holds now: a repeated bias is not set again
         self.handle = _handle(key.device)
         self.lock = threading.Lock()
         self.tuned = False
@@ -341,6 +342,7 @@ class CublasLtGemmBackend(Backend):
         lt = _lt()
         bias_attr = _pointer_attrs()[0]
         run = self.run
+        stream_of = _RAW_STREAM if _RAW_STREAM is not None else _raw_stream
 
         def call(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
             d = x2.new_empty((m, n))  # D has x's dtype here, and new_empty is the cheapest allocation
@@ -358,12 +360,22 @@ class CublasLtGemmBackend(Backend):
                                    plan.one_ptr, plan.zero_ptr, plan.key.device)
                 return d
             plan, handle, mdesc, la, lb, lc, ld, algo, ws_bytes, one, zero, device = route
-            stream = _raw_stream(device)
-            ws = _workspace(ws_bytes, stream, device).data_ptr() if ws_bytes else 0
+            stream = stream_of(device)
+            ws = 0
+            if ws_bytes:
+                held = _workspaces.get(stream)
+                if held is None or held.numel() < ws_bytes or _capturing():
+                    held = _workspace(ws_bytes, stream, device)
+                ws = held.data_ptr()
             pd = d.data_ptr()
+            if bias is None:
+                # A NONE plan's descriptor is never changed by a call (no bias, no aux): no lock to take.
+                lt.matmul(handle, mdesc, one, pw, la, px, lb, zero, pd, lc, pd, ld, algo, ws, ws_bytes, stream)
+                return d
+            bp = bias.data_ptr()
             with plan.lock:
-                if bias is not None:
-                    plan.pointer[0] = bias.data_ptr()
+                if plan.bias_set != bp:  # inference passes the same bias every call: set once
+                    plan.pointer[0] = plan.bias_set = bp
                     lt.matmul_desc_set_attribute(mdesc, bias_attr, plan.pointer_ptr, 8)
                 lt.matmul(handle, mdesc, one, pw, la, px, lb, zero, pd, lc, pd, ld, algo, ws, ws_bytes, stream)
             return d
@@ -531,10 +543,15 @@ def _raw_stream(index: int) -> int:
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+def _capturing() -> bool:
+    """``torch.cuda.is_current_stream_capturing()`` without its Python wrapper (per call, on the host path)."""
+    return torch._C._cuda_isCurrentStreamCapturing()
+
+
 def _workspace(nbytes: int, stream: int, device: int) -> torch.Tensor | None:
     if nbytes == 0:
         return None
-    if torch.cuda.is_current_stream_capturing():
+    if _capturing():
         return torch.empty(nbytes, dtype=torch.uint8, device=device)  # the graph's pool keeps it
     ws = _workspaces.get(stream)  # stream handles are unique across devices
     if ws is None or ws.numel() < nbytes:
@@ -555,7 +572,7 @@ def _launch(plan: _Plan, a, b, c, d, bias, aux, bgrad, alpha, beta, stream: int,
     with plan.lock:
         plan.alpha[0], plan.beta[0] = alpha, beta
         if bias is not None or bgrad is not None:
-            plan.pointer[0] = (bias if bias is not None else bgrad).data_ptr()
+            plan.pointer[0] = plan.bias_set = (bias if bias is not None else bgrad).data_ptr()
             lt.matmul_desc_set_attribute(plan.desc, bias_attr, plan.pointer_ptr, 8)
         if aux is not None:
             plan.pointer[0] = aux.data_ptr()
