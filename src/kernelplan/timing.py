@@ -10,42 +10,30 @@ from typing import Callable
 import torch
 
 
-def host_us_per_call(fn: Callable, dev: torch.device, calls: int) -> float:
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def host_us_per_call(fn: Callable, dev: torch.device, calls: int, *, wait: bool = True) -> float:
     """Wall time per call of ``calls`` back-to-back calls, after a warm-up.
 
-    On a GPU whose kernels are shorter than the host work this is the host
-    work: the launch queue never fills, so nothing waits on the device.
+    With ``wait`` the clock stops once the device has finished: the larger of
+    the host work and the device time.  Without it the clock stops when the
+    last call returns, so it reads the host work alone even where the kernels
+    are longer; ``calls`` must then stay well under the launch queue's depth
+    (about a thousand launches), or the host stalls on a full queue.
     """
     for _ in range(max(calls // 10, 1)):
         fn()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+    _sync(dev)
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
-
-
-def host_only_us_per_call(fn: Callable, dev: torch.device, calls: int) -> float:
-    """Host time per call alone: ``calls`` back-to-back calls timed until the last one returns.
-
-    The device is idle at the start and not waited for at the end, so where
-    the kernels are longer than the host work (``host_us_per_call`` then
-    reads the device) this still reads the host.  ``calls`` must stay well
-    under the launch queue's depth (about a thousand launches), or the host
-    stalls on a full queue.
-    """
-    fn()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
+    if wait:
+        _sync(dev)
     elapsed = time.perf_counter() - t0
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+    _sync(dev)
     return elapsed / calls * 1e6
 
 
@@ -85,6 +73,7 @@ def host_report(fns: dict[str, Callable], dev: torch.device, calls: int = 200, r
     Both are medians of ``interleaved`` rounds.  ``wall_us`` is the larger of
     the host work and the device time; ``host_us`` is what the issue budgets.
     """
-    host = interleaved({name: lambda fn=fn: host_only_us_per_call(fn, dev, calls) for name, fn in fns.items()}, rounds)
+    host = interleaved({name: lambda fn=fn: host_us_per_call(fn, dev, calls, wait=False) for name, fn in fns.items()},
+                       rounds)
     wall = host_us_side_by_side(fns, dev, 2 * calls, rounds=max(rounds // 3, 3))
     return {"host_us": host, "wall_us": wall}
