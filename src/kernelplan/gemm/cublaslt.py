@@ -50,6 +50,7 @@ import torch
 
 from .._checks import same_device
 from ..errors import InvalidProblem, Unsupported, WorkspaceTooSmall
+from ..kernels import raw_stream as _raw_stream, stream_capturing
 from ..plan import Backend, PrecisionGuarantee
 from .epilogue import Epilogue
 from .plan import GemmArgs, GemmDescriptor, GemmPlan
@@ -342,7 +343,6 @@ class CublasLtGemmBackend(Backend):
         lt = _lt()
         bias_attr = _pointer_attrs()[0]
         run = self.run
-        stream_of = _RAW_STREAM if _RAW_STREAM is not None else _raw_stream
 
         def call(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
             d = x2.new_empty((m, n))  # D has x's dtype here, and new_empty is the cheapest allocation
@@ -360,13 +360,8 @@ class CublasLtGemmBackend(Backend):
                                    plan.one_ptr, plan.zero_ptr, plan.key.device)
                 return d
             plan, handle, mdesc, la, lb, lc, ld, algo, ws_bytes, one, zero, device = route
-            stream = stream_of(device)
-            ws = 0
-            if ws_bytes:
-                held = _workspaces.get(stream)
-                if held is None or held.numel() < ws_bytes or _capturing():
-                    held = _workspace(ws_bytes, stream, device)
-                ws = held.data_ptr()
+            stream = _raw_stream(device)
+            ws = _workspace(ws_bytes, stream, device).data_ptr() if ws_bytes else 0
             pd = d.data_ptr()
             if bias is None:
                 # A NONE plan's descriptor is never changed by a call (no bias, no aux): no lock to take.
@@ -528,30 +523,10 @@ def _plan_for(key: _Key) -> _Plan:
 _workspaces: dict = {}  # cudaStream_t -> a uint8 buffer, reused: launches on one stream are ordered
 
 
-def _raw_stream(index: int) -> int:
-    """The caller's current stream on device ``index``, as a ``cudaStream_t``.
-
-    Through the accessor Triton's launcher uses where this torch has it: the public
-    ``torch.cuda.current_stream(index).cuda_stream`` builds a Stream object, about 4 µs
-    of host time per call on an H200 host, a sixth of a small GEMM's.
-    """
-    if _RAW_STREAM is not None:
-        return _RAW_STREAM(index)
-    return torch.cuda.current_stream(index).cuda_stream
-
-
-_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _capturing() -> bool:
-    """``torch.cuda.is_current_stream_capturing()`` without its Python wrapper (per call, on the host path)."""
-    return torch._C._cuda_isCurrentStreamCapturing()
-
-
 def _workspace(nbytes: int, stream: int, device: int) -> torch.Tensor | None:
     if nbytes == 0:
         return None
-    if _capturing():
+    if stream_capturing():
         return torch.empty(nbytes, dtype=torch.uint8, device=device)  # the graph's pool keeps it
     ws = _workspaces.get(stream)  # stream handles are unique across devices
     if ws is None or ws.numel() < nbytes:
@@ -590,7 +565,7 @@ def _tune(plan: _Plan, call, stream) -> None:
     """
     from ..cache import plan_cache
 
-    if len(plan.results) == 1 or torch.cuda.is_current_stream_capturing():
+    if len(plan.results) == 1 or stream_capturing():
         plan.tuned = len(plan.results) == 1
         return
     times = []

@@ -130,9 +130,24 @@ class Launcher:
 
 def current_stream(device: torch.device) -> int:
     """The raw handle of the caller's current CUDA stream on ``device``."""
-    return torch._C._cuda_getCurrentRawStream(device.index)
+    return raw_stream(device.index)
 
 
-def current_stream_index(device_index: int) -> int:
-    """``current_stream`` by device index (``tensor.get_device()``): no device object built."""
-    return torch._C._cuda_getCurrentRawStream(device_index)
+def raw_stream(index: int) -> int:
+    """The caller's current stream on device ``index``, as a ``cudaStream_t``.
+
+    Through the accessor Triton's launcher uses where this torch has it: the public
+    ``torch.cuda.current_stream(index).cuda_stream`` builds a Stream object, about 4 µs
+    of host time per call on an H200 host, a sixth of a small GEMM's.
+    """
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def stream_capturing() -> bool:
+    """``torch.cuda.is_current_stream_capturing()`` without its Python wrapper (asked per call on host paths)."""
+    return torch._C._cuda_isCurrentStreamCapturing()

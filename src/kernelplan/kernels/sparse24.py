@@ -73,7 +73,7 @@ import triton
 import triton.language as tl
 
 from ..sparse24.format import derived_from, output_rows, unpack_positions
-from . import Launcher, current_stream_index
+from . import Launcher, raw_stream, stream_capturing
 from .activations import ACTIVATION_CODES, act_and_grad
 
 # The code of a group names the dense positions (p0, p1) of its values v0, v1.  The expansion
@@ -541,11 +541,11 @@ class _WeightLaunch:
         read = self.copy if self.copy is not None else values
         self.weight = (read.data_ptr(), self.codes.data_ptr(), *read.stride())
         self.dtype, self.itemsize = values.dtype, values.element_size()
-        self.cfg, self.has_bias = cfg, has_bias
+        self.cfg = cfg
         self.consts = dict(ACT=ACTIVATION_CODES[activation or "identity"], HAS_BIAS=has_bias, SPLIT=cfg.splits > 1,
                            IEEE=not prmt, PRMT=prmt, BFE=cfg.bfe,
                            BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k)
-        self.m, self.k = values.shape[0], 2 * values.shape[1]
+        self.m, self.k_split = values.shape[0], 2 * values.shape[1] // cfg.splits
         self._kernels: dict = {}  # per-call key -> (Compiled, grid, tiles, partials)
 
     def __call__(self, x, bias, y, capturing: bool | None = None) -> None:
@@ -554,24 +554,26 @@ class _WeightLaunch:
         vp, codes, svm, svk = self.weight
         bp = bias.data_ptr() if bias is not None else vp
         sx, sy = x.stride(), y.stride()
-        hit = self._kernels.get((n, sx, sy, xp & 15, bp & 15, yp & 15))
+        key = (n, sx, sy, xp & 15, bp & 15, yp & 15)
+        hit = self._kernels.get(key)
         if hit is None:
-            hit = self._compile(x, bias, y, n)
+            hit = self._compile(x, bias, y, key)
         kernel, grid, tiles, partials = hit
         device = x.get_device()
-        stream = current_stream_index(device)
+        stream = raw_stream(device)
         if tiles:  # a K split: its partials and counters live in scratch
             if capturing is None:
-                capturing = torch.cuda.is_current_stream_capturing()
+                capturing = stream_capturing()
             counters, ws = split_scratch(device, stream, tiles, partials, capturing)
             cp, wp = counters.data_ptr(), ws.data_ptr()
         else:  # never read: placeholders
             cp = wp = yp
-        kernel(grid, (xp, vp, codes, bp, yp, wp, cp, n, self.m, self.k // self.cfg.splits, sx[0], sx[1], svm, svk,
-                      sy[0], sy[1]), stream)
+        kernel(grid, (xp, vp, codes, bp, yp, wp, cp, n, self.m, self.k_split, sx[0], sx[1], svm, svk, sy[0], sy[1]),
+               stream)
 
-    def _compile(self, x, bias, y, n):
-        """The kernel for this call's specialization; the scratch stands in by dtype (it is aligned)."""
+    def _compile(self, x, bias, y, key):
+        """The kernel for this call's specialization (``key``); the scratch stands in by dtype (it is aligned)."""
+        n = key[0]
         if len(self._kernels) >= self._MAX_KEYS:
             self._kernels.clear()
         cfg = self.cfg
@@ -584,11 +586,9 @@ class _WeightLaunch:
         weight = torch.empty(32, dtype=self.dtype, device=x.device)[(vp % 16) // self.itemsize:]
         codes = torch.empty(16, dtype=torch.int32, device=x.device)
         args = (x, weight, codes, bias if bias is not None else weight, y, ws, counters,
-                n, self.m, self.k // cfg.splits, *x.stride(), svm, svk, *y.stride())
+                n, self.m, self.k_split, *x.stride(), svm, svk, *y.stride())
         kernel = _gemm.compiled(args, self.consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         grid = _tiles(cfg, n, self.m)
         tiles = grid[0] * grid[2] if split else 0
-        bp = bias.data_ptr() if bias is not None else vp
-        hit = self._kernels[(n, x.stride(), y.stride(), x.data_ptr() & 15, bp & 15, y.data_ptr() & 15)] = (
-            kernel, grid, tiles, partial_count(cfg, n, self.m) if split else 0)
+        hit = self._kernels[key] = (kernel, grid, tiles, partial_count(cfg, n, self.m) if split else 0)
         return hit

@@ -18,6 +18,7 @@ from .._checks import check_dims, check_no_overlap, check_tensor, choice, plain_
 from ..activations import ACTIVATIONS
 from ..dtypes import dtype_info
 from ..errors import InvalidProblem, MisalignedOperand
+from ..kernels import stream_capturing
 from ..plan import Backend, BackendRegistry, Plan, PrecisionGuarantee, dispatch_generation, memoised_select
 from .format import SPARSE24_DTYPES, Sparse24Weight, output_rows
 
@@ -133,7 +134,7 @@ def _sparse24_linear_impl(
 
 def _plan_for(x, values, metadata, bias, activation) -> GemmSparse24Plan:
     """The dispatched plan of a call, tuning its bucket first if it is the bucket's first call."""
-    graph = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    graph = x.is_cuda and stream_capturing()
     problem = (math.prod(x.shape[:-1]), values.shape[0], x.shape[-1], x.dtype, activation, bias is not None, x.device)
     desc = _descriptor(*problem, graph)
     if x.is_cuda and not graph and _first_of_its_bucket(desc):
@@ -253,7 +254,7 @@ def linear_parts(x, values, metadata, bias=None, activation=None) -> torch.Tenso
         # plan is the one dispatch chose (the key's generation says the choice has not changed).
         # A call recorded into a CUDA graph has its own choice (GemmSparse24Descriptor.graph).
         key = (id(values), values.dtype, values.device, id(metadata), None if bias is None else id(bias),
-               x.shape, x.dtype, x.device, activation, x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())
+               x.shape, x.dtype, x.device, activation, x.is_cuda and stream_capturing())
         hit = _prepared.get(key)
         if hit is not None and hit[0] == dispatch_generation(GemmSparse24Plan) and \
                 hit[1]() is values and hit[2]() is metadata and (bias is None or hit[3]() is bias):
