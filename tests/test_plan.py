@@ -260,3 +260,16 @@ def test_a_win_over_the_floor_must_hold_when_measured_again():
     for first in ({"dense": 10.0, "near": 9.8}, {"dense": 10.0, "slow": 12.0}):
         timings, calls = run(first, {})
         assert timings == first and calls == []
+
+
+def test_cusparselt_refuses_f16_off_device_index_zero_with_its_reason():
+    # cuSPARSELt 0.8's f16 search fails on device index 1 (sparse24/cusparselt.py): a reason, not a crash.
+    from kernelplan.sparse24 import GemmSparse24Descriptor, GemmSparse24Plan
+
+    cusparselt = GemmSparse24Plan.registry.get("cusparselt")
+    reason = cusparselt.supports(GemmSparse24Descriptor(48, 256, 512, "f16", device="cuda:1"))
+    assert reason is not None and "device index 1" in reason and "CUDA_VISIBLE_DEVICES" in reason
+    for dtype, device in (("bf16", "cuda:1"), ("f16", "cuda:0")):
+        other = cusparselt.supports(GemmSparse24Descriptor(48, 256, 512, dtype, device=device))
+        assert other is None or "device index" not in other
+

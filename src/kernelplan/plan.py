@@ -21,6 +21,7 @@ import torch
 
 from ._checks import same_device
 from .errors import InvalidProblem, InvalidState, Unsupported, WorkspaceTooSmall
+from .kernels import current_device, on_device
 
 log = logging.getLogger("kernelplan.plan")
 
@@ -185,6 +186,10 @@ class Plan:
         )
         self.precision_guarantee = backend.precision(desc)
         self._workspace_bytes: int | None = None  # run_prechecked's, asked of the backend once
+        # The CUDA device the backend launches on, made current around its run (None: CPU, or "cuda"
+        # meaning the current one).  Libraries launch into the current device, torch's ops do not.
+        device = torch.device(desc.device)
+        self._device_index = device.index if device.type == "cuda" else None
 
     # -- selection -------------------------------------------------------
     @classmethod
@@ -294,13 +299,14 @@ class Plan:
         workspace = self._workspace(workspace)
         device = torch.device(self.desc.device)
         if stream is None:
-            return self.backend.run(self.desc, args, workspace)
+            with on_device(self._device_index):
+                return self.backend.run(self.desc, args, workspace)
         if device.type != "cuda":
             raise InvalidProblem(
                 f"stream is {stream!r} but this plan runs on {device}; streams exist only on "
                 f"CUDA devices: pass stream=None"
             )
-        with torch.cuda.stream(stream):
+        with on_device(self._device_index), torch.cuda.stream(stream):
             return self.backend.run(self.desc, args, workspace)
 
     def run_prechecked(self, args) -> None:
@@ -314,6 +320,10 @@ class Plan:
         if needed is None:
             needed = self._workspace_bytes = self.workspace_size()
         workspace = torch.empty(needed, dtype=torch.uint8, device=self.desc.device) if needed else None
+        index = self._device_index
+        if index is not None and current_device() != index:
+            with torch.cuda.device(index):
+                return self.backend.run(self.desc, args, workspace)
         return self.backend.run(self.desc, args, workspace)
 
     def _workspace(self, workspace: torch.Tensor | None) -> torch.Tensor | None:

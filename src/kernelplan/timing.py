@@ -12,7 +12,7 @@ import torch
 
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(dev)  # dev's own queue, whichever device is current
 
 
 def host_us_per_call(fn: Callable, dev: torch.device, calls: int, *, wait: bool = True) -> float:

@@ -50,7 +50,7 @@ import torch
 
 from .._checks import same_device
 from ..errors import InvalidProblem, Unsupported, WorkspaceTooSmall
-from ..kernels import raw_stream as _raw_stream, stream_capturing
+from ..kernels import current_device, raw_stream as _raw_stream, stream_capturing
 from ..plan import Backend, PrecisionGuarantee
 from .epilogue import Epilogue
 from .plan import GemmArgs, GemmDescriptor, GemmPlan
@@ -338,6 +338,9 @@ class CublasLtGemmBackend(Backend):
                 or desc.d_dtype != desc.dtype):
             return None
         m, n = desc.m, desc.n
+        index = torch.device(desc.device).index
+        if index is None:
+            return None  # a descriptor of "cuda" means whichever device is current: run() resolves it
         # (x strides, w strides, x and w alignment) -> the plan's launch arguments, unpacked once
         routes: dict = {}
         lt = _lt()
@@ -345,6 +348,9 @@ class CublasLtGemmBackend(Backend):
         run = self.run
 
         def call(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            if current_device() != index:  # cuBLASLt launches into the current device's context
+                with torch.cuda.device(index):
+                    return call(x2, w, bias)
             d = x2.new_empty((m, n))  # D has x's dtype here, and new_empty is the cheapest allocation
             if bias is not None and (bias.stride(0) != 1 or bias.data_ptr() & 15):
                 run(desc, GemmArgs(x2, w, d, bias=bias), None)  # run copies such a bias; nothing to route

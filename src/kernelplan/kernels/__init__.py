@@ -7,7 +7,7 @@ lazily, from a backend's ``run``; ``triton_reason`` answers a backend's
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import importlib.util
 import os
 
@@ -112,11 +112,14 @@ class Launcher:
         if names is None:
             names = self._constexpr_names[len(args)] = self.fn.arg_names[len(args):]
         values = tuple(constexprs[name] for name in names)  # the kernel's parameter order
-        key = (values, tuple(options.items()), tuple(_specialization(a) for a in args))
+        # A compiled kernel is loaded into one device's context: the device is part of the key.
+        device = args[0].get_device()
+        key = (device, values, tuple(options.items()), tuple(_specialization(a) for a in args))
         hit = self._compiled.get(key)
         if hit is None:
-            kernel = self.fn.warmup(*args, grid=(1,), **constexprs, **options)
-            hit = self._compiled[key] = Compiled(kernel, values, len(args))
+            with on_device(device):  # Triton compiles and loads for the current device
+                kernel = self.fn.warmup(*args, grid=(1,), **constexprs, **options)
+                hit = self._compiled[key] = Compiled(kernel, values, len(args))
         return hit
 
     def __call__(self, grid, args: tuple, constexprs: dict, **options) -> None:
@@ -125,12 +128,9 @@ class Launcher:
             return
         # A compiled kernel's launcher reads all three grid dimensions; pointers go as ints.
         ints = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
-        self.compiled(args, constexprs, **options)((*grid, 1, 1)[:3], ints, current_stream(args[0].device))
-
-
-def current_stream(device: torch.device) -> int:
-    """The raw handle of the caller's current CUDA stream on ``device``."""
-    return raw_stream(device.index)
+        device = args[0].get_device()
+        with on_device(device):
+            self.compiled(args, constexprs, **options)((*grid, 1, 1)[:3], ints, raw_stream(device))
 
 
 def raw_stream(index: int) -> int:
@@ -146,6 +146,24 @@ def raw_stream(index: int) -> int:
 
 
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def on_device(index: int | None):
+    """A context in which device ``index`` is current: a no-op one where it already is (or index is None).
+
+    Triton, cuBLASLt and cuSPARSELt launch into the current device's context and
+    Triton compiles for the current device, where torch's own ops guard the
+    device of their tensors.  Without this, a tensor on cuda:1 while cuda:0 is
+    current is a launch error, or a kernel loaded for the other device.
+    """
+    if index is None or torch._C._cuda_getDevice() == index:
+        return contextlib.nullcontext()
+    return torch.cuda.device(index)
+
+
+def current_device() -> int:
+    """The index of the current CUDA device (``torch.cuda.current_device`` without its wrapper)."""
+    return torch._C._cuda_getDevice()
 
 
 def stream_capturing() -> bool:

@@ -73,7 +73,7 @@ import triton
 import triton.language as tl
 
 from ..sparse24.format import derived_from, output_rows, unpack_positions
-from . import Launcher, raw_stream, stream_capturing
+from . import Launcher, current_device, raw_stream, stream_capturing
 from .activations import ACTIVATION_CODES, act_and_grad
 
 # The code of a group names the dense positions (p0, p1) of its values v0, v1.  The expansion
@@ -546,9 +546,15 @@ class _WeightLaunch:
                            IEEE=not prmt, PRMT=prmt, BFE=cfg.bfe,
                            BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k)
         self.m, self.k_split = values.shape[0], 2 * values.shape[1] // cfg.splits
+        self.device = values.get_device()
         self._kernels: dict = {}  # per-call key -> (Compiled, grid, tiles, partials)
 
     def __call__(self, x, bias, y, capturing: bool | None = None) -> None:
+        device = self.device
+        if current_device() != device:  # the kernel and the stream are the weight's device's
+            with torch.cuda.device(device):
+                self(x, bias, y, capturing)
+            return
         n = x.shape[0]
         xp, yp = x.data_ptr(), y.data_ptr()
         vp, codes, svm, svk = self.weight
@@ -559,7 +565,6 @@ class _WeightLaunch:
         if hit is None:
             hit = self._compile(x, bias, y, key)
         kernel, grid, tiles, partials = hit
-        device = x.get_device()
         stream = raw_stream(device)
         if tiles:  # a K split: its partials and counters live in scratch
             if capturing is None:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from ..activations import ACTIVATIONS
 from ..dtypes import dtype_info
 from ..errors import InvalidProblem, KernelPlanError
-from ..kernels import triton_reason
+from ..kernels import on_device, triton_reason
 from ..plan import Backend, PrecisionGuarantee
 from .cusparselt import CusparseLtSparse24Backend
 from .format import derived_from
@@ -238,6 +238,12 @@ def tune(desc, call: Callable, *, warmup_ms: float = 10.0, rep_ms: float = 25.0)
     """
     if not desc.device.startswith("cuda"):
         raise InvalidProblem(f"descriptor.device is {desc.device}; tuning measures CUDA kernels only")
+    # do_bench's events, cache flush and synchronize are the current device's: make it desc's.
+    with on_device(torch.device(desc.device).index):
+        return _tune(desc, call, warmup_ms, rep_ms)
+
+
+def _tune(desc, call: Callable, warmup_ms: float, rep_ms: float) -> str:
     import triton.testing
 
     candidates = tunable(desc) or GemmSparse24Plan.candidates(desc)

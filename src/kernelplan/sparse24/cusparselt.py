@@ -340,6 +340,16 @@ class CusparseLtSparse24Backend(Backend):
         if bad:
             return (f"cuSPARSELt needs m and k to be multiples of 16 (and at least 16); got {', '.join(bad)}: "
                     f"pad the weight, or take another backend")
+        index = _device_index(desc.device)
+        if index is None and torch.cuda.is_available():
+            index = torch.cuda.current_device()
+        if desc.dtype == "f16" and index:
+            # Measured with cuSPARSELt 0.8.0 on two H200s: every f16 search on device index 1 failed
+            # (status 7, or an illegal memory access that ends the process's CUDA context), with
+            # either GPU as index 1 (CUDA_VISIBLE_DEVICES=1,0); the same GPU as index 0 ran, as did
+            # bf16 on index 1.
+            return (f"dtype f16 on {desc.device} (device index {index}): cuSPARSELt 0.8's search fails for f16 "
+                    f"on any device but index 0; run bf16, or make this GPU index 0 with CUDA_VISIBLE_DEVICES")
         return available()
 
     def priority_for(self, desc) -> int:
