@@ -34,6 +34,7 @@ class Row:
     kp_ms: float
     torch_ms: float
     ok: bool
+    floor_ms: float | None = None  # the case's GEMMs alone (Case.run_floor), where it has them
 
 
 def _time_ms(fn, device: torch.device) -> float:
@@ -112,7 +113,8 @@ def _run_cases(name: str, dev: torch.device) -> tuple[list[dict], bool]:
                 # three alternating rounds: one timing each left the ratio to drift (the FusedLinear
                 # gelu step at 2048x4096->14336 timed 1.30 ms here on an H200 and 1.01 ms alone)
                 **{f"{name}_ms": ms for name, ms in interleaved(
-                    {"kp": lambda: _time_ms(case.run_kp, dev), "torch": lambda: _time_ms(case.run_torch, dev)},
+                    {"kp": lambda: _time_ms(case.run_kp, dev), "torch": lambda: _time_ms(case.run_torch, dev),
+                     **({"floor": lambda: _time_ms(case.run_floor, dev)} if case.run_floor else {})},
                     rounds=3).items()},
                 # the bar the tests use: within 2x torch's own error plus a small floor
                 ok=err <= 2 * torch_err + case.atol,
@@ -174,4 +176,6 @@ def _print(rows: list[Row], dev: torch.device) -> None:
         print(
             f"{r.suite:10} {r.case:34} {r.dtype:9} {r.backend:10} {r.err:9.2e} {r.torch_err:9.2e} "
             f"{r.kp_ms:8.3f} {r.torch_ms:8.3f}  {'yes' if r.ok else 'NO'}"
+            + (f"   (GEMMs alone {r.floor_ms:.3f} ms: torch / that = {r.torch_ms / r.floor_ms:.2f}x, "
+               f"the most fusion around them can give)" if r.floor_ms else "")
         )
