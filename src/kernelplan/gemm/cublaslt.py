@@ -532,7 +532,9 @@ _workspaces: dict = {}  # cudaStream_t -> a uint8 buffer, reused: launches on on
 def _workspace(nbytes: int, stream: int, device: int) -> torch.Tensor | None:
     if nbytes == 0:
         return None
-    if stream_capturing():
+    # Nothing is captured on the legacy default stream (handle 0: CUDA refuses to capture it), and
+    # most eager work runs there: the capture query (0.8 us of host time on an H100 host) is skipped.
+    if stream and stream_capturing():
         return torch.empty(nbytes, dtype=torch.uint8, device=device)  # the graph's pool keeps it
     ws = _workspaces.get(stream)  # stream handles are unique across devices
     if ws is None or ws.numel() < nbytes:
