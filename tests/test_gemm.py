@@ -126,6 +126,13 @@ def test_inference_fast_path_skips_checks_and_keeps_shapes(monkeypatch, seed):
                              atol=FWD_ATOL[torch.float32])
                 assert y.shape == (*x.shape[:-1], 24)
             assert not checks, "a repeated call with the same layout takes the fast path"
+    # Another layout of a known problem: still the fast path (backends take any strides), still right.
+    with torch.no_grad():
+        for x in (torch.randn(40, 7).t(), torch.randn(7, 80)[:, 1::2], torch.randn(7, 40)):
+            y = kp.linear(x, w, torch.stack([bias, bias], 1).reshape(-1)[::2])  # bias with stride 2
+            assert_close(y, F.linear(x.double(), w.double(), bias.double()), F.linear(x, w, bias),
+                         atol=FWD_ATOL[torch.float32])
+    assert not checks, "a new layout of a known problem takes the fast path"
     # The same layout in another dtype is another entry: the checks run and name the mismatch.
     with torch.no_grad(), pytest.raises(InvalidProblem, match="w"):
         kp.linear(torch.randn(7, 40), w.double(), bias)
