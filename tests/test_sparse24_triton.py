@@ -73,6 +73,8 @@ WIDE_CASES = [  # n > 16, K % 128 == 0: the cases triton_m128 takes
     (17, 64, 256, "gelu", True, "transposed"),  # one 128-row tile, rows past M masked
     (70, 130, 2048, "relu", True, "transposed"),  # 2 M tiles x 2 N tiles, K split: one counter each
     (33, 256, 1024, None, False, "strided"),  # 32-wide N tiles, two of them
+    # A 64-wide N tile whose M tiles fill the SMs (132 on a GPU, 4 under the interpreter): no split, 8 warps.
+    (40, 16896 if DEV == "cuda" else 512, 256, "silu", True, "contiguous"),
 ]
 
 
@@ -99,6 +101,9 @@ def test_triton_wide_config_splits_k_to_2048_columns_per_program():
     # 224 tiles already fill the SMs, and K is still split to 2048 columns per program.
     assert config_for(32, 28672, 8192, sm_count=132, wide=True).splits == 4
     assert config_for(32, 28672, 8192, sm_count=132, wide=True).num_stages == 4
+    # 64 wide, tiles that fill the SMs alone: one program per tile, 8 warps.
+    assert config_for(64, 28672, 8192, sm_count=132, wide=True) == Config(64, 128, 128, 1, num_warps=8, num_stages=3)
+    assert config_for(40, 16896, 256, sm_count=132, wide=True).splits == 1
     with pytest.raises(ValueError, match="16-wide"):
         config_for(16, 8192, 8192, sm_count=132, wide=True)
 
