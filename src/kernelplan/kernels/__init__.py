@@ -149,14 +149,17 @@ _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def on_device(index: int | None):
-    """A context in which device ``index`` is current: a no-op one where it already is (or index is None).
+    """A context in which CUDA device ``index`` is current: a no-op one where it already is.
+
+    ``index`` None (a bare "cuda": the current device) or negative (a CPU tensor's
+    ``get_device()``) changes nothing.
 
     Triton, cuBLASLt and cuSPARSELt launch into the current device's context and
     Triton compiles for the current device, where torch's own ops guard the
     device of their tensors.  Without this, a tensor on cuda:1 while cuda:0 is
     current is a launch error, or a kernel loaded for the other device.
     """
-    if index is None or torch._C._cuda_getDevice() == index:
+    if index is None or index < 0 or torch._C._cuda_getDevice() == index:
         return contextlib.nullcontext()
     return torch.cuda.device(index)
 
