@@ -77,3 +77,10 @@ def host_report(fns: dict[str, Callable], dev: torch.device, calls: int = 200, r
                        rounds)
     wall = host_us_side_by_side(fns, dev, 2 * calls, rounds=max(rounds // 3, 3))
     return {"host_us": host, "wall_us": wall}
+
+
+def host_report_line(report: dict, where: str) -> str:
+    """One printed line of a ``host_report`` of kernelplan against F.linear at ``where``."""
+    host, wall = report["host_us"], report["wall_us"]
+    return (f"per call at {where}: host work kernelplan {host['kernelplan']:.1f} us, F.linear {host['F.linear']:.1f} us; "
+            f"back to back, waited for: {wall['kernelplan']:.1f} us, {wall['F.linear']:.1f} us")

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..gemm import linear
-from ..timing import host_report, interleaved
+from ..timing import host_report, host_report_line, interleaved
 from .cases import SUITES
 
 
@@ -102,11 +102,12 @@ def _run_cases(name: str, dev: torch.device) -> tuple[list[dict], bool]:
         out, backend = case.run_kp()
         baseline = case.run_torch()
         err, torch_err = _rel_err(out, case.oracle), _rel_err(baseline, case.oracle)
-        floors = {f"floor {who}": (lambda fn=fn: _time_ms(fn, dev)) for who, fn in (case.floors or {}).items()}
+        floors = case.floors or {}
         # three alternating rounds: one timing each left the ratio to drift (the FusedLinear
         # gelu step at 2048x4096->14336 timed 1.30 ms here on an H200 and 1.01 ms alone)
         ms = interleaved({"kp": lambda: _time_ms(case.run_kp, dev), "torch": lambda: _time_ms(case.run_torch, dev),
-                          **floors}, rounds=3)
+                          **{f"floor {who}": lambda fn=fn: _time_ms(fn, dev) for who, fn in floors.items()}},
+                         rounds=3)
         rows.append(
             Row(
                 suite=name,
@@ -117,7 +118,7 @@ def _run_cases(name: str, dev: torch.device) -> tuple[list[dict], bool]:
                 torch_err=torch_err,
                 kp_ms=ms["kp"],
                 torch_ms=ms["torch"],
-                floor_ms={name.split()[1]: ms[name] for name in floors} or None,
+                floor_ms={who: ms[f"floor {who}"] for who in floors} or None,
                 # the bar the tests use: within 2x torch's own error plus a small floor
                 ok=err <= 2 * torch_err + case.atol,
             )
@@ -135,10 +136,7 @@ def gemm_host_overhead_us(dev: torch.device) -> dict:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     x, w = torch.randn(m, k, device=dev, dtype=dtype), torch.randn(n, k, device=dev, dtype=dtype)
     out = host_report({"kernelplan": lambda: linear(x, w), "F.linear": lambda: F.linear(x, w)}, dev, calls)
-    host, wall = out["host_us"], out["wall_us"]
-    print(f"per call at {m}x{k} -> {n}: host work kernelplan.linear {host['kernelplan']:.1f} us, "
-          f"F.linear {host['F.linear']:.1f} us; back to back, waited for: {wall['kernelplan']:.1f} us, "
-          f"{wall['F.linear']:.1f} us")
+    print(host_report_line(out, f"{m}x{k} -> {n}"))
     return {"shape": [m, n, k], **out}
 
 

@@ -90,8 +90,8 @@ def fused_linear_cases(dev):
         oracle = torch.autograd.grad(act(F.linear(x64, w64, b64)), x64, dy.double())[0]
         plan = kp.GemmPlan.select(kp.GemmDescriptor(m, n, k, kp.dtypes.dtype_info(dtype).name,
                                                     epilogue=f"{activation}_aux_bias", transb=True, device=str(dev)))
-        xd, dyd = x.detach(), dy
-        dz = dyd.clone()  # stands in for act'(z) * dy: the GEMMs' times do not depend on the values
+        xd = x.detach()
+        dz = dy.clone()  # stands in for act'(z) * dy: the GEMMs' times do not depend on the values
 
         # The step's three products, y = x W^T + b, dx = dz W and dW = dz^T x, with no epilogue
         # and no elementwise pass: as torch's eager step runs them, and as kernelplan's tuned plans.

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import kernelplan as kp
 from kernelplan.sparse24 import GemmSparse24Descriptor, GemmSparse24Plan
-from kernelplan.timing import host_report, interleaved
+from kernelplan.timing import host_report, host_report_line, interleaved
 
 LLAMA = [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]  # (M, K)
 NS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
@@ -118,10 +118,7 @@ def run(dev: torch.device) -> tuple[list[dict], bool]:
                 ))
                 print(_line(rows[-1]), flush=True)
     overhead = host_overhead_us(dev)
-    host, wall = overhead["host_us"], overhead["wall_us"]
-    print(f"per call at n={overhead['shape'][0]}, {overhead['shape'][1]}x{overhead['shape'][2]}: host work "
-          f"kernelplan {host['kernelplan']:.1f} us, F.linear {host['F.linear']:.1f} us; back to back, waited for: "
-          f"{wall['kernelplan']:.1f} us, {wall['F.linear']:.1f} us")
+    print(host_report_line(overhead, f"n={overhead['shape'][0]}, {overhead['shape'][1]}x{overhead['shape'][2]}"))
     for what, why in notes.items():
         print(f"torch 2:4 unavailable for {what}: {why}")
     result = [asdict(r) for r in rows]
