@@ -76,45 +76,27 @@ def why_not_direct(kernel) -> str | None:
     return None
 
 
-class DirectLaunch:
-    """``cuLaunchKernel`` of one compiled Triton kernel; arguments as Python ints and floats.
+class FunctionLaunch:
+    """``cuLaunchKernel`` of one loaded function whose parameters are given as Triton type names.
 
-    The arguments are the kernel's positional ones as Triton took them when it
-    compiled (those it specialized to constants are dropped here), pointers
-    as ints.  Each thread packs them into a buffer of its own: the driver
-    copies a launch's parameters before the call returns.
+    Arguments are Python ints and floats, pointers as ints.  Each thread packs
+    them into a buffer of its own: the driver copies a launch's parameters
+    before the call returns.  ``extra`` 8-byte null parameters follow them.
     """
 
     __slots__ = ("name", "function", "block", "shared", "pick", "pack", "size", "_local", "_cu")
 
-    def __init__(self, kernel, n_args: int):
-        cu = _driver()
-        signature = list(kernel.src.signature.values())[:n_args]
-        runtime = [i for i, ty in enumerate(signature) if ty != "constexpr"]
-        codes = [_slot_code(signature[i]) for i in runtime]
-        self.name = kernel.metadata.name
-        if kernel.function is None:
-            # Triton loads a compiled module onto the device at its first launch, with this; it also
-            # raises the function's dynamic shared memory limit to what the kernel uses.
-            kernel._init_handles()
-        self.function = cu.CUfunction(kernel.function)
-        sizes = _param_sizes(cu, self.function)
-        extra = sizes[len(runtime):]
-        # The function's parameters must be the runtime arguments, then Triton's null scratch pointers:
-        # anything else means this Triton passes its kernels arguments in a way not known here.
-        if [size for _, size in codes] != sizes[:len(runtime)] or any(size != 8 for size in extra):
-            raise KernelPlanError(
-                f"kernel {self.name}: its compiled parameters have sizes {sizes}, where the Triton signature "
-                f"{signature} gives {[size for _, size in codes]} and 8-byte scratch pointers; launch it "
-                f"through Triton (kernelplan.kernels.Compiled with direct=False) and report the Triton version"
-            )
-        self.pick = operator.itemgetter(*runtime) if len(runtime) > 1 else (lambda args: (args[runtime[0]],))
-        self.pack = struct.Struct("<" + "".join(code for code, _ in codes) + "8x" * len(extra)).pack_into
-        self.size = 8 * len(sizes)
-        self.block = 32 * kernel.metadata.num_warps
-        self.shared = kernel.metadata.shared
+    def __init__(self, function, name: str, types: list[str], block: int, shared: int, extra: int = 0,
+                 pick=None):
+        codes = [_slot_code(ty) for ty in types]
+        if None in codes:
+            raise KernelPlanError(f"kernel {name}: parameter types {types} include one not packed here")
+        self.name, self.function, self.block, self.shared = name, function, block, shared
+        self.pick = pick or (lambda args: args)
+        self.pack = struct.Struct("<" + "".join(code for code, _ in codes) + "8x" * extra).pack_into
+        self.size = 8 * (len(codes) + extra)
         self._local = threading.local()
-        self._cu = cu
+        self._cu = _driver()
 
     def _buffers(self):
         storage = ctypes.create_string_buffer(max(self.size, 8))
@@ -134,6 +116,41 @@ class DirectLaunch:
                 f"cuLaunchKernel of {self.name} (grid {grid}, {self.block} threads, {self.shared} bytes of "
                 f"shared memory) failed: {err.name}; the device is in an error state or the launch does not fit it"
             )
+
+
+class DirectLaunch(FunctionLaunch):
+    """``cuLaunchKernel`` of one compiled Triton kernel.
+
+    The arguments are the kernel's positional ones as Triton took them when it
+    compiled (those it specialized to constants are dropped here).
+    """
+
+    __slots__ = ()
+
+    def __init__(self, kernel, n_args: int):
+        cu = _driver()
+        signature = list(kernel.src.signature.values())[:n_args]
+        runtime = [i for i, ty in enumerate(signature) if ty != "constexpr"]
+        types = [signature[i] for i in runtime]
+        name = kernel.metadata.name
+        if kernel.function is None:
+            # Triton loads a compiled module onto the device at its first launch, with this; it also
+            # raises the function's dynamic shared memory limit to what the kernel uses.
+            kernel._init_handles()
+        function = cu.CUfunction(kernel.function)
+        sizes = _param_sizes(cu, function)
+        extra = sizes[len(runtime):]
+        # The function's parameters must be the runtime arguments, then Triton's null scratch pointers:
+        # anything else means this Triton passes its kernels arguments in a way not known here.
+        if [_slot_code(ty)[1] for ty in types] != sizes[:len(runtime)] or any(size != 8 for size in extra):
+            raise KernelPlanError(
+                f"kernel {name}: its compiled parameters have sizes {sizes}, where the Triton signature "
+                f"{signature} gives {[_slot_code(ty)[1] for ty in types]} and 8-byte scratch pointers; launch "
+                f"it through Triton (kernelplan.kernels.Compiled with direct=False) and report the Triton version"
+            )
+        pick = operator.itemgetter(*runtime) if len(runtime) > 1 else (lambda args: (args[runtime[0]],))
+        super().__init__(function, name, types, 32 * kernel.metadata.num_warps, kernel.metadata.shared,
+                         extra=len(extra), pick=pick)
 
 
 def _param_sizes(cu, function) -> list[int]:

@@ -1,0 +1,87 @@
+"""CUDA C++ kernels: compiled at run time by NVRTC and loaded per device, through cuda-bindings.
+
+NVRTC ships with the CUDA wheels torch depends on (``nvidia-cuda-nvrtc``);
+cuda-bindings finds it through cuda-pathfinder.  A compile takes a fraction
+of a second and is cached per source and architecture for the process; a
+loaded function is cached per device.  Launches go through
+``direct.FunctionLaunch``, one ``cuLaunchKernel`` each.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from ..errors import KernelPlanError
+from . import on_device
+
+
+def nvrtc_reason(device: str) -> str | None:
+    """Why NVRTC kernels cannot run on ``device``, or None if they can (nothing is loaded to answer)."""
+    if torch.device(device).type != "cuda":
+        return f"device {device}: CUDA C++ kernels run on CUDA devices"
+    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
+        return "cuda-bindings is not installed: pip install cuda-bindings"
+    return None
+
+
+def arch(device_index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return f"sm_{major}{minor}"
+
+
+@functools.lru_cache(maxsize=256)
+def cubin(source: str, architecture: str) -> bytes:
+    """The compiled ``source`` for ``architecture`` (``sm_90``); the compiler's log on failure."""
+    from cuda.bindings import nvrtc
+
+    def check(result, what: str, prog=None):
+        err = result[0]
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            log = ""
+            if prog is not None:
+                _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+                buf = b" " * size
+                nvrtc.nvrtcGetProgramLog(prog, buf)
+                log = buf.decode(errors="replace").strip()
+            raise KernelPlanError(f"NVRTC {what} failed ({err.name}) for {architecture}:\n{log}")
+        return result[1:]
+
+    prog, = check(nvrtc.nvrtcCreateProgram(source.encode(), b"kernelplan.cu", 0, [], []), "program creation")
+    try:
+        options = [f"--gpu-architecture={architecture}".encode(), b"-std=c++17"]
+        check(nvrtc.nvrtcCompileProgram(prog, len(options), options), "compile", prog)
+        size, = check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
+        binary = b" " * size
+        check(nvrtc.nvrtcGetCUBIN(prog, binary), "cubin")
+        return binary
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+@functools.lru_cache(maxsize=256)
+def function(source: str, name: str, device_index: int):
+    """The kernel ``name`` of ``source``, compiled for and loaded onto CUDA device ``device_index``."""
+    from cuda.bindings import driver as cu
+
+    binary = cubin(source, arch(device_index))
+    with on_device(device_index):
+        torch.cuda.init()
+        # torch's runtime makes the device's primary context current lazily; the module must load into it.
+        err, ctx = cu.cuCtxGetCurrent()
+        if err or not int(ctx):
+            _, dev = cu.cuDeviceGet(device_index)
+            err, ctx = cu.cuDevicePrimaryCtxRetain(dev)
+            if not err:
+                err, = cu.cuCtxSetCurrent(ctx)
+        if err:
+            raise KernelPlanError(f"no CUDA context for device {device_index}: {err.name}")
+        err, module = cu.cuModuleLoadData(binary)
+        if err:
+            raise KernelPlanError(f"loading {name} onto cuda:{device_index} failed: {err.name}")
+        err, fn = cu.cuModuleGetFunction(module, name.encode())
+        if err:
+            raise KernelPlanError(f"{name} is not in its compiled module: {err.name}")
+    return fn

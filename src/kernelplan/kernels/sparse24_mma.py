@@ -1,0 +1,348 @@
+"""CUDA C++ 2:4 linear for N <= 16: every operand straight from global memory into MMA registers.
+
+The Triton kernel (``sparse24.py``) expands each compressed tile in a blocked
+register layout, and Triton moves the dense tile into the tensor cores'
+operand layout through shared memory (a store and an ``ldmatrix`` per dense
+element, behind barriers), after the values' own trip through it by
+cp.async.  At n <= 16 it levelled off at 2.9-3.0 TB/s of compressed bytes on
+an H200 (1.31-1.42x of dense).
+
+Here nothing goes through shared memory but the final sum of K slices:
+
+* The order of K inside a product is free.  ``mma.m16n8k16`` gives lane
+  ``t = lane % 4`` the K columns ``{2t, 2t+1, 2t+8, 2t+9}`` of A and of B, so
+  those four are made one 2:4 group, positions 0-3, for W and x alike.  A
+  lane expands whole groups of its own two rows (the PRMT expansion of the
+  Triton kernel, ``_expand_ptx``) straight into its A fragment, and its B
+  fragment is four consecutive elements of x.  N tiles are 8 wide.
+* Each lane takes four consecutive groups per 64-column step, and the values
+  and codes are stored tiled in the order the warp reads them
+  (``tiled_values``, ``tiled_codes``: a copy kept with the weight), so a warp
+  step reads two runs of 512 bytes and two of 64, and a warp's steps follow
+  each other in memory.
+
+Measured on an H200 (bf16, one run, against dense ``F.linear``; the Triton
+kernel at its heuristic tiles): with the weight in its row-major layout,
+n = 1 1.43-1.54x (Triton 1.32-1.42x) on the 8B and 70B shapes; tiled, n = 1
+1.59-1.79x and n = 16 1.52-1.69x, the 128256x4096 LM head at 3.9 TB/s.
+Deeper register rings (6, 8 steps), 32-row CTAs and an L2 256-byte prefetch
+hint did not pay.
+
+A CTA is ``warps`` warps over the same 16 weight rows, each warp one slice of
+K; the slices are summed through shared memory in warp order
+(deterministic), then bias and activation are applied and y is written.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import KernelPlanError
+from ..sparse24.format import derived_from, output_rows
+from . import current_device, on_device, raw_stream
+from .sparse24 import _expand_ptx, code_metadata
+
+ACT_CODES = {None: 0, "": 0, "identity": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
+MAX_N = 16  # two 8-wide N tiles
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    n_tiles: int  # 8-wide N tiles: N <= 8 * n_tiles
+    warps: int  # K slices per CTA
+    stages: int = 4  # 64-column steps in the register ring
+
+
+def mma_config(n: int, m: int, k: int, sm_count: int) -> MmaConfig:
+    """The fewest K slices that make about 15 warps per SM (H200 sweep: 4 at 8192 rows and up, 8 at 4096, 16 at 1024)."""
+    warps = next((w for w in (4, 8, 16) if -(-m // 16) * w >= 15 * sm_count), 16)
+    while (k // 64) % warps:
+        warps //= 2
+    return MmaConfig(1 if n <= 8 else 2, warps)
+
+
+def _asm(ptx: str) -> str:
+    """Triton's ``$i`` operands as CUDA inline asm's ``%i``, one C string literal per line."""
+    import re
+
+    body = re.sub(r"\$(\d+)", r"%\1", ptx)
+    return "\n".join('"' + line + '\\n"' for line in body.splitlines())
+
+
+_SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+__device__ __forceinline__ void expand(u32 pair, u32 word, u32 shift, u32 &lo, u32 &hi) {
+    asm(EXPAND : "=r"(lo), "=r"(hi) : "r"(pair), "r"(word), "r"(shift));
+}
+
+__device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." DT "." DT ".f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The weight is read once: past L1.
+__device__ __forceinline__ uint4 ld_weight(const u32 *p, bool ok) {
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (ok) asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ u32 ld_code(const u32 *p, bool ok) {
+    u32 v = 0;
+    if (ok) asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ uint4 ld_x(const u16 *p, bool ok) {
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (ok) v = __ldg((const uint4 *)p);
+    return v;
+}
+
+__device__ __forceinline__ float to_f32(u16 v) {
+#if IS_BF16
+    return __uint_as_float(((u32)v) << 16);
+#else
+    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f;
+#endif
+}
+
+__device__ __forceinline__ u16 from_f32(float v) {
+    u16 h; asm("cvt.rn." DT ".f32 %0, %1;" : "=h"(h) : "f"(v)); return h;
+}
+
+// kernelplan.activations, in fp32: gelu by erfc, gelu_tanh as z * sigmoid(2u) (accurate in the left tail).
+__device__ __forceinline__ float activate(float z) {
+#if ACT == 1
+    return z > 0.f ? z : 0.f;
+#elif ACT == 2
+    return z * 0.5f * erfcf(-z * 0.70710678118654752f);
+#elif ACT == 3
+    float u = 0.79788456080286536f * (z + 0.044715f * z * z * z);
+    return z / (1.f + expf(-2.f * u));
+#elif ACT == 4
+    return z / (1.f + expf(-z));
+#else
+    return z;
+#endif
+}
+
+__device__ __forceinline__ u32 pick(const uint4 &v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+struct Stage {
+    uint4 p[2];      // rows g and g + 8: four groups each, as (v0 | v1 << 16)
+    u32 c[2];        // their code words
+    uint4 x[NT][2];  // row g of each 8-row tile of x: the same four groups' 16 elements
+};
+
+// y[N, M] = act(x[N, K] @ W^T + bias), W as tiled_values / tiled_codes; a CTA per 16 rows of W.
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+kp_sparse24_mma(const u16 *__restrict__ x, const u32 *__restrict__ pairs, const u32 *__restrict__ codes,
+                const u16 *__restrict__ bias, u16 *__restrict__ y, int N, int M, int K, int sxn, int syn)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int kw = K / WARPS, kbeg = warp * kw, steps = kw / 64;
+
+    // Each warp step of a row tile is one run: 2 x 512 bytes of values, 2 x 64 bytes of codes.
+    const long step0 = (long)blockIdx.x * (K / 64) + kbeg / 64;
+    const u32 *pp = pairs + step0 * 256 + lane * 4;
+    const u32 *cp = codes + step0 * 32 + g * 2 + (t >> 1);
+    const u16 *xp[NT]; bool nok[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        int n = 8 * j + g;
+        nok[j] = n < N;
+        xp[j] = x + (long)(nok[j] ? n : 0) * sxn + kbeg + 16 * t;
+    }
+    const u32 shift = (t & 1) * 16;  // this lane's four codes in the word
+
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+
+    // A ring of STAGES steps in registers: step s + STAGES - 1 is loaded while step s is multiplied.
+    Stage st[STAGES];
+#define LOAD(S, STEP) do { \
+        bool live = (STEP) < steps; \
+        _Pragma("unroll") for (int h = 0; h < 2; ++h) { \
+            st[S].p[h] = ld_weight(pp + (long)(STEP) * 256 + h * 128, live); \
+            st[S].c[h] = ld_code(cp + (long)(STEP) * 32 + h * 16, live); } \
+        _Pragma("unroll") for (int j = 0; j < NT; ++j) { \
+            st[S].x[j][0] = ld_x(xp[j] + (long)(STEP) * 64, live && nok[j]); \
+            st[S].x[j][1] = ld_x(xp[j] + (long)(STEP) * 64 + 8, live && nok[j]); } \
+    } while (0)
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) LOAD(s, s);
+
+    for (int s0 = 0; s0 < steps; s0 += STAGES) {
+#pragma unroll
+        for (int u = 0; u < STAGES; ++u) {
+            LOAD((u + STAGES - 1) % STAGES, s0 + u + STAGES - 1);
+            const Stage &cur = st[u];  // past the last step: all zeros, adding nothing
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                u32 lo[2], hi[2];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) expand(pick(cur.p[h], c), cur.c[h], shift + 4 * c, lo[h], hi[h]);
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+                    mma(acc[j], lo[0], lo[1], hi[0], hi[1],
+                        pick(cur.x[j][c >> 1], 2 * (c & 1)), pick(cur.x[j][c >> 1], 2 * (c & 1) + 1));
+            }
+        }
+    }
+
+    // The K slices summed in warp order (deterministic); then bias, activation, y.
+    __shared__ float red[WARPS][16][8 * NT + 1];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) red[warp][g + 8 * (e >> 1)][8 * j + 2 * t + (e & 1)] = acc[j][e];
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < 16 * 8 * NT; idx += WARPS * 32) {
+        int ml = idx % 16, nl = idx / 16, m = blockIdx.x * 16 + ml;
+        if (m >= M || nl >= N) continue;
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) v += red[w][ml][nl];
+#if HAS_BIAS
+        v += to_f32(bias[m]);
+#endif
+        y[(long)nl * syn + m] = from_f32(activate(v));
+    }
+}
+"""
+
+
+def source(cfg: MmaConfig, dtype: str, has_bias: bool, activation: str | None) -> str:
+    """The CUDA C++ of one kernel variant (``kp_sparse24_mma``), compiled by NVRTC."""
+    defines = dict(NT=cfg.n_tiles, WARPS=cfg.warps, STAGES=cfg.stages, IS_BF16=int(dtype == "bf16"),
+                   HAS_BIAS=int(has_bias), ACT=ACT_CODES[activation])
+    head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    head += f'#define DT "{dtype}"\n'
+    head += "#define EXPAND " + _asm(_expand_ptx("shr.b32 t, $3, $4;\nand.b32 t, t, 7;\n")).replace("\n", " \\\n") + "\n"
+    return head + _SOURCE
+
+
+def tiled_values(pairs: torch.Tensor) -> torch.Tensor:
+    """int32 ``[M/16, K/64, 2, 8, 4, 4]`` from the pairs ``[M, K/4]``: each warp step's values in lane order.
+
+    Row ``16 i + 8 h + g``, group ``16 s + 4 t + c`` goes to ``[i, s, h, g, t, c]``
+    (lane ``4 g + t``).  M must be a multiple of 16.
+    """
+    m, g4 = pairs.shape
+    return pairs.view(m // 16, 2, 8, g4 // 16, 4, 4).permute(0, 3, 1, 2, 4, 5).contiguous()
+
+
+def tiled_codes(codes: torch.Tensor) -> torch.Tensor:
+    """int32 ``[M/16, K/64, 2, 8, 2]`` from the blocked ``[K/64, M, 2]`` codes: each warp step's words together."""
+    kb, m, _ = codes.shape
+    return codes.view(kb, m // 16, 2, 8, 2).permute(1, 0, 2, 3, 4).contiguous()
+
+
+def _tiled(values: torch.Tensor, metadata: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight as the kernel reads it, its rows padded to a multiple of 16 with zeros (code 0, values 0)."""
+    m = values.shape[0]
+    pad = -m % 16
+    pairs = values.detach().contiguous().view(torch.int32)
+    codes = code_metadata(metadata)
+    if pad:
+        pairs = torch.nn.functional.pad(pairs, (0, 0, 0, pad))
+        codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))
+    return tiled_values(pairs), tiled_codes(codes)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=256)
+def _launcher(cfg: MmaConfig, dtype: str, has_bias: bool, activation: str | None, device_index: int):
+    from . import nvrtc
+    from .direct import FunctionLaunch
+
+    fn = nvrtc.function(source(cfg, dtype, has_bias, activation), "kp_sparse24_mma", device_index)
+    types = ["*u16", "*i32", "*i32", "*u16", "*u16", "i32", "i32", "i32", "i32", "i32"]
+    return FunctionLaunch(fn, f"kp_sparse24_mma {cfg} {dtype}", types, 32 * cfg.warps, 0)
+
+
+def _x_readable(x: torch.Tensor) -> bool:
+    """Rows of x readable as 16-byte vectors: unit stride along K, rows and base 16-byte aligned."""
+    return x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+
+
+class MmaLinear:
+    """``call(x, values, metadata, bias) -> act(x @ W^T + bias)`` for N <= 16: the ``cuda_mma`` backend's bound call.
+
+    The tiled weight is built once per weight state (``derived_from``) and
+    kept with it: a second copy of the values (half the dense bytes) and of
+    the codes.  x whose rows are not 16-byte aligned is copied first (x is at
+    most 16 rows).
+    """
+
+    __slots__ = ("activation", "_key")
+
+    def __init__(self, activation: str | None):
+        self.activation = activation or None
+        self._key = f"mma_launch {self.activation}"
+
+    def __call__(self, x, values, metadata, bias) -> torch.Tensor:
+        y, x2, y2 = output_rows(x, values.shape[0])
+        self.launch(x2, values, metadata, bias, y2)
+        return y
+
+    def launch(self, x, values, metadata, bias, y) -> None:
+        n, m = x.shape[0], values.shape[0]
+        if n == 0 or m == 0:
+            return
+        if n > MAX_N:
+            raise KernelPlanError(f"x has {n} rows; the cuda_mma kernel takes at most {MAX_N}: dispatch another backend")
+        weight = derived_from(values, metadata, self._key, functools.partial(_MmaWeight, activation=self.activation),
+                              device_work=False)
+        weight(x, bias, y)
+
+
+class _MmaWeight:
+    """One weight's tiled layout and its launches; per call only x, bias, y and N vary."""
+
+    def __init__(self, values, metadata, activation):
+        self.pairs, self.codes = derived_from(values, metadata, "mma_tiled", _tiled)
+        self.m, self.k = values.shape[0], 2 * values.shape[1]
+        self.dtype = DTYPES[values.dtype]
+        self.device = values.get_device()
+        self.activation = activation
+        self.grid = (-(-self.m // 16), 1, 1)
+
+    def __call__(self, x, bias, y) -> None:
+        device = self.device
+        if current_device() != device:
+            with on_device(device):
+                self(x, bias, y)
+            return
+        if not _x_readable(x):
+            x = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
+        out = y if y.stride(1) == 1 else torch.empty(y.shape, dtype=y.dtype, device=y.device)
+        n = x.shape[0]
+        cfg = mma_config(n, self.m, self.k, _sm_count(device))
+        launch = _launcher(cfg, self.dtype, bias is not None, self.activation, device)
+        launch(self.grid, (x.data_ptr(), self.pairs.data_ptr(), self.codes.data_ptr(),
+                           bias.data_ptr() if bias is not None else 0, out.data_ptr(),
+                           n, self.m, self.k, x.stride(0), out.stride(0)), raw_stream(device))
+        if out is not y:
+            y.copy_(out)

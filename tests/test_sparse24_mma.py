@@ -1,0 +1,134 @@
+"""The CUDA C++ 2:4 linear for n <= 16 (``cuda_mma``) against the fp64 oracle.
+
+The kernel needs a GPU and NVRTC; on CPU the tiled layout it reads, its
+launch configuration and its refusals are checked.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernelplan as kp
+from helpers import FWD_ATOL, assert_close, poisoned
+from kernelplan.errors import KernelPlanError
+from kernelplan.kernels.sparse24 import code_metadata
+from kernelplan.kernels.sparse24_mma import MmaConfig, MmaLinear, mma_config, tiled_codes, tiled_values
+from kernelplan.sparse24 import GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan
+from kernelplan.sparse24.backends import CudaMmaSparse24Backend
+from test_sparse24_triton import _ACT, check_backend
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_tiled_layout_puts_each_lanes_words_where_the_kernel_reads_them():
+    m, k = 48, 512
+    pairs = torch.randint(-2**31, 2**31 - 1, (m, k // 4), dtype=torch.int32)
+    codes = torch.randint(-2**31, 2**31 - 1, (k // 64, m, 2), dtype=torch.int32)
+    tp, tc = tiled_values(pairs).flatten(), tiled_codes(codes).flatten()
+    steps = k // 64
+    for tile, s, h, lane in [(0, 0, 0, 0), (2, 7, 1, 31), (1, 3, 0, 13), (2, 0, 1, 6)]:
+        g, t = lane >> 2, lane & 3
+        run = (tile * steps + s) * 2 + h  # the kernel's pointer arithmetic, per warp step
+        for c in range(4):
+            assert tp[run * 128 + lane * 4 + c] == pairs[16 * tile + 8 * h + g, 16 * s + 4 * t + c]
+        assert tc[run * 16 + g * 2 + (t >> 1)] == codes[s, 16 * tile + 8 * h + g, t >> 1]
+
+
+def test_tiled_layout_of_a_real_weight_keeps_every_word(seed):
+    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(32, 256)).half())
+    pairs = w24.values.view(torch.int32)
+    codes = code_metadata(w24.metadata)
+    assert sorted(tiled_values(pairs).flatten().tolist()) == sorted(pairs.flatten().tolist())
+    assert sorted(tiled_codes(codes).flatten().tolist()) == sorted(codes.flatten().tolist())
+
+
+def test_config_makes_about_15_warps_per_sm_with_k_slices_that_divide_k():
+    assert mma_config(1, 8192, 8192, 132) == MmaConfig(1, 4)
+    assert mma_config(16, 4096, 4096, 132) == MmaConfig(2, 8)
+    assert mma_config(9, 1024, 4096, 132) == MmaConfig(2, 16)
+    assert mma_config(1, 1024, 192, 132) == MmaConfig(1, 1)  # 3 K steps: one slice
+
+
+@pytest.mark.parametrize("desc, reason", [
+    (GemmSparse24Descriptor(1, 64, 128, "f32", device="cuda"), "f16 and bf16"),
+    (GemmSparse24Descriptor(17, 64, 128, "bf16", device="cuda"), "at most 16 rows"),
+    (GemmSparse24Descriptor(4, 64, 96, "bf16", device="cuda"), "multiple of 64"),
+    (GemmSparse24Descriptor(4, 64, 128, "bf16", device="cpu"), "CUDA devices"),
+])
+def test_refusals_are_reasons(desc, reason):
+    assert reason in CudaMmaSparse24Backend().supports(desc)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n, m, k, activation, bias, layout", [
+    (1, 64, 128, None, False, "contiguous"),
+    (3, 70, 192, "relu", True, "contiguous"),  # M not a multiple of 16: padded rows, masked stores
+    (8, 1000, 4096, "gelu", True, "transposed"),  # non-contiguous x: copied
+    (9, 256, 1024, "gelu_tanh", True, "strided"),  # two N tiles, the second one row
+    (16, 4096, 4096, "silu", False, "contiguous"),  # 8 K slices
+    (5, 8192, 512, None, True, "contiguous"),
+])
+def test_cuda_mma_matches_fp64(n, m, k, activation, bias, layout, dtype, seed):
+    check_backend("cuda_mma", n, m, k, activation, bias, layout, dtype)
+
+
+@gpu
+@needs_cuda
+def test_3d_and_misaligned_x_and_strided_y(seed):
+    w = kp.sparse24.prune(torch.randn(200, 512, device="cuda")).bfloat16()
+    w24 = kp.sparse24.compress(w)
+    x = torch.randn(2, 3, 513, device="cuda").bfloat16()[..., 1:]  # rows 2 bytes off 16-byte alignment
+    call = MmaLinear(None)
+    assert_close(call(x, w24.values, w24.metadata, None), F.linear(x.double(), w.double()), F.linear(x, w),
+                 atol=FWD_ATOL[torch.bfloat16])
+    x2 = x.reshape(6, 512)
+    for y in (poisoned((6, 300), torch.bfloat16, "cuda")[:, :200], poisoned((200, 6), torch.bfloat16, "cuda").t()):
+        call.launch(x2, w24.values, w24.metadata, None, y)
+        assert_close(y, F.linear(x2.double(), w.double()), F.linear(x2, w), atol=FWD_ATOL[torch.bfloat16])
+
+
+@gpu
+@needs_cuda
+def test_more_than_16_rows_is_refused_and_nothing_written(seed):
+    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(64, 128, device="cuda")).half())
+    y = torch.zeros(17, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(KernelPlanError, match="at most 16"):
+        MmaLinear(None).launch(torch.randn(17, 128, device="cuda").half(), w24.values, w24.metadata, None, y)
+    assert not y.any()
+
+
+@gpu
+@needs_cuda
+def test_graph_replay_reads_new_inputs(seed):
+    w = kp.sparse24.prune(torch.randn(4096, 1024, device="cuda")).bfloat16()
+    w24 = kp.sparse24.compress(w)
+    b = torch.randn(4096, device="cuda").bfloat16()
+    x = torch.randn(4, 1024, device="cuda").bfloat16()
+    call = MmaLinear("silu")
+    call(x, w24.values, w24.metadata, b)  # builds the tiled weight outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = call(x, w24.values, w24.metadata, b)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert_close(y, _ACT["silu"](F.linear(x.double(), w.double(), b.double())), F.silu(F.linear(x, w, b)),
+                 atol=FWD_ATOL[torch.bfloat16])
+
+
+@gpu
+@needs_cuda
+def test_dispatch_times_it_for_small_n(seed):
+    desc = GemmSparse24Descriptor(4, 4096, 4096, "bf16", device="cuda")
+    assert "cuda_mma" in [b.name for b in GemmSparse24Plan.candidates(desc)]
+    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(4096, 4096, device="cuda")).bfloat16())
+    x = torch.randn(4, 4096, device="cuda").bfloat16()
+    plan = GemmSparse24Plan.select(desc, kp.PlanPreference.only("cuda_mma"))
+    y = poisoned((4, 4096), torch.bfloat16, "cuda")
+    plan.run(GemmSparse24Args(x, w24.values, w24.metadata, y))
+    ref = F.linear(x.double(), w24.decompress().double())
+    assert_close(y, ref, F.linear(x, w24.decompress()), atol=FWD_ATOL[torch.bfloat16])
