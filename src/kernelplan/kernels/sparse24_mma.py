@@ -282,11 +282,6 @@ def _launcher(cfg: MmaConfig, dtype: str, has_bias: bool, activation: str | None
     return FunctionLaunch(fn, f"kp_sparse24_mma {cfg} {dtype}", types, 32 * cfg.warps, 0)
 
 
-def _x_readable(x: torch.Tensor) -> bool:
-    """Rows of x readable as 16-byte vectors: unit stride along K, rows and base 16-byte aligned."""
-    return x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
-
-
 class MmaLinear:
     """``call(x, values, metadata, bias) -> act(x @ W^T + bias)`` for N <= 16: the ``cuda_mma`` backend's bound call.
 
@@ -319,15 +314,24 @@ class MmaLinear:
 
 
 class _MmaWeight:
-    """One weight's tiled layout and its launches; per call only x, bias, y and N vary."""
+    """One weight's tiled layout and its launches; per call only x, bias, y and N vary.
+
+    Each call looks its launch up by the varying arguments' layout (N, strides,
+    alignment, bias or not): the host work of a call is then a dictionary
+    lookup and one ``cuLaunchKernel``.
+    """
+
+    _MAX_KEYS = 256
 
     def __init__(self, values, metadata, activation):
         self.pairs, self.codes = derived_from(values, metadata, "mma_tiled", _tiled)
+        self.weight = (self.pairs.data_ptr(), self.codes.data_ptr())
         self.m, self.k = values.shape[0], 2 * values.shape[1]
         self.dtype = DTYPES[values.dtype]
         self.device = values.get_device()
         self.activation = activation
         self.grid = (-(-self.m // 16), 1, 1)
+        self._calls: dict = {}  # per-call key -> (FunctionLaunch, x readable in place, y writable in place)
 
     def __call__(self, x, bias, y) -> None:
         device = self.device
@@ -335,14 +339,28 @@ class _MmaWeight:
             with on_device(device):
                 self(x, bias, y)
             return
-        if not _x_readable(x):
+        sx, sy = x.stride(), y.stride()
+        key = (x.shape[0], sx, sy, x.data_ptr() & 15, bias is None)
+        hit = self._calls.get(key)
+        if hit is None:
+            hit = self._prepare(key)
+        launch, x_in_place, y_in_place = hit
+        if not x_in_place:
             x = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
-        out = y if y.stride(1) == 1 else torch.empty(y.shape, dtype=y.dtype, device=y.device)
-        n = x.shape[0]
-        cfg = mma_config(n, self.m, self.k, _sm_count(device))
-        launch = _launcher(cfg, self.dtype, bias is not None, self.activation, device)
-        launch(self.grid, (x.data_ptr(), self.pairs.data_ptr(), self.codes.data_ptr(),
-                           bias.data_ptr() if bias is not None else 0, out.data_ptr(),
-                           n, self.m, self.k, x.stride(0), out.stride(0)), raw_stream(device))
+        out = y if y_in_place else torch.empty(y.shape, dtype=y.dtype, device=y.device)
+        pairs, codes = self.weight
+        launch(self.grid, (x.data_ptr(), pairs, codes, bias.data_ptr() if bias is not None else 0, out.data_ptr(),
+                           key[0], self.m, self.k, x.stride(0), out.stride(0)), raw_stream(device))
         if out is not y:
             y.copy_(out)
+
+    def _prepare(self, key):
+        n, sx, sy, x_align, no_bias = key
+        if len(self._calls) >= self._MAX_KEYS:
+            self._calls.clear()
+        cfg = mma_config(n, self.m, self.k, _sm_count(self.device))
+        # Rows of x read as 16-byte vectors: unit stride along K, rows and base 16-byte aligned.
+        x_in_place = sx[1] == 1 and sx[0] % 8 == 0 and x_align == 0
+        hit = self._calls[key] = (_launcher(cfg, self.dtype, not no_bias, self.activation, self.device),
+                                  x_in_place, sy[1] == 1)
+        return hit
