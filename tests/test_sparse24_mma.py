@@ -46,10 +46,10 @@ def test_tiled_layout_of_a_real_weight_keeps_every_word(seed):
 
 
 def test_config_makes_about_15_warps_per_sm_with_k_slices_that_divide_k():
-    assert mma_config(1, 8192, 8192, 132) == MmaConfig(1, 4)
-    assert mma_config(16, 4096, 4096, 132) == MmaConfig(2, 8)
-    assert mma_config(9, 1024, 4096, 132) == MmaConfig(2, 16)
-    assert mma_config(1, 1024, 192, 132) == MmaConfig(1, 1)  # 3 K steps: one slice
+    assert mma_config(1, 8192, 8192, 132) == MmaConfig(1, 4, stages=4, min_blocks=4)
+    assert mma_config(16, 4096, 4096, 132) == MmaConfig(2, 8, stages=2, min_blocks=2)
+    assert mma_config(9, 1024, 4096, 132) == MmaConfig(2, 16, stages=2, min_blocks=1)
+    assert mma_config(1, 1024, 192, 132) == MmaConfig(1, 1, stages=4, min_blocks=16)  # 3 K steps: one slice
 
 
 @pytest.mark.parametrize("desc, reason", [

@@ -55,14 +55,22 @@ class MmaConfig:
     n_tiles: int  # 8-wide N tiles: N <= 8 * n_tiles
     warps: int  # K slices per CTA
     stages: int = 4  # 64-column steps in the register ring
+    min_blocks: int = 1  # CTAs per SM the registers must allow (__launch_bounds__)
 
 
 def mma_config(n: int, m: int, k: int, sm_count: int) -> MmaConfig:
-    """The fewest K slices that make about 15 warps per SM (H200 sweep: 4 at 8192 rows and up, 8 at 4096, 16 at 1024)."""
+    """The fewest K slices that make about 15 warps per SM (H200 sweep: 4 at 8192 rows and up, 8 at 4096, 16 at 1024).
+
+    The registers must let 16 warps share an SM.  Two N tiles hold twice the
+    x in the ring, so they keep two steps of it, not four: on an H200 (bf16,
+    n = 12 and 16, 70B shapes and 4096^2) 1.55-1.65x of dense, where four
+    steps at whatever registers ptxas chose ranged from 1.16x to 1.62x.
+    """
     warps = next((w for w in (4, 8, 16) if -(-m // 16) * w >= 15 * sm_count), 16)
     while (k // 64) % warps:
         warps //= 2
-    return MmaConfig(1 if n <= 8 else 2, warps)
+    n_tiles = 1 if n <= 8 else 2
+    return MmaConfig(n_tiles, warps, stages=4 if n_tiles == 1 else 2, min_blocks=max(1, 16 // warps))
 
 
 def _asm(ptx: str) -> str:
@@ -147,7 +155,7 @@ struct Stage {
 };
 
 // y[N, M] = act(x[N, K] @ W^T + bias), W as tiled_values / tiled_codes; a CTA per 16 rows of W.
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 kp_sparse24_mma(const u16 *__restrict__ x, const u32 *__restrict__ pairs, const u32 *__restrict__ codes,
                 const u16 *__restrict__ bias, u16 *__restrict__ y, int N, int M, int K, int sxn, int syn)
 {
@@ -231,7 +239,7 @@ kp_sparse24_mma(const u16 *__restrict__ x, const u32 *__restrict__ pairs, const 
 
 def source(cfg: MmaConfig, dtype: str, has_bias: bool, activation: str | None) -> str:
     """The CUDA C++ of one kernel variant (``kp_sparse24_mma``), compiled by NVRTC."""
-    defines = dict(NT=cfg.n_tiles, WARPS=cfg.warps, STAGES=cfg.stages, IS_BF16=int(dtype == "bf16"),
+    defines = dict(NT=cfg.n_tiles, WARPS=cfg.warps, STAGES=cfg.stages, MIN_BLOCKS=cfg.min_blocks, IS_BF16=int(dtype == "bf16"),
                    HAS_BIAS=int(has_bias), ACT=ACT_CODES[activation])
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += f'#define DT "{dtype}"\n'
