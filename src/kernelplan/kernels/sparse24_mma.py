@@ -36,17 +36,18 @@ K; the slices are summed through shared memory in warp order
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 import torch
 
+from ..dtypes import dtype_info
 from ..errors import KernelPlanError
 from ..sparse24.format import derived_from, output_rows
 from . import current_device, on_device, raw_stream
-from .sparse24 import _expand_ptx, code_metadata
+from .activations import ACTIVATION_CODES
+from .sparse24 import _expand_ptx, code_metadata, sm_count
 
-ACT_CODES = {None: 0, "": 0, "identity": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
-DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 MAX_N = 16  # two 8-wide N tiles
 
 
@@ -75,8 +76,6 @@ def mma_config(n: int, m: int, k: int, sm_count: int) -> MmaConfig:
 
 def _asm(ptx: str) -> str:
     """Triton's ``$i`` operands as CUDA inline asm's ``%i``, one C string literal per line."""
-    import re
-
     body = re.sub(r"\$(\d+)", r"%\1", ptx)
     return "\n".join('"' + line + '\\n"' for line in body.splitlines())
 
@@ -130,17 +129,21 @@ __device__ __forceinline__ u16 from_f32(float v) {
 
 // kernelplan.activations, in fp32: gelu by erfc, gelu_tanh as z * sigmoid(2u) (accurate in the left tail).
 __device__ __forceinline__ float activate(float z) {
-#if ACT == 1
+#if ACT == ACT_IDENTITY
+    return z;
+#elif ACT == ACT_RELU
     return z > 0.f ? z : 0.f;
-#elif ACT == 2
+#elif ACT == ACT_GELU
     return z * 0.5f * erfcf(-z * 0.70710678118654752f);
-#elif ACT == 3
+#elif ACT == ACT_GELU_TANH
     float u = 0.79788456080286536f * (z + 0.044715f * z * z * z);
     return z / (1.f + expf(-2.f * u));
-#elif ACT == 4
+#elif ACT == ACT_SILU
     return z / (1.f + expf(-z));
+#elif ACT == ACT_SIGMOID
+    return 1.f / (1.f + expf(-z));
 #else
-    return z;
+#error "an activation with no CUDA form here"
 #endif
 }
 
@@ -240,7 +243,8 @@ kp_sparse24_mma(const u16 *__restrict__ x, const u32 *__restrict__ pairs, const 
 def source(cfg: MmaConfig, dtype: str, has_bias: bool, activation: str | None) -> str:
     """The CUDA C++ of one kernel variant (``kp_sparse24_mma``), compiled by NVRTC."""
     defines = dict(NT=cfg.n_tiles, WARPS=cfg.warps, STAGES=cfg.stages, MIN_BLOCKS=cfg.min_blocks, IS_BF16=int(dtype == "bf16"),
-                   HAS_BIAS=int(has_bias), ACT=ACT_CODES[activation])
+                   HAS_BIAS=int(has_bias), ACT=ACTIVATION_CODES[activation or "identity"])
+    defines.update({f"ACT_{name.upper()}": code for name, code in ACTIVATION_CODES.items()})  # the Triton kernels' table
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += f'#define DT "{dtype}"\n'
     head += "#define EXPAND " + _asm(_expand_ptx("shr.b32 t, $3, $4;\nand.b32 t, t, 7;\n")).replace("\n", " \\\n") + "\n"
@@ -273,11 +277,6 @@ def _tiled(values: torch.Tensor, metadata: torch.Tensor) -> tuple[torch.Tensor, 
         pairs = torch.nn.functional.pad(pairs, (0, 0, 0, pad))
         codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))
     return tiled_values(pairs), tiled_codes(codes)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @functools.lru_cache(maxsize=256)
@@ -335,7 +334,7 @@ class _MmaWeight:
         self.pairs, self.codes = derived_from(values, metadata, "mma_tiled", _tiled)
         self.weight = (self.pairs.data_ptr(), self.codes.data_ptr())
         self.m, self.k = values.shape[0], 2 * values.shape[1]
-        self.dtype = DTYPES[values.dtype]
+        self.dtype = dtype_info(values.dtype).name
         self.device = values.get_device()
         self.activation = activation
         self.grid = (-(-self.m // 16), 1, 1)
@@ -366,7 +365,7 @@ class _MmaWeight:
         n, sx, sy, x_align, no_bias = key
         if len(self._calls) >= self._MAX_KEYS:
             self._calls.clear()
-        cfg = mma_config(n, self.m, self.k, _sm_count(self.device))
+        cfg = mma_config(n, self.m, self.k, sm_count(self.device))
         # Rows of x read as 16-byte vectors: unit stride along K, rows and base 16-byte aligned.
         x_in_place = sx[1] == 1 and sx[0] % 8 == 0 and x_align == 0
         hit = self._calls[key] = (_launcher(cfg, self.dtype, not no_bias, self.activation, self.device),
