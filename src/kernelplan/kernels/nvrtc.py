@@ -85,3 +85,23 @@ def function(source: str, name: str, device_index: int):
         if err:
             raise KernelPlanError(f"{name} is not in its compiled module: {err.name}")
     return fn
+
+
+_PARAMS = ["*u16", "*i32", "*i32", "*u16", "*u16", "i32", "i32", "i32", "i32", "i32"]
+
+
+def launch(source: str, name: str, device_index: int, label: str, block: int, shared: int = 0):
+    """A ``FunctionLaunch`` of kernel ``name`` with the 2:4 kernels' parameters ``(x, values, codes, bias, y, N, M, K,
+    x row stride, y row stride)``; ``shared`` bytes of dynamic shared memory, the function's limit raised to it."""
+    from cuda.bindings import driver as cu
+
+    from .direct import FunctionLaunch
+
+    fn = function(source, name, device_index)
+    if shared > 48 * 1024:  # above 48 KiB a function must opt in
+        err, = cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                     shared)
+        if err:
+            raise KernelPlanError(f"{name} ({label}) cannot have {shared} bytes of shared memory on "
+                                  f"cuda:{device_index}: {err.name}")
+    return FunctionLaunch(fn, f"{name} {label}", _PARAMS, block, shared)

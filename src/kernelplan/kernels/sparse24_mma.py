@@ -80,20 +80,9 @@ def _asm(ptx: str) -> str:
     return "\n".join('"' + line + '\\n"' for line in body.splitlines())
 
 
-_SOURCE = r"""
+COMMON_SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
-
-__device__ __forceinline__ void expand(u32 pair, u32 word, u32 shift, u32 &lo, u32 &hi) {
-    asm(EXPAND : "=r"(lo), "=r"(hi) : "r"(pair), "r"(word), "r"(shift));
-}
-
-__device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." DT "." DT ".f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // The weight is read once: past L1.
 __device__ __forceinline__ uint4 ld_weight(const u32 *p, bool ok) {
@@ -106,12 +95,6 @@ __device__ __forceinline__ uint4 ld_weight(const u32 *p, bool ok) {
 __device__ __forceinline__ u32 ld_code(const u32 *p, bool ok) {
     u32 v = 0;
     if (ok) asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ uint4 ld_x(const u16 *p, bool ok) {
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (ok) v = __ldg((const uint4 *)p);
     return v;
 }
 
@@ -145,6 +128,25 @@ __device__ __forceinline__ float activate(float z) {
 #else
 #error "an activation with no CUDA form here"
 #endif
+}
+"""
+
+_SOURCE = r"""
+__device__ __forceinline__ void expand(u32 pair, u32 word, u32 shift, u32 &lo, u32 &hi) {
+    asm(EXPAND : "=r"(lo), "=r"(hi) : "r"(pair), "r"(word), "r"(shift));
+}
+
+__device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." DT "." DT ".f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint4 ld_x(const u16 *p, bool ok) {
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (ok) v = __ldg((const uint4 *)p);
+    return v;
 }
 
 __device__ __forceinline__ u32 pick(const uint4 &v, int i) {
@@ -240,15 +242,20 @@ kp_sparse24_mma(const u16 *__restrict__ x, const u32 *__restrict__ pairs, const 
 """
 
 
+def defines(dtype: str, has_bias: bool, activation: str | None, **sizes: int) -> str:
+    """The ``#define`` lines of one kernel variant: its sizes, dtype, bias and activation (the Triton kernels' codes)."""
+    values = dict(sizes, IS_BF16=int(dtype == "bf16"), HAS_BIAS=int(has_bias),
+                  ACT=ACTIVATION_CODES[activation or "identity"])
+    values.update({f"ACT_{name.upper()}": code for name, code in ACTIVATION_CODES.items()})
+    return "".join(f"#define {k} {v}\n" for k, v in values.items()) + f'#define DT "{dtype}"\n'
+
+
 def source(cfg: MmaConfig, dtype: str, has_bias: bool, activation: str | None) -> str:
     """The CUDA C++ of one kernel variant (``kp_sparse24_mma``), compiled by NVRTC."""
-    defines = dict(NT=cfg.n_tiles, WARPS=cfg.warps, STAGES=cfg.stages, MIN_BLOCKS=cfg.min_blocks, IS_BF16=int(dtype == "bf16"),
-                   HAS_BIAS=int(has_bias), ACT=ACTIVATION_CODES[activation or "identity"])
-    defines.update({f"ACT_{name.upper()}": code for name, code in ACTIVATION_CODES.items()})  # the Triton kernels' table
-    head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
-    head += f'#define DT "{dtype}"\n'
+    head = defines(dtype, has_bias, activation, NT=cfg.n_tiles, WARPS=cfg.warps, STAGES=cfg.stages,
+                   MIN_BLOCKS=cfg.min_blocks)
     head += "#define EXPAND " + _asm(_expand_ptx("shr.b32 t, $3, $4;\nand.b32 t, t, 7;\n")).replace("\n", " \\\n") + "\n"
-    return head + _SOURCE
+    return head + COMMON_SOURCE + _SOURCE
 
 
 def tiled_values(pairs: torch.Tensor) -> torch.Tensor:
@@ -282,27 +289,47 @@ def _tiled(values: torch.Tensor, metadata: torch.Tensor) -> tuple[torch.Tensor, 
 @functools.lru_cache(maxsize=256)
 def _launcher(cfg: MmaConfig, dtype: str, has_bias: bool, activation: str | None, device_index: int):
     from . import nvrtc
-    from .direct import FunctionLaunch
 
-    fn = nvrtc.function(source(cfg, dtype, has_bias, activation), "kp_sparse24_mma", device_index)
-    types = ["*u16", "*i32", "*i32", "*u16", "*u16", "i32", "i32", "i32", "i32", "i32"]
-    return FunctionLaunch(fn, f"kp_sparse24_mma {cfg} {dtype}", types, 32 * cfg.warps, 0)
+    return nvrtc.launch(source(cfg, dtype, has_bias, activation), "kp_sparse24_mma", device_index,
+                        f"{cfg} {dtype}", block=32 * cfg.warps)
+
+
+class TiledKernel:
+    """One CUDA C++ 2:4 kernel family over a tiled copy of the weight: its layout and its launch per call.
+
+    Both kernels take ``(x, tiled values, tiled codes, bias, y, N, M, K,
+    x row stride, y row stride)`` and need x rows 16-byte aligned with unit
+    stride along K, and y with unit stride along M.
+    """
+
+    name = "cuda_mma"
+    max_n = MAX_N
+
+    def tiled(self, values: torch.Tensor, metadata: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _tiled(values, metadata)
+
+    def launch_for(self, n: int, m: int, k: int, dtype: str, has_bias: bool, activation: str | None,
+                   device: int) -> tuple:
+        """``(FunctionLaunch, grid)`` of the variant that runs N = n."""
+        cfg = mma_config(n, m, k, sm_count(device))
+        return _launcher(cfg, dtype, has_bias, activation, device), (-(-m // 16), 1, 1)
 
 
 class MmaLinear:
-    """``call(x, values, metadata, bias) -> act(x @ W^T + bias)`` for N <= 16: the ``cuda_mma`` backend's bound call.
+    """``call(x, values, metadata, bias) -> act(x @ W^T + bias)`` for small N: a tiled kernel's bound call.
 
     The tiled weight is built once per weight state (``derived_from``) and
     kept with it: a second copy of the values (half the dense bytes) and of
     the codes.  x whose rows are not 16-byte aligned is copied first (x is at
-    most 16 rows).
+    most ``kernel.max_n`` rows).
     """
 
-    __slots__ = ("activation", "_key")
+    __slots__ = ("activation", "kernel", "_key")
 
-    def __init__(self, activation: str | None):
+    def __init__(self, activation: str | None, kernel: TiledKernel | None = None):
         self.activation = activation or None
-        self._key = f"mma_launch {self.activation}"
+        self.kernel = kernel or TiledKernel()
+        self._key = f"{self.kernel.name} launch {self.activation}"
 
     def __call__(self, x, values, metadata, bias) -> torch.Tensor:
         y, x2, y2 = output_rows(x, values.shape[0])
@@ -313,14 +340,16 @@ class MmaLinear:
         n, m = x.shape[0], values.shape[0]
         if n == 0 or m == 0:
             return
-        if n > MAX_N:
-            raise KernelPlanError(f"x has {n} rows; the cuda_mma kernel takes at most {MAX_N}: dispatch another backend")
-        weight = derived_from(values, metadata, self._key, functools.partial(_MmaWeight, activation=self.activation),
+        if n > self.kernel.max_n:
+            raise KernelPlanError(f"x has {n} rows; the {self.kernel.name} kernel takes at most {self.kernel.max_n}: "
+                                  f"dispatch another backend")
+        weight = derived_from(values, metadata, self._key,
+                              functools.partial(_TiledWeight, activation=self.activation, kernel=self.kernel),
                               device_work=False)
         weight(x, bias, y)
 
 
-class _MmaWeight:
+class _TiledWeight:
     """One weight's tiled layout and its launches; per call only x, bias, y and N vary.
 
     Each call looks its launch up by the varying arguments' layout (N, strides,
@@ -330,15 +359,15 @@ class _MmaWeight:
 
     _MAX_KEYS = 256
 
-    def __init__(self, values, metadata, activation):
-        self.pairs, self.codes = derived_from(values, metadata, "mma_tiled", _tiled)
+    def __init__(self, values, metadata, activation, kernel: TiledKernel):
+        self.pairs, self.codes = derived_from(values, metadata, f"{kernel.name} tiled", kernel.tiled)
         self.weight = (self.pairs.data_ptr(), self.codes.data_ptr())
         self.m, self.k = values.shape[0], 2 * values.shape[1]
         self.dtype = dtype_info(values.dtype).name
         self.device = values.get_device()
         self.activation = activation
-        self.grid = (-(-self.m // 16), 1, 1)
-        self._calls: dict = {}  # per-call key -> (FunctionLaunch, x readable in place, y writable in place)
+        self.kernel = kernel
+        self._calls: dict = {}  # per-call key -> (FunctionLaunch, grid, x readable in place, y writable in place)
 
     def __call__(self, x, bias, y) -> None:
         device = self.device
@@ -351,13 +380,13 @@ class _MmaWeight:
         hit = self._calls.get(key)
         if hit is None:
             hit = self._prepare(key)
-        launch, x_in_place, y_in_place = hit
+        launch, grid, x_in_place, y_in_place = hit
         if not x_in_place:
             x = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
         out = y if y_in_place else torch.empty(y.shape, dtype=y.dtype, device=y.device)
         pairs, codes = self.weight
-        launch(self.grid, (x.data_ptr(), pairs, codes, bias.data_ptr() if bias is not None else 0, out.data_ptr(),
-                           key[0], self.m, self.k, x.stride(0), out.stride(0)), raw_stream(device))
+        launch(grid, (x.data_ptr(), pairs, codes, bias.data_ptr() if bias is not None else 0, out.data_ptr(),
+                      key[0], self.m, self.k, x.stride(0), out.stride(0)), raw_stream(device))
         if out is not y:
             y.copy_(out)
 
@@ -365,9 +394,9 @@ class _MmaWeight:
         n, sx, sy, x_align, no_bias = key
         if len(self._calls) >= self._MAX_KEYS:
             self._calls.clear()
-        cfg = mma_config(n, self.m, self.k, sm_count(self.device))
+        launch, grid = self.kernel.launch_for(n, self.m, self.k, self.dtype, not no_bias, self.activation,
+                                              self.device)
         # Rows of x read as 16-byte vectors: unit stride along K, rows and base 16-byte aligned.
         x_in_place = sx[1] == 1 and sx[0] % 8 == 0 and x_align == 0
-        hit = self._calls[key] = (_launcher(cfg, self.dtype, not no_bias, self.activation, self.device),
-                                  x_in_place, sy[1] == 1)
+        hit = self._calls[key] = (launch, grid, x_in_place, sy[1] == 1)
         return hit

@@ -12,6 +12,9 @@
 * ``cuda_mma``: CUDA C++ through NVRTC for n <= 16 (``kernels/sparse24_mma.py``),
   each operand loaded straight into MMA registers from a tiled copy of the
   weight: 1.52-1.79x of dense on an H200 at n = 1 and 16;
+* ``cuda_sp``: CUDA C++ for n <= 64 on the sparse tensor cores (``mma.sp``,
+  ``kernels/sparse24_sp.py``), the weight tiled as for ``cuda_mma``, x staged
+  in shared memory once per CTA;
 * ``cusparselt``: cuSPARSELt through nvmath-python (``cusparselt.py``), for large N;
 * ``dense``: the weight decompressed once (cached with it) and a cuBLAS GEMM:
   the floor that keeps dispatch from ever losing to dense, at the price of
@@ -149,15 +152,21 @@ class CudaMmaSparse24Backend(Backend):
 
     name = "cuda_mma"
     priority = 1
+    what = "two 8-wide MMA tiles"
+
+    def kernel(self):
+        from ..kernels.sparse24_mma import TiledKernel
+
+        return TiledKernel()
 
     def supports(self, desc) -> str | None:
         from ..kernels.nvrtc import nvrtc_reason
-        from ..kernels.sparse24_mma import MAX_N
 
+        max_n = self.kernel().max_n
         if desc.dtype not in ("f16", "bf16"):
             return f"dtype {desc.dtype}: the kernel multiplies f16 and bf16 on the tensor cores"
-        if desc.n > MAX_N:
-            return f"n = {desc.n}: the kernel takes at most {MAX_N} rows of x (two 8-wide MMA tiles)"
+        if desc.n > max_n:
+            return f"n = {desc.n}: the kernel takes at most {max_n} rows of x ({self.what})"
         if desc.k % 64:
             return f"K = {desc.k} is not a multiple of 64, the kernel's K step"
         why = nvrtc_reason(desc.device)
@@ -175,7 +184,23 @@ class CudaMmaSparse24Backend(Backend):
     def bind(self, desc):
         from ..kernels.sparse24_mma import MmaLinear
 
-        return MmaLinear(desc.activation)
+        return MmaLinear(desc.activation, self.kernel())
+
+
+class CudaSpSparse24Backend(CudaMmaSparse24Backend):
+    """CUDA C++ for N <= 64 on the sparse tensor cores (``kernels/sparse24_sp.py``): ``mma.sp``, x staged per CTA.
+
+    The weight goes straight into registers from its own tiled copy, as in
+    ``cuda_mma``; x is staged once per CTA in shared memory.  A tuning candidate on CUDA.
+    """
+
+    name = "cuda_sp"
+    what = "eight 8-wide sparse MMA tiles"
+
+    def kernel(self):
+        from ..kernels.sparse24_sp import SpKernel
+
+        return SpKernel()
 
 
 def _dense_weight(values: torch.Tensor, metadata: torch.Tensor) -> torch.Tensor:
@@ -228,6 +253,7 @@ GemmSparse24Plan.registry.register(TritonSparse24Backend())
 GemmSparse24Plan.registry.register(TritonBfeSparse24Backend())
 GemmSparse24Plan.registry.register(TritonWideSparse24Backend())
 GemmSparse24Plan.registry.register(CudaMmaSparse24Backend())
+GemmSparse24Plan.registry.register(CudaSpSparse24Backend())
 GemmSparse24Plan.registry.register(DenseSparse24Backend())
 GemmSparse24Plan.registry.register(CusparseLtSparse24Backend())
 

@@ -1,0 +1,284 @@
+"""CUDA C++ 2:4 linear for N <= 64 on the sparse tensor cores (``mma.sp``): the weight straight into registers.
+
+``cuda_mma`` (``sparse24_mma.py``) expands each group to dense in registers
+and multiplies it with a dense ``mma``; x goes straight from global memory
+into every warp's B fragments.  Past n = 16 that stops paying: the
+expansion and the dense products grow with the weight, and x, read once per
+16 rows of W by every warp, is then more bytes than the weight.  Here:
+
+* ``mma.sp.m16n8k32`` takes the compressed values as they are, with the
+  format's own 4-bit positions as its metadata: no expansion, half the
+  products.  Its A fragment gives lane ``(g, t)`` the two kept values of
+  groups ``t`` and ``t + 4`` of rows ``g`` and ``g + 8``.  The metadata of a
+  row's 32 columns is one 16-bit half word.  Lanes ``t = 0, 1`` hold it for
+  the first 32 columns of a 64-column step (sparsity selector 0), lanes
+  ``t = 2, 3`` for the second (selector 1), so each lane loads one word a step.
+* The values and words are stored tiled in that order (``tiled_values``,
+  ``tiled_meta``; a copy kept with the weight), a warp step reading a run
+  of 1024 bytes and one of 128, straight into registers.
+* x is staged in shared memory by cp.async, once per CTA step, and read
+  into B fragments by ``ldmatrix``.  A warp multiplies ``RT`` row tiles with
+  each fragment, and ``MW`` warps share each staged step.
+
+A CTA is ``MW x KW`` warps over ``16 RT MW`` rows of W: ``MW`` warps along
+M, ``KW`` slices of K, the slices summed through shared memory in a fixed
+order (deterministic).  Then bias and activation, and y is written.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .sparse24 import sm_count
+from .sparse24_mma import COMMON_SOURCE, TiledKernel, defines
+
+MAX_N = 64  # eight 8-wide N tiles
+
+
+@dataclass(frozen=True)
+class SpConfig:
+    n_tiles: int  # 8-wide N tiles staged and multiplied: N <= 8 * n_tiles
+    row_tiles: int = 2  # 16-row tiles per warp, sharing each B fragment
+    m_warps: int = 2  # warps along M, sharing each staged step of x
+    k_warps: int = 2  # K slices per CTA
+    stages: int = 3  # 64-column steps in flight: x in shared memory, W in registers
+    min_blocks: int = 1
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.row_tiles * self.m_warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.m_warps * self.k_warps
+
+    @property
+    def shared(self) -> int:
+        """Bytes of dynamic shared memory: the x ring, then (reused) the K slices' sums."""
+        ring = self.stages * self.k_warps * 8 * self.n_tiles * 128
+        sums = self.k_warps * self.rows * (8 * self.n_tiles + 1) * 4
+        return max(ring, sums)
+
+
+def sp_config(n: int, m: int, k: int, sms: int) -> SpConfig:
+    """Two row tiles a warp and two warps along M (64 rows a CTA); K split until the CTAs fill the SMs twice."""
+    n_tiles = next(t for t in (1, 2, 4, 8) if 8 * t >= n)
+    k_warps = 1
+    while -(-m // 64) * k_warps < 2 * sms and k_warps < 8 and (k // 64) % (2 * k_warps) == 0:
+        k_warps *= 2
+    return SpConfig(n_tiles, k_warps=k_warps)
+
+
+_SOURCE = r"""
+__device__ __forceinline__ uint4 ldsm4(u32 addr) {
+    uint4 v;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+
+// d += A (16 x 32, 2:4, compressed) * B (32 x 8); SEL picks the lanes whose e holds the metadata.
+template <int SEL>
+__device__ __forceinline__ void mma_sp(float (&d)[4], const uint4 &a, const uint4 &b, u32 e) {
+    asm volatile("mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32." DT "." DT ".f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, %13;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y), "r"(b.z), "r"(b.w),
+                   "r"(e), "n"(SEL));
+}
+
+// 16 bytes global -> shared; zero-filled where !ok.
+__device__ __forceinline__ void cp16(u32 dst, const void *src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(ok ? 16 : 0));
+}
+
+template <int PENDING>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(PENDING)); }
+
+#define ROWS (8 * NT)                  // rows of x staged
+#define THREADS (32 * MW * KW)
+#define BM (16 * RT * MW)              // rows of W a CTA
+#define STAGE_BYTES (KW * ROWS * 128)  // one step of x: each K slice's 64 columns
+
+struct Stage {
+    uint4 a[RT][2];  // per row tile, the A fragments of the step's two 32-column halves
+    u32 e[RT];       // per row tile, this lane's metadata word
+};
+
+// y[N, M] = act(x[N, K] @ W^T + bias), W as tiled_values / tiled_meta; a CTA per BM rows of W.
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u32 *__restrict__ meta,
+               const u16 *__restrict__ bias, u16 *__restrict__ y, int N, int M, int K, int sxn, int syn)
+{
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int mw = warp % MW, kw = warp / MW;
+    const int g = lane >> 2, t = lane & 3;
+    const int ksteps = K / 64, steps = ksteps / KW, tiles = (M + 15) / 16;
+
+    // Per row tile and step: 256 words of values, 32 of metadata; a tile's steps follow each other.
+    const u32 *vp[RT]; const u32 *ep[RT]; bool tok[RT];
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+        int tile = (blockIdx.x * MW + mw) * RT + r;
+        tok[r] = tile < tiles;
+        long base = (long)(tok[r] ? tile : 0) * ksteps + kw * steps;
+        vp[r] = vals + base * 256 + lane * 4;
+        ep[r] = meta + base * 32 + lane;
+    }
+    const u32 sx = (u32)__cvta_generic_to_shared(smem);
+
+    float acc[RT][NT][4];
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[r][j][e] = 0.f;
+
+    // Step STEP of every K slice's x into buffer BUF: rows of 8 16-byte chunks, chunk c at c ^ (row % 8)
+    // so that ldmatrix's eight rows fall in different banks.  Rows past N are zeros.
+#define COPY_X(BUF, STEP) do { \
+        _Pragma("unroll") for (int i = threadIdx.x; i < KW * ROWS * 8; i += THREADS) { \
+            int c = i & 7, row = (i >> 3) % ROWS, q = i / (ROWS * 8); \
+            bool ok = (STEP) < steps && row < N; \
+            const u16 *src = ok ? x + (long)row * sxn + (long)(q * steps + (STEP)) * 64 + c * 8 : x; \
+            cp16(sx + (BUF) * STAGE_BYTES + (q * ROWS + row) * 128 + ((c ^ (row & 7)) << 4), src, ok); } \
+        asm volatile("cp.async.commit_group;"); \
+    } while (0)
+#define LOAD_W(S, STEP) do { \
+        bool live = (STEP) < steps; \
+        _Pragma("unroll") for (int r = 0; r < RT; ++r) { \
+            st[S].a[r][0] = ld_weight(vp[r] + (long)(STEP) * 256, live && tok[r]); \
+            st[S].a[r][1] = ld_weight(vp[r] + (long)(STEP) * 256 + 128, live && tok[r]); \
+            st[S].e[r] = ld_code(ep[r] + (long)(STEP) * 32, live && tok[r]); } \
+    } while (0)
+
+    Stage st[STAGES];
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) { COPY_X(s, s); LOAD_W(s, s); }
+
+    for (int s0 = 0; s0 < steps; s0 += STAGES) {
+#pragma unroll
+        for (int u = 0; u < STAGES; ++u) {
+            const int s = s0 + u;
+            cp_wait<STAGES - 2>();  // this thread's copies of step s have landed
+            __syncthreads();        // everyone's have, and everyone is done with step s - 1's buffer
+            COPY_X((u + STAGES - 1) % STAGES, s + STAGES - 1);
+            LOAD_W((u + STAGES - 1) % STAGES, s + STAGES - 1);
+            if (s < steps) {
+                const u32 buf = sx + u * STAGE_BYTES + kw * ROWS * 128;
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    if (8 * j >= N) break;
+                    const int row = 8 * j + (lane & 7);
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        uint4 b = ldsm4(buf + row * 128 + (((4 * h + (lane >> 3)) ^ (row & 7)) << 4));
+#pragma unroll
+                        for (int r = 0; r < RT; ++r) {
+                            if (h == 0) mma_sp<0>(acc[r][j], st[u].a[r][0], b, st[u].e[r]);
+                            else mma_sp<1>(acc[r][j], st[u].a[r][1], b, st[u].e[r]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // The K slices summed in slice order (deterministic); then bias, activation, y.
+    cp_wait<0>();
+    __syncthreads();
+    float *red = (float *)smem;  // [KW][BM][ROWS + 1]
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                red[(kw * BM + (mw * RT + r) * 16 + g + 8 * (e >> 1)) * (ROWS + 1) + 8 * j + 2 * t + (e & 1)] =
+                    acc[r][j][e];
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < BM * ROWS; idx += THREADS) {
+        int ml = idx % BM, nl = idx / BM, m = blockIdx.x * BM + ml;
+        if (m >= M || nl >= N) continue;
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < KW; ++w) v += red[(w * BM + ml) * (ROWS + 1) + nl];
+#if HAS_BIAS
+        v += to_f32(bias[m]);
+#endif
+        y[(long)nl * syn + m] = from_f32(activate(v));
+    }
+}
+"""
+
+
+def source(cfg: SpConfig, dtype: str, has_bias: bool, activation: str | None) -> str:
+    """The CUDA C++ of one kernel variant (``kp_sparse24_sp``), compiled by NVRTC."""
+    head = defines(dtype, has_bias, activation, NT=cfg.n_tiles, RT=cfg.row_tiles, MW=cfg.m_warps, KW=cfg.k_warps,
+                   STAGES=cfg.stages, MIN_BLOCKS=cfg.min_blocks)
+    return head + COMMON_SOURCE + _SOURCE
+
+
+def tiled_values(pairs: torch.Tensor) -> torch.Tensor:
+    """int32 ``[M/16, K/64, 2, 8, 4, 2, 2]`` from the pairs ``[M, K/4]``: each warp step's A fragments in lane order.
+
+    Row ``16 i + 8 h + g``, group ``16 s + 8 u + 4 j + t`` goes to
+    ``[i, s, u, g, t, j, h]``: lane ``4 g + t``'s fragment of half ``u`` is
+    (row g, group t), (row g + 8, group t), (row g, group t + 4), (row g + 8,
+    group t + 4).  M must be a multiple of 16.
+    """
+    m, g4 = pairs.shape
+    return pairs.view(m // 16, 2, 8, g4 // 16, 2, 2, 4).permute(0, 3, 4, 2, 6, 5, 1).contiguous()
+
+
+def tiled_meta(metadata: torch.Tensor) -> torch.Tensor:
+    """int32 ``[M/16, K/64, 8, 4]`` from the format's metadata ``[M, K/8]``: each lane's ``mma.sp`` word.
+
+    A group's position byte ``pos0 | pos1 << 2`` is the hardware's 4-bit
+    index pair.  A row's 32 columns are 16 bits, its first group lowest.  Lane
+    ``4 g + t`` holds, for half ``u = t // 2`` of the step and its 16-column
+    quarter ``q = t % 2``, row ``g`` in the low 16 bits and row ``g + 8`` in
+    the high.  M must be a multiple of 16.
+    """
+    m = metadata.shape[0]
+    words = metadata.to(torch.int64) & 0xFFFF
+    nibbles = torch.stack((words & 0xF, (words >> 8) & 0xF), -1).view(m, -1, 4)  # [M, K/16, 4 groups]
+    shifts = torch.arange(0, 16, 4, device=metadata.device, dtype=torch.int64)
+    halves = (nibbles << shifts).sum(-1).view(m // 16, 2, 8, -1, 4)  # [tile, h, g, step, t]
+    lanes = (halves[:, 0] | halves[:, 1] << 16).permute(0, 2, 1, 3)  # [tile, step, g, t]
+    return torch.where(lanes >= 2**31, lanes - 2**32, lanes).to(torch.int32).contiguous()
+
+
+def _tiled(values: torch.Tensor, metadata: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight as the kernel reads it, its rows padded to a multiple of 16 (values 0, positions 0 and 1)."""
+    pad = -values.shape[0] % 16
+    pairs = values.detach().contiguous().view(torch.int32)
+    if pad:
+        pairs = torch.nn.functional.pad(pairs, (0, 0, 0, pad))
+        metadata = torch.nn.functional.pad(metadata, (0, 0, 0, pad), value=0x0404)
+    return tiled_values(pairs), tiled_meta(metadata)
+
+
+@functools.lru_cache(maxsize=256)
+def _launcher(cfg: SpConfig, dtype: str, has_bias: bool, activation: str | None, device_index: int):
+    from . import nvrtc
+
+    return nvrtc.launch(source(cfg, dtype, has_bias, activation), "kp_sparse24_sp", device_index, f"{cfg} {dtype}",
+                        block=cfg.threads, shared=cfg.shared)
+
+
+class SpKernel(TiledKernel):
+    name = "cuda_sp"
+    max_n = MAX_N
+
+    def tiled(self, values, metadata):
+        return _tiled(values, metadata)
+
+    def launch_for(self, n, m, k, dtype, has_bias, activation, device):
+        cfg = sp_config(n, m, k, sm_count(device))
+        return _launcher(cfg, dtype, has_bias, activation, device), (-(-m // cfg.rows), 1, 1)

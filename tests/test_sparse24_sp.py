@@ -1,0 +1,171 @@
+"""The CUDA C++ 2:4 linear on the sparse tensor cores (``cuda_sp``) against the fp64 oracle.
+
+The kernel needs a GPU and NVRTC.  On CPU its tiled layout is checked by
+emulating the kernel: each lane's loads by the kernel's own pointer
+arithmetic, and ``mma.sp`` as PTX defines its fragments and metadata.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernelplan as kp
+from helpers import FWD_ATOL, assert_close, poisoned
+from kernelplan.errors import KernelPlanError
+from kernelplan.kernels.sparse24_mma import MmaLinear
+from kernelplan.kernels.sparse24_sp import SpConfig, SpKernel, _tiled, sp_config
+from kernelplan.sparse24 import GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan
+from kernelplan.sparse24.backends import CudaSpSparse24Backend
+from test_sparse24_triton import _ACT, check_backend
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _halves(word: int) -> list[int]:
+    return [word & 0xFFFF, (word >> 16) & 0xFFFF]
+
+
+def emulate_tile(vals: torch.Tensor, meta: torch.Tensor, tile: int, kstep: int, ksteps: int) -> torch.Tensor:
+    """The dense ``[16, 64]`` block of W that one warp step of ``kp_sparse24_sp`` multiplies, from the tiled words.
+
+    Lane ``4 g + t`` loads ``vals[base * 256 + lane * 4 + 128 u ...]`` and
+    ``meta[base * 32 + lane]``, as the kernel does.  Per PTX's
+    ``mma.sp.m16n8k32`` (16-bit types): A register ``i`` of lane (g, t) holds
+    compressed columns ``2t, 2t+1`` (+8 for i >= 2) of row ``g`` (+8 for odd
+    i); with sparsity selector ``u`` lanes ``t = 2u, 2u + 1`` give the
+    metadata, lane ``2u + q`` the 16 compressed columns ``8q ...`` of row ``g``
+    in its low half and of row ``g + 8`` in its high half, a group's two
+    2-bit indices per nibble, first group lowest.
+    """
+    base = tile * ksteps + kstep
+    w = torch.zeros(16, 64, dtype=torch.float64)
+    as_f16 = vals.view(torch.float16)  # two values per word, low half first
+    for u in range(2):
+        compressed = torch.zeros(16, 16, dtype=torch.float64)
+        nibbles = torch.zeros(16, 8, dtype=torch.int64)
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            for i in range(4):
+                word = base * 256 + lane * 4 + 128 * u + i
+                row, col = g + 8 * (i & 1), 2 * t + 8 * (i >> 1)
+                compressed[row, col:col + 2] = as_f16[2 * word:2 * word + 2].double()
+            if t >> 1 == u:
+                q = t & 1
+                for h, half in enumerate(_halves(int(meta[base * 32 + lane]) & 0xFFFFFFFF)):
+                    for j in range(4):
+                        nibbles[g + 8 * h, 4 * q + j] = (half >> 4 * j) & 0xF
+        for row in range(16):
+            for grp in range(8):
+                for slot in range(2):
+                    pos = (int(nibbles[row, grp]) >> 2 * slot) & 3
+                    w[row, 32 * u + 4 * grp + pos] += compressed[row, 2 * grp + slot]
+    return w
+
+
+@pytest.mark.parametrize("m", [32, 40])  # 40: padded to 48 rows
+def test_emulated_kernel_reads_the_weight_back(m, seed):
+    k = 192
+    w = kp.sparse24.prune(torch.randn(m, k)).half()
+    w24 = kp.sparse24.compress(w)
+    vals, meta = (t.flatten() for t in _tiled(w24.values, w24.metadata))
+    ksteps = k // 64
+    dense = torch.zeros(-(-m // 16) * 16, k, dtype=torch.float64)
+    for tile in range(dense.shape[0] // 16):
+        for s in range(ksteps):
+            dense[16 * tile:16 * tile + 16, 64 * s:64 * s + 64] = emulate_tile(vals, meta, tile, s, ksteps)
+    assert torch.equal(dense[:m], w.double())
+    assert not dense[m:].any()
+
+
+def test_config_fills_the_sms_twice_by_splitting_k():
+    assert sp_config(64, 28672, 8192, 132) == SpConfig(8, k_warps=1)  # 448 CTAs of 64 rows
+    assert sp_config(64, 8192, 8192, 132) == SpConfig(8, k_warps=4)
+    assert sp_config(20, 4096, 4096, 132) == SpConfig(4, k_warps=8)
+    assert sp_config(1, 4096, 192, 132) == SpConfig(1, k_warps=1)  # 3 K steps: one slice
+    assert SpConfig(8, k_warps=2).shared == max(3 * 2 * 64 * 128, 2 * 64 * 65 * 4)
+
+
+@pytest.mark.parametrize("desc, reason", [
+    (GemmSparse24Descriptor(1, 64, 128, "f32", device="cuda"), "f16 and bf16"),
+    (GemmSparse24Descriptor(65, 64, 128, "bf16", device="cuda"), "at most 64"),
+    (GemmSparse24Descriptor(4, 64, 96, "bf16", device="cuda"), "multiple of 64"),
+    (GemmSparse24Descriptor(4, 64, 128, "bf16", device="cpu"), "CUDA devices"),
+])
+def test_refusals_are_reasons(desc, reason):
+    assert reason in CudaSpSparse24Backend().supports(desc)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n, m, k, activation, bias, layout", [
+    (1, 64, 128, None, False, "contiguous"),
+    (17, 70, 192, "relu", True, "contiguous"),  # M not a multiple of 16 or of the CTA's 64 rows
+    (24, 1000, 4096, "gelu", True, "transposed"),  # non-contiguous x: copied
+    (33, 256, 1024, "gelu_tanh", True, "strided"),  # five N tiles of eight staged
+    (64, 4096, 4096, "silu", False, "contiguous"),  # K split in 8 slices
+    (40, 28672 // 4, 512, None, True, "contiguous"),
+])
+def test_cuda_sp_matches_fp64(n, m, k, activation, bias, layout, dtype, seed):
+    check_backend("cuda_sp", n, m, k, activation, bias, layout, dtype)
+
+
+@gpu
+@needs_cuda
+def test_3d_and_misaligned_x_and_strided_y(seed):
+    w = kp.sparse24.prune(torch.randn(200, 512, device="cuda")).bfloat16()
+    w24 = kp.sparse24.compress(w)
+    x = torch.randn(4, 12, 513, device="cuda").bfloat16()[..., 1:]  # rows 2 bytes off 16-byte alignment
+    call = MmaLinear(None, SpKernel())
+    assert_close(call(x, w24.values, w24.metadata, None), F.linear(x.double(), w.double()), F.linear(x, w),
+                 atol=FWD_ATOL[torch.bfloat16])
+    x2 = x.reshape(48, 512)
+    for y in (poisoned((48, 300), torch.bfloat16, "cuda")[:, :200], poisoned((200, 48), torch.bfloat16, "cuda").t()):
+        call.launch(x2, w24.values, w24.metadata, None, y)
+        assert_close(y, F.linear(x2.double(), w.double()), F.linear(x2, w), atol=FWD_ATOL[torch.bfloat16])
+
+
+@gpu
+@needs_cuda
+def test_more_than_64_rows_is_refused_and_nothing_written(seed):
+    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(64, 128, device="cuda")).half())
+    y = torch.zeros(65, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(KernelPlanError, match="at most 64"):
+        MmaLinear(None, SpKernel()).launch(torch.randn(65, 128, device="cuda").half(), w24.values, w24.metadata,
+                                           None, y)
+    assert not y.any()
+
+
+@gpu
+@needs_cuda
+def test_graph_replay_reads_new_inputs(seed):
+    w = kp.sparse24.prune(torch.randn(4096, 1024, device="cuda")).bfloat16()
+    w24 = kp.sparse24.compress(w)
+    b = torch.randn(4096, device="cuda").bfloat16()
+    x = torch.randn(48, 1024, device="cuda").bfloat16()
+    call = MmaLinear("silu", SpKernel())
+    call(x, w24.values, w24.metadata, b)  # builds the tiled weight outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = call(x, w24.values, w24.metadata, b)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert_close(y, _ACT["silu"](F.linear(x.double(), w.double(), b.double())), F.silu(F.linear(x, w, b)),
+                 atol=FWD_ATOL[torch.bfloat16])
+
+
+@gpu
+@needs_cuda
+def test_dispatch_times_it_up_to_64_rows(seed):
+    desc = GemmSparse24Descriptor(64, 4096, 4096, "bf16", device="cuda")
+    assert "cuda_sp" in [b.name for b in GemmSparse24Plan.candidates(desc)]
+    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(4096, 4096, device="cuda")).bfloat16())
+    x = torch.randn(64, 4096, device="cuda").bfloat16()
+    plan = GemmSparse24Plan.select(desc, kp.PlanPreference.only("cuda_sp"))
+    y = poisoned((64, 4096), torch.bfloat16, "cuda")
+    plan.run(GemmSparse24Args(x, w24.values, w24.metadata, y))
+    ref = F.linear(x.double(), w24.decompress().double())
+    assert_close(y, ref, F.linear(x, w24.decompress()), atol=FWD_ATOL[torch.bfloat16])
