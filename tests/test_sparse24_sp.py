@@ -80,12 +80,18 @@ def test_emulated_kernel_reads_the_weight_back(m, seed):
     assert not dense[m:].any()
 
 
-def test_config_fills_the_sms_twice_by_splitting_k():
-    assert sp_config(64, 28672, 8192, 132) == SpConfig(8, k_warps=1)  # 448 CTAs of 64 rows
-    assert sp_config(64, 8192, 8192, 132) == SpConfig(8, k_warps=4)
-    assert sp_config(20, 4096, 4096, 132) == SpConfig(4, k_warps=8)
-    assert sp_config(1, 4096, 192, 132) == SpConfig(1, k_warps=1)  # 3 K steps: one slice
-    assert SpConfig(8, k_warps=2).shared == max(3 * 2 * 64 * 128, 2 * 64 * 65 * 4)
+def test_config_fills_one_wave_with_8_or_16_warps_an_sm_and_the_ring_with_shared_memory():
+    assert sp_config(64, 28672, 8192, 132) == SpConfig(8, m_warps=4, k_warps=2, stages=3, min_blocks=2)  # 224 CTAs, 2 an SM
+    assert sp_config(32, 28672, 8192, 132) == SpConfig(4, m_warps=4, k_warps=1, stages=6, min_blocks=2)
+    assert sp_config(64, 8192, 8192, 132) == SpConfig(8, m_warps=2, k_warps=8, stages=2)  # 128 CTAs of 64 rows
+    assert sp_config(32, 8192, 8192, 132) == SpConfig(4, m_warps=2, k_warps=4, stages=6)
+    assert sp_config(1, 4096, 192, 132) == SpConfig(1, m_warps=2, k_warps=1, stages=6)  # 3 K steps: one slice
+    for n in (1, 16, 33, 64):
+        for m, k in ((4096, 4096), (28672, 8192), (128256, 4096)):
+            cfg = sp_config(n, m, k, 132)
+            per_sm = -(-m // (cfg.rows * 132))
+            assert per_sm * (cfg.shared + 1024) <= 227 * 1024 or cfg.stages == 2
+            assert cfg.stage_bytes == cfg.k_warps * 8 * cfg.n_tiles * 128 + cfg.m_warps * cfg.k_warps * 2 * 1152
 
 
 @pytest.mark.parametrize("desc, reason", [

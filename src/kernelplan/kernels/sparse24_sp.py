@@ -1,4 +1,4 @@
-"""CUDA C++ 2:4 linear for N <= 64 on the sparse tensor cores (``mma.sp``): the weight straight into registers.
+"""CUDA C++ 2:4 linear for N <= 64 on the sparse tensor cores (``mma.sp``), operands staged by cp.async.
 
 ``cuda_mma`` (``sparse24_mma.py``) expands each group to dense in registers
 and multiplies it with a dense ``mma``; x goes straight from global memory
@@ -15,7 +15,11 @@ expansion and the dense products grow with the weight, and x, read once per
   ``t = 2, 3`` for the second (selector 1), so each lane loads one word a step.
 * The values and words are stored tiled in that order (``tiled_values``,
   ``tiled_meta``; a copy kept with the weight), a warp step reading a run
-  of 1024 bytes and one of 128, straight into registers.
+  of 1024 bytes and one of 128.  Each lane copies its own fragments into
+  shared memory by cp.async and reads them back whole: with no expansion
+  that costs little, and a ring of up to 6 steps in flight costs no
+  registers (on an H200 at n = 32 a register ring, as ``cuda_mma``'s, ran
+  0.9-1.0x of this at its best configurations).
 * x is staged in shared memory by cp.async, once per CTA step, and read
   into B fragments by ``ldmatrix``.  A warp multiplies ``RT`` row tiles with
   each fragment, and ``MW`` warps share each staged step.
@@ -27,6 +31,7 @@ order (deterministic).  Then bias and activation, and y is written.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -43,9 +48,9 @@ class SpConfig:
     n_tiles: int  # 8-wide N tiles staged and multiplied: N <= 8 * n_tiles
     row_tiles: int = 2  # 16-row tiles per warp, sharing each B fragment
     m_warps: int = 2  # warps along M, sharing each staged step of x
-    k_warps: int = 2  # K slices per CTA
-    stages: int = 3  # 64-column steps in flight: x in shared memory, W in registers
-    min_blocks: int = 1
+    k_warps: int = 4  # K slices per CTA
+    stages: int = 4  # 64-column steps in flight in shared memory
+    min_blocks: int = 1  # CTAs an SM must hold at once (__launch_bounds__): registers for 16 warps at most
 
     @property
     def rows(self) -> int:
@@ -56,20 +61,44 @@ class SpConfig:
         return 32 * self.m_warps * self.k_warps
 
     @property
+    def stage_bytes(self) -> int:
+        """One step: x for each K slice (8 N-tile rows of 128 bytes), then each warp's weight (1152 bytes a row tile)."""
+        return self.k_warps * 8 * self.n_tiles * 128 + self.m_warps * self.k_warps * self.row_tiles * 1152
+
+    @property
     def shared(self) -> int:
-        """Bytes of dynamic shared memory: the x ring, then (reused) the K slices' sums."""
-        ring = self.stages * self.k_warps * 8 * self.n_tiles * 128
+        """Bytes of dynamic shared memory: the ring, then (reused) the K slices' sums."""
         sums = self.k_warps * self.rows * (8 * self.n_tiles + 1) * 4
-        return max(ring, sums)
+        return max(self.stages * self.stage_bytes, sums)
+
+
+SM_SHARED = 227 * 1024  # shared memory an sm_90 SM gives its CTAs; each CTA also takes 1 KiB of the driver's
 
 
 def sp_config(n: int, m: int, k: int, sms: int) -> SpConfig:
-    """Two row tiles a warp and two warps along M (64 rows a CTA); K split until the CTAs fill the SMs twice."""
+    """Rows per CTA, then K slices to make the warps an SM holds in one wave, then as many steps as fit.
+
+    Each CTA reads all of x for its rows, so larger CTAs read less of it,
+    until too few CTAs leave SMs idle: 128 rows where there are about as many
+    CTAs as SMs, else 64.  K slices then give each SM 8 warps (16 at n > 32),
+    and the ring takes the SM's shared memory.  On an H200 (bf16, one run of
+    20 configurations per shape, n = 32 and 64): 28672x8192 n = 64 1.13x of
+    dense at 128 rows, 2 slices, 3 steps (1.04x at one slice and 6 steps, 8
+    warps an SM; 0.71x at 64 rows); 8192x28672 n = 64 1.11x at 64 rows, 8
+    slices, 2 steps (0.95x at 4 slices and 4 steps); 8192^2 n = 32 1.33x at
+    64 rows, 4 slices, 5 steps (1.13x at 8 slices); 14336x4096 n = 32 1.36x
+    and n = 64 1.11x.  K splits across CTAs, their partials summed by the last
+    to finish, ran 0.65-0.9x at n = 32 and 64: the last CTA's sum is a tail.
+    """
     n_tiles = next(t for t in (1, 2, 4, 8) if 8 * t >= n)
-    k_warps = 1
-    while -(-m // 64) * k_warps < 2 * sms and k_warps < 8 and (k // 64) % (2 * k_warps) == 0:
-        k_warps *= 2
-    return SpConfig(n_tiles, k_warps=k_warps)
+    m_warps = 4 if -(-m // 128) >= 0.8 * sms else 2
+    per_sm = -(-m // (32 * m_warps * sms))  # CTAs an SM holds for one wave
+    k_warps = max(1, min(8, (16 if n_tiles == 8 else 8) // (m_warps * per_sm)))
+    while (k // 64) % k_warps:
+        k_warps //= 2
+    cfg = SpConfig(n_tiles, m_warps=m_warps, k_warps=k_warps)
+    stages = (SM_SHARED // per_sm - 1024) // cfg.stage_bytes
+    return dataclasses.replace(cfg, stages=max(2, min(6, stages)), min_blocks=min(per_sm, max(1, 512 // cfg.threads)))
 
 
 _SOURCE = r"""
@@ -95,18 +124,28 @@ __device__ __forceinline__ void cp16(u32 dst, const void *src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(ok ? 16 : 0));
 }
 
+__device__ __forceinline__ void cp4(u32 dst, const void *src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(ok ? 4 : 0));
+}
+
+__device__ __forceinline__ uint4 lds4(u32 addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+
+__device__ __forceinline__ u32 lds1(u32 addr) {
+    u32 v; asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr)); return v;
+}
+
 template <int PENDING>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(PENDING)); }
 
 #define ROWS (8 * NT)                  // rows of x staged
 #define THREADS (32 * MW * KW)
 #define BM (16 * RT * MW)              // rows of W a CTA
-#define STAGE_BYTES (KW * ROWS * 128)  // one step of x: each K slice's 64 columns
-
-struct Stage {
-    uint4 a[RT][2];  // per row tile, the A fragments of the step's two 32-column halves
-    u32 e[RT];       // per row tile, this lane's metadata word
-};
+#define X_BYTES (KW * ROWS * 128)      // one step of x: each K slice's 64 columns
+#define STAGE_BYTES (X_BYTES + MW * KW * RT * 1152)
 
 // y[N, M] = act(x[N, K] @ W^T + bias), W as tiled_values / tiled_meta; a CTA per BM rows of W.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
@@ -147,19 +186,20 @@ kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
             bool ok = (STEP) < steps && row < N; \
             const u16 *src = ok ? x + (long)row * sxn + (long)(q * steps + (STEP)) * 64 + c * 8 : x; \
             cp16(sx + (BUF) * STAGE_BYTES + (q * ROWS + row) * 128 + ((c ^ (row & 7)) << 4), src, ok); } \
-        asm volatile("cp.async.commit_group;"); \
     } while (0)
-#define LOAD_W(S, STEP) do { \
+    // This warp's fragments of step STEP, each lane's own, into buffer BUF.
+    const u32 wslot = sx + X_BYTES + warp * RT * 1152;
+#define COPY_W(BUF, STEP) do { \
         bool live = (STEP) < steps; \
         _Pragma("unroll") for (int r = 0; r < RT; ++r) { \
-            st[S].a[r][0] = ld_weight(vp[r] + (long)(STEP) * 256, live && tok[r]); \
-            st[S].a[r][1] = ld_weight(vp[r] + (long)(STEP) * 256 + 128, live && tok[r]); \
-            st[S].e[r] = ld_code(ep[r] + (long)(STEP) * 32, live && tok[r]); } \
+            u32 d = wslot + (BUF) * STAGE_BYTES + r * 1152; \
+            cp16(d + lane * 16, vp[r] + (long)(STEP) * 256, live && tok[r]); \
+            cp16(d + 512 + lane * 16, vp[r] + (long)(STEP) * 256 + 128, live && tok[r]); \
+            cp4(d + 1024 + lane * 4, ep[r] + (long)(STEP) * 32, live && tok[r]); } \
     } while (0)
-
-    Stage st[STAGES];
+#define ISSUE(BUF, STEP) do { COPY_X(BUF, STEP); COPY_W(BUF, STEP); asm volatile("cp.async.commit_group;"); } while (0)
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) { COPY_X(s, s); LOAD_W(s, s); }
+    for (int s = 0; s < STAGES - 1; ++s) ISSUE(s, s);
 
     for (int s0 = 0; s0 < steps; s0 += STAGES) {
 #pragma unroll
@@ -167,10 +207,17 @@ kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
             const int s = s0 + u;
             cp_wait<STAGES - 2>();  // this thread's copies of step s have landed
             __syncthreads();        // everyone's have, and everyone is done with step s - 1's buffer
-            COPY_X((u + STAGES - 1) % STAGES, s + STAGES - 1);
-            LOAD_W((u + STAGES - 1) % STAGES, s + STAGES - 1);
+            ISSUE((u + STAGES - 1) % STAGES, s + STAGES - 1);
             if (s < steps) {
                 const u32 buf = sx + u * STAGE_BYTES + kw * ROWS * 128;
+                uint4 a[RT][2]; u32 e[RT];  // per row tile: the two halves' A fragments, this lane's metadata word
+#pragma unroll
+                for (int r = 0; r < RT; ++r) {
+                    u32 d = wslot + u * STAGE_BYTES + r * 1152;
+                    a[r][0] = lds4(d + lane * 16);
+                    a[r][1] = lds4(d + 512 + lane * 16);
+                    e[r] = lds1(d + 1024 + lane * 4);
+                }
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
                     if (8 * j >= N) break;
@@ -180,8 +227,8 @@ kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
                         uint4 b = ldsm4(buf + row * 128 + (((4 * h + (lane >> 3)) ^ (row & 7)) << 4));
 #pragma unroll
                         for (int r = 0; r < RT; ++r) {
-                            if (h == 0) mma_sp<0>(acc[r][j], st[u].a[r][0], b, st[u].e[r]);
-                            else mma_sp<1>(acc[r][j], st[u].a[r][1], b, st[u].e[r]);
+                            if (h == 0) mma_sp<0>(acc[r][j], a[r][0], b, e[r]);
+                            else mma_sp<1>(acc[r][j], a[r][1], b, e[r]);
                         }
                     }
                 }
