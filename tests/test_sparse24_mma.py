@@ -1,4 +1,4 @@
-"""The CUDA C++ 2:4 linear for n <= 16 (``cuda_mma``) against the fp64 oracle.
+"""The CUDA C++ 2:4 linear for n <= 16 (``cuda_mma``) against the fp64 oracle; what both tiled kernels share.
 
 The kernel needs a GPU and NVRTC; on CPU the tiled layout it reads, its
 launch configuration and its refusals are checked.
@@ -14,13 +14,17 @@ import kernelplan as kp
 from helpers import FWD_ATOL, assert_close, poisoned
 from kernelplan.errors import KernelPlanError
 from kernelplan.kernels.sparse24 import code_metadata
-from kernelplan.kernels.sparse24_mma import MmaConfig, MmaLinear, mma_config, tiled_codes, tiled_values
+from kernelplan.kernels.sparse24_mma import MmaConfig, MmaLinear, TiledKernel, mma_config, tiled_codes, tiled_values
+from kernelplan.kernels.sparse24_sp import SpKernel
 from kernelplan.sparse24 import GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan
-from kernelplan.sparse24.backends import CudaMmaSparse24Backend
+from kernelplan.sparse24.backends import CudaMmaSparse24Backend, CudaSpSparse24Backend
 from test_sparse24_triton import _ACT, check_backend
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# Both tiled kernels: cuda_mma (n <= 16) and cuda_sp (n <= 64, tests/test_sparse24_sp.py).
+TILED = [("cuda_mma", TiledKernel, 4), ("cuda_sp", SpKernel, 48)]
 
 
 def test_tiled_layout_puts_each_lanes_words_where_the_kernel_reads_them():
@@ -52,14 +56,16 @@ def test_config_makes_about_15_warps_per_sm_with_k_slices_that_divide_k():
     assert mma_config(1, 1024, 192, 132) == MmaConfig(1, 1, stages=4, min_blocks=16)  # 3 K steps: one slice
 
 
-@pytest.mark.parametrize("desc, reason", [
-    (GemmSparse24Descriptor(1, 64, 128, "f32", device="cuda"), "f16 and bf16"),
-    (GemmSparse24Descriptor(17, 64, 128, "bf16", device="cuda"), "at most 16 rows"),
-    (GemmSparse24Descriptor(4, 64, 96, "bf16", device="cuda"), "multiple of 64"),
-    (GemmSparse24Descriptor(4, 64, 128, "bf16", device="cpu"), "CUDA devices"),
-])
-def test_refusals_are_reasons(desc, reason):
-    assert reason in CudaMmaSparse24Backend().supports(desc)
+@pytest.mark.parametrize("backend, max_n", [(CudaMmaSparse24Backend(), 16), (CudaSpSparse24Backend(), 64)],
+                         ids=["cuda_mma", "cuda_sp"])
+def test_refusals_are_reasons(backend, max_n):
+    for desc, reason in [
+        (GemmSparse24Descriptor(1, 64, 128, "f32", device="cuda"), "f16 and bf16"),
+        (GemmSparse24Descriptor(max_n + 1, 64, 128, "bf16", device="cuda"), f"at most {max_n} rows"),
+        (GemmSparse24Descriptor(4, 64, 96, "bf16", device="cuda"), "multiple of 64"),
+        (GemmSparse24Descriptor(4, 64, 128, "bf16", device="cpu"), "CUDA devices"),
+    ]:
+        assert reason in backend.supports(desc)
 
 
 @gpu
@@ -79,37 +85,42 @@ def test_cuda_mma_matches_fp64(n, m, k, activation, bias, layout, dtype, seed):
 
 @gpu
 @needs_cuda
-def test_3d_and_misaligned_x_and_strided_y(seed):
+@pytest.mark.parametrize("name, kernel, n", TILED, ids=[t[0] for t in TILED])
+def test_3d_and_misaligned_x_and_strided_y(name, kernel, n, seed):
     w = kp.sparse24.prune(torch.randn(200, 512, device="cuda")).bfloat16()
     w24 = kp.sparse24.compress(w)
-    x = torch.randn(2, 3, 513, device="cuda").bfloat16()[..., 1:]  # rows 2 bytes off 16-byte alignment
-    call = MmaLinear(None)
+    x = torch.randn(2, n // 2, 513, device="cuda").bfloat16()[..., 1:]  # rows 2 bytes off 16-byte alignment
+    call = MmaLinear(None, kernel())
     assert_close(call(x, w24.values, w24.metadata, None), F.linear(x.double(), w.double()), F.linear(x, w),
                  atol=FWD_ATOL[torch.bfloat16])
-    x2 = x.reshape(6, 512)
-    for y in (poisoned((6, 300), torch.bfloat16, "cuda")[:, :200], poisoned((200, 6), torch.bfloat16, "cuda").t()):
+    x2 = x.reshape(n, 512)
+    for y in (poisoned((n, 300), torch.bfloat16, "cuda")[:, :200], poisoned((200, n), torch.bfloat16, "cuda").t()):
         call.launch(x2, w24.values, w24.metadata, None, y)
         assert_close(y, F.linear(x2.double(), w.double()), F.linear(x2, w), atol=FWD_ATOL[torch.bfloat16])
 
 
 @gpu
 @needs_cuda
-def test_more_than_16_rows_is_refused_and_nothing_written(seed):
+@pytest.mark.parametrize("name, kernel, n", TILED, ids=[t[0] for t in TILED])
+def test_too_many_rows_is_refused_and_nothing_written(name, kernel, n, seed):
     w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(64, 128, device="cuda")).half())
-    y = torch.zeros(17, 64, device="cuda", dtype=torch.float16)
-    with pytest.raises(KernelPlanError, match="at most 16"):
-        MmaLinear(None).launch(torch.randn(17, 128, device="cuda").half(), w24.values, w24.metadata, None, y)
+    rows = kernel.max_n + 1
+    y = torch.zeros(rows, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(KernelPlanError, match=f"at most {kernel.max_n}"):
+        MmaLinear(None, kernel()).launch(torch.randn(rows, 128, device="cuda").half(), w24.values, w24.metadata,
+                                         None, y)
     assert not y.any()
 
 
 @gpu
 @needs_cuda
-def test_graph_replay_reads_new_inputs(seed):
+@pytest.mark.parametrize("name, kernel, n", TILED, ids=[t[0] for t in TILED])
+def test_graph_replay_reads_new_inputs(name, kernel, n, seed):
     w = kp.sparse24.prune(torch.randn(4096, 1024, device="cuda")).bfloat16()
     w24 = kp.sparse24.compress(w)
     b = torch.randn(4096, device="cuda").bfloat16()
-    x = torch.randn(4, 1024, device="cuda").bfloat16()
-    call = MmaLinear("silu")
+    x = torch.randn(n, 1024, device="cuda").bfloat16()
+    call = MmaLinear("silu", kernel())
     call(x, w24.values, w24.metadata, b)  # builds the tiled weight outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -122,13 +133,14 @@ def test_graph_replay_reads_new_inputs(seed):
 
 @gpu
 @needs_cuda
-def test_dispatch_times_it_for_small_n(seed):
-    desc = GemmSparse24Descriptor(4, 4096, 4096, "bf16", device="cuda")
-    assert "cuda_mma" in [b.name for b in GemmSparse24Plan.candidates(desc)]
+@pytest.mark.parametrize("name, kernel, n", TILED, ids=[t[0] for t in TILED])
+def test_dispatch_times_it(name, kernel, n, seed):
+    desc = GemmSparse24Descriptor(n, 4096, 4096, "bf16", device="cuda")
+    assert name in [b.name for b in GemmSparse24Plan.candidates(desc)]
     w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(4096, 4096, device="cuda")).bfloat16())
-    x = torch.randn(4, 4096, device="cuda").bfloat16()
-    plan = GemmSparse24Plan.select(desc, kp.PlanPreference.only("cuda_mma"))
-    y = poisoned((4, 4096), torch.bfloat16, "cuda")
+    x = torch.randn(n, 4096, device="cuda").bfloat16()
+    plan = GemmSparse24Plan.select(desc, kp.PlanPreference.only(name))
+    y = poisoned((n, 4096), torch.bfloat16, "cuda")
     plan.run(GemmSparse24Args(x, w24.values, w24.metadata, y))
     ref = F.linear(x.double(), w24.decompress().double())
     assert_close(y, ref, F.linear(x, w24.decompress()), atol=FWD_ATOL[torch.bfloat16])

@@ -9,16 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kernelplan as kp
-from helpers import FWD_ATOL, assert_close, poisoned
-from kernelplan.errors import KernelPlanError
-from kernelplan.kernels.sparse24_mma import MmaLinear
-from kernelplan.kernels.sparse24_sp import SpConfig, SpKernel, _tiled, sp_config
-from kernelplan.sparse24 import GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan
-from kernelplan.sparse24.backends import CudaSpSparse24Backend
-from test_sparse24_triton import _ACT, check_backend
+from kernelplan.kernels.sparse24_sp import SpConfig, _tiled, sp_config
+from test_sparse24_triton import check_backend
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -94,16 +88,6 @@ def test_config_fills_one_wave_with_8_or_16_warps_an_sm_and_the_ring_with_shared
             assert cfg.stage_bytes == cfg.k_warps * 8 * cfg.n_tiles * 128 + cfg.m_warps * cfg.k_warps * 2 * 1152
 
 
-@pytest.mark.parametrize("desc, reason", [
-    (GemmSparse24Descriptor(1, 64, 128, "f32", device="cuda"), "f16 and bf16"),
-    (GemmSparse24Descriptor(65, 64, 128, "bf16", device="cuda"), "at most 64"),
-    (GemmSparse24Descriptor(4, 64, 96, "bf16", device="cuda"), "multiple of 64"),
-    (GemmSparse24Descriptor(4, 64, 128, "bf16", device="cpu"), "CUDA devices"),
-])
-def test_refusals_are_reasons(desc, reason):
-    assert reason in CudaSpSparse24Backend().supports(desc)
-
-
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -119,59 +103,5 @@ def test_cuda_sp_matches_fp64(n, m, k, activation, bias, layout, dtype, seed):
     check_backend("cuda_sp", n, m, k, activation, bias, layout, dtype)
 
 
-@gpu
-@needs_cuda
-def test_3d_and_misaligned_x_and_strided_y(seed):
-    w = kp.sparse24.prune(torch.randn(200, 512, device="cuda")).bfloat16()
-    w24 = kp.sparse24.compress(w)
-    x = torch.randn(4, 12, 513, device="cuda").bfloat16()[..., 1:]  # rows 2 bytes off 16-byte alignment
-    call = MmaLinear(None, SpKernel())
-    assert_close(call(x, w24.values, w24.metadata, None), F.linear(x.double(), w.double()), F.linear(x, w),
-                 atol=FWD_ATOL[torch.bfloat16])
-    x2 = x.reshape(48, 512)
-    for y in (poisoned((48, 300), torch.bfloat16, "cuda")[:, :200], poisoned((200, 48), torch.bfloat16, "cuda").t()):
-        call.launch(x2, w24.values, w24.metadata, None, y)
-        assert_close(y, F.linear(x2.double(), w.double()), F.linear(x2, w), atol=FWD_ATOL[torch.bfloat16])
-
-
-@gpu
-@needs_cuda
-def test_more_than_64_rows_is_refused_and_nothing_written(seed):
-    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(64, 128, device="cuda")).half())
-    y = torch.zeros(65, 64, device="cuda", dtype=torch.float16)
-    with pytest.raises(KernelPlanError, match="at most 64"):
-        MmaLinear(None, SpKernel()).launch(torch.randn(65, 128, device="cuda").half(), w24.values, w24.metadata,
-                                           None, y)
-    assert not y.any()
-
-
-@gpu
-@needs_cuda
-def test_graph_replay_reads_new_inputs(seed):
-    w = kp.sparse24.prune(torch.randn(4096, 1024, device="cuda")).bfloat16()
-    w24 = kp.sparse24.compress(w)
-    b = torch.randn(4096, device="cuda").bfloat16()
-    x = torch.randn(48, 1024, device="cuda").bfloat16()
-    call = MmaLinear("silu", SpKernel())
-    call(x, w24.values, w24.metadata, b)  # builds the tiled weight outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = call(x, w24.values, w24.metadata, b)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    assert_close(y, _ACT["silu"](F.linear(x.double(), w.double(), b.double())), F.silu(F.linear(x, w, b)),
-                 atol=FWD_ATOL[torch.bfloat16])
-
-
-@gpu
-@needs_cuda
-def test_dispatch_times_it_up_to_64_rows(seed):
-    desc = GemmSparse24Descriptor(64, 4096, 4096, "bf16", device="cuda")
-    assert "cuda_sp" in [b.name for b in GemmSparse24Plan.candidates(desc)]
-    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(4096, 4096, device="cuda")).bfloat16())
-    x = torch.randn(64, 4096, device="cuda").bfloat16()
-    plan = GemmSparse24Plan.select(desc, kp.PlanPreference.only("cuda_sp"))
-    y = poisoned((64, 4096), torch.bfloat16, "cuda")
-    plan.run(GemmSparse24Args(x, w24.values, w24.metadata, y))
-    ref = F.linear(x.double(), w24.decompress().double())
-    assert_close(y, ref, F.linear(x, w24.decompress()), atol=FWD_ATOL[torch.bfloat16])
+# 3-D and misaligned x, strided y, too many rows, graph replay, dispatch and refusals:
+# tests/test_sparse24_mma.py, for both tiled kernels.
