@@ -31,6 +31,9 @@ hint did not pay.
 A CTA is ``warps`` warps over the same 16 weight rows, each warp one slice of
 K; the slices are summed through shared memory in warp order
 (deterministic), then bias and activation are applied and y is written.
+
+``TiledKernel``, ``MmaLinear`` and the per-weight launches here also serve
+``cuda_sp`` (``sparse24_sp.py``), whose kernel takes the same arguments.
 """
 
 from __future__ import annotations

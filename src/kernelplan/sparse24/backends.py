@@ -172,7 +172,7 @@ class CudaMmaSparse24Backend(Backend):
             return f"K = {desc.k} is not a multiple of 64, the kernel's K step"
         why = nvrtc_reason(desc.device)
         if why is None and torch.cuda.get_device_capability(torch.device(desc.device)) < (8, 0):
-            return f"device {desc.device}: mma.sync on bf16 needs compute capability 8.0 or newer"
+            return f"device {desc.device}: bf16 MMA (mma.sync, mma.sp) needs compute capability 8.0 or newer"
         return why
 
     def precision(self, desc) -> PrecisionGuarantee:
