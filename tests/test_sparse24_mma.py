@@ -25,6 +25,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 # Both tiled kernels: cuda_mma (n <= 16) and cuda_sp (n <= 64, tests/test_sparse24_sp.py).
 TILED = [("cuda_mma", TiledKernel, 4), ("cuda_sp", SpKernel, 48)]
+each_tiled_kernel = pytest.mark.parametrize("name, kernel, n", TILED, ids=[t[0] for t in TILED])
 
 
 def test_tiled_layout_puts_each_lanes_words_where_the_kernel_reads_them():
@@ -85,7 +86,7 @@ def test_cuda_mma_matches_fp64(n, m, k, activation, bias, layout, dtype, seed):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("name, kernel, n", TILED, ids=[t[0] for t in TILED])
+@each_tiled_kernel
 def test_3d_and_misaligned_x_and_strided_y(name, kernel, n, seed):
     w = kp.sparse24.prune(torch.randn(200, 512, device="cuda")).bfloat16()
     w24 = kp.sparse24.compress(w)
@@ -101,7 +102,7 @@ def test_3d_and_misaligned_x_and_strided_y(name, kernel, n, seed):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("name, kernel, n", TILED, ids=[t[0] for t in TILED])
+@each_tiled_kernel
 def test_too_many_rows_is_refused_and_nothing_written(name, kernel, n, seed):
     w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(64, 128, device="cuda")).half())
     rows = kernel.max_n + 1
@@ -114,7 +115,7 @@ def test_too_many_rows_is_refused_and_nothing_written(name, kernel, n, seed):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("name, kernel, n", TILED, ids=[t[0] for t in TILED])
+@each_tiled_kernel
 def test_graph_replay_reads_new_inputs(name, kernel, n, seed):
     w = kp.sparse24.prune(torch.randn(4096, 1024, device="cuda")).bfloat16()
     w24 = kp.sparse24.compress(w)
@@ -133,7 +134,7 @@ def test_graph_replay_reads_new_inputs(name, kernel, n, seed):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("name, kernel, n", TILED, ids=[t[0] for t in TILED])
+@each_tiled_kernel
 def test_dispatch_times_it(name, kernel, n, seed):
     desc = GemmSparse24Descriptor(n, 4096, 4096, "bf16", device="cuda")
     assert name in [b.name for b in GemmSparse24Plan.candidates(desc)]

@@ -377,9 +377,13 @@ def code_metadata(metadata: torch.Tensor) -> torch.Tensor:
     codes = table[positions[..., 0] | positions[..., 1] << 2]  # [M, K/4]
     groups = codes.shape[1]
     shifts = torch.arange(0, 32, 4, device=metadata.device, dtype=torch.int64)
-    words = (codes.reshape(m, groups // 8, 8) << shifts).sum(-1)  # [M, K/32]
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # u32 bits in an int32
+    words = u32_bits((codes.reshape(m, groups // 8, 8) << shifts).sum(-1))  # [M, K/32]
     return words.reshape(m, groups // 16, 2).permute(1, 0, 2).contiguous()
+
+
+def u32_bits(words: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) as int32 tensors holding the same 32 bits."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def _pairs_readable(values: torch.Tensor) -> bool:

@@ -87,20 +87,6 @@ COMMON_SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 
-// The weight is read once: past L1.
-__device__ __forceinline__ uint4 ld_weight(const u32 *p, bool ok) {
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (ok) asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ u32 ld_code(const u32 *p, bool ok) {
-    u32 v = 0;
-    if (ok) asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-}
-
 __device__ __forceinline__ float to_f32(u16 v) {
 #if IS_BF16
     return __uint_as_float(((u32)v) << 16);
@@ -144,6 +130,20 @@ __device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a
                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The weight is read once: past L1.
+__device__ __forceinline__ uint4 ld_weight(const u32 *p, bool ok) {
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (ok) asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ u32 ld_code(const u32 *p, bool ok) {
+    u32 v = 0;
+    if (ok) asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
 }
 
 __device__ __forceinline__ uint4 ld_x(const u16 *p, bool ok) {

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sparse24 import sm_count
+from ..sparse24.format import unpack_positions
+from .sparse24 import sm_count, u32_bits
 from .sparse24_mma import COMMON_SOURCE, TiledKernel, defines
 
 MAX_N = 64  # eight 8-wide N tiles
@@ -293,12 +294,11 @@ def tiled_meta(metadata: torch.Tensor) -> torch.Tensor:
     the high.  M must be a multiple of 16.
     """
     m = metadata.shape[0]
-    words = metadata.to(torch.int64) & 0xFFFF
-    nibbles = torch.stack((words & 0xF, (words >> 8) & 0xF), -1).view(m, -1, 4)  # [M, K/16, 4 groups]
+    positions = unpack_positions(metadata)  # [M, K/4, 2]
+    nibbles = (positions[..., 0] | positions[..., 1] << 2).view(m, -1, 4)  # [M, K/16, 4 groups]
     shifts = torch.arange(0, 16, 4, device=metadata.device, dtype=torch.int64)
     halves = (nibbles << shifts).sum(-1).view(m // 16, 2, 8, -1, 4)  # [tile, h, g, step, t]
-    lanes = (halves[:, 0] | halves[:, 1] << 16).permute(0, 2, 1, 3)  # [tile, step, g, t]
-    return torch.where(lanes >= 2**31, lanes - 2**32, lanes).to(torch.int32).contiguous()
+    return u32_bits(halves[:, 0] | halves[:, 1] << 16).permute(0, 2, 1, 3).contiguous()  # [tile, step, g, t]
 
 
 def _tiled(values: torch.Tensor, metadata: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
