@@ -353,6 +353,31 @@ def test_sparse24_a_graph_capture_runs_the_choice_made_for_graphs():
                 kp.sparse24.linear(x, cold)
 
 
+def test_sparse24_tuning_leaves_the_weight_only_its_choices_layouts():
+    """Tuning times every candidate on a copy of the weight: the losers' layouts (a dense copy, tiled
+    copies, cuSPARSELt's buffer) go with it, and the weight holds what its chosen backends built."""
+    from kernelplan.sparse24 import GemmSparse24Descriptor, GemmSparse24Plan
+
+    torch.manual_seed(0)
+    m, k = 1536, 1024  # a shape no other test tunes
+    w = kp.sparse24.prune(torch.randn(m, k, device="cuda")).bfloat16()
+    w24 = kp.sparse24.compress(w)
+    dense_bytes = m * k * 2
+    chosen = set()
+    for n in (16, 300):
+        x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        assert_close(kp.sparse24.linear(x, w24), F.linear(x.double(), w.double()), F.linear(x, w),
+                     atol=FWD_ATOL[torch.bfloat16], what=f"n={n}")
+        desc = GemmSparse24Descriptor(n, m, k, "bf16", device="cuda:0")
+        assert GemmSparse24Plan.measured(desc) is not None, f"n={n} was not tuned here"
+        chosen.add(GemmSparse24Plan.select(desc).sku.backend)
+    held = w24.derived_bytes()
+    if "dense" not in chosen:
+        assert "dense" not in held, f"chosen {chosen}, but the weight holds a dense copy: {held}"
+    # At most one copy per chosen backend, each at most the dense bytes (the dense copy) and mostly 9/16.
+    assert sum(held.values()) <= dense_bytes * len(chosen), f"chosen {chosen}, held {held}"
+
+
 def test_sparse24_tuning_is_reused_by_a_second_process(tmp_path):
     import os
     import subprocess
@@ -448,6 +473,45 @@ def test_cusparselt_weights_after_the_first_on_a_used_plan(dtype):
             y = torch.full((16, 256), float("nan"), device="cuda", dtype=dtype)
             plan.run(GemmSparse24Args(x, w24.values, w24.metadata, y))
             assert_close(y, F.linear(x.double(), w.double()), F.linear(x, w), atol=FWD_ATOL[dtype], what=f"weight {i}")
+
+
+@needs_nvmath
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cusparselt_keeps_one_compressed_copy_per_weight(dtype):
+    """Every N bucket and epilogue of a weight runs on one compressed copy; a changed weight gets a new one."""
+    from kernelplan.sparse24 import GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan
+    from kernelplan.sparse24.format import _DERIVED
+
+    torch.manual_seed(0)
+    m, k = 512, 1024
+    w = kp.sparse24.prune(torch.randn(m, k, device="cuda")).to(dtype)
+    w24 = kp.sparse24.compress(w)
+
+    def copies():
+        return [layout for key, (_, layout) in _DERIVED[id(w24.values)][1].items() if key.startswith("cusparselt:")]
+
+    for n, act in ((16, None), (256, None), (1024, "relu"), (40, None)):
+        x = torch.randn(n, k, device="cuda").to(dtype)
+        y = torch.full((n, m), float("nan"), device="cuda", dtype=dtype)
+        plan = GemmSparse24Plan.select(
+            GemmSparse24Descriptor(n, m, k, kp.dtypes.dtype_info(dtype).name, activation=act, device="cuda:0"),
+            kp.PlanPreference.only("cusparselt"))
+        plan.run(GemmSparse24Args(x, w24.values, w24.metadata, y))
+        oracle, baseline = F.linear(x.double(), w.double()), F.linear(x, w)
+        if act:
+            oracle, baseline = oracle.relu(), baseline.relu()
+        assert_close(y, oracle, baseline, atol=FWD_ATOL[dtype], what=f"n={n} {act}")
+        assert len(copies()) == 1, f"n={n}: {len(copies())} compressed copies of one weight"
+    first = copies()[0]
+    with torch.no_grad():
+        w24.values.mul_(-1)  # a training step's in-place update: the copy must follow it
+    x = torch.randn(16, k, device="cuda").to(dtype)
+    y = torch.empty(16, m, device="cuda", dtype=dtype)
+    plan = GemmSparse24Plan.select(GemmSparse24Descriptor(16, m, k, kp.dtypes.dtype_info(dtype).name, device="cuda:0"),
+                                   kp.PlanPreference.only("cusparselt"))
+    plan.run(GemmSparse24Args(x, w24.values, w24.metadata, y))
+    assert_close(y, F.linear(x.double(), -w.double()), F.linear(x, -w), atol=FWD_ATOL[dtype], what="after an update")
+    assert len(copies()) == 1 and copies()[0] is not first
 
 
 @needs_nvmath

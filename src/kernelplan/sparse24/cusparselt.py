@@ -5,7 +5,8 @@ cuSPARSELt computes ``D = op(A) op(B)`` with A structured.  We ask it for
 read column-major is ``X^T`` with no copy; so is Y written column-major.
 
 * one library handle per device;
-* the compressed weight is derived once per weight and plan (``derived_from``);
+* the compressed weight is derived once per weight (``derived_from``), and
+  shared by its plans of every N and epilogue;
 * N is padded to the library's multiple of 16 (it refuses every other N, and
   N = 1 outright); x and y go through padded buffers then, at the price of
   two small copies;
@@ -206,32 +207,32 @@ def _compress(plan: _Plan, values: torch.Tensor, metadata: torch.Tensor) -> torc
 
 
 def _weight_plan(plan: _Plan, values: torch.Tensor, metadata: torch.Tensor) -> tuple[_Plan, torch.Tensor]:
-    """A plan of ``plan``'s algorithm that is this weight's own, and W compressed against it.
+    """This weight's own plan of ``plan``'s algorithm, and W in cuSPARSELt's layout: one copy per weight.
 
-    Built once per weight state and N bucket.  Measured on an H200 with
-    cuSPARSELt 0.8 (f16; bf16 took every variant):
+    The compressed bytes depend on the weight alone.  Measured on an H200 with
+    cuSPARSELt 0.8 (bf16 8192x8192 and 4096x14336, f16 4096x4096 and
+    14336x4096): copies compressed against the plans of n = 16 to 4096, whatever
+    config id their search chose, were byte-identical to each other and to the
+    descriptor-only ``sp_mma_compress2``, and every one of those plans ran right
+    on the copy of any other.  So every N bucket and epilogue of a weight shares
+    one copy (9/16 of dense bytes); it used to be one per N bucket.
 
-    * ``matmul_search`` fails (internal error, status 7) on a copy compressed
-      against W's descriptor alone (``sp_mma_compress2``) or another N's plan;
-    * a copy compressed against a plan that had already run a matmul (or its
-      search) gave wrong products, relative error 1.0-1.4;
-    * a copy compressed against a second, unused plan of the same algorithm
-      failed to run (CUBLAS execution failure after it);
-    * a copy compressed against an unused plan, run on that same plan, is right.
-
-    So each weight gets its own plan, compressed against before it first runs.
-    The price is a compressed copy (9/16 of dense) and a plan per N bucket a
-    weight runs at.
+    The copy is compressed against a plan that has not run yet (this weight's
+    first own plan): in earlier measured runs (f16), a copy compressed against a
+    plan that had already run a matmul, or its search, gave wrong products
+    (relative error 1.0-1.4).  Plans stay per weight and N bucket (host structs only).
     """
 
-    def build(v, meta):
+    def own_plan(v, meta):
         own = _Plan(plan.key)
         own.set_alg(plan.alg_found)
         own.init_plan()
-        return own, _compress(own, v, meta)
+        return own
 
     k = plan.key
-    return derived_from(values, metadata, f"cusparselt:{k.dtype}:n={k.n}:relu={k.relu}", build)
+    own = derived_from(values, metadata, f"cusparselt-plan:{k.dtype}:n={k.n}:relu={k.relu}", own_plan,
+                       device_work=False)
+    return own, derived_from(values, metadata, f"cusparselt:{k.dtype}", lambda v, meta: _compress(own, v, meta))
 
 
 def _workspace(plan: _Plan, device) -> torch.Tensor | None:
@@ -277,7 +278,9 @@ def plan_for(key: _Key, args: GemmSparse24Args) -> _Plan:
         searched = plan
         try:
             searched.init_plan()
-            a = _compress(searched, args.values, args.metadata)  # against the unused plan: see _weight_plan
+            # The search gets a copy of its own, compressed against the unused searched plan and freed
+            # after: in an earlier measured run the search failed (status 7) on copies made for other plans.
+            a = _compress(searched, args.values, args.metadata)
             _run(searched, a, args.x, args.y, _workspace(searched, args.x.device), search=True)
             found = searched.get_alg()
         finally:
