@@ -50,6 +50,10 @@ def test_bench_command_runs_and_reports_correctness(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "sparse24" in out.stdout and "gated" in out.stdout and "gemm" in out.stdout
     assert " NO" not in out.stdout
-    assert set(json.loads((tmp_path / "b.json").read_text())["suites"]) == {"sparse24", "gemm", "gated"}
+    suites = json.loads((tmp_path / "b.json").read_text())["suites"]
+    assert set(suites) == {"sparse24", "gemm", "gated"}
+    memory = suites["sparse24"][0]["memory"]  # per weight: its format and the layouts its calls built
+    assert memory and all(0 < held["format_bytes"] < held["dense_bytes"] for held in memory.values())
+    assert "the 2:4 weight holds" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "kernelplan", "bench", "nosuch"], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "unknown suite 'nosuch'" in bad.stdout

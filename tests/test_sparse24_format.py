@@ -94,6 +94,21 @@ def test_derived_layouts_are_cached_until_values_change():
     assert len(builds) == 2
 
 
+def test_derived_bytes_counts_each_copy_once_and_not_the_weight_itself():
+    w24 = compress(prune(torch.randn(64, 128)))
+    assert w24.derived_bytes() == {}
+
+    class Launch:  # a layout object holding a copy that is also a layout of its own
+        def __init__(self, copy):
+            self.copy = copy
+
+    dense = w24.derived("dense", lambda w: w.decompress())
+    w24.derived("launch", lambda w: Launch(dense))
+    w24.derived("pairs", lambda w: w.values.view(torch.int32))  # a view of values: no bytes of its own
+    w24.derived("tiled", lambda w: (w.values.t().contiguous(), w.metadata.clone(), "host"))
+    assert w24.derived_bytes() == {"dense": 64 * 128 * 4, "tiled": 64 * 64 * 4 + 64 * 16 * 2}
+
+
 @st.composite
 def sparse24_tensors(draw):
     m = draw(st.integers(1, 6))

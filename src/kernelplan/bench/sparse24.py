@@ -82,6 +82,7 @@ def run(dev: torch.device) -> tuple[list[dict], bool]:
     torch.manual_seed(0)
     rows: list[SparseRow] = []
     notes: dict[str, str] = {}
+    memory: dict[str, dict] = {}
     print(f"\nsparse24: kernelplan.sparse24.linear (tuned dispatch) vs dense F.linear and torch's 2:4 on {dev}")
     if dev.type == "cpu":
         print("CPU: the reference backend; times support no speed claim")
@@ -117,12 +118,32 @@ def run(dev: torch.device) -> tuple[list[dict], bool]:
                     err <= 2 * dense_err + _ATOL[dtype],
                 ))
                 print(_line(rows[-1]), flush=True)
+            memory[f"{m}x{k} {kp.dtypes.dtype_info(dtype).name}"] = held = _held(w, w24)
+            print(_memory_line(m, k, held), flush=True)
     overhead = host_overhead_us(dev)
     print(host_report_line(overhead, f"n={overhead['shape'][0]}, {overhead['shape'][1]}x{overhead['shape'][2]}"))
     for what, why in notes.items():
         print(f"torch 2:4 unavailable for {what}: {why}")
     result = [asdict(r) for r in rows]
-    return [{"host_overhead_us": overhead, "torch24_notes": notes}] + result, all(r.ok for r in rows)
+    return [{"host_overhead_us": overhead, "torch24_notes": notes, "memory": memory}] + result, all(r.ok for r in rows)
+
+
+def _held(w: torch.Tensor, w24) -> dict:
+    """What the 2:4 weight holds after every n ran through dispatch: its format, and each backend layout built."""
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    return {"dense_bytes": nbytes(w), "format_bytes": nbytes(w24.values) + nbytes(w24.metadata),
+            "derived_bytes": w24.derived_bytes()}
+
+
+def _memory_line(m: int, k: int, held: dict) -> str:
+    dense = held["dense_bytes"]
+    derived = held["derived_bytes"]
+    total = held["format_bytes"] + sum(derived.values())
+    parts = ", ".join(f"{key} {b / dense:.2f}" for key, b in sorted(derived.items(), key=lambda kv: -kv[1]))
+    return (f"  {m}x{k}: the 2:4 weight holds {total / dense:.2f}x of dense bytes after every n: "
+            f"format {held['format_bytes'] / dense:.2f}" + (f", {parts}" if parts else ""))
 
 
 def _line(r: SparseRow) -> str:

@@ -186,6 +186,18 @@ def derived_from(values: torch.Tensor, metadata: torch.Tensor, key, build: Calla
     return layout
 
 
+def _tensors(layout, depth: int = 0):
+    """The tensors a derived layout holds: itself, in a tuple or list, or as an attribute of a layout object."""
+    if isinstance(layout, torch.Tensor):
+        yield layout
+    elif isinstance(layout, (tuple, list)):
+        for item in layout:
+            yield from _tensors(item, depth)
+    elif depth < 2 and hasattr(layout, "__dict__"):
+        for item in vars(layout).values():
+            yield from _tensors(item, depth + 1)
+
+
 class Sparse24Weight:
     """A 2:4-compressed weight of logical shape ``[M, K]``: ``values`` and ``metadata``.
 
@@ -250,6 +262,24 @@ class Sparse24Weight:
         builds one per call) finds the layout already built.
         """
         return derived_from(self.values, self.metadata, key, lambda values, metadata: build(self))
+
+    def derived_bytes(self) -> dict[str, int]:
+        """Bytes of the backend layouts built from this weight so far, by layout; each storage counted once.
+
+        What the weight holds beyond ``values`` and ``metadata``: a backend's
+        copy (a tiled layout, cuSPARSELt's buffer, the dense weight) lives as
+        long as the values tensor.  Host objects (plans, launches) are not counted.
+        """
+        own = {self.values.untyped_storage().data_ptr(), self.metadata.untyped_storage().data_ptr()}
+        entry = _DERIVED.get(id(self.values))
+        out: dict[str, int] = {}
+        for key, (_, layout) in (entry[1].items() if entry else ()):
+            for t in _tensors(layout):
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in own:
+                    own.add(storage.data_ptr())
+                    out[str(key)] = out.get(str(key), 0) + storage.nbytes()
+        return out
 
     def __repr__(self) -> str:
         m, k = self.shape

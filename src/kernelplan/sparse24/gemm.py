@@ -144,7 +144,12 @@ def _plan_for(x, values, metadata, bias, activation) -> GemmSparse24Plan:
         # whose launches cost more host time than its kernel saves must not win (measured: the
         # Triton path timed alone beat dense at 4096^2, n = 4, and lost 2x through the full call).
         # The same timings, kernels alone, choose for the bucket's calls recorded into CUDA graphs.
-        tune(desc, lambda plan: functools.partial(_bound(plan), x, values, metadata, bias))
+        # The candidates run on a copy of the weight: each builds its own layouts (a dense copy, a
+        # tiled one, cuSPARSELt's), which would otherwise stay with the weight for as long as it
+        # lives, the losers' included.  The copy and its layouts go when tuning ends.
+        scratch = values.detach().clone(), metadata.clone()
+        tune(desc, lambda plan: functools.partial(_bound(plan), x, *scratch, bias))
+        del scratch
     plan = memoised_select(GemmSparse24Plan, desc)
     if x.is_cuda and not graph:
         _ready_for_graphs(plan, memoised_select(GemmSparse24Plan, _descriptor(*problem, True)),
