@@ -215,24 +215,27 @@ def _weight_plan(plan: _Plan, values: torch.Tensor, metadata: torch.Tensor) -> t
     config id their search chose, were byte-identical to each other and to the
     descriptor-only ``sp_mma_compress2``, and every one of those plans ran right
     on the copy of any other.  So every N bucket and epilogue of a weight shares
-    one copy (9/16 of dense bytes); it used to be one per N bucket.
+    one copy (9/16 of dense bytes); it used to keep one per N bucket.
 
-    The copy is compressed against a plan that has not run yet (this weight's
-    first own plan): in earlier measured runs (f16), a copy compressed against a
-    plan that had already run a matmul, or its search, gave wrong products
-    (relative error 1.0-1.4).  Plans stay per weight and N bucket (host structs only).
+    Each plan still compresses the weight once, before it first runs, and the
+    result is checked against the shared copy (a copy of its own is kept if the
+    bytes ever differ): in a measured f16 run a plan that had never compressed,
+    run on another plan's copy, failed (a CUBLAS execution failure after it).
+    A copy compressed against a plan that had already run a matmul, or its
+    search, gave wrong products (relative error 1.0-1.4, f16), so the first
+    compression is the shared one.  Plans are per weight and N bucket (host structs).
     """
+    k = plan.key
 
     def own_plan(v, meta):
-        own = _Plan(plan.key)
+        own = _Plan(k)
         own.set_alg(plan.alg_found)
         own.init_plan()
-        return own
+        fresh = _compress(own, v, meta)
+        shared = derived_from(v, meta, f"cusparselt:{k.dtype}", lambda *_: fresh)
+        return own, shared if torch.equal(shared, fresh) else fresh
 
-    k = plan.key
-    own = derived_from(values, metadata, f"cusparselt-plan:{k.dtype}:n={k.n}:relu={k.relu}", own_plan,
-                       device_work=False)
-    return own, derived_from(values, metadata, f"cusparselt:{k.dtype}", lambda v, meta: _compress(own, v, meta))
+    return derived_from(values, metadata, f"cusparselt-plan:{k.dtype}:n={k.n}:relu={k.relu}", own_plan)
 
 
 def _workspace(plan: _Plan, device) -> torch.Tensor | None:
