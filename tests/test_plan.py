@@ -232,6 +232,24 @@ def test_tuning_takes_the_median_of_three_rounds_and_leaves_out_refusals():
     assert remember(DESC, {"dense": 10.0, "cusparselt": 9.0}, floor="dense", margin=0.03) == "cusparselt"
 
 
+def test_a_tie_within_the_margin_goes_to_the_faster_kernels():
+    """Host-bound calls time alike: among the backends within the margin of the fastest, ``ties`` decides."""
+    from kernelplan.sparse24 import backends  # noqa: F401  (registers the GPU backends)
+
+    remember = GemmSparse24Plan.remember_fastest
+    host_bound = {"dense": 20.0, "cuda_mma": 15.2, "cuda_sp": 15.0, "triton": 15.6}
+    kernels = {"dense": 18.7, "cuda_mma": 11.9, "cuda_sp": 15.0, "triton": 15.6}
+    assert remember(DESC, host_bound, floor="dense", margin=0.03) == "cuda_sp"
+    assert remember(DESC, host_bound, floor="dense", margin=0.03, ties=kernels) == "cuda_mma"
+    # Outside the margin there is no tie: host work that costs more than the kernels save still loses.
+    assert remember(DESC, {**host_bound, "cuda_mma": 15.6}, floor="dense", margin=0.03, ties=kernels) == "cuda_sp"
+    # The tie beats the floor where its fastest does; else the floor stays.
+    assert remember(DESC, {"dense": 15.3, "cuda_mma": 15.2, "cuda_sp": 14.8}, floor="dense", margin=0.03,
+                    ties=kernels) == "cuda_mma"
+    assert remember(DESC, {"dense": 15.3, "cuda_mma": 15.2, "cuda_sp": 15.0}, floor="dense", margin=0.03,
+                    ties=kernels) == "dense"
+
+
 def test_a_win_over_the_floor_must_hold_when_measured_again():
     """``confirmed`` with the timer faked: a challenger's win is repeated once before it counts."""
     from kernelplan.sparse24.backends import confirmed, measure

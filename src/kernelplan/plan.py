@@ -251,12 +251,15 @@ class Plan:
 
     @classmethod
     def remember_fastest(cls, desc, timings_s: dict[str, float], *, floor: str | None = None,
-                         margin: float = 0.0) -> str:
+                         margin: float = 0.0, ties: dict[str, float] | None = None) -> str:
         """Store the fastest of measured ``{backend: seconds}`` for ``desc``; return its name.
 
         With ``floor``, that backend is kept unless another beats it by more than
         ``margin`` (a fraction): timings of a few microseconds differ by a few
         percent from run to run, and a win inside that noise is not a win.
+        With ``ties`` (``{backend: seconds}`` by a second measure), the backends
+        within ``margin`` of the fastest are a tie, which the second measure decides;
+        the tie beats the floor where its fastest does.
         """
         unknown = set(timings_s) - set(cls.registry.names())
         if unknown or not timings_s:
@@ -264,8 +267,11 @@ class Plan:
                 f"timings_s names backends {sorted(unknown) or 'none'}; it must time at least "
                 f"one of the registered backends {cls.registry.names()}"
             )
-        best = min(timings_s, key=timings_s.get)
-        if floor in timings_s and timings_s[best] > (1 - margin) * timings_s[floor]:
+        best = fastest = min(timings_s, key=timings_s.get)
+        if ties:
+            tied = [name for name, t in timings_s.items() if name in ties and t <= (1 + margin) * timings_s[fastest]]
+            best = min(tied, key=ties.get, default=fastest)
+        if floor in timings_s and timings_s[fastest] > (1 - margin) * timings_s[floor]:
             best = floor
         from .cache import plan_cache
 
