@@ -233,7 +233,7 @@ def _weight_plan(plan: _Plan, values: torch.Tensor, metadata: torch.Tensor) -> t
         own.init_plan()
         fresh = _compress(own, v, meta)
         shared = derived_from(v, meta, f"cusparselt:{k.dtype}", lambda *_: fresh)
-        return own, shared if torch.equal(shared, fresh) else fresh
+        return own, shared if shared is fresh or torch.equal(shared, fresh) else fresh
 
     return derived_from(values, metadata, f"cusparselt-plan:{k.dtype}:n={k.n}:relu={k.relu}", own_plan)
 
