@@ -130,10 +130,7 @@ def run(dev: torch.device) -> tuple[list[dict], bool]:
 
 def _held(w: torch.Tensor, w24) -> dict:
     """What the 2:4 weight holds after every n ran through dispatch: its format, and each backend layout built."""
-    def nbytes(t):
-        return t.numel() * t.element_size()
-
-    return {"dense_bytes": nbytes(w), "format_bytes": nbytes(w24.values) + nbytes(w24.metadata),
+    return {"dense_bytes": w.nbytes, "format_bytes": w24.values.nbytes + w24.metadata.nbytes,
             "derived_bytes": w24.derived_bytes()}
 
 
