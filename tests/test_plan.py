@@ -232,6 +232,48 @@ def test_tuning_takes_the_median_of_three_rounds_and_leaves_out_refusals():
     assert remember(DESC, {"dense": 10.0, "cusparselt": 9.0}, floor="dense", margin=0.03) == "cusparselt"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_tuning_leaves_out_a_backend_whose_result_is_wrong(dtype, seed):
+    """``agreeing``: results a rounding apart stay candidates, a wrong one is dropped with a warning."""
+    from kernelplan.sparse24.backends import _AGREE, agreeing, disagreement
+
+    x, w = torch.randn(48, 512), torch.randn(300, 512)
+    exact = x.double() @ w.double().T
+    want = exact.to(dtype)
+    # Another accumulation order, rounded on its own, with an fp32 pass after: one to two ulps away.
+    other_order = (x.to(dtype).float() @ w.to(dtype).float().T).to(dtype)
+    wrong_tile = want.clone()
+    wrong_tile[:16, :64] = -wrong_tile[:16, :64]  # one tile's signs: the kind of error a layout bug makes
+
+    def refused():
+        raise Unsupported("the library refused")
+
+    def oracle():
+        return want
+
+    fns = {"dense": oracle, "rounding": lambda: other_order, "tile": lambda: wrong_tile,
+           "garbage": lambda: torch.randn_like(want), "refused": refused}
+    tol = _AGREE[kp.dtypes.dtype_info(dtype).name]
+    with pytest.warns(RuntimeWarning) as caught:
+        kept = agreeing(fns, oracle, tol, "tuning x")
+    assert list(kept) == ["dense", "rounding", "refused"]  # a refusal is measure's to report
+    assert sorted(str(c.message).split(":")[1].strip() for c in caught) == ["backend garbage left out",
+                                                                             "backend tile left out"]
+    assert 0 < disagreement(other_order, want) <= tol / 2  # rounding sits well inside the tolerance
+    # Non-finite outputs agree only where they sit in the same places; an all-zero oracle takes zeros only.
+    nan_at_0 = want.clone()
+    nan_at_0[0, 0] = float("nan")
+    nan_at_1 = want.clone()
+    nan_at_1[0, 1] = float("nan")
+    wrong_beside_a_nan = nan_at_0.clone()
+    wrong_beside_a_nan[1:, 0] = -wrong_beside_a_nan[1:, 0]
+    assert disagreement(nan_at_0, nan_at_0) == 0.0 and disagreement(nan_at_1, nan_at_0) == float("inf")
+    assert disagreement(wrong_beside_a_nan, nan_at_0) > 0.1
+    zeros = torch.zeros(4, 4)
+    assert disagreement(zeros, zeros) == 0.0 and disagreement(zeros + 1e-3, zeros) == float("inf")
+    assert disagreement(zeros[:2], zeros) == float("inf")
+
+
 def test_a_tie_within_the_margin_goes_to_the_faster_kernels():
     """Host-bound calls time alike: among the backends within the margin of the fastest, ``ties`` decides."""
     from kernelplan.sparse24 import backends  # noqa: F401  (registers the GPU backends)

@@ -308,7 +308,9 @@ def tune(desc, call: Callable, *, warmup_ms: float = 10.0, rep_ms: float = 25.0)
     decides: on an H200 the host criterion kept 2:4 decode of a Llama replayed
     as a graph on dense at n = 1 for every projection but the LM head.
     Backends of negative priority (the Triton kernel on CPU, which is the
-    interpreter) run by name only and are not timed.
+    interpreter) run by name only and are not timed.  Before any timing, each
+    candidate's result is checked against the dense floor's (``agreeing``): a
+    backend that computes a wrong answer never wins on speed.
     """
     if not desc.device.startswith("cuda"):
         raise InvalidProblem(f"descriptor.device is {desc.device}; tuning measures CUDA kernels only")
@@ -322,6 +324,11 @@ def _tune(desc, call: Callable, warmup_ms: float, rep_ms: float) -> str:
 
     candidates = tunable(desc) or GemmSparse24Plan.candidates(desc)
     fns = {b.name: call(GemmSparse24Plan(desc, b)) for b in candidates}
+    what = f"tuning {desc}"
+    # The dense floor is the oracle: cuBLAS on the decompressed weight.  Where it cannot run (f64 on
+    # CUDA), the reference backend is.
+    oracle = fns.get("dense") or call(GemmSparse24Plan(desc, GemmSparse24Plan.registry.get("reference")))
+    fns = agreeing(fns, oracle, _AGREE[desc.dtype], what)
 
     from ..timing import host_us_per_call
 
@@ -330,7 +337,6 @@ def _tune(desc, call: Callable, warmup_ms: float, rep_ms: float) -> str:
         return kernels, host_us_per_call(fn, torch.device(desc.device), calls=100) * 1e-6
 
     criteria = {True: lambda kernel, host: kernel, False: max}  # by desc.graph
-    what = f"tuning {desc}"
     both = measure(fns, kernel_and_host, what)
     repeats: dict[str, dict] = {}  # by challenger: one repeat serves both criteria
 
@@ -353,6 +359,60 @@ def _tune(desc, call: Callable, warmup_ms: float, rep_ms: float) -> str:
         chosen[graph] = GemmSparse24Plan.remember_fastest(dataclasses.replace(desc, graph=graph), timings,
                                                           floor="dense", margin=0.03, ties=ties)
     return chosen[False]
+
+
+# How far a candidate's result may sit from the oracle's, as a fraction of the oracle's largest
+# magnitude: a few units in the last place of the output dtype.  Each side rounds its result once, a
+# K split rounds its partials too, and f32 may multiply in TF32.  The wrong results met so far sat
+# orders of magnitude above: a stale cuSPARSELt copy gave a relative error of 1.0-1.4 (f16, H200).
+# f64 runs on the reference alone, checked against itself.
+_AGREE = {"bf16": 2.0**-5, "f16": 2.0**-8, "f32": 2.0**-8, "f64": 2.0**-40}
+
+
+def agreeing(fns: dict[str, Callable], oracle: Callable, tol: float, what: str) -> dict[str, Callable]:
+    """``fns`` less those whose result disagrees with ``oracle()``'s by more than ``tol``, each with a RuntimeWarning.
+
+    Every function runs once, on the caller's inputs.  A function whose library
+    refuses the problem (a KernelPlanError) is kept: ``measure`` reports it.
+    """
+    want = oracle()
+    kept = {}
+    for name, fn in fns.items():
+        if fn is oracle:
+            kept[name] = fn
+            continue
+        try:
+            got = fn()
+        except KernelPlanError:
+            kept[name] = fn
+            continue
+        err = disagreement(got, want)
+        if err <= tol:
+            kept[name] = fn
+        else:
+            warnings.warn(f"{what}: backend {name} left out: its result differs from the oracle's by {err:.3g} "
+                          f"of the largest |y| (at most {tol:.3g} is rounding)", RuntimeWarning, stacklevel=3)
+    return kept
+
+
+def disagreement(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| over ``want``'s finite elements, as a fraction of their largest |want|.
+
+    Infinite where the two are non-finite in different places, or where they
+    differ at all and ``want`` is all zeros.  Computed in the tensors' own
+    dtype, so that a large output costs no fp32 copies.
+    """
+    finite = torch.isfinite(want)
+    if got.shape != want.shape or not torch.equal(torch.isfinite(got), finite):
+        return float("inf")
+    if not finite.all():
+        got, want = got[finite], want[finite]
+    if want.numel() == 0:
+        return 0.0
+    diff, scale = float((got - want).abs().max()), float(want.abs().max())
+    if scale == 0:
+        return 0.0 if diff == 0 else float("inf")
+    return diff / scale
 
 
 def confirmed(timings: dict[str, float], again: Callable[[str, str], dict], *,
