@@ -274,6 +274,38 @@ def test_tuning_leaves_out_a_backend_whose_result_is_wrong(dtype, seed):
     assert disagreement(zeros[:2], zeros) == float("inf")
 
 
+@pytest.mark.parametrize("fast_is_right", [False, True])
+def test_tuning_never_picks_a_faster_backend_whose_result_is_wrong(fakes, monkeypatch, fast_is_right):
+    """``_tune`` end to end, the timers faked: the fastest candidate wins only if its result agrees with dense's."""
+    import triton.testing
+
+    import kernelplan.timing
+    from kernelplan.sparse24 import backends
+
+    fakes(FakeBackend("fast"), FakeBackend("slower"))
+    names = ("dense", "fast", "slower")
+    monkeypatch.setattr(backends, "tunable", lambda desc: [GemmSparse24Plan.registry.get(n) for n in names])
+    right = torch.randn(4, 8)
+    outputs = {"dense": right, "fast": right if fast_is_right else -right, "slower": right}
+    seconds = {"dense": 3e-5, "fast": 1e-5, "slower": 2e-5}
+
+    def call(plan):
+        def fn():
+            return outputs[plan.backend.name].clone()
+
+        fn.seconds = seconds[plan.backend.name]
+        return fn
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: fn.seconds * 1e3)  # milliseconds
+    monkeypatch.setattr(kernelplan.timing, "host_us_per_call", lambda fn, dev, calls: fn.seconds * 1e6 / 2)
+    desc = GemmSparse24Descriptor(n=4, m=8, k=16, dtype="f32")  # _tune itself: tune() would refuse the CPU
+    if fast_is_right:
+        assert backends._tune(desc, call, 10.0, 25.0) == "fast"
+    else:
+        with pytest.warns(RuntimeWarning, match="backend fast left out: its result differs from the oracle's"):
+            assert backends._tune(desc, call, 10.0, 25.0) == "slower"
+
+
 def test_a_tie_within_the_margin_goes_to_the_faster_kernels():
     """Host-bound calls time alike: among the backends within the margin of the fastest, ``ties`` decides."""
     from kernelplan.sparse24 import backends  # noqa: F401  (registers the GPU backends)
