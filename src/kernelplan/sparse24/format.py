@@ -270,14 +270,14 @@ class Sparse24Weight:
         copy (a tiled layout, cuSPARSELt's buffer, the dense weight) lives as
         long as the values tensor.  Host objects (plans, launches) are not counted.
         """
-        own = {self.values.untyped_storage().data_ptr(), self.metadata.untyped_storage().data_ptr()}
+        seen = {self.values.untyped_storage().data_ptr(), self.metadata.untyped_storage().data_ptr()}
         entry = _DERIVED.get(id(self.values))
         out: dict[str, int] = {}
         for key, (_, layout) in (entry[1].items() if entry else ()):
             for t in _tensors(layout):
                 storage = t.untyped_storage()
-                if storage.data_ptr() not in own:
-                    own.add(storage.data_ptr())
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
                     out[str(key)] = out.get(str(key), 0) + storage.nbytes()
         return out
 
