@@ -299,11 +299,11 @@ def tune(desc, call: Callable, *, warmup_ms: float = 10.0, rep_ms: float = 25.0)
     ``call(plan)`` returns a no-argument function that runs one whole call
     through ``plan`` (outputs written).  For eager calls a candidate's time is
     the larger of its kernels' time (``do_bench``, L2 flushed between calls)
-    and its wall time per call in a back-to-back loop, which is its host work
-    wherever that is longer: ``do_bench`` alone hides host work behind its
-    cache flush, and picked a Triton path of 57 us host work over dense's 23 us
-    on an H200 for kernels of 20-40 us, a loss wherever the host is the bound
-    (decode).  For the same problem recorded into a CUDA graph
+    and its wall time per call in a back-to-back loop, read side by side with
+    the other candidates', which is its host work wherever that is longer:
+    ``do_bench`` alone hides host work behind its cache flush, and picked a
+    Triton path of 57 us host work over dense's 23 us on an H200 for kernels
+    of 20-40 us, a loss wherever the host is the bound (decode).  For the same problem recorded into a CUDA graph
     (``desc.graph``), whose replays cost no host time, the kernels' time alone
     decides: on an H200 the host criterion kept 2:4 decode of a Llama replayed
     as a graph on dense at n = 1 for every projection but the LM head.
@@ -330,19 +330,30 @@ def _tune(desc, call: Callable, warmup_ms: float, rep_ms: float) -> str:
     oracle = fns.get("dense") or call(GemmSparse24Plan(desc, GemmSparse24Plan.registry.get("reference")))
     fns = agreeing(fns, oracle, _AGREE[desc.dtype], what)
 
-    from ..timing import host_us_per_call
+    from ..timing import host_us_side_by_side
 
-    def kernel_and_host(fn) -> tuple[float, float]:
-        kernels = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e-3
-        return kernels, host_us_per_call(fn, torch.device(desc.device), calls=100) * 1e-6
+    def kernels_and_host(fns: dict[str, Callable]) -> dict[str, tuple[float, float]]:
+        """{name: (kernel seconds, host-inclusive seconds per back-to-back call)}, refusals left out."""
+        kernels = measure(fns, lambda fn: triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms,
+                                                                  return_mode="median") * 1e-3, what)
+        # The host is timed apart from the kernels, in short bursts that alternate between the
+        # candidates: slow spells of the host last tens to hundreds of ms and slow every candidate
+        # alike, so only a side-by-side reading compares them.  Timed one after another between
+        # do_bench runs, cuda_mma's 13 us of host work once read 18.9 us against dense's 18.7 us
+        # kernels, and dense kept f16 4096^2 n = 1 and 8 at 1.00x where cuda_mma runs at 1.67x
+        # (H200 at 706c130, bench/results/sparse24-h200-f16.json).  Read in 12 alternating bursts
+        # there, every candidate slowed 1.5x together for 4 of them, and the medians kept the order.
+        host = host_us_side_by_side({name: fns[name] for name in kernels}, torch.device(desc.device),
+                                    calls=25, rounds=9)
+        return {name: (kernels[name], host[name] * 1e-6) for name in kernels}
 
     criteria = {True: lambda kernel, host: kernel, False: max}  # by desc.graph
-    both = measure(fns, kernel_and_host, what)
+    both = kernels_and_host(fns)
     repeats: dict[str, dict] = {}  # by challenger: one repeat serves both criteria
 
     def again(floor: str, challenger: str) -> dict:
         if challenger not in repeats:
-            repeats[challenger] = measure({floor: fns[floor], challenger: fns[challenger]}, kernel_and_host, what)
+            repeats[challenger] = kernels_and_host({floor: fns[floor], challenger: fns[challenger]})
         return repeats[challenger]
 
     chosen = {}
@@ -419,12 +430,13 @@ def confirmed(timings: dict[str, float], again: Callable[[str, str], dict], *,
               floor: str, margin: float) -> dict[str, float]:
     """``timings`` after every backend that beat ``floor`` by ``margin`` was measured against it again.
 
-    ``again(floor, challenger)`` times the two anew (``{name: seconds}``, a
-    name left out where its library refused).  The challenger keeps the worse
-    of its two times, the floor the better: a win
-    must hold in both measurements.  One run won by ``triton_bfe`` at 0.97x of
-    dense measured 0.85x of dense right after (H100, f16 4096^2, n = 64,
-    bench/results/sparse24-h100.json).  A challenger that fails its repeat
+    ``again(floor, challenger)`` times the two anew, side by side (``{name:
+    seconds}``, a name left out where its library refused).  A win must hold in
+    both measurements: the challenger keeps the worse of its two ratios to the
+    floor, each taken within one measurement, so a slow spell of the host that
+    slows both in the repeat does not count against the challenger alone.  One
+    run won by ``triton_bfe`` at 0.97x of dense measured 0.85x of dense right
+    after (H100, f16 4096^2, n = 64, bench/results/sparse24-h100.json).  A challenger that fails its repeat
     makes way for the next; each is repeated at most once.
     """
     timings, repeated = dict(timings), set()
@@ -434,6 +446,10 @@ def confirmed(timings: dict[str, float], again: Callable[[str, str], dict], *,
             break
         repeated.add(best)
         repeat = again(floor, best)
-        timings[floor] = min(timings[floor], repeat.get(floor, timings[floor]))
-        timings[best] = max(timings[best], repeat.get(best, float("inf")))
+        if best not in repeat:
+            timings[best] = float("inf")
+        elif floor in repeat:
+            timings[best] = timings[floor] * max(timings[best] / timings[floor], repeat[best] / repeat[floor])
+        else:
+            timings[best] = max(timings[best], repeat[best])
     return timings
