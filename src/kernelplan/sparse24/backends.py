@@ -303,14 +303,15 @@ def tune(desc, call: Callable, *, warmup_ms: float = 10.0, rep_ms: float = 25.0)
     the other candidates', which is its host work wherever that is longer:
     ``do_bench`` alone hides host work behind its cache flush, and picked a
     Triton path of 57 us host work over dense's 23 us on an H200 for kernels
-    of 20-40 us, a loss wherever the host is the bound (decode).  For the same problem recorded into a CUDA graph
-    (``desc.graph``), whose replays cost no host time, the kernels' time alone
-    decides: on an H200 the host criterion kept 2:4 decode of a Llama replayed
-    as a graph on dense at n = 1 for every projection but the LM head.
-    Backends of negative priority (the Triton kernel on CPU, which is the
-    interpreter) run by name only and are not timed.  Before any timing, each
-    candidate's result is checked against the dense floor's (``agreeing``): a
-    backend that computes a wrong answer never wins on speed.
+    of 20-40 us, a loss wherever the host is the bound (decode).  For the same
+    problem recorded into a CUDA graph (``desc.graph``), whose replays cost no
+    host time, the kernels' time alone decides: on an H200 the host criterion
+    kept 2:4 decode of a Llama replayed as a graph on dense at n = 1 for every
+    projection but the LM head.  Backends of negative priority (the Triton
+    kernel on CPU, which is the interpreter) run by name only and are not
+    timed.  Before any timing, each candidate's result is checked against the
+    dense floor's (``agreeing``): a backend that computes a wrong answer never
+    wins on speed.
     """
     if not desc.device.startswith("cuda"):
         raise InvalidProblem(f"descriptor.device is {desc.device}; tuning measures CUDA kernels only")
@@ -436,8 +437,9 @@ def confirmed(timings: dict[str, float], again: Callable[[str, str], dict], *,
     floor, each taken within one measurement, so a slow spell of the host that
     slows both in the repeat does not count against the challenger alone.  One
     run won by ``triton_bfe`` at 0.97x of dense measured 0.85x of dense right
-    after (H100, f16 4096^2, n = 64, bench/results/sparse24-h100.json).  A challenger that fails its repeat
-    makes way for the next; each is repeated at most once.
+    after (H100, f16 4096^2, n = 64, bench/results/sparse24-h100.json).  A
+    challenger that fails its repeat makes way for the next; each is repeated
+    at most once.
     """
     timings, repeated = dict(timings), set()
     while floor in timings:
