@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import kernelplan as kp
@@ -116,3 +117,92 @@ def test_model_holding_sparse24_linear_compiles_fullgraph_and_trains():
     for got, want in zip(grads, (p.grad for p in model.parameters())):
         assert want.norm() > 0
         torch.testing.assert_close(got, want)
+
+
+def _compiled_matches_eager(fn, *inputs, grads=True):
+    """fn compiled with fullgraph=True (aot_eager) against eager: outputs and, where asked, every input's gradient."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    outs = compiled(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    want = fn(*inputs)
+    want = want if isinstance(want, tuple) else (want,)
+    for got, w in zip(outs, want):
+        torch.testing.assert_close(got, w)
+    if not grads:
+        return
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    got_g = torch.autograd.grad(outs[0].square().sum(), leaves)
+    want_g = torch.autograd.grad(fn(*inputs)[0].square().sum() if isinstance(fn(*inputs), tuple)
+                                 else fn(*inputs).square().sum(), leaves)
+    for g, w in zip(got_g, want_g):
+        assert w.norm() > 0
+        torch.testing.assert_close(g, w)
+
+
+FORWARD_EPILOGUES = ["none", "bias", "relu", "relu_bias", "gelu", "gelu_bias"]
+
+
+@pytest.mark.parametrize("epilogue", FORWARD_EPILOGUES + ["relu_aux_bias", "gelu_aux_bias", "gelu_aux", "relu_aux"])
+def test_linear_forward_epilogues_compile_fullgraph_forward_and_backward(epilogue):
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    w = torch.randn(8, 16, requires_grad=True)
+    b = torch.randn(8, requires_grad=True) if "bias" in epilogue else None
+    leaves = (x, w) if b is None else (x, w, b)
+    _compiled_matches_eager(lambda *t: kp.linear(t[0], t[1], t[2] if len(t) > 2 else None, epilogue), *leaves)
+
+
+@pytest.mark.parametrize("epilogue", ["drelu", "dgelu", "drelu_bgrad", "dgelu_bgrad", "bgrad"])
+def test_linear_backward_epilogues_compile_fullgraph(epilogue):
+    x, w1, w2 = torch.randn(6, 16), torch.randn(24, 16), torch.randn(8, 24)
+    fwd = "relu_aux" if "relu" in epilogue else "gelu_aux"
+    _, aux = kp.linear(x, w1, None, fwd)  # aux [6, 24]
+    dy = torch.randn(6, 8)
+    args = (dy, w2.t().contiguous(), aux) if epilogue != "bgrad" else (x, w1, None)
+    _compiled_matches_eager(lambda a, b, c: kp.linear(a, b, None, epilogue, aux=c), *args, grads=False)
+
+
+def test_linear_c_alpha_beta_and_out_compile_fullgraph():
+    x, w, c = torch.randn(4, 16, requires_grad=True), torch.randn(8, 16), torch.randn(4, 8, requires_grad=True)
+    _compiled_matches_eager(lambda x, c: kp.linear(x, w, c=c, alpha=0.5, beta=2.0), x, c)
+    out = torch.full((4, 8), float("nan"))
+    torch._dynamo.reset()
+    torch.compile(lambda x: kp.linear(x, w, out=out), fullgraph=True, backend="aot_eager")(x.detach())
+    torch.testing.assert_close(out, x.detach() @ w.T)
+
+
+@pytest.mark.parametrize("recipe", ["tensor", "rowwise"])
+def test_fp8_linear_compiles_fullgraph(recipe):
+    x, w, b = torch.randn(2, 8, 32), torch.randn(16, 32), torch.randn(16).bfloat16()
+    xq, wq = kp.fp8.quantize(x, recipe), kp.fp8.quantize(w, recipe)
+    _compiled_matches_eager(lambda xd, wd: kp.fp8.linear(
+        kp.fp8.Quantized(xd, xq.scale, xq.amax, recipe), kp.fp8.Quantized(wd, wq.scale, wq.amax, recipe), b),
+        xq.data, wq.data, grads=False)
+
+
+@pytest.mark.parametrize("module", ["FusedLinear-gelu", "FusedLinear-relu", "FusedLinear-none", "FusedMLP-gelu",
+                                    "FusedMLP-relu", "GatedMLP", "Sparse24Linear"])
+def test_modules_compile_fullgraph_forward_and_backward(module):
+    torch.manual_seed(0)
+    name, _, act = module.partition("-")
+    if name == "FusedLinear":
+        m = kp.nn.FusedLinear(16, 24, activation=None if act == "none" else act)
+    elif name == "FusedMLP":
+        m = kp.nn.FusedMLP(16, 32, 8, activation=act)
+    elif name == "GatedMLP":
+        m = kp.nn.GatedMLP(16, 24, kind="swiglu")
+    else:
+        m = kp.nn.Sparse24Linear.from_dense(torch.nn.Linear(16, 24))
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    torch._dynamo.reset()
+    y = torch.compile(m, fullgraph=True, backend="aot_eager")(x)
+    y.square().sum().backward()
+    got = [x.grad.clone()] + [p.grad.clone() for p in m.parameters()]
+    x.grad = None
+    m.zero_grad()
+    want_y = m(x)
+    want_y.square().sum().backward()
+    torch.testing.assert_close(y, want_y)
+    for g, w in zip(got, [x.grad] + [p.grad for p in m.parameters()]):
+        assert w.norm() > 0
+        torch.testing.assert_close(g, w)

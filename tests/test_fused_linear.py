@@ -50,7 +50,7 @@ def test_fused_linear_matches_fp64(activation, bias, layout, dtype, seed):
     w, b = layer.weight.detach().to(dtype), (layer.bias.detach().to(dtype) if bias else None)
     x = _inputs((3, 5, 24), layout, dtype)  # 3-D, odd sizes
     dy = torch.randn(3, 5, 20, device=DEV).to(dtype)
-    ours = lambda x, w, b=None: fl._FusedLinearFunction.apply(x, w, b, activation)  # noqa: E731
+    ours = lambda x, w, b=None: fl._fused_linear_op(x, w, b, activation or "")[0]  # noqa: E731
     ref = lambda x, w, b=None: _torch_linear(x, w, b, activation)  # noqa: E731
     y, grads = _grads(ours, x, [w, b], dy)
     y64, grads64 = _grads(ref, x.double(), [w.double(), None if b is None else b.double()], dy.double())
@@ -68,8 +68,8 @@ def test_fused_mlp_matches_fp64(activation, bias, dtype, seed):
     params = [p.detach().to(dtype) if p is not None else None for p in (mlp.w1, mlp.b1, mlp.w2, mlp.b2)]
     x = _inputs((2, 7, 24), "transposed", dtype)
     dy = torch.randn(2, 7, 12, device=DEV).to(dtype)
-    ours = lambda x, w1, b1=None, w2=None, b2=None: fl._FusedMLPFunction.apply(  # noqa: E731
-        x, w1, b1, w2, b2, activation)
+    ours = lambda x, w1, b1=None, w2=None, b2=None: fl._fused_mlp_op(  # noqa: E731
+        x, w1, b1, w2, b2, activation)[0]
 
     def ref(x, *ps):
         w1, b1, w2, b2 = ps if bias else (ps[0], None, ps[1], None)
@@ -95,9 +95,9 @@ def test_gradcheck_fp64():
     w1, w2 = (torch.randn(s, dtype=torch.float64, device=DEV, requires_grad=True) for s in ((5, 6), (4, 5)))
     b1, b2 = (torch.randn(s, dtype=torch.float64, device=DEV, requires_grad=True) for s in (5, 4))
     for act in ("gelu", "relu"):
-        assert torch.autograd.gradcheck(lambda x, w, b: fl._FusedLinearFunction.apply(x, w, b, act), (x, w1, b1))
+        assert torch.autograd.gradcheck(lambda x, w, b: fl._fused_linear_op(x, w, b, act)[0], (x, w1, b1))
         assert torch.autograd.gradcheck(
-            lambda x, w1, b1, w2, b2: fl._FusedMLPFunction.apply(x, w1, b1, w2, b2, act), (x, w1, b1, w2, b2))
+            lambda x, w1, b1, w2, b2: fl._fused_mlp_op(x, w1, b1, w2, b2, act)[0], (x, w1, b1, w2, b2))
 
 
 def test_backward_runs_the_fused_epilogues(monkeypatch):

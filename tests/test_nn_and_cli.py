@@ -51,9 +51,43 @@ def test_bench_command_runs_and_reports_correctness(tmp_path):
     assert "sparse24" in out.stdout and "gated" in out.stdout and "gemm" in out.stdout
     assert " NO" not in out.stdout
     suites = json.loads((tmp_path / "b.json").read_text())["suites"]
-    assert set(suites) == {"sparse24", "gemm", "gated"}
+    from kernelplan.cli import BENCH_SUITES
+
+    assert set(suites) == {"sparse24", "gemm", "gated"} == set(BENCH_SUITES)
     memory = suites["sparse24"][0]["memory"]  # per weight: its format and the layouts its calls built
     assert memory and all(0 < held["format_bytes"] < held["dense_bytes"] for held in memory.values())
     assert "the 2:4 weight holds" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "kernelplan", "bench", "nosuch"], env=env, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "unknown suite 'nosuch'" in bad.stdout
+    assert bad.returncode == 2 and "unknown suite 'nosuch'" in bad.stderr
+
+
+def test_bench_bad_arguments_fail_in_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    from kernelplan import cli
+
+    ran = []
+    monkeypatch.setattr("kernelplan.bench.run_bench", lambda *a, **k: ran.append(a) or 0)
+    cases = [
+        (["bench", "--device", "bogus"], "--device 'bogus' is not a device"),
+        (["bench", "--device", "xla"], "runs on cpu or cuda"),
+        (["bench", "--json", str(tmp_path / "missing" / "x.json")], "does not exist"),
+        (["bench", "nosuch"], "unknown suite 'nosuch'"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["bench", "--device", "cuda"], "no CUDA device"))
+    for argv, message in cases:
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
+    assert ran == []
+
+
+def test_bench_help_lists_the_suites(capsys):
+    import pytest as _pytest
+
+    from kernelplan import cli
+
+    with _pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for suite in ("sparse24", "gemm", "gated", "llama"):
+        assert suite in out

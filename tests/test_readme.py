@@ -17,6 +17,39 @@ def test_readme_example_runs(code):
 
 
 def test_readme_has_exactly_two_setup_commands():
+    # The set-up commands are the bash blocks; the install lines are plain blocks.
     bash = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
     setup = [b for b in bash if "pip install" in b]
     assert len(setup) == 2 and "kernelplan bench" in setup[0] and "pytest" in setup[1]
+
+
+def test_readme_performance_table_is_generated_from_the_results():
+    """The table is tools/readme_table.py's output over bench/results/*.json: rerun it after a bench."""
+    import sys
+
+    sys.path.insert(0, str(README.parent / "tools"))
+    import readme_table
+
+    assert readme_table.readme_block(README.read_text()) == readme_table.table(), (
+        "README's performance table differs from bench/results/*.json: run python tools/readme_table.py")
+
+
+def test_readme_table_changes_with_the_results(tmp_path, monkeypatch):
+    """The check can fail: a results file with other numbers gives another table."""
+    import json
+    import shutil
+    import sys
+
+    sys.path.insert(0, str(README.parent / "tools"))
+    import readme_table
+
+    before = readme_table.table()
+    results = tmp_path / "results"
+    shutil.copytree(readme_table.RESULTS, results)
+    doc = json.loads((results / "sparse24-h200.json").read_text())
+    for row in doc["suites"]["sparse24"]:
+        if "speedup" in row:
+            row["speedup"] *= 0.5
+    (results / "sparse24-h200.json").write_text(json.dumps(doc))
+    monkeypatch.setattr(readme_table, "RESULTS", results)
+    assert readme_table.table() != before

@@ -15,6 +15,10 @@ from typing import Callable
 
 import torch
 
+# The ``ACT`` compile-time code of every GPU kernel (Triton and CUDA C++), by name.  Here, not
+# beside the Triton device functions, so that the CUDA C++ kernels need no Triton to compile.
+ACTIVATION_CODES = {"sigmoid": 0, "relu": 1, "silu": 2, "gelu": 3, "gelu_tanh": 4, "identity": 5}
+
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)

@@ -11,8 +11,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kernelplan", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    bench = sub.add_parser("bench", help="check and time every op on this machine's device")
-    bench.add_argument("suite", nargs="?", default="all", help="which suite: all (default), or an op name")
+    bench = sub.add_parser("bench", help="check and time every op on this machine's device",
+                           description="Check every op against an fp64 oracle and time it beside its torch "
+                           "baseline. On CPU the shapes are small and the times are no speed claim.")
+    bench.add_argument("suite", nargs="?", default="all",
+                       help=f"which suite: all (default: {', '.join(BENCH_SUITES)}), or one of them, or "
+                       f"{', '.join(BENCH_BY_NAME)} (by name only)")
     bench.add_argument("--device", default=None, help="cpu or cuda[:i]; default: cuda if present, else cpu")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
 
@@ -31,9 +35,47 @@ def main(argv: list[str] | None = None) -> int:
         return _cache(args)
     if args.command == "sparsify":
         return _sparsify(args)
+    problem = _bench_args_problem(args)
+    if problem:
+        print(f"kernelplan bench: {problem}", file=sys.stderr)
+        return 2
     from .bench import run_bench
 
     return run_bench(args.suite, device=args.device, json_path=args.json)
+
+
+BENCH_SUITES = ("sparse24", "gemm", "gated")  # what ``bench all`` runs (kernelplan.bench.run_bench)
+BENCH_BY_NAME = ("llama",)  # needs transformers
+
+
+def _bench_args_problem(args) -> str | None:
+    """Why ``kernelplan bench`` cannot run with these arguments, found before any work starts; None if it can."""
+    import os
+
+    import torch
+
+    if args.suite not in ("all", *BENCH_SUITES, *BENCH_BY_NAME):
+        return f"unknown suite {args.suite!r}; choose all, {', '.join(BENCH_SUITES + BENCH_BY_NAME)}"
+    if args.device is not None:
+        try:
+            dev = torch.device(args.device)
+        except RuntimeError:
+            return f"--device {args.device!r} is not a device; give cpu, cuda or cuda:INDEX"
+        if dev.type not in ("cpu", "cuda"):
+            return f"--device {args.device!r}: the bench runs on cpu or cuda"
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                return f"--device {args.device!r}: this machine has no CUDA device; leave --device out to run on cpu"
+            if dev.index is not None and dev.index >= torch.cuda.device_count():
+                return (f"--device {args.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                        f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    if args.json is not None:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder):
+            return f"--json {args.json}: the folder {folder} does not exist; create it or give another path"
+        if not os.access(folder, os.W_OK):
+            return f"--json {args.json}: the folder {folder} is not writable"
+    return None
 
 
 def _sparsify(args) -> int:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
+from typing import Optional
 
 import torch
 
 from .._checks import check_tensor
 from ..activations import ACTIVATIONS
-from ..dtypes import dtype_info
+from ..dtypes import FP8_DTYPES, dtype_info
 from ..errors import InvalidProblem, Unsupported
 from ..plan import dispatch_generation, memoised_select
 from .epilogue import Epilogue, ScaleSet
@@ -51,6 +51,8 @@ def linear(
     inputs, ``pad=False`` turns a k or n off the multiple of 16 into a
     :class:`MisalignedOperand` instead of a padded copy of the operands.
     """
+    if torch.compiler.is_compiling():
+        return _linear_traced(x, w, bias, epilogue, alpha, beta, c, aux, out, scales, out_dtype, pad)
     plain = (epilogue is None and c is None and aux is None and out is None and scales is None
              and out_dtype is None and alpha == 1.0 and pad)
     if plain and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or
@@ -112,20 +114,12 @@ def linear(
     args = GemmArgs(x2, w, d, c=c2, bias=bias, aux=aux2, bgrad=bgrad, alpha=alpha, beta=beta, scales=scales)
 
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, bias, c, aux)):
-        if desc.is_fp8 or spec.aux_in or spec.bgrad or (aux is not None and aux.requires_grad):
-            raise Unsupported(
-                f"kernelplan.linear with epilogue {ep.name} and dtype {x_name} is not differentiable "
-                f"(backward building blocks, fp8 and gradients into aux have no autograd formula); "
-                f"call it under torch.no_grad() or detach the inputs"
-            )
-        if out is not None:
-            raise InvalidProblem(
-                "out= was given while inputs require grad; out= does not support autograd: "
-                "drop out= or call under torch.no_grad()"
-            )
+        _check_differentiable(ep, desc.is_fp8, aux, out, x_name)
         plan.can_implement(args)
-        d, aux_saved = _LinearFunction.apply(x2, w, bias, c2, plan, alpha, beta, aux2)
-        if aux2 is not None:
+        d, aux_saved, _ = _differentiable(x2, w, bias, c2, ep, alpha, beta, aux2 is not None)
+        if aux is not None:
+            aux2.copy_(aux_saved)
+        elif aux2 is not None:
             aux2 = aux_saved
     else:
         plan.run(args)
@@ -192,39 +186,147 @@ def _as_2d(t, operand, shape, m, n):
         ) from None
 
 
-class _LinearFunction(torch.autograd.Function):
-    """Forward through the plan (with the _AUX epilogue when backward needs it)."""
+def _check_differentiable(ep: Epilogue, is_fp8: bool, aux, out, x_name: str) -> None:
+    spec = ep.spec
+    if is_fp8 or spec.aux_in or spec.bgrad or (aux is not None and aux.requires_grad):
+        raise Unsupported(
+            f"kernelplan.linear with epilogue {ep.name} and dtype {x_name} is not differentiable "
+            f"(backward building blocks, fp8 and gradients into aux have no autograd formula); "
+            f"call it under torch.no_grad() or detach the inputs"
+        )
+    if out is not None:
+        raise InvalidProblem(
+            "out= was given while inputs require grad; out= does not support autograd: "
+            "drop out= or call under torch.no_grad()"
+        )
 
-    @staticmethod
-    def forward(ctx, x2, w, bias, c2, plan, alpha, beta, aux_out):
-        desc = plan.desc
-        ep = Epilogue(desc.epilogue)
-        act = ep.spec.activation
-        aux = aux_out
-        if act != "identity" and aux is None:
-            plan = memoised_select(GemmPlan, dataclasses.replace(desc, epilogue=_WITH_AUX[ep].value))
-            aux = torch.empty(
-                (desc.m, desc.n), dtype=torch.bool if act == "relu" else x2.dtype, device=x2.device
-            )
-        d = torch.empty((desc.m, desc.n), dtype=x2.dtype, device=x2.device)
-        plan.run(GemmArgs(x2, w, d, c=c2, bias=bias, aux=aux, alpha=alpha, beta=beta))
-        ctx.save_for_backward(x2, w, aux)
-        ctx.act, ctx.alpha, ctx.beta = act, alpha, beta
-        ctx.has_bias, ctx.has_c = bias is not None, c2 is not None
-        if aux_out is not None:
-            ctx.mark_non_differentiable(aux)
-        return d, aux_out if aux_out is not None else d.new_empty(0)
 
-    @staticmethod
-    def backward(ctx, dd, _daux):
-        x2, w, aux = ctx.saved_tensors
-        cd = dtype_info(x2.dtype).compute
-        dz = dd.to(cd)
-        if ctx.act != "identity":
-            dz = dz * ACTIVATIONS[ctx.act].grad(aux.to(cd))
-        need = ctx.needs_input_grad
-        dx = (ctx.alpha * dz @ w.to(cd)).to(x2.dtype) if need[0] else None
-        dw = (ctx.alpha * dz.T @ x2.to(cd)).to(w.dtype) if need[1] else None
-        dbias = dz.sum(0).to(x2.dtype) if ctx.has_bias and need[2] else None
-        dc = (ctx.beta * dz).to(x2.dtype) if ctx.has_c and need[3] else None
-        return dx, dw, dbias, dc, None, None, None, None
+def _differentiable(x2, w, bias, c2, ep: Epilogue, alpha: float, beta: float, aux_wanted: bool):
+    """``(d, aux, empty)`` through the custom op, with the *_AUX epilogue that backward needs."""
+    d, aux = _linear_op(x2, w, bias, c2, _WITH_AUX.get(ep, ep).value, alpha, beta)
+    return d, aux.detach(), None  # aux is what backward reads, not a differentiable output
+
+
+# -- custom ops: one pattern for eager autograd and torch.compile ------------------------------
+#
+# linear()'s eager path is plain Python around a plan (dict caches, logging), which dynamo cannot
+# trace; under torch.compile linear() calls these ops instead, and in eager autograd the first
+# carries the formula.  Both run the eager, no-grad linear() inside.
+# * ``kernelplan::linear``: the differentiable forward epilogues, outputs (D, aux), aux empty
+#   where the epilogue has none;
+# * ``kernelplan::linear_ext``: everything (fp8 scales, aux in, bgrad), no autograd; outputs
+#   (D, aux, bgrad), empty where absent; ``amax`` is written in place.
+
+def _run_eager(x, w, bias, c, aux, scales, epilogue, alpha, beta, out_dtype, pad):
+    ep = Epilogue.parse(epilogue)
+    with torch.no_grad():  # the op's own autograd formula stands for this call's
+        result = linear(x, w, bias, ep, alpha=alpha, beta=beta, c=c, aux=aux, scales=scales, out_dtype=out_dtype,
+                        pad=pad)
+    d, side = (result, None) if isinstance(result, torch.Tensor) else result
+    if ep.spec.aux_out:
+        return d, side, d.new_empty(0)
+    return d, d.new_empty(0), (side if side is not None else d.new_empty(0))  # distinct: outputs may not alias
+
+
+def _fake_outputs(x, w, epilogue, out_dtype):
+    spec = Epilogue.parse(epilogue).spec
+    n, lead = w.shape[0], tuple(x.shape[:-1])
+    d_name = dtype_info(out_dtype).name if out_dtype is not None else dtype_info(x.dtype).name
+    side = dtype_info("bf16" if d_name in FP8_DTYPES else d_name).dtype
+    d = x.new_empty((*lead, n), dtype=dtype_info(d_name).dtype)
+    aux_out = d.new_empty(0)
+    if spec.aux_out:
+        aux_out = x.new_empty((*lead, n), dtype=torch.bool if spec.activation == "relu" else side)
+    bgrad = d.new_empty(0)
+    if spec.bgrad is not None:
+        bgrad = x.new_empty((n,) if spec.bgrad == "d" else lead, dtype=side)
+    return d, aux_out, bgrad
+
+
+@torch.library.custom_op("kernelplan::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], c: Optional[torch.Tensor],
+               epilogue: str, alpha: float, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run_eager(x, w, bias, c, None, None, epilogue, alpha, beta, None, True)[:2]
+
+
+@_linear_op.register_fake
+def _(x, w, bias, c, epilogue, alpha, beta):
+    return _fake_outputs(x, w, epilogue, None)[:2]
+
+
+@torch.library.custom_op("kernelplan::linear_ext", mutates_args=("amax",))
+def _linear_ext_op(
+    x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], c: Optional[torch.Tensor],
+    aux: Optional[torch.Tensor], scale_a: Optional[torch.Tensor], scale_b: Optional[torch.Tensor],
+    scale_out: Optional[torch.Tensor], amax: Optional[torch.Tensor], epilogue: str, alpha: float, beta: float,
+    out_dtype: Optional[torch.dtype], pad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    scales = None
+    if any(s is not None for s in (scale_a, scale_b, scale_out, amax)):
+        scales = ScaleSet(scale_a, scale_b, scale_out, amax)
+    return _run_eager(x, w, bias, c, aux, scales, epilogue, alpha, beta, out_dtype, pad)
+
+
+@_linear_ext_op.register_fake
+def _(x, w, bias, c, aux, scale_a, scale_b, scale_out, amax, epilogue, alpha, beta, out_dtype, pad):
+    return _fake_outputs(x, w, epilogue, out_dtype)
+
+
+def _setup(ctx, inputs, output):
+    x, w, bias, c, epilogue, alpha, beta = inputs
+    ctx.save_for_backward(x, w, output[1])
+    ctx.act = Epilogue.parse(epilogue).spec.activation
+    ctx.alpha, ctx.beta, ctx.has_bias, ctx.has_c = alpha, beta, bias is not None, c is not None
+
+
+def _backward(ctx, dd, _daux):
+    x, w, aux = ctx.saved_tensors
+    cd = dtype_info(x.dtype).compute
+    x2 = x.reshape(-1, x.shape[-1])
+    dz = dd.reshape(-1, w.shape[0]).to(cd)
+    if ctx.act != "identity":
+        dz = dz * ACTIVATIONS[ctx.act].grad(aux.reshape(dz.shape).to(cd))
+    need = ctx.needs_input_grad
+    dx = (ctx.alpha * dz @ w.to(cd)).to(x.dtype).reshape(x.shape) if need[0] else None
+    dw = (ctx.alpha * dz.T @ x2.to(cd)).to(w.dtype) if need[1] else None
+    dbias = dz.sum(0).to(x.dtype) if ctx.has_bias and need[2] else None
+    dc = (ctx.beta * dz).to(x.dtype).reshape(dd.shape) if ctx.has_c and need[3] else None
+    return dx, dw, dbias, dc, None, None, None
+
+
+_linear_op.register_autograd(_backward, setup_context=_setup)
+
+
+def _scale_tensor(s, x):
+    return s if s is None or isinstance(s, torch.Tensor) else torch.tensor(float(s), device=x.device)
+
+
+def _linear_traced(x, w, bias, epilogue, alpha, beta, c, aux, out, scales, out_dtype, pad):
+    """linear() as torch.compile traces it: the same results, through the custom op."""
+    if epilogue is None:
+        epilogue = Epilogue.BIAS if bias is not None else Epilogue.NONE
+    ep = Epilogue.parse(epilogue)
+    spec = ep.spec
+    scales = scales if scales is not None else ScaleSet()
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w, bias, c, aux))
+    if grad:
+        _check_differentiable(ep, x.dtype in _FP8_TORCH, aux, out, str(x.dtype))
+        d, aux_out, bgrad = _differentiable(x, w, bias, c, ep, alpha, beta, spec.aux_out)
+    else:
+        d, aux_out, bgrad = _linear_ext_op(
+            x, w, bias, c, aux if spec.aux_in else None, _scale_tensor(scales.a, x), _scale_tensor(scales.b, x),
+            _scale_tensor(scales.out, x), scales.amax, ep.value, alpha, beta, out_dtype, pad)
+    if out is not None:
+        out.copy_(d)
+        d = out
+    if spec.aux_out:
+        if aux is not None:
+            aux.copy_(aux_out)
+            aux_out = aux
+        return d, aux_out
+    if spec.bgrad is not None:
+        return d, bgrad
+    return d
+
+
+_FP8_TORCH = tuple(dtype_info(name).dtype for name in FP8_DTYPES)

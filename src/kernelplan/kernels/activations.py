@@ -9,8 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# The ``ACT`` constexpr of every kernel, by ``kernelplan.activations`` name.
-ACTIVATION_CODES = {"sigmoid": 0, "relu": 1, "silu": 2, "gelu": 3, "gelu_tanh": 4, "identity": 5}
+from ..activations import ACTIVATION_CODES  # noqa: F401  (re-exported for the Triton kernels)
 
 
 @triton.jit

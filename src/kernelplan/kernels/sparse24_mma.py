@@ -48,7 +48,7 @@ from ..dtypes import dtype_info
 from ..errors import KernelPlanError
 from ..sparse24.format import derived_from, output_rows
 from . import current_device, on_device, raw_stream
-from .activations import ACTIVATION_CODES
+from ..activations import ACTIVATION_CODES
 from .sparse24 import _expand_ptx, code_metadata, sm_count
 
 MAX_N = 16  # two 8-wide N tiles

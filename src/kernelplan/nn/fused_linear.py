@@ -21,6 +21,7 @@ backend dispatch picks.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
@@ -58,58 +59,94 @@ def _act_grad(dy, aux, activation):
     return torch.ops.aten.gelu_backward(dy, aux, approximate="tanh")
 
 
-class _FusedLinearFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, b, activation):
-        x2 = x.reshape(-1, x.shape[-1])
-        if activation == "relu":
-            # relu'(z) is y > 0: the output is the mask, and an aux (a bitmask in cuBLASLt, unpacked
-            # into bools) would cost passes over y that backward does not need.
-            y = aux = linear(x2, w, b, epilogue="relu_bias" if b is not None else "relu")
-        else:
-            y, aux = _forward_layer(x2, w, b, activation)
-        ctx.save_for_backward(x2, w, aux)
-        ctx.activation, ctx.has_bias, ctx.x_shape = activation, b is not None, x.shape
-        return y.reshape(*x.shape[:-1], w.shape[0])
+# Custom ops with autograd formulas (the pattern of every kernelplan op): eager autograd and
+# torch.compile(fullgraph=True) take the same path.  The saved tensors leave as extra outputs.
 
-    @staticmethod
-    def backward(ctx, dy):
-        x2, w, aux = ctx.saved_tensors
-        dz = dy.reshape(-1, w.shape[0])
-        if ctx.activation == "relu":
-            dz = torch.ops.aten.threshold_backward(dz, aux, 0)  # aux is y here
-        elif ctx.activation is not None:
-            dz = _act_grad(dz, aux, ctx.activation)
-        need = ctx.needs_input_grad
-        dx = linear(dz, w.t()).reshape(ctx.x_shape) if need[0] else None
-        dw, db = _weight_grads(dz, x2, ctx.has_bias) if need[1] or need[2] else (None, None)
-        return dx, dw if need[1] else None, db if need[2] else None, None
+@torch.library.custom_op("kernelplan::fused_linear", mutates_args=())
+def _fused_linear_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+                     activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, aux)``: aux is what backward reads (empty for relu, whose mask is y > 0, and for no activation)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if activation == "relu":
+        # relu'(z) is y > 0: the output is the mask, and an aux (a bitmask in cuBLASLt, unpacked
+        # into bools) would cost passes over y that backward does not need.
+        y, aux = linear(x2, w, b, epilogue="relu_bias" if b is not None else "relu"), None
+    else:
+        y, aux = _forward_layer(x2, w, b, activation or None)
+    return y.reshape(*x.shape[:-1], w.shape[0]), aux if aux is not None else y.new_empty(0)
 
 
-class _FusedMLPFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, activation):
-        x2 = x.reshape(-1, x.shape[-1])
-        h, aux = _forward_layer(x2, w1, b1, activation)
-        y = linear(h, w2, b2)
-        ctx.save_for_backward(x2, w1, h, aux, w2)
-        ctx.activation, ctx.biases, ctx.x_shape = activation, (b1 is not None, b2 is not None), x.shape
-        return y.reshape(*x.shape[:-1], w2.shape[0])
+@_fused_linear_op.register_fake
+def _(x, w, b, activation):
+    y = x.new_empty((*x.shape[:-1], w.shape[0]))
+    return y, x.new_empty((x.shape[:-1].numel(), w.shape[0])) if activation == "gelu" else y.new_empty(0)
 
-    @staticmethod
-    def backward(ctx, dy):
-        x2, w1, h, aux, w2 = ctx.saved_tensors
-        has_b1, has_b2 = ctx.biases
-        dy2 = dy.reshape(-1, w2.shape[0])
-        need = ctx.needs_input_grad
-        dw2, db2 = _weight_grads(dy2, h, has_b2)
-        # The second layer's data gradient dY @ W2 and the first layer's activation backward
-        # (and its bias gradient) in one GEMM.
-        grad = linear(dy2, w2.t(), epilogue=_GRAD_EPILOGUE[ctx.activation, has_b1], aux=aux)
-        dz1, db1 = grad if has_b1 else (grad, None)
-        dw1 = linear(dz1.t(), x2.t()) if need[1] else None
-        dx = linear(dz1, w1.t()).reshape(ctx.x_shape) if need[0] else None
-        return dx, dw1, db1, dw2 if need[3] else None, db2, None
+
+def _fused_linear_setup(ctx, inputs, output):
+    x, w, b, activation = inputs
+    y, aux = output
+    ctx.save_for_backward(x, w, y if activation == "relu" else aux)
+    ctx.activation, ctx.has_bias = activation or None, b is not None
+
+
+def _fused_linear_backward(ctx, dy, _daux):
+    x, w, aux = ctx.saved_tensors
+    x2 = x.reshape(-1, x.shape[-1])
+    dz = dy.reshape(-1, w.shape[0])
+    if ctx.activation == "relu":
+        dz = torch.ops.aten.threshold_backward(dz, aux.reshape(dz.shape), 0)  # aux is y here
+    elif ctx.activation is not None:
+        dz = _act_grad(dz, aux, ctx.activation)
+    need = ctx.needs_input_grad
+    dx = linear(dz, w.t()).reshape(x.shape) if need[0] else None
+    dw, db = _weight_grads(dz, x2, ctx.has_bias) if need[1] or need[2] else (None, None)
+    return dx, dw if need[1] else None, db if need[2] else None, None
+
+
+_fused_linear_op.register_autograd(_fused_linear_backward, setup_context=_fused_linear_setup)
+
+
+@torch.library.custom_op("kernelplan::fused_mlp", mutates_args=())
+def _fused_mlp_op(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor,
+                  b2: Optional[torch.Tensor], activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, h, aux)``: the hidden activations and the first layer's aux are what backward reads."""
+    x2 = x.reshape(-1, x.shape[-1])
+    h, aux = _forward_layer(x2, w1, b1, activation)
+    y = linear(h, w2, b2)
+    return y.reshape(*x.shape[:-1], w2.shape[0]), h, aux
+
+
+@_fused_mlp_op.register_fake
+def _(x, w1, b1, w2, b2, activation):
+    rows = x.shape[:-1].numel()
+    return (x.new_empty((*x.shape[:-1], w2.shape[0])), x.new_empty((rows, w1.shape[0])),
+            x.new_empty((rows, w1.shape[0]), dtype=torch.bool if activation == "relu" else x.dtype))
+
+
+def _fused_mlp_setup(ctx, inputs, output):
+    x, w1, b1, w2, b2, activation = inputs
+    _, h, aux = output
+    ctx.save_for_backward(x, w1, h, aux, w2)
+    ctx.activation, ctx.biases = activation, (b1 is not None, b2 is not None)
+
+
+def _fused_mlp_backward(ctx, dy, _dh, _daux):
+    x, w1, h, aux, w2 = ctx.saved_tensors
+    x2 = x.reshape(-1, x.shape[-1])
+    has_b1, has_b2 = ctx.biases
+    dy2 = dy.reshape(-1, w2.shape[0])
+    need = ctx.needs_input_grad
+    dw2, db2 = _weight_grads(dy2, h, has_b2)
+    # The second layer's data gradient dY @ W2 and the first layer's activation backward
+    # (and its bias gradient) in one GEMM.
+    grad = linear(dy2, w2.t(), epilogue=_GRAD_EPILOGUE[ctx.activation, has_b1], aux=aux)
+    dz1, db1 = grad if has_b1 else (grad, None)
+    dw1 = linear(dz1.t(), x2.t()) if need[1] else None
+    dx = linear(dz1, w1.t()).reshape(x.shape) if need[0] else None
+    return dx, dw1, db1, dw2 if need[3] else None, db2, None
+
+
+_fused_mlp_op.register_autograd(_fused_mlp_backward, setup_context=_fused_mlp_setup)
 
 
 def _init_linear(out_features, in_features, bias, factory):
@@ -136,7 +173,7 @@ class FusedLinear(nn.Module):
         self.register_parameter("bias", b)  # None without a bias, as nn.Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _FusedLinearFunction.apply(x, self.weight, self.bias, self.activation)
+        return _fused_linear_op(x, self.weight, self.bias, self.activation or "")[0]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -158,7 +195,7 @@ class FusedMLP(nn.Module):
             self.register_parameter(f"b{i}", b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _FusedMLPFunction.apply(x, self.w1, self.b1, self.w2, self.b2, self.activation)
+        return _fused_mlp_op(x, self.w1, self.b1, self.w2, self.b2, self.activation)[0]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.w1.shape[1]}, hidden_features={self.w1.shape[0]}, "

@@ -154,6 +154,7 @@ class CudaMmaSparse24Backend(Backend):
     name = "cuda_mma"
     priority = 1
     what = "two 8-wide MMA tiles"
+    max_n = 16  # kernels/sparse24_mma.py MAX_N; here so that supports() imports no kernel module
 
     def kernel(self):
         from ..kernels.sparse24_mma import TiledKernel
@@ -163,11 +164,10 @@ class CudaMmaSparse24Backend(Backend):
     def supports(self, desc) -> str | None:
         from ..kernels.nvrtc import nvrtc_reason
 
-        max_n = self.kernel().max_n
         if desc.dtype not in ("f16", "bf16"):
             return f"dtype {desc.dtype}: the kernel multiplies f16 and bf16 on the tensor cores"
-        if desc.n > max_n:
-            return f"n = {desc.n}: the kernel takes at most {max_n} rows of x ({self.what})"
+        if desc.n > self.max_n:
+            return f"n = {desc.n}: the kernel takes at most {self.max_n} rows of x ({self.what})"
         if desc.k % 64:
             return f"K = {desc.k} is not a multiple of 64, the kernel's K step"
         why = nvrtc_reason(desc.device)
@@ -200,6 +200,7 @@ class CudaSpSparse24Backend(CudaMmaSparse24Backend):
 
     name = "cuda_sp"
     what = "eight 8-wide sparse MMA tiles"
+    max_n = 64  # kernels/sparse24_sp.py MAX_N
 
     def kernel(self):
         from ..kernels.sparse24_sp import SpKernel

@@ -1,0 +1,90 @@
+"""The README's performance table, generated from ``bench/results/*.json``.
+
+``python tools/readme_table.py`` rewrites the block between the README's
+``perf-table`` markers; ``tests/test_readme.py`` fails when the two disagree.
+Every figure in the table is a median or a range over the rows of one results
+file, named with its device and commit.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+README = ROOT / "README.md"
+BEGIN, END = "<!-- perf-table:begin (tools/readme_table.py) -->", "<!-- perf-table:end -->"
+
+# 2:4 linear rows by batch size (tokens per call), the ranges users ask about.
+N_RANGES = (("n = 1-16", 1, 16), ("n = 32-64", 32, 64), ("n = 128-512", 128, 512), ("n >= 1024", 1024, 1 << 30))
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _span(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f}x)"
+
+
+def _source(doc: dict, name: str) -> str:
+    return f"{doc['device']} at {doc['commit']} (`bench/results/{name}.json`)"
+
+
+def sparse24_rows(name: str) -> list[str]:
+    doc = _load(name)
+    if doc is None:
+        return []
+    rows = [r for r in doc["suites"]["sparse24"] if "speedup" in r]
+    shapes = sorted({(r["m"], r["k"]) for r in rows})
+    cells = [_span([r["speedup"] for r in rows if lo <= r["n"] <= hi]) for _, lo, hi in N_RANGES]
+    what = f"2:4 linear vs dense `F.linear`, {rows[0]['dtype'].replace('torch.', '')}, {len(shapes)} shapes"
+    return [f"| {what} | " + " | ".join(cells) + f" | {_source(doc, name)} |"]
+
+
+def table() -> str:
+    head = ["| op | " + " | ".join(label for label, _, _ in N_RANGES) + " | measured on |",
+            "|---|" + "---|" * len(N_RANGES) + "---|"]
+    body = []
+    for name in ("sparse24-h200", "sparse24-h100", "sparse24-h200-f16"):
+        body += sparse24_rows(name)
+    lines = head + body + [""]
+    gated = _load("gated-h200")
+    if gated:
+        rows = gated["suites"]["gated"]
+        fwd = [r["of_copy"] for r in rows if r.get("direction") == "fwd"]
+        both = [r["of_copy"] for r in rows if r.get("direction") == "fwd+bwd"]
+        lines.append(f"- Gated activations (GLU, ReGLU, SwiGLU, GeGLU): forward at {min(fwd):.0%}-{max(fwd):.0%} "
+                     f"and forward+backward at {min(both):.0%}-{max(both):.0%} of the copy bandwidth, "
+                     f"{_source(gated, 'gated-h200')}.")
+    gemm = _load("gemm-h200")
+    if gemm:
+        fp8 = [r["torch_ms"] / r["kp_ms"] for r in gemm["suites"]["gemm"]
+               if str(r.get("case", "")).startswith("fp8 rowwise") and r.get("dtype") == "bfloat16"]
+        if fp8:
+            lines.append(f"- fp8 row-wise linear: {min(fp8):.2f}-{max(fp8):.2f}x of the bf16 `F.linear` at "
+                         f"8192^3, {_source(gemm, 'gemm-h200')}.")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def readme_block(text: str) -> str:
+    start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
+    return text[start:stop].strip("\n") + "\n"
+
+
+def main() -> int:
+    text = README.read_text()
+    start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
+    README.write_text(text[:start] + "\n" + table() + text[stop:])
+    print(f"wrote the performance table into {README}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
