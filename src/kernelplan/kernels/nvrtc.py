@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
+import re
+from pathlib import Path
 
 import torch
 
@@ -25,6 +28,18 @@ def nvrtc_reason(device: str) -> str | None:
     if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
         return "cuda-bindings is not installed: pip install cuda-bindings"
     return None
+
+
+CUDA_DIR = Path(__file__).resolve().parent / "cuda"  # the .cu/.cuh sources, shipped as package data
+DUMP_ENV = "KERNELPLAN_DUMP_CUDA"  # a folder: each compiled kernel's full source and PTX are written there
+
+
+@functools.lru_cache(maxsize=64)
+def cuda_source(name: str) -> str:
+    """The text of ``kernels/cuda/<name>`` with its local ``#include "..."`` files inlined (NVRTC gets one string)."""
+    text = (CUDA_DIR / name).read_text()
+    text = re.sub(r'^#include "([^"]+)"\s*$', lambda m: cuda_source(m.group(1)), text, flags=re.M)
+    return re.sub(r"^#pragma once\s*$", "", text, flags=re.M)
 
 
 def arch(device_index: int) -> str:
@@ -51,8 +66,11 @@ def cubin(source: str, architecture: str) -> bytes:
 
     prog, = check(nvrtc.nvrtcCreateProgram(source.encode(), b"kernelplan.cu", 0, [], []), "program creation")
     try:
-        options = [f"--gpu-architecture={architecture}".encode(), b"-std=c++17"]
+        # -lineinfo: profilers and compute-sanitizer map SASS back to the .cu lines.
+        options = [f"--gpu-architecture={architecture}".encode(), b"-std=c++17", b"-lineinfo"]
         check(nvrtc.nvrtcCompileProgram(prog, len(options), options), "compile", prog)
+        if os.environ.get(DUMP_ENV):
+            _dump(nvrtc, prog, source, architecture)
         size, = check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
         binary = b" " * size
         check(nvrtc.nvrtcGetCUBIN(prog, binary), "cubin")
@@ -61,12 +79,30 @@ def cubin(source: str, architecture: str) -> bytes:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
+def _dump(nvrtc, prog, source: str, architecture: str) -> None:
+    """Writes the compiled source and its PTX under $KERNELPLAN_DUMP_CUDA, for a kernel engineer; never fails the compile."""
+    import hashlib
+    import warnings
+
+    try:
+        folder = Path(os.environ[DUMP_ENV])
+        folder.mkdir(parents=True, exist_ok=True)
+        stem = folder / f"{hashlib.sha256(source.encode()).hexdigest()[:12]}-{architecture}"
+        stem.with_suffix(".cu").write_text(source)
+        err, size = nvrtc.nvrtcGetPTXSize(prog)
+        ptx = b" " * size
+        nvrtc.nvrtcGetPTX(prog, ptx)
+        stem.with_suffix(".ptx").write_bytes(ptx.rstrip(b"\0 "))
+    except OSError as e:
+        warnings.warn(f"{DUMP_ENV}: could not write the kernel dump ({e})", RuntimeWarning, stacklevel=3)
+
+
 @functools.lru_cache(maxsize=256)
-def function(source: str, name: str, device_index: int):
+def function(source: str, name: str, device_index: int, architecture: str | None = None):
     """The kernel ``name`` of ``source``, compiled for and loaded onto CUDA device ``device_index``."""
     from cuda.bindings import driver as cu
 
-    binary = cubin(source, arch(device_index))
+    binary = cubin(source, architecture or arch(device_index))
     with on_device(device_index):
         torch.cuda.init()
         # torch's runtime makes the device's primary context current lazily; the module must load into it.
@@ -90,14 +126,15 @@ def function(source: str, name: str, device_index: int):
 _PARAMS = ["*u16", "*i32", "*i32", "*u16", "*u16", "i32", "i32", "i32", "i32", "i32"]
 
 
-def launch(source: str, name: str, device_index: int, label: str, block: int, shared: int = 0):
+def launch(source: str, name: str, device_index: int, label: str, block: int, shared: int = 0,
+           architecture: str | None = None):
     """A ``FunctionLaunch`` of kernel ``name`` with the 2:4 kernels' parameters ``(x, values, codes, bias, y, N, M, K,
     x row stride, y row stride)``; ``shared`` bytes of dynamic shared memory, the function's limit raised to it."""
     from cuda.bindings import driver as cu
 
     from .direct import FunctionLaunch
 
-    fn = function(source, name, device_index)
+    fn = function(source, name, device_index, architecture)
     if shared > 48 * 1024:  # above 48 KiB a function must opt in
         err, = cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                      shared)

@@ -48,6 +48,7 @@ from ..dtypes import dtype_info
 from ..errors import KernelPlanError
 from ..sparse24.format import derived_from, output_rows
 from . import current_device, on_device, raw_stream
+from .nvrtc import cuda_source
 from ..activations import ACTIVATION_CODES
 from .sparse24 import _expand_ptx, code_metadata, sm_count
 
@@ -83,42 +84,8 @@ def _asm(ptx: str) -> str:
     return "\n".join('"' + line + '\\n"' for line in body.splitlines())
 
 
-COMMON_SOURCE = r"""
-typedef unsigned int u32;
-typedef unsigned short u16;
+COMMON_SOURCE = cuda_source("common.cuh")
 
-__device__ __forceinline__ float to_f32(u16 v) {
-#if IS_BF16
-    return __uint_as_float(((u32)v) << 16);
-#else
-    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f;
-#endif
-}
-
-__device__ __forceinline__ u16 from_f32(float v) {
-    u16 h; asm("cvt.rn." DT ".f32 %0, %1;" : "=h"(h) : "f"(v)); return h;
-}
-
-// kernelplan.activations, in fp32: gelu by erfc, gelu_tanh as z * sigmoid(2u) (accurate in the left tail).
-__device__ __forceinline__ float activate(float z) {
-#if ACT == ACT_IDENTITY
-    return z;
-#elif ACT == ACT_RELU
-    return z > 0.f ? z : 0.f;
-#elif ACT == ACT_GELU
-    return z * 0.5f * erfcf(-z * 0.70710678118654752f);
-#elif ACT == ACT_GELU_TANH
-    float u = 0.79788456080286536f * (z + 0.044715f * z * z * z);
-    return z / (1.f + expf(-2.f * u));
-#elif ACT == ACT_SILU
-    return z / (1.f + expf(-z));
-#elif ACT == ACT_SIGMOID
-    return 1.f / (1.f + expf(-z));
-#else
-#error "an activation with no CUDA form here"
-#endif
-}
-"""
 
 _SOURCE = r"""
 __device__ __forceinline__ void expand(u32 pair, u32 word, u32 shift, u32 &lo, u32 &hi) {
@@ -306,6 +273,7 @@ class TiledKernel:
     """
 
     name = "cuda_mma"
+    layout = "cuda_mma tiled"  # the derived layout's name (Sparse24Weight.derived_bytes)
     max_n = MAX_N
 
     def tiled(self, values: torch.Tensor, metadata: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,7 +331,8 @@ class _TiledWeight:
     _MAX_KEYS = 256
 
     def __init__(self, values, metadata, activation, kernel: TiledKernel):
-        self.pairs, self.codes = derived_from(values, metadata, f"{kernel.name} tiled", kernel.tiled)
+        # Keyed by the layout, not the kernel: kernels that read one layout share one copy of it.
+        self.pairs, self.codes = derived_from(values, metadata, kernel.layout, kernel.tiled)
         self.weight = (self.pairs.data_ptr(), self.codes.data_ptr())
         self.m, self.k = values.shape[0], 2 * values.shape[1]
         self.dtype = dtype_info(values.dtype).name

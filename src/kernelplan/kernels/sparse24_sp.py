@@ -42,6 +42,7 @@ from .sparse24 import sm_count, u32_bits
 from .sparse24_mma import COMMON_SOURCE, TiledKernel, defines
 
 MAX_N = 64  # eight 8-wide N tiles
+SP_LAYOUT = "sp tiled"  # the one layout of the mma.sp and wgmma.sp kernels (sparse24_wg.py reads it too)
 
 
 @dataclass(frozen=True)
@@ -321,6 +322,7 @@ def _launcher(cfg: SpConfig, dtype: str, has_bias: bool, activation: str | None,
 
 class SpKernel(TiledKernel):
     name = "cuda_sp"
+    layout = SP_LAYOUT
     max_n = MAX_N
 
     def tiled(self, values, metadata):

@@ -208,6 +208,30 @@ class CudaSpSparse24Backend(CudaMmaSparse24Backend):
         return SpKernel()
 
 
+class CudaWgSparse24Backend(CudaMmaSparse24Backend):
+    """CUDA C++ on Hopper's sparse warpgroup MMA (``wgmma.mma_async.sp``, ``kernels/sparse24_wg.py``), any N.
+
+    Reads the layout of ``cuda_sp`` (one copy shared by both, 0.5625x of the
+    dense bytes); x staged in wgmma's swizzled layout by cp.async.  sm_90a only.
+    A tuning candidate on Hopper.
+    """
+
+    name = "cuda_wg"
+    what = "wgmma.sp N tiles"
+    max_n = 1 << 31
+
+    def kernel(self):
+        from ..kernels.sparse24_wg import WgKernel
+
+        return WgKernel()
+
+    def supports(self, desc) -> str | None:
+        why = super().supports(desc)
+        if why is None and torch.cuda.get_device_capability(torch.device(desc.device)) != (9, 0):
+            return f"device {desc.device}: wgmma.mma_async.sp is an sm_90a (Hopper) instruction"
+        return why
+
+
 def _dense_weight(values: torch.Tensor, metadata: torch.Tensor) -> torch.Tensor:
     from .format import Sparse24Weight
 
@@ -259,6 +283,7 @@ GemmSparse24Plan.registry.register(TritonBfeSparse24Backend())
 GemmSparse24Plan.registry.register(TritonWideSparse24Backend())
 GemmSparse24Plan.registry.register(CudaMmaSparse24Backend())
 GemmSparse24Plan.registry.register(CudaSpSparse24Backend())
+GemmSparse24Plan.registry.register(CudaWgSparse24Backend())
 GemmSparse24Plan.registry.register(DenseSparse24Backend())
 GemmSparse24Plan.registry.register(CusparseLtSparse24Backend())
 

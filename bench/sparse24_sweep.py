@@ -1,0 +1,164 @@
+"""The 2:4 kernels of the one layout against dense ``F.linear`` on the sweep set (kernelplan.bench.shapes).
+
+For every (M, K) of the public model configs and every batch size: each
+kernel that reads the ``sp tiled`` layout (``cuda_mma`` has its own layout and
+is timed for comparison at n <= 16), checked against fp64 first, then timed as
+a CUDA graph replay (kernel time; ``triton.testing.do_bench_cudagraph``,
+median) beside dense ``F.linear`` in the same process, alternating.  Writes
+``bench/results/sparse24-sweep-<gpu>.json`` and prints a summary.
+
+    PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_sweep.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
+from kernelplan.kernels.sparse24_mma import MmaLinear, TiledKernel
+from kernelplan.kernels.sparse24_sp import SpKernel
+from kernelplan.kernels.sparse24_wg import WgKernel, wg_config
+from kernelplan.kernels.sparse24 import sm_count
+from kernelplan.sparse24 import compress, prune
+
+KERNELS = {"cuda_mma": (TiledKernel, 16), "cuda_sp": (SpKernel, 64), "cuda_wg": (WgKernel, 1 << 30)}
+
+
+def rel_err(out, ref) -> float:
+    return float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def graph_ms(fn, rep: int) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+
+
+def run(quick: bool, dtype: torch.dtype, rep: int) -> dict:
+    shapes = sweep_shapes()
+    batch = (1, 16, 64, 256, 1024, 4096) if quick else BATCH_SIZES
+    sms = sm_count(0)
+    rows = []
+    for (m, k), where in shapes.items():
+        w = prune(torch.randn(m, k, device="cuda")).to(dtype)
+        w24 = compress(w)
+        dense_bytes = w.numel() * w.element_size()
+        for n in batch:
+            x = torch.randn(n, k, device="cuda").to(dtype)
+            ref = F.linear(x.double(), w.double())
+            dense = lambda: F.linear(x, w)  # noqa: E731
+            dense_err = rel_err(dense(), ref)
+            row = {"m": m, "k": k, "n": n, "layers": where, "dense_err": dense_err}
+            times = {}
+            for name, (kernel, max_n) in KERNELS.items():
+                if n > max_n:
+                    continue
+                call = MmaLinear(None, kernel())
+                err = rel_err(call(x, w24.values, w24.metadata, None), ref)
+                row[f"{name}_err"] = err
+                if not err <= 2 * dense_err + 1e-3:
+                    row[f"{name}_wrong"] = True
+                    continue
+                fn = lambda call=call: call(x, w24.values, w24.metadata, None)  # noqa: E731
+                # Alternating, so that a slow spell of the GPU lands on both.
+                t_d1, t_k1 = graph_ms(dense, rep), graph_ms(fn, rep)
+                t_d2, t_k2 = graph_ms(dense, rep), graph_ms(fn, rep)
+                times[name] = min(t_k1, t_k2)
+                row[f"{name}_ms"] = times[name]
+                row.setdefault("dense_ms_all", []).extend([t_d1, t_d2])
+            row["dense_ms"] = statistics.median(row.pop("dense_ms_all", [float("nan")]))
+            if n > 64:
+                row["wg_config"] = str(wg_config(n, m, k, sms))
+            for name, t in times.items():
+                row[f"{name}_speedup"] = row["dense_ms"] / t
+            sp_layout = {nm: t for nm, t in times.items() if nm != "cuda_mma"}
+            if sp_layout:
+                best = min(sp_layout, key=sp_layout.get)
+                row["best_one_layout"], row["speedup"] = best, row["dense_ms"] / sp_layout[best]
+            rows.append(row)
+            print(f"{m:>6}x{k:<6} n={n:<5} dense {row['dense_ms'] * 1e3:8.1f} us  " + "  ".join(
+                f"{nm} {row.get(nm + '_speedup', float('nan')):.2f}x" for nm in KERNELS if nm in times)
+                + ("  WRONG " + ",".join(nm for nm in KERNELS if row.get(nm + "_wrong")) if any(
+                    row.get(nm + "_wrong") for nm in KERNELS) else ""), flush=True)
+        held = sum(t.numel() * t.element_size() for t in (
+            MmaLinear(None, WgKernel()).kernel.tiled(w24.values, w24.metadata)))
+        rows.append({"m": m, "k": k, "memory": {"dense_bytes": dense_bytes, "sp_tiled_bytes": held,
+                                                "ratio": held / dense_bytes}})
+        del w, w24
+        torch.cuda.empty_cache()
+    return {"rows": rows, "batch_sizes": list(batch)}
+
+
+def resources(rows: list[dict], dtype: str) -> list[str]:
+    """Registers and local memory (spills) of each cuda_wg variant the sweep ran: the compiler's report."""
+    from cuda.bindings import driver as cu
+
+    from kernelplan.kernels import nvrtc
+    from kernelplan.kernels.sparse24_wg import WgConfig, source
+
+    lines = []
+    for text in sorted({r["wg_config"] for r in rows if "wg_config" in r}):
+        cfg = eval(text, {"WgConfig": WgConfig})  # our own repr
+        fn = nvrtc.function(source(cfg, dtype, False, None), "kp_sparse24_wg", 0, "sm_90a")
+        regs = cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, fn)[1]
+        local = cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, fn)[1]
+        lines.append(f"{text}: {regs} registers, {local} bytes local")
+    return lines
+
+
+def summary(rows: list[dict]) -> list[str]:
+    lines = []
+    timed = [r for r in rows if "speedup" in r]
+    for label, lo, hi in (("n <= 16", 1, 16), ("n = 32-64", 32, 64), ("n = 128-512", 128, 512),
+                          ("n >= 1024", 1024, 1 << 30)):
+        s = sorted(r["speedup"] for r in timed if lo <= r["n"] <= hi)
+        if s:
+            lines.append(f"{label:12} min {s[0]:.2f}x  median {statistics.median(s):.2f}x  max {s[-1]:.2f}x  "
+                         f"({len(s)} rows)")
+    worst = sorted(timed, key=lambda r: r["speedup"])[:8]
+    lines.append("worst rows: " + "; ".join(f"{r['m']}x{r['k']} n={r['n']} {r['speedup']:.2f}x "
+                                            f"({r['best_one_layout']})" for r in worst))
+    wrong = [r for r in rows if any(k.endswith("_wrong") for k in r)]
+    lines.append(f"rows with a wrong kernel result: {len(wrong)}")
+    ratios = [r["memory"]["ratio"] for r in rows if "memory" in r]
+    lines.append(f"bytes held per weight (one layout): {min(ratios):.4f}-{max(ratios):.4f}x of dense")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="6 batch sizes instead of 12")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "f16"))
+    parser.add_argument("--rep", type=int, default=20, help="ms per timing")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
+    t0 = time.time()
+    result = run(args.quick, dtype, args.rep)
+    gpu = torch.cuda.get_device_name().split()[1].lower() if len(torch.cuda.get_device_name().split()) > 1 else "gpu"
+    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "commit": os.environ.get("KERNELPLAN_COMMIT", "unknown"),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "dtype": args.dtype, "timing": "CUDA graph replay, median (triton.testing.do_bench_cudagraph)",
+           **result}
+    name = f"sparse24-sweep-{gpu}" + ("" if args.dtype == "bf16" else f"-{args.dtype}")
+    path = args.out or os.path.join(os.path.dirname(__file__), "results", f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print("\n".join(resources(result["rows"], args.dtype)))
+    print("\n".join(summary(result["rows"])))
+    print(f"wrote {path} in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

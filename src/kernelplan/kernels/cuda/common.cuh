@@ -1,0 +1,37 @@
+// What every 2:4 CUDA C++ kernel shares: types, dtype conversion, the activations.
+// Needs the variant's #defines IS_BF16, DT, ACT and the ACT_* codes (kernels/sparse24_mma.py, defines).
+#pragma once
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+__device__ __forceinline__ float to_f32(u16 v) {
+#if IS_BF16
+    return __uint_as_float(((u32)v) << 16);
+#else
+    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f;
+#endif
+}
+
+__device__ __forceinline__ u16 from_f32(float v) {
+    u16 h; asm("cvt.rn." DT ".f32 %0, %1;" : "=h"(h) : "f"(v)); return h;
+}
+
+// kernelplan.activations, in fp32: gelu by erfc, gelu_tanh as z * sigmoid(2u) (accurate in the left tail).
+__device__ __forceinline__ float activate(float z) {
+#if ACT == ACT_IDENTITY
+    return z;
+#elif ACT == ACT_RELU
+    return z > 0.f ? z : 0.f;
+#elif ACT == ACT_GELU
+    return z * 0.5f * erfcf(-z * 0.70710678118654752f);
+#elif ACT == ACT_GELU_TANH
+    float u = 0.79788456080286536f * (z + 0.044715f * z * z * z);
+    return z / (1.f + expf(-2.f * u));
+#elif ACT == ACT_SILU
+    return z / (1.f + expf(-z));
+#elif ACT == ACT_SIGMOID
+    return 1.f / (1.f + expf(-z));
+#else
+#error "an activation with no CUDA form here"
+#endif
+}

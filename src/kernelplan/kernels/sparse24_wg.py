@@ -1,0 +1,104 @@
+"""2:4 linear on Hopper's ``wgmma.mma_async.sp`` (sm_90a) for N > 64: the kernel is ``cuda/sparse24_wg.cu``.
+
+It reads the weight in the layout of ``cuda_sp`` (``sparse24_sp.tiled_values`` /
+``tiled_meta``, one copy shared by both kernels): per warp, a warpgroup's
+sparse A fragment and metadata word are exactly ``mma.sp.m16n8k32``'s.  x is
+staged by cp.async into wgmma's 128-byte-swizzled K-major B layout.
+
+``wg_config`` is the configuration rule: a pure function of (N, M, K, SMs).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from .nvrtc import cuda_source
+from .sparse24 import sm_count
+from .sparse24_mma import COMMON_SOURCE, TiledKernel, defines
+from .sparse24_sp import SP_LAYOUT, SM_SHARED, _tiled
+
+MIN_N = 1
+INSTRUCTION_N = (8, 16, 32, 64, 128, 256)  # the wgmma.sp shapes kernels/cuda/wgmma_sp.cuh wraps
+
+
+@dataclass(frozen=True)
+class WgConfig:
+    bn: int  # rows of x (tokens) a CTA multiplies: a multiple of ni
+    ni: int  # wgmma N per instruction
+    wm: int = 2  # warpgroups along M: 64 rows each
+    ks: int = 1  # warpgroups along K: slices summed in shared memory
+    stages: int = 4  # 64-column steps in the shared-memory ring
+    min_blocks: int = 1
+
+    @property
+    def rows(self) -> int:
+        return 64 * self.wm
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.wm * self.ks
+
+    @property
+    def stage_bytes(self) -> int:
+        return self.ks * self.bn * 128 + self.wm * self.ks * 4 * 1152
+
+    @property
+    def shared(self) -> int:
+        """Dynamic shared memory: the ring or the K slices' sums, whichever is larger, and 1 KiB to align to 1024."""
+        sums = self.ks * self.bn * (self.rows + 4) * 4
+        return max(self.stages * self.stage_bytes, sums) + 1024
+
+
+def _ctas(cfg: WgConfig, n: int, m: int) -> int:
+    return -(-n // cfg.bn) * -(-m // cfg.rows)
+
+
+def wg_config(n: int, m: int, k: int, sms: int) -> WgConfig:
+    """The tile for N = n: the widest N tile that still gives the SMs a wave of CTAs, then K slices, then the ring.
+
+    The N tile is n rounded up to the instruction grain (16), at most 256;
+    while that leaves fewer CTAs than SMs, it halves (x is re-read per N tile,
+    W per M tile: narrower N tiles cost L2 traffic, idle SMs cost more).
+    Where still too few CTAs remain, two K slices per CTA.
+    """
+    bn = min(256, -(-n // 16) * 16)
+    wm = 2
+    while bn > 64 and _ctas(WgConfig(bn, bn, wm), n, m) < sms:
+        bn = max(64, -(-(bn // 2) // 16) * 16)
+    if _ctas(WgConfig(bn, bn, wm), n, m) < sms // 2:
+        wm = 1
+    ni = next(i for i in reversed(INSTRUCTION_N) if bn % i == 0)
+    ks = 2 if _ctas(WgConfig(bn, ni, wm), n, m) < sms and (k // 64) % 2 == 0 and k >= 2048 else 1
+    cfg = WgConfig(bn, ni, wm, ks)
+    stages = max(3, min(6, (SM_SHARED - 2048) // cfg.stage_bytes))
+    cfg = WgConfig(bn, ni, wm, ks, stages)
+    return cfg if cfg.shared <= SM_SHARED else WgConfig(bn, ni, wm, ks, 3)
+
+
+def source(cfg: WgConfig, dtype: str, has_bias: bool, activation: str | None) -> str:
+    """The CUDA C++ of one kernel variant (``kp_sparse24_wg``), compiled by NVRTC for sm_90a."""
+    head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, KS=cfg.ks, STAGES=cfg.stages,
+                   MIN_BLOCKS=cfg.min_blocks)
+    return head + COMMON_SOURCE + cuda_source("sparse24_wg.cu")
+
+
+@functools.lru_cache(maxsize=256)
+def _launcher(cfg: WgConfig, dtype: str, has_bias: bool, activation: str | None, device_index: int):
+    from . import nvrtc
+
+    return nvrtc.launch(source(cfg, dtype, has_bias, activation), "kp_sparse24_wg", device_index, f"{cfg} {dtype}",
+                        block=cfg.threads, shared=cfg.shared, architecture="sm_90a")
+
+
+class WgKernel(TiledKernel):
+    name = "cuda_wg"
+    layout = SP_LAYOUT
+    max_n = 1 << 31
+
+    def tiled(self, values, metadata):
+        return _tiled(values, metadata)
+
+    def launch_for(self, n, m, k, dtype, has_bias, activation, device):
+        cfg = wg_config(n, m, k, sm_count(device))
+        return _launcher(cfg, dtype, has_bias, activation, device), (-(-n // cfg.bn), -(-m // cfg.rows), 1)

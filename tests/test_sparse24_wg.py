@@ -1,0 +1,105 @@
+"""The Hopper ``wgmma.sp`` 2:4 linear (``cuda_wg``) against the fp64 oracle; its configuration rule on CPU.
+
+It reads ``cuda_sp``'s layout: the layout's own tests are in test_sparse24_sp.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernelplan as kp
+from helpers import FWD_ATOL, assert_close, poisoned
+from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
+from kernelplan.kernels.sparse24_mma import MmaLinear
+from kernelplan.kernels.sparse24_sp import SM_SHARED, SP_LAYOUT
+from kernelplan.kernels.sparse24_wg import INSTRUCTION_N, WgKernel, wg_config
+from test_sparse24_triton import check_backend
+
+sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                          reason="needs an sm_90 (Hopper) GPU")
+gpu = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("sms", [78, 114, 132])
+def test_config_rule_fits_every_sweep_shape_and_batch(sms):
+    for (m, k) in sweep_shapes():
+        for n in BATCH_SIZES + (3, 33, 200, 1000):
+            cfg = wg_config(n, m, k, sms)
+            assert cfg.shared <= SM_SHARED, (n, m, k, cfg)
+            assert cfg.bn % cfg.ni == 0 and cfg.ni in INSTRUCTION_N and cfg.bn <= 256
+            assert cfg.bn >= min(n, 64) or cfg.bn >= 16 and n <= cfg.bn
+            assert (k // 64) % cfg.ks == 0
+            assert cfg.stages >= 3
+
+
+def test_config_rule_keeps_the_sms_busy_before_widening_tiles():
+    cfg = wg_config(4096, 8192, 8192, 132)
+    assert (cfg.bn, cfg.wm) == (256, 2)  # large N: the widest tile
+    cfg = wg_config(128, 4096, 4096, 132)  # 32 M tiles of 128 rows: the N tile narrows, then 64-row tiles
+    assert cfg.bn == 64 and -(-128 // cfg.bn) * -(-4096 // cfg.rows) * cfg.ks >= 128
+
+
+def test_cuda_wg_shares_cuda_sp_layout():
+    from kernelplan.kernels.sparse24_sp import SpKernel
+
+    assert WgKernel.layout == SpKernel.layout == SP_LAYOUT
+
+
+CASES = [  # (n, m, k, activation, bias, layout)
+    (1, 4096, 4096, None, False, "contiguous"),
+    (33, 200, 512, "gelu", True, "transposed"),  # odd M (past a 16-row tile), odd N
+    (64, 3584, 3584, None, True, "contiguous"),  # Qwen2.5-7B o_proj, K = 56 steps
+    (130, 1000, 1024, "silu", False, "strided"),
+    (200, 768, 3072, "relu", True, "contiguous"),
+    (256, 8192, 1024, "gelu_tanh", False, "contiguous"),
+    (777, 2304, 768, None, True, "contiguous"),
+    (4096, 1024, 4096, None, False, "contiguous"),
+]
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n, m, k, activation, bias, layout", CASES,
+                         ids=[f"n{c[0]}-m{c[1]}-k{c[2]}-{c[3]}-{c[5]}" for c in CASES])
+def test_cuda_wg_matches_fp64(n, m, k, activation, bias, layout, dtype, seed):
+    check_backend("cuda_wg", n, m, k, activation, bias, layout, dtype)
+
+
+@gpu
+@sm90
+def test_cuda_wg_3d_x_strided_y_and_graph_replay(seed):
+    w = kp.sparse24.prune(torch.randn(520, 1024, device="cuda")).bfloat16()
+    w24 = kp.sparse24.compress(w)
+    b = torch.randn(520, device="cuda").bfloat16()
+    x = torch.randn(3, 100, 1025, device="cuda").bfloat16()[..., 1:]  # 3-D, rows off 16-byte alignment
+    call = MmaLinear("silu", WgKernel())
+    ref = F.silu(F.linear(x.double(), w.double(), b.double()))
+    assert_close(call(x, w24.values, w24.metadata, b), ref, F.silu(F.linear(x, w, b)), atol=FWD_ATOL[torch.bfloat16])
+    x2 = x.reshape(300, 1024).contiguous()
+    y = poisoned((520, 300), torch.bfloat16, "cuda").t()  # y strided along M: written through a copy
+    call.launch(x2, w24.values, w24.metadata, b, y)
+    assert_close(y, ref.reshape(300, 520), F.silu(F.linear(x2, w, b)), atol=FWD_ATOL[torch.bfloat16])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = call(x2, w24.values, w24.metadata, b)
+    x2.copy_(torch.randn_like(x2))
+    graph.replay()
+    assert_close(yg, F.silu(F.linear(x2.double(), w.double(), b.double())), F.silu(F.linear(x2, w, b)),
+                 atol=FWD_ATOL[torch.bfloat16])
+
+
+@gpu
+@sm90
+def test_cuda_wg_and_cuda_sp_hold_one_layout(seed):
+    """Calls at n = 1, 64, 256 and 4096 through the two kernels of the layout keep one copy: 0.5625x dense."""
+    from kernelplan.kernels.sparse24_sp import SpKernel
+
+    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(4096, 4096, device="cuda")).bfloat16())
+    for n, kernel in ((1, SpKernel), (64, SpKernel), (256, WgKernel), (4096, WgKernel)):
+        MmaLinear(None, kernel())(torch.randn(n, 4096, device="cuda").bfloat16(), w24.values, w24.metadata, None)
+    derived = w24.derived_bytes()
+    assert derived[SP_LAYOUT] == 4096 * 4096 * 2 * 9 // 16
+    assert sum(derived.values()) == derived[SP_LAYOUT], derived  # the launches hold no copy of their own
