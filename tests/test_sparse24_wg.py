@@ -31,7 +31,7 @@ def test_config_rule_fits_every_sweep_shape_and_batch(sms):
             assert cfg.bn % cfg.ni == 0 and cfg.ni in INSTRUCTION_N and cfg.bn <= 256
             assert cfg.bn >= min(n, 64) or cfg.bn >= 16 and n <= cfg.bn
             assert (k // 64) % cfg.ks == 0
-            assert cfg.stages >= 3
+            assert cfg.stages >= 3 and cfg.stage_bytes % 1024 == 0
 
 
 def test_config_rule_keeps_the_sms_busy_before_widening_tiles():

@@ -28,7 +28,8 @@ class WgConfig:
     ni: int  # wgmma N per instruction
     wm: int = 2  # warpgroups along M: 64 rows each
     ks: int = 1  # warpgroups along K: slices summed in shared memory
-    stages: int = 4  # 64-column steps in the shared-memory ring
+    stages: int = 4  # buffers in the shared-memory ring (the MMAs of one in flight, STAGES - 2 loading)
+    sub: int = 2  # 64-column steps a buffer: MMAs issued per barrier
     min_blocks: int = 1
 
     @property
@@ -41,7 +42,8 @@ class WgConfig:
 
     @property
     def stage_bytes(self) -> int:
-        return self.ks * self.bn * 128 + self.wm * self.ks * 4 * 1152
+        """One buffer: per step, x for each K slice and each warp's 1152 bytes of W, rounded to 1024 (the swizzle)."""
+        return self.sub * (-(-(self.ks * self.bn * 128 + self.wm * self.ks * 4 * 1152) // 1024) * 1024)
 
     @property
     def shared(self) -> int:
@@ -70,16 +72,21 @@ def wg_config(n: int, m: int, k: int, sms: int) -> WgConfig:
         wm = 1
     ni = next(i for i in reversed(INSTRUCTION_N) if bn % i == 0)
     ks = 2 if _ctas(WgConfig(bn, ni, wm), n, m) < sms and (k // 64) % 2 == 0 and k >= 2048 else 1
-    cfg = WgConfig(bn, ni, wm, ks)
-    stages = max(3, min(6, (SM_SHARED - 2048) // cfg.stage_bytes))
-    cfg = WgConfig(bn, ni, wm, ks, stages)
-    return cfg if cfg.shared <= SM_SHARED else WgConfig(bn, ni, wm, ks, 3)
+    # Two steps a buffer where four buffers fit (fewer barriers per MMA), else one step and up to six.
+    # A CTA of one warpgroup leaves room for a second CTA on the SM, to hide its barriers.
+    blocks = 2 if wm * ks == 1 else 1
+    for sub, most in ((2, 4), (1, 6)):
+        cfg = WgConfig(bn, ni, wm, ks, sub=sub)
+        stages = min(most, (SM_SHARED // blocks - 2048) // cfg.stage_bytes)
+        if stages >= (4 if sub == 2 else 3):
+            return WgConfig(bn, ni, wm, ks, stages, sub, blocks)
+    raise AssertionError(f"no ring fits for n = {n}, M = {m}, K = {k}")  # the sweep test covers every tile
 
 
 def source(cfg: WgConfig, dtype: str, has_bias: bool, activation: str | None) -> str:
     """The CUDA C++ of one kernel variant (``kp_sparse24_wg``), compiled by NVRTC for sm_90a."""
-    head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, KS=cfg.ks, STAGES=cfg.stages,
-                   MIN_BLOCKS=cfg.min_blocks)
+    head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, KS=cfg.ks, SUB=cfg.sub,
+                   STAGES=cfg.stages, MIN_BLOCKS=cfg.min_blocks)
     return head + COMMON_SOURCE + cuda_source("sparse24_wg.cu")
 
 

@@ -9,24 +9,27 @@
 // A CTA is WM x KS warpgroups: WM blocks of 64 rows along M, KS slices of K.  Each 64-column step
 // of x (BN rows, one 128-byte row each, 128-byte swizzled as wgmma's K-major B operand expects)
 // and each warp's A fragments (1152 bytes: 1024 of values, 128 of metadata) go through a ring of
-// STAGES shared-memory buffers by cp.async.  The K slices' sums meet in shared memory in slice
+// STAGES shared-memory buffers by cp.async, SUB steps a buffer, the MMAs of one buffer in flight while
+// the next is loaded.  The K slices' sums meet in shared memory in slice
 // order (deterministic); then bias, activation, and y, written along M.
 //
 // Compile-time sizes come from the variant's #defines: BN, NI (wgmma N per instruction),
-// WM, KS, STAGES, MIN_BLOCKS, IS_BF16, HAS_BIAS, ACT, DT.
+// WM, KS, SUB (steps a stage), STAGES, MIN_BLOCKS, IS_BF16, HAS_BIAS, ACT, DT.
 
 #include "wgmma_sp.cuh"
 
 constexpr int kThreads = 128 * WM * KS;
 constexpr int kBM = 64 * WM;                       // rows of W a CTA
-constexpr int kXBytes = KS * BN * 128;             // one step of x: each K slice's 64 columns
-constexpr int kWarpABytes = 1152;
-constexpr int kStageBytes = kXBytes + WM * KS * 4 * kWarpABytes;
+constexpr int kSub = SUB;                          // 64-column steps per pipeline stage
+constexpr int kXSub = KS * BN * 128;               // one step of x: each K slice's 64 columns
+constexpr int kWarpABytes = 1152;                  // one warp's step of W: 1024 bytes of values, 128 of metadata
+constexpr int kASub = WM * KS * 4 * kWarpABytes;
+// Each x sub-tile starts on 1024 bytes: the 128-byte swizzle's phase is taken from address bits 7-9.
+constexpr int kSubBytes = (kXSub + kASub + 1023) / 1024 * 1024;
+constexpr int kStageBytes = kSub * kSubBytes;
 constexpr int kAcc = NI / 2;                       // f32 accumulators per thread per instruction
 constexpr int kInst = BN / NI;                     // instructions per k32 per warpgroup
 constexpr int kRedStride = kBM + 4;                // padded: lanes t = 0..3 land in different banks
-static_assert(kXBytes % 1024 == 0, "x buffers must keep the 1024-byte alignment of the 128-byte swizzle");
-static_assert(kStageBytes % 1024 == 0 || true, "");
 
 __device__ __forceinline__ void cp16(u32 dst, const void *src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(ok ? 16 : 0));
@@ -69,6 +72,11 @@ __device__ __forceinline__ void keep(float (&d)[R]) {
     for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
 
+__device__ __forceinline__ void keep_regs(uint4 (&a)[2], u32 &e) {
+    asm volatile("" : "+r"(a[0].x), "+r"(a[0].y), "+r"(a[0].z), "+r"(a[0].w), "+r"(a[1].x), "+r"(a[1].y),
+                 "+r"(a[1].z), "+r"(a[1].w), "+r"(e) :: "memory");
+}
+
 extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
 kp_sparse24_wg(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u32 *__restrict__ meta,
                const u16 *__restrict__ bias, u16 *__restrict__ y, int N, int M, int K, int sxn, int syn)
@@ -92,55 +100,76 @@ kp_sparse24_wg(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
 #pragma unroll
         for (int r = 0; r < kAcc; ++r) acc[i][r] = 0.f;
 
-    const u32 aslot = sbase + kXBytes + warp * kWarpABytes;
-    // Step `step` of every K slice's x into buffer `buf`: row r's 16-byte chunk c at c ^ (r % 8), the
-    // 128-byte swizzle; rows past N are zeros.
-    auto copy_x = [&](int buf, int step) {
+    const u32 aslot = kXSub + warp * kWarpABytes;  // offset of this warp's A in a sub-stage
+    // Step `step` of every K slice's x at `at`: row r's 16-byte chunk c at c ^ (r % 8), the 128-byte
+    // swizzle; rows past N and steps past the last are zeros.
+    auto copy_sub = [&](u32 at, int step) {
         for (int i = threadIdx.x; i < KS * BN * 8; i += kThreads) {
             const int c = i & 7, row = (i >> 3) % BN, q = i / (BN * 8);
             const bool ok = step < steps && n0 + row < N;
             const u16 *src = ok ? x + (long)(n0 + row) * sxn + (long)(q * steps + step) * 64 + c * 8 : x;
-            cp16(sbase + buf * kStageBytes + (q * BN + row) * 128 + ((c ^ (row & 7)) << 4), src, ok);
+            cp16(at + (q * BN + row) * 128 + ((c ^ (row & 7)) << 4), src, ok);
         }
-    };
-    auto copy_w = [&](int buf, int step) {
         const bool live = step < steps && tok;
-        const u32 d = aslot + buf * kStageBytes;
+        const u32 d = at + aslot;
         cp16(d + lane * 16, vp + (long)step * 256, live);
         cp16(d + 512 + lane * 16, vp + (long)step * 256 + 128, live);
         cp4(d + 1024 + lane * 4, ep + (long)step * 32, live);
     };
-    auto issue = [&](int buf, int step) {
-        copy_x(buf, step);
-        copy_w(buf, step);
+    auto issue = [&](int buf, int stage) {
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) copy_sub(sbase + buf * kStageBytes + j * kSubBytes, stage * kSub + j);
         asm volatile("cp.async.commit_group;");
     };
 
+    // A ring of STAGES buffers, STAGES - 2 stages ahead: the MMAs of one stage stay in flight while
+    // the next is loaded, so the buffer refilled at stage s is the one stage s - 2 read.
+    const int stages_n = (steps + kSub - 1) / kSub;
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) issue(s, s);
+    for (int s = 0; s < STAGES - 2; ++s) issue(s, s);
 
-    for (int s = 0; s < steps; ++s) {
-        const int buf = s % STAGES;
-        cp_wait<STAGES - 2>();                                       // this thread's copies of step s landed
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to the tensor cores' reads
-        __syncthreads();                                             // everyone's; step s - 1 is done by all
-        issue((s + STAGES - 1) % STAGES, s + STAGES - 1);
-        const u32 a_at = aslot + buf * kStageBytes;
-        const uint4 a0 = lds4(a_at + lane * 16), a1 = lds4(a_at + 512 + lane * 16);
-        const u32 e = lds1(a_at + 1024 + lane * 4);
-        const u32 xb = sbase + buf * kStageBytes + ks * BN * 128;
-        wg_fence();
+    uint4 a[2][kSub][2];
+    u32 e[2][kSub];
+    for (int s0 = 0; s0 < stages_n; s0 += 2) {
 #pragma unroll
-        for (int i = 0; i < kInst; ++i) {
-            // N block i starts NI rows (NI / 8 groups of 1024 bytes) in; the second k32 64 bytes in.
-            WgmmaSp<NI>::template run<0>(acc[i], a0, b_desc(xb + i * NI * 128), e);
-            WgmmaSp<NI>::template run<1>(acc[i], a1, b_desc(xb + i * NI * 128 + 64), e);
+        for (int p = 0; p < 2; ++p) {  // p: which register set (compile-time), so no set is indexed at run time
+            const int s = s0 + p;
+            if (s < stages_n) {
+                const int buf = s % STAGES;
+                cp_wait<STAGES - 3>();                                       // this thread's copies of stage s
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to the tensor cores
+                __syncthreads();                              // everyone's; every warpgroup's stage s - 2 MMAs done
+                issue((s + STAGES - 2) % STAGES, s + STAGES - 2);
+#pragma unroll
+                for (int j = 0; j < kSub; ++j) {
+                    const u32 at = sbase + buf * kStageBytes + j * kSubBytes + aslot;
+                    a[p][j][0] = lds4(at + lane * 16);
+                    a[p][j][1] = lds4(at + 512 + lane * 16);
+                    e[p][j] = lds1(at + 1024 + lane * 4);
+                }
+                wg_fence();
+#pragma unroll
+                for (int j = 0; j < kSub; ++j) {
+                    const u32 xb = sbase + buf * kStageBytes + j * kSubBytes + ks * BN * 128;
+#pragma unroll
+                    for (int i = 0; i < kInst; ++i) {
+                        // N block i starts NI rows (NI / 8 groups of 1024 bytes) in; the second k32 64 bytes in.
+                        WgmmaSp<NI>::template run<0>(acc[i], a[p][j][0], b_desc(xb + i * NI * 128), e[p][j]);
+                        WgmmaSp<NI>::template run<1>(acc[i], a[p][j][1], b_desc(xb + i * NI * 128 + 64), e[p][j]);
+                    }
+                }
+                wg_commit();
+                wg_wait<1>();  // stage s - 1's MMAs are done: its register set may be loaded again
+                // The other set stays allocated until here, so the compiler cannot reuse its registers
+                // while stage s - 1's MMAs might still read them.
+#pragma unroll
+                for (int j = 0; j < kSub; ++j) keep_regs(a[p ^ 1][j], e[p ^ 1][j]);
+            }
         }
-        wg_commit();
-        wg_wait<0>();
-#pragma unroll
-        for (int i = 0; i < kInst; ++i) keep(acc[i]);
     }
+    wg_wait<0>();
+#pragma unroll
+    for (int i = 0; i < kInst; ++i) keep(acc[i]);
 
     // The K slices summed in slice order (deterministic); then bias, activation, y along M.
     cp_wait<0>();
