@@ -220,6 +220,11 @@ class CudaWgSparse24Backend(CudaMmaSparse24Backend):
     what = "wgmma.sp N tiles"
     max_n = 1 << 31
 
+    def priority_for(self, desc) -> int:
+        # By name only, not a tuning candidate: on an H100 it runs 0.30-0.78x of dense at n >= 128 on the
+        # sweep set (bench/results/sparse24-sweep-h100.json; docs/design/0002-sparse24-v2-wgmma.md says why).
+        return -1
+
     def kernel(self):
         from ..kernels.sparse24_wg import WgKernel
 
