@@ -1,25 +1,19 @@
 """GPU backends of the 2:4 linear and the measurement that picks between them.
 
-* ``triton``: ``kernels/sparse24.py``, aimed at small N (PRMT expansion of
-  the compressed tile); on the Llama-70B shapes it (or ``triton_bfe``) measured
-  1.36-1.43x of dense at n <= 16 on an H200 and 1.24-1.32x at n = 64 on an H100
-  (bf16, whole calls, bench/results/sparse24-h200.json and -h100.json);
-  a tuning candidate on CUDA, never the unmeasured default;
-* ``triton_bfe``: the same kernel, its expansion cutting each group's code
-  out by ``bfe`` instead of shift and mask: each wins on some GPU and shape;
-* ``triton_m128``: the same kernel on 128-row tiles with more K splits, for
-  n > 16 (on an H200 the 70B shapes at n = 32 went from 0.99-1.19x to 1.18-1.26x);
-* ``cuda_mma``: CUDA C++ through NVRTC for n <= 16 (``kernels/sparse24_mma.py``),
-  each operand loaded straight into MMA registers from a tiled copy of the
-  weight: 1.52-1.79x of dense on an H200 at n = 1 and 16;
+* ``triton``, ``triton_bfe``, ``triton_m128``: ``kernels/sparse24.py``, the
+  compressed tile expanded in registers (two expansion cuts, two tile shapes);
+* ``cuda_mma``: CUDA C++ for n <= 16 (``kernels/sparse24_mma.py``), dense MMAs on
+  a tiled copy of the weight;
 * ``cuda_sp``: CUDA C++ for n <= 64 on the sparse tensor cores (``mma.sp``,
-  ``kernels/sparse24_sp.py``), the weight tiled as for ``cuda_mma``, x staged
-  in shared memory once per CTA: 1.33-1.40x of dense on the 70B shapes at
-  n = 32 on an H200;
+  ``kernels/sparse24_sp.py``), reading the one device layout;
+* ``cuda_wg``: Hopper ``wgmma.sp`` (``kernels/sparse24_wg.py``) on the same layout; by name only;
 * ``cusparselt``: cuSPARSELt through nvmath-python (``cusparselt.py``), for large N;
 * ``dense``: the weight decompressed once (cached with it) and a cuBLAS GEMM:
   the floor that keeps dispatch from ever losing to dense, at the price of
   a dense copy of each weight it is chosen for.
+
+What each measured is in ``bench/results/sparse24-*.json`` (the README's table) and the
+decision records ``docs/design/0001``, ``0002``.
 
 ``tune`` times every candidate on the caller's tensors and stores the
 fastest per (device, M, K, N bucket, dtype, epilogue) in the plan cache; the
