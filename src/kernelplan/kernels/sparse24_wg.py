@@ -18,7 +18,6 @@ from .sparse24 import sm_count
 from .sparse24_mma import COMMON_SOURCE, TiledKernel, defines
 from .sparse24_sp import SP_LAYOUT, SM_SHARED, _tiled
 
-MIN_N = 1
 INSTRUCTION_N = (8, 16, 32, 64, 128, 256)  # the wgmma.sp shapes kernels/cuda/wgmma_sp.cuh wraps
 
 
