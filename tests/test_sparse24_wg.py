@@ -103,3 +103,28 @@ def test_cuda_wg_and_cuda_sp_hold_one_layout(seed):
     derived = w24.derived_bytes()
     assert derived[SP_LAYOUT] == 4096 * 4096 * 2 * 9 // 16
     assert sum(derived.values()) == derived[SP_LAYOUT], derived  # the launches hold no copy of their own
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("n, m, k", [(200, 1000, 2048), (77, 520, 1024), (300, 260, 4096)])
+def test_every_candidate_tile_matches_fp64(n, m, k, seed):
+    """Each tile the rule may pick (N tiles, 64-row blocks, K slices in a CTA and across a cluster) is right."""
+    from kernelplan.kernels import raw_stream
+    from kernelplan.kernels.sparse24_sp import _tiled
+    from kernelplan.kernels.sparse24_wg import wg_candidates
+
+    w = kp.sparse24.prune(torch.randn(m, k, device="cuda")).bfloat16()
+    w24 = kp.sparse24.compress(w)
+    pairs, codes = _tiled(w24.values, w24.metadata)
+    b = torch.randn(m, device="cuda").bfloat16()
+    x = torch.randn(n, k, device="cuda").bfloat16()
+    ref = F.gelu(F.linear(x.double(), w.double(), b.double()))
+    cands = wg_candidates(n, m, k)
+    assert {c.kc for c in cands} >= {1, 2, 4} and {c.ks for c in cands} == {1, 2}
+    for cfg in cands:
+        launch, grid = WgKernel().launch_config(cfg, n, m, "bf16", True, "gelu", 0)
+        y = poisoned((n, m), torch.bfloat16, "cuda")
+        launch(grid, (x.data_ptr(), pairs.data_ptr(), codes.data_ptr(), b.data_ptr(), y.data_ptr(), n, m, k,
+                      x.stride(0), y.stride(0)), raw_stream(0))
+        assert_close(y, ref, F.gelu(F.linear(x, w, b)), atol=FWD_ATOL[torch.bfloat16], what=str(cfg))

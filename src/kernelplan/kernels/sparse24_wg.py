@@ -27,6 +27,7 @@ class WgConfig:
     ni: int  # wgmma N per instruction
     wm: int = 2  # warpgroups along M: 64 rows each
     ks: int = 1  # warpgroups along K: slices summed in shared memory
+    kc: int = 1  # CTAs of a cluster along K (grid z): slices summed through distributed shared memory
     stages: int = 4  # buffers in the shared-memory ring (the MMAs of one in flight, STAGES - 2 loading)
     sub: int = 2  # 64-column steps a buffer: MMAs issued per barrier
     min_blocks: int = 1
@@ -34,6 +35,10 @@ class WgConfig:
     @property
     def rows(self) -> int:
         return 64 * self.wm
+
+    @property
+    def slices(self) -> int:
+        return self.ks * self.kc
 
     @property
     def threads(self) -> int:
@@ -52,7 +57,42 @@ class WgConfig:
 
 
 def _ctas(cfg: WgConfig, n: int, m: int) -> int:
-    return -(-n // cfg.bn) * -(-m // cfg.rows)
+    return -(-n // cfg.bn) * -(-m // cfg.rows) * cfg.kc
+
+
+def _ring(bn: int, ni: int, wm: int, ks: int, kc: int) -> WgConfig | None:
+    """The tile with the deepest ring that fits: two steps a buffer where four buffers fit, else one step and up to six.
+
+    A CTA of one warpgroup leaves room for a second CTA on the SM, to hide its barriers.
+    """
+    blocks = 2 if wm * ks == 1 and kc == 1 else 1
+    for sub, most in ((2, 4), (1, 6)):
+        cfg = WgConfig(bn, ni, wm, ks, kc, sub=sub)
+        stages = min(most, (SM_SHARED // blocks - 2048) // cfg.stage_bytes)
+        if stages >= (4 if sub == 2 else 3):
+            cfg = WgConfig(bn, ni, wm, ks, kc, stages, sub, blocks)
+            return cfg if cfg.shared * blocks <= SM_SHARED else None
+    return None
+
+
+def instruction_n(bn: int) -> int:
+    return next(i for i in reversed(INSTRUCTION_N) if bn % i == 0)
+
+
+def wg_candidates(n: int, m: int, k: int) -> list[WgConfig]:
+    """Every tile the kernel can run for this problem: the space the sweep (``bench/sparse24_wg_tiles.py``) measures."""
+    out = []
+    fitted = -(-(-(-n // -(-n // 256))) // 16) * 16  # n in the fewest N tiles of at most 256, rounded to 16
+    for bn in sorted({min(fitted, b) for b in (32, 64, 128, 256)} | {fitted}):
+        for wm in (1, 2):
+            for ks in (1, 2):
+                for kc in (1, 2, 4, 8):
+                    if (k // 64) % (ks * kc) or k // 64 < 4 * ks * kc or bn % kc:
+                        continue
+                    cfg = _ring(bn, instruction_n(bn), wm, ks, kc)
+                    if cfg is not None:
+                        out.append(cfg)
+    return out
 
 
 def wg_config(n: int, m: int, k: int, sms: int) -> WgConfig:
@@ -69,22 +109,17 @@ def wg_config(n: int, m: int, k: int, sms: int) -> WgConfig:
         bn = max(64, -(-(bn // 2) // 16) * 16)
     if _ctas(WgConfig(bn, bn, wm), n, m) < sms // 2:
         wm = 1
-    ni = next(i for i in reversed(INSTRUCTION_N) if bn % i == 0)
+    ni = instruction_n(bn)
     ks = 2 if _ctas(WgConfig(bn, ni, wm), n, m) < sms and (k // 64) % 2 == 0 and k >= 2048 else 1
-    # Two steps a buffer where four buffers fit (fewer barriers per MMA), else one step and up to six.
-    # A CTA of one warpgroup leaves room for a second CTA on the SM, to hide its barriers.
-    blocks = 2 if wm * ks == 1 else 1
-    for sub, most in ((2, 4), (1, 6)):
-        cfg = WgConfig(bn, ni, wm, ks, sub=sub)
-        stages = min(most, (SM_SHARED // blocks - 2048) // cfg.stage_bytes)
-        if stages >= (4 if sub == 2 else 3):
-            return WgConfig(bn, ni, wm, ks, stages, sub, blocks)
+    cfg = _ring(bn, ni, wm, ks, 1)
+    if cfg is not None:
+        return cfg
     raise AssertionError(f"no ring fits for n = {n}, M = {m}, K = {k}")  # the sweep test covers every tile
 
 
 def source(cfg: WgConfig, dtype: str, has_bias: bool, activation: str | None) -> str:
     """The CUDA C++ of one kernel variant (``kp_sparse24_wg``), compiled by NVRTC for sm_90a."""
-    head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, KS=cfg.ks, SUB=cfg.sub,
+    head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, KS=cfg.ks, KC=cfg.kc, SUB=cfg.sub,
                    STAGES=cfg.stages, MIN_BLOCKS=cfg.min_blocks)
     return head + COMMON_SOURCE + cuda_source("sparse24_wg.cu")
 
@@ -106,5 +141,7 @@ class WgKernel(TiledKernel):
         return _tiled(values, metadata)
 
     def launch_for(self, n, m, k, dtype, has_bias, activation, device):
-        cfg = wg_config(n, m, k, sm_count(device))
-        return _launcher(cfg, dtype, has_bias, activation, device), (-(-n // cfg.bn), -(-m // cfg.rows), 1)
+        return self.launch_config(wg_config(n, m, k, sm_count(device)), n, m, dtype, has_bias, activation, device)
+
+    def launch_config(self, cfg: WgConfig, n, m, dtype, has_bias, activation, device):
+        return _launcher(cfg, dtype, has_bias, activation, device), (-(-n // cfg.bn), -(-m // cfg.rows), cfg.kc)

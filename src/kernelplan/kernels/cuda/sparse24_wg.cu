@@ -6,15 +6,19 @@
 // mma.sp.m16n8k32 fragment and metadata word of that warp's 16 rows; so warp w of a warpgroup
 // reads row tile 4 * (warpgroup's 64-row block) + w of that layout unchanged.
 //
-// A CTA is WM x KS warpgroups: WM blocks of 64 rows along M, KS slices of K.  Each 64-column step
+// A CTA is WM x KS warpgroups: WM blocks of 64 rows along M, KS slices of K; a cluster of KC CTAs
+// (grid z) splits K further, and its CTAs sum their slices through distributed shared memory, so
+// that a wide N tile (W read once) still gives every SM work without a pass through global memory.
+// Each 64-column step
 // of x (BN rows, one 128-byte row each, 128-byte swizzled as wgmma's K-major B operand expects)
 // and each warp's A fragments (1152 bytes: 1024 of values, 128 of metadata) go through a ring of
 // STAGES shared-memory buffers by cp.async, SUB steps a buffer, the MMAs of one buffer in flight while
 // the next is loaded.  The K slices' sums meet in shared memory in slice
-// order (deterministic); then bias, activation, and y, written along M.
+// order (deterministic), then across the cluster in rank order, each CTA summing 1/KC of the N tile;
+// then bias, activation, and y, written along M.
 //
 // Compile-time sizes come from the variant's #defines: BN, NI (wgmma N per instruction),
-// WM, KS, SUB (steps a stage), STAGES, MIN_BLOCKS, IS_BF16, HAS_BIAS, ACT, DT.
+// WM, KS, KC, SUB (steps a stage), STAGES, MIN_BLOCKS, IS_BF16, HAS_BIAS, ACT, DT.
 
 #include "wgmma_sp.cuh"
 
@@ -30,6 +34,8 @@ constexpr int kStageBytes = kSub * kSubBytes;
 constexpr int kAcc = NI / 2;                       // f32 accumulators per thread per instruction
 constexpr int kInst = BN / NI;                     // instructions per k32 per warpgroup
 constexpr int kRedStride = kBM + 4;                // padded: lanes t = 0..3 land in different banks
+constexpr int kSlices = KS * KC;                   // K slices of one output tile
+static_assert(BN % KC == 0, "each CTA of a cluster sums BN / KC rows of the tile");
 
 __device__ __forceinline__ void cp16(u32 dst, const void *src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(ok ? 16 : 0));
@@ -77,7 +83,26 @@ __device__ __forceinline__ void keep_regs(uint4 (&a)[2], u32 &e) {
                  "+r"(a[1].z), "+r"(a[1].w), "+r"(e) :: "memory");
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// The float at this CTA's shared address `addr` in the shared memory of cluster CTA `rank`.
+__device__ __forceinline__ float ld_peer(u32 addr, u32 rank) {
+    u32 peer;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(peer) : "r"(addr), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(peer) : "memory");
+    return v;
+}
+
+#if KC > 1
+#define KP_CLUSTER __cluster_dims__(1, 1, KC)
+#else
+#define KP_CLUSTER
+#endif
+
+extern "C" __global__ void KP_CLUSTER __launch_bounds__(kThreads, MIN_BLOCKS)
 kp_sparse24_wg(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u32 *__restrict__ meta,
                const u16 *__restrict__ bias, u16 *__restrict__ y, int N, int M, int K, int sxn, int syn)
 {
@@ -86,11 +111,12 @@ kp_sparse24_wg(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int wg = warp >> 2, wq = warp & 3;               // warpgroup, warp within it
     const int wm = wg % WM, ks = wg / WM;
-    const int ksteps = K / 64, steps = ksteps / KS, tiles = (M + 15) / 16;
+    const int ksteps = K / 64, steps = ksteps / kSlices, tiles = (M + 15) / 16;
+    const int slice0 = blockIdx.z * KS;                    // this CTA's first K slice; blockIdx.z is its cluster rank
     const int n0 = blockIdx.x * BN;
     const int tile = (blockIdx.y * WM + wm) * 4 + wq;      // this warp's 16-row tile of W
     const bool tok = tile < tiles;
-    const long wbase = (long)(tok ? tile : 0) * ksteps + ks * steps;
+    const long wbase = (long)(tok ? tile : 0) * ksteps + (slice0 + ks) * steps;
     const u32 *vp = vals + wbase * 256 + lane * 4;
     const u32 *ep = meta + wbase * 32 + lane;
 
@@ -107,7 +133,7 @@ kp_sparse24_wg(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
         for (int i = threadIdx.x; i < KS * BN * 8; i += kThreads) {
             const int c = i & 7, row = (i >> 3) % BN, q = i / (BN * 8);
             const bool ok = step < steps && n0 + row < N;
-            const u16 *src = ok ? x + (long)(n0 + row) * sxn + (long)(q * steps + step) * 64 + c * 8 : x;
+            const u16 *src = ok ? x + (long)(n0 + row) * sxn + (long)((slice0 + q) * steps + step) * 64 + c * 8 : x;
             cp16(at + (q * BN + row) * 128 + ((c ^ (row & 7)) << 4), src, ok);
         }
         const bool live = step < steps && tok;
@@ -186,6 +212,26 @@ kp_sparse24_wg(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
         }
     __syncthreads();
     const int m0 = blockIdx.y * kBM;
+#if KC > 1
+    cluster_sync();  // every CTA's sums are in its shared memory
+    const u32 red_at = sbase;
+    const int rows_here = BN / KC, nl0 = blockIdx.z * rows_here;
+    for (int idx = threadIdx.x; idx < kBM * rows_here; idx += kThreads) {
+        const int ml = idx % kBM, nl = nl0 + idx / kBM, m = m0 + ml, n = n0 + nl;
+        float v = 0.f;
+        if (m < M && n < N) {
+#pragma unroll
+            for (int r = 0; r < KC; ++r)
+#pragma unroll
+                for (int q = 0; q < KS; ++q) v += ld_peer(red_at + ((q * BN + nl) * kRedStride + ml) * 4, r);
+#if HAS_BIAS
+            v += to_f32(bias[m]);
+#endif
+            y[(long)n * syn + m] = from_f32(activate(v));
+        }
+    }
+    cluster_sync();  // no CTA leaves while another reads its shared memory
+#else
     for (int idx = threadIdx.x; idx < kBM * BN; idx += kThreads) {
         const int ml = idx % kBM, nl = idx / kBM, m = m0 + ml, n = n0 + nl;
         if (m >= M || n >= N) continue;
@@ -197,4 +243,5 @@ kp_sparse24_wg(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
 #endif
         y[(long)n * syn + m] = from_f32(activate(v));
     }
+#endif
 }

@@ -1,0 +1,128 @@
+"""Every tile of the ``wgmma.sp`` kernel (``kernels/sparse24_wg.py``, ``wg_candidates``) on a spread of sweep shapes.
+
+The data the configuration rule is built from.  For each (M, K) and n: dense
+``F.linear`` and every candidate tile, each checked against the dense result
+first, then timed in alternating rounds as back-to-back launches between CUDA
+events, rotating over enough copies of the weight that it is not served from
+L2 (medians of rounds).  Writes ``bench/results/sparse24-wg-tiles-<gpu>.json``
+and prints, per (M, K, n), the best tile, its speedup over dense, and the
+present rule's.
+
+    PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_wg_tiles.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from kernelplan.kernels import raw_stream
+from kernelplan.kernels.sparse24 import sm_count
+from kernelplan.kernels.sparse24_sp import _tiled
+from kernelplan.kernels.sparse24_wg import WgKernel, _launcher, wg_candidates, wg_config
+from kernelplan.sparse24 import compress, prune
+
+SHAPES = [(4096, 4096), (4608, 3584), (3584, 18944), (28672, 4096), (8192, 8192), (8192, 28672), (3072, 3072),
+          (2304, 768), (1024, 4096), (5120, 13824), (37888, 3584)]
+BATCH = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+L2_BYTES = 100 << 20  # rotate over weight copies past this many bytes (H100 50 MB, H200 60 MB of L2)
+
+
+def events_ms(fns, calls: int) -> float:
+    """Mean ms per call of ``calls`` back-to-back calls cycling over ``fns``."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(calls):
+        fns[i % len(fns)]()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--shapes", type=int, default=len(SHAPES))
+    a = ap.parse_args()
+    dtype = torch.bfloat16
+    sms = sm_count(0)
+    kernel = WgKernel()
+    shapes = SHAPES[: a.shapes]
+    # Compile every variant first, in threads (NVRTC is thread-safe): the timing loop then only launches.
+    configs = {c for (m, k) in shapes for n in BATCH for c in wg_candidates(n, m, k)}
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda c: _launcher(c, "bf16", False, None, 0), configs))
+    print(f"{len(configs)} variants compiled", flush=True)
+    rows = []
+    stream = raw_stream(0)
+    for m, k in shapes:
+        copies = max(1, min(8, -(-L2_BYTES // (m * k))))  # compressed bytes ~ m * k * 1.125
+        ws = [prune(torch.randn(m, k, device="cuda")).to(dtype) for _ in range(copies)]
+        tiled = [_tiled(w24.values, w24.metadata) for w24 in map(compress, ws)]
+        for n in BATCH:
+            x = torch.randn(n, k, device="cuda").to(dtype)
+            y = torch.empty(n, m, device="cuda", dtype=dtype)
+            want = F.linear(x, ws[0]).float()
+            scale = float(want.abs().max())
+            dense = [lambda w=w: F.linear(x, w) for w in ws]
+
+            def sparse(cfg):
+                launch, grid = kernel.launch_config(cfg, n, m, "bf16", False, None, 0)
+                return [lambda p=p, c=c: launch(grid, (x.data_ptr(), p.data_ptr(), c.data_ptr(), 0, y.data_ptr(),
+                                                       n, m, k, x.stride(0), y.stride(0)), stream)
+                        for p, c in tiled]
+
+            cands = {str(c): c for c in wg_candidates(n, m, k)}
+            fns, errs = {"dense": dense}, {}
+            for name, cfg in cands.items():
+                fs = sparse(cfg)
+                y.fill_(float("nan"))
+                fs[0]()
+                errs[name] = float((y.float() - want).abs().max()) / scale
+                if errs[name] <= 2.0 ** -5:
+                    fns[name] = fs
+            calls = max(6, min(200, int(2e-3 * 2e12 / (2 * m * k * n + 1))))  # about 2 ms of dense work a round
+            times = {name: [] for name in fns}
+            for r in range(a.rounds):
+                order = list(fns) if r % 2 == 0 else list(fns)[::-1]
+                for name in order:
+                    fns[name][0]()
+                    times[name].append(events_ms(fns[name], calls))
+            med = {name: statistics.median(t) for name, t in times.items()}
+            rule = str(wg_config(n, m, k, sms))
+            best = min((nm for nm in med if nm != "dense"), key=med.get, default=None)
+            row = {"m": m, "k": k, "n": n, "dense_ms": med["dense"], "tiles_ms": {nm: med[nm] for nm in med
+                                                                                   if nm != "dense"},
+                   "wrong": {nm: e for nm, e in errs.items() if nm not in fns}, "rule": rule, "best": best}
+            rows.append(row)
+            rule_x = med["dense"] / med[rule] if rule in med else float("nan")
+            best_x = med["dense"] / med[best] if best else float("nan")
+            print(f"{m:6d} {k:6d} n={n:5d} dense {med['dense'] * 1e3:8.1f} us  best {best_x:5.2f}x {best}  "
+                  f"rule {rule_x:5.2f}x  wrong {len(row['wrong'])}", flush=True)
+        del ws, tiled
+        torch.cuda.empty_cache()
+    gpu = torch.cuda.get_device_name(0)
+    tag = "h200" if "H200" in gpu else "h100" if "H100" in gpu else gpu.replace(" ", "_").lower()
+    out = a.out or os.path.join(os.path.dirname(__file__), "results", f"sparse24-wg-tiles-{tag}.json")
+    meta = {"device": gpu, "torch": torch.__version__, "triton": triton.__version__,
+            "commit": os.environ.get("KERNELPLAN_COMMIT", "unknown"),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "dtype": "bf16",
+            "sms": sms}
+    with open(out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print("wrote", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
