@@ -34,7 +34,9 @@ constexpr int kStageBytes = kSub * kSubBytes;
 constexpr int kAcc = NI / 2;                       // f32 accumulators per thread per instruction
 constexpr int kInst = BN / NI;                     // instructions per k32 per warpgroup
 constexpr int kRedStride = kBM + 4;                // padded: lanes t = 0..3 land in different banks
-constexpr int kSlices = KS * KC;                   // K slices of one output tile
+constexpr int kSlices = KS * KC;
+constexpr int kXChunks = KS * BN * 8;              // 16-byte chunks of x a step
+constexpr int kXPer = (kXChunks + kThreads - 1) / kThreads;                   // K slices of one output tile
 static_assert(BN % KC == 0, "each CTA of a cluster sums BN / KC rows of the tile");
 
 __device__ __forceinline__ void cp16(u32 dst, const void *src, bool ok) {
@@ -127,20 +129,31 @@ kp_sparse24_wg(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
         for (int r = 0; r < kAcc; ++r) acc[i][r] = 0.f;
 
     const u32 aslot = kXSub + warp * kWarpABytes;  // offset of this warp's A in a sub-stage
-    // Step `step` of every K slice's x at `at`: row r's 16-byte chunk c at c ^ (r % 8), the 128-byte
-    // swizzle; rows past N and steps past the last are zeros.
+    // Step `step` of every K slice's x: row r's 16-byte chunk c at c ^ (r % 8), the 128-byte swizzle;
+    // rows past N and steps past the last are zeros.  Each thread copies the same chunks of every
+    // step, so their places are worked out once: a copy is then an add and a cp.async (the per-copy
+    // index arithmetic had the kernel issue-bound, 126M instructions for one 8192^2 x 1024 call).
+    const u16 *xsrc[kXPer];
+    u32 xdst[kXPer];
+    bool xok[kXPer];
+#pragma unroll
+    for (int j = 0; j < kXPer; ++j) {
+        const int i = threadIdx.x + j * kThreads;
+        const int c = i & 7, row = (i >> 3) % BN, q = i / (BN * 8);
+        xok[j] = i < kXChunks && n0 + row < N;
+        xsrc[j] = x + (xok[j] ? (long)(n0 + row) * sxn + (long)(slice0 + q) * steps * 64 + c * 8 : 0);
+        xdst[j] = (q * BN + row) * 128 + ((c ^ (row & 7)) << 4);
+    }
     auto copy_sub = [&](u32 at, int step) {
-        for (int i = threadIdx.x; i < KS * BN * 8; i += kThreads) {
-            const int c = i & 7, row = (i >> 3) % BN, q = i / (BN * 8);
-            const bool ok = step < steps && n0 + row < N;
-            const u16 *src = ok ? x + (long)(n0 + row) * sxn + (long)((slice0 + q) * steps + step) * 64 + c * 8 : x;
-            cp16(at + (q * BN + row) * 128 + ((c ^ (row & 7)) << 4), src, ok);
-        }
-        const bool live = step < steps && tok;
+        const bool live = step < steps;
+#pragma unroll
+        for (int j = 0; j < kXPer; ++j)
+            if (kXChunks % kThreads == 0 || threadIdx.x + j * kThreads < kXChunks)
+                cp16(at + xdst[j], xsrc[j] + (live ? step * 64 : 0), live && xok[j]);
         const u32 d = at + aslot;
-        cp16(d + lane * 16, vp + (long)step * 256, live);
-        cp16(d + 512 + lane * 16, vp + (long)step * 256 + 128, live);
-        cp4(d + 1024 + lane * 4, ep + (long)step * 32, live);
+        cp16(d + lane * 16, vp + (long)step * 256, live && tok);
+        cp16(d + 512 + lane * 16, vp + (long)step * 256 + 128, live && tok);
+        cp4(d + 1024 + lane * 4, ep + (long)step * 32, live && tok);
     };
     auto issue = [&](int buf, int stage) {
 #pragma unroll
