@@ -2,9 +2,9 @@
 
 The data the configuration rule is built from.  For each (M, K) and n: dense
 ``F.linear`` and every candidate tile, each checked against the dense result
-first, then timed in alternating rounds as back-to-back launches between CUDA
-events, rotating over enough copies of the weight that it is not served from
-L2 (medians of rounds).  Writes ``bench/results/sparse24-wg-tiles-<gpu>.json``
+first, then timed as CUDA graph replays of back-to-back calls (no host work),
+alternating between tiles, rotating over enough copies of the weight that it
+is not served from L2 (medians of rounds).  Writes ``bench/results/sparse24-wg-tiles-<gpu>.json``
 and prints, per (M, K, n), the best tile, its speedup over dense, and the
 present rule's.
 
@@ -37,15 +37,22 @@ BATCH = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 L2_BYTES = 100 << 20  # rotate over weight copies past this many bytes (H100 50 MB, H200 60 MB of L2)
 
 
-def events_ms(fns, calls: int) -> float:
-    """Mean ms per call of ``calls`` back-to-back calls cycling over ``fns``."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(calls):
-        fns[i % len(fns)]()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
+def graph_ms(fns, calls: int, rounds: int) -> list[float]:
+    """Per round, mean ms per call of ``calls`` calls cycling over ``fns``, replayed as one CUDA graph (no host work)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    graph.replay()
+    out = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / calls)
+    return out
 
 
 def main() -> int:
@@ -62,9 +69,17 @@ def main() -> int:
     configs = {c for (m, k) in shapes for n in BATCH for c in wg_candidates(n, m, k)}
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda c: _launcher(c, "bf16", False, None, 0), configs))
-    print(f"{len(configs)} variants compiled", flush=True)
+    from cuda.bindings import driver as cu
+
+    regs = {}
+    for c in configs:
+        fn = _launcher(c, "bf16", False, None, 0).function
+        attr = cu.CUfunction_attribute
+        regs[str(c)] = (cu.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_NUM_REGS, fn)[1],
+                        cu.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, fn)[1])
+    spills = {c: r for c, r in regs.items() if r[1]}
+    print(f"{len(configs)} variants compiled; local memory (spills) in {len(spills)}: {spills}", flush=True)
     rows = []
-    stream = raw_stream(0)
     for m, k in shapes:
         copies = max(1, min(8, -(-L2_BYTES // (m * k))))  # compressed bytes ~ m * k * 1.125
         ws = [prune(torch.randn(m, k, device="cuda")).to(dtype) for _ in range(copies)]
@@ -79,7 +94,7 @@ def main() -> int:
             def sparse(cfg):
                 launch, grid = kernel.launch_config(cfg, n, m, "bf16", False, None, 0)
                 return [lambda p=p, c=c: launch(grid, (x.data_ptr(), p.data_ptr(), c.data_ptr(), 0, y.data_ptr(),
-                                                       n, m, k, x.stride(0), y.stride(0)), stream)
+                                                       n, m, k, x.stride(0), y.stride(0)), raw_stream(0))
                         for p, c in tiled]
 
             cands = {str(c): c for c in wg_candidates(n, m, k)}
@@ -91,13 +106,11 @@ def main() -> int:
                 errs[name] = float((y.float() - want).abs().max()) / scale
                 if errs[name] <= 2.0 ** -5:
                     fns[name] = fs
-            calls = max(6, min(200, int(2e-3 * 2e12 / (2 * m * k * n + 1))))  # about 2 ms of dense work a round
+            calls = max(6, min(100, int(2e-3 * 2e12 / (2 * m * k * n + 1))))  # about 2 ms of dense work a round
             times = {name: [] for name in fns}
-            for r in range(a.rounds):
-                order = list(fns) if r % 2 == 0 else list(fns)[::-1]
-                for name in order:
-                    fns[name][0]()
-                    times[name].append(events_ms(fns[name], calls))
+            for r in range(2):  # two passes in opposite orders, so that a slow spell of the GPU lands on all
+                for name in list(fns) if r == 0 else list(fns)[::-1]:
+                    times[name] += graph_ms(fns[name], calls, a.rounds)
             med = {name: statistics.median(t) for name, t in times.items()}
             rule = str(wg_config(n, m, k, sms))
             best = min((nm for nm in med if nm != "dense"), key=med.get, default=None)
@@ -117,7 +130,7 @@ def main() -> int:
     meta = {"device": gpu, "torch": torch.__version__, "triton": triton.__version__,
             "commit": os.environ.get("KERNELPLAN_COMMIT", "unknown"),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "dtype": "bf16",
-            "sms": sms}
+            "sms": sms, "registers_local_bytes": regs}
     with open(out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print("wrote", out)

@@ -84,10 +84,12 @@ def wg_candidates(n: int, m: int, k: int) -> list[WgConfig]:
     out = []
     fitted = -(-(-(-n // -(-n // 256))) // 16) * 16  # n in the fewest N tiles of at most 256, rounded to 16
     for bn in sorted({min(fitted, b) for b in (32, 64, 128, 256)} | {fitted}):
-        for wm in (1, 2):
+        for wm in (1, 2, 4):
             for ks in (1, 2):
                 for kc in (1, 2, 4, 8):
                     if (k // 64) % (ks * kc) or k // 64 < 4 * ks * kc or bn % kc:
+                        continue
+                    if wm == 4 and (bn > 128 or ks > 1):  # 512 threads: at most 128 registers each
                         continue
                     cfg = _ring(bn, instruction_n(bn), wm, ks, kc)
                     if cfg is not None:
