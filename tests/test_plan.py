@@ -53,7 +53,7 @@ def fakes():
         GemmSparse24Plan.registry.unregister(name)
 
 
-DESC = GemmSparse24Descriptor(n=4, m=8, k=16, dtype="f32")
+DESC = GemmSparse24Descriptor(n=4, m=8, k=16, dtype="f32", memory="fast")
 
 
 def _args(desc=DESC):
@@ -299,7 +299,7 @@ def test_tuning_never_picks_a_faster_backend_whose_result_is_wrong(fakes, monkey
 
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: fn.seconds * 1e3)  # milliseconds
     monkeypatch.setattr(kernelplan.timing, "host_us_per_call", lambda fn, dev, calls: fn.seconds * 1e6 / 2)
-    desc = GemmSparse24Descriptor(n=4, m=8, k=16, dtype="f32")  # _tune itself: tune() would refuse the CPU
+    desc = GemmSparse24Descriptor(n=4, m=8, k=16, dtype="f32", memory="fast")  # _tune itself: tune() would refuse the CPU
     if fast_is_right:
         assert backends._tune(desc, call, 10.0, 25.0) == "fast"
     else:
@@ -346,7 +346,7 @@ def test_a_slow_spell_of_the_host_during_one_candidates_timing_does_not_decide(f
 
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
     monkeypatch.setattr(kernelplan.timing, "host_us_per_call", host_us_per_call)
-    desc = GemmSparse24Descriptor(n=4, m=8, k=16, dtype="f32")
+    desc = GemmSparse24Descriptor(n=4, m=8, k=16, dtype="f32", memory="fast")
     assert backends._tune(desc, call, 10.0, 25.0) == "fast"
     # Where the spell covers the whole reading, it slows every candidate alike: the order holds.
     clock[0] = 0.0

@@ -62,11 +62,19 @@ def test_config_makes_about_15_warps_per_sm_with_k_slices_that_divide_k():
 def test_refusals_are_reasons(backend, max_n):
     for desc, reason in [
         (GemmSparse24Descriptor(1, 64, 128, "f32", device="cuda"), "f16 and bf16"),
-        (GemmSparse24Descriptor(max_n + 1, 64, 128, "bf16", device="cuda"), f"at most {max_n} rows"),
         (GemmSparse24Descriptor(4, 64, 96, "bf16", device="cuda"), "multiple of 64"),
         (GemmSparse24Descriptor(4, 64, 128, "bf16", device="cpu"), "CUDA devices"),
-    ]:
+    ] + ([] if backend.chunks else [
+        (GemmSparse24Descriptor(max_n + 1, 64, 128, "bf16", device="cuda"), f"at most {max_n} rows"),
+    ]):
         assert reason in backend.supports(desc)
+
+
+def test_cuda_sp_takes_any_n_in_chunks_but_competes_only_up_to_its_widest_tile():
+    backend = CudaSpSparse24Backend()
+    wide = GemmSparse24Descriptor(65, 64, 128, "bf16", device="cuda")
+    assert backend.chunks and backend.priority_for(wide) < 0
+    assert backend.priority_for(GemmSparse24Descriptor(64, 64, 128, "bf16", device="cuda")) >= 0
 
 
 @gpu

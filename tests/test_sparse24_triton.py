@@ -286,7 +286,7 @@ def test_triton_bfe_refuses_f32_with_its_reason():
 
 def test_dispatch_remembers_per_n_bucket(seed):
     def desc(n):
-        return GemmSparse24Descriptor(n, 64, 128, "f32", device=DEV)
+        return GemmSparse24Descriptor(n, 64, 128, "f32", device=DEV, memory="fast")
 
     default = GemmSparse24Plan.select(desc(3)).sku.backend
     assert default == ("dense" if DEV == "cuda" else "reference")
@@ -302,9 +302,9 @@ def test_functional_path_runs_the_measured_backend_with_autograd(seed):
     w = kp.sparse24.prune(torch.randn(64, 128, device=DEV))
     w24 = kp.sparse24.compress(w)
     x = torch.randn(2, 3, 128, device=DEV, requires_grad=True)
-    GemmSparse24Plan.remember_fastest(GemmSparse24Descriptor(6, 64, 128, "f32", "relu", device=DEV),
+    GemmSparse24Plan.remember_fastest(GemmSparse24Descriptor(6, 64, 128, "f32", "relu", device=DEV, memory="fast"),
                                       {"triton": 1e-6, "reference": 1e-3})
-    y = kp.sparse24.linear(x, w24, activation="relu")
+    y = kp.sparse24.linear(x, w24, activation="relu", memory="fast")
     y.sum().backward()
     x64 = x.detach().double().requires_grad_()
     F.relu(F.linear(x64, w.double())).sum().backward()
@@ -326,29 +326,29 @@ def test_inference_fast_path_follows_new_measurements_and_changed_operands(monke
     w = kp.sparse24.prune(torch.randn(64, 128, device=DEV))
     w24 = kp.sparse24.compress(w)
     x = torch.randn(5, 128, device=DEV)
-    desc = GemmSparse24Descriptor(5, 64, 128, "f32", device=DEV)
+    desc = GemmSparse24Descriptor(5, 64, 128, "f32", device=DEV, memory="fast")
     import kernelplan.sparse24.gemm as gemm
 
     checks = []
     monkeypatch.setattr(gemm, "check_tensor", lambda *a, real=gemm.check_tensor, **k: checks.append(1) or real(*a, **k))
     with torch.inference_mode():
         GemmSparse24Plan.remember_fastest(desc, {"reference": 1e-6, "triton": 1e-3})
-        kp.sparse24.linear(x, w24)
+        kp.sparse24.linear(x, w24, memory="fast")
         assert checks, "the first call checks its operands"
         checks.clear()
-        kp.sparse24.linear(x, w24)
+        kp.sparse24.linear(x, w24, memory="fast")
         assert not checks, "a repeated inference call takes the fast path"
         GemmSparse24Plan.remember_fastest(desc, {"reference": 1e-3, "triton": 1e-6})
-        y = kp.sparse24.linear(x, w24)
+        y = kp.sparse24.linear(x, w24, memory="fast")
         assert ran == ["reference", "reference", "triton"]
         assert_close(y, F.linear(x.double(), w.double()), F.linear(x, w), atol=FWD_ATOL[torch.float32])
         # The same Parameter converted in place (as nn.Module.to does) must not hit the old entry.
         other = kp.sparse24.compress(kp.sparse24.prune(torch.randn(64, 128, device=DEV)).double())
         with pytest.raises(kp.InvalidProblem, match=r"x has dtype torch.float32 but must have dtype torch.float64"):
-            kp.sparse24.linear(x, kp.sparse24.Sparse24Weight(w24.values.data.double(), w24.metadata))
+            kp.sparse24.linear(x, kp.sparse24.Sparse24Weight(w24.values.data.double(), w24.metadata), memory="fast")
         w24.values.data = other.values  # same tensor object, new dtype
         with pytest.raises(kp.InvalidProblem, match=r"x has dtype torch.float32 but must have dtype torch.float64"):
-            kp.sparse24.linear(x, w24)
+            kp.sparse24.linear(x, w24, memory="fast")
 
 
 def test_weights_made_under_inference_mode_run(seed):

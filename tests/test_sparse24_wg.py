@@ -14,7 +14,7 @@ from helpers import FWD_ATOL, assert_close, poisoned
 from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_sp import SM_SHARED, SP_LAYOUT
-from kernelplan.kernels.sparse24_wg import INSTRUCTION_N, WgKernel, wg_config
+from kernelplan.kernels.sparse24_wg import INSTRUCTION_N, WgKernel, tile_cost, wg_candidates, wg_config
 from test_sparse24_triton import check_backend
 
 sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -27,18 +27,39 @@ def test_config_rule_fits_every_sweep_shape_and_batch(sms):
     for (m, k) in sweep_shapes():
         for n in BATCH_SIZES + (3, 33, 200, 1000):
             cfg = wg_config(n, m, k, sms)
-            assert cfg.shared <= SM_SHARED, (n, m, k, cfg)
-            assert cfg.bn % cfg.ni == 0 and cfg.ni in INSTRUCTION_N and cfg.bn <= 256
-            assert cfg.bn >= min(n, 64) or cfg.bn >= 16 and n <= cfg.bn
-            assert (k // 64) % cfg.ks == 0
+            assert cfg in wg_candidates(n, m, k)
+            assert cfg.shared * cfg.min_blocks <= SM_SHARED, (n, m, k, cfg)
+            assert cfg.bn % cfg.ni == 0 and cfg.ni in INSTRUCTION_N and cfg.bn <= 256 and cfg.bn % cfg.kc == 0
+            assert (k // 64) % cfg.slices == 0 and cfg.threads <= 1024
             assert cfg.stages >= 3 and cfg.stage_bytes % 1024 == 0
 
 
-def test_config_rule_keeps_the_sms_busy_before_widening_tiles():
-    cfg = wg_config(4096, 8192, 8192, 132)
-    assert (cfg.bn, cfg.wm) == (256, 2)  # large N: the widest tile
-    cfg = wg_config(128, 4096, 4096, 132)  # 32 M tiles of 128 rows: the N tile narrows, then 64-row tiles
-    assert cfg.bn == 64 and -(-128 // cfg.bn) * -(-4096 // cfg.rows) * cfg.ks >= 128
+def test_config_rule_is_the_least_cost_candidate_and_matches_the_measured_table():
+    """The rule against the tiles it was fitted on: within 0.9x of the best tile on average, and never a tile
+    that fills less than half the SMs where one that fills them exists."""
+    import json
+    import pathlib
+    import re
+    import statistics
+
+    data = json.loads((pathlib.Path(__file__).parents[1] / "bench/results/sparse24-wg-tiles-h100.json").read_text())
+    sms = data["meta"]["sms"]
+    ratios = []
+    for row in data["rows"]:
+        n, m, k, times = row["n"], row["m"], row["k"], row["tiles_ms"]
+        cfg = wg_config(n, m, k, sms)
+        assert cfg == min(wg_candidates(n, m, k), key=lambda c: tile_cost(c, n, m, sms))
+        by_fields = {tuple(int(v) for v in re.findall(r"=(\d+)", name)): t for name, t in times.items()}
+        ratios.append(min(times.values()) / by_fields[(cfg.bn, cfg.ni, cfg.wm, cfg.ks, cfg.kc, cfg.stages, cfg.sub,
+                                                       cfg.min_blocks)])
+    assert statistics.mean(ratios) >= 0.9 and statistics.median(ratios) >= 0.93, statistics.mean(ratios)
+
+
+def test_cluster_k_split_and_tall_tiles_are_candidates_only_where_they_fit():
+    cands = wg_candidates(256, 4096, 4096)
+    assert {c.kc for c in cands} == {1, 2, 4, 8} and {c.wm for c in cands} == {1, 2, 4}
+    assert all(c.bn <= 128 and c.ks == 1 for c in cands if c.wm == 4)  # 512 threads: 128 registers each
+    assert {(c.ks, c.kc) for c in wg_candidates(256, 4096, 64)} == {(1, 1)}  # one K step: no split
 
 
 def test_cuda_wg_shares_cuda_sp_layout():

@@ -275,6 +275,7 @@ class TiledKernel:
     name = "cuda_mma"
     layout = "cuda_mma tiled"  # the derived layout's name (Sparse24Weight.derived_bytes)
     max_n = MAX_N
+    chunks = False  # whether launch takes more than max_n rows of x, in chunks of max_n
 
     def tiled(self, values: torch.Tensor, metadata: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _tiled(values, metadata)
@@ -311,13 +312,20 @@ class MmaLinear:
         n, m = x.shape[0], values.shape[0]
         if n == 0 or m == 0:
             return
-        if n > self.kernel.max_n:
+        if n > self.kernel.max_n and not self.kernel.chunks:
             raise KernelPlanError(f"x has {n} rows; the {self.kernel.name} kernel takes at most {self.kernel.max_n}: "
                                   f"dispatch another backend")
         weight = derived_from(values, metadata, self._key,
                               functools.partial(_TiledWeight, activation=self.activation, kernel=self.kernel),
                               device_work=False)
-        weight(x, bias, y)
+        step = self.kernel.max_n
+        if n <= step:
+            weight(x, bias, y)
+            return
+        # Past its widest N tile the kernel runs x in chunks of rows, each reading W again: the one layout's
+        # path for large n where no wider kernel runs (mma.sp on Ampere and Ada).
+        for i in range(0, n, step):
+            weight(x[i:i + step], bias, y[i:i + step])
 
 
 class _TiledWeight:

@@ -324,6 +324,7 @@ class SpKernel(TiledKernel):
     name = "cuda_sp"
     layout = SP_LAYOUT
     max_n = MAX_N
+    chunks = True
 
     def tiled(self, values, metadata):
         return _tiled(values, metadata)

@@ -6,7 +6,7 @@
   a tiled copy of the weight;
 * ``cuda_sp``: CUDA C++ for n <= 64 on the sparse tensor cores (``mma.sp``,
   ``kernels/sparse24_sp.py``), reading the one device layout;
-* ``cuda_wg``: Hopper ``wgmma.sp`` (``kernels/sparse24_wg.py``) on the same layout; by name only;
+* ``cuda_wg``: Hopper ``wgmma.sp`` (``kernels/sparse24_wg.py``) on the same layout;
 * ``cusparselt``: cuSPARSELt through nvmath-python (``cusparselt.py``), for large N;
 * ``dense``: the weight decompressed once (cached with it) and a cuBLAS GEMM:
   the floor that keeps dispatch from ever losing to dense, at the price of
@@ -15,9 +15,11 @@
 What each measured is in ``bench/results/sparse24-*.json`` (the README's table) and the
 decision records ``docs/design/0001``, ``0002``.
 
-``tune`` times every candidate on the caller's tensors and stores the
-fastest per (device, M, K, N bucket, dtype, epilogue) in the plan cache; the
-functional path calls it once per bucket, on CUDA, outside graph capture.
+By default (memory="compact") the rule of ``dispatch.py`` picks among the
+kernels of the one layout and nothing is timed.  Under memory="fast", ``tune``
+times every candidate on the caller's tensors and stores the fastest per
+(device, M, K, N bucket, dtype, epilogue) in the plan cache; the functional path
+calls it once per bucket, on CUDA, outside graph capture.
 """
 
 from __future__ import annotations
@@ -149,6 +151,7 @@ class CudaMmaSparse24Backend(Backend):
     priority = 1
     what = "two 8-wide MMA tiles"
     max_n = 16  # kernels/sparse24_mma.py MAX_N; here so that supports() imports no kernel module
+    chunks = False  # more rows of x than max_n run in chunks (kernels/sparse24_mma.py, MmaLinear.launch)
 
     def kernel(self):
         from ..kernels.sparse24_mma import TiledKernel
@@ -160,7 +163,7 @@ class CudaMmaSparse24Backend(Backend):
 
         if desc.dtype not in ("f16", "bf16"):
             return f"dtype {desc.dtype}: the kernel multiplies f16 and bf16 on the tensor cores"
-        if desc.n > self.max_n:
+        if desc.n > self.max_n and not self.chunks:
             return f"n = {desc.n}: the kernel takes at most {self.max_n} rows of x ({self.what})"
         if desc.k % 64:
             return f"K = {desc.k} is not a multiple of 64, the kernel's K step"
@@ -195,6 +198,11 @@ class CudaSpSparse24Backend(CudaMmaSparse24Backend):
     name = "cuda_sp"
     what = "eight 8-wide sparse MMA tiles"
     max_n = 64  # kernels/sparse24_sp.py MAX_N
+    chunks = True
+
+    def priority_for(self, desc) -> int:
+        # A tuning candidate (memory="fast") up to its widest tile; past it, chunks of x re-read W: by rule only.
+        return self.priority if desc.n <= self.max_n else -1
 
     def kernel(self):
         from ..kernels.sparse24_sp import SpKernel
@@ -207,17 +215,13 @@ class CudaWgSparse24Backend(CudaMmaSparse24Backend):
 
     Reads the layout of ``cuda_sp`` (one copy shared by both, 0.5625x of the
     dense bytes); x staged in wgmma's swizzled layout by cp.async.  sm_90a only.
-    A tuning candidate on Hopper.
+    The rule's kernel past n = 16 on Hopper (``dispatch.py``); a tuning candidate
+    under memory="fast".
     """
 
     name = "cuda_wg"
     what = "wgmma.sp N tiles"
     max_n = 1 << 31
-
-    def priority_for(self, desc) -> int:
-        # By name only, not a tuning candidate: on an H100 it runs 0.30-0.78x of dense at n >= 128 on the
-        # sweep set (bench/results/sparse24-sweep-h100.json; docs/design/0002-sparse24-v2-wgmma.md says why).
-        return -1
 
     def kernel(self):
         from ..kernels.sparse24_wg import WgKernel

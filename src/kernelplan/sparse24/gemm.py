@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -20,6 +21,7 @@ from ..dtypes import dtype_info
 from ..errors import InvalidProblem, MisalignedOperand
 from ..kernels import stream_capturing
 from ..plan import Backend, BackendRegistry, Plan, PrecisionGuarantee, dispatch_generation, memoised_select
+from .dispatch import MEMORY_POLICIES, backend_for
 from .format import SPARSE24_DTYPES, Sparse24Weight, output_rows
 
 SPARSE24_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
@@ -36,6 +38,9 @@ class GemmSparse24Descriptor:
     device: str = "cpu"
     # Recorded into a CUDA graph: replays cost no host time, so dispatch picks by kernel time alone.
     graph: bool = False
+    # "compact": the one device layout's kernels, chosen by rule (sparse24/dispatch.py); "fast": every
+    # backend, each with its own copy of the weight, timed at the first call of each N bucket.
+    memory: str = "compact"
 
 
 @dataclass
@@ -45,6 +50,28 @@ class GemmSparse24Args:
     metadata: torch.Tensor  # [M, K/8] int16
     y: torch.Tensor  # [N, M], written
     bias: torch.Tensor | None = None  # [M]
+
+
+def rule_backend(desc: GemmSparse24Descriptor) -> str:
+    """``dispatch.backend_for`` of a descriptor: the device's compute capability looked up (memoised)."""
+    device = torch.device(desc.device)
+    capability = _capability(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else None
+    return backend_for(capability, desc.n, desc.k, desc.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def n_bucket(n: int) -> int:
@@ -71,6 +98,24 @@ class GemmSparse24Plan(Plan):
         dtype_info(desc.dtype, "descriptor.dtype")
         if desc.activation is not None:
             choice(desc.activation, "descriptor.activation", SPARSE24_ACTIVATIONS)
+        choice(desc.memory, "descriptor.memory", MEMORY_POLICIES)
+
+    @classmethod
+    def _choose(cls, desc: GemmSparse24Descriptor, candidates: list[Backend]) -> Backend:
+        """``compact``: the backend ``dispatch.backend_for`` names; ``fast``: the measured or preferred one."""
+        if desc.memory == "fast":
+            return super()._choose(desc, candidates)
+        name = rule_backend(desc)
+        for backend in candidates:
+            if backend.name == name:
+                return backend
+        if len(candidates) == 1:  # a backend asked for by name (PlanPreference.only)
+            return candidates[0]
+        reason = cls.registry.get(name).supports(desc) if cls.registry.get(name) else "not registered"
+        _warn_once(f"2:4 linear {desc}: the rule's backend {name} cannot run it ({reason}); the reference "
+                   f"runs it instead, decompressing the weight at every call. memory='fast' lets every "
+                   f"backend compete")
+        return cls.registry.get("reference")
 
     def check_args(self, args: GemmSparse24Args) -> None:
         d = self.desc
@@ -122,22 +167,24 @@ GemmSparse24Plan.registry.register(ReferenceSparse24Backend())
 
 
 @functools.lru_cache(maxsize=4096)
-def _descriptor(n, m, k, dtype, activation, has_bias, device, graph) -> GemmSparse24Descriptor:
-    return GemmSparse24Descriptor(n, m, k, dtype_info(dtype).name, activation or None, has_bias, str(device), graph)
+def _descriptor(n, m, k, dtype, activation, has_bias, device, graph, memory) -> GemmSparse24Descriptor:
+    return GemmSparse24Descriptor(n, m, k, dtype_info(dtype).name, activation or None, has_bias, str(device), graph,
+                                  memory)
 
 
 def _sparse24_linear_impl(
-    x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias: Optional[torch.Tensor], activation: str
+    x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias: Optional[torch.Tensor], activation: str,
+    memory: str,
 ) -> torch.Tensor:
-    return _linear_with(_plan_for(x, values, metadata, bias, activation), x, values, metadata, bias)
+    return _linear_with(_plan_for(x, values, metadata, bias, activation, memory), x, values, metadata, bias)
 
 
-def _plan_for(x, values, metadata, bias, activation) -> GemmSparse24Plan:
-    """The dispatched plan of a call, tuning its bucket first if it is the bucket's first call."""
+def _plan_for(x, values, metadata, bias, activation, memory) -> GemmSparse24Plan:
+    """The dispatched plan of a call; under ``memory="fast"``, its bucket tuned first if this is its first call."""
     graph = x.is_cuda and stream_capturing()
     problem = (math.prod(x.shape[:-1]), values.shape[0], x.shape[-1], x.dtype, activation, bias is not None, x.device)
-    desc = _descriptor(*problem, graph)
-    if x.is_cuda and not graph and _first_of_its_bucket(desc):
+    desc = _descriptor(*problem, graph, memory)
+    if x.is_cuda and not graph and memory == "fast" and _first_of_its_bucket(desc):
         from .backends import tune
 
         # Each candidate is timed through this very call path, host work included: a backend
@@ -152,7 +199,7 @@ def _plan_for(x, values, metadata, bias, activation) -> GemmSparse24Plan:
         del scratch
     plan = memoised_select(GemmSparse24Plan, desc)
     if x.is_cuda and not graph:
-        _ready_for_graphs(plan, memoised_select(GemmSparse24Plan, _descriptor(*problem, True)),
+        _ready_for_graphs(plan, memoised_select(GemmSparse24Plan, _descriptor(*problem, True, memory)),
                           x, values, metadata, bias)
     return plan
 
@@ -195,12 +242,12 @@ def tunable(desc: GemmSparse24Descriptor) -> list:
 
 
 @_sparse24_linear_op.register_fake
-def _(x, values, metadata, bias, activation):
+def _(x, values, metadata, bias, activation, memory):
     return x.new_empty((*x.shape[:-1], values.shape[0]))
 
 
 def _setup(ctx, inputs, output):
-    x, values, metadata, bias, activation = inputs
+    x, values, metadata, bias, activation, _ = inputs
     ctx.save_for_backward(x, values, metadata, bias)
     ctx.activation = activation
 
@@ -226,7 +273,7 @@ def _backward(ctx, dy):
         # Only the stored positions get gradient: the mask stays fixed.
         dvalues = torch.gather(g.T @ x2, 1, positions).to(values.dtype)
     dbias = g.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[3] else None
-    return dx, dvalues, None, dbias, None
+    return dx, dvalues, None, dbias, None, None
 
 
 _sparse24_linear_op.register_autograd(_backward, setup_context=_setup)
@@ -237,21 +284,26 @@ def linear(
     w24: Sparse24Weight,
     bias: torch.Tensor | None = None,
     activation: str | None = None,
+    memory: str = "compact",
 ) -> torch.Tensor:
     """``activation(x @ W^T + bias)`` with ``W`` 2:4-compressed; x of any leading shape.
 
     Differentiable in ``x``, ``bias`` and ``w24.values`` (the mask is fixed).
     ``activation`` is None, "relu", "gelu" (erf), "gelu_tanh" or "silu".
+    ``memory`` is the dispatch policy (``sparse24/dispatch.py``): "compact", the
+    kernels of one device layout kept with the weight (0.5625x of its dense
+    bytes), chosen by rule; or "fast", every backend timed on the first call of
+    each N bucket, each keeping its own copy.
     """
     if not isinstance(w24, Sparse24Weight):
         raise InvalidProblem(
             f"w24 is a {type(w24).__name__}; it must be a Sparse24Weight: build it with "
             f"kernelplan.sparse24.compress(kernelplan.sparse24.prune(w))"
         )
-    return linear_parts(x, w24.values, w24.metadata, bias, activation)
+    return linear_parts(x, w24.values, w24.metadata, bias, activation, memory)
 
 
-def linear_parts(x, values, metadata, bias=None, activation=None) -> torch.Tensor:
+def linear_parts(x, values, metadata, bias=None, activation=None, memory="compact") -> torch.Tensor:
     """``linear`` on a weight's parts, for holders of them (``Sparse24Linear``): no Sparse24Weight built."""
     eager = plain_eager(x, values, bias)
     if eager:
@@ -259,7 +311,7 @@ def linear_parts(x, values, metadata, bias=None, activation=None) -> torch.Tenso
         # plan is the one dispatch chose (the key's generation says the choice has not changed).
         # A call recorded into a CUDA graph has its own choice (GemmSparse24Descriptor.graph).
         key = (id(values), values.dtype, values.device, id(metadata), None if bias is None else id(bias),
-               x.shape, x.dtype, x.device, activation, x.is_cuda and stream_capturing())
+               x.shape, x.dtype, x.device, activation, x.is_cuda and stream_capturing(), memory)
         hit = _prepared.get(key)
         if hit is not None and hit[0] == dispatch_generation(GemmSparse24Plan) and \
                 hit[1]() is values and hit[2]() is metadata and (bias is None or hit[3]() is bias):
@@ -279,9 +331,10 @@ def linear_parts(x, values, metadata, bias=None, activation=None) -> torch.Tenso
         check_tensor(bias, "bias", shape=(m,), dtype=values.dtype, device=values.device)
     if activation is not None:
         activation = choice(activation, "activation", SPARSE24_ACTIVATIONS)
+    memory = choice(memory, "memory", MEMORY_POLICIES)
     if not eager:
-        return _sparse24_linear_op(x, values, metadata, bias, activation or "")
-    plan = _plan_for(x, values, metadata, bias, activation or "")
+        return _sparse24_linear_op(x, values, metadata, bias, activation or "", memory)
+    plan = _plan_for(x, values, metadata, bias, activation or "", memory)
     call = _bound(plan)
     if len(_prepared) >= _MAX_PREPARED:
         _prepared.clear()

@@ -1,0 +1,63 @@
+"""The 2:4 dispatch rule (sparse24/dispatch.py): a pure function, checked on CPU over the sweep set."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
+from kernelplan.sparse24 import GemmSparse24Descriptor, GemmSparse24Plan
+from kernelplan.sparse24.dispatch import MEMORY_POLICIES, backend_for, config_for, layout_reason
+
+HOPPER, AMPERE, ADA, TURING = (9, 0), (8, 0), (8, 9), (7, 5)
+
+
+def test_the_table_over_the_sweep_set():
+    for (m, k) in sweep_shapes():
+        for n in BATCH_SIZES + (3, 17, 65, 1000):
+            for dtype in ("bf16", "f16"):
+                assert backend_for(HOPPER, n, k, dtype) == ("cuda_sp" if n <= 16 else "cuda_wg")
+                for gpu in (AMPERE, ADA):
+                    assert backend_for(gpu, n, k, dtype) == "cuda_sp"  # mma.sp at every n, chunks past 64
+            assert backend_for(None, n, k, "bf16") == "reference"
+            assert backend_for(HOPPER, n, k, "f32") == "triton"  # no f32 sparse tensor cores
+            assert backend_for(TURING, n, k, "f16") == "triton"
+
+
+def test_layout_reasons_name_what_is_missing():
+    assert "8.0 or newer" in layout_reason(TURING, 128, "f16")
+    assert "f16 and bf16" in layout_reason(HOPPER, 128, "f32")
+    assert "multiple of 64" in layout_reason(HOPPER, 96, "bf16")
+    assert "not a CUDA GPU" in layout_reason(None, 128, "bf16")
+    assert layout_reason(HOPPER, 128, "bf16") is None
+    assert backend_for(HOPPER, 64, 96, "bf16") == "triton"  # K off the layout's step: the public format's kernel
+
+
+def test_configs_come_from_the_kernels_rules():
+    from kernelplan.kernels.sparse24_wg import wg_config
+
+    assert config_for("cuda_wg", 256, 4096, 4096, 132) == wg_config(256, 4096, 4096, 132)
+    assert config_for("cuda_sp", 4, 4096, 4096, 132) is not None
+    with pytest.raises(ValueError, match="no tile rule"):
+        config_for("dense", 4, 64, 64, 132)
+
+
+def test_compact_is_the_default_and_memory_is_checked():
+    assert GemmSparse24Descriptor(1, 64, 128, "bf16").memory == "compact" == MEMORY_POLICIES[0]
+    import kernelplan as kp
+
+    with pytest.raises(kp.InvalidProblem, match="memory"):
+        GemmSparse24Plan.select(GemmSparse24Descriptor(1, 64, 128, "bf16", memory="small"))
+
+
+def test_compact_on_cpu_runs_the_reference_without_tuning(monkeypatch):
+    import torch
+
+    import kernelplan as kp
+    from kernelplan.sparse24 import backends
+
+    monkeypatch.setattr(backends, "tune", lambda *a, **k: pytest.fail("compact dispatch must not tune"))
+    w = kp.sparse24.prune(torch.randn(64, 128))
+    y = kp.sparse24.linear(torch.randn(3, 128), kp.sparse24.compress(w))
+    assert y.shape == (3, 64)
+    with pytest.raises(kp.InvalidProblem, match="memory"):
+        kp.sparse24.linear(torch.randn(3, 128), kp.sparse24.compress(w), memory="small")
