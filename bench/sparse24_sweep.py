@@ -1,10 +1,11 @@
 """The 2:4 kernels of the one layout against dense ``F.linear`` on the sweep set (kernelplan.bench.shapes).
 
 For every (M, K) of the public model configs and every batch size: each
-kernel that reads the ``sp tiled`` layout (``cuda_mma`` has its own layout and
-is timed for comparison at n <= 16), checked against fp64 first, then timed as
-a CUDA graph replay (kernel time; ``triton.testing.do_bench_cudagraph``,
-median) beside dense ``F.linear`` in the same process, alternating.  Writes
+kernel that reads the ``sp tiled`` layout, checked against fp64 first, then
+timed as a CUDA graph replay (kernel time; ``triton.testing.do_bench_cudagraph``,
+median) beside dense ``F.linear`` in the same process, alternating; and the
+default path a user calls (``kp.sparse24.linear``, the rule's kernel) eagerly,
+host work included, beside ``F.linear``.  Writes
 ``bench/results/sparse24-sweep-<gpu>.json`` and prints a summary.
 
     PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_sweep.py [--quick]
@@ -26,13 +27,35 @@ import triton
 import triton.testing
 
 from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
-from kernelplan.kernels.sparse24_mma import MmaLinear, TiledKernel
+from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_sp import SpKernel
 from kernelplan.kernels.sparse24_wg import WgKernel, wg_config
 from kernelplan.kernels.sparse24 import sm_count
-from kernelplan.sparse24 import compress, prune
+from kernelplan.sparse24 import compress, linear, prune
+from kernelplan.sparse24.dispatch import backend_for
 
-KERNELS = {"cuda_mma": (TiledKernel, 16), "cuda_sp": (SpKernel, 64), "cuda_wg": (WgKernel, 1 << 30)}
+KERNELS = {"cuda_sp": (SpKernel, 64), "cuda_wg": (WgKernel, 1 << 30)}
+
+
+def eager_ms(fn, calls: int = 20) -> float:
+    """Wall ms per call of ``calls`` back-to-back eager calls, host work included (the device drained around them)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e3
+
+
+def precompile(shapes, batch, sms: int, dtype: str) -> None:
+    """Every cuda_wg variant the sweep will run, compiled in threads (NVRTC is thread-safe), before any timing."""
+    import concurrent.futures
+
+    from kernelplan.kernels.sparse24_wg import _launcher
+
+    configs = {wg_config(n, m, k, sms) for (m, k) in shapes for n in batch if n > 16}
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda c: _launcher(c, dtype, False, None, 0), configs))
 
 
 def rel_err(out, ref) -> float:
@@ -47,6 +70,7 @@ def run(quick: bool, dtype: torch.dtype, rep: int) -> dict:
     shapes = sweep_shapes()
     batch = (1, 16, 64, 256, 1024, 4096) if quick else BATCH_SIZES
     sms = sm_count(0)
+    precompile(shapes, batch, sms, "bf16" if dtype == torch.bfloat16 else "f16")
     rows = []
     for (m, k), where in shapes.items():
         w = prune(torch.randn(m, k, device="cuda")).to(dtype)
@@ -54,6 +78,7 @@ def run(quick: bool, dtype: torch.dtype, rep: int) -> dict:
         dense_bytes = w.numel() * w.element_size()
         for n in batch:
             x = torch.randn(n, k, device="cuda").to(dtype)
+            row_dtype = "bf16" if dtype == torch.bfloat16 else "f16"
             ref = F.linear(x.double(), w.double())
             dense = lambda: F.linear(x, w)  # noqa: E731
             dense_err = rel_err(dense(), ref)
@@ -76,14 +101,27 @@ def run(quick: bool, dtype: torch.dtype, rep: int) -> dict:
                 row[f"{name}_ms"] = times[name]
                 row.setdefault("dense_ms_all", []).extend([t_d1, t_d2])
             row["dense_ms"] = statistics.median(row.pop("dense_ms_all", [float("nan")]))
+            # The default path, as a user calls it: kp.sparse24.linear (memory="compact", the rule's kernel),
+            # eagerly, host work included, beside F.linear, alternating.
+            row["rule"] = rule = backend_for(torch.cuda.get_device_capability(), n, k, row_dtype)
+            user = lambda: linear(x, w24)  # noqa: E731
+            user()
+            eager = {"dense": [], "rule": []}
+            for _ in range(3):
+                eager["dense"].append(eager_ms(dense))
+                eager["rule"].append(eager_ms(user))
+            row["dense_eager_ms"] = statistics.median(eager["dense"])
+            row["rule_eager_ms"] = statistics.median(eager["rule"])
+            row["eager_speedup"] = row["dense_eager_ms"] / row["rule_eager_ms"]
             if n > 64:
                 row["wg_config"] = str(wg_config(n, m, k, sms))
             for name, t in times.items():
                 row[f"{name}_speedup"] = row["dense_ms"] / t
-            sp_layout = {nm: t for nm, t in times.items() if nm != "cuda_mma"}
-            if sp_layout:
-                best = min(sp_layout, key=sp_layout.get)
-                row["best_one_layout"], row["speedup"] = best, row["dense_ms"] / sp_layout[best]
+            if times:
+                best = min(times, key=times.get)
+                row["best_one_layout"] = best
+            if rule in times:
+                row["speedup"] = row["dense_ms"] / times[rule]  # the rule's kernel, as a CUDA graph
             rows.append(row)
             print(f"{m:>6}x{k:<6} n={n:<5} dense {row['dense_ms'] * 1e3:8.1f} us  " + "  ".join(
                 f"{nm} {row.get(nm + '_speedup', float('nan')):.2f}x" for nm in KERNELS if nm in times)
@@ -125,8 +163,19 @@ def summary(rows: list[dict]) -> list[str]:
             lines.append(f"{label:12} min {s[0]:.2f}x  median {statistics.median(s):.2f}x  max {s[-1]:.2f}x  "
                          f"({len(s)} rows)")
     worst = sorted(timed, key=lambda r: r["speedup"])[:8]
-    lines.append("worst rows: " + "; ".join(f"{r['m']}x{r['k']} n={r['n']} {r['speedup']:.2f}x "
-                                            f"({r['best_one_layout']})" for r in worst))
+    lines.append("worst rows (graph): " + "; ".join(f"{r['m']}x{r['k']} n={r['n']} {r['speedup']:.2f}x "
+                                                    f"({r['rule']})" for r in worst))
+    eager = [r for r in rows if "eager_speedup" in r]
+    for label, lo, hi in (("n <= 16", 1, 16), ("n = 32-64", 32, 64), ("n = 128-512", 128, 512),
+                          ("n >= 1024", 1024, 1 << 30)):
+        s = sorted(r["eager_speedup"] for r in eager if lo <= r["n"] <= hi)
+        if s:
+            lines.append(f"eager {label:12} min {s[0]:.2f}x  median {statistics.median(s):.2f}x  max {s[-1]:.2f}x")
+    small = [r for r in eager if r["dense_eager_ms"] < 0.05]  # host-bound calls: the host work compared
+    if small:
+        lines.append(f"host-bound calls (dense < 50 us eager): kp.sparse24.linear / F.linear wall per call, median "
+                     f"{statistics.median(r['rule_eager_ms'] / r['dense_eager_ms'] for r in small):.2f}x "
+                     f"({len(small)} rows)")
     wrong = [r for r in rows if any(k.endswith("_wrong") for k in r)]
     lines.append(f"rows with a wrong kernel result: {len(wrong)}")
     ratios = [r["memory"]["ratio"] for r in rows if "memory" in r]

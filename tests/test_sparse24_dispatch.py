@@ -61,3 +61,31 @@ def test_compact_on_cpu_runs_the_reference_without_tuning(monkeypatch):
     assert y.shape == (3, 64)
     with pytest.raises(kp.InvalidProblem, match="memory"):
         kp.sparse24.linear(torch.randn(3, 128), kp.sparse24.compress(w), memory="small")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_compact_default_path_holds_one_layout_and_matches_fp64(dtype):
+    """kp.sparse24.linear at n = 1, 64, 256, 4096 (bias, silu): the rule's kernels, one derived layout of 0.5625x."""
+    import torch
+    import torch.nn.functional as F
+
+    import kernelplan as kp
+    from helpers import FWD_ATOL, assert_close
+    from kernelplan.sparse24.gemm import fast_path_backends
+
+    dt = getattr(torch, dtype)
+    cap = torch.cuda.get_device_capability()
+    w = kp.sparse24.prune(torch.randn(1000, 4096, device="cuda")).to(dt)
+    w24 = kp.sparse24.compress(w)
+    b = torch.randn(1000, device="cuda").to(dt)
+    for n in (1, 64, 256, 4096):
+        x = torch.randn(n, 4096, device="cuda").to(dt)
+        y = kp.sparse24.linear(x, w24, b, "silu")
+        assert_close(y, F.silu(F.linear(x.double(), w.double(), b.double())), F.silu(F.linear(x, w, b)),
+                     atol=FWD_ATOL[dt])
+    ran = {r["backend"] for r in fast_path_backends() if r["m"] == 1000}
+    assert ran <= {"cuda_sp", "cuda_wg"} and ("cuda_wg" in ran) == (cap == (9, 0))
+    held = w24.derived_bytes()
+    assert list(held) == ["sp tiled"] and held["sp tiled"] == 1008 * 4096 * 2 * 9 // 16  # rows padded to 16

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._checks import choice
 from ..errors import InvalidProblem
+from ..sparse24.dispatch import MEMORY_POLICIES
 from .. import sparse24
 from ..sparse24 import Sparse24Weight, compress
 from ..sparse24.gemm import linear_parts
@@ -16,10 +18,14 @@ class Sparse24Linear(nn.Module):
 
     ``values`` is a Parameter (training updates the kept weights; the mask in
     ``metadata`` stays fixed, so the weight stays 2:4); ``metadata`` is a buffer.
+    ``memory`` is the dispatch policy of its calls (``kernelplan.sparse24.linear``):
+    "compact" (the one device layout, by rule) or "fast" (every backend timed).
     """
 
-    def __init__(self, values: torch.Tensor, metadata: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, values: torch.Tensor, metadata: torch.Tensor, bias: torch.Tensor | None = None,
+                 memory: str = "compact"):
         super().__init__()
+        self.memory = choice(memory, "memory", MEMORY_POLICIES)
         w24 = Sparse24Weight(values, metadata)  # validates shapes and metadata bits
         self.in_features, self.out_features = w24.shape[1], w24.shape[0]
         self.values = nn.Parameter(values)
@@ -48,7 +54,8 @@ class Sparse24Linear(nn.Module):
         return self.weight24.decompress()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_parts(x, self.values, self.metadata, self.bias)
+        return linear_parts(x, self.values, self.metadata, self.bias, None, self.memory)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"memory={self.memory!r}")

@@ -1,0 +1,130 @@
+"""A Llama built with Qwen2.5-7B's sizes, 4 decoder layers, dense against ``kp.sparsify``'d, in one process (bf16).
+
+Hidden 3584, intermediate 18944, 28 heads, 4 KV heads, vocabulary 152064 (its
+published config), random weights, no download.  The sparsified model's logits
+are checked against the masked-dense model first.  Then, alternating dense and
+sparse (medians of rounds): one decode step at batch 1, 32 and 128 and a
+512-token prefill, each replayed as a CUDA graph and run eagerly (Hugging Face's
+Python included).  GPU memory of each model's weights is reported, the 2:4
+layouts built by the calls included.  Writes
+``bench/results/sparse24-model-<gpu>.json``.
+
+    PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_model.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import transformers
+import triton
+
+import kernelplan as kp
+from kernelplan.bench.decode import DecodeStep, Graphed, GraphedDecode
+from kernelplan.nn import Sparse24Linear
+from kernelplan.timing import interleaved
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters and buffers, plus the 2:4 layouts its layers built (each storage once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    for mod in model.modules():
+        if isinstance(mod, Sparse24Linear):
+            total += sum(mod.weight24.derived_bytes().values())
+    return total
+
+
+def wall(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--memory", default="compact", choices=("compact", "fast"))
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=3584, intermediate_size=18944, num_hidden_layers=a.layers,
+                                   num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                   max_position_embeddings=4096)
+    dense = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    sparse = copy.deepcopy(dense)
+    report = kp.sparsify(sparse, progress=False)
+    for mod in sparse.modules():
+        if isinstance(mod, Sparse24Linear):
+            mod.memory = a.memory
+    masked = copy.deepcopy(dense)
+    models = {"dense": dense, "sparse": sparse}
+    rows, out = [], {}
+    with torch.inference_mode():
+        for name in report.converted:
+            masked.get_submodule(name).weight.copy_(sparse.get_submodule(name).to_dense())
+        probe = torch.randint(0, cfg.vocab_size, (2, 64), device="cuda")
+        got, want = sparse(probe).logits.float(), masked(probe).logits.float()
+        out["logits_rel_err_vs_masked_dense"] = err = float((got - want).abs().max() / want.abs().max())
+        del masked
+        print(f"{report.summary().splitlines()[0]}; logits vs masked-dense rel err {err:.1e}", flush=True)
+        for batch in (1, 32, 128):
+            prompt = torch.randint(0, cfg.vocab_size, (batch, 16), device="cuda")
+            steps = {n: DecodeStep(m, prompt, 16 + 16 + 8 * (a.rounds + 2) * 2) for n, m in models.items()}
+            graphs = {n: GraphedDecode(s) for n, s in steps.items()}
+            check = max(g.check() for g in graphs.values())
+            graph = interleaved({n: lambda g=g: g.replay_seconds(4) for n, g in graphs.items()}, a.rounds, 1)
+            eager = interleaved({n: lambda s=s: wall(s) for n, s in steps.items()}, a.rounds, 3)
+            rows.append({"case": f"decode batch {batch}", "graph_dense_ms": graph["dense"] * 1e3,
+                         "graph_sparse_ms": graph["sparse"] * 1e3, "graph_speedup": graph["dense"] / graph["sparse"],
+                         "eager_dense_ms": eager["dense"] * 1e3, "eager_sparse_ms": eager["sparse"] * 1e3,
+                         "eager_speedup": eager["dense"] / eager["sparse"], "replay_vs_eager_rel_err": check})
+            print(rows[-1], flush=True)
+            del graphs, steps
+        for tokens in (512,):
+            ids = torch.randint(0, cfg.vocab_size, (1, tokens), device="cuda")
+            graphs = {n: Graphed(lambda m=m: m(ids).logits) for n, m in models.items()}
+            check = max(g.check() for g in graphs.values())
+            graph = interleaved({n: lambda g=g: g.replay_seconds(3) for n, g in graphs.items()}, a.rounds, 1)
+            eager = interleaved({n: lambda m=m: wall(lambda: m(ids)) for n, m in models.items()}, a.rounds, 3)
+            rows.append({"case": f"prefill {tokens}", "graph_dense_ms": graph["dense"] * 1e3,
+                         "graph_sparse_ms": graph["sparse"] * 1e3, "graph_speedup": graph["dense"] / graph["sparse"],
+                         "eager_dense_ms": eager["dense"] * 1e3, "eager_sparse_ms": eager["sparse"] * 1e3,
+                         "eager_speedup": eager["dense"] / eager["sparse"], "replay_vs_eager_rel_err": check})
+            print(rows[-1], flush=True)
+            del graphs
+    from kernelplan.sparse24.gemm import fast_path_backends
+
+    out["backends"] = fast_path_backends()
+    out["dense_weight_bytes"], out["sparse_weight_bytes"] = weight_bytes(dense), weight_bytes(sparse)
+    out["sparse_over_dense_bytes"] = out["sparse_weight_bytes"] / out["dense_weight_bytes"]
+    print(f"weights: dense {out['dense_weight_bytes'] / 2**30:.2f} GiB, sparse {out['sparse_weight_bytes'] / 2**30:.2f} "
+          f"GiB ({out['sparse_over_dense_bytes']:.3f}x)")
+    gpu = torch.cuda.get_device_name(0)
+    tag = "h200" if "H200" in gpu else "h100" if "H100" in gpu else gpu.replace(" ", "_").lower()
+    path = a.out or os.path.join(os.path.dirname(__file__), "results", f"sparse24-model-{tag}.json")
+    meta = {"device": gpu, "torch": torch.__version__, "triton": triton.__version__,
+            "transformers": transformers.__version__, "commit": os.environ.get("KERNELPLAN_COMMIT", "unknown"),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "model": "Llama with Qwen2.5-7B sizes", "layers": a.layers, "memory": a.memory}
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows, **out}, f, indent=1)
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
