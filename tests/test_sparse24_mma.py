@@ -111,14 +111,20 @@ def test_3d_and_misaligned_x_and_strided_y(name, kernel, n, seed):
 @gpu
 @needs_cuda
 @each_tiled_kernel
-def test_too_many_rows_is_refused_and_nothing_written(name, kernel, n, seed):
-    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(64, 128, device="cuda")).half())
-    rows = kernel.max_n + 1
+def test_too_many_rows_is_refused_and_nothing_written_or_run_in_chunks(name, kernel, n, seed):
+    """A kernel that does not chunk refuses past its widest tile; cuda_sp runs 2.5 tiles of rows, each right."""
+    w = kp.sparse24.prune(torch.randn(64, 128, device="cuda")).half()
+    w24 = kp.sparse24.compress(w)
+    rows = kernel.max_n + 1 if not kernel.chunks else 2 * kernel.max_n + kernel.max_n // 2 + 1
+    x = torch.randn(rows, 128, device="cuda").half()
     y = torch.zeros(rows, 64, device="cuda", dtype=torch.float16)
-    with pytest.raises(KernelPlanError, match=f"at most {kernel.max_n}"):
-        MmaLinear(None, kernel()).launch(torch.randn(rows, 128, device="cuda").half(), w24.values, w24.metadata,
-                                         None, y)
-    assert not y.any()
+    if not kernel.chunks:
+        with pytest.raises(KernelPlanError, match=f"at most {kernel.max_n}"):
+            MmaLinear(None, kernel()).launch(x, w24.values, w24.metadata, None, y)
+        assert not y.any()
+        return
+    MmaLinear(None, kernel()).launch(x, w24.values, w24.metadata, None, y)
+    assert_close(y, F.linear(x.double(), w.double()), F.linear(x, w), atol=FWD_ATOL[torch.float16])
 
 
 @gpu
