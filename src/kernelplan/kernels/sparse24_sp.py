@@ -330,5 +330,7 @@ class SpKernel(TiledKernel):
         return _tiled(values, metadata)
 
     def launch_for(self, n, m, k, dtype, has_bias, activation, device):
-        cfg = sp_config(n, m, k, sm_count(device))
+        from ..sparse24.dispatch import config_for
+
+        cfg = config_for(self.name, n, m, k, sm_count(device))
         return _launcher(cfg, dtype, has_bias, activation, device), (-(-m // cfg.rows), 1, 1)

@@ -57,10 +57,6 @@ class WgConfig:
         return max(self.stages * self.stage_bytes, sums) + 1024
 
 
-def _ctas(cfg: WgConfig, n: int, m: int) -> int:
-    return -(-n // cfg.bn) * -(-m // cfg.rows) * cfg.kc
-
-
 def _ring(bn: int, ni: int, wm: int, ks: int, kc: int) -> WgConfig | None:
     """The tile with the deepest ring that fits: two steps a buffer where four buffers fit, else one step and up to six.
 
@@ -147,7 +143,10 @@ class WgKernel(TiledKernel):
         return _tiled(values, metadata)
 
     def launch_for(self, n, m, k, dtype, has_bias, activation, device):
-        return self.launch_config(wg_config(n, m, k, sm_count(device)), n, m, dtype, has_bias, activation, device)
+        from ..sparse24.dispatch import config_for
+
+        cfg = config_for(self.name, n, m, k, sm_count(device))
+        return self.launch_config(cfg, n, m, dtype, has_bias, activation, device)
 
     def launch_config(self, cfg: WgConfig, n, m, dtype, has_bias, activation, device):
         return _launcher(cfg, dtype, has_bias, activation, device), (-(-n // cfg.bn), -(-m // cfg.rows), cfg.kc)

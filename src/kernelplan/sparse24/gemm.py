@@ -111,7 +111,8 @@ class GemmSparse24Plan(Plan):
                 return backend
         if len(candidates) == 1:  # a backend asked for by name (PlanPreference.only)
             return candidates[0]
-        reason = cls.registry.get(name).supports(desc) if cls.registry.get(name) else "not registered"
+        chosen = cls.registry.get(name)
+        reason = chosen.supports(desc) if chosen is not None else "not registered"
         _warn_once(f"2:4 linear {desc}: the rule's backend {name} cannot run it ({reason}); the reference "
                    f"runs it instead, decompressing the weight at every call. memory='fast' lets every "
                    f"backend compete")
