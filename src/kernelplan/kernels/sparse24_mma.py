@@ -47,6 +47,7 @@ import torch
 from ..dtypes import dtype_info
 from ..errors import KernelPlanError
 from ..sparse24.format import derived_from, output_rows
+from ..sparse24.layout import weight_shape
 from . import current_device, on_device, raw_stream
 from .nvrtc import cuda_source
 from ..activations import ACTIVATION_CODES
@@ -304,13 +305,13 @@ class MmaLinear:
         self._key = f"{self.kernel.name} launch {self.activation}"
 
     def __call__(self, x, values, metadata, bias) -> torch.Tensor:
-        y, x2, y2 = output_rows(x, values.shape[0])
+        y, x2, y2 = output_rows(x, weight_shape(values)[0])
         self.launch(x2, values, metadata, bias, y2)
         return y
 
     def launch(self, x, values, metadata, bias, y) -> None:
-        n, m = x.shape[0], values.shape[0]
-        if n == 0 or m == 0:
+        n = x.shape[0]
+        if n == 0 or values.numel() == 0:
             return
         if n > self.kernel.max_n and not self.kernel.chunks:
             raise KernelPlanError(f"x has {n} rows; the {self.kernel.name} kernel takes at most {self.kernel.max_n}: "
@@ -342,7 +343,7 @@ class _TiledWeight:
         # Keyed by the layout, not the kernel: kernels that read one layout share one copy of it.
         self.pairs, self.codes = derived_from(values, metadata, kernel.layout, kernel.tiled)
         self.weight = (self.pairs.data_ptr(), self.codes.data_ptr())
-        self.m, self.k = values.shape[0], 2 * values.shape[1]
+        self.m, self.k = weight_shape(values)
         self.dtype = dtype_info(values.dtype).name
         self.device = values.get_device()
         self.activation = activation

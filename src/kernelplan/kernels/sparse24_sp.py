@@ -13,8 +13,8 @@ expansion and the dense products grow with the weight, and x, read once per
   row's 32 columns is one 16-bit half word.  Lanes ``t = 0, 1`` hold it for
   the first 32 columns of a 64-column step (sparsity selector 0), lanes
   ``t = 2, 3`` for the second (selector 1), so each lane loads one word a step.
-* The values and words are stored tiled in that order (``tiled_values``,
-  ``tiled_meta``; a copy kept with the weight), a warp step reading a run
+* The values and words are stored tiled in that order (the one device
+  layout, ``sparse24/layout.py``), a warp step reading a run
   of 1024 bytes and one of 128.  Each lane copies its own fragments into
   shared memory by cp.async and reads them back whole: with no expansion
   that costs little, and a ring of up to 6 steps in flight costs no
@@ -37,12 +37,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sparse24.format import unpack_positions
-from .sparse24 import sm_count, u32_bits
+from ..sparse24.layout import SP_LAYOUT, layout_of, pack
+from .sparse24 import sm_count
 from .sparse24_mma import COMMON_SOURCE, TiledKernel, defines
 
 MAX_N = 64  # eight 8-wide N tiles
-SP_LAYOUT = "sp tiled"  # the one layout of the mma.sp and wgmma.sp kernels (sparse24_wg.py reads it too)
 
 
 @dataclass(frozen=True)
@@ -149,7 +148,7 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 #define X_BYTES (KW * ROWS * 128)      // one step of x: each K slice's 64 columns
 #define STAGE_BYTES (X_BYTES + MW * KW * RT * 1152)
 
-// y[N, M] = act(x[N, K] @ W^T + bias), W as tiled_values / tiled_meta; a CTA per BM rows of W.
+// y[N, M] = act(x[N, K] @ W^T + bias), W in the device layout (sparse24/layout.py); a CTA per BM rows of W.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u32 *__restrict__ meta,
                const u16 *__restrict__ bias, u16 *__restrict__ y, int N, int M, int K, int sxn, int syn)
@@ -273,43 +272,20 @@ def source(cfg: SpConfig, dtype: str, has_bias: bool, activation: str | None) ->
     return head + COMMON_SOURCE + _SOURCE
 
 
-def tiled_values(pairs: torch.Tensor) -> torch.Tensor:
-    """int32 ``[M/16, K/64, 2, 8, 4, 2, 2]`` from the pairs ``[M, K/4]``: each warp step's A fragments in lane order.
-
-    Row ``16 i + 8 h + g``, group ``16 s + 8 u + 4 j + t`` goes to
-    ``[i, s, u, g, t, j, h]``: lane ``4 g + t``'s fragment of half ``u`` is
-    (row g, group t), (row g + 8, group t), (row g, group t + 4), (row g + 8,
-    group t + 4).  M must be a multiple of 16.
-    """
-    m, g4 = pairs.shape
-    return pairs.view(m // 16, 2, 8, g4 // 16, 2, 2, 4).permute(0, 3, 4, 2, 6, 5, 1).contiguous()
-
-
-def tiled_meta(metadata: torch.Tensor) -> torch.Tensor:
-    """int32 ``[M/16, K/64, 8, 4]`` from the format's metadata ``[M, K/8]``: each lane's ``mma.sp`` word.
-
-    A group's position byte ``pos0 | pos1 << 2`` is the hardware's 4-bit
-    index pair.  A row's 32 columns are 16 bits, its first group lowest.  Lane
-    ``4 g + t`` holds, for half ``u = t // 2`` of the step and its 16-column
-    quarter ``q = t % 2``, row ``g`` in the low 16 bits and row ``g + 8`` in
-    the high.  M must be a multiple of 16.
-    """
-    m = metadata.shape[0]
-    positions = unpack_positions(metadata)  # [M, K/4, 2]
-    nibbles = (positions[..., 0] | positions[..., 1] << 2).view(m, -1, 4)  # [M, K/16, 4 groups]
-    shifts = torch.arange(0, 16, 4, device=metadata.device, dtype=torch.int64)
-    halves = (nibbles << shifts).sum(-1).view(m // 16, 2, 8, -1, 4)  # [tile, h, g, step, t]
-    return u32_bits(halves[:, 0] | halves[:, 1] << 16).permute(0, 2, 1, 3).contiguous()  # [tile, step, g, t]
-
-
 def _tiled(values: torch.Tensor, metadata: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight as the kernel reads it, its rows padded to a multiple of 16 (values 0, positions 0 and 1)."""
+    """The weight as the kernel reads it (``sparse24/layout.py``), rows padded to a multiple of 16.
+
+    A weight held in the device layout already is read as it is; padded rows
+    are values 0 at positions 0 and 1.
+    """
+    if layout_of(values) == SP_LAYOUT:
+        return values.detach(), metadata
     pad = -values.shape[0] % 16
-    pairs = values.detach().contiguous().view(torch.int32)
+    values = values.detach()
     if pad:
-        pairs = torch.nn.functional.pad(pairs, (0, 0, 0, pad))
+        values = torch.nn.functional.pad(values, (0, 0, 0, pad))
         metadata = torch.nn.functional.pad(metadata, (0, 0, 0, pad), value=0x0404)
-    return tiled_values(pairs), tiled_meta(metadata)
+    return pack(values, metadata)
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,7 +1,7 @@
 """2:4 linear on Hopper's ``wgmma.mma_async.sp`` (sm_90a) for N > 64: the kernel is ``cuda/sparse24_wg.cu``.
 
-It reads the weight in the layout of ``cuda_sp`` (``sparse24_sp.tiled_values`` /
-``tiled_meta``, one copy shared by both kernels): per warp, a warpgroup's
+It reads the weight in the one device layout of ``cuda_sp`` (``sparse24/layout.py``,
+one copy shared by both kernels): per warp, a warpgroup's
 sparse A fragment and metadata word are exactly ``mma.sp.m16n8k32``'s.  x is
 staged by cp.async into wgmma's 128-byte-swizzled K-major B layout.
 
@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from .nvrtc import cuda_source
 from .sparse24 import sm_count
 from .sparse24_mma import COMMON_SOURCE, TiledKernel, defines
-from .sparse24_sp import SP_LAYOUT, SM_SHARED, _tiled
+from ..sparse24.layout import SP_LAYOUT
+from .sparse24_sp import SM_SHARED, _tiled
 
 INSTRUCTION_N = (8, 16, 32, 64, 128, 256)  # the wgmma.sp shapes kernels/cuda/wgmma_sp.cuh wraps
 

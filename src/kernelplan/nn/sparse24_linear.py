@@ -11,6 +11,10 @@ from ..sparse24.dispatch import MEMORY_POLICIES
 from .. import sparse24
 from ..sparse24 import Sparse24Weight, compress
 from ..sparse24.gemm import linear_parts
+from ..sparse24.layout import PUBLIC, layout_of, pack_reason, unpack
+
+
+LAYOUTS = ("auto", "public")
 
 
 class Sparse24Linear(nn.Module):
@@ -18,22 +22,36 @@ class Sparse24Linear(nn.Module):
 
     ``values`` is a Parameter (training updates the kept weights; the mask in
     ``metadata`` stays fixed, so the weight stays 2:4); ``metadata`` is a buffer.
+
+    ``layout="auto"`` holds the weight in the one device layout that the 2:4
+    kernels read (``sparse24/layout.py``: 0.5625x of the dense bytes at 16-bit
+    weights, and no other copy on the default path) wherever M % 16 == 0 and
+    K % 64 == 0, else in the public format (0.625x); ``layout="public"`` keeps
+    the public format.  Either way ``state_dict`` and checkpoints hold the
+    public format (``values [M, K/2]``, ``metadata [M, K/8]``): it is converted
+    to and from the device layout when the module is saved and loaded.
+
     ``memory`` is the dispatch policy of its calls (``kernelplan.sparse24.linear``):
     "compact" (the one device layout, by rule) or "fast" (every backend timed).
     """
 
     def __init__(self, values: torch.Tensor, metadata: torch.Tensor, bias: torch.Tensor | None = None,
-                 memory: str = "compact"):
+                 memory: str = "compact", layout: str = "auto"):
         super().__init__()
         self.memory = choice(memory, "memory", MEMORY_POLICIES)
-        w24 = Sparse24Weight(values, metadata)  # validates shapes and metadata bits
-        self.in_features, self.out_features = w24.shape[1], w24.shape[0]
-        self.values = nn.Parameter(values)
-        self.register_buffer("metadata", metadata)
+        layout = choice(layout, "layout", LAYOUTS)
+        w24 = Sparse24Weight(values, metadata)  # validates shapes and metadata bits, in either layout
+        self.out_features, self.in_features = w24.shape
+        if layout == "public":
+            w24 = w24.public()
+        elif pack_reason(*w24.shape) is None:
+            w24 = w24.packed()
+        self.values = nn.Parameter(w24.values)
+        self.register_buffer("metadata", w24.metadata)
         self.bias = nn.Parameter(bias) if bias is not None else None
 
     @classmethod
-    def from_dense(cls, linear_module: nn.Linear, prune: str = "magnitude") -> "Sparse24Linear":
+    def from_dense(cls, linear_module: nn.Linear, prune: str = "magnitude", layout: str = "auto") -> "Sparse24Linear":
         """Prune ``linear_module.weight`` by magnitude (2 of every 4 kept) and compress it."""
         if not isinstance(linear_module, nn.Linear):
             raise InvalidProblem(
@@ -44,10 +62,16 @@ class Sparse24Linear(nn.Module):
         with torch.no_grad():
             w24 = compress(sparse24.prune(linear_module.weight.detach()))
             bias = linear_module.bias.detach().clone() if linear_module.bias is not None else None
-        return cls(w24.values, w24.metadata, bias)
+        return cls(w24.values, w24.metadata, bias, layout=layout)
+
+    @property
+    def layout(self) -> str:
+        """The layout the weight is held in: "sp tiled" (the device layout) or "public"."""
+        return layout_of(self.values)
 
     @property
     def weight24(self) -> Sparse24Weight:
+        """The weight as held (either layout); ``.public()`` gives the public format."""
         return Sparse24Weight(self.values, self.metadata, _validate=False)
 
     def to_dense(self) -> torch.Tensor:
@@ -56,6 +80,24 @@ class Sparse24Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear_parts(x, self.values, self.metadata, self.bias, None, self.memory)
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.layout != PUBLIC:  # checkpoints hold the public format
+            values = self.values if keep_vars else self.values.detach()
+            destination[prefix + "values"], destination[prefix + "metadata"] = unpack(values, self.metadata)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # load_state_dict hands each module a shallow copy of the caller's dict: replacing entries is private.
+        names = prefix + "values", prefix + "metadata"
+        if self.layout != PUBLIC and all(name in state_dict for name in names):
+            values, metadata = (state_dict[name] for name in names)
+            if values.dim() == 2 and tuple(values.shape) == (self.out_features, self.in_features // 2):
+                packed = Sparse24Weight(values, metadata).packed()  # a corrupt word is refused before it is laid out
+                state_dict[names[0]], state_dict[names[1]] = packed.values, packed.metadata
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"memory={self.memory!r}")
+                f"layout={self.layout!r}, memory={self.memory!r}")

@@ -39,6 +39,7 @@ from ..kernels import on_device, triton_reason
 from ..plan import Backend, PrecisionGuarantee
 from .cusparselt import CusparseLtSparse24Backend
 from .format import derived_from
+from .layout import PUBLIC, SP_LAYOUT
 from .gemm import GemmSparse24Args, GemmSparse24Plan, tunable
 
 GPU_DTYPES = ("f32", "f16", "bf16")
@@ -196,6 +197,7 @@ class CudaSpSparse24Backend(CudaMmaSparse24Backend):
     """
 
     name = "cuda_sp"
+    layouts = (PUBLIC, SP_LAYOUT)  # reads a weight held in the device layout as it is, or derives it
     what = "eight 8-wide sparse MMA tiles"
     max_n = 64  # kernels/sparse24_sp.py MAX_N
     chunks = True
@@ -220,6 +222,7 @@ class CudaWgSparse24Backend(CudaMmaSparse24Backend):
     """
 
     name = "cuda_wg"
+    layouts = (PUBLIC, SP_LAYOUT)
     what = "wgmma.sp N tiles"
     max_n = 1 << 31
 

@@ -15,7 +15,9 @@ The words are kept in a ``torch.int16`` tensor: every valid byte is at most
 ``0b1110``, so every valid word is below ``0x8000`` and its int16 value equals
 its u16 value -- no sign games.  Backend layouts (cuSPARSELt's buffer, packed
 4-bit metadata) are derived from this format and cached on the weight with
-:meth:`Sparse24Weight.derived`; they are never the public format.
+:meth:`Sparse24Weight.derived`; they are never the public format.  The one
+device layout (``layout.py``) is the exception: a weight may be held in it
+alone (``Sparse24Linear`` does), and converts back to this format to be saved.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from .._checks import check_tensor
 from ..dtypes import dtype_info
 from ..errors import InvalidProblem, InvalidState, MisalignedOperand
+from .layout import PUBLIC, SP_LAYOUT, check_layout, layout_of, pack, unpack, weight_shape
 
 FORMAT_VERSION = 1
 SPARSE24_DTYPES = ("f64", "f32", "f16", "bf16")
@@ -198,6 +201,23 @@ def _tensors(layout, depth: int = 0):
             yield from _tensors(item, depth + 1)
 
 
+def _count_derived(values: torch.Tensor, prefix: str, seen: set, out: dict, depth: int = 0) -> None:
+    """Add the bytes of the layouts derived from ``values`` to ``out``, and of those derived from them in turn.
+
+    A weight held in the device layout may derive the public format for a
+    backend that reads it (``gemm.public_parts``), and that copy its own layouts.
+    """
+    entry = _DERIVED.get(id(values))
+    for key, (_, layout) in (entry[1].items() if entry else ()):
+        for t in _tensors(layout):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                out[prefix + str(key)] = out.get(prefix + str(key), 0) + storage.nbytes()
+            if depth < 2 and id(t) in _DERIVED:
+                _count_derived(t, f"{prefix}{key} > ", seen, out, depth + 1)
+
+
 class Sparse24Weight:
     """A 2:4-compressed weight of logical shape ``[M, K]``: ``values`` and ``metadata``.
 
@@ -210,13 +230,34 @@ class Sparse24Weight:
 
     def __init__(self, values: torch.Tensor, metadata: torch.Tensor, *, _validate: bool = True):
         if _validate:
-            _validate_compressed(values, metadata)
+            if layout_of(values) == SP_LAYOUT:
+                check_layout(values, metadata)
+                _validate_compressed(*unpack(values, metadata))
+            else:
+                _validate_compressed(values, metadata)
         self.values = values
         self.metadata = metadata
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.values.shape[0], self.values.shape[1] * 2))
+        return torch.Size(weight_shape(self.values))
+
+    @property
+    def layout(self) -> str:
+        """``"public"`` (values [M, K/2], metadata [M, K/8]) or ``"sp tiled"``, the device layout (``layout.py``)."""
+        return layout_of(self.values)
+
+    def public(self) -> "Sparse24Weight":
+        """This weight in the public format: itself, or its device layout unpacked (new tensors)."""
+        if self.layout == PUBLIC:
+            return self
+        return Sparse24Weight(*unpack(self.values, self.metadata), _validate=False)
+
+    def packed(self) -> "Sparse24Weight":
+        """This weight in the device layout (``layout.py``): itself, or new tensors; M % 16 and K % 64 must be 0."""
+        if self.layout == SP_LAYOUT:
+            return self
+        return Sparse24Weight(*pack(self.values, self.metadata), _validate=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -227,7 +268,9 @@ class Sparse24Weight:
         return self.values.device
 
     def positions(self) -> torch.Tensor:
-        """Column index in ``W`` of every stored value: ``[M, K/2]`` int64."""
+        """Column index in ``W`` of every stored value of the public format: ``[M, K/2]`` int64."""
+        if self.layout != PUBLIC:
+            return self.public().positions()
         pos = unpack_positions(self.metadata)  # [M, K/4, 2]
         base = 4 * torch.arange(pos.shape[1], device=pos.device).view(1, -1, 1)
         return (pos + base).reshape(self.values.shape)
@@ -242,6 +285,8 @@ class Sparse24Weight:
 
         ``positions`` (from :meth:`positions`) saves unpacking the metadata again.
         """
+        if self.layout != PUBLIC:
+            return self.public().decompress(positions)
         m, k = self.shape
         dense = torch.zeros((m, k), dtype=self.dtype, device=self.device)
         return dense.scatter(1, self.positions() if positions is None else positions, self.values)
@@ -271,14 +316,8 @@ class Sparse24Weight:
         long as the values tensor.  Host objects (plans, launches) are not counted.
         """
         seen = {self.values.untyped_storage().data_ptr(), self.metadata.untyped_storage().data_ptr()}
-        entry = _DERIVED.get(id(self.values))
         out: dict[str, int] = {}
-        for key, (_, layout) in (entry[1].items() if entry else ()):
-            for t in _tensors(layout):
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    out[str(key)] = out.get(str(key), 0) + storage.nbytes()
+        _count_derived(self.values, "", seen, out)
         return out
 
     def __repr__(self) -> str:

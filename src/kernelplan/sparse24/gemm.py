@@ -22,7 +22,8 @@ from ..errors import InvalidProblem, MisalignedOperand
 from ..kernels import stream_capturing
 from ..plan import Backend, BackendRegistry, Plan, PrecisionGuarantee, dispatch_generation, memoised_select
 from .dispatch import MEMORY_POLICIES, backend_for
-from .format import SPARSE24_DTYPES, Sparse24Weight, output_rows
+from .format import SPARSE24_DTYPES, Sparse24Weight, derived_from, output_rows
+from .layout import PUBLIC, SP_LAYOUT, check_layout, layout_of, pack_values, unpack, weight_shape
 
 SPARSE24_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 
@@ -136,10 +137,11 @@ class GemmSparse24Plan(Plan):
 
 
 class ReferenceSparse24Backend(Backend):
-    """Decompress, then one matmul in fp32 (fp64 for fp64): exact semantics, any device."""
+    """Decompress, then one matmul in fp32 (fp64 for fp64): exact semantics, any device, either layout."""
 
     name = "reference"
     priority = 0
+    layouts = (PUBLIC, SP_LAYOUT)  # the weight layouts run reads as they are; others get the public format
 
     def supports(self, desc: GemmSparse24Descriptor) -> str | None:
         if desc.dtype not in SPARSE24_DTYPES:
@@ -177,13 +179,32 @@ def _sparse24_linear_impl(
     x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias: Optional[torch.Tensor], activation: str,
     memory: str,
 ) -> torch.Tensor:
-    return _linear_with(_plan_for(x, values, metadata, bias, activation, memory), x, values, metadata, bias)
+    plan = _plan_for(x, values, metadata, bias, activation, memory)
+    if not _reads(plan.backend, layout_of(values)):
+        values, metadata = public_parts(values, metadata)
+    return _linear_with(plan, x, values, metadata, bias)
+
+
+def _reads(backend: Backend, layout: str) -> bool:
+    """Whether ``backend`` runs a weight held in ``layout`` as it is (every backend reads the public format)."""
+    return layout == PUBLIC or layout in getattr(backend, "layouts", (PUBLIC,))
+
+
+def public_parts(values: torch.Tensor, metadata: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The public format of a weight held in the device layout, for a backend that reads only that format.
+
+    Built once per weight state and kept with it (``derived_from``), counted by
+    ``Sparse24Weight.derived_bytes``: under memory="compact" only where the rule
+    names such a backend (f32 weights on CUDA), under "fast" for the candidates.
+    """
+    return derived_from(values, metadata, PUBLIC, lambda v, m: unpack(v.detach(), m))
 
 
 def _plan_for(x, values, metadata, bias, activation, memory) -> GemmSparse24Plan:
     """The dispatched plan of a call; under ``memory="fast"``, its bucket tuned first if this is its first call."""
     graph = x.is_cuda and stream_capturing()
-    problem = (math.prod(x.shape[:-1]), values.shape[0], x.shape[-1], x.dtype, activation, bias is not None, x.device)
+    problem = (math.prod(x.shape[:-1]), weight_shape(values)[0], x.shape[-1], x.dtype, activation, bias is not None,
+               x.device)
     desc = _descriptor(*problem, graph, memory)
     if x.is_cuda and not graph and memory == "fast" and _first_of_its_bucket(desc):
         from .backends import tune
@@ -196,7 +217,7 @@ def _plan_for(x, values, metadata, bias, activation, memory) -> GemmSparse24Plan
         # tiled one, cuSPARSELt's), which would otherwise stay with the weight for as long as it
         # lives, the losers' included.  The copy and its layouts go when tuning ends.
         scratch = values.detach().clone(), metadata.clone()
-        tune(desc, lambda plan: functools.partial(_bound(plan), x, *scratch, bias))
+        tune(desc, lambda plan: functools.partial(_bound(plan, layout_of(values)), x, *scratch, bias))
         del scratch
     plan = memoised_select(GemmSparse24Plan, desc)
     if x.is_cuda and not graph:
@@ -205,14 +226,23 @@ def _plan_for(x, values, metadata, bias, activation, memory) -> GemmSparse24Plan
     return plan
 
 
-def _bound(plan: GemmSparse24Plan):
-    """``call(x, values, metadata, bias) -> y`` through ``plan``: its backend's bound call if it has one."""
-    return plan.backend.bind(plan.desc) or functools.partial(_linear_with, plan)
+def _bound(plan: GemmSparse24Plan, layout: str = PUBLIC):
+    """``call(x, values, metadata, bias) -> y`` through ``plan`` for a weight held in ``layout``.
+
+    The backend's bound call if it has one; for a weight in the device layout
+    and a backend that reads only the public format, on ``public_parts``.
+    """
+    call = plan.backend.bind(plan.desc) or functools.partial(_linear_with, plan)
+    return call if _reads(plan.backend, layout) else functools.partial(_on_public_parts, call)
+
+
+def _on_public_parts(call, x, values, metadata, bias) -> torch.Tensor:
+    return call(x, *public_parts(values, metadata), bias)
 
 
 def _linear_with(plan, x, values, metadata, bias) -> torch.Tensor:
     """One call through ``plan``: y allocated here, the args built from inputs already checked."""
-    y, x2, y2 = output_rows(x, values.shape[0])
+    y, x2, y2 = output_rows(x, weight_shape(values)[0])
     # linear() checked x and bias and Sparse24Weight its parts, or the custom op's schema did;
     # y is ours: the plan's own re-checks would only add host time.
     plan.run_prechecked(GemmSparse24Args(x2, values, metadata, y2, bias))
@@ -244,7 +274,7 @@ def tunable(desc: GemmSparse24Descriptor) -> list:
 
 @_sparse24_linear_op.register_fake
 def _(x, values, metadata, bias, activation, memory):
-    return x.new_empty((*x.shape[:-1], values.shape[0]))
+    return x.new_empty((*x.shape[:-1], weight_shape(values)[0]))
 
 
 def _setup(ctx, inputs, output):
@@ -258,11 +288,11 @@ def _backward(ctx, dy):
     # backward, one less [N, M] tensor kept alive between passes.
     x, values, metadata, bias = ctx.saved_tensors
     compute = dtype_info(x.dtype).compute
-    w24 = Sparse24Weight(values.to(compute), metadata, _validate=False)
+    w24 = Sparse24Weight(values.to(compute), metadata, _validate=False).public()
     positions = w24.positions()  # unpacked once: for W and for the gradient gather
     w = w24.decompress(positions)
     x2 = x.reshape(-1, x.shape[-1]).to(compute)
-    g = dy.reshape(-1, values.shape[0]).to(compute)
+    g = dy.reshape(-1, w.shape[0]).to(compute)
     if ctx.activation:
         z = x2 @ w.T
         if bias is not None:
@@ -273,6 +303,8 @@ def _backward(ctx, dy):
     if ctx.needs_input_grad[1]:
         # Only the stored positions get gradient: the mask stays fixed.
         dvalues = torch.gather(g.T @ x2, 1, positions).to(values.dtype)
+        if layout_of(values) == SP_LAYOUT:  # the gradient in the layout the values are held in
+            dvalues = pack_values(dvalues)
     dbias = g.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[3] else None
     return dx, dvalues, None, dbias, None, None
 
@@ -317,12 +349,10 @@ def linear_parts(x, values, metadata, bias=None, activation=None, memory="compac
         if hit is not None and hit[0] == dispatch_generation(GemmSparse24Plan) and \
                 hit[1]() is values and hit[2]() is metadata and (bias is None or hit[3]() is bias):
             return hit[5](x, values, metadata, bias)
-    check_tensor(values, "values")
-    m, k = values.shape[0], 2 * values.shape[1]
-    check_tensor(x, "x", dtype=values.dtype, device=values.device)
     # Parts held apart (a Sparse24Weight built with _validate=False, a module's buffers) have not
     # been matched to each other: a wrong metadata shape would send kernels past its end.
-    check_tensor(metadata, "metadata", shape=(m, k // 8), dtype=torch.int16, device=values.device)
+    m, k = check_layout(values, metadata)
+    check_tensor(x, "x", dtype=values.dtype, device=values.device)
     if x.dim() < 1 or x.shape[-1] != k:
         raise InvalidProblem(
             f"x has shape {tuple(x.shape)}; its last dimension must equal the weight's K = {k} "
@@ -336,7 +366,7 @@ def linear_parts(x, values, metadata, bias=None, activation=None, memory="compac
     if not eager:
         return _sparse24_linear_op(x, values, metadata, bias, activation or "", memory)
     plan = _plan_for(x, values, metadata, bias, activation or "", memory)
-    call = _bound(plan)
+    call = _bound(plan, layout_of(values))
     if len(_prepared) >= _MAX_PREPARED:
         _prepared.clear()
     _prepared[key] = (dispatch_generation(GemmSparse24Plan), weakref.ref(values), weakref.ref(metadata),
@@ -357,7 +387,7 @@ def _ready_for_graphs(plan: GemmSparse24Plan, graphed: GemmSparse24Plan, x, valu
         return
     key = (id(values), values.data_ptr(), graphed.backend.name)
     if key not in _graph_ready:
-        _bound(graphed)(x, values, metadata, bias)
+        _bound(graphed, layout_of(values))(x, values, metadata, bias)
         if len(_graph_ready) >= _MAX_PREPARED:
             _graph_ready.clear()
         _graph_ready.add(key)

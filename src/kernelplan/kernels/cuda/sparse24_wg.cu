@@ -1,7 +1,7 @@
 // 2:4 linear on Hopper's sparse warpgroup MMA (wgmma.mma_async.sp, sm_90a), for mid and large N.
 //
 // y[N, M] = act(x[N, K] @ W^T + bias), W in the one device layout of kernels/sparse24_sp.py
-// (tiled_values / tiled_meta: 16-row tiles, 64-column steps, each warp step's mma.sp fragments in
+// (sparse24/layout.py: 16-row tiles, 64-column steps, each warp step's mma.sp fragments in
 // lane order).  A wgmma.sp with A in registers takes, per warp of the warpgroup, exactly the
 // mma.sp.m16n8k32 fragment and metadata word of that warp's 16 rows; so warp w of a warpgroup
 // reads row tile 4 * (warpgroup's 64-row block) + w of that layout unchanged.

@@ -1,0 +1,256 @@
+"""The one device layout (sparse24/layout.py): conversions, and Sparse24Linear holding the weight in it alone."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kernelplan as kp
+from helpers import BWD_ATOL, FWD_ATOL, assert_close
+from kernelplan.sparse24.layout import SP_LAYOUT, check_layout, pack, pack_reason, unpack
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _weight(m, k, dtype=torch.bfloat16, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    w = kp.sparse24.prune(torch.randn(m, k, generator=g)).to(dtype)
+    # Groups with fewer than 2 non-zeros store filler positions: some of every kind.
+    w[:, ::12] = 0
+    return w.to(device), kp.sparse24.compress(w.to(device))
+
+
+def _oracle(values: torch.Tensor, metadata: torch.Tensor):
+    """The layout from its definition, element by element (layout.py's docstring), independent of the permutes."""
+    m, half = values.shape
+    k = 2 * half
+    tv = torch.zeros(m // 16, k // 64, 512, dtype=values.dtype)
+    tm = torch.zeros(m // 16, k // 64, 32, dtype=torch.int64)
+    byte = metadata.to(torch.int64)
+    for row in range(m):
+        i, h, g = row // 16, (row // 8) % 2, row % 8
+        for group in range(k // 4):
+            s, u, j, t = group // 16, (group // 8) % 2, (group // 4) % 2, group % 4
+            for e in range(2):
+                tv[i, s, ((((u * 8 + g) * 4 + t) * 2 + j) * 2 + h) * 2 + e] = values[row, 2 * group + e]
+            nibble = (byte[row, group // 2] >> (8 * (group % 2))) & 0xF
+            quarter = (group % 16) // 4  # the 16-column quarter t' of the 64-column step s
+            tm[i, s, 4 * g + quarter] |= nibble << (4 * (group % 4) + 16 * h)
+    return tv, torch.where(tm >= 2**31, tm - 2**32, tm).to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_pack_matches_the_layouts_definition(dtype):
+    _, w24 = _weight(32, 128, dtype)
+    tv, tm = pack(w24.values, w24.metadata)
+    ov, om = _oracle(w24.values, w24.metadata)
+    assert torch.equal(tv, ov) and torch.equal(tm, om)
+
+
+@settings(max_examples=25, deadline=None)
+@given(tiles=st.integers(1, 4), steps=st.integers(1, 4), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_pack_then_unpack_is_the_identity(tiles, steps, dtype, seed):
+    w, w24 = _weight(16 * tiles, 64 * steps, dtype, seed)
+    tv, tm = pack(w24.values, w24.metadata)
+    assert tv.shape == (tiles, steps, 512) and tm.shape == (tiles, steps, 32) and tm.dtype == torch.int32
+    values, metadata = unpack(tv, tm)
+    assert torch.equal(values, w24.values) and torch.equal(metadata, w24.metadata)
+    packed = kp.sparse24.Sparse24Weight(tv, tm)  # validated through the public format
+    assert packed.layout == SP_LAYOUT and packed.shape == w.shape and torch.equal(packed.decompress(), w)
+    # Bytes: values as before, 4 bits per group of metadata where the format keeps 8.
+    assert tm.nbytes * 2 == w24.metadata.nbytes and tv.nbytes == w24.values.nbytes
+
+
+def test_the_kernels_read_the_packed_weight_as_they_would_derive_it():
+    from kernelplan.kernels.sparse24_sp import _tiled
+
+    _, w24 = _weight(48, 192)
+    tv, tm = pack(w24.values, w24.metadata)
+    pairs, words = _tiled(w24.values, w24.metadata)  # what cuda_sp / cuda_wg derive from the public format
+    assert torch.equal(tv, pairs) and torch.equal(tm.flatten(), words.flatten())
+    held = _tiled(tv, tm)
+    assert held[0].data_ptr() == tv.data_ptr() and held[1] is tm  # held, not copied
+
+
+def test_shapes_off_the_tile_are_refused_with_the_reason():
+    assert "multiple of 16" in pack_reason(24, 64) and "multiple of 64" in pack_reason(16, 96)
+    assert pack_reason(16, 64) is None
+    _, w24 = _weight(24, 64)
+    with pytest.raises(kp.InvalidProblem, match=r"\[24, 64\] cannot be held.*multiple of 16.*layout='public'"):
+        pack(w24.values, w24.metadata)
+    _, w24 = _weight(16, 64)
+    tv, tm = pack(w24.values, w24.metadata)
+    with pytest.raises(kp.InvalidProblem, match=r"metadata has shape \(1, 1, 16\) but must have shape \(1, 1, 32\)"):
+        check_layout(tv, tm[..., :16])
+    with pytest.raises(kp.InvalidProblem, match=r"dtype torch.int16.*int32|must have dtype torch.int32"):
+        check_layout(tv, tm.to(torch.int16))
+    with pytest.raises(kp.InvalidProblem, match=r"values has shape \(1, 1, 256\).*\[M/16, K/64, 512\]"):
+        check_layout(tv[..., :256], tm)
+
+
+def test_a_corrupt_packed_word_is_refused():
+    _, w24 = _weight(16, 64)
+    tv, tm = pack(w24.values, w24.metadata)
+    bad = tm.clone()
+    bad[0, 0, 5] = bad[0, 0, 5] & ~0xF | 0b0101  # pos0 = pos1 = 1 in the word's first group
+    with pytest.raises(kp.InvalidProblem, match="not a valid 2:4 word"):
+        kp.sparse24.Sparse24Weight(tv, bad)
+
+
+# -- Sparse24Linear holds the device layout alone ----------------------------
+
+
+def _layer(m=64, k=128, dtype=torch.float32, bias=True, layout="auto"):
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(k, m, bias=bias).to(dtype)
+    return dense, kp.nn.Sparse24Linear.from_dense(dense, layout=layout)
+
+
+def test_the_module_holds_only_the_device_layout_at_9_16_of_dense():
+    dense, layer = _layer(64, 128, torch.bfloat16)
+    assert layer.layout == SP_LAYOUT and "layout='sp tiled'" in repr(layer)
+    held = layer.values.nbytes + layer.metadata.nbytes
+    assert held * 16 == dense.weight.nbytes * 9  # 0.5625x: values, and 4 bits per group of 4
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    layer(x)
+    assert layer.weight24.derived_bytes() == {}  # the reference read it as held: no copy kept
+    _, odd = _layer(40, 128)
+    assert odd.layout == "public"  # M off the 16-row tile: the public format
+    _, public = _layer(64, 128, layout="public")
+    assert public.layout == "public" and public.values.shape == (64, 64)
+    with pytest.raises(kp.InvalidProblem, match="layout"):
+        _layer(layout="tiled")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_packed_module_computes_what_the_public_one_does(dtype):
+    dense, layer = _layer(48, 192, dtype)
+    _, public = _layer(48, 192, dtype, layout="public")
+    w = kp.sparse24.prune(dense.weight.detach())
+    base = torch.randn(2, 5, 384, dtype=dtype)
+    for x in (torch.randn(7, 192, dtype=dtype), base[..., ::2], torch.randn(1, 192, dtype=dtype)):  # 3-D, strided
+        x = x.clone().requires_grad_() if x.is_contiguous() else x.detach().requires_grad_()
+        y = layer(x)
+        oracle = F.linear(x.double(), w.double(), dense.bias.double())
+        assert_close(y, oracle, F.linear(x, w, dense.bias), atol=FWD_ATOL[dtype])
+        assert torch.equal(y, public(x))
+        (dy,) = torch.autograd.grad(y.float().square().sum(), x)
+        (dp,) = torch.autograd.grad(public(x).float().square().sum(), x)
+        assert torch.equal(dy, dp)
+
+
+def test_training_the_packed_module_keeps_the_mask_and_gives_the_public_gradient():
+    dense, layer = _layer(32, 128)
+    _, public = _layer(32, 128, layout="public")
+    x = torch.randn(6, 128)
+    layer(x).square().mean().backward()
+    public(x).square().mean().backward()
+    assert layer.values.grad.shape == layer.values.shape
+    grad = kp.sparse24.layout.unpack_values(layer.values.grad)
+    w64 = public.to_dense().detach().double().requires_grad_()
+    F.linear(x.double(), w64, dense.bias.double()).square().mean().backward()
+    oracle = torch.gather(w64.grad, 1, public.weight24.positions())
+    assert_close(grad, oracle, public.values.grad, atol=BWD_ATOL[torch.float32])
+    mask = layer.to_dense() != 0
+    torch.optim.SGD(layer.parameters(), lr=0.1).step()
+    w = layer.to_dense()
+    assert kp.sparse24.is_sparse24(w) and not (w[~mask] != 0).any()
+
+
+def test_state_dict_and_checkpoints_hold_the_public_format(tmp_path):
+    dense, layer = _layer(64, 128, torch.bfloat16)
+    state = layer.state_dict()
+    w24 = kp.sparse24.compress(kp.sparse24.prune(dense.weight.detach()))
+    assert torch.equal(state["values"], w24.values) and torch.equal(state["metadata"], w24.metadata)
+    fresh = kp.nn.Sparse24Linear.from_dense(torch.nn.Linear(128, 64).to(torch.bfloat16))
+    fresh.load_state_dict(state)
+    assert fresh.layout == SP_LAYOUT and torch.equal(fresh.values, layer.values)
+    assert torch.equal(fresh.metadata, layer.metadata) and "values" in state  # the caller's dict is untouched
+    assert state["values"].dim() == 2
+    buf = io.BytesIO()
+    torch.save(layer.state_dict(), buf)
+    fresh.load_state_dict(torch.load(io.BytesIO(buf.getvalue())))
+    assert torch.equal(fresh.values, layer.values)
+    model = torch.nn.Sequential(layer)
+    kp.save_compressed(model.state_dict(), tmp_path / "m.safetensors")
+    loaded = kp.load_compressed(tmp_path / "m.safetensors")
+    assert torch.equal(loaded["0.values"], w24.values) and torch.equal(loaded["0.metadata"], w24.metadata)
+
+
+def test_loading_a_corrupt_state_dict_changes_nothing():
+    _, layer = _layer(64, 128)
+    before = layer.values.detach().clone(), layer.metadata.clone()
+    state = layer.state_dict()
+    state["metadata"] = state["metadata"].clone()
+    state["metadata"][3, 2] = 0x0505
+    with pytest.raises(kp.InvalidProblem, match=r"metadata\[3, 2\] = 0x0505 is not a valid 2:4 word"):
+        layer.load_state_dict(state)
+    assert torch.equal(layer.values, before[0]) and torch.equal(layer.metadata, before[1])
+    state = layer.state_dict()
+    state["values"] = state["values"][:, :32]
+    with pytest.raises(RuntimeError, match="size mismatch for values"):
+        layer.load_state_dict(state)
+
+
+def test_the_packed_module_compiles_fullgraph_forward_and_backward():
+    _, layer = _layer(32, 128)
+    x = torch.randn(2, 3, 128, requires_grad=True)
+    torch._dynamo.reset()
+    y = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    y.square().sum().backward()
+    got = [x.grad.clone(), layer.values.grad.clone()]
+    x.grad, layer.values.grad, layer.bias.grad = None, None, None
+    layer(x).square().sum().backward()
+    assert torch.equal(got[0], x.grad) and torch.equal(got[1], layer.values.grad)
+
+
+# -- on the GPU --------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_on_the_gpu_the_module_holds_nothing_beyond_its_layout_after_calls_at_every_n(dtype):
+    """Bytes held per weight after calls at n = 1, 64, 256, 4096 (bias): 0.5625x of dense, no derived copy."""
+    dense, layer = _layer(1024, 4096, dtype)
+    dense, layer = dense.cuda(), layer.cuda()
+    w = kp.sparse24.prune(dense.weight.detach())
+    for n in (1, 64, 256, 4096, 37):
+        x = torch.randn(n, 4096, device="cuda").to(dtype)
+        assert_close(layer(x), F.linear(x.double(), w.double(), dense.bias.double()), F.linear(x, w, dense.bias),
+                     atol=FWD_ATOL[dtype])
+    assert layer.weight24.derived_bytes() == {}
+    assert (layer.values.nbytes + layer.metadata.nbytes) * 16 == w.nbytes * 9
+    graph = torch.cuda.CUDAGraph()
+    x = torch.randn(64, 4096, device="cuda").to(dtype)
+    with torch.cuda.graph(graph):
+        y = layer(x)
+    x.copy_(torch.randn(64, 4096, device="cuda").to(dtype))
+    graph.replay()
+    assert torch.equal(y, layer(x)) and layer.weight24.derived_bytes() == {}
+
+
+@pytest.mark.gpu
+@cuda
+def test_on_the_gpu_conversions_match_the_cpu_and_f32_derives_the_public_format_reported():
+    w, w24 = _weight(256, 512, torch.bfloat16)
+    tv, tm = pack(w24.values.cuda(), w24.metadata.cuda())
+    cpu = pack(w24.values, w24.metadata)
+    assert torch.equal(tv.cpu(), cpu[0]) and torch.equal(tm.cpu(), cpu[1])
+    back = unpack(tv, tm)
+    assert torch.equal(back[0].cpu(), w24.values) and torch.equal(back[1].cpu(), w24.metadata)
+    dense, layer = _layer(256, 512, torch.float32)
+    layer = layer.cuda()  # f32: the rule runs the Triton kernel, which reads the public format
+    x = torch.randn(8, 512, device="cuda")
+    wd = layer.to_dense()
+    assert_close(layer(x), F.linear(x.double(), wd.double(), layer.bias.double()), F.linear(x, wd, layer.bias),
+                 atol=FWD_ATOL[torch.float32])
+    held = layer.weight24.derived_bytes()  # the public copy, and what the Triton kernel derives from it in turn
+    assert held["public"] == w24.values.nbytes * 2 + w24.metadata.nbytes and all(k.startswith("public") for k in held)
