@@ -163,7 +163,7 @@ def sparsify_state_dict(state: dict[str, torch.Tensor], pattern: str | None = No
     """
     import re
 
-    from .sparse24.format import compress, prune
+    from .sparse24.format import prune_compress
 
     try:
         regex = re.compile(pattern) if pattern is not None else None
@@ -183,7 +183,7 @@ def sparsify_state_dict(state: dict[str, torch.Tensor], pattern: str | None = No
             report.skipped[prefix] = reason
             out[name] = t
             continue
-        w24 = compress(prune(t))
+        w24 = prune_compress(t)
         out[prefix + ".values"], out[prefix + ".metadata"] = w24.values, w24.metadata
         report.converted.append(prefix)
         report.bytes_before += t.numel() * t.element_size()

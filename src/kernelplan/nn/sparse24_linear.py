@@ -8,8 +8,8 @@ from torch import nn
 from .._checks import choice
 from ..errors import InvalidProblem
 from ..sparse24.dispatch import MEMORY_POLICIES
-from .. import sparse24
-from ..sparse24 import Sparse24Weight, compress
+from ..sparse24 import Sparse24Weight
+from ..sparse24.format import prune_compress
 from ..sparse24.gemm import linear_parts
 from ..sparse24.layout import PUBLIC, layout_of, pack_reason, unpack
 
@@ -60,7 +60,7 @@ class Sparse24Linear(nn.Module):
         if prune != "magnitude":
             raise InvalidProblem(f"prune is {prune!r}; the one pruning method is prune='magnitude'")
         with torch.no_grad():
-            w24 = compress(sparse24.prune(linear_module.weight.detach()))
+            w24 = prune_compress(linear_module.weight.detach())
             bias = linear_module.bias.detach().clone() if linear_module.bias is not None else None
         return cls(w24.values, w24.metadata, bias, layout=layout)
 

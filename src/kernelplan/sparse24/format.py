@@ -22,6 +22,8 @@ alone (``Sparse24Linear`` does), and converts back to this format to be saved.
 
 from __future__ import annotations
 
+import importlib.util
+import warnings
 import weakref
 from typing import Callable
 
@@ -61,6 +63,35 @@ def _two_positions(keep: torch.Tensor) -> torch.Tensor:
     return order.sort(dim=-1).values
 
 
+def gpu_kernels(t: torch.Tensor):
+    """The Triton conversion kernels (``kernels/sparse24_convert.py``) where they convert ``t``, else None.
+
+    A CUDA tensor without Triton installed converts by the torch ops, which give
+    the same bits in many passes: a one-time warning says so.
+    """
+    if not t.is_cuda or t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return None
+    if importlib.util.find_spec("triton") is None:
+        _warn_once("triton is not installed: 2:4 weights are pruned, compressed and laid out on the GPU by torch "
+                   "ops, in many passes (pip install 'kernelplan[gpu]' for the one-pass kernels)")
+        return None
+    from ..kernels import sparse24_convert
+
+    return sparse24_convert
+
+
+def _warn_once(message: str, _said: set = set()) -> None:  # noqa: B006  the set is the memory
+    if message not in _said:
+        _said.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _rows(w: torch.Tensor) -> torch.Tensor:
+    """``w [..., K]`` as 2-D rows of unit stride (a view where it can be one)."""
+    rows = w.reshape(-1, w.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def prune(w: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Zero all but the 2 largest ``|w|`` of each group of 4 along the last dim.
 
@@ -69,6 +100,11 @@ def prune(w: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     ``w``'s shape and dtype.
     """
     groups = _groups(w, "w", 4)
+    kernels = gpu_kernels(w) if mask is None and w.numel() else None
+    if kernels is not None:
+        dense = kernels.compress(_rows(w), prune=True, dense=True)
+        if dense is not None:  # None: a NaN, named below
+            return dense.view(w.shape)
     if mask is None:
         if torch.isnan(w).any():
             raise InvalidProblem(
@@ -109,6 +145,11 @@ def compress(w: torch.Tensor) -> "Sparse24Weight":
         )
     dtype_info(w.dtype, "w", SPARSE24_DTYPES)
     groups = _groups(w, "w", 8)
+    kernels = gpu_kernels(w) if w.numel() else None
+    if kernels is not None:
+        parts = kernels.compress(_rows(w), prune=False)
+        if parts is not None:  # None: a group of more than 2, named below
+            return Sparse24Weight(*parts, _validate=False)
     nonzero = groups != 0
     counts = nonzero.sum(-1)
     if (counts > 2).any():
@@ -123,6 +164,16 @@ def compress(w: torch.Tensor) -> "Sparse24Weight":
     byte = (pos[..., 0] | (pos[..., 1] << 2)).to(torch.int32)  # [M, K/4]
     words = byte[:, 0::2] | (byte[:, 1::2] << 8)
     return Sparse24Weight(values.contiguous(), words.to(torch.int16), _validate=False)
+
+
+def prune_compress(w: torch.Tensor) -> "Sparse24Weight":
+    """``compress(prune(w))`` of a 2-D weight, in one pass on the GPU (no pruned dense copy)."""
+    kernels = gpu_kernels(w) if w.dim() == 2 and w.numel() and w.shape[-1] % 8 == 0 else None
+    if kernels is not None:
+        parts = kernels.compress(_rows(w), prune=True)
+        if parts is not None:
+            return Sparse24Weight(*parts, _validate=False)
+    return compress(prune(w))
 
 
 def _metadata_bytes(metadata: torch.Tensor) -> torch.Tensor:

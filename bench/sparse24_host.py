@@ -1,0 +1,103 @@
+"""Host work of one eager 2:4 call beside ``F.linear``'s: host-bound calls back to back, and where the time goes.
+
+A 1024x1024 bf16 layer at n = 1: the kernels take a few microseconds, so a
+run of back-to-back calls is as long as the host work that launches them.
+Timed alternating, medians of rounds: ``F.linear`` on the dense weight,
+``nn.Linear``, ``kp.sparse24.linear`` on a public-format weight,
+``Sparse24Linear`` (the device layout), under ``torch.no_grad`` and under
+``torch.inference_mode``.  Then a cProfile of the module's calls, top
+functions by own time.  Prints only; ``--json`` writes the medians.
+
+    PYTHONPATH=src python bench/sparse24_host.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import kernelplan as kp
+from kernelplan.timing import interleaved
+
+
+def per_call_us(fn, calls: int = 2000) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--size", type=int, default=1024)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    s = a.size
+    dense = torch.nn.Linear(s, s, device="cuda", dtype=torch.bfloat16)
+    layer = kp.nn.Sparse24Linear.from_dense(dense)
+    w24 = layer.weight24.public()
+    w = w24.decompress()
+    x = torch.randn(1, s, device="cuda", dtype=torch.bfloat16)
+    fns = {
+        "F.linear": lambda: F.linear(x, w, dense.bias),
+        "nn.Linear": lambda: dense(x),
+        "kp.sparse24.linear": lambda: kp.sparse24.linear(x, w24, dense.bias),
+        "Sparse24Linear": lambda: layer(x),
+    }
+    out = {}
+    for mode, ctx in (("no_grad", torch.no_grad), ("inference_mode", torch.inference_mode)):
+        with ctx():
+            for fn in fns.values():
+                fn()
+            med = interleaved({n: (lambda fn=fn: per_call_us(fn)) for n, fn in fns.items()}, 7, 1)
+        out[mode] = med
+        base = med["F.linear"]
+        print(f"{mode}: " + ", ".join(f"{n} {t:.1f} us ({t / base:.2f}x)" for n, t in med.items()), flush=True)
+    with torch.no_grad():  # the layers of one module call, each timed alone
+        from kernelplan.kernels import raw_stream
+        from kernelplan.sparse24.format import _DERIVED
+        from kernelplan.sparse24.gemm import _prepared
+
+        call = next(hit[5] for key, hit in _prepared.items() if key[0] == id(layer.values))
+        tiled = next(v[1] for k, v in _DERIVED[id(layer.values)][1].items() if "launch" in str(k))
+        y = torch.empty(1, s, device="cuda", dtype=torch.bfloat16)
+        launch, grid, _, _ = next(iter(tiled._calls.values()))
+        args = (x.data_ptr(), *tiled.weight, dense.bias.data_ptr(), y.data_ptr(), 1, s, s, x.stride(0), y.stride(0))
+        parts = {
+            "torch.empty": lambda: torch.empty(1, s, device="cuda", dtype=torch.bfloat16),
+            "x.new_empty": lambda: x.new_empty((1, s)),
+            "cuLaunchKernel": lambda: launch(grid, args, raw_stream(0)),
+            "_TiledWeight": lambda: tiled(x, dense.bias, y),
+            "bound call": lambda: call(x, layer.values, layer.metadata, dense.bias),
+            "linear_parts": lambda: kp.sparse24.gemm.linear_parts(x, layer.values, layer.metadata, dense.bias),
+            "module": lambda: layer(x),
+            "F.linear": lambda: F.linear(x, w, dense.bias),
+        }
+        med = interleaved({n: (lambda fn=fn: per_call_us(fn)) for n, fn in parts.items()}, 5, 1)
+        out["layers"] = med
+        print("layers (no_grad): " + ", ".join(f"{n} {t:.1f} us" for n, t in med.items()), flush=True)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(5000):
+            layer(x)
+        prof.disable()
+        torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Triton kernels that convert 2:4 weights on the GPU: prune, compress, and the device layout's pack and unpack.
+
+Written as torch ops (``sparse24/format.py``, ``sparse24/layout.py``) the same
+steps ran on an H100 (bf16, 28672x8192) at: ``compress`` 101 ms and ``prune``
+165 ms (a sort per group of 4), ``pack`` and ``unpack`` at 0.30x of the copy
+bandwidth (8-D permutes of 4-byte pairs).  Here each is one pass over the
+bytes (``bench/sparse24_convert.py``).
+
+Everything works on the weights' bits, viewed as integers of their width:
+``|w|`` ranks as ``bits & 0x7f..f`` for IEEE floats (NaN above infinity),
+exactly as torch's float32 ``abs`` does for 16- and 32-bit weights, and no
+float arithmetic is done (the Triton interpreter gets bf16 arithmetic wrong).
+64-bit weights, whose float32 ranks may tie where their bits do not, stay
+on the torch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Integer view, |bits| mask and the bits of +inf, by element width in bytes.
+_BITS = {2: (torch.int16, 0x7FFF, 0x7C00), 4: (torch.int32, 0x7FFFFFFF, 0x7F800000)}
+_INF16 = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+
+
+def supported(t: torch.Tensor) -> bool:
+    """Whether these kernels convert ``t``: 16- and 32-bit floats (bits ranked exactly as float32 ranks them)."""
+    return t.dtype in (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _int_view(t: torch.Tensor):
+    ty, absmask, inf = _BITS[t.element_size()]
+    return t.view(ty), absmask, _INF16.get(t.dtype, inf)
+
+
+@triton.jit
+def _compress24(w_ptr, v_ptr, m_ptr, d_ptr, bad_ptr, M, K, stride_w, PRUNE: tl.constexpr, DENSE: tl.constexpr,
+                ABS: tl.constexpr, INF: tl.constexpr, BM: tl.constexpr, BG: tl.constexpr):
+    """A [BM, 4 BG] block of w: the 2 kept of each group of 4, as values + format words (or masked dense)."""
+    pid_m, pid_g = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_g * BG * 4 + tl.arange(0, BG * 4)
+    ok = (rows[:, None] < M) & (cols[None, :] < K)
+    a = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + cols[None, :], mask=ok, other=0)
+    even, odd = tl.split(tl.reshape(a, (BM, BG, 2, 2)))  # columns 4g + {0, 2} and 4g + {1, 3}
+    a0, a2 = tl.split(even)
+    a1, a3 = tl.split(odd)
+    m0, m1, m2, m3 = a0 & ABS, a1 & ABS, a2 & ABS, a3 & ABS
+    if PRUNE:  # rank by |w|, NaN refused
+        s0, s1, s2, s3 = m0, m1, m2, m3
+        bad = (m0 > INF) | (m1 > INF) | (m2 > INF) | (m3 > INF)
+    else:  # rank non-zeros first (-0.0 is zero); more than 2 refused
+        s0, s1, s2, s3 = (m0 != 0).to(tl.int32), (m1 != 0).to(tl.int32), (m2 != 0).to(tl.int32), (m3 != 0).to(tl.int32)
+        bad = s0 + s1 + s2 + s3 > 2
+    # Kept: fewer than 2 rank above, ties to the lower index (as prune's stable sort and compress's fillers).
+    k0 = (s1 > s0).to(tl.int32) + (s2 > s0).to(tl.int32) + (s3 > s0).to(tl.int32) < 2
+    k1 = (s0 >= s1).to(tl.int32) + (s2 > s1).to(tl.int32) + (s3 > s1).to(tl.int32) < 2
+    k2 = (s0 >= s2).to(tl.int32) + (s1 >= s2).to(tl.int32) + (s3 > s2).to(tl.int32) < 2
+    k3 = (s0 >= s3).to(tl.int32) + (s1 >= s3).to(tl.int32) + (s2 >= s3).to(tl.int32) < 2
+    tl.store(bad_ptr + pid_m * tl.num_programs(1) + pid_g, tl.max(tl.max(bad.to(tl.int32), 1), 0))
+    if DENSE:
+        zero = tl.zeros_like(a0)
+        kept = tl.join(tl.join(tl.where(k0, a0, zero), tl.where(k2, a2, zero)),
+                       tl.join(tl.where(k1, a1, zero), tl.where(k3, a3, zero)))
+        tl.store(d_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], tl.reshape(kept, (BM, BG * 4)), mask=ok)
+    else:
+        p0 = tl.where(k0, 0, tl.where(k1, 1, 2))
+        p1 = tl.where(k3, 3, tl.where(k2, 2, 1))
+        v0 = tl.where(k0, a0, tl.where(k1, a1, a2))
+        v1 = tl.where(k3, a3, tl.where(k2, a2, a1))
+        vcols = pid_g * BG * 2 + tl.arange(0, BG * 2)
+        tl.store(v_ptr + rows[:, None].to(tl.int64) * (K // 2) + vcols[None, :], tl.reshape(tl.join(v0, v1), (BM, BG * 2)),
+                 mask=(rows[:, None] < M) & (vcols[None, :] < K // 2))
+        lo, hi = tl.split(tl.reshape(p0 | (p1 << 2), (BM, BG // 2, 2)))  # a format word is two groups' bytes
+        wcols = pid_g * (BG // 2) + tl.arange(0, BG // 2)
+        tl.store(m_ptr + rows[:, None].to(tl.int64) * (K // 8) + wcols[None, :], (lo | (hi << 8)).to(tl.int16),
+                 mask=(rows[:, None] < M) & (wcols[None, :] < K // 8))
+
+
+def compress(w: torch.Tensor, prune: bool, dense: bool = False, block=(16, 64)):
+    """``(values, metadata)`` of a 2-D ``w`` (``dense``: the pruned dense weight), or None where ``w`` is refused.
+
+    ``prune``: keep the 2 largest ``|w|`` per group (refused: NaN), else keep
+    the non-zeros (refused: a group with more than 2).  A refused weight gives
+    None and the caller's torch op names the offending group.  Rows of ``w``
+    must have unit stride.
+    """
+    m, k = w.shape
+    bits, absmask, inf = _int_view(w)
+    bm, bg = block
+    grid = (triton.cdiv(m, bm), triton.cdiv(k // 4, bg))
+    bad = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=w.device)
+    if dense:
+        out = torch.empty_like(bits)
+        values = metadata = out
+    else:
+        values = torch.empty((m, k // 2), dtype=bits.dtype, device=w.device)
+        metadata = torch.empty((m, k // 8), dtype=torch.int16, device=w.device)
+        out = values
+    _compress24[grid](bits, values, metadata, out, bad, m, k, w.stride(0), PRUNE=prune, DENSE=dense,
+                      ABS=absmask, INF=inf, BM=bm, BG=bg, num_warps=4)
+    if bool(bad.any()):
+        return None
+    if dense:
+        return out.view(w.dtype)
+    return values.view(w.dtype), metadata
+
+
+@triton.jit
+def _pack24(v_ptr, m_ptr, tv_ptr, tm_ptr, K, UNPACK: tl.constexpr, STEPS: tl.constexpr):
+    """One 16-row tile, STEPS 64-column steps: pairs and words between the public format and the device layout."""
+    i, sb = tl.program_id(0), tl.program_id(1)
+    nsteps = K // 64
+    s = sb * STEPS + tl.arange(0, STEPS)[:, None]  # [STEPS, 1]
+    live = s < nsteps
+    # Pairs: destination order is lane order, d = ((((u * 8 + g) * 4 + t) * 2 + j) * 2 + h (sparse24/layout.py).
+    d = tl.arange(0, 256)[None, :]
+    h, j, t, g, u = d % 2, (d // 2) % 2, (d // 4) % 4, (d // 16) % 8, d // 128
+    public = (16 * i + 8 * h + g).to(tl.int64) * (K // 4) + 16 * s + 8 * u + 4 * j + t
+    tiled = (i * nsteps + s).to(tl.int64) * 256 + d
+    # Words: lane 4 g + t holds the 16-column quarter t of rows g (low half) and g + 8 (high half).
+    w = tl.arange(0, 32)[None, :]
+    wg, wt = w // 4, w % 4
+    row_lo = (16 * i + wg).to(tl.int64) * (K // 16) + 4 * s + wt  # the format's words as int32: 4 groups each
+    word = (i * nsteps + s).to(tl.int64) * 32 + w
+    if UNPACK:
+        tl.store(v_ptr + public, tl.load(tv_ptr + tiled, mask=live), mask=live)
+        both = tl.load(tm_ptr + word, mask=live).to(tl.uint32, bitcast=True)
+        for half in tl.static_range(2):
+            q = (both >> (16 * half)) & 0xFFFF
+            x = (q & 0xF) | ((q >> 4) & 0xF) << 8 | ((q >> 8) & 0xF) << 16 | ((q >> 12) & 0xF) << 24
+            tl.store(m_ptr + row_lo + half * 8 * (K // 16), x.to(tl.int32, bitcast=True), mask=live)
+    else:
+        tl.store(tv_ptr + tiled, tl.load(v_ptr + public, mask=live), mask=live)
+        x0 = tl.load(m_ptr + row_lo, mask=live).to(tl.uint32, bitcast=True)
+        x1 = tl.load(m_ptr + row_lo + 8 * (K // 16), mask=live).to(tl.uint32, bitcast=True)
+        q0 = (x0 & 0xF) | ((x0 >> 8) & 0xF) << 4 | ((x0 >> 16) & 0xF) << 8 | ((x0 >> 24) & 0xF) << 12
+        q1 = (x1 & 0xF) | ((x1 >> 8) & 0xF) << 4 | ((x1 >> 16) & 0xF) << 8 | ((x1 >> 24) & 0xF) << 12
+        tl.store(tm_ptr + word, (q0 | (q1 << 16)).to(tl.int32, bitcast=True), mask=live)
+
+
+_PAIR = {2: torch.int32, 4: torch.int64}  # a kept pair as one integer, by element width
+
+
+def _launch_pack(values, metadata, tv, tm, k, unpack: bool, steps: int) -> None:
+    pair = _PAIR[values.element_size()]
+    grid = (tv.shape[0], triton.cdiv(k // 64, steps))
+    _pack24[grid](values.view(pair), metadata.view(torch.int32), tv.view(pair), tm, k, UNPACK=unpack, STEPS=steps,
+                  num_warps=4)
+
+
+def pack(values: torch.Tensor, metadata: torch.Tensor, steps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layout.pack`` of contiguous public parts, M % 16 == 0 and K % 64 == 0 (checked by the caller)."""
+    m, k = values.shape[0], 2 * values.shape[1]
+    tv = torch.empty((m // 16, k // 64, 512), dtype=values.dtype, device=values.device)
+    tm = torch.empty((m // 16, k // 64, 32), dtype=torch.int32, device=values.device)
+    _launch_pack(values, metadata, tv, tm, k, False, steps)
+    return tv, tm
+
+
+def unpack(tv: torch.Tensor, tm: torch.Tensor, steps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layout.unpack`` of contiguous device-layout parts."""
+    m, k = 16 * tv.shape[0], 64 * tv.shape[1]
+    values = torch.empty((m, k // 2), dtype=tv.dtype, device=tv.device)
+    metadata = torch.empty((m, k // 8), dtype=torch.int16, device=tv.device)
+    _launch_pack(values, metadata, tv, tm, k, True, steps)
+    return values, metadata

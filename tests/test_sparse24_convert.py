@@ -1,0 +1,93 @@
+"""The GPU conversion kernels (kernels/sparse24_convert.py) against the torch ops, bit for bit.
+
+On CPU they run under the Triton interpreter on CPU tensors; on a GPU, on CUDA
+tensors, and through the public functions (prune, compress, pack, unpack).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernelplan as kp
+from kernelplan.kernels import interpreting
+from kernelplan.sparse24 import layout
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(DEV == "cpu" and not interpreting(),
+                                reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _awkward(m: int, k: int, dtype, seed: int) -> torch.Tensor:
+    """Random weights with ties, zeros, -0.0, infinities and subnormals in some groups."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(m, k, generator=g).to(dtype)
+    w[:, ::7] = 0
+    w[1, :8] = 1.0  # all four tied: the lower two kept
+    w[2, 4:8] = -0.0
+    w[3, 0:4] = torch.tensor([0.0, -2.0, 2.0, 0.0])  # tie across signs
+    w[4, 8] = float("inf")
+    w[5, 12:16] = torch.finfo(dtype).tiny / 4  # subnormal
+    return w
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prune_and_compress_kernels_give_the_torch_ops_bits(dtype):
+    from kernelplan.kernels import sparse24_convert as convert
+
+    for m, k, seed in ((48, 520, 0), (17, 264, 1)):  # K a multiple of 8 only; M odd
+        w = _awkward(m, k, dtype, seed).to(DEV)
+        want = kp.sparse24.compress(kp.sparse24.prune(w.cpu()))
+        values, metadata = convert.compress(w, prune=True)
+        assert torch.equal(_bits(values.cpu()), _bits(want.values)) and torch.equal(metadata.cpu(), want.metadata)
+        dense = convert.compress(w, prune=True, dense=True)
+        assert torch.equal(_bits(dense.cpu()), _bits(kp.sparse24.prune(w.cpu())))
+        values, metadata = convert.compress(dense, prune=False)  # the exact path: non-zeros, then fillers
+        assert torch.equal(_bits(values.cpu()), _bits(want.values)) and torch.equal(metadata.cpu(), want.metadata)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_refusals_leave_the_naming_to_the_torch_ops(dtype):
+    from kernelplan.kernels import sparse24_convert as convert
+
+    w = _awkward(32, 256, dtype, 2).to(DEV)
+    assert convert.compress(w, prune=False) is None  # groups of more than 2 non-zeros
+    w[9, 33] = float("nan")
+    assert convert.compress(w, prune=True) is None
+    with pytest.raises(kp.InvalidProblem, match="contains NaN"):
+        kp.sparse24.prune(w)
+    with pytest.raises(kp.InvalidProblem, match=r"row 0, group 0 .* more than 2"):
+        kp.sparse24.compress(w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_and_unpack_kernels_give_the_torch_ops_bits(dtype):
+    from kernelplan.kernels import sparse24_convert as convert
+
+    w24 = kp.sparse24.compress(kp.sparse24.prune(_awkward(32, 320, dtype, 3)))  # 5 steps: a partial step block
+    want = layout.pack_values(w24.values), layout.pack_metadata(w24.metadata)
+    tv, tm = convert.pack(w24.values.to(DEV), w24.metadata.to(DEV), steps=4)
+    assert torch.equal(_bits(tv.cpu()), _bits(want[0])) and torch.equal(tm.cpu(), want[1])
+    values, metadata = convert.unpack(tv, tm, steps=2)
+    assert torch.equal(_bits(values.cpu()), _bits(w24.values)) and torch.equal(metadata.cpu(), w24.metadata)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_the_gpu_the_public_functions_run_the_kernels_and_keep_autograd():
+    w = _awkward(64, 512, torch.bfloat16, 4)
+    wc = w.cuda()
+    assert torch.equal(_bits(kp.sparse24.prune(wc).cpu()), _bits(kp.sparse24.prune(w)))
+    pruned = kp.sparse24.prune(w)
+    got, want = kp.sparse24.compress(pruned.cuda()), kp.sparse24.compress(pruned)
+    assert torch.equal(got.values.cpu(), want.values) and torch.equal(got.metadata.cpu(), want.metadata)
+    packed = got.packed()
+    assert torch.equal(packed.values.cpu(), want.packed().values) and torch.equal(packed.public().metadata, got.metadata)
+    values = packed.values.clone().requires_grad_()  # autograd through unpack: the torch ops, differentiable
+    kp.sparse24.Sparse24Weight(values, packed.metadata).decompress().sum().backward()
+    assert torch.equal(values.grad, torch.ones_like(values))
