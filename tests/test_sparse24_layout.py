@@ -254,3 +254,25 @@ def test_on_the_gpu_conversions_match_the_cpu_and_f32_derives_the_public_format_
                  atol=FWD_ATOL[torch.float32])
     held = layer.weight24.derived_bytes()  # the public copy, and what the Triton kernel derives from it in turn
     assert held["public"] == w24.values.nbytes * 2 + w24.metadata.nbytes and all(k.startswith("public") for k in held)
+
+
+@pytest.mark.gpu
+@cuda
+def test_on_the_gpu_the_direct_launch_of_a_held_weight_follows_edits_and_shapes():
+    """The inference fast path launches a held weight's kernel directly: repeat calls, 3-D x, edits, new storage."""
+    dense, layer = _layer(512, 1024, torch.bfloat16)
+    layer = layer.cuda()
+    with torch.inference_mode():
+        for shape in ((1, 1024), (3, 5, 1024), (64, 1024), (300, 1024)):
+            x = torch.randn(*shape, device="cuda").to(torch.bfloat16)
+            for _ in range(3):  # the first call records the direct entry, the next ones take it
+                w = layer.to_dense()
+                assert_close(layer(x), F.linear(x.double(), w.double(), layer.bias.double()),
+                             F.linear(x, w, layer.bias), atol=FWD_ATOL[torch.bfloat16])
+        x = torch.randn(16, 1024, device="cuda").to(torch.bfloat16)
+        before = layer(x)
+        layer.values.mul_(2)  # an in-place edit: read as it is, no copy to refresh
+        torch.testing.assert_close(layer(x), 2 * before, rtol=1e-2, atol=1e-2)
+        layer.values.data = layer.values.data / 2  # new storage under the same Parameter
+        torch.testing.assert_close(layer(x), before, rtol=1e-2, atol=1e-2)
+        assert torch.equal(layer(x[:, :1024]), layer(x.clone()))

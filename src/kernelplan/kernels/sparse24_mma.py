@@ -47,7 +47,7 @@ import torch
 from ..dtypes import dtype_info
 from ..errors import KernelPlanError
 from ..sparse24.format import derived_from, output_rows
-from ..sparse24.layout import weight_shape
+from ..sparse24.layout import layout_of, weight_shape
 from . import current_device, on_device, raw_stream
 from .nvrtc import cuda_source
 from ..activations import ACTIVATION_CODES
@@ -309,6 +309,22 @@ class MmaLinear:
         self.launch(x2, values, metadata, bias, y2)
         return y
 
+    def held(self, values, metadata):
+        """A call bound to one weight held in the kernel's own layout (no copy to check), else this call.
+
+        It launches straight from the inference fast path (``sparse24.gemm``):
+        one lookup by x's layout, y allocated, one launch.  On an H100 the
+        layers above it (this call, ``derived_from``'s state check, ``_TiledWeight``)
+        cost 12 us per call beside a 7.7 us launch and F.linear's 25 us in all
+        (``bench/sparse24_host.py``).
+        """
+        if layout_of(values) != self.kernel.layout:
+            return self
+        weight = derived_from(values, metadata, self._key,
+                              functools.partial(_TiledWeight, activation=self.activation, kernel=self.kernel),
+                              device_work=False)
+        return functools.partial(weight.linear, self)
+
     def launch(self, x, values, metadata, bias, y) -> None:
         n = x.shape[0]
         if n == 0 or values.numel() == 0:
@@ -349,6 +365,7 @@ class _TiledWeight:
         self.activation = activation
         self.kernel = kernel
         self._calls: dict = {}  # per-call key -> (FunctionLaunch, grid, x readable in place, y writable in place)
+        self._direct: dict = {}  # (x shape, strides, alignment, no bias) -> (FunctionLaunch, grid, N, y shape)
 
     def __call__(self, x, bias, y) -> None:
         device = self.device
@@ -370,6 +387,32 @@ class _TiledWeight:
                       key[0], self.m, self.k, x.stride(0), out.stride(0)), raw_stream(device))
         if out is not y:
             y.copy_(out)
+
+    def linear(self, slow: MmaLinear, x, values, metadata, bias) -> torch.Tensor:
+        """``y = act(x @ W^T + bias)`` for this weight, held as it is read: ``MmaLinear.held``'s call."""
+        hit = self._direct.get((x.shape, x.stride(), x.data_ptr() & 15, bias is None))
+        if hit is None or values.data_ptr() != self.weight[0] or metadata.data_ptr() != self.weight[1] or \
+                current_device() != self.device:
+            return self._first_linear(slow, x, values, metadata, bias)
+        launch, grid, n, y_shape = hit
+        y = x.new_empty(y_shape)
+        pairs, codes = self.weight
+        launch(grid, (x.data_ptr(), pairs, codes, 0 if bias is None else bias.data_ptr(), y.data_ptr(), n, self.m,
+                      self.k, self.k, self.m), raw_stream(self.device))
+        return y
+
+    def _first_linear(self, slow: MmaLinear, x, values, metadata, bias) -> torch.Tensor:
+        """The call through every layer; where x's rows can be read in place in one launch, its direct entry."""
+        y = slow(x, values, metadata, bias)
+        n = x.numel() // self.k if self.k else 0
+        if 0 < n <= self.kernel.max_n and x.is_contiguous() and x.data_ptr() % 16 == 0 and \
+                (values.data_ptr(), metadata.data_ptr()) == self.weight:
+            if len(self._direct) >= self._MAX_KEYS:
+                self._direct.clear()
+            launch, grid = self.kernel.launch_for(n, self.m, self.k, self.dtype, bias is not None, self.activation,
+                                                  self.device)
+            self._direct[(x.shape, x.stride(), 0, bias is None)] = (launch, grid, n, y.shape)
+        return y
 
     def _prepare(self, key):
         n, sx, sy, x_align, no_bias = key

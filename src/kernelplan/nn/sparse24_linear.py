@@ -36,11 +36,12 @@ class Sparse24Linear(nn.Module):
     """
 
     def __init__(self, values: torch.Tensor, metadata: torch.Tensor, bias: torch.Tensor | None = None,
-                 memory: str = "compact", layout: str = "auto"):
+                 memory: str = "compact", layout: str = "auto", *, _validate: bool = True):
         super().__init__()
         self.memory = choice(memory, "memory", MEMORY_POLICIES)
         layout = choice(layout, "layout", LAYOUTS)
-        w24 = Sparse24Weight(values, metadata)  # validates shapes and metadata bits, in either layout
+        # Validates shapes and metadata bits, in either layout (skipped for parts compress() just built).
+        w24 = Sparse24Weight(values, metadata, _validate=_validate)
         self.out_features, self.in_features = w24.shape
         if layout == "public":
             w24 = w24.public()
@@ -62,7 +63,7 @@ class Sparse24Linear(nn.Module):
         with torch.no_grad():
             w24 = prune_compress(linear_module.weight.detach())
             bias = linear_module.bias.detach().clone() if linear_module.bias is not None else None
-        return cls(w24.values, w24.metadata, bias, layout=layout)
+        return cls(w24.values, w24.metadata, bias, layout=layout, _validate=False)
 
     @property
     def layout(self) -> str:

@@ -366,7 +366,10 @@ def linear_parts(x, values, metadata, bias=None, activation=None, memory="compac
     if not eager:
         return _sparse24_linear_op(x, values, metadata, bias, activation or "", memory)
     plan = _plan_for(x, values, metadata, bias, activation or "", memory)
-    call = _bound(plan, layout_of(values))
+    layout = layout_of(values)
+    call = _bound(plan, layout)
+    if layout == SP_LAYOUT and hasattr(call, "held"):  # a kernel reading the weight as held: bound to it
+        call = call.held(values, metadata)
     if len(_prepared) >= _MAX_PREPARED:
         _prepared.clear()
     _prepared[key] = (dispatch_generation(GemmSparse24Plan), weakref.ref(values), weakref.ref(metadata),
