@@ -395,7 +395,7 @@ class _TiledWeight:
                 current_device() != self.device:
             return self._first_linear(slow, x, values, metadata, bias)
         launch, grid, n, y_shape = hit
-        y = x.new_empty(y_shape)
+        y = x.new_empty(*y_shape)  # ints: output_rows says why
         pairs, codes = self.weight
         launch(grid, (x.data_ptr(), pairs, codes, 0 if bias is None else bias.data_ptr(), y.data_ptr(), n, self.m,
                       self.k, self.k, self.m), raw_stream(self.device))
@@ -411,7 +411,7 @@ class _TiledWeight:
                 self._direct.clear()
             launch, grid = self.kernel.launch_for(n, self.m, self.k, self.dtype, bias is not None, self.activation,
                                                   self.device)
-            self._direct[(x.shape, x.stride(), 0, bias is None)] = (launch, grid, n, y.shape)
+            self._direct[(x.shape, x.stride(), 0, bias is None)] = (launch, grid, n, tuple(y.shape))
         return y
 
     def _prepare(self, key):
