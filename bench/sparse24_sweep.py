@@ -1,5 +1,6 @@
 """The 2:4 kernels of the one layout against dense ``F.linear`` on the sweep set (kernelplan.bench.shapes).
 
+Each weight is held as ``Sparse24Linear`` holds it, in the device layout alone.
 For every (M, K) of the public model configs and every batch size: each
 kernel that reads the ``sp tiled`` layout, checked against fp64 first, then
 timed as a CUDA graph replay (kernel time; ``triton.testing.do_bench_cudagraph``,
@@ -33,6 +34,7 @@ from kernelplan.kernels.sparse24_wg import WgKernel, wg_config
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.sparse24 import compress, linear, prune
 from kernelplan.sparse24.dispatch import backend_for
+from kernelplan.sparse24.layout import pack_reason
 
 KERNELS = {"cuda_sp": (SpKernel, 64), "cuda_wg": (WgKernel, 1 << 30)}
 
@@ -75,6 +77,8 @@ def run(quick: bool, dtype: torch.dtype, rep: int) -> dict:
     for (m, k), where in shapes.items():
         w = prune(torch.randn(m, k, device="cuda")).to(dtype)
         w24 = compress(w)
+        if pack_reason(m, k) is None:  # held as Sparse24Linear holds it: the device layout alone
+            w24 = w24.packed()
         dense_bytes = w.numel() * w.element_size()
         for n in batch:
             x = torch.randn(n, k, device="cuda").to(dtype)
@@ -127,10 +131,10 @@ def run(quick: bool, dtype: torch.dtype, rep: int) -> dict:
                 f"{nm} {row.get(nm + '_speedup', float('nan')):.2f}x" for nm in KERNELS if nm in times)
                 + ("  WRONG " + ",".join(nm for nm in KERNELS if row.get(nm + "_wrong")) if any(
                     row.get(nm + "_wrong") for nm in KERNELS) else ""), flush=True)
-        held = sum(t.numel() * t.element_size() for t in (
-            MmaLinear(None, WgKernel()).kernel.tiled(w24.values, w24.metadata)))
-        rows.append({"m": m, "k": k, "memory": {"dense_bytes": dense_bytes, "sp_tiled_bytes": held,
-                                                "ratio": held / dense_bytes}})
+        # Bytes held after the calls at every n: the weight as held, and anything its calls derived from it.
+        held = w24.values.nbytes + w24.metadata.nbytes + sum(w24.derived_bytes().values())
+        rows.append({"m": m, "k": k, "memory": {"dense_bytes": dense_bytes, "layout": w24.layout,
+                                                "held_bytes": held, "ratio": held / dense_bytes}})
         del w, w24
         torch.cuda.empty_cache()
     return {"rows": rows, "batch_sizes": list(batch)}

@@ -283,8 +283,8 @@ def test_sparse24_functional_3d_x_tunes_and_matches(activation):
     w = kp.sparse24.prune(torch.randn(512, 1024, device="cuda")).bfloat16()
     w24 = kp.sparse24.compress(w)
     x = torch.randn(2, 5, 1024, device="cuda", dtype=torch.bfloat16)
-    y = kp.sparse24.linear(x, w24, activation=activation)
-    desc = GemmSparse24Descriptor(10, 512, 1024, "bf16", activation, device="cuda")
+    y = kp.sparse24.linear(x, w24, activation=activation, memory="fast")  # "fast": every backend timed
+    desc = GemmSparse24Descriptor(10, 512, 1024, "bf16", activation, device="cuda", memory="fast")
     timed = {b.name for b in tunable(desc)}
     assert {"triton", "triton_bfe", "dense"} <= timed  # and cusparselt for relu, where it is installed
     measured = GemmSparse24Plan.measured(desc)
@@ -323,8 +323,8 @@ def test_sparse24_a_graph_capture_runs_the_choice_made_for_graphs():
     w = kp.sparse24.prune(torch.randn(768, 1024, device="cuda")).half()
     w24 = kp.sparse24.compress(w)
     x = torch.randn(6, 1024, device="cuda", dtype=torch.half)
-    kp.sparse24.linear(x, w24)  # tunes this bucket
-    desc = GemmSparse24Descriptor(6, 768, 1024, "f16", device="cuda")
+    kp.sparse24.linear(x, w24, memory="fast")  # tunes this bucket
+    desc = GemmSparse24Descriptor(6, 768, 1024, "f16", device="cuda", memory="fast")
     graphed = dataclasses.replace(desc, graph=True)
     assert set(GemmSparse24Plan.measured(graphed)["timings_s"]) == set(GemmSparse24Plan.measured(desc)["timings_s"])
     # Fake tables, so that the two choices differ whatever this GPU measured.
@@ -337,11 +337,11 @@ def test_sparse24_a_graph_capture_runs_the_choice_made_for_graphs():
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            eager = kp.sparse24.linear(x, w24)
+            eager = kp.sparse24.linear(x, w24, memory="fast")
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            y = kp.sparse24.linear(x, w24)
+            y = kp.sparse24.linear(x, w24, memory="fast")
         graph.replay()
         ran = {(r["graph"], r["backend"]) for r in fast_path_backends() if (r["n"], r["m"], r["k"]) == (6, 768, 1024)}
         assert ran == {(False, "dense"), (True, "triton")}
@@ -350,7 +350,7 @@ def test_sparse24_a_graph_capture_runs_the_choice_made_for_graphs():
         cold = kp.sparse24.compress(kp.sparse24.prune(torch.randn(768, 1024, device="cuda")).half())
         with pytest.raises(kp.InvalidState, match=r"inside a CUDA graph capture.*run the same call once eagerly"):
             with torch.cuda.graph(torch.cuda.CUDAGraph()):
-                kp.sparse24.linear(x, cold)
+                kp.sparse24.linear(x, cold, memory="fast")
 
 
 def test_sparse24_tuning_leaves_the_weight_only_its_choices_layouts():
@@ -368,9 +368,9 @@ def test_sparse24_tuning_leaves_the_weight_only_its_choices_layouts():
     chosen = set()
     for n in (16, 300):
         x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        assert_close(kp.sparse24.linear(x, w24), F.linear(x.double(), w.double()), F.linear(x, w),
+        assert_close(kp.sparse24.linear(x, w24, memory="fast"), F.linear(x.double(), w.double()), F.linear(x, w),
                      atol=FWD_ATOL[torch.bfloat16], what=f"n={n}")
-        desc = GemmSparse24Descriptor(n, m, k, "bf16", device="cuda:0")
+        desc = GemmSparse24Descriptor(n, m, k, "bf16", device="cuda:0", memory="fast")
         assert GemmSparse24Plan.measured(desc) is not None, f"n={n} was not tuned here"
         # The eager choice, and the one for calls recorded into graphs (prepared on the first call too).
         chosen |= {GemmSparse24Plan.select(d).sku.backend for d in (desc, dataclasses.replace(desc, graph=True))}
@@ -394,8 +394,9 @@ calls = []
 real = backends.tune
 backends.tune = lambda *a, **k: calls.append(1) or real(*a, **k)
 w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(1024, 1024, device="cuda")).half())
-kp.sparse24.linear(torch.randn(3, 1024, device="cuda").half(), w24)
-print(len(calls), GemmSparse24Plan.measured(GemmSparse24Descriptor(3, 1024, 1024, "f16", device="cuda"))["backend"])
+kp.sparse24.linear(torch.randn(3, 1024, device="cuda").half(), w24, memory="fast")
+desc = GemmSparse24Descriptor(3, 1024, 1024, "f16", device="cuda", memory="fast")
+print(len(calls), GemmSparse24Plan.measured(desc)["backend"])
 """
     env = {**os.environ, "KERNELPLAN_CACHE_DIR": str(tmp_path)}
     first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)

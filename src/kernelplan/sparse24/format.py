@@ -71,6 +71,8 @@ def gpu_kernels(t: torch.Tensor):
     """
     if not t.is_cuda or t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return None
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or torch.compiler.is_compiling():
+        return None  # traced (FakeTensor, FunctionalTensor, a compiled backward): no pointers, the torch ops
     if importlib.util.find_spec("triton") is None:
         _warn_once("triton is not installed: 2:4 weights are pruned, compressed and laid out on the GPU by torch "
                    "ops, in many passes (pip install 'kernelplan[gpu]' for the one-pass kernels)")
