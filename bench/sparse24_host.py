@@ -6,22 +6,25 @@ Timed alternating, medians of rounds: ``F.linear`` on the dense weight,
 ``nn.Linear``, ``kp.sparse24.linear`` on a public-format weight,
 ``Sparse24Linear`` (the device layout), under ``torch.no_grad`` and under
 ``torch.inference_mode``.  Then a cProfile of the module's calls, top
-functions by own time.  Prints only; ``--json`` writes the medians.
+functions by own time.  Writes the medians to ``bench/results/sparse24-host-<gpu>.json``.
 
-    PYTHONPATH=src python bench/sparse24_host.py
+    PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_host.py
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import datetime
 import json
+import os
 import pstats
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+import triton
 
 import kernelplan as kp
 from kernelplan.timing import interleaved
@@ -93,9 +96,15 @@ def main() -> int:
         prof.disable()
         torch.cuda.synchronize()
     pstats.Stats(prof).sort_stats("tottime").print_stats(14)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+    gpu = torch.cuda.get_device_name(0)
+    tag = "h200" if "H200" in gpu else "h100" if "H100" in gpu else gpu.replace(" ", "_").lower()
+    path = a.json or os.path.join(os.path.dirname(__file__), "results", f"sparse24-host-{tag}.json")
+    meta = {"device": gpu, "torch": torch.__version__, "triton": triton.__version__, "size": s, "n": 1,
+            "commit": os.environ.get("KERNELPLAN_COMMIT", "unknown"), "unit": "us per call, median of rounds",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    with open(path, "w") as f:
+        json.dump({"meta": meta, **out}, f, indent=1)
+    print("wrote", path)
     return 0
 
 

@@ -89,15 +89,19 @@ def pack_values(values: torch.Tensor) -> torch.Tensor:
 def pack_metadata(metadata: torch.Tensor) -> torch.Tensor:
     """Public ``metadata [M, K/8]`` int16 -> the device layout's ``[M/16, K/64, 32]`` int32 words.
 
-    Byte work only: the format's byte per group is the hardware's 4-bit pair,
-    so two groups' bytes make one byte of nibbles, two of those a row's 16
-    columns, and two rows' half words a lane's word (little-endian views).
+    The format's byte per group is the hardware's 4-bit pair: four groups'
+    bytes make a row's 16 columns, two rows' half words a lane's word.
+    Integer arithmetic only, no dtype views: Inductor cannot lower a view of
+    int16 as bytes in a compiled backward (torch 2.11).
     """
     m, k = _packable(metadata, 8)
-    groups = metadata.contiguous().view(torch.uint8)  # [M, K/4]: one byte per group, in order
-    quads = (groups[:, 0::2] | groups[:, 1::2] << 4).view(torch.int16)  # [M, K/16]: 4 groups, first lowest
-    halves = quads.view(m // 16, 2, 8, k // 64, 4).permute(0, 3, 2, 4, 1)  # [tile, step, g, t, h]
-    return halves.contiguous().view(torch.int32).view(packed_shapes(m, k)[1])  # row g low, row g + 8 high
+    words = metadata.to(torch.int64)
+    groups = torch.stack((words & 0xFF, (words >> 8) & 0xFF), dim=-1).reshape(m, k // 16, 4)  # a byte per group
+    quads = groups[..., 0] | groups[..., 1] << 4 | groups[..., 2] << 8 | groups[..., 3] << 12  # [M, K/16]
+    quads = quads.view(m // 16, 2, 8, k // 64, 4)  # [tile, h, g, step, t]
+    lanes = (quads[:, 0] | quads[:, 1] << 16).permute(0, 2, 1, 3)  # [tile, step, g, t]
+    lanes = torch.where(lanes >= 2**31, lanes - 2**32, lanes).to(torch.int32)  # the same 32 bits
+    return lanes.reshape(packed_shapes(m, k)[1])
 
 
 def pack(values: torch.Tensor, metadata: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,10 +144,11 @@ def unpack_values(values: torch.Tensor) -> torch.Tensor:
 def unpack_metadata(metadata: torch.Tensor) -> torch.Tensor:
     """The device layout's words -> public ``metadata [M, K/8]`` int16 (``pack_metadata`` run backwards)."""
     m, k = TILE_M * metadata.shape[0], TILE_K * metadata.shape[1]
-    halves = metadata.contiguous().view(torch.int16).view(m // 16, k // 64, 8, 4, 2)  # [tile, step, g, t, h]
-    nibbles = halves.permute(0, 4, 2, 1, 3).contiguous().view(torch.uint8).view(m, k // 8)
-    groups = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1)  # [M, K/8, 2]: a byte per group
-    return groups.view(torch.int16).view(m, k // 8)
+    lanes = metadata.reshape(m // 16, k // 64, 8, 4).to(torch.int64)
+    quads = torch.stack((lanes & 0xFFFF, (lanes >> 16) & 0xFFFF), dim=1)  # [tile, h, step, g, t]
+    quads = quads.permute(0, 1, 3, 2, 4).reshape(m, k // 16)
+    groups = torch.stack([(quads >> s) & 0xF for s in (0, 4, 8, 12)], dim=-1).reshape(m, k // 8, 2)
+    return (groups[..., 0] | groups[..., 1] << 8).to(torch.int16)
 
 
 def unpack(values: torch.Tensor, metadata: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
