@@ -59,18 +59,44 @@ def sweep_rows(name: str) -> list[str]:
     graph = [_span([r["speedup"] for r in rows if lo <= r["n"] <= hi]) for _, lo, hi in N_RANGES]
     eager = [_span([r["eager_speedup"] for r in rows if lo <= r["n"] <= hi and "eager_speedup" in r])
              for _, lo, hi in N_RANGES]
-    return [f"| 2:4 linear, default (one layout, 0.5625x bytes), {dt}, {shapes} sweep shapes, CUDA graph | "
+    return [f"| 2:4 linear, default (held in the device layout alone, 0.5625x bytes), {dt}, {shapes} sweep shapes, "
+            f"CUDA graph | "
             + " | ".join(graph) + f" | {_source(doc, name)} |",
             f"| the same, eager (host work included) | " + " | ".join(eager) + f" | {_source(doc, name)} |"]
+
+
+def sparse24_notes() -> list[str]:
+    """The 2:4 model, conversion and host-work results, one line each."""
+    lines = []
+    model = _load("sparse24-model-h100")
+    if model:
+        cases = "; ".join(f"{r['case']} {r['graph_speedup']:.2f}x graph, {r['eager_speedup']:.2f}x eager"
+                          for r in model["rows"])
+        lines.append(f"- 2:4, {model['meta']['model']} ({model['meta']['layers']} layers), sparsified against "
+                     f"dense: {cases}; weights {model['sparse_over_dense_bytes']:.3f}x of dense (embeddings and "
+                     f"LM head stay dense), {_source(model['meta'], 'sparse24-model-h100')}.")
+    convert = _load("sparse24-convert-h100")
+    if convert:
+        big = [r for r in convert["rows"] if r["m"] * r["k"] >= 2**26]
+        ops = ", ".join(f"{op} {min(r[op]['of_copy'] for r in big):.2f}-{max(r[op]['of_copy'] for r in big):.2f}x"
+                        for op in ("pack", "unpack", "compress", "prune"))
+        lines.append(f"- 2:4 conversions on the GPU, of the copy bandwidth, layers of 64M weights and up: {ops}, "
+                     f"{_source(convert['meta'], 'sparse24-convert-h100')}.")
+    host = _load("sparse24-host-h100")
+    if host:
+        cells = ", ".join(f"{name} {t:.1f} us" for name, t in host["no_grad"].items())
+        lines.append(f"- Host work of one eager call (1024x1024 bf16, n = 1, `torch.no_grad`): {cells}, "
+                     f"{_source(host['meta'], 'sparse24-host-h100')}.")
+    return lines
 
 
 def table() -> str:
     head = ["| op | " + " | ".join(label for label, _, _ in N_RANGES) + " | measured on |",
             "|---|" + "---|" * len(N_RANGES) + "---|"]
-    body = sweep_rows("sparse24-sweep-h100")
+    body = sweep_rows("sparse24-sweep-h100") + sweep_rows("sparse24-sweep-h100-f16")
     for name in ("sparse24-h200", "sparse24-h100", "sparse24-h200-f16"):
         body += sparse24_rows(name)
-    lines = head + body + [""]
+    lines = head + body + [""] + sparse24_notes()
     gated = _load("gated-h200")
     if gated:
         rows = gated["suites"]["gated"]

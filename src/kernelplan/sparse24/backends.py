@@ -189,11 +189,12 @@ class CudaMmaSparse24Backend(Backend):
 class CudaSpSparse24Backend(CudaMmaSparse24Backend):
     """CUDA C++ for N <= 64 on the sparse tensor cores (``kernels/sparse24_sp.py``): ``mma.sp``, x staged per CTA.
 
-    The values and positions go to the tensor cores as stored (a tiled copy,
-    as for ``cuda_mma``), both operands staged in shared memory by cp.async.
-    On an H200 (bf16, c1562bd) dispatch chose it for the 70B shapes at n = 32
-    (1.33-1.40x of dense, where the Triton kernels gave 1.23-1.34x) and at
-    28672x8192 n = 64 (1.11x).  A tuning candidate on CUDA.
+    The values and positions go to the tensor cores as stored, in the one
+    device layout (``sparse24/layout.py``): read as held where the weight is
+    held in it (``Sparse24Linear``), else derived once beside the public
+    format.  Both operands are staged in shared memory by cp.async.  The
+    rule's kernel at n <= 16 on Hopper and at every n on Ampere and Ada
+    (``dispatch.py``); what it measured is in ``bench/results/sparse24-sweep-*.json``.
     """
 
     name = "cuda_sp"
