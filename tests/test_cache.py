@@ -100,7 +100,7 @@ def test_garbage_file_is_rebuilt_with_a_warning(tmp_path):
     path = tmp_path / "p.sqlite"
     path.write_bytes(b"this is not a database" * 100)
     cache = PlanCache(path)
-    with pytest.warns(PlanCacheWarning, match="was unusable"):
+    with pytest.warns(PlanCacheWarning, match="was damaged"):
         assert cache.get("op", PROBLEM) is None
     cache.put("op", PROBLEM, 7)
     assert PlanCache(path).get("op", PROBLEM) == 7

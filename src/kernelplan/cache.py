@@ -11,8 +11,16 @@
 * Keys carry the op, the problem (shape, dtype, layout, epilogue) and the
   environment: GPU name, driver, CUDA, torch, triton and kernelplan versions,
   so a driver or library upgrade never reuses a stale search.
-* A corrupt or truncated file is detected (``quick_check`` on open, any
-  ``sqlite3.DatabaseError`` later), set aside with a warning, and rebuilt.
+* A corrupt or truncated file ("malformed", "not a database", a failing
+  ``quick_check``) is copied aside with a warning and rebuilt by an atomic
+  replace, under a lock file: once across processes.  Nothing else rebuilds a
+  file: a healthy file that other processes write to is never moved.
+* A computation never fails because of the cache.  A cache that cannot be
+  opened or written (a read-only or missing directory, a path that is a file
+  or a directory, a full disk, a schema from a newer kernelplan) gives one
+  ``PlanCacheWarning`` naming the path and the fix, and the process goes on
+  with an in-memory cache.  A read-only but valid file is still read.  A row
+  that does not parse counts as missing, with a warning.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import sqlite3
 import threading
 import time
@@ -37,7 +46,24 @@ DEFAULT_MAX_ENTRIES = 10_000
 
 
 class PlanCacheWarning(UserWarning):
-    """The plan cache file was unusable and has been rebuilt (results are re-measured)."""
+    """The plan cache was unusable, rebuilt or read only: results are measured again or kept in memory."""
+
+
+# SQLite's words for a damaged file; anything else (permissions, a full disk, locks) is not damage.
+_DAMAGE = ("malformed", "not a database", "quick_check reported")
+
+
+class _NewerSchema(sqlite3.DatabaseError):
+    """The file's schema is newer than this kernelplan's: not damage, and not ours to rebuild."""
+
+
+def _warn(message: str) -> None:
+    """A PlanCacheWarning and a log line; never an exception (``-W error`` must not fail a computation)."""
+    log.warning("%s", message)
+    try:
+        warnings.warn(message, PlanCacheWarning, stacklevel=5)
+    except Exception:  # noqa: BLE001  warnings turned into errors: the log line stands
+        pass
 
 
 def default_cache_dir() -> Path:
@@ -93,6 +119,9 @@ class PlanCache:
         self._conn: sqlite3.Connection | None = None
         self._lock = threading.Lock()
         self.disk_reads = 0  # counts queries that went to SQLite, for tests and `cache info`
+        self.unusable: str | None = None  # why this process keeps its results in memory only
+        self.read_only = False  # a valid file this process may read but not write
+        self._said: set = set()
 
     # -- keys ------------------------------------------------------------
     @staticmethod
@@ -108,7 +137,12 @@ class PlanCache:
             return self._memory[mem_key]
         key = self.make_key(op, problem, device or problem.get("device", "cpu"))
         row = self._with_db(self._read, key)
-        value = json.loads(row) if row is not None else None
+        try:
+            value = json.loads(row) if row is not None else None
+        except (TypeError, ValueError) as exc:
+            self._warn_once(f"kernelplan plan cache {self.path}: the row for {op} does not parse ({exc}); it "
+                            f"counts as missing and is measured again (`kernelplan cache clear` drops all rows)")
+            value = None
         if value is not None:
             self._memory[mem_key] = value
         return value
@@ -119,9 +153,13 @@ class PlanCache:
         self._memory[(op, _freeze(problem), device)] = value
 
     def info(self) -> dict[str, Any]:
-        entries = self._with_db(lambda conn: conn.execute("SELECT COUNT(*) FROM plans").fetchone()[0])
-        size = sum(p.stat().st_size for p in self._files() if p.exists())
-        return {"path": str(self.path), "entries": entries, "size_bytes": size, "max_entries": self.max_entries}
+        entries = self._with_db(lambda conn: conn.execute("SELECT COUNT(*) FROM plans").fetchone()[0], default=0)
+        size = 0
+        for p in self._files():
+            with contextlib.suppress(OSError):
+                size += p.stat().st_size if p.is_file() else 0
+        return {"path": str(self.path), "entries": entries, "size_bytes": size, "max_entries": self.max_entries,
+                "read_only": self.read_only, "unusable": self.unusable, "in_memory": len(self._memory)}
 
     def clear(self) -> int:
         """Delete every entry; return how many there were."""
@@ -132,7 +170,7 @@ class PlanCache:
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             return n
 
-        n = self._with_db(clear)
+        n = self._with_db(clear, default=0)
         self._memory.clear()
         return n
 
@@ -147,11 +185,16 @@ class PlanCache:
         self.disk_reads += 1
         with conn:
             row = conn.execute("SELECT value FROM plans WHERE key = ?", (key,)).fetchone()
-            if row is not None:
+            if row is not None and not self.read_only:
                 conn.execute("UPDATE plans SET last_used = ? WHERE key = ?", (time.time(), key))
         return row[0] if row else None
 
     def _write(self, conn: sqlite3.Connection, key: str, op: str, value: str) -> None:
+        if self.read_only:
+            self._warn_once(f"kernelplan plan cache {self.path} is read-only: it is read, and new measurements "
+                            f"are kept in this process's memory; point KERNELPLAN_CACHE_DIR at a writable "
+                            f"directory to keep them")
+            return
         now = time.time()
         with conn:  # one transaction: the row and the eviction land together or not at all
             conn.execute(
@@ -166,38 +209,86 @@ class PlanCache:
                     (excess,),
                 )
 
-    def _with_db(self, fn, *args):
+    def _with_db(self, fn, *args, default=None):
+        """``fn(connection, *args)``; on any failure of the file, ``default`` and a warning, never an exception."""
         with self._lock:
+            if self.unusable is not None:
+                return default
             for attempt in (0, 1):
                 try:
                     return fn(self._connection(), *args)
-                except sqlite3.DatabaseError as exc:
-                    if attempt or isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
-                        raise
-                    self._rebuild(f"{type(exc).__name__}: {exc}")
+                except (sqlite3.Error, OSError) as exc:
+                    if isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc)):
+                        self._warn_once(f"kernelplan plan cache {self.path} stayed locked by another process for "
+                                        f"60 s ({exc}); this lookup or store was skipped")
+                        return default
+                    if not attempt and _is_damage(exc):
+                        try:
+                            self._rebuild(f"{type(exc).__name__}: {exc}")
+                            continue
+                        except (sqlite3.Error, OSError) as again:
+                            exc = again
+                    self._give_up(exc)
+                    return default
+            return default
+
+    def _give_up(self, exc: BaseException) -> None:
+        """Keep this process's results in memory from now on, and say why once."""
+        if self._conn is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.close()
+            self._conn = None
+        self.unusable = f"{type(exc).__name__}: {exc}"
+        fix = ("it was written by a newer kernelplan: upgrade, or point KERNELPLAN_CACHE_DIR elsewhere"
+               if isinstance(exc, _NewerSchema) else
+               "point KERNELPLAN_CACHE_DIR at a writable directory (or free disk space)")
+        self._warn_once(f"kernelplan plan cache {self.path} cannot be used ({self.unusable}); results are kept in "
+                        f"this process's memory only: {fix}")
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            _warn(message)
 
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
-            try:
-                self._init_schema(conn)
-            except BaseException:
-                conn.close()
-                raise
-            self._conn = conn
+            self._conn = self._open()
         return self._conn
+
+    def _open(self) -> sqlite3.Connection:
+        """A connection to the file: read-write where the file and its directory allow it, else read-only."""
+        parent = self.path.parent
+        if not parent.exists():
+            parent.mkdir(parents=True, exist_ok=True)
+        writable = os.access(parent, os.W_OK) and (not self.path.exists() or os.access(self.path, os.W_OK))
+        if not writable and self.path.is_file():
+            return self._open_read_only()
+        conn = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
+        try:
+            self._init_schema(conn)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _open_read_only(self) -> sqlite3.Connection:
+        """Read a valid file where nothing may be written: as immutable, since WAL's shared memory cannot be made."""
+        conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?immutable=1", uri=True, timeout=60,
+                               isolation_level=None, check_same_thread=False)
+        try:
+            _check(conn)
+            conn.execute("SELECT COUNT(*) FROM plans").fetchone()
+        except BaseException:
+            conn.close()
+            raise
+        self.read_only = True
+        return conn
 
     def _init_schema(self, conn: sqlite3.Connection) -> None:
         conn.execute("PRAGMA busy_timeout = 60000")
-        check = conn.execute("PRAGMA quick_check").fetchone()[0]
-        if check != "ok":
-            raise sqlite3.DatabaseError(f"quick_check reported: {check}")
+        _check(conn)
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = NORMAL")
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, SCHEMA_VERSION):
-            raise sqlite3.DatabaseError(f"schema version {version}, expected {SCHEMA_VERSION}")
         with conn:
             conn.execute(
                 "CREATE TABLE IF NOT EXISTS plans (key TEXT PRIMARY KEY, op TEXT NOT NULL, "
@@ -210,32 +301,50 @@ class PlanCache:
         return [self.path, Path(f"{self.path}-wal"), Path(f"{self.path}-shm")]
 
     def _rebuild(self, why: str) -> None:
-        """Set the unusable file aside and start an empty one, once across processes."""
+        """Copy the damaged file aside and replace it with an empty one, atomically, once across processes."""
         if self._conn is not None:
-            self._conn.close()
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.close()
             self._conn = None
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(f"{self.path}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 # Another process may have rebuilt it while we waited for the lock.
                 with contextlib.closing(sqlite3.connect(self.path, timeout=60)) as probe:
-                    self._init_schema(probe)
+                    _check(probe)
                 return
-            except sqlite3.DatabaseError:
-                pass
+            except sqlite3.Error as exc:
+                if not _is_damage(exc):
+                    raise
             aside = Path(f"{self.path}.corrupt")
-            os.replace(self.path, aside) if self.path.exists() else None
-            for extra in self._files()[1:]:
+            fresh = Path(f"{self.path}.rebuild-{os.getpid()}")
+            with contextlib.suppress(FileNotFoundError):
+                shutil.copyfile(self.path, aside)
+            with contextlib.closing(sqlite3.connect(fresh)) as conn:
+                self._init_schema(conn)
+            for extra in self._files()[1:]:  # the damaged file's journal must not replay into the new one
                 with contextlib.suppress(FileNotFoundError):
                     extra.unlink()
-            warnings.warn(
-                f"kernelplan plan cache {self.path} was unusable ({why}); it was moved to {aside} "
-                f"and rebuilt empty, so tuned plans will be measured again",
-                PlanCacheWarning,
-                stacklevel=4,
-            )
-            log.warning("plan cache %s rebuilt: %s", self.path, why)
+            os.replace(fresh, self.path)
+            self._warn_once(f"kernelplan plan cache {self.path} was damaged ({why}); a copy is at {aside} and the "
+                            f"file was rebuilt empty, so tuned plans will be measured again")
+
+
+def _check(conn: sqlite3.Connection) -> None:
+    """Raise where the file is damaged (``quick_check``) or from a newer schema."""
+    check = conn.execute("PRAGMA quick_check").fetchone()[0]
+    if check != "ok":
+        raise sqlite3.DatabaseError(f"quick_check reported: {check}")
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise _NewerSchema(f"schema version {version}, newer than this kernelplan's {SCHEMA_VERSION}")
+    if version < 0:
+        raise sqlite3.DatabaseError(f"quick_check reported: schema version {version}")
+
+
+def _is_damage(exc: BaseException) -> bool:
+    return isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, _NewerSchema) and \
+        any(word in str(exc) for word in _DAMAGE)
 
 
 def _freeze(obj):

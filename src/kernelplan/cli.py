@@ -150,9 +150,11 @@ def _cache(args) -> int:
     if args.json:
         print(json.dumps(info))
     else:
-        print(f"path:        {info['path']}")
+        print(f"path:        {info['path']}" + (" (read-only)" if info["read_only"] else ""))
         print(f"entries:     {info['entries']} (max {info['max_entries']})")
         print(f"size:        {info['size_bytes'] / 1024:.1f} KiB")
+        if info["unusable"]:
+            print(f"unusable:    {info['unusable']} (this process keeps results in memory)")
     return 0
 
 

@@ -212,7 +212,14 @@ class Plan:
         """The stored measurement for ``desc``'s dispatch key, if any."""
         from .cache import plan_cache
 
-        return plan_cache().get(f"dispatch:{cls.op}", cls.dispatch_key(desc))
+        cache = plan_cache()
+        row = cache.get(f"dispatch:{cls.op}", cls.dispatch_key(desc))
+        if row is None or (isinstance(row, dict) and isinstance(row.get("backend"), str)):
+            return row
+        # A row of another shape (hand-edited, another version's): missing, not a crash in dispatch.
+        cache._warn_once(f"kernelplan plan cache {cache.path}: the stored {cls.op} choice for {desc} is "
+                         f"{str(row)[:80]!r}, not a {{'backend': name}} record; it counts as missing")
+        return None
 
     @classmethod
     def select(cls, desc, preference: PlanPreference = PlanPreference.FASTEST) -> "Plan":
