@@ -136,8 +136,8 @@ def test_cli_example_real_file_dry_run_filter_and_errors(tmp_path):
                        ((str(tmp_path / "in.safetensors"),), "give both"),
                        ((str(src), str(dst), "--filter", "("), "not a valid regular expression")):
         bad = _cli(*args)
-        assert bad.returncode == 2 and text in bad.stdout and "Traceback" not in bad.stdout + bad.stderr
+        assert bad.returncode == 2 and text in bad.stderr and "Traceback" not in bad.stdout + bad.stderr
     junk = tmp_path / "junk.safetensors"
     junk.write_text("not a checkpoint")
     bad = _cli(str(junk), str(dst))
-    assert bad.returncode == 2 and "is not a safetensors file" in bad.stdout and bad.stdout.count("\n") == 1
+    assert bad.returncode == 2 and "is not a safetensors file" in bad.stderr and bad.stderr.count("\n") == 1

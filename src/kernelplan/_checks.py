@@ -46,6 +46,29 @@ def check_tensor(
         )
 
 
+def check_has_data(t: torch.Tensor, operand: str, what: str) -> None:
+    """Refuse a meta tensor where values are read: it has a shape and a dtype but no data."""
+    if t.is_meta:
+        raise InvalidProblem(
+            f"{operand} is a meta tensor (shape {tuple(t.shape)}, no data), and {what} reads its values: "
+            f"materialise it first (torch.empty_like(t, device='cpu') or load the weights)"
+        )
+
+
+def check_scalar(value, operand: str) -> float:
+    """A real scalar argument (a Python number or a one-element tensor) as a float, or a clear error."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.is_meta:
+            raise InvalidProblem(
+                f"{operand} is a tensor of shape {tuple(value.shape)}; it must be a real scalar: "
+                f"pass a Python float (or a one-element tensor)"
+            )
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidProblem(f"{operand} is {value!r} ({type(value).__name__}); it must be a real number such as 1.0")
+    return float(value)
+
+
 def check_no_overlap(out: torch.Tensor, out_name: str, inputs: dict[str, torch.Tensor | None]) -> None:
     """Refuse an output that shares memory with an input: the kernels read after writing."""
     for name, t in inputs.items():

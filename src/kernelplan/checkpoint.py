@@ -11,6 +11,7 @@ format of ``kernelplan.sparse24``), beside its ``p.bias``: exactly the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -30,8 +31,8 @@ FORMAT_NAME = "kernelplan.sparse24"
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(tensors):
-        t = tensors[name].detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        t = tensors[name].detach().cpu().contiguous().reshape(-1)  # 1-D: a 0-d tensor has no byte view
+        h.update(f"{name}|{t.dtype}|{tuple(tensors[name].shape)}|".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
@@ -56,7 +57,31 @@ def save_compressed(model_or_state_dict: nn.Module | dict[str, torch.Tensor], pa
         "kernelplan_version": __version__,
         "sha256": _digest(tensors),
     }
-    save_file(tensors, os.fspath(path), metadata=metadata)
+    _write_atomically(lambda tmp: save_file(tensors, tmp, metadata=metadata), os.fspath(path))
+
+
+def _write_atomically(write, path: str) -> None:
+    """``write(temporary path)`` beside ``path``, then a rename: an interrupted write leaves no half file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise InvalidProblem(f"{path} is a directory; pass the path of the .safetensors file to write in it")
+    if not os.path.isdir(folder):
+        raise InvalidProblem(f"{path}: its directory {folder} does not exist; create it first (mkdir -p)")
+    if not os.access(folder, os.W_OK):
+        raise InvalidProblem(f"{path}: its directory {folder} is not writable; write somewhere else")
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise InvalidProblem(f"{path} could not be written ({e}); check the disk space and permissions") from e
+    except Exception as e:  # safetensors' own errors: the message is the reason
+        if type(e).__name__ == "SafetensorError":
+            raise InvalidProblem(f"{path} could not be written ({e})") from e
+        raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 
 def load_compressed(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -66,6 +91,8 @@ def load_compressed(path: str | os.PathLike, device: str | torch.device = "cpu")
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise InvalidProblem(f"{path} does not exist or is not a file: pass the path of a .safetensors checkpoint")
+    if not os.access(path, os.R_OK):
+        raise InvalidProblem(f"{path} exists but cannot be read (permission denied): fix its permissions")
     try:
         with safe_open(path, framework="pt", device=str(device)) as f:
             meta = f.metadata() or {}
@@ -77,7 +104,13 @@ def load_compressed(path: str | os.PathLike, device: str | torch.device = "cpu")
             f"{path} has format {meta.get('format')!r}, not {FORMAT_NAME!r}: write it with kernelplan.save_compressed "
             f"or the `kernelplan sparsify` command"
         )
-    version = int(meta.get("format_version", "0"))
+    raw = meta.get("format_version")
+    version = int(raw) if isinstance(raw, str) and raw.isdigit() else None
+    if version is None or version < 1:
+        raise InvalidProblem(
+            f"{path} has format_version {raw!r}; a kernelplan checkpoint records a positive integer: the file "
+            f"was not written by kernelplan.save_compressed or its metadata was edited"
+        )
     if version > FORMAT_VERSION:
         raise InvalidProblem(
             f"{path} has format version {version}, newer than this kernelplan's {FORMAT_VERSION} "
@@ -87,8 +120,14 @@ def load_compressed(path: str | os.PathLike, device: str | torch.device = "cpu")
         raise InvalidProblem(f"{path}: the tensors do not match the checksum recorded when it was written; "
                              f"the file was changed or damaged after saving")
     for name in tensors:
-        if name.endswith(".metadata") and name[: -len("metadata")] + "values" in tensors:
-            Sparse24Weight(tensors[name[: -len("metadata")] + "values"], tensors[name])  # checks the metadata bits
+        stem, _, part = name.rpartition(".")
+        if part in ("values", "metadata"):
+            other = f"{stem}.{'metadata' if part == 'values' else 'values'}"
+            if other not in tensors:
+                raise InvalidProblem(f"{path}: {name} has no {other}; a 2:4 layer is stored as both: the file is "
+                                     f"incomplete or was edited")
+            if part == "metadata":
+                Sparse24Weight(tensors[other], tensors[name])  # checks the metadata bits
     return tensors
 
 

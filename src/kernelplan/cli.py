@@ -83,10 +83,11 @@ def _sparsify(args) -> int:
     import tempfile
 
     from .checkpoint import save_compressed, sparsify_state_dict
-    from .errors import KernelPlanError
+    from .errors import InvalidProblem, KernelPlanError
 
     if (args.input is None) != (args.output is None):
-        print("kernelplan sparsify: give both IN.safetensors and OUT.safetensors, or neither for the example")
+        print("kernelplan sparsify: give both IN.safetensors and OUT.safetensors, or neither for the example",
+              file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         source, target = args.input, args.output
@@ -94,6 +95,10 @@ def _sparsify(args) -> int:
             source, target = _example_checkpoint(tmp), os.path.join(tmp, "example-2of4.safetensors")
             print(f"no checkpoint given: sparsifying a built-in example model ({source})")
         try:
+            if args.output is not None and os.path.exists(target) and os.path.exists(source) and \
+                    os.path.samefile(source, target):
+                raise InvalidProblem(f"OUT {target} is IN {source}: sparsify would overwrite the dense original; "
+                                     f"give another output path")
             state = _load_dense(source)
             compressed, report = sparsify_state_dict(state, args.filter)
             print(report.summary())
@@ -101,7 +106,7 @@ def _sparsify(args) -> int:
                 save_compressed(compressed, target)
                 print(f"wrote {target}")
         except KernelPlanError as e:
-            print(f"kernelplan sparsify: {e}")
+            print(f"kernelplan sparsify: {e}", file=sys.stderr)
             return 2
     return 0
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_tensor, choice
+from ._checks import check_has_data, check_tensor, choice
 from .dtypes import FLOAT_DTYPES, FP8_DTYPES, dtype_info
 from .errors import InvalidProblem
 from .gemm import ScaleSet
@@ -43,20 +43,26 @@ class Quantized:
 def quantize(x: torch.Tensor, recipe: str = "tensor", dtype: torch.dtype = torch.float8_e4m3fn) -> Quantized:
     """Scale ``x`` into fp8 (e4m3 by default, or e5m2): data, dequantisation scale and amax."""
     check_tensor(x, "x")
+    check_has_data(x, "x", "quantize")
     dtype_info(x.dtype, "x", FLOAT_DTYPES)
     recipe = choice(recipe, "recipe", RECIPES)
     info = dtype_info(dtype, "dtype", FP8_DTYPES)
     if recipe == "rowwise" and x.dim() < 1:
         raise InvalidProblem("x is 0-d; rowwise quantisation needs rows: pass x with rank >= 1 or recipe='tensor'")
     x32 = x.to(torch.float32)
-    amax = x32.abs().amax() if recipe == "tensor" else x32.abs().amax(dim=-1)
+    if x32.numel() == 0:  # nothing to scale: amax 0, scale 1, as for an all-zero tensor
+        amax = x32.new_zeros(() if recipe == "tensor" else x32.shape[:-1])
+    else:
+        amax = x32.abs().amax() if recipe == "tensor" else x32.abs().amax(dim=-1)
     if not torch.isfinite(amax).all():
         raise InvalidProblem(
             "x contains inf or NaN, so its scale is undefined; clean it (torch.nan_to_num) before quantising"
         )
-    scale = torch.where(amax > 0, amax / info.fp8_max, torch.ones_like(amax))
+    # amax / fp8_max underflows to 0 for amax below ~1e-36: the smallest normal scale keeps 0 / scale at 0, not NaN.
+    scale = torch.where(amax > 0, (amax / info.fp8_max).clamp_min(torch.finfo(torch.float32).tiny),
+                        torch.ones_like(amax))
     scaled = x32 / (scale if recipe == "tensor" else scale.unsqueeze(-1))
-    data = scaled.clamp(-info.fp8_max, info.fp8_max).to(dtype)
+    data = scaled.clamp(-info.fp8_max, info.fp8_max).to(info.dtype)
     return Quantized(data, scale, amax, recipe)
 
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from .._checks import check_tensor
+from .._checks import check_no_internal_overlap, check_scalar, check_tensor
 from ..activations import ACTIVATIONS
 from ..dtypes import FP8_DTYPES, dtype_info
 from ..errors import InvalidProblem, Unsupported
@@ -32,7 +32,7 @@ def linear(
     epilogue: Epilogue | str | None = None,
     *,
     alpha: float = 1.0,
-    beta: float = 0.0,
+    beta: float | None = None,
     c: torch.Tensor | None = None,
     aux: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
@@ -50,7 +50,18 @@ def linear(
     ``epilogue=None`` means BIAS when ``bias`` is given, else NONE.  With fp8
     inputs, ``pad=False`` turns a k or n off the multiple of 16 into a
     :class:`MisalignedOperand` instead of a padded copy of the operands.
+    ``beta`` defaults to 1 where ``c`` is given (as ``torch.addmm``) and 0
+    where it is not; ``beta = 0`` does not read ``c`` (as cuBLASLt), so NaN in
+    it does not reach D.
     """
+    if type(x) is not torch.Tensor or type(w) is not torch.Tensor:  # lists, arrays: refused before any attribute
+        if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
+            check_tensor(x, "x")
+            check_tensor(w, "w")
+    if beta is None:
+        beta = 1.0 if c is not None else 0.0
+    elif c is None and beta != 0:
+        raise InvalidProblem(f"beta is {beta!r} but c is None; beta scales c: pass c=, or leave beta out")
     if torch.compiler.is_compiling():
         return _linear_traced(x, w, bias, epilogue, alpha, beta, c, aux, out, scales, out_dtype, pad)
     plain = (epilogue is None and c is None and aux is None and out is None and scales is None
@@ -70,6 +81,9 @@ def linear(
     ep = Epilogue.parse(epilogue)
     spec = ep.spec
     scales = scales if scales is not None else ScaleSet()
+    alpha, beta = check_scalar(alpha, "alpha"), check_scalar(beta, "beta")
+    if beta == 0:
+        c = None  # not read, as cuBLASLt does not read C at beta = 0: NaN in c stays out of D
     check_tensor(x, "x")
     check_tensor(w, "w", device=x.device)
     if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != w.shape[1]:
@@ -103,6 +117,8 @@ def linear(
     x2 = x.reshape(m, k)
     c2 = _as_2d(c, "c", out_shape, m, n)
     d = _as_2d(out, "out", out_shape, m, n)
+    if d is not None:
+        check_no_internal_overlap(d, "out")
     if d is None:
         d = torch.empty((m, n), dtype=dtype_info(desc.d_dtype).dtype, device=x.device)
     aux2 = _as_2d(aux, "aux", out_shape, m, n)

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from .._checks import check_tensor
+from .._checks import check_has_data, check_tensor
 from ..dtypes import dtype_info
 from ..errors import InvalidProblem, InvalidState, MisalignedOperand
 from .layout import PUBLIC, SP_LAYOUT, check_layout, layout_of, pack, unpack, weight_shape
@@ -102,6 +102,8 @@ def prune(w: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     ``w``'s shape and dtype.
     """
     groups = _groups(w, "w", 4)
+    dtype_info(w.dtype, "w", SPARSE24_DTYPES)
+    check_has_data(w, "w", "prune")
     kernels = gpu_kernels(w) if mask is None and w.numel() else None
     if kernels is not None:
         dense = kernels.compress(_rows(w), prune=True, dense=True)
@@ -147,6 +149,7 @@ def compress(w: torch.Tensor) -> "Sparse24Weight":
         )
     dtype_info(w.dtype, "w", SPARSE24_DTYPES)
     groups = _groups(w, "w", 8)
+    check_has_data(w, "w", "compress")
     kernels = gpu_kernels(w) if w.numel() else None
     if kernels is not None:
         parts = kernels.compress(_rows(w), prune=False)
@@ -162,7 +165,7 @@ def compress(w: torch.Tensor) -> "Sparse24Weight":
             f"kernelplan.sparse24.prune(w)"
         )
     pos = _two_positions(nonzero)  # [M, K/4, 2]
-    values = torch.gather(groups, -1, pos).reshape(w.shape[0], -1)
+    values = torch.gather(groups, -1, pos).reshape(w.shape[0], w.shape[1] // 2)
     byte = (pos[..., 0] | (pos[..., 1] << 2)).to(torch.int32)  # [M, K/4]
     words = byte[:, 0::2] | (byte[:, 1::2] << 8)
     return Sparse24Weight(values.contiguous(), words.to(torch.int16), _validate=False)

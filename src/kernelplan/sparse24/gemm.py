@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from .._checks import check_dims, check_no_overlap, check_tensor, choice, plain_eager
+from .._checks import check_dims, check_no_internal_overlap, check_no_overlap, check_tensor, choice, plain_eager
 from ..activations import ACTIVATIONS
 from ..dtypes import dtype_info
 from ..errors import InvalidProblem, MisalignedOperand
@@ -126,6 +126,7 @@ class GemmSparse24Plan(Plan):
         check_tensor(args.values, "values", shape=(d.m, d.k // 2), dtype=dtype, device=d.device)
         check_tensor(args.metadata, "metadata", shape=(d.m, d.k // 8), dtype=torch.int16, device=d.device)
         check_tensor(args.y, "y", shape=(d.n, d.m), dtype=dtype, device=d.device, output=True)
+        check_no_internal_overlap(args.y, "y")
         if d.has_bias != (args.bias is not None):
             raise InvalidProblem(
                 f"bias is {'given' if args.bias is not None else 'None'} but the descriptor says "

@@ -1,0 +1,133 @@
+"""Bad input gives a kernelplan error naming the operand and the fix, and writes nothing (issue 27, classes 2-4)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+import kernelplan as kp
+
+W = torch.randn(16, 16)
+META = torch.empty(4, 8, device="meta")
+
+CASES = {
+    "linear: x a list": (lambda: kp.linear([[1.0] * 16], W), r"x is a list; it must be a torch.Tensor"),
+    "linear: w a list": (lambda: kp.linear(torch.randn(2, 16), [[1.0] * 16]), r"w is a list"),
+    "linear: alpha a string": (lambda: kp.linear(torch.randn(2, 16), W, alpha="2"), r"alpha is '2' \(str\)"),
+    "linear: beta two elements": (lambda: kp.linear(torch.randn(2, 16), W, c=torch.ones(2, 16), beta=torch.ones(2)),
+                                  r"beta is a tensor of shape \(2,\); it must be a real scalar"),
+    "linear: beta without c": (lambda: kp.linear(torch.randn(2, 16), W, beta=2.0), r"beta is 2.0 but c is None"),
+    "linear: out a list": (lambda: kp.linear(torch.randn(2, 16), W, out=[0.0]), r"out is a list"),
+    "linear: out expanded": (lambda: kp.linear(torch.randn(2, 16), W, out=torch.empty(1, 16).expand(2, 16)),
+                             r"out has shape \(2, 16\) and strides \(0, 1\).*share memory"),
+    "prune: meta": (lambda: kp.sparse24.prune(META), r"w is a meta tensor .* prune reads its values"),
+    "compress: meta": (lambda: kp.sparse24.compress(META), r"w is a meta tensor .* compress reads its values"),
+    "quantize: meta": (lambda: kp.fp8.quantize(META), r"x is a meta tensor .* quantize reads its values"),
+    "prune: bool": (lambda: kp.sparse24.prune(torch.ones(4, 8, dtype=torch.bool)), r"w has dtype torch.bool"),
+    "quantize: dtype name not fp8": (lambda: kp.fp8.quantize(torch.randn(4, 8), dtype="f16"), r"dtype has dtype f16"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_bad_input_is_refused_by_name(case):
+    call, message = CASES[case]
+    with pytest.raises(kp.KernelPlanError, match=message):
+        call()
+
+
+def test_results_at_the_edges_are_right():
+    # A scale that underflowed gave 0 and then NaN for the zeros: the smallest normal scale keeps them 0.
+    q = kp.fp8.quantize(torch.tensor([1e-44, 0.0]))
+    assert q.scale > 0 and torch.isfinite(q.data.float()).all() and q.data.float()[1] == 0
+    assert kp.fp8.quantize(torch.randn(4, 8), dtype="e4m3").data.dtype == torch.float8_e4m3fn
+    for recipe in ("tensor", "rowwise"):
+        assert kp.fp8.quantize(torch.empty(0, 8), recipe=recipe).data.shape == (0, 8)
+    w24 = kp.sparse24.compress(torch.empty(0, 8))
+    assert w24.values.shape == (0, 4) and w24.metadata.shape == (0, 1)
+    x = torch.randn(2, 16)
+    # beta = 0 does not read c (as cuBLASLt): NaN there stays out, on the CPU reference as on the GPU.
+    torch.testing.assert_close(kp.linear(x, W, c=torch.full((2, 16), float("nan")), beta=0.0), x @ W.T)
+    # c without beta is added, as torch.addmm does; it was ignored.
+    torch.testing.assert_close(kp.linear(x, W, c=torch.ones(2, 16)), x @ W.T + 1)
+
+
+def test_an_output_is_untouched_when_a_check_fails():
+    out = torch.full((2, 16), 7.0)
+    with pytest.raises(kp.KernelPlanError):
+        kp.linear(torch.randn(2, 16), W, alpha="2", out=out)
+    with pytest.raises(kp.KernelPlanError):
+        kp.linear(torch.randn(2, 15), W, out=out)
+    assert (out == 7).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=st.sampled_from(["dtype", "shape", "rank", "k", "int", "bias shape", "bias dtype", "out dtype",
+                             "out shape"]), n=st.integers(1, 5), seed=st.integers(0, 1000))
+def test_generated_bad_inputs_to_linear_and_the_2_4_linear(case, n, seed):
+    """Each generated mistake gets a kernelplan error, and a given output keeps its contents."""
+    torch.manual_seed(seed)
+    x, w, b = torch.randn(n, 64), torch.randn(32, 64), torch.randn(32)
+    out = torch.full((n, 32), 7.0)
+    bad = {"dtype": dict(x=x.double()), "shape": dict(x=torch.randn(n, 63)), "rank": dict(w=torch.randn(32, 64, 1)),
+           "k": dict(w=torch.randn(32, 60)), "int": dict(x=torch.ones(n, 64, dtype=torch.int32)),
+           "bias shape": dict(b=torch.randn(31)), "bias dtype": dict(b=b.half()),
+           "out dtype": dict(out=out.double()), "out shape": dict(out=torch.full((n, 31), 7.0))}[case]
+    args = {"x": x, "w": w, "b": b, "out": out, **bad}
+    before = args["out"].clone()
+    with pytest.raises(kp.KernelPlanError):
+        kp.linear(args["x"], args["w"], args["b"], out=args["out"])
+    assert torch.equal(args["out"], before)
+    if case in ("rank", "k", "out dtype", "out shape"):
+        return
+    w24 = kp.sparse24.compress(kp.sparse24.prune(w))
+    with pytest.raises(kp.KernelPlanError):
+        kp.sparse24.linear(args["x"], w24, args["b"])
+
+
+# -- checkpoints and the CLI ---------------------------------------------------
+
+
+def test_checkpoints_round_trip_0_d_and_empty_tensors_and_refuse_broken_files(tmp_path):
+    state = {"scalar": torch.tensor(1.5), "empty": torch.empty(0, 8), "bn.num_batches_tracked": torch.tensor(3)}
+    kp.save_compressed(state, tmp_path / "a.safetensors")
+    back = kp.load_compressed(tmp_path / "a.safetensors")
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(16, 32)))
+    kp.save_compressed({"p.values": w24.values}, tmp_path / "orphan.safetensors")
+    with pytest.raises(kp.InvalidProblem, match="p.values has no p.metadata"):
+        kp.load_compressed(tmp_path / "orphan.safetensors")
+    for raw in (None, "-1", "x", "0"):
+        meta = {"format": "kernelplan.sparse24", **({"format_version": raw} if raw is not None else {})}
+        save_file({"x": torch.ones(2)}, tmp_path / "v.safetensors", metadata=meta)
+        with pytest.raises(kp.InvalidProblem, match=f"format_version {raw!r}; .* positive integer"):
+            kp.load_compressed(tmp_path / "v.safetensors")
+    with pytest.raises(kp.InvalidProblem, match="is a directory"):
+        kp.save_compressed(state, tmp_path)
+    with pytest.raises(kp.InvalidProblem, match="does not exist; create it first"):
+        kp.save_compressed(state, tmp_path / "missing" / "a.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "orphan.safetensors", "v.safetensors"]
+
+
+def test_the_sparsify_command_refuses_to_overwrite_its_input_and_errors_in_one_line(tmp_path):
+    dense = tmp_path / "d.safetensors"
+    save_file({"fc.weight": torch.randn(16, 32), "bn.num_batches_tracked": torch.tensor(3)}, dense)
+    original = dense.read_bytes()
+    run = lambda *a: subprocess.run([sys.executable, "-m", "kernelplan", "sparsify", *map(str, a)],  # noqa: E731
+                                    capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    for args, message in (((dense, dense), "would overwrite the dense original"),
+                          ((dense, tmp_path / "missing" / "o.safetensors"), "does not exist; create it first"),
+                          ((dense, tmp_path), "is a directory")):
+        out = run(*args)
+        assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert dense.read_bytes() == original
+    ok = run(dense, tmp_path / "o.safetensors")
+    assert ok.returncode == 0, ok.stderr
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]  # the atomic write left no temporary
+    assert "fc.values" in kp.load_compressed(tmp_path / "o.safetensors")
