@@ -32,6 +32,12 @@ CASES = {
     "quantize: meta": (lambda: kp.fp8.quantize(META), r"x is a meta tensor .* quantize reads its values"),
     "prune: bool": (lambda: kp.sparse24.prune(torch.ones(4, 8, dtype=torch.bool)), r"w has dtype torch.bool"),
     "quantize: dtype name not fp8": (lambda: kp.fp8.quantize(torch.randn(4, 8), dtype="f16"), r"dtype has dtype f16"),
+    "gated: meta x, real out": (lambda: kp.gated_activation(torch.empty(2, 16, device="meta"), "swiglu",
+                                                            out=torch.zeros(2, 8)), r"out is on cpu but the op runs on meta"),
+    "2:4 triton by name, bf16 on CPU": (
+        lambda: kp.sparse24.GemmSparse24Plan.select(
+            kp.sparse24.GemmSparse24Descriptor(4, 64, 128, "bf16"), kp.plan.PlanPreference.only("triton")),
+        r"triton: dtype bf16 on CPU: the Triton interpreter computes bf16 arithmetic wrongly"),
 }
 
 

@@ -348,6 +348,9 @@ def _validated(shape, dtype, device, kind, dim, gate, approximate) -> GatedActiv
 
 
 def _check_out_without_grad(out, *inputs: tuple[str, torch.Tensor]) -> None:
+    if out is not None:
+        # On the inputs' device: a meta x with a real out would otherwise return with out never written.
+        check_tensor(out, "out", device=inputs[0][1].device)
     if out is None or not torch.is_grad_enabled():
         return
     for name, t in inputs:
