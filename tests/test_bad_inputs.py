@@ -126,7 +126,7 @@ def test_the_sparsify_command_refuses_to_overwrite_its_input_and_errors_in_one_l
     save_file({"fc.weight": torch.randn(16, 32), "bn.num_batches_tracked": torch.tensor(3)}, dense)
     original = dense.read_bytes()
     run = lambda *a: subprocess.run([sys.executable, "-m", "kernelplan", "sparsify", *map(str, a)],  # noqa: E731
-                                    capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                                    capture_output=True, text=True, timeout=120)
     for args, message in (((dense, dense), "would overwrite the dense original"),
                           ((dense, tmp_path / "missing" / "o.safetensors"), "does not exist; create it first"),
                           ((dense, tmp_path), "is a directory")):
