@@ -14,15 +14,13 @@ write).  Medians of ``triton.testing.do_bench``.  Writes
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import sys
 
 import torch
 import triton
 
 import kernelplan as kp
+from kernelplan.bench import results
 from kernelplan.sparse24.layout import pack, unpack
 
 SHAPES = [(28672, 8192), (8192, 28672), (18944, 3584), (3584, 18944), (8192, 8192), (3072, 768)]
@@ -61,15 +59,7 @@ def main() -> int:
         print(f"{m}x{k}: copy {copy_bw:.0f} GB/s; " + ", ".join(
             f"{n} {row[n]['ms']:.3f} ms ({row[n]['of_copy']:.2f} of copy)" for n in ops if n != "copy"), flush=True)
         del dense, pruned, w24, tv, tm, back, linear
-    gpu = torch.cuda.get_device_name(0)
-    tag = "h200" if "H200" in gpu else "h100" if "H100" in gpu else gpu.replace(" ", "_").lower()
-    path = a.out or os.path.join(os.path.dirname(__file__), "results", f"sparse24-convert-{tag}.json")
-    meta = {"device": gpu, "torch": torch.__version__, "triton": triton.__version__, "dtype": "bf16",
-            "commit": os.environ.get("KERNELPLAN_COMMIT", "unknown"),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print("wrote", path)
+    results.write("sparse24-convert", {"rows": rows}, a.out, dtype="bf16")
     return 0
 
 

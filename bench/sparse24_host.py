@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime
-import json
-import os
 import pstats
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
-import triton
 
 import kernelplan as kp
+from kernelplan.bench import results
 from kernelplan.timing import interleaved
 
 
@@ -96,15 +93,7 @@ def main() -> int:
         prof.disable()
         torch.cuda.synchronize()
     pstats.Stats(prof).sort_stats("tottime").print_stats(14)
-    gpu = torch.cuda.get_device_name(0)
-    tag = "h200" if "H200" in gpu else "h100" if "H100" in gpu else gpu.replace(" ", "_").lower()
-    path = a.json or os.path.join(os.path.dirname(__file__), "results", f"sparse24-host-{tag}.json")
-    meta = {"device": gpu, "torch": torch.__version__, "triton": triton.__version__, "size": s, "n": 1,
-            "commit": os.environ.get("KERNELPLAN_COMMIT", "unknown"), "unit": "us per call, median of rounds",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    with open(path, "w") as f:
-        json.dump({"meta": meta, **out}, f, indent=1)
-    print("wrote", path)
+    results.write("sparse24-host", out, a.json, size=s, n=1, unit="us per call, median of rounds")
     return 0
 
 

@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import datetime
-import json
-import os
 import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
-import triton
 
+from kernelplan.bench import results
 from kernelplan.kernels import raw_stream
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_sp import _tiled
@@ -124,16 +121,7 @@ def main() -> int:
                   f"rule {rule_x:5.2f}x  wrong {len(row['wrong'])}", flush=True)
         del ws, tiled
         torch.cuda.empty_cache()
-    gpu = torch.cuda.get_device_name(0)
-    tag = "h200" if "H200" in gpu else "h100" if "H100" in gpu else gpu.replace(" ", "_").lower()
-    out = a.out or os.path.join(os.path.dirname(__file__), "results", f"sparse24-wg-tiles-{tag}.json")
-    meta = {"device": gpu, "torch": torch.__version__, "triton": triton.__version__,
-            "commit": os.environ.get("KERNELPLAN_COMMIT", "unknown"),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "dtype": "bf16",
-            "sms": sms, "registers_local_bytes": regs}
-    with open(out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print("wrote", out)
+    results.write("sparse24-wg-tiles", {"rows": rows}, a.out, dtype="bf16", sms=sms, registers_local_bytes=regs)
     return 0
 
 
