@@ -73,28 +73,81 @@ def test_an_output_is_untouched_when_a_check_fails():
     assert (out == 7).all()
 
 
-@settings(max_examples=60, deadline=None)
-@given(case=st.sampled_from(["dtype", "shape", "rank", "k", "int", "bias shape", "bias dtype", "out dtype",
-                             "out shape"]), n=st.integers(1, 5), seed=st.integers(0, 1000))
-def test_generated_bad_inputs_to_linear_and_the_2_4_linear(case, n, seed):
-    """Each generated mistake gets a kernelplan error, and a given output keeps its contents."""
+LINEAR_MISTAKES = ["dtype", "shape", "rank", "k", "int", "bias shape", "bias dtype", "out dtype", "out shape",
+                   "bias device", "out device"]
+
+
+def _linear_mistake(case: str, n: int, seed: int, dev: str) -> None:
+    """One generated mistake to ``kp.linear`` and ``kp.sparse24.linear``: a kernelplan error, the output untouched."""
     torch.manual_seed(seed)
-    x, w, b = torch.randn(n, 64), torch.randn(32, 64), torch.randn(32)
-    out = torch.full((n, 32), 7.0)
-    bad = {"dtype": dict(x=x.double()), "shape": dict(x=torch.randn(n, 63)), "rank": dict(w=torch.randn(32, 64, 1)),
-           "k": dict(w=torch.randn(32, 60)), "int": dict(x=torch.ones(n, 64, dtype=torch.int32)),
-           "bias shape": dict(b=torch.randn(31)), "bias dtype": dict(b=b.half()),
-           "out dtype": dict(out=out.double()), "out shape": dict(out=torch.full((n, 31), 7.0))}[case]
+    x, w, b = torch.randn(n, 64, device=dev), torch.randn(32, 64, device=dev), torch.randn(32, device=dev)
+    out = torch.full((n, 32), 7.0, device=dev)
+    other = "cpu" if dev != "cpu" else "meta"  # a tensor on another device than the operands
+    bad = {"dtype": {"x": x.double()}, "shape": {"x": torch.randn(n, 63, device=dev)},
+           "rank": {"w": torch.randn(32, 64, 1, device=dev)}, "k": {"w": torch.randn(32, 60, device=dev)},
+           "int": {"x": torch.ones(n, 64, dtype=torch.int32, device=dev)}, "bias shape": {"b": b[:31]},
+           "bias dtype": {"b": b.half()}, "out dtype": {"out": out.double()},
+           "out shape": {"out": torch.full((n, 31), 7.0, device=dev)}, "bias device": {"b": b.to(other)},
+           "out device": {"out": torch.full((n, 32), 7.0, device=other)}}[case]
     args = {"x": x, "w": w, "b": b, "out": out, **bad}
-    before = args["out"].clone()
+    before = args["out"].clone() if args["out"].device.type != "meta" else None
     with pytest.raises(kp.KernelPlanError):
         kp.linear(args["x"], args["w"], args["b"], out=args["out"])
-    assert torch.equal(args["out"], before)
-    if case in ("rank", "k", "out dtype", "out shape"):
+    if before is not None:
+        assert torch.equal(args["out"], before)
+    if case in ("rank", "k", "out dtype", "out shape", "out device"):
         return
     w24 = kp.sparse24.compress(kp.sparse24.prune(w))
     with pytest.raises(kp.KernelPlanError):
         kp.sparse24.linear(args["x"], w24, args["b"])
+
+
+def _gated_mistake(case: str, seed: int, dev: str) -> None:
+    torch.manual_seed(seed)
+    x = torch.randn(3, 16, device=dev)
+    out = torch.full((3, 8), 7.0, device=dev)
+    call = {"odd split": lambda: kp.gated_activation(torch.randn(3, 15, device=dev), "swiglu"),
+            "kind": lambda: kp.gated_activation(x, "swish-glu"),
+            "dim": lambda: kp.gated_activation(x, "swiglu", dim=2),
+            "out shape": lambda: kp.gated_activation(x, "swiglu", out=out[:, :7]),
+            "out dtype": lambda: kp.gated_activation(x, "swiglu", out=out.double()),
+            "out overlaps x": lambda: kp.gated_activation(x, "swiglu", out=x[:, :8]),
+            "int x": lambda: kp.gated_activation(torch.ones(3, 16, dtype=torch.int64, device=dev), "swiglu"),
+            "quantize recipe": lambda: kp.fp8.quantize(x, recipe="blockwise"),
+            "quantize int": lambda: kp.fp8.quantize(torch.ones(3, 16, dtype=torch.int32, device=dev)),
+            "quantize nan": lambda: kp.fp8.quantize(torch.full((3, 16), float("nan"), device=dev))}[case]
+    before = out.clone()
+    with pytest.raises(kp.KernelPlanError):
+        call()
+    assert torch.equal(out, before)
+
+
+GATED_MISTAKES = ["odd split", "kind", "dim", "out shape", "out dtype", "out overlaps x", "int x", "quantize recipe",
+                  "quantize int", "quantize nan"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=st.sampled_from(LINEAR_MISTAKES), n=st.integers(1, 5), seed=st.integers(0, 1000))
+def test_generated_bad_inputs_to_linear_and_the_2_4_linear(case, n, seed):
+    _linear_mistake(case, n, seed, "cpu")
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=st.sampled_from(GATED_MISTAKES), seed=st.integers(0, 1000))
+def test_generated_bad_inputs_to_gated_and_quantize(case, seed):
+    _gated_mistake(case, seed, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_same_mistakes_on_cuda_tensors_mixed_with_cpu_ones_and_across_devices():
+    for case in LINEAR_MISTAKES:
+        _linear_mistake(case, 3, 0, "cuda")
+    for case in GATED_MISTAKES:
+        _gated_mistake(case, 0, "cuda")
+    if torch.cuda.device_count() > 1:  # operands on two GPUs
+        with pytest.raises(kp.KernelPlanError, match="cuda:1"):
+            kp.linear(torch.randn(2, 16, device="cuda:0"), torch.randn(8, 16, device="cuda:1"))
 
 
 # -- checkpoints and the CLI ---------------------------------------------------
