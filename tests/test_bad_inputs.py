@@ -190,3 +190,18 @@ def test_the_sparsify_command_refuses_to_overwrite_its_input_and_errors_in_one_l
     assert ok.returncode == 0, ok.stderr
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]  # the atomic write left no temporary
     assert "fc.values" in kp.load_compressed(tmp_path / "o.safetensors")
+
+
+def test_scales_off_the_operands_device_and_an_expanded_2_4_output_are_refused():
+    from kernelplan.sparse24 import GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan
+
+    xq, wq = kp.fp8.quantize(torch.randn(4, 32)), kp.fp8.quantize(torch.randn(16, 32))
+    with pytest.raises(kp.InvalidProblem, match=r"scales.b is on meta but the op runs on cpu"):
+        kp.linear(xq.data, wq.data, scales=kp.gemm.ScaleSet(a=xq.scale, b=wq.scale.to("meta")),
+                  out_dtype=torch.float32)
+    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(64, 128)))
+    plan = GemmSparse24Plan.select(GemmSparse24Descriptor(4, 64, 128, "f32"))
+    y = torch.full((1, 64), 7.0).expand(4, 64)
+    with pytest.raises(kp.InvalidProblem, match=r"y has shape \(4, 64\) and strides \(0, 1\).*share memory"):
+        plan.run(GemmSparse24Args(torch.randn(4, 128), w24.values, w24.metadata, y))
+    assert (y == 7).all()

@@ -142,6 +142,9 @@ class GemmPlan(Plan):
                     f"scales.{which} is a {args.scales.mode(which, length)} scale but the plan was "
                     f"selected for a {mode} one; select a plan whose descriptor matches the call"
                 )
+            scale = getattr(args.scales, which)
+            if isinstance(scale, torch.Tensor):  # read by the kernel: on the operands' device
+                check_tensor(scale, f"scales.{which}", device=dev)
         _presence(args.scales.amax, d.amax, "scales.amax", "amax")
         if args.scales.amax is not None:
             check_tensor(args.scales.amax, "scales.amax", dtype=torch.float32, device=dev)
