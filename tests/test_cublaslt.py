@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 
@@ -12,7 +13,10 @@ import kernelplan as kp
 from helpers import FWD_ATOL, assert_close, poisoned
 from kernelplan.gemm import Epilogue, GemmArgs, GemmDescriptor, GemmPlan
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.skipif(importlib.util.find_spec("nvmath") is None,
+                                 reason="nvmath-python is not installed: the cuBLASLt backend is its bindings")]
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 DEV = "cuda:0"  # the spelling torch gives tensors: descriptors name the device they check against
 
