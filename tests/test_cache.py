@@ -132,16 +132,24 @@ def test_default_location_follows_the_environment(tmp_path, monkeypatch):
 
 def test_cli_info_and_clear(tmp_path):
     env = {**os.environ, "KERNELPLAN_CACHE_DIR": str(tmp_path)}
+    from kernelplan.kernels.kernel_cache import KernelCache
+
     PlanCache(tmp_path / "plans.sqlite").put("op", PROBLEM, 1)
+    KernelCache(tmp_path / "kernels").put("k" * 64, b"cubin")
     run = lambda *a: subprocess.run([sys.executable, "-m", "kernelplan", *a], env=env, capture_output=True, text=True, timeout=120)  # noqa: E731
     info = run("cache", "info", "--json")
     assert info.returncode == 0, info.stderr
     data = json.loads(info.stdout)
-    assert data["entries"] == 1 and data["path"] == str(tmp_path / "plans.sqlite") and data["size_bytes"] > 0
-    cleared = run("cache", "clear")
-    assert cleared.returncode == 0 and "cleared 1 entries" in cleared.stdout
-    assert json.loads(run("cache", "info", "--json").stdout)["entries"] == 0
+    plans, kernels = data["plans"], data["kernels"]
+    assert plans["entries"] == 1 and plans["path"] == str(tmp_path / "plans.sqlite") and plans["size_bytes"] > 0
+    assert kernels["entries"] == 1 and kernels["path"] == str(tmp_path / "kernels")
+    only = json.loads(run("cache", "info", "--json", "--which", "kernels").stdout)
+    assert only == kernels
+    cleared = run("cache", "clear", "--which", "plans")
+    assert cleared.returncode == 0 and "cleared 1 entries from the plans cache" in cleared.stdout
+    assert json.loads(run("cache", "info", "--json").stdout)["kernels"]["entries"] == 1
+    assert "cleared 1 entries from the kernels cache" in run("cache", "clear").stdout
     text = run("cache", "info")
-    assert "entries:     0" in text.stdout
+    assert text.stdout.count("entries:   0") == 2
     bad = run("cache", "frobnicate")
     assert bad.returncode == 2 and "invalid choice" in bad.stderr

@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     cache = sub.add_parser("cache", help="inspect or clear the persistent plan cache")
     cache.add_argument("action", choices=("info", "clear"))
     cache.add_argument("--json", action="store_true", help="print info as JSON")
+    cache.add_argument("--which", choices=("all", "plans", "kernels"), default="all",
+                       help="the plan cache, the compiled-kernel cache, or both (default)")
 
     args = parser.parse_args(argv)
     if args.command == "cache":
@@ -146,20 +148,27 @@ def _example_checkpoint(directory: str) -> str:
 def _cache(args) -> int:
     from .cache import plan_cache
 
-    cache = plan_cache()
+    from .kernels.kernel_cache import kernel_cache
+
+    caches = {"plans": plan_cache(), "kernels": kernel_cache()}
+    chosen = list(caches) if args.which == "all" else [args.which]
     if args.action == "clear":
-        n = cache.clear()
-        print(f"cleared {n} entries from {cache.path}")
+        for name in chosen:
+            n = caches[name].clear()
+            print(f"cleared {n} entries from the {name} cache")
         return 0
-    info = cache.info()
+    infos = {name: caches[name].info() for name in chosen}
     if args.json:
-        print(json.dumps(info))
-    else:
-        print(f"path:        {info['path']}" + (" (read-only)" if info["read_only"] else ""))
-        print(f"entries:     {info['entries']} (max {info['max_entries']})")
-        print(f"size:        {info['size_bytes'] / 1024:.1f} KiB")
+        print(json.dumps(infos[chosen[0]] if len(chosen) == 1 else infos))
+        return 0
+    for name, info in infos.items():
+        print(f"{name}:")
+        print(f"  path:      {info['path']}" + (" (read-only)" if info.get("read_only") else ""))
+        limit = f"max {info['max_entries']} entries" if "max_entries" in info else f"max {info['max_bytes'] / 2**20:.0f} MiB"
+        print(f"  entries:   {info['entries']} ({limit})")
+        print(f"  size:      {info['size_bytes'] / 1024:.1f} KiB")
         if info["unusable"]:
-            print(f"unusable:    {info['unusable']} (this process keeps results in memory)")
+            print(f"  unusable:  {info['unusable']} (this process keeps results in memory)")
     return 0
 
 

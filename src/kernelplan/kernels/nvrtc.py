@@ -2,8 +2,8 @@
 
 NVRTC ships with the CUDA wheels torch depends on (``nvidia-cuda-nvrtc``);
 cuda-bindings finds it through cuda-pathfinder.  A compile takes a fraction
-of a second and is cached per source and architecture for the process; a
-loaded function is cached per device.  Launches go through
+of a second; its cubin is kept on disk (``kernel_cache.py``) and per process,
+and a loaded function is cached per device.  Launches go through
 ``direct.FunctionLaunch``, one ``cuLaunchKernel`` each.
 """
 
@@ -47,10 +47,35 @@ def arch(device_index: int) -> str:
     return f"sm_{major}{minor}"
 
 
+# -lineinfo: profilers and compute-sanitizer map SASS back to the .cu lines.
+OPTIONS = ("-std=c++17", "-lineinfo")
+COMPILES = [0]  # NVRTC compiles in this process: a warm disk cache keeps it at 0
+
+
 @functools.lru_cache(maxsize=256)
 def cubin(source: str, architecture: str) -> bytes:
-    """The compiled ``source`` for ``architecture`` (``sm_90``); the compiler's log on failure."""
+    """The compiled ``source`` for ``architecture`` (``sm_90``), from the disk cache or NVRTC; the log on failure."""
     from cuda.bindings import nvrtc
+
+    from .kernel_cache import cache_key, kernel_cache
+
+    cache = kernel_cache()
+    key = cache_key(source, OPTIONS, architecture, _nvrtc_version(nvrtc))
+    binary = None if os.environ.get(DUMP_ENV) else cache.get(key)  # a dump asks for the compile itself
+    if binary is None:
+        binary = _compile(nvrtc, source, architecture)
+        cache.put(key, binary)
+    return binary
+
+
+@functools.lru_cache(maxsize=1)
+def _nvrtc_version(nvrtc) -> str:
+    _, major, minor = nvrtc.nvrtcVersion()
+    return f"nvrtc {major}.{minor}"
+
+
+def _compile(nvrtc, source: str, architecture: str) -> bytes:
+    COMPILES[0] += 1
 
     def check(result, what: str, prog=None):
         err = result[0]
@@ -66,8 +91,7 @@ def cubin(source: str, architecture: str) -> bytes:
 
     prog, = check(nvrtc.nvrtcCreateProgram(source.encode(), b"kernelplan.cu", 0, [], []), "program creation")
     try:
-        # -lineinfo: profilers and compute-sanitizer map SASS back to the .cu lines.
-        options = [f"--gpu-architecture={architecture}".encode(), b"-std=c++17", b"-lineinfo"]
+        options = [f"--gpu-architecture={architecture}".encode(), *(o.encode() for o in OPTIONS)]
         check(nvrtc.nvrtcCompileProgram(prog, len(options), options), "compile", prog)
         if os.environ.get(DUMP_ENV):
             _dump(nvrtc, prog, source, architecture)
