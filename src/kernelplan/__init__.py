@@ -28,6 +28,7 @@ from .gemm import Epilogue, GemmArgs, GemmDescriptor, GemmPlan, ScaleSet, linear
 from .plan import Plan, PlanPreference, PrecisionGuarantee, Sku  # noqa: E402
 from . import fp8, nn  # noqa: E402
 from .checkpoint import load_compressed, save_compressed, sparsify  # noqa: E402
+from .warm import warmup  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -37,6 +38,7 @@ __all__ = [
     "nn",
     "fp8",
     "sparsify",
+    "warmup",
     "save_compressed",
     "load_compressed",
     "KernelPlanError",

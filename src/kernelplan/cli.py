@@ -1,4 +1,4 @@
-"""The ``kernelplan`` command: ``bench`` and ``cache info|clear``."""
+"""The ``kernelplan`` command: ``bench``, ``sparsify``, ``warmup`` and ``cache info|clear``."""
 
 from __future__ import annotations
 
@@ -26,13 +26,24 @@ def main(argv: list[str] | None = None) -> int:
     sparsify.add_argument("--filter", default=None, metavar="REGEX", help="prune only the 2-D weights whose name matches")
     sparsify.add_argument("--dry-run", action="store_true", help="report what would change; write nothing")
 
-    cache = sub.add_parser("cache", help="inspect or clear the persistent plan cache")
+    warm = sub.add_parser("warmup", help="compile a model's 2:4 kernels and settle their dispatch ahead of time",
+                          description="For 2:4 layers of the given shapes (a JSON list of [M, K]) and batch sizes: "
+                          "compile the kernels the dispatch rule names (kept in the kernel cache for later "
+                          "processes) and run each shape once. Prints shape, n, kernel and configuration.")
+    warm.add_argument("--shapes", required=True, metavar="FILE", help='a JSON file: [[M, K], ...] (out, in features)')
+    warm.add_argument("--batch-sizes", default="1,16,128,2048", help="comma-separated rows per call")
+    warm.add_argument("--dtype", default="bf16", choices=("bf16", "f16"))
+    warm.add_argument("--device", default=None, help="cuda[:i] (default: cuda if present, else cpu)")
+
+    cache = sub.add_parser("cache", help="inspect or clear the persistent plan and kernel caches")
     cache.add_argument("action", choices=("info", "clear"))
     cache.add_argument("--json", action="store_true", help="print info as JSON")
     cache.add_argument("--which", choices=("all", "plans", "kernels"), default="all",
                        help="the plan cache, the compiled-kernel cache, or both (default)")
 
     args = parser.parse_args(argv)
+    if args.command == "warmup":
+        return _warmup(args)
     if args.command == "cache":
         return _cache(args)
     if args.command == "sparsify":
@@ -143,6 +154,39 @@ def _example_checkpoint(directory: str) -> str:
     path = os.path.join(directory, "example.safetensors")
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
     return path
+
+
+def _warmup(args) -> int:
+    import torch
+
+    from .dtypes import dtype_info
+    from .errors import KernelPlanError
+    from .nn import Sparse24Linear
+    from .warm import table, warmup
+
+    try:
+        with open(args.shapes) as f:
+            shapes = json.load(f)
+        if not isinstance(shapes, list) or not all(isinstance(s, list) and len(s) == 2 and
+                                                   all(isinstance(v, int) and v > 0 for v in s) for s in shapes):
+            raise ValueError("it must be a JSON list of [M, K] pairs of positive integers")
+        sizes = [int(v) for v in args.batch_sizes.split(",")]
+    except (OSError, ValueError) as e:
+        print(f"kernelplan warmup: --shapes {args.shapes} / --batch-sizes {args.batch_sizes}: {e}", file=sys.stderr)
+        return 2
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype_info(args.dtype).dtype
+    try:
+        # Random 2:4 weights of each shape: kernels and dispatch depend on the shape, not the values.
+        model = torch.nn.ModuleList(
+            Sparse24Linear.from_dense(torch.nn.Linear(k, m, bias=False, device=device, dtype=dtype))
+            for m, k in shapes)
+        rows = warmup(model, sizes, progress=sys.stderr.isatty())
+    except (KernelPlanError, RuntimeError) as e:
+        print(f"kernelplan warmup: {e}", file=sys.stderr)
+        return 2
+    print(table(rows))
+    return 0
 
 
 def _cache(args) -> int:

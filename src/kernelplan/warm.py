@@ -1,0 +1,99 @@
+"""``kp.warmup``: a model's 2:4 kernels compiled and its dispatch settled before its first request.
+
+For every ``Sparse24Linear`` of the model and every batch size asked for:
+
+1. the kernel the dispatch rule names (``sparse24/dispatch.py``) and its tile
+   configuration, compiled by NVRTC in threads, distinct kernels at once
+   (NVRTC is thread-safe) or read from the disk cache (``kernels/kernel_cache.py``);
+2. one call of the layer on zeros, under ``torch.inference_mode``: the
+   kernel is loaded, its launch prepared, and the layer's inference fast path
+   filled, so that a later call of the same shape compiles, tunes and builds nothing.
+   (Under ``memory="fast"`` that first call is where the bucket is tuned.)
+
+Returns one row per (layer shape, n): the kernel and its configuration.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import time
+
+import torch
+
+from .errors import InvalidProblem
+from .nn.sparse24_linear import Sparse24Linear
+
+DEFAULT_BATCH_SIZES = (1, 16, 128, 2048)
+_KERNEL_MODULES = {"cuda_wg": "sparse24_wg", "cuda_sp": "sparse24_sp"}
+
+
+def _variant(layer: Sparse24Linear, n: int):
+    """``(backend, config, compile)`` of the rule's kernel for ``layer`` at n rows; compile is None off CUDA."""
+    from .dtypes import dtype_info
+    from .sparse24.dispatch import config_for
+    from .sparse24.gemm import _descriptor, rule_backend
+
+    dev = layer.values.device
+    desc = _descriptor(n, layer.out_features, layer.in_features, layer.values.dtype, None, layer.bias is not None,
+                       dev, False, layer.memory)
+    backend = rule_backend(desc)
+    if dev.type != "cuda" or backend not in ("cuda_sp", "cuda_wg") or layer.memory != "compact":
+        return backend, None, None
+    from .kernels import nvrtc
+    from .kernels.sparse24 import sm_count
+
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    cfg = config_for(backend, n, layer.out_features, layer.in_features, sm_count(index))
+    module = importlib.import_module(f".kernels.{_KERNEL_MODULES[backend]}", __package__)
+    source = module.source(cfg, dtype_info(layer.values.dtype).name, layer.bias is not None, None)
+    # As the kernels' launchers compile them: wgmma.sp is an sm_90a instruction (kernels/sparse24_wg.py).
+    architecture = "sm_90a" if backend == "cuda_wg" else nvrtc.arch(index)
+    return backend, cfg, (lambda: nvrtc.cubin(source, architecture))
+
+
+def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bool = True,
+           threads: int = 8) -> list[dict]:
+    """Compile every kernel and settle every dispatch choice of ``model``'s 2:4 layers at ``batch_sizes``."""
+    from tqdm.auto import tqdm
+
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidProblem(f"model is a {type(model).__name__}; warmup takes an nn.Module")
+    sizes = sorted({int(n) for n in batch_sizes})
+    if not sizes or sizes[0] < 1:
+        raise InvalidProblem(f"batch_sizes is {tuple(batch_sizes)}; give positive numbers of rows, such as (1, 16, 128)")
+    layers = [m for m in model.modules() if isinstance(m, Sparse24Linear)]
+    rows, compiles = {}, {}
+    for layer in layers:
+        for n in sizes:
+            key = (layer.out_features, layer.in_features, str(layer.values.dtype), layer.bias is not None, n)
+            if key in rows:
+                continue
+            backend, cfg, compile_ = _variant(layer, n)
+            rows[key] = {"m": key[0], "k": key[1], "dtype": key[2], "bias": key[3], "n": n, "backend": backend,
+                         "config": str(cfg) if cfg is not None else "-"}
+            if compile_ is not None:
+                compiles.setdefault((backend, str(cfg), key[2], key[3]), compile_)
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+        futures = [pool.submit(c) for c in compiles.values()]
+        for f in tqdm(concurrent.futures.as_completed(futures), total=len(futures), desc="compile",
+                      disable=not progress or not futures):
+            f.result()
+    compiled_s = time.perf_counter() - t0
+    with torch.inference_mode():
+        for layer in tqdm(layers, desc="warm up", disable=not progress or len(layers) < 2):
+            p = layer.values
+            for n in sizes:
+                layer(torch.zeros(n, layer.in_features, dtype=p.dtype, device=p.device))
+    for row in rows.values():
+        row["compile_s"] = compiled_s  # the compile phase, all kernels together
+    return list(rows.values())
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as a text table: shape, n, kernel, configuration."""
+    head = f"{'M x K':>15} {'dtype':>15} {'n':>6}  {'kernel':<10} config"
+    lines = [head] + [f"{r['m']:>7} x {r['k']:<5} {r['dtype']:>15} {r['n']:>6}  {r['backend']:<10} {r['config']}"
+                      for r in rows]
+    return "\n".join(lines)
