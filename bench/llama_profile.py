@@ -32,7 +32,7 @@ def main() -> None:
     torch.manual_seed(0)
     dense = transformers.LlamaForCausalLM(_config(transformers, True)).to(dev, torch.bfloat16).eval()
     sparse = copy.deepcopy(dense)
-    kp.sparsify(sparse, progress=False)
+    kp.sparsify(sparse, progress=False, prune_output=True)  # the LM head too, as bench/llama.py
     prompt = torch.randint(0, dense.config.vocab_size, (a.batch, 128), device=dev)
 
     def decode(m):

@@ -141,3 +141,44 @@ def test_cli_example_real_file_dry_run_filter_and_errors(tmp_path):
     junk.write_text("not a checkpoint")
     bad = _cli(str(junk), str(dst))
     assert bad.returncode == 2 and "is not a safetensors file" in bad.stderr and bad.stderr.count("\n") == 1
+
+
+class _TinyLM(nn.Module):
+    """An embedding, two blocks and an LM head, optionally tied to the embedding (as many decoders are)."""
+
+    def __init__(self, tied: bool, hf: bool = False):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(96, 64)
+        self.blocks = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+        self.lm_head = nn.Linear(64, 96, bias=False)
+        if tied:
+            self.lm_head.weight = self.embed_tokens.weight
+        if hf:  # the Hugging Face accessor names the output projection, whatever its attribute is called
+            self.out_proj, self.lm_head = self.lm_head, None
+            self.get_output_embeddings = lambda: self.out_proj
+
+    def forward(self, ids):
+        head = self.lm_head if self.lm_head is not None else self.out_proj
+        return head(self.blocks(self.embed_tokens(ids)))
+
+
+def test_sparsify_keeps_a_tied_lm_head_and_its_embedding_intact():
+    model = _TinyLM(tied=True)
+    report = kp.sparsify(model, progress=False)
+    assert report.converted == ["blocks.0", "blocks.2"]
+    assert "tied to embed_tokens.weight" in report.skipped["lm_head"]
+    assert model.lm_head.weight is model.embed_tokens.weight  # the tie holds
+    assert "tied to" in report.summary()
+
+
+def test_sparsify_leaves_the_output_projection_dense_unless_asked():
+    model = _TinyLM(tied=False)
+    report = kp.sparsify(model, progress=False)
+    assert "lm_head" not in report.converted and "prune_output=True" in report.skipped["lm_head"]
+    pruned = _TinyLM(tied=False)
+    assert "lm_head" in kp.sparsify(pruned, progress=False, prune_output=True).converted
+    hf = _TinyLM(tied=False, hf=True)
+    report = kp.sparsify(hf, progress=False)
+    assert "out_proj" in report.skipped and isinstance(hf.out_proj, nn.Linear)
+    ids = torch.randint(0, 96, (2, 5))
+    assert hf(ids).shape == (2, 5, 96)

@@ -73,8 +73,8 @@ def sparse24_notes() -> list[str]:
         cases = "; ".join(f"{r['case']} {r['graph_speedup']:.2f}x graph, {r['eager_speedup']:.2f}x eager"
                           for r in model["rows"])
         lines.append(f"- 2:4, {model['meta']['model']} ({model['meta']['layers']} layers), sparsified against "
-                     f"dense: {cases}; weights {model['sparse_over_dense_bytes']:.3f}x of dense (embeddings and "
-                     f"LM head stay dense), {_source(model['meta'], 'sparse24-model-h100')}.")
+                     f"dense: {cases}; weights {model['sparse_over_dense_bytes']:.3f}x of dense (embeddings dense, "
+                     f"the LM head pruned too), {_source(model['meta'], 'sparse24-model-h100')}.")
     convert = _load("sparse24-convert-h100")
     if convert:
         big = [r for r in convert["rows"] if r["m"] * r["k"] >= 2**26]

@@ -166,14 +166,29 @@ def _compressed_bytes(weight: torch.Tensor) -> int:
 
 
 def sparsify(
-    model: nn.Module, filter_fn: Callable[[str, nn.Linear], bool] | None = None, progress: bool = True
+    model: nn.Module, filter_fn: Callable[[str, nn.Linear], bool] | None = None, progress: bool = True,
+    prune_output: bool = False,
 ) -> SparsifyReport:
-    """Replace every eligible ``nn.Linear`` of ``model`` in place with a 2:4 ``Sparse24Linear``."""
+    """Replace every eligible ``nn.Linear`` of ``model`` in place with a 2:4 ``Sparse24Linear``.
+
+    Skipped, with the reason in the report: layers ``filter_fn`` rejects; layers
+    whose weight is shared with another parameter (a tied LM head: pruning it
+    would break the tie, or prune the embeddings too); and, unless
+    ``prune_output``, the model's output projection (``get_output_embeddings()``
+    of a Hugging Face model, else a layer named ``lm_head``), whose pruning harms
+    accuracy most and which is not where 2:4 speeds a model up.
+    """
     from tqdm.auto import tqdm
 
     if not isinstance(model, nn.Module):
         raise InvalidProblem(f"model is a {type(model).__name__}; sparsify takes an nn.Module")
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    owners: dict[int, list[str]] = {}  # parameter storage -> the names that hold it, ties included
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        if p.numel():
+            owners.setdefault((p.data_ptr(), tuple(p.shape)), []).append(pname)
+    get_output = getattr(model, "get_output_embeddings", None)
+    output = get_output() if callable(get_output) else None
     report = SparsifyReport()
     for name, layer in tqdm(linears, desc="sparsify", disable=not progress or len(linears) < 8):
         if not name:
@@ -181,6 +196,15 @@ def sparsify(
             continue
         if filter_fn is not None and not filter_fn(name, layer):
             report.skipped[name] = "filtered out by filter_fn"
+            continue
+        w = layer.weight
+        tied = [o for o in owners.get((w.data_ptr(), tuple(w.shape)), []) if o != f"{name}.weight"]
+        if tied:
+            report.skipped[name] = (f"its weight is tied to {', '.join(tied)}: pruning it would prune those too, "
+                                    f"or break the tie")
+            continue
+        if not prune_output and (layer is output or (output is None and name.rpartition(".")[2] == "lm_head")):
+            report.skipped[name] = "the output projection (LM head) stays dense by default: prune_output=True prunes it"
             continue
         reason = eligibility(layer.weight)
         if reason is not None:
