@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import warnings
+
 import torch
 
 from .errors import BufferTooSmall, InvalidProblem
@@ -44,6 +46,16 @@ def check_tensor(
             f"{operand} has shape {tuple(t.shape)} but must have shape {tuple(shape)}; "
             f"allocate it with that shape or reshape it"
         )
+
+
+_WARNED: set = set()
+
+
+def warn_once(message: str, stacklevel: int = 3) -> None:
+    """A ``RuntimeWarning`` with ``message``, the first time this process meets it."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 def check_has_data(t: torch.Tensor, operand: str, what: str) -> None:

@@ -57,11 +57,11 @@ class _NewerSchema(sqlite3.DatabaseError):
     """The file's schema is newer than this kernelplan's: not damage, and not ours to rebuild."""
 
 
-def _warn(message: str) -> None:
+def warn(message: str, stacklevel: int = 5) -> None:
     """A PlanCacheWarning and a log line; never an exception (``-W error`` must not fail a computation)."""
     log.warning("%s", message)
     try:
-        warnings.warn(message, PlanCacheWarning, stacklevel=5)
+        warnings.warn(message, PlanCacheWarning, stacklevel=stacklevel)
     except Exception:  # noqa: BLE001  warnings turned into errors: the log line stands
         pass
 
@@ -248,7 +248,7 @@ class PlanCache:
     def _warn_once(self, message: str) -> None:
         if message not in self._said:
             self._said.add(message)
-            _warn(message)
+            warn(message)
 
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None:

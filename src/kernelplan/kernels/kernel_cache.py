@@ -25,11 +25,10 @@ import contextlib
 import hashlib
 import os
 import threading
-import warnings
 from pathlib import Path
 
 from .. import __version__
-from ..cache import PlanCacheWarning, default_cache_dir
+from ..cache import default_cache_dir, warn
 
 MAGIC = b"KPCUBIN1"
 DEFAULT_MAX_BYTES = 512 * 2**20
@@ -65,7 +64,7 @@ class KernelCache:
         if blob[:len(MAGIC)] != MAGIC or hashlib.sha256(payload).digest() != blob[len(MAGIC):len(MAGIC) + 32]:
             self.dropped += 1
             self.misses += 1
-            _warn(f"kernelplan kernel cache: {path} fails its checksum (truncated or damaged); it is dropped and "
+            warn(f"kernelplan kernel cache: {path} fails its checksum (truncated or damaged); it is dropped and "
                   f"the kernel compiled again")
             with contextlib.suppress(OSError):
                 path.unlink()
@@ -88,7 +87,7 @@ class KernelCache:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             self.unusable = f"{type(e).__name__}: {e}"
-            _warn(f"kernelplan kernel cache {self.folder} cannot be written ({self.unusable}); compiled kernels are "
+            warn(f"kernelplan kernel cache {self.folder} cannot be written ({self.unusable}); compiled kernels are "
                   f"kept in this process's memory only: point KERNELPLAN_CACHE_DIR at a writable directory")
             return
         with self._lock:
@@ -131,13 +130,6 @@ class KernelCache:
             with contextlib.suppress(OSError):
                 p.unlink()  # another process may have dropped it first
             total -= size
-
-
-def _warn(message: str) -> None:
-    try:
-        warnings.warn(message, PlanCacheWarning, stacklevel=4)
-    except Exception:  # noqa: BLE001  warnings as errors must not fail a compile
-        pass
 
 
 _DEFAULT: KernelCache | None = None

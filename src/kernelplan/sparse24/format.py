@@ -23,13 +23,12 @@ alone (``Sparse24Linear`` does), and converts back to this format to be saved.
 from __future__ import annotations
 
 import importlib.util
-import warnings
 import weakref
 from typing import Callable
 
 import torch
 
-from .._checks import check_has_data, check_tensor
+from .._checks import check_has_data, check_tensor, warn_once
 from ..dtypes import dtype_info
 from ..errors import InvalidProblem, InvalidState, MisalignedOperand
 from .layout import PUBLIC, SP_LAYOUT, check_layout, layout_of, pack, unpack, weight_shape
@@ -74,18 +73,12 @@ def gpu_kernels(t: torch.Tensor):
     if type(t) not in (torch.Tensor, torch.nn.Parameter) or torch.compiler.is_compiling():
         return None  # traced (FakeTensor, FunctionalTensor, a compiled backward): no pointers, the torch ops
     if importlib.util.find_spec("triton") is None:
-        _warn_once("triton is not installed: 2:4 weights are pruned, compressed and laid out on the GPU by torch "
+        warn_once("triton is not installed: 2:4 weights are pruned, compressed and laid out on the GPU by torch "
                    "ops, in many passes (pip install 'kernelplan[gpu]' for the one-pass kernels)")
         return None
     from ..kernels import sparse24_convert
 
     return sparse24_convert
-
-
-def _warn_once(message: str, _said: set = set()) -> None:  # noqa: B006  the set is the memory
-    if message not in _said:
-        _said.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _rows(w: torch.Tensor) -> torch.Tensor:

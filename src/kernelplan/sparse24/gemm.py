@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from .._checks import check_dims, check_no_internal_overlap, check_no_overlap, check_tensor, choice, plain_eager
+from .._checks import (check_dims, check_no_internal_overlap, check_no_overlap, check_tensor, choice, plain_eager,
+                       warn_once)
 from ..activations import ACTIVATIONS
 from ..dtypes import dtype_info
 from ..errors import InvalidProblem, MisalignedOperand
@@ -66,14 +66,6 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-_warned: set = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
-
 
 def n_bucket(n: int) -> int:
     """Dispatch measures per power-of-two bucket of N: 1, 2, 4, ..., 8192, ..."""
@@ -114,7 +106,7 @@ class GemmSparse24Plan(Plan):
             return candidates[0]
         chosen = cls.registry.get(name)
         reason = chosen.supports(desc) if chosen is not None else "not registered"
-        _warn_once(f"2:4 linear {desc}: the rule's backend {name} cannot run it ({reason}); the reference "
+        warn_once(f"2:4 linear {desc}: the rule's backend {name} cannot run it ({reason}); the reference "
                    f"runs it instead, decompressing the weight at every call. memory='fast' lets every "
                    f"backend compete")
         return cls.registry.get("reference")
