@@ -16,7 +16,6 @@ Returns one row per (layer shape, n): the kernel and its configuration.
 from __future__ import annotations
 
 import concurrent.futures
-import importlib
 import time
 
 import torch
@@ -25,31 +24,25 @@ from .errors import InvalidProblem
 from .nn.sparse24_linear import Sparse24Linear
 
 DEFAULT_BATCH_SIZES = (1, 16, 128, 2048)
-_KERNEL_MODULES = {"cuda_wg": "sparse24_wg", "cuda_sp": "sparse24_sp"}
 
 
 def _variant(layer: Sparse24Linear, n: int):
     """``(backend, config, compile)`` of the rule's kernel for ``layer`` at n rows; compile is None off CUDA."""
     from .dtypes import dtype_info
-    from .sparse24.dispatch import config_for
+    from .sparse24 import GemmSparse24Plan
     from .sparse24.gemm import _descriptor, rule_backend
 
     dev = layer.values.device
     desc = _descriptor(n, layer.out_features, layer.in_features, layer.values.dtype, None, layer.bias is not None,
                        dev, False, layer.memory)
     backend = rule_backend(desc)
-    if dev.type != "cuda" or backend not in ("cuda_sp", "cuda_wg") or layer.memory != "compact":
+    kernel = getattr(GemmSparse24Plan.registry.get(backend), "kernel", None)
+    if dev.type != "cuda" or kernel is None or layer.memory != "compact":
         return backend, None, None
-    from .kernels import nvrtc
-    from .kernels.sparse24 import sm_count
-
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    cfg = config_for(backend, n, layer.out_features, layer.in_features, sm_count(index))
-    module = importlib.import_module(f".kernels.{_KERNEL_MODULES[backend]}", __package__)
-    source = module.source(cfg, dtype_info(layer.values.dtype).name, layer.bias is not None, None)
-    # As the kernels' launchers compile them: wgmma.sp is an sm_90a instruction (kernels/sparse24_wg.py).
-    architecture = "sm_90a" if backend == "cuda_wg" else nvrtc.arch(index)
-    return backend, cfg, (lambda: nvrtc.cubin(source, architecture))
+    cfg, compile_ = kernel().compile_for(n, layer.out_features, layer.in_features, dtype_info(layer.values.dtype).name,
+                                         layer.bias is not None, None, index)
+    return backend, cfg, compile_
 
 
 def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bool = True,

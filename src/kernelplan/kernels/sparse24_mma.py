@@ -275,6 +275,7 @@ class TiledKernel:
 
     name = "cuda_mma"
     layout = "cuda_mma tiled"  # the derived layout's name (Sparse24Weight.derived_bytes)
+    architecture = None  # what NVRTC compiles for: None is the device's own (nvrtc.arch)
     max_n = MAX_N
     chunks = False  # whether launch takes more than max_n rows of x, in chunks of max_n
 
@@ -286,6 +287,22 @@ class TiledKernel:
         """``(FunctionLaunch, grid)`` of the variant that runs N = n."""
         cfg = mma_config(n, m, k, sm_count(device))
         return _launcher(cfg, dtype, has_bias, activation, device), (-(-m // 16), 1, 1)
+
+    def compile_for(self, n: int, m: int, k: int, dtype: str, has_bias: bool, activation: str | None,
+                    device: int) -> tuple:
+        """``(config, compile)`` of the variant ``launch_for`` would load: ``compile()`` gives its cubin, from the
+        disk cache or NVRTC, and touches no device (so it may run in threads)."""
+        from . import nvrtc
+
+        cfg = self.config(n, m, k, device)
+        text = self.source(cfg, dtype, has_bias, activation)
+        architecture = self.architecture or nvrtc.arch(device)
+        return cfg, functools.partial(nvrtc.cubin, text, architecture)
+
+    def config(self, n, m, k, device):
+        return mma_config(n, m, k, sm_count(device))
+
+    source = staticmethod(source)
 
 
 class MmaLinear:

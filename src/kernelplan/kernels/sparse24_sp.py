@@ -293,7 +293,7 @@ def _launcher(cfg: SpConfig, dtype: str, has_bias: bool, activation: str | None,
     from . import nvrtc
 
     return nvrtc.launch(source(cfg, dtype, has_bias, activation), "kp_sparse24_sp", device_index, f"{cfg} {dtype}",
-                        block=cfg.threads, shared=cfg.shared)
+                        block=cfg.threads, shared=cfg.shared, architecture=SpKernel.architecture)
 
 
 class SpKernel(TiledKernel):
@@ -301,12 +301,16 @@ class SpKernel(TiledKernel):
     layout = SP_LAYOUT
     max_n = MAX_N
     chunks = True
+    source = staticmethod(source)
 
     def tiled(self, values, metadata):
         return _tiled(values, metadata)
 
     def launch_for(self, n, m, k, dtype, has_bias, activation, device):
+        cfg = self.config(n, m, k, device)
+        return _launcher(cfg, dtype, has_bias, activation, device), (-(-m // cfg.rows), 1, 1)
+
+    def config(self, n, m, k, device):
         from ..sparse24.dispatch import config_for
 
-        cfg = config_for(self.name, n, m, k, sm_count(device))
-        return _launcher(cfg, dtype, has_bias, activation, device), (-(-m // cfg.rows), 1, 1)
+        return config_for(self.name, n, m, k, sm_count(device))

@@ -132,22 +132,26 @@ def _launcher(cfg: WgConfig, dtype: str, has_bias: bool, activation: str | None,
     from . import nvrtc
 
     return nvrtc.launch(source(cfg, dtype, has_bias, activation), "kp_sparse24_wg", device_index, f"{cfg} {dtype}",
-                        block=cfg.threads, shared=cfg.shared, architecture="sm_90a")
+                        block=cfg.threads, shared=cfg.shared, architecture=WgKernel.architecture)
 
 
 class WgKernel(TiledKernel):
     name = "cuda_wg"
     layout = SP_LAYOUT
     max_n = 1 << 31
+    architecture = "sm_90a"  # wgmma is an sm_90a instruction
+    source = staticmethod(source)
 
     def tiled(self, values, metadata):
         return _tiled(values, metadata)
 
     def launch_for(self, n, m, k, dtype, has_bias, activation, device):
+        return self.launch_config(self.config(n, m, k, device), n, m, dtype, has_bias, activation, device)
+
+    def config(self, n, m, k, device):
         from ..sparse24.dispatch import config_for
 
-        cfg = config_for(self.name, n, m, k, sm_count(device))
-        return self.launch_config(cfg, n, m, dtype, has_bias, activation, device)
+        return config_for(self.name, n, m, k, sm_count(device))
 
     def launch_config(self, cfg: WgConfig, n, m, dtype, has_bias, activation, device):
         return _launcher(cfg, dtype, has_bias, activation, device), (-(-n // cfg.bn), -(-m // cfg.rows), cfg.kc)
