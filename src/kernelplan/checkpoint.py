@@ -69,16 +69,14 @@ def _write_atomically(write, path: str) -> None:
         raise InvalidProblem(f"{path}: its directory {folder} does not exist; create it first (mkdir -p)")
     if not os.access(folder, os.W_OK):
         raise InvalidProblem(f"{path}: its directory {folder} is not writable; write somewhere else")
+    from safetensors import SafetensorError
+
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
     try:
         write(tmp)
         os.replace(tmp, path)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:
         raise InvalidProblem(f"{path} could not be written ({e}); check the disk space and permissions") from e
-    except Exception as e:  # safetensors' own errors: the message is the reason
-        if type(e).__name__ == "SafetensorError":
-            raise InvalidProblem(f"{path} could not be written ({e})") from e
-        raise
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

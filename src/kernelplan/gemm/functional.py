@@ -54,10 +54,9 @@ def linear(
     where it is not; ``beta = 0`` does not read ``c`` (as cuBLASLt), so NaN in
     it does not reach D.
     """
-    if type(x) is not torch.Tensor or type(w) is not torch.Tensor:  # lists, arrays: refused before any attribute
-        if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
-            check_tensor(x, "x")
-            check_tensor(w, "w")
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):  # lists, arrays: before any attribute
+        check_tensor(x, "x")
+        check_tensor(w, "w")
     if beta is None:
         beta = 1.0 if c is not None else 0.0
     elif c is None and beta != 0:

@@ -25,11 +25,6 @@ _BITS = {2: (torch.int16, 0x7FFF, 0x7C00), 4: (torch.int32, 0x7FFFFFFF, 0x7F8000
 _INF16 = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 
 
-def supported(t: torch.Tensor) -> bool:
-    """Whether these kernels convert ``t``: 16- and 32-bit floats (bits ranked exactly as float32 ranks them)."""
-    return t.dtype in (torch.float16, torch.bfloat16, torch.float32)
-
-
 def _int_view(t: torch.Tensor):
     ty, absmask, inf = _BITS[t.element_size()]
     return t.view(ty), absmask, _INF16.get(t.dtype, inf)

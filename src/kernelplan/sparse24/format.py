@@ -22,6 +22,7 @@ alone (``Sparse24Linear`` does), and converts back to this format to be saved.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import weakref
 from typing import Callable
@@ -62,6 +63,11 @@ def _two_positions(keep: torch.Tensor) -> torch.Tensor:
     return order.sort(dim=-1).values
 
 
+@functools.lru_cache(maxsize=1)
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def gpu_kernels(t: torch.Tensor):
     """The Triton conversion kernels (``kernels/sparse24_convert.py``) where they convert ``t``, else None.
 
@@ -72,7 +78,7 @@ def gpu_kernels(t: torch.Tensor):
         return None
     if type(t) not in (torch.Tensor, torch.nn.Parameter) or torch.compiler.is_compiling():
         return None  # traced (FakeTensor, FunctionalTensor, a compiled backward): no pointers, the torch ops
-    if importlib.util.find_spec("triton") is None:
+    if not _have_triton():
         warn_once("triton is not installed: 2:4 weights are pruned, compressed and laid out on the GPU by torch "
                    "ops, in many passes (pip install 'kernelplan[gpu]' for the one-pass kernels)")
         return None
