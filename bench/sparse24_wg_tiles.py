@@ -1,14 +1,15 @@
-"""Every tile of the ``wgmma.sp`` kernel (``kernels/sparse24_wg.py``, ``wg_candidates``) on a spread of sweep shapes.
+"""Every tile of a ``wgmma.sp`` kernel on a spread of sweep shapes: ``--kernel wg`` (``kernels/sparse24_wg.py``,
+``wg_candidates``) or ``--kernel ws`` (the warp-specialized one, ``kernels/sparse24_ws.py``, ``ws_candidates``).
 
 The data the configuration rule is built from.  For each (M, K) and n: dense
 ``F.linear`` and every candidate tile, each checked against the dense result
 first, then timed as CUDA graph replays of back-to-back calls (no host work),
 alternating between tiles, rotating over enough copies of the weight that it
-is not served from L2 (medians of rounds).  Writes ``bench/results/sparse24-wg-tiles-<gpu>.json``
+is not served from L2 (medians of rounds).  Writes ``bench/results/sparse24-<kernel>-tiles-<gpu>.json``
 and prints, per (M, K, n), the best tile, its speedup over dense, and the
 present rule's.
 
-    PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_wg_tiles.py
+    PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_wg_tiles.py --kernel ws
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from kernelplan.bench import results
 from kernelplan.kernels import raw_stream
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_sp import _tiled
-from kernelplan.kernels.sparse24_wg import WgKernel, _launcher, wg_candidates, wg_config
+from kernelplan.kernels import sparse24_wg, sparse24_ws
 from kernelplan.sparse24 import compress, prune
 
 SHAPES = [(4096, 4096), (4608, 3584), (3584, 18944), (28672, 4096), (8192, 8192), (8192, 28672), (3072, 3072),
@@ -57,13 +58,18 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--shapes", type=int, default=len(SHAPES))
+    ap.add_argument("--batch", type=int, nargs="*", default=BATCH)
+    ap.add_argument("--kernel", choices=("wg", "ws"), default="wg")
     a = ap.parse_args()
     dtype = torch.bfloat16
     sms = sm_count(0)
-    kernel = WgKernel()
+    module = {"wg": sparse24_wg, "ws": sparse24_ws}[a.kernel]
+    kernel = module.WgKernel() if a.kernel == "wg" else module.WsKernel()
+    candidates, rule_config, _launcher = getattr(module, f"{a.kernel}_candidates"), \
+        getattr(module, f"{a.kernel}_config"), module._launcher
     shapes = SHAPES[: a.shapes]
     # Compile every variant first, in threads (NVRTC is thread-safe): the timing loop then only launches.
-    configs = {c for (m, k) in shapes for n in BATCH for c in wg_candidates(n, m, k)}
+    configs = {c for (m, k) in shapes for n in a.batch for c in candidates(n, m, k)}
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda c: _launcher(c, "bf16", False, None, 0), configs))
     from cuda.bindings import driver as cu
@@ -81,7 +87,7 @@ def main() -> int:
         copies = max(1, min(8, -(-L2_BYTES // (m * k))))  # compressed bytes ~ m * k * 1.125
         ws = [prune(torch.randn(m, k, device="cuda")).to(dtype) for _ in range(copies)]
         tiled = [_tiled(w24.values, w24.metadata) for w24 in map(compress, ws)]
-        for n in BATCH:
+        for n in a.batch:
             x = torch.randn(n, k, device="cuda").to(dtype)
             y = torch.empty(n, m, device="cuda", dtype=dtype)
             want = F.linear(x, ws[0]).float()
@@ -94,7 +100,7 @@ def main() -> int:
                                                        n, m, k, x.stride(0), y.stride(0)), raw_stream(0))
                         for p, c in tiled]
 
-            cands = {str(c): c for c in wg_candidates(n, m, k)}
+            cands = {str(c): c for c in candidates(n, m, k)}
             fns, errs = {"dense": dense}, {}
             for name, cfg in cands.items():
                 fs = sparse(cfg)
@@ -109,7 +115,7 @@ def main() -> int:
                 for name in list(fns) if r == 0 else list(fns)[::-1]:
                     times[name] += graph_ms(fns[name], calls, a.rounds)
             med = {name: statistics.median(t) for name, t in times.items()}
-            rule = str(wg_config(n, m, k, sms))
+            rule = str(rule_config(n, m, k, sms))
             best = min((nm for nm in med if nm != "dense"), key=med.get, default=None)
             row = {"m": m, "k": k, "n": n, "dense_ms": med["dense"], "tiles_ms": {nm: med[nm] for nm in med
                                                                                    if nm != "dense"},
@@ -121,7 +127,7 @@ def main() -> int:
                   f"rule {rule_x:5.2f}x  wrong {len(row['wrong'])}", flush=True)
         del ws, tiled
         torch.cuda.empty_cache()
-    results.write("sparse24-wg-tiles", {"rows": rows}, a.out, dtype="bf16", sms=sms, registers_local_bytes=regs)
+    results.write(f"sparse24-{a.kernel}-tiles", {"rows": rows}, a.out, dtype="bf16", sms=sms, registers_local_bytes=regs)
     return 0
 
 

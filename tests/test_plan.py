@@ -90,7 +90,7 @@ def test_select_lists_every_backends_reason(fakes):
         GemmSparse24Plan.select(DESC, kp.PlanPreference.only("picky"))
     msg = str(info.value)
     assert "reference: not the requested backend 'picky'" in msg and "picky: n=4 is below the minimum of 16" in msg
-    with pytest.raises(Unsupported, match=r"nosuch: no such backend; registered: reference, triton, triton_bfe, triton_m128, cuda_mma, cuda_sp, cuda_wg, dense, cusparselt, picky"):
+    with pytest.raises(Unsupported, match=r"nosuch: no such backend; registered: reference, triton, triton_bfe, triton_m128, cuda_mma, cuda_sp, cuda_wg, cuda_ws, dense, cusparselt, picky"):
         GemmSparse24Plan.select(DESC, kp.PlanPreference.only("nosuch"))
 
 

@@ -33,13 +33,15 @@ import threading
 
 from ..errors import KernelPlanError
 
-# Each parameter gets an 8-byte slot; the driver copies the parameter's own size from its slot's start.
+# Each parameter gets an 8-byte slot (a tensor map, 128 opaque bytes, its own 128); the driver copies the
+# parameter's own size from its slot's start.
 _SLOT = {
     "i8": "b7x", "i16": "h6x", "i32": "i4x", "i64": "q",
     "u8": "B7x", "u16": "H6x", "u32": "I4x", "u64": "Q",
-    "fp32": "f4x", "fp64": "d",
+    "fp32": "f4x", "fp64": "d", "tensormap": "128s",
 }
-_SIZE = {"i8": 1, "i16": 2, "i32": 4, "i64": 8, "u8": 1, "u16": 2, "u32": 4, "u64": 8, "fp32": 4, "fp64": 8}
+_SIZE = {"i8": 1, "i16": 2, "i32": 4, "i64": 8, "u8": 1, "u16": 2, "u32": 4, "u64": 8, "fp32": 4, "fp64": 8,
+         "tensormap": 128}
 
 
 def _driver():
@@ -79,12 +81,13 @@ def why_not_direct(kernel) -> str | None:
 class FunctionLaunch:
     """``cuLaunchKernel`` of one loaded function whose parameters are given as Triton type names.
 
-    Arguments are Python ints and floats, pointers as ints.  Each thread packs
+    Arguments are Python ints and floats, pointers as ints, tensor maps as
+    their 128 bytes.  Each thread packs
     them into a buffer of its own: the driver copies a launch's parameters
     before the call returns.  ``extra`` 8-byte null parameters follow them.
     """
 
-    __slots__ = ("name", "function", "block", "shared", "pick", "pack", "size", "_local", "_cu")
+    __slots__ = ("name", "function", "block", "shared", "pick", "pack", "size", "_offsets", "_local", "_cu")
 
     def __init__(self, function, name: str, types: list[str], block: int, shared: int, extra: int = 0,
                  pick=None):
@@ -93,15 +96,18 @@ class FunctionLaunch:
             raise KernelPlanError(f"kernel {name}: parameter types {types} include one not packed here")
         self.name, self.function, self.block, self.shared = name, function, block, shared
         self.pick = pick or (lambda args: args)
-        self.pack = struct.Struct("<" + "".join(code for code, _ in codes) + "8x" * extra).pack_into
-        self.size = 8 * (len(codes) + extra)
+        layout = struct.Struct("<" + "".join(code for code, _ in codes) + "8x" * extra)
+        self.pack = layout.pack_into
+        self.size = layout.size
+        slots = [struct.calcsize("<" + code) for code, _ in codes] + [8] * extra
+        self._offsets = [sum(slots[:i]) for i in range(len(slots))] or [0]
         self._local = threading.local()
         self._cu = _driver()
 
     def _buffers(self):
         storage = ctypes.create_string_buffer(max(self.size, 8))
         base = ctypes.addressof(storage)
-        pointers = (ctypes.c_void_p * max(self.size // 8, 1))(*[base + 8 * i for i in range(self.size // 8)])
+        pointers = (ctypes.c_void_p * len(self._offsets))(*[base + offset for offset in self._offsets])
         self._local.held = (storage, pointers)  # kept alive with the thread's buffers
         self._local.buffers = buffers = (storage, ctypes.addressof(pointers))
         return buffers

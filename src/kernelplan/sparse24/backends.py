@@ -7,6 +7,7 @@
 * ``cuda_sp``: CUDA C++ for n <= 64 on the sparse tensor cores (``mma.sp``,
   ``kernels/sparse24_sp.py``), reading the one device layout;
 * ``cuda_wg``: Hopper ``wgmma.sp`` (``kernels/sparse24_wg.py``) on the same layout;
+* ``cuda_ws``: the same instruction, warp-specialized with TMA copies (``kernels/sparse24_ws.py``);
 * ``cusparselt``: cuSPARSELt through nvmath-python (``cusparselt.py``), for large N;
 * ``dense``: the weight decompressed once (cached with it) and a cuBLAS GEMM:
   the floor that keeps dispatch from ever losing to dense, at the price of
@@ -242,6 +243,22 @@ class CudaWgSparse24Backend(CudaMmaSparse24Backend):
         return why
 
 
+class CudaWsSparse24Backend(CudaWgSparse24Backend):
+    """``wgmma.mma_async.sp`` warp-specialized (``kernels/sparse24_ws.py``): a producer warp copies through the
+    copy engine (TMA), consumer warpgroups multiply, mbarriers between; K split across a CTA cluster.
+
+    Reads the one layout, as ``cuda_wg`` does.  sm_90a only.
+    """
+
+    name = "cuda_ws"
+    what = "warp-specialized wgmma.sp tiles"
+
+    def kernel(self):
+        from ..kernels.sparse24_ws import WsKernel
+
+        return WsKernel()
+
+
 def _dense_weight(values: torch.Tensor, metadata: torch.Tensor) -> torch.Tensor:
     from .format import Sparse24Weight
 
@@ -294,6 +311,7 @@ GemmSparse24Plan.registry.register(TritonWideSparse24Backend())
 GemmSparse24Plan.registry.register(CudaMmaSparse24Backend())
 GemmSparse24Plan.registry.register(CudaSpSparse24Backend())
 GemmSparse24Plan.registry.register(CudaWgSparse24Backend())
+GemmSparse24Plan.registry.register(CudaWsSparse24Backend())
 GemmSparse24Plan.registry.register(DenseSparse24Backend())
 GemmSparse24Plan.registry.register(CusparseLtSparse24Backend())
 

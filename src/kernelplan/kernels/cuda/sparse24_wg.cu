@@ -21,6 +21,7 @@
 // WM, KS, KC, SUB (steps a stage), STAGES, MIN_BLOCKS, IS_BF16, HAS_BIAS, ACT, DT.
 
 #include "wgmma_sp.cuh"
+#include "hopper.cuh"
 
 constexpr int kThreads = 128 * WM * KS;
 constexpr int kBM = 64 * WM;                       // rows of W a CTA
@@ -49,54 +50,6 @@ __device__ __forceinline__ void cp4(u32 dst, const void *src, bool ok) {
 
 template <int PENDING>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(PENDING)); }
-
-__device__ __forceinline__ uint4 lds4(u32 addr) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-    return v;
-}
-
-__device__ __forceinline__ u32 lds1(u32 addr) {
-    u32 v;
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
-    return v;
-}
-
-// wgmma's shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart.
-__device__ __forceinline__ unsigned long long b_desc(u32 addr) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
-           (1ull << 62);
-}
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int PENDING>
-__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(PENDING) : "memory"); }
-
-// Keeps the accumulators in place across the asynchronous MMAs (the compiler must not move them).
-template <int R>
-__device__ __forceinline__ void keep(float (&d)[R]) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
-}
-
-__device__ __forceinline__ void keep_regs(uint4 (&a)[2], u32 &e) {
-    asm volatile("" : "+r"(a[0].x), "+r"(a[0].y), "+r"(a[0].z), "+r"(a[0].w), "+r"(a[1].x), "+r"(a[1].y),
-                 "+r"(a[1].z), "+r"(a[1].w), "+r"(e) :: "memory");
-}
-
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// The float at this CTA's shared address `addr` in the shared memory of cluster CTA `rank`.
-__device__ __forceinline__ float ld_peer(u32 addr, u32 rank) {
-    u32 peer;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(peer) : "r"(addr), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(peer) : "memory");
-    return v;
-}
 
 #if KC > 1
 #define KP_CLUSTER __cluster_dims__(1, 1, KC)

@@ -1,0 +1,202 @@
+// 2:4 linear on Hopper's sparse warpgroup MMA, warp-specialized: a producer warp feeds a ring of
+// shared-memory stages through the copy engine (TMA), consumer warpgroups run wgmma.mma_async.sp.
+//
+// y[N, M] = act(x[N, K] @ W^T + bias), W in the one device layout (sparse24/layout.py: 16-row tiles by
+// 64-column steps, each step 1024 bytes of values in mma.sp fragment order, then 128 bytes of 4-bit
+// metadata words per tile and step, in their own tensor).  As in sparse24_wg.cu, warp w of a consumer
+// warpgroup takes its 16-row tile's fragment and metadata word as wgmma.sp's A operand, unchanged.
+//
+// Per 64-column step (one stage of the ring):
+//  * x: a BN x 64 box by one tensor-map copy, which writes the 128-byte swizzle wgmma's K-major B
+//    descriptor reads, and zero-fills rows past N;
+//  * W: per 16-row tile one bulk copy of its 1024 bytes of values and one of its 128 bytes of metadata.
+// All land on the stage's "full" mbarrier (transaction bytes); every consumer warp arrives on its "empty"
+// mbarrier when the MMAs that read it are done, and only then does the producer refill it.  Nothing
+// synchronizes the whole CTA inside the K loop (sparse24_wg.cu's __syncthreads per stage did).
+//
+// A CTA is one producer warpgroup (one thread issues the copies; setmaxnreg gives its registers to the
+// consumers) and WM consumer warpgroups of 64 rows of W each.  A cluster of KC CTAs (grid z) splits K;
+// their partial sums meet through distributed shared memory, each CTA writing BN / KC rows of y.
+//
+// Compile-time sizes come from the variant's #defines: BN (rows of x a CTA), NI (wgmma N per
+// instruction), WM, KC, STAGES, CONSUMER_REGS (0: no setmaxnreg), IS_BF16, HAS_BIAS, ACT, DT.
+
+#include "wgmma_sp.cuh"
+#include "hopper.cuh"
+
+constexpr int kConsumers = 128 * WM;
+constexpr int kThreads = kConsumers + 128;
+constexpr int kBM = 64 * WM;                       // rows of W a CTA
+constexpr int kTiles = 4 * WM;                     // 16-row tiles of W a CTA
+constexpr int kXBytes = BN * 128;                  // one step of x: BN rows of 64 columns
+constexpr int kWValues = kTiles * 1024;            // one step of W's values for the CTA's tiles
+constexpr int kWBytes = kTiles * 1152;             // ... and their metadata
+// Each stage starts on 1024 bytes: the 128-byte swizzle's phase is taken from address bits 7-9.
+constexpr int kStageBytes = (kXBytes + kWBytes + 1023) / 1024 * 1024;
+constexpr int kRedStride = kBM + 4;                // f32 partial sums [BN][kBM + 4]: rows 16-byte aligned
+constexpr int kRedBytes = BN * kRedStride * 4;
+constexpr int kRingBytes = STAGES * kStageBytes;
+constexpr int kBarOffset = kRingBytes > kRedBytes ? kRingBytes : kRedBytes;  // the mbarriers, past both
+constexpr int kAcc = NI / 2;                       // f32 accumulators per thread per instruction
+constexpr int kInst = BN / NI;                     // instructions per k32 per warpgroup
+static_assert(BN % KC == 0, "each CTA of a cluster writes BN / KC rows of y");
+static_assert(BN <= 256 && BN % 8 == 0, "a tensor-map box has at most 256 rows");
+
+#if KC > 1
+#define KP_CLUSTER __cluster_dims__(1, 1, KC)
+#else
+#define KP_CLUSTER
+#endif
+
+extern "C" __global__ void KP_CLUSTER __launch_bounds__(kThreads, 1)
+kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const u32 *__restrict__ vals, const u32 *__restrict__ meta,
+               const u16 *__restrict__ bias, u16 *__restrict__ y, int N, int M, int K, int syn)
+{
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 sraw = (u32)__cvta_generic_to_shared(smem_raw);
+    const u32 sbase = (sraw + 1023u) & ~1023u;
+    const u32 full0 = sbase + kBarOffset, empty0 = full0 + 8 * STAGES;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int ksteps = K / 64, steps = ksteps / KC;   // this CTA's 64-column steps
+    const int step0 = blockIdx.z * steps;            // blockIdx.z is the CTA's rank in its cluster
+    const int n0 = blockIdx.x * BN, tile0 = blockIdx.y * kTiles, tiles = M / 16;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full0 + 8 * s, 1);             // the producer's expect_tx; then the bytes
+            mbar_init(empty0 + 8 * s, 4 * WM);       // one arrival per consumer warp
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (warp < 4) {
+        // The producer warpgroup: one thread issues every copy.
+#if CONSUMER_REGS
+        regs_down<40>();  // what the producer thread needs; its warpgroup's other registers go to the consumers
+#endif
+        if (threadIdx.x == 0) {
+            const int live = min(kTiles, tiles - tile0);          // tiles past M are not read
+            const u32 bytes = kXBytes + live * 1152;
+            for (int s = 0; s < steps; ++s) {
+                const int b = s % STAGES;
+                mbar_wait(empty0 + 8 * b, ((s / STAGES) & 1) ^ 1);
+                const u32 full = full0 + 8 * b, at = sbase + b * kStageBytes;
+                mbar_expect_tx(full, bytes);
+                const int step = step0 + s;
+                tma_load_2d(at, &xmap, step * 64, n0, full);
+                for (int t = 0; t < live; ++t) {
+                    const long w = (long)(tile0 + t) * ksteps + step;
+                    bulk_load(at + kXBytes + t * 1024, vals + w * 256, 1024, full);
+                    bulk_load(at + kXBytes + kWValues + t * 128, meta + w * 32, 128, full);
+                }
+            }
+        }
+    } else {
+#if CONSUMER_REGS
+        regs_up<CONSUMER_REGS>();
+#endif
+        const int wm = warp / 4 - 1, wq = warp & 3;
+        const int tl = wm * 4 + wq;                             // this warp's tile within the CTA
+        float acc[kInst][kAcc];
+#pragma unroll
+        for (int i = 0; i < kInst; ++i)
+#pragma unroll
+            for (int r = 0; r < kAcc; ++r) acc[i][r] = 0.f;
+        uint4 a[2][2];
+        u32 e[2];
+        for (int s0 = 0; s0 < steps; s0 += 2) {
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {  // p: which register set (compile-time), so no set is indexed at run time
+                const int s = s0 + p;
+                if (s < steps) {
+                    const int b = s % STAGES;
+                    mbar_wait(full0 + 8 * b, (s / STAGES) & 1);
+                    const u32 at = sbase + b * kStageBytes;
+                    a[p][0] = lds4(at + kXBytes + tl * 1024 + lane * 16);
+                    a[p][1] = lds4(at + kXBytes + tl * 1024 + 512 + lane * 16);
+                    e[p] = lds1(at + kXBytes + kWValues + tl * 128 + lane * 4);
+                    wg_fence();
+#pragma unroll
+                    for (int i = 0; i < kInst; ++i) {
+                        // N block i starts NI rows (NI / 8 groups of 1024 bytes) in; the second k32 64 bytes in.
+                        WgmmaSp<NI>::template run<0>(acc[i], a[p][0], b_desc(at + i * NI * 128), e[p]);
+                        WgmmaSp<NI>::template run<1>(acc[i], a[p][1], b_desc(at + i * NI * 128 + 64), e[p]);
+                    }
+                    wg_commit();
+                    wg_wait<1>();  // step s - 1's MMAs are done: its stage and its register set are free
+                    // The other set stays allocated until here, so the compiler cannot reuse its registers
+                    // while step s - 1's MMAs might still read them.
+                    keep_regs(a[p ^ 1], e[p ^ 1]);
+                    if (s > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((s - 1) % STAGES));
+                }
+            }
+        }
+        wg_wait<0>();
+#pragma unroll
+        for (int i = 0; i < kInst; ++i) keep(acc[i]);
+
+        // Every consumer is past its last MMA before the ring is reused for the partial sums.
+        named_sync(1, kConsumers);
+        float *red = (float *)(smem_raw + (sbase - sraw));  // [BN][kRedStride]
+        const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int i = 0; i < kInst; ++i)
+#pragma unroll
+            for (int r = 0; r < kAcc; ++r) {
+                const int ml = wm * 64 + wq * 16 + g + 8 * ((r >> 1) & 1);
+                const int nl = i * NI + 8 * (r >> 2) + 2 * t + (r & 1);
+                red[nl * kRedStride + ml] = acc[i][r];
+            }
+    }
+
+#if KC > 1
+    cluster_sync();  // every CTA's partial sums are in its shared memory (the producer warps take part)
+#else
+    if (warp >= 4) named_sync(1, kConsumers);
+#endif
+    if (warp >= 4) {
+        // Bias, activation and y, 8 rows of W (16 bytes of y) a thread, along M: the K slices in rank order.
+        const int rows_here = BN / KC, nl0 = blockIdx.z * rows_here, m0 = blockIdx.y * kBM;
+        const bool vec = syn % 8 == 0 && ((unsigned long long)y & 15) == 0;
+        for (int idx = threadIdx.x - 128; idx < rows_here * (kBM / 8); idx += kConsumers) {
+            const int m8 = idx % (kBM / 8), nl = nl0 + idx / (kBM / 8), m = m0 + m8 * 8, n = n0 + nl;
+            if (m >= M || n >= N) continue;
+            const u32 at = sbase + (nl * kRedStride + m8 * 8) * 4;
+            float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int r = 0; r < KC; ++r) {
+#if KC > 1
+                const float4 lo = ld_peer4(at, r), hi = ld_peer4(at + 16, r);
+#else
+                const float4 lo = lds4f(at), hi = lds4f(at + 16);
+#endif
+                v[0] += lo.x; v[1] += lo.y; v[2] += lo.z; v[3] += lo.w;
+                v[4] += hi.x; v[5] += hi.y; v[6] += hi.z; v[7] += hi.w;
+            }
+            u16 h[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+#if HAS_BIAS
+                v[j] += to_f32(bias[m + j]);
+#endif
+                h[j] = from_f32(activate(v[j]));
+            }
+            u16 *out = y + (long)n * syn + m;
+            if (vec) {
+                uint4 packed;
+                packed.x = h[0] | ((u32)h[1] << 16);
+                packed.y = h[2] | ((u32)h[3] << 16);
+                packed.z = h[4] | ((u32)h[5] << 16);
+                packed.w = h[6] | ((u32)h[7] << 16);
+                *(uint4 *)out = packed;
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) out[j] = h[j];
+            }
+        }
+    }
+#if KC > 1
+    cluster_sync();  // no CTA leaves while another reads its shared memory
+#endif
+}

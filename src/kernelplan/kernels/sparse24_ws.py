@@ -1,0 +1,203 @@
+"""2:4 linear on ``wgmma.mma_async.sp`` (sm_90a), warp-specialized: the kernel is ``cuda/sparse24_ws.cu``.
+
+A producer warp feeds a ring of shared-memory stages through the copy engine
+(a tensor map for x, bulk copies for the weight's tiles), consumer warpgroups
+run the sparse MMAs, and mbarriers order the two; K may be split across a
+cluster of CTAs.  It reads the weight in the one device layout
+(``sparse24/layout.py``), as ``cuda_sp`` and ``cuda_wg`` do.
+
+x is read through a tensor map, which encodes x's address, rows and row
+stride: ``XMaps`` encodes one per (x, N, K, stride) on the host and keeps the
+most recent ones, so a call whose x sits where an earlier one did (a CUDA
+graph, a decode loop's reused buffers) packs bytes it already has.
+
+``ws_config`` is the configuration rule: a pure function of (N, M, K, SMs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+from ..errors import KernelPlanError
+from ..sparse24.layout import SP_LAYOUT
+from .nvrtc import cuda_source
+from .sparse24 import sm_count
+from .sparse24_mma import COMMON_SOURCE, TiledKernel, defines
+from .sparse24_sp import SM_SHARED, _tiled
+from .sparse24_wg import instruction_n
+
+# The consumers' registers where a CTA has two consumer warpgroups (384 threads, 168 registers each at entry):
+# the producer gives up all but 40 (CUTLASS's split for the same CTA: 128 x 40 + 256 x 232 = 384 x 168).
+_CONSUMER_REGS = {1: 0, 2: 232}
+_MAX_STAGES = 8
+
+
+@dataclass(frozen=True)
+class WsConfig:
+    bn: int  # rows of x (tokens) a CTA multiplies: a multiple of 8, at most 256 (one tensor-map box)
+    wm: int = 2  # consumer warpgroups along M: 64 rows of W each
+    kc: int = 1  # CTAs of a cluster along K (grid z), their sums met through distributed shared memory
+    stages: int = 4  # 64-column steps in the shared-memory ring
+
+    @property
+    def ni(self) -> int:
+        return instruction_n(self.bn)
+
+    @property
+    def rows(self) -> int:
+        return 64 * self.wm
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.wm + 1)
+
+    @property
+    def stage_bytes(self) -> int:
+        """One 64-column step: x's BN rows of 128 bytes, then each 16-row tile's 1152 bytes of W, rounded to 1024."""
+        return -(-(self.bn * 128 + 4 * self.wm * 1152) // 1024) * 1024
+
+    @property
+    def shared(self) -> int:
+        """Dynamic shared memory: the ring or the partial sums, the mbarriers, and 1 KiB to align to 1024."""
+        sums = self.bn * (self.rows + 4) * 4
+        return max(self.stages * self.stage_bytes, sums) + 16 * self.stages + 1024
+
+
+def _deepest(bn: int, wm: int, kc: int) -> WsConfig | None:
+    """The tile with the deepest ring (up to 8 steps) that fits the SM's shared memory; None if not 3."""
+    cfg = WsConfig(bn, wm, kc)
+    sums = bn * (cfg.rows + 4) * 4
+    stages = min(_MAX_STAGES, (SM_SHARED - 1024 - 16 * _MAX_STAGES) // cfg.stage_bytes)
+    if stages < 3 or sums + 16 * stages + 1024 > SM_SHARED:
+        return None
+    return WsConfig(bn, wm, kc, stages)
+
+
+def ws_candidates(n: int, m: int, k: int) -> list[WsConfig]:
+    """Every tile the kernel can run for this problem: the space ``bench/sparse24_wg_tiles.py --kernel ws`` measures."""
+    out = []
+    fitted = -(-(-(-n // -(-n // 256))) // 16) * 16  # n in the fewest N tiles of at most 256, rounded to 16
+    for bn in sorted({min(fitted, b) for b in (64, 128, 256)} | {fitted}):
+        for wm in (1, 2):
+            for kc in (1, 2, 4):
+                if (k // 64) % kc or kc > 1 and k // 64 < 4 * kc or bn % (8 * kc):
+                    continue
+                cfg = _deepest(bn, wm, kc)
+                if cfg is not None:
+                    out.append(cfg)
+    return out
+
+
+# A first rule, to be refitted on the measured tile space: the fewest CTAs past one wave of the SMs, x re-read
+# once per CTA row of W and W once per N tile.
+def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int) -> float:
+    """The rule's estimate of a tile's time, relative: lower is faster."""
+    n_tiles, m_tiles = -(-n // cfg.bn), -(-m // cfg.rows)
+    ctas = n_tiles * m_tiles * cfg.kc
+    waves = -(-ctas // sms)
+    work = waves * cfg.bn * cfg.rows * (k // cfg.kc)  # MACs the busiest SM does
+    traffic = (m_tiles * n * k * 2 + n_tiles * m * k * 1.125) / min(ctas, sms)  # bytes into the busiest SM
+    return work / 1024 + traffic / 64 + 2000 * (cfg.kc - 1) + 4000 * waves
+
+
+@functools.lru_cache(maxsize=4096)
+def ws_config(n: int, m: int, k: int, sms: int) -> WsConfig:
+    """The tile for N = n: the candidate of least ``tile_cost`` (ties: the first in ``ws_candidates``' order)."""
+    return min(ws_candidates(n, m, k), key=lambda cfg: tile_cost(cfg, n, m, k, sms))
+
+
+def source(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None) -> str:
+    """The CUDA C++ of one kernel variant (``kp_sparse24_ws``), compiled by NVRTC for sm_90a."""
+    head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, KC=cfg.kc, STAGES=cfg.stages,
+                   CONSUMER_REGS=_CONSUMER_REGS[cfg.wm])
+    return head + COMMON_SOURCE + cuda_source("sparse24_ws.cu")
+
+
+_PARAMS = ["tensormap", "*i32", "*i32", "*u16", "*u16", "i32", "i32", "i32", "i32"]
+
+
+class XMaps:
+    """The tensor maps of x for one kernel variant: [N, K] rows, boxes of ``rows`` x 64 columns, 128-byte swizzle.
+
+    Encoding one is a host call (``cuTensorMapEncodeTiled``); the most recent
+    ``MAX`` are kept by (x's address, N, K, row stride).  Rows past N read as zeros.
+    """
+
+    MAX = 64
+
+    def __init__(self, rows: int, dtype: str):
+        from cuda.bindings import driver as cu
+
+        self.rows, self._cu = rows, cu
+        self._dtype = {"bf16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                       "f16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}[dtype]
+        self._maps: dict = {}
+
+    def __call__(self, x: int, n: int, k: int, stride: int) -> bytes:
+        key = (x, n, k, stride)
+        hit = self._maps.get(key)
+        if hit is None:
+            hit = self._encode(key)
+        return hit
+
+    def _encode(self, key) -> bytes:
+        cu = self._cu
+        x, n, k, stride = key
+        err, tmap = cu.cuTensorMapEncodeTiled(
+            self._dtype, 2, x, [k, n], [stride * 2], [64, self.rows], [1, 1],
+            cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        if err:
+            raise KernelPlanError(
+                f"x at {x:#x} ([{n}, {k}], row stride {stride} elements) cannot be read through a tensor map: "
+                f"{err.name}; x's rows must be 16-byte aligned with unit stride along K (x.contiguous() is)")
+        if len(self._maps) >= self.MAX:
+            self._maps.clear()
+        data = self._maps[key] = ctypes.string_at(tmap.getPtr(), 128)
+        return data
+
+
+@functools.lru_cache(maxsize=256)
+def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None, device_index: int):
+    from cuda.bindings import driver as cu
+
+    from . import nvrtc
+    from .direct import FunctionLaunch, _param_sizes
+
+    name = "kp_sparse24_ws"
+    fn = nvrtc.function(source(cfg, dtype, has_bias, activation), name, device_index, WsKernel.architecture)
+    err, = cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                 cfg.shared)
+    if err:
+        raise KernelPlanError(f"{name} ({cfg}) cannot have {cfg.shared} bytes of shared memory on "
+                              f"cuda:{device_index}: {err.name}")
+    sizes = _param_sizes(cu, fn)
+    if sizes != [128, 8, 8, 8, 8, 4, 4, 4, 4]:
+        raise KernelPlanError(f"{name}: compiled parameter sizes {sizes} are not the launcher's {_PARAMS}")
+    maps = XMaps(cfg.bn, dtype)
+    # The 2:4 kernels' arguments (x, values, codes, bias, y, N, M, K, x row stride, y row stride), x as its map.
+    pick = lambda a: (maps(a[0], a[5], a[7], a[8]), a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[9])  # noqa: E731
+    return FunctionLaunch(fn, f"{name} {cfg} {dtype}", _PARAMS, cfg.threads, cfg.shared, pick=pick)
+
+
+class WsKernel(TiledKernel):
+    name = "cuda_ws"
+    layout = SP_LAYOUT
+    max_n = 1 << 31
+    architecture = "sm_90a"  # wgmma and setmaxnreg are sm_90a instructions
+    source = staticmethod(source)
+
+    def tiled(self, values, metadata):
+        return _tiled(values, metadata)
+
+    def launch_for(self, n, m, k, dtype, has_bias, activation, device):
+        return self.launch_config(self.config(n, m, k, device), n, m, dtype, has_bias, activation, device)
+
+    def config(self, n, m, k, device):
+        return ws_config(n, m, k, sm_count(device))
+
+    def launch_config(self, cfg: WsConfig, n, m, dtype, has_bias, activation, device):
+        return _launcher(cfg, dtype, has_bias, activation, device), (-(-n // cfg.bn), -(-m // cfg.rows), cfg.kc)
