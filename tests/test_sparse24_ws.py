@@ -33,14 +33,21 @@ def test_tile_rule_fits_every_sweep_shape_and_batch(sms):
             assert cfg.shared <= SM_SHARED and cfg.stages >= 3 and cfg.stage_bytes % 1024 == 0, (n, m, k, cfg)
             assert cfg.bn <= 256 and cfg.bn % 8 == 0 and cfg.bn % cfg.ni == 0 and cfg.ni in INSTRUCTION_N
             assert (k // 64) % cfg.kc == 0 and cfg.bn % (8 * cfg.kc) == 0 and cfg.threads == 128 * (cfg.wm + 1)
+            assert cfg.bn % (8 * cfg.cm) == 0 and cfg.cm * cfg.kc <= 8
 
 
 def test_shared_memory_holds_the_ring_the_partial_sums_and_the_barriers():
-    cfg = WsConfig(bn=256, wm=2, kc=1, stages=5)
+    cfg = WsConfig(bn=256, wm=2, stages=5)
     assert cfg.stage_bytes == 32768 + 8 * 1152 == 41 * 1024  # x's 256 rows of 128 bytes, 8 tiles of W
     assert cfg.shared == 5 * 41 * 1024 + 16 * 5 + 1024
-    wide = WsConfig(bn=256, wm=2, kc=1, stages=3)  # the partial sums [256][132] f32 exceed a 3-step ring
+    wide = WsConfig(bn=256, wm=2, stages=3)  # the partial sums [256][132] f32 exceed a 3-step ring
     assert wide.shared == 256 * 132 * 4 + 16 * 3 + 1024
+
+
+def test_m_groups_need_as_many_row_tiles():
+    assert {c.cm for c in ws_candidates(256, 4096, 4096)} == {1, 2, 4}
+    assert {c.cm for c in ws_candidates(256, 128, 4096) if c.wm == 2} == {1}  # one 128-row tile
+    assert {c.cm for c in ws_candidates(256, 128, 4096) if c.wm == 1} == {1, 2}
 
 
 def test_k_split_only_where_each_cta_keeps_four_steps():
@@ -65,7 +72,7 @@ def test_every_variant_compiles_for_sm90a():
         nvrtc._nvrtc_version(__import__("cuda.bindings.nvrtc", fromlist=["nvrtcVersion"]))
     except Exception as e:  # no NVRTC library next to the bindings
         pytest.skip(f"NVRTC is not loadable here: {e}")
-    cfgs = {WsConfig(256, 2, 1, 5), WsConfig(64, 1, 4, 8), WsConfig(96, 2, 2, 8)}
+    cfgs = {WsConfig(256, 2, 2, 1, 5), WsConfig(64, 1, 1, 4, 8), WsConfig(96, 2, 1, 2, 8), WsConfig(128, 1, 4, 2, 8)}
     for cfg, dtype, bias, act in [(c, d, b, a) for c in cfgs for d, b, a in (("bf16", True, "gelu"),
                                                                           ("f16", False, None))]:
         assert len(nvrtc._compile(__import__("cuda.bindings.nvrtc", fromlist=["x"]),
@@ -148,7 +155,8 @@ def test_cuda_ws_holds_no_copy_of_its_own(seed):
 @sm90
 @pytest.mark.parametrize("n, m, k", [(200, 1000, 2048), (77, 528, 1024), (300, 272, 4096), (256, 4096, 1024)])
 def test_every_candidate_tile_matches_fp64(n, m, k, seed):
-    """Each tile the rule may pick (N tiles, 64- and 128-row CTAs, K split across a cluster) is right."""
+    """Each tile the rule may pick (N tiles, 64- and 128-row CTAs, x shared by 2 or 4 CTAs along M, K split across
+    a cluster, both at once) is right, rows of W past M included."""
     from kernelplan.kernels import raw_stream
     from kernelplan.kernels.sparse24_sp import _tiled
 
@@ -159,7 +167,8 @@ def test_every_candidate_tile_matches_fp64(n, m, k, seed):
     x = torch.randn(n, k, device="cuda").bfloat16()
     ref = F.gelu(F.linear(x.double(), w.double(), b.double()))
     cands = ws_candidates(n, m, k)
-    assert {c.kc for c in cands} >= {1, 2, 4} and {c.wm for c in cands} == {1, 2}
+    assert {c.kc for c in cands} >= {1, 2, 4} and {c.wm for c in cands} == {1, 2} and {c.cm for c in cands} == {1, 2, 4}
+    assert any(c.cm > 1 and c.kc > 1 for c in cands)
     for cfg in cands:
         launch, grid = WsKernel().launch_config(cfg, n, m, "bf16", True, "gelu", 0)
         y = poisoned((n, m), torch.bfloat16, "cuda")

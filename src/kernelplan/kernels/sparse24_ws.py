@@ -38,6 +38,7 @@ _MAX_STAGES = 8
 class WsConfig:
     bn: int  # rows of x (tokens) a CTA multiplies: a multiple of 8, at most 256 (one tensor-map box)
     wm: int = 2  # consumer warpgroups along M: 64 rows of W each
+    cm: int = 1  # CTAs of a cluster along M (grid y) that share x's tile, each loading BN / CM rows for all
     kc: int = 1  # CTAs of a cluster along K (grid z), their sums met through distributed shared memory
     stages: int = 4  # 64-column steps in the shared-memory ring
 
@@ -65,14 +66,14 @@ class WsConfig:
         return max(self.stages * self.stage_bytes, sums) + 16 * self.stages + 1024
 
 
-def _deepest(bn: int, wm: int, kc: int) -> WsConfig | None:
+def _deepest(bn: int, wm: int, cm: int, kc: int) -> WsConfig | None:
     """The tile with the deepest ring (up to 8 steps) that fits the SM's shared memory; None if not 3."""
-    cfg = WsConfig(bn, wm, kc)
+    cfg = WsConfig(bn, wm, cm, kc)
     sums = bn * (cfg.rows + 4) * 4
     stages = min(_MAX_STAGES, (SM_SHARED - 1024 - 16 * _MAX_STAGES) // cfg.stage_bytes)
     if stages < 3 or sums + 16 * stages + 1024 > SM_SHARED:
         return None
-    return WsConfig(bn, wm, kc, stages)
+    return WsConfig(bn, wm, cm, kc, stages)
 
 
 def ws_candidates(n: int, m: int, k: int) -> list[WsConfig]:
@@ -81,12 +82,15 @@ def ws_candidates(n: int, m: int, k: int) -> list[WsConfig]:
     fitted = -(-(-(-n // -(-n // 256))) // 16) * 16  # n in the fewest N tiles of at most 256, rounded to 16
     for bn in sorted({min(fitted, b) for b in (64, 128, 256)} | {fitted}):
         for wm in (1, 2):
-            for kc in (1, 2, 4):
-                if (k // 64) % kc or kc > 1 and k // 64 < 4 * kc or bn % (8 * kc):
-                    continue
-                cfg = _deepest(bn, wm, kc)
-                if cfg is not None:
-                    out.append(cfg)
+            for cm in (1, 2, 4):
+                for kc in (1, 2, 4):
+                    if (k // 64) % kc or kc > 1 and k // 64 < 4 * kc or bn % (8 * kc) or bn % (8 * cm):
+                        continue
+                    if cm * kc > 8 or cm > 1 and -(-m // (64 * wm)) < cm:  # 8 CTAs a cluster; an M group of tiles
+                        continue
+                    cfg = _deepest(bn, wm, cm, kc)
+                    if cfg is not None:
+                        out.append(cfg)
     return out
 
 
@@ -94,11 +98,11 @@ def ws_candidates(n: int, m: int, k: int) -> list[WsConfig]:
 # once per CTA row of W and W once per N tile.
 def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int) -> float:
     """The rule's estimate of a tile's time, relative: lower is faster."""
-    n_tiles, m_tiles = -(-n // cfg.bn), -(-m // cfg.rows)
+    n_tiles, m_tiles = -(-n // cfg.bn), -(-(-(-m // cfg.rows)) // cfg.cm) * cfg.cm
     ctas = n_tiles * m_tiles * cfg.kc
     waves = -(-ctas // sms)
     work = waves * cfg.bn * cfg.rows * (k // cfg.kc)  # MACs the busiest SM does
-    traffic = (m_tiles * n * k * 2 + n_tiles * m * k * 1.125) / min(ctas, sms)  # bytes into the busiest SM
+    traffic = (m_tiles / cfg.cm * n * k * 2 + n_tiles * m * k * 1.125) / min(ctas, sms)  # bytes into the busiest SM
     return work / 1024 + traffic / 64 + 2000 * (cfg.kc - 1) + 4000 * waves
 
 
@@ -110,7 +114,8 @@ def ws_config(n: int, m: int, k: int, sms: int) -> WsConfig:
 
 def source(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None) -> str:
     """The CUDA C++ of one kernel variant (``kp_sparse24_ws``), compiled by NVRTC for sm_90a."""
-    head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, KC=cfg.kc, STAGES=cfg.stages,
+    head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, CM=cfg.cm, KC=cfg.kc,
+                   STAGES=cfg.stages,
                    CONSUMER_REGS=_CONSUMER_REGS[cfg.wm])
     return head + COMMON_SOURCE + cuda_source("sparse24_ws.cu")
 
@@ -145,8 +150,9 @@ class XMaps:
     def _encode(self, key) -> bytes:
         cu = self._cu
         x, n, k, stride = key
+        u64, u32 = cu.cuuint64_t, cu.cuuint32_t
         err, tmap = cu.cuTensorMapEncodeTiled(
-            self._dtype, 2, x, [k, n], [stride * 2], [64, self.rows], [1, 1],
+            self._dtype, 2, x, [u64(k), u64(n)], [u64(stride * 2)], [u32(64), u32(self.rows)], [u32(1), u32(1)],
             cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
             cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
@@ -177,7 +183,7 @@ def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None,
     sizes = _param_sizes(cu, fn)
     if sizes != [128, 8, 8, 8, 8, 4, 4, 4, 4]:
         raise KernelPlanError(f"{name}: compiled parameter sizes {sizes} are not the launcher's {_PARAMS}")
-    maps = XMaps(cfg.bn, dtype)
+    maps = XMaps(cfg.bn // cfg.cm, dtype)
     # The 2:4 kernels' arguments (x, values, codes, bias, y, N, M, K, x row stride, y row stride), x as its map.
     pick = lambda a: (maps(a[0], a[5], a[7], a[8]), a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[9])  # noqa: E731
     return FunctionLaunch(fn, f"{name} {cfg} {dtype}", _PARAMS, cfg.threads, cfg.shared, pick=pick)
@@ -200,4 +206,5 @@ class WsKernel(TiledKernel):
         return ws_config(n, m, k, sm_count(device))
 
     def launch_config(self, cfg: WsConfig, n, m, dtype, has_bias, activation, device):
-        return _launcher(cfg, dtype, has_bias, activation, device), (-(-n // cfg.bn), -(-m // cfg.rows), cfg.kc)
+        m_groups = -(-(-(-m // cfg.rows)) // cfg.cm)  # the grid's y is a whole number of clusters
+        return _launcher(cfg, dtype, has_bias, activation, device), (-(-n // cfg.bn), m_groups * cfg.cm, cfg.kc)

@@ -84,6 +84,13 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
 }
 
+// Arrives on the barrier at this CTA's shared address `bar` in cluster CTA `rank` (itself included).
+__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(rank));
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(remote) : "memory");
+}
+
 // Waits until the barrier's phase of parity `parity` has completed (a fresh barrier: parity 1 passes at once).
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     asm volatile("{\n.reg .pred done;\nWAIT:\n"
@@ -100,6 +107,14 @@ struct __align__(64) TensorMap {
 __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap *map, int inner, int outer, u32 bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
                  :: "r"(dst), "l"(map), "r"(inner), "r"(outer), "r"(bar) : "memory");
+}
+
+// The same box into shared memory `dst` of every cluster CTA in `mask`, each completing on its own `bar`.
+__device__ __forceinline__ void tma_load_2d_multicast(u32 dst, const TensorMap *map, int inner, int outer, u32 bar,
+                                                      unsigned short mask) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%2, %3}], [%4], %5;"
+                 :: "r"(dst), "l"(map), "r"(inner), "r"(outer), "r"(bar), "h"(mask) : "memory");
 }
 
 // `bytes` (a multiple of 16, both addresses 16-byte aligned) from global `src` into shared `dst`, completing on `bar`.

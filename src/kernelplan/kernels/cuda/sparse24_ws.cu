@@ -15,11 +15,15 @@
 // synchronizes the whole CTA inside the K loop (sparse24_wg.cu's __syncthreads per stage did).
 //
 // A CTA is one producer warpgroup (one thread issues the copies; setmaxnreg gives its registers to the
-// consumers) and WM consumer warpgroups of 64 rows of W each.  A cluster of KC CTAs (grid z) splits K;
-// their partial sums meet through distributed shared memory, each CTA writing BN / KC rows of y.
+// consumers) and WM consumer warpgroups of 64 rows of W each.  A cluster is CM x KC CTAs (grid y, z):
+//  * CM CTAs along M share x's tile: each loads BN / CM of its rows and multicasts them to all CM, which
+//    divides x's traffic from L2 by CM (the kernel without it moved about 7.5 TB/s from L2 on an H100,
+//    bench/results/sparse24-ws-tiles-h100.json), and each CTA's consumers release a stage in all CM CTAs;
+//  * KC CTAs along K split it; their partial sums meet through distributed shared memory, each CTA
+//    writing BN / KC rows of y.
 //
 // Compile-time sizes come from the variant's #defines: BN (rows of x a CTA), NI (wgmma N per
-// instruction), WM, KC, STAGES, CONSUMER_REGS (0: no setmaxnreg), IS_BF16, HAS_BIAS, ACT, DT.
+// instruction), WM, CM, KC, STAGES, CONSUMER_REGS (0: no setmaxnreg), IS_BF16, HAS_BIAS, ACT, DT.
 
 #include "wgmma_sp.cuh"
 #include "hopper.cuh"
@@ -39,11 +43,13 @@ constexpr int kRingBytes = STAGES * kStageBytes;
 constexpr int kBarOffset = kRingBytes > kRedBytes ? kRingBytes : kRedBytes;  // the mbarriers, past both
 constexpr int kAcc = NI / 2;                       // f32 accumulators per thread per instruction
 constexpr int kInst = BN / NI;                     // instructions per k32 per warpgroup
+constexpr int kXPart = BN / CM;                    // rows of x each CTA of an M group loads for all of them
 static_assert(BN % KC == 0, "each CTA of a cluster writes BN / KC rows of y");
+static_assert(kXPart % 8 == 0, "each part of x starts on a 1024-byte swizzle phase");
 static_assert(BN <= 256 && BN % 8 == 0, "a tensor-map box has at most 256 rows");
 
-#if KC > 1
-#define KP_CLUSTER __cluster_dims__(1, 1, KC)
+#if CM * KC > 1
+#define KP_CLUSTER __cluster_dims__(1, CM, KC)
 #else
 #define KP_CLUSTER
 #endif
@@ -58,17 +64,24 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const u32 *__restrict__ v
     const u32 full0 = sbase + kBarOffset, empty0 = full0 + 8 * STAGES;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int ksteps = K / 64, steps = ksteps / KC;   // this CTA's 64-column steps
-    const int step0 = blockIdx.z * steps;            // blockIdx.z is the CTA's rank in its cluster
-    const int n0 = blockIdx.x * BN, tile0 = blockIdx.y * kTiles, tiles = M / 16;
+    const int step0 = blockIdx.z * steps;            // blockIdx.z is the CTA's K slice, its rank along z
+    const int n0 = blockIdx.x * BN, tile0 = blockIdx.y * kTiles, tiles = (M + 15) / 16;
+    // Cluster ranks run along y then z (x is 1 wide): this CTA's M group is ranks cz * CM ... cz * CM + CM - 1.
+    const int cy = blockIdx.y % CM, cz = blockIdx.z;
+    (void)cy, (void)cz;  // read by the cluster variants only
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full0 + 8 * s, 1);             // the producer's expect_tx; then the bytes
-            mbar_init(empty0 + 8 * s, 4 * WM);       // one arrival per consumer warp
+            mbar_init(empty0 + 8 * s, 4 * WM * CM);  // one arrival per consumer warp of the M group
         }
         mbar_init_fence();
     }
+#if CM * KC > 1
+    cluster_sync();  // every CTA's barriers are ready before any copy or arrival from a peer
+#else
     __syncthreads();
+#endif
 
     if (warp < 4) {
         // The producer warpgroup: one thread issues every copy.
@@ -76,7 +89,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const u32 *__restrict__ v
         regs_down<40>();  // what the producer thread needs; its warpgroup's other registers go to the consumers
 #endif
         if (threadIdx.x == 0) {
-            const int live = min(kTiles, tiles - tile0);          // tiles past M are not read
+            const int live = max(0, min(kTiles, tiles - tile0));  // tiles past M are not read
             const u32 bytes = kXBytes + live * 1152;
             for (int s = 0; s < steps; ++s) {
                 const int b = s % STAGES;
@@ -84,7 +97,12 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const u32 *__restrict__ v
                 const u32 full = full0 + 8 * b, at = sbase + b * kStageBytes;
                 mbar_expect_tx(full, bytes);
                 const int step = step0 + s;
+#if CM > 1
+                tma_load_2d_multicast(at + cy * kXPart * 128, &xmap, step * 64, n0 + cy * kXPart, full,
+                                      (unsigned short)(((1u << CM) - 1) << (cz * CM)));
+#else
                 tma_load_2d(at, &xmap, step * 64, n0, full);
+#endif
                 for (int t = 0; t < live; ++t) {
                     const long w = (long)(tile0 + t) * ksteps + step;
                     bulk_load(at + kXBytes + t * 1024, vals + w * 256, 1024, full);
@@ -128,7 +146,14 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const u32 *__restrict__ v
                     // The other set stays allocated until here, so the compiler cannot reuse its registers
                     // while step s - 1's MMAs might still read them.
                     keep_regs(a[p ^ 1], e[p ^ 1]);
-                    if (s > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((s - 1) % STAGES));
+                    if (s > 0 && lane == 0) {
+#if CM > 1
+#pragma unroll
+                        for (int j = 0; j < CM; ++j) mbar_arrive_cluster(empty0 + 8 * ((s - 1) % STAGES), cz * CM + j);
+#else
+                        mbar_arrive(empty0 + 8 * ((s - 1) % STAGES));
+#endif
+                    }
                 }
             }
         }
@@ -150,7 +175,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const u32 *__restrict__ v
             }
     }
 
-#if KC > 1
+#if CM * KC > 1
     cluster_sync();  // every CTA's partial sums are in its shared memory (the producer warps take part)
 #else
     if (warp >= 4) named_sync(1, kConsumers);
@@ -167,7 +192,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const u32 *__restrict__ v
 #pragma unroll
             for (int r = 0; r < KC; ++r) {
 #if KC > 1
-                const float4 lo = ld_peer4(at, r), hi = ld_peer4(at + 16, r);
+                const float4 lo = ld_peer4(at, cy + r * CM), hi = ld_peer4(at + 16, cy + r * CM);
 #else
                 const float4 lo = lds4f(at), hi = lds4f(at + 16);
 #endif
@@ -178,12 +203,12 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const u32 *__restrict__ v
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
 #if HAS_BIAS
-                v[j] += to_f32(bias[m + j]);
+                if (m + j < M) v[j] += to_f32(bias[m + j]);
 #endif
                 h[j] = from_f32(activate(v[j]));
             }
             u16 *out = y + (long)n * syn + m;
-            if (vec) {
+            if (vec && m + 8 <= M) {
                 uint4 packed;
                 packed.x = h[0] | ((u32)h[1] << 16);
                 packed.y = h[2] | ((u32)h[3] << 16);
@@ -192,11 +217,12 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const u32 *__restrict__ v
                 *(uint4 *)out = packed;
             } else {
 #pragma unroll
-                for (int j = 0; j < 8; ++j) out[j] = h[j];
+                for (int j = 0; j < 8; ++j)
+                    if (m + j < M) out[j] = h[j];
             }
         }
     }
-#if KC > 1
-    cluster_sync();  // no CTA leaves while another reads its shared memory
+#if CM * KC > 1
+    cluster_sync();  // no CTA leaves while a peer may still read its shared memory or arrive on its barriers
 #endif
 }
