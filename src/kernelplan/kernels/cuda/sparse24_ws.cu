@@ -10,7 +10,7 @@
 //  * x: a BN x 64 box by one tensor-map copy, which writes the 128-byte swizzle wgmma's K-major B
 //    descriptor reads, and zero-fills rows past N;
 //  * W: per 16-row tile one bulk copy of its 1024 bytes of values and one of its 128 bytes of metadata.
-// All land on the stage's "full" mbarrier (transaction bytes); every consumer warp arrives on its "empty"
+// All land on the stage's "full" mbarrier (transaction bytes); every consumer warpgroup arrives on its "empty"
 // mbarrier when the MMAs that read it are done, and only then does the producer refill it.  Nothing
 // synchronizes the whole CTA inside the K loop (sparse24_wg.cu's __syncthreads per stage did).
 //
@@ -73,7 +73,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const u32 *__restrict__ v
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full0 + 8 * s, 1);             // the producer's expect_tx; then the bytes
-            mbar_init(empty0 + 8 * s, 4 * WM * CM);  // one arrival per consumer warp of the M group
+            mbar_init(empty0 + 8 * s, WM * CM);      // one arrival per consumer warpgroup of the M group
         }
         mbar_init_fence();
     }
@@ -146,10 +146,11 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const u32 *__restrict__ v
                     // The other set stays allocated until here, so the compiler cannot reuse its registers
                     // while step s - 1's MMAs might still read them.
                     keep_regs(a[p ^ 1], e[p ^ 1]);
-                    if (s > 0 && lane == 0) {
+                    // The warpgroup's MMAs are done, so all four warps have read the stage: warp j of each
+                    // warpgroup releases it in CTA j of the M group (CUTLASS's PipelineTmaAsync does the same).
+                    if (s > 0 && lane == 0 && wq < CM) {
 #if CM > 1
-#pragma unroll
-                        for (int j = 0; j < CM; ++j) mbar_arrive_cluster(empty0 + 8 * ((s - 1) % STAGES), cz * CM + j);
+                        mbar_arrive_cluster(empty0 + 8 * ((s - 1) % STAGES), cz * CM + wq);
 #else
                         mbar_arrive(empty0 + 8 * ((s - 1) % STAGES));
 #endif
