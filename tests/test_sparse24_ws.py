@@ -88,7 +88,7 @@ CASES = [  # (n, m, k, activation, bias, layout)
     (256, 8192, 1024, "gelu_tanh", False, "contiguous"),
     (777, 2304, 768, None, True, "contiguous"),
     (4096, 1024, 4096, None, False, "contiguous"),
-    (8191, 640, 256, "sigmoid", True, "contiguous"),
+    (8191, 640, 256, "gelu", True, "contiguous"),
 ]
 
 

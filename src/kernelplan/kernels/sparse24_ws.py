@@ -6,10 +6,8 @@ run the sparse MMAs, and mbarriers order the two; K may be split across a
 cluster of CTAs.  It reads the weight in the one device layout
 (``sparse24/layout.py``), as ``cuda_sp`` and ``cuda_wg`` do.
 
-x is read through a tensor map, which encodes x's address, rows and row
-stride: ``XMaps`` encodes one per (x, N, K, stride) on the host and keeps the
-most recent ones, so a call whose x sits where an earlier one did (a CUDA
-graph, a decode loop's reused buffers) packs bytes it already has.
+Every operand is read through a tensor map, which encodes its address and
+shape (``TensorMaps``, kept per address).
 
 ``ws_config`` is the configuration rule: a pure function of (N, M, K, SMs).
 """
@@ -120,50 +118,80 @@ def source(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None) ->
     return head + COMMON_SOURCE + cuda_source("sparse24_ws.cu")
 
 
-_PARAMS = ["tensormap", "*i32", "*i32", "*u16", "*u16", "i32", "i32", "i32", "i32"]
+_PARAMS = ["tensormap", "tensormap", "tensormap", "*u16", "*u16", "i32", "i32", "i32", "i32"]
+_SIZES = [128, 128, 128, 8, 8, 4, 4, 4, 4]
 
 
-class XMaps:
-    """The tensor maps of x for one kernel variant: [N, K] rows, boxes of ``rows`` x 64 columns, 128-byte swizzle.
+def encode_tensor_map(cu, dtype, address: int, dims: list[int], strides: list[int], box: list[int],
+                      swizzle: str) -> bytes:
+    """The 128 bytes of a tiled tensor map (``cuTensorMapEncodeTiled``): ``dims`` and ``box`` innermost first,
+    ``strides`` in bytes for the dimensions past the first; boxes past the end read as zeros."""
+    u64, u32 = cu.cuuint64_t, cu.cuuint32_t
+    err, tmap = cu.cuTensorMapEncodeTiled(
+        dtype, len(dims), address, [u64(d) for d in dims], [u64(s) for s in strides], [u32(b) for b in box],
+        [u32(1)] * len(dims), cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        getattr(cu.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}"),
+        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if err:
+        raise KernelPlanError(f"a tensor map over {address:#x} (dims {dims}, byte strides {strides}, box {box}) "
+                              f"cannot be encoded: {err.name}")
+    return ctypes.string_at(tmap.getPtr(), 128)
 
-    Encoding one is a host call (``cuTensorMapEncodeTiled``); the most recent
-    ``MAX`` are kept by (x's address, N, K, row stride).  Rows past N read as zeros.
+
+class TensorMaps:
+    """The tensor maps of one kernel variant's operands, by their address and shape: the most recent ones.
+
+    * x [N, K] (2-byte elements): boxes of ``rows`` x 64 columns, 128-byte swizzle (wgmma's B layout);
+    * the layout's values [tiles, K/64, 256] and metadata [tiles, K/64, 32] (4-byte words): boxes of one
+      64-column step of ``tiles`` 16-row tiles.
+
+    Encoding is a host call; a call whose x sits where an earlier one did (a
+    CUDA graph, a decode loop's reused buffers) packs bytes it already has.
     """
 
-    MAX = 64
+    MAX_X = 64  # x moves between calls
+    MAX_W = 4096  # weights stay: a model's layers of one variant (256 bytes each)
 
-    def __init__(self, rows: int, dtype: str):
+    def __init__(self, rows: int, tiles: int, dtype: str):
         from cuda.bindings import driver as cu
 
-        self.rows, self._cu = rows, cu
-        self._dtype = {"bf16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                       "f16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}[dtype]
-        self._maps: dict = {}
+        self.rows, self.tiles, self._cu = rows, tiles, cu
+        kinds = cu.CUtensorMapDataType
+        self._x_dtype = {"bf16": kinds.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, "f16": kinds.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}[dtype]
+        self._word = kinds.CU_TENSOR_MAP_DATA_TYPE_UINT32
+        self._x: dict = {}
+        self._w: dict = {}
 
-    def __call__(self, x: int, n: int, k: int, stride: int) -> bytes:
+    def x(self, x: int, n: int, k: int, stride: int) -> bytes:
         key = (x, n, k, stride)
-        hit = self._maps.get(key)
+        hit = self._x.get(key)
         if hit is None:
-            hit = self._encode(key)
+            if stride % 8 or x % 16:
+                raise KernelPlanError(f"x at {x:#x} with row stride {stride} elements cannot be read through a "
+                                      f"tensor map: rows must be 16-byte aligned (x.contiguous() is)")
+            hit = self._keep(self._x, self.MAX_X, key, encode_tensor_map(self._cu, self._x_dtype, x, [k, n], [stride * 2],
+                                                             [64, self.rows], "128B"))
         return hit
 
-    def _encode(self, key) -> bytes:
-        cu = self._cu
-        x, n, k, stride = key
-        u64, u32 = cu.cuuint64_t, cu.cuuint32_t
-        err, tmap = cu.cuTensorMapEncodeTiled(
-            self._dtype, 2, x, [u64(k), u64(n)], [u64(stride * 2)], [u32(64), u32(self.rows)], [u32(1), u32(1)],
-            cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-        if err:
-            raise KernelPlanError(
-                f"x at {x:#x} ([{n}, {k}], row stride {stride} elements) cannot be read through a tensor map: "
-                f"{err.name}; x's rows must be 16-byte aligned with unit stride along K (x.contiguous() is)")
-        if len(self._maps) >= self.MAX:
-            self._maps.clear()
-        data = self._maps[key] = ctypes.string_at(tmap.getPtr(), 128)
-        return data
+    def w(self, values: int, codes: int, m: int, k: int) -> tuple[bytes, bytes]:
+        key = (values, codes, m, k)
+        hit = self._w.get(key)
+        if hit is None:
+            tiles, steps = -(-m // 16), k // 64
+            hit = self._keep(self._w, self.MAX_W, key, (
+                encode_tensor_map(self._cu, self._word, values, [256, steps, tiles], [1024, steps * 1024],
+                                  [256, 1, self.tiles], "NONE"),
+                encode_tensor_map(self._cu, self._word, codes, [32, steps, tiles], [128, steps * 128],
+                                  [32, 1, self.tiles], "NONE")))
+        return hit
+
+    @staticmethod
+    def _keep(table: dict, most: int, key, value):
+        if len(table) >= most:
+            table.clear()
+        table[key] = value
+        return value
 
 
 @functools.lru_cache(maxsize=256)
@@ -181,11 +209,15 @@ def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None,
         raise KernelPlanError(f"{name} ({cfg}) cannot have {cfg.shared} bytes of shared memory on "
                               f"cuda:{device_index}: {err.name}")
     sizes = _param_sizes(cu, fn)
-    if sizes != [128, 8, 8, 8, 8, 4, 4, 4, 4]:
-        raise KernelPlanError(f"{name}: compiled parameter sizes {sizes} are not the launcher's {_PARAMS}")
-    maps = XMaps(cfg.bn // cfg.cm, dtype)
-    # The 2:4 kernels' arguments (x, values, codes, bias, y, N, M, K, x row stride, y row stride), x as its map.
-    pick = lambda a: (maps(a[0], a[5], a[7], a[8]), a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[9])  # noqa: E731
+    if sizes != _SIZES:
+        raise KernelPlanError(f"{name}: compiled parameter sizes {sizes} are not the launcher's {_SIZES}")
+    maps = TensorMaps(cfg.bn // cfg.cm, 4 * cfg.wm, dtype)
+
+    def pick(a):
+        # The 2:4 kernels' arguments (x, values, codes, bias, y, N, M, K, x row stride, y row stride), the
+        # operands as their tensor maps.
+        return (maps.x(a[0], a[5], a[7], a[8]), *maps.w(a[1], a[2], a[6], a[7]), a[3], a[4], a[5], a[6], a[7], a[9])
+
     return FunctionLaunch(fn, f"{name} {cfg} {dtype}", _PARAMS, cfg.threads, cfg.shared, pick=pick)
 
 

@@ -109,6 +109,13 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap *map, int i
                  :: "r"(dst), "l"(map), "r"(inner), "r"(outer), "r"(bar) : "memory");
 }
 
+// The box of a 3-D `map` at (inner, middle, outer) element coordinates into shared memory `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap *map, int inner, int middle, int outer, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4}], [%5];"
+                 :: "r"(dst), "l"(map), "r"(inner), "r"(middle), "r"(outer), "r"(bar) : "memory");
+}
+
 // The same box into shared memory `dst` of every cluster CTA in `mask`, each completing on its own `bar`.
 __device__ __forceinline__ void tma_load_2d_multicast(u32 dst, const TensorMap *map, int inner, int outer, u32 bar,
                                                       unsigned short mask) {

@@ -9,7 +9,10 @@
 // Per 64-column step (one stage of the ring):
 //  * x: a BN x 64 box by one tensor-map copy, which writes the 128-byte swizzle wgmma's K-major B
 //    descriptor reads, and zero-fills rows past N;
-//  * W: per 16-row tile one bulk copy of its 1024 bytes of values and one of its 128 bytes of metadata.
+//  * W: one tensor-map copy of the CTA's tiles' values (1024 bytes a tile) and one of their metadata
+//    (128 bytes a tile), tiles past M zero-filled.  Two bulk copies per tile instead (33 copies a stage)
+//    held every stage to about 1300 cycles whatever its size: the copy engine's per-copy cost
+//    (bench/results/sparse24-ws-tiles-h100.json, commit cae3193).
 // All land on the stage's "full" mbarrier (transaction bytes); every consumer warpgroup arrives on its "empty"
 // mbarrier when the MMAs that read it are done, and only then does the producer refill it.  Nothing
 // synchronizes the whole CTA inside the K loop (sparse24_wg.cu's __syncthreads per stage did).
@@ -17,8 +20,7 @@
 // A CTA is one producer warpgroup (one thread issues the copies; setmaxnreg gives its registers to the
 // consumers) and WM consumer warpgroups of 64 rows of W each.  A cluster is CM x KC CTAs (grid y, z):
 //  * CM CTAs along M share x's tile: each loads BN / CM of its rows and multicasts them to all CM, which
-//    divides x's traffic from L2 by CM (the kernel without it moved about 7.5 TB/s from L2 on an H100,
-//    bench/results/sparse24-ws-tiles-h100.json), and each CTA's consumers release a stage in all CM CTAs;
+//    divides x's traffic from L2 by CM, and each CTA's consumers release a stage in all CM CTAs;
 //  * KC CTAs along K split it; their partial sums meet through distributed shared memory, each CTA
 //    writing BN / KC rows of y.
 //
@@ -55,8 +57,9 @@ static_assert(BN <= 256 && BN % 8 == 0, "a tensor-map box has at most 256 rows")
 #endif
 
 extern "C" __global__ void KP_CLUSTER __launch_bounds__(kThreads, 1)
-kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const u32 *__restrict__ vals, const u32 *__restrict__ meta,
-               const u16 *__restrict__ bias, u16 *__restrict__ y, int N, int M, int K, int syn)
+kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ TensorMap vmap,
+               const __grid_constant__ TensorMap emap, const u16 *__restrict__ bias, u16 *__restrict__ y, int N, int M,
+               int K, int syn)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 sraw = (u32)__cvta_generic_to_shared(smem_raw);
@@ -65,7 +68,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const u32 *__restrict__ v
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int ksteps = K / 64, steps = ksteps / KC;   // this CTA's 64-column steps
     const int step0 = blockIdx.z * steps;            // blockIdx.z is the CTA's K slice, its rank along z
-    const int n0 = blockIdx.x * BN, tile0 = blockIdx.y * kTiles, tiles = (M + 15) / 16;
+    const int n0 = blockIdx.x * BN, tile0 = blockIdx.y * kTiles;
     // Cluster ranks run along y then z (x is 1 wide): this CTA's M group is ranks cz * CM ... cz * CM + CM - 1.
     const int cy = blockIdx.y % CM, cz = blockIdx.z;
     (void)cy, (void)cz;  // read by the cluster variants only
@@ -89,8 +92,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const u32 *__restrict__ v
         regs_down<40>();  // what the producer thread needs; its warpgroup's other registers go to the consumers
 #endif
         if (threadIdx.x == 0) {
-            const int live = max(0, min(kTiles, tiles - tile0));  // tiles past M are not read
-            const u32 bytes = kXBytes + live * 1152;
+            constexpr u32 bytes = kXBytes + kWBytes;  // boxes past N or M count in full (zero-filled)
             for (int s = 0; s < steps; ++s) {
                 const int b = s % STAGES;
                 mbar_wait(empty0 + 8 * b, ((s / STAGES) & 1) ^ 1);
@@ -103,11 +105,8 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const u32 *__restrict__ v
 #else
                 tma_load_2d(at, &xmap, step * 64, n0, full);
 #endif
-                for (int t = 0; t < live; ++t) {
-                    const long w = (long)(tile0 + t) * ksteps + step;
-                    bulk_load(at + kXBytes + t * 1024, vals + w * 256, 1024, full);
-                    bulk_load(at + kXBytes + kWValues + t * 128, meta + w * 32, 128, full);
-                }
+                tma_load_3d(at + kXBytes, &vmap, 0, step, tile0, full);
+                tma_load_3d(at + kXBytes + kWValues, &emap, 0, step, tile0, full);
             }
         }
     } else {
