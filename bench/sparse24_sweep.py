@@ -30,13 +30,13 @@ import triton.testing
 from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_sp import SpKernel
-from kernelplan.kernels.sparse24_wg import WgKernel, wg_config
+from kernelplan.kernels.sparse24_ws import WsKernel, ws_config
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.sparse24 import compress, linear, prune
 from kernelplan.sparse24.dispatch import backend_for
 from kernelplan.sparse24.layout import pack_reason
 
-KERNELS = {"cuda_sp": (SpKernel, 64), "cuda_wg": (WgKernel, 1 << 30)}
+KERNELS = {"cuda_sp": (SpKernel, 64), "cuda_ws": (WsKernel, 1 << 30)}  # cuda_wg: superseded (docs/design/0005)
 
 
 def eager_ms(fn, calls: int = 20) -> float:
@@ -50,12 +50,12 @@ def eager_ms(fn, calls: int = 20) -> float:
 
 
 def precompile(shapes, batch, sms: int, dtype: str) -> None:
-    """Every cuda_wg variant the sweep will run, compiled in threads (NVRTC is thread-safe), before any timing."""
+    """Every cuda_ws variant the sweep will run, compiled in threads (NVRTC is thread-safe), before any timing."""
     import concurrent.futures
 
-    from kernelplan.kernels.sparse24_wg import _launcher
+    from kernelplan.kernels.sparse24_ws import _launcher
 
-    configs = {wg_config(n, m, k, sms) for (m, k) in shapes for n in batch if n > 16}
+    configs = {ws_config(n, m, k, sms) for (m, k) in shapes for n in batch if n > 16}
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda c: _launcher(c, dtype, False, None, 0), configs))
 
@@ -117,8 +117,8 @@ def run(quick: bool, dtype: torch.dtype, rep: int) -> dict:
             row["dense_eager_ms"] = statistics.median(eager["dense"])
             row["rule_eager_ms"] = statistics.median(eager["rule"])
             row["eager_speedup"] = row["dense_eager_ms"] / row["rule_eager_ms"]
-            if n > 64:
-                row["wg_config"] = str(wg_config(n, m, k, sms))
+            if n > 16:
+                row["ws_config"] = str(ws_config(n, m, k, sms))
             for name, t in times.items():
                 row[f"{name}_speedup"] = row["dense_ms"] / t
             if times:
@@ -141,16 +141,16 @@ def run(quick: bool, dtype: torch.dtype, rep: int) -> dict:
 
 
 def resources(rows: list[dict], dtype: str) -> list[str]:
-    """Registers and local memory (spills) of each cuda_wg variant the sweep ran: the compiler's report."""
+    """Registers and local memory (spills) of each cuda_ws variant the sweep ran: the compiler's report."""
     from cuda.bindings import driver as cu
 
     from kernelplan.kernels import nvrtc
-    from kernelplan.kernels.sparse24_wg import WgConfig, source
+    from kernelplan.kernels.sparse24_ws import WsConfig, source
 
     lines = []
-    for text in sorted({r["wg_config"] for r in rows if "wg_config" in r}):
-        cfg = eval(text, {"WgConfig": WgConfig})  # our own repr
-        fn = nvrtc.function(source(cfg, dtype, False, None), "kp_sparse24_wg", 0, "sm_90a")
+    for text in sorted({r["ws_config"] for r in rows if "ws_config" in r}):
+        cfg = eval(text, {"WsConfig": WsConfig})  # our own repr
+        fn = nvrtc.function(source(cfg, dtype, False, None), "kp_sparse24_ws", 0, "sm_90a")
         regs = cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, fn)[1]
         local = cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, fn)[1]
         lines.append(f"{text}: {regs} registers, {local} bytes local")

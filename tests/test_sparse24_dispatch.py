@@ -15,7 +15,7 @@ def test_the_table_over_the_sweep_set():
     for (m, k) in sweep_shapes():
         for n in BATCH_SIZES + (3, 17, 65, 1000):
             for dtype in ("bf16", "f16"):
-                assert backend_for(HOPPER, n, k, dtype) == ("cuda_sp" if n <= 16 else "cuda_wg")
+                assert backend_for(HOPPER, n, k, dtype) == ("cuda_sp" if n <= 16 else "cuda_ws")
                 for gpu in (AMPERE, ADA):
                     assert backend_for(gpu, n, k, dtype) == "cuda_sp"  # mma.sp at every n, chunks past 64
             assert backend_for(None, n, k, "bf16") == "reference"
@@ -86,6 +86,6 @@ def test_compact_default_path_holds_one_layout_and_matches_fp64(dtype):
         assert_close(y, F.silu(F.linear(x.double(), w.double(), b.double())), F.silu(F.linear(x, w, b)),
                      atol=FWD_ATOL[dt])
     ran = {r["backend"] for r in fast_path_backends() if r["m"] == 1000}
-    assert ran <= {"cuda_sp", "cuda_wg"} and ("cuda_wg" in ran) == (cap == (9, 0))
+    assert ran <= {"cuda_sp", "cuda_ws"} and ("cuda_ws" in ran) == (cap == (9, 0))
     held = w24.derived_bytes()
     assert list(held) == ["sp tiled"] and held["sp tiled"] == 1008 * 4096 * 2 * 9 // 16  # rows padded to 16

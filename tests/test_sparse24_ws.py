@@ -175,3 +175,19 @@ def test_every_candidate_tile_matches_fp64(n, m, k, seed):
         launch(grid, (x.data_ptr(), pairs.data_ptr(), codes.data_ptr(), b.data_ptr(), y.data_ptr(), n, m, k,
                       x.stride(0), y.stride(0)), raw_stream(0))
         assert_close(y, ref, F.gelu(F.linear(x, w, b)), atol=FWD_ATOL[torch.bfloat16], what=str(cfg))
+
+
+def test_tile_rule_matches_the_measured_table():
+    """The rule against the tiles it was fitted on: within 0.95x of the best tile on average and never below 0.7x."""
+    import json
+    import pathlib
+    import statistics
+
+    data = json.loads((pathlib.Path(__file__).parents[1] / "bench/results/sparse24-ws-tiles-h100.json").read_text())
+    sms = data["meta"]["sms"]
+    ratios = []
+    for row in data["rows"]:
+        times = row["tiles_ms"]
+        cfg = ws_config(row["n"], row["m"], row["k"], sms)
+        ratios.append(min(times.values()) / times[str(cfg)])
+    assert statistics.mean(ratios) >= 0.95 and min(ratios) >= 0.7, (statistics.mean(ratios), min(ratios))

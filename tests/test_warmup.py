@@ -59,7 +59,7 @@ def test_on_the_gpu_after_warmup_no_call_of_those_shapes_compiles_or_tunes(monke
     model = _model("cuda", torch.bfloat16)
     before = nvrtc.COMPILES[0]
     rows = kp.warmup(model, batch_sizes=(1, 16, 128, 300), progress=False)
-    assert {r["backend"] for r in rows} <= {"cuda_sp", "cuda_wg"}
+    assert {r["backend"] for r in rows} <= {"cuda_sp", "cuda_ws"}
     # The calls of the warm-up compiled nothing the compile phase had not (this process may hold some already).
     assert nvrtc.COMPILES[0] - before <= len({(r["backend"], r["config"], r["bias"]) for r in rows})
     monkeypatch.setattr(backends, "tune", lambda *a, **k: pytest.fail("a call after warmup tuned"))

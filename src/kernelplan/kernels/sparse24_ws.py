@@ -92,16 +92,29 @@ def ws_candidates(n: int, m: int, k: int) -> list[WsConfig]:
     return out
 
 
-# A first rule, to be refitted on the measured tile space: the fewest CTAs past one wave of the SMs, x re-read
-# once per CTA row of W and W once per N tile.
+# The rule's weights, fitted on bench/results/sparse24-ws-tiles-h100.json (11 sweep shapes x n = 32..4096, every
+# candidate timed as CUDA graph replays; bench/sparse24_wg_tiles.py --kernel ws, a grid search over these
+# six): over those 88 problems the chosen tile's time is on average 0.97x of the best tile's (median 1.0x, worst
+# 0.75x on a 1024x4096 layer at n = 4096).  Units are rough cycles of one SM.
+_MMA = 4  # per (row of x x 64-row block) of a 64-column step: the tensor cores' part
+_COPY = 0.0125  # per byte a step brings into the SM, where it exceeds the MMAs'
+_STEP = 200  # per step: barriers, the A fragments' loads, issue
+_L2 = 0.02  # per byte a step brings in, where the grid takes more than one wave (L2 and DRAM contended)
+_CTA = 16000  # per CTA: launch, pipeline fill, epilogue
+_SPLIT = 64  # per (row x 64-row block) of a tile's partial sums met across the cluster, per extra K slice
+# Clusters of 4 or more CTAs of one SM each: cuOccupancyMaxActiveClusters gave 30 clusters of 4 (120 of 132 SMs).
+_BIG_CLUSTER_SMS = 120 / 132
+
+
 def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int) -> float:
     """The rule's estimate of a tile's time, relative: lower is faster."""
     n_tiles, m_tiles = -(-n // cfg.bn), -(-(-(-m // cfg.rows)) // cfg.cm) * cfg.cm
     ctas = n_tiles * m_tiles * cfg.kc
-    waves = -(-ctas // sms)
-    work = waves * cfg.bn * cfg.rows * (k // cfg.kc)  # MACs the busiest SM does
-    traffic = (m_tiles / cfg.cm * n * k * 2 + n_tiles * m * k * 1.125) / min(ctas, sms)  # bytes into the busiest SM
-    return work / 1024 + traffic / 64 + 2000 * (cfg.kc - 1) + 4000 * waves
+    usable = int(sms * _BIG_CLUSTER_SMS) if cfg.cm * cfg.kc >= 4 else sms
+    waves = -(-ctas // usable)
+    step_bytes = cfg.bn * 128 / cfg.cm + cfg.wm * 4608
+    step = _STEP + max(cfg.bn * cfg.wm * _MMA, step_bytes * _COPY) + (_L2 * step_bytes if waves > 1 else 0)
+    return waves * ((k // 64 // cfg.kc) * step + _CTA + _SPLIT * (cfg.kc - 1) * cfg.bn * cfg.wm)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -235,7 +248,9 @@ class WsKernel(TiledKernel):
         return self.launch_config(self.config(n, m, k, device), n, m, dtype, has_bias, activation, device)
 
     def config(self, n, m, k, device):
-        return ws_config(n, m, k, sm_count(device))
+        from ..sparse24.dispatch import config_for
+
+        return config_for(self.name, n, m, k, sm_count(device))
 
     def launch_config(self, cfg: WsConfig, n, m, dtype, has_bias, activation, device):
         m_groups = -(-(-(-m // cfg.rows)) // cfg.cm)  # the grid's y is a whole number of clusters

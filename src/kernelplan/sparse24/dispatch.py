@@ -10,10 +10,11 @@ Two memory policies (``GemmSparse24Descriptor.memory``):
   times them (``backends.tune``).  Speed over memory: up to 3.3x of the dense bytes
   per weight were measured in v1 (docs/design/0001).
 
-The measurements behind the rule: ``bench/results/sparse24-wg-tiles-h100.json``
-(the ``wgmma.sp`` tiles, from which ``kernels/sparse24_wg.py``'s ``wg_config`` is
-fitted) and ``bench/results/sparse24-sweep-h100.json`` (the kernels of the layout
-against dense over the sweep set); docs/design/0002 says what they showed.
+The measurements behind the rule: ``bench/results/sparse24-ws-tiles-h100.json``
+(the warp-specialized ``wgmma.sp`` tiles, from which ``kernels/sparse24_ws.py``'s
+``ws_config`` is fitted) and ``bench/results/sparse24-sweep-h100.json`` (the kernels
+of the layout against dense over the sweep set); docs/design/0002-0005 say what
+they showed.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def layout_reason(capability: tuple[int, int] | None, k: int, dtype: str) -> str
 def backend_for(capability: tuple[int, int] | None, n: int, k: int, dtype: str) -> str:
     """The backend of the ``compact`` policy for one call: a pure function, no GPU touched.
 
-    * the one layout where its kernels run: ``cuda_wg`` (``wgmma.sp``) on Hopper
+    * the one layout where its kernels run: ``cuda_ws`` (``wgmma.sp``, warp-specialized) on Hopper
       past n = 16, else ``cuda_sp`` (``mma.sp``; on Ampere and Ada at every n,
       in chunks of 64 rows of x past 64);
     * else the Triton kernel on CUDA, which reads the public format itself
@@ -56,12 +57,16 @@ def backend_for(capability: tuple[int, int] | None, n: int, k: int, dtype: str) 
     if capability is None:
         return "reference"
     if layout_reason(capability, k, dtype) is None:
-        return "cuda_wg" if capability == (9, 0) and n > SP_MAX_N_HOPPER else "cuda_sp"
+        return "cuda_ws" if capability == (9, 0) and n > SP_MAX_N_HOPPER else "cuda_sp"
     return "triton"
 
 
 def config_for(backend: str, n: int, m: int, k: int, sms: int):
     """The tile configuration ``backend`` runs (n, M, K) with on a GPU of ``sms`` SMs: the kernels' own rules."""
+    if backend == "cuda_ws":
+        from ..kernels.sparse24_ws import ws_config
+
+        return ws_config(n, m, k, sms)
     if backend == "cuda_wg":
         from ..kernels.sparse24_wg import wg_config
 
