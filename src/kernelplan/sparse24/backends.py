@@ -222,8 +222,8 @@ class CudaWgSparse24Backend(CudaMmaSparse24Backend):
 
     Reads the layout of ``cuda_sp`` (one copy shared by both, 0.5625x of the
     dense bytes); x staged in wgmma's swizzled layout by cp.async.  sm_90a only.
-    The rule's kernel past n = 16 on Hopper (``dispatch.py``); a tuning candidate
-    under memory="fast".
+    Superseded in the rule by ``cuda_ws`` (docs/design/0005); available by name
+    and a tuning candidate under memory="fast".
     """
 
     name = "cuda_wg"
@@ -247,7 +247,8 @@ class CudaWsSparse24Backend(CudaWgSparse24Backend):
     """``wgmma.mma_async.sp`` warp-specialized (``kernels/sparse24_ws.py``): a producer warp copies through the
     copy engine (TMA), consumer warpgroups multiply, mbarriers between; K split across a CTA cluster.
 
-    Reads the one layout, as ``cuda_wg`` does.  sm_90a only.
+    Reads the one layout, as ``cuda_wg`` does.  sm_90a only.  The rule's kernel past
+    n = 16 on Hopper (``dispatch.py``).
     """
 
     name = "cuda_ws"
