@@ -17,23 +17,17 @@ import argparse
 import cProfile
 import pstats
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 import kernelplan as kp
 from kernelplan.bench import results
-from kernelplan.timing import interleaved
+from kernelplan.timing import host_us_per_call, interleaved
 
 
 def per_call_us(fn, calls: int = 2000) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+    return host_us_per_call(fn, torch.device("cuda"), calls)
 
 
 def main() -> int:

@@ -35,18 +35,14 @@ from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.sparse24 import compress, linear, prune
 from kernelplan.sparse24.dispatch import backend_for
 from kernelplan.sparse24.layout import pack_reason
+from kernelplan.timing import host_us_per_call
 
 KERNELS = {"cuda_sp": (SpKernel, 64), "cuda_ws": (WsKernel, 1 << 30)}  # cuda_wg: superseded (docs/design/0005)
 
 
 def eager_ms(fn, calls: int = 20) -> float:
     """Wall ms per call of ``calls`` back-to-back eager calls, host work included (the device drained around them)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e3
+    return host_us_per_call(fn, torch.device("cuda"), calls) / 1e3
 
 
 def precompile(shapes, batch, sms: int, dtype: str) -> None:

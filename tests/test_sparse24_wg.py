@@ -1,6 +1,7 @@
-"""The Hopper ``wgmma.sp`` 2:4 linear (``cuda_wg``) against the fp64 oracle; its configuration rule on CPU.
+"""The Hopper ``wgmma.sp`` 2:4 linears against the fp64 oracle: ``cuda_wg`` (its configuration rule on CPU here) and
+the warp-specialized ``cuda_ws`` (its own CPU tests in test_sparse24_ws.py), one GPU test body for both.
 
-It reads ``cuda_sp``'s layout: the layout's own tests are in test_sparse24_sp.py.
+They read ``cuda_sp``'s layout: the layout's own tests are in test_sparse24_sp.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_sp import SM_SHARED, SP_LAYOUT
 from kernelplan.kernels.sparse24_wg import INSTRUCTION_N, WgKernel, tile_cost, wg_candidates, wg_config
+from kernelplan.kernels.sparse24_ws import WsKernel, ws_candidates
 from test_sparse24_triton import check_backend
 
 sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -62,6 +64,13 @@ def test_cluster_k_split_and_tall_tiles_are_candidates_only_where_they_fit():
     assert {(c.ks, c.kc) for c in wg_candidates(256, 4096, 64)} == {(1, 1)}  # one K step: no split
 
 
+@pytest.mark.parametrize("n, m, k", [(200, 1000, 2048), (77, 520, 1024), (300, 260, 4096)])
+def test_candidate_space_of_the_gpu_test_shapes(n, m, k):
+    """The shapes test_every_candidate_tile_matches_fp64 runs reach K slices in a CTA and across a cluster."""
+    cands = wg_candidates(n, m, k)
+    assert {c.kc for c in cands} >= {1, 2, 4} and {c.ks for c in cands} == {1, 2}
+
+
 def test_cuda_wg_shares_cuda_sp_layout():
     from kernelplan.kernels.sparse24_sp import SpKernel
 
@@ -70,6 +79,7 @@ def test_cuda_wg_shares_cuda_sp_layout():
 
 CASES = [  # (n, m, k, activation, bias, layout)
     (1, 4096, 4096, None, False, "contiguous"),
+    (17, 4096, 4096, None, False, "contiguous"),
     (33, 200, 512, "gelu", True, "transposed"),  # odd M (past a 16-row tile), odd N
     (64, 3584, 3584, None, True, "contiguous"),  # Qwen2.5-7B o_proj, K = 56 steps
     (130, 1000, 1024, "silu", False, "strided"),
@@ -77,26 +87,30 @@ CASES = [  # (n, m, k, activation, bias, layout)
     (256, 8192, 1024, "gelu_tanh", False, "contiguous"),
     (777, 2304, 768, None, True, "contiguous"),
     (4096, 1024, 4096, None, False, "contiguous"),
+    (8191, 640, 256, "gelu", True, "contiguous"),
 ]
+KERNELS = {"cuda_wg": WgKernel, "cuda_ws": WsKernel}
 
 
 @gpu
 @sm90
+@pytest.mark.parametrize("backend", list(KERNELS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("n, m, k, activation, bias, layout", CASES,
                          ids=[f"n{c[0]}-m{c[1]}-k{c[2]}-{c[3]}-{c[5]}" for c in CASES])
-def test_cuda_wg_matches_fp64(n, m, k, activation, bias, layout, dtype, seed):
-    check_backend("cuda_wg", n, m, k, activation, bias, layout, dtype)
+def test_wgmma_kernels_match_fp64(backend, n, m, k, activation, bias, layout, dtype, seed):
+    check_backend(backend, n, m, k, activation, bias, layout, dtype)
 
 
 @gpu
 @sm90
-def test_cuda_wg_3d_x_strided_y_and_graph_replay(seed):
+@pytest.mark.parametrize("kernel", list(KERNELS.values()), ids=list(KERNELS))
+def test_3d_x_strided_y_and_graph_replay(kernel, seed):
     w = kp.sparse24.prune(torch.randn(520, 1024, device="cuda")).bfloat16()
     w24 = kp.sparse24.compress(w)
     b = torch.randn(520, device="cuda").bfloat16()
     x = torch.randn(3, 100, 1025, device="cuda").bfloat16()[..., 1:]  # 3-D, rows off 16-byte alignment
-    call = MmaLinear("silu", WgKernel())
+    call = MmaLinear("silu", kernel())
     ref = F.silu(F.linear(x.double(), w.double(), b.double()))
     assert_close(call(x, w24.values, w24.metadata, b), ref, F.silu(F.linear(x, w, b)), atol=FWD_ATOL[torch.bfloat16])
     x2 = x.reshape(300, 1024).contiguous()
@@ -106,7 +120,7 @@ def test_cuda_wg_3d_x_strided_y_and_graph_replay(seed):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         yg = call(x2, w24.values, w24.metadata, b)
-    x2.copy_(torch.randn_like(x2))
+    x2.copy_(torch.randn_like(x2))  # the same address: the graph reads the new values (cuda_ws: its tensor map)
     graph.replay()
     assert_close(yg, F.silu(F.linear(x2.double(), w.double(), b.double())), F.silu(F.linear(x2, w, b)),
                  atol=FWD_ATOL[torch.bfloat16])
@@ -114,26 +128,32 @@ def test_cuda_wg_3d_x_strided_y_and_graph_replay(seed):
 
 @gpu
 @sm90
-def test_cuda_wg_and_cuda_sp_hold_one_layout(seed):
-    """Calls at n = 1, 64, 256 and 4096 through the two kernels of the layout keep one copy: 0.5625x dense."""
+@pytest.mark.parametrize("kernel", list(KERNELS.values()), ids=list(KERNELS))
+def test_wgmma_kernels_and_cuda_sp_hold_one_layout(kernel, seed):
+    """Calls at n = 1, 64, 256 and 4096 through cuda_sp and a wgmma kernel keep one copy: 0.5625x dense."""
     from kernelplan.kernels.sparse24_sp import SpKernel
 
     w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(4096, 4096, device="cuda")).bfloat16())
-    for n, kernel in ((1, SpKernel), (64, SpKernel), (256, WgKernel), (4096, WgKernel)):
-        MmaLinear(None, kernel())(torch.randn(n, 4096, device="cuda").bfloat16(), w24.values, w24.metadata, None)
+    for n, k in ((1, SpKernel), (64, SpKernel), (64, kernel), (256, kernel), (4096, kernel)):
+        MmaLinear(None, k())(torch.randn(n, 4096, device="cuda").bfloat16(), w24.values, w24.metadata, None)
     derived = w24.derived_bytes()
     assert derived[SP_LAYOUT] == 4096 * 4096 * 2 * 9 // 16
     assert sum(derived.values()) == derived[SP_LAYOUT], derived  # the launches hold no copy of their own
 
 
+CANDIDATE_CASES = [("cuda_wg", 200, 1000, 2048), ("cuda_wg", 77, 520, 1024), ("cuda_wg", 300, 260, 4096),
+                   ("cuda_ws", 200, 1000, 2048), ("cuda_ws", 77, 528, 1024), ("cuda_ws", 300, 272, 4096),
+                   ("cuda_ws", 256, 4096, 1024)]
+
+
 @gpu
 @sm90
-@pytest.mark.parametrize("n, m, k", [(200, 1000, 2048), (77, 520, 1024), (300, 260, 4096)])
-def test_every_candidate_tile_matches_fp64(n, m, k, seed):
-    """Each tile the rule may pick (N tiles, 64-row blocks, K slices in a CTA and across a cluster) is right."""
+@pytest.mark.parametrize("backend, n, m, k", CANDIDATE_CASES)
+def test_every_candidate_tile_matches_fp64(backend, n, m, k, seed):
+    """Each tile a rule may pick (N tiles, row blocks, K slices in a CTA and across a cluster, x shared along M)
+    is right, rows of W past M included."""
     from kernelplan.kernels import raw_stream
     from kernelplan.kernels.sparse24_sp import _tiled
-    from kernelplan.kernels.sparse24_wg import wg_candidates
 
     w = kp.sparse24.prune(torch.randn(m, k, device="cuda")).bfloat16()
     w24 = kp.sparse24.compress(w)
@@ -141,10 +161,9 @@ def test_every_candidate_tile_matches_fp64(n, m, k, seed):
     b = torch.randn(m, device="cuda").bfloat16()
     x = torch.randn(n, k, device="cuda").bfloat16()
     ref = F.gelu(F.linear(x.double(), w.double(), b.double()))
-    cands = wg_candidates(n, m, k)
-    assert {c.kc for c in cands} >= {1, 2, 4} and {c.ks for c in cands} == {1, 2}
-    for cfg in cands:
-        launch, grid = WgKernel().launch_config(cfg, n, m, "bf16", True, "gelu", 0)
+    kernel = KERNELS[backend]()
+    for cfg in {"cuda_wg": wg_candidates, "cuda_ws": ws_candidates}[backend](n, m, k):
+        launch, grid = kernel.launch_config(cfg, n, m, "bf16", True, "gelu", 0)
         y = poisoned((n, m), torch.bfloat16, "cuda")
         launch(grid, (x.data_ptr(), pairs.data_ptr(), codes.data_ptr(), b.data_ptr(), y.data_ptr(), n, m, k,
                       x.stride(0), y.stride(0)), raw_stream(0))

@@ -19,12 +19,10 @@ import functools
 from dataclasses import dataclass
 
 from ..errors import KernelPlanError
-from ..sparse24.layout import SP_LAYOUT
 from .nvrtc import cuda_source
-from .sparse24 import sm_count
-from .sparse24_mma import COMMON_SOURCE, TiledKernel, defines
-from .sparse24_sp import SM_SHARED, _tiled
-from .sparse24_wg import instruction_n
+from .sparse24_mma import COMMON_SOURCE, defines
+from .sparse24_sp import SM_SHARED
+from .sparse24_wg import WgKernel, instruction_n
 
 # The consumers' registers where a CTA has two consumer warpgroups (384 threads, 168 registers each at entry):
 # the producer gives up all but 40 (CUTLASS's split for the same CTA: 128 x 40 + 256 x 232 = 384 x 168).
@@ -66,12 +64,9 @@ class WsConfig:
 
 def _deepest(bn: int, wm: int, cm: int, kc: int) -> WsConfig | None:
     """The tile with the deepest ring (up to 8 steps) that fits the SM's shared memory; None if not 3."""
-    cfg = WsConfig(bn, wm, cm, kc)
-    sums = bn * (cfg.rows + 4) * 4
-    stages = min(_MAX_STAGES, (SM_SHARED - 1024 - 16 * _MAX_STAGES) // cfg.stage_bytes)
-    if stages < 3 or sums + 16 * stages + 1024 > SM_SHARED:
-        return None
-    return WsConfig(bn, wm, cm, kc, stages)
+    stages = min(_MAX_STAGES, (SM_SHARED - 1024 - 16 * _MAX_STAGES) // WsConfig(bn, wm, cm, kc).stage_bytes)
+    cfg = WsConfig(bn, wm, cm, kc, stages)
+    return cfg if stages >= 3 and cfg.shared <= SM_SHARED else None
 
 
 def ws_candidates(n: int, m: int, k: int) -> list[WsConfig]:
@@ -234,23 +229,11 @@ def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None,
     return FunctionLaunch(fn, f"{name} {cfg} {dtype}", _PARAMS, cfg.threads, cfg.shared, pick=pick)
 
 
-class WsKernel(TiledKernel):
+class WsKernel(WgKernel):
+    """``cuda_wg``'s layout, sizes and architecture (sm_90a: wgmma, setmaxnreg); its own tiles and launch."""
+
     name = "cuda_ws"
-    layout = SP_LAYOUT
-    max_n = 1 << 31
-    architecture = "sm_90a"  # wgmma and setmaxnreg are sm_90a instructions
     source = staticmethod(source)
-
-    def tiled(self, values, metadata):
-        return _tiled(values, metadata)
-
-    def launch_for(self, n, m, k, dtype, has_bias, activation, device):
-        return self.launch_config(self.config(n, m, k, device), n, m, dtype, has_bias, activation, device)
-
-    def config(self, n, m, k, device):
-        from ..sparse24.dispatch import config_for
-
-        return config_for(self.name, n, m, k, sm_count(device))
 
     def launch_config(self, cfg: WsConfig, n, m, dtype, has_bias, activation, device):
         m_groups = -(-(-(-m // cfg.rows)) // cfg.cm)  # the grid's y is a whole number of clusters

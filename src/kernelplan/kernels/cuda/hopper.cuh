@@ -98,6 +98,19 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
                  "@!done bra WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
 }
 
+// A warpgroup's m64nNk32 accumulators (COUNT instructions of N = WIDTH) into f32 `red[n][m]` (row stride
+// `stride`): this warp's 16 rows start at row `m0`.  Lane 4g + t holds rows g, g + 8 and columns 2t, 2t + 1 of
+// each 8.  (The parameters are not named NI/kInst: the kernels' sizes are #defines.)
+template <int WIDTH, int COUNT, int ACC>
+__device__ __forceinline__ void store_acc(float *red, const float (&acc)[COUNT][ACC], int m0, int stride, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < COUNT; ++i)
+#pragma unroll
+        for (int r = 0; r < ACC; ++r)
+            red[(i * WIDTH + 8 * (r >> 2) + 2 * t + (r & 1)) * stride + m0 + g + 8 * ((r >> 1) & 1)] = acc[i][r];
+}
+
 // A tensor map (CUtensorMap: 128 opaque bytes, 64-byte aligned), passed by value as a __grid_constant__ parameter.
 struct __align__(64) TensorMap {
     unsigned long long opaque[16];
@@ -122,12 +135,6 @@ __device__ __forceinline__ void tma_load_2d_multicast(u32 dst, const TensorMap *
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
                  " [%0], [%1, {%2, %3}], [%4], %5;"
                  :: "r"(dst), "l"(map), "r"(inner), "r"(outer), "r"(bar), "h"(mask) : "memory");
-}
-
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global `src` into shared `dst`, completing on `bar`.
-__device__ __forceinline__ void bulk_load(u32 dst, const void *src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
 template <int REGS>

@@ -167,15 +167,7 @@ kp_sparse24_wg(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
     cp_wait<0>();
     __syncthreads();
     float *red = (float *)(smem_raw + (sbase - (u32)__cvta_generic_to_shared(smem_raw)));  // [KS][BN][kRedStride]
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int i = 0; i < kInst; ++i)
-#pragma unroll
-        for (int r = 0; r < kAcc; ++r) {
-            const int ml = wm * 64 + wq * 16 + g + 8 * ((r >> 1) & 1);
-            const int nl = i * NI + 8 * (r >> 2) + 2 * t + (r & 1);
-            red[(ks * BN + nl) * kRedStride + ml] = acc[i][r];
-        }
+    store_acc<NI>(red + ks * BN * kRedStride, acc, wm * 64 + wq * 16, kRedStride, lane);
     __syncthreads();
     const int m0 = blockIdx.y * kBM;
 #if KC > 1

@@ -164,15 +164,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         // Every consumer is past its last MMA before the ring is reused for the partial sums.
         named_sync(1, kConsumers);
         float *red = (float *)(smem_raw + (sbase - sraw));  // [BN][kRedStride]
-        const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-        for (int i = 0; i < kInst; ++i)
-#pragma unroll
-            for (int r = 0; r < kAcc; ++r) {
-                const int ml = wm * 64 + wq * 16 + g + 8 * ((r >> 1) & 1);
-                const int nl = i * NI + 8 * (r >> 2) + 2 * t + (r & 1);
-                red[nl * kRedStride + ml] = acc[i][r];
-            }
+        store_acc<NI>(red, acc, wm * 64 + wq * 16, kRedStride, lane);
     }
 
 #if CM * KC > 1
