@@ -168,3 +168,46 @@ def test_every_candidate_tile_matches_fp64(backend, n, m, k, seed):
         launch(grid, (x.data_ptr(), pairs.data_ptr(), codes.data_ptr(), b.data_ptr(), y.data_ptr(), n, m, k,
                       x.stride(0), y.stride(0)), raw_stream(0))
         assert_close(y, ref, F.gelu(F.linear(x, w, b)), atol=FWD_ATOL[torch.bfloat16], what=str(cfg))
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("kind", ["whole waves", "waves then split", "all split", "tiny K"])
+def test_persistent_split_kernel_matches_fp64_deterministically(kind, seed):
+    """The persistent variant: whole tiles in waves, the tail's tiles split along K and handed over between CTAs,
+    or both; the same bits on every call (the parts are added in a fixed order) and from a CUDA graph replay."""
+    from kernelplan.kernels import raw_stream
+    from kernelplan.kernels.sparse24 import sm_count
+    from kernelplan.kernels.sparse24_sp import _tiled
+    from kernelplan.kernels.sparse24_ws import WsConfig, sk_plan
+
+    sms = sm_count(0)
+    cfg = WsConfig(64, 1, stages=8, sk=True)
+    n, m, k = {"whole waves": (128, 64 * sms, 1024), "waves then split": (190, 64 * (sms + 7) - 5, 1024),
+               "all split": (77, 520, 4096), "tiny K": (60, 1000, 576)}[kind]
+    plan = sk_plan(cfg, n, m, k, sms)
+    assert (plan.splits == 1) == (kind == "whole waves"), plan
+    w = kp.sparse24.prune(torch.randn(m, k, device="cuda")).bfloat16()
+    w24 = kp.sparse24.compress(w)
+    pairs, codes = _tiled(w24.values, w24.metadata)
+    b = torch.randn(m, device="cuda").bfloat16()
+    x = torch.randn(n, k, device="cuda").bfloat16()
+    ref = F.silu(F.linear(x.double(), w.double(), b.double()))
+    launch, grid = WsKernel().launch_config(cfg, n, m, "bf16", True, "silu", 0)
+    outs = []
+    for _ in range(3):
+        y = poisoned((n, m), torch.bfloat16, "cuda")
+        launch(grid, (x.data_ptr(), pairs.data_ptr(), codes.data_ptr(), b.data_ptr(), y.data_ptr(), n, m, k,
+                      x.stride(0), y.stride(0)), raw_stream(0))
+        outs.append(y)
+    assert_close(outs[0], ref, F.silu(F.linear(x, w, b)), atol=FWD_ATOL[torch.bfloat16], what=kind)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    yg = poisoned((n, m), torch.bfloat16, "cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(grid, (x.data_ptr(), pairs.data_ptr(), codes.data_ptr(), b.data_ptr(), yg.data_ptr(), n, m, k,
+                      x.stride(0), yg.stride(0)), raw_stream(0))
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(yg, outs[0])

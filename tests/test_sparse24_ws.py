@@ -114,3 +114,64 @@ def test_tile_rule_matches_the_measured_table():
         cfg = ws_config(row["n"], row["m"], row["k"], sms)
         ratios.append(min(times.values()) / times[str(cfg)])
     assert statistics.mean(ratios) >= 0.95 and min(ratios) >= 0.7, (statistics.mean(ratios), min(ratios))
+
+
+def _units(plan, tiles: int, steps: int, c: int) -> list[tuple[int, int, int, int]]:
+    """CTA c's work as cuda/sparse24_sk.cu's Schedule walks it: (unit, tile, part, first step, end step)."""
+    out, v = [], c
+    while True:
+        if v < plan.dp_tiles:
+            out.append((v, v, 0, 0, steps))
+        elif v - plan.dp_tiles < plan.rest * plan.splits:
+            part, r = divmod(v - plan.dp_tiles, plan.rest)
+            out.append((v, plan.dp_tiles + r, part, steps * part // plan.splits, steps * (part + 1) // plan.splits))
+        else:
+            return out
+        v += plan.grid
+
+
+@pytest.mark.parametrize("sms", [78, 132])
+def test_split_schedule_covers_every_step_once_and_heads_come_last(sms):
+    """The kernel's schedule, emulated: each (tile, step) once; whole waves first; each split tile's head (its
+    last part) has the highest unit number of its parts, so every part it waits on runs before it or beside it;
+    the split fills the SMs at least as well as whole tiles would."""
+    from kernelplan.kernels.sparse24_ws import sk_plan
+
+    for (m, k) in list(sweep_shapes()) + [(200, 128), (64, 64), (4096, 64 * 7)]:
+        for n in (17, 200, 1000, 4096):
+            for bn, wm in ((64, 1), (128, 2), (256, 2)):
+                cfg = WsConfig(bn, wm, stages=4, sk=True)
+                plan = sk_plan(cfg, n, m, k, sms)
+                steps, tiles = k // 64, -(-n // bn) * -(-m // (64 * wm))
+                assert 1 <= plan.grid <= sms and plan.tiles_n == -(-n // bn)
+                assert plan.dp_tiles % sms == 0 and plan.dp_tiles + plan.rest == tiles and plan.rest < sms
+                assert plan.splits == 1 or steps // plan.splits >= 4
+                units = [u for c in range(plan.grid) for u in _units(plan, tiles, steps, c)]
+                assert sorted(u[0] for u in units) == list(range(plan.dp_tiles + plan.rest * plan.splits))
+                pieces = {}
+                for v, t, part, k0, k1 in units:
+                    assert k0 < k1
+                    pieces.setdefault(t, []).append((k0, k1, part, v))
+                assert sorted(pieces) == list(range(tiles)), (m, k, n, cfg, plan)
+                for t, spans in pieces.items():  # each tile's parts cover its steps end to end, once
+                    spans.sort()
+                    assert spans[0][0] == 0 and spans[-1][1] == steps and all(
+                        a[1] == b[0] for a, b in zip(spans, spans[1:])), (t, spans)
+                    assert max(spans, key=lambda s: s[3])[2] == len(spans) - 1  # the head: highest unit
+                if plan.rest:
+                    fill = lambda s: plan.rest * s / (sms * -(-plan.rest * s // sms))
+                    assert fill(plan.splits) >= fill(1) - 1e-9
+
+
+def test_split_workspace_is_the_flags_and_each_handed_over_part():
+    from kernelplan.kernels.sparse24_ws import sk_plan
+
+    cfg = WsConfig(128, 2, stages=8, sk=True)
+    plan = sk_plan(cfg, 256, 5120, 13824, 132)  # 80 tiles on 132 SMs: split along K
+    assert plan.dp_tiles == 0 and plan.rest == 80 and plan.splits > 1 and plan.grid == min(132, 80 * plan.splits)
+    assert plan.workspace_bytes == -(-4 * plan.slots // 1024) * 1024 + plan.slots * 128 * 128 * 4
+    assert sk_plan(cfg, 256, 8448, 4096, 132).splits == 1  # 132 tiles: one whole wave, no workspace
+    assert sk_plan(cfg, 256, 8448, 4096, 132).workspace_bytes == 0
+    wide = sk_plan(cfg, 4096, 5120, 13824, 132)  # 1280 tiles: 9 whole waves, then 92 tiles split
+    assert wide.dp_tiles == 9 * 132 and wide.rest == 92 and wide.grid == 132
+    assert cfg.shared == 8 * cfg.stage_bytes + 16 * 8 + 1024  # no partial sums in shared memory

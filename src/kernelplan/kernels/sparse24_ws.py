@@ -22,6 +22,7 @@ from ..errors import KernelPlanError
 from .nvrtc import cuda_source
 from .sparse24_mma import COMMON_SOURCE, defines
 from .sparse24_sp import SM_SHARED
+from .direct import FunctionLaunch, _stream
 from .sparse24_wg import WgKernel, instruction_n
 
 # The consumers' registers where a CTA has two consumer warpgroups (384 threads, 168 registers each at entry):
@@ -37,6 +38,7 @@ class WsConfig:
     cm: int = 1  # CTAs of a cluster along M (grid y) that share x's tile, each loading BN / CM rows for all
     kc: int = 1  # CTAs of a cluster along K (grid z), their sums met through distributed shared memory
     stages: int = 4  # 64-column steps in the shared-memory ring
+    sk: bool = False  # persistent, tail tiles split along K (cuda/sparse24_sk.cu, sk_plan): one CTA an SM, no clusters
 
     @property
     def ni(self) -> int:
@@ -57,20 +59,23 @@ class WsConfig:
 
     @property
     def shared(self) -> int:
-        """Dynamic shared memory: the ring or the partial sums, the mbarriers, and 1 KiB to align to 1024."""
-        sums = self.bn * (self.rows + 4) * 4
+        """Dynamic shared memory: the ring (or the partial sums, where they meet in shared memory: not stream-K),
+        the mbarriers, and 1 KiB to align to 1024."""
+        sums = 0 if self.sk else self.bn * (self.rows + 4) * 4
         return max(self.stages * self.stage_bytes, sums) + 16 * self.stages + 1024
 
 
-def _deepest(bn: int, wm: int, cm: int, kc: int) -> WsConfig | None:
+def _deepest(bn: int, wm: int, cm: int, kc: int, sk: bool = False) -> WsConfig | None:
     """The tile with the deepest ring (up to 8 steps) that fits the SM's shared memory; None if not 3."""
     stages = min(_MAX_STAGES, (SM_SHARED - 1024 - 16 * _MAX_STAGES) // WsConfig(bn, wm, cm, kc).stage_bytes)
-    cfg = WsConfig(bn, wm, cm, kc, stages)
+    cfg = WsConfig(bn, wm, cm, kc, stages, sk)
     return cfg if stages >= 3 and cfg.shared <= SM_SHARED else None
 
 
-def ws_candidates(n: int, m: int, k: int) -> list[WsConfig]:
-    """Every tile the kernel can run for this problem: the space ``bench/sparse24_wg_tiles.py --kernel ws`` measures."""
+def ws_candidates(n: int, m: int, k: int, persistent: bool = False) -> list[WsConfig]:
+    """Every tile the kernel can run for this problem: the rule's space; with ``persistent``, the persistent
+    variants (``cfg.sk``) too, which ``bench/sparse24_wg_tiles.py --kernel ws`` also measures.  They are not the
+    rule's: measured slower than the non-persistent tiles on 87 of 88 problems (docs/design/0006)."""
     out = []
     fitted = -(-(-(-n // -(-n // 256))) // 16) * 16  # n in the fewest N tiles of at most 256, rounded to 16
     for bn in sorted({min(fitted, b) for b in (64, 128, 256)} | {fitted}):
@@ -84,7 +89,53 @@ def ws_candidates(n: int, m: int, k: int) -> list[WsConfig]:
                     cfg = _deepest(bn, wm, cm, kc)
                     if cfg is not None:
                         out.append(cfg)
+            cfg = _deepest(bn, wm, 1, 1, sk=True) if persistent else None
+            if cfg is not None:
+                out.append(cfg)
     return out
+
+
+# Split-K parts shorter than this many 64-column steps are not worth their hand-over.
+_SK_MIN_STEPS = 4
+_MAX_SPLITS = 8
+_PER_SPLIT = 0.03  # the tail's estimated time grows by this share per part past the first (hand-over, fill)
+
+
+@dataclass(frozen=True)
+class SkPlan:
+    """How a persistent launch (``cuda/sparse24_sk.cu``) spreads its tiles; a pure function of the problem and SMs."""
+
+    grid: int  # CTAs, at most one per SM, all resident at once
+    tiles_n: int  # tiles along N (x's rows); tiles along M follow from M in the kernel
+    dp_tiles: int  # the first tiles, whole, in whole waves of the grid
+    splits: int  # parts along K of each tile left, run part-major (1: whole)
+    rest: int  # the tiles left after the whole waves
+    part_floats: int  # f32 of one handed-over part (BN x rows)
+
+    @property
+    def slots(self) -> int:
+        """Parts handed over: all but each split tile's last."""
+        return (self.splits - 1) * self.rest
+
+    @property
+    def workspace_bytes(self) -> int:
+        """The parts' flags (in whole KiB) and the parts; none where no tile is split."""
+        return -(-4 * self.slots // 1024) * 1024 + 4 * self.slots * self.part_floats if self.slots else 0
+
+
+@functools.lru_cache(maxsize=4096)
+def sk_plan(cfg: WsConfig, n: int, m: int, k: int, sms: int) -> SkPlan:
+    """Whole waves of tiles, then the tiles left (less than a wave) split along K into the number of parts that
+    fills the SMs best: tail time ceil(rest x parts / SMs) / parts, plus ``_PER_SPLIT`` a part."""
+    tiles_n, tiles_m, steps = -(-n // cfg.bn), -(-m // cfg.rows), k // 64
+    tiles = tiles_n * tiles_m
+    waves, rest = divmod(tiles, sms)
+    if rest == 0:
+        return SkPlan(min(sms, tiles), tiles_n, tiles, 1, 0, cfg.bn * cfg.rows)
+    options = [s for s in range(1, _MAX_SPLITS + 1) if s == 1 or steps // s >= _SK_MIN_STEPS]
+    splits = min(options, key=lambda s: -(-rest * s // sms) / s * (1 + _PER_SPLIT * (s - 1)))
+    grid = sms if waves else min(sms, rest * splits)
+    return SkPlan(grid, tiles_n, waves * sms, splits, rest, cfg.bn * cfg.rows)
 
 
 # The rule's weights, fitted on bench/results/sparse24-ws-tiles-h100.json (11 sweep shapes x n = 32..4096, every
@@ -102,12 +153,12 @@ _BIG_CLUSTER_SMS = 120 / 132
 
 
 def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int) -> float:
-    """The rule's estimate of a tile's time, relative: lower is faster."""
+    """The rule's estimate of a tile's time, relative: lower is faster (the rule's tiles: not persistent)."""
     n_tiles, m_tiles = -(-n // cfg.bn), -(-(-(-m // cfg.rows)) // cfg.cm) * cfg.cm
     ctas = n_tiles * m_tiles * cfg.kc
+    step_bytes = cfg.bn * 128 / cfg.cm + cfg.wm * 4608
     usable = int(sms * _BIG_CLUSTER_SMS) if cfg.cm * cfg.kc >= 4 else sms
     waves = -(-ctas // usable)
-    step_bytes = cfg.bn * 128 / cfg.cm + cfg.wm * 4608
     step = _STEP + max(cfg.bn * cfg.wm * _MMA, step_bytes * _COPY) + (_L2 * step_bytes if waves > 1 else 0)
     return waves * ((k // 64 // cfg.kc) * step + _CTA + _SPLIT * (cfg.kc - 1) * cfg.bn * cfg.wm)
 
@@ -119,15 +170,18 @@ def ws_config(n: int, m: int, k: int, sms: int) -> WsConfig:
 
 
 def source(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None) -> str:
-    """The CUDA C++ of one kernel variant (``kp_sparse24_ws``), compiled by NVRTC for sm_90a."""
-    head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, CM=cfg.cm, KC=cfg.kc,
-                   STAGES=cfg.stages,
+    """The CUDA C++ of one kernel variant (``kp_sparse24_ws``, or ``kp_sparse24_sk`` where ``cfg.sk``), compiled
+    by NVRTC for sm_90a."""
+    clusters = {} if cfg.sk else {"CM": cfg.cm, "KC": cfg.kc}
+    head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, **clusters, STAGES=cfg.stages,
                    CONSUMER_REGS=_CONSUMER_REGS[cfg.wm])
-    return head + COMMON_SOURCE + cuda_source("sparse24_ws.cu")
+    return head + COMMON_SOURCE + cuda_source("sparse24_sk.cu" if cfg.sk else "sparse24_ws.cu")
 
 
 _PARAMS = ["tensormap", "tensormap", "tensormap", "*u16", "*u16", "i32", "i32", "i32", "i32"]
 _SIZES = [128, 128, 128, 8, 8, 4, 4, 4, 4]
+_SK_PARAMS = _PARAMS + ["i32", "i32", "i32", "*u8"]  # tiles along N, whole tiles, parts of the rest, the workspace
+_SK_SIZES = _SIZES + [4, 4, 4, 8]
 
 
 def encode_tensor_map(cu, dtype, address: int, dims: list[int], strides: list[int], box: list[int],
@@ -207,19 +261,22 @@ def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None,
     from cuda.bindings import driver as cu
 
     from . import nvrtc
-    from .direct import FunctionLaunch, _param_sizes
+    from .direct import _param_sizes
 
-    name = "kp_sparse24_ws"
+    name = "kp_sparse24_sk" if cfg.sk else "kp_sparse24_ws"
     fn = nvrtc.function(source(cfg, dtype, has_bias, activation), name, device_index, WsKernel.architecture)
     err, = cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                  cfg.shared)
     if err:
         raise KernelPlanError(f"{name} ({cfg}) cannot have {cfg.shared} bytes of shared memory on "
                               f"cuda:{device_index}: {err.name}")
+    want = _SK_SIZES if cfg.sk else _SIZES
     sizes = _param_sizes(cu, fn)
-    if sizes != _SIZES:
-        raise KernelPlanError(f"{name}: compiled parameter sizes {sizes} are not the launcher's {_SIZES}")
+    if sizes != want:
+        raise KernelPlanError(f"{name}: compiled parameter sizes {sizes} are not the launcher's {want}")
     maps = TensorMaps(cfg.bn // cfg.cm, 4 * cfg.wm, dtype)
+    if cfg.sk:
+        return StreamKLaunch(fn, f"{name} {cfg} {dtype}", cfg, maps, device_index)
 
     def pick(a):
         # The 2:4 kernels' arguments (x, values, codes, bias, y, N, M, K, x row stride, y row stride), the
@@ -229,6 +286,43 @@ def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None,
     return FunctionLaunch(fn, f"{name} {cfg} {dtype}", _PARAMS, cfg.threads, cfg.shared, pick=pick)
 
 
+class StreamKLaunch(FunctionLaunch):
+    """A persistent variant's launch: its grid and split from ``sk_plan``, and, where a tile is split, a workspace
+    from torch's allocator on the launch's stream (so graphs and other streams each get their own) whose flags
+    are zeroed by ``cuMemsetD32Async`` before the kernel: the parts a CTA hands over and the flags that order them.
+    """
+
+    __slots__ = ("cfg", "maps", "device", "sms", "_plans")
+
+    def __init__(self, fn, name: str, cfg: WsConfig, maps: TensorMaps, device_index: int):
+        from .sparse24 import sm_count
+
+        super().__init__(fn, name, _SK_PARAMS, cfg.threads, cfg.shared)
+        self.cfg, self.maps, self.device, self.sms = cfg, maps, device_index, sm_count(device_index)
+        self._plans: dict = {}  # (N, M, K) -> SkPlan: a dictionary hit costs less host time than sk_plan's cache
+
+    def __call__(self, grid: tuple, args: tuple, stream: int) -> None:
+        import torch
+
+        n, m, k = args[5], args[6], args[7]
+        plan = self._plans.get((n, m, k))
+        if plan is None:
+            if len(self._plans) >= 256:
+                self._plans.clear()
+            plan = self._plans[n, m, k] = sk_plan(self.cfg, n, m, k, self.sms)
+        work, address = None, 0
+        if plan.slots:
+            work = torch.empty(plan.workspace_bytes // 4, dtype=torch.int32, device=self.device)
+            address = work.data_ptr()
+            err, = self._cu.cuMemsetD32Async(address, 0, plan.slots, _stream(self._cu, stream))
+            if err:
+                raise KernelPlanError(f"{self.name}: zeroing its {plan.slots} flags failed: {err.name}")
+        maps = self.maps
+        params = (maps.x(args[0], n, k, args[8]), *maps.w(args[1], args[2], m, k), args[3], args[4], n, m, k,
+                  args[9], plan.tiles_n, plan.dp_tiles, plan.splits, address)
+        super().__call__((plan.grid, 1, 1), params, stream)
+
+
 class WsKernel(WgKernel):
     """``cuda_wg``'s layout, sizes and architecture (sm_90a: wgmma, setmaxnreg); its own tiles and launch."""
 
@@ -236,5 +330,7 @@ class WsKernel(WgKernel):
     source = staticmethod(source)
 
     def launch_config(self, cfg: WsConfig, n, m, dtype, has_bias, activation, device):
+        if cfg.sk:  # the launch takes its grid from sk_plan
+            return _launcher(cfg, dtype, has_bias, activation, device), (0, 0, 0)
         m_groups = -(-(-(-m // cfg.rows)) // cfg.cm)  # the grid's y is a whole number of clusters
         return _launcher(cfg, dtype, has_bias, activation, device), (-(-n // cfg.bn), m_groups * cfg.cm, cfg.kc)

@@ -29,26 +29,14 @@
 
 #include "wgmma_sp.cuh"
 #include "hopper.cuh"
+#include "sparse24_ring.cuh"
 
-constexpr int kConsumers = 128 * WM;
-constexpr int kThreads = kConsumers + 128;
-constexpr int kBM = 64 * WM;                       // rows of W a CTA
-constexpr int kTiles = 4 * WM;                     // 16-row tiles of W a CTA
-constexpr int kXBytes = BN * 128;                  // one step of x: BN rows of 64 columns
-constexpr int kWValues = kTiles * 1024;            // one step of W's values for the CTA's tiles
-constexpr int kWBytes = kTiles * 1152;             // ... and their metadata
-// Each stage starts on 1024 bytes: the 128-byte swizzle's phase is taken from address bits 7-9.
-constexpr int kStageBytes = (kXBytes + kWBytes + 1023) / 1024 * 1024;
 constexpr int kRedStride = kBM + 4;                // f32 partial sums [BN][kBM + 4]: rows 16-byte aligned
 constexpr int kRedBytes = BN * kRedStride * 4;
-constexpr int kRingBytes = STAGES * kStageBytes;
 constexpr int kBarOffset = kRingBytes > kRedBytes ? kRingBytes : kRedBytes;  // the mbarriers, past both
-constexpr int kAcc = NI / 2;                       // f32 accumulators per thread per instruction
-constexpr int kInst = BN / NI;                     // instructions per k32 per warpgroup
 constexpr int kXPart = BN / CM;                    // rows of x each CTA of an M group loads for all of them
 static_assert(BN % KC == 0, "each CTA of a cluster writes BN / KC rows of y");
 static_assert(kXPart % 8 == 0, "each part of x starts on a 1024-byte swizzle phase");
-static_assert(BN <= 256 && BN % 8 == 0, "a tensor-map box has at most 256 rows");
 
 #if CM * KC > 1
 #define KP_CLUSTER __cluster_dims__(1, CM, KC)
@@ -94,8 +82,8 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         if (threadIdx.x == 0) {
             constexpr u32 bytes = kXBytes + kWBytes;  // boxes past N or M count in full (zero-filled)
             for (int s = 0; s < steps; ++s) {
-                const int b = s % STAGES;
-                mbar_wait(empty0 + 8 * b, ((s / STAGES) & 1) ^ 1);
+                const int b = ring_stage(s);
+                mbar_wait(empty0 + 8 * b, ring_parity(s) ^ 1);
                 const u32 full = full0 + 8 * b, at = sbase + b * kStageBytes;
                 mbar_expect_tx(full, bytes);
                 const int step = step0 + s;
@@ -120,46 +108,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         for (int i = 0; i < kInst; ++i)
 #pragma unroll
             for (int r = 0; r < kAcc; ++r) acc[i][r] = 0.f;
-        uint4 a[2][2];
-        u32 e[2];
-        for (int s0 = 0; s0 < steps; s0 += 2) {
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {  // p: which register set (compile-time), so no set is indexed at run time
-                const int s = s0 + p;
-                if (s < steps) {
-                    const int b = s % STAGES;
-                    mbar_wait(full0 + 8 * b, (s / STAGES) & 1);
-                    const u32 at = sbase + b * kStageBytes;
-                    a[p][0] = lds4(at + kXBytes + tl * 1024 + lane * 16);
-                    a[p][1] = lds4(at + kXBytes + tl * 1024 + 512 + lane * 16);
-                    e[p] = lds1(at + kXBytes + kWValues + tl * 128 + lane * 4);
-                    wg_fence();
-#pragma unroll
-                    for (int i = 0; i < kInst; ++i) {
-                        // N block i starts NI rows (NI / 8 groups of 1024 bytes) in; the second k32 64 bytes in.
-                        WgmmaSp<NI>::template run<0>(acc[i], a[p][0], b_desc(at + i * NI * 128), e[p]);
-                        WgmmaSp<NI>::template run<1>(acc[i], a[p][1], b_desc(at + i * NI * 128 + 64), e[p]);
-                    }
-                    wg_commit();
-                    wg_wait<1>();  // step s - 1's MMAs are done: its stage and its register set are free
-                    // The other set stays allocated until here, so the compiler cannot reuse its registers
-                    // while step s - 1's MMAs might still read them.
-                    keep_regs(a[p ^ 1], e[p ^ 1]);
-                    // The warpgroup's MMAs are done, so all four warps have read the stage: warp j of each
-                    // warpgroup releases it in CTA j of the M group (CUTLASS's PipelineTmaAsync does the same).
-                    if (s > 0 && lane == 0 && wq < CM) {
-#if CM > 1
-                        mbar_arrive_cluster(empty0 + 8 * ((s - 1) % STAGES), cz * CM + wq);
-#else
-                        mbar_arrive(empty0 + 8 * ((s - 1) % STAGES));
-#endif
-                    }
-                }
-            }
-        }
-        wg_wait<0>();
-#pragma unroll
-        for (int i = 0; i < kInst; ++i) keep(acc[i]);
+        consume_steps<false>(acc, sbase, full0, empty0, 0, steps, tl, lane, wq, cz);
 
         // Every consumer is past its last MMA before the ring is reused for the partial sums.
         named_sync(1, kConsumers);

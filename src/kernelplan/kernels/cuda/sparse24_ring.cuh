@@ -1,0 +1,81 @@
+// What the warp-specialized wgmma.sp kernels (sparse24_ws.cu, sparse24_sk.cu) share: the sizes of a CTA and of
+// its ring of shared-memory stages, and the consumers' K loop over the ring.
+//
+// Needs wgmma_sp.cuh, hopper.cuh and the variant's #defines BN, NI, WM, CM, STAGES.  The ring's stage b is
+// x's BN x 64 box (128-byte swizzle) then the CTA's tiles' values and metadata for one 64-column step; its
+// "full" mbarrier is at full0 + 8 b and its "empty" one at empty0 + 8 b.
+#pragma once
+
+constexpr int kConsumers = 128 * WM;
+constexpr int kThreads = kConsumers + 128;
+constexpr int kBM = 64 * WM;                       // rows of W a CTA
+constexpr int kTiles = 4 * WM;                     // 16-row tiles of W a CTA
+constexpr int kXBytes = BN * 128;                  // one step of x: BN rows of 64 columns
+constexpr int kWValues = kTiles * 1024;            // one step of W's values for the CTA's tiles
+constexpr int kWBytes = kTiles * 1152;             // ... and their metadata
+// Each stage starts on 1024 bytes: the 128-byte swizzle's phase is taken from address bits 7-9.
+constexpr int kStageBytes = (kXBytes + kWBytes + 1023) / 1024 * 1024;
+constexpr int kRingBytes = STAGES * kStageBytes;
+constexpr int kAcc = NI / 2;                       // f32 accumulators per thread per instruction
+constexpr int kInst = BN / NI;                     // instructions per k32 per warpgroup
+static_assert(BN <= 256 && BN % 8 == 0, "a tensor-map box has at most 256 rows");
+
+// Ring step g (counted over the CTA's whole life): its stage and the parity of its stage's current phase.
+__device__ __forceinline__ int ring_stage(int g) { return g % STAGES; }
+__device__ __forceinline__ u32 ring_parity(int g) { return (u32)((g / STAGES) & 1); }
+
+// The warpgroup's MMAs have read the stage at `bar`'s index: warp j of each warpgroup releases it in CTA j of the
+// M group (CUTLASS's PipelineTmaAsync does the same); `cz` is the M group's first rank / CM.
+__device__ __forceinline__ void release_stage(u32 bar, int lane, int wq, int cz) {
+    if (lane == 0 && wq < CM) {
+#if CM > 1
+        mbar_arrive_cluster(bar, cz * CM + wq);
+#else
+        (void)cz;
+        mbar_arrive(bar);
+#endif
+    }
+}
+
+// acc += this warp's 16-row tile x x's box over `count` ring steps, the g0-th first.  Each stage is released once
+// the MMAs that read it are done, the last one before returning where RELEASE_LAST (a kernel that runs on past
+// its K loop); without it the kernel's last stage stays taken: releasing it there made ptxas serialize the
+// loop's wgmmas (its warning C7515) in sparse24_ws.cu.
+template <bool RELEASE_LAST>
+__device__ __forceinline__ void consume_steps(float (&acc)[kInst][kAcc], u32 sbase, u32 full0, u32 empty0, int g0,
+                                              int count, int tl, int lane, int wq, int cz)
+{
+    uint4 a[2][2];
+    u32 e[2];
+    for (int s0 = 0; s0 < count; s0 += 2) {
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {  // p: which register set (compile-time), so no set is indexed at run time
+            const int s = s0 + p;
+            if (s < count) {
+                const int g = g0 + s, b = ring_stage(g);
+                mbar_wait(full0 + 8 * b, ring_parity(g));
+                const u32 at = sbase + b * kStageBytes;
+                a[p][0] = lds4(at + kXBytes + tl * 1024 + lane * 16);
+                a[p][1] = lds4(at + kXBytes + tl * 1024 + 512 + lane * 16);
+                e[p] = lds1(at + kXBytes + kWValues + tl * 128 + lane * 4);
+                wg_fence();
+#pragma unroll
+                for (int i = 0; i < kInst; ++i) {
+                    // N block i starts NI rows (NI / 8 groups of 1024 bytes) in; the second k32 64 bytes in.
+                    WgmmaSp<NI>::template run<0>(acc[i], a[p][0], b_desc(at + i * NI * 128), e[p]);
+                    WgmmaSp<NI>::template run<1>(acc[i], a[p][1], b_desc(at + i * NI * 128 + 64), e[p]);
+                }
+                wg_commit();
+                wg_wait<1>();  // step g - 1's MMAs are done: its stage and its register set are free
+                // The other set stays allocated until here, so the compiler cannot reuse its registers
+                // while step g - 1's MMAs might still read them.
+                keep_regs(a[p ^ 1], e[p ^ 1]);
+                if (s > 0) release_stage(empty0 + 8 * ring_stage(g - 1), lane, wq, cz);
+            }
+        }
+    }
+    wg_wait<0>();
+#pragma unroll
+    for (int i = 0; i < kInst; ++i) keep(acc[i]);
+    if (RELEASE_LAST && count > 0) release_stage(empty0 + 8 * ring_stage(g0 + count - 1), lane, wq, cz);
+}
