@@ -75,7 +75,7 @@ def _deepest(bn: int, wm: int, cm: int, kc: int, sk: bool = False) -> WsConfig |
 def ws_candidates(n: int, m: int, k: int, persistent: bool = False) -> list[WsConfig]:
     """Every tile the kernel can run for this problem: the rule's space; with ``persistent``, the persistent
     variants (``cfg.sk``) too, which ``bench/sparse24_wg_tiles.py --kernel ws`` also measures.  They are not the
-    rule's: measured slower than the non-persistent tiles on 87 of 88 problems (docs/design/0006)."""
+    rule's: measured slower than the non-persistent tiles on 86 of 88 problems (docs/design/0006)."""
     out = []
     fitted = -(-(-(-n // -(-n // 256))) // 16) * 16  # n in the fewest N tiles of at most 256, rounded to 16
     for bn in sorted({min(fitted, b) for b in (64, 128, 256)} | {fitted}):

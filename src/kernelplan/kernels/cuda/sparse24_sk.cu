@@ -1,7 +1,7 @@
 // 2:4 linear on Hopper's sparse warpgroup MMA: the warp-specialized CTA of sparse24_ws.cu made persistent, the
 // tiles of the last, partial wave split along K.  One CTA per SM walks a list of work; its producer warp keeps the
 // ring full across tile boundaries while the consumers finish a tile.  Not the rule's kernel: measured slower than
-// sparse24_ws.cu on 87 of 88 problems, its epilogue (from registers, 2-byte stores at BN = 256) not hidden behind
+// sparse24_ws.cu on 86 of 88 problems, its epilogue (from registers, 2-byte stores at BN = 256) not hidden behind
 // MMAs (docs/design/0006).
 //
 // y[N, M] = act(x[N, K] @ W^T + bias), W in the one device layout (sparse24/layout.py), read as sparse24_ws.cu
