@@ -68,13 +68,14 @@ def sweep_rows(name: str) -> list[str]:
 def sparse24_notes() -> list[str]:
     """The 2:4 model, conversion and host-work results, one line each."""
     lines = []
-    model = _load("sparse24-model-h100")
-    if model:
-        cases = "; ".join(f"{r['case']} {r['graph_speedup']:.2f}x graph, {r['eager_speedup']:.2f}x eager"
-                          for r in model["rows"])
-        lines.append(f"- 2:4, {model['meta']['model']} ({model['meta']['layers']} layers), sparsified against "
-                     f"dense: {cases}; weights {model['sparse_over_dense_bytes']:.3f}x of dense (embeddings dense, "
-                     f"the LM head pruned too), {_source(model['meta'], 'sparse24-model-h100')}.")
+    for name in ("sparse24-model-h100", "sparse24-model-h200"):
+        model = _load(name)
+        if model:
+            cases = "; ".join(f"{r['case']} {r['graph_speedup']:.2f}x graph, {r['eager_speedup']:.2f}x eager"
+                              for r in model["rows"])
+            lines.append(f"- 2:4, {model['meta']['model']} ({model['meta']['layers']} layers), sparsified against "
+                         f"dense: {cases}; weights {model['sparse_over_dense_bytes']:.3f}x of dense (embeddings "
+                         f"dense, the LM head pruned too), {_source(model['meta'], name)}.")
     convert = _load("sparse24-convert-h100")
     if convert:
         big = [r for r in convert["rows"] if r["m"] * r["k"] >= 2**26]
@@ -93,7 +94,7 @@ def sparse24_notes() -> list[str]:
 def table() -> str:
     head = ["| op | " + " | ".join(label for label, _, _ in N_RANGES) + " | measured on |",
             "|---|" + "---|" * len(N_RANGES) + "---|"]
-    body = sweep_rows("sparse24-sweep-h100") + sweep_rows("sparse24-sweep-h100-f16")
+    body = sweep_rows("sparse24-sweep-h100") + sweep_rows("sparse24-sweep-h100-f16") + sweep_rows("sparse24-sweep-h200")
     for name in ("sparse24-h200", "sparse24-h100", "sparse24-h200-f16"):
         body += sparse24_rows(name)
     lines = head + body + [""] + sparse24_notes()
