@@ -146,12 +146,9 @@ CANDIDATE_CASES = [("cuda_wg", 200, 1000, 2048), ("cuda_wg", 77, 520, 1024), ("c
                    ("cuda_ws", 256, 4096, 1024)]
 
 
-@gpu
-@sm90
-@pytest.mark.parametrize("backend, n, m, k", CANDIDATE_CASES)
-def test_every_candidate_tile_matches_fp64(backend, n, m, k, seed):
-    """Each tile a rule may pick (N tiles, row blocks, K slices in a CTA and across a cluster, x shared along M)
-    is right, rows of W past M included."""
+def _tiled_problem(n, m, k):
+    """A bf16 2:4 weight [m, k] in the one layout, x [n, k] and a bias; ``run(launch, grid, y)`` launches a kernel
+    variant on them into y."""
     from kernelplan.kernels import raw_stream
     from kernelplan.kernels.sparse24_sp import _tiled
 
@@ -160,13 +157,26 @@ def test_every_candidate_tile_matches_fp64(backend, n, m, k, seed):
     pairs, codes = _tiled(w24.values, w24.metadata)
     b = torch.randn(m, device="cuda").bfloat16()
     x = torch.randn(n, k, device="cuda").bfloat16()
+
+    def run(launch, grid, y):
+        launch(grid, (x.data_ptr(), pairs.data_ptr(), codes.data_ptr(), b.data_ptr(), y.data_ptr(), n, m, k,
+                      x.stride(0), y.stride(0)), raw_stream(0))
+
+    return w, x, b, run
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("backend, n, m, k", CANDIDATE_CASES)
+def test_every_candidate_tile_matches_fp64(backend, n, m, k, seed):
+    """Each tile a rule may pick (N tiles, row blocks, K slices in a CTA and across a cluster, x shared along M)
+    is right, rows of W past M included."""
+    w, x, b, run = _tiled_problem(n, m, k)
     ref = F.gelu(F.linear(x.double(), w.double(), b.double()))
     kernel = KERNELS[backend]()
     for cfg in {"cuda_wg": wg_candidates, "cuda_ws": ws_candidates}[backend](n, m, k):
-        launch, grid = kernel.launch_config(cfg, n, m, "bf16", True, "gelu", 0)
         y = poisoned((n, m), torch.bfloat16, "cuda")
-        launch(grid, (x.data_ptr(), pairs.data_ptr(), codes.data_ptr(), b.data_ptr(), y.data_ptr(), n, m, k,
-                      x.stride(0), y.stride(0)), raw_stream(0))
+        run(*kernel.launch_config(cfg, n, m, "bf16", True, "gelu", 0), y)
         assert_close(y, ref, F.gelu(F.linear(x, w, b)), atol=FWD_ATOL[torch.bfloat16], what=str(cfg))
 
 
@@ -176,9 +186,7 @@ def test_every_candidate_tile_matches_fp64(backend, n, m, k, seed):
 def test_persistent_split_kernel_matches_fp64_deterministically(kind, seed):
     """The persistent variant: whole tiles in waves, the tail's tiles split along K and handed over between CTAs,
     or both; the same bits on every call (the parts are added in a fixed order) and from a CUDA graph replay."""
-    from kernelplan.kernels import raw_stream
     from kernelplan.kernels.sparse24 import sm_count
-    from kernelplan.kernels.sparse24_sp import _tiled
     from kernelplan.kernels.sparse24_ws import WsConfig, sk_plan
 
     sms = sm_count(0)
@@ -187,26 +195,20 @@ def test_persistent_split_kernel_matches_fp64_deterministically(kind, seed):
                "all split": (77, 520, 4096), "tiny K": (60, 1000, 576)}[kind]
     plan = sk_plan(cfg, n, m, k, sms)
     assert (plan.splits == 1) == (kind == "whole waves"), plan
-    w = kp.sparse24.prune(torch.randn(m, k, device="cuda")).bfloat16()
-    w24 = kp.sparse24.compress(w)
-    pairs, codes = _tiled(w24.values, w24.metadata)
-    b = torch.randn(m, device="cuda").bfloat16()
-    x = torch.randn(n, k, device="cuda").bfloat16()
+    w, x, b, run = _tiled_problem(n, m, k)
     ref = F.silu(F.linear(x.double(), w.double(), b.double()))
-    launch, grid = WsKernel().launch_config(cfg, n, m, "bf16", True, "silu", 0)
+    launch = WsKernel().launch_config(cfg, n, m, "bf16", True, "silu", 0)
     outs = []
     for _ in range(3):
         y = poisoned((n, m), torch.bfloat16, "cuda")
-        launch(grid, (x.data_ptr(), pairs.data_ptr(), codes.data_ptr(), b.data_ptr(), y.data_ptr(), n, m, k,
-                      x.stride(0), y.stride(0)), raw_stream(0))
+        run(*launch, y)
         outs.append(y)
     assert_close(outs[0], ref, F.silu(F.linear(x, w, b)), atol=FWD_ATOL[torch.bfloat16], what=kind)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     yg = poisoned((n, m), torch.bfloat16, "cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        launch(grid, (x.data_ptr(), pairs.data_ptr(), codes.data_ptr(), b.data_ptr(), yg.data_ptr(), n, m, k,
-                      x.stride(0), yg.stride(0)), raw_stream(0))
+        run(*launch, yg)
     for _ in range(2):
         graph.replay()
         torch.cuda.synchronize()
