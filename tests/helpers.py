@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 # Floors added to "2 x the same-dtype torch error", relative to max |oracle|.
@@ -31,3 +32,8 @@ def poisoned(shape, dtype, device="cpu") -> torch.Tensor:
     if dtype == torch.bool:
         return torch.ones(shape, dtype=dtype, device=device)
     return torch.full(shape, float("nan"), dtype=torch.float32, device=device).to(dtype)
+
+
+# Skips a test off Hopper: the wgmma.sp kernels are sm_90a code.
+sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                          reason="needs an sm_90 (Hopper) GPU")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import kernelplan as kp
-from helpers import FWD_ATOL, assert_close, poisoned
+from helpers import FWD_ATOL, assert_close, poisoned, sm90
 from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_sp import SM_SHARED, SP_LAYOUT
@@ -19,8 +19,6 @@ from kernelplan.kernels.sparse24_wg import INSTRUCTION_N, WgKernel, tile_cost, w
 from kernelplan.kernels.sparse24_ws import WsKernel, ws_candidates
 from test_sparse24_triton import check_backend
 
-sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                          reason="needs an sm_90 (Hopper) GPU")
 gpu = pytest.mark.gpu
 
 

@@ -11,15 +11,13 @@ import torch
 import torch.nn.functional as F
 
 import kernelplan as kp
-from helpers import FWD_ATOL, assert_close
+from helpers import FWD_ATOL, assert_close, sm90
 from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_sp import SM_SHARED, SP_LAYOUT
 from kernelplan.kernels.sparse24_wg import INSTRUCTION_N
 from kernelplan.kernels.sparse24_ws import WsConfig, WsKernel, tile_cost, ws_candidates, ws_config
 
-sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                          reason="needs an sm_90 (Hopper) GPU")
 gpu = pytest.mark.gpu
 
 
