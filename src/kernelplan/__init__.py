@@ -27,7 +27,8 @@ from .gated import (  # noqa: E402
 from .gemm import Epilogue, GemmArgs, GemmDescriptor, GemmPlan, ScaleSet, linear  # noqa: E402
 from .plan import Plan, PlanPreference, PrecisionGuarantee, Sku  # noqa: E402
 from . import fp8, nn  # noqa: E402
-from .checkpoint import load_compressed, save_compressed, sparsify  # noqa: E402
+from .checkpoint import load_compressed, save_compressed  # noqa: E402
+from .pruning import evaluate, sparsify  # noqa: E402
 from .warm import warmup  # noqa: E402
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "nn",
     "fp8",
     "sparsify",
+    "evaluate",
     "warmup",
     "save_compressed",
     "load_compressed",

@@ -1,4 +1,4 @@
-"""Compressed checkpoints (safetensors) and ``sparsify``: dense models to 2:4 ones.
+"""Compressed checkpoints (safetensors), and ``sparsify_state_dict``: a dense checkpoint to a 2:4 one.
 
 A compressed checkpoint is a plain safetensors file.  Its metadata names the
 format (``kernelplan.sparse24``), the format version, the kernelplan version
@@ -6,7 +6,7 @@ and a SHA-256 over every tensor's name, dtype, shape and bytes, so a newer
 format, a truncated file or changed bytes are refused with a clear error.  A
 2:4 layer ``p`` is stored as ``p.values`` and ``p.metadata`` (the public
 format of ``kernelplan.sparse24``), beside its ``p.bias``: exactly the
-``state_dict`` of a model whose ``nn.Linear``s ``sparsify`` replaced.
+``state_dict`` of a model whose ``nn.Linear``s ``kernelplan.sparsify`` replaced.
 """
 
 from __future__ import annotations
@@ -14,16 +14,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
 
 from . import __version__
 from .errors import InvalidProblem
-from .nn.sparse24_linear import Sparse24Linear
-from .sparse24.format import FORMAT_VERSION, SPARSE24_DTYPES, Sparse24Weight
+from .pruning.sparsify import SparsifyReport, eligibility
+from .sparse24.format import FORMAT_VERSION, Sparse24Weight
 
 FORMAT_NAME = "kernelplan.sparse24"
 
@@ -129,92 +127,9 @@ def load_compressed(path: str | os.PathLike, device: str | torch.device = "cpu")
     return tensors
 
 
-@dataclass
-class SparsifyReport:
-    converted: list[str] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)  # layer name -> why it stayed dense
-    bytes_before: int = 0  # weights of the converted layers, dense
-    bytes_after: int = 0  # the same layers, compressed
-
-    def summary(self) -> str:
-        saved = self.bytes_before - self.bytes_after
-        lines = [f"converted {len(self.converted)} layers: {self.bytes_before / 2**20:.2f} MiB -> "
-                 f"{self.bytes_after / 2**20:.2f} MiB ({saved / 2**20:.2f} MiB saved)"]
-        lines += [f"skipped {name}: {why}" for name, why in self.skipped.items()]
-        return "\n".join(lines)
-
-
-def eligibility(weight: torch.Tensor) -> str | None:
-    """Why a 2-D weight cannot be stored 2:4, or None if it can."""
-    from .dtypes import dtype_info
-
-    info = dtype_info(weight.dtype) if weight.is_floating_point() else None
-    if info is None or info.name not in SPARSE24_DTYPES:
-        return f"dtype {weight.dtype} is not one of {SPARSE24_DTYPES}"
-    if weight.dim() != 2:
-        return f"weight has {weight.dim()} dims; only 2-D weights are pruned"
-    if weight.shape[1] % 8:
-        return f"in_features={weight.shape[1]} is not a multiple of 8"
-    return None
-
-
 def _compressed_bytes(weight: torch.Tensor) -> int:
     m, k = weight.shape
     return m * k // 2 * weight.element_size() + m * k // 8 * 2
-
-
-def sparsify(
-    model: nn.Module, filter_fn: Callable[[str, nn.Linear], bool] | None = None, progress: bool = True,
-    prune_output: bool = False,
-) -> SparsifyReport:
-    """Replace every eligible ``nn.Linear`` of ``model`` in place with a 2:4 ``Sparse24Linear``.
-
-    Skipped, with the reason in the report: layers ``filter_fn`` rejects; layers
-    whose weight is shared with another parameter (a tied LM head: pruning it
-    would break the tie, or prune the embeddings too); and, unless
-    ``prune_output``, the model's output projection (``get_output_embeddings()``
-    of a Hugging Face model, else a layer named ``lm_head``), whose pruning harms
-    accuracy most and which is not where 2:4 speeds a model up.
-    """
-    from tqdm.auto import tqdm
-
-    if not isinstance(model, nn.Module):
-        raise InvalidProblem(f"model is a {type(model).__name__}; sparsify takes an nn.Module")
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    owners: dict[int, list[str]] = {}  # parameter storage -> the names that hold it, ties included
-    for pname, p in model.named_parameters(remove_duplicate=False):
-        if p.numel():
-            owners.setdefault((p.data_ptr(), tuple(p.shape)), []).append(pname)
-    get_output = getattr(model, "get_output_embeddings", None)
-    output = get_output() if callable(get_output) else None
-    report = SparsifyReport()
-    for name, layer in tqdm(linears, desc="sparsify", disable=not progress or len(linears) < 8):
-        if not name:
-            report.skipped["<model>"] = "the model itself is an nn.Linear: use Sparse24Linear.from_dense(model)"
-            continue
-        if filter_fn is not None and not filter_fn(name, layer):
-            report.skipped[name] = "filtered out by filter_fn"
-            continue
-        w = layer.weight
-        tied = [o for o in owners.get((w.data_ptr(), tuple(w.shape)), []) if o != f"{name}.weight"]
-        if tied:
-            report.skipped[name] = (f"its weight is tied to {', '.join(tied)}: pruning it would prune those too, "
-                                    f"or break the tie")
-            continue
-        if not prune_output and (layer is output or (output is None and name.rpartition(".")[2] == "lm_head")):
-            report.skipped[name] = "the output projection (LM head) stays dense by default: prune_output=True prunes it"
-            continue
-        reason = eligibility(layer.weight)
-        if reason is not None:
-            report.skipped[name] = reason
-            continue
-        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        sparse = Sparse24Linear.from_dense(layer)
-        setattr(parent, name.rpartition(".")[2], sparse)
-        report.converted.append(name)
-        report.bytes_before += layer.weight.numel() * layer.weight.element_size()
-        report.bytes_after += sparse.values.nbytes + sparse.metadata.nbytes  # as held: the device layout's 0.5625x
-    return report
 
 
 def sparsify_state_dict(state: dict[str, torch.Tensor], pattern: str | None = None) -> tuple[dict, SparsifyReport]:

@@ -1,0 +1,184 @@
+"""``sparsify``: replace a model's linear layers with 2:4 ``Sparse24Linear`` ones, pruned by magnitude, Wanda or SparseGPT."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .._checks import choice
+from ..errors import InvalidProblem
+from ..nn.sparse24_linear import Sparse24Linear
+from ..sparse24.format import SPARSE24_DTYPES, Sparse24Weight, compress, prune_compress
+from . import calibrate, methods
+
+
+@dataclass
+class SparsifyReport:
+    converted: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # layer name -> why it stayed dense
+    bytes_before: int = 0  # weights of the converted layers, dense
+    bytes_after: int = 0  # the same layers, as held
+    method: str = "magnitude"
+    errors: dict[str, float] = field(default_factory=dict)  # layer -> relative output error on calibration inputs
+
+    def summary(self) -> str:
+        saved = self.bytes_before - self.bytes_after
+        lines = [f"converted {len(self.converted)} layers by {self.method}: {self.bytes_before / 2**20:.2f} MiB -> "
+                 f"{self.bytes_after / 2**20:.2f} MiB ({saved / 2**20:.2f} MiB saved)"]
+        if self.errors:
+            lines.append("relative output error on the calibration inputs, ||X(W - W')^T||^2 / ||XW^T||^2:")
+            lines += [f"  {name}: {err:.4f}" for name, err in self.errors.items()]
+        lines += [f"skipped {name}: {why}" for name, why in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def eligibility(weight: torch.Tensor) -> str | None:
+    """Why a 2-D weight cannot be stored 2:4, or None if it can."""
+    from ..dtypes import dtype_info
+
+    info = dtype_info(weight.dtype) if weight.is_floating_point() else None
+    if info is None or info.name not in SPARSE24_DTYPES:
+        return f"dtype {weight.dtype} is not one of {SPARSE24_DTYPES}"
+    if weight.dim() != 2:
+        return f"weight has {weight.dim()} dims; only 2-D weights are pruned"
+    if weight.shape[1] % 8:
+        return f"in_features={weight.shape[1]} is not a multiple of 8"
+    return None
+
+
+def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyReport) -> list[tuple[str, nn.Linear]]:
+    """The linear layers to prune; every other layer that could have been goes to ``report.skipped`` with why."""
+    owners: dict[tuple, list[str]] = {}  # parameter storage -> the names that hold it, ties included
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        if p.numel():
+            owners.setdefault((p.data_ptr(), tuple(p.shape)), []).append(pname)
+    get_output = getattr(model, "get_output_embeddings", None)
+    output = get_output() if callable(get_output) else None
+    chosen = []
+    for name, layer in model.named_modules():
+        if isinstance(layer, nn.Embedding):
+            report.skipped[name] = "an embedding table: a lookup, not a matmul, so 2:4 neither shrinks its reads nor speeds it"
+            continue
+        if not isinstance(layer, nn.Linear):
+            continue
+        if not name:
+            report.skipped["<model>"] = "the model itself is an nn.Linear: use Sparse24Linear.from_dense(model)"
+            continue
+        if filter_fn is not None and not filter_fn(name, layer):
+            report.skipped[name] = "filtered out by filter_fn"
+            continue
+        w = layer.weight
+        tied = [o for o in owners.get((w.data_ptr(), tuple(w.shape)), []) if o != f"{name}.weight"]
+        if tied:
+            report.skipped[name] = (f"its weight is tied to {', '.join(tied)}: pruning it would prune those too, "
+                                    f"or break the tie")
+            continue
+        if not prune_output and (layer is output or (output is None and name.rpartition(".")[2] == "lm_head")):
+            report.skipped[name] = "the output projection (LM head) stays dense by default: prune_output=True prunes it"
+            continue
+        reason = eligibility(layer.weight)
+        if reason is not None:
+            report.skipped[name] = reason
+            continue
+        chosen.append((name, layer))
+    return chosen
+
+
+def _replace(model: nn.Module, name: str, layer: nn.Linear, w24: Sparse24Weight, report: SparsifyReport) -> None:
+    with torch.no_grad():
+        bias = layer.bias.detach().clone() if layer.bias is not None else None
+    sparse = Sparse24Linear(w24.values, w24.metadata, bias, _validate=False)
+    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    setattr(parent, name.rpartition(".")[2], sparse)
+    report.converted.append(name)
+    report.bytes_before += layer.weight.numel() * layer.weight.element_size()
+    report.bytes_after += sparse.values.nbytes + sparse.metadata.nbytes  # as held: the device layout's 0.5625x
+
+
+def sparsify(
+    model: nn.Module, filter_fn: Callable[[str, nn.Linear], bool] | None = None, progress: bool = True,
+    prune_output: bool = False, *, method: str | None = None, calibration=None, blocks=None, report: bool = False,
+    batch_size: int = 8, blocksize: int = 128, damp: float = 0.01,
+) -> SparsifyReport:
+    """Replace every eligible ``nn.Linear`` of ``model`` in place with a 2:4 ``Sparse24Linear``.
+
+    ``method``: "magnitude" (the default without ``calibration``), "wanda" or
+    "sparsegpt" (the default with it); see ``kernelplan/pruning/methods.py``.
+    ``calibration`` is token ids ``[N, S]`` (run ``batch_size`` sequences at a
+    time) or a list of model inputs.  With it, the model's blocks
+    (``calibrate.find_blocks``, or ``blocks=``: a dotted name or a list of
+    modules) are pruned in order, each on the outputs of the pruned blocks
+    before it; layers outside the blocks (an LM head with ``prune_output``) are
+    pruned last, on a pass of the whole pruned model.  ``report=True`` adds
+    each layer's relative output error on its calibration inputs to the report.
+
+    Skipped, with the reason in the report: layers ``filter_fn`` rejects;
+    embedding tables; layers whose weight is shared with another parameter (a
+    tied LM head: pruning it would break the tie, or prune the embeddings too);
+    and, unless ``prune_output``, the model's output projection
+    (``get_output_embeddings()`` of a Hugging Face model, else a layer named
+    ``lm_head``), whose pruning harms accuracy most and which is not where 2:4
+    speeds a model up.
+    """
+    from tqdm.auto import tqdm
+
+    if not isinstance(model, nn.Module):
+        raise InvalidProblem(f"model is a {type(model).__name__}; sparsify takes an nn.Module")
+    method = choice(method if method is not None else ("magnitude" if calibration is None else "sparsegpt"),
+                    "method", methods.METHODS)
+    if calibration is None and (method != "magnitude" or report):
+        why = f"method={method!r} scores weights by the layers' inputs" if method != "magnitude" else \
+            "report=True measures each layer's error on its inputs"
+        raise InvalidProblem(f"{why}, and no calibration= was given: pass token ids [N, S] from text like the "
+                             f"model's (for example 128 sequences of 2048 tokens), or use method='magnitude'")
+    out = SparsifyReport(method=method)
+    chosen = _select(model, filter_fn, prune_output, out)
+    if calibration is None:
+        for name, layer in tqdm(chosen, desc="sparsify", disable=not progress or len(chosen) < 8):
+            _replace(model, name, layer, prune_compress(layer.weight.detach()), out)
+        return out
+
+    data = calibrate.batches(calibration, batch_size)
+    full = method == "sparsegpt" or report
+
+    def prune_layers(layers: list[tuple[str, nn.Linear]], run: Callable[[], None]) -> None:
+        stats = {name: methods.InputStats(layer.in_features, layer.weight.device, full) for name, layer in layers}
+        hooks = [layer.register_forward_hook(lambda mod, inp, res, s=stats[name]: s.add(inp[0]))
+                 for name, layer in layers]
+        try:
+            with torch.no_grad():
+                run()
+        finally:
+            for h in hooks:
+                h.remove()
+        for name, layer in layers:
+            if not stats[name].tokens:
+                raise InvalidProblem(f"{name} did not run on the calibration data, so it cannot be scored; leave it "
+                                     f"out with filter_fn, or pass calibration that reaches it")
+            with torch.no_grad():
+                pruned = {"magnitude": lambda: methods.magnitude(layer.weight),
+                          "wanda": lambda: methods.wanda(layer.weight, stats[name]),
+                          "sparsegpt": lambda: methods.sparsegpt(layer.weight, stats[name], blocksize, damp)}[method]()
+                if report:
+                    out.errors[name] = methods.relative_error(layer.weight, pruned, stats[name])
+                w24 = compress(pruned)
+            _replace(model, name, layer, w24, out)
+            del stats[name]
+
+    if chosen:
+        _, blocks = calibrate.resolve_blocks(model, blocks)
+        owner = {id(m): i for i, block in enumerate(blocks) for m in block.modules()}
+        per_block = [[(n, l) for n, l in chosen if owner.get(id(l)) == i] for i in range(len(blocks))]
+        outside = [(n, l) for n, l in chosen if id(l) not in owner]
+        with torch.no_grad():
+            inputs = calibrate.capture_inputs(model, blocks[0], data)
+        bar = lambda it: tqdm(it, desc=f"sparsify ({method})", unit="layer", disable=not progress)  # noqa: E731
+        with torch.no_grad():
+            calibrate.run_blocks(blocks, inputs, lambda i, block, dense_pass: prune_layers(per_block[i], dense_pass),
+                                 bar)
+        if outside:
+            prune_layers(outside, lambda: calibrate.model_pass(model, data))
+    return out
