@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 BENCH_SUITES = ("sparse24", "gemm", "gated")  # what ``bench all`` runs (kernelplan.bench.run_bench)
-BENCH_BY_NAME = ("llama",)  # needs transformers
+BENCH_BY_NAME = ("llama", "accuracy")  # need transformers
 
 
 def _bench_args_problem(args) -> str | None:

@@ -58,11 +58,11 @@ def _rel_err(out: torch.Tensor, oracle: torch.Tensor) -> float:
 
 def run_bench(suite: str = "all", device: str | None = None, json_path: str | None = None) -> int:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    from . import gated, llama, sparse24
+    from . import accuracy, gated, llama, sparse24
 
     runners = {"sparse24": sparse24.run, **{name: (lambda d, name=name: _run_cases(name, d)) for name in SUITES},
                "gated": gated.run}
-    extra = {"llama": llama.run}  # needs transformers: run by name only, never in "all"
+    extra = {"llama": llama.run, "accuracy": accuracy.bench}  # need transformers: by name only, never in "all"
     names = list(runners) if suite == "all" else [suite]
     runners.update(extra)
     unknown = [n for n in names if n not in runners]

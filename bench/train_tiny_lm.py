@@ -1,0 +1,74 @@
+"""Train the accuracy benchmark's model: a byte-level Llama on Python's help topics (kernelplan/bench/accuracy.py).
+
+    PYTHONPATH=src python bench/train_tiny_lm.py OUT_DIR [--steps N] [--seed S]
+
+On a GPU (bf16 autocast, AdamW, cosine schedule), windows of SEQ bytes drawn
+at random from the training split; the held-out split is evaluated every 100
+steps and the best model is kept (the corpus is small: it overfits late).
+Writes OUT_DIR/config.json and OUT_DIR/model.safetensors (bf16) via
+save_pretrained, and OUT_DIR/train-log.json.  Reproduces
+src/kernelplan/bench/data/tiny-llama up to GPU nondeterminism.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import time
+
+import torch
+import transformers
+
+import kernelplan as kp
+from kernelplan.bench.accuracy import CONFIG, SEQ, corpus
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--eval-every", type=int, default=100)
+    args = p.parse_args()
+    torch.manual_seed(args.seed)
+    dev = torch.device(args.device)
+    train, held = corpus()
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, s / 200) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    train_dev = train.to(dev)
+    best, log, t0 = (float("inf"), None, 0), [], time.time()
+    for step in range(1, args.steps + 1):
+        starts = torch.randint(0, len(train) - SEQ - 1, (args.batch,), device=dev)
+        ids = train_dev[starts[:, None] + torch.arange(SEQ, device=dev)]
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % args.eval_every == 0 or step == args.steps:
+            ppl = kp.evaluate(model, held, seq_len=SEQ, batch_size=64)
+            log.append(dict(step=step, train_loss=float(loss), held_out_perplexity=ppl, seconds=time.time() - t0))
+            print(log[-1], flush=True)
+            if ppl < best[0]:
+                best = (ppl, copy.deepcopy(model.state_dict()), step)
+    model.load_state_dict(best[1])
+    os.makedirs(args.out, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(args.out, safe_serialization=True)
+    with open(os.path.join(args.out, "train-log.json"), "w") as f:
+        json.dump(dict(best_step=best[2], best_perplexity=best[0], args=vars(args), torch=torch.__version__,
+                       transformers=transformers.__version__, log=log), f, indent=1)
+    print("best step", best[2], "held-out perplexity", best[0])
+
+
+if __name__ == "__main__":
+    main()
