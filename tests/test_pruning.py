@@ -247,6 +247,43 @@ def test_sparsify_refuses_bad_calibration_and_changes_nothing():
         kp.sparsify(nn.Sequential(nn.Linear(8, 8)), calibration=ids, progress=False)
 
 
+class _Gated(nn.Module):
+    """gate and up read the same tensor; ``mixed`` makes up read a copy on every other call."""
+
+    def __init__(self, d: int, mixed: bool = False):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.mixed, self.calls = mixed, 0
+
+    def forward(self, h):
+        self.calls += 1
+        other = h.clone() if self.mixed and self.calls % 2 else h
+        return h + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(other))
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_layers_reading_one_input_share_statistics_and_equal_separate_solves(seed, mixed, monkeypatch):
+    model = nn.Sequential(nn.Embedding(64, 32), nn.ModuleList([_Gated(32, mixed)])).double()
+    model.forward = lambda ids: model[1][0](model[0](ids))
+    ids = torch.randint(0, 64, (6, 10))
+    block = model[1][0]
+    with torch.no_grad():
+        x = model[0](ids).reshape(-1, 32)
+        x2 = torch.nn.functional.silu(block.gate(x)) * block.up(x)
+        expected = {"gate": sparsegpt(block.gate.weight, _stats(x)), "up": sparsegpt(block.up.weight, _stats(x)),
+                    "down": sparsegpt(block.down.weight, _stats(x2))}
+    adds, add = [], InputStats.add
+    monkeypatch.setattr(InputStats, "add", lambda self, x: (adds.append(x.shape), add(self, x))[1])
+    report = kp.sparsify(model, method="sparsegpt", calibration=ids, batch_size=4, report=True, progress=False)
+    assert sorted(report.converted) == ["1.0.down", "1.0.gate", "1.0.up"]
+    # 2 batches: gate/up's shared input and down's, once each; a layer sharing only sometimes: gathered alone again
+    assert len(adds) == 4 if not mixed else len(adds) > 6
+    for name, ref in expected.items():
+        got = getattr(block, name).to_dense()
+        assert torch.equal(got != 0, ref != 0), name
+        assert torch.allclose(got, ref, rtol=1e-9, atol=1e-9 * float(ref.abs().max())), (name, float((got - ref).abs().max()))
+
+
 def _nll_reference(model, windows: list[torch.Tensor]) -> float:
     total, count = 0.0, 0
     with torch.no_grad():

@@ -1,10 +1,11 @@
 """``kernelplan bench accuracy``: perplexity of a small trained Llama, dense and pruned to 2:4 by each method.
 
 The model (``data/tiny-llama``, trained by ``bench/train_tiny_lm.py``) reads
-bytes (a 256-token vocabulary) and was trained on the English text of
-``pydoc_data.topics`` (Python's help topics, ``data/pydoc-topics.json.gz``):
-the topics joined in name order, the first 90% of the bytes to train on and
-the last 10% held out.  Perplexity here is per byte, on the held-out split.
+bytes (a 256-token vocabulary) and was trained on English text that ships with
+Python (``data/python-docs.json.gz``, built by ``bench/build_corpus.py``: the
+help topics of ``pydoc_data`` and the standard library's docstrings).  Every
+tenth document is held out; the rest are trained on.  Perplexity here is per
+byte, on the held-out split.
 Calibration takes ``CALIBRATION`` windows of ``SEQ`` bytes from the training split.
 """
 
@@ -19,11 +20,11 @@ from pathlib import Path
 import torch
 
 DATA = Path(__file__).resolve().parent / "data"
-CORPUS = DATA / "pydoc-topics.json.gz"
+CORPUS = DATA / "python-docs.json.gz"
 MODEL = DATA / "tiny-llama"
 SEQ = 256
 CALIBRATION = 64
-HELD_OUT = 0.1
+HELD_OUT_EVERY = 10
 # The trained model's architecture: byte-level, Llama blocks; in_features are multiples of 64, so every linear
 # is held in the one device layout.
 CONFIG = dict(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4,
@@ -33,11 +34,10 @@ CONFIG = dict(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden
 def corpus() -> tuple[torch.Tensor, torch.Tensor]:
     """The byte streams ``(train, held_out)`` as int64 token ids."""
     with gzip.open(CORPUS, "rb") as f:
-        topics = json.load(f)["topics"]
-    data = "\n\n".join(topics[k] for k in sorted(topics)).encode()
-    ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-    cut = int(len(ids) * (1 - HELD_OUT))
-    return ids[:cut], ids[cut:]
+        docs = json.load(f)["documents"]
+    splits = ["\n\n".join(d for i, d in enumerate(docs) if (i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1) == held)
+              for held in (False, True)]
+    return tuple(torch.frombuffer(bytearray(s.encode()), dtype=torch.uint8).long() for s in splits)
 
 
 def calibration(train: torch.Tensor, n: int = CALIBRATION, seq: int = SEQ, seed: int = 0) -> torch.Tensor:

@@ -15,6 +15,7 @@ inputs.  Only one block's activations are held at a time, on the model's device.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Callable, Iterable
 
@@ -125,7 +126,8 @@ def _with_hidden(call: tuple[tuple, dict], hidden: torch.Tensor) -> tuple[tuple,
 
 
 def run_blocks(blocks: list[nn.Module], inputs: list[tuple[tuple, dict]],
-               prune_block: Callable[[int, nn.Module, Callable[[], None]], None], progress) -> None:
+               prune_block: Callable[[int, nn.Module, Callable[[], None]], None], progress,
+               timed: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
     """For each block: ``prune_block(i, block, dense_pass)``, then the pruned block's outputs feed the next."""
     for i, block in enumerate(progress(blocks)):
 
@@ -135,7 +137,8 @@ def run_blocks(blocks: list[nn.Module], inputs: list[tuple[tuple, dict]],
 
         prune_block(i, block, dense_pass)
         if i + 1 < len(blocks):
-            inputs = [_with_hidden(call, _hidden(block(*call[0], **call[1]))) for call in inputs]
+            with timed():
+                inputs = [_with_hidden(call, _hidden(block(*call[0], **call[1]))) for call in inputs]
 
 
 def model_pass(model: nn.Module, data: list) -> None:

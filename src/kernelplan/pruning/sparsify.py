@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -23,11 +25,14 @@ class SparsifyReport:
     bytes_after: int = 0  # the same layers, as held
     method: str = "magnitude"
     errors: dict[str, float] = field(default_factory=dict)  # layer -> relative output error on calibration inputs
+    seconds: dict[str, float] = field(default_factory=dict)  # calibration's wall time by phase (device drained)
 
     def summary(self) -> str:
         saved = self.bytes_before - self.bytes_after
         lines = [f"converted {len(self.converted)} layers by {self.method}: {self.bytes_before / 2**20:.2f} MiB -> "
                  f"{self.bytes_after / 2**20:.2f} MiB ({saved / 2**20:.2f} MiB saved)"]
+        if self.seconds:
+            lines.append("calibration seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in self.seconds.items()))
         if self.errors:
             lines.append("relative output error on the calibration inputs, ||X(W - W')^T||^2 / ||XW^T||^2:")
             lines += [f"  {name}: {err:.4f}" for name, err in self.errors.items()]
@@ -143,42 +148,121 @@ def sparsify(
 
     data = calibrate.batches(calibration, batch_size)
     full = method == "sparsegpt" or report
+    clock = _Clock(next((p.device for p in model.parameters()), torch.device("cpu")), out.seconds)
 
     def prune_layers(layers: list[tuple[str, nn.Linear]], run: Callable[[], None]) -> None:
-        stats = {name: methods.InputStats(layer.in_features, layer.weight.device, full) for name, layer in layers}
-        hooks = [layer.register_forward_hook(lambda mod, inp, res, s=stats[name]: s.add(inp[0]))
-                 for name, layer in layers]
-        try:
-            with torch.no_grad():
-                run()
-        finally:
-            for h in hooks:
-                h.remove()
-        for name, layer in layers:
-            if not stats[name].tokens:
-                raise InvalidProblem(f"{name} did not run on the calibration data, so it cannot be scored; leave it "
-                                     f"out with filter_fn, or pass calibration that reaches it")
-            with torch.no_grad():
-                pruned = {"magnitude": lambda: methods.magnitude(layer.weight),
-                          "wanda": lambda: methods.wanda(layer.weight, stats[name]),
-                          "sparsegpt": lambda: methods.sparsegpt(layer.weight, stats[name], blocksize, damp)}[method]()
-                if report:
-                    out.errors[name] = methods.relative_error(layer.weight, pruned, stats[name])
-                w24 = compress(pruned)
-            _replace(model, name, layer, w24, out)
-            del stats[name]
+        with clock("statistics"):
+            groups = _gather(layers, run, full)
+        for names, stats in groups:
+            group = [dict(layers)[n] for n in names]
+            if not stats.tokens:
+                raise InvalidProblem(f"{names[0]} did not run on the calibration data, so it cannot be scored; "
+                                     f"leave it out with filter_fn, or pass calibration that reaches it")
+            with clock("prune"), torch.no_grad():
+                pruned = _prune_group(method, group, stats, blocksize, damp)
+                w24s = []
+                for name, layer, w in zip(names, group, pruned):
+                    if report:
+                        out.errors[name] = methods.relative_error(layer.weight, w, stats)
+                    w24s.append(compress(w))
+            for name, layer, w24 in zip(names, group, w24s):
+                _replace(model, name, layer, w24, out)
 
     if chosen:
         _, blocks = calibrate.resolve_blocks(model, blocks)
         owner = {id(m): i for i, block in enumerate(blocks) for m in block.modules()}
         per_block = [[(n, l) for n, l in chosen if owner.get(id(l)) == i] for i in range(len(blocks))]
         outside = [(n, l) for n, l in chosen if id(l) not in owner]
-        with torch.no_grad():
+        with torch.no_grad(), clock("capture"):
             inputs = calibrate.capture_inputs(model, blocks[0], data)
         bar = lambda it: tqdm(it, desc=f"sparsify ({method})", unit="layer", disable=not progress)  # noqa: E731
         with torch.no_grad():
             calibrate.run_blocks(blocks, inputs, lambda i, block, dense_pass: prune_layers(per_block[i], dense_pass),
-                                 bar)
+                                 bar, lambda: clock("forward"))
         if outside:
             prune_layers(outside, lambda: calibrate.model_pass(model, data))
     return out
+
+
+class _Clock:
+    """``with clock(phase):`` adds the phase's wall seconds to ``seconds[phase]``, the device drained at both ends."""
+
+    def __init__(self, device: torch.device, seconds: dict[str, float]):
+        self.device, self.seconds = device, seconds
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync()
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+
+def _stats_for(layer: nn.Linear, full: bool) -> methods.InputStats:
+    return methods.InputStats(layer.in_features, layer.weight.device, full,
+                              torch.float64 if layer.weight.dtype == torch.float64 else torch.float32)
+
+
+def _gather(layers: list[tuple[str, nn.Linear]], run: Callable[[], None],
+            full: bool) -> list[tuple[list[str], methods.InputStats]]:
+    """Run the calibration pass with hooks on ``layers``; their input statistics, one per group of layers that
+    read the same input tensor on every call (q/k/v, gate/up): the group's statistics are gathered once."""
+    stats = {name: _stats_for(layer, full) for name, layer in layers}
+    leaders: dict[str, set[str]] = {name: set() for name, _ in layers}
+    last: list = [None, None, None]  # the input the previous hooked layer read, its version, and whose stats have it
+
+    def hook(name):
+        def record(mod, inp, res):
+            x = inp[0]
+            if last[0] is x and last[1] == x._version:
+                leaders[name].add(last[2])
+                return
+            leaders[name].add(name)
+            stats[name].add(x)
+            last[:] = x, x._version, name
+        return record
+
+    handles = [layer.register_forward_hook(hook(name)) for name, layer in layers]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+        last[:] = None, None, None
+    if any(len(who) > 1 for who in leaders.values()):  # a layer shared its input on some calls only
+        return _gather_alone(layers, run, full)
+    groups: dict[str, list[str]] = {}
+    for name, who in leaders.items():
+        groups.setdefault(next(iter(who)) if who else name, []).append(name)
+    return [(names, stats[lead]) for lead, names in groups.items()]
+
+
+def _gather_alone(layers, run, full):
+    stats = {name: _stats_for(layer, full) for name, layer in layers}
+    handles = [layer.register_forward_hook(lambda mod, inp, res, s=stats[name]: s.add(inp[0])) for name, layer in layers]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    return [([name], stats[name]) for name, _ in layers]
+
+
+def _prune_group(method: str, group: list[nn.Linear], stats: methods.InputStats, blocksize: int,
+                 damp: float) -> list[torch.Tensor]:
+    """Each layer's pruned weight.  SparseGPT treats rows independently given H, so layers that share their
+    input statistics are solved as one stacked weight: one Cholesky and one column sweep for q/k/v."""
+    if method == "magnitude":
+        return [methods.magnitude(layer.weight) for layer in group]
+    if method == "wanda":
+        return [methods.wanda(layer.weight, stats) for layer in group]
+    if len({layer.weight.dtype for layer in group}) > 1:
+        return [methods.sparsegpt(layer.weight, stats, blocksize, damp) for layer in group]
+    stacked = methods.sparsegpt(torch.cat([layer.weight.detach() for layer in group]), stats, blocksize, damp)
+    return list(stacked.split([layer.out_features for layer in group]))
