@@ -44,6 +44,7 @@ def main() -> None:
             report = kp.sparsify(model, method=method, calibration=ids, batch_size=args.batch, progress=False)
             torch.cuda.synchronize()
             rows.append(dict(method=method, run=run, seconds=time.perf_counter() - t0, layers=len(report.converted),
+                             phases={k: round(v, 3) for k, v in report.seconds.items()},
                              peak_gib=torch.cuda.max_memory_allocated() / 2**30))
             print(rows[-1], flush=True)
             del model
