@@ -62,7 +62,7 @@ def load_model(device: torch.device, dtype: torch.dtype, model_dir: str | Path =
 
 
 def run(dev: torch.device, methods=("magnitude", "wanda", "sparsegpt"), held_out_tokens: int | None = None,
-        model_dir: str | Path = MODEL) -> list[dict]:
+        model_dir: str | Path = MODEL, windows: int = CALIBRATION) -> list[dict]:
     """One row per model: dense, then each method; perplexity, its increase over dense, mean layer error, seconds."""
     import kernelplan as kp
 
@@ -70,7 +70,7 @@ def run(dev: torch.device, methods=("magnitude", "wanda", "sparsegpt"), held_out
     train, held = corpus()
     if held_out_tokens is not None:
         held = held[:held_out_tokens]
-    calib = calibration(train)
+    calib = calibration(train, windows)
     dense = load_model(dev, dtype, model_dir)
     base = kp.evaluate(dense, held, seq_len=SEQ)
     rows = [dict(model="dense", perplexity=base, increase=0.0, mean_layer_error=0.0, seconds=0.0)]
