@@ -91,6 +91,24 @@ def sparse24_notes() -> list[str]:
     return lines
 
 
+def pruning_notes() -> list[str]:
+    """Perplexity of the trained test model by pruning method, and calibration time of an 8B-shaped layer."""
+    lines = []
+    acc = _load("accuracy-h100")
+    if acc:
+        rows = {r["model"]: r for r in acc["rows"]}
+        cells = "; ".join(f"{m} {r['perplexity']:.3f} ({r['increase']:+.3f})" for m, r in rows.items())
+        lines.append(f"- Pruning to 2:4, held-out perplexity per byte of the trained byte-level Llama "
+                     f"(`kernelplan bench accuracy`): {cells}, {_source(acc['meta'], 'accuracy-h100')}.")
+    layer = _load("sparsify-layer-h100")
+    if layer:
+        cells = "; ".join(f"{r['method']} {r['run']} {r['seconds']:.1f} s" for r in layer["rows"])
+        lines.append(f"- Calibrated pruning of one Llama-3-8B-shaped layer, {layer['meta']['sequences']} sequences "
+                     f"of {layer['meta']['seq']} tokens (`bench/sparsegpt_layer.py`): {cells}, "
+                     f"{_source(layer['meta'], 'sparsify-layer-h100')}.")
+    return lines
+
+
 def table() -> str:
     head = ["| op | " + " | ".join(label for label, _, _ in N_RANGES) + " | measured on |",
             "|---|" + "---|" * len(N_RANGES) + "---|"]
@@ -98,6 +116,7 @@ def table() -> str:
     for name in ("sparse24-h200", "sparse24-h100", "sparse24-h200-f16"):
         body += sparse24_rows(name)
     lines = head + body + [""] + sparse24_notes()
+    lines += pruning_notes()
     gated = _load("gated-h200")
     if gated:
         rows = gated["suites"]["gated"]

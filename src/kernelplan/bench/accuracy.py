@@ -55,7 +55,8 @@ def _transformers():
     return transformers
 
 
-def load_model(device: torch.device, dtype: torch.dtype, model_dir: str | Path = MODEL):
+def load_model(device: torch.device | str, dtype: torch.dtype, model_dir: str | Path = MODEL):
+    """The trained model (or another ``save_pretrained`` Llama directory) on ``device``, in ``dtype``, in eval mode."""
     transformers = _transformers()
     model = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype)
     return model.to(device).eval()
