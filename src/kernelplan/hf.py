@@ -1,0 +1,286 @@
+"""Hugging Face model directories: read and write 2:4 checkpoints in kernelplan's format and the ones in the wild.
+
+A directory holds ``config.json`` and either ``model.safetensors`` or shards
+``model-*.safetensors`` named by ``model.safetensors.index.json``.  A 2:4 layer
+``p`` is stored as one of:
+
+* ``kernelplan``: ``p.values [M, K/2]`` and ``p.metadata [M, K/8]`` (the public
+  format, ``kernelplan/sparse24/format.py``);
+* ``sparse-24-bitmask`` (compressed-tensors, as llm-compressor wrote it):
+  ``p.compressed [M, K/2]`` (byte-identical to ``values``), ``p.bitmask``
+  (uint8 ``[M, K/8]``, the keep-mask packed little-endian along each row) and
+  ``p.shape`` (``[[M], [K]]``), with config.json's
+  ``quantization_config.sparsity_config.format == "sparse-24-bitmask"``;
+* ``dense``: ``p.weight`` with two zeros in every group of 4 (llm-compressor's
+  dense save of a 2:4 model, ``sparsity_config.format == "dense"`` and
+  ``sparsity_structure == "2:4"``).  Reading refuses a targeted layer that is not 2:4.
+
+Reading and writing go tensor by tensor: a shard is opened lazily and one
+tensor is materialized at a time, on the target device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from .errors import InvalidProblem
+from .sparse24.format import Sparse24Weight, compress, is_sparse24, unpack_positions
+
+FORMATS = ("kernelplan", "sparse-24-bitmask", "dense")
+INDEX = "model.safetensors.index.json"
+_BITS = torch.arange(8)
+
+
+def bitmask_to_metadata(bitmask: torch.Tensor, shape: tuple[int, int], name: str = "bitmask") -> torch.Tensor:
+    """compressed-tensors' packed keep-mask ``[M, K/8]`` uint8 -> kernelplan metadata ``[M, K/8]`` int16."""
+    m, k = shape
+    if bitmask.dtype != torch.uint8 or tuple(bitmask.shape) != (m, k // 8) or k % 8:
+        raise InvalidProblem(f"{name} is {bitmask.dtype} {tuple(bitmask.shape)}; a 2:4 bitmask of a [{m}, {k}] weight "
+                             f"is uint8 [{m}, {k // 8}] (K a multiple of 8)")
+    keep = ((bitmask.long()[..., None] >> _BITS.to(bitmask.device)) & 1).bool().reshape(m, k // 4, 4)
+    counts = keep.sum(-1)
+    if (counts != 2).any():
+        row, group = (counts != 2).nonzero()[0].tolist()
+        raise InvalidProblem(f"{name}: row {row}, group {group} keeps {int(counts[row, group])} of 4, not 2: the "
+                             f"checkpoint is not 2:4 (or not sparse-24-bitmask)")
+    idx = torch.arange(4, device=bitmask.device)
+    pos = torch.sort(torch.where(keep, idx, 4), dim=-1).values[..., :2]
+    byte = (pos[..., 0] | (pos[..., 1] << 2)).to(torch.int32)
+    return (byte[:, 0::2] | (byte[:, 1::2] << 8)).to(torch.int16)
+
+
+def metadata_to_bitmask(metadata: torch.Tensor) -> torch.Tensor:
+    """kernelplan metadata ``[M, K/8]`` -> compressed-tensors' packed keep-mask ``[M, K/8]`` uint8."""
+    pos = unpack_positions(metadata)  # [M, K/4, 2]
+    m, groups = pos.shape[:2]
+    keep = torch.zeros(m, groups, 4, dtype=torch.long, device=metadata.device).scatter_(-1, pos, 1)
+    bits = keep.reshape(m, groups // 2, 8) << _BITS.to(metadata.device)
+    return bits.sum(-1).to(torch.uint8)
+
+
+def read_config(path: str | os.PathLike) -> dict:
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        raise InvalidProblem(f"{path} has no config.json: pass a Hugging Face model directory (config.json and "
+                             f"model*.safetensors)")
+    return json.loads(cfg.read_text())
+
+
+def checkpoint_format(config: dict) -> str:
+    """kernelplan, sparse-24-bitmask or dense, from config.json."""
+    sparsity = (config.get("quantization_config") or {}).get("sparsity_config") or {}
+    fmt = sparsity.get("format")
+    if config.get("kernelplan", {}).get("format") == "kernelplan.sparse24":
+        return "kernelplan"
+    if fmt == "sparse-24-bitmask":
+        return fmt
+    if fmt not in (None, "dense"):
+        raise InvalidProblem(f"config.json names sparsity format {fmt!r}; kernelplan reads sparse-24-bitmask, dense "
+                             f"2:4 and its own")
+    return "dense"
+
+
+def shards(path: str | os.PathLike) -> list[Path]:
+    path = Path(path)
+    index = path / INDEX
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise InvalidProblem(f"{path} has neither {INDEX} nor model.safetensors")
+    missing = [f for f in files if not (path / f).is_file()]
+    if missing:
+        raise InvalidProblem(f"{path}: the index names {missing[0]}, which is missing; the download is incomplete")
+    return [path / f for f in files]
+
+
+def iter_tensors(path: str | os.PathLike, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the directory, one at a time, on ``device``."""
+    from safetensors import safe_open
+
+    for shard in shards(path):
+        with safe_open(str(shard), framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def iter_layers(path: str | os.PathLike, device: str | torch.device = "cpu",
+                targets: str | None = None) -> Iterator[tuple[str, object]]:
+    """``(name, tensor)`` for plain tensors and ``(prefix, Sparse24Weight)`` for 2:4 layers, in any of the formats.
+
+    ``targets`` (a regex on the layer prefix) chooses which dense ``*.weight``s of a
+    ``dense`` 2:4 checkpoint must be 2:4; default: those of the layers
+    ``sparsity_config.targets``/``ignore`` name, else every 2-D weight but embeddings and ``lm_head``.
+    """
+    config = read_config(path)
+    fmt = checkpoint_format(config)
+    sparsity = (config.get("quantization_config") or {}).get("sparsity_config") or {}
+    dense24 = fmt == "dense" and sparsity.get("sparsity_structure") == "2:4"
+    ignore = [p for p in sparsity.get("ignore", []) if isinstance(p, str)]
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    parts = {"kernelplan": ("values", "metadata"), "sparse-24-bitmask": ("compressed", "bitmask", "shape")}.get(fmt, ())
+    for name, t in iter_tensors(path, device):
+        prefix, _, leaf = name.rpartition(".")
+        if leaf in parts:
+            got = pending.setdefault(prefix, {})
+            got[leaf] = t
+            if len(got) == len(parts):
+                del pending[prefix]
+                yield prefix, _weight(fmt, prefix, got)
+            continue
+        if dense24 and leaf == "weight" and t.dim() == 2 and _targeted(prefix, targets, ignore):
+            if not is_sparse24(t):
+                raise InvalidProblem(f"{name} is not 2:4 (a group of 4 holds more than 2 non-zeros), but config.json "
+                                     f"says the checkpoint is 2:4: leave the layer out with targets=, or prune it")
+            yield prefix, compress(t)
+            continue
+        yield name, t
+    if pending:
+        prefix, got = next(iter(pending.items()))
+        raise InvalidProblem(f"{prefix} has {sorted(got)} but not all of {list(parts)}: the checkpoint is incomplete")
+
+
+def _targeted(prefix: str, targets: str | None, ignore: list[str]) -> bool:
+    if targets is not None:
+        return re.search(targets, prefix) is not None
+    leaf = prefix.rpartition(".")[2]
+    if "embed" in prefix or leaf == "lm_head":
+        return False
+    return not any(prefix == i or prefix.endswith("." + i) or (i.startswith("re:") and re.match(i[3:], prefix))
+                   for i in ignore)
+
+
+def _weight(fmt: str, prefix: str, got: dict[str, torch.Tensor]) -> Sparse24Weight:
+    if fmt == "kernelplan":
+        return Sparse24Weight(got["values"], got["metadata"])
+    shape = tuple(int(v) for v in got["shape"].flatten().tolist())
+    if len(shape) != 2 or tuple(got["compressed"].shape) != (shape[0], shape[1] // 2):
+        raise InvalidProblem(f"{prefix}.shape is {shape} and {prefix}.compressed {tuple(got['compressed'].shape)}; "
+                             f"a 2:4 layer of shape [M, K] stores compressed [M, K/2]")
+    return Sparse24Weight(got["compressed"], bitmask_to_metadata(got["bitmask"], shape, f"{prefix}.bitmask"))
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               targets: str | None = None) -> nn.Module:
+    """Build the model from config.json with transformers (no download) and load the checkpoint into it.
+
+    The model is built on the CPU (its dense layers are allocated there and
+    dropped as they are replaced); 2:4 layers become ``Sparse24Linear`` straight
+    from their compressed tensors, read on ``device``, so no dense copy of them
+    reaches the GPU.  ``dtype`` casts floating tensors.
+    """
+    import transformers
+
+    from .nn.sparse24_linear import Sparse24Linear
+
+    read_config(path)  # a missing config.json is named here, not deep inside transformers
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype or getattr(config, "dtype", None))
+    state, sparse = {}, set()
+    for name, item in iter_layers(path, device, targets):
+        if not isinstance(item, Sparse24Weight):
+            state[name] = item.to(dtype) if dtype is not None and item.is_floating_point() else item
+            continue
+        try:
+            layer = model.get_submodule(name)
+        except AttributeError:
+            layer = None
+        if not isinstance(layer, nn.Linear) or tuple(layer.weight.shape) != tuple(item.shape):
+            raise InvalidProblem(f"{name} holds a 2:4 weight of shape {tuple(item.shape)}, but the model built from "
+                                 f"config.json has {type(layer).__name__} there")
+        values = item.values.to(dtype) if dtype is not None else item.values
+        bias = torch.zeros(layer.out_features, dtype=values.dtype, device=device) if layer.bias is not None else None
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        setattr(parent, name.rpartition(".")[2], Sparse24Linear(values, item.metadata, bias, _validate=False))
+        sparse.update((f"{name}.values", f"{name}.metadata"))
+    result = model.load_state_dict(state, strict=False)
+    tied = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)
+            and getattr(config, "tie_word_embeddings", False) and m is model.get_output_embeddings()}
+    missing = [k for k in result.missing_keys if k not in tied and k not in sparse]
+    if missing or result.unexpected_keys:
+        raise InvalidProblem(f"{path}: the checkpoint does not fit the model config.json builds: missing "
+                             f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}")
+    return model.to(device).eval()
+
+
+def save_model(model: nn.Module, path: str | os.PathLike, format: str = "kernelplan",
+               max_shard_bytes: int = 2 << 30) -> list[str]:
+    """Write ``model`` (its ``Sparse24Linear`` layers in ``format``) as a Hugging Face directory; return the files.
+
+    Shards of at most ``max_shard_bytes`` (a larger tensor gets a shard of its own),
+    an index when there is more than one, and config.json with the format recorded
+    where its readers look (compressed-tensors' ``quantization_config``).  Tied
+    weights are written once, as ``save_pretrained`` does.
+    """
+    from safetensors.torch import save_file
+
+    from ._checks import choice
+    from .nn.sparse24_linear import Sparse24Linear
+
+    format = choice(format, "format", FORMATS)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    sparse = {name for name, m in model.named_modules() if isinstance(m, Sparse24Linear)}
+    tensors, seen = {}, set()
+    for name, t in model.state_dict().items():
+        prefix, _, leaf = name.rpartition(".")
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else None
+        if key is not None and key in seen:
+            continue  # a tied weight
+        seen.add(key)
+        if prefix in sparse and leaf in ("values", "metadata"):
+            if leaf == "metadata":
+                continue
+            layer = model.get_submodule(prefix)
+            values, metadata = layer.weight24.public().values.detach(), layer.weight24.public().metadata
+            if format == "kernelplan":
+                tensors[f"{prefix}.values"], tensors[f"{prefix}.metadata"] = values, metadata
+            elif format == "sparse-24-bitmask":
+                tensors[f"{prefix}.compressed"] = values
+                tensors[f"{prefix}.bitmask"] = metadata_to_bitmask(metadata)
+                tensors[f"{prefix}.shape"] = torch.tensor([[layer.out_features], [layer.in_features]])
+            else:
+                tensors[f"{prefix}.weight"] = layer.to_dense()
+            continue
+        tensors[name] = t.detach()
+    groups, size = [[]], 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    files = ["model.safetensors"] if len(groups) == 1 else [
+        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    for fname, names in zip(files, groups):
+        save_file({n: tensors[n].contiguous().cpu() for n in names}, str(out / fname), metadata={"format": "pt"})
+    if len(files) > 1:
+        weight_map = {n: f for f, names in zip(files, groups) for n in names}
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        files.append(INDEX)
+    config = model.config.to_dict() if hasattr(model, "config") else {}
+    config.pop("quantization_config", None)
+    config.pop("kernelplan", None)
+    if format == "kernelplan":
+        from .sparse24.format import FORMAT_VERSION
+
+        config["kernelplan"] = {"format": "kernelplan.sparse24", "format_version": FORMAT_VERSION}
+    else:
+        config["quantization_config"] = {
+            "version": "0.14.0", "quant_method": "compressed-tensors", "transform_config": {},
+            "sparsity_config": {"format": format, "sparsity_structure": "2:4", "targets": ["Linear"],
+                                "ignore": sorted(n for n, m in model.named_modules()
+                                                 if isinstance(m, nn.Linear) and n not in sparse),
+                                "global_sparsity": 0.5, "registry_requires_subclass": False}}
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return files + ["config.json"]

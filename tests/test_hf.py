@@ -1,0 +1,126 @@
+"""Hugging Face model directories in kernelplan's 2:4 format, compressed-tensors' sparse-24-bitmask and dense 2:4."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import kernelplan as kp
+from kernelplan import hf
+from kernelplan.errors import InvalidProblem
+from kernelplan.sparse24.format import compress, prune
+
+transformers = pytest.importorskip("transformers")
+try:
+    from compressed_tensors.compressors.sparse_compressors.sparse_24_bitmask import Sparse24BitMaskCompressor
+    from compressed_tensors.config import SparsityCompressionConfig
+except ImportError:  # the last release with the 2:4 compressor pins transformers<5: install it with --no-deps
+    Sparse24BitMaskCompressor = None
+
+
+def _llama(tie: bool = True):
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=tie)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("fmt", hf.FORMATS)
+def test_a_sparsified_model_round_trips_through_a_sharded_directory(tmp_path, seed, fmt):
+    model = _llama()
+    kp.sparsify(model, progress=False)
+    ids = torch.randint(0, 96, (2, 16))
+    with torch.no_grad():
+        ref = model(ids).logits
+    files = hf.save_model(model, tmp_path, fmt, max_shard_bytes=60_000)
+    assert hf.INDEX in files and sum(f.endswith(".safetensors") for f in files) > 2
+    assert hf.checkpoint_format(hf.read_config(tmp_path)) == fmt
+    loaded = hf.load_model(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, ref)
+    assert sum(isinstance(m, kp.nn.Sparse24Linear) for m in loaded.modules()) == 14
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+
+def test_bitmask_conversion_is_numpys_little_endian_packbits(seed):
+    w = prune(torch.randn(24, 96))  # no kept weight is zero: the mask is w != 0
+    w24 = compress(w)
+    bitmask = hf.metadata_to_bitmask(w24.metadata)
+    expected = np.packbits((w != 0).numpy(), axis=-1, bitorder="little")
+    assert bitmask.dtype == torch.uint8 and np.array_equal(bitmask.numpy(), expected)
+    assert torch.equal(hf.bitmask_to_metadata(bitmask, tuple(w.shape)), w24.metadata)
+    bad = bitmask.clone()
+    bad[3, 2] |= 0xFF
+    with pytest.raises(InvalidProblem, match="row 3, group 4 keeps 4 of 4"):
+        hf.bitmask_to_metadata(bad, tuple(w.shape))
+    with pytest.raises(InvalidProblem, match="uint8"):
+        hf.bitmask_to_metadata(bitmask.to(torch.int16), tuple(w.shape))
+
+
+def test_dense_two_four_checkpoints_are_detected_and_a_layer_that_is_not_is_refused(tmp_path, seed):
+    model = _llama()
+    kp.sparsify(model, progress=False)
+    hf.save_model(model, tmp_path, "dense")
+    loaded = hf.load_model(tmp_path)
+    assert sum(isinstance(m, kp.nn.Sparse24Linear) for m in loaded.modules()) == 14
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(tmp_path / "model.safetensors")
+    state["model.layers.1.mlp.up_proj.weight"][0, :4] = 1.0  # 4 non-zeros in one group
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(InvalidProblem, match="model.layers.1.mlp.up_proj.weight is not 2:4"):
+        hf.load_model(tmp_path)
+
+
+def test_directory_errors_name_the_problem(tmp_path):
+    with pytest.raises(InvalidProblem, match="no config.json"):
+        hf.load_model(tmp_path)
+    model = _llama()
+    hf.save_model(model, tmp_path, "kernelplan", max_shard_bytes=60_000)
+    os.remove(next(tmp_path.glob("model-00002-*.safetensors")))
+    with pytest.raises(InvalidProblem, match="missing; the download is incomplete"):
+        list(hf.iter_tensors(tmp_path))
+    with pytest.raises(InvalidProblem, match="format"):
+        hf.save_model(model, tmp_path, "marlin-24")
+
+
+@pytest.mark.skipif(Sparse24BitMaskCompressor is None, reason="compressed-tensors 0.14.0 is not installed "
+                    "(pip install --no-deps compressed-tensors==0.14.0 loguru psutil)")
+def test_compressed_tensors_0_14_reads_ours_and_we_read_theirs(tmp_path, seed):
+    from safetensors.torch import save_file
+
+    config = SparsityCompressionConfig.load_from_registry("sparse-24-bitmask", targets=["Linear"], ignore=["lm_head"],
+                                                          sparsity_structure="2:4", global_sparsity=0.5)
+    compressor = Sparse24BitMaskCompressor(config)
+    # Theirs -> ours: a pruned model's state dict compressed by compressed-tensors, read by kernelplan.
+    model = _llama(tie=False)
+    targets = set()
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, torch.nn.Linear) and name != "lm_head":
+                m.weight.copy_(prune(m.weight))
+                targets.add(name)
+    state = compressor.compress(model.state_dict(), compression_targets=targets)
+    (tmp_path / "theirs").mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "theirs" / "model.safetensors")
+    cfg = model.config.to_dict()
+    cfg["quantization_config"] = {"version": "0.14.0", "quant_method": "compressed-tensors",
+                                  "sparsity_config": config.model_dump(), "transform_config": {}}
+    (tmp_path / "theirs" / "config.json").write_text(json.dumps(cfg))
+    loaded = hf.load_model(tmp_path / "theirs")
+    ids = torch.randint(0, 96, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert sum(isinstance(m, kp.nn.Sparse24Linear) for m in loaded.modules()) == len(targets)
+    # Ours -> theirs: kernelplan writes sparse-24-bitmask, compressed-tensors decompresses it.
+    kp.sparsify(ours := _llama(tie=False), progress=False)
+    hf.save_model(ours, tmp_path / "ours", "sparse-24-bitmask", max_shard_bytes=60_000)
+    dense = dict(compressor.decompress(str(tmp_path / "ours")))
+    sparse_layers = [n for n, m in ours.named_modules() if isinstance(m, kp.nn.Sparse24Linear)]
+    assert len(sparse_layers) == 14
+    for name in sparse_layers:
+        assert torch.equal(dense[f"{name}.weight"], ours.get_submodule(name).to_dense()), name
