@@ -124,3 +124,45 @@ def test_compressed_tensors_0_14_reads_ours_and_we_read_theirs(tmp_path, seed):
     assert len(sparse_layers) == 14
     for name in sparse_layers:
         assert torch.equal(dense[f"{name}.weight"], ours.get_submodule(name).to_dense()), name
+
+
+def test_the_sparsify_command_prunes_a_model_directory_with_calibration_and_eval(tmp_path, seed):
+    import subprocess
+    import sys
+
+    model = _llama()
+    model.save_pretrained(tmp_path / "dense")
+    np.save(tmp_path / "calib.npy", torch.randint(0, 96, (4, 32)).numpy())
+    np.save(tmp_path / "eval.npy", torch.randint(0, 96, (200,)).numpy())
+    run = lambda *a: subprocess.run([sys.executable, "-m", "kernelplan", "sparsify", *map(str, a)],  # noqa: E731
+                                    capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    done = run(tmp_path / "dense", tmp_path / "out", "--method", "wanda", "--calibration", tmp_path / "calib.npy",
+               "--eval", tmp_path / "eval.npy", "--seq-len", "50", "--format", "sparse-24-bitmask")
+    assert done.returncode == 0, done.stderr
+    assert "dense perplexity:" in done.stdout and "sparse perplexity (wanda):" in done.stdout
+    assert "converted 14 layers by wanda" in done.stdout
+    assert hf.checkpoint_format(hf.read_config(tmp_path / "out")) == "sparse-24-bitmask"
+    assert sum(isinstance(m, kp.nn.Sparse24Linear) for m in hf.load_model(tmp_path / "out").modules()) == 14
+    refused = run(tmp_path / "dense" / "model.safetensors", tmp_path / "x.safetensors", "--method", "sparsegpt")
+    assert refused.returncode == 2 and "need a model" in refused.stderr
+    bad = run(tmp_path / "dense", tmp_path / "out2", "--calibration", tmp_path / "eval.npy", "--seq-len", "500")
+    assert bad.returncode == 2 and "fewer than one window" in bad.stderr
+
+
+@pytest.mark.gpu
+def test_a_bitmask_checkpoint_loads_onto_the_gpu_with_no_dense_copy_of_its_2_4_layers(tmp_path, seed):
+    model = _llama(tie=False).to(torch.bfloat16)
+    kp.sparsify(model, progress=False)
+    hf.save_model(model, tmp_path, "sparse-24-bitmask")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loaded = hf.load_model(tmp_path, "cuda")
+    held = sum(t.numel() * t.element_size() for t in list(loaded.parameters()) + list(loaded.buffers()))
+    dense24 = sum(m.out_features * m.in_features * 2 for m in loaded.modules() if isinstance(m, kp.nn.Sparse24Linear))
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < held + dense24 // 4, f"peak {peak} B: a dense copy of the 2:4 layers ({dense24} B) reached the GPU?"
+    ids = torch.randint(0, 96, (2, 16))
+    with torch.no_grad():
+        out, ref = loaded(ids.cuda()).logits.float().cpu(), model.float()(ids).logits
+    assert (out - ref).abs().max() <= 0.05 * ref.abs().max()

@@ -20,9 +20,23 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--device", default=None, help="cpu or cuda[:i]; default: cuda if present, else cpu")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
 
-    sparsify = sub.add_parser("sparsify", help="prune a safetensors checkpoint to 2:4 and write it compressed")
-    sparsify.add_argument("input", nargs="?", help="a .safetensors file of dense weights (default: a built-in example)")
+    sparsify = sub.add_parser("sparsify", help="prune a checkpoint to 2:4 and write it compressed",
+                              description="IN is a .safetensors file of dense weights (pruned by magnitude, written "
+                              "as one compressed file), or a Hugging Face model directory (config.json and "
+                              "model*.safetensors: the model is built with transformers, pruned by --method, and "
+                              "written as a directory in --format).")
+    sparsify.add_argument("input", nargs="?", help="a .safetensors file or a model directory (default: a built-in example)")
     sparsify.add_argument("output", nargs="?", help="where to write the compressed checkpoint")
+    sparsify.add_argument("--method", default=None, choices=("magnitude", "wanda", "sparsegpt"),
+                          help="directory input: the pruning method (default: sparsegpt with --calibration, else magnitude)")
+    sparsify.add_argument("--calibration", default=None, metavar="FILE",
+                          help="token ids (.npy, .pt or .safetensors): [N, S] windows, or a stream cut into "
+                          "windows of --seq-len, at most 128")
+    sparsify.add_argument("--eval", default=None, metavar="FILE", help="token ids to print dense and sparse perplexity on")
+    sparsify.add_argument("--seq-len", type=int, default=2048, help="window length for a stream of token ids")
+    sparsify.add_argument("--format", default="kernelplan", choices=("kernelplan", "sparse-24-bitmask", "dense"),
+                          help="directory output: how the 2:4 layers are stored")
+    sparsify.add_argument("--device", default=None, help="directory input: where to calibrate (default: cuda if present)")
     sparsify.add_argument("--filter", default=None, metavar="REGEX", help="prune only the 2-D weights whose name matches")
     sparsify.add_argument("--dry-run", action="store_true", help="report what would change; write nothing")
 
@@ -102,6 +116,16 @@ def _sparsify(args) -> int:
         print("kernelplan sparsify: give both IN.safetensors and OUT.safetensors, or neither for the example",
               file=sys.stderr)
         return 2
+    if args.input is not None and os.path.isdir(args.input):
+        try:
+            return _sparsify_directory(args)
+        except KernelPlanError as e:
+            print(f"kernelplan sparsify: {e}", file=sys.stderr)
+            return 2
+    if args.method not in (None, "magnitude") or args.calibration or args.eval:
+        print("kernelplan sparsify: --method, --calibration and --eval need a model: pass a Hugging Face model "
+              "directory (config.json and model*.safetensors) as IN", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         source, target = args.input, args.output
         if source is None:
@@ -121,6 +145,78 @@ def _sparsify(args) -> int:
         except KernelPlanError as e:
             print(f"kernelplan sparsify: {e}", file=sys.stderr)
             return 2
+    return 0
+
+
+def _token_ids(path: str):
+    """Token ids from .npy, .pt or .safetensors (its first tensor), as int64."""
+    import os
+
+    import torch
+
+    from .errors import InvalidProblem
+
+    if not os.path.isfile(path):
+        raise InvalidProblem(f"{path} does not exist or is not a file: pass a file of token ids")
+    try:
+        if path.endswith(".npy"):
+            import numpy as np
+
+            ids = torch.from_numpy(np.load(path))
+        elif path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            ids = next(iter(load_file(path).values()))
+        else:
+            ids = torch.load(path, weights_only=True)
+    except Exception as e:  # any reader's failure is the same problem for the user: the file is not token ids
+        raise InvalidProblem(f"{path} could not be read as token ids ({e}); write them with numpy.save or "
+                             f"torch.save") from e
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() not in (1, 2):
+        raise InvalidProblem(f"{path} holds {getattr(ids, 'dtype', type(ids).__name__)} of shape "
+                             f"{tuple(getattr(ids, 'shape', ()))}; token ids are integers, [T] or [N, S]")
+    return ids.long()
+
+
+def _sparsify_directory(args) -> int:
+    import os
+    import re
+
+    import torch
+
+    import kernelplan as kp
+
+    from . import hf
+    from .errors import InvalidProblem
+
+    if args.output is None:
+        raise InvalidProblem("give OUT, the directory to write the sparsified model to")
+    if os.path.exists(args.output) and os.path.samefile(args.input, args.output):
+        raise InvalidProblem(f"OUT {args.output} is IN: sparsify would overwrite the dense original")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = hf.load_model(args.input, device)
+    calibration = None
+    if args.calibration:
+        ids = _token_ids(args.calibration)
+        if ids.dim() == 1:
+            usable = ids.numel() // args.seq_len * args.seq_len
+            if not usable:
+                raise InvalidProblem(f"{args.calibration} holds {ids.numel()} tokens, fewer than one window of "
+                                     f"--seq-len {args.seq_len}")
+            ids = ids[:usable].view(-1, args.seq_len)
+        calibration = ids[:128]
+    held = _token_ids(args.eval) if args.eval else None
+    regex = re.compile(args.filter) if args.filter else None
+    if held is not None:
+        print(f"dense perplexity: {kp.evaluate(model, held, seq_len=args.seq_len):.4f}")
+    report = kp.sparsify(model, method=args.method, calibration=calibration, report=calibration is not None,
+                         filter_fn=(lambda name, layer: regex.search(name) is not None) if regex else None)
+    print(report.summary())
+    if held is not None:
+        print(f"sparse perplexity ({report.method}): {kp.evaluate(model, held, seq_len=args.seq_len):.4f}")
+    if not args.dry_run:
+        files = hf.save_model(model, args.output, args.format)
+        print(f"wrote {args.output}: {', '.join(files)} ({args.format})")
     return 0
 
 

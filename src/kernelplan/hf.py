@@ -31,38 +31,52 @@ import torch
 from torch import nn
 
 from .errors import InvalidProblem
-from .sparse24.format import Sparse24Weight, compress, is_sparse24, unpack_positions
+from .sparse24.format import Sparse24Weight, compress, is_sparse24
 
 FORMATS = ("kernelplan", "sparse-24-bitmask", "dense")
 INDEX = "model.safetensors.index.json"
-_BITS = torch.arange(8)
+
+
+def _byte(nibble: int) -> int:
+    kept = [i for i in range(4) if nibble >> i & 1]
+    return kept[0] | (kept[1] << 2) if len(kept) == 2 else -1
+
+
+# A group's 4 keep-bits (a nibble of the packed bitmask) -> its metadata byte (pos0 | pos1 << 2); -1: not 2 of 4.
+_NIBBLE_TO_BYTE = [_byte(n) for n in range(16)]
 
 
 def bitmask_to_metadata(bitmask: torch.Tensor, shape: tuple[int, int], name: str = "bitmask") -> torch.Tensor:
-    """compressed-tensors' packed keep-mask ``[M, K/8]`` uint8 -> kernelplan metadata ``[M, K/8]`` int16."""
+    """compressed-tensors' packed keep-mask ``[M, K/8]`` uint8 -> kernelplan metadata ``[M, K/8]`` int16.
+
+    Elementwise on the ``[M, K/8]`` bytes (a 16-entry table per nibble), so a layer
+    converts on the GPU with no temporary larger than its metadata.
+    """
     m, k = shape
     if bitmask.dtype != torch.uint8 or tuple(bitmask.shape) != (m, k // 8) or k % 8:
         raise InvalidProblem(f"{name} is {bitmask.dtype} {tuple(bitmask.shape)}; a 2:4 bitmask of a [{m}, {k}] weight "
                              f"is uint8 [{m}, {k // 8}] (K a multiple of 8)")
-    keep = ((bitmask.long()[..., None] >> _BITS.to(bitmask.device)) & 1).bool().reshape(m, k // 4, 4)
-    counts = keep.sum(-1)
-    if (counts != 2).any():
-        row, group = (counts != 2).nonzero()[0].tolist()
-        raise InvalidProblem(f"{name}: row {row}, group {group} keeps {int(counts[row, group])} of 4, not 2: the "
-                             f"checkpoint is not 2:4 (or not sparse-24-bitmask)")
-    idx = torch.arange(4, device=bitmask.device)
-    pos = torch.sort(torch.where(keep, idx, 4), dim=-1).values[..., :2]
-    byte = (pos[..., 0] | (pos[..., 1] << 2)).to(torch.int32)
-    return (byte[:, 0::2] | (byte[:, 1::2] << 8)).to(torch.int16)
+    lut = torch.tensor(_NIBBLE_TO_BYTE, dtype=torch.int32, device=bitmask.device)
+    b = bitmask.to(torch.int32)
+    low, high = lut[b & 0xF], lut[b >> 4]  # packbits is little-endian: group 2j is the low nibble
+    bad = (low < 0) | (high < 0)
+    if bad.any():
+        row, col = bad.nonzero()[0].tolist()
+        group = 2 * col + int(low[row, col] >= 0)
+        kept = bin(int(b[row, col]) >> (4 * (group % 2)) & 0xF).count("1")
+        raise InvalidProblem(f"{name}: row {row}, group {group} keeps {kept} of 4, not 2: the checkpoint is not 2:4 "
+                             f"(or not sparse-24-bitmask)")
+    return (low | (high << 8)).to(torch.int16)
 
 
 def metadata_to_bitmask(metadata: torch.Tensor) -> torch.Tensor:
     """kernelplan metadata ``[M, K/8]`` -> compressed-tensors' packed keep-mask ``[M, K/8]`` uint8."""
-    pos = unpack_positions(metadata)  # [M, K/4, 2]
-    m, groups = pos.shape[:2]
-    keep = torch.zeros(m, groups, 4, dtype=torch.long, device=metadata.device).scatter_(-1, pos, 1)
-    bits = keep.reshape(m, groups // 2, 8) << _BITS.to(metadata.device)
-    return bits.sum(-1).to(torch.uint8)
+    word = metadata.to(torch.int32)
+
+    def nibble(byte):
+        return (1 << (byte & 0x3)) | (1 << ((byte >> 2) & 0x3))
+
+    return (nibble(word & 0xFF) | (nibble((word >> 8) & 0xFF) << 4)).to(torch.uint8)
 
 
 def read_config(path: str | os.PathLike) -> dict:
