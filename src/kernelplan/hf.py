@@ -182,6 +182,22 @@ def _weight(fmt: str, prefix: str, got: dict[str, torch.Tensor]) -> Sparse24Weig
     return Sparse24Weight(got["compressed"], bitmask_to_metadata(got["bitmask"], shape, f"{prefix}.bitmask"))
 
 
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+
+
+def _stored_dtype(path: str | os.PathLike) -> torch.dtype | None:
+    """The dtype of the checkpoint's first floating tensor, read from its header alone."""
+    from safetensors import safe_open
+
+    for shard in shards(path):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                dtype = _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
+                if dtype is not None:
+                    return dtype
+    return None
+
+
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                targets: str | None = None) -> nn.Module:
     """Build the model from config.json with transformers (no download) and load the checkpoint into it.
@@ -197,7 +213,8 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
 
     read_config(path)  # a missing config.json is named here, not deep inside transformers
     config = transformers.AutoConfig.from_pretrained(str(path))
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype or getattr(config, "dtype", None))
+    # Built in the checkpoint's own dtype (config.json's can be stale: a model cast after it was configured).
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype or _stored_dtype(path))
     state, sparse = {}, set()
     for name, item in iter_layers(path, device, targets):
         if not isinstance(item, Sparse24Weight):
