@@ -26,7 +26,7 @@ from .gated import (  # noqa: E402
 )
 from .gemm import Epilogue, GemmArgs, GemmDescriptor, GemmPlan, ScaleSet, linear  # noqa: E402
 from .plan import Plan, PlanPreference, PrecisionGuarantee, Sku  # noqa: E402
-from . import fp8, nn  # noqa: E402
+from . import fp8, hf, nn  # noqa: E402
 from .checkpoint import load_compressed, save_compressed  # noqa: E402
 from .pruning import evaluate, sparsify  # noqa: E402
 from .warm import warmup  # noqa: E402
@@ -38,6 +38,7 @@ __all__ = [
     "sparse24",
     "nn",
     "fp8",
+    "hf",
     "sparsify",
     "evaluate",
     "warmup",
