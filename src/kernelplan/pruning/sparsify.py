@@ -226,13 +226,9 @@ def _gather(layers: list[tuple[str, nn.Linear]], run: Callable[[], None],
             last[:] = x, x._version, name
         return record
 
-    handles = [layer.register_forward_hook(hook(name)) for name, layer in layers]
     try:
-        with torch.no_grad():
-            run()
+        _hooked(run, [(layer, hook(name)) for name, layer in layers])
     finally:
-        for h in handles:
-            h.remove()
         last[:] = None, None, None
     if any(len(who) > 1 for who in leaders.values()):  # a layer shared its input on some calls only
         return _gather_alone(layers, run, full)
@@ -244,14 +240,19 @@ def _gather(layers: list[tuple[str, nn.Linear]], run: Callable[[], None],
 
 def _gather_alone(layers, run, full):
     stats = {name: _stats_for(layer, full) for name, layer in layers}
-    handles = [layer.register_forward_hook(lambda mod, inp, res, s=stats[name]: s.add(inp[0])) for name, layer in layers]
+    _hooked(run, [(layer, lambda mod, inp, res, s=stats[name]: s.add(inp[0])) for name, layer in layers])
+    return [([name], stats[name]) for name, _ in layers]
+
+
+def _hooked(run: Callable[[], None], hooks: list[tuple[nn.Module, Callable]]) -> None:
+    """``run()`` without gradients, with each forward hook on its module; the hooks are removed however it ends."""
+    handles = [module.register_forward_hook(fn) for module, fn in hooks]
     try:
         with torch.no_grad():
             run()
     finally:
         for h in handles:
             h.remove()
-    return [([name], stats[name]) for name, _ in layers]
 
 
 def _prune_group(method: str, group: list[nn.Linear], stats: methods.InputStats, blocksize: int,
