@@ -66,14 +66,19 @@ def test_bench_bad_arguments_fail_in_one_line_before_any_work(tmp_path, capsys, 
 
     ran = []
     monkeypatch.setattr("kernelplan.bench.run_bench", lambda *a, **k: ran.append(a) or 0)
+    monkeypatch.setattr("kernelplan.bench.run_sweep_command", lambda *a, **k: ran.append(a) or 0)
     cases = [
         (["bench", "--device", "bogus"], "--device 'bogus' is not a device"),
         (["bench", "--device", "xla"], "runs on cpu or cuda"),
         (["bench", "--json", str(tmp_path / "missing" / "x.json")], "does not exist"),
         (["bench", "nosuch"], "unknown suite 'nosuch'"),
+        (["bench", "gemm", "--sweep"], "give the suite sparse24"),
+        (["bench", "sparse24", "--quick"], "belong to --sweep"),
+        (["bench", "sparse24", "--sweep", "--device", "cpu"], "on a CUDA device"),
     ]
     if not torch.cuda.is_available():
         cases.append((["bench", "--device", "cuda"], "no CUDA device"))
+        cases.append((["bench", "sparse24", "--sweep"], "on a CUDA device"))
     for argv, message in cases:
         assert cli.main(argv) == 2
         err = capsys.readouterr().err

@@ -15,12 +15,13 @@ def test_the_table_over_the_sweep_set():
     for (m, k) in sweep_shapes():
         for n in BATCH_SIZES + (3, 17, 65, 1000):
             for dtype in ("bf16", "f16"):
-                assert backend_for(HOPPER, n, k, dtype) == ("cuda_sp" if n <= 16 else "cuda_ws")
+                tall_and_thin = n <= 16 and m >= 9216  # mma.sp's rows of CTAs: the sweeps' n <= 16 rows
+                assert backend_for(HOPPER, n, m, k, dtype) == ("cuda_sp" if tall_and_thin else "cuda_ws")
                 for gpu in (AMPERE, ADA):
-                    assert backend_for(gpu, n, k, dtype) == "cuda_sp"  # mma.sp at every n, chunks past 64
-            assert backend_for(None, n, k, "bf16") == "reference"
-            assert backend_for(HOPPER, n, k, "f32") == "triton"  # no f32 sparse tensor cores
-            assert backend_for(TURING, n, k, "f16") == "triton"
+                    assert backend_for(gpu, n, m, k, dtype) == "cuda_sp"  # mma.sp at every n, chunks past 64
+            assert backend_for(None, n, m, k, "bf16") == "reference"
+            assert backend_for(HOPPER, n, m, k, "f32") == "triton"  # no f32 sparse tensor cores
+            assert backend_for(TURING, n, m, k, "f16") == "triton"
 
 
 def test_layout_reasons_name_what_is_missing():
@@ -29,7 +30,7 @@ def test_layout_reasons_name_what_is_missing():
     assert "multiple of 64" in layout_reason(HOPPER, 96, "bf16")
     assert "not a CUDA GPU" in layout_reason(None, 128, "bf16")
     assert layout_reason(HOPPER, 128, "bf16") is None
-    assert backend_for(HOPPER, 64, 96, "bf16") == "triton"  # K off the layout's step: the public format's kernel
+    assert backend_for(HOPPER, 64, 128, 96, "bf16") == "triton"  # K off the layout's step: the public format's kernel
 
 
 def test_configs_come_from_the_kernels_rules():

@@ -19,6 +19,12 @@ def main(argv: list[str] | None = None) -> int:
                        f"{', '.join(BENCH_BY_NAME)} (by name only)")
     bench.add_argument("--device", default=None, help="cpu or cuda[:i]; default: cuda if present, else cpu")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    bench.add_argument("--sweep", action="store_true",
+                       help="sparse24 only, on a CUDA GPU: every shape of the sweep set (public model configs) at "
+                       "every batch size, against dense; writes JSON (--json, default "
+                       "sparse24-sweep-<gpu>[-f16].json here) and a PNG beside it, and prints a summary")
+    bench.add_argument("--quick", action="store_true", help="with --sweep: 6 batch sizes instead of 12")
+    bench.add_argument("--dtype", default="bf16", choices=("bf16", "f16"), help="with --sweep: the weights' dtype")
 
     sparsify = sub.add_parser("sparsify", help="prune a checkpoint to 2:4 and write it compressed",
                               description="IN is a .safetensors file of dense weights (pruned by magnitude, written "
@@ -66,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"kernelplan bench: {problem}", file=sys.stderr)
         return 2
+    if args.sweep:
+        from .bench import run_sweep_command
+
+        return run_sweep_command(args.device, args.dtype, args.quick, args.json)
     from .bench import run_bench
 
     return run_bench(args.suite, device=args.device, json_path=args.json)
@@ -96,6 +106,14 @@ def _bench_args_problem(args) -> str | None:
             if dev.index is not None and dev.index >= torch.cuda.device_count():
                 return (f"--device {args.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    if args.sweep:
+        if args.suite != "sparse24":
+            return f"--sweep times the 2:4 kernels: give the suite sparse24 (kernelplan bench sparse24 --sweep), not {args.suite!r}"
+        if not torch.cuda.is_available() or args.device is not None and torch.device(args.device).type != "cuda":
+            return ("--sweep times the 2:4 GPU kernels against dense on a CUDA device, and this run has none; "
+                    "leave --sweep out for the CPU checks of every op")
+    elif args.quick or args.dtype != "bf16":
+        return "--quick and --dtype belong to --sweep (kernelplan bench sparse24 --sweep --quick --dtype f16)"
     if args.json is not None:
         folder = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(folder):

@@ -22,10 +22,14 @@ from __future__ import annotations
 MEMORY_POLICIES = ("compact", "fast")
 LAYOUT_DTYPES = ("f16", "bf16")  # the sparse tensor cores' operand types
 
-# mma.sp for n up to here on Hopper: at n <= 16 it ran the sweep set at a median 1.61x of dense on an
-# H100, wgmma.sp's 64-row instruction at 1.44x (docs/design/0002); past 16 the warpgroup kernel's wider
-# N tiles win (1.13-1.90x at n = 32-64 on the large sweep shapes, sparse24-wg-tiles-h100.json).
+# Hopper at n <= SP_MAX_N_HOPPER: mma.sp (cuda_sp) only for tall weights, M >= SP_MIN_M_HOPPER; else
+# cuda_ws.  From the sweeps at n = 1 and 16 (sparse24-sweep-h100.json at 3b1d11c, sparse24-sweep-h200.json at
+# 509782c, 43 shapes each): cuda_sp took 0.85-0.98x of cuda_ws's time on the weights of 9216 rows and more, on both
+# GPUs, and 1.1-1.7x on nearly every shorter one (768-1024-wide layers: 1.1-1.7x; 3584x3584: 1.23-1.68x); below
+# 9216 rows it won by more than 5% on 2 of 68 rows (H100: 8192x4608 n = 1, 0.92x; 6144x4096 n = 1, 0.96x), on the
+# H200 on none.  Past n = 16 the warpgroup kernel's wider N tiles win everywhere (docs/design/0005).
 SP_MAX_N_HOPPER = 16
+SP_MIN_M_HOPPER = 9216
 
 
 def layout_reason(capability: tuple[int, int] | None, k: int, dtype: str) -> str | None:
@@ -41,23 +45,25 @@ def layout_reason(capability: tuple[int, int] | None, k: int, dtype: str) -> str
     return None
 
 
-def backend_for(capability: tuple[int, int] | None, n: int, k: int, dtype: str) -> str:
+def backend_for(capability: tuple[int, int] | None, n: int, m: int, k: int, dtype: str) -> str:
     """The backend of the ``compact`` policy for one call: a pure function, no GPU touched.
 
-    * the one layout where its kernels run: ``cuda_ws`` (``wgmma.sp``, warp-specialized) on Hopper
-      past n = 16, else ``cuda_sp`` (``mma.sp``; on Ampere and Ada at every n,
-      in chunks of 64 rows of x past 64);
+    * the one layout where its kernels run: ``cuda_ws`` (``wgmma.sp``, warp-specialized) on Hopper,
+      except at n <= 16 on weights of 9216 rows or more; else ``cuda_sp``
+      (``mma.sp``; on Ampere and Ada at every n, in chunks of 64 rows of x past 64);
     * else the Triton kernel on CUDA, which reads the public format itself
       (f32 weights, K not a multiple of 64), and the reference on CPU.
 
     The epilogue (bias, activation) is fused by every one of them and does not
-    change the choice.  M does not either: the tile within the kernel depends on
-    it (``config_for``), not the kernel.
+    change the choice.  The tile within the kernel is the kernel's own rule
+    (``config_for``).
     """
     if capability is None:
         return "reference"
     if layout_reason(capability, k, dtype) is None:
-        return "cuda_ws" if capability == (9, 0) and n > SP_MAX_N_HOPPER else "cuda_sp"
+        if capability == (9, 0):
+            return "cuda_sp" if n <= SP_MAX_N_HOPPER and m >= SP_MIN_M_HOPPER else "cuda_ws"
+        return "cuda_sp"
     return "triton"
 
 

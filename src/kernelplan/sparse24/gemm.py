@@ -58,7 +58,7 @@ def rule_backend(desc: GemmSparse24Descriptor) -> str:
     device = torch.device(desc.device)
     capability = _capability(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else None
-    return backend_for(capability, desc.n, desc.k, desc.dtype)
+    return backend_for(capability, desc.n, desc.m, desc.k, desc.dtype)
 
 
 @functools.lru_cache(maxsize=64)

@@ -117,6 +117,12 @@ struct __align__(64) TensorMap {
 };
 
 // The box of `map` at (inner, outer) element coordinates into shared memory `dst`, completing on `bar`.
+// Fetch a kernel parameter's tensor map into the descriptor cache while the CTA sets up, so the first copy does not
+// wait on it (CUTLASS's producers do the same: cute::prefetch_tma_descriptor).
+__device__ __forceinline__ void tma_prefetch_map(const TensorMap *map) {
+    asm volatile("prefetch.tensormap [%0];" :: "l"(map) : "memory");
+}
+
 __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap *map, int inner, int outer, u32 bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
                  :: "r"(dst), "l"(map), "r"(inner), "r"(outer), "r"(bar) : "memory");

@@ -140,6 +140,9 @@ kp_sparse24_sk(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     float *parts = (float *)(work + (slots * 4 + 1023) / 1024 * 1024);
 
     if (threadIdx.x == 0) {
+        tma_prefetch_map(&xmap);
+        tma_prefetch_map(&vmap);
+        tma_prefetch_map(&emap);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full0 + 8 * s, 1);        // the producer's expect_tx; then the bytes
             mbar_init(empty0 + 8 * s, WM);      // one arrival per consumer warpgroup

@@ -1,0 +1,206 @@
+"""``kernelplan bench sparse24 --sweep``: the 2:4 kernels of the one layout against dense ``F.linear`` on the sweep
+set (``bench/shapes.py``: the linear layers of public model configs), every shape at every batch size.
+
+Each weight is held as ``Sparse24Linear`` holds it, in the device layout alone.
+For every (M, K) and n: each kernel that reads the layout is checked against
+fp64 first, then timed as a CUDA graph replay (kernel time;
+``triton.testing.do_bench_cudagraph``, median) beside dense ``F.linear`` in the
+same process, alternating; and the default path a user calls
+(``kp.sparse24.linear``, the rule's kernel) runs eagerly, host work included,
+beside ``F.linear``.  After the calls at every n, the bytes the weight holds.
+
+Writes the JSON (device, versions, commit, date, one row per problem) and a
+PNG, and prints a summary: min and median per batch-size range, the worst five
+rows, wrong results, bytes held.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from .shapes import BATCH_SIZES, sweep_shapes
+
+QUICK_BATCH_SIZES = (1, 16, 64, 256, 1024, 4096)
+RANGES = (("n <= 16", 1, 16), ("n = 32-64", 32, 64), ("n = 128-512", 128, 512), ("n >= 1024", 1024, 1 << 30))
+
+
+def _kernels():
+    from ..kernels.sparse24_sp import SpKernel
+    from ..kernels.sparse24_ws import WsKernel
+
+    return {"cuda_sp": (SpKernel, 64), "cuda_ws": (WsKernel, 1 << 30)}  # name: (kernel, largest n it is timed at)
+
+
+def _rel_err(out, ref) -> float:
+    return float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _precompile(shapes, batch, sms: int, dtype: str, device: int) -> None:
+    """Every cuda_ws variant the sweep will run, compiled in threads (NVRTC is thread-safe), before any timing."""
+    import concurrent.futures
+
+    from ..kernels.sparse24_ws import _launcher, ws_config
+
+    configs = {ws_config(n, m, k, sms) for (m, k) in shapes for n in batch if n > 16}
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda c: _launcher(c, dtype, False, None, device), configs))
+
+
+def run_sweep(device: torch.device, dtype: torch.dtype = torch.bfloat16, batch=BATCH_SIZES, rep: int = 20,
+              shapes: dict | None = None, log=print) -> list[dict]:
+    """The sweep's rows: one per (M, K, n) timed, and one per (M, K) with the bytes its weight held."""
+    import torch.nn.functional as F
+    import triton.testing
+
+    from ..kernels.sparse24 import sm_count
+    from ..kernels.sparse24_mma import MmaLinear
+    from ..kernels.sparse24_ws import ws_config
+    from ..sparse24 import compress, linear, prune
+    from ..sparse24.dispatch import backend_for
+    from ..sparse24.layout import pack_reason
+    from ..timing import host_us_per_call
+
+    shapes = sweep_shapes() if shapes is None else shapes
+    row_dtype = {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = sm_count(index)
+    _precompile(shapes, batch, sms, row_dtype, index)
+    kernels = _kernels()
+
+    def graph_ms(fn) -> float:
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+
+    def eager_ms(fn) -> float:
+        return host_us_per_call(fn, device, 20) / 1e3
+
+    rows = []
+    with torch.cuda.device(index):
+        for (m, k), where in shapes.items():
+            w = prune(torch.randn(m, k, device=device)).to(dtype)
+            w24 = compress(w)
+            if pack_reason(m, k) is None:  # held as Sparse24Linear holds it: the device layout alone
+                w24 = w24.packed()
+            dense_bytes = w.numel() * w.element_size()
+            for n in batch:
+                x = torch.randn(n, k, device=device).to(dtype)
+                ref = F.linear(x.double(), w.double())
+                dense = lambda: F.linear(x, w)  # noqa: E731
+                row = {"m": m, "k": k, "n": n, "layers": where, "dense_err": _rel_err(dense(), ref)}
+                times, dense_times = {}, []
+                for name, (kernel, max_n) in kernels.items():
+                    if n > max_n:
+                        continue
+                    call = MmaLinear(None, kernel())
+                    row[f"{name}_err"] = err = _rel_err(call(x, w24.values, w24.metadata, None), ref)
+                    if not err <= 2 * row["dense_err"] + 1e-3:
+                        row[f"{name}_wrong"] = True
+                        continue
+                    fn = lambda call=call: call(x, w24.values, w24.metadata, None)  # noqa: E731
+                    # Alternating, so that a slow spell of the GPU lands on both.
+                    t_d1, t_k1, t_d2, t_k2 = graph_ms(dense), graph_ms(fn), graph_ms(dense), graph_ms(fn)
+                    row[f"{name}_ms"] = times[name] = min(t_k1, t_k2)
+                    dense_times += [t_d1, t_d2]
+                row["dense_ms"] = statistics.median(dense_times) if dense_times else float("nan")
+                # The default path, as a user calls it: kp.sparse24.linear (memory="compact", the rule's kernel),
+                # eagerly, host work included, beside F.linear, alternating.
+                row["rule"] = rule = backend_for(torch.cuda.get_device_capability(index), n, m, k, row_dtype)
+                user = lambda: linear(x, w24)  # noqa: E731
+                user()
+                eager = {"dense": [], "rule": []}
+                for _ in range(3):
+                    eager["dense"].append(eager_ms(dense))
+                    eager["rule"].append(eager_ms(user))
+                row["dense_eager_ms"] = statistics.median(eager["dense"])
+                row["rule_eager_ms"] = statistics.median(eager["rule"])
+                row["eager_speedup"] = row["dense_eager_ms"] / row["rule_eager_ms"]
+                if rule == "cuda_ws":
+                    row["ws_config"] = str(ws_config(n, m, k, sms))
+                for name, t in times.items():
+                    row[f"{name}_speedup"] = row["dense_ms"] / t
+                if times:
+                    row["best_one_layout"] = min(times, key=times.get)
+                if rule in times:
+                    row["speedup"] = row["dense_ms"] / times[rule]  # the rule's kernel, as a CUDA graph
+                rows.append(row)
+                log(f"{m:>6}x{k:<6} n={n:<5} dense {row['dense_ms'] * 1e3:8.1f} us  " + "  ".join(
+                    f"{nm} {row[nm + '_speedup']:.2f}x" for nm in kernels if nm in times)
+                    + "".join(f"  WRONG {nm}" for nm in kernels if row.get(nm + "_wrong")))
+            # Bytes held after the calls at every n: the weight as held, and anything its calls derived from it.
+            held = w24.values.nbytes + w24.metadata.nbytes + sum(w24.derived_bytes().values())
+            rows.append({"m": m, "k": k, "memory": {"dense_bytes": dense_bytes, "layout": w24.layout,
+                                                    "held_bytes": held, "ratio": held / dense_bytes}})
+            del w, w24
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _ranges(rows: list[dict], key: str) -> list[str]:
+    lines = []
+    for label, lo, hi in RANGES:
+        s = sorted(r[key] for r in rows if key in r and lo <= r["n"] <= hi)
+        if s:
+            lines.append(f"{label:12} min {s[0]:.2f}x  median {statistics.median(s):.2f}x  max {s[-1]:.2f}x  "
+                         f"({len(s)} rows)")
+    return lines
+
+
+def summary(rows: list[dict], worst: int = 5) -> list[str]:
+    """The sweep in a few lines: the rule's speedup by range of n (graph, then eager), the worst rows, wrong
+    results, host-bound calls, bytes held."""
+    timed = [r for r in rows if "speedup" in r]
+    lines = ["rule's kernel vs dense, CUDA graph:"] + ["  " + s for s in _ranges(rows, "speedup")]
+    lines += ["eager, host work included:"] + ["  " + s for s in _ranges(rows, "eager_speedup")]
+    lines.append(f"worst {worst} rows (graph): " + "; ".join(
+        f"{r['m']}x{r['k']} n={r['n']} {r['speedup']:.2f}x ({r['rule']})"
+        for r in sorted(timed, key=lambda r: r["speedup"])[:worst]))
+    small = [r for r in rows if "eager_speedup" in r and r["dense_eager_ms"] < 0.05]
+    if small:  # host-bound calls: the host work compared
+        lines.append(f"host-bound calls (dense < 50 us eager): kp.sparse24.linear / F.linear wall per call, median "
+                     f"{statistics.median(r['rule_eager_ms'] / r['dense_eager_ms'] for r in small):.2f}x "
+                     f"({len(small)} rows)")
+    wrong = [r for r in rows if any(k.endswith("_wrong") for k in r)]
+    lines.append(f"rows with a wrong kernel result: {len(wrong)}")
+    ratios = [r["memory"]["ratio"] for r in rows if "memory" in r]
+    if ratios:
+        lines.append(f"bytes held per weight (one layout): {min(ratios):.4f}-{max(ratios):.4f}x of dense")
+    return lines
+
+
+def plot(rows: list[dict], path: str, title: str = "") -> None:
+    """The rule's speedup against n: every shape a faint line, the median and the min over shapes bold; graph
+    replay left, eager right.  Needs matplotlib (ImportError without it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    for ax, key, label in ((axes[0], "speedup", "CUDA graph"), (axes[1], "eager_speedup", "eager")):
+        timed = [r for r in rows if key in r]
+        for m, k in sorted({(r["m"], r["k"]) for r in timed}):
+            sel = sorted((r for r in timed if (r["m"], r["k"]) == (m, k)), key=lambda r: r["n"])
+            ax.plot([r["n"] for r in sel], [r[key] for r in sel], color="tab:blue", alpha=0.15, linewidth=0.8)
+        ns = sorted({r["n"] for r in timed})
+        by_n = [[r[key] for r in timed if r["n"] == n] for n in ns]
+        ax.plot(ns, [statistics.median(v) for v in by_n], color="tab:blue", linewidth=2.5, marker="o", label="median")
+        ax.plot(ns, [min(v) for v in by_n], color="tab:red", linewidth=2, marker="v", label="min over shapes")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("n (rows of x)")
+        ax.set_title(f"{label}: dense F.linear time / 2:4 time")
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("speedup over dense")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def default_name(dev: torch.device, dtype: str) -> str:
+    """``sparse24-sweep-<gpu>[-f16]``: the GPU's model word (h100, h200), as the committed results are named."""
+    words = torch.cuda.get_device_name(dev).split()
+    gpu = words[1].lower() if len(words) > 1 else "gpu"
+    return f"sparse24-sweep-{gpu}" + ("" if dtype == "bf16" else f"-{dtype}")
