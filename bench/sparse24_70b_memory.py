@@ -4,8 +4,8 @@
 28672, 64 heads, 8 KV heads, vocabulary 128256), random bf16 weights, no
 download.  Each model is built one decoder layer at a time on the GPU (the
 sparse one prunes and compresses each layer's linears there, ``kp.sparsify``,
-before building the next), so the dense model is never held beside the sparse
-one.  For each: the bytes of its weights, whether it fits, and if it does, one
+before building the next), each in a process of its own, so that nothing one
+left behind counts against the other.  For each: the bytes of its weights, whether it fits, and if it does, one
 greedy decode step at batch 1 after a 128-token prompt, replayed as a CUDA graph
 (the two models in turn, not alternating: they do not fit together), and the
 KV-cache tokens the memory left over would hold.  Writes
@@ -20,6 +20,7 @@ import argparse
 import datetime
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -89,7 +90,10 @@ def measure(cfg, sparse: bool, prompt_len: int, steps: int) -> dict:
     t0 = time.time()
     model, reached = build(cfg, sparse)
     kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
-    out = {"build_s": time.time() - t0, "kv_bytes_per_token": kv_per_token}
+    with torch.device("meta"):
+        needed = sum(p.numel() * 2 for p in transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).parameters())
+    out = {"build_s": time.time() - t0, "kv_bytes_per_token": kv_per_token, "dense_weight_gib": needed / GiB,
+           "device_total_gib": torch.cuda.mem_get_info()[1] / GiB}
     if model is None:
         out.update(fits=False, allocated_when_it_failed_gib=reached / GiB)
         print(f"{'sparse' if sparse else 'dense'}: does not fit; {reached / GiB:.1f} GiB allocated when it failed",
@@ -107,8 +111,8 @@ def measure(cfg, sparse: bool, prompt_len: int, steps: int) -> dict:
             times = sorted(graph.replay_seconds(1) for _ in range(steps))
             out["decode_step_ms"] = times[len(times) // 2] * 1e3
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
-        free, total = torch.cuda.mem_get_info()
-        out["free_after_step_gib"], out["device_total_gib"] = free / GiB, total / GiB
+        free = torch.cuda.mem_get_info()[0]
+        out["free_after_step_gib"] = free / GiB
         out["kv_tokens_that_fit_in_free"] = free // kv_per_token
         del graph, step
     except torch.OutOfMemoryError as e:
@@ -125,10 +129,21 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only", choices=("sparse", "dense"), help="measure one model and print its JSON (a child run)")
     a = ap.parse_args()
     torch.manual_seed(0)
-    cfg = config(a.layers)
-    result = {"sparse": measure(cfg, True, a.prompt, a.steps), "dense": measure(cfg, False, a.prompt, a.steps)}
+    if a.only:
+        print("RESULT " + json.dumps(measure(config(a.layers), a.only == "sparse", a.prompt, a.steps)))
+        return 0
+    result = {}
+    for which in ("sparse", "dense"):
+        child = subprocess.run([sys.executable, __file__, "--only", which, "--layers", str(a.layers), "--prompt",
+                                str(a.prompt), "--steps", str(a.steps)], capture_output=True, text=True)
+        lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
+        if child.returncode or not lines:
+            print(child.stdout[-2000:], child.stderr[-4000:])
+            return 1
+        result[which] = json.loads(lines[-1][7:])
     gpu = torch.cuda.get_device_name(0)
     tag = "h200" if "H200" in gpu else "h100" if "H100" in gpu else gpu.replace(" ", "_").lower()
     path = a.out or os.path.join(os.path.dirname(__file__), "results", f"sparse24-70b-memory-{tag}.json")
