@@ -76,6 +76,17 @@ def sparse24_notes() -> list[str]:
             lines.append(f"- 2:4, {model['meta']['model']} ({model['meta']['layers']} layers), sparsified against "
                          f"dense: {cases}; weights {model['sparse_over_dense_bytes']:.3f}x of dense (embeddings "
                          f"dense, the LM head pruned too), {_source(model['meta'], name)}.")
+    big = _load("sparse24-70b-memory-h200")
+    if big:
+        d, s = big["dense"], big["sparse"]
+        lines.append(f"- 2:4, a Llama-3-70B-shaped model (80 layers, random bf16 weights) on one GPU of "
+                     f"{s['device_total_gib']:.1f} GiB: weights {d['dense_weight_gib']:.1f} GiB dense, "
+                     f"{s['weight_gib']:.1f} GiB sparsified; free after a decode step {d['free_after_step_gib']:.1f} "
+                     f"against {s['free_after_step_gib']:.1f} GiB ({d['kv_tokens_that_fit_in_free']:,} against "
+                     f"{s['kv_tokens_that_fit_in_free']:,} more tokens of KV cache); decode step at batch 1, CUDA "
+                     f"graph, {d['decode_step_ms']:.1f} ms dense, {s['decode_step_ms']:.1f} ms sparse "
+                     f"({d['decode_step_ms'] / s['decode_step_ms']:.2f}x; the models in turn, they do not fit together), "
+                     f"{_source(big['meta'], 'sparse24-70b-memory-h200')}.")
     convert = _load("sparse24-convert-h100")
     if convert:
         big = [r for r in convert["rows"] if r["m"] * r["k"] >= 2**26]
@@ -112,7 +123,9 @@ def pruning_notes() -> list[str]:
 def table() -> str:
     head = ["| op | " + " | ".join(label for label, _, _ in N_RANGES) + " | measured on |",
             "|---|" + "---|" * len(N_RANGES) + "---|"]
-    body = sweep_rows("sparse24-sweep-h100") + sweep_rows("sparse24-sweep-h100-f16") + sweep_rows("sparse24-sweep-h200")
+    body = []
+    for name in ("sparse24-sweep-h100", "sparse24-sweep-h100-f16", "sparse24-sweep-h200", "sparse24-sweep-h200-f16"):
+        body += sweep_rows(name)
     for name in ("sparse24-h200", "sparse24-h100", "sparse24-h200-f16"):
         body += sparse24_rows(name)
     lines = head + body + [""] + sparse24_notes()
