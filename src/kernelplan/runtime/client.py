@@ -1,0 +1,324 @@
+"""``Runtime``: the client of the device workers, and the supervisor that restarts them.
+
+One worker process per device (``worker.py``), started with ``spawn``.  The
+client sends requests down a pipe and a reader thread per worker resolves each
+reply's future; many requests may be in flight (pipelined).  When the pipe
+breaks (the worker exited or was killed) or the worker reports a sticky CUDA
+error, every request in flight fails with ``DeviceFault`` naming it and the
+cause, the worker is restarted under a restart intensity (at most
+``max_restarts`` in ``period_s`` seconds, as OTP supervisors count them; past
+that the device is failed, ``DeviceFailed``), and requests sent after the fault
+run on the new worker.  Buffers of the old worker are stale.
+
+Where data is copied (``upload``/``download``):
+
+* CPU tensor to a CPU worker: one copy, into fresh shared memory the worker then
+  maps (no second copy on the way);
+* CPU tensor to a CUDA worker: the same, then one host-to-device copy;
+* CUDA tensor to a CUDA worker: a CUDA IPC handle, then one device-to-device copy
+  so the buffer does not depend on the caller's tensor staying alive;
+* download: one copy into fresh shared memory (a snapshot), mapped by the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import threading
+import time
+
+from .errors import DeviceFailed, DeviceFault, StaleBuffer
+from .requests import Buffer, buffers_in
+
+_START_TIMEOUT_S = 120  # a spawned worker imports torch before it answers
+
+
+class _DeviceWorker:
+    """One device's worker process, its pipe, its in-flight requests and its buffer slots, and its supervision."""
+
+    def __init__(self, device: str, max_restarts: int, period_s: float):
+        import torch.multiprocessing as mp
+
+        self.device, self.max_restarts, self.period_s = device, max_restarts, period_s
+        self._ctx = mp.get_context("spawn")
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._ids = itertools.count()
+        self.generation = 0
+        self.failed: str | None = None
+        self.restarts: collections.deque = collections.deque()
+        self.inflight: dict[int, tuple[concurrent.futures.Future, str]] = {}
+        self.slots: dict[int, int] = {}  # buffer id -> its live generation (this worker generation's buffers)
+        self._slot_ids = itertools.count()
+        self._closing = False
+        self._accepting = False  # under the lock: requests may be sent on self.conn
+        self._start()
+
+    # -- life cycle -------------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        from . import worker
+
+        generation = self.generation + 1
+        parent, child = self._ctx.Pipe()
+        self.proc = self._ctx.Process(target=worker.main, args=(child, self.device, generation), daemon=True,
+                                      name=f"kernelplan-worker-{self.device}-{generation}")
+        self.proc.start()
+        child.close()
+        try:
+            kind, _, detail = parent.recv() if parent.poll(_START_TIMEOUT_S) else ("timeout", None, None)
+        except (EOFError, OSError) as e:
+            kind, detail = "died", e
+        if kind != "ready":
+            raise DeviceFailed(f"the {self.device} worker did not start: {detail or f'no answer in {_START_TIMEOUT_S} s'}")
+        with self._lock:
+            self.generation, self.slots, self.conn, self._accepting = generation, {}, parent, True
+        self.reader = threading.Thread(target=self._read, args=(parent, generation), daemon=True,
+                                       name=f"kernelplan-reader-{self.device}-{generation}")
+        self.reader.start()
+        self._ready.set()
+
+    def _read(self, conn, generation: int) -> None:
+        sticky = None
+        while True:
+            try:
+                kind, rid, value = conn.recv()
+            except (EOFError, OSError):
+                break
+            if kind == "fault":
+                sticky = value
+                continue
+            with self._lock:
+                entry = self.inflight.pop(rid, None)
+            if entry is None:
+                continue
+            fut = entry[0]
+            if kind == "ok":
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
+        if not self._closing:
+            self._on_death(generation, sticky)
+
+    def _on_death(self, generation: int, sticky: str | None) -> None:
+        with self._lock:  # from here no request is sent to the dead worker, and none in flight is missed
+            self._accepting = False
+            lost, self.inflight = self.inflight, {}
+        self._ready.clear()
+        self.proc.join(timeout=5)
+        code = self.proc.exitcode
+        cause = (f"a sticky CUDA error: {sticky}" if sticky else
+                 f"the worker was killed by signal {-code}" if code is not None and code < 0 else
+                 f"the worker exited with code {code}")
+        for fut, what in lost.values():
+            fut.set_exception(DeviceFault(f"{what} on {self.device} failed: worker generation {generation} died "
+                                          f"({cause}); later requests run on a restarted worker"))
+        if self._closing:
+            return
+        now = time.monotonic()
+        while self.restarts and now - self.restarts[0] > self.period_s:
+            self.restarts.popleft()
+        if len(self.restarts) >= self.max_restarts:
+            self.failed = (f"{self.device} failed: {len(self.restarts) + 1} worker deaths within {self.period_s:g} s "
+                           f"(the restart intensity allows {self.max_restarts}); the last: {cause}")
+            self._ready.set()  # waiters wake to the failure
+            return
+        self.restarts.append(now)
+        try:
+            self._start()
+        except DeviceFault as e:
+            self.failed = str(e)
+            self._ready.set()
+
+    def close(self) -> None:
+        self._closing = True
+        self._ready.wait(timeout=_START_TIMEOUT_S)  # a restart under way finishes first
+        try:
+            self.conn.send(("stop", None))
+        except (OSError, ValueError):
+            pass
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+        with self._lock:
+            lost, self.inflight = self.inflight, {}
+        for fut, what in lost.values():
+            fut.set_exception(DeviceFault(f"{what} on {self.device}: the runtime was closed"))
+
+    # -- requests ---------------------------------------------------------------------------------------------
+    def check(self, buffers) -> None:
+        for buf in buffers:
+            if buf.device != self.device:
+                raise StaleBuffer(f"{buf} lives on {buf.device}, not on {self.device}: a request runs where all its "
+                                  f"buffers are")
+            if buf.worker_generation != self.generation or self.slots.get(buf.buffer_id) != buf.generation:
+                raise StaleBuffer(f"{buf} is stale: it holds worker generation {buf.worker_generation}, slot "
+                                  f"generation {buf.generation}; current worker generation {self.generation}, slot "
+                                  f"generation {self.slots.get(buf.buffer_id)} (freed, or made before a restart): "
+                                  f"upload again")
+
+    def submit(self, message: tuple, what: str, buffers=(), make=None) -> concurrent.futures.Future:
+        """Send ``message`` (its request id is filled in) once the worker is ready; ``make()`` runs under the lock
+        first (a new buffer's slot) and its value goes in the message's tail."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        while True:
+            self._ready.wait()
+            with self._lock:
+                if self.failed:
+                    raise DeviceFailed(self.failed)
+                accepting = self._accepting
+                if accepting:
+                    self.check(buffers)
+                    rid = next(self._ids)
+                    extra = make() if make else ()
+                    self.inflight[rid] = (fut, what)
+                    try:
+                        self.conn.send((message[0], rid, *message[1:], *extra))
+                        return fut
+                    except (OSError, ValueError):  # not delivered: the worker is dying; sent again to the next one
+                        self.inflight.pop(rid, None)
+                        self._accepting = False
+            time.sleep(0.001)  # a restart is under way (the reader has yet to clear _ready): wait for the new worker
+
+    def new_slot(self) -> tuple[int, int]:
+        buffer_id = next(self._slot_ids)
+        self.slots[buffer_id] = 0
+        return buffer_id, 0
+
+    def free(self, buf: Buffer) -> None:
+        with self._lock:
+            self.check([buf])
+            self.slots.pop(buf.buffer_id)
+            try:
+                self.conn.send(("free", buf.buffer_id, buf.generation))
+            except (OSError, ValueError):
+                pass
+
+
+def _shared_copy(tensor):
+    """The tensor copied once into fresh shared memory (CPU), or itself (CUDA: sent as an IPC handle)."""
+    import torch
+
+    if tensor.device.type == "cuda":
+        return tensor
+    out = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
+    out.copy_(tensor)
+    return out
+
+
+class Runtime:
+    """Device workers behind an asyncio API (``upload``, ``download``, ``run``) and a blocking one (``blocking``).
+
+    ``devices``: e.g. ``("cpu",)`` or ``("cuda:0", "cuda:1")``.  ``max_restarts`` worker deaths within ``period_s``
+    seconds are restarted; one more fails the device.
+    """
+
+    def __init__(self, devices=("cpu",), *, max_restarts: int = 5, period_s: float = 60.0, backend: str = "process"):
+        import torch
+
+        from .._checks import choice
+
+        choice(backend, "backend", ("process",))
+        self.devices = tuple(str(torch.device(d)) for d in devices)
+        self._workers: dict[str, _DeviceWorker] = {}
+        try:
+            for d in self.devices:
+                self._workers[d] = _DeviceWorker(d, max_restarts, period_s)
+        except BaseException:
+            self.close()
+            raise
+        self.blocking = BlockingRuntime(self)
+
+    def _worker(self, device) -> _DeviceWorker:
+        import torch
+
+        key = str(torch.device(device))
+        if key not in self._workers:
+            raise ValueError(f"device {device!r} is not one of this runtime's: {', '.join(self.devices)}")
+        return self._workers[key]
+
+    def worker_generation(self, device=None) -> int:
+        return self._worker(device or self.devices[0]).generation
+
+    # -- futures (thread-safe; the asyncio and blocking APIs wrap these) ------------------------------------------
+    def submit_upload(self, tensor, device=None) -> concurrent.futures.Future:
+        w = self._worker(device or self.devices[0])
+        payload = _shared_copy(tensor.detach())
+        holder = {}
+
+        def make():  # under the worker's lock, with the generation the message goes to
+            holder["id"], holder["gen"] = w.new_slot()
+            holder["worker"] = w.generation
+            return holder["id"], holder["gen"], payload
+
+        inner = w.submit(("upload",), f"upload of {tuple(tensor.shape)}", make=make)
+        buf = Buffer(w.device, holder["worker"], holder["id"], holder["gen"], tuple(tensor.shape),
+                     str(tensor.dtype).removeprefix("torch."))
+        return _then(inner, lambda _: buf)
+
+    def submit_download(self, buf: Buffer) -> concurrent.futures.Future:
+        return self._worker(buf.device).submit(("download", buf), f"download of {buf}", [buf])
+
+    def submit_run(self, request) -> concurrent.futures.Future:
+        bufs = buffers_in(getattr(request, "args", None))
+        device = bufs[0].device if bufs else self.devices[0]
+        return self._worker(device).submit(("run", request), request.describe(), bufs)
+
+    def free(self, buf: Buffer) -> None:
+        """Release a buffer; its handle (and every copy of it) is stale from here on."""
+        self._worker(buf.device).free(buf)
+
+    # -- asyncio --------------------------------------------------------------------------------------------------
+    async def upload(self, tensor, device=None) -> Buffer:
+        return await asyncio.wrap_future(self.submit_upload(tensor, device))
+
+    async def download(self, buf: Buffer):
+        return await asyncio.wrap_future(self.submit_download(buf))
+
+    async def run(self, request):
+        return await asyncio.wrap_future(self.submit_run(request))
+
+    def close(self) -> None:
+        for w in self._workers.values():
+            w.close()
+        self._workers = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class BlockingRuntime:
+    """The same calls, each waiting for its reply."""
+
+    def __init__(self, rt: Runtime):
+        self._rt = rt
+
+    def upload(self, tensor, device=None) -> Buffer:
+        return self._rt.submit_upload(tensor, device).result()
+
+    def download(self, buf: Buffer):
+        return self._rt.submit_download(buf).result()
+
+    def run(self, request):
+        return self._rt.submit_run(request).result()
+
+    def free(self, buf: Buffer) -> None:
+        self._rt.free(buf)
+
+
+def _then(fut: concurrent.futures.Future, fn) -> concurrent.futures.Future:
+    out: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(f):
+        exc = f.exception()
+        if exc is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result(fn(f.result()))
+
+    fut.add_done_callback(done)
+    return out

@@ -1,0 +1,159 @@
+"""The device worker: a process started with ``spawn`` that owns one device, its buffers and its plans.
+
+Messages in (a ``multiprocessing`` connection, pickled with torch's reductions):
+
+* ``("upload", rid, buffer_id, generation, tensor)``, ``("download", rid, buffer_id, generation)``,
+  ``("free", buffer_id, generation)`` (no reply), ``("run", rid, request)``;
+
+replies out: ``("ok", rid, value)`` or ``("error", rid, exception)``; before it
+exits on a sticky CUDA error (the context is poisoned for good), a worker sends
+``("fault", rid, text)``.  Each buffer is checked against its slot's generation
+before anything is read or written.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import time
+
+from .errors import StaleBuffer
+from .requests import FaultRequest, Reply, buffers_in, resolve
+
+STICKY_EXIT = 70  # the worker's exit code after it reported a sticky CUDA error
+
+
+def is_sticky_cuda_error(exc: BaseException) -> bool:
+    """A CUDA error that leaves the context unusable: any CUDA error in an exception's text (torch raises
+    ``torch.AcceleratorError``, a RuntimeError, with the driver's message)."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("CUDA error" in text or "illegal memory access" in text
+                                              or "unspecified launch failure" in text)
+
+
+class Worker:
+    def __init__(self, device: str, worker_generation: int):
+        import torch
+
+        self.torch = torch
+        self.device = torch.device(device)
+        self.worker_generation = worker_generation
+        self.buffers: dict[int, tuple[int, object]] = {}  # id -> (generation, tensor)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def tensor(self, buf) -> object:
+        held = self.buffers.get(buf.buffer_id)
+        if buf.worker_generation != self.worker_generation or held is None or held[0] != buf.generation:
+            current = None if held is None else held[0]
+            raise StaleBuffer(f"{buf} is stale on this worker (worker generation {self.worker_generation}, "
+                              f"slot generation {current}): it was freed, or made before a restart; upload again")
+        return held[1]
+
+    def upload(self, buffer_id: int, generation: int, tensor):
+        # A CPU tensor arrives in shared memory the client copied it into (runtime/client.py), which nothing else
+        # holds: a CPU worker keeps it as it is.  A CUDA tensor arrives as an IPC handle to the caller's memory:
+        # copied once, so the buffer does not depend on the caller keeping it.  Other devices: one copy onto this one.
+        t = tensor if tensor.device == self.device and tensor.is_shared() else tensor.to(self.device, copy=True)
+        self.buffers[buffer_id] = (generation, t)
+        return None
+
+    def download(self, buf):
+        # A snapshot in fresh shared memory (one copy, which the reply's pickling then passes without another):
+        # the worker's later writes do not show through the caller's tensor.
+        t = self.tensor(buf)
+        out = self.torch.empty(t.shape, dtype=t.dtype).share_memory_()
+        out.copy_(t)
+        return out
+
+    def free(self, buffer_id: int, generation: int) -> None:
+        held = self.buffers.get(buffer_id)
+        if held is not None and held[0] == generation:
+            del self.buffers[buffer_id]
+
+    def run(self, request):
+        if isinstance(request, FaultRequest):
+            return self.fault(request)
+        for buf in buffers_in(request.args):  # every handle checked before anything is read or written
+            self.tensor(buf)
+        module, _, name = request.plan_class.partition(":")
+        plan_cls = getattr(importlib.import_module(module), name)
+        from ..plan import memoised_select
+
+        plan = memoised_select(plan_cls, request.desc)
+        args = resolve(request.args, self.tensor)
+        workspace = None
+        hint = getattr(request, "workspace_hint", 0)
+        if hint and plan.workspace_size() > hint:
+            raise ValueError(f"{request.describe()}: the plan ({plan.sku}) wants {plan.workspace_size()} bytes of "
+                             f"workspace, more than the request's workspace_hint of {hint}")
+        if self.device.type == "cuda":
+            torch = self.torch
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            plan.run(args, workspace)
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            plan.run(args, workspace)
+            ms = (time.perf_counter() - t0) * 1e3
+        return Reply(plan.sku, ms, request.outputs())
+
+    def fault(self, request: FaultRequest):
+        if request.kind == "exit":
+            os._exit(3)
+        if request.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if request.kind == "sticky":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated by FaultRequest)")
+        if request.kind == "illegal_address":
+            from .fault_kernel import write_out_of_bounds
+
+            write_out_of_bounds(self.device)
+            self.torch.cuda.synchronize(self.device)
+        if request.kind == "sleep":
+            time.sleep(request.seconds)
+        return Reply(None, 0.0, ())
+
+
+def main(conn, device: str, worker_generation: int) -> None:
+    """The worker's loop (the spawned process's target)."""
+    importlib.import_module("torch.multiprocessing")  # registers torch's reductions: shared memory, CUDA IPC
+
+    try:
+        worker = Worker(device, worker_generation)
+    except BaseException as e:  # noqa: BLE001 (reported, then the process ends)
+        conn.send(("fault", None, f"the worker could not start on {device}: {type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", None, os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the client is gone
+            return
+        kind, rid = msg[0], msg[1]
+        if kind == "stop":
+            return
+        if kind == "free":
+            worker.free(msg[1], msg[2])
+            continue
+        try:
+            if kind == "upload":
+                value = worker.upload(msg[2], msg[3], msg[4])
+            elif kind == "download":
+                value = worker.download(msg[2])
+            else:
+                value = worker.run(msg[2])
+            conn.send(("ok", rid, value))
+        except BaseException as e:  # noqa: BLE001 (every failure goes back to the request that caused it)
+            if is_sticky_cuda_error(e):
+                conn.send(("fault", rid, f"{type(e).__name__}: {e}"))
+                conn.close()
+                os._exit(STICKY_EXIT)
+            try:
+                conn.send(("error", rid, e))
+            except Exception as unpicklable:  # noqa: BLE001
+                conn.send(("error", rid, RuntimeError(f"{type(e).__name__}: {e} ({unpicklable})")))

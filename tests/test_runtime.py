@@ -1,0 +1,242 @@
+"""The supervised device runtime (kernelplan.runtime) on CPU workers: every request type against the same plan run
+in this process, stale handles, faults by os._exit / SIGKILL / a reported sticky CUDA error, restart intensity, and
+1,000 requests with 5 faults.  The GPU drill (a real illegal-address kernel) is ``test_gpu_illegal_address``."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import random
+import time
+
+import pytest
+import torch
+
+from kernelplan.dtypes import dtype_info
+from kernelplan.errors import InvalidProblem
+from kernelplan.gated import (GatedActivationArgs, GatedActivationBackwardArgs, GatedActivationBackwardPlan,
+                              GatedActivationDescriptor, GatedActivationPlan)
+from kernelplan.gemm import GemmArgs, GemmDescriptor, GemmPlan, ScaleSet
+from kernelplan.runtime import (Buffer, DeviceFailed, DeviceFault, FaultRequest, Fp8LinearRequest,
+                                GatedBackwardRequest, GatedForwardRequest, GemmRequest, Runtime, Sparse24LinearRequest,
+                                StaleBuffer)
+from kernelplan.sparse24 import compress, prune
+from kernelplan.sparse24.gemm import GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan
+
+
+@pytest.fixture(scope="module")
+def rt():
+    with Runtime(devices=("cpu",)) as runtime:
+        yield runtime
+
+
+def _gated(shape=(5, 3, 12), kind="swiglu"):
+    desc = GatedActivationDescriptor(kind, shape, len(shape) - 1, "f32")
+    return desc, torch.randn(shape)
+
+
+def test_every_request_type_matches_the_plan_run_here(rt):
+    b = rt.blocking
+    # gated forward and backward (3-D, odd sizes)
+    desc, x = _gated()
+    y_here = torch.empty(desc.output_shape())
+    GatedActivationPlan.select(desc).run(GatedActivationArgs(x, y_here))
+    xb, yb = b.upload(x), b.upload(torch.zeros(desc.output_shape()))
+    reply = b.run(GatedForwardRequest(desc, GatedActivationArgs(xb, yb)))
+    assert torch.equal(b.download(yb), y_here) and reply.outputs == (yb,) and reply.kernel_ms >= 0
+    assert reply.sku.op and reply.sku.backend
+    dy = torch.randn(desc.output_shape())
+    dx_here = torch.empty(desc.input_shape)
+    GatedActivationBackwardPlan.select(desc).run(GatedActivationBackwardArgs(dy, x, dx_here))
+    dxb = b.upload(torch.zeros(desc.input_shape))
+    b.run(GatedBackwardRequest(desc, GatedActivationBackwardArgs(b.upload(dy), xb, dxb)))
+    assert torch.equal(b.download(dxb), dx_here)
+
+    # GEMM with bias and relu, alpha and beta with C
+    m, n, k = 7, 9, 13
+    a, w, c, bias = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n), torch.randn(n)
+    gdesc = GemmDescriptor(m=m, n=n, k=k, dtype="f32", epilogue="relu_bias", transb=True, has_c=True)
+    d_here = torch.empty(m, n)
+    GemmPlan.select(gdesc).run(GemmArgs(a, w, d_here, c=c, bias=bias, alpha=0.5, beta=2.0))
+    db = b.upload(torch.zeros(m, n))
+    args = GemmArgs(b.upload(a), b.upload(w), db, c=b.upload(c), bias=b.upload(bias), alpha=0.5, beta=2.0)
+    assert b.run(GemmRequest(gdesc, args)).outputs == (db,)
+    assert torch.equal(b.download(db), d_here)
+
+    # fp8 linear: e4m3 operands, tensor-wise scales, bf16 out
+    f8 = torch.float8_e4m3fn
+    a8, w8 = (torch.randn(m * 2, 32) / 2).to(f8), (torch.randn(16, 32) / 2).to(f8)
+    sa, sb = torch.tensor([0.5]), torch.tensor([2.0])
+    fdesc = GemmDescriptor(m=m * 2, n=16, k=32, dtype=dtype_info(f8).name, out_dtype="bf16", transb=True,
+                           scale_a="tensor", scale_b="tensor")
+    d8_here = torch.empty(m * 2, 16, dtype=torch.bfloat16)
+    GemmPlan.select(fdesc).run(GemmArgs(a8, w8, d8_here, scales=ScaleSet(a=sa, b=sb)))
+    d8 = b.upload(torch.zeros(m * 2, 16, dtype=torch.bfloat16))
+    b.run(Fp8LinearRequest(fdesc, GemmArgs(b.upload(a8), b.upload(w8), d8,
+                                           scales=ScaleSet(a=b.upload(sa), b=b.upload(sb)))))
+    assert torch.equal(b.download(d8), d8_here)
+
+    # 2:4 linear
+    w24 = compress(prune(torch.randn(24, 64)))
+    xs = torch.randn(5, 64)
+    sdesc = GemmSparse24Descriptor(n=5, m=24, k=64, dtype="f32")
+    y24_here = torch.empty(5, 24)
+    GemmSparse24Plan.select(sdesc).run(GemmSparse24Args(xs, w24.values, w24.metadata, y24_here))
+    y24 = b.upload(torch.zeros(5, 24))
+    b.run(Sparse24LinearRequest(sdesc, GemmSparse24Args(b.upload(xs), b.upload(w24.values), b.upload(w24.metadata),
+                                                        y24)))
+    assert torch.equal(b.download(y24), y24_here)
+
+
+def test_uploads_are_snapshots_and_downloads_too(rt):
+    t = torch.arange(6.0)
+    buf = rt.blocking.upload(t[::2])  # non-contiguous in, a copy held
+    t.zero_()
+    got = rt.blocking.download(buf)
+    assert torch.equal(got, torch.tensor([0.0, 2.0, 4.0]))
+    got.zero_()
+    assert torch.equal(rt.blocking.download(buf), torch.tensor([0.0, 2.0, 4.0]))
+
+
+def test_the_asyncio_api_pipelines(rt):
+    async def main():
+        bufs = await asyncio.gather(*(rt.upload(torch.full((3,), float(i))) for i in range(20)))
+        outs = await asyncio.gather(*(rt.download(b) for b in bufs))
+        replies = await asyncio.gather(*(rt.run(FaultRequest("none")) for _ in range(50)))
+        return outs, replies
+
+    outs, replies = asyncio.run(main())
+    assert [float(o[0]) for o in outs] == [float(i) for i in range(20)]
+    assert len(replies) == 50 and all(r.outputs == () for r in replies)
+
+
+def test_freed_buffers_are_refused_before_anything_is_sent(rt):
+    buf = rt.blocking.upload(torch.ones(4))
+    rt.blocking.free(buf)
+    with pytest.raises(StaleBuffer, match="slot generation None"):
+        rt.blocking.download(buf)
+    with pytest.raises(StaleBuffer):
+        rt.blocking.free(buf)
+    desc, x = _gated((4, 8))
+    y = rt.blocking.upload(torch.zeros(4, 4))
+    with pytest.raises(StaleBuffer):
+        rt.blocking.run(GatedForwardRequest(desc, GatedActivationArgs(buf, y)))
+    forged = Buffer("cpu", rt.worker_generation(), 10**6, 0, (4,), "f32")
+    with pytest.raises(StaleBuffer):
+        rt.blocking.download(forged)
+    assert torch.equal(rt.blocking.download(y), torch.zeros(4, 4))  # nothing was written
+
+
+def test_an_op_error_comes_back_and_the_worker_stays(rt):
+    gen = rt.worker_generation()
+    desc, x = _gated((4, 8))
+    wrong = rt.blocking.upload(torch.zeros(4, 5))  # y of the wrong shape
+    before = rt.blocking.download(wrong)
+    with pytest.raises(InvalidProblem, match="y"):
+        rt.blocking.run(GatedForwardRequest(desc, GatedActivationArgs(rt.blocking.upload(x), wrong)))
+    assert torch.equal(rt.blocking.download(wrong), before) and rt.worker_generation() == gen
+
+
+def test_requests_are_checked_when_built():
+    desc, x = _gated((4, 8))
+    with pytest.raises(InvalidProblem, match="upload it first"):
+        GatedForwardRequest(desc, GatedActivationArgs(x, torch.zeros(4, 4)))
+    with pytest.raises(InvalidProblem, match="GatedActivationArgs"):
+        GatedForwardRequest(desc, GatedActivationBackwardArgs(None, None, None))
+    gdesc = GemmDescriptor(m=2, n=2, k=2, dtype="f32", transb=True)
+    with pytest.raises(InvalidProblem, match="fp8"):
+        Fp8LinearRequest(gdesc, GemmArgs(None, None, None))
+    with pytest.raises(InvalidProblem, match="kind"):
+        FaultRequest("explode")
+
+
+@pytest.mark.parametrize("kind, cause", [("exit", "exited with code 3"), ("kill", "killed by signal 9"),
+                                         ("sticky", "sticky CUDA error")])
+def test_a_fault_fails_what_is_in_flight_and_the_worker_restarts(kind, cause):
+    with Runtime(devices=("cpu",)) as rt:
+        old = rt.blocking.upload(torch.ones(3))
+        gen = rt.worker_generation()
+        t0 = time.monotonic()
+        fault = rt.submit_run(FaultRequest(kind))
+        failed_at = []
+        fault.add_done_callback(lambda f: failed_at.append(time.monotonic()))
+        queued = [rt.submit_run(FaultRequest("sleep", 0.01)) for _ in range(3)]  # may wait for the restart
+        with pytest.raises(DeviceFault, match=cause):
+            fault.result(timeout=10)
+        failed_s = failed_at[0] - t0
+        # Each request behind the fault either reached the dying worker (and fails with it) or was not delivered
+        # (and runs on the new worker): none hangs.
+        for fut in queued:
+            try:
+                assert fut.result(timeout=10).outputs == ()
+            except DeviceFault as e:
+                assert cause in str(e)
+        after = rt.blocking.upload(torch.full((2,), 7.0))  # waits for the new worker
+        restarted_s = time.monotonic() - t0
+        assert rt.worker_generation() == gen + 1
+        assert torch.equal(rt.blocking.download(after), torch.full((2,), 7.0))
+        with pytest.raises(StaleBuffer, match=f"holds worker generation {gen}, .* current worker generation {gen + 1}"):
+            rt.blocking.download(old)
+        assert failed_s < 2.0 and restarted_s < 10.0, (failed_s, restarted_s)
+
+
+def test_past_the_restart_intensity_the_device_is_failed():
+    with Runtime(devices=("cpu",), max_restarts=1, period_s=60) as rt:
+        with pytest.raises(DeviceFault):
+            rt.blocking.run(FaultRequest("exit"))
+        rt.blocking.run(FaultRequest("none"))  # one restart allowed
+        with pytest.raises(DeviceFault):
+            rt.blocking.run(FaultRequest("exit"))
+        with pytest.raises(DeviceFailed, match="restart intensity allows 1"):
+            rt.blocking.run(FaultRequest("none"))
+
+
+def test_a_thousand_requests_with_five_faults_each_answered_once():
+    rng = random.Random(0)
+    faults = set(rng.sample(range(50, 950), 5))
+    with Runtime(devices=("cpu",), max_restarts=10) as rt:
+        futures, kinds = [], []
+        for i in range(1000):  # at most 32 in flight, as a server's queue would keep them
+            if i >= 32:
+                concurrent.futures.wait([futures[i - 32]])
+            kinds.append("fault" if i in faults else "ok")
+            futures.append(rt.submit_run(FaultRequest("exit" if i in faults else "none")))
+        answers = [0] * 1000
+        for i, fut in enumerate(futures):
+            fut.add_done_callback(lambda f, i=i: answers.__setitem__(i, answers[i] + 1))
+        outcomes = []
+        for fut in futures:
+            try:
+                fut.result(timeout=60)
+                outcomes.append("ok")
+            except DeviceFault:
+                outcomes.append("fault")
+        assert answers == [1] * 1000  # none lost, none answered twice
+        assert all(o == "fault" for o, k in zip(outcomes, kinds) if k == "fault")
+        # Requests in flight at a fault (at most the 31 behind it) fail with it; the rest succeed.
+        assert outcomes.count("ok") >= 1000 - 5 * 32, outcomes.count("ok")
+        for f in sorted(faults):
+            assert outcomes[f + 32:f + 33] in ([], ["ok"]), f
+        assert rt.worker_generation() == 6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_illegal_address_fails_in_flight_requests_and_recovers():
+    with Runtime(devices=("cuda:0",)) as rt:
+        desc = GatedActivationDescriptor("swiglu", (64, 256), 1, "bf16", device="cuda:0")
+        x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+        xb, yb = rt.blocking.upload(x), rt.blocking.upload(torch.zeros(64, 128, dtype=torch.bfloat16))
+        ok = rt.blocking.run(GatedForwardRequest(desc, GatedActivationArgs(xb, yb)))
+        assert ok.kernel_ms > 0
+        t0 = time.monotonic()
+        with pytest.raises(DeviceFault, match="sticky CUDA error"):
+            rt.blocking.run(FaultRequest("illegal_address"))
+        assert time.monotonic() - t0 < 2.0
+        xb2, yb2 = rt.blocking.upload(x), rt.blocking.upload(torch.zeros(64, 128, dtype=torch.bfloat16))
+        rt.blocking.run(GatedForwardRequest(desc, GatedActivationArgs(xb2, yb2)))
+        want = torch.empty(64, 128, dtype=torch.bfloat16, device="cuda")
+        GatedActivationPlan.select(desc).run(GatedActivationArgs(x, want))
+        assert torch.equal(rt.blocking.download(yb2), want.cpu())
+        with pytest.raises(StaleBuffer):
+            rt.blocking.download(yb)
