@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import queue
 import signal
+import threading
 import time
 
 from .errors import StaleBuffer
@@ -30,6 +32,19 @@ def is_sticky_cuda_error(exc: BaseException) -> bool:
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("CUDA error" in text or "illegal memory access" in text
                                               or "unspecified launch failure" in text)
+
+
+class Pending:
+    """A GPU request launched and not yet complete: its events, and what its reply will say."""
+
+    __slots__ = ("start", "end", "sku", "outputs")
+
+    def __init__(self, start, end, sku, outputs):
+        self.start, self.end, self.sku, self.outputs = start, end, sku, outputs
+
+    def wait(self) -> Reply:
+        self.end.synchronize()
+        return Reply(self.sku, self.start.elapsed_time(self.end), self.outputs)
 
 
 class Worker:
@@ -89,13 +104,14 @@ class Worker:
             raise ValueError(f"{request.describe()}: the plan ({plan.sku}) wants {plan.workspace_size()} bytes of "
                              f"workspace, more than the request's workspace_hint of {hint}")
         if self.device.type == "cuda":
+            # Launched, not waited for: the reply goes out when the end event completes (``main``'s completer
+            # thread), so the next request's launch overlaps this one's kernel.
             torch = self.torch
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             plan.run(args, workspace)
             end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
+            return Pending(start, end, plan.sku, request.outputs())
         else:
             t0 = time.perf_counter()
             plan.run(args, workspace)
@@ -128,7 +144,34 @@ def main(conn, device: str, worker_generation: int) -> None:
     except BaseException as e:  # noqa: BLE001 (reported, then the process ends)
         conn.send(("fault", None, f"the worker could not start on {device}: {type(e).__name__}: {e}"))
         return
-    conn.send(("ready", None, os.getpid()))
+    lock = threading.Lock()  # the loop and the completer both send
+
+    def send(msg) -> None:
+        with lock:
+            conn.send(msg)
+
+    def fail(rid, e: BaseException) -> None:
+        if is_sticky_cuda_error(e):
+            send(("fault", rid, f"{type(e).__name__}: {e}"))
+            conn.close()
+            os._exit(STICKY_EXIT)
+        try:
+            send(("error", rid, e))
+        except Exception as unpicklable:  # noqa: BLE001
+            send(("error", rid, RuntimeError(f"{type(e).__name__}: {e} ({unpicklable})")))
+
+    launched: queue.Queue = queue.Queue()
+
+    def complete() -> None:  # GPU replies, in launch order, as their kernels finish
+        while True:
+            rid, pending = launched.get()
+            try:
+                send(("ok", rid, pending.wait()))
+            except BaseException as e:  # noqa: BLE001
+                fail(rid, e)
+
+    threading.Thread(target=complete, daemon=True, name="kernelplan-completer").start()
+    send(("ready", None, os.getpid()))
     while True:
         try:
             msg = conn.recv()
@@ -147,13 +190,9 @@ def main(conn, device: str, worker_generation: int) -> None:
                 value = worker.download(msg[2])
             else:
                 value = worker.run(msg[2])
-            conn.send(("ok", rid, value))
+            if isinstance(value, Pending):
+                launched.put((rid, value))
+            else:
+                send(("ok", rid, value))
         except BaseException as e:  # noqa: BLE001 (every failure goes back to the request that caused it)
-            if is_sticky_cuda_error(e):
-                conn.send(("fault", rid, f"{type(e).__name__}: {e}"))
-                conn.close()
-                os._exit(STICKY_EXIT)
-            try:
-                conn.send(("error", rid, e))
-            except Exception as unpicklable:  # noqa: BLE001
-                conn.send(("error", rid, RuntimeError(f"{type(e).__name__}: {e} ({unpicklable})")))
+            fail(rid, e)
