@@ -5,7 +5,8 @@
   per request.
 * ``--device cuda[:i]``: also a 2:4 linear at n = 16 on a 70B shape (8192 x 8192,
   bf16): calls per second of the plan run directly in this process against the
-  same request through the runtime, pipelined (64 in flight), alternating rounds.
+  same request through the runtime, sent whole and prepared (``Runtime.prepare``),
+  pipelined (64 in flight), alternating rounds.
 
 Writes ``bench/results/runtime-<cpu|gpu>.json``.
 
@@ -123,14 +124,18 @@ def sparse24_through_runtime(device: str, rounds: int) -> dict:
                                                                b.upload(y)))
         got = b.run(request)
         check = float((b.download(request.args.y).to(device).float() - (plan.run(args) or y).float()).abs().max())
-        direct, through = [], []
+        prepared = b.prepare(request)
+        direct, through, kept = [], [], []
         for _ in range(rounds):
             direct.append(direct_per_s(2000))
             through.append(streamed_per_s(lambda: rt.submit_run(request), 2000, 64))
+            kept.append(streamed_per_s(lambda: rt.submit_run_prepared(prepared), 2000, 64))
     return {"shape": [n, m, k], "dtype": "bf16", "backend": got.sku.backend, "kernel_ms": got.kernel_ms,
             "max_abs_diff_vs_direct": check, "direct_calls_per_s": statistics.median(direct),
             "runtime_calls_per_s": statistics.median(through),
-            "runtime_over_direct": statistics.median(through) / statistics.median(direct)}
+            "runtime_over_direct": statistics.median(through) / statistics.median(direct),
+            "prepared_calls_per_s": statistics.median(kept),
+            "prepared_over_direct": statistics.median(kept) / statistics.median(direct)}
 
 
 def main() -> int:
@@ -153,7 +158,8 @@ def main() -> int:
     if dev.type == "cuda":
         out["sparse24"] = s = sparse24_through_runtime(a.device, a.rounds)
         print(f"2:4 linear n=16 8192x8192 bf16 ({s['backend']}): direct {s['direct_calls_per_s']:.0f}/s, through "
-              f"the runtime {s['runtime_calls_per_s']:.0f}/s ({s['runtime_over_direct']:.2f}x)", flush=True)
+              f"the runtime {s['runtime_calls_per_s']:.0f}/s ({s['runtime_over_direct']:.2f}x), prepared "
+              f"{s['prepared_calls_per_s']:.0f}/s ({s['prepared_over_direct']:.2f}x)", flush=True)
     env = environment(dev)
     env["cpu_count"] = os.cpu_count()
     path = a.out or os.path.join(os.path.dirname(__file__), "results",

@@ -88,6 +88,24 @@ def test_every_request_type_matches_the_plan_run_here(rt):
     assert torch.equal(b.download(y24), y24_here)
 
 
+def test_a_prepared_request_runs_again_and_refuses_freed_buffers(rt):
+    b = rt.blocking
+    desc, x = _gated((6, 10))
+    xb, yb = b.upload(x), b.upload(torch.zeros(6, 5))
+    prepared = b.prepare(GatedForwardRequest(desc, GatedActivationArgs(xb, yb)))
+    want = torch.empty(6, 5)
+    GatedActivationPlan.select(desc).run(GatedActivationArgs(x, want))
+    for _ in range(3):
+        assert b.run(prepared).outputs == (yb,)
+    assert torch.equal(b.download(yb), want)
+    b.free(xb)
+    with pytest.raises(StaleBuffer):
+        b.run(prepared)
+    bad = b.upload(torch.zeros(6, 4))  # checked once, when prepared
+    with pytest.raises(InvalidProblem):
+        b.prepare(GatedForwardRequest(desc, GatedActivationArgs(b.upload(x), bad)))
+
+
 def test_uploads_are_snapshots_and_downloads_too(rt):
     t = torch.arange(6.0)
     buf = rt.blocking.upload(t[::2])  # non-contiguous in, a copy held
@@ -234,7 +252,8 @@ def test_gpu_illegal_address_fails_in_flight_requests_and_recovers():
             rt.blocking.run(FaultRequest("illegal_address"))
         assert time.monotonic() - t0 < 2.0
         xb2, yb2 = rt.blocking.upload(x), rt.blocking.upload(torch.zeros(64, 128, dtype=torch.bfloat16))
-        rt.blocking.run(GatedForwardRequest(desc, GatedActivationArgs(xb2, yb2)))
+        prepared = rt.blocking.prepare(GatedForwardRequest(desc, GatedActivationArgs(xb2, yb2)))
+        assert rt.blocking.run(prepared).kernel_ms > 0
         want = torch.empty(64, 128, dtype=torch.bfloat16, device="cuda")
         GatedActivationPlan.select(desc).run(GatedActivationArgs(x, want))
         assert torch.equal(rt.blocking.download(yb2), want.cpu())

@@ -28,9 +28,11 @@ import concurrent.futures
 import itertools
 import threading
 import time
+from dataclasses import dataclass
 
 from .errors import DeviceFailed, DeviceFault, StaleBuffer
 from .requests import Buffer, buffers_in
+from .worker import rebuild
 
 _START_TIMEOUT_S = 120  # a spawned worker imports torch before it answers
 
@@ -86,6 +88,11 @@ class _DeviceWorker:
                 kind, rid, value = conn.recv()
             except (EOFError, OSError):
                 break
+            except Exception as e:  # noqa: BLE001  a reply that cannot be read: its request is unknown, so the
+                # worker is stopped and everything in flight fails, rather than a request waiting for ever
+                sticky = f"a reply could not be read ({type(e).__name__}: {e}); the worker was stopped"
+                self.proc.kill()
+                continue
             if kind == "fault":
                 sticky = value
                 continue
@@ -97,7 +104,7 @@ class _DeviceWorker:
             if kind == "ok":
                 fut.set_result(value)
             else:
-                fut.set_exception(value)
+                fut.set_exception(rebuild(value))
         if not self._closing:
             self._on_death(generation, sticky)
 
@@ -108,7 +115,7 @@ class _DeviceWorker:
         self._ready.clear()
         self.proc.join(timeout=5)
         code = self.proc.exitcode
-        cause = (f"a sticky CUDA error: {sticky}" if sticky else
+        cause = (sticky if sticky and sticky.startswith("a reply") else f"a sticky CUDA error: {sticky}" if sticky else
                  f"the worker was killed by signal {-code}" if code is not None and code < 0 else
                  f"the worker exited with code {code}")
         for fut, what in lost.values():
@@ -221,6 +228,7 @@ class Runtime:
 
         choice(backend, "backend", ("process",))
         self.devices = tuple(str(torch.device(d)) for d in devices)
+        self._prepared_ids = itertools.count()
         self._workers: dict[str, _DeviceWorker] = {}
         try:
             for d in self.devices:
@@ -265,6 +273,28 @@ class Runtime:
         device = bufs[0].device if bufs else self.devices[0]
         return self._worker(device).submit(("run", request), request.describe(), bufs)
 
+    def submit_prepare(self, request) -> concurrent.futures.Future:
+        """Check ``request`` once in the worker and keep it; the future gives a ``Prepared`` to run again and again
+        with only its handles re-checked (a serving loop's fixed buffers; a message of a few bytes)."""
+        bufs = buffers_in(request.args)
+        w = self._worker(bufs[0].device if bufs else self.devices[0])
+        holder = {}
+
+        def make():
+            holder["id"], holder["worker"] = next(self._prepared_ids), w.generation
+            return holder["id"], request
+
+        inner = w.submit(("prepare",), f"prepare {request.describe()}", bufs, make=make)
+        return _then(inner, lambda _: Prepared(request, w.device, holder["worker"], holder["id"]))
+
+    def submit_run_prepared(self, prepared: "Prepared") -> concurrent.futures.Future:
+        w = self._worker(prepared.device)
+        if prepared.worker_generation != w.generation:
+            raise StaleBuffer(f"{prepared} was prepared on worker generation {prepared.worker_generation}; the "
+                              f"current one is {w.generation} (restarted): prepare it again with new buffers")
+        return w.submit(("run_prepared", prepared.prepared_id), prepared.request.describe(),
+                        buffers_in(prepared.request.args))
+
     def free(self, buf: Buffer) -> None:
         """Release a buffer; its handle (and every copy of it) is stale from here on."""
         self._worker(buf.device).free(buf)
@@ -277,7 +307,12 @@ class Runtime:
         return await asyncio.wrap_future(self.submit_download(buf))
 
     async def run(self, request):
-        return await asyncio.wrap_future(self.submit_run(request))
+        """A request, or a ``Prepared`` one."""
+        submit = self.submit_run_prepared if isinstance(request, Prepared) else self.submit_run
+        return await asyncio.wrap_future(submit(request))
+
+    async def prepare(self, request) -> "Prepared":
+        return await asyncio.wrap_future(self.submit_prepare(request))
 
     def close(self) -> None:
         for w in self._workers.values():
@@ -304,10 +339,24 @@ class BlockingRuntime:
         return self._rt.submit_download(buf).result()
 
     def run(self, request):
-        return self._rt.submit_run(request).result()
+        submit = self._rt.submit_run_prepared if isinstance(request, Prepared) else self._rt.submit_run
+        return submit(request).result()
+
+    def prepare(self, request) -> "Prepared":
+        return self._rt.submit_prepare(request).result()
 
     def free(self, buf: Buffer) -> None:
         self._rt.free(buf)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request kept by one worker generation (``Runtime.prepare``)."""
+
+    request: object
+    device: str
+    worker_generation: int
+    prepared_id: int
 
 
 def _then(fut: concurrent.futures.Future, fn) -> concurrent.futures.Future:

@@ -4,6 +4,8 @@ Messages in (a ``multiprocessing`` connection, pickled with torch's reductions):
 
 * ``("upload", rid, buffer_id, generation, tensor)``, ``("download", rid, buffer_id, generation)``,
   ``("free", buffer_id, generation)`` (no reply), ``("run", rid, request)``;
+* ``("prepare", rid, id, request)``: the request checked once and kept; ``("run_prepared", rid, id)`` runs it
+  (its handles checked again, nothing else); ``("unprepare", rid, id)``;
 
 replies out: ``("ok", rid, value)`` or ``("error", rid, exception)``; before it
 exits on a sticky CUDA error (the context is poisoned for good), a worker sends
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import pickle
 import queue
 import signal
 import threading
@@ -24,6 +27,32 @@ from .errors import StaleBuffer
 from .requests import FaultRequest, Reply, buffers_in, resolve
 
 STICKY_EXIT = 70  # the worker's exit code after it reported a sticky CUDA error
+
+
+def portable(exc: BaseException):
+    """The exception itself where it survives pickling, else (module, class name, message) for ``rebuild``: an
+    exception whose ``__init__`` takes more than its message (``BufferTooSmall``) cannot be unpickled."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001
+        return (type(exc).__module__, type(exc).__qualname__, str(exc))
+
+
+def rebuild(value) -> BaseException:
+    """The client's side of ``portable``: the same class, made without its ``__init__``, with the message."""
+    if isinstance(value, BaseException):
+        return value
+    module, name, message = value
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        if not (isinstance(cls, type) and issubclass(cls, BaseException)):
+            raise TypeError(name)
+        exc = cls.__new__(cls)
+        exc.args = (message,)
+        return exc
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{module}.{name}: {message}")
 
 
 def is_sticky_cuda_error(exc: BaseException) -> bool:
@@ -37,14 +66,16 @@ def is_sticky_cuda_error(exc: BaseException) -> bool:
 class Pending:
     """A GPU request launched and not yet complete: its events, and what its reply will say."""
 
-    __slots__ = ("start", "end", "sku", "outputs")
+    __slots__ = ("start", "end", "sku", "outputs", "pool")
 
-    def __init__(self, start, end, sku, outputs):
-        self.start, self.end, self.sku, self.outputs = start, end, sku, outputs
+    def __init__(self, start, end, sku, outputs, pool):
+        self.start, self.end, self.sku, self.outputs, self.pool = start, end, sku, outputs, pool
 
     def wait(self) -> Reply:
         self.end.synchronize()
-        return Reply(self.sku, self.start.elapsed_time(self.end), self.outputs)
+        reply = Reply(self.sku, self.start.elapsed_time(self.end), self.outputs)
+        self.pool.append((self.start, self.end))  # list.append: atomic under the GIL
+        return reply
 
 
 class Worker:
@@ -55,6 +86,8 @@ class Worker:
         self.device = torch.device(device)
         self.worker_generation = worker_generation
         self.buffers: dict[int, tuple[int, object]] = {}  # id -> (generation, tensor)
+        self.prepared: dict[int, tuple] = {}  # id -> (request, plan, args as tensors), checked once
+        self.events: list = []  # CUDA timing events, reused
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
@@ -87,9 +120,8 @@ class Worker:
         if held is not None and held[0] == generation:
             del self.buffers[buffer_id]
 
-    def run(self, request):
-        if isinstance(request, FaultRequest):
-            return self.fault(request)
+    def _bind(self, request):
+        """The request's plan and its args as tensors, after every check: handles, then the plan's own."""
         for buf in buffers_in(request.args):  # every handle checked before anything is read or written
             self.tensor(buf)
         module, _, name = request.plan_class.partition(":")
@@ -98,25 +130,43 @@ class Worker:
 
         plan = memoised_select(plan_cls, request.desc)
         args = resolve(request.args, self.tensor)
-        workspace = None
         hint = getattr(request, "workspace_hint", 0)
         if hint and plan.workspace_size() > hint:
             raise ValueError(f"{request.describe()}: the plan ({plan.sku}) wants {plan.workspace_size()} bytes of "
                              f"workspace, more than the request's workspace_hint of {hint}")
+        plan.can_implement(args)
+        return plan, args
+
+    def run(self, request):
+        if isinstance(request, FaultRequest):
+            return self.fault(request)
+        plan, args = self._bind(request)
+        return self._launch(plan, args, request.outputs())
+
+    def prepare(self, prepared_id: int, request) -> None:
+        self.prepared[prepared_id] = (request, *self._bind(request))
+
+    def run_prepared(self, prepared_id: int):
+        request, plan, args = self.prepared[prepared_id]
+        for buf in buffers_in(request.args):  # a buffer freed since: refused, nothing run
+            self.tensor(buf)
+        return self._launch(plan, args, request.outputs())
+
+    def _launch(self, plan, args, outputs):
         if self.device.type == "cuda":
             # Launched, not waited for: the reply goes out when the end event completes (``main``'s completer
             # thread), so the next request's launch overlaps this one's kernel.
-            torch = self.torch
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, end = self.events.pop() if self.events else (self._event(), self._event())
             start.record()
-            plan.run(args, workspace)
+            plan.run_prechecked(args)
             end.record()
-            return Pending(start, end, plan.sku, request.outputs())
-        else:
-            t0 = time.perf_counter()
-            plan.run(args, workspace)
-            ms = (time.perf_counter() - t0) * 1e3
-        return Reply(plan.sku, ms, request.outputs())
+            return Pending(start, end, plan.sku, outputs, self.events)
+        t0 = time.perf_counter()
+        plan.run_prechecked(args)
+        return Reply(plan.sku, (time.perf_counter() - t0) * 1e3, outputs)
+
+    def _event(self):
+        return self.torch.cuda.Event(enable_timing=True)
 
     def fault(self, request: FaultRequest):
         if request.kind == "exit":
@@ -155,10 +205,7 @@ def main(conn, device: str, worker_generation: int) -> None:
             send(("fault", rid, f"{type(e).__name__}: {e}"))
             conn.close()
             os._exit(STICKY_EXIT)
-        try:
-            send(("error", rid, e))
-        except Exception as unpicklable:  # noqa: BLE001
-            send(("error", rid, RuntimeError(f"{type(e).__name__}: {e} ({unpicklable})")))
+        send(("error", rid, portable(e)))
 
     launched: queue.Queue = queue.Queue()
 
@@ -188,6 +235,12 @@ def main(conn, device: str, worker_generation: int) -> None:
                 value = worker.upload(msg[2], msg[3], msg[4])
             elif kind == "download":
                 value = worker.download(msg[2])
+            elif kind == "prepare":
+                value = worker.prepare(msg[2], msg[3])
+            elif kind == "run_prepared":
+                value = worker.run_prepared(msg[2])
+            elif kind == "unprepare":
+                value = worker.prepared.pop(msg[2], None) and None
             else:
                 value = worker.run(msg[2])
             if isinstance(value, Pending):
