@@ -120,6 +120,26 @@ def pruning_notes() -> list[str]:
     return lines
 
 
+def runtime_notes() -> list[str]:
+    """The device runtime's round trips (CPU and GPU workers) and a 2:4 linear through it."""
+    lines = []
+    for name in ("runtime-cpu", "runtime-gpu"):
+        doc = _load(name)
+        if not doc:
+            continue
+        line = (f"- Device runtime (`kernelplan.runtime`), a tiny request's round trip: one at a time "
+                f"{doc['tiny_one_at_a_time_us']:.0f} us, pipelined 64 deep {doc['tiny_pipelined_64_us']:.0f} us a "
+                f"request (a bare pipe to an echo process: {doc['raw_pipe_one_at_a_time_us']:.0f} and "
+                f"{doc['raw_pipe_pipelined_64_us']:.0f} us)")
+        s = doc.get("sparse24")
+        if s:
+            line += (f"; a 2:4 linear at n = 16 on 8192x8192 bf16 through it, 64 in flight: "
+                     f"{s['runtime_over_direct']:.2f}x of direct calls' throughput, {s['prepared_over_direct']:.2f}x "
+                     f"prepared")
+        lines.append(line + f", {doc['device']} ({doc['cpu_count']} CPUs) at {doc['commit']} (`bench/results/{name}.json`).")
+    return lines
+
+
 def table() -> str:
     head = ["| op | " + " | ".join(label for label, _, _ in N_RANGES) + " | measured on |",
             "|---|" + "---|" * len(N_RANGES) + "---|"]
@@ -130,6 +150,7 @@ def table() -> str:
         body += sparse24_rows(name)
     lines = head + body + [""] + sparse24_notes()
     lines += pruning_notes()
+    lines += runtime_notes()
     gated = _load("gated-h200")
     if gated:
         rows = gated["suites"]["gated"]
