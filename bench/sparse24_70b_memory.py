@@ -29,7 +29,7 @@ import transformers
 import triton
 
 import kernelplan as kp
-from kernelplan.bench.decode import DecodeStep, GraphedDecode
+from kernelplan.bench.decode import DecodeStep, GraphedDecode, weight_bytes
 from kernelplan.nn import Sparse24Linear
 
 GiB = 2**30
@@ -70,18 +70,6 @@ def build(cfg, sparse: bool, device: str = "cuda"):
         return None, reached
     finally:
         torch.set_default_dtype(torch.float32)
-
-
-def weight_bytes(model) -> int:
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            total += t.untyped_storage().nbytes()
-    for mod in model.modules():
-        if isinstance(mod, Sparse24Linear):
-            total += sum(mod.weight24.derived_bytes().values())
-    return total
 
 
 def measure(cfg, sparse: bool, prompt_len: int, steps: int) -> dict:

@@ -27,22 +27,9 @@ import transformers
 import triton
 
 import kernelplan as kp
-from kernelplan.bench.decode import DecodeStep, Graphed, GraphedDecode
+from kernelplan.bench.decode import DecodeStep, Graphed, GraphedDecode, weight_bytes
 from kernelplan.nn import Sparse24Linear
 from kernelplan.timing import interleaved
-
-
-def weight_bytes(model) -> int:
-    """Bytes of the model's parameters and buffers, plus the 2:4 layouts its layers built (each storage once)."""
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            total += t.untyped_storage().nbytes()
-    for mod in model.modules():
-        if isinstance(mod, Sparse24Linear):
-            total += sum(mod.weight24.derived_bytes().values())
-    return total
 
 
 def wall(fn) -> float:

@@ -168,34 +168,34 @@ def test_requests_are_checked_when_built():
         FaultRequest("explode")
 
 
-@pytest.mark.parametrize("kind, cause", [("exit", "exited with code 3"), ("kill", "killed by signal 9"),
-                                         ("sticky", "sticky CUDA error")])
-def test_a_fault_fails_what_is_in_flight_and_the_worker_restarts(kind, cause):
-    with Runtime(devices=("cpu",)) as rt:
-        old = rt.blocking.upload(torch.ones(3))
-        gen = rt.worker_generation()
-        t0 = time.monotonic()
-        fault = rt.submit_run(FaultRequest(kind))
-        failed_at = []
-        fault.add_done_callback(lambda f: failed_at.append(time.monotonic()))
-        queued = [rt.submit_run(FaultRequest("sleep", 0.01)) for _ in range(3)]  # may wait for the restart
-        with pytest.raises(DeviceFault, match=cause):
-            fault.result(timeout=10)
-        failed_s = failed_at[0] - t0
-        # Each request behind the fault either reached the dying worker (and fails with it) or was not delivered
-        # (and runs on the new worker): none hangs.
-        for fut in queued:
-            try:
-                assert fut.result(timeout=10).outputs == ()
-            except DeviceFault as e:
-                assert cause in str(e)
-        after = rt.blocking.upload(torch.full((2,), 7.0))  # waits for the new worker
-        restarted_s = time.monotonic() - t0
-        assert rt.worker_generation() == gen + 1
-        assert torch.equal(rt.blocking.download(after), torch.full((2,), 7.0))
-        with pytest.raises(StaleBuffer, match=f"holds worker generation {gen}, .* current worker generation {gen + 1}"):
-            rt.blocking.download(old)
-        assert failed_s < 2.0 and restarted_s < 10.0, (failed_s, restarted_s)
+def test_a_fault_fails_what_is_in_flight_and_the_worker_restarts():
+    with Runtime(devices=("cpu",)) as rt:  # one runtime through all three faults: generations 1 -> 4
+        for kind, cause in (("exit", "exited with code 3"), ("kill", "killed by signal 9"),
+                            ("sticky", "sticky CUDA error")):
+            old = rt.blocking.upload(torch.ones(3))
+            gen = rt.worker_generation()
+            t0 = time.monotonic()
+            fault = rt.submit_run(FaultRequest(kind))
+            failed_at = []
+            fault.add_done_callback(lambda f: failed_at.append(time.monotonic()))
+            queued = [rt.submit_run(FaultRequest("sleep", 0.01)) for _ in range(3)]  # may wait for the restart
+            with pytest.raises(DeviceFault, match=cause):
+                fault.result(timeout=10)
+            failed_s = failed_at[0] - t0
+            # Each request behind the fault either reached the dying worker (and fails with it) or was not
+            # delivered (and runs on the new worker): none hangs.
+            for fut in queued:
+                try:
+                    assert fut.result(timeout=10).outputs == ()
+                except DeviceFault as e:
+                    assert cause in str(e)
+            after = rt.blocking.upload(torch.full((2,), 7.0))  # waits for the new worker
+            restarted_s = time.monotonic() - t0
+            assert rt.worker_generation() == gen + 1
+            assert torch.equal(rt.blocking.download(after), torch.full((2,), 7.0))
+            with pytest.raises(StaleBuffer, match=f"holds worker generation {gen}, .* current worker generation {gen + 1}"):
+                rt.blocking.download(old)
+            assert failed_s < 2.0 and restarted_s < 10.0, (kind, failed_s, restarted_s)
 
 
 def test_past_the_restart_intensity_the_device_is_failed():

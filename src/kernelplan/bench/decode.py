@@ -16,6 +16,21 @@ import time
 import torch
 
 
+def weight_bytes(model) -> int:
+    """Bytes of a model's parameters and buffers, each storage once, plus the 2:4 layouts its layers built."""
+    from ..nn import Sparse24Linear
+
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    for mod in model.modules():
+        if isinstance(mod, Sparse24Linear):
+            total += sum(mod.weight24.derived_bytes().values())
+    return total
+
+
 def static_cache(model, batch: int, max_len: int):
     from transformers import StaticCache
 
