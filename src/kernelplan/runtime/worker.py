@@ -15,12 +15,11 @@ before anything is read or written.
 
 from __future__ import annotations
 
+import collections
 import importlib
 import os
 import pickle
-import queue
 import signal
-import threading
 import time
 
 from .errors import StaleBuffer
@@ -66,7 +65,7 @@ def is_sticky_cuda_error(exc: BaseException) -> bool:
 class Pending:
     """A GPU request launched and not yet complete: its events, and what its reply will say."""
 
-    __slots__ = ("start", "end", "sku", "outputs", "pool")
+    __slots__ = ("start", "end", "sku", "outputs", "pool")  # pool: the worker's free events, reused
 
     def __init__(self, start, end, sku, outputs, pool):
         self.start, self.end, self.sku, self.outputs, self.pool = start, end, sku, outputs, pool
@@ -74,7 +73,7 @@ class Pending:
     def wait(self) -> Reply:
         self.end.synchronize()
         reply = Reply(self.sku, self.start.elapsed_time(self.end), self.outputs)
-        self.pool.append((self.start, self.end))  # list.append: atomic under the GIL
+        self.pool.append((self.start, self.end))
         return reply
 
 
@@ -154,8 +153,8 @@ class Worker:
 
     def _launch(self, plan, args, outputs):
         if self.device.type == "cuda":
-            # Launched, not waited for: the reply goes out when the end event completes (``main``'s completer
-            # thread), so the next request's launch overlaps this one's kernel.
+            # Launched, not waited for: the reply goes out when the end event completes (``main``'s ``settle``),
+            # so the next request's launch overlaps this one's kernel.
             start, end = self.events.pop() if self.events else (self._event(), self._event())
             start.record()
             plan.run_prechecked(args)
@@ -194,11 +193,8 @@ def main(conn, device: str, worker_generation: int) -> None:
     except BaseException as e:  # noqa: BLE001 (reported, then the process ends)
         conn.send(("fault", None, f"the worker could not start on {device}: {type(e).__name__}: {e}"))
         return
-    lock = threading.Lock()  # the loop and the completer both send
-
-    def send(msg) -> None:
-        with lock:
-            conn.send(msg)
+    send = conn.send
+    launched: collections.deque = collections.deque()  # (rid, Pending) of GPU requests, in launch order
 
     def fail(rid, e: BaseException) -> None:
         if is_sticky_cuda_error(e):
@@ -207,19 +203,27 @@ def main(conn, device: str, worker_generation: int) -> None:
             os._exit(STICKY_EXIT)
         send(("error", rid, portable(e)))
 
-    launched: queue.Queue = queue.Queue()
-
-    def complete() -> None:  # GPU replies, in launch order, as their kernels finish
-        while True:
-            rid, pending = launched.get()
+    def settle(block: bool) -> None:
+        """Reply for the launched requests whose kernels are done, in launch order; ``block``: wait for the oldest.
+        One thread does it all: a second one, waiting on events, cost GIL hand-offs on every request."""
+        while launched:
+            rid, pending = launched[0]
             try:
+                if not (block or pending.end.query()):
+                    return
+                launched.popleft()
                 send(("ok", rid, pending.wait()))
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:  # noqa: BLE001 (a CUDA error here is sticky: fail() ends the worker)
+                if launched and launched[0][0] == rid:
+                    launched.popleft()
                 fail(rid, e)
+            block = False
 
-    threading.Thread(target=complete, daemon=True, name="kernelplan-completer").start()
     send(("ready", None, os.getpid()))
     while True:
+        if launched and not conn.poll(0):  # nothing new to launch: the oldest kernel's reply, then look again
+            settle(True)
+            continue
         try:
             msg = conn.recv()
         except (EOFError, OSError):  # the client is gone
@@ -244,7 +248,8 @@ def main(conn, device: str, worker_generation: int) -> None:
             else:
                 value = worker.run(msg[2])
             if isinstance(value, Pending):
-                launched.put((rid, value))
+                launched.append((rid, value))
+                settle(False)
             else:
                 send(("ok", rid, value))
         except BaseException as e:  # noqa: BLE001 (every failure goes back to the request that caused it)
