@@ -367,6 +367,10 @@ def linear_parts(x, values, metadata, bias=None, activation=None, memory="compac
         _prepared.clear()
     _prepared[key] = (dispatch_generation(GemmSparse24Plan), weakref.ref(values), weakref.ref(metadata),
                       None if bias is None else weakref.ref(bias), plan, call)
+    # The entry goes with the weight: ``call`` may hold the weight's storage (a kernel bound to it, whose layout is
+    # the weight itself), and a deleted model's weights stayed allocated while their entries lasted (about 7 GiB
+    # of a 70B-shaped model; docs/design/0008).
+    weakref.finalize(values, _prepared.pop, key, None)
     return call(x, values, metadata, bias)
 
 
