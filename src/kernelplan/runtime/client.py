@@ -221,12 +221,9 @@ class Runtime:
     seconds are restarted; one more fails the device.
     """
 
-    def __init__(self, devices=("cpu",), *, max_restarts: int = 5, period_s: float = 60.0, backend: str = "process"):
+    def __init__(self, devices=("cpu",), *, max_restarts: int = 5, period_s: float = 60.0):
         import torch
 
-        from .._checks import choice
-
-        choice(backend, "backend", ("process",))
         self.devices = tuple(str(torch.device(d)) for d in devices)
         self._prepared_ids = itertools.count()
         self._workers: dict[str, _DeviceWorker] = {}

@@ -5,7 +5,7 @@ Messages in (a ``multiprocessing`` connection, pickled with torch's reductions):
 * ``("upload", rid, buffer_id, generation, tensor)``, ``("download", rid, buffer_id, generation)``,
   ``("free", buffer_id, generation)`` (no reply), ``("run", rid, request)``;
 * ``("prepare", rid, id, request)``: the request checked once and kept; ``("run_prepared", rid, id)`` runs it
-  (its handles checked again, nothing else); ``("unprepare", rid, id)``;
+  (its handles checked again by the client; freeing one of them drops it here);
 
 replies out: ``("ok", rid, value)`` or ``("error", rid, exception)``; before it
 exits on a sticky CUDA error (the context is poisoned for good), a worker sends
@@ -118,6 +118,10 @@ class Worker:
         held = self.buffers.get(buffer_id)
         if held is not None and held[0] == generation:
             del self.buffers[buffer_id]
+            # A prepared request holding the tensor would keep its memory: it could only be refused from here on.
+            for pid in [p for p, (request, _, _) in self.prepared.items()
+                        if any(b.buffer_id == buffer_id for b in buffers_in(request.args))]:
+                del self.prepared[pid]
 
     def _bind(self, request):
         """The request's plan and its args as tensors, after every check: handles, then the plan's own."""
@@ -146,9 +150,11 @@ class Worker:
         self.prepared[prepared_id] = (request, *self._bind(request))
 
     def run_prepared(self, prepared_id: int):
-        request, plan, args = self.prepared[prepared_id]
-        for buf in buffers_in(request.args):  # a buffer freed since: refused, nothing run
-            self.tensor(buf)
+        entry = self.prepared.get(prepared_id)
+        if entry is None:
+            raise StaleBuffer(f"prepared request #{prepared_id} is gone from this worker: one of its buffers was "
+                              f"freed; prepare it again with live buffers")
+        request, plan, args = entry
         return self._launch(plan, args, request.outputs())
 
     def _launch(self, plan, args, outputs):
@@ -243,8 +249,6 @@ def main(conn, device: str, worker_generation: int) -> None:
                 value = worker.prepare(msg[2], msg[3])
             elif kind == "run_prepared":
                 value = worker.run_prepared(msg[2])
-            elif kind == "unprepare":
-                value = worker.prepared.pop(msg[2], None) and None
             else:
                 value = worker.run(msg[2])
             if isinstance(value, Pending):

@@ -365,13 +365,24 @@ def linear_parts(x, values, metadata, bias=None, activation=None, memory="compac
         call = call.held(values, metadata)
     if len(_prepared) >= _MAX_PREPARED:
         _prepared.clear()
+        for keys in _weight_keys.values():
+            keys.clear()
     _prepared[key] = (dispatch_generation(GemmSparse24Plan), weakref.ref(values), weakref.ref(metadata),
                       None if bias is None else weakref.ref(bias), plan, call)
-    # The entry goes with the weight: ``call`` may hold the weight's storage (a kernel bound to it, whose layout is
-    # the weight itself), and a deleted model's weights stayed allocated while their entries lasted (about 7 GiB
-    # of a 70B-shaped model; docs/design/0008).
-    weakref.finalize(values, _prepared.pop, key, None)
+    # The entries go with their weight: ``call`` may hold the weight's storage (a kernel bound to it, whose layout
+    # is the weight itself), and a deleted model's weights stayed allocated while their entries lasted (about
+    # 7 GiB of a 70B-shaped model; docs/design/0008).  One finalizer a weight, however many keys it gets.
+    keys = _weight_keys.get(id(values))
+    if keys is None:
+        keys = _weight_keys[id(values)] = set()
+        weakref.finalize(values, _forget_weight, id(values))
+    keys.add(key)
     return call(x, values, metadata, bias)
+
+
+def _forget_weight(weight_id: int) -> None:
+    for key in _weight_keys.pop(weight_id, ()):
+        _prepared.pop(key, None)
 
 
 def _ready_for_graphs(plan: GemmSparse24Plan, graphed: GemmSparse24Plan, x, values, metadata, bias) -> None:
@@ -400,6 +411,7 @@ _graph_ready: set = set()  # (id(values), its data pointer, backend) already run
 # ``call(x, values, metadata, bias) -> y`` is the plan's backend bound to its descriptor where the
 # backend offers that (``Backend.bind``): no args object, no plan, the least host work per call.
 _prepared: dict = {}
+_weight_keys: dict = {}  # id(values) -> its keys in _prepared, dropped with the weight (_forget_weight)
 
 
 def fast_path_backends() -> list[dict]:
