@@ -70,7 +70,8 @@ def test_every_variant_compiles_for_sm90a():
         nvrtc._nvrtc_version(nvrtc_bindings)
     except Exception as e:  # no NVRTC library next to the bindings
         pytest.skip(f"NVRTC is not loadable here: {e}")
-    cfgs = {WsConfig(256, 2, 2, 1, 5), WsConfig(64, 1, 1, 4, 8), WsConfig(96, 2, 1, 2, 8), WsConfig(128, 1, 4, 2, 8)}
+    cfgs = {WsConfig(256, 2, 2, 1, 5), WsConfig(64, 1, 1, 4, 8), WsConfig(96, 2, 1, 2, 8), WsConfig(128, 1, 4, 2, 8),
+            WsConfig(128, 2, stages=6, pp=True), WsConfig(48, 1, stages=8, pp=True)}
     for cfg in cfgs:
         for dtype, bias, act in (("bf16", True, "gelu"), ("f16", False, None)):
             assert len(nvrtc._compile(nvrtc_bindings, source(cfg, dtype, bias, act), "sm_90a")) > 0
@@ -173,3 +174,75 @@ def test_split_workspace_is_the_flags_and_each_handed_over_part():
     wide = sk_plan(cfg, 4096, 5120, 13824, 132)  # 1280 tiles: 9 whole waves, then 92 tiles split
     assert wide.dp_tiles == 9 * 132 and wide.rest == 92 and wide.grid == 132
     assert cfg.shared == 8 * cfg.stage_bytes + 16 * 8 + 1024  # no partial sums in shared memory
+
+
+def test_ping_pong_tiles_are_persistent_candidates_that_fit():
+    from kernelplan.kernels.sparse24_ws import _deepest
+
+    assert not any(c.pp for c in ws_candidates(4096, 4096, 4096))  # not the rule's space unless asked for
+    pps = [c for c in ws_candidates(4096, 4096, 4096, persistent=True) if c.pp]
+    assert {(c.bn, c.wm) for c in pps} == {(64, 1), (64, 2), (128, 1), (128, 2), (256, 1)}
+    for c in pps:
+        assert c.shared <= SM_SHARED and c.stages >= 3 and c.threads == 384 and c.cm == c.kc == 1
+        assert c.staging_bytes >= c.bn * (2 * c.rows + 16)
+    assert _deepest(128, 2, 1, 1, pp=True).shared == 6 * 25 * 1024 + 2 * 34 * 1024 + 16 * 7 + 1024
+    with pytest.raises(ValueError, match="ping-pong"):
+        WsConfig(256, 2, stages=3, pp=True)  # 256 accumulators a thread
+
+
+@pytest.mark.parametrize("sms", [78, 132])
+def test_ping_pong_schedule_gives_each_tile_once_in_the_producers_order(sms):
+    """cuda/sparse24_pp.cu's loops, emulated: the producer fills CTA-local tile j's steps at j K/64 ...; warpgroup c
+    takes j = c, c + 2, ... and reads those steps; every tile is taken once; the order barriers' waits are for the
+    other warpgroup's (j - 1)-th K loop."""
+    for tiles in (1, 5, sms - 1, sms, sms + 1, 3 * sms + 7):
+        grid = min(sms, tiles)
+        seen = []
+        for cta in range(grid):
+            produced = list(range(cta, tiles, grid))  # the producer's tiles, j = 0, 1, ...
+            for c in (0, 1):
+                j = c
+                for t in range(cta + c * grid, tiles, 2 * grid):
+                    assert produced[j] == t
+                    if j > 0:  # waits on the phase completed by the other warpgroup's arrival after tile j - 1
+                        assert ((j - 1) >> 1) == (j - 1 - (1 - c)) // 2
+                    seen.append(t)
+                    j += 2
+        assert sorted(seen) == list(range(tiles))
+
+
+@pytest.mark.parametrize("ni, wm", [(16, 1), (64, 2), (256, 1)])
+def test_ping_pong_epilogue_puts_every_accumulator_in_its_place(ni, wm):
+    """store_tile's stmatrix addresses, emulated with PTX's stmatrix .trans (lane 8q + i addresses column i of
+    matrix q; register q holds row lane / 4, columns 2 (lane % 4) + 0, 1): the staging buffer's row n holds y's
+    columns m = W's rows, each accumulator (wgmma's m64nN layout) once."""
+    bn = ni * 2
+    stride = (64 * wm * 2 + 16) // 2  # in elements
+    staging = {}
+    for b in range(wm):
+        for wq in range(4):
+            for i in range(bn // ni):
+                for j in range(0, ni // 8, 2):
+                    regs = {}  # (lane, q) -> the two (row, column) pairs it holds, as the kernel packs them
+                    for lane in range(32):
+                        g, t = lane >> 2, lane & 3
+                        for p in range(4):
+                            at = 4 * (j + (p >> 1)) + 2 * (p & 1)
+                            pair = []
+                            for r in (at, at + 1):  # wgmma accumulator r of lane: its row and column
+                                row = 64 * b + 16 * wq + g + 8 * ((r >> 1) & 1)
+                                col = i * ni + 8 * (r >> 2) + 2 * t + (r & 1)
+                                pair.append((row, col))
+                            regs[lane, p] = pair
+                    for lane in range(32):  # the address lane `lane` gives: column i8 of matrix q
+                        q, i8 = lane >> 3, lane & 7
+                        nl = i * ni + 8 * (j + (q >> 1)) + i8
+                        ml = 64 * b + 16 * wq + 8 * (q & 1)
+                        for e in range(8):  # element e of that column: row e of matrix q, held by lane 4e + i8 // 2
+                            row, col = regs[4 * e + i8 // 2, q][i8 % 2]
+                            addr = nl * stride + ml + e
+                            assert addr not in staging
+                            staging[addr] = (row, col)
+    assert len(staging) == bn * 64 * wm
+    for addr, (row, col) in staging.items():
+        assert addr == col * stride + row

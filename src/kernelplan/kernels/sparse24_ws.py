@@ -39,6 +39,18 @@ class WsConfig:
     kc: int = 1  # CTAs of a cluster along K (grid z), their sums met through distributed shared memory
     stages: int = 4  # 64-column steps in the shared-memory ring
     sk: bool = False  # persistent, tail tiles split along K (cuda/sparse24_sk.cu, sk_plan): one CTA an SM, no clusters
+    pp: bool = False  # persistent ping-pong (cuda/sparse24_pp.cu): one CTA an SM, each consumer warpgroup its own
+    #                   tile of BN x 64 wm, no clusters
+
+    def __post_init__(self):
+        if self.pp and (self.sk or self.cm > 1 or self.kc > 1 or self.bn % 16 or self.bn * self.wm > 256):
+            raise ValueError(f"{self}: a ping-pong tile has no split or cluster, BN a multiple of 16, and at most "
+                             f"256 x 64 accumulators a warpgroup (BN x wm <= 256)")
+
+    def __repr__(self) -> str:
+        # The measured tables (bench/results/sparse24-ws-tiles-*.json) are keyed by this text: pp only where set.
+        return (f"WsConfig(bn={self.bn}, wm={self.wm}, cm={self.cm}, kc={self.kc}, stages={self.stages}, "
+                f"sk={self.sk}" + (", pp=True)" if self.pp else ")"))
 
     @property
     def ni(self) -> int:
@@ -50,7 +62,7 @@ class WsConfig:
 
     @property
     def threads(self) -> int:
-        return 128 * (self.wm + 1)
+        return 384 if self.pp else 128 * (self.wm + 1)
 
     @property
     def stage_bytes(self) -> int:
@@ -58,17 +70,25 @@ class WsConfig:
         return -(-(self.bn * 128 + 4 * self.wm * 1152) // 1024) * 1024
 
     @property
+    def staging_bytes(self) -> int:
+        """Ping-pong: one consumer warpgroup's 16-bit tile of y, rows padded by 16 bytes, rounded to 1024."""
+        return -(-self.bn * (2 * self.rows + 16) // 1024) * 1024 if self.pp else 0
+
+    @property
     def shared(self) -> int:
-        """Dynamic shared memory: the ring (or the partial sums, where they meet in shared memory: not stream-K),
-        the mbarriers, and 1 KiB to align to 1024."""
-        sums = 0 if self.sk else self.bn * (self.rows + 4) * 4
-        return max(self.stages * self.stage_bytes, sums) + 16 * self.stages + 1024
+        """Dynamic shared memory: the ring (or the partial sums, where they meet in shared memory: not persistent),
+        the ping-pong's two staging buffers of y, the mbarriers (and the ping-pong's two order barriers), and 1 KiB
+        to align to 1024."""
+        sums = 0 if self.sk or self.pp else self.bn * (self.rows + 4) * 4
+        bars = 16 * self.stages + (16 if self.pp else 0)
+        return max(self.stages * self.stage_bytes, sums) + 2 * self.staging_bytes + bars + 1024
 
 
-def _deepest(bn: int, wm: int, cm: int, kc: int, sk: bool = False) -> WsConfig | None:
+def _deepest(bn: int, wm: int, cm: int, kc: int, sk: bool = False, pp: bool = False) -> WsConfig | None:
     """The tile with the deepest ring (up to 8 steps) that fits the SM's shared memory; None if not 3."""
-    stages = min(_MAX_STAGES, (SM_SHARED - 1024 - 16 * _MAX_STAGES) // WsConfig(bn, wm, cm, kc).stage_bytes)
-    cfg = WsConfig(bn, wm, cm, kc, stages, sk)
+    one = WsConfig(bn, wm, cm, kc, 1, sk, pp)
+    stages = min(_MAX_STAGES, (SM_SHARED - 1024 - 16 * _MAX_STAGES - 16 - 2 * one.staging_bytes) // one.stage_bytes)
+    cfg = WsConfig(bn, wm, cm, kc, stages, sk, pp)
     return cfg if stages >= 3 and cfg.shared <= SM_SHARED else None
 
 
@@ -89,9 +109,10 @@ def ws_candidates(n: int, m: int, k: int, persistent: bool = False) -> list[WsCo
                     cfg = _deepest(bn, wm, cm, kc)
                     if cfg is not None:
                         out.append(cfg)
-            cfg = _deepest(bn, wm, 1, 1, sk=True) if persistent else None
-            if cfg is not None:
-                out.append(cfg)
+            if persistent:
+                out += [c for c in (_deepest(bn, wm, 1, 1, sk=True),
+                                    _deepest(bn, wm, 1, 1, pp=True) if bn % 16 == 0 and bn * wm <= 256 else None)
+                        if c is not None]
     return out
 
 
@@ -172,16 +193,25 @@ def ws_config(n: int, m: int, k: int, sms: int) -> WsConfig:
 def source(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None) -> str:
     """The CUDA C++ of one kernel variant (``kp_sparse24_ws``, or ``kp_sparse24_sk`` where ``cfg.sk``), compiled
     by NVRTC for sm_90a."""
-    clusters = {} if cfg.sk else {"CM": cfg.cm, "KC": cfg.kc}
+    clusters = {} if cfg.sk or cfg.pp else {"CM": cfg.cm, "KC": cfg.kc}
     head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, **clusters, STAGES=cfg.stages,
-                   CONSUMER_REGS=_CONSUMER_REGS[cfg.wm])
-    return head + COMMON_SOURCE + cuda_source("sparse24_sk.cu" if cfg.sk else "sparse24_ws.cu")
+                   CONSUMER_REGS=_CONSUMER_REGS[2 if cfg.pp else cfg.wm])
+    return head + COMMON_SOURCE + cuda_source(_SOURCE[_kind(cfg)])
+
+
+_SOURCE = {"ws": "sparse24_ws.cu", "sk": "sparse24_sk.cu", "pp": "sparse24_pp.cu"}
+
+
+def _kind(cfg: WsConfig) -> str:
+    return "sk" if cfg.sk else "pp" if cfg.pp else "ws"
 
 
 _PARAMS = ["tensormap", "tensormap", "tensormap", "*u16", "*u16", "i32", "i32", "i32", "i32"]
 _SIZES = [128, 128, 128, 8, 8, 4, 4, 4, 4]
 _SK_PARAMS = _PARAMS + ["i32", "i32", "i32", "*u8"]  # tiles along N, whole tiles, parts of the rest, the workspace
 _SK_SIZES = _SIZES + [4, 4, 4, 8]
+_PP_PARAMS = _PARAMS + ["i32"]  # tiles along N
+_PP_SIZES = _SIZES + [4]
 
 
 def encode_tensor_map(cu, dtype, address: int, dims: list[int], strides: list[int], box: list[int],
@@ -263,20 +293,22 @@ def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None,
     from . import nvrtc
     from .direct import _param_sizes
 
-    name = "kp_sparse24_sk" if cfg.sk else "kp_sparse24_ws"
+    name = f"kp_sparse24_{_kind(cfg)}"
     fn = nvrtc.function(source(cfg, dtype, has_bias, activation), name, device_index, WsKernel.architecture)
     err, = cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                  cfg.shared)
     if err:
         raise KernelPlanError(f"{name} ({cfg}) cannot have {cfg.shared} bytes of shared memory on "
                               f"cuda:{device_index}: {err.name}")
-    want = _SK_SIZES if cfg.sk else _SIZES
+    want = {"ws": _SIZES, "sk": _SK_SIZES, "pp": _PP_SIZES}[_kind(cfg)]
     sizes = _param_sizes(cu, fn)
     if sizes != want:
         raise KernelPlanError(f"{name}: compiled parameter sizes {sizes} are not the launcher's {want}")
     maps = TensorMaps(cfg.bn // cfg.cm, 4 * cfg.wm, dtype)
     if cfg.sk:
         return StreamKLaunch(fn, f"{name} {cfg} {dtype}", cfg, maps, device_index)
+    if cfg.pp:
+        return PingPongLaunch(fn, f"{name} {cfg} {dtype}", cfg, maps, device_index)
 
     def pick(a):
         # The 2:4 kernels' arguments (x, values, codes, bias, y, N, M, K, x row stride, y row stride), the
@@ -323,6 +355,26 @@ class StreamKLaunch(FunctionLaunch):
         super().__call__((plan.grid, 1, 1), params, stream)
 
 
+class PingPongLaunch(FunctionLaunch):
+    """A ping-pong launch: one CTA per SM, or one per tile where there are fewer tiles."""
+
+    __slots__ = ("cfg", "maps", "sms")
+
+    def __init__(self, fn, name: str, cfg: WsConfig, maps: TensorMaps, device_index: int):
+        from .sparse24 import sm_count
+
+        super().__init__(fn, name, _PP_PARAMS, cfg.threads, cfg.shared)
+        self.cfg, self.maps, self.sms = cfg, maps, sm_count(device_index)
+
+    def __call__(self, grid: tuple, args: tuple, stream: int) -> None:
+        n, m, k = args[5], args[6], args[7]
+        tiles_n = -(-n // self.cfg.bn)
+        maps = self.maps
+        params = (maps.x(args[0], n, k, args[8]), *maps.w(args[1], args[2], m, k), args[3], args[4], n, m, k,
+                  args[9], tiles_n)
+        super().__call__((min(self.sms, tiles_n * -(-m // self.cfg.rows)), 1, 1), params, stream)
+
+
 class WsKernel(WgKernel):
     """``cuda_wg``'s layout, sizes and architecture (sm_90a: wgmma, setmaxnreg); its own tiles and launch."""
 
@@ -330,7 +382,7 @@ class WsKernel(WgKernel):
     source = staticmethod(source)
 
     def launch_config(self, cfg: WsConfig, n, m, dtype, has_bias, activation, device):
-        if cfg.sk:  # the launch takes its grid from sk_plan
+        if cfg.sk or cfg.pp:  # the launch takes its grid from the problem (sk_plan; one CTA an SM)
             return _launcher(cfg, dtype, has_bias, activation, device), (0, 0, 0)
         m_groups = -(-(-(-m // cfg.rows)) // cfg.cm)  # the grid's y is a whole number of clusters
         return _launcher(cfg, dtype, has_bias, activation, device), (-(-n // cfg.bn), m_groups * cfg.cm, cfg.kc)

@@ -152,3 +152,11 @@ __device__ __forceinline__ void regs_up() { asm volatile("setmaxnreg.inc.sync.al
 __device__ __forceinline__ void named_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
 }
+
+// Four 8 x 8 matrices of 16-bit values into shared memory, transposed: register q holds this thread's pair of
+// matrix q (row lane / 4, columns 2 (lane % 4) and + 1, the lower column in the low half, as an mma accumulator
+// holds them), and lane 8 q + i gives the address of 16 bytes that receive column i of matrix q.
+__device__ __forceinline__ void stmatrix_t4(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+                 :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}

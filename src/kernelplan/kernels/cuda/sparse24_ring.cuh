@@ -37,16 +37,17 @@ __device__ __forceinline__ void release_stage(u32 bar, int lane, int wq, int cz)
     }
 }
 
-// acc += this warp's 16-row tile x x's box over `count` ring steps, the g0-th first.  Each stage is released once
-// the MMAs that read it are done, the last one before returning where RELEASE_LAST (a kernel that runs on past
-// its K loop); without it the kernel's last stage stays taken: releasing it there made ptxas serialize the
-// loop's wgmmas (its warning C7515) in sparse24_ws.cu.
-template <bool RELEASE_LAST>
-__device__ __forceinline__ void consume_steps(float (&acc)[kInst][kAcc], u32 sbase, u32 full0, u32 empty0, int g0,
-                                              int count, int tl, int lane, int wq, int cz)
+// acc += this warp's 16-row tiles x x's box over `count` ring steps, the g0-th first: BLOCKS 64-row blocks of W
+// (BLOCKS m64 instructions a k32), block b's tile being tl + 4 b.  Each stage is released once the MMAs that read
+// it are done, the last one before returning where RELEASE_LAST (a kernel that runs on past its K loop); without it
+// the kernel's last stage stays taken: releasing it there made ptxas serialize the loop's wgmmas (its warning
+// C7515) in sparse24_ws.cu.
+template <bool RELEASE_LAST, int BLOCKS = 1>
+__device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc], u32 sbase, u32 full0, u32 empty0,
+                                              int g0, int count, int tl, int lane, int wq, int cz)
 {
-    uint4 a[2][2];
-    u32 e[2];
+    uint4 a[2][BLOCKS][2];
+    u32 e[2][BLOCKS];
     for (int s0 = 0; s0 < count; s0 += 2) {
 #pragma unroll
         for (int p = 0; p < 2; ++p) {  // p: which register set (compile-time), so no set is indexed at run time
@@ -55,27 +56,36 @@ __device__ __forceinline__ void consume_steps(float (&acc)[kInst][kAcc], u32 sba
                 const int g = g0 + s, b = ring_stage(g);
                 mbar_wait(full0 + 8 * b, ring_parity(g));
                 const u32 at = sbase + b * kStageBytes;
-                a[p][0] = lds4(at + kXBytes + tl * 1024 + lane * 16);
-                a[p][1] = lds4(at + kXBytes + tl * 1024 + 512 + lane * 16);
-                e[p] = lds1(at + kXBytes + kWValues + tl * 128 + lane * 4);
+#pragma unroll
+                for (int j = 0; j < BLOCKS; ++j) {
+                    const int t = tl + 4 * j;
+                    a[p][j][0] = lds4(at + kXBytes + t * 1024 + lane * 16);
+                    a[p][j][1] = lds4(at + kXBytes + t * 1024 + 512 + lane * 16);
+                    e[p][j] = lds1(at + kXBytes + kWValues + t * 128 + lane * 4);
+                }
                 wg_fence();
 #pragma unroll
-                for (int i = 0; i < kInst; ++i) {
-                    // N block i starts NI rows (NI / 8 groups of 1024 bytes) in; the second k32 64 bytes in.
-                    WgmmaSp<NI>::template run<0>(acc[i], a[p][0], b_desc(at + i * NI * 128), e[p]);
-                    WgmmaSp<NI>::template run<1>(acc[i], a[p][1], b_desc(at + i * NI * 128 + 64), e[p]);
-                }
+                for (int j = 0; j < BLOCKS; ++j)
+#pragma unroll
+                    for (int i = 0; i < kInst; ++i) {
+                        // N block i starts NI rows (NI / 8 groups of 1024 bytes) in; the second k32 64 bytes in.
+                        WgmmaSp<NI>::template run<0>(acc[j][i], a[p][j][0], b_desc(at + i * NI * 128), e[p][j]);
+                        WgmmaSp<NI>::template run<1>(acc[j][i], a[p][j][1], b_desc(at + i * NI * 128 + 64), e[p][j]);
+                    }
                 wg_commit();
                 wg_wait<1>();  // step g - 1's MMAs are done: its stage and its register set are free
                 // The other set stays allocated until here, so the compiler cannot reuse its registers
                 // while step g - 1's MMAs might still read them.
-                keep_regs(a[p ^ 1], e[p ^ 1]);
+#pragma unroll
+                for (int j = 0; j < BLOCKS; ++j) keep_regs(a[p ^ 1][j], e[p ^ 1][j]);
                 if (s > 0) release_stage(empty0 + 8 * ring_stage(g - 1), lane, wq, cz);
             }
         }
     }
     wg_wait<0>();
 #pragma unroll
-    for (int i = 0; i < kInst; ++i) keep(acc[i]);
+    for (int j = 0; j < BLOCKS; ++j)
+#pragma unroll
+        for (int i = 0; i < kInst; ++i) keep(acc[j][i]);
     if (RELEASE_LAST && count > 0) release_stage(empty0 + 8 * ring_stage(g0 + count - 1), lane, wq, cz);
 }

@@ -180,14 +180,15 @@ kp_sparse24_sk(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #endif
     const int wm = warp / 4 - 1, wq = warp & 3, tl = wm * 4 + wq;  // tl: this warp's tile within the CTA
     const int u = threadIdx.x - 128;                               // this thread among the consumers
-    float acc[kInst][kAcc];
+    float blocks[1][kInst][kAcc];  // one 64-row block of W a warpgroup
+    float (&acc)[kInst][kAcc] = blocks[0];
     int g = 0;
     while (work_list.next(tile, part, k0, k1)) {
 #pragma unroll
         for (int i = 0; i < kInst; ++i)
 #pragma unroll
             for (int r = 0; r < kAcc; ++r) acc[i][r] = 0.f;
-        consume_steps<true>(acc, sbase, full0, empty0, g, k1 - k0, tl, lane, wq, 0);
+        consume_steps<true>(blocks, sbase, full0, empty0, g, k1 - k0, tl, lane, wq, 0);
         g += k1 - k0;
 
         if (tile >= dp_tiles && splits > 1) {

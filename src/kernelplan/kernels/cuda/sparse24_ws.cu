@@ -106,12 +106,13 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #endif
         const int wm = warp / 4 - 1, wq = warp & 3;
         const int tl = wm * 4 + wq;                             // this warp's tile within the CTA
-        float acc[kInst][kAcc];
+        float blocks[1][kInst][kAcc];  // one 64-row block of W a warpgroup
+        float (&acc)[kInst][kAcc] = blocks[0];
 #pragma unroll
         for (int i = 0; i < kInst; ++i)
 #pragma unroll
             for (int r = 0; r < kAcc; ++r) acc[i][r] = 0.f;
-        consume_steps<false>(acc, sbase, full0, empty0, 0, steps, tl, lane, wq, cz);
+        consume_steps<false>(blocks, sbase, full0, empty0, 0, steps, tl, lane, wq, cz);
 
         // Every consumer is past its last MMA before the ring is reused for the partial sums.
         named_sync(1, kConsumers);

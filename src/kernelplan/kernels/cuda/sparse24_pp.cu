@@ -1,0 +1,156 @@
+// 2:4 linear on Hopper's sparse warpgroup MMA, persistent and ping-pong: one CTA per SM walks the output tiles, its
+// producer warp keeps the ring full across them, and its two consumer warpgroups take alternate tiles, so that one
+// warpgroup's epilogue runs while the other's MMAs do.  (sparse24_ws.cu runs one tile per CTA, and both its
+// consumer warpgroups store y together, with no MMA running; sparse24_sk.cu is persistent but did the same:
+// docs/design/0006.)
+//
+// y[N, M] = act(x[N, K] @ W^T + bias), W in the one device layout (sparse24/layout.py), read as sparse24_ws.cu
+// reads it: per 64-column step one tensor-map copy of x's BN x 64 box and one each of the tile's values and metadata.
+//
+// The work: output tiles of BN rows of x by kBM = 64 WM rows of W, numbered along N first (as sparse24_sk.cu's
+// tile_origin), each K / 64 ring steps long.  CTA c takes tiles c, c + G, c + 2G, ... (G CTAs, all resident); its
+// j-th tile goes to consumer warpgroup j mod 2 and fills ring steps j K/64 ... (j + 1) K/64 - 1, which that
+// warpgroup alone reads, so a stage's "empty" barrier takes one arrival.  The warpgroups' K loops run in the
+// tiles' order, each after the other's (two "order" mbarriers, CUTLASS's ping-pong math order): a warpgroup then
+// never waits on a stage's phase while an older phase of that stage is still due, which a wait by parity cannot
+// tell apart; and one warpgroup's epilogue runs beside the other's MMAs.
+//
+// The epilogue: bias and activation in registers, the 16-bit results through stmatrix (transposed: a row of the
+// staging buffer is 8 rows of W, 16 bytes of y) into the warpgroup's own staging buffer [BN][kBM + 8] (rows padded
+// by 16 bytes: stmatrix's 8 rows then fall on distinct banks), then 16-byte stores of y's rows.
+//
+// Compile-time sizes come from the variant's #defines: BN (a multiple of 16), NI, WM (64-row blocks of W a tile: a
+// warpgroup's m64 instructions per k32), STAGES, CONSUMER_REGS, IS_BF16, HAS_BIAS, ACT, DT.
+
+#define CM 1
+#include "wgmma_sp.cuh"
+#include "hopper.cuh"
+#include "sparse24_ring.cuh"
+
+constexpr int kPpThreads = 384;                    // the producer warpgroup and two consumers (not ring.cuh's kThreads)
+constexpr int kYStride = kBM * 2 + 16;             // bytes a row of the staging buffer
+constexpr int kYBytes = (BN * kYStride + 1023) / 1024 * 1024;
+static_assert(NI % 16 == 0, "stmatrix stores two 8-column groups of an instruction at once");
+
+__device__ __forceinline__ u32 pack2(float lo, float hi) { return from_f32(lo) | ((u32)from_f32(hi) << 16); }
+
+// This warpgroup's tile of y (x's rows n0 ..., W's rows m0 ...) from its accumulators, through `stage`.  Barrier
+// `bar` is the warpgroup's own; `u` is the thread within the warpgroup.
+__device__ __forceinline__ void store_tile(float (&acc)[WM][kInst][kAcc], u32 stage, const u16 *__restrict__ bias,
+                                           u16 *__restrict__ y, int n0, int m0, int N, int M, int syn, int wq,
+                                           int lane, int u, int bar) {
+    const int g = lane >> 2, q = lane >> 3, i8 = lane & 7;
+    named_sync(bar, 128);  // the last tile's rows have been read out of the staging buffer
+#pragma unroll
+    for (int b = 0; b < WM; ++b) {
+        const int row = m0 + 64 * b + 16 * wq + g;  // this thread's rows of W: row, row + 8
+        float b0 = 0.f, b1 = 0.f;
+        (void)row;
+#if HAS_BIAS
+        if (row < M) b0 = to_f32(bias[row]);
+        if (row + 8 < M) b1 = to_f32(bias[row + 8]);
+#endif
+        (void)b0, (void)b1;
+#pragma unroll
+        for (int i = 0; i < kInst; ++i)
+#pragma unroll
+            for (int j = 0; j < NI / 8; j += 2) {
+                u32 r[4];
+#pragma unroll
+                for (int p = 0; p < 4; ++p) {  // matrix p: rows + 8 (p & 1) of W, columns 8 (j + p / 2) of x
+                    const int at = 4 * (j + (p >> 1)) + 2 * (p & 1);
+                    const float add = (p & 1) ? b1 : b0;
+                    r[p] = pack2(activate(acc[b][i][at] + add), activate(acc[b][i][at + 1] + add));
+                }
+                const int nl = i * NI + 8 * (j + (q >> 1)) + i8, ml = 64 * b + 16 * wq + 8 * (q & 1);
+                stmatrix_t4(stage + nl * kYStride + ml * 2, r[0], r[1], r[2], r[3]);
+            }
+    }
+    named_sync(bar, 128);
+    const bool vec = syn % 8 == 0 && ((unsigned long long)y & 15) == 0;
+    for (int idx = u; idx < BN * (kBM / 8); idx += 128) {
+        const int nl = idx / (kBM / 8), m8 = idx % (kBM / 8), n = n0 + nl, m = m0 + m8 * 8;
+        if (n >= N || m >= M) continue;
+        const uint4 v = lds4(stage + nl * kYStride + m8 * 16);
+        u16 *out = y + (long)n * syn + m;
+        if (vec && m + 8 <= M) {
+            *(uint4 *)out = v;
+        } else {
+            const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                if (m + e < M) out[e] = (u16)(w[e >> 1] >> (16 * (e & 1)));
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(kPpThreads, 1)
+kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ TensorMap vmap,
+               const __grid_constant__ TensorMap emap, const u16 *__restrict__ bias, u16 *__restrict__ y, int N, int M,
+               int K, int syn, int tiles_n)
+{
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 sbase = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
+    const u32 ybase = sbase + kRingBytes, full0 = ybase + 2 * kYBytes, empty0 = full0 + 8 * STAGES;
+    const u32 order0 = empty0 + 8 * STAGES;  // order0 + 8 c: warpgroup c may run its next K loop
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int steps = K / 64, tiles = tiles_n * ((M + kBM - 1) / kBM);
+
+    if (threadIdx.x == 0) {
+        tma_prefetch_map(&xmap);
+        tma_prefetch_map(&vmap);
+        tma_prefetch_map(&emap);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full0 + 8 * s, 1);   // the producer's expect_tx; then the bytes
+            mbar_init(empty0 + 8 * s, 1);  // the one consumer warpgroup that reads the stage
+        }
+        mbar_init(order0, 1);
+        mbar_init(order0 + 8, 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (warp < 4) {
+#if CONSUMER_REGS
+        regs_down<40>();
+#endif
+        if (threadIdx.x == 0) {
+            constexpr u32 bytes = kXBytes + kWBytes;  // boxes past N or M count in full (zero-filled)
+            int g = 0;
+            for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+                const int tile0 = t / tiles_n * kTiles, n0 = t % tiles_n * BN;
+                for (int step = 0; step < steps; ++step, ++g) {
+                    const int b = ring_stage(g);
+                    mbar_wait(empty0 + 8 * b, ring_parity(g) ^ 1);
+                    const u32 full = full0 + 8 * b, at = sbase + b * kStageBytes;
+                    mbar_expect_tx(full, bytes);
+                    tma_load_2d(at, &xmap, step * 64, n0, full);
+                    tma_load_3d(at + kXBytes, &vmap, 0, step, tile0, full);
+                    tma_load_3d(at + kXBytes + kWValues, &emap, 0, step, tile0, full);
+                }
+            }
+        }
+        return;
+    }
+#if CONSUMER_REGS
+    regs_up<CONSUMER_REGS>();
+#endif
+    const int c = warp / 4 - 1, wq = warp & 3, u = threadIdx.x - 128 * (c + 1);
+    float acc[WM][kInst][kAcc];
+    int j = c;  // this CTA's tiles, counted: warpgroup c takes j = c, c + 2, ...
+    for (int t = blockIdx.x + c * gridDim.x; t < tiles; t += 2 * gridDim.x, j += 2) {
+        // Tile j's K loop after tile j - 1's: the other warpgroup's (j / 2)-th arrival (warpgroup 0's first tile
+        // waits on nothing).
+        if (j > 0) mbar_wait(order0 + 8 * c, (u32)(((j - 1) >> 1) & 1));
+#pragma unroll
+        for (int b = 0; b < WM; ++b)
+#pragma unroll
+            for (int i = 0; i < kInst; ++i)
+#pragma unroll
+                for (int r = 0; r < kAcc; ++r) acc[b][i][r] = 0.f;
+        consume_steps<true, WM>(acc, sbase, full0, empty0, j * steps, steps, wq, lane, wq, 0);
+        if (u == 0) mbar_arrive(order0 + 8 * (c ^ 1));  // the warpgroup's MMAs are done, so are its waits
+        store_tile(acc, ybase + c * kYBytes, bias, y, t % tiles_n * BN, t / tiles_n * kBM, N, M, syn, wq, lane, u,
+                   1 + c);
+    }
+}
