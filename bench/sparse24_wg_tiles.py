@@ -68,8 +68,8 @@ def main() -> int:
     kernel = module.WgKernel() if a.kernel == "wg" else module.WsKernel()
     candidates, rule_config, _launcher = getattr(module, f"{a.kernel}_candidates"), \
         getattr(module, f"{a.kernel}_config"), module._launcher
-    if a.kernel == "ws":  # the persistent variants too, beside the rule's space
-        candidates = functools.partial(candidates, persistent=True)
+    if a.kernel == "ws":  # the persistent split variant too, beside the rule's space
+        candidates = functools.partial(candidates, split=True)
     shapes = SHAPES[: a.shapes]
     # Compile every variant first, in threads (NVRTC is thread-safe): the timing loop then only launches.
     configs = {c for (m, k) in shapes for n in a.batch for c in candidates(n, m, k)}

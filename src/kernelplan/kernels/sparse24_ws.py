@@ -92,10 +92,11 @@ def _deepest(bn: int, wm: int, cm: int, kc: int, sk: bool = False, pp: bool = Fa
     return cfg if stages >= 3 and cfg.shared <= SM_SHARED else None
 
 
-def ws_candidates(n: int, m: int, k: int, persistent: bool = False) -> list[WsConfig]:
-    """Every tile the kernel can run for this problem: the rule's space; with ``persistent``, the persistent
-    variants (``cfg.sk``) too, which ``bench/sparse24_wg_tiles.py --kernel ws`` also measures.  They are not the
-    rule's: measured slower than the non-persistent tiles on 86 of 88 problems (docs/design/0006)."""
+def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = False) -> list[WsConfig]:
+    """Every tile the kernel can run for this problem, the rule's space: one CTA a tile (``sparse24_ws.cu``) and,
+    with ``pingpong``, the persistent ping-pong tiles (``cfg.pp``).  With ``split``, the persistent variant with
+    split tails (``cfg.sk``) too, which ``bench/sparse24_wg_tiles.py --kernel ws`` also measures; it is not the
+    rule's: measured slower than the one-a-tile tiles on 86 of 88 problems (docs/design/0006)."""
     out = []
     fitted = -(-(-(-n // -(-n // 256))) // 16) * 16  # n in the fewest N tiles of at most 256, rounded to 16
     for bn in sorted({min(fitted, b) for b in (64, 128, 256)} | {fitted}):
@@ -109,10 +110,9 @@ def ws_candidates(n: int, m: int, k: int, persistent: bool = False) -> list[WsCo
                     cfg = _deepest(bn, wm, cm, kc)
                     if cfg is not None:
                         out.append(cfg)
-            if persistent:
-                out += [c for c in (_deepest(bn, wm, 1, 1, sk=True),
-                                    _deepest(bn, wm, 1, 1, pp=True) if bn % 16 == 0 and bn * wm <= 256 else None)
-                        if c is not None]
+            persistent = (_deepest(bn, wm, 1, 1, sk=True) if split else None,
+                          _deepest(bn, wm, 1, 1, pp=True) if pingpong and bn % 16 == 0 and bn * wm <= 256 else None)
+            out += [c for c in persistent if c is not None]
     return out
 
 
@@ -159,29 +159,38 @@ def sk_plan(cfg: WsConfig, n: int, m: int, k: int, sms: int) -> SkPlan:
     return SkPlan(grid, tiles_n, waves * sms, splits, rest, cfg.bn * cfg.rows)
 
 
-# The rule's weights, fitted on bench/results/sparse24-ws-tiles-h100.json (11 sweep shapes x n = 32..4096, every
-# candidate timed as CUDA graph replays; bench/sparse24_wg_tiles.py --kernel ws, a grid search over these
-# six): over those 88 problems the chosen tile's time is on average 0.97x of the best tile's (median 1.0x, worst
-# 0.75x on a 1024x4096 layer at n = 4096).  Units are rough cycles of one SM.
-_MMA = 4  # per (row of x x 64-row block) of a 64-column step: the tensor cores' part
-_COPY = 0.0125  # per byte a step brings into the SM, where it exceeds the MMAs'
-_STEP = 200  # per step: barriers, the A fragments' loads, issue
-_L2 = 0.02  # per byte a step brings in, where the grid takes more than one wave (L2 and DRAM contended)
-_CTA = 16000  # per CTA: launch, pipeline fill, epilogue
-_SPLIT = 64  # per (row x 64-row block) of a tile's partial sums met across the cluster, per extra K slice
+@dataclass(frozen=True)
+class RuleWeights:
+    """The tile rule's cost weights, in rough cycles of one SM (``tools/fit_ws_rule.py`` fits them)."""
+
+    mma: float  # per (row of x x 64-row block) of a 64-column step: the tensor cores' part
+    copy: float  # per byte a step brings into the SM, where it exceeds the MMAs'
+    step: float  # per step: barriers, the A fragments' loads, issue
+    l2: float  # per byte a step brings in, where the grid takes more than one wave (L2 and DRAM contended)
+    cta: float  # per CTA: launch, pipeline fill, epilogue
+    split: float  # per (row x 64-row block) of a tile's partial sums met across the cluster, per extra K slice
+    pp_tile: float  # ping-pong: per tile past a CTA's first (its epilogue, where the other warpgroup's K loop
+    #                 does not hide it)
+
+
+# Fitted (tools/fit_ws_rule.py) on bench/results/sparse24-ws-tiles-h100.json and -h200.json: 11 sweep shapes x
+# n = 32..4096 each, every candidate timed as CUDA graph replays (bench/sparse24_wg_tiles.py --kernel ws).
+WEIGHTS = RuleWeights(mma=3.4, copy=0.0125, step=330, l2=0.01, cta=31500, split=53, pp_tile=4000)
 # Clusters of 4 or more CTAs of one SM each: cuOccupancyMaxActiveClusters gave 30 clusters of 4 (120 of 132 SMs).
 _BIG_CLUSTER_SMS = 120 / 132
 
 
-def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int) -> float:
-    """The rule's estimate of a tile's time, relative: lower is faster (the rule's tiles: not persistent)."""
+def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) -> float:
+    """The rule's estimate of a tile's time, relative: lower is faster (not for the split persistent variant)."""
     n_tiles, m_tiles = -(-n // cfg.bn), -(-(-(-m // cfg.rows)) // cfg.cm) * cfg.cm
     ctas = n_tiles * m_tiles * cfg.kc
     step_bytes = cfg.bn * 128 / cfg.cm + cfg.wm * 4608
     usable = int(sms * _BIG_CLUSTER_SMS) if cfg.cm * cfg.kc >= 4 else sms
-    waves = -(-ctas // usable)
-    step = _STEP + max(cfg.bn * cfg.wm * _MMA, step_bytes * _COPY) + (_L2 * step_bytes if waves > 1 else 0)
-    return waves * ((k // 64 // cfg.kc) * step + _CTA + _SPLIT * (cfg.kc - 1) * cfg.bn * cfg.wm)
+    waves = -(-ctas // usable)  # ping-pong: tiles a CTA, one after another
+    step = w.step + max(cfg.bn * cfg.wm * w.mma, step_bytes * w.copy) + (w.l2 * step_bytes if waves > 1 else 0)
+    if cfg.pp:
+        return waves * (k // 64 * step + w.pp_tile) + w.cta - w.pp_tile
+    return waves * ((k // 64 // cfg.kc) * step + w.cta + w.split * (cfg.kc - 1) * cfg.bn * cfg.wm)
 
 
 @functools.lru_cache(maxsize=4096)

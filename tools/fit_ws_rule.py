@@ -1,0 +1,72 @@
+"""Fits the ``cuda_ws`` tile rule's weights (``kernels/sparse24_ws.py``, ``RuleWeights``) to measured tile tables.
+
+Each table (``bench/results/sparse24-ws-tiles-<gpu>.json``, from ``bench/sparse24_wg_tiles.py --kernel ws``) has,
+per (M, K, n), every candidate's time.  For a set of weights the rule picks, per problem, the least-cost candidate
+among those the table measured; the score is the mean over problems of best time / picked time, over all tables
+(each table weighs alike), less a penalty for the worst pick.  A coordinate search over multiplicative steps,
+from the present weights.
+
+    python tools/fit_ws_rule.py bench/results/sparse24-ws-tiles-h100.json bench/results/sparse24-ws-tiles-h200.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from kernelplan.kernels.sparse24_ws import WEIGHTS, RuleWeights, tile_cost, ws_candidates  # noqa: E402
+
+STEPS = (0.5, 0.7, 0.85, 1.18, 1.4, 2.0)
+
+
+def problems(path: str):
+    data = json.loads(Path(path).read_text())
+    sms = data["meta"]["sms"]
+    out = []
+    for row in data["rows"]:
+        times = row["tiles_ms"]
+        cands = [c for c in ws_candidates(row["n"], row["m"], row["k"]) if str(c) in times]
+        out.append((row["n"], row["m"], row["k"], sms, cands, [times[str(c)] for c in cands], min(times.values())))
+    return out
+
+
+def ratios(w: RuleWeights, table) -> list[float]:
+    out = []
+    for n, m, k, sms, cands, times, best in table:
+        i = min(range(len(cands)), key=lambda j: tile_cost(cands[j], n, m, k, sms, w))
+        out.append(best / times[i])
+    return out
+
+
+def score(w: RuleWeights, tables) -> float:
+    rs = [ratios(w, t) for t in tables]
+    return statistics.mean(statistics.mean(r) for r in rs) + 0.1 * min(min(r) for r in rs)
+
+
+def main(paths: list[str]) -> int:
+    tables = [problems(p) for p in paths]
+    w, best = WEIGHTS, score(WEIGHTS, tables)
+    improved = True
+    while improved:
+        improved = False
+        for field in dataclasses.fields(RuleWeights):
+            for f in STEPS:
+                trial = dataclasses.replace(w, **{field.name: getattr(w, field.name) * f})
+                s = score(trial, tables)
+                if s > best + 1e-6:
+                    w, best, improved = trial, s, True
+    for p, t in zip(paths, tables):
+        r = ratios(w, t)
+        print(f"{p}: mean {statistics.mean(r):.3f} median {statistics.median(r):.3f} min {min(r):.3f} "
+              f"(present weights: mean {statistics.mean(ratios(WEIGHTS, t)):.3f})")
+    print(w)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
