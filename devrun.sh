@@ -1,6 +1,9 @@
-set -x
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 KERNELPLAN_COMMIT=$1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python -c "import torch, triton; print(torch.__version__, triton.__version__)"
-timeout 200 python -m pytest -q -p no:cacheprovider -m gpu -x tests/test_sparse24_wg.py tests/test_sparse24_ws.py 2>&1 | tail -15
-timeout 360 python bench/sparse24_wg_tiles.py --kernel ws --rounds 3 --out $OUT/sparse24-ws-tiles-h200.json 2>&1 | tail -100
+nvidia-smi --query-gpu=name --format=csv,noheader
+if [ "$2" = tests ]; then
+timeout 240 python -m pytest -q -p no:cacheprovider -m gpu -x tests/test_sparse24_wg.py tests/test_sparse24_ws.py tests/test_sparse24_layout.py tests/test_sparse24_dispatch.py 2>&1 | tail -8
+timeout 200 python bench/sparse24_model.py --out $OUT/sparse24-model-h200.json 2>&1 | tail -25
+fi
+if [ "$2" = sweep ]; then
+timeout 580 python -m kernelplan bench sparse24 --sweep --json $OUT/sparse24-sweep-h200.json 2>&1 | tail -30
+fi

@@ -6,7 +6,13 @@ among those the table measured; the score is the mean over problems of best time
 (each table weighs alike), less a penalty for the worst pick.  A coordinate search over multiplicative steps,
 from the present weights.
 
-    python tools/fit_ws_rule.py bench/results/sparse24-ws-tiles-h100.json bench/results/sparse24-ws-tiles-h200.json
+Sweeps (``kernelplan bench sparse24 --sweep --json``) add evidence: each timed the rule's tile of its day on 43
+shapes x 12 n, so two sweeps under different rules give, where their picks differ, two measured tiles of one problem
+(times relative to dense, measured beside each): one more table, of those pairs.
+
+    python tools/fit_ws_rule.py bench/results/sparse24-ws-tiles-h100.json bench/results/sparse24-ws-tiles-h200.json \
+        --sweep <(git show 1c5de79:bench/results/sparse24-sweep-h200.json) \
+        --sweep <(git show 6e0d3a2:bench/results/sparse24-sweep-h200.json)
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kernelplan.kernels.sparse24_ws import WEIGHTS, RuleWeights, tile_cost, ws_candidates  # noqa: E402
+from kernelplan.kernels.sparse24_ws import WEIGHTS, RuleWeights, WsConfig, tile_cost, ws_candidates  # noqa: E402
 
 STEPS = (0.5, 0.7, 0.85, 1.18, 1.4, 2.0)
 
@@ -32,6 +38,22 @@ def problems(path: str):
         times = row["tiles_ms"]
         cands = [c for c in ws_candidates(row["n"], row["m"], row["k"]) if str(c) in times]
         out.append((row["n"], row["m"], row["k"], sms, cands, [times[str(c)] for c in cands], min(times.values())))
+    return out
+
+
+def sweep_pairs(paths: list[str], sms: int = 132):
+    """The problems two or more sweeps timed with different tiles: (n, m, k, sms, tiles, times / dense, best)."""
+    seen: dict = {}
+    for path in paths:
+        for row in json.loads(Path(path).read_text())["rows"]:
+            if row.get("ws_config") and row.get("cuda_ws_ms"):
+                cfg = eval(row["ws_config"], {"WsConfig": WsConfig})  # the sweep's own repr of a WsConfig
+                seen.setdefault((row["n"], row["m"], row["k"]), {})[cfg] = row["cuda_ws_ms"] / row["dense_ms"]
+    out = []
+    for (n, m, k), tiles in seen.items():
+        if len(tiles) > 1:
+            cands = list(tiles)
+            out.append((n, m, k, sms, cands, [tiles[c] for c in cands], min(tiles.values())))
     return out
 
 
@@ -48,8 +70,15 @@ def score(w: RuleWeights, tables) -> float:
     return statistics.mean(statistics.mean(r) for r in rs) + 0.1 * min(min(r) for r in rs)
 
 
-def main(paths: list[str]) -> int:
-    tables = [problems(p) for p in paths]
+def main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("tables", nargs="+")
+    ap.add_argument("--sweep", action="append", default=[])
+    a = ap.parse_args(argv)
+    paths = a.tables + (["sweep pairs"] if a.sweep else [])
+    tables = [problems(p) for p in a.tables] + ([sweep_pairs(a.sweep)] if a.sweep else [])
     w, best = WEIGHTS, score(WEIGHTS, tables)
     improved = True
     while improved:
@@ -62,7 +91,7 @@ def main(paths: list[str]) -> int:
                     w, best, improved = trial, s, True
     for p, t in zip(paths, tables):
         r = ratios(w, t)
-        print(f"{p}: mean {statistics.mean(r):.3f} median {statistics.median(r):.3f} min {min(r):.3f} "
+        print(f"{p} ({len(t)} problems): mean {statistics.mean(r):.3f} median {statistics.median(r):.3f} min {min(r):.3f} "
               f"(present weights: mean {statistics.mean(ratios(WEIGHTS, t)):.3f})")
     print(w)
     return 0
