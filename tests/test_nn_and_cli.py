@@ -74,6 +74,7 @@ def test_bench_bad_arguments_fail_in_one_line_before_any_work(tmp_path, capsys, 
         (["bench", "nosuch"], "unknown suite 'nosuch'"),
         (["bench", "gemm", "--sweep"], "give the suite sparse24"),
         (["bench", "sparse24", "--quick"], "belong to --sweep"),
+        (["bench", "sparse24", "--l2", "warm"], "belong to --sweep"),
         (["bench", "sparse24", "--sweep", "--device", "cpu"], "on a CUDA device"),
     ]
     if not torch.cuda.is_available():

@@ -58,7 +58,27 @@ def test_sweep_runs_on_the_gpu(tmp_path):
     timed = [r for r in rows if "n" in r]
     assert len(timed) == 6 and not any(k.endswith("_wrong") for r in rows for k in r)
     assert all(r["speedup"] > 0 and r["cuda_ws_err"] <= 2 * r["dense_err"] + 1e-3 for r in timed if r["n"] > 16)
+    assert all(r["weight_copies"] == sweep.copies_past_l2(torch.cuda.get_device_properties(0).L2_cache_size,
+                                                          r["m"] * r["k"] * 9 // 8, "cold") > 1 for r in timed)
     held = {(r["m"], r["k"]): r["memory"]["ratio"] for r in rows if "memory" in r}
     assert held == {(768, 768): 0.5625, (2304, 768): 0.5625}
     json.dumps(rows)  # the rows go to the JSON file as they are
     sweep.plot(rows, str(tmp_path / "s.png"))
+
+
+def test_cold_l2_rotates_copies_past_twice_the_l2():
+    assert sweep.copies_past_l2(50 << 20, 1 << 20, "cold") == 100  # 100 copies of 1 MiB: twice 50 MiB
+    assert sweep.copies_past_l2(50 << 20, 30 << 20, "cold") == 4
+    assert sweep.copies_past_l2(50 << 20, 500 << 20, "cold") == 1  # past the L2 on its own
+    assert sweep.copies_past_l2(50 << 20, 1024, "cold") == sweep.MAX_COPIES
+    assert sweep.copies_past_l2(50 << 20, 1 << 20, "warm") == 1
+    with pytest.raises(ValueError, match="l2='hot'"):
+        sweep.copies_past_l2(50 << 20, 1 << 20, "hot")
+
+
+def test_cycling_calls_each_in_turn():
+    seen = []
+    call = sweep._cycling([lambda i=i: seen.append(i) for i in range(3)])
+    for _ in range(7):
+        call()
+    assert seen == [0, 1, 2, 0, 1, 2, 0]

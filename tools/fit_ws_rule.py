@@ -12,7 +12,7 @@ shapes x 12 n, so two sweeps under different rules give, where their picks diffe
 
     python tools/fit_ws_rule.py bench/results/sparse24-ws-tiles-h100.json bench/results/sparse24-ws-tiles-h200.json \
         --sweep <(git show 1c5de79:bench/results/sparse24-sweep-h200.json) \
-        --sweep <(git show 6e0d3a2:bench/results/sparse24-sweep-h200.json)
+        --sweep <(git show 25a8ca5:bench/results/sparse24-sweep-h200.json)
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
                        "sparse24-sweep-<gpu>[-f16].json here) and a PNG beside it, and prints a summary")
     bench.add_argument("--quick", action="store_true", help="with --sweep: 6 batch sizes instead of 12")
     bench.add_argument("--dtype", default="bf16", choices=("bf16", "f16"), help="with --sweep: the weights' dtype")
+    bench.add_argument("--l2", default="cold", choices=("cold", "warm"),
+                       help="with --sweep: cold (default) rotates each call over copies of the weight past twice the "
+                       "L2, as a model's forward reads it; warm times one weight over and over")
 
     sparsify = sub.add_parser("sparsify", help="prune a checkpoint to 2:4 and write it compressed",
                               description="IN is a .safetensors file of dense weights (pruned by magnitude, written "
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         from .bench import run_sweep_command
 
-        return run_sweep_command(args.device, args.dtype, args.quick, args.json)
+        return run_sweep_command(args.device, args.dtype, args.quick, args.json, args.l2)
     from .bench import run_bench
 
     return run_bench(args.suite, device=args.device, json_path=args.json)
@@ -112,8 +115,8 @@ def _bench_args_problem(args) -> str | None:
         if not torch.cuda.is_available() or args.device is not None and torch.device(args.device).type != "cuda":
             return ("--sweep times the 2:4 GPU kernels against dense on a CUDA device, and this run has none; "
                     "leave --sweep out for the CPU checks of every op")
-    elif args.quick or args.dtype != "bf16":
-        return "--quick and --dtype belong to --sweep (kernelplan bench sparse24 --sweep --quick --dtype f16)"
+    elif args.quick or args.dtype != "bf16" or args.l2 != "cold":
+        return "--quick, --dtype and --l2 belong to --sweep (kernelplan bench sparse24 --sweep --quick --dtype f16)"
     if args.json is not None:
         folder = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(folder):

@@ -84,7 +84,7 @@ def run_bench(suite: str = "all", device: str | None = None, json_path: str | No
     return 0 if ok else 1
 
 
-def run_sweep_command(device: str | None, dtype: str, quick: bool, json_path: str | None) -> int:
+def run_sweep_command(device: str | None, dtype: str, quick: bool, json_path: str | None, l2: str = "cold") -> int:
     """``kernelplan bench sparse24 --sweep``: the sweep, its JSON and PNG, and its summary; 1 if a result was wrong."""
     from . import sweep
 
@@ -92,17 +92,21 @@ def run_sweep_command(device: str | None, dtype: str, quick: bool, json_path: st
     t0 = time.time()
     rows = sweep.run_sweep(dev, {"bf16": torch.bfloat16, "f16": torch.float16}[dtype],
                            sweep.QUICK_BATCH_SIZES if quick else sweep.BATCH_SIZES,
-                           log=lambda line: print(line, flush=True))
-    path = json_path or f"{sweep.default_name(dev, dtype)}.json"
+                           log=lambda line: print(line, flush=True), l2=l2)
+    path = json_path or f"{sweep.default_name(dev, dtype, l2)}.json"
     env = environment(dev)
     with open(path, "w") as f:
         json.dump({**env, "dtype": dtype, "timing": "CUDA graph replay, median (triton.testing.do_bench_cudagraph); "
-                   "eager: wall per call of 20 back-to-back calls, median of 3", "rows": rows,
+                   "eager: wall per call of 20 back-to-back calls, median of 3", "l2": l2,
+                   "l2_means": {"cold": "each call's weight is the next of copies past twice the L2 (weight_copies "
+                                        "per row), dense and 2:4 alike: read from DRAM, as in a model's forward",
+                                "warm": "one weight, called over and over: held in L2 where it fits"}[l2],
+                   "rows": rows,
                    "batch_sizes": sorted({r["n"] for r in rows if "n" in r})}, f, indent=1)
     print("\n".join(sweep.summary(rows)))
     try:
         png = path.removesuffix(".json") + ".png"
-        sweep.plot(rows, png, f"2:4 linear (one layout) vs dense, {dtype}, {env['device']}, {env['commit']}")
+        sweep.plot(rows, png, f"2:4 linear (one layout) vs dense, {dtype}, L2 {l2}, {env['device']}, {env['commit']}")
         print(f"plot written to {png}")
     except ImportError:
         print("no plot written: matplotlib is not installed (pip install matplotlib)")

@@ -9,6 +9,13 @@ same process, alternating; and the default path a user calls
 (``kp.sparse24.linear``, the rule's kernel) runs eagerly, host work included,
 beside ``F.linear``.  After the calls at every n, the bytes the weight holds.
 
+``l2="cold"`` (the default) rotates each call over copies of the weight, dense
+and 2:4 alike, that together exceed twice the GPU's L2, so every call reads its
+weight from DRAM, as a model's forward does (its other layers pass through L2
+between two calls of one layer).  ``l2="warm"`` times one weight over and over:
+a weight of a few tens of MB then stays in L2, which is not what a model sees,
+and favours dense, which reads twice the bytes.
+
 Writes the JSON (device, versions, commit, date, one row per problem) and a
 PNG, and prints a summary: min and median per batch-size range, the worst five
 rows, wrong results, bytes held.
@@ -23,6 +30,8 @@ import torch
 from .shapes import BATCH_SIZES, sweep_shapes
 
 QUICK_BATCH_SIZES = (1, 16, 64, 256, 1024, 4096)
+L2_MODES = ("cold", "warm")
+MAX_COPIES = 256
 RANGES = (("n <= 16", 1, 16), ("n = 32-64", 32, 64), ("n = 128-512", 128, 512), ("n >= 1024", 1024, 1 << 30))
 
 
@@ -48,8 +57,24 @@ def _precompile(shapes, batch, sms: int, dtype: str, device: int) -> None:
         list(pool.map(lambda c: _launcher(c, dtype, False, None, device), configs))
 
 
+def copies_past_l2(l2_bytes: int, weight_bytes: int, l2: str) -> int:
+    """How many copies of a weight (its smaller, 2:4 form: ``weight_bytes``) a call rotates over: past twice the L2
+    where ``l2 == "cold"`` (at most ``MAX_COPIES``), one where "warm"."""
+    if l2 not in L2_MODES:
+        raise ValueError(f"l2={l2!r}: give one of {L2_MODES}")
+    return 1 if l2 == "warm" else max(1, min(MAX_COPIES, -(-2 * l2_bytes // weight_bytes)))
+
+
+def _cycling(fns):
+    """One call of each of ``fns`` in turn, a call at a time (a CUDA graph captures the calls' order)."""
+    import itertools
+
+    turn = itertools.cycle(fns)
+    return lambda: next(turn)()
+
+
 def run_sweep(device: torch.device, dtype: torch.dtype = torch.bfloat16, batch=BATCH_SIZES, rep: int = 20,
-              shapes: dict | None = None, log=print) -> list[dict]:
+              shapes: dict | None = None, log=print, l2: str = "cold") -> list[dict]:
     """The sweep's rows: one per (M, K, n) timed, and one per (M, K) with the bytes its weight held."""
     import torch.nn.functional as F
     import triton.testing
@@ -66,6 +91,7 @@ def run_sweep(device: torch.device, dtype: torch.dtype = torch.bfloat16, batch=B
     row_dtype = {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = sm_count(index)
+    l2_bytes = torch.cuda.get_device_properties(index).L2_cache_size
     _precompile(shapes, batch, sms, row_dtype, index)
     kernels = _kernels()
 
@@ -83,11 +109,16 @@ def run_sweep(device: torch.device, dtype: torch.dtype = torch.bfloat16, batch=B
             if pack_reason(m, k) is None:  # held as Sparse24Linear holds it: the device layout alone
                 w24 = w24.packed()
             dense_bytes = w.numel() * w.element_size()
+            copies = copies_past_l2(l2_bytes, w24.values.nbytes + w24.metadata.nbytes, l2)
+            ws = [w] + [w.clone() for _ in range(copies - 1)]
+            w24s = [w24] + [compress(c).packed() if pack_reason(m, k) is None else compress(c) for c in ws[1:]]
             for n in batch:
                 x = torch.randn(n, k, device=device).to(dtype)
                 ref = F.linear(x.double(), w.double())
                 dense = lambda: F.linear(x, w)  # noqa: E731
-                row = {"m": m, "k": k, "n": n, "layers": where, "dense_err": _rel_err(dense(), ref)}
+                row = {"m": m, "k": k, "n": n, "layers": where, "dense_err": _rel_err(dense(), ref),
+                       "weight_copies": copies}
+                dense = _cycling([lambda c=c: F.linear(x, c) for c in ws])
                 times, dense_times = {}, []
                 for name, (kernel, max_n) in kernels.items():
                     if n > max_n:
@@ -97,7 +128,7 @@ def run_sweep(device: torch.device, dtype: torch.dtype = torch.bfloat16, batch=B
                     if not err <= 2 * row["dense_err"] + 1e-3:
                         row[f"{name}_wrong"] = True
                         continue
-                    fn = lambda call=call: call(x, w24.values, w24.metadata, None)  # noqa: E731
+                    fn = _cycling([lambda call=call, c=c: call(x, c.values, c.metadata, None) for c in w24s])
                     # Alternating, so that a slow spell of the GPU lands on both.
                     t_d1, t_k1, t_d2, t_k2 = graph_ms(dense), graph_ms(fn), graph_ms(dense), graph_ms(fn)
                     row[f"{name}_ms"] = times[name] = min(t_k1, t_k2)
@@ -106,7 +137,7 @@ def run_sweep(device: torch.device, dtype: torch.dtype = torch.bfloat16, batch=B
                 # The default path, as a user calls it: kp.sparse24.linear (memory="compact", the rule's kernel),
                 # eagerly, host work included, beside F.linear, alternating.
                 row["rule"] = rule = backend_for(torch.cuda.get_device_capability(index), n, m, k, row_dtype)
-                user = lambda: linear(x, w24)  # noqa: E731
+                user = _cycling([lambda c=c: linear(x, c) for c in w24s])
                 user()
                 eager = {"dense": [], "rule": []}
                 for _ in range(3):
@@ -131,7 +162,7 @@ def run_sweep(device: torch.device, dtype: torch.dtype = torch.bfloat16, batch=B
             held = w24.values.nbytes + w24.metadata.nbytes + sum(w24.derived_bytes().values())
             rows.append({"m": m, "k": k, "memory": {"dense_bytes": dense_bytes, "layout": w24.layout,
                                                     "held_bytes": held, "ratio": held / dense_bytes}})
-            del w, w24
+            del w, w24, ws, w24s
             torch.cuda.empty_cache()
     return rows
 
@@ -199,8 +230,9 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-def default_name(dev: torch.device, dtype: str) -> str:
-    """``sparse24-sweep-<gpu>[-f16]``: the GPU's model word (h100, h200), as the committed results are named."""
+def default_name(dev: torch.device, dtype: str, l2: str = "cold") -> str:
+    """``sparse24-sweep-<gpu>[-f16][-l2warm]``: the GPU's model word (h100, h200), as the committed results are
+    named."""
     words = torch.cuda.get_device_name(dev).split()
     gpu = words[1].lower() if len(words) > 1 else "gpu"
-    return f"sparse24-sweep-{gpu}" + ("" if dtype == "bf16" else f"-{dtype}")
+    return f"sparse24-sweep-{gpu}" + ("" if dtype == "bf16" else f"-{dtype}") + ("" if l2 == "cold" else "-l2warm")
