@@ -81,4 +81,4 @@ def test_cycling_calls_each_in_turn():
     call = sweep._cycling([lambda i=i: seen.append(i) for i in range(3)])
     for _ in range(7):
         call()
-    assert seen == [0, 1, 2, 0, 1, 2, 0]
+    assert seen == [0, 1, 2] + [0, 1, 2, 0, 1, 2, 0]  # each once eagerly first, then in turn

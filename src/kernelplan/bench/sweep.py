@@ -66,9 +66,12 @@ def copies_past_l2(l2_bytes: int, weight_bytes: int, l2: str) -> int:
 
 
 def _cycling(fns):
-    """One call of each of ``fns`` in turn, a call at a time (a CUDA graph captures the calls' order)."""
+    """One call of each of ``fns`` in turn, a call at a time (a CUDA graph captures the calls' order).  Each is
+    called once here first, eagerly: what a weight derives on its first call is not built inside a capture."""
     import itertools
 
+    for fn in fns:
+        fn()
     turn = itertools.cycle(fns)
     return lambda: next(turn)()
 
