@@ -102,7 +102,7 @@ def run_sweep(device: torch.device, dtype: torch.dtype = torch.bfloat16, batch=B
         return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
     def eager_ms(fn) -> float:
-        return host_us_per_call(fn, device, 20) / 1e3
+        return host_us_per_call(fn, device, 200) / 1e3
 
     rows = []
     with torch.cuda.device(index):
