@@ -97,13 +97,7 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     const int steps = K / 64, tiles = tiles_n * ((M + kBM - 1) / kBM);
 
     if (threadIdx.x == 0) {
-        tma_prefetch_map(&xmap);
-        tma_prefetch_map(&vmap);
-        tma_prefetch_map(&emap);
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full0 + 8 * s, 1);   // the producer's expect_tx; then the bytes
-            mbar_init(empty0 + 8 * s, 1);  // the one consumer warpgroup that reads the stage
-        }
+        ring_init(&xmap, &vmap, &emap, full0, empty0, 1);  // one release a stage: the warpgroup that reads it
         mbar_init(order0, 1);
         mbar_init(order0 + 8, 1);
         mbar_init_fence();
@@ -115,20 +109,10 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         regs_down<40>();
 #endif
         if (threadIdx.x == 0) {
-            constexpr u32 bytes = kXBytes + kWBytes;  // boxes past N or M count in full (zero-filled)
             int g = 0;
-            for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-                const int tile0 = t / tiles_n * kTiles, n0 = t % tiles_n * BN;
-                for (int step = 0; step < steps; ++step, ++g) {
-                    const int b = ring_stage(g);
-                    mbar_wait(empty0 + 8 * b, ring_parity(g) ^ 1);
-                    const u32 full = full0 + 8 * b, at = sbase + b * kStageBytes;
-                    mbar_expect_tx(full, bytes);
-                    tma_load_2d(at, &xmap, step * 64, n0, full);
-                    tma_load_3d(at + kXBytes, &vmap, 0, step, tile0, full);
-                    tma_load_3d(at + kXBytes + kWValues, &emap, 0, step, tile0, full);
-                }
-            }
+            for (int t = blockIdx.x; t < tiles; t += gridDim.x)
+                g = produce_steps(g, 0, steps, t % tiles_n * BN, t / tiles_n * kTiles, sbase, full0, empty0, &xmap,
+                                  &vmap, &emap);
         }
         return;
     }

@@ -20,9 +20,43 @@ constexpr int kAcc = NI / 2;                       // f32 accumulators per threa
 constexpr int kInst = BN / NI;                     // instructions per k32 per warpgroup
 static_assert(BN <= 256 && BN % 8 == 0, "a tensor-map box has at most 256 rows");
 
+// Thread 0's setup of the ring: the three tensor maps fetched into the descriptor cache while the CTA sets up, so
+// the first copy does not wait on them (CUTLASS's producers do the same: cute::prefetch_tma_descriptor), and each
+// stage's "full" barrier (the producer's expect_tx, then the bytes) and "empty" one (`releases` arrivals).  The
+// caller fences the barriers' initialization (mbar_init_fence) after any barriers of its own.
+__device__ __forceinline__ void ring_init(const TensorMap *xmap, const TensorMap *vmap, const TensorMap *emap,
+                                          u32 full0, u32 empty0, u32 releases) {
+    tma_prefetch_map(xmap);
+    tma_prefetch_map(vmap);
+    tma_prefetch_map(emap);
+    for (int s = 0; s < STAGES; ++s) {
+        mbar_init(full0 + 8 * s, 1);
+        mbar_init(empty0 + 8 * s, releases);
+    }
+}
+
 // Ring step g (counted over the CTA's whole life): its stage and the parity of its stage's current phase.
 __device__ __forceinline__ int ring_stage(int g) { return g % STAGES; }
 __device__ __forceinline__ u32 ring_parity(int g) { return (u32)((g / STAGES) & 1); }
+
+// The producer thread's copies of one tile's steps k0 .. k1 - 1 (x's rows from n0, W's 16-row tiles from tile0) into
+// ring steps g, g + 1, ..., each into its stage once the stage's readers have released it; returns the next ring
+// step.  (sparse24_ws.cu's producer multicasts x across a cluster: its own loop.)
+__device__ __forceinline__ int produce_steps(int g, int k0, int k1, int n0, int tile0, u32 sbase, u32 full0,
+                                             u32 empty0, const TensorMap *xmap, const TensorMap *vmap,
+                                             const TensorMap *emap) {
+    constexpr u32 bytes = kXBytes + kWBytes;  // boxes past N or M count in full (zero-filled)
+    for (int step = k0; step < k1; ++step, ++g) {
+        const int b = ring_stage(g);
+        mbar_wait(empty0 + 8 * b, ring_parity(g) ^ 1);
+        const u32 full = full0 + 8 * b, at = sbase + b * kStageBytes;
+        mbar_expect_tx(full, bytes);
+        tma_load_2d(at, xmap, step * 64, n0, full);
+        tma_load_3d(at + kXBytes, vmap, 0, step, tile0, full);
+        tma_load_3d(at + kXBytes + kWValues, emap, 0, step, tile0, full);
+    }
+    return g;
+}
 
 // The warpgroup's MMAs have read the stage at `bar`'s index: warp j of each warpgroup releases it in CTA j of the
 // M group (CUTLASS's PipelineTmaAsync does the same); `cz` is the M group's first rank / CM.

@@ -140,13 +140,7 @@ kp_sparse24_sk(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     float *parts = (float *)(work + (slots * 4 + 1023) / 1024 * 1024);
 
     if (threadIdx.x == 0) {
-        tma_prefetch_map(&xmap);
-        tma_prefetch_map(&vmap);
-        tma_prefetch_map(&emap);
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full0 + 8 * s, 1);        // the producer's expect_tx; then the bytes
-            mbar_init(empty0 + 8 * s, WM);      // one arrival per consumer warpgroup
-        }
+        ring_init(&xmap, &vmap, &emap, full0, empty0, WM);  // one release a stage per consumer warpgroup
         mbar_init_fence();
     }
     __syncthreads();
@@ -158,19 +152,10 @@ kp_sparse24_sk(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         regs_down<40>();
 #endif
         if (threadIdx.x == 0) {
-            constexpr u32 bytes = kXBytes + kWBytes;  // boxes past N or M count in full (zero-filled)
             int g = 0;
             while (work_list.next(tile, part, k0, k1)) {
                 tile_origin(tile, tiles_n, n0, tile0);
-                for (int step = k0; step < k1; ++step, ++g) {
-                    const int b = ring_stage(g);
-                    mbar_wait(empty0 + 8 * b, ring_parity(g) ^ 1);
-                    const u32 full = full0 + 8 * b, at = sbase + b * kStageBytes;
-                    mbar_expect_tx(full, bytes);
-                    tma_load_2d(at, &xmap, step * 64, n0, full);
-                    tma_load_3d(at + kXBytes, &vmap, 0, step, tile0, full);
-                    tma_load_3d(at + kXBytes + kWValues, &emap, 0, step, tile0, full);
-                }
+                g = produce_steps(g, k0, k1, n0, tile0, sbase, full0, empty0, &xmap, &vmap, &emap);
             }
         }
         return;

@@ -62,13 +62,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     (void)cy, (void)cz;  // read by the cluster variants only
 
     if (threadIdx.x == 0) {
-        tma_prefetch_map(&xmap);
-        tma_prefetch_map(&vmap);
-        tma_prefetch_map(&emap);
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full0 + 8 * s, 1);             // the producer's expect_tx; then the bytes
-            mbar_init(empty0 + 8 * s, WM * CM);      // one arrival per consumer warpgroup of the M group
-        }
+        ring_init(&xmap, &vmap, &emap, full0, empty0, WM * CM);  // one release per consumer warpgroup of the M group
         mbar_init_fence();
     }
 #if CM * KC > 1
