@@ -17,18 +17,16 @@ KV-cache tokens the memory left over would hold.  Writes
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import subprocess
 import sys
 import time
 
 import torch
 import transformers
-import triton
 
 import kernelplan as kp
+from kernelplan.bench import results
 from kernelplan.bench.decode import DecodeStep, GraphedDecode, weight_bytes
 from kernelplan.nn import Sparse24Linear
 
@@ -132,18 +130,10 @@ def main() -> int:
             print(child.stdout[-2000:], child.stderr[-4000:])
             return 1
         result[which] = json.loads(lines[-1][7:])
-    gpu = torch.cuda.get_device_name(0)
-    tag = "h200" if "H200" in gpu else "h100" if "H100" in gpu else gpu.replace(" ", "_").lower()
-    path = a.out or os.path.join(os.path.dirname(__file__), "results", f"sparse24-70b-memory-{tag}.json")
-    meta = {"device": gpu, "torch": torch.__version__, "triton": triton.__version__,
-            "transformers": transformers.__version__, "commit": os.environ.get("KERNELPLAN_COMMIT", "unknown"),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "model": "Llama-3-70B sizes, random bf16 weights", "layers": a.layers, "prompt": a.prompt,
-            "decode": "batch 1, one greedy step replayed as a CUDA graph, median of --steps replays; the models "
-                      "in turn (they do not fit together)"}
-    with open(path, "w") as f:
-        json.dump({"meta": meta, **result}, f, indent=1)
-    print("wrote", path)
+    results.write("sparse24-70b-memory", result, a.out, transformers=transformers.__version__,
+                  model="Llama-3-70B sizes, random bf16 weights", layers=a.layers, prompt=a.prompt,
+                  decode="batch 1, one greedy step replayed as a CUDA graph, median of --steps replays; the models "
+                         "in turn (they do not fit together)")
     return 0
 
 

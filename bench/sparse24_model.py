@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
-import os
 import sys
 import time
 
 import torch
 import transformers
-import triton
 
 import kernelplan as kp
+from kernelplan.bench import results
 from kernelplan.bench.decode import DecodeStep, Graphed, GraphedDecode, weight_bytes
 from kernelplan.nn import Sparse24Linear
 from kernelplan.timing import interleaved
@@ -101,16 +98,8 @@ def main() -> int:
     out["sparse_over_dense_bytes"] = out["sparse_weight_bytes"] / out["dense_weight_bytes"]
     print(f"weights: dense {out['dense_weight_bytes'] / 2**30:.2f} GiB, sparse {out['sparse_weight_bytes'] / 2**30:.2f} "
           f"GiB ({out['sparse_over_dense_bytes']:.3f}x)")
-    gpu = torch.cuda.get_device_name(0)
-    tag = "h200" if "H200" in gpu else "h100" if "H100" in gpu else gpu.replace(" ", "_").lower()
-    path = a.out or os.path.join(os.path.dirname(__file__), "results", f"sparse24-model-{tag}.json")
-    meta = {"device": gpu, "torch": torch.__version__, "triton": triton.__version__,
-            "transformers": transformers.__version__, "commit": os.environ.get("KERNELPLAN_COMMIT", "unknown"),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "model": "Llama with Qwen2.5-7B sizes", "layers": a.layers, "memory": a.memory}
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": rows, **out}, f, indent=1)
-    print("wrote", path)
+    results.write("sparse24-model", {"rows": rows, **out}, a.out, transformers=transformers.__version__,
+                  model="Llama with Qwen2.5-7B sizes", layers=a.layers, memory=a.memory)
     return 0
 
 
