@@ -108,18 +108,16 @@ def run_sweep(device: torch.device, dtype: torch.dtype = torch.bfloat16, batch=B
     with torch.cuda.device(index):
         for (m, k), where in shapes.items():
             w = prune(torch.randn(m, k, device=device)).to(dtype)
-            w24 = compress(w)
-            if pack_reason(m, k) is None:  # held as Sparse24Linear holds it: the device layout alone
-                w24 = w24.packed()
+            held = (lambda c: compress(c).packed()) if pack_reason(m, k) is None else compress  # as Sparse24Linear
+            w24 = held(w)  # holds it: the device layout alone, where the shape allows
             dense_bytes = w.numel() * w.element_size()
             copies = copies_past_l2(l2_bytes, w24.values.nbytes + w24.metadata.nbytes, l2)
             ws = [w] + [w.clone() for _ in range(copies - 1)]
-            w24s = [w24] + [compress(c).packed() if pack_reason(m, k) is None else compress(c) for c in ws[1:]]
+            w24s = [w24] + [held(c) for c in ws[1:]]
             for n in batch:
                 x = torch.randn(n, k, device=device).to(dtype)
                 ref = F.linear(x.double(), w.double())
-                dense = lambda: F.linear(x, w)  # noqa: E731
-                row = {"m": m, "k": k, "n": n, "layers": where, "dense_err": _rel_err(dense(), ref),
+                row = {"m": m, "k": k, "n": n, "layers": where, "dense_err": _rel_err(F.linear(x, w), ref),
                        "weight_copies": copies}
                 dense = _cycling([lambda c=c: F.linear(x, c) for c in ws])
                 times, dense_times = {}, []

@@ -203,8 +203,8 @@ def ws_config(n: int, m: int, k: int, sms: int) -> WsConfig:
 
 
 def source(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None) -> str:
-    """The CUDA C++ of one kernel variant (``kp_sparse24_ws``, or ``kp_sparse24_sk`` where ``cfg.sk``), compiled
-    by NVRTC for sm_90a."""
+    """The CUDA C++ of one kernel variant (``kp_sparse24_ws``; ``kp_sparse24_sk`` where ``cfg.sk``,
+    ``kp_sparse24_pp`` where ``cfg.pp``), compiled by NVRTC for sm_90a."""
     clusters = {} if cfg.sk or cfg.pp else {"CM": cfg.cm, "KC": cfg.kc}
     head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, **clusters, STAGES=cfg.stages,
                    CONSUMER_REGS=_CONSUMER_REGS[2 if cfg.pp else cfg.wm])

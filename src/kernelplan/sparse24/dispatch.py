@@ -10,9 +10,9 @@ Two memory policies (``GemmSparse24Descriptor.memory``):
   times them (``backends.tune``).  Speed over memory: up to 3.3x of the dense bytes
   per weight were measured in v1 (docs/design/0001).
 
-The measurements behind the rule: ``bench/results/sparse24-ws-tiles-h100.json``
-(the warp-specialized ``wgmma.sp`` tiles, from which ``kernels/sparse24_ws.py``'s
-``ws_config`` is fitted) and ``bench/results/sparse24-sweep-h100.json`` (the kernels
+The measurements behind the rule: ``bench/results/sparse24-ws-tiles-h100.json`` and
+``-h200.json`` (the warp-specialized ``wgmma.sp`` tiles, from which ``kernels/sparse24_ws.py``'s
+``ws_config`` is fitted by ``tools/fit_ws_rule.py``) and ``bench/results/sparse24-sweep-h100.json`` (the kernels
 of the layout against dense over the sweep set); docs/design/0002-0005 say what
 they showed.
 """
