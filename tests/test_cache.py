@@ -150,6 +150,7 @@ def test_cli_info_and_clear(tmp_path):
     assert json.loads(run("cache", "info", "--json").stdout)["kernels"]["entries"] == 1
     assert "cleared 1 entries from the kernels cache" in run("cache", "clear").stdout
     text = run("cache", "info")
-    assert text.stdout.count("entries:   0") == 2
+    assert text.stdout.count("entries:   0") == 3  # plans, kernels and kernelplan's Triton folder
+    assert data["triton"]["path"] == str(tmp_path / "triton") and data["triton"]["entries"] == 0
     bad = run("cache", "frobnicate")
     assert bad.returncode == 2 and "invalid choice" in bad.stderr

@@ -101,3 +101,83 @@ def test_a_second_process_loads_the_cubin_without_calling_nvrtc(tmp_path):
     second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     compiles, digest = first.stdout.split()
     assert compiles == "1" and second.stdout.split() == ["0", digest]
+
+
+# Triton compiles for sm_90 without a GPU (it ships ptxas): kernelplan's scope decides where the result goes.
+_TRITON_SCRIPT = textwrap.dedent("""
+    import os, sys, triton, triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from kernelplan.kernels.triton_cache import compiling
+
+    @triton.jit
+    def add_one(x, n, B: tl.constexpr):
+        o = tl.arange(0, B)
+        tl.store(x + o, tl.load(x + o, mask=o < n) + 1, mask=o < n)
+
+    before = triton.knobs.cache.dir
+    for block in map(int, sys.argv[1:]):
+        with compiling():
+            inside = triton.knobs.cache.dir
+            triton.compile(ASTSource(add_one, signature={"x": "*fp32", "n": "i32", "B": "constexpr"},
+                                     constexprs={"B": block}), target=GPUTarget("cuda", 90, 32))
+    print(before == triton.knobs.cache.dir, inside)
+""")
+
+
+def _triton_compile(tmp_path, blocks=(128,), **env):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")} | {
+        "KERNELPLAN_CACHE_DIR": str(tmp_path / "kp"), "TRITON_HOME": str(tmp_path / "home"), **env}
+    script = tmp_path / "compile_one.py"  # Triton reads a kernel's source from its file
+    script.write_text(_TRITON_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), *map(str, blocks)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def _entries(folder):
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
+def test_kernelplans_triton_compiles_land_in_its_folder_and_triton_keeps_its_own(tmp_path):
+    out = _triton_compile(tmp_path)
+    restored, inside = out.stdout.split()
+    assert restored == "True" and inside == str(tmp_path / "kp" / "triton")
+    assert len(_entries(tmp_path / "kp" / "triton")) == 1
+    assert _entries(tmp_path / "home" / ".triton" / "cache") == []  # Triton's default folder got nothing
+    from kernelplan.kernels.triton_cache import TritonCache
+
+    cache = TritonCache(tmp_path / "kp" / "triton")
+    assert cache.info()["entries"] == 1 and cache.info()["size_bytes"] > 0
+    assert cache.clear() == 1 and cache.info()["entries"] == 0
+
+
+def test_a_users_triton_cache_dir_wins(tmp_path):
+    mine = tmp_path / "mine"
+    out = _triton_compile(tmp_path, TRITON_CACHE_DIR=str(mine))
+    assert out.stdout.split() == ["True", str(mine)]
+    assert len(_entries(mine)) == 1 and _entries(tmp_path / "kp" / "triton") == []
+
+
+def test_an_unwritable_triton_folder_warns_once_and_triton_caches_in_its_own(tmp_path):
+    (tmp_path / "kp").mkdir()
+    (tmp_path / "kp" / "triton").write_text("a file where the folder should be")
+    out = _triton_compile(tmp_path, blocks=(128, 256))
+    assert out.stdout.split()[1] == str(tmp_path / "home" / ".triton" / "cache")
+    said = [line for line in out.stderr.splitlines() if "PlanCacheWarning: kernelplan's Triton cache" in line]
+    assert len(said) == 1 and "cannot be written" in said[0], out.stderr  # (and one log line)
+    assert len(_entries(tmp_path / "home" / ".triton" / "cache")) == 2
+
+
+def test_the_triton_folder_is_bounded_oldest_first(tmp_path):
+    from kernelplan.kernels.triton_cache import TritonCache
+
+    cache = TritonCache(tmp_path, max_bytes=3000)
+    for i, name in enumerate("abcd"):
+        (tmp_path / name).mkdir()
+        f = tmp_path / name / "kernel.cubin"
+        f.write_bytes(bytes(1000))
+        os.utime(f, (time.time() - 100 + i, time.time() - 100 + i))
+    cache.evict()
+    assert _entries(tmp_path) == ["b", "c", "d"] and cache.info()["size_bytes"] == 3000

@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     cache = sub.add_parser("cache", help="inspect or clear the persistent plan and kernel caches")
     cache.add_argument("action", choices=("info", "clear"))
     cache.add_argument("--json", action="store_true", help="print info as JSON")
-    cache.add_argument("--which", choices=("all", "plans", "kernels"), default="all",
-                       help="the plan cache, the compiled-kernel cache, or both (default)")
+    cache.add_argument("--which", choices=("all", "plans", "kernels", "triton"), default="all",
+                       help="the plan cache, the compiled cubins, kernelplan's Triton kernels, or all (default)")
 
     args = parser.parse_args(argv)
     if args.command == "warmup":
@@ -310,8 +310,9 @@ def _cache(args) -> int:
     from .cache import plan_cache
 
     from .kernels.kernel_cache import kernel_cache
+    from .kernels.triton_cache import triton_cache
 
-    caches = {"plans": plan_cache(), "kernels": kernel_cache()}
+    caches = {"plans": plan_cache(), "kernels": kernel_cache(), "triton": triton_cache()}
     chosen = list(caches) if args.which == "all" else [args.which]
     if args.action == "clear":
         for name in chosen:
@@ -330,6 +331,8 @@ def _cache(args) -> int:
         print(f"  size:      {info['size_bytes'] / 1024:.1f} KiB")
         if info["unusable"]:
             print(f"  unusable:  {info['unusable']} (this process keeps results in memory)")
+        if info.get("overridden_by"):
+            print(f"  unused:    TRITON_CACHE_DIR is set, so Triton caches in {info['overridden_by']}")
     return 0
 
 

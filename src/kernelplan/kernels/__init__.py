@@ -117,7 +117,9 @@ class Launcher:
         key = (device, values, tuple(options.items()), tuple(_specialization(a) for a in args))
         hit = self._compiled.get(key)
         if hit is None:
-            with on_device(device):  # Triton compiles and loads for the current device
+            from .triton_cache import compiling
+
+            with on_device(device), compiling():  # Triton compiles and loads for the current device
                 kernel = self.fn.warmup(*args, grid=(1,), **constexprs, **options)
                 hit = self._compiled[key] = Compiled(kernel, values, len(args))
         return hit

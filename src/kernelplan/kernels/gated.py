@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .activations import ACTIVATION_CODES, act_and_grad
+from .triton_cache import compiling
 
 MAX_BATCH_DIMS = 6  # + the R and C tile dims = the 8-rank limit of the descriptor
 
@@ -181,8 +182,13 @@ def launch(x: torch.Tensor, dy: torch.Tensor | None, out: torch.Tensor, desc) ->
     """Forward (``dy is None``: ``out`` is y) or backward (``out`` is dx).  Checked by the plan."""
     params = _launch_params(desc, x.stride(), None if dy is None else dy.stride(), out.stride())
     if params is not None:
-        grid, scalars, meta = params
-        gated_kernel[grid](x, x if dy is None else dy, out, *scalars, **meta)
+        grid, scalars, meta, launched = params
+        if launched:
+            gated_kernel[grid](x, x if dy is None else dy, out, *scalars, **meta)
+            return
+        with compiling():  # a problem's first launch is where Triton compiles: into kernelplan's folder
+            gated_kernel[grid](x, x if dy is None else dy, out, *scalars, **meta)
+        launched.append(True)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -222,4 +228,4 @@ def _launch_params(desc, x_stride, dy_stride, out_stride):
         # inputs, and the same elsewhere.  Backward loses at 32, so it keeps its own allocation.
         meta["maxnreg"] = 32
 
-    return grid, scalars, meta
+    return grid, scalars, meta, []  # the last: non-empty once launched (see ``launch``)

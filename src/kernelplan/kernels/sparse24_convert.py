@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_cache import compiling
+
 # Integer view, |bits| mask and the bits of +inf, by element width in bytes.
 _BITS = {2: (torch.int16, 0x7FFF, 0x7C00), 4: (torch.int32, 0x7FFFFFFF, 0x7F800000)}
 _INF16 = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
@@ -94,8 +96,9 @@ def compress(w: torch.Tensor, prune: bool, dense: bool = False, block=(16, 64)):
         values = torch.empty((m, k // 2), dtype=bits.dtype, device=w.device)
         metadata = torch.empty((m, k // 8), dtype=torch.int16, device=w.device)
         out = values
-    _compress24[grid](bits, values, metadata, out, bad, m, k, w.stride(0), PRUNE=prune, DENSE=dense,
-                      ABS=absmask, INF=inf, BM=bm, BG=bg, num_warps=4)
+    with compiling():  # a load-time op: every call may be the one that compiles
+        _compress24[grid](bits, values, metadata, out, bad, m, k, w.stride(0), PRUNE=prune, DENSE=dense,
+                          ABS=absmask, INF=inf, BM=bm, BG=bg, num_warps=4)
     if bool(bad.any()):
         return None
     if dense:
@@ -142,8 +145,9 @@ _PAIR = {2: torch.int32, 4: torch.int64}  # a kept pair as one integer, by eleme
 def _launch_pack(values, metadata, tv, tm, k, unpack: bool, steps: int) -> None:
     pair = _PAIR[values.element_size()]
     grid = (tv.shape[0], triton.cdiv(k // 64, steps))
-    _pack24[grid](values.view(pair), metadata.view(torch.int32), tv.view(pair), tm, k, UNPACK=unpack, STEPS=steps,
-                  num_warps=4)
+    with compiling():
+        _pack24[grid](values.view(pair), metadata.view(torch.int32), tv.view(pair), tm, k, UNPACK=unpack,
+                      STEPS=steps, num_warps=4)
 
 
 def pack(values: torch.Tensor, metadata: torch.Tensor, steps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
