@@ -53,3 +53,14 @@ def test_readme_table_changes_with_the_results(tmp_path, monkeypatch):
     (results / "sparse24-h200.json").write_text(json.dumps(doc))
     monkeypatch.setattr(readme_table, "RESULTS", results)
     assert readme_table.table() != before
+
+
+def test_the_shipped_expected_speedups_are_the_tools_digest_of_the_results():
+    """src/kernelplan/sparse24/expected.json is tools/expected_table.py's output: rerun it after a sweep."""
+    import sys
+
+    sys.path.insert(0, str(README.parent / "tools"))
+    import expected_table
+
+    assert expected_table.OUT.read_text() == expected_table.text(), (
+        "expected.json differs from bench/results/sparse24-sweep-*.json: run python tools/expected_table.py")

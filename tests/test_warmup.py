@@ -60,6 +60,10 @@ def test_on_the_gpu_after_warmup_no_call_of_those_shapes_compiles_or_tunes(monke
     before = nvrtc.COMPILES[0]
     rows = kp.warmup(model, batch_sizes=(1, 16, 128, 300), progress=False)
     assert {r["backend"] for r in rows} <= {"cuda_sp", "cuda_ws"}
+    from kernelplan.sparse24.expected import gpus
+
+    if (torch.cuda.get_device_name(), "bf16") in gpus():  # a GPU the sweeps measured: every row has its speedup
+        assert all(r["expected"] is not None and r["expected"].graph > 0 for r in rows)
     # The calls of the warm-up compiled nothing the compile phase had not (this process may hold some already).
     assert nvrtc.COMPILES[0] - before <= len({(r["backend"], r["config"], r["bias"]) for r in rows})
     monkeypatch.setattr(backends, "tune", lambda *a, **k: pytest.fail("a call after warmup tuned"))
@@ -68,3 +72,63 @@ def test_on_the_gpu_after_warmup_no_call_of_those_shapes_compiles_or_tunes(monke
         for n in (1, 16, 128, 300):
             model(torch.randn(n, 128, device="cuda").to(torch.bfloat16))
     assert nvrtc.COMPILES[0] == compiles
+
+
+def _run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "kernelplan", "warmup", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_the_warmup_command_reads_a_model_directorys_layers_from_its_headers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from kernelplan import hf
+
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      attention_bias=True)
+    model = transformers.LlamaForCausalLM(config).eval()
+    dense_dir, sparse_dir = tmp_path / "dense", tmp_path / "sparse"
+    model.save_pretrained(dense_dir)
+    which, layers = hf.layer_shapes(dense_dir)
+    # 7 linears a block (q, k, v, o with bias; gate, up, down without), no embeddings, no lm_head.
+    assert which == "would prune" and len(layers) == 14
+    assert {(x["m"], x["k"], x["bias"]) for x in layers} == {(64, 64, True), (32, 64, True), (128, 64, False),
+                                                             (64, 128, False)}
+    kp.sparsify(model, progress=False)
+    for fmt in hf.FORMATS:
+        hf.save_model(model.to(torch.bfloat16), sparse_dir / fmt, fmt)
+        which, found = hf.layer_shapes(sparse_dir / fmt)
+        assert which == "2:4" and sorted((x["name"], x["m"], x["k"], x["bias"]) for x in found) == sorted(
+            (x["name"], x["m"], x["k"], x["bias"]) for x in layers), fmt
+        assert {x["dtype"] for x in found} == {torch.bfloat16}
+    ok = _run("--model", sparse_dir / "sparse-24-bitmask", "--batch-sizes", "1,16", "--device", "cpu")
+    assert ok.returncode == 0, ok.stderr
+    assert "14 2:4 layers, 4 distinct shapes" in ok.stdout and ok.stdout.count("reference") == 8
+    assert "torch.bfloat16" in ok.stdout  # the checkpoint's dtype, where --dtype is not given
+    f16 = _run("--model", dense_dir, "--batch-sizes", "4", "--device", "cpu", "--dtype", "f16")
+    assert f16.returncode == 0 and "would prune" in f16.stdout and f16.stdout.count("torch.float16") == 4
+    for args in (("--model", tmp_path / "nowhere"), ("--model", dense_dir, "--shapes", "x.json"), ()):
+        out = _run(*args)
+        assert out.returncode == 2 and out.stderr.strip(), out
+
+
+def test_the_table_gives_the_sweeps_speedup_exact_or_marked_as_read_from_the_nearest():
+    from kernelplan.sparse24.expected import expected, gpus
+    from kernelplan.warm import table
+
+    gpu, dtype = gpus()[0]
+    doc = json.loads((__import__("pathlib").Path(kp.__file__).parent / "sparse24" / "expected.json").read_text())
+    shapes = next(t for t in doc["tables"] if (t["gpu"], t["dtype"]) == (gpu, dtype))["shapes"]
+    key, rows = next(iter(shapes.items()))
+    m, k = map(int, key.split("x"))
+    n, graph, eager = rows[1]
+    e = expected(gpu, dtype, m, k, n)
+    assert e.basis == "measured" and (e.graph, e.eager) == (graph, eager)
+    (n0, g0, _), (n1, g1, _) = rows[1], rows[2]
+    mid = expected(gpu, dtype, m, k, round((n0 * n1) ** 0.5))  # halfway in log n
+    assert mid.basis == "n interpolated" and min(g0, g1) <= mid.graph <= max(g0, g1)
+    near = expected(gpu, dtype, m + 16, k, n)
+    assert near.basis == f"nearest {m}x{k}" and near.graph == graph
+    assert expected("a GPU never swept", dtype, m, k, n) is None
+    text = table([{"m": m + 16, "k": k, "dtype": dtype, "n": n, "backend": "cuda_ws", "config": "-", "expected": near}])
+    assert f"~{graph:.2f}x graph" in text and f"[1] nearest {m}x{k}" in text and doc["tables"][0]["source"] in text

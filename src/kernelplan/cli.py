@@ -50,12 +50,17 @@ def main(argv: list[str] | None = None) -> int:
     sparsify.add_argument("--dry-run", action="store_true", help="report what would change; write nothing")
 
     warm = sub.add_parser("warmup", help="compile a model's 2:4 kernels and settle their dispatch ahead of time",
-                          description="For 2:4 layers of the given shapes (a JSON list of [M, K]) and batch sizes: "
-                          "compile the kernels the dispatch rule names (kept in the kernel cache for later "
-                          "processes) and run each shape once. Prints shape, n, kernel and configuration.")
-    warm.add_argument("--shapes", required=True, metavar="FILE", help='a JSON file: [[M, K], ...] (out, in features)')
+                          description="For the 2:4 layers of a model directory (or of the given shapes) and batch "
+                          "sizes: compile the kernels the dispatch rule names (kept in the kernel cache for later "
+                          "processes) and run each shape once. Prints shape, n, kernel, the speedup over dense the "
+                          "sweeps measured on this GPU, and the configuration.")
+    source = warm.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="DIR", help="a Hugging Face model directory: its 2:4 layers, read from the "
+                        "safetensors headers (a dense checkpoint: the layers kp.sparsify would prune)")
+    source.add_argument("--shapes", metavar="FILE", help='a JSON file: [[M, K], ...] (out, in features)')
     warm.add_argument("--batch-sizes", default="1,16,128,2048", help="comma-separated rows per call")
-    warm.add_argument("--dtype", default="bf16", choices=("bf16", "f16"))
+    warm.add_argument("--dtype", default=None, choices=("bf16", "f16"),
+                      help="the weights' dtype (default: the checkpoint's for --model, else bf16)")
     warm.add_argument("--device", default=None, help="cuda[:i] (default: cuda if present, else cpu)")
 
     cache = sub.add_parser("cache", help="inspect or clear the persistent plan and kernel caches")
@@ -282,28 +287,57 @@ def _warmup(args) -> int:
     from .warm import table, warmup
 
     try:
+        sizes = [int(v) for v in args.batch_sizes.split(",")]
+    except ValueError as e:
+        print(f"kernelplan warmup: --batch-sizes {args.batch_sizes}: {e}; give numbers of rows, such as 1,16,128",
+              file=sys.stderr)
+        return 2
+    try:
+        layers, which = _warmup_layers(args)
+    except (OSError, ValueError, KernelPlanError) as e:
+        source = f"--model {args.model}" if args.model else f"--shapes {args.shapes}"
+        print(f"kernelplan warmup: {source}: {e}", file=sys.stderr)
+        return 2
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        # Random 2:4 weights of each shape: kernels and dispatch depend on the shape, not the values.
+        model = torch.nn.ModuleList(
+            Sparse24Linear.from_dense(torch.nn.Linear(k, m, bias=bias, device=device,
+                                                      dtype=dtype_info(args.dtype).dtype if args.dtype else dtype))
+            for m, k, bias, dtype in layers)
+        rows = warmup(model, sizes, progress=sys.stderr.isatty())
+    except (KernelPlanError, RuntimeError) as e:
+        print(f"kernelplan warmup: {e}", file=sys.stderr)
+        return 2
+    if which:
+        print(which)
+    print(table(rows))
+    return 0
+
+
+def _warmup_layers(args) -> tuple[list[tuple], str]:
+    """Distinct ``(M, K, bias, dtype)`` to warm up, and a line saying where they came from (--model)."""
+    import torch
+
+    if args.shapes:
         with open(args.shapes) as f:
             shapes = json.load(f)
         if not isinstance(shapes, list) or not all(isinstance(s, list) and len(s) == 2 and
                                                    all(isinstance(v, int) and v > 0 for v in s) for s in shapes):
             raise ValueError("it must be a JSON list of [M, K] pairs of positive integers")
-        sizes = [int(v) for v in args.batch_sizes.split(",")]
-    except (OSError, ValueError) as e:
-        print(f"kernelplan warmup: --shapes {args.shapes} / --batch-sizes {args.batch_sizes}: {e}", file=sys.stderr)
-        return 2
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = dtype_info(args.dtype).dtype
-    try:
-        # Random 2:4 weights of each shape: kernels and dispatch depend on the shape, not the values.
-        model = torch.nn.ModuleList(
-            Sparse24Linear.from_dense(torch.nn.Linear(k, m, bias=False, device=device, dtype=dtype))
-            for m, k in shapes)
-        rows = warmup(model, sizes, progress=sys.stderr.isatty())
-    except (KernelPlanError, RuntimeError) as e:
-        print(f"kernelplan warmup: {e}", file=sys.stderr)
-        return 2
-    print(table(rows))
-    return 0
+        return [(m, k, False, torch.bfloat16) for m, k in dict.fromkeys(map(tuple, shapes))], ""
+    from .hf import layer_shapes
+
+    which, found = layer_shapes(args.model)
+    if not found:
+        raise ValueError("it holds no 2:4 layer and no 2-D weight kp.sparsify would prune")
+    floating = (torch.bfloat16, torch.float16, torch.float32)
+    odd = [f for f in found if f["dtype"] not in floating]
+    if odd and args.dtype is None:
+        raise ValueError(f"{odd[0]['name']} is stored as {odd[0]['dtype']}; give --dtype bf16 or f16")
+    layers = list(dict.fromkeys((f["m"], f["k"], f["bias"], f["dtype"]) for f in found))
+    what = "2:4 layers" if which == "2:4" else "layers kp.sparsify would prune (a dense checkpoint)"
+    return layers, f"{args.model}: {len(found)} {what}, {len(layers)} distinct shapes"
 
 
 def _cache(args) -> int:

@@ -162,6 +162,39 @@ def iter_layers(path: str | os.PathLike, device: str | torch.device = "cpu",
         raise InvalidProblem(f"{prefix} has {sorted(got)} but not all of {list(parts)}: the checkpoint is incomplete")
 
 
+def layer_shapes(path: str | os.PathLike) -> tuple[str, list[dict]]:
+    """The 2:4 layers of a directory, from the safetensors headers alone (no tensor is read): what warmup needs.
+
+    Returns ``(which, layers)``, each layer ``{"name", "m", "k", "bias", "dtype"}``.  ``which`` is
+    ``"2:4"`` for a 2:4 checkpoint (any format; a dense 2:4 one's layers are the targeted
+    2-D weights, not checked for the pattern here: loading does that), or ``"would prune"``
+    for a plain dense checkpoint: the 2-D weights ``kp.sparsify`` prunes by default (not
+    embeddings or ``lm_head``).
+    """
+    from safetensors import safe_open
+
+    config = read_config(path)
+    fmt = checkpoint_format(config)
+    sparsity = (config.get("quantization_config") or {}).get("sparsity_config") or {}
+    ignore = [p for p in sparsity.get("ignore", []) if isinstance(p, str)]
+    leaf = {"kernelplan": "values", "sparse-24-bitmask": "compressed"}.get(fmt, "weight")
+    headers: dict[str, tuple[list[int], str]] = {}
+    for shard in shards(path):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                headers[name] = (list(sl.get_shape()), sl.get_dtype())
+    layers = []
+    for name, (shape, dtype) in headers.items():
+        prefix, _, last = name.rpartition(".")
+        if last != leaf or len(shape) != 2 or (fmt == "dense" and not _targeted(prefix, None, ignore)):
+            continue
+        m, k = shape[0], shape[1] * (2 if leaf != "weight" else 1)
+        layers.append({"name": prefix, "m": m, "k": k, "bias": f"{prefix}.bias" in headers,
+                       "dtype": _SAFETENSORS_DTYPES.get(dtype, dtype)})
+    return ("2:4" if fmt != "dense" or sparsity.get("sparsity_structure") == "2:4" else "would prune"), layers
+
+
 def _targeted(prefix: str, targets: str | None, ignore: list[str]) -> bool:
     if targets is not None:
         return re.search(targets, prefix) is not None

@@ -10,7 +10,8 @@ For every ``Sparse24Linear`` of the model and every batch size asked for:
    filled, so that a later call of the same shape compiles, tunes and builds nothing.
    (Under ``memory="fast"`` that first call is where the bucket is tuned.)
 
-Returns one row per (layer shape, n): the kernel and its configuration.
+Returns one row per (layer shape, n): the kernel, its configuration, and the
+speedup over dense the sweeps measured on this kind of GPU (``sparse24/expected.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,18 @@ def _variant(layer: Sparse24Linear, n: int):
     return backend, cfg, compile_
 
 
+def _expected(layer: Sparse24Linear, n: int):
+    """The sweeps' speedup for this layer's shape at n on this GPU; None off CUDA or on a GPU never swept."""
+    from .dtypes import dtype_info
+    from .sparse24.expected import expected
+
+    dev = layer.values.device
+    if dev.type != "cuda" or layer.memory != "compact":
+        return None
+    return expected(torch.cuda.get_device_name(dev), dtype_info(layer.values.dtype).name, layer.out_features,
+                    layer.in_features, n)
+
+
 def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bool = True,
            threads: int = 8) -> list[dict]:
     """Compile every kernel and settle every dispatch choice of ``model``'s 2:4 layers at ``batch_sizes``."""
@@ -64,7 +77,7 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
                 continue
             backend, cfg, compile_ = _variant(layer, n)
             rows[key] = {"m": key[0], "k": key[1], "dtype": key[2], "bias": key[3], "n": n, "backend": backend,
-                         "config": str(cfg) if cfg is not None else "-"}
+                         "config": str(cfg) if cfg is not None else "-", "expected": _expected(layer, n)}
             if compile_ is not None:
                 compiles.setdefault((backend, str(cfg), key[2], key[3]), compile_)
     t0 = time.perf_counter()
@@ -85,8 +98,22 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
 
 
 def table(rows: list[dict]) -> str:
-    """The rows as a text table: shape, n, kernel, configuration."""
-    head = f"{'M x K':>15} {'dtype':>15} {'n':>6}  {'kernel':<10} config"
-    lines = [head] + [f"{r['m']:>7} x {r['k']:<5} {r['dtype']:>15} {r['n']:>6}  {r['backend']:<10} {r['config']}"
-                      for r in rows]
+    """The rows as a text table: shape, n, kernel, expected speedup over dense, configuration.
+
+    A ``~`` marks a speedup read from the nearest measured shape or n (the footnote says which);
+    ``-`` where no sweep of this GPU and dtype exists.
+    """
+    head = f"{'M x K':>15} {'dtype':>15} {'n':>6}  {'kernel':<10} {'expected vs dense':<31} config"
+    lines, notes = [head], {}
+    for r in rows:
+        e = r.get("expected")
+        mark = ""
+        if e is not None and e.basis != "measured":
+            mark = notes.setdefault(e.basis, f"[{len(notes) + 1}]")
+        lines.append(f"{r['m']:>7} x {r['k']:<5} {r['dtype']:>15} {r['n']:>6}  {r['backend']:<10} "
+                     f"{(str(e) + mark) if e is not None else '-':<31} {r['config']}")
+    sources = sorted({r["expected"].source for r in rows if r.get("expected") is not None})
+    if sources:
+        lines.append("expected: the rule's kernel over F.linear as measured by " + "; ".join(sources))
+    lines += [f"  {mark} {basis}" for basis, mark in notes.items()]
     return "\n".join(lines)
