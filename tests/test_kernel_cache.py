@@ -24,6 +24,24 @@ def test_the_key_changes_with_everything_the_bytes_depend_on():
     assert len({cache_key(*c) for c in changed} | {key}) == 5
 
 
+@pytest.mark.skipif(importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None,
+                    reason="nvrtc.cubin imports cuda-bindings")
+def test_a_cubins_key_holds_the_driver_version(monkeypatch):
+    from kernelplan import cache as cache_module
+    from kernelplan.kernels import kernel_cache as kc
+    from kernelplan.kernels import nvrtc
+
+    keys = []
+    monkeypatch.setattr(nvrtc, "_nvrtc_version", lambda _: "nvrtc 13.0")
+    monkeypatch.setattr(nvrtc, "_compile", lambda *a: b"cubin")
+    monkeypatch.setattr(kc.KernelCache, "get", lambda self, key: keys.append(key))
+    monkeypatch.setattr(kc.KernelCache, "put", lambda self, key, payload: None)
+    for driver in ("12080", "13000"):
+        monkeypatch.setattr(cache_module, "driver_version", lambda d=driver: d)
+        nvrtc.cubin("__global__ void k() {}", "sm_90a")
+    assert len(set(keys)) == 2
+
+
 def test_a_second_cache_on_the_folder_reads_what_the_first_wrote(tmp_path):
     first = KernelCache(tmp_path)
     assert first.get("a" * 64) is None and first.misses == 1
@@ -181,3 +199,24 @@ def test_the_triton_folder_is_bounded_oldest_first(tmp_path):
         os.utime(f, (time.time() - 100 + i, time.time() - 100 + i))
     cache.evict()
     assert _entries(tmp_path) == ["b", "c", "d"] and cache.info()["size_bytes"] == 3000
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_kernelplans_triton_kernels_compile_into_its_folder_and_a_second_process_reuses_them(tmp_path):
+    script = textwrap.dedent("""
+        import torch, kernelplan as kp
+        w = kp.sparse24.prune(torch.randn(256, 512, device="cuda")).to(torch.bfloat16)
+        kp.sparse24.compress(w)  # the Triton compressor
+        torch.cuda.synchronize()
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")} | {
+        "KERNELPLAN_CACHE_DIR": str(tmp_path / "kp"), "TRITON_HOME": str(tmp_path / "home")}
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        if _ == 0:
+            first = {p.name: p.stat().st_mtime for p in (tmp_path / "kp" / "triton").iterdir()}
+    assert first and {p.name: p.stat().st_mtime for p in (tmp_path / "kp" / "triton").iterdir()} == first
+    default = tmp_path / "home" / ".triton" / "cache"
+    names = {p.name for p in default.iterdir()} if default.is_dir() else set()
+    assert not names & set(first)  # none of kernelplan's kernels went to Triton's own folder

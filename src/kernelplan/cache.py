@@ -93,20 +93,25 @@ def environment_fingerprint(device: str = "cpu") -> dict[str, str]:
         fp["gpu"] = props.name
         fp["cc"] = f"{props.major}.{props.minor}"
         fp["cuda"] = str(torch.version.cuda)
-        fp["driver"] = _driver_version()
+        fp["driver"] = driver_version()
     return fp
 
 
-def _driver_version() -> str:
+@functools.lru_cache(maxsize=1)
+def driver_version() -> str:
+    """The CUDA driver's version (``cuDriverGetVersion``); the runtime's view without cuda-bindings; "none"
+    where no driver is installed (a CPU machine compiling with NVRTC)."""
     try:
         from cuda.bindings import driver  # ships with the GPU machines' cuda-bindings
-
-        err, version = driver.cuDriverGetVersion()
-        return str(version)
     except ImportError:  # older stacks: the NVML-free fallback is the runtime's view
         import torch
 
         return f"runtime-{torch.version.cuda}"
+    try:
+        err, version = driver.cuDriverGetVersion()
+    except Exception:  # noqa: BLE001  no libcuda on this machine
+        return "none"
+    return str(version) if int(err) == 0 else "none"
 
 
 class PlanCache:

@@ -5,9 +5,10 @@ modules keyed by what they were compiled from, loaded once per device in a
 process (``nvrtc.function``'s cache).  Its leak is left behind: the folder is
 bounded, least recently used first out.
 
-* Key: sha256 of the kernel's full source after preprocessing, the compile
-  options, the architecture, the NVRTC version and kernelplan's version.  A
-  change of any gives a new file.
+* Key: sha256 of the kernel's full source after preprocessing (which holds
+  its kernels' names: one cubin is one module, its kernels looked up by
+  name), the compile options, the architecture, the NVRTC and driver versions
+  and kernelplan's version.  A change of any gives a new file.
 * Files: ``<key>.cubin`` under ``$KERNELPLAN_CACHE_DIR/kernels``, each the
   magic, the sha256 of the payload and the payload.  A file that fails its
   checksum (truncated, damaged) is dropped with a warning and compiled again.

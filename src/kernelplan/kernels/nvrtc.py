@@ -57,10 +57,11 @@ def cubin(source: str, architecture: str) -> bytes:
     """The compiled ``source`` for ``architecture`` (``sm_90``), from the disk cache or NVRTC; the log on failure."""
     from cuda.bindings import nvrtc
 
+    from ..cache import driver_version
     from .kernel_cache import cache_key, kernel_cache
 
     cache = kernel_cache()
-    key = cache_key(source, OPTIONS, architecture, _nvrtc_version(nvrtc))
+    key = cache_key(source, OPTIONS, architecture, f"{_nvrtc_version(nvrtc)}, driver {driver_version()}")
     binary = None if os.environ.get(DUMP_ENV) else cache.get(key)  # a dump asks for the compile itself
     if binary is None:
         binary = _compile(nvrtc, source, architecture)
