@@ -38,7 +38,9 @@ def test_a_cubins_key_holds_the_driver_version(monkeypatch):
     monkeypatch.setattr(kc.KernelCache, "put", lambda self, key, payload: None)
     for driver in ("12080", "13000"):
         monkeypatch.setattr(cache_module, "driver_version", lambda d=driver: d)
+        nvrtc.cubin.cache_clear()  # (also kept per process)
         nvrtc.cubin("__global__ void k() {}", "sm_90a")
+    nvrtc.cubin.cache_clear()
     assert len(set(keys)) == 2
 
 
