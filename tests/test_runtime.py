@@ -233,8 +233,9 @@ def test_a_thousand_requests_with_five_faults_each_answered_once():
         assert all(o == "fault" for o, k in zip(outcomes, kinds) if k == "fault")
         # Requests in flight at a fault (at most the 31 behind it) fail with it; the rest succeed.
         assert outcomes.count("ok") >= 1000 - 5 * 32, outcomes.count("ok")
-        for f in sorted(faults):
-            assert outcomes[f + 32:f + 33] in ([], ["ok"]), f
+        for f in sorted(faults):  # sent after the fault was answered, and done before the next one could take it
+            if not any(f < g <= f + 64 for g in faults):
+                assert outcomes[f + 32:f + 33] in ([], ["ok"]), f
         assert rt.worker_generation() == 6
 
 

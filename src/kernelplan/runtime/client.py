@@ -28,10 +28,10 @@ import concurrent.futures
 import itertools
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import DeviceFailed, DeviceFault, StaleBuffer
-from .requests import Buffer, buffers_in
+from .requests import Buffer, Reply, buffers_in
 from .worker import rebuild
 
 _START_TIMEOUT_S = 120  # a spawned worker imports torch before it answers
@@ -51,7 +51,8 @@ class _DeviceWorker:
         self.generation = 0
         self.failed: str | None = None
         self.restarts: collections.deque = collections.deque()
-        self.inflight: dict[int, tuple[concurrent.futures.Future, str]] = {}
+        # rid -> (future, what, the outputs a run's Reply names: None for other messages)
+        self.inflight: dict[int, tuple[concurrent.futures.Future, str, tuple | None]] = {}
         self.slots: dict[int, int] = {}  # buffer id -> its live generation (this worker generation's buffers)
         self._slot_ids = itertools.count()
         self._closing = False
@@ -83,6 +84,7 @@ class _DeviceWorker:
 
     def _read(self, conn, generation: int) -> None:
         sticky = None
+        skus = {-1: None}  # this worker generation's skus, by the index its "ran" batches use
         while True:
             try:
                 kind, rid, value = conn.recv()
@@ -95,6 +97,16 @@ class _DeviceWorker:
                 continue
             if kind == "fault":
                 sticky = value
+                continue
+            if kind == "sku":
+                skus[rid] = value
+                continue
+            if kind == "ran":
+                with self._lock:
+                    done = [(self.inflight.pop(r, None), index, ms) for r, index, ms in value]
+                for entry, index, ms in done:
+                    if entry is not None:
+                        entry[0].set_result(Reply(skus[index], ms, entry[2]))
                 continue
             with self._lock:
                 entry = self.inflight.pop(rid, None)
@@ -118,7 +130,7 @@ class _DeviceWorker:
         cause = (sticky if sticky and sticky.startswith("a reply") else f"a sticky CUDA error: {sticky}" if sticky else
                  f"the worker was killed by signal {-code}" if code is not None and code < 0 else
                  f"the worker exited with code {code}")
-        for fut, what in lost.values():
+        for fut, what, _ in lost.values():
             fut.set_exception(DeviceFault(f"{what} on {self.device} failed: worker generation {generation} died "
                                           f"({cause}); later requests run on a restarted worker"))
         if self._closing:
@@ -150,7 +162,7 @@ class _DeviceWorker:
             self.proc.kill()
         with self._lock:
             lost, self.inflight = self.inflight, {}
-        for fut, what in lost.values():
+        for fut, what, _ in lost.values():
             fut.set_exception(DeviceFault(f"{what} on {self.device}: the runtime was closed"))
 
     # -- requests ---------------------------------------------------------------------------------------------
@@ -165,9 +177,9 @@ class _DeviceWorker:
                                   f"generation {self.slots.get(buf.buffer_id)} (freed, or made before a restart): "
                                   f"upload again")
 
-    def submit(self, message: tuple, what: str, buffers=(), make=None) -> concurrent.futures.Future:
+    def submit(self, message: tuple, what: str, buffers=(), make=None, outputs=None) -> concurrent.futures.Future:
         """Send ``message`` (its request id is filled in) once the worker is ready; ``make()`` runs under the lock
-        first (a new buffer's slot) and its value goes in the message's tail."""
+        first (a new buffer's slot) and its value goes in the message's tail.  ``outputs``: a run's, for its Reply."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         while True:
             self._ready.wait()
@@ -179,7 +191,7 @@ class _DeviceWorker:
                     self.check(buffers)
                     rid = next(self._ids)
                     extra = make() if make else ()
-                    self.inflight[rid] = (fut, what)
+                    self.inflight[rid] = (fut, what, outputs)
                     try:
                         self.conn.send((message[0], rid, *message[1:], *extra))
                         return fut
@@ -268,7 +280,7 @@ class Runtime:
     def submit_run(self, request) -> concurrent.futures.Future:
         bufs = buffers_in(getattr(request, "args", None))
         device = bufs[0].device if bufs else self.devices[0]
-        return self._worker(device).submit(("run", request), request.describe(), bufs)
+        return self._worker(device).submit(("run", request), request.describe(), bufs, outputs=request.outputs())
 
     def submit_prepare(self, request) -> concurrent.futures.Future:
         """Check ``request`` once in the worker and keep it; the future gives a ``Prepared`` to run again and again
@@ -289,8 +301,8 @@ class Runtime:
         if prepared.worker_generation != w.generation:
             raise StaleBuffer(f"{prepared} was prepared on worker generation {prepared.worker_generation}; the "
                               f"current one is {w.generation} (restarted): prepare it again with new buffers")
-        return w.submit(("run_prepared", prepared.prepared_id), prepared.request.describe(),
-                        buffers_in(prepared.request.args))
+        return w.submit(("run_prepared", prepared.prepared_id), prepared.what, prepared.buffers,
+                        outputs=prepared.outputs)
 
     def free(self, buf: Buffer) -> None:
         """Release a buffer; its handle (and every copy of it) is stale from here on."""
@@ -354,6 +366,15 @@ class Prepared:
     device: str
     worker_generation: int
     prepared_id: int
+    # Worked out once, not on every run: what a failure names, the handles checked, the Reply's outputs.
+    what: str = field(init=False, repr=False, compare=False)
+    buffers: tuple = field(init=False, repr=False, compare=False)
+    outputs: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "what", self.request.describe())
+        object.__setattr__(self, "buffers", tuple(buffers_in(self.request.args)))
+        object.__setattr__(self, "outputs", self.request.outputs())
 
 
 def _then(fut: concurrent.futures.Future, fn) -> concurrent.futures.Future:

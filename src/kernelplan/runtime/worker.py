@@ -7,10 +7,18 @@ Messages in (a ``multiprocessing`` connection, pickled with torch's reductions):
 * ``("prepare", rid, id, request)``: the request checked once and kept; ``("run_prepared", rid, id)`` runs it
   (its handles checked again by the client; freeing one of them drops it here);
 
-replies out: ``("ok", rid, value)`` or ``("error", rid, exception)``; before it
-exits on a sticky CUDA error (the context is poisoned for good), a worker sends
-``("fault", rid, text)``.  Each buffer is checked against its slot's generation
-before anything is read or written.
+replies out: ``("ok", rid, value)`` or ``("error", rid, exception)``; a request
+that ran is answered in a batch of plain tuples, ``("ran", None, [(rid, sku_index,
+kernel_ms), ...])``, every request finished since the last batch in one message,
+with ``("sku", index, sku)`` sent once before the first use of each sku: the
+client builds the ``Reply`` from the outputs its request named.  (Pickling a
+``Reply`` of dataclasses, and reading it back, cost 30 us a request; the tuple 2.)
+A batch goes out when no message is waiting, or at 8: a request that ran but
+was not yet answered when the worker dies fails with ``DeviceFault``, as one
+in flight does (its outputs die with the worker).
+Before it exits on a sticky CUDA error (the context is poisoned for good), a
+worker sends ``("fault", rid, text)``.  Each buffer is checked against its slot's
+generation before anything is read or written.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import signal
 import time
 
 from .errors import StaleBuffer
-from .requests import FaultRequest, Reply, buffers_in, resolve
+from .requests import FaultRequest, buffers_in, resolve
 
 STICKY_EXIT = 70  # the worker's exit code after it reported a sticky CUDA error
 
@@ -62,19 +70,23 @@ def is_sticky_cuda_error(exc: BaseException) -> bool:
                                               or "unspecified launch failure" in text)
 
 
+class Ran(tuple):
+    """A request that ran: ``(sku, kernel_ms)``; the client adds the outputs its request named (``Reply``)."""
+
+
 class Pending:
     """A GPU request launched and not yet complete: its events, and what its reply will say."""
 
-    __slots__ = ("start", "end", "sku", "outputs", "pool")  # pool: the worker's free events, reused
+    __slots__ = ("start", "end", "sku", "pool")  # pool: the worker's free events, reused
 
-    def __init__(self, start, end, sku, outputs, pool):
-        self.start, self.end, self.sku, self.outputs, self.pool = start, end, sku, outputs, pool
+    def __init__(self, start, end, sku, pool):
+        self.start, self.end, self.sku, self.pool = start, end, sku, pool
 
-    def wait(self) -> Reply:
+    def wait(self) -> Ran:
         self.end.synchronize()
-        reply = Reply(self.sku, self.start.elapsed_time(self.end), self.outputs)
+        ran = Ran((self.sku, self.start.elapsed_time(self.end)))
         self.pool.append((self.start, self.end))
-        return reply
+        return ran
 
 
 class Worker:
@@ -144,7 +156,7 @@ class Worker:
         if isinstance(request, FaultRequest):
             return self.fault(request)
         plan, args = self._bind(request)
-        return self._launch(plan, args, request.outputs())
+        return self._launch(plan, args)
 
     def prepare(self, prepared_id: int, request) -> None:
         self.prepared[prepared_id] = (request, *self._bind(request))
@@ -154,10 +166,10 @@ class Worker:
         if entry is None:
             raise StaleBuffer(f"prepared request #{prepared_id} is gone from this worker: one of its buffers was "
                               f"freed; prepare it again with live buffers")
-        request, plan, args = entry
-        return self._launch(plan, args, request.outputs())
+        _, plan, args = entry
+        return self._launch(plan, args)
 
-    def _launch(self, plan, args, outputs):
+    def _launch(self, plan, args):
         if self.device.type == "cuda":
             # Launched, not waited for: the reply goes out when the end event completes (``main``'s ``settle``),
             # so the next request's launch overlaps this one's kernel.
@@ -165,10 +177,10 @@ class Worker:
             start.record()
             plan.run_prechecked(args)
             end.record()
-            return Pending(start, end, plan.sku, outputs, self.events)
+            return Pending(start, end, plan.sku, self.events)
         t0 = time.perf_counter()
         plan.run_prechecked(args)
-        return Reply(plan.sku, (time.perf_counter() - t0) * 1e3, outputs)
+        return Ran((plan.sku, (time.perf_counter() - t0) * 1e3))
 
     def _event(self):
         return self.torch.cuda.Event(enable_timing=True)
@@ -187,7 +199,7 @@ class Worker:
             self.torch.cuda.synchronize(self.device)
         if request.kind == "sleep":
             time.sleep(request.seconds)
-        return Reply(None, 0.0, ())
+        return Ran((None, 0.0))
 
 
 def main(conn, device: str, worker_generation: int) -> None:
@@ -201,9 +213,27 @@ def main(conn, device: str, worker_generation: int) -> None:
         return
     send = conn.send
     launched: collections.deque = collections.deque()  # (rid, Pending) of GPU requests, in launch order
+    ran: list = []  # (rid, sku index, kernel ms) of requests done and not yet answered: one message for them all
+    skus: dict = {None: -1}  # sku -> index, as the client was told
+
+    def done(rid, result: Ran) -> None:
+        sku, ms = result
+        index = skus.get(sku)
+        if index is None:
+            index = skus[sku] = len(skus) - 1
+            send(("sku", index, sku))
+        ran.append((rid, index, ms))
+        if len(ran) >= 8:  # a steady stream of messages does not hold answers back for long
+            flush()
+
+    def flush() -> None:
+        if ran:
+            send(("ran", None, ran[:]))
+            ran.clear()
 
     def fail(rid, e: BaseException) -> None:
         if is_sticky_cuda_error(e):
+            flush()  # what finished before the fault is answered as such
             send(("fault", rid, f"{type(e).__name__}: {e}"))
             conn.close()
             os._exit(STICKY_EXIT)
@@ -218,7 +248,7 @@ def main(conn, device: str, worker_generation: int) -> None:
                 if not (block or pending.end.query()):
                     return
                 launched.popleft()
-                send(("ok", rid, pending.wait()))
+                done(rid, pending.wait())
             except BaseException as e:  # noqa: BLE001 (a CUDA error here is sticky: fail() ends the worker)
                 if launched and launched[0][0] == rid:
                     launched.popleft()
@@ -227,9 +257,11 @@ def main(conn, device: str, worker_generation: int) -> None:
 
     send(("ready", None, os.getpid()))
     while True:
-        if launched and not conn.poll(0):  # nothing new to launch: the oldest kernel's reply, then look again
-            settle(True)
-            continue
+        if not conn.poll(0):  # nothing new to launch: answer what is done, then the oldest kernel's reply
+            flush()
+            if launched:
+                settle(True)
+                continue
         try:
             msg = conn.recv()
         except (EOFError, OSError):  # the client is gone
@@ -254,6 +286,8 @@ def main(conn, device: str, worker_generation: int) -> None:
             if isinstance(value, Pending):
                 launched.append((rid, value))
                 settle(False)
+            elif isinstance(value, Ran):
+                done(rid, value)
             else:
                 send(("ok", rid, value))
         except BaseException as e:  # noqa: BLE001 (every failure goes back to the request that caused it)
