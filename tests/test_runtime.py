@@ -242,7 +242,8 @@ def test_a_thousand_requests_with_five_faults_each_answered_once():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_illegal_address_fails_in_flight_requests_and_recovers():
-    with Runtime(devices=("cuda:0",)) as rt:
+    with Runtime(devices=("cuda",)) as rt:  # "cuda" is cuda:0, and its buffers say so
+        assert rt.devices == ("cuda:0",)
         desc = GatedActivationDescriptor("swiglu", (64, 256), 1, "bf16", device="cuda:0")
         x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
         xb, yb = rt.blocking.upload(x), rt.blocking.upload(torch.zeros(64, 128, dtype=torch.bfloat16))

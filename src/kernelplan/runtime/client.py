@@ -215,6 +215,13 @@ class _DeviceWorker:
                 pass
 
 
+def _indexed(device):
+    """``cuda`` as ``cuda:0``; any other device as it is."""
+    import torch
+
+    return torch.device("cuda", 0) if device.type == "cuda" and device.index is None else device
+
+
 def _shared_copy(tensor):
     """The tensor copied once into fresh shared memory (CPU), or itself (CUDA: sent as an IPC handle)."""
     import torch
@@ -236,7 +243,9 @@ class Runtime:
     def __init__(self, devices=("cpu",), *, max_restarts: int = 5, period_s: float = 60.0):
         import torch
 
-        self.devices = tuple(str(torch.device(d)) for d in devices)
+        # "cuda" is device 0 (of those visible), named so that its buffers and replies say which: asking
+        # torch.cuda.current_device() would start CUDA in this, the client's, process.
+        self.devices = tuple(str(_indexed(torch.device(d))) for d in devices)
         self._prepared_ids = itertools.count()
         self._workers: dict[str, _DeviceWorker] = {}
         try:
@@ -250,7 +259,7 @@ class Runtime:
     def _worker(self, device) -> _DeviceWorker:
         import torch
 
-        key = str(torch.device(device))
+        key = str(_indexed(torch.device(device)))
         if key not in self._workers:
             raise ValueError(f"device {device!r} is not one of this runtime's: {', '.join(self.devices)}")
         return self._workers[key]
