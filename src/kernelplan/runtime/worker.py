@@ -82,8 +82,9 @@ class Pending:
     def __init__(self, start, end, sku, pool):
         self.start, self.end, self.sku, self.pool = start, end, sku, pool
 
-    def wait(self) -> Ran:
-        self.end.synchronize()
+    def wait(self, done: bool = False) -> Ran:
+        if not done:  # (a query already said so)
+            self.end.synchronize()
         ran = Ran((self.sku, self.start.elapsed_time(self.end)))
         self.pool.append((self.start, self.end))
         return ran
@@ -99,8 +100,12 @@ class Worker:
         self.buffers: dict[int, tuple[int, object]] = {}  # id -> (generation, tensor)
         self.prepared: dict[int, tuple] = {}  # id -> (request, plan, args as tensors), checked once
         self.events: list = []  # CUDA timing events, reused
+        self.stream = None
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            # Events record on it by name: Event.record() with no stream asks torch.cuda.current_stream(), 8 of
+            # the 10 us a record cost on an H100's host (bench/runtime_latency.py).  The worker never changes it.
+            self.stream = torch.cuda.current_stream(self.device)
 
     def tensor(self, buf) -> object:
         held = self.buffers.get(buf.buffer_id)
@@ -174,9 +179,9 @@ class Worker:
             # Launched, not waited for: the reply goes out when the end event completes (``main``'s ``settle``),
             # so the next request's launch overlaps this one's kernel.
             start, end = self.events.pop() if self.events else (self._event(), self._event())
-            start.record()
+            start.record(self.stream)
             plan.run_prechecked(args)
-            end.record()
+            end.record(self.stream)
             return Pending(start, end, plan.sku, self.events)
         t0 = time.perf_counter()
         plan.run_prechecked(args)
@@ -245,10 +250,11 @@ def main(conn, device: str, worker_generation: int) -> None:
         while launched:
             rid, pending = launched[0]
             try:
-                if not (block or pending.end.query()):
+                finished = pending.end.query()
+                if not (block or finished):
                     return
                 launched.popleft()
-                done(rid, pending.wait())
+                done(rid, pending.wait(finished))
             except BaseException as e:  # noqa: BLE001 (a CUDA error here is sticky: fail() ends the worker)
                 if launched and launched[0][0] == rid:
                     launched.popleft()
