@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from .errors import DeviceFailed, DeviceFault, StaleBuffer
 from .requests import Buffer, Reply, buffers_in
-from .worker import rebuild
+from .worker import rebuild, send_message
 
 _START_TIMEOUT_S = 120  # a spawned worker imports torch before it answers
 
@@ -193,7 +193,7 @@ class _DeviceWorker:
                     extra = make() if make else ()
                     self.inflight[rid] = (fut, what, outputs)
                     try:
-                        self.conn.send((message[0], rid, *message[1:], *extra))
+                        send_message(self.conn, (message[0], rid, *message[1:], *extra))
                         return fut
                     except (OSError, ValueError):  # not delivered: the worker is dying; sent again to the next one
                         self.inflight.pop(rid, None)
@@ -259,6 +259,9 @@ class Runtime:
     def _worker(self, device) -> _DeviceWorker:
         import torch
 
+        hit = self._workers.get(device)  # the usual case: a buffer's own device string
+        if hit is not None:
+            return hit
         key = str(_indexed(torch.device(device)))
         if key not in self._workers:
             raise ValueError(f"device {device!r} is not one of this runtime's: {', '.join(self.devices)}")
