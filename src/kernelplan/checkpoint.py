@@ -127,35 +127,48 @@ def load_compressed(path: str | os.PathLike, device: str | torch.device = "cpu")
     return tensors
 
 
-def _compressed_bytes(weight: torch.Tensor) -> int:
-    m, k = weight.shape
-    return m * k // 2 * weight.element_size() + m * k // 8 * 2
+def compressed_bytes(m: int, k: int, itemsize: int) -> int:
+    """Bytes an [m, k] weight holds as 2:4 values and metadata."""
+    return m * k // 2 * itemsize + m * k // 8 * 2
+
+
+def compile_filter(pattern: str | None):
+    import re
+
+    try:
+        return re.compile(pattern) if pattern is not None else None
+    except re.error as e:
+        raise InvalidProblem(f"filter {pattern!r} is not a valid regular expression: {e}") from e
+
+
+def plan_tensor(name: str, dtype: torch.dtype, shape: tuple, regex) -> str | None:
+    """What ``sparsify_state_dict`` does with a tensor, from its name, dtype and shape alone: ``"keep"`` (not a
+    candidate), a reason it stays dense (reported), or None (pruned).  ``regex``: ``compile_filter``'s."""
+    if not (name.endswith(".weight") and len(shape) == 2 and (regex is None or regex.search(name))):
+        return "keep"
+    reason = eligibility(torch.empty(shape, dtype=dtype, device="meta"))
+    if reason is None and regex is None and "embed" in name:
+        reason = "an embedding table, not a linear weight (name it in --filter to prune it anyway)"
+    return reason
 
 
 def sparsify_state_dict(state: dict[str, torch.Tensor], pattern: str | None = None) -> tuple[dict, SparsifyReport]:
     """Prune and compress every 2-D ``*.weight`` whose name matches ``pattern`` (a regex; default all).
 
     ``p.weight`` becomes ``p.values`` and ``p.metadata``; everything else is kept.  Embedding
-    tables (names containing "embed") stay dense unless ``pattern`` names them.
+    tables (names containing "embed") stay dense unless ``pattern`` names them.  (``stream.sparsify_file``
+    does the same to a file, a tensor at a time.)
     """
-    import re
-
     from .sparse24.format import prune_compress
 
-    try:
-        regex = re.compile(pattern) if pattern is not None else None
-    except re.error as e:
-        raise InvalidProblem(f"filter {pattern!r} is not a valid regular expression: {e}") from e
+    regex = compile_filter(pattern)
     out, report = {}, SparsifyReport()
     for name, t in state.items():
-        wanted = name.endswith(".weight") and t.dim() == 2 and (regex is None or regex.search(name))
-        if not wanted:
+        reason = plan_tensor(name, t.dtype, tuple(t.shape), regex)
+        if reason == "keep":
             out[name] = t
             continue
         prefix = name[: -len(".weight")]
-        reason = eligibility(t)
-        if reason is None and regex is None and "embed" in name:
-            reason = "an embedding table, not a linear weight (name it in --filter to prune it anyway)"
         if reason is not None:
             report.skipped[prefix] = reason
             out[name] = t
@@ -164,5 +177,5 @@ def sparsify_state_dict(state: dict[str, torch.Tensor], pattern: str | None = No
         out[prefix + ".values"], out[prefix + ".metadata"] = w24.values, w24.metadata
         report.converted.append(prefix)
         report.bytes_before += t.numel() * t.element_size()
-        report.bytes_after += _compressed_bytes(t)
+        report.bytes_after += compressed_bytes(*t.shape, t.element_size())
     return out, report

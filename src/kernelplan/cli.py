@@ -135,7 +135,7 @@ def _sparsify(args) -> int:
     import os
     import tempfile
 
-    from .checkpoint import save_compressed, sparsify_state_dict
+    from .stream import sparsify_file
     from .errors import InvalidProblem, KernelPlanError
 
     if (args.input is None) != (args.output is None):
@@ -162,11 +162,10 @@ def _sparsify(args) -> int:
                     os.path.samefile(source, target):
                 raise InvalidProblem(f"OUT {target} is IN {source}: sparsify would overwrite the dense original; "
                                      f"give another output path")
-            state = _load_dense(source)
-            compressed, report = sparsify_state_dict(state, args.filter)
+            # Tensor by tensor: memory holds a layer at a time, not the file (kernelplan/stream.py).
+            report = sparsify_file(source, target, args.filter, dry_run=args.dry_run)
             print(report.summary())
             if not args.dry_run:
-                save_compressed(compressed, target)
                 print(f"wrote {target}")
         except KernelPlanError as e:
             print(f"kernelplan sparsify: {e}", file=sys.stderr)
@@ -244,22 +243,6 @@ def _sparsify_directory(args) -> int:
         files = hf.save_model(model, args.output, args.format)
         print(f"wrote {args.output}: {', '.join(files)} ({args.format})")
     return 0
-
-
-def _load_dense(path: str) -> dict:
-    import os
-
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    from .errors import InvalidProblem
-
-    if not os.path.isfile(path):
-        raise InvalidProblem(f"{path} does not exist or is not a file")
-    try:
-        return load_file(path)
-    except (SafetensorError, OSError, ValueError) as e:
-        raise InvalidProblem(f"{path} is not a safetensors file ({e})") from e
 
 
 def _example_checkpoint(directory: str) -> str:

@@ -1,0 +1,99 @@
+"""``kernelplan sparsify IN OUT`` on a single file, tensor by tensor (``kernelplan/stream.py``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import kernelplan as kp
+from kernelplan.checkpoint import sparsify_state_dict
+from kernelplan.errors import InvalidProblem
+from kernelplan.stream import sparsify_file
+
+
+def _mixed_state():
+    """Every kind of tensor a checkpoint holds: pruned, skipped (and why), kept, odd dtypes and shapes."""
+    return {
+        "model.embed_tokens.weight": torch.randn(96, 64, dtype=torch.bfloat16),  # skipped: an embedding
+        "model.layers.0.q.weight": torch.randn(48, 64, dtype=torch.bfloat16),
+        "model.layers.0.q.bias": torch.randn(48, dtype=torch.bfloat16),
+        "model.layers.0.q.norm.weight": torch.randn(48, dtype=torch.bfloat16),  # between q.metadata and q.values
+        "model.layers.0.odd.weight": torch.randn(24, 60, dtype=torch.bfloat16),  # skipped: K % 8
+        "model.layers.0.up.weight": torch.randn(40, 32, dtype=torch.float16),
+        "model.layers.0.f32.weight": torch.randn(16, 64),  # skipped: dtype
+        "model.step": torch.tensor(7),  # 0-d int
+        "model.mask": torch.rand(5, 3) > 0.5,
+        "model.ids": torch.arange(12, dtype=torch.int32).view(3, 4),
+        "model.empty": torch.empty(0, 8, dtype=torch.bfloat16),
+    }
+
+
+@pytest.mark.parametrize("pattern", [None, r"layers\.0\.(q|up)\."])
+def test_a_file_streamed_reads_back_as_sparsify_state_dict_makes_it(tmp_path, seed, pattern):
+    from safetensors.torch import save_file
+
+    state = _mixed_state()
+    src, dst = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file(state, str(src))
+    report = sparsify_file(str(src), str(dst), pattern)
+    expected, expected_report = sparsify_state_dict(state, pattern)
+    got = kp.load_compressed(dst)  # the checksum and the 2:4 metadata checked on the way
+    assert sorted(got) == sorted(expected)
+    for name, t in expected.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
+    assert (sorted(report.converted), report.skipped, report.bytes_after) == (
+        sorted(expected_report.converted), expected_report.skipped, expected_report.bytes_after)
+    assert sorted(report.converted) == sorted(["model.layers.0.q", "model.layers.0.up"] + (
+        ["model.layers.0.f32"] if pattern is None else []))
+
+
+def test_a_dry_run_writes_nothing_and_errors_name_the_problem_and_write_nothing(tmp_path):
+    from safetensors.torch import save_file
+
+    src, dst = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file(_mixed_state(), str(src))
+    assert sparsify_file(str(src), str(dst), dry_run=True).converted and not dst.exists()
+    with pytest.raises(InvalidProblem, match="not a valid regular expression"):
+        sparsify_file(str(src), str(dst), "(")
+    with pytest.raises(InvalidProblem, match="does not exist"):
+        sparsify_file(str(tmp_path / "missing.safetensors"), str(dst))
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x10" + bytes(20))
+    with pytest.raises(InvalidProblem, match="not a safetensors file"):
+        sparsify_file(str(junk), str(dst))
+    with pytest.raises(InvalidProblem, match="does not exist; create it"):
+        sparsify_file(str(src), str(tmp_path / "no" / "out.safetensors"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.safetensors", "junk.safetensors"]
+
+
+def test_the_command_holds_a_layer_at_a_time_not_the_file(tmp_path):
+    """Peak RSS of `kernelplan sparsify` on a 256 MiB file of 32 layers, over a process that only imports the same:
+    it scales with the largest layer (pruning one takes several times its bytes), not with the file."""
+    from safetensors.torch import save_file
+
+    src, dst = tmp_path / "big.safetensors", tmp_path / "out.safetensors"
+    save_file({f"layers.{i}.weight": torch.randn(2048, 2048).to(torch.bfloat16) for i in range(32)}, str(src))
+    size = src.stat().st_size
+    probe = textwrap.dedent("""
+        import re, sys
+        import torch, safetensors, kernelplan.cli, kernelplan.stream, kernelplan.sparse24.format
+        status = lambda key: int(re.search(key + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
+        open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) starts again from here
+        base = status("VmRSS") * 1024
+        kernelplan.cli.main(["sparsify", sys.argv[1], sys.argv[2]])
+        print(status("VmHWM") * 1024 - base)
+    """)
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak")
+    run = subprocess.run([sys.executable, "-c", probe, str(src), str(dst)], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stderr
+    extra = int(run.stdout.split()[-1])
+    # values and the public format's metadata: 0.625x
+    assert "converted 32 layers" in run.stdout and dst.stat().st_size < 0.65 * size
+    assert extra < 0.4 * size, f"peak RSS {extra / 2**20:.0f} MiB over the imports, for a {size / 2**20:.0f} MiB file"
