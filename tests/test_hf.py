@@ -166,3 +166,29 @@ def test_a_bitmask_checkpoint_loads_onto_the_gpu_with_no_dense_copy_of_its_2_4_l
     with torch.no_grad():
         out, ref = loaded(ids.cuda()).logits.float().cpu(), model.float()(ids).logits
     assert (out - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+@pytest.mark.parametrize("fmt", hf.FORMATS)
+def test_a_dense_directory_sparsified_shard_by_shard_is_what_the_in_memory_path_writes(tmp_path, seed, fmt):
+    import subprocess
+    import sys
+
+    dense = _llama(tie=False)
+    dense.save_pretrained(tmp_path / "dense", max_shard_size="60KB")  # several shards
+    assert len(list((tmp_path / "dense").glob("*.safetensors"))) > 2
+    report = hf.sparsify_directory(tmp_path / "dense", tmp_path / "streamed", fmt)
+    reference = hf.load_model(tmp_path / "dense")
+    expected = kp.sparsify(reference, progress=False)
+    assert sorted(report.converted) == sorted(expected.converted) and report.skipped == expected.skipped
+    assert "lm_head" in report.skipped and "model.embed_tokens" in report.skipped  # as kp.sparsify decides
+    hf.save_model(reference, tmp_path / "in-memory", fmt)
+    a, b = hf.load_model(tmp_path / "streamed"), hf.load_model(tmp_path / "in-memory")
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sorted(sa) == sorted(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert hf.checkpoint_format(hf.read_config(tmp_path / "streamed")) == fmt
+    # the command takes this path where nothing needs the model in memory
+    run = subprocess.run([sys.executable, "-m", "kernelplan", "sparsify", str(tmp_path / "dense"),
+                          str(tmp_path / "cli"), "--format", fmt], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "shard by shard" in run.stdout, run.stderr
+    with pytest.raises(InvalidProblem, match="2:4 checkpoint already"):
+        hf.sparsify_directory(tmp_path / "streamed", tmp_path / "again", fmt)

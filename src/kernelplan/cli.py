@@ -218,6 +218,15 @@ def _sparsify_directory(args) -> int:
         raise InvalidProblem("give OUT, the directory to write the sparsified model to")
     if os.path.exists(args.output) and os.path.samefile(args.input, args.output):
         raise InvalidProblem(f"OUT {args.output} is IN: sparsify would overwrite the dense original")
+    regex = re.compile(args.filter) if args.filter else None
+    keep = (lambda name, layer: regex.search(name) is not None) if regex else None
+    if not args.calibration and not args.eval and args.method in (None, "magnitude"):
+        # Nothing needs the model in memory: shard by shard, a tensor at a time.
+        report = hf.sparsify_directory(args.input, args.output, args.format, keep, dry_run=args.dry_run)
+        print(report.summary())
+        if not args.dry_run:
+            print(f"wrote {args.output} ({args.format}), shard by shard")
+        return 0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = hf.load_model(args.input, device)
     calibration = None
@@ -231,11 +240,10 @@ def _sparsify_directory(args) -> int:
             ids = ids[:usable].view(-1, args.seq_len)
         calibration = ids[:128]
     held = _token_ids(args.eval) if args.eval else None
-    regex = re.compile(args.filter) if args.filter else None
     if held is not None:
         print(f"dense perplexity: {kp.evaluate(model, held, seq_len=args.seq_len):.4f}")
     report = kp.sparsify(model, method=args.method, calibration=calibration, report=calibration is not None,
-                         filter_fn=(lambda name, layer: regex.search(name) is not None) if regex else None)
+                         filter_fn=keep)
     print(report.summary())
     if held is not None:
         print(f"sparse perplexity ({report.method}): {kp.evaluate(model, held, seq_len=args.seq_len):.4f}")

@@ -275,6 +275,100 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
     return model.to(device).eval()
 
 
+def _write_config(out: Path, config: dict, format: str, ignore: list[str]) -> None:
+    """config.json with the 2:4 format recorded where its readers look (compressed-tensors' ``quantization_config``);
+    ``ignore``: the linear layers left dense."""
+    config = dict(config)
+    config.pop("quantization_config", None)
+    config.pop("kernelplan", None)
+    if format == "kernelplan":
+        from .sparse24.format import FORMAT_VERSION
+
+        config["kernelplan"] = {"format": "kernelplan.sparse24", "format_version": FORMAT_VERSION}
+    else:
+        config["quantization_config"] = {
+            "version": "0.14.0", "quant_method": "compressed-tensors", "transform_config": {},
+            "sparsity_config": {"format": format, "sparsity_structure": "2:4", "targets": ["Linear"],
+                                "ignore": ignore, "global_sparsity": 0.5, "registry_requires_subclass": False}}
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def _stored(format: str, prefix: str, values: torch.Tensor, metadata: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A 2:4 layer's tensors as ``format`` stores them."""
+    if format == "kernelplan":
+        return {f"{prefix}.values": values, f"{prefix}.metadata": metadata}
+    if format == "sparse-24-bitmask":
+        m, half = values.shape
+        return {f"{prefix}.compressed": values, f"{prefix}.bitmask": metadata_to_bitmask(metadata),
+                f"{prefix}.shape": torch.tensor([[m], [2 * half]])}
+    return {f"{prefix}.weight": Sparse24Weight(values, metadata).decompress()}
+
+
+def sparsify_directory(src: str | os.PathLike, dst: str | os.PathLike, format: str = "kernelplan",
+                       filter_fn=None, dry_run: bool = False):
+    """Magnitude 2:4 of a dense Hugging Face directory, shard by shard and tensor by tensor: what
+    ``save_model(sparsify(load_model(src)), dst, format)`` writes, holding one output shard at a time.
+
+    Which layers are pruned is decided as ``kp.sparsify`` decides it, on the model built from
+    config.json on the meta device (no memory): its linear layers, not embeddings, a tied or output
+    LM head.  Each input shard gives one output shard.
+    """
+    import transformers
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ._checks import choice
+    from .pruning.sparsify import SparsifyReport, _select
+    from .sparse24.format import prune_compress
+    from .stream import _prune_compress_rows, _read
+
+    format = choice(format, "format", FORMATS)
+    config = read_config(src)
+    sparsity = (config.get("quantization_config") or {}).get("sparsity_config") or {}
+    if checkpoint_format(config) != "dense" or sparsity.get("sparsity_structure") == "2:4":
+        raise InvalidProblem(f"{src} is a 2:4 checkpoint already ({checkpoint_format(config)}); sparsify a dense one")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(str(src)),
+                                                              dtype=_stored_dtype(src))
+    report = SparsifyReport()
+    chosen = {name for name, _ in _select(model, filter_fn, False, report)}
+    linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    out, files, weight_map, total = Path(dst), [], {}, 0
+    if not dry_run:
+        out.mkdir(parents=True, exist_ok=True)
+    for shard in shards(src):
+        with safe_open(str(shard), framework="pt") as f:
+            names = list(f.keys())
+        tensors = {}
+        for name in names:
+            prefix, _, leaf = name.rpartition(".")
+            if not (leaf == "weight" and prefix in chosen):
+                tensors[name] = None if dry_run else _read(str(shard), name)
+                continue
+            report.converted.append(prefix)
+            if dry_run:
+                continue
+            t = _read(str(shard), name)
+            values, metadata = _prune_compress_rows(t, prune_compress)
+            report.bytes_before += t.numel() * t.element_size()
+            report.bytes_after += values.nbytes + metadata.nbytes
+            tensors.update(_stored(format, prefix, values, metadata))
+            del t, values, metadata
+        if dry_run:
+            continue
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / shard.name), metadata={"format": "pt"})
+        files.append(shard.name)
+        weight_map.update(dict.fromkeys(tensors, shard.name))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+    if dry_run:
+        return report
+    if len(files) > 1:
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    _write_config(out, config, format, sorted(linears - chosen))
+    return report
+
+
 def save_model(model: nn.Module, path: str | os.PathLike, format: str = "kernelplan",
                max_shard_bytes: int = 2 << 30) -> list[str]:
     """Write ``model`` (its ``Sparse24Linear`` layers in ``format``) as a Hugging Face directory; return the files.
@@ -333,18 +427,6 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "kernelp
         (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         files.append(INDEX)
     config = model.config.to_dict() if hasattr(model, "config") else {}
-    config.pop("quantization_config", None)
-    config.pop("kernelplan", None)
-    if format == "kernelplan":
-        from .sparse24.format import FORMAT_VERSION
-
-        config["kernelplan"] = {"format": "kernelplan.sparse24", "format_version": FORMAT_VERSION}
-    else:
-        config["quantization_config"] = {
-            "version": "0.14.0", "quant_method": "compressed-tensors", "transform_config": {},
-            "sparsity_config": {"format": format, "sparsity_structure": "2:4", "targets": ["Linear"],
-                                "ignore": sorted(n for n, m in model.named_modules()
-                                                 if isinstance(m, nn.Linear) and n not in sparse),
-                                "global_sparsity": 0.5, "registry_requires_subclass": False}}
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    _write_config(out, config, format, sorted(n for n, m in model.named_modules()
+                                              if isinstance(m, nn.Linear) and n not in sparse))
     return files + ["config.json"]

@@ -54,12 +54,16 @@ def eligibility(weight: torch.Tensor) -> str | None:
     return None
 
 
+def _owner(p: torch.Tensor) -> tuple:
+    return ("meta", id(p)) if p.is_meta else (p.data_ptr(), tuple(p.shape))
+
+
 def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyReport) -> list[tuple[str, nn.Linear]]:
     """The linear layers to prune; every other layer that could have been goes to ``report.skipped`` with why."""
     owners: dict[tuple, list[str]] = {}  # parameter storage -> the names that hold it, ties included
     for pname, p in model.named_parameters(remove_duplicate=False):
-        if p.numel():
-            owners.setdefault((p.data_ptr(), tuple(p.shape)), []).append(pname)
+        if p.numel():  # (a model built on the meta device has no storage: a tie is one Parameter there)
+            owners.setdefault(_owner(p), []).append(pname)
     get_output = getattr(model, "get_output_embeddings", None)
     output = get_output() if callable(get_output) else None
     chosen = []
@@ -76,7 +80,7 @@ def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyRep
             report.skipped[name] = "filtered out by filter_fn"
             continue
         w = layer.weight
-        tied = [o for o in owners.get((w.data_ptr(), tuple(w.shape)), []) if o != f"{name}.weight"]
+        tied = [o for o in owners.get(_owner(w), []) if o != f"{name}.weight"]
         if tied:
             report.skipped[name] = (f"its weight is tied to {', '.join(tied)}: pruning it would prune those too, "
                                     f"or break the tie")
