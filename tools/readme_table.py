@@ -128,6 +128,13 @@ def pruning_notes() -> list[str]:
         lines.append(f"- Calibrated pruning of one Llama-3-8B-shaped layer, {layer['meta']['sequences']} sequences "
                      f"of {layer['meta']['seq']} tokens (`bench/sparsegpt_layer.py`): {cells}, "
                      f"{_source(layer['meta'], 'sparsify-layer-h100')}.")
+    stream = _load("sparsify-stream-cpu")
+    if stream:
+        lines.append(f"- `kernelplan sparsify IN.safetensors OUT.safetensors` on a {stream['file_bytes'] / 2**30:.1f} GiB "
+                     f"bf16 file ({stream['layers']} layers): peak RSS {stream['stream_peak_rss_bytes'] / 2**30:.2f} "
+                     f"GiB, a tensor at a time, against {stream['whole_peak_rss_bytes'] / 2**30:.2f} GiB loading the "
+                     f"file whole (`bench/sparsify_stream_rss.py`), {stream['device']} ({stream['cpu_count']} CPUs) at "
+                     f"{stream['commit']} (`bench/results/sparsify-stream-cpu.json`).")
     return lines
 
 
