@@ -261,3 +261,33 @@ def test_gpu_illegal_address_fails_in_flight_requests_and_recovers():
         assert torch.equal(rt.blocking.download(yb2), want.cpu())
         with pytest.raises(StaleBuffer):
             rt.blocking.download(yb)
+
+
+def test_the_worker_binds_a_request_once_checks_its_handles_each_run_and_forgets_it_when_a_buffer_goes():
+    """In process, without a pipe: a request's bytes seen before run the bound plan (no second bind)."""
+    import pickle
+
+    from kernelplan.runtime.requests import GatedForwardRequest as Forward
+    from kernelplan.runtime.worker import Worker
+
+    worker = Worker("cpu", 1)
+    x, y = torch.randn(4, 16), torch.zeros(4, 8)
+    for i, t in enumerate((x, y)):
+        worker.upload(i, 0, t.share_memory_())
+    desc = GatedActivationDescriptor("swiglu", (4, 16), 1, "f32")
+    request = Forward(desc, GatedActivationArgs(Buffer("cpu", 1, 0, 0, (4, 16), "float32"),
+                                                Buffer("cpu", 1, 1, 0, (4, 8), "float32")))
+    blob = pickle.dumps(request)
+    binds = []
+    real_bind = worker._bind
+    worker._bind = lambda r: binds.append(r) or real_bind(r)
+    for _ in range(3):
+        sku, _ms = worker.run(blob)
+    assert len(binds) == 1 and sku.backend and torch.equal(worker.tensor(request.args.y), y)
+    expected = torch.empty(4, 8)
+    GatedActivationPlan.select(desc).run(GatedActivationArgs(x, expected))
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+    worker.free(0, 0)
+    assert not worker.bound  # the bound request held x's tensor: it goes with the buffer
+    with pytest.raises(StaleBuffer):
+        worker.run(blob)

@@ -26,6 +26,7 @@ import asyncio
 import collections
 import concurrent.futures
 import itertools
+import pickle
 import threading
 import time
 from dataclasses import dataclass, field
@@ -247,6 +248,8 @@ class Runtime:
         # torch.cuda.current_device() would start CUDA in this, the client's, process.
         self.devices = tuple(str(_indexed(torch.device(d))) for d in devices)
         self._prepared_ids = itertools.count()
+        self._blobs: dict[int, tuple[object, bytes]] = {}
+        self._blobs_lock = threading.Lock()
         self._workers: dict[str, _DeviceWorker] = {}
         try:
             for d in self.devices:
@@ -292,7 +295,21 @@ class Runtime:
     def submit_run(self, request) -> concurrent.futures.Future:
         bufs = buffers_in(getattr(request, "args", None))
         device = bufs[0].device if bufs else self.devices[0]
-        return self._worker(device).submit(("run", request), request.describe(), bufs, outputs=request.outputs())
+        return self._worker(device).submit(("run", self._pickled(request)), request.describe(), bufs,
+                                           outputs=request.outputs())
+
+    def _pickled(self, request) -> bytes:
+        """The request's bytes, pickled once per request object (the last 64 kept): the worker keys its bound
+        requests by them."""
+        hit = self._blobs.get(id(request))
+        if hit is not None and hit[0] is request:
+            return hit[1]
+        blob = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._blobs_lock:
+            if len(self._blobs) >= 64:
+                del self._blobs[next(iter(self._blobs))]
+            self._blobs[id(request)] = (request, blob)  # the request held, so that its id is not reused
+        return blob
 
     def submit_prepare(self, request) -> concurrent.futures.Future:
         """Check ``request`` once in the worker and keep it; the future gives a ``Prepared`` to run again and again

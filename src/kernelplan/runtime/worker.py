@@ -3,7 +3,9 @@
 Messages in (a ``multiprocessing`` connection, pickled with torch's reductions):
 
 * ``("upload", rid, buffer_id, generation, tensor)``, ``("download", rid, buffer_id, generation)``,
-  ``("free", buffer_id, generation)`` (no reply), ``("run", rid, request)``;
+  ``("free", buffer_id, generation)`` (no reply), ``("run", rid, request pickled)``: bytes, so that the
+  worker finds a request it bound before (the same descriptor and handles) without reading it again or
+  checking its plan again, only its handles (``Worker.bound``, the last 64);
 * ``("prepare", rid, id, request)``: the request checked once and kept; ``("run_prepared", rid, id)`` runs it
   (its handles checked again by the client; freeing one of them drops it here);
 
@@ -110,6 +112,7 @@ class Worker:
         self.worker_generation = worker_generation
         self.buffers: dict[int, tuple[int, object]] = {}  # id -> (generation, tensor)
         self.prepared: dict[int, tuple] = {}  # id -> (request, plan, args as tensors), checked once
+        self.bound: dict[bytes, tuple] = {}  # a request's bytes -> (its buffers, plan, args): the last 64 run
         self.events: list = []  # CUDA timing events, reused
         self.stream = None
         if self.device.type == "cuda":
@@ -150,6 +153,8 @@ class Worker:
             for pid in [p for p, (request, _, _) in self.prepared.items()
                         if any(b.buffer_id == buffer_id for b in buffers_in(request.args))]:
                 del self.prepared[pid]
+            for blob in [k for k, (bufs, _, _) in self.bound.items() if any(b.buffer_id == buffer_id for b in bufs)]:
+                del self.bound[blob]
 
     def _bind(self, request):
         """The request's plan and its args as tensors, after every check: handles, then the plan's own."""
@@ -168,11 +173,21 @@ class Worker:
         plan.can_implement(args)
         return plan, args
 
-    def run(self, request):
-        if isinstance(request, FaultRequest):
-            return self.fault(request)
-        plan, args = self._bind(request)
-        return self._launch(plan, args)
+    def run(self, blob: bytes):
+        """A request as the client pickled it; bound again only if these bytes were not run lately."""
+        entry = self.bound.get(blob)
+        if entry is None:
+            request = pickle.loads(blob)
+            if isinstance(request, FaultRequest):
+                return self.fault(request)
+            plan, args = self._bind(request)
+            if len(self.bound) >= 64:
+                del self.bound[next(iter(self.bound))]  # the oldest
+            entry = self.bound[blob] = (buffers_in(request.args), plan, args)
+        else:
+            for buf in entry[0]:  # a handle freed since (or from before a restart) is refused here
+                self.tensor(buf)
+        return self._launch(entry[1], entry[2])
 
     def prepare(self, prepared_id: int, request) -> None:
         self.prepared[prepared_id] = (request, *self._bind(request))
