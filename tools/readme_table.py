@@ -153,7 +153,8 @@ def runtime_notes() -> list[str]:
         if s:
             line += (f"; a 2:4 linear at n = 16 on 8192x8192 bf16 through it, 64 in flight: "
                      f"{s['runtime_over_direct']:.2f}x of direct calls' throughput, {s['prepared_over_direct']:.2f}x "
-                     f"prepared")
+                     f"prepared" + (f", {s['rebuilt_over_direct']:.2f}x with a new request object each call"
+                                    if "rebuilt_over_direct" in s else ""))
         lines.append(line + f", {doc['device']} ({doc['cpu_count']} CPUs) at {doc['commit']} (`bench/results/{name}.json`).")
     return lines
 
