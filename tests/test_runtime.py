@@ -291,3 +291,30 @@ def test_the_worker_binds_a_request_once_checks_its_handles_each_run_and_forgets
     assert not worker.bound  # the bound request held x's tensor: it goes with the buffer
     with pytest.raises(StaleBuffer):
         worker.run(blob)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_a_2_4_request_run_again_through_its_bound_launch_matches_the_plan_run_here():
+    """The worker runs a request it bound before through the plan's one-launch closure (``Plan.bound``)."""
+    torch.manual_seed(0)
+    with Runtime(devices=("cuda:0",)) as rt:
+        b = rt.blocking
+        for n, m, k, bias in ((1, 256, 512, False), (16, 512, 1024, True), (64, 384, 512, False),
+                              (200, 512, 768, True)):
+            w = compress(prune(torch.randn(m, k, device="cuda")).to(torch.bfloat16))
+            x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            bb = torch.randn(m, device="cuda", dtype=torch.bfloat16) if bias else None
+            desc = GemmSparse24Descriptor(n=n, m=m, k=k, dtype="bf16", device="cuda:0", has_bias=bias)
+            plan = GemmSparse24Plan.select(desc)
+            assert plan.bound(GemmSparse24Args(x, w.values, w.metadata, torch.empty(n, m, device="cuda",
+                                                                                  dtype=torch.bfloat16), bb))
+            here = torch.empty(n, m, device="cuda", dtype=torch.bfloat16)
+            plan.run(GemmSparse24Args(x, w.values, w.metadata, here, bb))
+            args = GemmSparse24Args(b.upload(x), b.upload(w.values), b.upload(w.metadata),
+                                    b.upload(torch.zeros(n, m, device="cuda", dtype=torch.bfloat16)),
+                                    b.upload(bb) if bias else None)
+            request = Sparse24LinearRequest(desc, args)
+            for _ in range(3):  # bound on the first run, its closure after
+                b.run(request)
+                assert torch.equal(b.download(args.y).cuda(), here), (n, m, k, bias)

@@ -322,6 +322,16 @@ class Plan:
         with on_device(self._device_index), torch.cuda.stream(stream):
             return self.backend.run(self.desc, args, workspace)
 
+    def bound(self, args):
+        """``run_prechecked(args)`` resolved once, as a closure of no arguments, where the backend can (args
+        that stay the same tensors, on the current device, no workspace); None otherwise.  For callers that
+        run one checked request again and again (the runtime's worker)."""
+        make = getattr(self.backend, "bound", None)
+        index = self._device_index
+        if make is None or self.workspace_size() or (index is not None and current_device() != index):
+            return None
+        return make(self.desc, args)
+
     def run_prechecked(self, args) -> None:
         """Launch on the current stream without re-checking ``args`` against the descriptor.
 

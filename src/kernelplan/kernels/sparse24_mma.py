@@ -342,6 +342,18 @@ class MmaLinear:
                               device_work=False)
         return functools.partial(weight.linear, self)
 
+    def bound(self, x, values, metadata, bias, y):
+        """``launch(x, values, metadata, bias, y)`` resolved once, for arguments that stay the same tensors: a
+        call is then one ``cuLaunchKernel`` (the runtime's worker runs a request again this way).  None where a
+        call does more than launch (x or y copied, rows in chunks, nothing to do)."""
+        n = x.shape[0]
+        if n == 0 or values.numel() == 0 or n > self.kernel.max_n:
+            return None
+        weight = derived_from(values, metadata, self._key,
+                              functools.partial(_TiledWeight, activation=self.activation, kernel=self.kernel),
+                              device_work=False)
+        return weight.bound(x, bias, y)
+
     def launch(self, x, values, metadata, bias, y) -> None:
         n = x.shape[0]
         if n == 0 or values.numel() == 0:
@@ -404,6 +416,18 @@ class _TiledWeight:
                       key[0], self.m, self.k, x.stride(0), out.stride(0)), raw_stream(device))
         if out is not y:
             y.copy_(out)
+
+    def bound(self, x, bias, y):
+        """``self(x, bias, y)`` as a closure of one launch; None where the call would copy x or y."""
+        key = (x.shape[0], x.stride(), y.stride(), x.data_ptr() & 15, bias is None)
+        launch, grid, x_in_place, y_in_place = self._calls.get(key) or self._prepare(key)
+        if not (x_in_place and y_in_place):
+            return None
+        pairs, codes = self.weight
+        args = (x.data_ptr(), pairs, codes, bias.data_ptr() if bias is not None else 0, y.data_ptr(), key[0], self.m,
+                self.k, x.stride(0), y.stride(0))
+        device = self.device
+        return lambda: launch(grid, args, raw_stream(device))
 
     def linear(self, slow: MmaLinear, x, values, metadata, bias) -> torch.Tensor:
         """``y = act(x @ W^T + bias)`` for this weight, held as it is read: ``MmaLinear.held``'s call."""

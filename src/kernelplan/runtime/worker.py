@@ -150,10 +150,10 @@ class Worker:
         if held is not None and held[0] == generation:
             del self.buffers[buffer_id]
             # A prepared request holding the tensor would keep its memory: it could only be refused from here on.
-            for pid in [p for p, (request, _, _) in self.prepared.items()
+            for pid in [p for p, (request, *_) in self.prepared.items()
                         if any(b.buffer_id == buffer_id for b in buffers_in(request.args))]:
                 del self.prepared[pid]
-            for blob in [k for k, (bufs, _, _) in self.bound.items() if any(b.buffer_id == buffer_id for b in bufs)]:
+            for blob in [k for k, (bufs, *_) in self.bound.items() if any(b.buffer_id == buffer_id for b in bufs)]:
                 del self.bound[blob]
 
     def _bind(self, request):
@@ -171,7 +171,7 @@ class Worker:
             raise ValueError(f"{request.describe()}: the plan ({plan.sku}) wants {plan.workspace_size()} bytes of "
                              f"workspace, more than the request's workspace_hint of {hint}")
         plan.can_implement(args)
-        return plan, args
+        return plan, args, plan.bound(args)
 
     def run(self, blob: bytes):
         """A request as the client pickled it; bound again only if these bytes were not run lately."""
@@ -180,14 +180,14 @@ class Worker:
             request = pickle.loads(blob)
             if isinstance(request, FaultRequest):
                 return self.fault(request)
-            plan, args = self._bind(request)
+            bound = self._bind(request)
             if len(self.bound) >= 64:
                 del self.bound[next(iter(self.bound))]  # the oldest
-            entry = self.bound[blob] = (buffers_in(request.args), plan, args)
+            entry = self.bound[blob] = (buffers_in(request.args), *bound)
         else:
             for buf in entry[0]:  # a handle freed since (or from before a restart) is refused here
                 self.tensor(buf)
-        return self._launch(entry[1], entry[2])
+        return self._launch(*entry[1:])
 
     def prepare(self, prepared_id: int, request) -> None:
         self.prepared[prepared_id] = (request, *self._bind(request))
@@ -197,20 +197,22 @@ class Worker:
         if entry is None:
             raise StaleBuffer(f"prepared request #{prepared_id} is gone from this worker: one of its buffers was "
                               f"freed; prepare it again with live buffers")
-        _, plan, args = entry
-        return self._launch(plan, args)
+        _, plan, args, launch = entry
+        return self._launch(plan, args, launch)
 
-    def _launch(self, plan, args):
+    def _launch(self, plan, args, launch=None):
+        """``launch``: the plan's ``bound`` closure of these args, where it has one (one driver call)."""
+        run = launch or functools.partial(plan.run_prechecked, args)
         if self.device.type == "cuda":
             # Launched, not waited for: the reply goes out when the end event completes (``main``'s ``settle``),
             # so the next request's launch overlaps this one's kernel.
             start, end = self.events.pop() if self.events else (self._event(), self._event())
             start.record(self.stream)
-            plan.run_prechecked(args)
+            run()
             end.record(self.stream)
             return Pending(start, end, plan.sku, self.events)
         t0 = time.perf_counter()
-        plan.run_prechecked(args)
+        run()
         return Ran((plan.sku, (time.perf_counter() - t0) * 1e3))
 
     def _event(self):

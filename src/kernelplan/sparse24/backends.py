@@ -184,6 +184,10 @@ class CudaMmaSparse24Backend(Backend):
     def run(self, desc, args: GemmSparse24Args, workspace) -> None:
         self.bind(desc).launch(args.x, args.values, args.metadata, args.bias, args.y)
 
+    def bound(self, desc, args: GemmSparse24Args):
+        """``run(desc, args, None)`` resolved once, or None (``MmaLinear.bound``)."""
+        return self.bind(desc).bound(args.x, args.values, args.metadata, args.bias, args.y)
+
     def bind(self, desc):
         from ..kernels.sparse24_mma import MmaLinear
 
