@@ -128,6 +128,13 @@ def pruning_notes() -> list[str]:
         lines.append(f"- Calibrated pruning of one Llama-3-8B-shaped layer, {layer['meta']['sequences']} sequences "
                      f"of {layer['meta']['seq']} tokens (`bench/sparsegpt_layer.py`): {cells}, "
                      f"{_source(layer['meta'], 'sparsify-layer-h100')}.")
+    cmp = _load("llmcompressor-compare-cpu")
+    if cmp:
+        cells = "; ".join(f"{m}: perplexity {r['kernelplan_perplexity']:.4f} against {r['llmcompressor_perplexity']:.4f}, "
+                          f"{r['mask_agreement_mean']:.1%} of the mask kept alike" for m, r in cmp["methods"].items())
+        lines.append(f"- Beside llm-compressor {cmp['llmcompressor']} on the trained test model, same "
+                     f"{cmp['calibration_windows']} calibration windows (`bench/compare_llmcompressor.py`): {cells}, "
+                     f"{cmp['device']} at {cmp['commit']} (`bench/results/llmcompressor-compare-cpu.json`).")
     stream = _load("sparsify-stream-cpu")
     if stream:
         lines.append(f"- `kernelplan sparsify IN.safetensors OUT.safetensors` on a {stream['file_bytes'] / 2**30:.1f} GiB "
