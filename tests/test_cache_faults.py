@@ -115,7 +115,7 @@ def test_bad_rows_count_as_missing_with_a_warning(tmp_path, monkeypatch):
         conn.execute("UPDATE plans SET value = '{not json' WHERE op = 'op'")
         conn.execute("UPDATE plans SET value = '[\"cuda_sp\", 1]' WHERE op != 'op'")
     fresh = PlanCache(cache.path)
-    monkeypatch.setattr("kernelplan.cache._DEFAULT", fresh)
+    monkeypatch.setitem(__import__("kernelplan.cache").cache._AT_DEFAULT, PlanCache, (cache.path, fresh))
     with pytest.warns(PlanCacheWarning, match="does not parse"):
         assert fresh.get("op", PROBLEM) is None
     with pytest.warns(PlanCacheWarning, match="not a {'backend': name} record"):

@@ -112,7 +112,7 @@ def test_fastest_uses_measured_timings_and_they_persist(fakes):
     # A new process sees the choice through the SQLite file, not the memory layer.
     from kernelplan import cache
 
-    cache._DEFAULT = None
+    cache._AT_DEFAULT.pop(cache.PlanCache)
     assert GemmSparse24Plan.select(DESC).sku.backend == "b"
     with pytest.raises(InvalidProblem, match="names backends \\['zzz'\\]"):
         GemmSparse24Plan.remember_fastest(DESC, {"zzz": 1.0})

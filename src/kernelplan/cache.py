@@ -360,13 +360,18 @@ def _freeze(obj):
     return obj
 
 
-_DEFAULT: PlanCache | None = None
+_AT_DEFAULT: dict = {}  # class -> (path, the instance there)
+
+
+def at_default(cls, name: str):
+    """The process-wide ``cls(default_cache_dir() / name)``, made again if KERNELPLAN_CACHE_DIR changed."""
+    path = default_cache_dir() / name
+    hit = _AT_DEFAULT.get(cls)
+    if hit is None or hit[0] != path:
+        hit = _AT_DEFAULT[cls] = (path, cls(path))
+    return hit[1]
 
 
 def plan_cache() -> PlanCache:
     """The process-wide cache at the default location (re-read if KERNELPLAN_CACHE_DIR changes)."""
-    global _DEFAULT
-    path = default_cache_dir() / "plans.sqlite"
-    if _DEFAULT is None or _DEFAULT.path != path:
-        _DEFAULT = PlanCache(path)
-    return _DEFAULT
+    return at_default(PlanCache, "plans.sqlite")

@@ -29,7 +29,7 @@ import threading
 from pathlib import Path
 
 from .. import __version__
-from ..cache import default_cache_dir, warn
+from ..cache import at_default, default_cache_dir, warn
 
 MAGIC = b"KPCUBIN1"
 DEFAULT_MAX_BYTES = 512 * 2**20
@@ -133,13 +133,6 @@ class KernelCache:
             total -= size
 
 
-_DEFAULT: KernelCache | None = None
-
-
 def kernel_cache() -> KernelCache:
     """The process-wide kernel cache at the default location (re-read if KERNELPLAN_CACHE_DIR changes)."""
-    global _DEFAULT
-    folder = default_cache_dir() / "kernels"
-    if _DEFAULT is None or _DEFAULT.folder != folder:
-        _DEFAULT = KernelCache(folder)
-    return _DEFAULT
+    return at_default(KernelCache, "kernels")

@@ -28,7 +28,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from ..cache import default_cache_dir, warn
+from ..cache import at_default, default_cache_dir, warn
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 _LOCK = threading.RLock()  # one scope at a time: the knob is process-wide
@@ -119,16 +119,9 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on", "y")
 
 
-_DEFAULT: TritonCache | None = None
-
-
 def triton_cache() -> TritonCache:
     """The process-wide Triton folder at the default location (re-read if KERNELPLAN_CACHE_DIR changes)."""
-    global _DEFAULT
-    folder = default_cache_dir() / "triton"
-    if _DEFAULT is None or _DEFAULT.folder != folder:
-        _DEFAULT = TritonCache(folder)
-    return _DEFAULT
+    return at_default(TritonCache, "triton")
 
 
 def compiling():
