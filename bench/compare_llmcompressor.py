@@ -7,6 +7,9 @@ its own, on the CPU:
     python -m venv /tmp/llmc && /tmp/llmc/bin/pip install torch==2.13.0 llmcompressor
     PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) /tmp/llmc/bin/python bench/compare_llmcompressor.py
 
+The same comparison is an optional test there (``/tmp/llmc/bin/pip install pytest``, then
+``PYTHONPATH=src /tmp/llmc/bin/python -m pytest tests/test_llmcompressor.py``); it skips elsewhere.
+
 For each method: held-out perplexity per byte of each library's pruned model,
 and per layer the share of the 2:4 mask both keep.  ``oneshot`` also rewrites
 the embedding and LM head (tied in this model), which neither method prunes:
