@@ -171,27 +171,21 @@ def layer_shapes(path: str | os.PathLike) -> tuple[str, list[dict]]:
     for a plain dense checkpoint: the 2-D weights ``kp.sparsify`` prunes by default (not
     embeddings or ``lm_head``).
     """
-    from safetensors import safe_open
+    from .stream import headers
 
     config = read_config(path)
     fmt = checkpoint_format(config)
     sparsity = (config.get("quantization_config") or {}).get("sparsity_config") or {}
     ignore = [p for p in sparsity.get("ignore", []) if isinstance(p, str)]
     leaf = {"kernelplan": "values", "sparse-24-bitmask": "compressed"}.get(fmt, "weight")
-    headers: dict[str, tuple[list[int], str]] = {}
-    for shard in shards(path):
-        with safe_open(str(shard), framework="pt") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                headers[name] = (list(sl.get_shape()), sl.get_dtype())
+    found = {name: entry for shard in shards(path) for name, entry in headers(shard).items()}
     layers = []
-    for name, (shape, dtype) in headers.items():
+    for name, (dtype, shape) in found.items():
         prefix, _, last = name.rpartition(".")
         if last != leaf or len(shape) != 2 or (fmt == "dense" and not _targeted(prefix, None, ignore)):
             continue
         m, k = shape[0], shape[1] * (2 if leaf != "weight" else 1)
-        layers.append({"name": prefix, "m": m, "k": k, "bias": f"{prefix}.bias" in headers,
-                       "dtype": _SAFETENSORS_DTYPES.get(dtype, dtype)})
+        layers.append({"name": prefix, "m": m, "k": k, "bias": f"{prefix}.bias" in found, "dtype": dtype})
     return ("2:4" if fmt != "dense" or sparsity.get("sparsity_structure") == "2:4" else "would prune"), layers
 
 
@@ -215,19 +209,17 @@ def _weight(fmt: str, prefix: str, got: dict[str, torch.Tensor]) -> Sparse24Weig
     return Sparse24Weight(got["compressed"], bitmask_to_metadata(got["bitmask"], shape, f"{prefix}.bitmask"))
 
 
-_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+_FLOATING = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def _stored_dtype(path: str | os.PathLike) -> torch.dtype | None:
     """The dtype of the checkpoint's first floating tensor, read from its header alone."""
-    from safetensors import safe_open
+    from .stream import headers
 
     for shard in shards(path):
-        with safe_open(str(shard), framework="pt") as f:
-            for name in f.keys():
-                dtype = _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
-                if dtype is not None:
-                    return dtype
+        for dtype, _ in headers(shard).values():
+            if dtype in _FLOATING:
+                return dtype
     return None
 
 
@@ -314,13 +306,11 @@ def sparsify_directory(src: str | os.PathLike, dst: str | os.PathLike, format: s
     LM head.  Each input shard gives one output shard.
     """
     import transformers
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     from ._checks import choice
     from .pruning.sparsify import SparsifyReport, _select
-    from .sparse24.format import prune_compress
-    from .stream import _prune_compress_rows, _read
+    from .stream import headers, prune_compress_rows, read_tensor
 
     format = choice(format, "format", FORMATS)
     config = read_config(src)
@@ -337,19 +327,17 @@ def sparsify_directory(src: str | os.PathLike, dst: str | os.PathLike, format: s
     if not dry_run:
         out.mkdir(parents=True, exist_ok=True)
     for shard in shards(src):
-        with safe_open(str(shard), framework="pt") as f:
-            names = list(f.keys())
         tensors = {}
-        for name in names:
+        for name in headers(shard):
             prefix, _, leaf = name.rpartition(".")
             if not (leaf == "weight" and prefix in chosen):
-                tensors[name] = None if dry_run else _read(str(shard), name)
+                tensors[name] = None if dry_run else read_tensor(shard, name)
                 continue
             report.converted.append(prefix)
             if dry_run:
                 continue
-            t = _read(str(shard), name)
-            values, metadata = _prune_compress_rows(t, prune_compress)
+            t = read_tensor(shard, name)
+            values, metadata = prune_compress_rows(t)
             report.bytes_before += t.numel() * t.element_size()
             report.bytes_after += values.nbytes + metadata.nbytes
             tensors.update(_stored(format, prefix, values, metadata))

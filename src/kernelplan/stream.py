@@ -33,39 +33,39 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
                       torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
                       torch.float8_e5m2: "F8_E5M2"}
-_BY_NAME = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+BY_NAME = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
-def _headers(path: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+def headers(path: str) -> dict[str, tuple[torch.dtype | str, tuple[int, ...]]]:
+    """``{name: (dtype, shape)}`` of a safetensors file, from its header alone; a dtype outside
+    ``SAFETENSORS_DTYPES`` stays the spec's name (a str)."""
     from safetensors import SafetensorError, safe_open
 
     try:
-        with safe_open(path, framework="pt") as f:
+        with safe_open(str(path), framework="pt") as f:
             out = {}
             for name in f.keys():
                 sl = f.get_slice(name)
-                dtype = _BY_NAME.get(sl.get_dtype())
-                if dtype is None:
-                    raise InvalidProblem(f"{path}: {name} has dtype {sl.get_dtype()}, which kernelplan does not "
-                                         f"copy; supported: {', '.join(_BY_NAME)}")
-                out[name] = (dtype, tuple(sl.get_shape()))
+                out[name] = (BY_NAME.get(sl.get_dtype(), sl.get_dtype()), tuple(sl.get_shape()))
             return out
     except (SafetensorError, OSError, ValueError) as e:
         raise InvalidProblem(f"{path} is not a safetensors file ({e})") from e
 
 
-def _read(path: str, name: str) -> torch.Tensor:
+def read_tensor(path: str, name: str) -> torch.Tensor:
     """One tensor, the file opened for it alone: safetensors maps the whole file, and every page read stays in
     the process's resident set while the mapping is open (the whole input, by the end, if it stayed open)."""
     from safetensors import safe_open
 
-    with safe_open(path, framework="pt") as f:
+    with safe_open(str(path), framework="pt") as f:
         return f.get_tensor(name)
 
 
-def _prune_compress_rows(w: torch.Tensor, prune_compress, rows: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+def prune_compress_rows(w: torch.Tensor, rows: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     """``prune_compress(w)``'s values and metadata, a block of rows at a time: groups of 4 lie along a row, so
     blocks are independent, and pruning's temporaries (about 8x a block's bytes on the CPU) stay a block's."""
+    from .sparse24.format import prune_compress
+
     m, k = w.shape
     values = torch.empty(m, k // 2, dtype=w.dtype)
     metadata = torch.empty(m, k // 8, dtype=torch.int16)
@@ -78,15 +78,19 @@ def _prune_compress_rows(w: torch.Tensor, prune_compress, rows: int = 512) -> tu
 def sparsify_file(src: str, dst: str, pattern: str | None = None, dry_run: bool = False) -> SparsifyReport:
     """Prune and compress ``src``'s eligible 2-D weights into ``dst``, one tensor in memory at a time."""
     from .checkpoint import FORMAT_NAME, _write_atomically, compile_filter, compressed_bytes, plan_tensor
-    from .sparse24.format import FORMAT_VERSION, prune_compress
+    from .sparse24.format import FORMAT_VERSION
 
     regex = compile_filter(pattern)
     if not os.path.isfile(src):
         raise InvalidProblem(f"{src} does not exist or is not a file")
-    headers = _headers(src)
+    found = headers(src)
+    odd = next(((name, d) for name, (d, _) in found.items() if isinstance(d, str)), None)
+    if odd is not None:
+        raise InvalidProblem(f"{src}: {odd[0]} has dtype {odd[1]}, which kernelplan does not copy; supported: "
+                             f"{', '.join(BY_NAME)}")
     report = SparsifyReport()
     outputs: dict[str, tuple[str, str, torch.dtype, tuple]] = {}  # out name -> (in name, part, dtype, shape)
-    for name, (dtype, shape) in headers.items():
+    for name, (dtype, shape) in found.items():
         reason = plan_tensor(name, dtype, shape, regex)
         if reason == "keep":
             outputs[name] = (name, "as is", dtype, shape)
@@ -128,11 +132,11 @@ def sparsify_file(src: str, dst: str, pattern: str | None = None, dry_run: bool 
             for name in names:
                 source, part, dtype, shape = outputs[name]
                 if part == "as is":
-                    t = _read(src, source)
+                    t = read_tensor(src, source)
                 elif name in waiting:
                     t = waiting.pop(name)
                 else:
-                    values, metadata = _prune_compress_rows(_read(src, source), prune_compress)
+                    values, metadata = prune_compress_rows(read_tensor(src, source))
                     t, other = (values, metadata) if part == "values" else (metadata, values)
                     waiting[source[: -len(".weight")] + (".metadata" if part == "values" else ".values")] = other
                 t = t.contiguous().reshape(-1)

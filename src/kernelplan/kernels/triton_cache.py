@@ -41,13 +41,16 @@ class TritonCache:
         self.folder = Path(folder) if folder is not None else default_cache_dir() / "triton"
         self.max_bytes = int(max_bytes)
         self.unusable: str | None = None
+        self._checked = False
 
     def user_folder(self) -> str | None:
         """``TRITON_CACHE_DIR`` when the user set it: then Triton's folder is theirs, and this one unused."""
         return os.environ.get("TRITON_CACHE_DIR") or None
 
     def usable(self) -> bool:
-        if self.unusable is None:
+        """The folder made and found writable, once per process (a conversion enters the scope on every call)."""
+        if self.unusable is None and not self._checked:
+            self._checked = True
             try:
                 self.folder.mkdir(parents=True, exist_ok=True)
                 if not os.access(self.folder, os.W_OK | os.X_OK):
