@@ -21,30 +21,33 @@ import statistics
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent / "cuda"
-STEPS = 2048
+STEPS = 2040  # a multiple of every SETS used
 SHARED = 227 * 1024  # the most a CTA may have: one CTA per SM
 
-# (sparse, NI, chains, warpgroups, reload, copy, fresh_b): the instruction alone at each N, then the latency
-# chains, then what a 2:4 kernel's loop adds to it.
+# (sparse, NI, chains, warpgroups, reload, sets, copy, fresh_b): the instruction alone at each N, then the latency
+# chains, then what a 2:4 kernel's loop adds to it, then where else its A operand could come from.
 VARIANTS = [
-    *[(sp, ni, 1, 2, 0, 0, 0) for ni in (64, 128, 256) for sp in (0, 1)],
-    *[(sp, ni, 1, 1, 0, 0, 0) for ni in (64, 128, 256) for sp in (0, 1)],
-    *[(sp, ni, 2, 2, 0, 0, 0) for ni in (64, 128) for sp in (0, 1)],
-    *[(1, ni, 1, 2, 1, 0, 1) for ni in (64, 128, 256)],
-    *[(1, 64, 2, 2, 1, 0, 1)],
-    *[(sp, 256, 1, 2, 0, 1, 0) for sp in (0, 1)],
-    *[(1, ni, 1, 2, 1, 1, 1) for ni in (64, 256)],
+    *[(sp, ni, 1, 2, 0, 2, 0, 0) for ni in (64, 128, 256) for sp in (0, 1)],
+    *[(sp, ni, 1, 1, 0, 2, 0, 0) for ni in (64, 128, 256) for sp in (0, 1)],
+    *[(sp, ni, 2, 2, 0, 2, 0, 0) for ni in (64, 128) for sp in (0, 1)],
+    *[(1, ni, 1, 2, 1, 2, 0, 1) for ni in (64, 128, 256)],
+    (1, 64, 2, 2, 1, 2, 0, 1),
+    *[(sp, 256, 1, 2, 0, 2, 1, 0) for sp in (0, 1)],
+    *[(1, ni, 1, 2, 1, 2, 1, 1) for ni in (64, 256)],
+    *[(1, ni, 1, 2, reload, sets, 0, 1) for ni in (64, 128, 256)
+      for reload, sets in ((5, 3), (5, 4), (2, 4), (2, 6), (3, 2), (4, 2))],
+    *[(1, ni, 1, 2, 2, 6, 1, 1) for ni in (128, 256)],
 ]
-NAMES = ("sparse", "ni", "chains", "wgs", "reload", "copy", "fresh_b")
+NAMES = ("sparse", "ni", "chains", "wgs", "reload", "sets", "copy", "fresh_b")
 
 
 def source(variant: tuple, dtype: str = "bf16") -> str:
     from kernelplan.kernels.nvrtc import cuda_source
     from kernelplan.kernels.sparse24_mma import defines
 
-    sp, ni, chains, wgs, reload, copy, fresh = variant
+    sp, ni, chains, wgs, reload, sets, copy, fresh = variant
     head = defines(dtype, False, None, SPARSE=sp, NI=ni, CHAINS=chains, WGS=wgs, STEPS=STEPS, RELOAD=reload,
-                   COPY=copy, FRESH_B=fresh)
+                   SETS=sets, COPY=copy, FRESH_B=fresh)
 
     def inline(name: str) -> str:
         if (HERE / name).exists():
@@ -63,7 +66,7 @@ def measure(variant: tuple, src: str, sms: int) -> dict:
     from kernelplan.kernels.direct import FunctionLaunch
 
     sp, ni, chains, wgs, *_ = variant
-    threads = 128 * wgs + (128 if variant[5] else 0)
+    threads = 128 * wgs + (128 if variant[6] else 0)
     fn = nvrtc.function(src, "kp_wgmma_rate", 0, "sm_90a")
     from cuda.bindings import driver as cu
     cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SHARED)
@@ -89,7 +92,7 @@ def measure(variant: tuple, src: str, sms: int) -> dict:
     row = dict(zip(NAMES, variant))
     row.update(cycles_per_step=per_step, fma_per_cycle=fma / per_step,
                tflops=2 * fma * STEPS * sms / seconds / 1e12,
-               copy_bytes_per_cycle=(float(out[:, 2].double().median()) / (per_step * STEPS)) if variant[5] else 0.0)
+               copy_bytes_per_cycle=(float(out[:, 2].double().median()) / (per_step * STEPS)) if variant[6] else 0.0)
     return row
 
 
@@ -113,11 +116,11 @@ def main() -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = [measure(v, s, sms) for v, s in zip(VARIANTS, sources)]
     dense_best = max(r["fma_per_cycle"] for r in rows if not r["sparse"])
-    print(f"{'kind':6} {'N':>4} {'chains':>6} {'wgs':>3} {'reload':>6} {'copy':>4} {'ring':>4} "
+    print(f"{'kind':6} {'N':>4} {'chains':>6} {'wgs':>3} {'reload':>6} {'sets':>4} {'copy':>4} {'ring':>4} "
           f"{'cyc/step':>9} {'FMA/clk/SM':>10} {'x dense best':>12} {'TFLOP/s':>8} {'copy B/clk':>10}")
     for r in rows:
         print(f"{'sparse' if r['sparse'] else 'dense':6} {r['ni']:4} {r['chains']:6} {r['wgs']:3} {r['reload']:6} "
-              f"{r['copy']:4} {r['fresh_b']:4} {r['cycles_per_step']:9.1f} {r['fma_per_cycle']:10.0f} "
+              f"{r['sets']:4} {r['copy']:4} {r['fresh_b']:4} {r['cycles_per_step']:9.1f} {r['fma_per_cycle']:10.0f} "
               f"{r['fma_per_cycle'] / dense_best:12.2f} {r['tflops']:8.0f} {r['copy_bytes_per_cycle']:10.1f}")
     write("wgmma-rate", {"steps": STEPS, "sms": sms, "rows": rows})
     return 0
