@@ -54,16 +54,6 @@ def graph_ms(fns, calls: int, rounds: int) -> list[float]:
     return out
 
 
-def _top_and_twins(top: int, share_w: bool, sms: int, n: int, m: int, k: int) -> list:
-    """The ``top`` one-a-tile or ping-pong tiles of least rule cost, and (``share_w``) each one-a-tile tile's twins
-    with W shared along N by 2 and 4 CTAs, where they are candidates."""
-    import dataclasses
-
-    ranked = sorted(sparse24_ws.ws_candidates(n, m, k), key=lambda c: sparse24_ws.tile_cost(c, n, m, k, sms))[:top]
-    shared = [c for c in sparse24_ws.ws_candidates(n, m, k, share_w=True) if c.cn > 1] if share_w else []
-    return ranked + [c for c in shared if dataclasses.replace(c, cn=1) in ranked]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -71,10 +61,6 @@ def main() -> int:
     ap.add_argument("--shapes", type=int, default=len(SHAPES))
     ap.add_argument("--batch", type=int, nargs="*", default=BATCH)
     ap.add_argument("--kernel", choices=("wg", "ws"), default="wg")
-    ap.add_argument("--share-w", action="store_true",
-                    help="ws: the tiles with W shared along N (cfg.cn) too, beside the rule's space")
-    ap.add_argument("--top", type=int, default=0,
-                    help="ws: only the rule's TOP least-cost tiles, and with --share-w their twins sharing W")
     a = ap.parse_args()
     dtype = torch.bfloat16
     sms = sm_count(0)
@@ -82,10 +68,8 @@ def main() -> int:
     kernel = module.WgKernel() if a.kernel == "wg" else module.WsKernel()
     candidates, rule_config, _launcher = getattr(module, f"{a.kernel}_candidates"), \
         getattr(module, f"{a.kernel}_config"), module._launcher
-    if a.kernel == "ws" and a.top:
-        candidates = functools.partial(_top_and_twins, a.top, a.share_w, sm_count(0))
-    elif a.kernel == "ws":  # the persistent split variant too, beside the rule's space
-        candidates = functools.partial(candidates, split=True, share_w=a.share_w)
+    if a.kernel == "ws":  # the persistent split variant too, beside the rule's space
+        candidates = functools.partial(candidates, split=True)
     shapes = SHAPES[: a.shapes]
     # Compile every variant first, in threads (NVRTC is thread-safe): the timing loop then only launches.
     configs = {c for (m, k) in shapes for n in a.batch for c in candidates(n, m, k)}

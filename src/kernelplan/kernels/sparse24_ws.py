@@ -41,25 +41,16 @@ class WsConfig:
     sk: bool = False  # persistent, tail tiles split along K (cuda/sparse24_sk.cu, sk_plan): one CTA an SM, no clusters
     pp: bool = False  # persistent ping-pong (cuda/sparse24_pp.cu): one CTA an SM, each consumer warpgroup its own
     #                   tile of BN x 64 wm, no clusters
-    cn: int = 1  # CTAs of a cluster along N (grid x) that share W's tiles, each loading 4 wm / cn of them for all
 
     def __post_init__(self):
         if self.pp and (self.sk or self.cm > 1 or self.kc > 1 or self.bn % 16 or self.bn * self.wm > 256):
             raise ValueError(f"{self}: a ping-pong tile has no split or cluster, BN a multiple of 16, and at most "
                              f"256 x 64 accumulators a warpgroup (BN x wm <= 256)")
-        if self.cn > 1 and (self.sk or self.pp or (4 * self.wm) % self.cn or self.cn * self.cm * self.kc > 8):
-            raise ValueError(f"{self}: W's tiles are shared along N by one-a-tile CTAs only, each loading as many "
-                             f"(cn divides 4 wm), in clusters of at most 8")
 
     def __repr__(self) -> str:
-        # The measured tables (bench/results/sparse24-ws-tiles-*.json) are keyed by this text: pp and cn only
-        # where set.
+        # The measured tables (bench/results/sparse24-ws-tiles-*.json) are keyed by this text: pp only where set.
         return (f"WsConfig(bn={self.bn}, wm={self.wm}, cm={self.cm}, kc={self.kc}, stages={self.stages}, "
-                f"sk={self.sk}" + (", pp=True" if self.pp else "") + (f", cn={self.cn}" if self.cn > 1 else "") + ")")
-
-    @property
-    def cluster(self) -> int:
-        return self.cn * self.cm * self.kc
+                f"sk={self.sk}" + (", pp=True)" if self.pp else ")"))
 
     @property
     def ni(self) -> int:
@@ -93,24 +84,20 @@ class WsConfig:
         return max(self.stages * self.stage_bytes, sums) + 2 * self.staging_bytes + bars + 1024
 
 
-def _deepest(bn: int, wm: int, cm: int, kc: int, sk: bool = False, pp: bool = False, cn: int = 1) -> WsConfig | None:
+def _deepest(bn: int, wm: int, cm: int, kc: int, sk: bool = False, pp: bool = False) -> WsConfig | None:
     """The tile with the deepest ring (up to 8 steps) that fits the SM's shared memory; None if not 3."""
     one = WsConfig(bn, wm, cm, kc, 1, sk, pp)
     stages = min(_MAX_STAGES, (SM_SHARED - 1024 - 16 * _MAX_STAGES - 16 - 2 * one.staging_bytes) // one.stage_bytes)
-    cfg = WsConfig(bn, wm, cm, kc, stages, sk, pp, cn)
+    cfg = WsConfig(bn, wm, cm, kc, stages, sk, pp)
     return cfg if stages >= 3 and cfg.shared <= SM_SHARED else None
 
 
-def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = False,
-                  share_w: bool = False) -> list[WsConfig]:
+def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = False) -> list[WsConfig]:
     """Every tile the kernel can run for this problem, the rule's space: one CTA a tile (``sparse24_ws.cu``) and,
     with ``pingpong``, the persistent ping-pong tiles (``cfg.pp``).  With ``split``, the persistent variant with
     split tails (``cfg.sk``) too, which ``bench/sparse24_wg_tiles.py --kernel ws`` also measures; it is not the
-    rule's: measured slower than the one-a-tile tiles on 86 of 88 problems (docs/design/0006).  With
-    ``share_w``, each one-a-tile tile also with W's tiles shared along N by clusters of 2 and 4 CTAs (``cfg.cn``)
-    where there are that many tiles along N."""
+    rule's: measured slower than the one-a-tile tiles on 86 of 88 problems (docs/design/0006)."""
     out = []
-    n_tiles = lambda bn: -(-n // bn)
     fitted = -(-(-(-n // -(-n // 256))) // 16) * 16  # n in the fewest N tiles of at most 256, rounded to 16
     for bn in sorted({min(fitted, b) for b in (64, 128, 256)} | {fitted}):
         for wm in (1, 2):
@@ -123,8 +110,6 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
                     cfg = _deepest(bn, wm, cm, kc)
                     if cfg is not None:
                         out.append(cfg)
-                        out += [_deepest(bn, wm, cm, kc, cn=cn) for cn in ((2, 4) if share_w else ())
-                                if n_tiles(bn) >= cn and cn * cm * kc <= 8 and (4 * wm) % cn == 0]
             persistent = (_deepest(bn, wm, 1, 1, sk=True) if split else None,
                           _deepest(bn, wm, 1, 1, pp=True) if pingpong and bn % 16 == 0 and bn * wm <= 256 else None)
             out += [c for c in persistent if c is not None]
@@ -200,10 +185,10 @@ _BIG_CLUSTER_SMS = 120 / 132
 
 def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) -> float:
     """The rule's estimate of a tile's time, relative: lower is faster (not for the split persistent variant)."""
-    n_tiles, m_tiles = -(-(-(-n // cfg.bn)) // cfg.cn) * cfg.cn, -(-(-(-m // cfg.rows)) // cfg.cm) * cfg.cm
+    n_tiles, m_tiles = -(-n // cfg.bn), -(-(-(-m // cfg.rows)) // cfg.cm) * cfg.cm
     ctas = n_tiles * m_tiles * cfg.kc
-    step_bytes = cfg.bn * 128 / cfg.cm + cfg.wm * 4608 / cfg.cn
-    usable = int(sms * _BIG_CLUSTER_SMS) if cfg.cluster >= 4 else sms
+    step_bytes = cfg.bn * 128 / cfg.cm + cfg.wm * 4608
+    usable = int(sms * _BIG_CLUSTER_SMS) if cfg.cm * cfg.kc >= 4 else sms
     waves = -(-ctas // usable)  # ping-pong: tiles a CTA, one after another
     step = w.step + max(cfg.bn * cfg.wm * w.mma, step_bytes * w.copy) + (w.l2 * step_bytes if waves > 1 else 0)
     if cfg.pp:
@@ -220,7 +205,7 @@ def ws_config(n: int, m: int, k: int, sms: int) -> WsConfig:
 def source(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None) -> str:
     """The CUDA C++ of one kernel variant (``kp_sparse24_ws``; ``kp_sparse24_sk`` where ``cfg.sk``,
     ``kp_sparse24_pp`` where ``cfg.pp``), compiled by NVRTC for sm_90a."""
-    clusters = {} if cfg.sk or cfg.pp else {"CN": cfg.cn, "CM": cfg.cm, "KC": cfg.kc}
+    clusters = {} if cfg.sk or cfg.pp else {"CM": cfg.cm, "KC": cfg.kc}
     head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, **clusters, STAGES=cfg.stages,
                    CONSUMER_REGS=_CONSUMER_REGS[2 if cfg.pp else cfg.wm])
     return head + COMMON_SOURCE + cuda_source(_SOURCE[_kind(cfg)])
@@ -331,7 +316,7 @@ def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None,
     sizes = _param_sizes(cu, fn)
     if sizes != want:
         raise KernelPlanError(f"{name}: compiled parameter sizes {sizes} are not the launcher's {want}")
-    maps = TensorMaps(cfg.bn // cfg.cm, 4 * cfg.wm // cfg.cn, dtype)
+    maps = TensorMaps(cfg.bn // cfg.cm, 4 * cfg.wm, dtype)
     if cfg.sk:
         return StreamKLaunch(fn, f"{name} {cfg} {dtype}", cfg, maps, device_index)
     if cfg.pp:
@@ -411,7 +396,5 @@ class WsKernel(WgKernel):
     def launch_config(self, cfg: WsConfig, n, m, dtype, has_bias, activation, device):
         if cfg.sk or cfg.pp:  # the launch takes its grid from the problem (sk_plan; one CTA an SM)
             return _launcher(cfg, dtype, has_bias, activation, device), (0, 0, 0)
-        # The grid's x and y are whole numbers of clusters (CTAs past N or M load zeros and write nothing).
-        n_groups, m_groups = -(-(-(-n // cfg.bn)) // cfg.cn), -(-(-(-m // cfg.rows)) // cfg.cm)
-        return (_launcher(cfg, dtype, has_bias, activation, device),
-                (n_groups * cfg.cn, m_groups * cfg.cm, cfg.kc))
+        m_groups = -(-(-(-m // cfg.rows)) // cfg.cm)  # the grid's y is a whole number of clusters
+        return _launcher(cfg, dtype, has_bias, activation, device), (-(-n // cfg.bn), m_groups * cfg.cm, cfg.kc)

@@ -143,14 +143,6 @@ __device__ __forceinline__ void tma_load_2d_multicast(u32 dst, const TensorMap *
                  :: "r"(dst), "l"(map), "r"(inner), "r"(outer), "r"(bar), "h"(mask) : "memory");
 }
 
-// The same 3-D box into shared memory `dst` of every cluster CTA in `mask`, each completing on its own `bar`.
-__device__ __forceinline__ void tma_load_3d_multicast(u32 dst, const TensorMap *map, int inner, int middle, int outer,
-                                                      u32 bar, unsigned short mask) {
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-                 " [%0], [%1, {%2, %3, %4}], [%5], %6;"
-                 :: "r"(dst), "l"(map), "r"(inner), "r"(middle), "r"(outer), "r"(bar), "h"(mask) : "memory");
-}
-
 template <int REGS>
 __device__ __forceinline__ void regs_down() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(REGS)); }
 template <int REGS>

@@ -23,7 +23,6 @@
 // warpgroup's m64 instructions per k32), STAGES, CONSUMER_REGS, IS_BF16, HAS_BIAS, ACT, DT.
 
 #define CM 1
-#define CN 1
 #include "wgmma_sp.cuh"
 #include "hopper.cuh"
 #include "sparse24_ring.cuh"
@@ -133,7 +132,7 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
             for (int i = 0; i < kInst; ++i)
 #pragma unroll
                 for (int r = 0; r < kAcc; ++r) acc[b][i][r] = 0.f;
-        consume_steps<true, WM>(acc, sbase, full0, empty0, j * steps, steps, wq, lane, wq, 0, 0, 0);
+        consume_steps<true, WM>(acc, sbase, full0, empty0, j * steps, steps, wq, lane, wq, 0);
         if (u == 0) mbar_arrive(order0 + 8 * (c ^ 1));  // the warpgroup's MMAs are done, so are its waits
         store_tile(acc, ybase + c * kYBytes, bias, y, t % tiles_n * BN, t / tiles_n * kBM, N, M, syn, wq, lane, u,
                    1 + c);

@@ -1,7 +1,7 @@
 // What the warp-specialized wgmma.sp kernels (sparse24_ws.cu, sparse24_sk.cu) share: the sizes of a CTA and of
 // its ring of shared-memory stages, and the consumers' K loop over the ring.
 //
-// Needs wgmma_sp.cuh, hopper.cuh and the variant's #defines BN, NI, WM, CM, CN, STAGES.  The ring's stage b is
+// Needs wgmma_sp.cuh, hopper.cuh and the variant's #defines BN, NI, WM, CM, STAGES.  The ring's stage b is
 // x's BN x 64 box (128-byte swizzle) then the CTA's tiles' values and metadata for one 64-column step; its
 // "full" mbarrier is at full0 + 8 b and its "empty" one at empty0 + 8 b.
 #pragma once
@@ -58,23 +58,17 @@ __device__ __forceinline__ int produce_steps(int g, int k0, int k1, int n0, int 
     return g;
 }
 
-// The warpgroup's MMAs have read the stage at `bar`'s index: it is released in every CTA whose producer writes into
-// this CTA's stages, the M group's (x's parts) and the N group's (W's parts), itself among them; warp j of the
-// warpgroup releases it in the j-th of them (CUTLASS's PipelineTmaAsync does the same).  (cx, cy, cz) is this CTA's
-// place in its cluster: along N, M and K; cluster rank cx + CN (cy + CM cz).
-__device__ __forceinline__ void release_stage(u32 bar, int lane, int wq, int cx, int cy, int cz) {
-#if CM > 1 || CN > 1
-    for (int t = wq; t < CM + CN - 1; t += 4) {
-        if (lane == 0) {
-            // t < CM: the M group's CTA t; past that the N group's CTAs other than this one, in order.
-            const int i = t - CM + (t - CM >= cx);
-            mbar_arrive_cluster(bar, t < CM ? cx + CN * (t + CM * cz) : i + CN * (cy + CM * cz));
-        }
-    }
+// The warpgroup's MMAs have read the stage at `bar`'s index: warp j of each warpgroup releases it in CTA j of the
+// M group (CUTLASS's PipelineTmaAsync does the same); `cz` is the M group's first rank / CM.
+__device__ __forceinline__ void release_stage(u32 bar, int lane, int wq, int cz) {
+    if (lane == 0 && wq < CM) {
+#if CM > 1
+        mbar_arrive_cluster(bar, cz * CM + wq);
 #else
-    (void)cx, (void)cy, (void)cz;
-    if (lane == 0 && wq == 0) mbar_arrive(bar);
+        (void)cz;
+        mbar_arrive(bar);
 #endif
+    }
 }
 
 // acc += this warp's 16-row tiles x x's box over `count` ring steps, the g0-th first: BLOCKS 64-row blocks of W
@@ -84,8 +78,7 @@ __device__ __forceinline__ void release_stage(u32 bar, int lane, int wq, int cx,
 // C7515) in sparse24_ws.cu.
 template <bool RELEASE_LAST, int BLOCKS = 1>
 __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc], u32 sbase, u32 full0, u32 empty0,
-                                              int g0, int count, int tl, int lane, int wq, int cx, int cy,
-                                              int cz)
+                                              int g0, int count, int tl, int lane, int wq, int cz)
 {
     uint4 a[2][BLOCKS][2];
     u32 e[2][BLOCKS];
@@ -119,7 +112,7 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
                 // while step g - 1's MMAs might still read them.
 #pragma unroll
                 for (int j = 0; j < BLOCKS; ++j) keep_regs(a[p ^ 1][j], e[p ^ 1][j]);
-                if (s > 0) release_stage(empty0 + 8 * ring_stage(g - 1), lane, wq, cx, cy, cz);
+                if (s > 0) release_stage(empty0 + 8 * ring_stage(g - 1), lane, wq, cz);
             }
         }
     }
@@ -128,5 +121,5 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
     for (int j = 0; j < BLOCKS; ++j)
 #pragma unroll
         for (int i = 0; i < kInst; ++i) keep(acc[j][i]);
-    if (RELEASE_LAST && count > 0) release_stage(empty0 + 8 * ring_stage(g0 + count - 1), lane, wq, cx, cy, cz);
+    if (RELEASE_LAST && count > 0) release_stage(empty0 + 8 * ring_stage(g0 + count - 1), lane, wq, cz);
 }

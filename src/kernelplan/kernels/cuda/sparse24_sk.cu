@@ -25,7 +25,6 @@
 // ACT, DT (CM = KC = 1: no clusters).
 
 #define CM 1
-#define CN 1
 #include "wgmma_sp.cuh"
 #include "hopper.cuh"
 #include "sparse24_ring.cuh"
@@ -174,7 +173,7 @@ kp_sparse24_sk(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         for (int i = 0; i < kInst; ++i)
 #pragma unroll
             for (int r = 0; r < kAcc; ++r) acc[i][r] = 0.f;
-        consume_steps<true>(blocks, sbase, full0, empty0, g, k1 - k0, tl, lane, wq, 0, 0, 0);
+        consume_steps<true>(blocks, sbase, full0, empty0, g, k1 - k0, tl, lane, wq, 0);
         g += k1 - k0;
 
         if (tile >= dp_tiles && splits > 1) {

@@ -18,17 +18,14 @@
 // synchronizes the whole CTA inside the K loop (sparse24_wg.cu's __syncthreads per stage did).
 //
 // A CTA is one producer warpgroup (one thread issues the copies; setmaxnreg gives its registers to the
-// consumers) and WM consumer warpgroups of 64 rows of W each.  A cluster is CN x CM x KC CTAs (grid x, y, z):
-//  * CN CTAs along N share W's tiles: each loads 4 WM / CN of them and multicasts them to all CN, which divides
-//    W's traffic from L2 by CN (at n = 256 in tiles of 64 rows of x, W is otherwise read 4 times over);
+// consumers) and WM consumer warpgroups of 64 rows of W each.  A cluster is CM x KC CTAs (grid y, z):
 //  * CM CTAs along M share x's tile: each loads BN / CM of its rows and multicasts them to all CM, which
-//    divides x's traffic from L2 by CM;
-//  * a CTA's consumers release a stage in every CTA that writes into it (ring.cuh's release_stage);
+//    divides x's traffic from L2 by CM, and each CTA's consumers release a stage in all CM CTAs;
 //  * KC CTAs along K split it; their partial sums meet through distributed shared memory, each CTA
 //    writing BN / KC rows of y.
 //
 // Compile-time sizes come from the variant's #defines: BN (rows of x a CTA), NI (wgmma N per
-// instruction), WM, CN, CM, KC, STAGES, CONSUMER_REGS (0: no setmaxnreg), IS_BF16, HAS_BIAS, ACT, DT.
+// instruction), WM, CM, KC, STAGES, CONSUMER_REGS (0: no setmaxnreg), IS_BF16, HAS_BIAS, ACT, DT.
 
 #include "wgmma_sp.cuh"
 #include "hopper.cuh"
@@ -38,13 +35,11 @@ constexpr int kRedStride = kBM + 4;                // f32 partial sums [BN][kBM 
 constexpr int kRedBytes = BN * kRedStride * 4;
 constexpr int kBarOffset = kRingBytes > kRedBytes ? kRingBytes : kRedBytes;  // the mbarriers, past both
 constexpr int kXPart = BN / CM;                    // rows of x each CTA of an M group loads for all of them
-constexpr int kWPart = kTiles / CN;                // 16-row tiles of W each CTA of an N group loads for all of them
 static_assert(BN % KC == 0, "each CTA of a cluster writes BN / KC rows of y");
 static_assert(kXPart % 8 == 0, "each part of x starts on a 1024-byte swizzle phase");
-static_assert(kTiles % CN == 0, "each CTA of an N group loads as many of W's tiles");
 
-#if CN * CM * KC > 1
-#define KP_CLUSTER __cluster_dims__(CN, CM, KC)
+#if CM * KC > 1
+#define KP_CLUSTER __cluster_dims__(1, CM, KC)
 #else
 #define KP_CLUSTER
 #endif
@@ -62,17 +57,15 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     const int ksteps = K / 64, steps = ksteps / KC;   // this CTA's 64-column steps
     const int step0 = blockIdx.z * steps;            // blockIdx.z is the CTA's K slice, its rank along z
     const int n0 = blockIdx.x * BN, tile0 = blockIdx.y * kTiles;
-    // Cluster ranks run along x, then y, then z: CTA (cx, cy, cz) is rank cx + CN (cy + CM cz).  Its M group is
-    // the CTAs of its cx and cz, its N group those of its cy and cz.
-    const int cx = blockIdx.x % CN, cy = blockIdx.y % CM, cz = blockIdx.z;
-    (void)cx, (void)cy, (void)cz;  // read by the cluster variants only
+    // Cluster ranks run along y then z (x is 1 wide): this CTA's M group is ranks cz * CM ... cz * CM + CM - 1.
+    const int cy = blockIdx.y % CM, cz = blockIdx.z;
+    (void)cy, (void)cz;  // read by the cluster variants only
 
     if (threadIdx.x == 0) {
-        // One release per consumer warpgroup of every CTA this one writes into: its M group and its N group.
-        ring_init(&xmap, &vmap, &emap, full0, empty0, WM * (CM + CN - 1));
+        ring_init(&xmap, &vmap, &emap, full0, empty0, WM * CM);  // one release per consumer warpgroup of the M group
         mbar_init_fence();
     }
-#if CN * CM * KC > 1
+#if CM * KC > 1
     cluster_sync();  // every CTA's barriers are ready before any copy or arrival from a peer
 #else
     __syncthreads();
@@ -85,11 +78,6 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #endif
         if (threadIdx.x == 0) {
             constexpr u32 bytes = kXBytes + kWBytes;  // boxes past N or M count in full (zero-filled)
-            // The cluster ranks of the M group (x's parts go to them) and of the N group (W's parts).
-            unsigned short m_group = 0, n_group = 0;
-            for (int j = 0; j < CM; ++j) m_group |= (unsigned short)(1u << (cx + CN * (j + CM * cz)));
-            for (int i = 0; i < CN; ++i) n_group |= (unsigned short)(1u << (i + CN * (cy + CM * cz)));
-            (void)m_group, (void)n_group;
             for (int s = 0; s < steps; ++s) {
                 const int b = ring_stage(s);
                 mbar_wait(empty0 + 8 * b, ring_parity(s) ^ 1);
@@ -97,19 +85,13 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
                 mbar_expect_tx(full, bytes);
                 const int step = step0 + s;
 #if CM > 1
-                tma_load_2d_multicast(at + cy * kXPart * 128, &xmap, step * 64, n0 + cy * kXPart, full, m_group);
+                tma_load_2d_multicast(at + cy * kXPart * 128, &xmap, step * 64, n0 + cy * kXPart, full,
+                                      (unsigned short)(((1u << CM) - 1) << (cz * CM)));
 #else
                 tma_load_2d(at, &xmap, step * 64, n0, full);
 #endif
-#if CN > 1
-                tma_load_3d_multicast(at + kXBytes + cx * kWPart * 1024, &vmap, 0, step, tile0 + cx * kWPart, full,
-                                      n_group);
-                tma_load_3d_multicast(at + kXBytes + kWValues + cx * kWPart * 128, &emap, 0, step,
-                                      tile0 + cx * kWPart, full, n_group);
-#else
                 tma_load_3d(at + kXBytes, &vmap, 0, step, tile0, full);
                 tma_load_3d(at + kXBytes + kWValues, &emap, 0, step, tile0, full);
-#endif
             }
         }
     } else {
@@ -124,7 +106,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         for (int i = 0; i < kInst; ++i)
 #pragma unroll
             for (int r = 0; r < kAcc; ++r) acc[i][r] = 0.f;
-        consume_steps<false>(blocks, sbase, full0, empty0, 0, steps, tl, lane, wq, cx, cy, cz);
+        consume_steps<false>(blocks, sbase, full0, empty0, 0, steps, tl, lane, wq, cz);
 
         // Every consumer is past its last MMA before the ring is reused for the partial sums.
         named_sync(1, kConsumers);
@@ -132,7 +114,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         store_acc<NI>(red, acc, wm * 64 + wq * 16, kRedStride, lane);
     }
 
-#if CN * CM * KC > 1
+#if CM * KC > 1
     cluster_sync();  // every CTA's partial sums are in its shared memory (the producer warps take part)
 #else
     if (warp >= 4) named_sync(1, kConsumers);
@@ -149,8 +131,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #pragma unroll
             for (int r = 0; r < KC; ++r) {
 #if KC > 1
-                const int peer = cx + CN * (cy + CM * r);  // the K slice r of this CTA's place
-                const float4 lo = ld_peer4(at, peer), hi = ld_peer4(at + 16, peer);
+                const float4 lo = ld_peer4(at, cy + r * CM), hi = ld_peer4(at + 16, cy + r * CM);
 #else
                 const float4 lo = lds4f(at), hi = lds4f(at + 16);
 #endif
@@ -180,7 +161,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
             }
         }
     }
-#if CN * CM * KC > 1
+#if CM * KC > 1
     cluster_sync();  // no CTA leaves while a peer may still read its shared memory or arrive on its barriers
 #endif
 }
