@@ -54,6 +54,15 @@ def graph_ms(fns, calls: int, rounds: int) -> list[float]:
     return out
 
 
+def _top(top: int, between: bool, sms: int, n: int, m: int, k: int) -> list:
+    """The ``top`` tiles of least rule cost over the rule's space and (``between``) as many over the wider one."""
+    cost = lambda c: sparse24_ws.tile_cost(c, n, m, k, sms)
+    out = sorted(sparse24_ws.ws_candidates(n, m, k), key=cost)[:top]
+    if between:
+        out += [c for c in sorted(sparse24_ws.ws_candidates(n, m, k, between=True), key=cost)[:top] if c not in out]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -61,6 +70,10 @@ def main() -> int:
     ap.add_argument("--shapes", type=int, default=len(SHAPES))
     ap.add_argument("--batch", type=int, nargs="*", default=BATCH)
     ap.add_argument("--kernel", choices=("wg", "ws"), default="wg")
+    ap.add_argument("--between", action="store_true",
+                    help="ws: tiles of x between the halvings of 256 rows too (ws_candidates' between)")
+    ap.add_argument("--top", type=int, default=0,
+                    help="ws: only the TOP tiles of least rule cost (with --between, over the wider space)")
     a = ap.parse_args()
     dtype = torch.bfloat16
     sms = sm_count(0)
@@ -68,8 +81,10 @@ def main() -> int:
     kernel = module.WgKernel() if a.kernel == "wg" else module.WsKernel()
     candidates, rule_config, _launcher = getattr(module, f"{a.kernel}_candidates"), \
         getattr(module, f"{a.kernel}_config"), module._launcher
-    if a.kernel == "ws":  # the persistent split variant too, beside the rule's space
-        candidates = functools.partial(candidates, split=True)
+    if a.kernel == "ws" and a.top:
+        candidates = functools.partial(_top, a.top, a.between, sm_count(0))
+    elif a.kernel == "ws":  # the persistent split variant too, beside the rule's space
+        candidates = functools.partial(candidates, split=True, between=a.between)
     shapes = SHAPES[: a.shapes]
     # Compile every variant first, in threads (NVRTC is thread-safe): the timing loop then only launches.
     configs = {c for (m, k) in shapes for n in a.batch for c in candidates(n, m, k)}

@@ -92,14 +92,22 @@ def _deepest(bn: int, wm: int, cm: int, kc: int, sk: bool = False, pp: bool = Fa
     return cfg if stages >= 3 and cfg.shared <= SM_SHARED else None
 
 
-def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = False) -> list[WsConfig]:
+# Tiles of x past the halvings of 256 where one of them fills the SMs' waves better: 36 tiles of 128 rows of W at
+# n = 1024 are 144 CTAs of 256 rows of x (two waves on 132 SMs, the second 12 CTAs) or 216 of 192 rows.
+_BETWEEN = (96, 160, 192, 224)
+
+
+def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = False,
+                  between: bool = False) -> list[WsConfig]:
     """Every tile the kernel can run for this problem, the rule's space: one CTA a tile (``sparse24_ws.cu``) and,
     with ``pingpong``, the persistent ping-pong tiles (``cfg.pp``).  With ``split``, the persistent variant with
     split tails (``cfg.sk``) too, which ``bench/sparse24_wg_tiles.py --kernel ws`` also measures; it is not the
-    rule's: measured slower than the one-a-tile tiles on 86 of 88 problems (docs/design/0006)."""
+    rule's: measured slower than the one-a-tile tiles on 86 of 88 problems (docs/design/0006).  With ``between``,
+    tiles of x of ``_BETWEEN`` rows too, where they are fewer than n."""
     out = []
     fitted = -(-(-(-n // -(-n // 256))) // 16) * 16  # n in the fewest N tiles of at most 256, rounded to 16
-    for bn in sorted({min(fitted, b) for b in (64, 128, 256)} | {fitted}):
+    more = {b for b in _BETWEEN if b < n} if between else set()
+    for bn in sorted({min(fitted, b) for b in (64, 128, 256)} | {fitted} | more):
         for wm in (1, 2):
             for cm in (1, 2, 4):
                 for kc in (1, 2, 4):
