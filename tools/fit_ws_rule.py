@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from kernelplan.kernels.sparse24_ws import WEIGHTS, RuleWeights, WsConfig, tile_cost, ws_candidates  # noqa: E402
 
 STEPS = (0.5, 0.7, 0.85, 1.18, 1.4, 2.0)
+BETWEEN = "--between" in sys.argv  # the rule's space with ws_candidates' between tiles
 
 
 def problems(path: str):
@@ -36,7 +37,7 @@ def problems(path: str):
     out = []
     for row in data["rows"]:
         times = row["tiles_ms"]
-        cands = [c for c in ws_candidates(row["n"], row["m"], row["k"]) if str(c) in times]
+        cands = [c for c in ws_candidates(row["n"], row["m"], row["k"], between=BETWEEN) if str(c) in times]
         out.append((row["n"], row["m"], row["k"], sms, cands, [times[str(c)] for c in cands], min(times.values())))
     return out
 
@@ -76,6 +77,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("tables", nargs="+")
     ap.add_argument("--sweep", action="append", default=[])
+    ap.add_argument("--between", action="store_true", help="fit the rule over the space with between tiles")
     a = ap.parse_args(argv)
     paths = a.tables + (["sweep pairs"] if a.sweep else [])
     tables = [problems(p) for p in a.tables] + ([sweep_pairs(a.sweep)] if a.sweep else [])

@@ -105,6 +105,19 @@ def sparse24_notes() -> list[str]:
                         for op in ("pack", "unpack", "compress", "prune"))
         lines.append(f"- 2:4 conversions on the GPU, of the copy bandwidth, layers of 64M weights and up: {ops}, "
                      f"{_source(convert['meta'], 'sparse24-convert-h100')}.")
+    rate = _load("wgmma-rate-h100")
+    if rate:
+        pick = lambda **want: next(r for r in rate["rows"] if all(r[k] == v for k, v in want.items()))
+        alone = pick(sparse=1, ni=256, chains=1, wgs=2, reload=0, copy=0)
+        dense = pick(sparse=0, ni=256, chains=1, wgs=2, reload=0, copy=0)["fma_per_cycle"]
+        cells = ", ".join(f"{pick(sparse=1, ni=ni, wgs=2, chains=1, reload=1, sets=2, copy=0, fresh_b=1)['fma_per_cycle'] / dense:.2f}x"
+                          f" / {pick(sparse=1, ni=ni, wgs=2, chains=1, reload=4, copy=0)['fma_per_cycle'] / dense:.2f}x"
+                          f" at {ni} rows of x" for ni in (64, 128, 256))
+        lines.append(f"- The ceiling of a 2:4 kernel's main loop (`bench/wgmma_rate.py`): `wgmma.sp` alone runs "
+                     f"{alone['fma_per_cycle'] / dense:.2f}x dense `wgmma`'s multiply-adds a cycle; with its A "
+                     f"fragments read from shared memory each step, as the kernels do / with A read by the "
+                     f"instruction from shared memory: {cells} a step (docs/design/0012), "
+                     f"{_source(rate['meta'], 'wgmma-rate-h100')}.")
     host = _load("sparse24-host-h100")
     if host:
         cells = ", ".join(f"{name} {t:.1f} us" for name, t in host["no_grad"].items())
