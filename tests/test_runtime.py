@@ -318,3 +318,32 @@ def test_gpu_a_2_4_request_run_again_through_its_bound_launch_matches_the_plan_r
             for _ in range(3):  # bound on the first run, its closure after
                 b.run(request)
                 assert torch.equal(b.download(args.y).cuda(), here), (n, m, k, bias)
+
+
+def test_runtime_demo_shows_a_fault_and_the_recovery(tmp_path, capsys):
+    """``kernelplan runtime-demo``: the requests in flight at the fault fail with DeviceFault, the restarted worker
+    answers, the stream's last result is right, a freed handle is refused; the JSON holds the same."""
+    import json
+
+    from kernelplan.cli import main
+
+    path = tmp_path / "demo.json"
+    assert main(["runtime-demo", "--requests", "40", "--fault", "exit", "--json", str(path)]) == 0
+    out = json.loads(path.read_text())
+    assert out["recovered"] and out["result_right"] and out["stale_refused"]
+    assert out["generation_after"] == out["generation_before"] + 1 and "exited with code 3" in out["cause"]
+    # The fault request fails, and with it at most the 15 others in flight; the rest ran.
+    assert 1 <= out["failed"] <= 16 and out["ok"] == 40 - (out["failed"] - 1)
+    assert out["fault_failed_s"] < 2.0 and out["restart_s"] < 10.0
+    assert "runtime-demo: recovered" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--requests", "2"], "at least 4"),
+    (["--fault", "illegal_address"], "launches a CUDA kernel"),
+])
+def test_runtime_demo_refuses_what_it_cannot_run(argv, message, capsys):
+    from kernelplan.cli import main
+
+    assert main(["runtime-demo", *argv]) == 2
+    assert message in capsys.readouterr().err

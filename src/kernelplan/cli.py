@@ -1,4 +1,4 @@
-"""The ``kernelplan`` command: ``bench``, ``sparsify``, ``warmup`` and ``cache info|clear``."""
+"""The ``kernelplan`` command: ``bench``, ``sparsify``, ``warmup``, ``cache info|clear`` and ``runtime-demo``."""
 
 from __future__ import annotations
 
@@ -69,7 +69,21 @@ def main(argv: list[str] | None = None) -> int:
     cache.add_argument("--which", choices=("all", "plans", "kernels", "triton"), default="all",
                        help="the plan cache, the compiled cubins, kernelplan's Triton kernels, or all (default)")
 
+    demo = sub.add_parser("runtime-demo", help="inject a fault into a stream of requests on the device runtime "
+                          "and show the recovery, timed",
+                          description="Runs SwiGLU forward requests through kernelplan.runtime on one device, kills "
+                          "the worker halfway with a fault request, and reports when the requests in flight failed "
+                          "(DeviceFault), when the restarted worker answered, and that old handles are refused "
+                          "(StaleBuffer). Exit status 0 if it recovered.")
+    demo.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
+    demo.add_argument("--fault", default="exit", choices=("exit", "kill", "sticky", "illegal_address"),
+                      help="os._exit, SIGKILL, a sticky CUDA error reported, or (GPU) a kernel writing out of bounds")
+    demo.add_argument("--requests", type=int, default=200, help="requests in the stream (at least 4)")
+    demo.add_argument("--json", metavar="PATH", help="also write the timings and counts as JSON")
+
     args = parser.parse_args(argv)
+    if args.command == "runtime-demo":
+        return _runtime_demo(args)
     if args.command == "warmup":
         return _warmup(args)
     if args.command == "cache":
@@ -87,6 +101,31 @@ def main(argv: list[str] | None = None) -> int:
     from .bench import run_bench
 
     return run_bench(args.suite, device=args.device, json_path=args.json)
+
+
+def _runtime_demo(args) -> int:
+    import torch
+
+    if args.requests < 4:
+        print(f"kernelplan runtime-demo: --requests {args.requests}: give at least 4 (half run before the fault)",
+              file=sys.stderr)
+        return 2
+    device = "cuda:0" if args.device == "cuda" else args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"kernelplan runtime-demo: --device {args.device}: this machine has no CUDA device; use --device cpu",
+              file=sys.stderr)
+        return 2
+    if args.fault == "illegal_address" and not device.startswith("cuda"):
+        print("kernelplan runtime-demo: --fault illegal_address launches a CUDA kernel: give --device cuda, or "
+              "another --fault on cpu", file=sys.stderr)
+        return 2
+    from .runtime.demo import run_demo
+
+    out = run_demo(device, args.fault, args.requests)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0 if out["recovered"] else 1
 
 
 BENCH_SUITES = ("sparse24", "gemm", "gated")  # what ``bench all`` runs (kernelplan.bench.run_bench)
