@@ -82,7 +82,7 @@ def main() -> int:
     candidates, rule_config, _launcher = getattr(module, f"{a.kernel}_candidates"), \
         getattr(module, f"{a.kernel}_config"), module._launcher
     if a.kernel == "ws" and a.top:
-        candidates = functools.partial(_top, a.top, a.between, sm_count(0))
+        candidates = functools.partial(_top, a.top, a.between, sms)
     elif a.kernel == "ws":  # the persistent split variant too, beside the rule's space
         candidates = functools.partial(candidates, split=True, between=a.between)
     shapes = SHAPES[: a.shapes]

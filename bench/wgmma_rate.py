@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import re
 import statistics
 from pathlib import Path
 
@@ -49,14 +48,7 @@ def source(variant: tuple, dtype: str = "bf16") -> str:
     head = defines(dtype, False, None, SPARSE=sp, NI=ni, CHAINS=chains, WGS=wgs, STEPS=STEPS, RELOAD=reload,
                    SETS=sets, COPY=copy, FRESH_B=fresh)
 
-    def inline(name: str) -> str:
-        if (HERE / name).exists():
-            text = (HERE / name).read_text()
-            text = re.sub(r'^#include "([^"]+)"\s*$', lambda m: inline(m.group(1)), text, flags=re.M)
-            return re.sub(r"^#pragma once\s*$", "", text, flags=re.M)
-        return cuda_source(name)
-
-    return head + inline("wgmma_rate.cu")
+    return head + cuda_source("wgmma_rate.cu", HERE)
 
 
 def measure(variant: tuple, src: str, sms: int) -> dict:
@@ -65,8 +57,9 @@ def measure(variant: tuple, src: str, sms: int) -> dict:
     from kernelplan.kernels import nvrtc, raw_stream
     from kernelplan.kernels.direct import FunctionLaunch
 
-    sp, ni, chains, wgs, *_ = variant
-    threads = 128 * wgs + (128 if variant[6] else 0)
+    row = dict(zip(NAMES, variant))
+    ni, chains, wgs = row["ni"], row["chains"], row["wgs"]
+    threads = 128 * wgs + (128 if row["copy"] else 0)
     fn = nvrtc.function(src, "kp_wgmma_rate", 0, "sm_90a")
     from cuda.bindings import driver as cu
     cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SHARED)
@@ -89,10 +82,9 @@ def measure(variant: tuple, src: str, sms: int) -> dict:
     per_step = statistics.median(cycles.tolist())
     fma = wgs * chains * 64 * ni * 64  # dense-equivalent multiply-adds a step, per CTA
     seconds = statistics.median(times)
-    row = dict(zip(NAMES, variant))
     row.update(cycles_per_step=per_step, fma_per_cycle=fma / per_step,
                tflops=2 * fma * STEPS * sms / seconds / 1e12,
-               copy_bytes_per_cycle=(float(out[:, 2].double().median()) / (per_step * STEPS)) if variant[6] else 0.0)
+               copy_bytes_per_cycle=(float(out[:, 2].double().median()) / (per_step * STEPS)) if row["copy"] else 0.0)
     return row
 
 

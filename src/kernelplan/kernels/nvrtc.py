@@ -35,10 +35,12 @@ DUMP_ENV = "KERNELPLAN_DUMP_CUDA"  # a folder: each compiled kernel's full sourc
 
 
 @functools.lru_cache(maxsize=64)
-def cuda_source(name: str) -> str:
-    """The text of ``kernels/cuda/<name>`` with its local ``#include "..."`` files inlined (NVRTC gets one string)."""
-    text = (CUDA_DIR / name).read_text()
-    text = re.sub(r'^#include "([^"]+)"\s*$', lambda m: cuda_source(m.group(1)), text, flags=re.M)
+def cuda_source(name: str, first: Path | None = None) -> str:
+    """The text of ``kernels/cuda/<name>`` with its local ``#include "..."`` files inlined (NVRTC gets one string).
+    A file in the folder ``first`` (a bench's own sources) is taken before one of ``kernels/cuda``."""
+    folder = first if first is not None and (first / name).exists() else CUDA_DIR
+    text = (folder / name).read_text()
+    text = re.sub(r'^#include "([^"]+)"\s*$', lambda m: cuda_source(m.group(1), first), text, flags=re.M)
     return re.sub(r"^#pragma once\s*$", "", text, flags=re.M)
 
 

@@ -37,7 +37,10 @@ def run_demo(device: str = "cpu", fault: str = "exit", requests: int = 200, say=
     t_start = time.monotonic()
     with Runtime(devices=(device,)) as rt:
         out["start_s"] = time.monotonic() - t_start
-        bufs = (rt.blocking.upload(x), rt.blocking.upload(torch.empty(64, 256, dtype=dtype)))
+        def upload():  # the stream's input and output buffers
+            return GatedActivationArgs(rt.blocking.upload(x), rt.blocking.upload(torch.empty(64, 256, dtype=dtype)))
+
+        args = upload()
         generation = rt.worker_generation(device)
         futures, kinds, fault_at, done_at = [], [], None, {}
         for i in range(requests + 1):
@@ -49,11 +52,10 @@ def run_demo(device: str = "cpu", fault: str = "exit", requests: int = 200, say=
                 kinds.append("fault")
             else:
                 try:
-                    fut = rt.submit_run(GatedForwardRequest(desc, GatedActivationArgs(*bufs)))
+                    fut = rt.submit_run(GatedForwardRequest(desc, args))
                 except StaleBuffer:  # the worker restarted: this stream's buffers went with the old one
-                    bufs = (rt.blocking.upload(x), rt.blocking.upload(torch.empty(64, 256, dtype=dtype)))
-                    out["reuploaded_at"] = i
-                    fut = rt.submit_run(GatedForwardRequest(desc, GatedActivationArgs(*bufs)))
+                    args, out["reuploaded_at"] = upload(), i
+                    fut = rt.submit_run(GatedForwardRequest(desc, args))
                 kinds.append("work")
             fut.add_done_callback(lambda f, i=i: done_at.setdefault(i, time.monotonic()))  # when it was answered
             futures.append(fut)
@@ -72,7 +74,7 @@ def run_demo(device: str = "cpu", fault: str = "exit", requests: int = 200, say=
         later = [i for i in range(half + 1, len(futures)) if kinds[i] == "work" and not futures[i].exception()]
         out["fault_failed_s"] = (min(failed_at) - fault_at) if failed_at else None
         out["generation_before"], out["generation_after"] = generation, rt.worker_generation(device)
-        got = rt.blocking.download(bufs[1]).float()
+        got = rt.blocking.download(args.y).float()
         out["result_right"] = bool(torch.allclose(got, want, atol=2e-2, rtol=2e-2))
         stale = rt.blocking.upload(torch.ones(1))
         rt.free(stale)
@@ -90,9 +92,8 @@ def run_demo(device: str = "cpu", fault: str = "exit", requests: int = 200, say=
         "  fault: no request failed")
     say(f"  restart: generation {out['generation_after']} answered {out['restart_s']:.2f} s after the fault"
         if out["restart_s"] is not None else "  restart: no request ran after the fault")
-    say(f"  {out['ok']} of {requests} requests succeeded (the others were in flight at the fault); the stream re-uploaded its buffers at request "
-        f"{out.get('reuploaded_at', '-')}; the last result is {'right' if out['result_right'] else 'WRONG'}")
+    say(f"  {out['ok']} of {requests} requests succeeded (the others were in flight at the fault); the stream "
+        f"re-uploaded its buffers at request {out.get('reuploaded_at', '-')}; the last result is {'right' if out['result_right'] else 'WRONG'}")
     say(f"  a freed handle: {'refused (StaleBuffer)' if out['stale_refused'] else 'NOT refused'}")
     say(f"runtime-demo: {'recovered' if out['recovered'] else 'did NOT recover'}")
     return out
-
