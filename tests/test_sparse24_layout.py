@@ -37,7 +37,7 @@ def _oracle(values: torch.Tensor, metadata: torch.Tensor):
         for group in range(k // 4):
             s, u, j, t = group // 16, (group // 8) % 2, (group // 4) % 2, group % 4
             for e in range(2):
-                tv[i, s, ((((u * 8 + g) * 4 + t) * 2 + j) * 2 + h) * 2 + e] = values[row, 2 * group + e]
+                tv[i, s, ((((u * 2 + j) * 2 + h) * 8 + g) * 4 + t) * 2 + e] = values[row, 2 * group + e]
             nibble = (byte[row, group // 2] >> (8 * (group % 2))) & 0xF
             quarter = (group % 16) // 4  # the 16-column quarter t' of the 64-column step s
             tm[i, s, 4 * g + quarter] |= nibble << (4 * (group % 4) + 16 * h)

@@ -25,8 +25,11 @@ def _halves(word: int) -> list[int]:
 def emulate_tile(vals: torch.Tensor, meta: torch.Tensor, tile: int, kstep: int, ksteps: int) -> torch.Tensor:
     """The dense ``[16, 64]`` block of W that one warp step of ``kp_sparse24_sp`` multiplies, from the tiled words.
 
-    Lane ``4 g + t`` loads ``vals[base * 256 + lane * 4 + 128 u ...]`` and
-    ``meta[base * 32 + lane]``, as the kernel does.  Per PTX's
+    As the kernel does: lane ``l`` copies the 16 bytes at word ``base * 256
+    + 4 l`` (and ``+ 128``) to the same place in shared memory and loads
+    ``meta[base * 32 + l]``; ``ldmatrix.x4`` at ``u * 512 + 16 l`` bytes then
+    gives lane ``l`` register ``q``: row ``l / 4``, word ``l % 4`` of the 8 x
+    16-byte matrix whose row ``r`` lane ``8 q + r`` addressed.  Per PTX's
     ``mma.sp.m16n8k32`` (16-bit types): A register ``i`` of lane (g, t) holds
     compressed columns ``2t, 2t+1`` (+8 for i >= 2) of row ``g`` (+8 for odd
     i); with sparsity selector ``u`` lanes ``t = 2u, 2u + 1`` give the
@@ -40,10 +43,11 @@ def emulate_tile(vals: torch.Tensor, meta: torch.Tensor, tile: int, kstep: int, 
     for u in range(2):
         compressed = torch.zeros(16, 16, dtype=torch.float64)
         nibbles = torch.zeros(16, 8, dtype=torch.int64)
+        row_address = [base * 256 + 128 * u + 4 * lane for lane in range(32)]  # ldmatrix: a 16-byte row per lane
         for lane in range(32):
             g, t = lane >> 2, lane & 3
             for i in range(4):
-                word = base * 256 + lane * 4 + 128 * u + i
+                word = row_address[8 * i + g] + t
                 row, col = g + 8 * (i & 1), 2 * t + 8 * (i >> 1)
                 compressed[row, col:col + 2] = as_f16[2 * word:2 * word + 2].double()
             if t >> 1 == u:

@@ -62,7 +62,8 @@ def test_cuda_ws_reads_the_one_layout():
 
 
 def test_every_variant_compiles_for_sm90a():
-    """NVRTC builds every tile, dtype and epilogue of the kernel on a CPU machine (no GPU needed)."""
+    """NVRTC builds every kind of tile (clusters along M and K, ping-pong, split), dtype and epilogue of the kernel
+    on a CPU machine (no GPU needed)."""
     nvrtc_bindings = pytest.importorskip("cuda.bindings.nvrtc")
     from kernelplan.kernels import nvrtc
     from kernelplan.kernels.sparse24_ws import source
@@ -72,7 +73,7 @@ def test_every_variant_compiles_for_sm90a():
     except Exception as e:  # no NVRTC library next to the bindings
         pytest.skip(f"NVRTC is not loadable here: {e}")
     cfgs = {WsConfig(256, 2, 2, 1, 5), WsConfig(64, 1, 1, 4, 8), WsConfig(96, 2, 1, 2, 8), WsConfig(128, 1, 4, 2, 8),
-            WsConfig(128, 2, stages=6, pp=True), WsConfig(48, 1, stages=8, pp=True)}
+            WsConfig(128, 2, stages=6, pp=True), WsConfig(48, 1, stages=8, pp=True), WsConfig(256, 2, stages=5, sk=True)}
     for cfg in cfgs:
         for dtype, bias, act in (("bf16", True, "gelu"), ("f16", False, None)):
             assert len(nvrtc._compile(nvrtc_bindings, source(cfg, dtype, bias, act), "sm_90a")) > 0

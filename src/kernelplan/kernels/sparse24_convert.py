@@ -113,9 +113,9 @@ def _pack24(v_ptr, m_ptr, tv_ptr, tm_ptr, K, UNPACK: tl.constexpr, STEPS: tl.con
     nsteps = K // 64
     s = sb * STEPS + tl.arange(0, STEPS)[:, None]  # [STEPS, 1]
     live = s < nsteps
-    # Pairs: destination order is lane order, d = ((((u * 8 + g) * 4 + t) * 2 + j) * 2 + h (sparse24/layout.py).
+    # Pairs: destination order is core-matrix order, d = ((((u * 2 + j) * 2 + h) * 8 + g) * 4 + t (sparse24/layout.py).
     d = tl.arange(0, 256)[None, :]
-    h, j, t, g, u = d % 2, (d // 2) % 2, (d // 4) % 4, (d // 16) % 8, d // 128
+    t, g, h, j, u = d % 4, (d // 4) % 8, (d // 32) % 2, (d // 64) % 2, d // 128
     public = (16 * i + 8 * h + g).to(tl.int64) * (K // 4) + 16 * s + 8 * u + 4 * j + t
     tiled = (i * nsteps + s).to(tl.int64) * 256 + d
     # Words: lane 4 g + t holds the 16-column quarter t of rows g (low half) and g + 8 (high half).

@@ -256,7 +256,8 @@ class TensorMaps:
 
     * x [N, K] (2-byte elements): boxes of ``rows`` x 64 columns, 128-byte swizzle (wgmma's B layout);
     * the layout's values [tiles, K/64, 256] and metadata [tiles, K/64, 32] (4-byte words): boxes of one
-      64-column step of ``tiles`` 16-row tiles.
+      64-column step of ``tiles`` 16-row tiles; the values' box reorders each step's core matrices so that
+      wgmma reads the CTA's rows as one operand (5 dimensions, the tile's stride not the outermost).
 
     Encoding is a host call; a call whose x sits where an earlier one did (a
     CUDA graph, a decode loop's reused buffers) packs bytes it already has.
@@ -292,8 +293,9 @@ class TensorMaps:
         if hit is None:
             tiles, steps = -(-m // 16), k // 64
             hit = self._keep(self._w, self.MAX_W, key, (
-                encode_tensor_map(self._cu, self._word, values, [256, steps, tiles], [1024, steps * 1024],
-                                  [256, 1, self.tiles], "NONE"),
+                # (h, g, t pairs of one k32's matrix j, tile, j, u, step): the box writes [u][j][tile] (sparse24_ring.cuh)
+                encode_tensor_map(self._cu, self._word, values, [64, tiles, 2, 2, steps], [steps * 1024, 256, 512, 1024],
+                                  [64, self.tiles, 2, 2, 1], "NONE"),
                 encode_tensor_map(self._cu, self._word, codes, [32, steps, tiles], [128, steps * 128],
                                   [32, 1, self.tiles], "NONE")))
         return hit

@@ -3,16 +3,21 @@
 The public format (``format.py``) keeps a byte per group of 4 for the two
 positions; the sparse tensor cores read 4 bits.  The device layout holds the
 same values and those 4-bit pairs, in the order the ``mma.sp`` and
-``wgmma.sp`` kernels read them (``kernels/sparse24_sp.py``, ``kernels/cuda/
-sparse24_wg.cu``): 0.5625x of the dense bytes at 16-bit weights, where the
+``wgmma.sp`` kernels read them: 0.5625x of the dense bytes at 16-bit weights, where the
 public format takes 0.625x.
 
 * ``values [M/16, K/64, 512]``, the weight's dtype: per 16-row tile and
-  64-column step, each warp lane's ``mma.sp`` A fragments in lane order.  Row
-  ``16 i + 8 h + g``, group ``16 s + 8 u + 4 j + t``, kept value ``e`` goes to
-  ``[i, s, (u, g, t, j, h, e)]``: lane ``4 g + t``'s fragment of half ``u`` is
-  (row g, group t), (row g + 8, group t), (row g, group t + 4), (row g + 8,
-  group t + 4), two values each.
+  64-column step, 8 core matrices of 8 rows by 4 groups (128 bytes at 16-bit
+  weights, each row's 4 kept pairs contiguous).  Row ``16 i + 8 h + g``, group
+  ``16 s + 8 u + 4 j + t``, kept value ``e`` goes to ``[i, s, (u, j, h, g, t,
+  e)]``.  That is the K-major, unswizzled core-matrix order in which
+  ``wgmma.sp`` reads its A operand from shared memory (k32 ``u``'s matrices
+  ``j`` along K, ``h`` along M, the copy engine putting 64 rows' matrices next
+  to each other: ``kernels/cuda/sparse24_ring.cuh``), and the order in which
+  ``ldmatrix.x4`` at 16 bytes a lane gives lane ``4 g + t`` its ``mma.sp`` A
+  fragment of k32 ``u``: (row g, group t), (row g + 8, group t), (row g, group
+  t + 4), (row g + 8, group t + 4), two values each (``kernels/cuda/
+  sparse24_sp.cu``).
 * ``metadata [M/16, K/64, 32]`` int32: lane ``4 g + t``'s word.  A row's 16
   columns ``16 t .. 16 t + 15`` of the step are 16 bits, 4 per group (the
   format's ``pos0 | pos1 << 2``), its first group lowest; row ``g`` in the
@@ -82,7 +87,7 @@ def check_layout(values: torch.Tensor, metadata: torch.Tensor) -> tuple[int, int
 def pack_values(values: torch.Tensor) -> torch.Tensor:
     """Public ``values [M, K/2]`` -> the device layout's ``[M/16, K/64, 512]``; differentiable (a permutation)."""
     m, k = _packable(values)
-    tv = values.reshape(m // 16, 2, 8, k // 64, 2, 2, 4, 2).permute(0, 3, 4, 2, 6, 5, 1, 7)
+    tv = values.reshape(m // 16, 2, 8, k // 64, 2, 2, 4, 2).permute(0, 3, 4, 5, 1, 2, 6, 7)  # (i, s, u, j, h, g, t, e)
     return tv.reshape(packed_shapes(m, k)[0])
 
 
@@ -138,7 +143,7 @@ def _packable(part: torch.Tensor, per_row: int = 2) -> tuple[int, int]:
 def unpack_values(values: torch.Tensor) -> torch.Tensor:
     """The device layout's values -> public ``[M, K/2]``; differentiable (a permutation)."""
     m, k = weight_shape(values)
-    return values.reshape(m // 16, k // 64, 2, 8, 4, 2, 2, 2).permute(0, 6, 3, 1, 2, 5, 4, 7).reshape(m, k // 2)
+    return values.reshape(m // 16, k // 64, 2, 2, 2, 8, 4, 2).permute(0, 4, 5, 1, 2, 3, 6, 7).reshape(m, k // 2)
 
 
 def unpack_metadata(metadata: torch.Tensor) -> torch.Tensor:

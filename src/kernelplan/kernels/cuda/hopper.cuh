@@ -3,11 +3,7 @@
 // Needs common.cuh (u32) first.
 #pragma once
 
-__device__ __forceinline__ uint4 lds4(u32 addr) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-    return v;
-}
+#include "sm80.cuh"
 
 __device__ __forceinline__ float4 lds4f(u32 addr) {
     float4 v;
@@ -15,16 +11,18 @@ __device__ __forceinline__ float4 lds4f(u32 addr) {
     return v;
 }
 
-__device__ __forceinline__ u32 lds1(u32 addr) {
-    u32 v;
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
-    return v;
-}
-
 // wgmma's shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart.
 __device__ __forceinline__ unsigned long long b_desc(u32 addr) {
     return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
            (1ull << 62);
+}
+
+// wgmma's shared-memory matrix descriptor, K-major, no swizzle: core matrices of 8 rows x 16 bytes (128 contiguous
+// bytes), `lbo` bytes apart along K and `sbo` bytes apart along M (PTX ISA, canonical layout ((8,m),(T,2k)):
+// ((1T,SBO),(1,LBO))).  The 2:4 weight's values are read through it (sparse24_ring.cuh).
+__device__ __forceinline__ unsigned long long core_desc(u32 addr, u32 lbo, u32 sbo) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+           ((unsigned long long)(sbo >> 4) << 32);
 }
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -43,6 +41,8 @@ __device__ __forceinline__ void keep_regs(uint4 (&a)[2], u32 &e) {
     asm volatile("" : "+r"(a[0].x), "+r"(a[0].y), "+r"(a[0].z), "+r"(a[0].w), "+r"(a[1].x), "+r"(a[1].y),
                  "+r"(a[1].z), "+r"(a[1].w), "+r"(e) :: "memory");
 }
+
+__device__ __forceinline__ void keep_word(u32 &e) { asm volatile("" : "+r"(e) :: "memory"); }
 
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
@@ -133,6 +133,14 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap *map, int i
     asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
                  " [%0], [%1, {%2, %3, %4}], [%5];"
                  :: "r"(dst), "l"(map), "r"(inner), "r"(middle), "r"(outer), "r"(bar) : "memory");
+}
+
+// The box of a 5-D `map` at element coordinates (c0 innermost ... c4) into shared memory `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_load_5d(u32 dst, const TensorMap *map, int c0, int c1, int c2, int c3, int c4,
+                                            u32 bar) {
+    asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];"
+                 :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar) : "memory");
 }
 
 // The same box into shared memory `dst` of every cluster CTA in `mask`, each completing on its own `bar`.

@@ -4,6 +4,12 @@
 // Needs wgmma_sp.cuh, hopper.cuh and the variant's #defines BN, NI, WM, CM, STAGES.  The ring's stage b is
 // x's BN x 64 box (128-byte swizzle) then the CTA's tiles' values and metadata for one 64-column step; its
 // "full" mbarrier is at full0 + 8 b and its "empty" one at empty0 + 8 b.
+//
+// The values of a stage are wgmma's A operand as it reads it from shared memory (K-major, no swizzle): the device
+// layout holds each tile's step as 8 core matrices (k32 u, matrix j along K, h along M: sparse24/layout.py), and
+// the copy engine's 5-D box (kernels/sparse24_ws.py, TensorMaps.w) writes them as [u][j][tile][h][128 bytes], so
+// that for each k32 the CTA's 64 WM rows are core matrices 128 bytes apart along M, and the two along K are
+// kTiles * 256 bytes apart.
 #pragma once
 
 constexpr int kConsumers = 128 * WM;
@@ -13,6 +19,8 @@ constexpr int kTiles = 4 * WM;                     // 16-row tiles of W a CTA
 constexpr int kXBytes = BN * 128;                  // one step of x: BN rows of 64 columns
 constexpr int kWValues = kTiles * 1024;            // one step of W's values for the CTA's tiles
 constexpr int kWBytes = kTiles * 1152;             // ... and their metadata
+constexpr u32 kWK32 = kTiles * 512;                // one k32 of the values: its 2 core matrices along K
+constexpr u32 kWAlongK = kTiles * 256;             // between those 2
 // Each stage starts on 1024 bytes: the 128-byte swizzle's phase is taken from address bits 7-9.
 constexpr int kStageBytes = (kXBytes + kWBytes + 1023) / 1024 * 1024;
 constexpr int kRingBytes = STAGES * kStageBytes;
@@ -52,7 +60,7 @@ __device__ __forceinline__ int produce_steps(int g, int k0, int k1, int n0, int 
         const u32 full = full0 + 8 * b, at = sbase + b * kStageBytes;
         mbar_expect_tx(full, bytes);
         tma_load_2d(at, xmap, step * 64, n0, full);
-        tma_load_3d(at + kXBytes, vmap, 0, step, tile0, full);
+        tma_load_5d(at + kXBytes, vmap, 0, tile0, 0, 0, step, full);
         tma_load_3d(at + kXBytes + kWValues, emap, 0, step, tile0, full);
     }
     return g;
@@ -71,16 +79,16 @@ __device__ __forceinline__ void release_stage(u32 bar, int lane, int wq, int cz)
     }
 }
 
-// acc += this warp's 16-row tiles x x's box over `count` ring steps, the g0-th first: BLOCKS 64-row blocks of W
-// (BLOCKS m64 instructions a k32), block b's tile being tl + 4 b.  Each stage is released once the MMAs that read
-// it are done, the last one before returning where RELEASE_LAST (a kernel that runs on past its K loop); without it
-// the kernel's last stage stays taken: releasing it there made ptxas serialize the loop's wgmmas (its warning
-// C7515) in sparse24_ws.cu.
+// acc += this warpgroup's 64-row blocks of W x x's box over `count` ring steps, the g0-th first: BLOCKS blocks
+// (BLOCKS m64 instructions a k32), block b being tiles tl / 4 * 4 + 4 b ... + 3 and this warp's metadata that of
+// tile tl + 4 b.  wgmma reads A (the values) and B (x) from the stage; only the metadata word passes through
+// registers.  Each stage is released once the MMAs that read it are done, the last one before returning where
+// RELEASE_LAST (a kernel that runs on past its K loop); without it the kernel's last stage stays taken: releasing
+// it there made ptxas serialize the loop's wgmmas (its warning C7515) in sparse24_ws.cu.
 template <bool RELEASE_LAST, int BLOCKS = 1>
 __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc], u32 sbase, u32 full0, u32 empty0,
                                               int g0, int count, int tl, int lane, int wq, int cz)
 {
-    uint4 a[2][BLOCKS][2];
     u32 e[2][BLOCKS];
     for (int s0 = 0; s0 < count; s0 += 2) {
 #pragma unroll
@@ -91,27 +99,26 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
                 mbar_wait(full0 + 8 * b, ring_parity(g));
                 const u32 at = sbase + b * kStageBytes;
 #pragma unroll
-                for (int j = 0; j < BLOCKS; ++j) {
-                    const int t = tl + 4 * j;
-                    a[p][j][0] = lds4(at + kXBytes + t * 1024 + lane * 16);
-                    a[p][j][1] = lds4(at + kXBytes + t * 1024 + 512 + lane * 16);
-                    e[p][j] = lds1(at + kXBytes + kWValues + t * 128 + lane * 4);
-                }
+                for (int j = 0; j < BLOCKS; ++j) e[p][j] = lds1(at + kXBytes + kWValues + (tl + 4 * j) * 128 + lane * 4);
                 wg_fence();
 #pragma unroll
-                for (int j = 0; j < BLOCKS; ++j)
+                for (int j = 0; j < BLOCKS; ++j) {
+                    const u32 a0 = at + kXBytes + (tl / 4 + j) * 1024;  // the block's 8 core matrices along M
 #pragma unroll
                     for (int i = 0; i < kInst; ++i) {
                         // N block i starts NI rows (NI / 8 groups of 1024 bytes) in; the second k32 64 bytes in.
-                        WgmmaSp<NI>::template run<0>(acc[j][i], a[p][j][0], b_desc(at + i * NI * 128), e[p][j]);
-                        WgmmaSp<NI>::template run<1>(acc[j][i], a[p][j][1], b_desc(at + i * NI * 128 + 64), e[p][j]);
+                        WgmmaSpSS<NI>::template run<0>(acc[j][i], core_desc(a0, kWAlongK, 128),
+                                                       b_desc(at + i * NI * 128), e[p][j]);
+                        WgmmaSpSS<NI>::template run<1>(acc[j][i], core_desc(a0 + kWK32, kWAlongK, 128),
+                                                       b_desc(at + i * NI * 128 + 64), e[p][j]);
                     }
+                }
                 wg_commit();
-                wg_wait<1>();  // step g - 1's MMAs are done: its stage and its register set are free
+                wg_wait<1>();  // step g - 1's MMAs are done: its stage and its metadata register are free
                 // The other set stays allocated until here, so the compiler cannot reuse its registers
                 // while step g - 1's MMAs might still read them.
 #pragma unroll
-                for (int j = 0; j < BLOCKS; ++j) keep_regs(a[p ^ 1][j], e[p ^ 1][j]);
+                for (int j = 0; j < BLOCKS; ++j) keep_word(e[p ^ 1][j]);
                 if (s > 0) release_stage(empty0 + 8 * ring_stage(g - 1), lane, wq, cz);
             }
         }

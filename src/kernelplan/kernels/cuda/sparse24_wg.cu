@@ -40,17 +40,6 @@ constexpr int kXChunks = KS * BN * 8;              // 16-byte chunks of x a step
 constexpr int kXPer = (kXChunks + kThreads - 1) / kThreads;                   // K slices of one output tile
 static_assert(BN % KC == 0, "each CTA of a cluster sums BN / KC rows of the tile");
 
-__device__ __forceinline__ void cp16(u32 dst, const void *src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(ok ? 16 : 0));
-}
-
-__device__ __forceinline__ void cp4(u32 dst, const void *src, bool ok) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(ok ? 4 : 0));
-}
-
-template <int PENDING>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(PENDING)); }
-
 #if KC > 1
 #define KP_CLUSTER __cluster_dims__(1, 1, KC)
 #else
@@ -135,8 +124,8 @@ kp_sparse24_wg(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
 #pragma unroll
                 for (int j = 0; j < kSub; ++j) {
                     const u32 at = sbase + buf * kStageBytes + j * kSubBytes + aslot;
-                    a[p][j][0] = lds4(at + lane * 16);
-                    a[p][j][1] = lds4(at + 512 + lane * 16);
+                    a[p][j][0] = ldsm4(at + lane * 16);
+                    a[p][j][1] = ldsm4(at + 512 + lane * 16);
                     e[p][j] = lds1(at + 1024 + lane * 4);
                 }
                 wg_fence();

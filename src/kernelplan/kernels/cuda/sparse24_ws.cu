@@ -2,14 +2,14 @@
 // shared-memory stages through the copy engine (TMA), consumer warpgroups run wgmma.mma_async.sp.
 //
 // y[N, M] = act(x[N, K] @ W^T + bias), W in the one device layout (sparse24/layout.py: 16-row tiles by
-// 64-column steps, each step 1024 bytes of values in mma.sp fragment order, then 128 bytes of 4-bit
-// metadata words per tile and step, in their own tensor).  As in sparse24_wg.cu, warp w of a consumer
-// warpgroup takes its 16-row tile's fragment and metadata word as wgmma.sp's A operand, unchanged.
+// 64-column steps, each step 1024 bytes of values in core-matrix order, then 128 bytes of 4-bit
+// metadata words per tile and step, in their own tensor).  wgmma.sp reads the values from the stage as its
+// A operand (sparse24_ring.cuh); warp w of a consumer warpgroup gives its 16-row tile's metadata word.
 //
 // Per 64-column step (one stage of the ring):
 //  * x: a BN x 64 box by one tensor-map copy, which writes the 128-byte swizzle wgmma's K-major B
 //    descriptor reads, and zero-fills rows past N;
-//  * W: one tensor-map copy of the CTA's tiles' values (1024 bytes a tile) and one of their metadata
+//  * W: one tensor-map copy of the CTA's tiles' values (1024 bytes a tile, as wgmma reads them) and one of their metadata
 //    (128 bytes a tile), tiles past M zero-filled.  Two bulk copies per tile instead (33 copies a stage)
 //    held every stage to about 1300 cycles whatever its size: the copy engine's per-copy cost
 //    (bench/results/sparse24-ws-tiles-h100.json, commit cae3193).
@@ -90,7 +90,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #else
                 tma_load_2d(at, &xmap, step * 64, n0, full);
 #endif
-                tma_load_3d(at + kXBytes, &vmap, 0, step, tile0, full);
+                tma_load_5d(at + kXBytes, &vmap, 0, tile0, 0, 0, step, full);
                 tma_load_3d(at + kXBytes + kWValues, &emap, 0, step, tile0, full);
             }
         }

@@ -1,0 +1,137 @@
+// 2:4 linear for N <= 64 on the sparse tensor cores (mma.sp), operands staged by cp.async: the kernel of
+// kernels/sparse24_sp.py (cuda_sp), which says how it works and how its tile is chosen.
+// Compile-time sizes come from the variant's #defines: NT, RT, MW, KW, STAGES, MIN_BLOCKS, IS_BF16, HAS_BIAS,
+// ACT, DT; common.cuh comes first.
+
+#include "sm80.cuh"
+
+// d += A (16 x 32, 2:4, compressed) * B (32 x 8); SEL picks the lanes whose e holds the metadata.
+template <int SEL>
+__device__ __forceinline__ void mma_sp(float (&d)[4], const uint4 &a, const uint4 &b, u32 e) {
+    asm volatile("mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32." DT "." DT ".f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, %13;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y), "r"(b.z), "r"(b.w),
+                   "r"(e), "n"(SEL));
+}
+
+#define ROWS (8 * NT)                  // rows of x staged
+#define THREADS (32 * MW * KW)
+#define BM (16 * RT * MW)              // rows of W a CTA
+#define X_BYTES (KW * ROWS * 128)      // one step of x: each K slice's 64 columns
+#define STAGE_BYTES (X_BYTES + MW * KW * RT * 1152)
+
+// y[N, M] = act(x[N, K] @ W^T + bias), W in the device layout (sparse24/layout.py); a CTA per BM rows of W.
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u32 *__restrict__ meta,
+               const u16 *__restrict__ bias, u16 *__restrict__ y, int N, int M, int K, int sxn, int syn)
+{
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int mw = warp % MW, kw = warp / MW;
+    const int g = lane >> 2, t = lane & 3;
+    const int ksteps = K / 64, steps = ksteps / KW, tiles = (M + 15) / 16;
+
+    // Per row tile and step: 256 words of values, 32 of metadata; a tile's steps follow each other.
+    const u32 *vp[RT]; const u32 *ep[RT]; bool tok[RT];
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+        int tile = (blockIdx.x * MW + mw) * RT + r;
+        tok[r] = tile < tiles;
+        long base = (long)(tok[r] ? tile : 0) * ksteps + kw * steps;
+        vp[r] = vals + base * 256 + lane * 4;
+        ep[r] = meta + base * 32 + lane;
+    }
+    const u32 sx = (u32)__cvta_generic_to_shared(smem);
+
+    float acc[RT][NT][4];
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[r][j][e] = 0.f;
+
+    // Step STEP of every K slice's x into buffer BUF: rows of 8 16-byte chunks, chunk c at c ^ (row % 8)
+    // so that ldmatrix's eight rows fall in different banks.  Rows past N are zeros.
+#define COPY_X(BUF, STEP) do { \
+        _Pragma("unroll") for (int i = threadIdx.x; i < KW * ROWS * 8; i += THREADS) { \
+            int c = i & 7, row = (i >> 3) % ROWS, q = i / (ROWS * 8); \
+            bool ok = (STEP) < steps && row < N; \
+            const u16 *src = ok ? x + (long)row * sxn + (long)(q * steps + (STEP)) * 64 + c * 8 : x; \
+            cp16(sx + (BUF) * STAGE_BYTES + (q * ROWS + row) * 128 + ((c ^ (row & 7)) << 4), src, ok); } \
+    } while (0)
+    // This warp's fragments of step STEP, each lane's own, into buffer BUF.
+    const u32 wslot = sx + X_BYTES + warp * RT * 1152;
+#define COPY_W(BUF, STEP) do { \
+        bool live = (STEP) < steps; \
+        _Pragma("unroll") for (int r = 0; r < RT; ++r) { \
+            u32 d = wslot + (BUF) * STAGE_BYTES + r * 1152; \
+            cp16(d + lane * 16, vp[r] + (long)(STEP) * 256, live && tok[r]); \
+            cp16(d + 512 + lane * 16, vp[r] + (long)(STEP) * 256 + 128, live && tok[r]); \
+            cp4(d + 1024 + lane * 4, ep[r] + (long)(STEP) * 32, live && tok[r]); } \
+    } while (0)
+#define ISSUE(BUF, STEP) do { COPY_X(BUF, STEP); COPY_W(BUF, STEP); asm volatile("cp.async.commit_group;"); } while (0)
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) ISSUE(s, s);
+
+    for (int s0 = 0; s0 < steps; s0 += STAGES) {
+#pragma unroll
+        for (int u = 0; u < STAGES; ++u) {
+            const int s = s0 + u;
+            cp_wait<STAGES - 2>();  // this thread's copies of step s have landed
+            __syncthreads();        // everyone's have, and everyone is done with step s - 1's buffer
+            ISSUE((u + STAGES - 1) % STAGES, s + STAGES - 1);
+            if (s < steps) {
+                const u32 buf = sx + u * STAGE_BYTES + kw * ROWS * 128;
+                uint4 a[RT][2]; u32 e[RT];  // per row tile: the two halves' A fragments, this lane's metadata word
+#pragma unroll
+                for (int r = 0; r < RT; ++r) {
+                    u32 d = wslot + u * STAGE_BYTES + r * 1152;
+                    a[r][0] = ldsm4(d + lane * 16);
+                    a[r][1] = ldsm4(d + 512 + lane * 16);
+                    e[r] = lds1(d + 1024 + lane * 4);
+                }
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    if (8 * j >= N) break;
+                    const int row = 8 * j + (lane & 7);
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        uint4 b = ldsm4(buf + row * 128 + (((4 * h + (lane >> 3)) ^ (row & 7)) << 4));
+#pragma unroll
+                        for (int r = 0; r < RT; ++r) {
+                            if (h == 0) mma_sp<0>(acc[r][j], a[r][0], b, e[r]);
+                            else mma_sp<1>(acc[r][j], a[r][1], b, e[r]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // The K slices summed in slice order (deterministic); then bias, activation, y.
+    cp_wait<0>();
+    __syncthreads();
+    float *red = (float *)smem;  // [KW][BM][ROWS + 1]
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                red[(kw * BM + (mw * RT + r) * 16 + g + 8 * (e >> 1)) * (ROWS + 1) + 8 * j + 2 * t + (e & 1)] =
+                    acc[r][j][e];
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < BM * ROWS; idx += THREADS) {
+        int ml = idx % BM, nl = idx / BM, m = blockIdx.x * BM + ml;
+        if (m >= M || nl >= N) continue;
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < KW; ++w) v += red[(w * BM + ml) * (ROWS + 1) + nl];
+#if HAS_BIAS
+        v += to_f32(bias[m]);
+#endif
+        y[(long)nl * syn + m] = from_f32(activate(v));
+    }
+}

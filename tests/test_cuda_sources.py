@@ -1,0 +1,29 @@
+"""The layout's CUDA C++ kernels beside cuda_ws (whose own test compiles its tiles: test_sparse24_ws.py) compile under
+NVRTC for their architectures on a machine without a GPU: cuda_wg and cuda_sp, both dtypes, with and without an
+epilogue.  A change to a shared header or to how the one device layout is read fails here before a GPU run."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernelplan.kernels import sparse24_sp as sp
+from kernelplan.kernels import sparse24_wg as wg
+
+
+@pytest.fixture
+def compile_for():
+    nvrtc_bindings = pytest.importorskip("cuda.bindings.nvrtc")
+    from kernelplan.kernels import nvrtc
+
+    try:
+        nvrtc._nvrtc_version(nvrtc_bindings)
+    except Exception as e:  # no NVRTC library next to the bindings
+        pytest.skip(f"NVRTC is not loadable here: {e}")
+    return lambda source, arch: nvrtc._compile(nvrtc_bindings, source, arch)
+
+
+@pytest.mark.parametrize("dtype,bias,act", [("bf16", False, None), ("f16", True, "gelu_tanh")])
+def test_warpgroup_and_mma_sp_kernels_compile(compile_for, dtype, bias, act):
+    assert compile_for(wg.source(wg.wg_config(256, 4096, 4096, 132), dtype, bias, act), "sm_90a")[:4] == b"\x7fELF"
+    for n, arch, sms in ((16, "sm_90a", 132), (64, "sm_80", 108), (8, "sm_89", 128)):
+        assert compile_for(sp.source(sp.sp_config(n, 4096, 4096, sms), dtype, bias, act), arch)[:4] == b"\x7fELF"
