@@ -115,9 +115,18 @@ def sparse24_notes() -> list[str]:
                           f" at {ni} rows of x" for ni in (64, 128, 256))
         lines.append(f"- The ceiling of a 2:4 kernel's main loop (`bench/wgmma_rate.py`): `wgmma.sp` alone runs "
                      f"{alone['fma_per_cycle'] / dense:.2f}x dense `wgmma`'s multiply-adds a cycle; with its A "
-                     f"fragments read from shared memory each step, as the kernels do / with A read by the "
-                     f"instruction from shared memory: {cells} a step (docs/design/0012), "
-                     f"{_source(rate['meta'], 'wgmma-rate-h100')}.")
+                     f"fragments read from shared memory into registers each step (the kernels before d9ce76a) / "
+                     f"with A read by the instruction from shared memory (the kernels since): {cells} a step "
+                     f"(docs/design/0012, 0013), {_source(rate['meta'], 'wgmma-rate-h100')}.")
+    clocks = _load("sparse24-clocks-h100")
+    if clocks:
+        rows = clocks["rows"]
+        span = lambda key: f"{min(r[key] for r in rows):.0f}-{max(r[key] for r in rows):.0f}"
+        lines.append(f"- The 2:4 kernel (`cuda_ws`) and dense `F.linear` each replayed back to back for a second "
+                     f"(`bench/sparse24_clocks.py`, {len(rows)} problems at n = 256-4096): SM clock dense "
+                     f"{span('dense_mhz')} MHz, 2:4 {span('sparse_mhz')} MHz; power dense {span('dense_watts')} W, "
+                     f"2:4 {span('sparse_watts')} W; speedup in time {_span([r['speedup'] for r in rows])}, in cycles "
+                     f"{_span([r['cycle_speedup'] for r in rows])}, {_source(clocks['meta'], 'sparse24-clocks-h100')}.")
     host = _load("sparse24-host-h100")
     if host:
         cells = ", ".join(f"{name} {t:.1f} us" for name, t in host["no_grad"].items())
