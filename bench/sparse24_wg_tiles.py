@@ -68,6 +68,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--shapes", type=int, default=len(SHAPES))
+    ap.add_argument("--shape", nargs="*", default=None, metavar="MxK",
+                    help="these (M, K) instead of the built-in list, e.g. 768x768 1024x4096")
     ap.add_argument("--batch", type=int, nargs="*", default=BATCH)
     ap.add_argument("--kernel", choices=("wg", "ws"), default="wg")
     ap.add_argument("--between", action="store_true",
@@ -85,7 +87,7 @@ def main() -> int:
         candidates = functools.partial(_top, a.top, a.between, sms)
     elif a.kernel == "ws":  # the persistent split variant too, beside the rule's space
         candidates = functools.partial(candidates, split=True, between=a.between)
-    shapes = SHAPES[: a.shapes]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape] if a.shape else SHAPES[: a.shapes]
     # Compile every variant first, in threads (NVRTC is thread-safe): the timing loop then only launches.
     configs = {c for (m, k) in shapes for n in a.batch for c in candidates(n, m, k)}
     with concurrent.futures.ThreadPoolExecutor(16) as pool:

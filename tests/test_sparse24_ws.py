@@ -27,7 +27,9 @@ def test_tile_rule_fits_every_sweep_shape_and_batch(sms):
         for n in BATCH_SIZES + (3, 33, 200, 1000):
             cfg = ws_config(n, m, k, sms)
             cands = ws_candidates(n, m, k)
-            assert cfg == min(cands, key=lambda c: tile_cost(c, n, m, k, sms))
+            least = min(tile_cost(c, n, m, k, sms) for c in cands)
+            tied = [c for c in cands if tile_cost(c, n, m, k, sms) == least]
+            assert cfg == next((c for c in tied if c.pp), tied[0])  # least cost; ties to ping-pong
             assert cfg.shared <= SM_SHARED and cfg.stages >= 3 and cfg.stage_bytes % 1024 == 0, (n, m, k, cfg)
             assert cfg.bn <= 256 and cfg.bn % 8 == 0 and cfg.bn % cfg.ni == 0 and cfg.ni in INSTRUCTION_N
             assert (k // 64) % cfg.kc == 0 and cfg.bn % (8 * cfg.kc) == 0
@@ -101,27 +103,30 @@ def test_candidate_space_of_the_gpu_test_shapes(n, m, k):
     assert any(c.cm > 1 and c.kc > 1 for c in cands)
 
 
-@pytest.mark.parametrize("gpu_name", ["h100", "h200"])
-def test_tile_rule_matches_the_measured_tables(gpu_name):
+@pytest.mark.parametrize("table", ["tiles-h100", "tiles-h200", "core-matrix-h100", "small-h100"])
+def test_tile_rule_matches_the_measured_tables(table):
     """The rule against the tiles it was fitted on (tools/fit_ws_rule.py): within 0.95x of the best tile on average
-    and never below 0.7x.  The H100 table predates the ping-pong tiles: there the rule picks among those measured;
-    the H200 table measured every candidate, so there it is the rule itself."""
+    and never below 0.7x; on the small layers (K <= 4096, n <= 256, where clusters cost more than they save) within
+    0.98x and never below 0.9x.  The H200 table measured every candidate, so there it is the rule itself; the others
+    measured part of the space (the H100 one predates the ping-pong tiles), so there the rule picks among those."""
     import json
     import pathlib
     import statistics
 
-    path = pathlib.Path(__file__).parents[1] / f"bench/results/sparse24-ws-tiles-{gpu_name}.json"
+    path = pathlib.Path(__file__).parents[1] / f"bench/results/sparse24-ws-{table}.json"
     data = json.loads(path.read_text())
     sms = data["meta"]["sms"]
     ratios = []
     for row in data["rows"]:
         n, m, k, times = row["n"], row["m"], row["k"], row["tiles_ms"]
-        if gpu_name == "h200":
+        if table == "tiles-h200":
             cfg = ws_config(n, m, k, sms)
         else:
-            cfg = min((c for c in ws_candidates(n, m, k) if str(c) in times), key=lambda c: tile_cost(c, n, m, k, sms))
+            cfg = min((c for c in ws_candidates(n, m, k) if str(c) in times),
+                      key=lambda c: (tile_cost(c, n, m, k, sms), not c.pp))  # ws_config's order on these
         ratios.append(min(times.values()) / times[str(cfg)])
-    assert statistics.mean(ratios) >= 0.95 and min(ratios) >= 0.7, (statistics.mean(ratios), min(ratios))
+    mean, worst = (0.98, 0.9) if table == "small-h100" else (0.95, 0.7)
+    assert statistics.mean(ratios) >= mean and min(ratios) >= worst, (statistics.mean(ratios), min(ratios))
 
 
 def _units(plan, tiles: int, steps: int, c: int) -> list[tuple[int, int, int, int]]:

@@ -61,7 +61,7 @@ def sweep_pairs(paths: list[str], sms: int = 132):
 def ratios(w: RuleWeights, table) -> list[float]:
     out = []
     for n, m, k, sms, cands, times, best in table:
-        i = min(range(len(cands)), key=lambda j: tile_cost(cands[j], n, m, k, sms, w))
+        i = min(range(len(cands)), key=lambda j: (tile_cost(cands[j], n, m, k, sms, w), not cands[j].pp))  # ws_config's
         out.append(best / times[i])
     return out
 

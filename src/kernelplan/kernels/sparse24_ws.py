@@ -179,14 +179,19 @@ class RuleWeights:
     split: float  # per (row x 64-row block) of a tile's partial sums met across the cluster, per extra K slice
     pp_tile: float  # ping-pong: per tile past a CTA's first (its epilogue, where the other warpgroup's K loop
     #                 does not hide it)
+    cluster: float = 0.0  # per CTA of a cluster of more than one (cm x kc > 1): the cluster barriers at its start
+    #                       and end, whatever its K loop (sparse24-ws-small-h100.json: up to 0.73x at K <= 1024)
 
 
-# Fitted (tools/fit_ws_rule.py) on bench/results/sparse24-ws-tiles-h100.json and -h200.json (11 sweep shapes x
-# n = 32..4096 each, every candidate timed as CUDA graph replays: bench/sparse24_wg_tiles.py --kernel ws), and on
-# the 95 problems where the H200 sweeps at a1b04d8 and 1c5de79 ran different tiles.  The chosen tile's time against
-# the best measured: mean 0.96x (H100 table), 0.97x (H200 table), 1.0x (sweep pairs); worst 0.74x (1024x4096,
-# n = 4096).
-WEIGHTS = RuleWeights(mma=2.02, copy=0.00625, step=330, l2=0.014, cta=31500, split=53, pp_tile=2800)
+# Fitted (tools/fit_ws_rule.py) on four tables of tiles timed as CUDA graph replays (bench/sparse24_wg_tiles.py
+# --kernel ws): sparse24-ws-tiles-h100.json and -h200.json (11 sweep shapes x n = 32..4096, every candidate, the
+# kernels before the core-matrix layout), sparse24-ws-core-matrix-h100.json (the same problems, the 6 least-cost
+# tiles and the between tiles, the kernels since) and sparse24-ws-small-h100.json (8 layers of BERT / GPT-2 / Phi
+# sizes, n = 1..256, every candidate).  The chosen tile's time against the best measured, mean: 0.973, 0.971, 0.976
+# and 0.997 (the weights before the cluster term and the ping-pong tie rule: 0.962, 0.974, 0.974 and 0.899, worst
+# 0.78x at 768x768 n = 1); worst 0.72x (4608x3584 n = 4096).
+WEIGHTS = RuleWeights(mma=2.83, copy=0.00625, step=465, l2=0.014, cta=25900, split=21.9, pp_tile=6530,
+                      cluster=10000)
 # Clusters of 4 or more CTAs of one SM each: cuOccupancyMaxActiveClusters gave 30 clusters of 4 (120 of 132 SMs).
 _BIG_CLUSTER_SMS = 120 / 132
 
@@ -201,13 +206,16 @@ def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = 
     step = w.step + max(cfg.bn * cfg.wm * w.mma, step_bytes * w.copy) + (w.l2 * step_bytes if waves > 1 else 0)
     if cfg.pp:
         return waves * (k // 64 * step + w.pp_tile) + w.cta - w.pp_tile
-    return waves * ((k // 64 // cfg.kc) * step + w.cta + w.split * (cfg.kc - 1) * cfg.bn * cfg.wm)
+    clustered = w.cluster if cfg.cm * cfg.kc > 1 else 0.0
+    return waves * ((k // 64 // cfg.kc) * step + w.cta + clustered + w.split * (cfg.kc - 1) * cfg.bn * cfg.wm)
 
 
 @functools.lru_cache(maxsize=4096)
 def ws_config(n: int, m: int, k: int, sms: int) -> WsConfig:
-    """The tile for N = n: the candidate of least ``tile_cost`` (ties: the first in ``ws_candidates``' order)."""
-    return min(ws_candidates(n, m, k), key=lambda cfg: tile_cost(cfg, n, m, k, sms))
+    """The tile for N = n: the candidate of least ``tile_cost``.  Ties: the ping-pong tile, then the first in
+    ``ws_candidates``' order.  A ping-pong tile and the same tile one a CTA cost alike where each CTA has one tile;
+    there the ping-pong one ran faster on 20 of 24 problems, by up to 6% (sparse24-ws-small-h100.json)."""
+    return min(ws_candidates(n, m, k), key=lambda cfg: (tile_cost(cfg, n, m, k, sms), not cfg.pp))
 
 
 def source(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None) -> str:
