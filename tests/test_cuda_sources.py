@@ -22,8 +22,9 @@ def compile_for():
     return lambda source, arch: nvrtc._compile(nvrtc_bindings, source, arch)
 
 
-@pytest.mark.parametrize("dtype,bias,act", [("bf16", False, None), ("f16", True, "gelu_tanh")])
-def test_warpgroup_and_mma_sp_kernels_compile(compile_for, dtype, bias, act):
-    assert compile_for(wg.source(wg.wg_config(256, 4096, 4096, 132), dtype, bias, act), "sm_90a")[:4] == b"\x7fELF"
-    for n, arch, sms in ((16, "sm_90a", 132), (64, "sm_80", 108), (8, "sm_89", 128)):
+def test_warpgroup_and_mma_sp_kernels_compile(compile_for):
+    # Both dtypes and an epilogue, taken in turn (a compile takes seconds on CI's two cores).
+    assert compile_for(wg.source(wg.wg_config(256, 4096, 4096, 132), "f16", True, "gelu_tanh"), "sm_90a")[:4] == b"\x7fELF"
+    for n, arch, sms, dtype, bias, act in ((16, "sm_90a", 132, "bf16", True, "gelu_tanh"), (64, "sm_80", 108, "f16", False, None),
+                                           (8, "sm_89", 128, "bf16", False, "relu")):
         assert compile_for(sp.source(sp.sp_config(n, 4096, 4096, sms), dtype, bias, act), arch)[:4] == b"\x7fELF"
