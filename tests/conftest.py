@@ -30,3 +30,17 @@ def seed():
     torch.manual_seed(s)
     print(f"torch seed {s}")
     return s
+
+
+@pytest.fixture
+def compile_for():
+    """``compile_for(source, arch)``: the cubin NVRTC builds on this machine (no GPU needed); skips where
+    cuda-bindings or the NVRTC library is missing."""
+    nvrtc_bindings = pytest.importorskip("cuda.bindings.nvrtc")
+    from kernelplan.kernels import nvrtc
+
+    try:
+        nvrtc._nvrtc_version(nvrtc_bindings)
+    except Exception as e:  # no NVRTC library next to the bindings
+        pytest.skip(f"NVRTC is not loadable here: {e}")
+    return lambda source, arch: nvrtc._compile(nvrtc_bindings, source, arch)

@@ -4,22 +4,8 @@ epilogue.  A change to a shared header or to how the one device layout is read f
 
 from __future__ import annotations
 
-import pytest
-
 from kernelplan.kernels import sparse24_sp as sp
 from kernelplan.kernels import sparse24_wg as wg
-
-
-@pytest.fixture
-def compile_for():
-    nvrtc_bindings = pytest.importorskip("cuda.bindings.nvrtc")
-    from kernelplan.kernels import nvrtc
-
-    try:
-        nvrtc._nvrtc_version(nvrtc_bindings)
-    except Exception as e:  # no NVRTC library next to the bindings
-        pytest.skip(f"NVRTC is not loadable here: {e}")
-    return lambda source, arch: nvrtc._compile(nvrtc_bindings, source, arch)
 
 
 def test_warpgroup_and_mma_sp_kernels_compile(compile_for):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kernelplan.kernels.sparse24_ws import WEIGHTS, RuleWeights, WsConfig, tile_cost, ws_candidates  # noqa: E402
+from kernelplan.kernels.sparse24_ws import WEIGHTS, RuleWeights, WsConfig, rule_order, ws_candidates  # noqa: E402
 
 STEPS = (0.5, 0.7, 0.85, 1.18, 1.4, 2.0)
 BETWEEN = "--between" in sys.argv  # the rule's space with ws_candidates' between tiles
@@ -61,7 +61,7 @@ def sweep_pairs(paths: list[str], sms: int = 132):
 def ratios(w: RuleWeights, table) -> list[float]:
     out = []
     for n, m, k, sms, cands, times, best in table:
-        i = min(range(len(cands)), key=lambda j: (tile_cost(cands[j], n, m, k, sms, w), not cands[j].pp))  # ws_config's
+        i = min(range(len(cands)), key=lambda j: rule_order(cands[j], n, m, k, sms, w))
         out.append(best / times[i])
     return out
 

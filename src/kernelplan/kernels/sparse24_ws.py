@@ -210,12 +210,18 @@ def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = 
     return waves * ((k // 64 // cfg.kc) * step + w.cta + clustered + w.split * (cfg.kc - 1) * cfg.bn * cfg.wm)
 
 
+def rule_order(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) -> tuple[float, bool]:
+    """The rule's sort key: ``tile_cost``, then ping-pong first.  A ping-pong tile and the same tile one a CTA cost
+    alike where each CTA has one tile; there the ping-pong one ran faster on 20 of 24 problems, by up to 6%
+    (sparse24-ws-small-h100.json)."""
+    return tile_cost(cfg, n, m, k, sms, w), not cfg.pp
+
+
 @functools.lru_cache(maxsize=4096)
 def ws_config(n: int, m: int, k: int, sms: int) -> WsConfig:
-    """The tile for N = n: the candidate of least ``tile_cost``.  Ties: the ping-pong tile, then the first in
-    ``ws_candidates``' order.  A ping-pong tile and the same tile one a CTA cost alike where each CTA has one tile;
-    there the ping-pong one ran faster on 20 of 24 problems, by up to 6% (sparse24-ws-small-h100.json)."""
-    return min(ws_candidates(n, m, k), key=lambda cfg: (tile_cost(cfg, n, m, k, sms), not cfg.pp))
+    """The tile for N = n: the candidate first in ``rule_order`` (further ties: the first in ``ws_candidates``'
+    order)."""
+    return min(ws_candidates(n, m, k), key=lambda cfg: rule_order(cfg, n, m, k, sms))
 
 
 def source(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None) -> str:
