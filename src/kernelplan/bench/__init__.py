@@ -97,7 +97,8 @@ def run_sweep_command(device: str | None, dtype: str, quick: bool, json_path: st
     env = environment(dev)
     with open(path, "w") as f:
         json.dump({**env, "dtype": dtype, "timing": "CUDA graph replay, median (triton.testing.do_bench_cudagraph); "
-                   "eager: wall per call of 200 back-to-back calls, median of 3", "l2": l2,
+                   "eager: wall per call of 50 back-to-back calls, 9 rounds alternating with dense, median of the "
+                   "rounds' ratios", "l2": l2,
                    "l2_means": {"cold": "each call's weight is the next of copies past twice the L2 (weight_copies "
                                         "per row), dense and 2:4 alike: read from DRAM, as in a model's forward",
                                 "warm": "one weight, called over and over: held in L2 where it fits"}[l2],

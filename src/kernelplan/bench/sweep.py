@@ -32,6 +32,7 @@ from .shapes import BATCH_SIZES, sweep_shapes
 QUICK_BATCH_SIZES = (1, 16, 64, 256, 1024, 4096)
 L2_MODES = ("cold", "warm")
 MAX_COPIES = 256
+EAGER_CALLS, EAGER_ROUNDS = 50, 9  # eager: back-to-back calls a reading, readings of each (paired) a row
 RANGES = (("n <= 16", 1, 16), ("n = 32-64", 32, 64), ("n = 128-512", 128, 512), ("n >= 1024", 1024, 1 << 30))
 
 
@@ -102,7 +103,7 @@ def run_sweep(device: torch.device, dtype: torch.dtype = torch.bfloat16, batch=B
         return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
     def eager_ms(fn) -> float:
-        return host_us_per_call(fn, device, 200) / 1e3
+        return host_us_per_call(fn, device, EAGER_CALLS) / 1e3
 
     rows = []
     with torch.cuda.device(index):
@@ -140,13 +141,13 @@ def run_sweep(device: torch.device, dtype: torch.dtype = torch.bfloat16, batch=B
                 row["rule"] = rule = backend_for(torch.cuda.get_device_capability(index), n, m, k, row_dtype)
                 user = _cycling([lambda c=c: linear(x, c) for c in w24s])
                 user()
-                eager = {"dense": [], "rule": []}
-                for _ in range(3):
-                    eager["dense"].append(eager_ms(dense))
-                    eager["rule"].append(eager_ms(user))
-                row["dense_eager_ms"] = statistics.median(eager["dense"])
-                row["rule_eager_ms"] = statistics.median(eager["rule"])
-                row["eager_speedup"] = row["dense_eager_ms"] / row["rule_eager_ms"]
+                # Paired rounds: the host's speed drifts by 10-40% within seconds (F.linear alone read 15-44 us a
+                # call on rows of like kernels in one sweep at 7548a19), so the speedup is the median of each
+                # round's ratio, not a ratio of medians taken apart.
+                pairs = [(eager_ms(dense), eager_ms(user)) for _ in range(EAGER_ROUNDS)]
+                row["dense_eager_ms"] = statistics.median(d for d, _ in pairs)
+                row["rule_eager_ms"] = statistics.median(r for _, r in pairs)
+                row["eager_speedup"] = statistics.median(d / r for d, r in pairs)
                 if rule == "cuda_ws":
                     row["ws_config"] = str(ws_config(n, m, k, sms))
                 for name, t in times.items():
