@@ -174,8 +174,7 @@ class RuleWeights:
     mma: float  # per (row of x x 64-row block) of a 64-column step: the tensor cores' part
     copy: float  # per byte a step brings into the SM, where it exceeds the MMAs'
     step: float  # per step: barriers, the A fragments' loads, issue
-    l2: float  # per byte a step brings in, times the CTAs running at once: L2's bandwidth, which they share, is
-    #            the busiest unit of the large tiles at the GPU's own clocks (docs/design/0014)
+    l2: float  # per byte a step brings in, where the grid takes more than one wave (L2 and DRAM contended)
     cta: float  # per CTA: launch, pipeline fill, epilogue
     split: float  # per (row x 64-row block) of a tile's partial sums met across the cluster, per extra K slice
     pp_tile: float  # ping-pong: per tile past a CTA's first (its epilogue, where the other warpgroup's K loop
@@ -188,11 +187,11 @@ class RuleWeights:
 # --kernel ws): sparse24-ws-tiles-h100.json and -h200.json (11 sweep shapes x n = 32..4096, every candidate, the
 # kernels before the core-matrix layout), sparse24-ws-core-matrix-h100.json (the same problems, the 6 least-cost
 # tiles and the between tiles, the kernels since), sparse24-ws-small-h100.json and sparse24-ws-small-big-n-h100.json
-# (8 layers of BERT / GPT-2 / Phi sizes, n = 1..256 and 512..4096, every candidate).  The chosen tile's time against
-# the best measured, mean: 0.968, 0.966, 0.974, 0.993 and 0.972; worst 0.81x (1024x4096 n = 128 on the H200).  The
-# L2 term before counted only grids of more than one wave: mean 0.953 and worst 0.74x on the last table, where one
-# wave of 1024x4096 at n = 4096 ran 1.33x with its x tile multicast to two CTAs and 0.99x without (docs/design/0014).
-WEIGHTS = RuleWeights(mma=0.844, copy=0.0145, step=326, l2=0.000126, cta=25500, split=22.2, pp_tile=1950,
+# (8 layers of BERT / GPT-2 / Phi sizes, n = 1..256 and 512..4096, every candidate), and the 114 problems two H100
+# sweeps timed with different tiles (7548a19 and 695fe71).  The chosen tile's time against the best measured,
+# mean: 0.974, 0.967, 0.977, 0.997, 0.969 and 0.994; worst 0.72x (4608x3584 n = 4096).  An L2 term for one-wave
+# grids too was tried (695fe71) and lost on the sweep: docs/design/0014.
+WEIGHTS = RuleWeights(mma=3.34, copy=0.00625, step=384, l2=0.014, cta=30600, split=18.6, pp_tile=6530,
                       cluster=10000)
 # Clusters of 4 or more CTAs of one SM each: cuOccupancyMaxActiveClusters gave 30 clusters of 4 (120 of 132 SMs).
 _BIG_CLUSTER_SMS = 120 / 132
@@ -205,8 +204,7 @@ def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = 
     step_bytes = cfg.bn * 128 / cfg.cm + cfg.wm * 4608
     usable = int(sms * _BIG_CLUSTER_SMS) if cfg.cm * cfg.kc >= 4 else sms
     waves = -(-ctas // usable)  # ping-pong: tiles a CTA, one after another
-    active = min(ctas, usable)  # CTAs whose steps share L2's bandwidth at once
-    step = w.step + max(cfg.bn * cfg.wm * w.mma, step_bytes * w.copy, w.l2 * step_bytes * active)
+    step = w.step + max(cfg.bn * cfg.wm * w.mma, step_bytes * w.copy) + (w.l2 * step_bytes if waves > 1 else 0)
     if cfg.pp:
         return waves * (k // 64 * step + w.pp_tile) + w.cta - w.pp_tile
     clustered = w.cluster if cfg.cm * cfg.kc > 1 else 0.0
