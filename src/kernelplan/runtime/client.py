@@ -36,6 +36,29 @@ from .requests import Buffer, Reply, buffers_in
 from .worker import rebuild, send_message
 
 _START_TIMEOUT_S = 120  # a spawned worker imports torch before it answers
+BACKENDS = ("local", "ray")
+
+
+class RestartIntensity:
+    """At most ``max_restarts`` restarts within ``period_s`` seconds (OTP's restart intensity): ``allow`` records a
+    restart and says yes, or says no (the device is then failed)."""
+
+    def __init__(self, max_restarts: int, period_s: float):
+        self.max_restarts, self.period_s = max_restarts, period_s
+        self.restarts: collections.deque = collections.deque()
+
+    def allow(self) -> bool:
+        now = time.monotonic()
+        while self.restarts and now - self.restarts[0] > self.period_s:
+            self.restarts.popleft()
+        if len(self.restarts) >= self.max_restarts:
+            return False
+        self.restarts.append(now)
+        return True
+
+    def refusal(self, device: str, cause: str) -> str:
+        return (f"{device} failed: {len(self.restarts) + 1} worker deaths within {self.period_s:g} s (the restart "
+                f"intensity allows {self.max_restarts}); the last: {cause}")
 
 
 class _DeviceWorker:
@@ -51,7 +74,7 @@ class _DeviceWorker:
         self._ids = itertools.count()
         self.generation = 0
         self.failed: str | None = None
-        self.restarts: collections.deque = collections.deque()
+        self.intensity = RestartIntensity(max_restarts, period_s)
         # rid -> (future, what, the outputs a run's Reply names: None for other messages)
         self.inflight: dict[int, tuple[concurrent.futures.Future, str, tuple | None]] = {}
         self.slots: dict[int, int] = {}  # buffer id -> its live generation (this worker generation's buffers)
@@ -136,15 +159,10 @@ class _DeviceWorker:
                                           f"({cause}); later requests run on a restarted worker"))
         if self._closing:
             return
-        now = time.monotonic()
-        while self.restarts and now - self.restarts[0] > self.period_s:
-            self.restarts.popleft()
-        if len(self.restarts) >= self.max_restarts:
-            self.failed = (f"{self.device} failed: {len(self.restarts) + 1} worker deaths within {self.period_s:g} s "
-                           f"(the restart intensity allows {self.max_restarts}); the last: {cause}")
+        if not self.intensity.allow():
+            self.failed = self.intensity.refusal(self.device, cause)
             self._ready.set()  # waiters wake to the failure
             return
-        self.restarts.append(now)
         try:
             self._start()
         except DeviceFault as e:
@@ -201,6 +219,12 @@ class _DeviceWorker:
                         self._accepting = False
             time.sleep(0.001)  # a restart is under way (the reader has yet to clear _ready): wait for the new worker
 
+    @staticmethod
+    def payload(tensor):
+        """What an upload sends: a CPU tensor copied once into fresh shared memory, a CUDA one as it is (an IPC
+        handle)."""
+        return _shared_copy(tensor)
+
     def new_slot(self) -> tuple[int, int]:
         buffer_id = next(self._slot_ids)
         self.slots[buffer_id] = 0
@@ -238,11 +262,20 @@ class Runtime:
     """Device workers behind an asyncio API (``upload``, ``download``, ``run``) and a blocking one (``blocking``).
 
     ``devices``: e.g. ``("cpu",)`` or ``("cuda:0", "cuda:1")``.  ``max_restarts`` worker deaths within ``period_s``
-    seconds are restarted; one more fails the device.
+    seconds are restarted; one more fails the device.  ``backend``: ``"local"`` (a spawned process per device,
+    the default) or ``"ray"`` (a Ray actor per device, on the cluster ``ray.init`` connected to, or a local one
+    it starts: ``ray_worker.py``; the ``ray`` extra).
     """
 
-    def __init__(self, devices=("cpu",), *, max_restarts: int = 5, period_s: float = 60.0):
+    def __init__(self, devices=("cpu",), *, max_restarts: int = 5, period_s: float = 60.0, backend: str = "local"):
         import torch
+
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: give one of {', '.join(BACKENDS)}")
+        if backend == "ray":
+            from .ray_worker import RayDeviceWorker as worker_class
+        else:
+            worker_class = _DeviceWorker
 
         # "cuda" is device 0 (of those visible), named so that its buffers and replies say which: asking
         # torch.cuda.current_device() would start CUDA in this, the client's, process.
@@ -253,7 +286,7 @@ class Runtime:
         self._workers: dict[str, _DeviceWorker] = {}
         try:
             for d in self.devices:
-                self._workers[d] = _DeviceWorker(d, max_restarts, period_s)
+                self._workers[d] = worker_class(d, max_restarts, period_s)
         except BaseException:
             self.close()
             raise
@@ -276,7 +309,7 @@ class Runtime:
     # -- futures (thread-safe; the asyncio and blocking APIs wrap these) ------------------------------------------
     def submit_upload(self, tensor, device=None) -> concurrent.futures.Future:
         w = self._worker(device or self.devices[0])
-        payload = _shared_copy(tensor.detach())
+        payload = w.payload(tensor.detach())
         holder = {}
 
         def make():  # under the worker's lock, with the generation the message goes to
