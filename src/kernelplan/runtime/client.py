@@ -61,7 +61,55 @@ class RestartIntensity:
                 f"intensity allows {self.max_restarts}); the last: {cause}")
 
 
-class _DeviceWorker:
+class SupervisedWorker:
+    """What the local workers and the Ray ones (``ray_worker.py``) share: the record of the buffer handles a worker
+    gave out (``slots``: buffer id -> live generation, for the worker ``generation``), which every request's
+    handles are checked against before anything is sent, and what follows a worker's death."""
+
+    device: str
+    generation: int
+    slots: dict
+    failed: str | None
+    intensity: RestartIntensity
+    _ready: threading.Event
+
+    def check(self, buffers) -> None:
+        for buf in buffers:
+            if buf.device != self.device:
+                raise StaleBuffer(f"{buf} lives on {buf.device}, not on {self.device}: a request runs where all its "
+                                  f"buffers are")
+            if buf.worker_generation != self.generation or self.slots.get(buf.buffer_id) != buf.generation:
+                raise StaleBuffer(f"{buf} is stale: it holds worker generation {buf.worker_generation}, slot "
+                                  f"generation {buf.generation}; current worker generation {self.generation}, slot "
+                                  f"generation {self.slots.get(buf.buffer_id)} (freed, or made before a restart): "
+                                  f"upload again")
+
+    def new_slot(self) -> tuple[int, int]:
+        buffer_id = next(self._slot_ids)
+        self.slots[buffer_id] = 0
+        return buffer_id, 0
+
+    def fail_lost(self, lost: dict, generation: int, cause: str) -> None:
+        """``DeviceFault`` for each request that was in flight on the dead worker generation."""
+        for fut, what, _ in lost.values():
+            fut.set_exception(DeviceFault(f"{what} on {self.device} failed: worker generation {generation} died "
+                                          f"({cause}); later requests run on a restarted worker"))
+
+    def restart(self, cause: str) -> None:
+        """A new worker, within the restart intensity; past it, or where the new one does not start, the device is
+        failed (waiters wake to that)."""
+        if not self.intensity.allow():
+            self.failed = self.intensity.refusal(self.device, cause)
+            self._ready.set()
+            return
+        try:
+            self._start()
+        except DeviceFault as e:
+            self.failed = str(e)
+            self._ready.set()
+
+
+class _DeviceWorker(SupervisedWorker):
     """One device's worker process, its pipe, its in-flight requests and its buffer slots, and its supervision."""
 
     def __init__(self, device: str, max_restarts: int, period_s: float):
@@ -154,20 +202,9 @@ class _DeviceWorker:
         cause = (sticky if sticky and sticky.startswith("a reply") else f"a sticky CUDA error: {sticky}" if sticky else
                  f"the worker was killed by signal {-code}" if code is not None and code < 0 else
                  f"the worker exited with code {code}")
-        for fut, what, _ in lost.values():
-            fut.set_exception(DeviceFault(f"{what} on {self.device} failed: worker generation {generation} died "
-                                          f"({cause}); later requests run on a restarted worker"))
-        if self._closing:
-            return
-        if not self.intensity.allow():
-            self.failed = self.intensity.refusal(self.device, cause)
-            self._ready.set()  # waiters wake to the failure
-            return
-        try:
-            self._start()
-        except DeviceFault as e:
-            self.failed = str(e)
-            self._ready.set()
+        self.fail_lost(lost, generation, cause)
+        if not self._closing:
+            self.restart(cause)
 
     def close(self) -> None:
         self._closing = True
@@ -185,17 +222,6 @@ class _DeviceWorker:
             fut.set_exception(DeviceFault(f"{what} on {self.device}: the runtime was closed"))
 
     # -- requests ---------------------------------------------------------------------------------------------
-    def check(self, buffers) -> None:
-        for buf in buffers:
-            if buf.device != self.device:
-                raise StaleBuffer(f"{buf} lives on {buf.device}, not on {self.device}: a request runs where all its "
-                                  f"buffers are")
-            if buf.worker_generation != self.generation or self.slots.get(buf.buffer_id) != buf.generation:
-                raise StaleBuffer(f"{buf} is stale: it holds worker generation {buf.worker_generation}, slot "
-                                  f"generation {buf.generation}; current worker generation {self.generation}, slot "
-                                  f"generation {self.slots.get(buf.buffer_id)} (freed, or made before a restart): "
-                                  f"upload again")
-
     def submit(self, message: tuple, what: str, buffers=(), make=None, outputs=None) -> concurrent.futures.Future:
         """Send ``message`` (its request id is filled in) once the worker is ready; ``make()`` runs under the lock
         first (a new buffer's slot) and its value goes in the message's tail.  ``outputs``: a run's, for its Reply."""
@@ -224,11 +250,6 @@ class _DeviceWorker:
         """What an upload sends: a CPU tensor copied once into fresh shared memory, a CUDA one as it is (an IPC
         handle)."""
         return _shared_copy(tensor)
-
-    def new_slot(self) -> tuple[int, int]:
-        buffer_id = next(self._slot_ids)
-        self.slots[buffer_id] = 0
-        return buffer_id, 0
 
     def free(self, buf: Buffer) -> None:
         with self._lock:

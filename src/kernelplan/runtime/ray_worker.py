@@ -34,8 +34,8 @@ import concurrent.futures
 import itertools
 import threading
 
-from .client import RestartIntensity
-from .errors import DeviceFailed, DeviceFault, StaleBuffer
+from .client import RestartIntensity, SupervisedWorker
+from .errors import DeviceFailed, DeviceFault
 from .requests import Buffer, Reply
 from .worker import Pending, Ran, Worker, is_sticky_cuda_error, portable, rebuild
 
@@ -90,7 +90,7 @@ class _Actor:
         return ("ok", pack(value) if isinstance(value, self.torch.Tensor) else value)
 
 
-class RayDeviceWorker:
+class RayDeviceWorker(SupervisedWorker):
     """One device's Ray actor, its in-flight requests and buffer slots, and its supervision (``client.py``'s
     ``_DeviceWorker`` contract)."""
 
@@ -129,26 +129,10 @@ class RayDeviceWorker:
         self._ready.set()
 
     # -- requests ---------------------------------------------------------------------------------------------
-    def check(self, buffers) -> None:
-        for buf in buffers:
-            if buf.device != self.device:
-                raise StaleBuffer(f"{buf} lives on {buf.device}, not on {self.device}: a request runs where all its "
-                                  f"buffers are")
-            if buf.worker_generation != self.generation or self.slots.get(buf.buffer_id) != buf.generation:
-                raise StaleBuffer(f"{buf} is stale: it holds worker generation {buf.worker_generation}, slot "
-                                  f"generation {buf.generation}; current worker generation {self.generation}, slot "
-                                  f"generation {self.slots.get(buf.buffer_id)} (freed, or made before a restart): "
-                                  f"upload again")
-
     @staticmethod
     def payload(tensor) -> Packed:
         """What an upload sends: the tensor's bytes on the host."""
         return pack(tensor)
-
-    def new_slot(self) -> tuple[int, int]:
-        buffer_id = next(self._slot_ids)
-        self.slots[buffer_id] = 0
-        return buffer_id, 0
 
     def submit(self, message: tuple, what: str, buffers=(), make=None, outputs=None) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -199,20 +183,10 @@ class RayDeviceWorker:
             lost, self.inflight = self.inflight, {}
             self._ready.clear()  # no request is sent until the new actor is up
             actor = self.actor
-        for fut, what, _ in lost.values():
-            fut.set_exception(DeviceFault(f"{what} on {self.device} failed: worker generation {generation} died "
-                                          f"({cause}); later requests run on a restarted worker"))
+        self.fail_lost(lost, generation, cause)
         if kill:  # its CUDA context is poisoned
             self._ray.kill(actor)
-        if not self.intensity.allow():
-            self.failed = self.intensity.refusal(self.device, cause)
-            self._ready.set()  # waiters wake to the failure
-            return
-        try:
-            self._start()
-        except DeviceFault as e:
-            self.failed = str(e)
-            self._ready.set()
+        self.restart(cause)
 
     def free(self, buf: Buffer) -> None:
         with self._lock:
