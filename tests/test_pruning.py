@@ -353,3 +353,32 @@ def test_on_the_trained_model_calibrated_methods_beat_magnitude():
     assert sgpt - dense < 0.5 * (mag - dense), rows
     assert wan - dense < mag - dense, rows
     assert rows["sparsegpt"]["mean_layer_error"] < rows["wanda"]["mean_layer_error"] < rows["magnitude"]["mean_layer_error"]
+
+
+@pytest.mark.skipif(transformers is None, reason="transformers is not installed")
+def test_folded_outliers_keep_the_function_and_wandas_mask_and_move_magnitudes():
+    """``accuracy.fold_outliers``: the same logits, inputs 16x larger on its channels, Wanda's masks unchanged
+    (its score is invariant to a channel's scale), magnitude's moved off the downscaled columns."""
+    from kernelplan.bench import accuracy
+
+    ids = accuracy.calibration(accuracy.corpus()[0], 4, 64)
+    plain = accuracy.load_model("cpu", torch.float64)
+    folded = copy.deepcopy(plain)
+    channels = accuracy.fold_outliers(folded, 16.0)
+    with torch.no_grad():
+        a, b = plain(ids).logits, folded(ids).logits
+    assert float((a - b).abs().max() / a.abs().max()) < 1e-10
+    before, after = accuracy.input_spread(plain, ids), accuracy.input_spread(folded, ids)
+    q = "model.layers.0.self_attn.q_proj"
+    assert after[q] > 8 * before[q], (before[q], after[q])
+    masks = {}
+    for method in ("wanda", "magnitude"):
+        for name, model in (("plain", plain), ("folded", folded)):
+            m = copy.deepcopy(model)
+            kp.sparsify(m, method=method, calibration=ids, progress=False)
+            masks[method, name] = {n: mod.to_dense() != 0 for n, mod in m.named_modules() if hasattr(mod, "to_dense")}
+    for n, mask in masks["wanda", "plain"].items():
+        assert torch.equal(mask, masks["wanda", "folded"][n]), n
+    kept = masks["magnitude", "folded"][q][:, channels].float().mean()
+    assert kept < 0.05, f"magnitude kept {float(kept):.2f} of the downscaled columns' weights"
+    assert masks["magnitude", "plain"][q][:, channels].float().mean() > 0.3

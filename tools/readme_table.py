@@ -144,6 +144,14 @@ def pruning_notes() -> list[str]:
         cells = "; ".join(f"{m} {r['perplexity']:.3f} ({r['increase']:+.3f})" for m, r in rows.items())
         lines.append(f"- Pruning to 2:4, held-out perplexity per byte of the trained byte-level Llama "
                      f"(`kernelplan bench accuracy`): {cells}, {_source(acc['meta'], 'accuracy-h100')}.")
+        if acc.get("outlier_rows"):
+            rows = {r["model"]: r for r in acc["outlier_rows"]}
+            cells = "; ".join(f"{m} {r['increase']:+.3f}" for m, r in rows.items() if m != "dense")
+            plain, spread = acc["rows"][0]["input_spread_median"], rows["dense"]["input_spread_median"]
+            lines.append(f"- The same model with outlier features folded into its norm gains (same function, dense "
+                         f"{rows['dense']['perplexity']:.3f}; layers' input spread, max/median column norm, median "
+                         f"{plain:.1f} -> {spread:.1f}), increase over dense: {cells} "
+                         f"(`bench/accuracy_table.py`, `accuracy.fold_outliers`).")
     layer = _load("sparsify-layer-h100")
     if layer:
         cells = "; ".join(f"{r['method']} {r['run']} {r['seconds']:.1f} s" for r in layer["rows"])

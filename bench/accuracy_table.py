@@ -1,0 +1,42 @@
+"""The accuracy table: held-out perplexity of the trained byte-level Llama, dense and pruned by each method, and the
+same with outlier features folded in (``kernelplan.bench.accuracy``; ``kernelplan bench accuracy`` prints both).
+
+Writes ``bench/results/accuracy-<gpu>.json``: ``rows`` (the model as trained) and ``outlier_rows`` (after
+``fold_outliers(model, OUTLIER_SCALE)``: the same function, a few input channels ``OUTLIER_SCALE`` x larger).
+
+    PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/accuracy_table.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import transformers
+
+from kernelplan.bench import accuracy, results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    rows = accuracy.run(dev)
+    folded = accuracy.run(dev, outlier_scale=accuracy.OUTLIER_SCALE)
+    for part in (rows, folded):
+        print(f"outlier scale {part[0]['outlier_scale']}: input spread median {part[0]['input_spread_median']:.1f}")
+        print(accuracy.table(part))
+    results.write("accuracy", {"rows": rows, "outlier_rows": folded}, a.json,
+                  model="src/kernelplan/bench/data/tiny-llama (byte-level Llama, 5.2M parameters, bf16)",
+                  held_out=f"every {accuracy.HELD_OUT_EVERY}th document of python-docs.json.gz, whole split",
+                  calibration=f"{accuracy.CALIBRATION} windows of {accuracy.SEQ} bytes",
+                  outliers=f"fold_outliers: 1/64 of the hidden channels x {accuracy.OUTLIER_SCALE:g} in the RMSNorm "
+                           f"gains, the q/k/v and gate/up input columns / {accuracy.OUTLIER_SCALE:g}",
+                  transformers=transformers.__version__)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
