@@ -1,9 +1,9 @@
 """Host work of one eager 2:4 call beside ``F.linear``'s: host-bound calls back to back, and where the time goes.
 
-A 1024x1024 bf16 layer at n = 1: the kernels take a few microseconds, so a
+A 1024x1024 bf16 layer at n = 1 (``--size``, ``--n``): the kernels take a few microseconds, so a
 run of back-to-back calls is as long as the host work that launches them.
 Timed alternating, medians of rounds: ``F.linear`` on the dense weight,
-``nn.Linear``, ``kp.sparse24.linear`` on a public-format weight,
+``nn.Linear``, ``kp.sparse24.linear`` on a public-format weight and on the device layout,
 ``Sparse24Linear`` (the device layout), under ``torch.no_grad`` and under
 ``torch.inference_mode``.  Then a cProfile of the module's calls, top
 functions by own time.  Writes the medians to ``bench/results/sparse24-host-<gpu>.json``.
@@ -34,6 +34,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--n", type=int, default=1)
     a = ap.parse_args()
     torch.manual_seed(0)
     s = a.size
@@ -41,11 +42,13 @@ def main() -> int:
     layer = kp.nn.Sparse24Linear.from_dense(dense)
     w24 = layer.weight24.public()
     w = w24.decompress()
-    x = torch.randn(1, s, device="cuda", dtype=torch.bfloat16)
+    packed = w24.packed()
+    x = torch.randn(a.n, s, device="cuda", dtype=torch.bfloat16)
     fns = {
         "F.linear": lambda: F.linear(x, w, dense.bias),
         "nn.Linear": lambda: dense(x),
         "kp.sparse24.linear": lambda: kp.sparse24.linear(x, w24, dense.bias),
+        "kp.sparse24.linear (device layout)": lambda: kp.sparse24.linear(x, packed, dense.bias),
         "Sparse24Linear": lambda: layer(x),
     }
     out = {}
@@ -64,12 +67,13 @@ def main() -> int:
 
         call = next(hit[5] for key, hit in _prepared.items() if key[0] == id(layer.values))
         tiled = next(v[1] for k, v in _DERIVED[id(layer.values)][1].items() if "launch" in str(k))
-        y = torch.empty(1, s, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty(a.n, s, device="cuda", dtype=torch.bfloat16)
+        tiled(x, dense.bias, y)  # its launch for this x and y, looked up below
         launch, grid, _, _ = next(iter(tiled._calls.values()))
-        args = (x.data_ptr(), *tiled.weight, dense.bias.data_ptr(), y.data_ptr(), 1, s, s, x.stride(0), y.stride(0))
+        args = (x.data_ptr(), *tiled.weight, dense.bias.data_ptr(), y.data_ptr(), a.n, s, s, x.stride(0), y.stride(0))
         parts = {
-            "torch.empty": lambda: torch.empty(1, s, device="cuda", dtype=torch.bfloat16),
-            "x.new_empty": lambda: x.new_empty((1, s)),
+            "torch.empty": lambda: torch.empty(a.n, s, device="cuda", dtype=torch.bfloat16),
+            "x.new_empty": lambda: x.new_empty((a.n, s)),
             "cuLaunchKernel": lambda: launch(grid, args, raw_stream(0)),
             "_TiledWeight": lambda: tiled(x, dense.bias, y),
             "bound call": lambda: call(x, layer.values, layer.metadata, dense.bias),
@@ -87,7 +91,7 @@ def main() -> int:
         prof.disable()
         torch.cuda.synchronize()
     pstats.Stats(prof).sort_stats("tottime").print_stats(14)
-    results.write("sparse24-host", out, a.json, size=s, n=1, unit="us per call, median of rounds")
+    results.write("sparse24-host", out, a.json, size=s, n=a.n, unit="us per call, median of rounds")
     return 0
 
 

@@ -28,6 +28,31 @@ def test_sparse24_linear_from_dense_trains_and_stays_2_4():
     assert kp.sparse24.is_sparse24(w) and not (w[~mask] != 0).any(), "the mask must stay fixed"
 
 
+def test_sparse24_linear_reads_parametrized_and_replaced_tensors():
+    """forward reads the module's dictionaries: a parametrization (which moves a tensor off them) and a bias set
+    after construction are still what it computes with."""
+    import torch.nn.utils.parametrize as parametrize
+
+    torch.manual_seed(0)
+    layer = kp.nn.Sparse24Linear.from_dense(torch.nn.Linear(128, 32))
+    x = torch.randn(5, 128)
+    w = layer.to_dense().double()
+    want = x.double() @ w.T + layer.bias.double()
+    torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5)
+
+    class Twice(torch.nn.Module):
+        def forward(self, b):
+            return 2 * b
+
+    parametrize.register_parametrization(layer, "bias", Twice())
+    assert "bias" not in layer._parameters
+    torch.testing.assert_close(layer(x).double(), want + layer.bias.double() / 2, rtol=1e-5, atol=1e-5)
+    bare = kp.nn.Sparse24Linear(layer.values.detach(), layer.metadata)
+    torch.testing.assert_close(bare(x).double(), x.double() @ w.T, rtol=1e-5, atol=1e-5)
+    bare.bias = torch.nn.Parameter(torch.ones(32))
+    torch.testing.assert_close(bare(x).double(), x.double() @ w.T + 1, rtol=1e-5, atol=1e-5)
+
+
 def test_sparse24_linear_refuses_mismatched_parts_and_unknown_pruning():
     import pytest
 

@@ -431,15 +431,18 @@ class _TiledWeight:
 
     def linear(self, slow: MmaLinear, x, values, metadata, bias) -> torch.Tensor:
         """``y = act(x @ W^T + bias)`` for this weight, held as it is read: ``MmaLinear.held``'s call."""
-        hit = self._direct.get((x.shape, x.stride(), x.data_ptr() & 15, bias is None))
-        if hit is None or values.data_ptr() != self.weight[0] or metadata.data_ptr() != self.weight[1] or \
-                current_device() != self.device:
+        # Entries are made for contiguous x with 16-byte aligned rows only (_first_linear): the shape keys them,
+        # and the layout is checked, cheaper than x.stride() in the key.
+        hit = self._direct.get((x.shape, bias is None))
+        x_ptr = x.data_ptr()
+        pairs, codes = self.weight
+        if hit is None or x_ptr & 15 or not x.is_contiguous() or values.data_ptr() != pairs or \
+                metadata.data_ptr() != codes or current_device() != self.device:
             return self._first_linear(slow, x, values, metadata, bias)
         launch, grid, n, y_shape = hit
         y = x.new_empty(*y_shape)  # ints: output_rows says why
-        pairs, codes = self.weight
-        launch(grid, (x.data_ptr(), pairs, codes, 0 if bias is None else bias.data_ptr(), y.data_ptr(), n, self.m,
-                      self.k, self.k, self.m), raw_stream(self.device))
+        launch(grid, (x_ptr, pairs, codes, 0 if bias is None else bias.data_ptr(), y.data_ptr(), n, self.m, self.k,
+                      self.k, self.m), raw_stream(self.device))
         return y
 
     def _first_linear(self, slow: MmaLinear, x, values, metadata, bias) -> torch.Tensor:
@@ -452,7 +455,7 @@ class _TiledWeight:
                 self._direct.clear()
             launch, grid = self.kernel.launch_for(n, self.m, self.k, self.dtype, bias is not None, self.activation,
                                                   self.device)
-            self._direct[(x.shape, x.stride(), 0, bias is None)] = (launch, grid, n, tuple(y.shape))
+            self._direct[(x.shape, bias is None)] = (launch, grid, n, tuple(y.shape))
         return y
 
     def _prepare(self, key):
