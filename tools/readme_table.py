@@ -127,11 +127,13 @@ def sparse24_notes() -> list[str]:
                      f"{span('dense_mhz')} MHz, 2:4 {span('sparse_mhz')} MHz; power dense {span('dense_watts')} W, "
                      f"2:4 {span('sparse_watts')} W; speedup in time {_span([r['speedup'] for r in rows])}, in cycles "
                      f"{_span([r['cycle_speedup'] for r in rows])}, {_source(clocks['meta'], 'sparse24-clocks-h100')}.")
-    host = _load("sparse24-host-h100")
-    if host:
-        cells = ", ".join(f"{name} {t:.1f} us" for name, t in host["no_grad"].items())
-        lines.append(f"- Host work of one eager call (1024x1024 bf16, n = 1, `torch.no_grad`): {cells}, "
-                     f"{_source(host['meta'], 'sparse24-host-h100')}.")
+    for name in ("sparse24-host-h100", "sparse24-host-768-n256-h100"):
+        host = _load(name)
+        if host:
+            size, n = host["meta"]["size"], host["meta"].get("n", 1)
+            cells = ", ".join(f"{fn} {t:.1f} us" for fn, t in host["no_grad"].items())
+            lines.append(f"- Host work of one eager call ({size}x{size} bf16, n = {n}, `torch.no_grad`): {cells}, "
+                         f"{_source(host['meta'], name)}.")
     return lines
 
 
