@@ -304,7 +304,7 @@ class Runtime:
         self._prepared_ids = itertools.count()
         self._blobs: dict[int, tuple[object, bytes]] = {}
         self._blobs_lock = threading.Lock()
-        self._workers: dict[str, _DeviceWorker] = {}
+        self._workers: dict[str, SupervisedWorker] = {}
         try:
             for d in self.devices:
                 self._workers[d] = worker_class(d, max_restarts, period_s)
@@ -313,7 +313,7 @@ class Runtime:
             raise
         self.blocking = BlockingRuntime(self)
 
-    def _worker(self, device) -> _DeviceWorker:
+    def _worker(self, device) -> SupervisedWorker:
         import torch
 
         hit = self._workers.get(device)  # the usual case: a buffer's own device string
