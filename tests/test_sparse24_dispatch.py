@@ -90,3 +90,38 @@ def test_compact_default_path_holds_one_layout_and_matches_fp64(dtype):
     assert ran <= {"cuda_sp", "cuda_ws"} and ("cuda_ws" in ran) == (cap == (9, 0))
     held = w24.derived_bytes()
     assert list(held) == ["sp tiled"] and held["sp tiled"] == 1008 * 4096 * 2 * 9 // 16  # rows padded to 16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", ["public", "device"])
+def test_repeated_eager_calls_follow_updates_and_x_layouts(layout):
+    """Eager calls repeated on one weight take the direct launch (keyed by x's shape): an in-place update of the
+    values, a non-contiguous x and an x whose rows are not 16-byte aligned, of the same shape, are each computed as
+    they are; the public format's derived layout is rebuilt after the update."""
+    import torch
+    import torch.nn.functional as F
+
+    import kernelplan as kp
+    from helpers import FWD_ATOL, assert_close
+
+    dt = torch.bfloat16
+    for n in (1, 64, 256):  # cuda_sp, and cuda_ws's tiles on Hopper
+        w = kp.sparse24.prune(torch.randn(256, 512, device="cuda")).to(dt)
+        w24 = kp.sparse24.compress(w)
+        w24 = w24.packed() if layout == "device" else w24
+        x = torch.randn(n, 512, device="cuda").to(dt)
+        with torch.no_grad():
+            for _ in range(3):
+                y = kp.sparse24.linear(x, w24)
+            assert_close(y, F.linear(x.double(), w.double()), F.linear(x, w), atol=FWD_ATOL[dt], what=f"n={n}")
+            w24.values.mul_(-1)
+            y = kp.sparse24.linear(x, w24)
+            assert_close(y, F.linear(x.double(), -w.double()), F.linear(x, -w), atol=FWD_ATOL[dt],
+                         what=f"n={n} after an in-place update")
+            strided = torch.randn(512, n, device="cuda").to(dt).t()
+            offset = torch.randn(n * 512 + 1, device="cuda").to(dt)[1:].view(n, 512)
+            for name, xi in (("non-contiguous", strided), ("rows off 16 bytes", offset)):
+                y = kp.sparse24.linear(xi, w24)
+                assert_close(y, F.linear(xi.double(), -w.double()), F.linear(xi, -w), atol=FWD_ATOL[dt],
+                             what=f"n={n} {name}")

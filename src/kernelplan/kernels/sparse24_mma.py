@@ -327,7 +327,8 @@ class MmaLinear:
         return y
 
     def held(self, values, metadata):
-        """A call bound to one weight held in the kernel's own layout (no copy to check), else this call.
+        """A call bound to one weight: held in the kernel's own layout (no copy to check), or in another, the
+        kernel's layout derived beside it (``derived_from`` checks it current on each call).
 
         It launches straight from the inference fast path (``sparse24.gemm``):
         one lookup by x's layout, y allocated, one launch.  On an H100 the
@@ -335,12 +336,16 @@ class MmaLinear:
         cost 12 us per call beside a 7.7 us launch and F.linear's 25 us in all
         (``bench/sparse24_host.py``).
         """
+        build = functools.partial(_TiledWeight, activation=self.activation, kernel=self.kernel)
         if layout_of(values) != self.kernel.layout:
-            return self
-        weight = derived_from(values, metadata, self._key,
-                              functools.partial(_TiledWeight, activation=self.activation, kernel=self.kernel),
-                              device_work=False)
+            # The layout derived beside the weight: checked current (derived_from) on every call.
+            return functools.partial(self._derived_linear, build)
+        weight = derived_from(values, metadata, self._key, build, device_work=False)
         return functools.partial(weight.linear, self)
+
+    def _derived_linear(self, build, x, values, metadata, bias) -> torch.Tensor:
+        return derived_from(values, metadata, self._key, build, device_work=False).linear(self, x, values, metadata,
+                                                                                         bias)
 
     def bound(self, x, values, metadata, bias, y):
         """``launch(x, values, metadata, bias, y)`` resolved once, for arguments that stay the same tensors: a
@@ -388,6 +393,8 @@ class _TiledWeight:
         # Keyed by the layout, not the kernel: kernels that read one layout share one copy of it.
         self.pairs, self.codes = derived_from(values, metadata, kernel.layout, kernel.tiled)
         self.weight = (self.pairs.data_ptr(), self.codes.data_ptr())
+        # Held: the weight's own tensors are the layout (else a copy derived from them, current as its caller checked)
+        self.held = layout_of(values) == kernel.layout
         self.m, self.k = weight_shape(values)
         self.dtype = dtype_info(values.dtype).name
         self.device = values.get_device()
@@ -436,8 +443,9 @@ class _TiledWeight:
         hit = self._direct.get((x.shape, bias is None))
         x_ptr = x.data_ptr()
         pairs, codes = self.weight
-        if hit is None or x_ptr & 15 or not x.is_contiguous() or values.data_ptr() != pairs or \
-                metadata.data_ptr() != codes or current_device() != self.device:
+        if hit is None or x_ptr & 15 or not x.is_contiguous() or \
+                self.held and (values.data_ptr() != pairs or metadata.data_ptr() != codes) or \
+                current_device() != self.device:
             return self._first_linear(slow, x, values, metadata, bias)
         launch, grid, n, y_shape = hit
         y = x.new_empty(*y_shape)  # ints: output_rows says why
@@ -450,7 +458,7 @@ class _TiledWeight:
         y = slow(x, values, metadata, bias)
         n = x.numel() // self.k if self.k else 0
         if 0 < n <= self.kernel.max_n and x.is_contiguous() and x.data_ptr() % 16 == 0 and \
-                (values.data_ptr(), metadata.data_ptr()) == self.weight:
+                (not self.held or (values.data_ptr(), metadata.data_ptr()) == self.weight):
             if len(self._direct) >= self._MAX_KEYS:
                 self._direct.clear()
             launch, grid = self.kernel.launch_for(n, self.m, self.k, self.dtype, bias is not None, self.activation,

@@ -361,7 +361,7 @@ def linear_parts(x, values, metadata, bias=None, activation=None, memory="compac
     plan = _plan_for(x, values, metadata, bias, activation or "", memory)
     layout = layout_of(values)
     call = _bound(plan, layout)
-    if layout == SP_LAYOUT and hasattr(call, "held"):  # a kernel reading the weight as held: bound to it
+    if hasattr(call, "held"):  # a kernel's call bound to the weight: as held, or the layout it derived beside it
         call = call.held(values, metadata)
     if len(_prepared) >= _MAX_PREPARED:
         _prepared.clear()
