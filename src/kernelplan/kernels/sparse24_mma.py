@@ -314,12 +314,16 @@ class MmaLinear:
     most ``kernel.max_n`` rows).
     """
 
-    __slots__ = ("activation", "kernel", "_key")
+    __slots__ = ("activation", "kernel", "_key", "_build")
 
     def __init__(self, activation: str | None, kernel: TiledKernel | None = None):
         self.activation = activation or None
         self.kernel = kernel or TiledKernel()
         self._key = f"{self.kernel.name} launch {self.activation}"
+        self._build = functools.partial(_TiledWeight, activation=self.activation, kernel=self.kernel)
+
+    def _weight(self, values, metadata) -> "_TiledWeight":
+        return derived_from(values, metadata, self._key, self._build, device_work=False)
 
     def __call__(self, x, values, metadata, bias) -> torch.Tensor:
         y, x2, y2 = output_rows(x, weight_shape(values)[0])
@@ -336,16 +340,12 @@ class MmaLinear:
         cost 12 us per call beside a 7.7 us launch and F.linear's 25 us in all
         (``bench/sparse24_host.py``).
         """
-        build = functools.partial(_TiledWeight, activation=self.activation, kernel=self.kernel)
         if layout_of(values) != self.kernel.layout:
-            # The layout derived beside the weight: checked current (derived_from) on every call.
-            return functools.partial(self._derived_linear, build)
-        weight = derived_from(values, metadata, self._key, build, device_work=False)
-        return functools.partial(weight.linear, self)
+            return self._derived_linear  # the layout derived beside the weight: checked current on every call
+        return functools.partial(self._weight(values, metadata).linear, self)
 
-    def _derived_linear(self, build, x, values, metadata, bias) -> torch.Tensor:
-        return derived_from(values, metadata, self._key, build, device_work=False).linear(self, x, values, metadata,
-                                                                                         bias)
+    def _derived_linear(self, x, values, metadata, bias) -> torch.Tensor:
+        return self._weight(values, metadata).linear(self, x, values, metadata, bias)
 
     def bound(self, x, values, metadata, bias, y):
         """``launch(x, values, metadata, bias, y)`` resolved once, for arguments that stay the same tensors: a
@@ -354,21 +354,18 @@ class MmaLinear:
         n = x.shape[0]
         if n == 0 or values.numel() == 0 or n > self.kernel.max_n:
             return None
-        weight = derived_from(values, metadata, self._key,
-                              functools.partial(_TiledWeight, activation=self.activation, kernel=self.kernel),
-                              device_work=False)
-        return weight.bound(x, bias, y)
+        return self._weight(values, metadata).bound(x, bias, y)
 
     def launch(self, x, values, metadata, bias, y) -> None:
+        if x.shape[0] and values.numel():
+            self.launch_on(self._weight(values, metadata), x, bias, y)
+
+    def launch_on(self, weight: "_TiledWeight", x, bias, y) -> None:
+        """``launch`` on the weight's tiled layout, already looked up (x has rows; the weight has elements)."""
         n = x.shape[0]
-        if n == 0 or values.numel() == 0:
-            return
         if n > self.kernel.max_n and not self.kernel.chunks:
             raise KernelPlanError(f"x has {n} rows; the {self.kernel.name} kernel takes at most {self.kernel.max_n}: "
                                   f"dispatch another backend")
-        weight = derived_from(values, metadata, self._key,
-                              functools.partial(_TiledWeight, activation=self.activation, kernel=self.kernel),
-                              device_work=False)
         step = self.kernel.max_n
         if n <= step:
             weight(x, bias, y)
@@ -437,7 +434,8 @@ class _TiledWeight:
         return lambda: launch(grid, args, raw_stream(device))
 
     def linear(self, slow: MmaLinear, x, values, metadata, bias) -> torch.Tensor:
-        """``y = act(x @ W^T + bias)`` for this weight, held as it is read: ``MmaLinear.held``'s call."""
+        """``y = act(x @ W^T + bias)`` for this weight: ``MmaLinear.held``'s call (held as it is read, or derived and
+        checked current by the caller)."""
         # Entries are made for contiguous x with 16-byte aligned rows only (_first_linear): the shape keys them,
         # and the layout is checked, cheaper than x.stride() in the key.
         hit = self._direct.get((x.shape, bias is None))
@@ -455,10 +453,13 @@ class _TiledWeight:
 
     def _first_linear(self, slow: MmaLinear, x, values, metadata, bias) -> torch.Tensor:
         """The call through every layer; where x's rows can be read in place in one launch, its direct entry."""
-        y = slow(x, values, metadata, bias)
+        if self.held and (values.data_ptr(), metadata.data_ptr()) != self.weight:
+            return slow(x, values, metadata, bias)  # the weight's storage moved: its layout is looked up again
+        y, x2, y2 = output_rows(x, self.m)
+        if x2.shape[0] and self.m and self.k:
+            slow.launch_on(self, x2, bias, y2)
         n = x.numel() // self.k if self.k else 0
-        if 0 < n <= self.kernel.max_n and x.is_contiguous() and x.data_ptr() % 16 == 0 and \
-                (not self.held or (values.data_ptr(), metadata.data_ptr()) == self.weight):
+        if 0 < n <= self.kernel.max_n and x.is_contiguous() and x.data_ptr() % 16 == 0:
             if len(self._direct) >= self._MAX_KEYS:
                 self._direct.clear()
             launch, grid = self.kernel.launch_for(n, self.m, self.k, self.dtype, bias is not None, self.activation,

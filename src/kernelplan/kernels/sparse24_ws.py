@@ -395,26 +395,21 @@ class StreamKLaunch(FunctionLaunch):
 class PingPongLaunch(FunctionLaunch):
     """A ping-pong launch: one CTA per SM, or one per tile where there are fewer tiles."""
 
-    __slots__ = ("cfg", "maps", "sms", "_grids")
+    __slots__ = ("cfg", "maps", "sms")
 
     def __init__(self, fn, name: str, cfg: WsConfig, maps: TensorMaps, device_index: int):
         from .sparse24 import sm_count
 
         super().__init__(fn, name, _PP_PARAMS, cfg.threads, cfg.shared)
         self.cfg, self.maps, self.sms = cfg, maps, sm_count(device_index)
-        self._grids: dict = {}  # (N, M) -> (grid, tiles along N)
 
     def __call__(self, grid: tuple, args: tuple, stream: int) -> None:
         n, m, k = args[5], args[6], args[7]
-        hit = self._grids.get((n, m))
-        if hit is None:
-            if len(self._grids) >= 256:
-                self._grids.clear()
-            tiles_n = -(-n // self.cfg.bn)
-            hit = self._grids[n, m] = ((min(self.sms, tiles_n * -(-m // self.cfg.rows)), 1, 1), tiles_n)
+        tiles_n = -(-n // self.cfg.bn)
         maps = self.maps
-        super().__call__(hit[0], (maps.x(args[0], n, k, args[8]), *maps.w(args[1], args[2], m, k), args[3], args[4],
-                                  n, m, k, args[9], hit[1]), stream)
+        params = (maps.x(args[0], n, k, args[8]), *maps.w(args[1], args[2], m, k), args[3], args[4], n, m, k,
+                  args[9], tiles_n)
+        super().__call__((min(self.sms, tiles_n * -(-m // self.cfg.rows)), 1, 1), params, stream)
 
 
 class WsKernel(WgKernel):
