@@ -78,10 +78,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("tables", nargs="+")
     ap.add_argument("--sweep", action="append", default=[])
     ap.add_argument("--between", action="store_true", help="fit the rule over the space with between tiles")
+    ap.add_argument("--start", action="append", default=[], metavar="FIELD=VALUE",
+                    help="start the search from this weight (a weight at 0 is not moved by the search's factors)")
     a = ap.parse_args(argv)
     paths = a.tables + (["sweep pairs"] if a.sweep else [])
     tables = [problems(p) for p in a.tables] + ([sweep_pairs(a.sweep)] if a.sweep else [])
-    w, best = WEIGHTS, score(WEIGHTS, tables)
+    w = dataclasses.replace(WEIGHTS, **{f: float(v) for f, v in (s.split("=") for s in a.start)})
+    best = score(w, tables)
     improved = True
     while improved:
         improved = False
