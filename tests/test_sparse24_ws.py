@@ -71,7 +71,7 @@ def test_every_variant_compiles_for_sm90a(compile_for):
     from kernelplan.kernels.sparse24_ws import source
 
     cfgs = {WsConfig(256, 2, 2, 1, 5), WsConfig(64, 1, 1, 4, 8), WsConfig(96, 2, 1, 2, 8), WsConfig(128, 1, 4, 2, 8),
-            WsConfig(128, 2, stages=6, pp=True), WsConfig(48, 1, stages=8, pp=True), WsConfig(256, 2, stages=5, sk=True)}
+            WsConfig(128, 2, stages=6, pp=True), WsConfig(48, 1, stages=8, pp=True), WsConfig(256, 2, stages=5, sk=True), WsConfig(192, 3, 2, 1, 5), WsConfig(64, 3, stages=7, pp=True)}
     # Each tile once, the dtypes and epilogues taken in turn (a compile takes seconds on CI's two cores).
     variants = itertools.cycle((("bf16", True, "gelu"), ("f16", False, None)))
     for cfg, (dtype, bias, act) in zip(sorted(cfgs, key=str), variants):
@@ -257,3 +257,15 @@ def test_ping_pong_epilogue_puts_every_accumulator_in_its_place(ni, wm):
     assert len(staging) == bn * 64 * wm
     for addr, (row, col) in staging.items():
         assert addr == col * stride + row
+
+
+def test_wide_tiles_are_measured_beside_the_rule_and_fit():
+    """``wide`` adds tiles of 192 rows of W (three consumer warpgroups, or three 64-row blocks a ping-pong
+    warpgroup) within their register budget; the rule's own space has none."""
+    for n, m, k in ((256, 4608, 3584), (1024, 2304, 768), (4096, 768, 3072), (16, 8192, 8192)):
+        assert all(c.wm < 3 for c in ws_candidates(n, m, k)) and ws_config(n, m, k, 132).wm < 3
+        wide = [c for c in ws_candidates(n, m, k, between=True, wide=True) if c.wm == 3]
+        assert wide and all(c.shared <= SM_SHARED and c.stages >= 3 and not c.sk for c in wide)
+        assert all(c.bn * 3 <= 256 and c.threads == 384 if c.pp else c.bn <= 192 and c.threads == 512 for c in wide)
+    assert {c.bn for c in ws_candidates(4096, 4608, 3584, wide=True) if c.wm == 3 and not c.pp} == {64, 128}
+    assert {c.bn for c in ws_candidates(4096, 4608, 3584, wide=True) if c.wm == 3 and c.pp} == {64}

@@ -26,8 +26,11 @@ from .direct import FunctionLaunch, _stream
 from .sparse24_wg import WgKernel, instruction_n
 
 # The consumers' registers where a CTA has two consumer warpgroups (384 threads, 168 registers each at entry):
-# the producer gives up all but 40 (CUTLASS's split for the same CTA: 128 x 40 + 256 x 232 = 384 x 168).
-_CONSUMER_REGS = {1: 0, 2: 232}
+# the producer gives up all but 40 (CUTLASS's split for the same CTA: 128 x 40 + 256 x 232 = 384 x 168).  Three
+# (512 threads, 128 at entry): 128 x 40 + 384 x 152 = 63488 of the SM's 65536.
+_CONSUMER_REGS = {1: 0, 2: 232, 3: 152}
+# Three consumer warpgroups hold BN x 64 / 128 accumulators a thread each: at most 192 rows of x (96) in 152.
+_WIDE_MAX_BN = 192
 _MAX_STAGES = 8
 
 
@@ -98,18 +101,20 @@ _BETWEEN = (96, 160, 192, 224)
 
 
 def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = False,
-                  between: bool = False) -> list[WsConfig]:
+                  between: bool = False, wide: bool = False) -> list[WsConfig]:
     """Every tile the kernel can run for this problem, the rule's space: one CTA a tile (``sparse24_ws.cu``) and,
     with ``pingpong``, the persistent ping-pong tiles (``cfg.pp``).  With ``split``, the persistent variant with
     split tails (``cfg.sk``) too, which ``bench/sparse24_wg_tiles.py --kernel ws`` also measures; it is not the
     rule's: measured slower than the one-a-tile tiles on 86 of 88 problems (docs/design/0006).  With ``between``,
-    tiles of x of ``_BETWEEN`` rows too, where they are fewer than n."""
+    tiles of x of ``_BETWEEN`` rows too, where they are fewer than n.  With ``wide``, tiles of 192 rows of W too
+    (``wm = 3``: three consumer warpgroups, or a ping-pong warpgroup's three 64-row blocks), which fill the SMs
+    where 64 and 128 do not (docs/design/0016); measured beside the rule, not in it."""
     out = []
     fitted = -(-(-(-n // -(-n // 256))) // 16) * 16  # n in the fewest N tiles of at most 256, rounded to 16
     more = {b for b in _BETWEEN if b < n} if between else set()
     for bn in sorted({min(fitted, b) for b in (64, 128, 256)} | {fitted} | more):
-        for wm in (1, 2):
-            for cm in (1, 2, 4):
+        for wm in (1, 2, 3) if wide else (1, 2):
+            for cm in (1, 2, 4) if wm < 3 or bn <= _WIDE_MAX_BN else ():
                 for kc in (1, 2, 4):
                     if (k // 64) % kc or kc > 1 and k // 64 < 4 * kc or bn % (8 * kc) or bn % (8 * cm):
                         continue
@@ -118,7 +123,7 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
                     cfg = _deepest(bn, wm, cm, kc)
                     if cfg is not None:
                         out.append(cfg)
-            persistent = (_deepest(bn, wm, 1, 1, sk=True) if split else None,
+            persistent = (_deepest(bn, wm, 1, 1, sk=True) if split and wm < 3 else None,
                           _deepest(bn, wm, 1, 1, pp=True) if pingpong and bn % 16 == 0 and bn * wm <= 256 else None)
             out += [c for c in persistent if c is not None]
     return out
