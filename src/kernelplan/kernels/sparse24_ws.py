@@ -101,21 +101,23 @@ _BETWEEN = (96, 160, 192, 224)
 
 
 def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = False,
-                  between: bool = False, wide: bool = False) -> list[WsConfig]:
+                  between: bool = False) -> list[WsConfig]:
     """Every tile the kernel can run for this problem, the rule's space: one CTA a tile (``sparse24_ws.cu``) and,
     with ``pingpong``, the persistent ping-pong tiles (``cfg.pp``).  With ``split``, the persistent variant with
     split tails (``cfg.sk``) too, which ``bench/sparse24_wg_tiles.py --kernel ws`` also measures; it is not the
     rule's: measured slower than the one-a-tile tiles on 86 of 88 problems (docs/design/0006).  With ``between``,
-    tiles of x of ``_BETWEEN`` rows too, where they are fewer than n.  With ``wide``, tiles of 192 rows of W too
-    (``wm = 3``: three consumer warpgroups, or a ping-pong warpgroup's three 64-row blocks), which fill the SMs
-    where 64 and 128 do not (docs/design/0016); measured beside the rule, not in it."""
+    tiles of x of ``_BETWEEN`` rows too, where they are fewer than n.
+
+    Tiles of 192 rows of W (``wm = 3``: three consumer warpgroups, or a ping-pong warpgroup's three 64-row blocks)
+    fill the SMs where 64 and 128 rows do not (docs/design/0016).  They do not split K across a cluster: at n = 128
+    that lost to the 128-row tiles by up to 16% (sparse24-ws-wide-h100.json)."""
     out = []
     fitted = -(-(-(-n // -(-n // 256))) // 16) * 16  # n in the fewest N tiles of at most 256, rounded to 16
     more = {b for b in _BETWEEN if b < n} if between else set()
     for bn in sorted({min(fitted, b) for b in (64, 128, 256)} | {fitted} | more):
-        for wm in (1, 2, 3) if wide else (1, 2):
+        for wm in (1, 2, 3):
             for cm in (1, 2, 4) if wm < 3 or bn <= _WIDE_MAX_BN else ():
-                for kc in (1, 2, 4):
+                for kc in (1, 2, 4) if wm < 3 else (1,):
                     if (k // 64) % kc or kc > 1 and k // 64 < 4 * kc or bn % (8 * kc) or bn % (8 * cm):
                         continue
                     if cm * kc > 8 or cm > 1 and -(-m // (64 * wm)) < cm:  # 8 CTAs a cluster; an M group of tiles
@@ -195,7 +197,9 @@ class RuleWeights:
 # (8 layers of BERT / GPT-2 / Phi sizes, n = 1..256 and 512..4096, every candidate), and the 114 problems two H100
 # sweeps timed with different tiles (7548a19 and 695fe71).  The chosen tile's time against the best measured,
 # mean: 0.974, 0.967, 0.977, 0.997, 0.969 and 0.994; worst 0.72x (4608x3584 n = 4096).  An L2 term for one-wave
-# grids too was tried (695fe71) and lost on the sweep: docs/design/0014.
+# grids too was tried (695fe71) and lost on the sweep: docs/design/0014.  The tiles of 192 rows (56cd67b, the 6 least-cost
+# tiles and the 4 least-cost of 192 rows on 11 shapes x n = 128..4096, sparse24-ws-wide-h100.json) left the weights
+# where they were; the picks there: 0.98 of the best on average, none more than 3% under the old rule's.
 WEIGHTS = RuleWeights(mma=3.34, copy=0.00625, step=384, l2=0.014, cta=30600, split=18.6, pp_tile=6530,
                       cluster=10000)
 # Clusters of 4 or more CTAs of one SM each: cuOccupancyMaxActiveClusters gave 30 clusters of 4 (120 of 132 SMs).
