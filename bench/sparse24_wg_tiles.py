@@ -58,9 +58,9 @@ def _top(top: int, between: bool, sms: int, n: int, m: int, k: int) -> list:
     """The ``top`` tiles of least rule cost over the rule's space and (``between``) as many over the wider one,
     and as many of 192 rows of W (``wm = 3``)."""
     cost = lambda c: sparse24_ws.tile_cost(c, n, m, k, sms)
-    space = sparse24_ws.ws_candidates(n, m, k, between=between)
-    more = sorted(sparse24_ws.ws_candidates(n, m, k), key=cost)[:top] + sorted(space, key=cost)[:top]
-    return list(dict.fromkeys(more + sorted((c for c in space if c.wm == 3), key=cost)[:top]))
+    rule = sorted(sparse24_ws.ws_candidates(n, m, k), key=cost)
+    space = sorted(sparse24_ws.ws_candidates(n, m, k, between=True), key=cost) if between else rule
+    return list(dict.fromkeys(rule[:top] + space[:top] + [c for c in space if c.wm == 3][:top]))
 
 
 def main() -> int:

@@ -71,7 +71,8 @@ def test_every_variant_compiles_for_sm90a(compile_for):
     from kernelplan.kernels.sparse24_ws import source
 
     cfgs = {WsConfig(256, 2, 2, 1, 5), WsConfig(64, 1, 1, 4, 8), WsConfig(96, 2, 1, 2, 8), WsConfig(128, 1, 4, 2, 8),
-            WsConfig(128, 2, stages=6, pp=True), WsConfig(48, 1, stages=8, pp=True), WsConfig(256, 2, stages=5, sk=True), WsConfig(192, 3, 2, 1, 5), WsConfig(64, 3, stages=7, pp=True)}
+            WsConfig(128, 2, stages=6, pp=True), WsConfig(48, 1, stages=8, pp=True), WsConfig(256, 2, stages=5, sk=True),
+            WsConfig(192, 3, 2, 1, 5), WsConfig(64, 3, stages=7, pp=True)}
     # Each tile once, the dtypes and epilogues taken in turn (a compile takes seconds on CI's two cores).
     variants = itertools.cycle((("bf16", True, "gelu"), ("f16", False, None)))
     for cfg, (dtype, bias, act) in zip(sorted(cfgs, key=str), variants):
@@ -96,11 +97,13 @@ def test_tensor_maps_follow_x_between_calls(seed):
 def test_candidate_space_of_the_gpu_test_shapes(n, m, k):
     """The shapes test_sparse24_wg.py's every-candidate GPU test runs reach every kind of tile, clusters of both."""
     cands = ws_candidates(n, m, k)
-    assert {c.kc for c in cands} >= {1, 2, 4} and {c.wm for c in cands} == {1, 2, 3} and {c.cm for c in cands} == {1, 2, 4}
+    assert {c.kc for c in cands} >= {1, 2, 4} and {c.cm for c in cands} == {1, 2, 4}
+    assert {c.wm for c in cands} == {1, 2, 3}
     assert any(c.cm > 1 and c.kc > 1 for c in cands)
 
 
-@pytest.mark.parametrize("table", ["tiles-h100", "tiles-h200", "core-matrix-h100", "small-h100", "small-big-n-h100", "wide-h100"])
+@pytest.mark.parametrize("table", ["tiles-h100", "tiles-h200", "core-matrix-h100", "small-h100", "small-big-n-h100",
+                                   "wide-h100"])
 def test_tile_rule_matches_the_measured_tables(table):
     """The rule against the tiles it was fitted on (tools/fit_ws_rule.py): within 0.95x of the best tile on average
     and never below 0.7x; on the small layers (K <= 4096, n <= 256, where clusters cost more than they save) within

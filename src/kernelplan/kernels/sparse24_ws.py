@@ -197,9 +197,9 @@ class RuleWeights:
 # (8 layers of BERT / GPT-2 / Phi sizes, n = 1..256 and 512..4096, every candidate), and the 114 problems two H100
 # sweeps timed with different tiles (7548a19 and 695fe71).  The chosen tile's time against the best measured,
 # mean: 0.974, 0.967, 0.977, 0.997, 0.969 and 0.994; worst 0.72x (4608x3584 n = 4096).  An L2 term for one-wave
-# grids too was tried (695fe71) and lost on the sweep: docs/design/0014.  The tiles of 192 rows (56cd67b, the 6 least-cost
-# tiles and the 4 least-cost of 192 rows on 11 shapes x n = 128..4096, sparse24-ws-wide-h100.json) left the weights
-# where they were; the picks there: 0.98 of the best on average, none more than 3% under the old rule's.
+# grids too was tried (695fe71) and lost on the sweep: docs/design/0014.  The tiles of 192 rows (56cd67b, the 6
+# least-cost tiles and the 4 least-cost of 192 rows on 11 shapes x n = 128..4096, sparse24-ws-wide-h100.json) left
+# the weights where they were; the picks there: 0.98 of the best on average, none more than 3% under the old rule's.
 WEIGHTS = RuleWeights(mma=3.34, copy=0.00625, step=384, l2=0.014, cta=30600, split=18.6, pp_tile=6530,
                       cluster=10000)
 # Clusters of 4 or more CTAs of one SM each: cuOccupancyMaxActiveClusters gave 30 clusters of 4 (120 of 132 SMs).
