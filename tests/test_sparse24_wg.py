@@ -174,8 +174,7 @@ def test_every_candidate_tile_matches_fp64(backend, n, m, k, seed):
     w, x, b, run = _tiled_problem(n, m, k)
     ref = F.gelu(F.linear(x.double(), w.double(), b.double()))
     kernel = KERNELS[backend]()
-    space = {"cuda_wg": wg_candidates, "cuda_ws": functools.partial(ws_candidates, between=True, parts=True)}[backend]
-    for cfg in space(n, m, k):
+    for cfg in {"cuda_wg": wg_candidates, "cuda_ws": functools.partial(ws_candidates, between=True)}[backend](n, m, k):
         y = poisoned((n, m), torch.bfloat16, "cuda")
         run(*kernel.launch_config(cfg, n, m, "bf16", True, "gelu", 0), y)
         assert_close(y, ref, F.gelu(F.linear(x, w, b)), atol=FWD_ATOL[torch.bfloat16], what=str(cfg))

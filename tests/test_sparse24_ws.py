@@ -72,8 +72,7 @@ def test_every_variant_compiles_for_sm90a(compile_for):
 
     cfgs = {WsConfig(256, 2, 2, 1, 5), WsConfig(64, 1, 1, 4, 8), WsConfig(96, 2, 1, 2, 8), WsConfig(128, 1, 4, 2, 8),
             WsConfig(128, 2, stages=6, pp=True), WsConfig(48, 1, stages=8, pp=True), WsConfig(256, 2, stages=5, sk=True),
-            WsConfig(192, 3, 2, 1, 5), WsConfig(64, 3, stages=7, pp=True), WsConfig(64, 1, stages=8, ks=2),
-            WsConfig(128, 1, 2, 1, 8, ks=2)}
+            WsConfig(192, 3, 2, 1, 5), WsConfig(64, 3, stages=7, pp=True)}
     # Each tile once, the dtypes and epilogues taken in turn (a compile takes seconds on CI's two cores).
     variants = itertools.cycle((("bf16", True, "gelu"), ("f16", False, None)))
     for cfg, (dtype, bias, act) in zip(sorted(cfgs, key=str), variants):
@@ -101,7 +100,6 @@ def test_candidate_space_of_the_gpu_test_shapes(n, m, k):
     assert {c.kc for c in cands} >= {1, 2, 4} and {c.cm for c in cands} == {1, 2, 4}
     assert {c.wm for c in cands} == {1, 2, 3}
     assert any(c.cm > 1 and c.kc > 1 for c in cands)
-    assert {c.ks for c in ws_candidates(n, m, k, parts=True)} == {1, 2}
 
 
 @pytest.mark.parametrize("table", ["tiles-h100", "tiles-h200", "core-matrix-h100", "small-h100", "small-big-n-h100",
@@ -272,35 +270,3 @@ def test_tiles_of_192_rows_fit_and_the_rule_picks_them_where_they_fill_the_sms()
     assert {c.bn for c in ws_candidates(4096, 4608, 3584) if c.wm == 3 and not c.pp} == {64, 128}
     assert {c.bn for c in ws_candidates(4096, 4608, 3584) if c.wm == 3 and c.pp} == {64}
     assert ws_config(512, 4608, 3584, 132).wm == 3
-
-
-def test_k_parts_in_a_cta_split_the_ring_by_stage_and_stay_beside_the_rule():
-    """ks = 2: two consumer warpgroups of one 64-row block of W, each its own half of the stages (an even ring),
-    their sums meeting in shared memory; only where each part keeps 4 steps, and not the rule's until measured."""
-    cands = ws_candidates(64, 1024, 1024, parts=True)
-    parts = [c for c in cands if c.ks > 1]
-    assert parts and all(c.ks == 2 and c.wm == 1 and c.kc == 1 and not c.pp and not c.sk for c in parts)
-    assert all(c.stages % 2 == 0 and c.stages >= 4 and c.shared <= SM_SHARED and c.threads == 384 for c in parts)
-    assert not any(c.ks > 1 for c in ws_candidates(64, 1024, 1024))
-    assert not any(c.ks > 1 for c in ws_candidates(64, 1024, 448, parts=True))  # 7 steps: fewer than 4 a part
-    assert all(c.ks == 1 for c in (ws_config(n, m, k, 132) for n in (1, 64, 512) for m, k in ((768, 768), (4096, 4096))))
-    tile = WsConfig(256, 1, stages=4, ks=2)
-    assert tile.shared == max(4 * tile.stage_bytes, 2 * 256 * 68 * 4) + 16 * 4 + 1024
-    assert eval(repr(tile), {"WsConfig": WsConfig}) == tile and repr(tile).endswith("sk=False, ks=2)")
-    for bad in (dict(stages=7, ks=2), dict(stages=8, ks=2, pp=True), dict(stages=8, ks=2, wm=2)):
-        with pytest.raises(ValueError, match="K parts in a CTA"):
-            WsConfig(64, **{"wm": 1, **bad})
-
-
-def test_k_parts_take_every_step_once_each_part_its_own_stages():
-    """The kernel's split of a CTA's steps (consume_steps' g0 = part, STRIDE = KS): every step once, and a stage's
-    successive uses by one part only, so waits by parity see that part's phases alone."""
-    for steps in range(8, 40):
-        for stages in (4, 6, 8):
-            taken = {}
-            for part in range(2):
-                count = (steps - part + 1) // 2
-                for s in range(count):
-                    taken.setdefault(part + 2 * s, []).append(part)
-            assert sorted(taken) == list(range(steps)) and all(len(v) == 1 for v in taken.values())
-            assert all(taken[g][0] == taken[g % stages][0] for g in taken)

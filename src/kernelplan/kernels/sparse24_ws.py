@@ -44,21 +44,16 @@ class WsConfig:
     sk: bool = False  # persistent, tail tiles split along K (cuda/sparse24_sk.cu, sk_plan): one CTA an SM, no clusters
     pp: bool = False  # persistent ping-pong (cuda/sparse24_pp.cu): one CTA an SM, each consumer warpgroup its own
     #                   tile of BN x 64 wm, no clusters
-    ks: int = 1  # parts of the CTA's K loop, each run by wm consumer warpgroups of their own (one CTA a tile only)
 
     def __post_init__(self):
         if self.pp and (self.sk or self.cm > 1 or self.kc > 1 or self.bn % 16 or self.bn * self.wm > 256):
             raise ValueError(f"{self}: a ping-pong tile has no split or cluster, BN a multiple of 16, and at most "
                              f"256 x 64 accumulators a warpgroup (BN x wm <= 256)")
-        if self.ks > 1 and (self.sk or self.pp or self.stages % self.ks or self.wm * self.ks > 3):
-            raise ValueError(f"{self}: K parts in a CTA need one CTA a tile, a ring of a multiple of ks stages, and "
-                             f"at most 3 consumer warpgroups (wm x ks <= 3)")
 
     def __repr__(self) -> str:
-        # The measured tables (bench/results/sparse24-ws-tiles-*.json) are keyed by this text: pp and ks only where
-        # set.
+        # The measured tables (bench/results/sparse24-ws-tiles-*.json) are keyed by this text: pp only where set.
         return (f"WsConfig(bn={self.bn}, wm={self.wm}, cm={self.cm}, kc={self.kc}, stages={self.stages}, "
-                f"sk={self.sk}" + (", pp=True" if self.pp else "") + (f", ks={self.ks}" if self.ks > 1 else "") + ")")
+                f"sk={self.sk}" + (", pp=True)" if self.pp else ")"))
 
     @property
     def ni(self) -> int:
@@ -69,13 +64,8 @@ class WsConfig:
         return 64 * self.wm
 
     @property
-    def warpgroups(self) -> int:
-        """Consumer warpgroups a CTA."""
-        return 2 if self.pp else self.wm * self.ks
-
-    @property
     def threads(self) -> int:
-        return 128 * (self.warpgroups + 1)
+        return 384 if self.pp else 128 * (self.wm + 1)
 
     @property
     def stage_bytes(self) -> int:
@@ -92,19 +82,17 @@ class WsConfig:
         """Dynamic shared memory: the ring (or the partial sums, where they meet in shared memory: not persistent),
         the ping-pong's two staging buffers of y, the mbarriers (and the ping-pong's two order barriers), and 1 KiB
         to align to 1024."""
-        sums = 0 if self.sk or self.pp else self.bn * (self.rows + 4) * 4 * self.ks
+        sums = 0 if self.sk or self.pp else self.bn * (self.rows + 4) * 4
         bars = 16 * self.stages + (16 if self.pp else 0)
         return max(self.stages * self.stage_bytes, sums) + 2 * self.staging_bytes + bars + 1024
 
 
-def _deepest(bn: int, wm: int, cm: int, kc: int, sk: bool = False, pp: bool = False, ks: int = 1) -> WsConfig | None:
-    """The tile with the deepest ring (up to 8 steps, a multiple of ks) that fits the SM's shared memory; None if
-    not 3 (4 where ks = 2)."""
+def _deepest(bn: int, wm: int, cm: int, kc: int, sk: bool = False, pp: bool = False) -> WsConfig | None:
+    """The tile with the deepest ring (up to 8 steps) that fits the SM's shared memory; None if not 3."""
     one = WsConfig(bn, wm, cm, kc, 1, sk, pp)
     stages = min(_MAX_STAGES, (SM_SHARED - 1024 - 16 * _MAX_STAGES - 16 - 2 * one.staging_bytes) // one.stage_bytes)
-    stages -= stages % ks
-    cfg = WsConfig(bn, wm, cm, kc, stages, sk, pp, ks) if stages else None
-    return cfg if stages >= max(3, 2 * ks) and cfg.shared <= SM_SHARED else None
+    cfg = WsConfig(bn, wm, cm, kc, stages, sk, pp)
+    return cfg if stages >= 3 and cfg.shared <= SM_SHARED else None
 
 
 # Tiles of x past the halvings of 256 where one of them fills the SMs' waves better: 36 tiles of 128 rows of W at
@@ -113,13 +101,12 @@ _BETWEEN = (96, 160, 192, 224)
 
 
 def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = False,
-                  between: bool = False, parts: bool = False) -> list[WsConfig]:
+                  between: bool = False) -> list[WsConfig]:
     """Every tile the kernel can run for this problem, the rule's space: one CTA a tile (``sparse24_ws.cu``) and,
     with ``pingpong``, the persistent ping-pong tiles (``cfg.pp``).  With ``split``, the persistent variant with
     split tails (``cfg.sk``) too, which ``bench/sparse24_wg_tiles.py --kernel ws`` also measures; it is not the
     rule's: measured slower than the one-a-tile tiles on 86 of 88 problems (docs/design/0006).  With ``between``,
-    tiles of x of ``_BETWEEN`` rows too, where they are fewer than n.  With ``parts``, tiles of 64 rows of W whose K
-    loop two consumer warpgroups split (``ks = 2``), without clusters along K, where each part keeps 4 steps.
+    tiles of x of ``_BETWEEN`` rows too, where they are fewer than n.
 
     Tiles of 192 rows of W (``wm = 3``: three consumer warpgroups, or a ping-pong warpgroup's three 64-row blocks)
     fill the SMs where 64 and 128 rows do not (docs/design/0016).  They do not split K across a cluster: at n = 128
@@ -135,10 +122,9 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
                         continue
                     if cm * kc > 8 or cm > 1 and -(-m // (64 * wm)) < cm:  # 8 CTAs a cluster; an M group of tiles
                         continue
-                    for ks in (1, 2) if parts and wm == 1 and kc == 1 and k // 64 >= 8 else (1,):
-                        cfg = _deepest(bn, wm, cm, kc, ks=ks)
-                        if cfg is not None:
-                            out.append(cfg)
+                    cfg = _deepest(bn, wm, cm, kc)
+                    if cfg is not None:
+                        out.append(cfg)
             persistent = (_deepest(bn, wm, 1, 1, sk=True) if split and wm < 3 else None,
                           _deepest(bn, wm, 1, 1, pp=True) if pingpong and bn % 16 == 0 and bn * wm <= 256 else None)
             out += [c for c in persistent if c is not None]
@@ -202,8 +188,6 @@ class RuleWeights:
     #                 does not hide it)
     cluster: float = 0.0  # per CTA of a cluster of more than one (cm x kc > 1): the cluster barriers at its start
     #                       and end, whatever its K loop (sparse24-ws-small-h100.json: up to 0.73x at K <= 1024)
-    part: float = 0.5  # K split in a CTA (ks): the share of ``step`` each extra part's warpgroups hide
-    part_sum: float = 18.6  # per (row x 64-row block) of a tile's partial sums met in shared memory, per extra part
 
 
 # Fitted (tools/fit_ws_rule.py) on five tables of tiles timed as CUDA graph replays (bench/sparse24_wg_tiles.py
@@ -229,13 +213,11 @@ def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = 
     step_bytes = cfg.bn * 128 / cfg.cm + cfg.wm * 4608
     usable = int(sms * _BIG_CLUSTER_SMS) if cfg.cm * cfg.kc >= 4 else sms
     waves = -(-ctas // usable)  # ping-pong: tiles a CTA, one after another
-    waits = w.step * (1 - w.part * (cfg.ks - 1) / cfg.ks)  # the parts' warpgroups wait at once
-    step = waits + max(cfg.bn * cfg.wm * w.mma, step_bytes * w.copy) + (w.l2 * step_bytes if waves > 1 else 0)
+    step = w.step + max(cfg.bn * cfg.wm * w.mma, step_bytes * w.copy) + (w.l2 * step_bytes if waves > 1 else 0)
     if cfg.pp:
         return waves * (k // 64 * step + w.pp_tile) + w.cta - w.pp_tile
     clustered = w.cluster if cfg.cm * cfg.kc > 1 else 0.0
-    sums = (w.split * (cfg.kc - 1) + w.part_sum * (cfg.ks - 1)) * cfg.bn * cfg.wm
-    return waves * ((k // 64 // cfg.kc) * step + w.cta + clustered + sums)
+    return waves * ((k // 64 // cfg.kc) * step + w.cta + clustered + w.split * (cfg.kc - 1) * cfg.bn * cfg.wm)
 
 
 def rule_order(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) -> tuple[float, bool]:
@@ -256,9 +238,8 @@ def source(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None) ->
     """The CUDA C++ of one kernel variant (``kp_sparse24_ws``; ``kp_sparse24_sk`` where ``cfg.sk``,
     ``kp_sparse24_pp`` where ``cfg.pp``), compiled by NVRTC for sm_90a."""
     clusters = {} if cfg.sk or cfg.pp else {"CM": cfg.cm, "KC": cfg.kc}
-    parts = {"KS": cfg.ks} if cfg.ks > 1 else {}
-    head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, **parts, **clusters,
-                   STAGES=cfg.stages, CONSUMER_REGS=_CONSUMER_REGS[cfg.warpgroups])
+    head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, **clusters, STAGES=cfg.stages,
+                   CONSUMER_REGS=_CONSUMER_REGS[2 if cfg.pp else cfg.wm])
     return head + COMMON_SOURCE + cuda_source(_SOURCE[_kind(cfg)])
 
 

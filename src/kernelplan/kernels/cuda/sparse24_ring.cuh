@@ -1,8 +1,7 @@
 // What the warp-specialized wgmma.sp kernels (sparse24_ws.cu, sparse24_sk.cu) share: the sizes of a CTA and of
 // its ring of shared-memory stages, and the consumers' K loop over the ring.
 //
-// Needs wgmma_sp.cuh, hopper.cuh and the variant's #defines BN, NI, WM, CM, STAGES, and KS where a CTA's K loop is
-// split between its consumer warpgroups (sparse24_ws.cu).  The ring's stage b is
+// Needs wgmma_sp.cuh, hopper.cuh and the variant's #defines BN, NI, WM, CM, STAGES.  The ring's stage b is
 // x's BN x 64 box (128-byte swizzle) then the CTA's tiles' values and metadata for one 64-column step; its
 // "full" mbarrier is at full0 + 8 b and its "empty" one at empty0 + 8 b.
 //
@@ -13,10 +12,7 @@
 // kTiles * 256 bytes apart.
 #pragma once
 
-#ifndef KS
-#define KS 1
-#endif
-constexpr int kConsumers = 128 * WM * KS;
+constexpr int kConsumers = 128 * WM;
 constexpr int kThreads = kConsumers + 128;
 constexpr int kBM = 64 * WM;                       // rows of W a CTA
 constexpr int kTiles = 4 * WM;                     // 16-row tiles of W a CTA
@@ -83,14 +79,13 @@ __device__ __forceinline__ void release_stage(u32 bar, int lane, int wq, int cz)
     }
 }
 
-// acc += this warpgroup's 64-row blocks of W x x's box over `count` ring steps, the g0-th first and every STRIDE-th
-// after it (the warpgroup's share of a K loop split STRIDE ways in the CTA): BLOCKS blocks
+// acc += this warpgroup's 64-row blocks of W x x's box over `count` ring steps, the g0-th first: BLOCKS blocks
 // (BLOCKS m64 instructions a k32), block b being tiles tl / 4 * 4 + 4 b ... + 3 and this warp's metadata that of
 // tile tl + 4 b.  wgmma reads A (the values) and B (x) from the stage; only the metadata word passes through
 // registers.  Each stage is released once the MMAs that read it are done, the last one before returning where
 // RELEASE_LAST (a kernel that runs on past its K loop); without it the kernel's last stage stays taken: releasing
 // it there made ptxas serialize the loop's wgmmas (its warning C7515) in sparse24_ws.cu.
-template <bool RELEASE_LAST, int BLOCKS = 1, int STRIDE = 1>
+template <bool RELEASE_LAST, int BLOCKS = 1>
 __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc], u32 sbase, u32 full0, u32 empty0,
                                               int g0, int count, int tl, int lane, int wq, int cz)
 {
@@ -100,7 +95,7 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
         for (int p = 0; p < 2; ++p) {  // p: which register set (compile-time), so no set is indexed at run time
             const int s = s0 + p;
             if (s < count) {
-                const int g = g0 + s * STRIDE, b = ring_stage(g);
+                const int g = g0 + s, b = ring_stage(g);
                 mbar_wait(full0 + 8 * b, ring_parity(g));
                 const u32 at = sbase + b * kStageBytes;
 #pragma unroll
@@ -119,12 +114,12 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
                     }
                 }
                 wg_commit();
-                wg_wait<1>();  // the previous step's MMAs are done: its stage and its metadata register are free
+                wg_wait<1>();  // step g - 1's MMAs are done: its stage and its metadata register are free
                 // The other set stays allocated until here, so the compiler cannot reuse its registers
                 // while step g - 1's MMAs might still read them.
 #pragma unroll
                 for (int j = 0; j < BLOCKS; ++j) keep_word(e[p ^ 1][j]);
-                if (s > 0) release_stage(empty0 + 8 * ring_stage(g - STRIDE), lane, wq, cz);
+                if (s > 0) release_stage(empty0 + 8 * ring_stage(g - 1), lane, wq, cz);
             }
         }
     }
@@ -133,5 +128,5 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
     for (int j = 0; j < BLOCKS; ++j)
 #pragma unroll
         for (int i = 0; i < kInst; ++i) keep(acc[j][i]);
-    if (RELEASE_LAST && count > 0) release_stage(empty0 + 8 * ring_stage(g0 + (count - 1) * STRIDE), lane, wq, cz);
+    if (RELEASE_LAST && count > 0) release_stage(empty0 + 8 * ring_stage(g0 + count - 1), lane, wq, cz);
 }

@@ -18,30 +18,25 @@
 // synchronizes the whole CTA inside the K loop (sparse24_wg.cu's __syncthreads per stage did).
 //
 // A CTA is one producer warpgroup (one thread issues the copies; setmaxnreg gives its registers to the
-// consumers) and WM x KS consumer warpgroups: WM blocks of 64 rows of W, each block's K loop split KS ways, the
-// warpgroups of part p taking steps p, p + KS, ...  With STAGES a multiple of KS each stage of the ring then serves
-// one part only, so a part's waits by parity never see another part's phase; the parts' sums meet in shared memory.
-// Where the grid is smaller than the SMs, that shortens each CTA's chain of dependent MMAs and barrier waits
-// (docs/design/0017).  A cluster is CM x KC CTAs (grid y, z):
+// consumers) and WM consumer warpgroups of 64 rows of W each.  A cluster is CM x KC CTAs (grid y, z):
 //  * CM CTAs along M share x's tile: each loads BN / CM of its rows and multicasts them to all CM, which
 //    divides x's traffic from L2 by CM, and each CTA's consumers release a stage in all CM CTAs;
 //  * KC CTAs along K split it; their partial sums meet through distributed shared memory, each CTA
 //    writing BN / KC rows of y.
 //
 // Compile-time sizes come from the variant's #defines: BN (rows of x a CTA), NI (wgmma N per
-// instruction), WM, KS, CM, KC, STAGES, CONSUMER_REGS (0: no setmaxnreg), IS_BF16, HAS_BIAS, ACT, DT.
+// instruction), WM, CM, KC, STAGES, CONSUMER_REGS (0: no setmaxnreg), IS_BF16, HAS_BIAS, ACT, DT.
 
 #include "wgmma_sp.cuh"
 #include "hopper.cuh"
 #include "sparse24_ring.cuh"
 
 constexpr int kRedStride = kBM + 4;                // f32 partial sums [BN][kBM + 4]: rows 16-byte aligned
-constexpr int kRedBytes = BN * kRedStride * 4;     // one K part's sums; part p's at p kRedBytes
-constexpr int kBarOffset = kRingBytes > KS * kRedBytes ? kRingBytes : KS * kRedBytes;  // the mbarriers, past both
+constexpr int kRedBytes = BN * kRedStride * 4;
+constexpr int kBarOffset = kRingBytes > kRedBytes ? kRingBytes : kRedBytes;  // the mbarriers, past both
 constexpr int kXPart = BN / CM;                    // rows of x each CTA of an M group loads for all of them
 static_assert(BN % KC == 0, "each CTA of a cluster writes BN / KC rows of y");
 static_assert(kXPart % 8 == 0, "each part of x starts on a 1024-byte swizzle phase");
-static_assert(STAGES % KS == 0, "a stage serves one K part of the CTA");
 
 #if CM * KC > 1
 #define KP_CLUSTER __cluster_dims__(1, CM, KC)
@@ -103,7 +98,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #if CONSUMER_REGS
         regs_up<CONSUMER_REGS>();
 #endif
-        const int wg = warp / 4 - 1, wm = wg % WM, part = wg / WM, wq = warp & 3;
+        const int wm = warp / 4 - 1, wq = warp & 3;
         const int tl = wm * 4 + wq;                             // this warp's tile within the CTA
         float blocks[1][kInst][kAcc];  // one 64-row block of W a warpgroup
         float (&acc)[kInst][kAcc] = blocks[0];
@@ -111,11 +106,11 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         for (int i = 0; i < kInst; ++i)
 #pragma unroll
             for (int r = 0; r < kAcc; ++r) acc[i][r] = 0.f;
-        consume_steps<false, 1, KS>(blocks, sbase, full0, empty0, part, (steps - part + KS - 1) / KS, tl, lane, wq, cz);
+        consume_steps<false>(blocks, sbase, full0, empty0, 0, steps, tl, lane, wq, cz);
 
         // Every consumer is past its last MMA before the ring is reused for the partial sums.
         named_sync(1, kConsumers);
-        float *red = (float *)(smem_raw + (sbase - sraw + part * kRedBytes));  // [BN][kRedStride]
+        float *red = (float *)(smem_raw + (sbase - sraw));  // [BN][kRedStride]
         store_acc<NI>(red, acc, wm * 64 + wq * 16, kRedStride, lane);
     }
 
@@ -125,8 +120,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     if (warp >= 4) named_sync(1, kConsumers);
 #endif
     if (warp >= 4) {
-        // Bias, activation and y, 8 rows of W (16 bytes of y) a thread, along M: the K slices in rank order, each
-        // CTA's K parts in order.
+        // Bias, activation and y, 8 rows of W (16 bytes of y) a thread, along M: the K slices in rank order.
         const int rows_here = BN / KC, nl0 = blockIdx.z * rows_here, m0 = blockIdx.y * kBM;
         const bool vec = syn % 8 == 0 && ((unsigned long long)y & 15) == 0;
         for (int idx = threadIdx.x - 128; idx < rows_here * (kBM / 8); idx += kConsumers) {
@@ -135,12 +129,11 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
             const u32 at = sbase + (nl * kRedStride + m8 * 8) * 4;
             float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int r = 0; r < KC * KS; ++r) {
-                const u32 part = at + (r % KS) * kRedBytes;
+            for (int r = 0; r < KC; ++r) {
 #if KC > 1
-                const float4 lo = ld_peer4(part, cy + r / KS * CM), hi = ld_peer4(part + 16, cy + r / KS * CM);
+                const float4 lo = ld_peer4(at, cy + r * CM), hi = ld_peer4(at + 16, cy + r * CM);
 #else
-                const float4 lo = lds4f(part), hi = lds4f(part + 16);
+                const float4 lo = lds4f(at), hi = lds4f(at + 16);
 #endif
                 v[0] += lo.x; v[1] += lo.y; v[2] += lo.z; v[3] += lo.w;
                 v[4] += hi.x; v[5] += hi.y; v[6] += hi.z; v[7] += hi.w;
