@@ -32,7 +32,6 @@ _CONSUMER_REGS = {1: 0, 2: 232, 3: 152}
 # Three consumer warpgroups hold BN x 64 / 128 accumulators a thread each: at most 192 rows of x (96) in 152.
 _WIDE_MAX_BN = 192
 _MAX_STAGES = 8
-_DEEP_STAGES = 16  # ws_candidates(deep=True): rings past 8 steps, where a small tile leaves the shared memory for them
 
 
 @dataclass(frozen=True)
@@ -88,11 +87,10 @@ class WsConfig:
         return max(self.stages * self.stage_bytes, sums) + 2 * self.staging_bytes + bars + 1024
 
 
-def _deepest(bn: int, wm: int, cm: int, kc: int, sk: bool = False, pp: bool = False,
-             most: int = _MAX_STAGES) -> WsConfig | None:
-    """The tile with the deepest ring (up to ``most`` steps) that fits the SM's shared memory; None if not 3."""
+def _deepest(bn: int, wm: int, cm: int, kc: int, sk: bool = False, pp: bool = False) -> WsConfig | None:
+    """The tile with the deepest ring (up to 8 steps) that fits the SM's shared memory; None if not 3."""
     one = WsConfig(bn, wm, cm, kc, 1, sk, pp)
-    stages = min(most, (SM_SHARED - 1024 - 16 * most - 16 - 2 * one.staging_bytes) // one.stage_bytes)
+    stages = min(_MAX_STAGES, (SM_SHARED - 1024 - 16 * _MAX_STAGES - 16 - 2 * one.staging_bytes) // one.stage_bytes)
     cfg = WsConfig(bn, wm, cm, kc, stages, sk, pp)
     return cfg if stages >= 3 and cfg.shared <= SM_SHARED else None
 
@@ -103,13 +101,12 @@ _BETWEEN = (96, 160, 192, 224)
 
 
 def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = False,
-                  between: bool = False, deep: bool = False) -> list[WsConfig]:
+                  between: bool = False) -> list[WsConfig]:
     """Every tile the kernel can run for this problem, the rule's space: one CTA a tile (``sparse24_ws.cu``) and,
     with ``pingpong``, the persistent ping-pong tiles (``cfg.pp``).  With ``split``, the persistent variant with
     split tails (``cfg.sk``) too, which ``bench/sparse24_wg_tiles.py --kernel ws`` also measures; it is not the
     rule's: measured slower than the one-a-tile tiles on 86 of 88 problems (docs/design/0006).  With ``between``,
-    tiles of x of ``_BETWEEN`` rows too, where they are fewer than n.  With ``deep``, each tile whose ring could
-    hold more than 8 steps (up to ``_DEEP_STAGES``) in that deeper form too, where K has more than 8 steps.
+    tiles of x of ``_BETWEEN`` rows too, where they are fewer than n.
 
     Tiles of 192 rows of W (``wm = 3``: three consumer warpgroups, or a ping-pong warpgroup's three 64-row blocks)
     fill the SMs where 64 and 128 rows do not (docs/design/0016).  They do not split K across a cluster: at n = 128
@@ -125,13 +122,12 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
                         continue
                     if cm * kc > 8 or cm > 1 and -(-m // (64 * wm)) < cm:  # 8 CTAs a cluster; an M group of tiles
                         continue
-                    out.append(_deepest(bn, wm, cm, kc))
-            out += [_deepest(bn, wm, 1, 1, sk=True) if split and wm < 3 else None,
-                    _deepest(bn, wm, 1, 1, pp=True) if pingpong and bn % 16 == 0 and bn * wm <= 256 else None]
-    out = [c for c in out if c is not None]
-    if deep and k // 64 > _MAX_STAGES:
-        deeper = [_deepest(c.bn, c.wm, c.cm, c.kc, c.sk, c.pp, most=min(_DEEP_STAGES, k // 64 // c.kc)) for c in out]
-        out += [d for d in deeper if d is not None and d.stages > _MAX_STAGES]
+                    cfg = _deepest(bn, wm, cm, kc)
+                    if cfg is not None:
+                        out.append(cfg)
+            persistent = (_deepest(bn, wm, 1, 1, sk=True) if split and wm < 3 else None,
+                          _deepest(bn, wm, 1, 1, pp=True) if pingpong and bn % 16 == 0 and bn * wm <= 256 else None)
+            out += [c for c in persistent if c is not None]
     return out
 
 
