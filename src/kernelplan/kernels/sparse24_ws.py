@@ -101,12 +101,13 @@ _BETWEEN = (96, 160, 192, 224)
 
 
 def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = False,
-                  between: bool = False) -> list[WsConfig]:
+                  between: bool = False, narrow: bool = False) -> list[WsConfig]:
     """Every tile the kernel can run for this problem, the rule's space: one CTA a tile (``sparse24_ws.cu``) and,
     with ``pingpong``, the persistent ping-pong tiles (``cfg.pp``).  With ``split``, the persistent variant with
     split tails (``cfg.sk``) too, which ``bench/sparse24_wg_tiles.py --kernel ws`` also measures; it is not the
     rule's: measured slower than the one-a-tile tiles on 86 of 88 problems (docs/design/0006).  With ``between``,
-    tiles of x of ``_BETWEEN`` rows too, where they are fewer than n.
+    tiles of x of ``_BETWEEN`` rows too, where they are fewer than n.  With ``narrow``, tiles of x of 16 and 32 rows
+    too where n needs more: more CTAs, each with a shorter MMA a step.
 
     Tiles of 192 rows of W (``wm = 3``: three consumer warpgroups, or a ping-pong warpgroup's three 64-row blocks)
     fill the SMs where 64 and 128 rows do not (docs/design/0016).  They do not split K across a cluster: at n = 128
@@ -114,6 +115,7 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
     out = []
     fitted = -(-(-(-n // -(-n // 256))) // 16) * 16  # n in the fewest N tiles of at most 256, rounded to 16
     more = {b for b in _BETWEEN if b < n} if between else set()
+    more |= {b for b in (16, 32) if b < n} if narrow else set()
     for bn in sorted({min(fitted, b) for b in (64, 128, 256)} | {fitted} | more):
         for wm in (1, 2, 3):
             for cm in (1, 2, 4) if wm < 3 or bn <= _WIDE_MAX_BN else ():
