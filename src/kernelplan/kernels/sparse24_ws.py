@@ -98,16 +98,23 @@ def _deepest(bn: int, wm: int, cm: int, kc: int, sk: bool = False, pp: bool = Fa
 # Tiles of x past the halvings of 256 where one of them fills the SMs' waves better: 36 tiles of 128 rows of W at
 # n = 1024 are 144 CTAs of 256 rows of x (two waves on 132 SMs, the second 12 CTAs) or 216 of 192 rows.
 _BETWEEN = (96, 160, 192, 224)
+# Tiles of x narrower than n needs (16, 32 rows), of one 64-row block of W, up to this many K steps: they ran
+# 0.91-0.97x dense where the halvings ran 0.87-0.93x on BERT / GPT-2-sized layers at n = 32-256, and lost at K of
+# 3072 and more, or with more rows of W a CTA (sparse24-ws-narrow-h100.json).
+_NARROW_MAX_STEPS = 16
 
 
 def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = False,
-                  between: bool = False, narrow: bool = False) -> list[WsConfig]:
+                  between: bool = False) -> list[WsConfig]:
     """Every tile the kernel can run for this problem, the rule's space: one CTA a tile (``sparse24_ws.cu``) and,
     with ``pingpong``, the persistent ping-pong tiles (``cfg.pp``).  With ``split``, the persistent variant with
     split tails (``cfg.sk``) too, which ``bench/sparse24_wg_tiles.py --kernel ws`` also measures; it is not the
     rule's: measured slower than the one-a-tile tiles on 86 of 88 problems (docs/design/0006).  With ``between``,
-    tiles of x of ``_BETWEEN`` rows too, where they are fewer than n.  With ``narrow``, tiles of x of 16 and 32 rows
-    too where n needs more: more CTAs, each with a shorter MMA a step.
+    tiles of x of ``_BETWEEN`` rows too, where they are fewer than n.
+
+    Where K is at most ``_NARROW_MAX_STEPS`` steps, tiles of 16 and 32 rows of x of one 64-row block of W too, where n
+    needs more: a short K loop leaves a CTA's time to its fixed costs, and a grid of more, smaller CTAs fills more
+    SMs (docs/design/0017).
 
     Tiles of 192 rows of W (``wm = 3``: three consumer warpgroups, or a ping-pong warpgroup's three 64-row blocks)
     fill the SMs where 64 and 128 rows do not (docs/design/0016).  They do not split K across a cluster: at n = 128
@@ -115,9 +122,10 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
     out = []
     fitted = -(-(-(-n // -(-n // 256))) // 16) * 16  # n in the fewest N tiles of at most 256, rounded to 16
     more = {b for b in _BETWEEN if b < n} if between else set()
-    more |= {b for b in (16, 32) if b < n} if narrow else set()
-    for bn in sorted({min(fitted, b) for b in (64, 128, 256)} | {fitted} | more):
-        for wm in (1, 2, 3):
+    halvings = {min(fitted, b) for b in (64, 128, 256)} | {fitted}
+    narrow = {b for b in (16, 32) if b < n} - halvings if k // 64 <= _NARROW_MAX_STEPS else set()
+    for bn in sorted(halvings | more | narrow):
+        for wm in (1,) if bn in narrow else (1, 2, 3):
             for cm in (1, 2, 4) if wm < 3 or bn <= _WIDE_MAX_BN else ():
                 for kc in (1, 2, 4) if wm < 3 else (1,):
                     if (k // 64) % kc or kc > 1 and k // 64 < 4 * kc or bn % (8 * kc) or bn % (8 * cm):
