@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from .errors import DeviceFailed, DeviceFault, StaleBuffer
 from .requests import Buffer, Reply, buffers_in
-from .worker import rebuild, send_message
+from .worker import FrameReader, rebuild, send_message
 
 _START_TIMEOUT_S = 120  # a spawned worker imports torch before it answers
 BACKENDS = ("local", "ray")
@@ -118,6 +118,9 @@ class _DeviceWorker(SupervisedWorker):
         self.device, self.max_restarts, self.period_s = device, max_restarts, period_s
         self._ctx = mp.get_context("spawn")
         self._lock = threading.Lock()
+        # Writes to the pipe, apart from _lock: a write under _lock made the reader thread, come to resolve replies
+        # while it ran, sleep on _lock and be woken again (two thread switches a request on 2 cores).
+        self._send_lock = threading.Lock()
         self._ready = threading.Event()
         self._ids = itertools.count()
         self.generation = 0
@@ -157,9 +160,10 @@ class _DeviceWorker(SupervisedWorker):
     def _read(self, conn, generation: int) -> None:
         sticky = None
         skus = {-1: None}  # this worker generation's skus, by the index its "ran" batches use
+        reader = FrameReader(conn)
         while True:
             try:
-                kind, rid, value = conn.recv()
+                kind, rid, value = reader.recv()
             except (EOFError, OSError):
                 break
             except Exception as e:  # noqa: BLE001  a reply that cannot be read: its request is unknown, so the
@@ -210,7 +214,8 @@ class _DeviceWorker(SupervisedWorker):
         self._closing = True
         self._ready.wait(timeout=_START_TIMEOUT_S)  # a restart under way finishes first
         try:
-            self.conn.send(("stop", None))
+            with self._send_lock:
+                self.conn.send(("stop", None))
         except (OSError, ValueError):
             pass
         self.proc.join(timeout=10)
@@ -227,7 +232,8 @@ class _DeviceWorker(SupervisedWorker):
         first (a new buffer's slot) and its value goes in the message's tail.  ``outputs``: a run's, for its Reply."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         while True:
-            self._ready.wait()
+            if not self._ready.is_set():
+                self._ready.wait()
             with self._lock:
                 if self.failed:
                     raise DeviceFailed(self.failed)
@@ -237,12 +243,20 @@ class _DeviceWorker(SupervisedWorker):
                     rid = next(self._ids)
                     extra = make() if make else ()
                     self.inflight[rid] = (fut, what, outputs)
-                    try:
-                        send_message(self.conn, (message[0], rid, *message[1:], *extra))
+                    conn = self.conn
+            if accepting:
+                try:
+                    with self._send_lock:
+                        send_message(conn, (message[0], rid, *message[1:], *extra))
+                    return fut
+                except (OSError, ValueError):  # not delivered: the worker is dying
+                    with self._lock:
+                        mine = self.inflight.pop(rid, None)
+                        if conn is self.conn:
+                            self._accepting = False
+                    if mine is None:  # the death took it first: it failed with DeviceFault, as one in flight does
                         return fut
-                    except (OSError, ValueError):  # not delivered: the worker is dying; sent again to the next one
-                        self.inflight.pop(rid, None)
-                        self._accepting = False
+                    # else sent again, to the next worker
             time.sleep(0.001)  # a restart is under way (the reader has yet to clear _ready): wait for the new worker
 
     @staticmethod
@@ -255,10 +269,12 @@ class _DeviceWorker(SupervisedWorker):
         with self._lock:
             self.check([buf])
             self.slots.pop(buf.buffer_id)
-            try:
-                self.conn.send(("free", buf.buffer_id, buf.generation))
-            except (OSError, ValueError):
-                pass
+            conn = self.conn
+        try:
+            with self._send_lock:
+                conn.send(("free", buf.buffer_id, buf.generation))
+        except (OSError, ValueError):
+            pass
 
 
 def _indexed(device):
@@ -302,7 +318,9 @@ class Runtime:
         # torch.cuda.current_device() would start CUDA in this, the client's, process.
         self.devices = tuple(str(_indexed(torch.device(d))) for d in devices)
         self._prepared_ids = itertools.count()
-        self._blobs: dict[int, tuple[object, bytes]] = {}
+        # popitem(last=False) evicts the oldest at once, where a dict's next(iter()) walks the holes its
+        # deletions left at the front.
+        self._blobs: collections.OrderedDict[int, tuple[object, bytes]] = collections.OrderedDict()
         self._blobs_lock = threading.Lock()
         self._workers: dict[str, SupervisedWorker] = {}
         try:
@@ -361,7 +379,7 @@ class Runtime:
         blob = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
         with self._blobs_lock:
             if len(self._blobs) >= 64:
-                del self._blobs[next(iter(self._blobs))]
+                self._blobs.popitem(last=False)
             self._blobs[id(request)] = (request, blob)  # the request held, so that its id is not reused
         return blob
 

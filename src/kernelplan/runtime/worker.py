@@ -30,7 +30,9 @@ import functools
 import importlib
 import os
 import pickle
+import select
 import signal
+import struct
 import time
 
 from .errors import StaleBuffer
@@ -47,6 +49,58 @@ def send_message(conn, message: tuple) -> None:
         conn.send(message)
     else:
         conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+class FrameReader:
+    """The messages of a ``multiprocessing`` connection's byte stream (a 4-byte big-endian length, or -1 and 8
+    bytes, then the pickle), read off its file descriptor as many at a time as one ``read`` brings.
+    ``Connection.recv`` makes two reads a message, and a reader that sleeps between them makes the writer wake it
+    each time: on 2 cores those syscalls and wake-ups were most of a pipelined request's cost
+    (bench/runtime_latency.py).  The connection's other reader must not read from it once this one has."""
+
+    _CHUNK = 1 << 16
+
+    def __init__(self, conn):
+        self.fd = conn.fileno()
+        self.buf = bytearray()
+        self.pos = 0
+
+    def _frame(self):
+        """The next whole message's (start, end) in ``buf``, or None."""
+        have = len(self.buf) - self.pos
+        if have < 4:
+            return None
+        size, = struct.unpack_from("!i", self.buf, self.pos)
+        start = self.pos + 4
+        if size == -1:
+            if have < 12:
+                return None
+            size, = struct.unpack_from("!Q", self.buf, start)
+            start += 8
+        return (start, start + size) if len(self.buf) >= start + size else None
+
+    def pending(self) -> bool:
+        """A whole message is buffered (no syscall)."""
+        return self._frame() is not None
+
+    def ready(self) -> bool:
+        """A whole message is buffered, or bytes wait on the descriptor (``Connection.poll(0)``)."""
+        return self.pending() or bool(select.select([self.fd], [], [], 0)[0])
+
+    def recv(self):
+        """The next message, unpickled (torch's reductions apply: they are registered with pickle's copyreg);
+        ``EOFError`` where the other end closed the stream."""
+        while (frame := self._frame()) is None:
+            if self.pos:  # drop what was read before reading on
+                del self.buf[:self.pos]
+                self.pos = 0
+            chunk = os.read(self.fd, self._CHUNK)
+            if not chunk:
+                raise EOFError
+            self.buf += chunk
+        start, end = frame
+        self.pos = end
+        return pickle.loads(memoryview(self.buf)[start:end])
 
 
 def portable(exc: BaseException):
@@ -112,7 +166,8 @@ class Worker:
         self.worker_generation = worker_generation
         self.buffers: dict[int, tuple[int, object]] = {}  # id -> (generation, tensor)
         self.prepared: dict[int, tuple] = {}  # id -> (request, plan, args as tensors), checked once
-        self.bound: dict[bytes, tuple] = {}  # a request's bytes -> (its buffers, plan, args): the last 64 run
+        # a request's bytes -> (its buffers, plan, args): the last 64 run (the client's _blobs: why ordered)
+        self.bound: collections.OrderedDict[bytes, tuple] = collections.OrderedDict()
         self.events: list = []  # CUDA timing events, reused
         self.stream = None
         if self.device.type == "cuda":
@@ -182,7 +237,7 @@ class Worker:
                 return self.fault(request)
             bound = self._bind(request)
             if len(self.bound) >= 64:
-                del self.bound[next(iter(self.bound))]  # the oldest
+                self.bound.popitem(last=False)  # the oldest
             entry = self.bound[blob] = (buffers_in(request.args), *bound)
         else:
             for buf in entry[0]:  # a handle freed since (or from before a restart) is refused here
@@ -245,6 +300,7 @@ def main(conn, device: str, worker_generation: int) -> None:
         conn.send(("fault", None, f"the worker could not start on {device}: {type(e).__name__}: {e}"))
         return
     send = functools.partial(send_message, conn)
+    reader = FrameReader(conn)
     launched: collections.deque = collections.deque()  # (rid, Pending) of GPU requests, in launch order
     ran: list = []  # (rid, sku index, kernel ms) of requests done and not yet answered: one message for them all
     skus: dict = {None: -1}  # sku -> index, as the client was told
@@ -291,13 +347,13 @@ def main(conn, device: str, worker_generation: int) -> None:
 
     send(("ready", None, os.getpid()))
     while True:
-        if not conn.poll(0):  # nothing new to launch: answer what is done, then the oldest kernel's reply
+        if not reader.ready():  # nothing new to launch: answer what is done, then the oldest kernel's reply
             flush()
             if launched:
                 settle(True)
                 continue
         try:
-            msg = conn.recv()
+            msg = reader.recv()
         except (EOFError, OSError):  # the client is gone
             return
         kind, rid = msg[0], msg[1]
