@@ -8,7 +8,9 @@ import asyncio
 import concurrent.futures
 import functools
 import importlib.util
+import os
 import random
+import signal
 import time
 
 import pytest
@@ -377,3 +379,41 @@ def test_runtime_demo_refuses_what_it_cannot_run(argv, message, capsys):
 
     assert main(["runtime-demo", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_blocking_call_reads_its_own_reply_and_the_reader_thread_the_others():
+    """``Runtime.blocking`` reads its reply in the calling thread, with no hand-over from the reader thread
+    (``replies.py``); futures' replies are the reader thread's.  Callers on several threads beside futures in flight
+    are each answered once."""
+    with Runtime(devices=("cpu",)) as rt:
+        stream = rt._workers["cpu"].stream
+        for _ in range(20):
+            assert rt.blocking.run(FaultRequest("none")).outputs == ()
+        assert stream.served == 0  # none went through the reader thread
+        futures = [rt.submit_run(FaultRequest("none")) for _ in range(20)]
+        assert all(f.result(timeout=10).outputs == () for f in futures) and stream.served == 20
+        buf = rt.blocking.upload(torch.arange(6.0))
+
+        def mixed(i):
+            if i % 3 == 0:
+                return rt.submit_run(FaultRequest("sleep", 0.001)).result(timeout=10).outputs
+            if i % 3 == 1:
+                return rt.blocking.run(FaultRequest("none")).outputs
+            return tuple(rt.blocking.download(buf).tolist())
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(mixed, range(300)))
+        assert got == [() if i % 3 < 2 else (0.0, 1.0, 2.0, 3.0, 4.0, 5.0) for i in range(300)]
+        assert stream.unattended == 0 and not rt._workers["cpu"].inflight
+
+
+def test_a_worker_that_dies_idle_is_restarted_without_a_request():
+    """Nothing in flight and no caller reading: the reader thread still looks at the pipe (``IDLE_LOOK_S``)."""
+    with Runtime(devices=("cpu",)) as rt:
+        gen = rt.worker_generation()
+        os.kill(rt._workers["cpu"].proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while rt.worker_generation() == gen and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rt.worker_generation() == gen + 1
+        assert rt.blocking.run(FaultRequest("none")).outputs == ()

@@ -1,8 +1,9 @@
 """``Runtime``: the client of the device workers, and the supervisor that restarts them.
 
 One worker process per device (``worker.py``), started with ``spawn``.  The
-client sends requests down a pipe and a reader thread per worker resolves each
-reply's future; many requests may be in flight (pipelined).  When the pipe
+client sends requests down a pipe; a blocking call reads its own reply, and a
+reader thread per worker resolves the other futures (``replies.py``); many
+requests may be in flight (pipelined).  When the pipe
 breaks (the worker exited or was killed) or the worker reports a sticky CUDA
 error, every request in flight fails with ``DeviceFault`` naming it and the
 cause, the worker is restarted under a restart intensity (at most
@@ -32,8 +33,9 @@ import time
 from dataclasses import dataclass, field
 
 from .errors import DeviceFailed, DeviceFault, StaleBuffer
-from .requests import Buffer, Reply, buffers_in
-from .worker import FrameReader, rebuild, send_message
+from .replies import Pending, ReplyStream
+from .requests import Buffer, buffers_in
+from .worker import send_message
 
 _START_TIMEOUT_S = 120  # a spawned worker imports torch before it answers
 BACKENDS = ("local", "ray")
@@ -91,7 +93,7 @@ class SupervisedWorker:
 
     def fail_lost(self, lost: dict, generation: int, cause: str) -> None:
         """``DeviceFault`` for each request that was in flight on the dead worker generation."""
-        for fut, what, _ in lost.values():
+        for fut, what, *_ in lost.values():
             fut.set_exception(DeviceFault(f"{what} on {self.device} failed: worker generation {generation} died "
                                           f"({cause}); later requests run on a restarted worker"))
 
@@ -126,8 +128,9 @@ class _DeviceWorker(SupervisedWorker):
         self.generation = 0
         self.failed: str | None = None
         self.intensity = RestartIntensity(max_restarts, period_s)
-        # rid -> (future, what, the outputs a run's Reply names: None for other messages)
-        self.inflight: dict[int, tuple[concurrent.futures.Future, str, tuple | None]] = {}
+        # rid -> (future, what, the outputs a run's Reply names: None for other messages, whether a caller reads
+        # for it)
+        self.inflight: dict[int, tuple[concurrent.futures.Future, str, tuple | None, bool]] = {}
         self.slots: dict[int, int] = {}  # buffer id -> its live generation (this worker generation's buffers)
         self._slot_ids = itertools.count()
         self._closing = False
@@ -150,51 +153,14 @@ class _DeviceWorker(SupervisedWorker):
             kind, detail = "died", e
         if kind != "ready":
             raise DeviceFailed(f"the {self.device} worker did not start: {detail or f'no answer in {_START_TIMEOUT_S} s'}")
+        stream = ReplyStream(parent, generation, self)
         with self._lock:
             self.generation, self.slots, self.conn, self._accepting = generation, {}, parent, True
-        self.reader = threading.Thread(target=self._read, args=(parent, generation), daemon=True,
+            self.stream = stream
+        self.reader = threading.Thread(target=stream.reader_thread, daemon=True,
                                        name=f"kernelplan-reader-{self.device}-{generation}")
         self.reader.start()
         self._ready.set()
-
-    def _read(self, conn, generation: int) -> None:
-        sticky = None
-        skus = {-1: None}  # this worker generation's skus, by the index its "ran" batches use
-        reader = FrameReader(conn)
-        while True:
-            try:
-                kind, rid, value = reader.recv()
-            except (EOFError, OSError):
-                break
-            except Exception as e:  # noqa: BLE001  a reply that cannot be read: its request is unknown, so the
-                # worker is stopped and everything in flight fails, rather than a request waiting for ever
-                sticky = f"a reply could not be read ({type(e).__name__}: {e}); the worker was stopped"
-                self.proc.kill()
-                continue
-            if kind == "fault":
-                sticky = value
-                continue
-            if kind == "sku":
-                skus[rid] = value
-                continue
-            if kind == "ran":
-                with self._lock:
-                    done = [(self.inflight.pop(r, None), index, ms) for r, index, ms in value]
-                for entry, index, ms in done:
-                    if entry is not None:
-                        entry[0].set_result(Reply(skus[index], ms, entry[2]))
-                continue
-            with self._lock:
-                entry = self.inflight.pop(rid, None)
-            if entry is None:
-                continue
-            fut = entry[0]
-            if kind == "ok":
-                fut.set_result(value)
-            else:
-                fut.set_exception(rebuild(value))
-        if not self._closing:
-            self._on_death(generation, sticky)
 
     def _on_death(self, generation: int, sticky: str | None) -> None:
         with self._lock:  # from here no request is sent to the dead worker, and none in flight is missed
@@ -223,14 +189,16 @@ class _DeviceWorker(SupervisedWorker):
             self.proc.kill()
         with self._lock:
             lost, self.inflight = self.inflight, {}
-        for fut, what, _ in lost.values():
+        for fut, what, *_ in lost.values():
             fut.set_exception(DeviceFault(f"{what} on {self.device}: the runtime was closed"))
 
     # -- requests ---------------------------------------------------------------------------------------------
-    def submit(self, message: tuple, what: str, buffers=(), make=None, outputs=None) -> concurrent.futures.Future:
+    def submit(self, message: tuple, what: str, buffers=(), make=None, outputs=None,
+               attended: bool = False) -> concurrent.futures.Future:
         """Send ``message`` (its request id is filled in) once the worker is ready; ``make()`` runs under the lock
-        first (a new buffer's slot) and its value goes in the message's tail.  ``outputs``: a run's, for its Reply."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+        first (a new buffer's slot) and its value goes in the message's tail.  ``outputs``: a run's, for its Reply.
+        ``attended``: the caller waits for it at once, through ``wait`` (it reads the reply itself)."""
+        fut = Pending()
         while True:
             if not self._ready.is_set():
                 self._ready.wait()
@@ -242,8 +210,12 @@ class _DeviceWorker(SupervisedWorker):
                     self.check(buffers)
                     rid = next(self._ids)
                     extra = make() if make else ()
-                    self.inflight[rid] = (fut, what, outputs)
-                    conn = self.conn
+                    self.inflight[rid] = (fut, what, outputs, attended)
+                    conn, stream = self.conn, self.stream
+                    if attended:
+                        fut.stream = stream
+                    else:
+                        stream.attend()
             if accepting:
                 try:
                     with self._send_lock:
@@ -251,7 +223,7 @@ class _DeviceWorker(SupervisedWorker):
                     return fut
                 except (OSError, ValueError):  # not delivered: the worker is dying
                     with self._lock:
-                        mine = self.inflight.pop(rid, None)
+                        mine = stream._take(rid)
                         if conn is self.conn:
                             self._accepting = False
                     if mine is None:  # the death took it first: it failed with DeviceFault, as one in flight does
@@ -361,14 +333,15 @@ class Runtime:
                      str(tensor.dtype).removeprefix("torch."))
         return _then(inner, lambda _: buf)
 
-    def submit_download(self, buf: Buffer) -> concurrent.futures.Future:
-        return self._worker(buf.device).submit(("download", buf), f"download of {buf}", [buf])
+    def submit_download(self, buf: Buffer, attended: bool = False) -> concurrent.futures.Future:
+        """(``attended``: the caller waits for the future at once, through ``wait``; so do the other submits.)"""
+        return self._worker(buf.device).submit(("download", buf), f"download of {buf}", [buf], attended=attended)
 
-    def submit_run(self, request) -> concurrent.futures.Future:
+    def submit_run(self, request, attended: bool = False) -> concurrent.futures.Future:
         bufs = buffers_in(getattr(request, "args", None))
         device = bufs[0].device if bufs else self.devices[0]
         return self._worker(device).submit(("run", self._pickled(request)), request.describe(), bufs,
-                                           outputs=request.outputs())
+                                           outputs=request.outputs(), attended=attended)
 
     def _pickled(self, request) -> bytes:
         """The request's bytes, pickled once per request object (the last 64 kept): the worker keys its bound
@@ -397,13 +370,18 @@ class Runtime:
         inner = w.submit(("prepare",), f"prepare {request.describe()}", bufs, make=make)
         return _then(inner, lambda _: Prepared(request, w.device, holder["worker"], holder["id"]))
 
-    def submit_run_prepared(self, prepared: "Prepared") -> concurrent.futures.Future:
+    def submit_run_prepared(self, prepared: "Prepared", attended: bool = False) -> concurrent.futures.Future:
         w = self._worker(prepared.device)
         if prepared.worker_generation != w.generation:
             raise StaleBuffer(f"{prepared} was prepared on worker generation {prepared.worker_generation}; the "
                               f"current one is {w.generation} (restarted): prepare it again with new buffers")
         return w.submit(("run_prepared", prepared.prepared_id), prepared.what, prepared.buffers,
-                        outputs=prepared.outputs)
+                        outputs=prepared.outputs, attended=attended)
+
+    def wait(self, fut: concurrent.futures.Future):
+        """The result of a future that a submit with ``attended=True`` gave (this thread may read its reply)."""
+        stream = getattr(fut, "stream", None)  # a local worker's Pending; a Ray one's reply comes on Ray's thread
+        return fut.result() if stream is None else stream.wait(fut)
 
     def free(self, buf: Buffer) -> None:
         """Release a buffer; its handle (and every copy of it) is stale from here on."""
@@ -446,11 +424,11 @@ class BlockingRuntime:
         return self._rt.submit_upload(tensor, device).result()
 
     def download(self, buf: Buffer):
-        return self._rt.submit_download(buf).result()
+        return self._rt.wait(self._rt.submit_download(buf, attended=True))
 
     def run(self, request):
         submit = self._rt.submit_run_prepared if isinstance(request, Prepared) else self._rt.submit_run
-        return submit(request).result()
+        return self._rt.wait(submit(request, attended=True))
 
     def prepare(self, request) -> "Prepared":
         return self._rt.submit_prepare(request).result()

@@ -134,7 +134,8 @@ class RayDeviceWorker(SupervisedWorker):
         """What an upload sends: the tensor's bytes on the host."""
         return pack(tensor)
 
-    def submit(self, message: tuple, what: str, buffers=(), make=None, outputs=None) -> concurrent.futures.Future:
+    def submit(self, message: tuple, what: str, buffers=(), make=None, outputs=None,
+               attended: bool = False) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._ready.wait()  # a restart under way finishes first
         with self._lock:
