@@ -113,7 +113,8 @@ class ReplyStream:
             block = bool(self.unattended or self.suspect)
             with self.role:  # taken while a caller reads for its own reply
                 alive = self.read(block)
-                while alive and not (self.unattended or self.suspect):  # linger, while what comes is for it
+                # Linger while what comes is for this thread (not after an idle look).
+                while alive and block and not (self.unattended or self.suspect):
                     served = self.served
                     if not select.select([self.fd], [], [], LINGER_S)[0]:
                         break
