@@ -178,9 +178,10 @@ def pruning_notes() -> list[str]:
 
 
 def runtime_notes() -> list[str]:
-    """The device runtime's round trips (CPU and GPU workers) and a 2:4 linear through it."""
+    """The device runtime's round trips (CPU workers on a 2-core machine and on a GPU host, GPU workers) and a 2:4
+    linear through it."""
     lines = []
-    for name in ("runtime-cpu", "runtime-gpu"):
+    for name in ("runtime-cpu", "runtime-cpu-host", "runtime-gpu"):
         doc = _load(name)
         if not doc:
             continue
