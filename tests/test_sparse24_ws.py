@@ -103,7 +103,7 @@ def test_candidate_space_of_the_gpu_test_shapes(n, m, k):
 
 
 @pytest.mark.parametrize("table", ["tiles-h100", "tiles-h200", "core-matrix-h100", "small-h100", "small-big-n-h100",
-                                   "wide-h100", "narrow-h100"])
+                                   "wide-h100", "wide-h200", "narrow-h100"])
 def test_tile_rule_matches_the_measured_tables(table):
     """The rule against the tiles it was fitted on (tools/fit_ws_rule.py): within 0.95x of the best tile on average
     and never below 0.7x; on the small layers (K <= 4096, n <= 256, where clusters cost more than they save) within
