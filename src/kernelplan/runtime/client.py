@@ -223,7 +223,7 @@ class _DeviceWorker(SupervisedWorker):
                     return fut
                 except (OSError, ValueError):  # not delivered: the worker is dying
                     with self._lock:
-                        mine = stream._take(rid)
+                        mine = stream.take(rid)
                         if conn is self.conn:
                             self._accepting = False
                     if mine is None:  # the death took it first: it failed with DeviceFault, as one in flight does

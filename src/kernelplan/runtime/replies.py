@@ -37,7 +37,6 @@ class ReplyStream:
     guards ``owner.inflight`` (rid -> (future, what, outputs, attended)), and this stream's counts."""
 
     def __init__(self, conn, generation: int, owner):
-        self.fd = conn.fileno()
         self.frames = FrameReader(conn)
         self.generation, self.owner = generation, owner
         self.skus = {-1: None}  # this generation's skus, by the index its "ran" batches use
@@ -50,7 +49,7 @@ class ReplyStream:
         self.wanted = threading.Condition(owner._lock)
 
     # -- what a reply does ----------------------------------------------------------------------------------------
-    def _take(self, rid):
+    def take(self, rid):
         """The in-flight entry of ``rid`` (None if gone), no longer counted; under owner._lock."""
         entry = self.owner.inflight.pop(rid, None)
         if entry is not None and not entry[3]:
@@ -66,13 +65,13 @@ class ReplyStream:
             self.skus[rid] = value
         elif kind == "ran":
             with self.owner._lock:
-                done = [(self._take(r), index, ms) for r, index, ms in value]
+                done = [(self.take(r), index, ms) for r, index, ms in value]
             for entry, index, ms in done:
                 if entry is not None:
                     entry[0].set_result(Reply(self.skus[index], ms, entry[2]))
         else:
             with self.owner._lock:
-                entry = self._take(rid)
+                entry = self.take(rid)
             if entry is not None:
                 if kind == "ok":
                     entry[0].set_result(value)
@@ -82,7 +81,7 @@ class ReplyStream:
     def read(self, block: bool) -> bool:
         """Dispatch one message (waiting for it where ``block``, else only if one is there), then every one that
         the same read brought; False once the stream has ended.  The caller holds ``role``."""
-        if not (block or self.frames.pending() or select.select([self.fd], [], [], 0)[0]):
+        if not (block or self.frames.ready()):
             return True
         first = True
         while first or self.frames.pending():
@@ -116,9 +115,9 @@ class ReplyStream:
                 # Linger while what comes is for this thread (not after an idle look).
                 while alive and block and not (self.unattended or self.suspect):
                     served = self.served
-                    if not select.select([self.fd], [], [], LINGER_S)[0]:
+                    if not select.select([self.frames.fd], [], [], LINGER_S)[0]:
                         break
-                    alive = self.read(False)
+                    alive = self.read(True)  # bytes are there: no second look
                     if self.served == served:  # a waiting caller's reply: callers read their own from here
                         break
             if not alive:
