@@ -21,15 +21,16 @@ from kernelplan.bench import accuracy, results
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--model-dir", default=str(accuracy.MODEL), help="a save_pretrained Llama (bench/train_tiny_lm.py)")
     a = ap.parse_args()
     dev = torch.device("cuda")
-    rows = accuracy.run(dev)
-    folded = accuracy.run(dev, outlier_scale=accuracy.OUTLIER_SCALE)
+    rows = accuracy.run(dev, model_dir=a.model_dir)
+    folded = accuracy.run(dev, model_dir=a.model_dir, outlier_scale=accuracy.OUTLIER_SCALE)
     for part in (rows, folded):
         print(f"outlier scale {part[0]['outlier_scale']}: input spread median {part[0]['input_spread_median']:.1f}")
         print(accuracy.table(part))
     results.write("accuracy", {"rows": rows, "outlier_rows": folded}, a.json,
-                  model="src/kernelplan/bench/data/tiny-llama (byte-level Llama, 5.2M parameters, bf16)",
+                  model=f"{a.model_dir} (byte-level Llama, bf16)",
                   held_out=f"every {accuracy.HELD_OUT_EVERY}th document of python-docs.json.gz, whole split",
                   calibration=f"{accuracy.CALIBRATION} windows of {accuracy.SEQ} bytes",
                   outliers=f"fold_outliers: 1/64 of the hidden channels x {accuracy.OUTLIER_SCALE:g} in the RMSNorm "

@@ -34,13 +34,21 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--decay-1d", type=int, default=1,
+                   help="1: weight decay on every parameter (the committed model's recipe); 0: not on the 1-D ones "
+                        "(the RMSNorm gains), as GPT-2/Llama recipes train")
+    p.add_argument("--config", default="{}", help="JSON overrides of accuracy.CONFIG (hidden_size, ...)")
     p.add_argument("--eval-every", type=int, default=100)
     args = p.parse_args()
     torch.manual_seed(args.seed)
     dev = torch.device(args.device)
     train, held = corpus()
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**CONFIG, **json.loads(args.config)})).to(dev)
+    params = list(model.parameters())
+    groups = [dict(params=params, weight_decay=0.1)] if args.decay_1d else [
+        dict(params=[q for q in params if q.dim() > 1], weight_decay=0.1),
+        dict(params=[q for q in params if q.dim() <= 1], weight_decay=0.0)]
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, s / 200) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     train_dev = train.to(dev)
