@@ -147,7 +147,9 @@ def main() -> int:
                   f"rule {rule_x:5.2f}x  wrong {len(row['wrong'])}", flush=True)
         del ws, tiled
         torch.cuda.empty_cache()
-    results.write(f"sparse24-{a.kernel}-tiles", {"rows": rows}, a.out, dtype="bf16", sms=sms, registers_local_bytes=regs)
+        # After each shape, so that a run cut off by a time limit keeps what it measured.
+        results.write(f"sparse24-{a.kernel}-tiles", {"rows": rows}, a.out, dtype="bf16", sms=sms,
+                      registers_local_bytes=regs)
     return 0
 
 
