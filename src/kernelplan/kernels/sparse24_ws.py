@@ -230,11 +230,20 @@ def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = 
     return waves * ((k // 64 // cfg.kc) * step + w.cta + clustered + w.split * (cfg.kc - 1) * cfg.bn * cfg.wm)
 
 
-def rule_order(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) -> tuple[float, bool]:
-    """The rule's sort key: ``tile_cost``, then ping-pong first.  A ping-pong tile and the same tile one a CTA cost
-    alike where each CTA has one tile; there the ping-pong one ran faster on 20 of 24 problems, by up to 6%
-    (sparse24-ws-small-h100.json)."""
-    return tile_cost(cfg, n, m, k, sms, w), not cfg.pp
+# Ties between tiles that differ only in x's multicast (cm): where a step brings at least this many rows of x (16 KiB,
+# most of its bytes beside W's 4.5 KiB a 64-row block), x shared by 2 CTAs along M.  tile_cost counts a step's bytes
+# only past its MMAs' time, so it prices cm = 1, 2 and 4 alike in a cluster that K's split already pays for; measured,
+# cm = 2 with kc = 2-4 ran 3-12% faster than cm = 1 at K of 13824-36864 and n = 128-512
+# (sparse24-ws-largek-h100.json), and was best or within 2% where cm = 4 also fit.
+_MCAST_TIE_MIN_BN = 128
+
+
+def rule_order(cfg: WsConfig, n: int, m: int, k: int, sms: int,
+               w: RuleWeights = WEIGHTS) -> tuple[float, bool, bool]:
+    """The rule's sort key: ``tile_cost``, then ping-pong first, then x multicast to 2 CTAs where x's tile is
+    ``_MCAST_TIE_MIN_BN`` rows or more.  A ping-pong tile and the same tile one a CTA cost alike where each CTA has
+    one tile; there the ping-pong one ran faster on 20 of 24 problems, by up to 6% (sparse24-ws-small-h100.json)."""
+    return tile_cost(cfg, n, m, k, sms, w), not cfg.pp, cfg.bn >= _MCAST_TIE_MIN_BN and cfg.cm != 2
 
 
 @functools.lru_cache(maxsize=4096)
