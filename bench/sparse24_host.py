@@ -8,6 +8,9 @@ Timed alternating, medians of rounds: ``F.linear`` on the dense weight,
 ``torch.inference_mode``.  Then a cProfile of the module's calls, top
 functions by own time.  Writes the medians to ``bench/results/sparse24-host-<gpu>.json``.
 
+``--weights W`` cycles the calls over W layers of the same size (a model's many weights, as the sweep's eager
+rows do), and ``--no-bias`` drops the bias (the sweep's F.linear has none).
+
     PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_host.py
 """
 
@@ -30,26 +33,40 @@ def per_call_us(fn, calls: int = 2000) -> float:
     return host_us_per_call(fn, torch.device("cuda"), calls)
 
 
+def _cycle(fns):
+    """One of ``fns`` a call, in turn."""
+    import itertools
+
+    turn = itertools.cycle(fns)
+    return lambda: next(turn)()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--n", type=int, default=1)
+    ap.add_argument("--weights", type=int, default=1, help="layers the calls cycle over")
+    ap.add_argument("--no-bias", action="store_true")
     a = ap.parse_args()
     torch.manual_seed(0)
     s = a.size
-    dense = torch.nn.Linear(s, s, device="cuda", dtype=torch.bfloat16)
-    layer = kp.nn.Sparse24Linear.from_dense(dense)
-    w24 = layer.weight24.public()
-    w = w24.decompress()
-    packed = w24.packed()
+    denses = [torch.nn.Linear(s, s, bias=not a.no_bias, device="cuda", dtype=torch.bfloat16)
+              for _ in range(a.weights)]
+    layers = [kp.nn.Sparse24Linear.from_dense(d) for d in denses]
+    publics = [lay.weight24.public() for lay in layers]
+    ws = [p.decompress() for p in publics]
+    packeds = [p.packed() for p in publics]
+    dense, layer, w = denses[0], layers[0], ws[0]
     x = torch.randn(a.n, s, device="cuda", dtype=torch.bfloat16)
     fns = {
-        "F.linear": lambda: F.linear(x, w, dense.bias),
-        "nn.Linear": lambda: dense(x),
-        "kp.sparse24.linear": lambda: kp.sparse24.linear(x, w24, dense.bias),
-        "kp.sparse24.linear (device layout)": lambda: kp.sparse24.linear(x, packed, dense.bias),
-        "Sparse24Linear": lambda: layer(x),
+        "F.linear": _cycle([lambda w=w, d=d: F.linear(x, w, d.bias) for w, d in zip(ws, denses)]),
+        "nn.Linear": _cycle([lambda d=d: d(x) for d in denses]),
+        "kp.sparse24.linear": _cycle([lambda p=p, d=d: kp.sparse24.linear(x, p, d.bias)
+                                      for p, d in zip(publics, denses)]),
+        "kp.sparse24.linear (device layout)": _cycle([lambda p=p, d=d: kp.sparse24.linear(x, p, d.bias)
+                                                      for p, d in zip(packeds, denses)]),
+        "Sparse24Linear": _cycle([lambda lay=lay: lay(x) for lay in layers]),
     }
     out = {}
     for mode, ctx in (("no_grad", torch.no_grad), ("inference_mode", torch.inference_mode)):
@@ -70,8 +87,19 @@ def main() -> int:
         y = torch.empty(a.n, s, device="cuda", dtype=torch.bfloat16)
         tiled(x, dense.bias, y)  # its launch for this x and y, looked up below
         launch, grid, _, _ = next(iter(tiled._calls.values()))
-        args = (x.data_ptr(), *tiled.weight, dense.bias.data_ptr(), y.data_ptr(), a.n, s, s, x.stride(0), y.stride(0))
+        bias_ptr = 0 if dense.bias is None else dense.bias.data_ptr()
+        args = (x.data_ptr(), *tiled.weight, bias_ptr, y.data_ptr(), a.n, s, s, x.stride(0), y.stride(0))
+        from kernelplan._checks import plain_eager
+        from kernelplan.kernels import current_device, stream_capturing
+        from kernelplan.plan import dispatch_generation
+        from kernelplan.sparse24.gemm import GemmSparse24Plan
+
         parts = {
+            "plain_eager": lambda: plain_eager(x, layer.values, dense.bias),
+            "stream_capturing": stream_capturing,
+            "current_device": current_device,
+            "raw_stream": lambda: raw_stream(0),
+            "dispatch_generation": lambda: dispatch_generation(GemmSparse24Plan),
             "torch.empty": lambda: torch.empty(a.n, s, device="cuda", dtype=torch.bfloat16),
             "x.new_empty": lambda: x.new_empty((a.n, s)),
             "cuLaunchKernel": lambda: launch(grid, args, raw_stream(0)),
@@ -80,6 +108,8 @@ def main() -> int:
             "linear_parts": lambda: kp.sparse24.gemm.linear_parts(x, layer.values, layer.metadata, dense.bias),
             "module": lambda: layer(x),
             "F.linear": lambda: F.linear(x, w, dense.bias),
+            "module, cycled": fns["Sparse24Linear"],
+            "F.linear, cycled": fns["F.linear"],
         }
         med = interleaved({n: (lambda fn=fn: per_call_us(fn)) for n, fn in parts.items()}, 5, 1)
         out["layers"] = med
@@ -91,7 +121,8 @@ def main() -> int:
         prof.disable()
         torch.cuda.synchronize()
     pstats.Stats(prof).sort_stats("tottime").print_stats(14)
-    results.write("sparse24-host", out, a.json, size=s, n=a.n, unit="us per call, median of rounds")
+    results.write("sparse24-host", out, a.json, size=s, n=a.n, weights=a.weights, bias=not a.no_bias,
+                  unit="us per call, median of rounds")
     return 0
 
 

@@ -6,7 +6,9 @@ are checked against the masked-dense model first.  Then, alternating dense and
 sparse (medians of rounds): one decode step at batch 1, 32 and 128 and a
 512-token prefill, each replayed as a CUDA graph and run eagerly (Hugging Face's
 Python included).  GPU memory of each model's weights is reported, the 2:4
-layouts built by the calls included.  Writes
+layouts built by the calls included.  With ``--profile``, one eager step of each case and model is also
+profiled (CUPTI kernel durations), its device time split into the 2:4 kernels, the other GEMMs, attention
+and the rest: what bounds the model's speedup where the linear layers are not all of its time.  Writes
 ``bench/results/sparse24-model-<gpu>.json``.
 
     PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_model.py
@@ -37,12 +39,39 @@ def wall(fn) -> float:
     return time.perf_counter() - t0
 
 
+# Kernel names by class, first match wins: the 2:4 kernels (kp_sparse24_*, cuSPARSELt's), cuBLAS's GEMMs, attention.
+_CLASSES = (("2:4", ("kp_sparse24", "sm90_xmma_sparse", "sparse")), ("gemm", ("nvjet", "gemm", "cutlass", "xmma")),
+            ("attention", ("flash", "fmha", "attention", "sdpa")))
+
+
+def kernel_split(fn, calls: int = 3) -> dict[str, float]:
+    """Device ms a call of ``fn`` spends in each kernel class (``_CLASSES``, else "other"), from CUPTI."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    split = {name: 0.0 for name, _ in _CLASSES} | {"other": 0.0}
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", 0) or 0
+        if not t or ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        key = ev.key.lower()
+        cls = next((name for name, marks in _CLASSES if any(mk in key for mk in marks)), "other")
+        split[cls] += t / calls / 1e3
+    return split
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", default=None)
     ap.add_argument("--memory", default="compact", choices=("compact", "fast"))
+    ap.add_argument("--profile", action="store_true", help="split each case's device time by kernel class")
     a = ap.parse_args()
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=3584, intermediate_size=18944, num_hidden_layers=a.layers,
@@ -77,6 +106,8 @@ def main() -> int:
                          "graph_sparse_ms": graph["sparse"] * 1e3, "graph_speedup": graph["dense"] / graph["sparse"],
                          "eager_dense_ms": eager["dense"] * 1e3, "eager_sparse_ms": eager["sparse"] * 1e3,
                          "eager_speedup": eager["dense"] / eager["sparse"], "replay_vs_eager_rel_err": check})
+            if a.profile:
+                rows[-1]["device_ms_by_kernel"] = {n: kernel_split(s) for n, s in steps.items()}
             print(rows[-1], flush=True)
             del graphs, steps
         for tokens in (512,):
@@ -89,6 +120,8 @@ def main() -> int:
                          "graph_sparse_ms": graph["sparse"] * 1e3, "graph_speedup": graph["dense"] / graph["sparse"],
                          "eager_dense_ms": eager["dense"] * 1e3, "eager_sparse_ms": eager["sparse"] * 1e3,
                          "eager_speedup": eager["dense"] / eager["sparse"], "replay_vs_eager_rel_err": check})
+            if a.profile:
+                rows[-1]["device_ms_by_kernel"] = {n: kernel_split(lambda m=m: m(ids)) for n, m in models.items()}
             print(rows[-1], flush=True)
             del graphs
     from kernelplan.sparse24.gemm import fast_path_backends
