@@ -37,3 +37,32 @@ def poisoned(shape, dtype, device="cpu") -> torch.Tensor:
 # Skips a test off Hopper: the wgmma.sp kernels are sm_90a code.
 sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                           reason="needs an sm_90 (Hopper) GPU")
+
+
+class StubDriver:
+    """cuLaunchKernel that records each launch: its grid, block, shared bytes, stream and each parameter slot's
+    bytes (``sizes``: the parameters' byte sizes)."""
+
+    def __init__(self, sizes, error=0):
+        self.sizes, self.error, self.launches = sizes, error, []
+
+    def CUstream(self, raw):  # noqa: N802 (cuda-bindings' name)
+        return ("stream", raw)
+
+    def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra):  # noqa: N802
+        import ctypes
+
+        slots = (ctypes.c_void_p * len(self.sizes)).from_address(params)
+        self.launches.append(((gx, gy, gz), bx, shared, stream,
+                              [ctypes.string_at(slots[i], size) for i, size in enumerate(self.sizes)]))
+        return (self.error,)
+
+
+def stub_driver(monkeypatch, types, error=0) -> StubDriver:
+    """``kernels.direct`` launching into a ``StubDriver`` for parameters of Triton types ``types``."""
+    from kernelplan.kernels import direct
+
+    stub = StubDriver([direct._SIZE.get(t, 8) for t in types], error)
+    monkeypatch.setattr(direct, "_driver", lambda: stub)
+    monkeypatch.setattr(direct, "_STREAMS", {})  # the stub's streams never reach a real launch's cache
+    return stub

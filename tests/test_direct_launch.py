@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers import stub_driver
 from kernelplan.errors import KernelPlanError
 from kernelplan.kernels import direct
 
@@ -86,3 +87,61 @@ def test_direct_launch_refuses_a_signature_its_function_does_not_have():
                            function=kernel.function)
     with pytest.raises(KernelPlanError, match=r"compiled parameters have sizes \[8, 4, 8, 4, 4, 4, "):
         direct.DirectLaunch(fake, 7)
+
+
+def _stub_launch(monkeypatch, types, error=0):
+    stub = stub_driver(monkeypatch, types, error)
+    return stub, direct.FunctionLaunch("fn", "kp_test", types, 128, 4096)
+
+
+_SPARSE24 = ["*u16", "*u16", "*u16", "*u16", "*u16", "i32", "i32", "i32", "i32", "i32"]
+
+
+def test_a_bound_launch_packs_what_the_unbound_one_does(monkeypatch):
+    stub, launch = _stub_launch(monkeypatch, _SPARSE24)
+    args = (0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 16, 768, 1024, 1024, 768)
+    bound = launch.bind((6, 1, 1), args)
+    for x, bias, y in ((0x1000, 0x4000, 0x5000), (0x7770, 0, 0x9990), (0xABC0, 0x4400, 0x5500)):
+        launch((6, 1, 1), (x, 0x2000, 0x3000, bias, y) + args[5:], 7)
+        bound(x, bias, y, 7)
+        unbound, got = stub.launches[-2:]
+        assert got == unbound and got[0] == (6, 1, 1) and got[3] == ("stream", 7)
+        assert struct.unpack("<QQ", got[4][3] + got[4][4]) == (bias, y)
+
+
+def test_a_bound_launch_maps_x_once_per_address(monkeypatch):
+    types = ["tensormap", "tensormap", "tensormap", "*u16", "*u16", "i32"]
+    stub, launch = _stub_launch(monkeypatch, types)
+    mapped = []
+
+    def x_map(address):
+        mapped.append(address)
+        return address.to_bytes(8, "little") * 16
+
+    bound = direct.BoundLaunch(launch, (2, 3, 1), (b"x" * 128, b"v" * 128, b"e" * 128, 0, 0, 5), x_map)
+    for x in (0x100, 0x200, 0x100, 0x100):
+        bound(x, 0x30, 0x40, 0)
+        slots = stub.launches[-1][4]
+        assert slots[0] == x.to_bytes(8, "little") * 16 and slots[1:3] == [b"v" * 128, b"e" * 128]
+        assert struct.unpack("<QQi", b"".join(slots[3:6])) == (0x30, 0x40, 5)
+    assert mapped == [0x100, 0x200]
+    for x in range(0x1000, 0x1000 + 16 * (direct.BoundLaunch.MAX_X + 1), 16):  # past its bound: kept ones dropped
+        bound(x, 0, 0, 0)
+    assert len(bound._maps) <= direct.BoundLaunch.MAX_X
+
+
+def test_a_bound_launch_refuses_parameters_not_in_the_2_4_kernels_order(monkeypatch):
+    _, launch = _stub_launch(monkeypatch, ["*u16", "*u16", "*u16", "i32", "*u16"])  # an i32 where the bias goes
+    with pytest.raises(KernelPlanError, match=r"kp_test: parameters .* are not a 2:4 kernel's"):
+        launch.bind((1, 1, 1), (1, 2, 3, 4, 5))
+    _, launch = _stub_launch(monkeypatch, _SPARSE24)
+    with pytest.raises(KernelPlanError, match="x a tensor map"):
+        direct.BoundLaunch(launch, (1, 1, 1), (0,) * 10, x_map=lambda x: b"\0" * 128)
+
+
+def test_a_failed_bound_launch_names_the_kernel_and_its_grid(monkeypatch):
+    error = type("CUresult", (), {"name": "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", "__bool__": lambda self: True})()
+    _, launch = _stub_launch(monkeypatch, _SPARSE24, error=error)
+    bound = launch.bind((9, 1, 1), (0,) * 10)
+    with pytest.raises(KernelPlanError, match=r"cuLaunchKernel of kp_test \(grid \(9, 1, 1\).*OUT_OF_RESOURCES"):
+        bound(0x100, 0, 0x200, 0)

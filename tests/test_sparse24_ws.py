@@ -283,3 +283,47 @@ def test_narrow_tiles_of_x_only_where_k_is_short_and_with_one_block_of_w():
     assert ws_config(64, 1024, 1024, 132).bn == 16 and ws_config(64, 768, 768, 132).bn == 16
     assert ws_config(64, 1024, 4096, 132).bn == 64  # long K: split across a cluster instead
     assert ws_config(512, 4096, 1024, 132).bn >= 64  # many CTAs already
+
+
+class _Maps:
+    """TensorMaps' two lookups, each map 128 bytes naming what it maps."""
+
+    def x(self, x, n, k, stride):
+        return f"x {x:#x} {n} {k} {stride}".encode().ljust(128, b".")
+
+    def w(self, values, codes, m, k):
+        return f"v {values:#x} {m} {k}".encode().ljust(128, b"."), f"e {codes:#x} {m} {k}".encode().ljust(128, b".")
+
+
+@pytest.mark.parametrize("cfg", [WsConfig(bn=128, wm=2, cm=2, kc=2, stages=8), WsConfig(bn=64, wm=3, stages=7, pp=True)],
+                         ids=["cluster", "ping-pong"])
+def test_a_bound_launch_packs_what_the_launch_does(monkeypatch, cfg):
+    """The eager fast path (``BoundLaunch``) writes the parameters and grid the full launch would, for each x."""
+    from helpers import stub_driver
+    from kernelplan.kernels import sparse24, sparse24_ws
+
+    monkeypatch.setattr(sparse24, "sm_count", lambda device: 132)
+    types = sparse24_ws._PP_PARAMS if cfg.pp else sparse24_ws._PARAMS
+    stub = stub_driver(monkeypatch, types)
+    launch = (sparse24_ws.PingPongLaunch if cfg.pp else sparse24_ws.MapLaunch)("fn", "kp", cfg, _Maps(), 0)
+    n, m, k = 1000, 4608, 3584
+    grid = (-(-n // cfg.bn), -(-m // cfg.rows), cfg.kc)  # the launch's own for one a tile; ping-pong takes its own
+    args = lambda x, bias, y: (x, 0xA000, 0xB000, bias, y, n, m, k, k, m)  # noqa: E731
+    bound = launch.bind(grid, args(0x1000, 0x2000, 0x3000))
+    for x, bias, y in ((0x1000, 0x2000, 0x3000), (0x5000, 0, 0x6000), (0x1000, 0x2200, 0x3300)):
+        launch(grid, args(x, bias, y), 3)
+        bound(x, bias, y, 3)
+        unbound, got = stub.launches[-2:]
+        assert got == unbound
+        assert got[4][0].startswith(f"x {x:#x} {n} {k} {k}".encode()) and got[4][1].startswith(b"v 0xa000")
+    assert stub.launches[-1][0] == ((132, 1, 1) if cfg.pp else grid)
+
+
+def test_a_split_tail_launch_is_not_bound(monkeypatch):
+    from helpers import stub_driver
+    from kernelplan.kernels import sparse24, sparse24_ws
+
+    monkeypatch.setattr(sparse24, "sm_count", lambda device: 132)
+    stub_driver(monkeypatch, sparse24_ws._SK_PARAMS)
+    cfg = WsConfig(bn=128, wm=2, stages=6, sk=True)
+    assert sparse24_ws.StreamKLaunch("fn", "kp", cfg, _Maps(), 0).bind((1, 1, 1), (0,) * 10) is None

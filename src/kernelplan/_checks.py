@@ -151,14 +151,21 @@ def plain_eager(*tensors: torch.Tensor | None) -> bool:
     through the op, 23 us without); torch.compile, autograd and tensor
     subclasses (FakeTensor, DTensor, ...) still go through it.
     """
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return False
-    grad = torch.is_grad_enabled()
+    grad = _grad_enabled()
     for t in tensors:
         if t is None:
             continue
-        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        kind = type(t)
+        if kind is not _TENSOR and kind is not _PARAMETER:
             return False
         if grad and t.requires_grad:
             return False
     return True
+
+
+# Bound once: each module attribute read costs host time on every eager call (plain_eager runs on each one).
+# torch.compile recognizes the function itself, whatever name calls it.
+_is_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter

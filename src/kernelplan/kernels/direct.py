@@ -87,7 +87,7 @@ class FunctionLaunch:
     before the call returns.  ``extra`` 8-byte null parameters follow them.
     """
 
-    __slots__ = ("name", "function", "block", "shared", "pick", "pack", "size", "_offsets", "_local", "_cu")
+    __slots__ = ("name", "function", "block", "shared", "pick", "pack", "size", "_codes", "_offsets", "_local", "_cu")
 
     def __init__(self, function, name: str, types: list[str], block: int, shared: int, extra: int = 0,
                  pick=None):
@@ -96,7 +96,8 @@ class FunctionLaunch:
             raise KernelPlanError(f"kernel {name}: parameter types {types} include one not packed here")
         self.name, self.function, self.block, self.shared = name, function, block, shared
         self.pick = pick or (lambda args: args)
-        layout = struct.Struct("<" + "".join(code for code, _ in codes) + "8x" * extra)
+        self._codes = [code for code, _ in codes]
+        layout = struct.Struct("<" + "".join(self._codes) + "8x" * extra)
         self.pack = layout.pack_into
         self.size = layout.size
         slots = [struct.calcsize("<" + code) for code, _ in codes] + [8] * extra
@@ -105,23 +106,95 @@ class FunctionLaunch:
         self._cu = _driver()
 
     def _buffers(self):
-        storage = ctypes.create_string_buffer(max(self.size, 8))
-        base = ctypes.addressof(storage)
-        pointers = (ctypes.c_void_p * len(self._offsets))(*[base + offset for offset in self._offsets])
-        self._local.held = (storage, pointers)  # kept alive with the thread's buffers
-        self._local.buffers = buffers = (storage, ctypes.addressof(pointers))
+        self._local.buffers = buffers = _param_buffers(bytes(max(self.size, 8)), self._offsets)
         return buffers
 
-    def __call__(self, grid: tuple, args: tuple, stream: int) -> None:
+    def __call__(self, grid: tuple, args: tuple, stream: int, packed: bool = False) -> None:
+        """Launch on ``grid`` with ``args`` (the parameters themselves where ``packed``, else through ``pick``)."""
         buffers = getattr(self._local, "buffers", None) or self._buffers()
-        self.pack(buffers[0], 0, *self.pick(args))
+        self.pack(buffers[0], 0, *(args if packed else self.pick(args)))
         err, = self._cu.cuLaunchKernel(self.function, grid[0], grid[1], grid[2], self.block, 1, 1, self.shared,
-                                       _stream(self._cu, stream), buffers[1], 0)
+                                       _stream(self._cu, stream), buffers[2], 0)
         if err:
-            raise KernelPlanError(
-                f"cuLaunchKernel of {self.name} (grid {grid}, {self.block} threads, {self.shared} bytes of "
-                f"shared memory) failed: {err.name}; the device is in an error state or the launch does not fit it"
-            )
+            _launch_failed(self, grid, err)
+
+    def launch_params(self, grid: tuple, args: tuple):
+        """``(grid, parameters, x_map)`` of ``self(grid, args, stream)``, for ``bind``; None where a call does more
+        than pack its parameters and launch.  ``x_map`` (None: x's address is its parameter) gives x's parameter
+        from x's address."""
+        return grid, self.pick(args), None
+
+    def bind(self, grid: tuple, args: tuple) -> "BoundLaunch | None":
+        """``self(grid, args, stream)`` with its parameters packed once, but for the 2:4 kernels' x, bias and y
+        (``BoundLaunch``); None where ``launch_params`` is."""
+        made = self.launch_params(grid, args)
+        return None if made is None else BoundLaunch(self, *made)
+
+
+def _param_buffers(template: bytes, offsets: list[int]) -> tuple:
+    """A thread's parameter buffer, filled from ``template``: (its storage, the pointers to each parameter's slot,
+    their address for ``cuLaunchKernel``).  The storage and the pointers live as long as the tuple."""
+    storage = ctypes.create_string_buffer(template, len(template))
+    base = ctypes.addressof(storage)
+    pointers = (ctypes.c_void_p * len(offsets))(*[base + offset for offset in offsets])
+    return storage, pointers, ctypes.addressof(pointers)
+
+
+def _launch_failed(launch, grid, err):
+    raise KernelPlanError(
+        f"cuLaunchKernel of {launch.name} (grid {grid}, {launch.block} threads, {launch.shared} bytes of "
+        f"shared memory) failed: {err.name}; the device is in an error state or the launch does not fit it"
+    )
+
+
+class BoundLaunch:
+    """One launch of a 2:4 kernel for one weight and one shape of x, its parameters packed once but for x's
+    (parameter 0), the bias's and y's (parameters 3 and 4: the kernels' order is x, values, codes, bias, y, ...).
+    A call writes those three into its thread's buffer and launches.
+
+    x's parameter is its address, or, with ``x_map``, x's tensor map, kept here by x's address (the few buffers an
+    eager model's activations cycle through).
+    """
+
+    __slots__ = ("launch", "grid", "x_map", "_template", "_offsets", "_pack_x", "_pack_by", "_by_at", "_maps",
+                 "_local", "_cu", "_function", "_block", "_shared")
+    MAX_X = 16
+
+    def __init__(self, launch: FunctionLaunch, grid: tuple, params: tuple, x_map=None):
+        codes = launch._codes
+        if len(codes) < 5 or codes[3:5] != ["Q", "Q"] or codes[0] != ("128s" if x_map else "Q"):
+            raise KernelPlanError(f"{launch.name}: parameters {codes} are not a 2:4 kernel's (x, values, codes, bias, "
+                                  f"y, ...), x {'a tensor map' if x_map else 'a pointer'}")
+        template = bytearray(max(launch.size, 8))
+        launch.pack(template, 0, *params)
+        self.launch, self.grid, self.x_map = launch, grid, x_map
+        self._template, self._offsets = bytes(template), launch._offsets
+        self._pack_x = struct.Struct("<" + codes[0]).pack_into
+        self._pack_by = struct.Struct("<QQ").pack_into
+        self._by_at = launch._offsets[3]
+        self._maps: dict = {}
+        self._local = threading.local()
+        self._cu, self._function, self._block, self._shared = launch._cu, launch.function, launch.block, launch.shared
+
+    def __call__(self, x: int, bias: int, y: int, stream: int) -> None:
+        buffers = getattr(self._local, "buffers", None)
+        if buffers is None:
+            buffers = self._local.buffers = _param_buffers(self._template, self._offsets)
+        if self.x_map is not None:
+            xp = self._maps.get(x)
+            if xp is None:
+                if len(self._maps) >= self.MAX_X:
+                    self._maps.clear()
+                xp = self._maps[x] = self.x_map(x)
+        else:
+            xp = x
+        self._pack_x(buffers[0], 0, xp)
+        self._pack_by(buffers[0], self._by_at, bias, y)
+        grid = self.grid
+        err, = self._cu.cuLaunchKernel(self._function, grid[0], grid[1], grid[2], self._block, 1, 1, self._shared,
+                                       _stream(self._cu, stream), buffers[2], 0)
+        if err:
+            _launch_failed(self.launch, grid, err)
 
 
 class DirectLaunch(FunctionLaunch):
@@ -157,6 +230,9 @@ class DirectLaunch(FunctionLaunch):
         pick = operator.itemgetter(*runtime) if len(runtime) > 1 else (lambda args: (args[runtime[0]],))
         super().__init__(function, name, types, 32 * kernel.metadata.num_warps, kernel.metadata.shared,
                          extra=len(extra), pick=pick)
+
+    def launch_params(self, grid: tuple, args: tuple):
+        return None  # a Triton kernel's parameters are in its own order, not the 2:4 kernels'
 
 
 def _param_sizes(cu, function) -> list[int]:

@@ -398,7 +398,7 @@ class _TiledWeight:
         self.activation = activation
         self.kernel = kernel
         self._calls: dict = {}  # per-call key -> (FunctionLaunch, grid, x readable in place, y writable in place)
-        self._direct: dict = {}  # (x shape, strides, alignment, no bias) -> (FunctionLaunch, grid, N, y shape)
+        self._direct: dict = {}  # (x shape, no bias) -> (BoundLaunch, y shape): contiguous, aligned x
 
     def __call__(self, x, bias, y) -> None:
         device = self.device
@@ -445,10 +445,9 @@ class _TiledWeight:
                 self.held and (values.data_ptr() != pairs or metadata.data_ptr() != codes) or \
                 current_device() != self.device:
             return self._first_linear(slow, x, values, metadata, bias)
-        launch, grid, n, y_shape = hit
+        bound, y_shape = hit
         y = x.new_empty(*y_shape)  # ints: output_rows says why
-        launch(grid, (x_ptr, pairs, codes, 0 if bias is None else bias.data_ptr(), y.data_ptr(), n, self.m, self.k,
-                      self.k, self.m), raw_stream(self.device))
+        bound(x_ptr, 0 if bias is None else bias.data_ptr(), y.data_ptr(), raw_stream(self.device))
         return y
 
     def _first_linear(self, slow: MmaLinear, x, values, metadata, bias) -> torch.Tensor:
@@ -460,11 +459,15 @@ class _TiledWeight:
             slow.launch_on(self, x2, bias, y2)
         n = x.numel() // self.k if self.k else 0
         if 0 < n <= self.kernel.max_n and x.is_contiguous() and x.data_ptr() % 16 == 0:
-            if len(self._direct) >= self._MAX_KEYS:
-                self._direct.clear()
             launch, grid = self.kernel.launch_for(n, self.m, self.k, self.dtype, bias is not None, self.activation,
                                                   self.device)
-            self._direct[(x.shape, bias is None)] = (launch, grid, n, tuple(y.shape))
+            pairs, codes = self.weight
+            bound = launch.bind(grid, (x.data_ptr(), pairs, codes, 0 if bias is None else bias.data_ptr(),
+                                       y.data_ptr(), n, self.m, self.k, self.k, self.m))
+            if bound is not None:  # None: a launch that does more than pack and launch, called as above
+                if len(self._direct) >= self._MAX_KEYS:
+                    self._direct.clear()
+                self._direct[(x.shape, bias is None)] = (bound, tuple(y.shape))
         return y
 
     def _prepare(self, key):

@@ -370,33 +370,48 @@ def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None,
     if sizes != want:
         raise KernelPlanError(f"{name}: compiled parameter sizes {sizes} are not the launcher's {want}")
     maps = TensorMaps(cfg.bn // cfg.cm, 4 * cfg.wm, dtype)
-    if cfg.sk:
-        return StreamKLaunch(fn, f"{name} {cfg} {dtype}", cfg, maps, device_index)
-    if cfg.pp:
-        return PingPongLaunch(fn, f"{name} {cfg} {dtype}", cfg, maps, device_index)
+    kind = {"ws": MapLaunch, "sk": StreamKLaunch, "pp": PingPongLaunch}[_kind(cfg)]
+    return kind(fn, f"{name} {cfg} {dtype}", cfg, maps, device_index)
 
-    def pick(a):
-        # The 2:4 kernels' arguments (x, values, codes, bias, y, N, M, K, x row stride, y row stride), the
-        # operands as their tensor maps.
+
+class MapLaunch(FunctionLaunch):
+    """A launch of ``sparse24_ws.cu``: the 2:4 kernels' arguments (x, values, codes, bias, y, N, M, K, x row stride,
+    y row stride) with the operands passed as their tensor maps."""
+
+    __slots__ = ("cfg", "maps")
+    _TYPES = _PARAMS
+
+    def __init__(self, fn, name: str, cfg: WsConfig, maps: TensorMaps, device_index: int):
+        super().__init__(fn, name, self._TYPES, cfg.threads, cfg.shared, pick=self._mapped)
+        self.cfg, self.maps = cfg, maps
+
+    def _mapped(self, a: tuple) -> tuple:
+        maps = self.maps
         return (maps.x(a[0], a[5], a[7], a[8]), *maps.w(a[1], a[2], a[6], a[7]), a[3], a[4], a[5], a[6], a[7], a[9])
 
-    return FunctionLaunch(fn, f"{name} {cfg} {dtype}", _PARAMS, cfg.threads, cfg.shared, pick=pick)
+    def launch_params(self, grid: tuple, args: tuple):
+        n, k, stride, maps = args[5], args[7], args[8], self.maps
+        return grid, self._mapped(args), lambda x: maps.x(x, n, k, stride)
 
 
-class StreamKLaunch(FunctionLaunch):
+class StreamKLaunch(MapLaunch):
     """A persistent variant's launch: its grid and split from ``sk_plan``, and, where a tile is split, a workspace
     from torch's allocator on the launch's stream (so graphs and other streams each get their own) whose flags
     are zeroed by ``cuMemsetD32Async`` before the kernel: the parts a CTA hands over and the flags that order them.
     """
 
-    __slots__ = ("cfg", "maps", "device", "sms", "_plans")
+    __slots__ = ("device", "sms", "_plans")
+    _TYPES = _SK_PARAMS
 
     def __init__(self, fn, name: str, cfg: WsConfig, maps: TensorMaps, device_index: int):
         from .sparse24 import sm_count
 
-        super().__init__(fn, name, _SK_PARAMS, cfg.threads, cfg.shared)
-        self.cfg, self.maps, self.device, self.sms = cfg, maps, device_index, sm_count(device_index)
+        super().__init__(fn, name, cfg, maps, device_index)
+        self.device, self.sms = device_index, sm_count(device_index)
         self._plans: dict = {}  # (N, M, K) -> SkPlan: a dictionary hit costs less host time than sk_plan's cache
+
+    def launch_params(self, grid: tuple, args: tuple):
+        return None  # a split tail takes a workspace each call
 
     def __call__(self, grid: tuple, args: tuple, stream: int) -> None:
         import torch
@@ -414,30 +429,31 @@ class StreamKLaunch(FunctionLaunch):
             err, = self._cu.cuMemsetD32Async(address, 0, plan.slots, _stream(self._cu, stream))
             if err:
                 raise KernelPlanError(f"{self.name}: zeroing its {plan.slots} flags failed: {err.name}")
-        maps = self.maps
-        params = (maps.x(args[0], n, k, args[8]), *maps.w(args[1], args[2], m, k), args[3], args[4], n, m, k,
-                  args[9], plan.tiles_n, plan.dp_tiles, plan.splits, address)
-        super().__call__((plan.grid, 1, 1), params, stream)
+        params = self._mapped(args) + (plan.tiles_n, plan.dp_tiles, plan.splits, address)
+        FunctionLaunch.__call__(self, (plan.grid, 1, 1), params, stream, packed=True)
 
 
-class PingPongLaunch(FunctionLaunch):
+class PingPongLaunch(MapLaunch):
     """A ping-pong launch: one CTA per SM, or one per tile where there are fewer tiles."""
 
-    __slots__ = ("cfg", "maps", "sms")
+    __slots__ = ("sms",)
+    _TYPES = _PP_PARAMS
 
     def __init__(self, fn, name: str, cfg: WsConfig, maps: TensorMaps, device_index: int):
         from .sparse24 import sm_count
 
-        super().__init__(fn, name, _PP_PARAMS, cfg.threads, cfg.shared)
-        self.cfg, self.maps, self.sms = cfg, maps, sm_count(device_index)
+        super().__init__(fn, name, cfg, maps, device_index)
+        self.sms = sm_count(device_index)
+
+    def launch_params(self, grid: tuple, args: tuple):
+        n, m = args[5], args[6]
+        tiles_n = -(-n // self.cfg.bn)
+        grid, params, x_map = super().launch_params(grid, args)
+        return (min(self.sms, tiles_n * -(-m // self.cfg.rows)), 1, 1), params + (tiles_n,), x_map
 
     def __call__(self, grid: tuple, args: tuple, stream: int) -> None:
-        n, m, k = args[5], args[6], args[7]
-        tiles_n = -(-n // self.cfg.bn)
-        maps = self.maps
-        params = (maps.x(args[0], n, k, args[8]), *maps.w(args[1], args[2], m, k), args[3], args[4], n, m, k,
-                  args[9], tiles_n)
-        super().__call__((min(self.sms, tiles_n * -(-m // self.cfg.rows)), 1, 1), params, stream)
+        grid, params, _ = self.launch_params(grid, args)
+        FunctionLaunch.__call__(self, grid, params, stream, packed=True)
 
 
 class WsKernel(WgKernel):
