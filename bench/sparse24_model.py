@@ -45,7 +45,8 @@ _CLASSES = (("2:4", ("kp_sparse24", "sm90_xmma_sparse", "sparse")), ("gemm", ("n
 
 
 def kernel_split(fn, calls: int = 3) -> dict[str, float]:
-    """Device ms a call of ``fn`` spends in each kernel class (``_CLASSES``, else "other"), from CUPTI."""
+    """Device ms a call of ``fn`` spends in each kernel class (``_CLASSES``, else "other"), from CUPTI, and the six
+    longest kernels of "other" by name."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -54,7 +55,7 @@ def kernel_split(fn, calls: int = 3) -> dict[str, float]:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    split = {name: 0.0 for name, _ in _CLASSES} | {"other": 0.0}
+    split, other = {name: 0.0 for name, _ in _CLASSES} | {"other": 0.0}, {}
     for ev in prof.key_averages():
         t = getattr(ev, "self_device_time_total", 0) or 0
         if not t or ev.device_type != torch.autograd.DeviceType.CUDA:
@@ -62,6 +63,9 @@ def kernel_split(fn, calls: int = 3) -> dict[str, float]:
         key = ev.key.lower()
         cls = next((name for name, marks in _CLASSES if any(mk in key for mk in marks)), "other")
         split[cls] += t / calls / 1e3
+        if cls == "other":
+            other[ev.key[:80]] = t / calls / 1e3
+    split["top other"] = dict(sorted(other.items(), key=lambda kv: -kv[1])[:6])
     return split
 
 

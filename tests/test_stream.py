@@ -72,12 +72,13 @@ def test_a_dry_run_writes_nothing_and_errors_name_the_problem_and_write_nothing(
 
 
 def test_the_command_holds_a_layer_at_a_time_not_the_file(tmp_path):
-    """Peak RSS of `kernelplan sparsify` on a 256 MiB file of 32 layers, over a process that only imports the same:
-    it scales with the largest layer (pruning one takes several times its bytes), not with the file."""
+    """Peak RSS of `kernelplan sparsify` on a 512 MiB file of 64 layers, over a process that only imports the same:
+    it scales with the largest layer (pruning one takes several times its bytes), not with the file.  (On 256 MiB of
+    32 layers it read 78-106 MiB, mostly a fixed first-call cost: the same with 64 layers of half the size.)"""
     from safetensors.torch import save_file
 
     src, dst = tmp_path / "big.safetensors", tmp_path / "out.safetensors"
-    save_file({f"layers.{i}.weight": torch.randn(2048, 2048).to(torch.bfloat16) for i in range(32)}, str(src))
+    save_file({f"layers.{i}.weight": torch.randn(2048, 2048).to(torch.bfloat16) for i in range(64)}, str(src))
     size = src.stat().st_size
     probe = textwrap.dedent("""
         import re, sys
@@ -95,5 +96,5 @@ def test_the_command_holds_a_layer_at_a_time_not_the_file(tmp_path):
     assert run.returncode == 0, run.stderr
     extra = int(run.stdout.split()[-1])
     # values and the public format's metadata: 0.625x
-    assert "converted 32 layers" in run.stdout and dst.stat().st_size < 0.65 * size
+    assert "converted 64 layers" in run.stdout and dst.stat().st_size < 0.65 * size
     assert extra < 0.4 * size, f"peak RSS {extra / 2**20:.0f} MiB over the imports, for a {size / 2**20:.0f} MiB file"
