@@ -153,7 +153,8 @@ class BoundLaunch:
     A call writes those three into its thread's buffer and launches.
 
     x's parameter is its address, or, with ``x_map``, x's tensor map, kept here by x's address (the few buffers an
-    eager model's activations cycle through).
+    eager model's activations cycle through).  On an H100's host, a 768x768 layer's bound call (checks, y, launch)
+    went from 18.6 to 15.3 us with it (``bench/results/sparse24-host-768-n16-*h100.json``).
     """
 
     __slots__ = ("launch", "grid", "x_map", "_template", "_offsets", "_pack_x", "_pack_by", "_by_at", "_maps",
