@@ -23,7 +23,7 @@ import torch
 import transformers
 
 import kernelplan as kp
-from kernelplan.bench.accuracy import CONFIG, SEQ, corpus
+from kernelplan.bench.accuracy import CONFIG, CORPUS, SEQ, corpus
 
 
 def main() -> None:
@@ -39,10 +39,11 @@ def main() -> None:
                         "(the RMSNorm gains), as GPT-2/Llama recipes train")
     p.add_argument("--config", default="{}", help="JSON overrides of accuracy.CONFIG (hidden_size, ...)")
     p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--corpus", default=str(CORPUS), help="a gzipped JSON of documents (bench/build_corpus.py)")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     dev = torch.device(args.device)
-    train, held = corpus()
+    train, held = corpus(args.corpus)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**CONFIG, **json.loads(args.config)})).to(dev)
     params = list(model.parameters())
     groups = [dict(params=params, weight_decay=0.1)] if args.decay_1d else [

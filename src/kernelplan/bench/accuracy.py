@@ -31,9 +31,9 @@ CONFIG = dict(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden
               num_key_value_heads=4, max_position_embeddings=SEQ, tie_word_embeddings=True, rope_theta=10000.0)
 
 
-def corpus() -> tuple[torch.Tensor, torch.Tensor]:
-    """The byte streams ``(train, held_out)`` as int64 token ids."""
-    with gzip.open(CORPUS, "rb") as f:
+def corpus(path: str | Path = CORPUS) -> tuple[torch.Tensor, torch.Tensor]:
+    """The byte streams ``(train, held_out)`` as int64 token ids, of ``path`` (a gzipped JSON of ``documents``)."""
+    with gzip.open(path, "rb") as f:
         docs = json.load(f)["documents"]
     splits = ["\n\n".join(d for i, d in enumerate(docs) if (i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1) == held)
               for held in (False, True)]
@@ -107,14 +107,15 @@ def fold_outliers(model, scale: float, share: float = 1 / 64, seed: int = 0) -> 
 
 
 def run(dev: torch.device, methods=("magnitude", "wanda", "sparsegpt"), held_out_tokens: int | None = None,
-        model_dir: str | Path = MODEL, windows: int = CALIBRATION, outlier_scale: float | None = None) -> list[dict]:
+        model_dir: str | Path = MODEL, windows: int = CALIBRATION, outlier_scale: float | None = None,
+        corpus_path: str | Path = CORPUS) -> list[dict]:
     """One row per model: dense, then each method; perplexity, its increase over dense, mean layer error, seconds.
     ``outlier_scale``: the model with ``fold_outliers(model, outlier_scale)`` applied first (the dense row says how
     spread its layers' inputs then are)."""
     import kernelplan as kp
 
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # CPU matmuls in bf16 are slow, not more exact
-    train, held = corpus()
+    train, held = corpus(corpus_path)
     if held_out_tokens is not None:
         held = held[:held_out_tokens]
     calib = calibration(train, windows)

@@ -148,6 +148,10 @@ def run_sweep(device: torch.device, dtype: torch.dtype = torch.bfloat16, batch=B
                 row["dense_eager_ms"] = statistics.median(d for d, _ in pairs)
                 row["rule_eager_ms"] = statistics.median(r for _, r in pairs)
                 row["eager_speedup"] = statistics.median(d / r for d, r in pairs)
+                # The host's part alone (the clock stops when the last call returns): where an eager reading exceeds
+                # the graph's on a long kernel, says whether the host or the device is behind (docs/design/0019).
+                row["dense_host_ms"] = host_us_per_call(dense, device, EAGER_CALLS, wait=False) / 1e3
+                row["rule_host_ms"] = host_us_per_call(user, device, EAGER_CALLS, wait=False) / 1e3
                 if rule == "cuda_ws":
                     row["ws_config"] = str(ws_config(n, m, k, sms))
                 for name, t in times.items():
