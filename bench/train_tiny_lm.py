@@ -1,10 +1,12 @@
-"""Train the accuracy benchmark's model: a byte-level Llama on Python's help topics (kernelplan/bench/accuracy.py).
+"""Train the accuracy benchmark's model: a byte-level Llama on Debian's documentation text (kernelplan/bench/accuracy.py).
 
-    PYTHONPATH=src python bench/train_tiny_lm.py OUT_DIR [--steps N] [--seed S]
+    PYTHONPATH=src python bench/train_tiny_lm.py OUT_DIR --steps 10000 --eval-every 500
 
 On a GPU (bf16 autocast, AdamW, cosine schedule), windows of SEQ bytes drawn
-at random from the training split; the held-out split is evaluated every 100
-steps and the best model is kept (the corpus is small: it overfits late).
+at random from the training split; the held-out split is evaluated every
+``--eval-every`` steps and the best model is kept.  The committed model took
+10000 steps (164M bytes, 9 passes over the training split; 375 s on an H100);
+its held-out perplexity was still falling.
 Writes OUT_DIR/config.json and OUT_DIR/model.safetensors (bf16) via
 save_pretrained, and OUT_DIR/train-log.json.  Reproduces
 src/kernelplan/bench/data/tiny-llama up to GPU nondeterminism.
@@ -39,7 +41,7 @@ def main() -> None:
                         "(the RMSNorm gains), as GPT-2/Llama recipes train")
     p.add_argument("--config", default="{}", help="JSON overrides of accuracy.CONFIG (hidden_size, ...)")
     p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--corpus", default=str(CORPUS), help="a gzipped JSON of documents (bench/build_corpus.py)")
+    p.add_argument("--corpus", default=str(CORPUS), help="a gzipped JSON of documents (bench/build_doc_corpus.py)")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     dev = torch.device(args.device)

@@ -343,15 +343,16 @@ def test_calibration_runs_on_the_gpu_and_matches_the_cpu(seed):
 
 @pytest.mark.skipif(transformers is None, reason="transformers is not installed")
 def test_on_the_trained_model_calibrated_methods_beat_magnitude():
-    """The committed byte-level Llama (bench/accuracy.py), on the first 4096 held-out bytes, 16 calibration windows."""
+    """The committed byte-level Llama (bench/accuracy.py), on the first 16384 held-out bytes, 16 calibration windows
+    (read at its commit: dense 1.72, increases magnitude +1.48, Wanda +1.11, SparseGPT +0.57)."""
     from kernelplan.bench import accuracy
 
-    rows = {r["model"]: r for r in accuracy.run(torch.device("cpu"), held_out_tokens=4096, windows=16)}
+    rows = {r["model"]: r for r in accuracy.run(torch.device("cpu"), held_out_tokens=16384, windows=16)}
     dense, mag, wan, sgpt = (rows[k]["perplexity"] for k in ("dense", "magnitude", "wanda", "sparsegpt"))
-    assert 2 < dense < 4, f"the trained model's held-out perplexity per byte is {dense}; was the checkpoint replaced?"
+    assert 1.2 < dense < 2.5, f"the trained model's held-out perplexity per byte is {dense}; was the checkpoint replaced?"
     assert rows["magnitude"]["layers"] == 6 * 7
     assert sgpt - dense < 0.5 * (mag - dense), rows
-    assert wan - dense < mag - dense, rows
+    assert wan - dense < 0.9 * (mag - dense), rows
     assert rows["sparsegpt"]["mean_layer_error"] < rows["wanda"]["mean_layer_error"] < rows["magnitude"]["mean_layer_error"]
 
 

@@ -1,10 +1,11 @@
 """``kernelplan bench accuracy``: perplexity of a small trained Llama, dense and pruned to 2:4 by each method.
 
 The model (``data/tiny-llama``, trained by ``bench/train_tiny_lm.py``) reads
-bytes (a 256-token vocabulary) and was trained on English text that ships with
-Python (``data/python-docs.json.gz``, built by ``bench/build_corpus.py``: the
-help topics of ``pydoc_data`` and the standard library's docstrings).  Every
-tenth document is held out; the rest are trained on.  Perplexity here is per
+bytes (a 256-token vocabulary) and was trained on English documentation from
+Debian's packages (``data/debian-docs.json.gz``, 20 MB, built by
+``bench/build_doc_corpus.py``: the reStructuredText sources of the Python 3.11
+documentation and Perl's POD manuals).  Every tenth document is held out; the
+rest are trained on.  Perplexity here is per
 byte, on the held-out split.
 Calibration takes ``CALIBRATION`` windows of ``SEQ`` bytes from the training split.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 DATA = Path(__file__).resolve().parent / "data"
-CORPUS = DATA / "python-docs.json.gz"
+CORPUS = DATA / "debian-docs.json.gz"
 MODEL = DATA / "tiny-llama"
 SEQ = 256
 CALIBRATION = 64
