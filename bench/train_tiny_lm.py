@@ -42,11 +42,15 @@ def main() -> None:
     p.add_argument("--config", default="{}", help="JSON overrides of accuracy.CONFIG (hidden_size, ...)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--corpus", default=str(CORPUS), help="a gzipped JSON of documents (bench/build_doc_corpus.py)")
+    p.add_argument("--init", default=None, help="a save_pretrained directory to train on from, not a random model")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     dev = torch.device(args.device)
     train, held = corpus(args.corpus)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**CONFIG, **json.loads(args.config)})).to(dev)
+    if args.init:
+        model = transformers.LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32).to(dev)
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**CONFIG, **json.loads(args.config)})).to(dev)
     params = list(model.parameters())
     groups = [dict(params=params, weight_decay=0.1)] if args.decay_1d else [
         dict(params=[q for q in params if q.dim() > 1], weight_decay=0.1),
