@@ -462,8 +462,9 @@ class _TiledWeight:
             launch, grid = self.kernel.launch_for(n, self.m, self.k, self.dtype, bias is not None, self.activation,
                                                   self.device)
             pairs, codes = self.weight
-            bound = launch.bind(grid, (x.data_ptr(), pairs, codes, 0 if bias is None else bias.data_ptr(),
-                                       y.data_ptr(), n, self.m, self.k, self.k, self.m))
+            with on_device(self.device):  # the weight's tensor maps are encoded here, as a launch on it would
+                bound = launch.bind(grid, (x.data_ptr(), pairs, codes, 0 if bias is None else bias.data_ptr(),
+                                           y.data_ptr(), n, self.m, self.k, self.k, self.m))
             if bound is not None:  # None: a launch that does more than pack and launch, called as above
                 if len(self._direct) >= self._MAX_KEYS:
                     self._direct.clear()
