@@ -30,6 +30,7 @@ import kernelplan as kp
 from kernelplan.bench import results
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_ws import WsKernel
+from kernelplan.timing import kernel_device_ms
 
 SHAPES = ("4608x36864x256", "5120x17920x256", "16384x3072x256", "8192x8192x256", "4096x14336x256",
           "4096x4096x4096")
@@ -46,22 +47,6 @@ def events_ms(fn, calls: int = 50) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / calls
-
-
-def kernel_ms(fn, calls: int = 20) -> dict[str, float]:
-    """Mean device time of each kernel ``fn`` launches, by name, over ``calls`` eager calls."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if ev.count and t:
-            out[ev.key[:60]] = t / ev.count / 1e3
-    return out
 
 
 def main() -> int:
@@ -91,7 +76,7 @@ def main() -> int:
         row = {"m": m, "k": k, "n": n, "errors": errs}
         for name, fn in fns.items():
             row[name] = {key: statistics.median(v) for key, v in reads[name].items()}
-            row[name]["kernels"] = kernel_ms(fn)
+            row[name]["kernels"] = {kn[:60]: t for kn, t in kernel_device_ms(fn, 20).items()}
         rows.append(row)
         print(f"{m}x{k} n={n}: " + "  ".join(
             f"{name} graph {row[name]['graph'] * 1e3:.1f} events {row[name]['events'] * 1e3:.1f} us"

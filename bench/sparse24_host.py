@@ -26,19 +26,12 @@ import torch.nn.functional as F
 
 import kernelplan as kp
 from kernelplan.bench import results
+from kernelplan.bench.sweep import _cycling
 from kernelplan.timing import host_us_per_call, interleaved
 
 
 def per_call_us(fn, calls: int = 2000) -> float:
     return host_us_per_call(fn, torch.device("cuda"), calls)
-
-
-def _cycle(fns):
-    """One of ``fns`` a call, in turn."""
-    import itertools
-
-    turn = itertools.cycle(fns)
-    return lambda: next(turn)()
 
 
 def main() -> int:
@@ -60,13 +53,13 @@ def main() -> int:
     dense, layer, w = denses[0], layers[0], ws[0]
     x = torch.randn(a.n, s, device="cuda", dtype=torch.bfloat16)
     fns = {
-        "F.linear": _cycle([lambda w=w, d=d: F.linear(x, w, d.bias) for w, d in zip(ws, denses)]),
-        "nn.Linear": _cycle([lambda d=d: d(x) for d in denses]),
-        "kp.sparse24.linear": _cycle([lambda p=p, d=d: kp.sparse24.linear(x, p, d.bias)
+        "F.linear": _cycling([lambda w=w, d=d: F.linear(x, w, d.bias) for w, d in zip(ws, denses)]),
+        "nn.Linear": _cycling([lambda d=d: d(x) for d in denses]),
+        "kp.sparse24.linear": _cycling([lambda p=p, d=d: kp.sparse24.linear(x, p, d.bias)
                                       for p, d in zip(publics, denses)]),
-        "kp.sparse24.linear (device layout)": _cycle([lambda p=p, d=d: kp.sparse24.linear(x, p, d.bias)
+        "kp.sparse24.linear (device layout)": _cycling([lambda p=p, d=d: kp.sparse24.linear(x, p, d.bias)
                                                       for p, d in zip(packeds, denses)]),
-        "Sparse24Linear": _cycle([lambda lay=lay: lay(x) for lay in layers]),
+        "Sparse24Linear": _cycling([lambda lay=lay: lay(x) for lay in layers]),
     }
     out = {}
     for mode, ctx in (("no_grad", torch.no_grad), ("inference_mode", torch.inference_mode)):

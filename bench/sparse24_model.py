@@ -28,7 +28,7 @@ import kernelplan as kp
 from kernelplan.bench import results
 from kernelplan.bench.decode import DecodeStep, Graphed, GraphedDecode, weight_bytes
 from kernelplan.nn import Sparse24Linear
-from kernelplan.timing import interleaved
+from kernelplan.timing import interleaved, kernel_device_ms
 
 
 def wall(fn) -> float:
@@ -47,24 +47,13 @@ _CLASSES = (("2:4", ("kp_sparse24", "sm90_xmma_sparse", "sparse")), ("gemm", ("n
 def kernel_split(fn, calls: int = 3) -> dict[str, float]:
     """Device ms a call of ``fn`` spends in each kernel class (``_CLASSES``, else "other"), from CUPTI, and the six
     longest kernels of "other" by name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
     split, other = {name: 0.0 for name, _ in _CLASSES} | {"other": 0.0}, {}
-    for ev in prof.key_averages():
-        t = getattr(ev, "self_device_time_total", 0) or 0
-        if not t or ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        key = ev.key.lower()
-        cls = next((name for name, marks in _CLASSES if any(mk in key for mk in marks)), "other")
-        split[cls] += t / calls / 1e3
+    for name, ms in kernel_device_ms(fn, calls).items():
+        key = name.lower()
+        cls = next((c for c, marks in _CLASSES if any(mk in key for mk in marks)), "other")
+        split[cls] += ms
         if cls == "other":
-            other[ev.key[:80]] = t / calls / 1e3
+            other[name[:80]] = ms
     split["top other"] = dict(sorted(other.items(), key=lambda kv: -kv[1])[:6])
     return split
 

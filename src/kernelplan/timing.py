@@ -1,4 +1,5 @@
-"""Host time per call: what a small problem costs on the CPU side of a launch (tuning and the benchmarks)."""
+"""Host time per call: what a small problem costs on the CPU side of a launch (tuning and the benchmarks); and the
+device time of each kernel a call launches."""
 
 from __future__ import annotations
 
@@ -84,3 +85,18 @@ def host_report_line(report: dict, where: str) -> str:
     host, wall = report["host_us"], report["wall_us"]
     return (f"per call at {where}: host work kernelplan {host['kernelplan']:.1f} us, F.linear {host['F.linear']:.1f} us; "
             f"back to back, waited for: {wall['kernelplan']:.1f} us, {wall['F.linear']:.1f} us")
+
+
+def kernel_device_ms(fn: Callable, calls: int) -> dict[str, float]:
+    """Device ms per call of ``fn`` in each kernel it launches, by kernel name: CUPTI's durations under
+    ``torch.profiler`` over ``calls`` calls, after one call unprofiled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {ev.key: ev.self_device_time_total / calls / 1e3 for ev in prof.key_averages()
+            if ev.device_type == torch.autograd.DeviceType.CUDA and ev.self_device_time_total}

@@ -389,9 +389,13 @@ class MapLaunch(FunctionLaunch):
         maps = self.maps
         return (maps.x(a[0], a[5], a[7], a[8]), *maps.w(a[1], a[2], a[6], a[7]), a[3], a[4], a[5], a[6], a[7], a[9])
 
+    def _grid_params(self, grid: tuple, args: tuple) -> tuple[tuple, tuple]:
+        """The launch's grid and parameters."""
+        return grid, self._mapped(args)
+
     def launch_params(self, grid: tuple, args: tuple):
         n, k, stride, maps = args[5], args[7], args[8], self.maps
-        return grid, self._mapped(args), lambda x: maps.x(x, n, k, stride)
+        return *self._grid_params(grid, args), lambda x: maps.x(x, n, k, stride)
 
 
 class StreamKLaunch(MapLaunch):
@@ -445,15 +449,13 @@ class PingPongLaunch(MapLaunch):
         super().__init__(fn, name, cfg, maps, device_index)
         self.sms = sm_count(device_index)
 
-    def launch_params(self, grid: tuple, args: tuple):
+    def _grid_params(self, grid: tuple, args: tuple) -> tuple[tuple, tuple]:
         n, m = args[5], args[6]
         tiles_n = -(-n // self.cfg.bn)
-        grid, params, x_map = super().launch_params(grid, args)
-        return (min(self.sms, tiles_n * -(-m // self.cfg.rows)), 1, 1), params + (tiles_n,), x_map
+        return (min(self.sms, tiles_n * -(-m // self.cfg.rows)), 1, 1), self._mapped(args) + (tiles_n,)
 
     def __call__(self, grid: tuple, args: tuple, stream: int) -> None:
-        grid, params, _ = self.launch_params(grid, args)
-        FunctionLaunch.__call__(self, grid, params, stream, packed=True)
+        FunctionLaunch.__call__(self, *self._grid_params(grid, args), stream, packed=True)
 
 
 class WsKernel(WgKernel):
