@@ -140,3 +140,123 @@ def test_fp8_linear(seed):
 
     _on_each_device(run)
 
+
+
+# -- the default (memory="compact") 2:4 path: the one device layout's kernels, by rule --------------------------
+
+
+def _is_hopper(dev: torch.device) -> bool:
+    return torch.cuda.get_device_capability(dev) == (9, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_sparse24_module_default_path_every_kernel_family(dtype, seed):
+    """``Sparse24Linear`` on each device with the other current, over n = 1-4096: the rule's kernel for the weight's
+    own device (cuda_sp at n <= 16 on a 9216-row weight, cuda_ws's ping-pong and cluster tiles past it; cuda_sp on
+    Ampere), each call twice (the first binds the launch on the weight's device, the second takes the bound call),
+    3-D and non-contiguous x, a CUDA graph, and one copy of the weight: 0.5625x of the dense bytes, f16 on
+    device index 1 included."""
+    from kernelplan.sparse24.gemm import rule_backend
+    from kernelplan.sparse24.layout import SP_LAYOUT
+
+    m, k = 9216, 1024
+
+    def run(dev):
+        dense = torch.nn.Linear(k, m, device=dev, dtype=dtype)
+        layer = kp.nn.Sparse24Linear.from_dense(dense)
+        assert layer.layout == SP_LAYOUT and layer.values.device == dev
+        w, b = layer.to_dense(), layer.bias.detach()
+        for n in (1, 13, 64, 200, 1000, 4096):
+            desc = GemmSparse24Descriptor(n, m, k, "bf16" if dtype == torch.bfloat16 else "f16", None, True, str(dev))
+            backend = GemmSparse24Plan.select(desc).backend.name
+            assert backend == rule_backend(desc)
+            assert backend == ("cuda_ws" if _is_hopper(dev) and n > 16 else "cuda_sp"), (n, backend)
+            x = torch.randn(n, k, device=dev, dtype=dtype)
+            ref, same = F.linear(x.double(), w.double(), b.double()), F.linear(x, w, b)
+            for call in range(2):
+                with torch.no_grad():
+                    y = layer(x)
+                assert y.device == dev
+                assert_close(y, ref, same, atol=FWD_ATOL[dtype], what=f"n = {n} ({backend}), call {call} on {dev}")
+        x3 = torch.randn(2, 70, k + 8, device=dev, dtype=dtype)[..., 8:]  # 3-D, rows off 16-byte alignment
+        y3 = layer(x3)
+        assert_close(y3, F.linear(x3.double(), w.double(), b.double()), F.linear(x3, w, b), atol=FWD_ATOL[dtype],
+                     what=f"3-D strided x on {dev}")
+        xt = torch.randn(k, 300, device=dev, dtype=dtype).t()  # transposed
+        assert_close(layer(xt), F.linear(xt.double(), w.double(), b.double()), F.linear(xt, w, b),
+                     atol=FWD_ATOL[dtype], what=f"transposed x on {dev}")
+        # A graph is captured on its tensors' device (torch's capture stream is the current device's).
+        xg = torch.randn(256, k, device=dev, dtype=dtype)
+        with torch.cuda.device(dev), torch.no_grad():
+            layer(xg)  # warm-up outside the capture, as torch asks
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                yg = layer(xg)
+            xg.copy_(torch.randn_like(xg))
+            graph.replay()
+            torch.cuda.synchronize(dev)
+        assert_close(yg, F.linear(xg.double(), w.double(), b.double()), F.linear(xg, w, b), atol=FWD_ATOL[dtype],
+                     what=f"graph replay on {dev}")
+        held = layer.weight24.derived_bytes()
+        assert sum(held.values()) == 0, held  # nothing beside the values and metadata the module holds
+        element = torch.finfo(dtype).bits // 8
+        assert layer.values.nbytes + layer.metadata.nbytes == m * k * element * 9 // 16
+
+    _on_each_device(run)
+
+
+def test_sparse24_functional_bias_activations_and_fast_policy_f16_on_each_device(seed):
+    """``kp.sparse24.linear`` on a public-format f16 weight with bias and each activation, by rule, then under
+    memory="fast": on device index 1 cuSPARSELt's f16 search is refused with its reason (cusparselt.py), and
+    the backends that do run compete; the result is right either way."""
+    m, k = 768, 2048
+
+    def run(dev):
+        w = kp.sparse24.prune(torch.randn(m, k, device=dev, dtype=torch.float16))
+        w24 = kp.sparse24.compress(w)
+        b = torch.randn(m, device=dev, dtype=torch.float16)
+        for n, activation in ((5, "relu"), (96, "gelu"), (333, "gelu_tanh"), (2048, "silu")):
+            x = torch.randn(n, k, device=dev, dtype=torch.float16)
+            act = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+                   "silu": F.silu}[activation]
+            ref, same = act(F.linear(x.double(), w.double(), b.double())), act(F.linear(x, w, b))
+            # "fast" times every backend at a bucket's first call: once is enough to see the f16 refusal's effect.
+            for memory in ("compact", "fast") if n == 96 else ("compact",):
+                y = kp.sparse24.linear(x, w24, bias=b, activation=activation, memory=memory)
+                assert y.device == dev
+                assert_close(y, ref, same, atol=FWD_ATOL[torch.float16], what=f"n = {n} {activation} {memory} {dev}")
+        reason = GemmSparse24Plan.registry.get("cusparselt").supports(GemmSparse24Descriptor(96, m, k, "f16", device=str(dev)))
+        if dev.index == 1:
+            assert reason is not None and "device index 1" in reason, reason
+
+    _on_each_device(run)
+
+
+def test_sparse24_ws_tile_kinds_on_each_device(seed):
+    """Each kind of ``cuda_ws`` launch compiled, its tensor maps encoded and launched on the weight's device with
+    the other current: a cluster sharing x along M and splitting K, ping-pong, and the persistent split whose
+    workspace is allocated per call."""
+    from kernelplan.kernels import raw_stream
+    from kernelplan.kernels.sparse24_sp import _tiled
+    from kernelplan.kernels.sparse24_ws import WsConfig, WsKernel
+
+    n, m, k = 200, 1024, 2048
+    cfgs = (WsConfig(128, 2, 2, 2, 8), WsConfig(64, 3, stages=7, pp=True), WsConfig(64, 1, stages=8, sk=True))
+
+    def run(dev):
+        if not _is_hopper(dev):
+            pytest.skip(f"{dev} is not Hopper: cuda_ws is sm_90a code")
+        w = kp.sparse24.prune(torch.randn(m, k, device=dev)).bfloat16()
+        w24 = kp.sparse24.compress(w)
+        pairs, codes = _tiled(w24.values, w24.metadata)
+        b = torch.randn(m, device=dev).bfloat16()
+        x = torch.randn(n, k, device=dev).bfloat16()
+        ref, same = F.gelu(F.linear(x.double(), w.double(), b.double())), F.gelu(F.linear(x, w, b))
+        for cfg in cfgs:
+            launch, grid = WsKernel().launch_config(cfg, n, m, "bf16", True, "gelu", dev.index)
+            y = torch.full((n, m), float("nan"), device=dev, dtype=torch.bfloat16)
+            launch(grid, (x.data_ptr(), pairs.data_ptr(), codes.data_ptr(), b.data_ptr(), y.data_ptr(), n, m, k,
+                          x.stride(0), y.stride(0)), raw_stream(dev.index))
+            assert_close(y, ref, same, atol=FWD_ATOL[torch.bfloat16], what=f"{cfg} on {dev}")
+
+    _on_each_device(run)
