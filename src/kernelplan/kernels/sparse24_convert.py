@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import on_device
 from .triton_cache import compiling
 
 # Integer view, |bits| mask and the bits of +inf, by element width in bytes.
@@ -96,7 +97,9 @@ def compress(w: torch.Tensor, prune: bool, dense: bool = False, block=(16, 64)):
         values = torch.empty((m, k // 2), dtype=bits.dtype, device=w.device)
         metadata = torch.empty((m, k // 8), dtype=torch.int16, device=w.device)
         out = values
-    with compiling():  # a load-time op: every call may be the one that compiles
+    # Triton launches on the current device: a weight on cuda:1 with cuda:0 current was a launch error
+    # ("Pointer argument cannot be accessed from Triton"; tests/test_multi_gpu.py).
+    with on_device(w.get_device()), compiling():  # a load-time op: every call may be the one that compiles
         _compress24[grid](bits, values, metadata, out, bad, m, k, w.stride(0), PRUNE=prune, DENSE=dense,
                           ABS=absmask, INF=inf, BM=bm, BG=bg, num_warps=4)
     if bool(bad.any()):
@@ -145,7 +148,7 @@ _PAIR = {2: torch.int32, 4: torch.int64}  # a kept pair as one integer, by eleme
 def _launch_pack(values, metadata, tv, tm, k, unpack: bool, steps: int) -> None:
     pair = _PAIR[values.element_size()]
     grid = (tv.shape[0], triton.cdiv(k // 64, steps))
-    with compiling():
+    with on_device(values.get_device()), compiling():
         _pack24[grid](values.view(pair), metadata.view(torch.int32), tv.view(pair), tm, k, UNPACK=unpack,
                       STEPS=steps, num_warps=4)
 
