@@ -185,12 +185,13 @@ def test_sparse24_module_default_path_every_kernel_family(dtype, seed):
         xt = torch.randn(k, 300, device=dev, dtype=dtype).t()  # transposed
         assert_close(layer(xt), F.linear(xt.double(), w.double(), b.double()), F.linear(xt, w, b),
                      atol=FWD_ATOL[dtype], what=f"transposed x on {dev}")
-        # A graph is captured on its tensors' device (torch's capture stream is the current device's).
+        # A graph is captured on a stream of its tensors' device.  Named: torch.cuda.graph's default capture stream
+        # is made once per process, on the device current at the first capture, and taken on every device after.
         xg = torch.randn(256, k, device=dev, dtype=dtype)
         with torch.cuda.device(dev), torch.no_grad():
             layer(xg)  # warm-up outside the capture, as torch asks
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream(dev)):
                 yg = layer(xg)
             xg.copy_(torch.randn_like(xg))
             graph.replay()
@@ -233,8 +234,8 @@ def test_sparse24_functional_bias_activations_and_fast_policy_f16_on_each_device
 
 
 def test_sparse24_ws_tile_kinds_on_each_device(seed):
-    """Each kind of ``cuda_ws`` launch compiled, its tensor maps encoded and launched on the weight's device with
-    the other current: a cluster sharing x along M and splitting K, ping-pong, and the persistent split whose
+    """Each kind of ``cuda_ws`` launch compiled and its tensor maps encoded with the other device current, then
+    launched on the weight's device: a cluster sharing x along M and splitting K, ping-pong, and the persistent split whose
     workspace is allocated per call."""
     from kernelplan.kernels import raw_stream
     from kernelplan.kernels.sparse24_sp import _tiled
@@ -255,8 +256,9 @@ def test_sparse24_ws_tile_kinds_on_each_device(seed):
         for cfg in cfgs:
             launch, grid = WsKernel().launch_config(cfg, n, m, "bf16", True, "gelu", dev.index)
             y = torch.full((n, m), float("nan"), device=dev, dtype=torch.bfloat16)
-            launch(grid, (x.data_ptr(), pairs.data_ptr(), codes.data_ptr(), b.data_ptr(), y.data_ptr(), n, m, k,
-                          x.stride(0), y.stride(0)), raw_stream(dev.index))
+            with torch.cuda.device(dev):  # a launch goes to the current context, as the kernels' callers make it
+                launch(grid, (x.data_ptr(), pairs.data_ptr(), codes.data_ptr(), b.data_ptr(), y.data_ptr(), n, m, k,
+                              x.stride(0), y.stride(0)), raw_stream(dev.index))
             assert_close(y, ref, same, atol=FWD_ATOL[torch.bfloat16], what=f"{cfg} on {dev}")
 
     _on_each_device(run)
