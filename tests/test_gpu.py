@@ -278,7 +278,7 @@ def test_triton_launch_hooks_see_direct_launches(monkeypatch):
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_sparse24_functional_3d_x_tunes_and_matches(activation):
     from kernelplan.sparse24 import GemmSparse24Descriptor, GemmSparse24Plan
-    from kernelplan.sparse24.gemm import tunable
+    from kernelplan.sparse24.tuning import tunable
 
     w = kp.sparse24.prune(torch.randn(512, 1024, device="cuda")).bfloat16()
     w24 = kp.sparse24.compress(w)
@@ -389,10 +389,10 @@ def test_sparse24_tuning_is_reused_by_a_second_process(tmp_path):
     script = """
 import torch, kernelplan as kp
 from kernelplan.sparse24 import GemmSparse24Descriptor, GemmSparse24Plan
-import kernelplan.sparse24.backends as backends
+import kernelplan.sparse24.tuning as tuning
 calls = []
-real = backends.tune
-backends.tune = lambda *a, **k: calls.append(1) or real(*a, **k)
+real = tuning.tune
+tuning.tune = lambda *a, **k: calls.append(1) or real(*a, **k)
 w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(1024, 1024, device="cuda")).half())
 kp.sparse24.linear(torch.randn(3, 1024, device="cuda").half(), w24, memory="fast")
 desc = GemmSparse24Descriptor(3, 1024, 1024, "f16", device="cuda", memory="fast")

@@ -212,7 +212,7 @@ def test_importing_kernelplan_never_touches_cuda():
 def test_tuning_takes_the_median_of_three_rounds_and_leaves_out_refusals():
     """How sparse24 tuning turns timings into a choice, with the timer faked: no GPU needed."""
     from kernelplan.errors import KernelPlanError
-    from kernelplan.sparse24.backends import measure
+    from kernelplan.sparse24.tuning import measure
 
     # "fast" was slow in its cold first round; "lucky" was fast once, near the host-bound edge.
     rounds = {"dense": [10.0, 10.0, 10.0], "fast": [12.0, 9.0, 9.0], "lucky": [12.0, 8.0, 11.0]}
@@ -236,7 +236,7 @@ def test_tuning_takes_the_median_of_three_rounds_and_leaves_out_refusals():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_tuning_leaves_out_a_backend_whose_result_is_wrong(dtype, seed):
     """``agreeing``: results a rounding apart stay candidates, a wrong one is dropped with a warning."""
-    from kernelplan.sparse24.backends import _AGREE, agreeing, disagreement
+    from kernelplan.sparse24.tuning import _AGREE, agreeing, disagreement
 
     x, w = torch.randn(48, 512), torch.randn(300, 512)
     exact = x.double() @ w.double().T
@@ -281,11 +281,11 @@ def test_tuning_never_picks_a_faster_backend_whose_result_is_wrong(fakes, monkey
     import triton.testing
 
     import kernelplan.timing
-    from kernelplan.sparse24 import backends
+    from kernelplan.sparse24 import tuning
 
     fakes(FakeBackend("fast"), FakeBackend("slower"))
     names = ("dense", "fast", "slower")
-    monkeypatch.setattr(backends, "tunable", lambda desc: [GemmSparse24Plan.registry.get(n) for n in names])
+    monkeypatch.setattr(tuning, "tunable", lambda desc: [GemmSparse24Plan.registry.get(n) for n in names])
     right = torch.randn(4, 8)
     outputs = {"dense": right, "fast": right if fast_is_right else -right, "slower": right}
     seconds = {"dense": 3e-5, "fast": 1e-5, "slower": 2e-5}
@@ -301,10 +301,10 @@ def test_tuning_never_picks_a_faster_backend_whose_result_is_wrong(fakes, monkey
     monkeypatch.setattr(kernelplan.timing, "host_us_per_call", lambda fn, dev, calls: fn.seconds * 1e6 / 2)
     desc = GemmSparse24Descriptor(n=4, m=8, k=16, dtype="f32", memory="fast")  # _tune itself: tune() would refuse the CPU
     if fast_is_right:
-        assert backends._tune(desc, call, 10.0, 25.0) == "fast"
+        assert tuning._tune(desc, call, 10.0, 25.0) == "fast"
     else:
         with pytest.warns(RuntimeWarning, match="backend fast left out: its result differs from the oracle's"):
-            assert backends._tune(desc, call, 10.0, 25.0) == "slower"
+            assert tuning._tune(desc, call, 10.0, 25.0) == "slower"
 
 
 def test_a_slow_spell_of_the_host_during_one_candidates_timing_does_not_decide(fakes, monkeypatch):
@@ -319,11 +319,11 @@ def test_a_slow_spell_of_the_host_during_one_candidates_timing_does_not_decide(f
     import triton.testing
 
     import kernelplan.timing
-    from kernelplan.sparse24 import backends
+    from kernelplan.sparse24 import tuning
 
     fakes(FakeBackend("fast"), FakeBackend("slower"))
     names = ("dense", "fast", "slower")
-    monkeypatch.setattr(backends, "tunable", lambda desc: [GemmSparse24Plan.registry.get(n) for n in names])
+    monkeypatch.setattr(tuning, "tunable", lambda desc: [GemmSparse24Plan.registry.get(n) for n in names])
     kernel_s = {"dense": 18.7e-6, "fast": 11.2e-6, "slower": 15e-6}
     host_s = {"dense": 15e-6, "fast": 13e-6, "slower": 14e-6}
     clock = [0.0]
@@ -347,13 +347,13 @@ def test_a_slow_spell_of_the_host_during_one_candidates_timing_does_not_decide(f
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
     monkeypatch.setattr(kernelplan.timing, "host_us_per_call", host_us_per_call)
     desc = GemmSparse24Descriptor(n=4, m=8, k=16, dtype="f32", memory="fast")
-    assert backends._tune(desc, call, 10.0, 25.0) == "fast"
+    assert tuning._tune(desc, call, 10.0, 25.0) == "fast"
     # Where the spell covers the whole reading, it slows every candidate alike: the order holds.
     clock[0] = 0.0
     monkeypatch.setattr(kernelplan.timing, "host_us_per_call",
                         lambda fn, dev, calls: host_s[fn.name] * 1e6 * 1.6)
     desc = dataclasses.replace(desc, n=8)
-    assert backends._tune(desc, call, 10.0, 25.0) == "fast"
+    assert tuning._tune(desc, call, 10.0, 25.0) == "fast"
 
 
 def test_a_tie_within_the_margin_goes_to_the_faster_kernels():
@@ -376,7 +376,7 @@ def test_a_tie_within_the_margin_goes_to_the_faster_kernels():
 
 def test_a_win_over_the_floor_must_hold_when_measured_again():
     """``confirmed`` with the timer faked: a challenger's win is repeated once before it counts."""
-    from kernelplan.sparse24.backends import confirmed, measure
+    from kernelplan.sparse24.tuning import confirmed, measure
 
     def run(first: dict, later: dict[str, list[float]]):
         calls = []

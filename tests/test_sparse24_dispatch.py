@@ -54,9 +54,9 @@ def test_compact_on_cpu_runs_the_reference_without_tuning(monkeypatch):
     import torch
 
     import kernelplan as kp
-    from kernelplan.sparse24 import backends
+    from kernelplan.sparse24 import tuning
 
-    monkeypatch.setattr(backends, "tune", lambda *a, **k: pytest.fail("compact dispatch must not tune"))
+    monkeypatch.setattr(tuning, "tune", lambda *a, **k: pytest.fail("compact dispatch must not tune"))
     w = kp.sparse24.prune(torch.randn(64, 128))
     y = kp.sparse24.linear(torch.randn(3, 128), kp.sparse24.compress(w))
     assert y.shape == (3, 64)
@@ -125,3 +125,32 @@ def test_repeated_eager_calls_follow_updates_and_x_layouts(layout):
                 y = kp.sparse24.linear(xi, w24)
                 assert_close(y, F.linear(xi.double(), -w.double()), F.linear(xi, -w), atol=FWD_ATOL[dt],
                              what=f"n={n} {name}")
+
+
+def test_the_sparse24_modules_import_each_other_without_a_cycle():
+    """Issue 26: the 2:4 dispatch is layered, the plan level (``plan.py``) below the backends, the "fast" policy's
+    tuning and the functional layer; no module imports one that imports it back, at module level or inside a
+    function."""
+    import ast
+    import pathlib
+
+    import kernelplan.sparse24 as package
+
+    folder = pathlib.Path(package.__file__).parent
+    names = {f.stem for f in folder.glob("*.py")} - {"__init__"}
+    graph = {}
+    for name in names:
+        deps = set()
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                deps |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+        graph[name] = deps & names
+    assert not graph["plan"] & {"gemm", "backends", "tuning", "cusparselt"}, graph["plan"]
+
+    def reach(start, seen):
+        for dep in graph[start]:
+            assert dep != start and dep not in seen, f"import cycle: {' -> '.join([*seen, start, dep])}"
+            reach(dep, [*seen, start])
+
+    for name in sorted(names):
+        reach(name, [])

@@ -53,7 +53,7 @@ def test_the_warmup_command_reads_shapes_and_refuses_bad_files_in_one_line(tmp_p
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_the_gpu_after_warmup_no_call_of_those_shapes_compiles_or_tunes(monkeypatch, tmp_path):
     from kernelplan.kernels import nvrtc
-    from kernelplan.sparse24 import backends
+    from kernelplan.sparse24 import tuning
 
     monkeypatch.setenv("KERNELPLAN_CACHE_DIR", str(tmp_path))  # a cold disk cache
     model = _model("cuda", torch.bfloat16)
@@ -66,7 +66,7 @@ def test_on_the_gpu_after_warmup_no_call_of_those_shapes_compiles_or_tunes(monke
         assert all(r["expected"] is not None and r["expected"].graph > 0 for r in rows)
     # The calls of the warm-up compiled nothing the compile phase had not (this process may hold some already).
     assert nvrtc.COMPILES[0] - before <= len({(r["backend"], r["config"], r["bias"]) for r in rows})
-    monkeypatch.setattr(backends, "tune", lambda *a, **k: pytest.fail("a call after warmup tuned"))
+    monkeypatch.setattr(tuning, "tune", lambda *a, **k: pytest.fail("a call after warmup tuned"))
     compiles = nvrtc.COMPILES[0]
     with torch.inference_mode():
         for n in (1, 16, 128, 300):

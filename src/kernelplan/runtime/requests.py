@@ -130,8 +130,8 @@ class Fp8LinearRequest(GemmRequest):
 class Sparse24LinearRequest(PlanRequest):
     """y = act(x W^T + bias), W 2:4 in the public format (values, metadata), on ``GemmSparse24Plan``."""
 
-    plan_class: ClassVar[str] = "kernelplan.sparse24.gemm:GemmSparse24Plan"
-    args_class: ClassVar[str] = "kernelplan.sparse24.gemm:GemmSparse24Args"
+    plan_class: ClassVar[str] = "kernelplan.sparse24.plan:GemmSparse24Plan"
+    args_class: ClassVar[str] = "kernelplan.sparse24.plan:GemmSparse24Args"
     output_fields: ClassVar[tuple[str, ...]] = ("y",)
 
 

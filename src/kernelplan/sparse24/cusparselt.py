@@ -46,7 +46,7 @@ import torch
 from ..kernels import triton_reason
 from ..plan import Backend, PrecisionGuarantee
 from .format import derived_from
-from .gemm import GemmSparse24Args
+from .plan import GemmSparse24Args
 
 # cudaDataType and cuSPARSE enums the bindings take as plain ints.
 _CUDA_DTYPE = {"f16": 2, "bf16": 14}

@@ -7,7 +7,7 @@ Two memory policies (``GemmSparse24Descriptor.memory``):
   No call tunes, and no weight gets a second layout.
 * ``"fast"``: every backend is a candidate, each with its own layout (a dense copy,
   cuSPARSELt's buffer, ``cuda_mma``'s tiles), and the first call of each N bucket
-  times them (``backends.tune``).  Speed over memory: up to 3.3x of the dense bytes
+  times them (``tuning.tune``).  Speed over memory: up to 3.3x of the dense bytes
   per weight were measured in v1 (docs/design/0001).
 
 The measurements behind the rule: ``bench/results/sparse24-ws-tiles-h100.json`` and

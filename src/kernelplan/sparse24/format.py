@@ -22,17 +22,15 @@ alone (``Sparse24Linear`` does), and converts back to this format to be saved.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import weakref
 from typing import Callable
 
 import torch
 
-from .._checks import check_has_data, check_tensor, warn_once
+from .._checks import check_has_data, check_tensor
 from ..dtypes import dtype_info
 from ..errors import InvalidProblem, InvalidState, MisalignedOperand
-from .layout import PUBLIC, SP_LAYOUT, check_layout, layout_of, pack, unpack, weight_shape
+from .layout import PUBLIC, SP_LAYOUT, check_layout, gpu_kernels, layout_of, pack, unpack, weight_shape
 
 FORMAT_VERSION = 1
 SPARSE24_DTYPES = ("f64", "f32", "f16", "bf16")
@@ -61,30 +59,6 @@ def _two_positions(keep: torch.Tensor) -> torch.Tensor:
     """
     order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :2]
     return order.sort(dim=-1).values
-
-
-@functools.lru_cache(maxsize=1)
-def _have_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def gpu_kernels(t: torch.Tensor):
-    """The Triton conversion kernels (``kernels/sparse24_convert.py``) where they convert ``t``, else None.
-
-    A CUDA tensor without Triton installed converts by the torch ops, which give
-    the same bits in many passes: a one-time warning says so.
-    """
-    if not t.is_cuda or t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return None
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) or torch.compiler.is_compiling():
-        return None  # traced (FakeTensor, FunctionalTensor, a compiled backward): no pointers, the torch ops
-    if not _have_triton():
-        warn_once("triton is not installed: 2:4 weights are pruned, compressed and laid out on the GPU by torch "
-                   "ops, in many passes (pip install 'kernelplan[gpu]' for the one-pass kernels)")
-        return None
-    from ..kernels import sparse24_convert
-
-    return sparse24_convert
 
 
 def _rows(w: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""2:4 sparse GEMM: ``Y[N, M] = X[N, K] @ W^T (+ bias) -> activation``, W in the 2:4 format.
+"""2:4 sparse GEMM, functional level: ``Y[N, M] = X[N, K] @ W^T (+ bias) -> activation``, W in the 2:4 format.
 
-Layered top to bottom: descriptor and args, the plan, the reference backend,
-the custom op with its autograd formula, and the functional wrapper.
+Layered top to bottom: the plan level (``plan.py``: descriptor, args, plan and the
+reference backend, re-exported here), the custom op with its autograd formula,
+the functional wrapper and its inference fast path.
 """
 
 from __future__ import annotations
@@ -9,155 +10,22 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from .._checks import (check_dims, check_no_internal_overlap, check_no_overlap, check_tensor, choice, plain_eager,
-                       warn_once)
+from .._checks import check_tensor, choice, plain_eager
 from ..activations import ACTIVATIONS
 from ..dtypes import dtype_info
-from ..errors import InvalidProblem, MisalignedOperand
+from ..errors import InvalidProblem
 from ..kernels import stream_capturing
-from ..plan import Backend, BackendRegistry, Plan, PrecisionGuarantee, dispatch_generation, memoised_select
-from .dispatch import MEMORY_POLICIES, backend_for
-from .format import SPARSE24_DTYPES, Sparse24Weight, derived_from, output_rows
+from ..plan import Backend, dispatch_generation, memoised_select
+from . import tuning
+from .dispatch import MEMORY_POLICIES
+from .format import Sparse24Weight, derived_from, output_rows
 from .layout import PUBLIC, SP_LAYOUT, check_layout, layout_of, pack_values, unpack, weight_shape
-
-SPARSE24_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
-
-
-@dataclass(frozen=True)
-class GemmSparse24Descriptor:
-    n: int  # rows of X and Y (tokens)
-    m: int  # rows of W, columns of Y (output features)
-    k: int  # columns of X and W (input features); a multiple of 8
-    dtype: str  # short dtype name, see kernelplan.dtypes
-    activation: str | None = None
-    has_bias: bool = False
-    device: str = "cpu"
-    # Recorded into a CUDA graph: replays cost no host time, so dispatch picks by kernel time alone.
-    graph: bool = False
-    # "compact": the one device layout's kernels, chosen by rule (sparse24/dispatch.py); "fast": every
-    # backend, each with its own copy of the weight, timed at the first call of each N bucket.
-    memory: str = "compact"
-
-
-@dataclass
-class GemmSparse24Args:
-    x: torch.Tensor  # [N, K]
-    values: torch.Tensor  # [M, K/2]
-    metadata: torch.Tensor  # [M, K/8] int16
-    y: torch.Tensor  # [N, M], written
-    bias: torch.Tensor | None = None  # [M]
-
-
-def rule_backend(desc: GemmSparse24Descriptor) -> str:
-    """``dispatch.backend_for`` of a descriptor: the device's compute capability looked up (memoised)."""
-    device = torch.device(desc.device)
-    capability = _capability(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else None
-    return backend_for(capability, desc.n, desc.m, desc.k, desc.dtype)
-
-
-@functools.lru_cache(maxsize=64)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-
-def n_bucket(n: int) -> int:
-    """Dispatch measures per power-of-two bucket of N: 1, 2, 4, ..., 8192, ..."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
-class GemmSparse24Plan(Plan):
-    op = "sparse24_gemm"
-    registry = BackendRegistry(op)
-
-    @classmethod
-    def dispatch_key(cls, desc: GemmSparse24Descriptor) -> dict:
-        return {**super().dispatch_key(desc), "n": n_bucket(desc.n)}
-
-    @classmethod
-    def check_descriptor(cls, desc: GemmSparse24Descriptor) -> None:
-        check_dims(desc, ("n", "m", "k"))
-        if desc.k % 8:
-            raise MisalignedOperand(
-                f"descriptor.k is {desc.k}; 2:4 GEMM needs K % 8 == 0: pad K to "
-                f"{-(-desc.k // 8) * 8} with zero columns"
-            )
-        dtype_info(desc.dtype, "descriptor.dtype")
-        if desc.activation is not None:
-            choice(desc.activation, "descriptor.activation", SPARSE24_ACTIVATIONS)
-        choice(desc.memory, "descriptor.memory", MEMORY_POLICIES)
-
-    @classmethod
-    def _choose(cls, desc: GemmSparse24Descriptor, candidates: list[Backend]) -> Backend:
-        """``compact``: the backend ``dispatch.backend_for`` names; ``fast``: the measured or preferred one."""
-        if desc.memory == "fast":
-            return super()._choose(desc, candidates)
-        name = rule_backend(desc)
-        for backend in candidates:
-            if backend.name == name:
-                return backend
-        if len(candidates) == 1:  # a backend asked for by name (PlanPreference.only)
-            return candidates[0]
-        chosen = cls.registry.get(name)
-        reason = chosen.supports(desc) if chosen is not None else "not registered"
-        warn_once(f"2:4 linear {desc}: the rule's backend {name} cannot run it ({reason}); the reference "
-                   f"runs it instead, decompressing the weight at every call. memory='fast' lets every "
-                   f"backend compete")
-        return cls.registry.get("reference")
-
-    def check_args(self, args: GemmSparse24Args) -> None:
-        d = self.desc
-        dtype = dtype_info(d.dtype).dtype
-        check_tensor(args.x, "x", shape=(d.n, d.k), dtype=dtype, device=d.device)
-        check_tensor(args.values, "values", shape=(d.m, d.k // 2), dtype=dtype, device=d.device)
-        check_tensor(args.metadata, "metadata", shape=(d.m, d.k // 8), dtype=torch.int16, device=d.device)
-        check_tensor(args.y, "y", shape=(d.n, d.m), dtype=dtype, device=d.device, output=True)
-        check_no_internal_overlap(args.y, "y")
-        if d.has_bias != (args.bias is not None):
-            raise InvalidProblem(
-                f"bias is {'given' if args.bias is not None else 'None'} but the descriptor says "
-                f"has_bias={d.has_bias}; select a plan whose descriptor matches the call"
-            )
-        if args.bias is not None:
-            check_tensor(args.bias, "bias", shape=(d.m,), dtype=dtype, device=d.device)
-        check_no_overlap(args.y, "y", {"x": args.x, "values": args.values, "bias": args.bias})
-
-
-class ReferenceSparse24Backend(Backend):
-    """Decompress, then one matmul in fp32 (fp64 for fp64): exact semantics, any device, either layout."""
-
-    name = "reference"
-    priority = 0
-    layouts = (PUBLIC, SP_LAYOUT)  # the weight layouts run reads as they are; others get the public format
-
-    def supports(self, desc: GemmSparse24Descriptor) -> str | None:
-        if desc.dtype not in SPARSE24_DTYPES:
-            return f"dtype {desc.dtype} is not one of {SPARSE24_DTYPES}"
-        return None
-
-    def precision(self, desc) -> PrecisionGuarantee:
-        compute = dtype_info(desc.dtype).compute
-        name = dtype_info(compute).name
-        # BLAS picks its blocking by shape and thread count, so bits may change with N.
-        return PrecisionGuarantee(name, name, deterministic=True, bit_stable=False)
-
-    def run(self, desc, args: GemmSparse24Args, workspace) -> None:
-        compute = dtype_info(desc.dtype).compute
-        w = Sparse24Weight(args.values.to(compute), args.metadata, _validate=False).decompress()
-        z = args.x.to(compute) @ w.T
-        if args.bias is not None:
-            z += args.bias.to(compute)
-        args.y.copy_(ACTIVATIONS[desc.activation or "identity"].fn(z))
-
-
-GemmSparse24Plan.registry.register(ReferenceSparse24Backend())
-
+from .plan import (SPARSE24_ACTIVATIONS, GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan,  # noqa: F401
+                   ReferenceSparse24Backend, n_bucket, rule_backend)
 
 # -- custom op: torch.compile-safe, autograd-aware ---------------------------
 
@@ -199,9 +67,7 @@ def _plan_for(x, values, metadata, bias, activation, memory) -> GemmSparse24Plan
     problem = (math.prod(x.shape[:-1]), weight_shape(values)[0], x.shape[-1], x.dtype, activation, bias is not None,
                x.device)
     desc = _descriptor(*problem, graph, memory)
-    if x.is_cuda and not graph and memory == "fast" and _first_of_its_bucket(desc):
-        from .backends import tune
-
+    if x.is_cuda and not graph and memory == "fast" and tuning.first_of_its_bucket(desc):
         # Each candidate is timed through this very call path, host work included: a backend
         # whose launches cost more host time than its kernel saves must not win (measured: the
         # Triton path timed alone beat dense at 4096^2, n = 4, and lost 2x through the full call).
@@ -210,7 +76,7 @@ def _plan_for(x, values, metadata, bias, activation, memory) -> GemmSparse24Plan
         # tiled one, cuSPARSELt's), which would otherwise stay with the weight for as long as it
         # lives, the losers' included.  The copy and its layouts go when tuning ends.
         scratch = values.detach().clone(), metadata.clone()
-        tune(desc, lambda plan: functools.partial(_bound(plan, layout_of(values)), x, *scratch, bias))
+        tuning.tune(desc, lambda plan: functools.partial(_bound(plan, layout_of(values)), x, *scratch, bias))
         del scratch
     plan = memoised_select(GemmSparse24Plan, desc)
     if x.is_cuda and not graph:
@@ -243,26 +109,6 @@ def _linear_with(plan, x, values, metadata, bias) -> torch.Tensor:
 
 
 _sparse24_linear_op = torch.library.custom_op("kernelplan::sparse24_linear", mutates_args=())(_sparse24_linear_impl)
-
-
-_seen_buckets: set = set()
-
-
-def _first_of_its_bucket(desc: GemmSparse24Descriptor) -> bool:
-    """True once per dispatch bucket that has several candidates and no stored measurement."""
-    if desc in _seen_buckets:  # the hot path: one set lookup
-        return False
-    key = tuple(GemmSparse24Plan.dispatch_key(desc).items())
-    if key in _seen_buckets:
-        _seen_buckets.add(desc)
-        return False
-    _seen_buckets.update((key, desc))
-    return len(tunable(desc)) > 1 and GemmSparse24Plan.measured(desc) is None
-
-
-def tunable(desc: GemmSparse24Descriptor) -> list:
-    """The candidates tuning times: not the reference, nor backends that run by name only."""
-    return [b for b in GemmSparse24Plan.candidates(desc) if b.name != "reference" and b.priority_for(desc) >= 0]
 
 
 @_sparse24_linear_op.register_fake

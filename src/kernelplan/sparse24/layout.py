@@ -32,8 +32,12 @@ for a weight there.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 
+from .._checks import check_tensor, warn_once
 from ..errors import InvalidProblem
 
 PUBLIC = "public"
@@ -67,8 +71,6 @@ def packed_shapes(m: int, k: int) -> tuple[tuple[int, int, int], tuple[int, int,
 
 def check_layout(values: torch.Tensor, metadata: torch.Tensor) -> tuple[int, int]:
     """``(M, K)`` of a weight's parts in either layout, after checking that they match each other."""
-    from .._checks import check_tensor
-
     check_tensor(values, "values")
     if values.dim() == 3 and values.shape[2] == 512:
         m, k = weight_shape(values)
@@ -122,10 +124,32 @@ def pack(values: torch.Tensor, metadata: torch.Tensor) -> tuple[torch.Tensor, to
     return pack_values(values), pack_metadata(metadata)
 
 
+@functools.lru_cache(maxsize=1)
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def gpu_kernels(t: torch.Tensor):
+    """The Triton conversion kernels (``kernels/sparse24_convert.py``) where they convert ``t``, else None.
+
+    A CUDA tensor without Triton installed converts by the torch ops, which give
+    the same bits in many passes: a one-time warning says so.
+    """
+    if not t.is_cuda or t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return None
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or torch.compiler.is_compiling():
+        return None  # traced (FakeTensor, FunctionalTensor, a compiled backward): no pointers, the torch ops
+    if not _have_triton():
+        warn_once("triton is not installed: 2:4 weights are pruned, compressed and laid out on the GPU by torch "
+                   "ops, in many passes (pip install 'kernelplan[gpu]' for the one-pass kernels)")
+        return None
+    from ..kernels import sparse24_convert
+
+    return sparse24_convert
+
+
 def _kernels(values: torch.Tensor):
     """The GPU kernels where they convert ``values``; not where autograd must follow the conversion."""
-    from .format import gpu_kernels
-
     if not values.numel() or (values.requires_grad and torch.is_grad_enabled()):
         return None
     return gpu_kernels(values)
