@@ -55,13 +55,37 @@ def events_ms(fn, calls: int = 50) -> float:
     return start.elapsed_time(end) / calls
 
 
-def kernel_trace(fn, calls: int) -> dict:
-    """CUPTI's view of ``calls`` back-to-back eager calls (``torch.profiler``'s trace): the median kernel duration
-    and the median idle gap between one kernel's end and the next one's start, in us."""
+def _kernel_events(prof) -> list[dict]:
+    """The CUDA kernels of a ``torch.profiler`` trace (CUPTI's), in start order: each with ``ts``, ``dur``, ``name``."""
     import json
     import os
     import tempfile
 
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    return sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+
+
+def _rotated_problem(shape: str, dev, l2: int):
+    """``MxKxN``: (m, k, n, dense weights, their 2:4 weights in the device layout, x), as many copies of the weight
+    as take reads of it past L2 (the sweep's L2-cold rotation)."""
+    from kernelplan.bench.sweep import copies_past_l2
+
+    m, k, n = map(int, shape.split("x"))
+    w = kp.sparse24.prune(torch.randn(m, k, device=dev)).bfloat16()
+    w24 = kp.sparse24.compress(w).packed()
+    copies = copies_past_l2(l2, w24.values.nbytes + w24.metadata.nbytes, "cold")
+    ws = [w] + [w.clone() for _ in range(copies - 1)]
+    w24s = [w24] + [kp.sparse24.compress(c).packed() for c in ws[1:]]
+    return m, k, n, ws, w24s, torch.randn(n, k, device=dev).bfloat16()
+
+
+def kernel_trace(fn, calls: int) -> dict:
+    """CUPTI's view of ``calls`` back-to-back eager calls (``torch.profiler``'s trace): the median kernel duration
+    and the median idle gap between one kernel's end and the next one's start, in us."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -70,12 +94,7 @@ def kernel_trace(fn, calls: int) -> dict:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    kernels = sorted((e["ts"], e["dur"]) for e in events if e.get("cat") == "kernel")
+    kernels = [(e["ts"], e["dur"]) for e in _kernel_events(prof)]
     gaps = [b[0] - (a[0] + a[1]) for a, b in zip(kernels, kernels[1:])]
     return {"kernels": len(kernels), "kernel_us": statistics.median(d for _, d in kernels),
             "gap_us": statistics.median(gaps) if gaps else float("nan")}
@@ -85,20 +104,14 @@ def wall_study(shapes, rounds: int, calls: int) -> list[dict]:
     """The sweep's eager reading (weights rotated past L2, wall per call of back-to-back calls, F.linear and
     ``kp.sparse24.linear`` paired in a round) beside CUDA events over the same calls and CUPTI's kernel durations
     and gaps: is a slow eager reading the kernel or the space between kernels?"""
-    from kernelplan.bench.sweep import _cycling, copies_past_l2
+    from kernelplan.bench.sweep import _cycling
     from kernelplan.timing import host_us_per_call
 
     dev = torch.device("cuda")
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
     for s in shapes:
-        m, k, n = map(int, s.split("x"))
-        w = kp.sparse24.prune(torch.randn(m, k, device=dev)).bfloat16()
-        w24 = kp.sparse24.compress(w).packed()
-        copies = copies_past_l2(l2, w24.values.nbytes + w24.metadata.nbytes, "cold")
-        ws = [w] + [w.clone() for _ in range(copies - 1)]
-        w24s = [w24] + [kp.sparse24.compress(c).packed() for c in ws[1:]]
-        x = torch.randn(n, k, device=dev).bfloat16()
+        m, k, n, ws, w24s, x = _rotated_problem(s, dev, l2)
         sparse = _cycling([lambda c=c: kp.sparse24.linear(x, c) for c in w24s])
         fns = {"dense": _cycling([lambda c=c: F.linear(x, c) for c in ws]), "sparse": sparse, "sparse_side": sparse}
         # "sparse_side": the same calls on a side stream, as do_bench_cudagraph runs them, not the default stream.
@@ -112,7 +125,7 @@ def wall_study(shapes, rounds: int, calls: int) -> list[dict]:
                 with where[name]():
                     reads[name]["wall"].append(host_us_per_call(fn, dev, calls) / 1e3)
                     reads[name]["events"].append(events_ms(fn, calls))
-        row = {"m": m, "k": k, "n": n, "weight_copies": copies, "calls": calls}
+        row = {"m": m, "k": k, "n": n, "weight_copies": len(ws), "calls": calls}
         for name, fn in fns.items():
             row[name] = {key: statistics.median(v) for key, v in reads[name].items()}
             with where[name]():
@@ -120,14 +133,14 @@ def wall_study(shapes, rounds: int, calls: int) -> list[dict]:
         for key in ("graph", "wall", "events"):
             row[f"{key}_speedup"] = row["dense"][key] / row["sparse"][key]
         rows.append(row)
-        print(f"{m}x{k} n={n} copies={copies} calls={calls}: speedup graph {row['graph_speedup']:.2f}x, wall "
+        print(f"{m}x{k} n={n} copies={len(ws)} calls={calls}: speedup graph {row['graph_speedup']:.2f}x, wall "
               f"{row['wall_speedup']:.2f}x, events {row['events_speedup']:.2f}x", flush=True)
         for name in fns:
             r = row[name]
             print(f"    {name:>6}: graph {r['graph'] * 1e3:.1f}  wall {r['wall'] * 1e3:.1f}  events "
                   f"{r['events'] * 1e3:.1f} us;  CUPTI: {r['trace']['kernels']} kernels of "
                   f"{r['trace']['kernel_us']:.1f} us, gaps {r['trace']['gap_us']:.1f} us", flush=True)
-        del w, w24, ws, w24s
+        del ws, w24s
         torch.cuda.empty_cache()
     return rows
 
@@ -176,25 +189,15 @@ def sequence_study(shapes, calls: int, blocks: int = 6) -> list[dict]:
     """Blocks of ``calls`` eager calls, each timed by CUDA events and CUPTI's kernel durations, with the SM clock
     during it: dense and 2:4 alternating (as the sweep's eager rounds run them), then 2:4 alone.  Is a 2:4 block
     slower after dense's, and is it the clock?"""
-    import json
-    import os
-    import tempfile
-
     from torch.profiler import ProfilerActivity, profile
 
-    from kernelplan.bench.sweep import _cycling, copies_past_l2
+    from kernelplan.bench.sweep import _cycling
 
     dev = torch.device("cuda")
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
     for s in shapes:
-        m, k, n = map(int, s.split("x"))
-        w = kp.sparse24.prune(torch.randn(m, k, device=dev)).bfloat16()
-        w24 = kp.sparse24.compress(w).packed()
-        copies = copies_past_l2(l2, w24.values.nbytes + w24.metadata.nbytes, "cold")
-        ws = [w] + [w.clone() for _ in range(copies - 1)]
-        w24s = [w24] + [kp.sparse24.compress(c).packed() for c in ws[1:]]
-        x = torch.randn(n, k, device=dev).bfloat16()
+        m, k, n, ws, w24s, x = _rotated_problem(s, dev, l2)
         fns = {"dense": _cycling([lambda c=c: F.linear(x, c) for c in ws]),
                "sparse": _cycling([lambda c=c: kp.sparse24.linear(x, c) for c in w24s])}
         graph = torch.cuda.CUDAGraph()
@@ -219,12 +222,7 @@ def sequence_study(shapes, calls: int, blocks: int = 6) -> list[dict]:
                     torch.cuda.synchronize()
                     windows.append((t0, time.perf_counter()))
             clocks.stop()
-            with tempfile.TemporaryDirectory() as tmp:
-                path = os.path.join(tmp, "trace.json")
-                prof.export_chrome_trace(path)
-                with open(path) as f:
-                    events = json.load(f)["traceEvents"]
-            kernels = sorted((e["ts"], e["dur"], e["name"]) for e in events if e.get("cat") == "kernel")
+            kernels = [(e["ts"], e["dur"], e["name"]) for e in _kernel_events(prof)]
             out, i = [], 0
             for name, (t0, t1) in zip(order, windows):
                 # A block's kernels: dense launches one or two a call (split K and its reduction).
@@ -242,7 +240,7 @@ def sequence_study(shapes, calls: int, blocks: int = 6) -> list[dict]:
             print(f"{m}x{k} n={n} {pattern}: " + "; ".join(
                 f"{b['kind']} {b['device_us_per_call']:.1f} us ({b['first_call_us']:.0f}->{b['last_call_us']:.0f}) "
                 f"{b['mhz']:.0f} MHz {b['clock_event_reasons']}" for b in out), flush=True)
-        del w, w24, ws, w24s
+        del ws, w24s
         torch.cuda.empty_cache()
     return rows
 
@@ -252,13 +250,8 @@ def tile_sequence_study(shapes, calls: int, top: int, blocks: int = 6) -> list[d
     not ping-pong, each launched directly
     (no host work beside the launch) in blocks of ``calls`` calls alternating with dense ``F.linear``'s, as the
     sweep's eager rounds alternate: the first 2:4 block's time and the last's (CUPTI), by tile."""
-    import json
-    import os
-    import tempfile
-
     from torch.profiler import ProfilerActivity, profile
 
-    from kernelplan.bench.sweep import copies_past_l2
     from kernelplan.kernels import raw_stream
     from kernelplan.kernels.sparse24 import sm_count
     from kernelplan.kernels.sparse24_sp import _tiled
@@ -270,13 +263,9 @@ def tile_sequence_study(shapes, calls: int, top: int, blocks: int = 6) -> list[d
     kernel = WsKernel()
     rows = []
     for s in shapes:
-        m, k, n = map(int, s.split("x"))
-        w = kp.sparse24.prune(torch.randn(m, k, device=dev)).bfloat16()
-        w24 = kp.sparse24.compress(w).packed()
-        copies = copies_past_l2(l2, w24.values.nbytes + w24.metadata.nbytes, "cold")
-        ws = [w] + [w.clone() for _ in range(copies - 1)]
-        tiled = [_tiled(c.values, c.metadata) for c in [w24] + [kp.sparse24.compress(c).packed() for c in ws[1:]]]
-        x = torch.randn(n, k, device=dev).bfloat16()
+        m, k, n, ws, w24s, x = _rotated_problem(s, dev, l2)
+        w = ws[0]
+        tiled = [_tiled(c.values, c.metadata) for c in w24s]
         y = torch.empty(n, m, device=dev, dtype=torch.bfloat16)
         want = F.linear(x, w).float()
         rule = ws_config(n, m, k, sms)
@@ -305,13 +294,7 @@ def tile_sequence_study(shapes, calls: int, top: int, blocks: int = 6) -> list[d
                     for _ in range(calls):
                         call(("dense", "sparse")[b % 2])
                 torch.cuda.synchronize()
-            with tempfile.TemporaryDirectory() as tmp:
-                path = os.path.join(tmp, "trace.json")
-                prof.export_chrome_trace(path)
-                with open(path) as f:
-                    events = json.load(f)["traceEvents"]
-            durs = [e["dur"] for e in sorted(events, key=lambda e: e.get("ts", 0))
-                    if e.get("cat") == "kernel" and e["name"].startswith("kp_sparse24")]
+            durs = [e["dur"] for e in _kernel_events(prof) if e["name"].startswith("kp_sparse24")]
             per_block = [statistics.median(durs[i: i + calls]) for i in range(0, len(durs), calls)]
             row = {"m": m, "k": k, "n": n, "config": str(cfg), "rule": cfg == rule, "cost": tile_cost(cfg, n, m, k, sms),
                    "err": err, "graph_us": graph * 1e3, "alternating_block_us": per_block}
@@ -319,7 +302,7 @@ def tile_sequence_study(shapes, calls: int, top: int, blocks: int = 6) -> list[d
             print(f"{m}x{k} n={n} {'rule ' if cfg == rule else '     '}{str(cfg)[8:-1]:<52} cost {row['cost']:8.0f} "
                   f"err {err:.1e} graph {graph * 1e3:6.1f} us; 2:4 blocks after dense: "
                   + " ".join(f"{t:.1f}" for t in per_block), flush=True)
-        del w, w24, ws, tiled
+        del w, ws, w24s, tiled
         torch.cuda.empty_cache()
     return rows
 
