@@ -86,15 +86,9 @@ def _rotated_problem(shape: str, dev, l2: int):
 def kernel_trace(fn, calls: int) -> dict:
     """CUPTI's view of ``calls`` back-to-back eager calls (``torch.profiler``'s trace): the median kernel duration
     and the median idle gap between one kernel's end and the next one's start, in us."""
-    from torch.profiler import ProfilerActivity, profile
+    from kernelplan.timing import profiled_calls
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [(e["ts"], e["dur"]) for e in _kernel_events(prof)]
+    kernels = [(e["ts"], e["dur"]) for e in _kernel_events(profiled_calls(fn, calls))]
     gaps = [b[0] - (a[0] + a[1]) for a, b in zip(kernels, kernels[1:])]
     return {"kernels": len(kernels), "kernel_us": statistics.median(d for _, d in kernels),
             "gap_us": statistics.median(gaps) if gaps else float("nan")}

@@ -87,9 +87,9 @@ def host_report_line(report: dict, where: str) -> str:
             f"back to back, waited for: {wall['kernelplan']:.1f} us, {wall['F.linear']:.1f} us")
 
 
-def kernel_device_ms(fn: Callable, calls: int) -> dict[str, float]:
-    """Device ms per call of ``fn`` in each kernel it launches, by kernel name: CUPTI's durations under
-    ``torch.profiler`` over ``calls`` calls, after one call unprofiled."""
+def profiled_calls(fn: Callable, calls: int):
+    """``torch.profiler``'s record (CUPTI's kernels) of ``calls`` back-to-back calls of ``fn``, after one call
+    unprofiled."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -98,5 +98,12 @@ def kernel_device_ms(fn: Callable, calls: int) -> dict[str, float]:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_device_ms(fn: Callable, calls: int) -> dict[str, float]:
+    """Device ms per call of ``fn`` in each kernel it launches, by kernel name: CUPTI's durations under
+    ``torch.profiler`` over ``calls`` calls, after one call unprofiled."""
+    prof = profiled_calls(fn, calls)
     return {ev.key: ev.self_device_time_total / calls / 1e3 for ev in prof.key_averages()
             if ev.device_type == torch.autograd.DeviceType.CUDA and ev.self_device_time_total}
