@@ -154,6 +154,18 @@ def pruning_notes() -> list[str]:
                          f"{rows['dense']['perplexity']:.3f}; layers' input spread, max/median column norm, median "
                          f"{plain:.1f} -> {spread:.1f}), increase over dense: {cells} "
                          f"(`bench/accuracy_table.py`, `accuracy.fold_outliers`).")
+    pre = _load("accuracy-minilm-cpu")
+    if pre:
+        res, meta = pre["methods"], pre["meta"]
+        spread = sorted(pre["input_spread"].values())
+        cells = "; ".join(f"{m} {r['cosine']:.3f}, retrieval {r['retrieval']:.3f}" for m, r in res.items()
+                          if m != "dense")
+        lines.append(f"- Pruning a real pretrained model to 2:4, all-MiniLM-L6-v2 (22M parameters, 36 linear layers, "
+                     f"input spread median {spread[len(spread) // 2]:.1f}), {meta['held_out_windows']} held-out "
+                     f"windows of {meta['seq']} tokens (`bench/accuracy_pretrained.py`): cosine of the embeddings to "
+                     f"dense's and retrieval of each window's second half from its first (dense "
+                     f"{res['dense']['retrieval']:.3f}, standard error about {res['dense']['retrieval_se']:.3f}): "
+                     f"{cells}, {_source(meta, 'accuracy-minilm-cpu')}.")
     layer = _load("sparsify-layer-h100")
     if layer:
         cells = "; ".join(f"{r['method']} {r['run']} {r['seconds']:.1f} s" for r in layer["rows"])
