@@ -24,8 +24,9 @@ from . import tuning
 from .dispatch import MEMORY_POLICIES
 from .format import Sparse24Weight, derived_from, output_rows
 from .layout import PUBLIC, SP_LAYOUT, check_layout, layout_of, pack_values, unpack, weight_shape
+# n_bucket and rule_backend are re-exported: callers (warm.py, tests) import the plan level's names from here too.
 from .plan import (SPARSE24_ACTIVATIONS, GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan,  # noqa: F401
-                   ReferenceSparse24Backend, n_bucket, rule_backend)
+                   n_bucket, rule_backend)
 
 # -- custom op: torch.compile-safe, autograd-aware ---------------------------
 

@@ -64,7 +64,6 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-
 def n_bucket(n: int) -> int:
     """Dispatch measures per power-of-two bucket of N: 1, 2, 4, ..., 8192, ..."""
     return 1 << max(n - 1, 0).bit_length()
