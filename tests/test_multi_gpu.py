@@ -262,3 +262,41 @@ def test_sparse24_ws_tile_kinds_on_each_device(seed):
             assert_close(y, ref, same, atol=FWD_ATOL[torch.bfloat16], what=f"{cfg} on {dev}")
 
     _on_each_device(run)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_training_a_packed_sparse24_linear_on_each_device(dtype, seed):
+    """Backward through a packed ``Sparse24Linear`` on each device with the other current: dx and the values'
+    gradient against fp64 (the gradient of the kept weights, unpacked from the device layout), then an optimizer
+    step that keeps the 2:4 mask.  Unpacking the gradient and re-reading the weight launch the conversions, which
+    once ran on the current device (24c0103)."""
+    from kernelplan.sparse24.layout import SP_LAYOUT, unpack_values
+
+    m, k, n = 384, 512, 70
+
+    def run(dev):
+        torch.manual_seed(3)
+        layer = kp.nn.Sparse24Linear.from_dense(torch.nn.Linear(k, m, device=dev, dtype=dtype))
+        assert layer.layout == SP_LAYOUT
+        positions = layer.weight24.positions()
+        x = torch.randn(2, n, k, device=dev, dtype=dtype, requires_grad=True)  # 3-D
+        dy = torch.randn(2, n, m, device=dev, dtype=dtype)
+        dx, dvalues, dbias = torch.autograd.grad(layer(x), (x, layer.values, layer.bias), dy)
+        assert dx.device == dvalues.device == dbias.device == dev
+        w = layer.to_dense().detach()
+        x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, layer.bias))
+        want = torch.autograd.grad(F.linear(x64, w64, b64), (x64, w64, b64), dy.double())
+        xs, ws, bs = (t.detach().clone().requires_grad_() for t in (x, w, layer.bias))
+        same = torch.autograd.grad(F.linear(xs, ws, bs), (xs, ws, bs), dy)
+        assert_close(dx, want[0], same[0], atol=BWD_ATOL[dtype], what=f"dx on {dev}")
+        kept = torch.gather(want[1], 1, positions), torch.gather(same[1], 1, positions)
+        assert_close(unpack_values(dvalues), *kept, atol=BWD_ATOL[dtype], what=f"d values on {dev}")
+        assert_close(dbias, want[2], same[2], atol=BWD_ATOL[dtype], what=f"d bias on {dev}")
+        mask = w != 0
+        layer.values.grad = dvalues
+        torch.optim.SGD([layer.values], lr=0.5).step()
+        after = layer.to_dense()
+        assert after.device == dev and kp.sparse24.is_sparse24(after)
+        assert not (after[~mask] != 0).any() and not torch.equal(after, w)
+
+    _on_each_device(run)
