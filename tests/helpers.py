@@ -66,3 +66,48 @@ def stub_driver(monkeypatch, types, error=0) -> StubDriver:
     monkeypatch.setattr(direct, "_driver", lambda: stub)
     monkeypatch.setattr(direct, "_STREAMS", {})  # the stub's streams never reach a real launch's cache
     return stub
+
+
+def kernelplan_cli(*args, env: dict | None = None):
+    """``kernelplan ARGS`` run in this process: ``kernelplan.cli.main``, which ``python -m kernelplan`` and the
+    installed script call, with ``env`` set for the call.  Returns a ``CompletedProcess`` as ``subprocess.run`` would:
+    the exit status (argparse's included), stdout, and stderr with each warning the call raised printed as a fresh
+    process prints it (once per place it is raised).  A fresh interpreter per command cost about 3 s of importing
+    torch, 14 commands of the suite's slowest tests; ``test_nn_and_cli.py`` starts the real command."""
+    import contextlib
+    import io
+    import os
+    import subprocess
+    import warnings
+    from unittest import mock
+
+    from kernelplan import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch.dict(os.environ, env or {}), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # a new filter resets the registries: each warning shows, once a place
+        try:
+            code = cli.main([str(a) for a in args])
+        except SystemExit as e:  # argparse's usage errors (2) and --help (0)
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    for w in caught:
+        err.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line))
+    return subprocess.CompletedProcess(["kernelplan", *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
+def in_processes(target, arguments: list[tuple], timeout: float = 300) -> list[int]:
+    """``target(*args)`` for each of ``arguments``, each in a process of its own, all started before any is waited
+    for; their exit codes.  Forked, so a child starts with this process's imports (a fresh interpreter spent about 3 s
+    importing torch) and the writers meet at once.  The children must not use CUDA: a forked CUDA context is unusable."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    procs = [context.Process(target=target, args=args) for args in arguments]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+        if p.exitcode is None:
+            p.kill()
+    return [p.exitcode for p in procs]

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,6 +11,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 import kernelplan as kp
+from helpers import kernelplan_cli
 
 W = torch.randn(16, 16)
 META = torch.empty(4, 8, device="meta")
@@ -178,8 +177,7 @@ def test_the_sparsify_command_refuses_to_overwrite_its_input_and_errors_in_one_l
     dense = tmp_path / "d.safetensors"
     save_file({"fc.weight": torch.randn(16, 32), "bn.num_batches_tracked": torch.tensor(3)}, dense)
     original = dense.read_bytes()
-    run = lambda *a: subprocess.run([sys.executable, "-m", "kernelplan", "sparsify", *map(str, a)],  # noqa: E731
-                                    capture_output=True, text=True, timeout=120)
+    run = lambda *a: kernelplan_cli("sparsify", *a)  # noqa: E731
     for args, message in (((dense, dense), "would overwrite the dense original"),
                           ((dense, tmp_path / "missing" / "o.safetensors"), "does not exist; create it first"),
                           ((dense, tmp_path), "is a directory")):

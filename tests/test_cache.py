@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
 from kernelplan.cache import PlanCache, PlanCacheWarning, environment_fingerprint, plan_cache
+from helpers import in_processes, kernelplan_cli
 
 PROBLEM = {"m": 8192, "k": 8192, "n": 16, "dtype": "bf16", "layout": "tn", "epilogue": "bias"}
 
@@ -64,30 +62,18 @@ def test_bounded_with_lru_eviction(tmp_path):
     assert present == {0, 4, 5, 6, 7}
 
 
-WRITER = textwrap.dedent(
-    """
-    import sys
-    from kernelplan.cache import PlanCache
-    cache = PlanCache(sys.argv[1])
-    worker = int(sys.argv[2])
+def _writer(path, worker: int) -> None:
+    cache = PlanCache(path)
     for i in range(40):
         cache.put("op", {"worker": worker, "i": i}, {"v": worker * 1000 + i})
         cache.put("op", {"shared": i % 5}, {"by": worker})  # contended keys
-        assert cache.get("op", {"worker": worker, "i": i}) == {"v": worker * 1000 + i}
-    print("done")
-    """
-)
+        if cache.get("op", {"worker": worker, "i": i}) != {"v": worker * 1000 + i}:
+            raise SystemExit(f"worker {worker} lost its entry {i}")
 
 
 def test_eight_processes_writing_at_once(tmp_path):
     path = tmp_path / "p.sqlite"
-    procs = [
-        subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(w)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for w in range(8)
-    ]
-    for p in procs:
-        out, err = p.communicate(timeout=300)
-        assert p.returncode == 0 and out.strip() == "done", err
+    assert all(code == 0 for code in in_processes(_writer, [(path, w) for w in range(8)]))
     cache = PlanCache(path)
     assert cache.info()["entries"] == 8 * 40 + 5
     for w in range(8):
@@ -136,7 +122,7 @@ def test_cli_info_and_clear(tmp_path):
 
     PlanCache(tmp_path / "plans.sqlite").put("op", PROBLEM, 1)
     KernelCache(tmp_path / "kernels").put("k" * 64, b"cubin")
-    run = lambda *a: subprocess.run([sys.executable, "-m", "kernelplan", *a], env=env, capture_output=True, text=True, timeout=120)  # noqa: E731
+    run = lambda *a: kernelplan_cli(*a, env=env)  # noqa: E731
     info = run("cache", "info", "--json")
     assert info.returncode == 0, info.stderr
     data = json.loads(info.stdout)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,6 +10,7 @@ from torch import nn
 
 import kernelplan as kp
 from kernelplan.errors import InvalidProblem
+from helpers import kernelplan_cli
 
 
 def _model():
@@ -111,9 +110,8 @@ def test_sparse24_linear_casts_and_keeps_its_mask():
     torch.testing.assert_close(layer(x), x @ layer.to_dense().T + layer.bias)
 
 
-def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "kernelplan", "sparsify", *args], capture_output=True, text=True,
-                          timeout=120, cwd=cwd)
+def _cli(*args):
+    return kernelplan_cli("sparsify", *args)
 
 
 def test_cli_example_real_file_dry_run_filter_and_errors(tmp_path):

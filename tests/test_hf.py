@@ -13,6 +13,7 @@ import kernelplan as kp
 from kernelplan import hf
 from kernelplan.errors import InvalidProblem
 from kernelplan.sparse24.format import compress, prune
+from helpers import kernelplan_cli
 
 transformers = pytest.importorskip("transformers")
 try:
@@ -127,17 +128,13 @@ def test_compressed_tensors_0_14_reads_ours_and_we_read_theirs(tmp_path, seed):
 
 
 def test_the_sparsify_command_prunes_a_model_directory_with_calibration_and_eval(tmp_path, seed):
-    import subprocess
-    import sys
-
     model = _llama()
     model.save_pretrained(tmp_path / "dense")
     np.save(tmp_path / "calib.npy", torch.randint(0, 96, (4, 32)).numpy())
     np.save(tmp_path / "eval.npy", torch.randint(0, 96, (200,)).numpy())
-    run = lambda *a: subprocess.run([sys.executable, "-m", "kernelplan", "sparsify", *map(str, a)],  # noqa: E731
-                                    capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    run = lambda *a: kernelplan_cli("sparsify", *a)  # noqa: E731
     done = run(tmp_path / "dense", tmp_path / "out", "--method", "wanda", "--calibration", tmp_path / "calib.npy",
-               "--eval", tmp_path / "eval.npy", "--seq-len", "50", "--format", "sparse-24-bitmask")
+               "--eval", tmp_path / "eval.npy", "--seq-len", "50", "--format", "sparse-24-bitmask", "--device", "cpu")
     assert done.returncode == 0, done.stderr
     assert "dense perplexity:" in done.stdout and "sparse perplexity (wanda):" in done.stdout
     assert "converted 14 layers by wanda" in done.stdout
@@ -145,7 +142,8 @@ def test_the_sparsify_command_prunes_a_model_directory_with_calibration_and_eval
     assert sum(isinstance(m, kp.nn.Sparse24Linear) for m in hf.load_model(tmp_path / "out").modules()) == 14
     refused = run(tmp_path / "dense" / "model.safetensors", tmp_path / "x.safetensors", "--method", "sparsegpt")
     assert refused.returncode == 2 and "need a model" in refused.stderr
-    bad = run(tmp_path / "dense", tmp_path / "out2", "--calibration", tmp_path / "eval.npy", "--seq-len", "500")
+    bad = run(tmp_path / "dense", tmp_path / "out2", "--calibration", tmp_path / "eval.npy", "--seq-len", "500",
+              "--device", "cpu")
     assert bad.returncode == 2 and "fewer than one window" in bad.stderr
 
 
@@ -170,9 +168,6 @@ def test_a_bitmask_checkpoint_loads_onto_the_gpu_with_no_dense_copy_of_its_2_4_l
 
 @pytest.mark.parametrize("fmt", hf.FORMATS)
 def test_a_dense_directory_sparsified_shard_by_shard_is_what_the_in_memory_path_writes(tmp_path, seed, fmt):
-    import subprocess
-    import sys
-
     dense = _llama(tie=False)
     dense.save_pretrained(tmp_path / "dense", max_shard_size="60KB")  # several shards
     assert len(list((tmp_path / "dense").glob("*.safetensors"))) > 2
@@ -187,8 +182,7 @@ def test_a_dense_directory_sparsified_shard_by_shard_is_what_the_in_memory_path_
     assert sorted(sa) == sorted(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
     assert hf.checkpoint_format(hf.read_config(tmp_path / "streamed")) == fmt
     # the command takes this path where nothing needs the model in memory
-    run = subprocess.run([sys.executable, "-m", "kernelplan", "sparsify", str(tmp_path / "dense"),
-                          str(tmp_path / "cli"), "--format", fmt], capture_output=True, text=True, timeout=300)
+    run = kernelplan_cli("sparsify", tmp_path / "dense", tmp_path / "cli", "--format", fmt)
     assert run.returncode == 0 and "shard by shard" in run.stdout, run.stderr
     with pytest.raises(InvalidProblem, match="2:4 checkpoint already"):
         hf.sparsify_directory(tmp_path / "streamed", tmp_path / "again", fmt)

@@ -13,6 +13,7 @@ import pytest
 
 from kernelplan.cache import PlanCacheWarning
 from kernelplan.kernels.kernel_cache import KernelCache, cache_key
+from helpers import in_processes
 
 
 def test_the_key_changes_with_everything_the_bytes_depend_on():
@@ -53,16 +54,14 @@ def test_a_second_cache_on_the_folder_reads_what_the_first_wrote(tmp_path):
     assert second.info()["entries"] == 1 and not list(tmp_path.glob(".*.tmp"))
 
 
+def _kernel_writer(folder) -> None:
+    cache = KernelCache(folder)
+    for _ in range(50):
+        cache.put("k" * 64, bytes(range(256)) * 400)
+
+
 def test_eight_processes_writing_one_kernel_at_once_leave_one_valid_file(tmp_path):
-    script = textwrap.dedent(f"""
-        from kernelplan.kernels.kernel_cache import KernelCache
-        cache = KernelCache({str(tmp_path)!r})
-        for _ in range(50):
-            cache.put("k" * 64, bytes(range(256)) * 400)
-        print("ok")
-    """)
-    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) for _ in range(8)]
-    assert all(p.communicate(timeout=300)[0].strip() == "ok" for p in procs)
+    assert in_processes(_kernel_writer, [(tmp_path,)] * 8) == [0] * 8
     assert KernelCache(tmp_path).get("k" * 64) == bytes(range(256)) * 400
     assert [p.name for p in tmp_path.iterdir()] == ["k" * 64 + ".cubin"]  # no temporaries left
 

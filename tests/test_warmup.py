@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import kernelplan as kp
+from helpers import kernelplan_cli
 
 
 def _model(device="cpu", dtype=torch.float32):
@@ -39,8 +38,7 @@ def test_the_warmup_command_reads_shapes_and_refuses_bad_files_in_one_line(tmp_p
     good, bad = tmp_path / "shapes.json", tmp_path / "bad.json"
     good.write_text(json.dumps([[64, 128], [128, 64]]))
     bad.write_text(json.dumps([[64, "x"]]))
-    run = lambda *a: subprocess.run([sys.executable, "-m", "kernelplan", "warmup", *map(str, a)],  # noqa: E731
-                                    capture_output=True, text=True, timeout=300)
+    run = lambda *a: kernelplan_cli("warmup", *a)  # noqa: E731
     ok = run("--shapes", good, "--batch-sizes", "1,16", "--device", "cpu", "--dtype", "f16")
     assert ok.returncode == 0, ok.stderr
     assert "64 x 128" in ok.stdout and ok.stdout.count("reference") == 4
@@ -74,9 +72,8 @@ def test_on_the_gpu_after_warmup_no_call_of_those_shapes_compiles_or_tunes(monke
     assert nvrtc.COMPILES[0] == compiles
 
 
-def _run(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "kernelplan", "warmup", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout)
+def _run(*args):
+    return kernelplan_cli("warmup", *args)
 
 
 def test_the_warmup_command_reads_a_model_directorys_layers_from_its_headers(tmp_path):
