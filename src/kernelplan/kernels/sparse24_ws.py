@@ -253,14 +253,10 @@ def ws_config(n: int, m: int, k: int, sms: int) -> WsConfig:
     return min(ws_candidates(n, m, k), key=lambda cfg: rule_order(cfg, n, m, k, sms))
 
 
-def source(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None, early_w: int = 0) -> str:
+def source(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None) -> str:
     """The CUDA C++ of one kernel variant (``kp_sparse24_ws``; ``kp_sparse24_sk`` where ``cfg.sk``,
-    ``kp_sparse24_pp`` where ``cfg.pp``), compiled by NVRTC for sm_90a.  ``early_w``: W's loads of that many first
-    steps before the wait on the preceding grid (``sparse24_ws.cu``'s EARLY_W; one-a-tile tiles only), measured by
-    ``bench/sparse24_pdl.py``."""
-    if early_w and (cfg.sk or cfg.pp):
-        raise ValueError(f"{cfg}: early W reads are built in the one-a-tile kernel (sparse24_ws.cu) only")
-    clusters = {} if cfg.sk or cfg.pp else {"CM": cfg.cm, "KC": cfg.kc, **({"EARLY_W": early_w} if early_w else {})}
+    ``kp_sparse24_pp`` where ``cfg.pp``), compiled by NVRTC for sm_90a."""
+    clusters = {} if cfg.sk or cfg.pp else {"CM": cfg.cm, "KC": cfg.kc}
     head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, **clusters, STAGES=cfg.stages,
                    CONSUMER_REGS=_CONSUMER_REGS[2 if cfg.pp else cfg.wm])
     return head + COMMON_SOURCE + cuda_source(_SOURCE[_kind(cfg)])

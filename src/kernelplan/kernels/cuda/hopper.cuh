@@ -116,10 +116,6 @@ struct __align__(64) TensorMap {
     unsigned long long opaque[16];
 };
 
-// Under programmatic dependent launch, wait until the kernels this grid depends on have finished and their writes
-// are visible to it (a no-op in a grid launched without the attribute).
-__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-
 // The box of `map` at (inner, outer) element coordinates into shared memory `dst`, completing on `bar`.
 // Fetch a kernel parameter's tensor map into the descriptor cache while the CTA sets up, so the first copy does not
 // wait on it (CUTLASS's producers do the same: cute::prefetch_tma_descriptor).

@@ -26,12 +26,6 @@
 //
 // Compile-time sizes come from the variant's #defines: BN (rows of x a CTA), NI (wgmma N per
 // instruction), WM, CM, KC, STAGES, CONSUMER_REGS (0: no setmaxnreg), IS_BF16, HAS_BIAS, ACT, DT.
-//
-// EARLY_W (default 0): the producer copies W of the first EARLY_W steps (at most the ring) before it waits on the
-// grids this one depends on (griddepcontrol.wait), then their x.  Launched with programmatic stream serialization, W's first
-// loads then overlap the preceding kernel's tail; x, which that kernel may write, and everything after it wait.
-// W and the bias must not be written by the preceding kernel (an optimizer step, a weight copy): only for
-// weights that stay put (docs/design/0022).
 
 #include "wgmma_sp.cuh"
 #include "hopper.cuh"
@@ -43,11 +37,6 @@ constexpr int kBarOffset = kRingBytes > kRedBytes ? kRingBytes : kRedBytes;  // 
 constexpr int kXPart = BN / CM;                    // rows of x each CTA of an M group loads for all of them
 static_assert(BN % KC == 0, "each CTA of a cluster writes BN / KC rows of y");
 static_assert(kXPart % 8 == 0, "each part of x starts on a 1024-byte swizzle phase");
-
-#ifndef EARLY_W
-#define EARLY_W 0
-#endif
-static_assert(EARLY_W <= STAGES, "W's early copies fill free stages only");
 
 #if CM * KC > 1
 #define KP_CLUSTER __cluster_dims__(1, CM, KC)
@@ -89,31 +78,20 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #endif
         if (threadIdx.x == 0) {
             constexpr u32 bytes = kXBytes + kWBytes;  // boxes past N or M count in full (zero-filled)
-            // EARLY_W: W of the first steps (their stages are free), then the wait, then their x.
-            const int early = steps < EARLY_W ? steps : EARLY_W;
-            for (int s = 0; s < early; ++s) {
-                const u32 full = full0 + 8 * s, at = sbase + s * kStageBytes;
-                mbar_expect_tx(full, bytes);
-                tma_load_5d(at + kXBytes, &vmap, 0, tile0, 0, 0, step0 + s, full);
-                tma_load_3d(at + kXBytes + kWValues, &emap, 0, step0 + s, tile0, full);
-            }
-            if (EARLY_W > 0) griddep_wait();
             for (int s = 0; s < steps; ++s) {
                 const int b = ring_stage(s);
+                mbar_wait(empty0 + 8 * b, ring_parity(s) ^ 1);
                 const u32 full = full0 + 8 * b, at = sbase + b * kStageBytes;
+                mbar_expect_tx(full, bytes);
                 const int step = step0 + s;
-                if (s >= early) {
-                    mbar_wait(empty0 + 8 * b, ring_parity(s) ^ 1);
-                    mbar_expect_tx(full, bytes);
-                    tma_load_5d(at + kXBytes, &vmap, 0, tile0, 0, 0, step, full);
-                    tma_load_3d(at + kXBytes + kWValues, &emap, 0, step, tile0, full);
-                }
 #if CM > 1
                 tma_load_2d_multicast(at + cy * kXPart * 128, &xmap, step * 64, n0 + cy * kXPart, full,
                                       (unsigned short)(((1u << CM) - 1) << (cz * CM)));
 #else
                 tma_load_2d(at, &xmap, step * 64, n0, full);
 #endif
+                tma_load_5d(at + kXBytes, &vmap, 0, tile0, 0, 0, step, full);
+                tma_load_3d(at + kXBytes + kWValues, &emap, 0, step, tile0, full);
             }
         }
     } else {
