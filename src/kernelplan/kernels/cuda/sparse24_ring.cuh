@@ -27,10 +27,6 @@ constexpr int kRingBytes = STAGES * kStageBytes;
 constexpr int kAcc = NI / 2;                       // f32 accumulators per thread per instruction
 constexpr int kInst = BN / NI;                     // instructions per k32 per warpgroup
 static_assert(BN <= 256 && BN % 8 == 0, "a tensor-map box has at most 256 rows");
-#ifndef MMA_DEPTH
-#define MMA_DEPTH 1  // steps of MMAs a consumer warpgroup leaves in flight when it issues the next
-#endif
-static_assert(MMA_DEPTH >= 1 && MMA_DEPTH + 1 < STAGES, "the steps in flight hold their stages");
 
 // Thread 0's setup of the ring: the three tensor maps fetched into the descriptor cache while the CTA sets up, so
 // the first copy does not wait on them (CUTLASS's producers do the same: cute::prefetch_tma_descriptor), and each
@@ -93,11 +89,10 @@ template <bool RELEASE_LAST, int BLOCKS = 1>
 __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc], u32 sbase, u32 full0, u32 empty0,
                                               int g0, int count, int tl, int lane, int wq, int cz)
 {
-    constexpr int kSets = MMA_DEPTH + 1;  // metadata register sets: the step issued and the MMA_DEPTH in flight
-    u32 e[kSets][BLOCKS];
-    for (int s0 = 0; s0 < count; s0 += kSets) {
+    u32 e[2][BLOCKS];
+    for (int s0 = 0; s0 < count; s0 += 2) {
 #pragma unroll
-        for (int p = 0; p < kSets; ++p) {  // p: which register set (compile-time), so no set is indexed at run time
+        for (int p = 0; p < 2; ++p) {  // p: which register set (compile-time), so no set is indexed at run time
             const int s = s0 + p;
             if (s < count) {
                 const int g = g0 + s, b = ring_stage(g);
@@ -119,14 +114,12 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
                     }
                 }
                 wg_commit();
-                wg_wait<MMA_DEPTH>();  // step g - MMA_DEPTH's MMAs are done: its stage and metadata register are free
-                // The other sets stay allocated until here, so the compiler cannot reuse their registers
-                // while the steps in flight might still read them.
+                wg_wait<1>();  // step g - 1's MMAs are done: its stage and its metadata register are free
+                // The other set stays allocated until here, so the compiler cannot reuse its registers
+                // while step g - 1's MMAs might still read them.
 #pragma unroll
-                for (int q = 1; q < kSets; ++q)
-#pragma unroll
-                    for (int j = 0; j < BLOCKS; ++j) keep_word(e[(p + q) % kSets][j]);
-                if (s >= MMA_DEPTH) release_stage(empty0 + 8 * ring_stage(g - MMA_DEPTH), lane, wq, cz);
+                for (int j = 0; j < BLOCKS; ++j) keep_word(e[p ^ 1][j]);
+                if (s > 0) release_stage(empty0 + 8 * ring_stage(g - 1), lane, wq, cz);
             }
         }
     }
@@ -135,7 +128,5 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
     for (int j = 0; j < BLOCKS; ++j)
 #pragma unroll
         for (int i = 0; i < kInst; ++i) keep(acc[j][i]);
-    if (RELEASE_LAST)
-        for (int s = count > MMA_DEPTH ? count - MMA_DEPTH : 0; s < count; ++s)
-            release_stage(empty0 + 8 * ring_stage(g0 + s), lane, wq, cz);
+    if (RELEASE_LAST && count > 0) release_stage(empty0 + 8 * ring_stage(g0 + count - 1), lane, wq, cz);
 }
