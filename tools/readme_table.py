@@ -138,7 +138,8 @@ def sparse24_notes() -> list[str]:
 
 
 def pruning_notes() -> list[str]:
-    """Perplexity of the trained test model by pruning method, and calibration time of an 8B-shaped layer."""
+    """Perplexity of the trained test model and of a pretrained decoder by pruning method, a pretrained encoder's
+    embeddings, and calibration time of an 8B-shaped layer."""
     lines = []
     acc = _load("accuracy-h100")
     if acc:
@@ -166,6 +167,16 @@ def pruning_notes() -> list[str]:
                      f"dense's and retrieval of each window's second half from its first (dense "
                      f"{res['dense']['retrieval']:.3f}, standard error about {res['dense']['retrieval_se']:.3f}): "
                      f"{cells}, {_source(meta, 'accuracy-minilm-cpu')}.")
+    smol = _load("accuracy-smollm2-cpu")
+    if smol:
+        res, meta = smol["methods"], smol["meta"]
+        spread = sorted(smol["input_spread"].values())
+        cells = "; ".join(f"{m} {r['perplexity']:.1f} ({r['increase']:+.1f})" for m, r in res.items())
+        lines.append(f"- Pruning a real pretrained decoder to 2:4, SmolLM2-135M-Instruct (the Q4_1 GGUF on PyPI, "
+                     f"dequantized; 210 linear layers, input spread median {spread[len(spread) // 2]:.1f}, max "
+                     f"{spread[-1]:.0f}), held-out perplexity on {meta['held_out_windows']} windows of {meta['seq']} "
+                     f"tokens, {meta['calibration_windows']} calibration windows (`bench/accuracy_smollm.py`): "
+                     f"{cells}, {_source(meta, 'accuracy-smollm2-cpu')}.")
     layer = _load("sparsify-layer-h100")
     if layer:
         cells = "; ".join(f"{r['method']} {r['run']} {r['seconds']:.1f} s" for r in layer["rows"])
