@@ -209,6 +209,16 @@ def test_report_gives_each_layers_error_and_the_methods_order(seed):
     assert errors["sparsegpt"] < errors["magnitude"], errors
 
 
+def test_a_magnitude_report_says_that_it_looked_at_no_data(seed):
+    from kernelplan.pruning.sparsify import MAGNITUDE_NOTE
+
+    model, ids = _Toy(n=2), torch.randint(0, 64, (4, 8))
+    assert MAGNITUDE_NOTE in kp.sparsify(copy.deepcopy(model), progress=False).summary()
+    assert MAGNITUDE_NOTE not in kp.sparsify(copy.deepcopy(model), method="wanda", calibration=ids,
+                                             progress=False).summary()
+    assert MAGNITUDE_NOTE not in kp.sparsify(copy.deepcopy(model), lambda *_: False, progress=False).summary()
+
+
 def test_blocks_override_and_layers_outside_blocks(seed):
     model = _Toy(n=2).double()
     model.head = nn.Linear(32, 64, bias=False).double()  # untied: prune_output prunes it after the blocks

@@ -37,7 +37,17 @@ class SparsifyReport:
             lines.append("relative output error on the calibration inputs, ||X(W - W')^T||^2 / ||XW^T||^2:")
             lines += [f"  {name}: {err:.4f}" for name, err in self.errors.items()]
         lines += [f"skipped {name}: {why}" for name, why in self.skipped.items()]
+        if self.method == "magnitude" and self.converted:
+            lines.append(MAGNITUDE_NOTE)
         return "\n".join(lines)
+
+
+# Said with every magnitude report: the pruning looked at no data, and on a pretrained LLM that costs most of its
+# accuracy (bench/results/accuracy-smollm2-cpu.json, docs/design/0023).
+MAGNITUDE_NOTE = ("note: magnitude pruning does not look at the layers' inputs, and pretrained LLMs lose most of their "
+                  "accuracy to it (SmolLM2-135M: held-out perplexity 18.4 -> 2092, docs/design/0023). With "
+                  "calibration token ids (kp.sparsify(..., calibration=ids), or `kernelplan sparsify MODEL_DIR OUT "
+                  "--calibration FILE`), SparseGPT or Wanda keep far more; check with kp.evaluate or --eval")
 
 
 def eligibility(weight: torch.Tensor) -> str | None:
