@@ -7,6 +7,7 @@ calibration to a by-hand sequential loop; ``evaluate`` to an fp64 NLL.
 from __future__ import annotations
 
 import copy
+import importlib
 import math
 
 import pytest
@@ -319,6 +320,29 @@ def test_evaluate_is_the_perplexity_of_non_overlapping_windows(seed):
             kp.evaluate(model, bad, seq_len=20)
     with pytest.raises(InvalidProblem, match="seq_len"):
         kp.evaluate(model, stream, seq_len=1)
+    for bad in (0, 1.5, True):
+        with pytest.raises(InvalidProblem, match="batch_size"):
+            kp.evaluate(model, ready, batch_size=bad)
+
+
+def test_evaluate_takes_the_loss_in_slices_and_sizes_its_default_batch_by_the_vocabulary(seed, monkeypatch):
+    module = importlib.import_module("kernelplan.pruning.evaluate")  # the package exports the function by that name
+
+    model = _Toy().eval()
+    model.config = type("Config", (), {"vocab_size": 64})()
+    stream = torch.randint(0, 64, (103,))
+    want = _nll_reference(model, list(stream[:100].view(5, 20)) + [stream[100:]])
+    monkeypatch.setattr(module, "LOSS_ROWS", 3)  # 19 positions a window: 7 slices, the last of 1
+    sizes = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda ids: sizes.append(len(ids)) or forward(ids))
+    monkeypatch.setattr(module, "LOGITS_BUDGET", 2 * 20 * 64)  # two windows' logits
+    assert kp.evaluate(model, stream, seq_len=20) == pytest.approx(want, rel=1e-5)
+    assert sizes == [2, 2, 1, 1]  # the 3-token tail is a group of its own
+    sizes.clear()
+    monkeypatch.setattr(module, "LOGITS_BUDGET", 1)  # under one window: one at a time
+    assert kp.evaluate(model, stream, seq_len=20) == pytest.approx(want, rel=1e-5)
+    assert sizes == [1] * 6
 
 
 @pytest.mark.skipif(transformers is None, reason="transformers is not installed")
