@@ -34,16 +34,19 @@ def test_warmup_lists_each_layer_shape_and_batch_size_once_and_leaves_the_model_
         kp.warmup([model])
 
 
+def _run(*args):
+    return kernelplan_cli("warmup", *args)
+
+
 def test_the_warmup_command_reads_shapes_and_refuses_bad_files_in_one_line(tmp_path):
     good, bad = tmp_path / "shapes.json", tmp_path / "bad.json"
     good.write_text(json.dumps([[64, 128], [128, 64]]))
     bad.write_text(json.dumps([[64, "x"]]))
-    run = lambda *a: kernelplan_cli("warmup", *a)  # noqa: E731
-    ok = run("--shapes", good, "--batch-sizes", "1,16", "--device", "cpu", "--dtype", "f16")
+    ok = _run("--shapes", good, "--batch-sizes", "1,16", "--device", "cpu", "--dtype", "f16")
     assert ok.returncode == 0, ok.stderr
     assert "64 x 128" in ok.stdout and ok.stdout.count("reference") == 4
     for args in (("--shapes", bad), ("--shapes", tmp_path / "missing.json"), ("--shapes", good, "--batch-sizes", "a")):
-        out = run(*args)
+        out = _run(*args)
         assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
@@ -70,10 +73,6 @@ def test_on_the_gpu_after_warmup_no_call_of_those_shapes_compiles_or_tunes(monke
         for n in (1, 16, 128, 300):
             model(torch.randn(n, 128, device="cuda").to(torch.bfloat16))
     assert nvrtc.COMPILES[0] == compiles
-
-
-def _run(*args):
-    return kernelplan_cli("warmup", *args)
 
 
 def test_the_warmup_command_reads_a_model_directorys_layers_from_its_headers(tmp_path):

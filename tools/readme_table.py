@@ -137,6 +137,12 @@ def sparse24_notes() -> list[str]:
     return lines
 
 
+def _spread(doc: dict) -> tuple[float, float]:
+    """The median and the largest of a pretrained-model result's per-layer input spreads."""
+    values = sorted(doc["input_spread"].values())
+    return values[len(values) // 2], values[-1]
+
+
 def pruning_notes() -> list[str]:
     """Perplexity of the trained test model and of a pretrained decoder by pruning method, a pretrained encoder's
     embeddings, and calibration time of an 8B-shaped layer."""
@@ -157,24 +163,22 @@ def pruning_notes() -> list[str]:
                          f"(`bench/accuracy_table.py`, `accuracy.fold_outliers`).")
     pre = _load("accuracy-minilm-cpu")
     if pre:
-        res, meta = pre["methods"], pre["meta"]
-        spread = sorted(pre["input_spread"].values())
+        res, meta, (median, _) = pre["methods"], pre["meta"], _spread(pre)
         cells = "; ".join(f"{m} {r['cosine']:.3f}, retrieval {r['retrieval']:.3f}" for m, r in res.items()
                           if m != "dense")
         lines.append(f"- Pruning a real pretrained model to 2:4, all-MiniLM-L6-v2 (22M parameters, 36 linear layers, "
-                     f"input spread median {spread[len(spread) // 2]:.1f}), {meta['held_out_windows']} held-out "
+                     f"input spread median {median:.1f}), {meta['held_out_windows']} held-out "
                      f"windows of {meta['seq']} tokens (`bench/accuracy_pretrained.py`): cosine of the embeddings to "
                      f"dense's and retrieval of each window's second half from its first (dense "
                      f"{res['dense']['retrieval']:.3f}, standard error about {res['dense']['retrieval_se']:.3f}): "
                      f"{cells}, {_source(meta, 'accuracy-minilm-cpu')}.")
     smol = _load("accuracy-smollm2-cpu")
     if smol:
-        res, meta = smol["methods"], smol["meta"]
-        spread = sorted(smol["input_spread"].values())
+        res, meta, (median, most) = smol["methods"], smol["meta"], _spread(smol)
         cells = "; ".join(f"{m} {r['perplexity']:.1f} ({r['increase']:+.1f})" for m, r in res.items())
         lines.append(f"- Pruning a real pretrained decoder to 2:4, SmolLM2-135M-Instruct (the Q4_1 GGUF on PyPI, "
-                     f"dequantized; 210 linear layers, input spread median {spread[len(spread) // 2]:.1f}, max "
-                     f"{spread[-1]:.0f}), held-out perplexity on {meta['held_out_windows']} windows of {meta['seq']} "
+                     f"dequantized; 210 linear layers, input spread median {median:.1f}, max "
+                     f"{most:.0f}), held-out perplexity on {meta['held_out_windows']} windows of {meta['seq']} "
                      f"tokens, {meta['calibration_windows']} calibration windows (`bench/accuracy_smollm.py`): "
                      f"{cells}, {_source(meta, 'accuracy-smollm2-cpu')}.")
     layer = _load("sparsify-layer-h100")
