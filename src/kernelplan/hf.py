@@ -224,13 +224,14 @@ def _stored_dtype(path: str | os.PathLike) -> torch.dtype | None:
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               targets: str | None = None) -> nn.Module:
+               targets: str | None = None, fuse: bool = True) -> nn.Module:
     """Build the model from config.json with transformers (no download) and load the checkpoint into it.
 
     The model is built on the CPU (its dense layers are allocated there and
     dropped as they are replaced); 2:4 layers become ``Sparse24Linear`` straight
     from their compressed tensors, read on ``device``, so no dense copy of them
-    reaches the GPU.  ``dtype`` casts floating tensors.
+    reaches the GPU.  ``dtype`` casts floating tensors.  ``fuse``: sibling 2:4 layers that read one
+    input run as one GEMM (``kernelplan.nn.fuse_siblings``).
     """
     import transformers
 
@@ -264,7 +265,12 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
     if missing or result.unexpected_keys:
         raise InvalidProblem(f"{path}: the checkpoint does not fit the model config.json builds: missing "
                              f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}")
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if fuse:
+        from .nn.siblings import fuse_siblings
+
+        fuse_siblings(model)
+    return model
 
 
 def _write_config(out: Path, config: dict, format: str, ignore: list[str]) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import choice
+from .._checks import _is_compiling, choice
 from ..errors import InvalidProblem
 from ..sparse24.dispatch import MEMORY_POLICIES
 from ..sparse24 import Sparse24Weight
 from ..sparse24.format import prune_compress
 from ..sparse24.gemm import linear_parts
 from ..sparse24.layout import PUBLIC, layout_of, pack_reason, unpack
+from .siblings import SPECS, Spec
 
 
 LAYOUTS = ("auto", "public")
@@ -79,6 +80,13 @@ class Sparse24Linear(nn.Module):
         return self.weight24.decompress()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        siblings = self.__dict__.get("_siblings")  # nn/siblings.py: one GEMM with the layers that read this x
+        if siblings is not None and not _is_compiling():  # traced, each layer is its own op
+            return siblings[0].forward(siblings[1], x)
+        return self.forward_alone(x)
+
+    def forward_alone(self, x: torch.Tensor) -> torch.Tensor:
+        """This layer's GEMM alone, whatever group it is in."""
         # Read from the module's own dictionaries: ``self.values`` and ``self.metadata`` go through
         # Module.__getattr__, a Python call each (about 4 us of the module's 28 us a call on an H100's host, where
         # the functional call on the same weight took 24: bench/sparse24_host.py).  A parametrization or a
@@ -110,3 +118,16 @@ class Sparse24Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"layout={self.layout!r}, memory={self.memory!r}")
+
+
+def _sibling_key(mod: Sparse24Linear) -> tuple | None:
+    if mod.layout == PUBLIC:  # its rows are not whole tiles of the device layout
+        return None
+    return mod.in_features, mod.values.dtype, mod.values.device, mod.memory, mod.bias is None
+
+
+def _sibling_call(first: Sparse24Linear, x, values, metadata, bias) -> torch.Tensor:
+    return linear_parts(x, values, metadata, bias, None, first.memory)
+
+
+SPECS[Sparse24Linear] = Spec(("values", "metadata"), _sibling_key, _sibling_call)

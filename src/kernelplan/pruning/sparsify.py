@@ -12,6 +12,7 @@ from torch import nn
 
 from .._checks import choice
 from ..errors import InvalidProblem
+from ..nn.siblings import fuse_siblings
 from ..nn.sparse24_linear import Sparse24Linear
 from ..sparse24.format import SPARSE24_DTYPES, Sparse24Weight, compress, prune_compress
 from . import calibrate, methods
@@ -120,7 +121,7 @@ def _replace(model: nn.Module, name: str, layer: nn.Linear, w24: Sparse24Weight,
 def sparsify(
     model: nn.Module, filter_fn: Callable[[str, nn.Linear], bool] | None = None, progress: bool = True,
     prune_output: bool = False, *, method: str | None = None, calibration=None, blocks=None, report: bool = False,
-    batch_size: int = 8, blocksize: int = 128, damp: float = 0.01,
+    batch_size: int = 8, blocksize: int = 128, damp: float = 0.01, fuse: bool = True,
 ) -> SparsifyReport:
     """Replace every eligible ``nn.Linear`` of ``model`` in place with a 2:4 ``Sparse24Linear``.
 
@@ -133,6 +134,10 @@ def sparsify(
     before it; layers outside the blocks (an LM head with ``prune_output``) are
     pruned last, on a pass of the whole pruned model.  ``report=True`` adds
     each layer's relative output error on its calibration inputs to the report.
+
+    ``fuse`` (the default) lets sibling layers that read one input (q/k/v,
+    gate/up) run as one GEMM at inference, their weights laid end to end in one
+    copy (``kernelplan.nn.fuse_siblings``); the state_dict is the same.
 
     Skipped, with the reason in the report: layers ``filter_fn`` rejects;
     embedding tables; layers whose weight is shared with another parameter (a
@@ -158,7 +163,7 @@ def sparsify(
     if calibration is None:
         for name, layer in tqdm(chosen, desc="sparsify", disable=not progress or len(chosen) < 8):
             _replace(model, name, layer, prune_compress(layer.weight.detach()), out)
-        return out
+        return _fused(model, fuse, out)
 
     data = calibrate.batches(calibration, batch_size)
     full = method == "sparsegpt" or report
@@ -195,7 +200,13 @@ def sparsify(
                                  bar, lambda: clock("forward"))
         if outside:
             prune_layers(outside, lambda: calibrate.model_pass(model, data))
-    return out
+    return _fused(model, fuse, out)
+
+
+def _fused(model: nn.Module, fuse: bool, report: SparsifyReport) -> SparsifyReport:
+    if fuse:
+        fuse_siblings(model)
+    return report
 
 
 class _Clock:

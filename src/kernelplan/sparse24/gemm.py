@@ -186,8 +186,11 @@ def linear_parts(x, values, metadata, bias=None, activation=None, memory="compac
         key = (id(values), values.dtype, values.device, id(metadata), None if bias is None else id(bias),
                x.shape, x.dtype, x.device, activation, x.is_cuda and stream_capturing(), memory)
         hit = _prepared.get(key)
+        # The data pointer too: a bound call holds the weight's address, and ``values.data = ...`` (Module._apply,
+        # grouped siblings: nn/siblings.py) gives the same Parameter new storage.
         if hit is not None and hit[0] == dispatch_generation(GemmSparse24Plan) and \
-                hit[1]() is values and hit[2]() is metadata and (bias is None or hit[3]() is bias):
+                hit[1]() is values and hit[2]() is metadata and (bias is None or hit[3]() is bias) and \
+                hit[6] == values.data_ptr():
             return hit[5](x, values, metadata, bias)
     # Parts held apart (a Sparse24Weight built with _validate=False, a module's buffers) have not
     # been matched to each other: a wrong metadata shape would send kernels past its end.
@@ -215,7 +218,7 @@ def linear_parts(x, values, metadata, bias=None, activation=None, memory="compac
         for keys in _weight_keys.values():
             keys.clear()
     _prepared[key] = (dispatch_generation(GemmSparse24Plan), weakref.ref(values), weakref.ref(metadata),
-                      None if bias is None else weakref.ref(bias), plan, call)
+                      None if bias is None else weakref.ref(bias), plan, call, values.data_ptr())
     # The entries go with their weight: ``call`` may hold the weight's storage (a kernel bound to it, whose layout
     # is the weight itself), and a deleted model's weights stayed allocated while their entries lasted (about
     # 7 GiB of a 70B-shaped model; docs/design/0008).  One finalizer a weight, however many keys it gets.

@@ -1,0 +1,219 @@
+"""Sibling projections that read one input (q/k/v, gate/up) run as one GEMM on their weights laid end to end.
+
+``fuse_siblings(model)`` gives each module's candidate children one ``Siblings``: the 2:4 linears (``SPECS``)
+that could share a GEMM, with the same in_features, dtype, device, layout, memory policy and bias or none.
+Which of them do read one input is watched, not guessed from names: on the first pass each runs alone and
+the input each reads is noted, by identity and version (as ``sparsify`` groups layers for calibration).
+Candidates that read the same tensor one after another become a group; a candidate that reads its own input
+(an attention's o_proj beside q/k/v) stays alone.
+
+A group lays its members' weights end to end in one buffer, and each member's tensors become views of its
+rows: one copy, as before.  The first member called runs the GEMM of all of them; each other member takes
+its columns of that output while its input is the same tensor, unchanged, and no member's weight changed.
+Where that does not hold, the call runs alone, on the member's own view:
+* under autograd (each member's gradient is its own);
+* inside a CUDA graph capture while the buffer must be rebuilt: ``.to()``, ``load_state_dict(assign=True)``
+  or a deep copy left the members off it, and the next call outside a capture lays them out again;
+* for good, once a group's members stop reading one input (a cross-attention's k/v): ``broken``.
+
+``Siblings.stats`` counts the calls of each kind, so what ran is never a guess.  Under torch.compile each member
+is its own op, as without a group (``Sparse24Linear.forward``), and is not counted.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .._checks import plain_eager
+from ..kernels import stream_capturing
+
+
+@dataclass(frozen=True)
+class Spec:
+    """How one kind of linear module joins a group."""
+
+    parts: tuple[str, ...]  # its weight's tensors, rows first (dim 0 runs along the output features)
+    key: Callable[[nn.Module], tuple | None]  # what members must share; None where the module cannot join
+    call: Callable  # (first member, x, *parts, bias) -> y of every member's rows
+
+
+# Each kind of module that can join a group, by type: Sparse24Linear registers itself (nn/sparse24_linear.py).
+SPECS: dict[type, Spec] = {}
+
+
+def fuse_siblings(model: nn.Module) -> list["Siblings"]:
+    """Give every module's candidate children (see the module's docstring) a ``Siblings`` that watches them;
+    returns them.  Children already in one are left as they are.  Idempotent."""
+    out = []
+    for parent in model.modules():
+        by_key: dict[tuple, list[tuple[str, nn.Module]]] = {}
+        for name, child in parent.named_children():
+            spec = SPECS.get(type(child))
+            key = spec.key(child) if spec is not None and "_siblings" not in child.__dict__ else None
+            if key is not None:
+                by_key.setdefault((type(child), *key), []).append((name, child))
+        for members in by_key.values():
+            if len(members) > 1:
+                out.append(Siblings([m for _, m in members], [n for n, _ in members]))
+    return out
+
+
+class Siblings:
+    """A module's candidate children (``fuse_siblings``): watched on the first pass, then run by group."""
+
+    def __init__(self, members: list[nn.Module], names: list[str]):
+        self.members, self.names = members, names
+        self.groups: list[_Group] | None = None  # None while watching
+        self.stats = {"alone": 0, "fused": 0, "taken": 0}
+        self._by_member: dict[int, tuple[_Group, int]] = {}
+        self._leader: dict[int, int] = {}  # watching: member -> the first member that read its input, this pass
+        self._last: tuple | None = None  # watching: (weakref to the last input, its version, its reader)
+        for i, mod in enumerate(members):
+            mod.__dict__["_siblings"] = (self, i)  # not a submodule: no state_dict entries, no double visits
+
+    def __repr__(self) -> str:
+        groups = "watching" if self.groups is None else [[self.names[i] for i in g.index] for g in self.groups]
+        return f"Siblings({self.names}, groups={groups}, stats={self.stats})"
+
+    def __getstate__(self) -> dict:
+        # What a pass left behind is not state (weak references neither pickle nor copy): watching starts over.
+        return {**self.__dict__, "_leader": {}, "_last": None}
+
+    def forward(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if self.groups is None:
+            return self._watch(i, x)
+        hit = self._by_member.get(i)
+        if hit is None:
+            self.stats["alone"] += 1
+            return self.members[i].forward_alone(x)
+        return hit[0].forward(hit[1], x)
+
+    def _watch(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        self.stats["alone"] += 1
+        y = self.members[i].forward_alone(x)
+        if type(x) is not torch.Tensor:  # a tensor subclass (FakeTensor, DTensor) is no input to watch
+            return y
+        if i in self._leader:  # a member's second call: the pass is over
+            self._settle()
+            return y
+        last = self._last
+        same = last is not None and last[0]() is x and (x.is_inference() or last[1] == x._version)
+        self._leader[i] = self._leader[last[2]] if same else i
+        self._last = (weakref.ref(x), None if x.is_inference() else x._version, i)
+        if len(self._leader) == len(self.members):
+            self._settle()
+        return y
+
+    def _settle(self) -> None:
+        classes: dict[int, list[int]] = {}
+        for i, lead in self._leader.items():  # in call order
+            classes.setdefault(lead, []).append(i)
+        self.groups = [_Group(self, index) for index in classes.values() if len(index) > 1]
+        self._by_member = {i: (g, pos) for g in self.groups for pos, i in enumerate(g.index)}
+        self._leader, self._last = {}, None
+
+
+def _version(t: torch.Tensor | None):
+    return None if t is None or t.is_inference() else t._version
+
+
+class _Group:
+    """Members that read one input, in the order they were called; their rows laid end to end in that order."""
+
+    def __init__(self, owner: Siblings, index: list[int]):
+        self.owner, self.index = owner, index
+        self.members = [owner.members[i] for i in index]
+        self.rows = [m.out_features for m in self.members]
+        self.offsets = [sum(self.rows[:p]) for p in range(len(self.rows))]
+        self.broken = False
+        self.warm = False  # the group's GEMM has run outside a capture since its buffers were laid out
+        self.fused: list | None = None  # per part and the bias: (its buffer, each member's first element)
+        self.pending: tuple | None = None  # (weakref to x, x's version, y, members served (bits), weight versions)
+        self._all = (1 << len(index)) - 1
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "pending": None}
+
+    @property
+    def spec(self) -> Spec:
+        return SPECS[type(self.members[0])]
+
+    def _tensors(self, mod) -> list:
+        return [getattr(mod, p) for p in self.spec.parts] + [mod.bias]
+
+    def _weights_version(self) -> tuple:
+        return tuple(_version(t) for mod in self.members for t in self._tensors(mod))
+
+    def forward(self, pos: int, x: torch.Tensor) -> torch.Tensor:
+        stats, mod = self.owner.stats, self.members[pos]
+        pending = self.pending
+        if pending is not None:
+            px, version, y, served, weights = pending
+            if px() is x and version == _version(x) and not served >> pos & 1 and weights == self._weights_version():
+                served |= 1 << pos
+                self.pending = None if served == self._all else (px, version, y, served, weights)
+                stats["taken"] += 1
+                return y.narrow(-1, self.offsets[pos], self.rows[pos])
+            self.pending = None
+            if served != self._all:  # a member did not take its columns: they no longer read one input
+                self.broken = True
+        capturing = x.is_cuda and stream_capturing()
+        # In a capture only once the group's GEMM has run eagerly: its first call builds what a capture may not
+        # (the kernel for its shape; sparse24.gemm's _ready_for_graphs).
+        if self.broken or not plain_eager(x, *self._tensors(mod)) or not self._laid_out(capturing) or \
+                capturing and not self.warm:
+            stats["alone"] += 1
+            return mod.forward_alone(x)
+        y = self.spec.call(self.members[0], x, *(buffer for buffer, _ in self.fused))
+        self.warm = self.warm or not capturing
+        stats["fused"] += 1
+        self.pending = (weakref.ref(x), _version(x), y, 1 << pos, self._weights_version())
+        return y.narrow(-1, self.offsets[pos], self.rows[pos])
+
+    def _laid_out(self, capturing: bool) -> bool:
+        """Whether every member's tensors are views of the group's buffers, where ``_lay_out`` put them; lays
+        them out where they are not, outside a CUDA graph capture."""
+        if self.fused is not None and all(
+                self._in_place(t, *self.fused[j], p)
+                for p, mod in enumerate(self.members) for j, t in enumerate(self._tensors(mod))):
+            return True
+        if capturing:
+            return False
+        self._lay_out()
+        return True
+
+    @staticmethod
+    def _in_place(t, buffer, starts, pos) -> bool:
+        if buffer is None:
+            return t is None
+        return t is not None and t.device == buffer.device and \
+            t.data_ptr() == buffer.data_ptr() + starts[pos] * buffer.element_size()
+
+    def _lay_out(self) -> None:
+        """One buffer per part (and the bias), the members' rows end to end; each member's tensors become views
+        (the same Parameter objects: an optimizer keeps its reference)."""
+        names = (*self.spec.parts, "bias")
+        fused = []
+        with torch.no_grad(), torch.inference_mode(False):
+            for j, name in enumerate(names):
+                own = [self._tensors(mod)[j] for mod in self.members]
+                if own[0] is None:
+                    fused.append((None, None))
+                    continue
+                buffer = torch.cat([t.detach() for t in own])
+                starts, row = [], 0
+                for mod, t in zip(self.members, own):
+                    starts.append(row * buffer[0].numel())
+                    view = buffer.narrow(0, row, t.shape[0])
+                    row += t.shape[0]
+                    if name in mod._parameters:
+                        mod._parameters[name].data = view
+                    else:
+                        mod._buffers[name] = view
+                fused.append((buffer, starts))
+        self.fused, self.pending, self.warm = fused, None, False
