@@ -27,7 +27,8 @@ import transformers
 import kernelplan as kp
 from kernelplan.bench import results
 from kernelplan.bench.decode import DecodeStep, Graphed, GraphedDecode, weight_bytes
-from kernelplan.nn import Sparse24Linear
+from kernelplan.nn import Sparse24Linear, fuse_siblings
+from kernelplan.nn.siblings import SPECS, Spec
 from kernelplan.timing import interleaved, kernel_device_ms
 
 
@@ -58,6 +59,39 @@ def kernel_split(fn, calls: int = 3) -> dict[str, float]:
     return split
 
 
+class SiblingLinear(torch.nn.Linear):
+    """A dense nn.Linear that joins ``fuse_siblings``' groups: the dense model grouped as kp.sparsify groups its own."""
+
+    @classmethod
+    def adopt(cls, model, name: str, mod: torch.nn.Linear) -> None:
+        mod.__class__ = cls  # the same parameters; only forward changes
+
+    def forward(self, x):
+        siblings = self.__dict__.get("_siblings")
+        return siblings[0].forward(siblings[1], x) if siblings is not None else self.forward_alone(x)
+
+    def forward_alone(self, x):
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+SPECS[SiblingLinear] = Spec(("weight",), lambda m: (m.in_features, m.weight.dtype, m.weight.device, m.bias is None),
+                            lambda first, x, weight, bias: torch.nn.functional.linear(x, weight, bias))
+
+
+def timings(graph: dict[str, float], eager: dict[str, float]) -> dict:
+    """ms of each model, and speedups over dense: kp.sparsify's default ("sparse"), and beside it unfused, and
+    against the dense model grouped alike."""
+    row = {}
+    for mode, t in (("graph", graph), ("eager", eager)):
+        row |= {f"{mode}_{name.replace(' ', '_')}_ms": ms * 1e3 for name, ms in t.items()}
+        row[f"{mode}_speedup"] = t["dense"] / t["sparse"]
+        if "sparse unfused" in t:
+            row[f"{mode}_speedup_unfused"] = t["dense"] / t["sparse unfused"]
+            row[f"{mode}_speedup_vs_dense_fused"] = t["dense fused"] / t["sparse"]
+            row[f"{mode}_dense_fused_speedup"] = t["dense"] / t["dense fused"]
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -65,6 +99,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--memory", default="compact", choices=("compact", "fast"))
     ap.add_argument("--profile", action="store_true", help="split each case's device time by kernel class")
+    ap.add_argument("--no-siblings", dest="siblings", action="store_false",
+                    help="time dense and kp.sparsify's model unfused only, as before 0024")
     a = ap.parse_args()
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=3584, intermediate_size=18944, num_hidden_layers=a.layers,
@@ -73,12 +109,22 @@ def main() -> int:
     dense = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
     sparse = copy.deepcopy(dense)
     # The LM head pruned too, as issue 26's measurement and sparse24-model-*.json did (sparsify's default keeps it dense).
-    report = kp.sparsify(sparse, progress=False, prune_output=True)
+    report = kp.sparsify(sparse, progress=False, prune_output=True, fuse=False)
     for mod in sparse.modules():
         if isinstance(mod, Sparse24Linear):
             mod.memory = a.memory
     masked = copy.deepcopy(dense)
+    # kp.sparsify's default runs q/k/v and gate/up as one GEMM each (kp.nn.fuse_siblings); the same grouping of the
+    # dense model's layers tells what the grouping gives and what 2:4 gives.
     models = {"dense": dense, "sparse": sparse}
+    if a.siblings:
+        models["sparse unfused"] = copy.deepcopy(sparse)
+        fuse_siblings(sparse)
+        models["dense fused"] = fused = copy.deepcopy(dense)
+        for name, mod in list(fused.named_modules()):
+            if type(mod) is torch.nn.Linear and name != "lm_head":
+                SiblingLinear.adopt(fused, name, mod)
+        fuse_siblings(fused)
     rows, out = [], {}
     with torch.inference_mode():
         for name in report.converted:
@@ -95,10 +141,7 @@ def main() -> int:
             check = max(g.check() for g in graphs.values())
             graph = interleaved({n: lambda g=g: g.replay_seconds(4) for n, g in graphs.items()}, a.rounds, 1)
             eager = interleaved({n: lambda s=s: wall(s) for n, s in steps.items()}, a.rounds, 3)
-            rows.append({"case": f"decode batch {batch}", "graph_dense_ms": graph["dense"] * 1e3,
-                         "graph_sparse_ms": graph["sparse"] * 1e3, "graph_speedup": graph["dense"] / graph["sparse"],
-                         "eager_dense_ms": eager["dense"] * 1e3, "eager_sparse_ms": eager["sparse"] * 1e3,
-                         "eager_speedup": eager["dense"] / eager["sparse"], "replay_vs_eager_rel_err": check})
+            rows.append({"case": f"decode batch {batch}", **timings(graph, eager), "replay_vs_eager_rel_err": check})
             if a.profile:
                 rows[-1]["device_ms_by_kernel"] = {n: kernel_split(s) for n, s in steps.items()}
             print(rows[-1], flush=True)
@@ -109,10 +152,7 @@ def main() -> int:
             check = max(g.check() for g in graphs.values())
             graph = interleaved({n: lambda g=g: g.replay_seconds(3) for n, g in graphs.items()}, a.rounds, 1)
             eager = interleaved({n: lambda m=m: wall(lambda: m(ids)) for n, m in models.items()}, a.rounds, 3)
-            rows.append({"case": f"prefill {tokens}", "graph_dense_ms": graph["dense"] * 1e3,
-                         "graph_sparse_ms": graph["sparse"] * 1e3, "graph_speedup": graph["dense"] / graph["sparse"],
-                         "eager_dense_ms": eager["dense"] * 1e3, "eager_sparse_ms": eager["sparse"] * 1e3,
-                         "eager_speedup": eager["dense"] / eager["sparse"], "replay_vs_eager_rel_err": check})
+            rows.append({"case": f"prefill {tokens}", **timings(graph, eager), "replay_vs_eager_rel_err": check})
             if a.profile:
                 rows[-1]["device_ms_by_kernel"] = {n: kernel_split(lambda m=m: m(ids)) for n, m in models.items()}
             print(rows[-1], flush=True)
