@@ -78,6 +78,21 @@ SPECS[SiblingLinear] = Spec(("weight",), lambda m: (m.in_features, m.weight.dtyp
                             lambda first, x, weight, bias: torch.nn.functional.linear(x, weight, bias))
 
 
+def _sibling_calls(model) -> dict[str, int]:
+    """Calls of the model's sibling groups by kind (``Siblings.stats``), summed; groups each as they settled."""
+    seen, total, groups = set(), {}, {}
+    for mod in model.modules():
+        siblings = mod.__dict__.get("_siblings")
+        if siblings is not None and id(siblings[0]) not in seen:
+            seen.add(id(siblings[0]))
+            for k, v in siblings[0].stats.items():
+                total[k] = total.get(k, 0) + v
+            for g in siblings[0].groups or ():
+                key = "+".join(siblings[0].names[i] for i in g.index)
+                groups[key] = groups.get(key, 0) + 1
+    return {**total, "groups": groups}
+
+
 def timings(graph: dict[str, float], eager: dict[str, float]) -> dict:
     """ms of each model, and speedups over dense: kp.sparsify's default ("sparse"), and beside it unfused, and
     against the dense model grouped alike."""
@@ -160,6 +175,9 @@ def main() -> int:
     from kernelplan.sparse24.gemm import fast_path_backends
 
     out["backends"] = fast_path_backends()
+    out["weight_bytes"] = {name: weight_bytes(m) for name, m in models.items()}  # each storage once: groups are views
+    out["sibling_calls"] = {name: _sibling_calls(m) for name, m in models.items() if "fused" in name or name == "sparse"}
+    print("sibling calls:", out["sibling_calls"])
     out["dense_weight_bytes"], out["sparse_weight_bytes"] = weight_bytes(dense), weight_bytes(sparse)
     out["sparse_over_dense_bytes"] = out["sparse_weight_bytes"] / out["dense_weight_bytes"]
     print(f"weights: dense {out['dense_weight_bytes'] / 2**30:.2f} GiB, sparse {out['sparse_weight_bytes'] / 2**30:.2f} "
