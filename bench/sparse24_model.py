@@ -28,7 +28,7 @@ import kernelplan as kp
 from kernelplan.bench import results
 from kernelplan.bench.decode import DecodeStep, Graphed, GraphedDecode, weight_bytes
 from kernelplan.nn import Sparse24Linear, fuse_siblings
-from kernelplan.nn.siblings import SPECS, Spec
+from kernelplan.nn.siblings import SPECS, Spec, siblings_of
 from kernelplan.timing import interleaved, kernel_device_ms
 
 
@@ -68,7 +68,7 @@ class SiblingLinear(torch.nn.Linear):
 
     def forward(self, x):
         siblings = self.__dict__.get("_siblings")
-        return siblings[0].forward(siblings[1], x) if siblings is not None else self.forward_alone(x)
+        return siblings(x) if siblings is not None else self.forward_alone(x)
 
     def forward_alone(self, x):
         return torch.nn.functional.linear(x, self.weight, self.bias)
@@ -82,13 +82,13 @@ def _sibling_calls(model) -> dict[str, int]:
     """Calls of the model's sibling groups by kind (``Siblings.stats``), summed; groups each as they settled."""
     seen, total, groups = set(), {}, {}
     for mod in model.modules():
-        siblings = mod.__dict__.get("_siblings")
-        if siblings is not None and id(siblings[0]) not in seen:
-            seen.add(id(siblings[0]))
-            for k, v in siblings[0].stats.items():
+        siblings = siblings_of(mod)
+        if siblings is not None and id(siblings) not in seen:
+            seen.add(id(siblings))
+            for k, v in siblings.stats.items():
                 total[k] = total.get(k, 0) + v
-            for g in siblings[0].groups or ():
-                key = "+".join(siblings[0].names[i] for i in g.index)
+            for g in siblings.groups or ():
+                key = "+".join(siblings.names[i] for i in g.index)
                 groups[key] = groups.get(key, 0) + 1
     return {**total, "groups": groups}
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import kernelplan as kp
 from kernelplan.bench.decode import weight_bytes
-from kernelplan.nn import Sparse24Linear, fuse_siblings
+from kernelplan.nn import Sparse24Linear, fuse_siblings, siblings_of
 
 
 class Attention(nn.Module):
@@ -183,17 +183,17 @@ def test_deep_copies_and_pickles_run_right_at_any_stage(passes):
         for twin in (copy.deepcopy(model), torch.load(buf, weights_only=False), pickle.loads(pickle.dumps(model))):
             for _ in range(3):
                 torch.testing.assert_close(twin(x), alone(x), rtol=0, atol=0)
-            assert twin.q.__dict__["_siblings"][0] is not model.q.__dict__["_siblings"][0]
+            assert siblings_of(twin.q) is not siblings_of(model.q) and siblings_of(twin.q).members[0] is twin.q
 
 
 def test_sparsify_fuses_by_default_and_not_when_told():
     torch.manual_seed(0)
     model = Attention()
     kp.sparsify(model, progress=False)
-    assert "_siblings" in model.q.__dict__
+    assert siblings_of(model.q).names == ["q", "o", "k", "v"]
     model = Attention()
     kp.sparsify(model, progress=False, fuse=False)
-    assert "_siblings" not in model.q.__dict__
+    assert siblings_of(model.q) is None
     assert fuse_siblings(model) and fuse_siblings(model) == []  # idempotent
 
 

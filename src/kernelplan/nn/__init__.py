@@ -2,7 +2,7 @@
 
 from .fused_linear import FusedLinear, FusedMLP
 from .gated_mlp import GatedMLP
-from .siblings import Siblings, fuse_siblings
+from .siblings import Siblings, fuse_siblings, siblings_of
 from .sparse24_linear import Sparse24Linear
 
-__all__ = ["FusedLinear", "FusedMLP", "GatedMLP", "Siblings", "Sparse24Linear", "fuse_siblings"]
+__all__ = ["FusedLinear", "FusedMLP", "GatedMLP", "Siblings", "Sparse24Linear", "fuse_siblings", "siblings_of"]

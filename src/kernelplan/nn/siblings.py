@@ -22,6 +22,7 @@ is its own op, as without a group (``Sparse24Linear.forward``), and is not count
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -63,6 +64,15 @@ def fuse_siblings(model: nn.Module) -> list["Siblings"]:
     return out
 
 
+def siblings_of(mod: nn.Module) -> "Siblings | None":
+    """The ``Siblings`` a module is a candidate of, or None."""
+    call = mod.__dict__.get("_siblings")
+    if call is None:
+        return None
+    owner = call.func.__self__
+    return owner if isinstance(owner, Siblings) else owner.owner
+
+
 class Siblings:
     """A module's candidate children (``fuse_siblings``): watched on the first pass, then run by group."""
 
@@ -70,11 +80,12 @@ class Siblings:
         self.members, self.names = members, names
         self.groups: list[_Group] | None = None  # None while watching
         self.stats = {"alone": 0, "fused": 0, "taken": 0}
-        self._by_member: dict[int, tuple[_Group, int]] = {}
         self._leader: dict[int, int] = {}  # watching: member -> the first member that read its input, this pass
         self._last: tuple | None = None  # watching: (weakref to the last input, its version, its reader)
         for i, mod in enumerate(members):
-            mod.__dict__["_siblings"] = (self, i)  # not a submodule: no state_dict entries, no double visits
+            # What the member's forward calls: not a submodule (no state_dict entries, no second visit by
+            # modules()); once the groups are settled, the member's group itself, one call less a forward.
+            mod.__dict__["_siblings"] = functools.partial(self._watch, i)
 
     def __repr__(self) -> str:
         groups = "watching" if self.groups is None else [[self.names[i] for i in g.index] for g in self.groups]
@@ -83,15 +94,6 @@ class Siblings:
     def __getstate__(self) -> dict:
         # What a pass left behind is not state (weak references neither pickle nor copy): watching starts over.
         return {**self.__dict__, "_leader": {}, "_last": None}
-
-    def forward(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        if self.groups is None:
-            return self._watch(i, x)
-        hit = self._by_member.get(i)
-        if hit is None:
-            self.stats["alone"] += 1
-            return self.members[i].forward_alone(x)
-        return hit[0].forward(hit[1], x)
 
     def _watch(self, i: int, x: torch.Tensor) -> torch.Tensor:
         self.stats["alone"] += 1
@@ -114,12 +116,24 @@ class Siblings:
         for i, lead in self._leader.items():  # in call order
             classes.setdefault(lead, []).append(i)
         self.groups = [_Group(self, index) for index in classes.values() if len(index) > 1]
-        self._by_member = {i: (g, pos) for g in self.groups for pos, i in enumerate(g.index)}
+        grouped = {i: (g, pos) for g in self.groups for pos, i in enumerate(g.index)}
+        for i, mod in enumerate(self.members):
+            g, pos = grouped.get(i, (None, None))
+            mod.__dict__["_siblings"] = functools.partial(g.forward, pos) if g else functools.partial(self._alone, i)
         self._leader, self._last = {}, None
+
+    def _alone(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        self.stats["alone"] += 1
+        return self.members[i].forward_alone(x)
 
 
 def _version(t: torch.Tensor | None):
     return None if t is None or t.is_inference() else t._version
+
+
+def _read(slot):
+    holder, name = slot
+    return holder[name] if type(holder) is dict else getattr(holder, name)
 
 
 class _Group:
@@ -128,12 +142,19 @@ class _Group:
     def __init__(self, owner: Siblings, index: list[int]):
         self.owner, self.index = owner, index
         self.members = [owner.members[i] for i in index]
+        self.names = (*SPECS[type(self.members[0])].parts, "bias")
+        # Where each member tensor is read from: the module's own dictionaries (Module.__getattr__ was 3 of every
+        # 4 us of a group's host work, cProfile on the CPU), or the module for a bias of None (a plain attribute).
+        self.slots = [[(mod._parameters, n) if n in mod._parameters else (mod._buffers, n) if n in mod._buffers
+                       else (mod, n) for n in self.names] for mod in self.members]
+        self.flat = [slot for member in self.slots for slot in member]
         self.rows = [m.out_features for m in self.members]
         self.offsets = [sum(self.rows[:p]) for p in range(len(self.rows))]
         self.broken = False
         self.warm = False  # the group's GEMM has run outside a capture since its buffers were laid out
-        self.fused: list | None = None  # per part and the bias: (its buffer, each member's first element)
-        self.pending: tuple | None = None  # (weakref to x, x's version, y, members served (bits), weight versions)
+        self.fused: list | None = None  # per part and the bias: its buffer, or None (no bias)
+        self.addresses: list | None = None  # each member tensor's data pointer in the buffers, as laid out
+        self.pending: tuple | None = None  # (weakref to x, x's version, y, members served (bits), their versions)
         self._all = (1 << len(index)) - 1
 
     def __getstate__(self) -> dict:
@@ -143,77 +164,65 @@ class _Group:
     def spec(self) -> Spec:
         return SPECS[type(self.members[0])]
 
-    def _tensors(self, mod) -> list:
-        return [getattr(mod, p) for p in self.spec.parts] + [mod.bias]
-
-    def _weights_version(self) -> tuple:
-        return tuple(_version(t) for mod in self.members for t in self._tensors(mod))
+    def _versions(self, slots) -> list:
+        # Called only where every tensor is a view of the buffers: never an inference tensor, whose version raises.
+        return [t._version for t in map(_read, slots) if t is not None]
 
     def forward(self, pos: int, x: torch.Tensor) -> torch.Tensor:
-        stats, mod = self.owner.stats, self.members[pos]
+        stats = self.owner.stats
         pending = self.pending
         if pending is not None:
-            px, version, y, served, weights = pending
-            if px() is x and version == _version(x) and not served >> pos & 1 and weights == self._weights_version():
+            px, version, y, served, versions = pending
+            # Right while x is the same tensor, unchanged, and this member's weight is unchanged since.
+            if px() is x and version == _version(x) and not served >> pos & 1 and \
+                    versions[pos] == self._versions(self.slots[pos]):
                 served |= 1 << pos
-                self.pending = None if served == self._all else (px, version, y, served, weights)
+                self.pending = None if served == self._all else (px, version, y, served, versions)
                 stats["taken"] += 1
                 return y.narrow(-1, self.offsets[pos], self.rows[pos])
             self.pending = None
             if served != self._all:  # a member did not take its columns: they no longer read one input
                 self.broken = True
-        capturing = x.is_cuda and stream_capturing()
-        # In a capture only once the group's GEMM has run eagerly: its first call builds what a capture may not
-        # (the kernel for its shape; sparse24.gemm's _ready_for_graphs).
-        if self.broken or not plain_eager(x, *self._tensors(mod)) or not self._laid_out(capturing) or \
-                capturing and not self.warm:
+        mod = self.members[pos]
+        if self.broken or not plain_eager(x, *map(_read, self.slots[pos])):
             stats["alone"] += 1
             return mod.forward_alone(x)
-        y = self.spec.call(self.members[0], x, *(buffer for buffer, _ in self.fused))
+        capturing = x.is_cuda and stream_capturing()
+        if [None if t is None else t.data_ptr() for t in map(_read, self.flat)] != self.addresses:  # off the buffers, or never on
+            if capturing:
+                stats["alone"] += 1
+                return mod.forward_alone(x)
+            self._lay_out()
+        # In a capture only once the group's GEMM has run eagerly: its first call builds what a capture may not
+        # (the kernel for its shape; sparse24.gemm's _ready_for_graphs).
+        if capturing and not self.warm:
+            stats["alone"] += 1
+            return mod.forward_alone(x)
+        y = self.spec.call(self.members[0], x, *self.fused)
         self.warm = self.warm or not capturing
         stats["fused"] += 1
-        self.pending = (weakref.ref(x), _version(x), y, 1 << pos, self._weights_version())
+        self.pending = (weakref.ref(x), _version(x), y, 1 << pos, [self._versions(slots) for slots in self.slots])
         return y.narrow(-1, self.offsets[pos], self.rows[pos])
-
-    def _laid_out(self, capturing: bool) -> bool:
-        """Whether every member's tensors are views of the group's buffers, where ``_lay_out`` put them; lays
-        them out where they are not, outside a CUDA graph capture."""
-        if self.fused is not None and all(
-                self._in_place(t, *self.fused[j], p)
-                for p, mod in enumerate(self.members) for j, t in enumerate(self._tensors(mod))):
-            return True
-        if capturing:
-            return False
-        self._lay_out()
-        return True
-
-    @staticmethod
-    def _in_place(t, buffer, starts, pos) -> bool:
-        if buffer is None:
-            return t is None
-        return t is not None and t.device == buffer.device and \
-            t.data_ptr() == buffer.data_ptr() + starts[pos] * buffer.element_size()
 
     def _lay_out(self) -> None:
         """One buffer per part (and the bias), the members' rows end to end; each member's tensors become views
         (the same Parameter objects: an optimizer keeps its reference)."""
-        names = (*self.spec.parts, "bias")
         fused = []
         with torch.no_grad(), torch.inference_mode(False):
-            for j, name in enumerate(names):
-                own = [self._tensors(mod)[j] for mod in self.members]
+            for j, name in enumerate(self.names):
+                own = [_read(slots[j]) for slots in self.slots]
                 if own[0] is None:
-                    fused.append((None, None))
+                    fused.append(None)
                     continue
                 buffer = torch.cat([t.detach() for t in own])
-                starts, row = [], 0
+                row = 0
                 for mod, t in zip(self.members, own):
-                    starts.append(row * buffer[0].numel())
                     view = buffer.narrow(0, row, t.shape[0])
                     row += t.shape[0]
                     if name in mod._parameters:
                         mod._parameters[name].data = view
                     else:
                         mod._buffers[name] = view
-                fused.append((buffer, starts))
+                fused.append(buffer)
         self.fused, self.pending, self.warm = fused, None, False
+        self.addresses = [None if t is None else t.data_ptr() for t in map(_read, self.flat)]

@@ -82,7 +82,7 @@ class Sparse24Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         siblings = self.__dict__.get("_siblings")  # nn/siblings.py: one GEMM with the layers that read this x
         if siblings is not None and not _is_compiling():  # traced, each layer is its own op
-            return siblings[0].forward(siblings[1], x)
+            return siblings(x)
         return self.forward_alone(x)
 
     def forward_alone(self, x: torch.Tensor) -> torch.Tensor:
