@@ -93,6 +93,20 @@ def test_the_group_holds_one_copy_of_the_weights_and_the_same_state_dict():
         assert torch.equal(got[key], want[key]), key
 
 
+def test_inputs_of_more_rows_than_group_max_rows_run_one_gemm_each():
+    from kernelplan.nn.siblings import GROUP_MAX_ROWS
+
+    model, alone, siblings = _pair()
+    with torch.no_grad():
+        model(torch.randn(2, 128))
+        for rows, fused in ((GROUP_MAX_ROWS, 1), (GROUP_MAX_ROWS + 1, 0)):
+            x = torch.randn(rows, 128)
+            before = dict(siblings.stats)
+            torch.testing.assert_close(model(x), alone(x), rtol=0, atol=0)
+            assert siblings.stats["fused"] - before["fused"] == fused
+            assert siblings.stats["taken"] - before["taken"] == 2 * fused
+
+
 def test_cross_attention_groups_only_the_layers_that_share_their_input():
     model, alone, siblings = _pair()
     x, memory = torch.randn(4, 128), torch.randn(4, 128)

@@ -10,7 +10,8 @@ Candidates that read the same tensor one after another become a group; a candida
 A group lays its members' weights end to end in one buffer, and each member's tensors become views of its
 rows: one copy, as before.  The first member called runs the GEMM of all of them; each other member takes
 its columns of that output while its input is the same tensor, unchanged, and no member's weight changed.
-Where that does not hold, the call runs alone, on the member's own view:
+Where that does not hold, or x has more than ``GROUP_MAX_ROWS`` rows, the call runs alone, on the member's own
+view:
 * under autograd (each member's gradient is its own);
 * inside a CUDA graph capture while the buffer must be rebuilt: ``.to()``, ``load_state_dict(assign=True)``
   or a deep copy left the members off it, and the next call outside a capture lays them out again;
@@ -42,6 +43,13 @@ class Spec:
     key: Callable[[nn.Module], tuple | None]  # what members must share; None where the module cannot join
     call: Callable  # (first member, x, *parts, bias) -> y of every member's rows
 
+
+# Rows of x (tokens) up to which a group runs as one GEMM.  Over the sweep set's q/k/v and gate/up (H200, bf16,
+# sparse24-siblings-sweep-h200.json), one GEMM against separate ones: median 1.52x at n = 1, 1.25-1.32x at n = 16-256,
+# 1.08x at 512 and 1.03x at 2048.  Past 256 the model lost more than that: the members' outputs are strided views
+# of the group's, and the elementwise work after them (SwiGLU's, the attention's) ran slower on them (a 512-token
+# prefill of a Qwen2.5-7B-sized Llama: 2.69 ms grouped, 2.54 ms not; sparse24-model-h200.json, 0024).
+GROUP_MAX_ROWS = 256
 
 # Each kind of module that can join a group, by type: Sparse24Linear registers itself (nn/sparse24_linear.py).
 SPECS: dict[type, Spec] = {}
@@ -184,7 +192,7 @@ class _Group:
             if served != self._all:  # a member did not take its columns: they no longer read one input
                 self.broken = True
         mod = self.members[pos]
-        if self.broken or not plain_eager(x, *map(_read, self.slots[pos])):
+        if self.broken or x.numel() > GROUP_MAX_ROWS * x.shape[-1] or not plain_eager(x, *map(_read, self.slots[pos])):
             stats["alone"] += 1
             return mod.forward_alone(x)
         capturing = x.is_cuda and stream_capturing()
