@@ -275,6 +275,31 @@ def test_on_the_gpu_fused_calls_match_their_members_eager_and_in_a_cuda_graph(dt
 
 
 @pytest.mark.gpu
+def test_on_the_gpu_laying_a_group_out_frees_the_members_old_storage():
+    import gc
+
+    torch.manual_seed(0)
+    model = Attention(d=2048, kv=512).to("cuda", torch.bfloat16)
+    kp.sparsify(model, progress=False, fuse=False)
+    with torch.no_grad():
+        for n in (1, 64):  # calls alone first: their bound launches and layouts hold the members' storage
+            model(torch.randn(n, 2048, device="cuda", dtype=torch.bfloat16))
+    gc.collect()
+    torch.cuda.synchronize()
+    before, held = torch.cuda.memory_allocated(), weight_bytes(model)
+    (siblings,) = fuse_siblings(model)
+    with torch.no_grad():
+        for n in (1, 64, 1, 64):
+            model(torch.randn(n, 2048, device="cuda", dtype=torch.bfloat16))
+    gc.collect()
+    torch.cuda.synchronize()
+    assert siblings.stats["fused"] == 3  # the first pass watches
+    group = sum(model.get_submodule(n).values.nbytes for n in "qkv")  # 7 MB: a leak would be all of it
+    assert torch.cuda.memory_allocated() - before < group / 8
+    assert weight_bytes(model) == held
+
+
+@pytest.mark.gpu
 def test_a_weight_given_new_storage_is_read_from_its_new_address():
     torch.manual_seed(0)
     layer = Sparse24Linear.from_dense(nn.Linear(512, 256)).to("cuda", torch.bfloat16)

@@ -17,17 +17,24 @@ import torch
 
 
 def weight_bytes(model) -> int:
-    """Bytes of a model's parameters and buffers, each storage once, plus the 2:4 layouts its layers built."""
-    from ..nn import Sparse24Linear
+    """Bytes of a model's parameters and buffers, each storage once, plus the 2:4 layouts its layers and their
+    sibling groups built."""
+    from ..nn import Sparse24Linear, siblings_of
+    from ..sparse24 import Sparse24Weight
 
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
         if t.untyped_storage().data_ptr() not in seen:
             seen.add(t.untyped_storage().data_ptr())
             total += t.untyped_storage().nbytes()
+    groups = {}
     for mod in model.modules():
         if isinstance(mod, Sparse24Linear):
             total += sum(mod.weight24.derived_bytes().values())
+            siblings = siblings_of(mod)
+            groups.update((id(g), g) for g in (siblings.groups or ()) if g.fused is not None)
+    for g in groups.values():  # a group's buffers are its members' storage; what its calls derived is its own
+        total += sum(Sparse24Weight(g.fused[0], g.fused[1], _validate=False).derived_bytes().values())
     return total
 
 

@@ -42,6 +42,7 @@ class Spec:
     parts: tuple[str, ...]  # its weight's tensors, rows first (dim 0 runs along the output features)
     key: Callable[[nn.Module], tuple | None]  # what members must share; None where the module cannot join
     call: Callable  # (first member, x, *parts, bias) -> y of every member's rows
+    forget: Callable[[torch.Tensor], None] = lambda t: None  # drop what calls kept for a part, before its .data goes
 
 
 # Rows of x (tokens) up to which a group runs as one GEMM.  Over the sweep set's q/k/v and gate/up (H200, bf16,
@@ -227,6 +228,7 @@ class _Group:
                 for mod, t in zip(self.members, own):
                     view = buffer.narrow(0, row, t.shape[0])
                     row += t.shape[0]
+                    self.spec.forget(t)  # what earlier calls kept holds the old storage
                     if name in mod._parameters:
                         mod._parameters[name].data = view
                     else:

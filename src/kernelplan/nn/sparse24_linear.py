@@ -10,7 +10,7 @@ from ..errors import InvalidProblem
 from ..sparse24.dispatch import MEMORY_POLICIES
 from ..sparse24 import Sparse24Weight
 from ..sparse24.format import prune_compress
-from ..sparse24.gemm import linear_parts
+from ..sparse24.gemm import forget, linear_parts
 from ..sparse24.layout import PUBLIC, layout_of, pack_reason, unpack
 from .siblings import SPECS, Spec
 
@@ -130,4 +130,4 @@ def _sibling_call(first: Sparse24Linear, x, values, metadata, bias) -> torch.Ten
     return linear_parts(x, values, metadata, bias, None, first.memory)
 
 
-SPECS[Sparse24Linear] = Spec(("values", "metadata"), _sibling_key, _sibling_call)
+SPECS[Sparse24Linear] = Spec(("values", "metadata"), _sibling_key, _sibling_call, forget)

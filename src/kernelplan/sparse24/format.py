@@ -174,6 +174,11 @@ def unpack_positions(metadata: torch.Tensor) -> torch.Tensor:
 _DERIVED: dict[int, tuple[bool, dict]] = {}
 
 
+def forget_derived(values: torch.Tensor) -> None:
+    """Drop the layouts derived from ``values`` (rebuilt on the next call that needs them)."""
+    _DERIVED.pop(id(values), None)
+
+
 def output_rows(x: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, x2, y2)``: y of shape ``[*x.shape[:-1], m]`` allocated, and x and y as 2-D row views."""
     # Sizes as separate ints: new_empty parses them in 2.6 us, a tuple in 4.1 and a torch.Size in 6.1 (CPU CI host).

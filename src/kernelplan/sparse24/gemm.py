@@ -22,7 +22,7 @@ from ..kernels import stream_capturing
 from ..plan import Backend, dispatch_generation, memoised_select
 from . import tuning
 from .dispatch import MEMORY_POLICIES
-from .format import Sparse24Weight, derived_from, output_rows
+from .format import Sparse24Weight, derived_from, forget_derived, output_rows
 from .layout import PUBLIC, SP_LAYOUT, check_layout, layout_of, pack_values, unpack, weight_shape
 # n_bucket and rule_backend are re-exported: callers (warm.py, tests) import the plan level's names from here too.
 from .plan import (SPARSE24_ACTIVATIONS, GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan,  # noqa: F401
@@ -228,6 +228,13 @@ def linear_parts(x, values, metadata, bias=None, activation=None, memory="compac
         weakref.finalize(values, _forget_weight, id(values))
     keys.add(key)
     return call(x, values, metadata, bias)
+
+
+def forget(values: torch.Tensor) -> None:
+    """Drop what calls kept for a weight (its bound launches and derived layouts), before its ``.data`` is
+    replaced: they hold the old storage, which would stay allocated until the weight's next call."""
+    _forget_weight(id(values))
+    forget_derived(values)
 
 
 def _forget_weight(weight_id: int) -> None:
