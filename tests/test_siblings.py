@@ -78,6 +78,7 @@ def test_each_member_gets_its_own_columns_against_fp64(dtype, seed):
 
 def test_the_group_holds_one_copy_of_the_weights_and_the_same_state_dict():
     model, alone, siblings = _pair()
+    assert weight_bytes(alone) == weight_bytes(model)  # ungrouped layers are counted too
     before = weight_bytes(model)
     with torch.no_grad():
         for _ in range(2):

@@ -32,7 +32,8 @@ def weight_bytes(model) -> int:
         if isinstance(mod, Sparse24Linear):
             total += sum(mod.weight24.derived_bytes().values())
             siblings = siblings_of(mod)
-            groups.update((id(g), g) for g in (siblings.groups or ()) if g.fused is not None)
+            if siblings is not None:
+                groups.update((id(g), g) for g in siblings.groups or () if g.fused is not None)
     for g in groups.values():  # a group's buffers are its members' storage; what its calls derived is its own
         total += sum(Sparse24Weight(g.fused[0], g.fused[1], _validate=False).derived_bytes().values())
     return total
