@@ -1,0 +1,66 @@
+"""Host time of an eager decode step of the Qwen2.5-7B-sized Llama (bench/sparse24_model.py), 2:4 grouped against
+ungrouped, alternating rounds, and where a step's host time goes in each (cProfile, by function).
+
+    PYTHONPATH=src:bench python bench/sparse24_siblings_eager.py
+"""
+
+from __future__ import annotations
+
+import copy
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+import transformers
+
+import kernelplan as kp
+from kernelplan.bench.decode import DecodeStep
+from kernelplan.nn import fuse_siblings
+from kernelplan.timing import interleaved
+
+
+def host_ms(step, calls: int = 5) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        step()
+    t = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return t / calls * 1e3
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=3584, intermediate_size=18944, num_hidden_layers=4,
+                                   num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                   max_position_embeddings=4096)
+    base = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    kp.sparsify(base, progress=False, fuse=False)
+    models = {"grouped": copy.deepcopy(base), "ungrouped": base}
+    fuse_siblings(models["grouped"])
+    with torch.inference_mode():
+        for batch in (1, 32):
+            prompt = torch.randint(0, cfg.vocab_size, (batch, 16), device="cuda")
+            steps = {n: DecodeStep(m, prompt, 16 + 400) for n, m in models.items()}
+            for s in steps.values():
+                for _ in range(3):
+                    s()
+            print(batch, {k: round(v, 3) for k, v in interleaved(
+                {n: lambda s=s: host_ms(s) for n, s in steps.items()}, 25).items()}, "ms host per step")
+            for name, s in steps.items():
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(20):
+                    s()
+                prof.disable()
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
+                print(name, batch, "\n".join(out.getvalue().splitlines()[4:26]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
