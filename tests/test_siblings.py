@@ -108,6 +108,20 @@ def test_inputs_of_more_rows_than_group_max_rows_run_one_gemm_each():
             assert siblings.stats["taken"] - before["taken"] == 2 * fused
 
 
+def test_a_grouped_model_saves_with_safetensors_and_loads_back(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    model, alone, _ = _pair()
+    x = torch.randn(2, 128)
+    with torch.no_grad():
+        for _ in range(2):
+            model(x)
+    safetensors_torch.save_model(model, str(tmp_path / "m.safetensors"))  # refused tensors sharing storage before
+    twin, _, _ = _pair(seed=3)
+    safetensors_torch.load_model(twin, str(tmp_path / "m.safetensors"))
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), alone(x), rtol=0, atol=0)
+
+
 def test_cross_attention_groups_only_the_layers_that_share_their_input():
     model, alone, siblings = _pair()
     x, memory = torch.randn(4, 128), torch.randn(4, 128)

@@ -99,6 +99,10 @@ class Sparse24Linear(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.bias is not None and not keep_vars and "_siblings" in self.__dict__:
+            # A grouped layer's bias is a view of its group's buffer (nn/siblings.py): safetensors' save_model and
+            # save_pretrained refuse tensors that share storage without covering it.
+            destination[prefix + "bias"] = self.bias.detach().clone()
         if self.layout != PUBLIC:  # checkpoints hold the public format
             values = self.values if keep_vars else self.values.detach()
             destination[prefix + "values"], destination[prefix + "metadata"] = unpack(values, self.metadata)
