@@ -76,17 +76,41 @@ def sweep_rows(name: str) -> list[str]:
             f"| the same, eager (host work included{_calls(doc)}) | " + " | ".join(eager) + f" | {_source(doc, name)} |"]
 
 
+def _median(values: list[float]) -> float:
+    import statistics
+
+    return statistics.median(values)
+
+
+def _ungrouped(row: dict) -> str:
+    """What grouping q/k/v and gate/up (kp.nn.fuse_siblings) gave, where the bench timed the model without it."""
+    if "graph_speedup_unfused" not in row:
+        return ""
+    return (f" ({row['graph_speedup_unfused']:.2f}x ungrouped, {row['graph_speedup_vs_dense_fused']:.2f}x against "
+            f"dense grouped alike)")
+
+
 def sparse24_notes() -> list[str]:
     """The 2:4 model, conversion and host-work results, one line each."""
     lines = []
     for name in ("sparse24-model-h100", "sparse24-model-h200"):
         model = _load(name)
         if model:
-            cases = "; ".join(f"{r['case']} {r['graph_speedup']:.2f}x graph, {r['eager_speedup']:.2f}x eager"
-                              for r in model["rows"])
+            cases = "; ".join(f"{r['case']} {r['graph_speedup']:.2f}x graph{_ungrouped(r)}, "
+                              f"{r['eager_speedup']:.2f}x eager" for r in model["rows"])
             lines.append(f"- 2:4, {model['meta']['model']} ({model['meta']['layers']} layers), sparsified against "
                          f"dense: {cases}; weights {model['sparse_over_dense_bytes']:.3f}x of dense (embeddings "
                          f"dense, the LM head pruned too), {_source(model['meta'], name)}.")
+    for name in ("sparse24-siblings-sweep-h100", "sparse24-siblings-sweep-h200"):
+        sweep = _load(name)
+        if sweep:
+            rows = sweep["rows"]
+            spans = "; ".join(f"n = {n} {_median([r['sparse_grouping_gain'] for r in rows if r['n'] == n]):.2f}x "
+                              f"(grouped 2:4 {_median([r['grouped_speedup'] for r in rows if r['n'] == n]):.2f}x of "
+                              f"grouped dense)" for n in sorted({r["n"] for r in rows}))
+            lines.append(f"- 2:4, sibling layers as one GEMM (`kp.nn.fuse_siblings`) over the sweep set's "
+                         f"{len({(r['k'], tuple(r['parts'])) for r in rows})} q/k/v and gate/up groups, CUDA graph, "
+                         f"separate GEMMs' time over one GEMM's, median: {spans}, {_source(sweep['meta'], name)}.")
     big = _load("sparse24-70b-memory-h200")
     if big:
         d, s = big["dense"], big["sparse"]
