@@ -106,8 +106,7 @@ def sparse24_notes() -> list[str]:
         if sweep:
             rows = sweep["rows"]
             spans = "; ".join(f"n = {n} {_median([r['sparse_grouping_gain'] for r in rows if r['n'] == n]):.2f}x "
-                              f"(grouped 2:4 {_median([r['grouped_speedup'] for r in rows if r['n'] == n]):.2f}x of "
-                              f"grouped dense)" for n in sorted({r["n"] for r in rows}))
+                              f"(2:4 over dense, both grouped, {_median([r['grouped_speedup'] for r in rows if r['n'] == n]):.2f}x)" for n in sorted({r["n"] for r in rows}))
             lines.append(f"- 2:4, sibling layers as one GEMM (`kp.nn.fuse_siblings`) over the sweep set's "
                          f"{len({(r['k'], tuple(r['parts'])) for r in rows})} q/k/v and gate/up groups, CUDA graph, "
                          f"separate GEMMs' time over one GEMM's, median: {spans}, {_source(sweep['meta'], name)}.")
