@@ -44,21 +44,16 @@ class WsConfig:
     sk: bool = False  # persistent, tail tiles split along K (cuda/sparse24_sk.cu, sk_plan): one CTA an SM, no clusters
     pp: bool = False  # persistent ping-pong (cuda/sparse24_pp.cu): one CTA an SM, each consumer warpgroup its own
     #                   tile of BN x 64 wm, no clusters
-    wb: int = 1  # 64-row blocks of W a consumer warpgroup multiplies (one CTA a tile only): 2 halves x's bytes a
-    #              multiply-add, where the SM's intake of bytes a step holds the K loop (docs/design/0024)
 
     def __post_init__(self):
         if self.pp and (self.sk or self.cm > 1 or self.kc > 1 or self.bn % 16 or self.bn * self.wm > 256):
             raise ValueError(f"{self}: a ping-pong tile has no split or cluster, BN a multiple of 16, and at most "
                              f"256 x 64 accumulators a warpgroup (BN x wm <= 256)")
-        if self.wb > 1 and (self.pp or self.sk or self.wm > 2 or self.bn * self.wb > 256):
-            raise ValueError(f"{self}: blocks of W a warpgroup past one are for one CTA a tile, at most two "
-                             f"consumer warpgroups, and at most 256 x 64 accumulators a warpgroup (BN x wb <= 256)")
 
     def __repr__(self) -> str:
         # The measured tables (bench/results/sparse24-ws-tiles-*.json) are keyed by this text: pp only where set.
         return (f"WsConfig(bn={self.bn}, wm={self.wm}, cm={self.cm}, kc={self.kc}, stages={self.stages}, "
-                f"sk={self.sk}" + (", pp=True" if self.pp else "") + (f", wb={self.wb})" if self.wb > 1 else ")"))
+                f"sk={self.sk}" + (", pp=True)" if self.pp else ")"))
 
     @property
     def ni(self) -> int:
@@ -66,12 +61,7 @@ class WsConfig:
 
     @property
     def rows(self) -> int:
-        return 64 * self.wm * self.wb
-
-    @property
-    def blocks(self) -> int:
-        """64-row blocks of W a CTA (a tile)."""
-        return self.wm * self.wb
+        return 64 * self.wm
 
     @property
     def threads(self) -> int:
@@ -80,7 +70,7 @@ class WsConfig:
     @property
     def stage_bytes(self) -> int:
         """One 64-column step: x's BN rows of 128 bytes, then each 16-row tile's 1152 bytes of W, rounded to 1024."""
-        return -(-(self.bn * 128 + 4 * self.blocks * 1152) // 1024) * 1024
+        return -(-(self.bn * 128 + 4 * self.wm * 1152) // 1024) * 1024
 
     @property
     def staging_bytes(self) -> int:
@@ -97,11 +87,11 @@ class WsConfig:
         return max(self.stages * self.stage_bytes, sums) + 2 * self.staging_bytes + bars + 1024
 
 
-def _deepest(bn: int, wm: int, cm: int, kc: int, sk: bool = False, pp: bool = False, wb: int = 1) -> WsConfig | None:
+def _deepest(bn: int, wm: int, cm: int, kc: int, sk: bool = False, pp: bool = False) -> WsConfig | None:
     """The tile with the deepest ring (up to 8 steps) that fits the SM's shared memory; None if not 3."""
-    one = WsConfig(bn, wm, cm, kc, 1, sk, pp, wb)
+    one = WsConfig(bn, wm, cm, kc, 1, sk, pp)
     stages = min(_MAX_STAGES, (SM_SHARED - 1024 - 16 * _MAX_STAGES - 16 - 2 * one.staging_bytes) // one.stage_bytes)
-    cfg = WsConfig(bn, wm, cm, kc, stages, sk, pp, wb)
+    cfg = WsConfig(bn, wm, cm, kc, stages, sk, pp)
     return cfg if stages >= 3 and cfg.shared <= SM_SHARED else None
 
 
@@ -115,7 +105,7 @@ _NARROW_MAX_STEPS = 16
 
 
 def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = False,
-                  between: bool = False, blocks: bool = False) -> list[WsConfig]:
+                  between: bool = False) -> list[WsConfig]:
     """Every tile the kernel can run for this problem, the rule's space: one CTA a tile (``sparse24_ws.cu``) and,
     with ``pingpong``, the persistent ping-pong tiles (``cfg.pp``).  With ``split``, the persistent variant with
     split tails (``cfg.sk``) too, which ``bench/sparse24_wg_tiles.py --kernel ws`` also measures; it is not the
@@ -128,10 +118,7 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
 
     Tiles of 192 rows of W (``wm = 3``: three consumer warpgroups, or a ping-pong warpgroup's three 64-row blocks)
     fill the SMs where 64 and 128 rows do not (docs/design/0016).  They do not split K across a cluster: at n = 128
-    that lost to the 128-row tiles by up to 16% (sparse24-ws-wide-h100.json).
-
-    With ``blocks``, tiles of two 64-row blocks of W a consumer warpgroup too (``cfg.wb = 2``: 128 or 256 rows of W
-    a CTA), measured beside the rule's space (docs/design/0024)."""
+    that lost to the 128-row tiles by up to 16% (sparse24-ws-wide-h100.json)."""
     out = []
     fitted = -(-(-(-n // -(-n // 256))) // 16) * 16  # n in the fewest N tiles of at most 256, rounded to 16
     more = {b for b in _BETWEEN if b < n} if between else set()
@@ -145,12 +132,9 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
                         continue
                     if cm * kc > 8 or cm > 1 and -(-m // (64 * wm)) < cm:  # 8 CTAs a cluster; an M group of tiles
                         continue
-                    for wb in (1, 2) if blocks and wm < 3 and bn in halvings and 2 * bn <= 256 else (1,):
-                        if wb > 1 and cm > 1 and -(-m // (64 * wm * wb)) < cm:
-                            continue
-                        cfg = _deepest(bn, wm, cm, kc, wb=wb)
-                        if cfg is not None:
-                            out.append(cfg)
+                    cfg = _deepest(bn, wm, cm, kc)
+                    if cfg is not None:
+                        out.append(cfg)
             persistent = (_deepest(bn, wm, 1, 1, sk=True) if split and wm < 3 else None,
                           _deepest(bn, wm, 1, 1, pp=True) if pingpong and bn % 16 == 0 and bn * wm <= 256 else None)
             out += [c for c in persistent if c is not None]
@@ -236,14 +220,14 @@ def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = 
     """The rule's estimate of a tile's time, relative: lower is faster (not for the split persistent variant)."""
     n_tiles, m_tiles = -(-n // cfg.bn), -(-(-(-m // cfg.rows)) // cfg.cm) * cfg.cm
     ctas = n_tiles * m_tiles * cfg.kc
-    step_bytes = cfg.bn * 128 / cfg.cm + cfg.blocks * 4608
+    step_bytes = cfg.bn * 128 / cfg.cm + cfg.wm * 4608
     usable = int(sms * _BIG_CLUSTER_SMS) if cfg.cm * cfg.kc >= 4 else sms
     waves = -(-ctas // usable)  # ping-pong: tiles a CTA, one after another
-    step = w.step + max(cfg.bn * cfg.blocks * w.mma, step_bytes * w.copy) + (w.l2 * step_bytes if waves > 1 else 0)
+    step = w.step + max(cfg.bn * cfg.wm * w.mma, step_bytes * w.copy) + (w.l2 * step_bytes if waves > 1 else 0)
     if cfg.pp:
         return waves * (k // 64 * step + w.pp_tile) + w.cta - w.pp_tile
     clustered = w.cluster if cfg.cm * cfg.kc > 1 else 0.0
-    return waves * ((k // 64 // cfg.kc) * step + w.cta + clustered + w.split * (cfg.kc - 1) * cfg.bn * cfg.blocks)
+    return waves * ((k // 64 // cfg.kc) * step + w.cta + clustered + w.split * (cfg.kc - 1) * cfg.bn * cfg.wm)
 
 
 # Ties between tiles that differ only in x's multicast (cm): where a step brings at least this many rows of x (16 KiB,
@@ -272,7 +256,7 @@ def ws_config(n: int, m: int, k: int, sms: int) -> WsConfig:
 def source(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None) -> str:
     """The CUDA C++ of one kernel variant (``kp_sparse24_ws``; ``kp_sparse24_sk`` where ``cfg.sk``,
     ``kp_sparse24_pp`` where ``cfg.pp``), compiled by NVRTC for sm_90a."""
-    clusters = {} if cfg.sk or cfg.pp else {"CM": cfg.cm, "KC": cfg.kc, "WB": cfg.wb}
+    clusters = {} if cfg.sk or cfg.pp else {"CM": cfg.cm, "KC": cfg.kc}
     head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, **clusters, STAGES=cfg.stages,
                    CONSUMER_REGS=_CONSUMER_REGS[2 if cfg.pp else cfg.wm])
     return head + COMMON_SOURCE + cuda_source(_SOURCE[_kind(cfg)])
@@ -385,7 +369,7 @@ def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None,
     sizes = _param_sizes(cu, fn)
     if sizes != want:
         raise KernelPlanError(f"{name}: compiled parameter sizes {sizes} are not the launcher's {want}")
-    maps = TensorMaps(cfg.bn // cfg.cm, cfg.rows // 16, dtype)
+    maps = TensorMaps(cfg.bn // cfg.cm, 4 * cfg.wm, dtype)
     kind = {"ws": MapLaunch, "sk": StreamKLaunch, "pp": PingPongLaunch}[_kind(cfg)]
     return kind(fn, f"{name} {cfg} {dtype}", cfg, maps, device_index)
 

@@ -1,7 +1,7 @@
 // What the warp-specialized wgmma.sp kernels (sparse24_ws.cu, sparse24_sk.cu) share: the sizes of a CTA and of
 // its ring of shared-memory stages, and the consumers' K loop over the ring.
 //
-// Needs wgmma_sp.cuh, hopper.cuh and the variant's #defines BN, NI, WM, CM, STAGES (and WB, else 1).  The ring's stage b is
+// Needs wgmma_sp.cuh, hopper.cuh and the variant's #defines BN, NI, WM, CM, STAGES.  The ring's stage b is
 // x's BN x 64 box (128-byte swizzle) then the CTA's tiles' values and metadata for one 64-column step; its
 // "full" mbarrier is at full0 + 8 b and its "empty" one at empty0 + 8 b.
 //
@@ -12,13 +12,10 @@
 // kTiles * 256 bytes apart.
 #pragma once
 
-#ifndef WB
-#define WB 1                                       // 64-row blocks of W a consumer warpgroup (sparse24_ws.cu)
-#endif
 constexpr int kConsumers = 128 * WM;
 constexpr int kThreads = kConsumers + 128;
-constexpr int kBM = 64 * WM * WB;                  // rows of W a CTA
-constexpr int kTiles = 4 * WM * WB;                // 16-row tiles of W a CTA
+constexpr int kBM = 64 * WM;                       // rows of W a CTA
+constexpr int kTiles = 4 * WM;                     // 16-row tiles of W a CTA
 constexpr int kXBytes = BN * 128;                  // one step of x: BN rows of 64 columns
 constexpr int kWValues = kTiles * 1024;            // one step of W's values for the CTA's tiles
 constexpr int kWBytes = kTiles * 1152;             // ... and their metadata

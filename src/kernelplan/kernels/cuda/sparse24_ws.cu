@@ -18,14 +18,14 @@
 // synchronizes the whole CTA inside the K loop (sparse24_wg.cu's __syncthreads per stage did).
 //
 // A CTA is one producer warpgroup (one thread issues the copies; setmaxnreg gives its registers to the
-// consumers) and WM consumer warpgroups of WB 64-row blocks of W each.  A cluster is CM x KC CTAs (grid y, z):
+// consumers) and WM consumer warpgroups of 64 rows of W each.  A cluster is CM x KC CTAs (grid y, z):
 //  * CM CTAs along M share x's tile: each loads BN / CM of its rows and multicasts them to all CM, which
 //    divides x's traffic from L2 by CM, and each CTA's consumers release a stage in all CM CTAs;
 //  * KC CTAs along K split it; their partial sums meet through distributed shared memory, each CTA
 //    writing BN / KC rows of y.
 //
 // Compile-time sizes come from the variant's #defines: BN (rows of x a CTA), NI (wgmma N per
-// instruction), WM, WB, CM, KC, STAGES, CONSUMER_REGS (0: no setmaxnreg), IS_BF16, HAS_BIAS, ACT, DT.
+// instruction), WM, CM, KC, STAGES, CONSUMER_REGS (0: no setmaxnreg), IS_BF16, HAS_BIAS, ACT, DT.
 
 #include "wgmma_sp.cuh"
 #include "hopper.cuh"
@@ -99,21 +99,19 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         regs_up<CONSUMER_REGS>();
 #endif
         const int wm = warp / 4 - 1, wq = warp & 3;
-        const int tl = wm * WB * 4 + wq;                        // this warp's tile of the warpgroup's first block
-        float acc[WB][kInst][kAcc];  // WB 64-row blocks of W a warpgroup, blocks wm * WB ... wm * WB + WB - 1
+        const int tl = wm * 4 + wq;                             // this warp's tile within the CTA
+        float blocks[1][kInst][kAcc];  // one 64-row block of W a warpgroup
+        float (&acc)[kInst][kAcc] = blocks[0];
 #pragma unroll
-        for (int j = 0; j < WB; ++j)
+        for (int i = 0; i < kInst; ++i)
 #pragma unroll
-            for (int i = 0; i < kInst; ++i)
-#pragma unroll
-                for (int r = 0; r < kAcc; ++r) acc[j][i][r] = 0.f;
-        consume_steps<false, WB>(acc, sbase, full0, empty0, 0, steps, tl, lane, wq, cz);
+            for (int r = 0; r < kAcc; ++r) acc[i][r] = 0.f;
+        consume_steps<false>(blocks, sbase, full0, empty0, 0, steps, tl, lane, wq, cz);
 
         // Every consumer is past its last MMA before the ring is reused for the partial sums.
         named_sync(1, kConsumers);
         float *red = (float *)(smem_raw + (sbase - sraw));  // [BN][kRedStride]
-#pragma unroll
-        for (int j = 0; j < WB; ++j) store_acc<NI>(red, acc[j], (wm * WB + j) * 64 + wq * 16, kRedStride, lane);
+        store_acc<NI>(red, acc, wm * 64 + wq * 16, kRedStride, lane);
     }
 
 #if CM * KC > 1
