@@ -300,3 +300,41 @@ def test_training_a_packed_sparse24_linear_on_each_device(dtype, seed):
         assert not (after[~mask] != 0).any() and not torch.equal(after, w)
 
     _on_each_device(run)
+
+
+@pytest.mark.parametrize("n", [1, 64])
+def test_grouped_sibling_layers_on_each_device(n, seed):
+    """q/k/v grouped by ``fuse_siblings`` (their weights laid out on their own device, one GEMM there) with the
+    other device current, against each layer's fp64 reference; then moved to the other device and laid out again."""
+    from kernelplan.nn import fuse_siblings
+
+    class QKV(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (torch.nn.Linear(512, m) for m in (512, 128, 128))
+
+        def forward(self, x):
+            return self.q(x), self.k(x), self.v(x)
+
+    def run(dev):
+        model = QKV().to(dev, torch.bfloat16)
+        kp.sparsify(model, progress=False, fuse=False)
+        (siblings,) = fuse_siblings(model)
+        x = torch.randn(n, 512, device=dev, dtype=torch.bfloat16)
+        with torch.no_grad():
+            for _ in range(3):
+                got = model(x)
+        assert siblings.stats["fused"] == 2 and siblings.groups[0].fused[0].device == dev
+        for name, y in zip("qkv", got):
+            layer = model.get_submodule(name)
+            ref = F.linear(x.double(), layer.to_dense().double(), layer.bias.double())
+            assert_close(y, ref, F.linear(x, layer.to_dense(), layer.bias), atol=FWD_ATOL[torch.bfloat16], what=name)
+        other = torch.device("cuda", 1 - dev.index)
+        model.to(other)
+        with torch.no_grad():
+            moved = model(x.to(other))
+        assert siblings.stats["fused"] == 3 and siblings.groups[0].fused[0].device == other
+        for a, b in zip(got, moved):
+            torch.testing.assert_close(a, b.to(dev), rtol=0, atol=0)
+
+    _on_each_device(run)
