@@ -122,6 +122,24 @@ def test_a_grouped_model_saves_with_safetensors_and_loads_back(tmp_path):
         torch.testing.assert_close(twin(x), alone(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("bad", ["k", "dtype", "scalar"])
+def test_a_grouped_layer_refuses_a_bad_input_as_it_would_alone(bad):
+    from kernelplan.errors import InvalidProblem
+
+    model, alone, siblings = _pair()
+    with torch.no_grad():
+        model(torch.randn(2, 128))
+        model(torch.randn(2, 128))
+        x = {"k": torch.randn(2, 96), "dtype": torch.randn(2, 128, dtype=torch.float64), "scalar": torch.tensor(1.0)}[bad]
+        for layer in (model.k, alone.k):  # k, not the group's first: the message names k's weight [48, 128]
+            with pytest.raises((InvalidProblem, RuntimeError)) as got:
+                layer(x)
+            message = str(got.value)
+            assert {"k": "[48, 128]", "dtype": "float64", "scalar": "shape ()"}[bad] in message, message
+        torch.testing.assert_close(model(torch.ones(2, 128)), alone(torch.ones(2, 128)), rtol=0, atol=0)
+    assert not any(g.broken for g in siblings.groups)
+
+
 def test_cross_attention_groups_only_the_layers_that_share_their_input():
     model, alone, siblings = _pair()
     x, memory = torch.randn(4, 128), torch.randn(4, 128)

@@ -193,7 +193,9 @@ class _Group:
             if served != self._all:  # a member did not take its columns: they no longer read one input
                 self.broken = True
         mod = self.members[pos]
-        if self.broken or x.numel() > GROUP_MAX_ROWS * x.shape[-1] or not plain_eager(x, *map(_read, self.slots[pos])):
+        # An x the layer refuses runs alone, so that the error names the layer's own weight, not the group's.
+        if self.broken or x.dim() == 0 or x.shape[-1] != mod.in_features or x.numel() > GROUP_MAX_ROWS * x.shape[-1] \
+                or not plain_eager(x, *map(_read, self.slots[pos])):
             stats["alone"] += 1
             return mod.forward_alone(x)
         capturing = x.is_cuda and stream_capturing()
