@@ -140,6 +140,23 @@ def test_a_grouped_layer_refuses_a_bad_input_as_it_would_alone(bad):
     assert not any(g.broken for g in siblings.groups)
 
 
+def test_layers_called_one_by_one_do_not_settle_the_watch_and_warmup_leaves_it_alone():
+    model, alone, siblings = _pair()
+    x = torch.randn(2, 128)
+    with torch.no_grad():
+        for name in ("q", "k", "v", "o", "q"):  # each on its own input: a pass that shows nothing
+            model.get_submodule(name)(torch.randn(2, 128))
+        kp.warmup(model, batch_sizes=(1, 4), progress=False)
+        assert siblings.groups is None
+        model(x)
+        rows = kp.warmup(model, batch_sizes=(1, 4), progress=False)  # settled: the group's shape is warmed too
+        torch.testing.assert_close(model(x), alone(x), rtol=0, atol=0)
+    assert [[siblings.names[i] for i in g.index] for g in siblings.groups] == [["q", "k", "v"]]
+    assert {(r["m"], r["k"], r["n"]) for r in rows} == {(128, 128, 1), (128, 128, 4), (48, 128, 1), (48, 128, 4),
+                                                         (224, 128, 1), (224, 128, 4)}
+    assert siblings.stats["fused"] == 1 and siblings.groups[0].warmed
+
+
 def test_cross_attention_groups_only_the_layers_that_share_their_input():
     model, alone, siblings = _pair()
     x, memory = torch.randn(4, 128), torch.randn(4, 128)
@@ -325,6 +342,25 @@ def test_on_the_gpu_laying_a_group_out_frees_the_members_old_storage():
     group = sum(model.get_submodule(n).values.nbytes for n in "qkv")  # 7 MB: a leak would be all of it
     assert torch.cuda.memory_allocated() - before < group / 8
     assert weight_bytes(model) == held
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_warmup_after_the_first_pass_builds_the_groups_kernels(monkeypatch, tmp_path):
+    from kernelplan.kernels import nvrtc
+
+    monkeypatch.setenv("KERNELPLAN_CACHE_DIR", str(tmp_path))  # a cold disk cache
+    torch.manual_seed(0)
+    model = Attention(d=512, kv=128).to("cuda", torch.bfloat16)
+    kp.sparsify(model, progress=False)
+    siblings = siblings_of(model.q)
+    with torch.inference_mode():
+        model(torch.randn(1, 512, device="cuda", dtype=torch.bfloat16))  # the first pass settles the group
+        rows = kp.warmup(model, batch_sizes=(1, 64, 200), progress=False)
+        assert (768, 512, 200) in {(r["m"], r["k"], r["n"]) for r in rows}
+        compiles = nvrtc.COMPILES[0]
+        for n in (1, 64, 200):
+            model(torch.randn(n, 512, device="cuda", dtype=torch.bfloat16))
+    assert nvrtc.COMPILES[0] == compiles and siblings.stats["fused"] == 3
 
 
 @pytest.mark.gpu

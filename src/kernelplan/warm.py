@@ -10,6 +10,9 @@ For every ``Sparse24Linear`` of the model and every batch size asked for:
    filled, so that a later call of the same shape compiles, tunes and builds nothing.
    (Under ``memory="fast"`` that first call is where the bucket is tuned.)
 
+The same for each sibling group (``kp.nn.fuse_siblings``) that has settled, that is after the model's first
+pass: one GEMM of all its layers' rows.  A group that has not settled yet builds its kernel on its first call.
+
 Returns one row per (layer shape, n): the kernel, its configuration, and the
 speedup over dense the sweeps measured on this kind of GPU (``sparse24/expected.py``).
 """
@@ -58,9 +61,33 @@ def _expected(layer: Sparse24Linear, n: int):
                     layer.in_features, n)
 
 
+def _groups(layers: list[Sparse24Linear]) -> list:
+    """The sibling groups of these layers (``kp.nn.fuse_siblings``) settled so far, each once."""
+    from .nn.siblings import siblings_of
+
+    out = {}
+    for layer in layers:
+        siblings = siblings_of(layer)
+        for g in (siblings.groups or ()) if siblings is not None else ():
+            out.setdefault(id(g), g)
+    return list(out.values())
+
+
+class _GroupShape:
+    """A sibling group as ``_variant`` and ``_expected`` read a layer: one GEMM of all its members' rows."""
+
+    def __init__(self, group):
+        first = group.members[0]
+        self.values, self.in_features, self.memory = first.values, first.in_features, first.memory
+        self.out_features = sum(group.rows)
+        self.bias = first.bias
+
+
 def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bool = True,
            threads: int = 8) -> list[dict]:
-    """Compile every kernel and settle every dispatch choice of ``model``'s 2:4 layers at ``batch_sizes``."""
+    """Compile every kernel and settle every dispatch choice of ``model``'s 2:4 layers at ``batch_sizes``, and of
+    their sibling groups settled so far (a group settles on the model's first pass: warm up after it to warm the
+    groups' GEMMs too)."""
     from tqdm.auto import tqdm
 
     if not isinstance(model, torch.nn.Module):
@@ -69,8 +96,9 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
     if not sizes or sizes[0] < 1:
         raise InvalidProblem(f"batch_sizes is {tuple(batch_sizes)}; give positive numbers of rows, such as (1, 16, 128)")
     layers = [m for m in model.modules() if isinstance(m, Sparse24Linear)]
+    groups = _groups(layers)
     rows, compiles = {}, {}
-    for layer in layers:
+    for layer in layers + [_GroupShape(g) for g in groups]:
         for n in sizes:
             key = (layer.out_features, layer.in_features, str(layer.values.dtype), layer.bias is not None, n)
             if key in rows:
@@ -91,7 +119,13 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
         for layer in tqdm(layers, desc="warm up", disable=not progress or len(layers) < 2):
             p = layer.values
             for n in sizes:
-                layer(torch.zeros(n, layer.in_features, dtype=p.dtype, device=p.device))
+                # Alone: a call through the module would show its sibling group a pass where no two layers read
+                # one input (nn/siblings.py).
+                layer.forward_alone(torch.zeros(n, layer.in_features, dtype=p.dtype, device=p.device))
+        for g in groups:
+            p = g.members[0].values
+            for n in sizes:
+                g.warm(torch.zeros(n, g.members[0].in_features, dtype=p.dtype, device=p.device))
     for row in rows.values():
         row["compile_s"] = compiled_s  # the compile phase, all kernels together
     return list(rows.values())

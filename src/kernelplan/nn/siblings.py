@@ -3,9 +3,13 @@
 ``fuse_siblings(model)`` gives each module's candidate children one ``Siblings``: the 2:4 linears (``SPECS``)
 that could share a GEMM, with the same in_features, dtype, device, layout, memory policy and bias or none.
 Which of them do read one input is watched, not guessed from names: on the first pass each runs alone and
-the input each reads is noted, by identity and version (as ``sparsify`` groups layers for calibration).
-Candidates that read the same tensor one after another become a group; a candidate that reads its own input
-(an attention's o_proj beside q/k/v) stays alone.
+the input each reads is noted, by identity and version (as ``sparsify`` groups layers for calibration).  A pass
+ends when every candidate has been called or one is called again.  Candidates that read the same tensor one after
+another become a group; a candidate that reads its own input (an attention's o_proj beside q/k/v) stays alone.  A
+pass where no two candidates read one tensor (each called on its own) settles nothing, and the watch goes on; so
+does one where layers were called on their own before the model's first pass began (``kp.warmup`` calls each
+layer alone, outside the watch).  A pass that began with a stray call of a middle layer can group fewer layers
+than the model's passes share (k and v without q): every result is still the layer's own.
 
 A group lays its members' weights end to end in one buffer, and each member's tensors become views of its
 rows: one copy, as before.  The first member called runs the GEMM of all of them; each other member takes
@@ -111,7 +115,9 @@ class Siblings:
             return y
         if i in self._leader:  # a member's second call: the pass is over
             self._settle()
-            return y
+            if self.groups is not None:
+                return y
+            # Still watching (the pass showed no two layers reading one tensor): this call opens the next pass.
         last = self._last
         same = last is not None and last[0]() is x and (x.is_inference() or last[1] == x._version)
         self._leader[i] = self._leader[last[2]] if same else i
@@ -124,12 +130,16 @@ class Siblings:
         classes: dict[int, list[int]] = {}
         for i, lead in self._leader.items():  # in call order
             classes.setdefault(lead, []).append(i)
+        self._leader, self._last = {}, None
+        if all(len(index) == 1 for index in classes.values()):
+            # A pass where no two read one tensor (each layer called on its own, as a warm-up does) says nothing
+            # of the model's passes: watch the next.
+            return
         self.groups = [_Group(self, index) for index in classes.values() if len(index) > 1]
         grouped = {i: (g, pos) for g in self.groups for pos, i in enumerate(g.index)}
         for i, mod in enumerate(self.members):
             g, pos = grouped.get(i, (None, None))
             mod.__dict__["_siblings"] = functools.partial(g.forward, pos) if g else functools.partial(self._alone, i)
-        self._leader, self._last = {}, None
 
     def _alone(self, i: int, x: torch.Tensor) -> torch.Tensor:
         self.stats["alone"] += 1
@@ -160,7 +170,7 @@ class _Group:
         self.rows = [m.out_features for m in self.members]
         self.offsets = [sum(self.rows[:p]) for p in range(len(self.rows))]
         self.broken = False
-        self.warm = False  # the group's GEMM has run outside a capture since its buffers were laid out
+        self.warmed = False  # the group's GEMM has run outside a capture since its buffers were laid out
         self.fused: list | None = None  # per part and the bias: its buffer, or None (no bias)
         self.addresses: list | None = None  # each member tensor's data pointer in the buffers, as laid out
         self.pending: tuple | None = None  # (weakref to x, x's version, y, members served (bits), their versions)
@@ -199,21 +209,34 @@ class _Group:
             stats["alone"] += 1
             return mod.forward_alone(x)
         capturing = x.is_cuda and stream_capturing()
-        if [None if t is None else t.data_ptr() for t in map(_read, self.flat)] != self.addresses:  # off the buffers, or never on
+        if self._off_buffers():
             if capturing:
                 stats["alone"] += 1
                 return mod.forward_alone(x)
             self._lay_out()
         # In a capture only once the group's GEMM has run eagerly: its first call builds what a capture may not
         # (the kernel for its shape; sparse24.gemm's _ready_for_graphs).
-        if capturing and not self.warm:
+        if capturing and not self.warmed:
             stats["alone"] += 1
             return mod.forward_alone(x)
         y = self.spec.call(self.members[0], x, *self.fused)
-        self.warm = self.warm or not capturing
+        self.warmed = self.warmed or not capturing
         stats["fused"] += 1
         self.pending = (weakref.ref(x), _version(x), y, 1 << pos, [self._versions(slots) for slots in self.slots])
         return y.narrow(-1, self.offsets[pos], self.rows[pos])
+
+    def _off_buffers(self) -> bool:
+        """Whether a member's tensors are not where ``_lay_out`` put them (or were never laid out)."""
+        return [None if t is None else t.data_ptr() for t in map(_read, self.flat)] != self.addresses
+
+    def warm(self, x: torch.Tensor) -> None:
+        """The group's GEMM once on ``x``, its buffers laid out first if they must be (``kp.warmup``)."""
+        if self.broken or x.is_cuda and stream_capturing():
+            return
+        if self._off_buffers():
+            self._lay_out()
+        self.spec.call(self.members[0], x, *self.fused)
+        self.warmed = True
 
     def _lay_out(self) -> None:
         """One buffer per part (and the bias), the members' rows end to end; each member's tensors become views
@@ -236,5 +259,5 @@ class _Group:
                     else:
                         mod._buffers[name] = view
                 fused.append(buffer)
-        self.fused, self.pending, self.warm = fused, None, False
+        self.fused, self.pending, self.warmed = fused, None, False
         self.addresses = [None if t is None else t.data_ptr() for t in map(_read, self.flat)]
