@@ -17,8 +17,10 @@ its columns of that output while its input is the same tensor, unchanged, and no
 Where that does not hold, or x has more than ``GROUP_MAX_ROWS`` rows, the call runs alone, on the member's own
 view:
 * under autograd (each member's gradient is its own);
-* inside a CUDA graph capture while the buffer must be rebuilt: ``.to()``, ``load_state_dict(assign=True)``
-  or a deep copy left the members off it, and the next call outside a capture lays them out again;
+* for an x the member refuses, so that the error names its own weight;
+* inside a CUDA graph capture until the group's GEMM has run once outside one, and while the buffer must be
+  rebuilt: ``.to()``, ``load_state_dict(assign=True)`` or a deep copy left the members off it, and the next call
+  outside a capture lays them out again;
 * for good, once a group's members stop reading one input (a cross-attention's k/v): ``broken``.
 
 ``Siblings.stats`` counts the calls of each kind, so what ran is never a guess.  Under torch.compile each member
