@@ -24,7 +24,8 @@ view:
 * for good, once a group's members stop reading one input (a cross-attention's k/v): ``broken``.
 
 ``Siblings.stats`` counts the calls of each kind, so what ran is never a guess.  Under torch.compile each member
-is its own op, as without a group (``Sparse24Linear.forward``), and is not counted.
+is its own op, as without a group, and is not counted.  A member's calls reach its group through an instance
+``forward`` (``_route``); its own GEMM is ``forward_alone``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .._checks import plain_eager
+from .._checks import _is_compiling, plain_eager
 from ..kernels import stream_capturing
 
 
@@ -79,6 +80,13 @@ def fuse_siblings(model: nn.Module) -> list["Siblings"]:
     return out
 
 
+def _route(mod: nn.Module, call) -> None:
+    """Calls of ``mod`` go to ``call``: its instance's ``forward``, which Module.__call__ finds before the class's, so
+    a layer in no group pays nothing for grouping.  Kept in the instance's __dict__, not as a submodule: no
+    state_dict entries, no second visit by modules(); ``_siblings`` names it for ``siblings_of``."""
+    mod.__dict__["forward"] = mod.__dict__["_siblings"] = call
+
+
 def siblings_of(mod: nn.Module) -> "Siblings | None":
     """The ``Siblings`` a module is a candidate of, or None."""
     call = mod.__dict__.get("_siblings")
@@ -98,9 +106,7 @@ class Siblings:
         self._leader: dict[int, int] = {}  # watching: member -> the first member that read its input, this pass
         self._last: tuple | None = None  # watching: (weakref to the last input, its version, its reader)
         for i, mod in enumerate(members):
-            # What the member's forward calls: not a submodule (no state_dict entries, no second visit by
-            # modules()); once the groups are settled, the member's group itself, one call less a forward.
-            mod.__dict__["_siblings"] = functools.partial(self._watch, i)
+            _route(mod, functools.partial(self._watch, i))
 
     def __repr__(self) -> str:
         groups = "watching" if self.groups is None else [[self.names[i] for i in g.index] for g in self.groups]
@@ -111,6 +117,8 @@ class Siblings:
         return {**self.__dict__, "_leader": {}, "_last": None}
 
     def _watch(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if _is_compiling():
+            return self.members[i].forward_alone(x)
         self.stats["alone"] += 1
         y = self.members[i].forward_alone(x)
         if type(x) is not torch.Tensor:  # a tensor subclass (FakeTensor, DTensor) is no input to watch
@@ -141,10 +149,11 @@ class Siblings:
         grouped = {i: (g, pos) for g in self.groups for pos, i in enumerate(g.index)}
         for i, mod in enumerate(self.members):
             g, pos = grouped.get(i, (None, None))
-            mod.__dict__["_siblings"] = functools.partial(g.forward, pos) if g else functools.partial(self._alone, i)
+            _route(mod, functools.partial(g.forward, pos) if g else functools.partial(self._alone, i))
 
     def _alone(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        self.stats["alone"] += 1
+        if not _is_compiling():
+            self.stats["alone"] += 1
         return self.members[i].forward_alone(x)
 
 
@@ -190,6 +199,8 @@ class _Group:
         return [t._version for t in map(_read, slots) if t is not None]
 
     def forward(self, pos: int, x: torch.Tensor) -> torch.Tensor:
+        if _is_compiling():  # traced, each layer is its own op
+            return self.members[pos].forward_alone(x)
         stats = self.owner.stats
         pending = self.pending
         if pending is not None:

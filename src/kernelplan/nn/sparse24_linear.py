@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import _is_compiling, choice
+from .._checks import choice
 from ..errors import InvalidProblem
 from ..sparse24.dispatch import MEMORY_POLICIES
 from ..sparse24 import Sparse24Weight
@@ -80,13 +80,8 @@ class Sparse24Linear(nn.Module):
         return self.weight24.decompress()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        siblings = self.__dict__.get("_siblings")  # nn/siblings.py: one GEMM with the layers that read this x
-        if siblings is not None and not _is_compiling():  # traced, each layer is its own op
-            return siblings(x)
-        return self.forward_alone(x)
-
-    def forward_alone(self, x: torch.Tensor) -> torch.Tensor:
-        """This layer's GEMM alone, whatever group it is in."""
+        # A layer in a sibling group (nn/siblings.py) has its calls routed to the group by an instance forward;
+        # this is the layer's own GEMM, ``forward_alone`` to the group.
         # Read from the module's own dictionaries: ``self.values`` and ``self.metadata`` go through
         # Module.__getattr__, a Python call each (about 4 us of the module's 28 us a call on an H100's host, where
         # the functional call on the same weight took 24: bench/sparse24_host.py).  A parametrization or a
@@ -96,6 +91,8 @@ class Sparse24Linear(nn.Module):
         bias = params["bias"] if "bias" in params else self.bias
         metadata = buffers["metadata"] if "metadata" in buffers else self.metadata
         return linear_parts(x, values, metadata, bias, None, self.memory)
+
+    forward_alone = forward  # the class's, past an instance forward that routes to a group
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
