@@ -59,6 +59,28 @@ def main() -> int:
                 out = io.StringIO()
                 pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
                 print(name, batch, "\n".join(out.getvalue().splitlines()[4:26]))
+        # A 512-token prefill, where every grouped layer runs alone (past GROUP_MAX_ROWS): wall per forward, and the
+        # functions whose own time differs most between the two models.
+        ids = torch.randint(0, cfg.vocab_size, (1, 512), device="cuda")
+        runs = {n: (lambda m=m: m(ids)) for n, m in models.items()}
+        for fn in runs.values():
+            for _ in range(3):
+                fn()
+        print("prefill 512", {k: round(v, 3) for k, v in interleaved(
+            {n: lambda fn=fn: host_ms(fn) for n, fn in runs.items()}, 25).items()}, "ms wall per forward")
+        own = {}
+        for name, fn in runs.items():
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            prof.disable()
+            own[name] = {f"{k[0].rsplit('/', 1)[-1]}:{k[2]}": v[2] / 20 * 1e3 for k, v in pstats.Stats(prof).stats.items()}
+        keys = set(own["grouped"]) | set(own["ungrouped"])
+        diff = sorted(((own["grouped"].get(k, 0) - own["ungrouped"].get(k, 0), k) for k in keys), reverse=True)
+        print("prefill own ms per forward, grouped - ungrouped, most:", [(k, round(d, 3)) for d, k in diff[:10]])
+        print("least:", [(k, round(d, 3)) for d, k in diff[-5:]])
     return 0
 
 
