@@ -11,7 +11,6 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 
 import torch
 import transformers
@@ -19,17 +18,12 @@ import transformers
 import kernelplan as kp
 from kernelplan.bench.decode import DecodeStep
 from kernelplan.nn import fuse_siblings
-from kernelplan.timing import interleaved
+from kernelplan.timing import host_us_per_call, interleaved
 
 
 def host_ms(step, calls: int = 5) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        step()
-    t = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return t / calls * 1e3
+    """ms of host work per call: the clock stops when the last call returns."""
+    return host_us_per_call(step, torch.device("cuda"), calls, wait=False) / 1e3
 
 
 def main() -> int:

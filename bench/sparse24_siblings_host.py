@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-import time
 
 import torch
 from torch import nn
@@ -23,7 +22,7 @@ import kernelplan as kp
 from kernelplan.bench import results
 from kernelplan.bench.decode import Graphed
 from kernelplan.nn import fuse_siblings
-from kernelplan.timing import interleaved
+from kernelplan.timing import host_us_per_call, interleaved
 
 
 class QKV(nn.Module):
@@ -35,16 +34,6 @@ class QKV(nn.Module):
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
 
-def host_us(model, x, calls: int) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        model(x)
-    t = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return t / calls * 1e6
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=200)
@@ -52,7 +41,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.manual_seed(0)
-    rows = []
+    rows, cuda = [], torch.device("cuda")
     for hidden, kv in ((3584, 512), (4096, 1024), (1024, 1024)):
         alone = QKV(hidden, kv).to("cuda", torch.bfloat16)
         kp.sparsify(alone, progress=False, fuse=False)
@@ -67,7 +56,8 @@ def main() -> int:
                         m(x)
                 got, want = grouped(x), alone(x)
                 err = max(float((g.float() - w.float()).abs().max() / w.float().abs().max()) for g, w in zip(got, want))
-                host = interleaved({k: lambda m=m: host_us(m, x, a.calls) for k, m in models.items()}, a.rounds)
+                host = interleaved({k: lambda m=m: host_us_per_call(lambda: m(x), cuda, a.calls, wait=False)
+                                    for k, m in models.items()}, a.rounds)
                 graphs = {k: Graphed(lambda m=m: torch.cat(m(x), -1)) for k, m in models.items()}
                 device = interleaved({k: lambda g=g: g.replay_seconds(50) * 1e6 for k, g in graphs.items()}, a.rounds)
                 rows.append({"hidden": hidden, "kv": kv, "n": n, "rel_err": err, "host_us": host, "graph_us": device,

@@ -76,12 +76,6 @@ def sweep_rows(name: str) -> list[str]:
             f"| the same, eager (host work included{_calls(doc)}) | " + " | ".join(eager) + f" | {_source(doc, name)} |"]
 
 
-def _median(values: list[float]) -> float:
-    import statistics
-
-    return statistics.median(values)
-
-
 def _ungrouped(row: dict) -> str:
     """What grouping q/k/v and gate/up (kp.nn.fuse_siblings) gave, where the bench timed the model without it."""
     if "graph_speedup_unfused" not in row:
@@ -105,8 +99,8 @@ def sparse24_notes() -> list[str]:
         sweep = _load(name)
         if sweep:
             rows = sweep["rows"]
-            spans = "; ".join(f"n = {n} {_median([r['sparse_grouping_gain'] for r in rows if r['n'] == n]):.2f}x "
-                              f"(2:4 over dense, both grouped, {_median([r['grouped_speedup'] for r in rows if r['n'] == n]):.2f}x)" for n in sorted({r["n"] for r in rows}))
+            spans = "; ".join(f"n = {n} {statistics.median([r['sparse_grouping_gain'] for r in rows if r['n'] == n]):.2f}x "
+                              f"(2:4 over dense, both grouped, {statistics.median([r['grouped_speedup'] for r in rows if r['n'] == n]):.2f}x)" for n in sorted({r["n"] for r in rows}))
             lines.append(f"- 2:4, sibling layers as one GEMM (`kp.nn.fuse_siblings`) over the sweep set's "
                          f"{len({(r['k'], tuple(r['parts'])) for r in rows})} q/k/v and gate/up groups, CUDA graph, "
                          f"separate GEMMs' time over one GEMM's, median: {spans}, {_source(sweep['meta'], name)}.")

@@ -128,10 +128,10 @@ class Siblings:
             if self.groups is not None:
                 return y
             # Still watching (the pass showed no two layers reading one tensor): this call opens the next pass.
-        last = self._last
-        same = last is not None and last[0]() is x and (x.is_inference() or last[1] == x._version)
+        last, version = self._last, _version(x)
+        same = last is not None and last[0]() is x and last[1] == version
         self._leader[i] = self._leader[last[2]] if same else i
-        self._last = (weakref.ref(x), None if x.is_inference() else x._version, i)
+        self._last = (weakref.ref(x), version, i)
         if len(self._leader) == len(self.members):
             self._settle()
         return y
@@ -172,11 +172,11 @@ class _Group:
     def __init__(self, owner: Siblings, index: list[int]):
         self.owner, self.index = owner, index
         self.members = [owner.members[i] for i in index]
-        self.names = (*SPECS[type(self.members[0])].parts, "bias")
+        self.parts = (*SPECS[type(self.members[0])].parts, "bias")
         # Where each member tensor is read from: the module's own dictionaries (Module.__getattr__ was 3 of every
         # 4 us of a group's host work, cProfile on the CPU), or the module for a bias of None (a plain attribute).
         self.slots = [[(mod._parameters, n) if n in mod._parameters else (mod._buffers, n) if n in mod._buffers
-                       else (mod, n) for n in self.names] for mod in self.members]
+                       else (mod, n) for n in self.parts] for mod in self.members]
         self.flat = [slot for member in self.slots for slot in member]
         self.rows = [m.out_features for m in self.members]
         self.offsets = [sum(self.rows[:p]) for p in range(len(self.rows))]
@@ -238,9 +238,12 @@ class _Group:
         self.pending = (weakref.ref(x), _version(x), y, 1 << pos, [self._versions(slots) for slots in self.slots])
         return y.narrow(-1, self.offsets[pos], self.rows[pos])
 
+    def _addresses(self) -> list:
+        return [None if t is None else t.data_ptr() for t in map(_read, self.flat)]
+
     def _off_buffers(self) -> bool:
         """Whether a member's tensors are not where ``_lay_out`` put them (or were never laid out)."""
-        return [None if t is None else t.data_ptr() for t in map(_read, self.flat)] != self.addresses
+        return self._addresses() != self.addresses
 
     def warm(self, x: torch.Tensor) -> None:
         """The group's GEMM once on ``x``, its buffers laid out first if they must be (``kp.warmup``)."""
@@ -256,7 +259,7 @@ class _Group:
         (the same Parameter objects: an optimizer keeps its reference)."""
         fused = []
         with torch.no_grad(), torch.inference_mode(False):
-            for j, name in enumerate(self.names):
+            for j, name in enumerate(self.parts):
                 own = [_read(slots[j]) for slots in self.slots]
                 if own[0] is None:
                     fused.append(None)
@@ -273,4 +276,4 @@ class _Group:
                         mod._buffers[name] = view
                 fused.append(buffer)
         self.fused, self.pending, self.warmed = fused, None, False
-        self.addresses = [None if t is None else t.data_ptr() for t in map(_read, self.flat)]
+        self.addresses = self._addresses()
