@@ -75,3 +75,54 @@ ACTIVATIONS: dict[str, Activation] = {
         Activation("sigmoid", torch.sigmoid, _sigmoid_grad),
     )
 }
+
+
+# Gated epilogues of a GEMM whose weight's rows are two halves [first; second] of M / 2 each: column c of the
+# output is act(gate) * other, of rows c and M / 2 + c, the gate being the half ``gate`` names (as
+# kernelplan.gated_activation's gate= does for the halves of its input).  One name per activation and half, the
+# form a plan's descriptor and a kernel variant take; ``GATED_CODES`` is the kernels' compile-time GATED.
+GATED_GATES = ("first", "second")
+GATED_CODES = {"first": 1, "second": 2}
+
+
+@dataclass(frozen=True)
+class GatedEpilogue:
+    name: str
+    act: str  # an ACTIVATIONS name, applied to the gate half
+    gate: str  # "first" or "second"
+
+    def halves(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate, other) of the pre-activation z [..., M]."""
+        first, second = z.chunk(2, dim=-1)
+        return (first, second) if self.gate == "first" else (second, first)
+
+    def fn(self, z: torch.Tensor) -> torch.Tensor:
+        gate, other = self.halves(z)
+        return ACTIVATIONS[self.act].fn(gate) * other
+
+    def grad(self, z: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        """dL/dz [..., M] from dL/dy [..., M / 2]."""
+        gate, other = self.halves(z)
+        act = ACTIVATIONS[self.act]
+        d_gate, d_other = dy * other * act.grad(gate), dy * act.fn(gate)
+        return torch.cat((d_gate, d_other) if self.gate == "first" else (d_other, d_gate), dim=-1)
+
+
+GATED_EPILOGUES: dict[str, GatedEpilogue] = {
+    f"gated_{act}_{gate}": GatedEpilogue(f"gated_{act}_{gate}", act, gate)
+    for act in ("sigmoid", "relu", "silu", "gelu", "gelu_tanh") for gate in GATED_GATES
+}
+
+
+def epilogue_columns(m: int, epilogue: str | None) -> int:
+    """Columns of a GEMM's output whose weight has ``m`` rows, under ``epilogue`` (an activation, a gated epilogue
+    or None)."""
+    return m // 2 if epilogue in GATED_EPILOGUES else m
+
+
+def kernel_epilogue(epilogue: str | None) -> tuple[str, int]:
+    """``(ACTIVATION_CODES name, GATED code)`` of an epilogue, for the kernels' compile-time ACT and GATED."""
+    gated = GATED_EPILOGUES.get(epilogue)
+    if gated is not None:
+        return gated.act, GATED_CODES[gated.gate]
+    return epilogue or "identity", 0

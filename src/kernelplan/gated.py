@@ -33,6 +33,16 @@ MAX_RANK = 8  # the GPU kernels pass shape and strides in a fixed 8-slot paramet
 _ACT = {"glu": "sigmoid", "reglu": "relu", "swiglu": "silu", "geglu": "gelu"}
 
 
+def gate_activation(kind: str, approximate: str = "none") -> str:
+    """The activation (``activations.ACTIVATIONS``) that ``kind`` applies to its gate half, after checking both."""
+    choice(kind, "kind", KINDS)
+    choice(approximate, "approximate", APPROXIMATIONS)
+    if approximate != "none" and kind != "geglu":
+        raise InvalidProblem(f"approximate is {approximate!r} with kind {kind!r}; only geglu has a tanh approximation")
+    act = _ACT[kind]
+    return "gelu_tanh" if act == "gelu" and approximate == "tanh" else act
+
+
 @dataclass(frozen=True)
 class GatedActivationDescriptor:
     kind: str  # glu | reglu | swiglu | geglu

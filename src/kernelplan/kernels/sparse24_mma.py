@@ -50,7 +50,7 @@ from ..sparse24.format import derived_from, output_rows
 from ..sparse24.layout import layout_of, weight_shape
 from . import current_device, on_device, raw_stream
 from .nvrtc import cuda_source
-from ..activations import ACTIVATION_CODES
+from ..activations import ACTIVATION_CODES, epilogue_columns, kernel_epilogue
 from .sparse24 import _expand_ptx, code_metadata, sm_count
 
 MAX_N = 16  # two 8-wide N tiles
@@ -214,9 +214,11 @@ kp_sparse24_mma(const u16 *__restrict__ x, const u32 *__restrict__ pairs, const 
 
 
 def defines(dtype: str, has_bias: bool, activation: str | None, **sizes: int) -> str:
-    """The ``#define`` lines of one kernel variant: its sizes, dtype, bias and activation (the Triton kernels' codes)."""
-    values = dict(sizes, IS_BF16=int(dtype == "bf16"), HAS_BIAS=int(has_bias),
-                  ACT=ACTIVATION_CODES[activation or "identity"])
+    """The ``#define`` lines of one kernel variant: its sizes, dtype, bias and epilogue (the Triton kernels' activation
+    codes; a gated epilogue's GATED, ``activations.GATED_EPILOGUES``)."""
+    act, gated = kernel_epilogue(activation)
+    values = dict(sizes, IS_BF16=int(dtype == "bf16"), HAS_BIAS=int(has_bias), ACT=ACTIVATION_CODES[act],
+                  GATED=gated)
     values.update({f"ACT_{name.upper()}": code for name, code in ACTIVATION_CODES.items()})
     return "".join(f"#define {k} {v}\n" for k, v in values.items()) + f'#define DT "{dtype}"\n'
 
@@ -294,12 +296,12 @@ class TiledKernel:
         disk cache or NVRTC, and touches no device (so it may run in threads)."""
         from . import nvrtc
 
-        cfg = self.config(n, m, k, device)
+        cfg = self.config(n, m, k, device, activation)
         text = self.source(cfg, dtype, has_bias, activation)
         architecture = self.architecture or nvrtc.arch(device)
         return cfg, functools.partial(nvrtc.cubin, text, architecture)
 
-    def config(self, n, m, k, device):
+    def config(self, n, m, k, device, activation=None):
         return mma_config(n, m, k, sm_count(device))
 
     source = staticmethod(source)
@@ -326,7 +328,7 @@ class MmaLinear:
         return derived_from(values, metadata, self._key, self._build, device_work=False)
 
     def __call__(self, x, values, metadata, bias) -> torch.Tensor:
-        y, x2, y2 = output_rows(x, weight_shape(values)[0])
+        y, x2, y2 = output_rows(x, epilogue_columns(weight_shape(values)[0], self.activation))
         self.launch(x2, values, metadata, bias, y2)
         return y
 
@@ -393,6 +395,7 @@ class _TiledWeight:
         # Held: the weight's own tensors are the layout (else a copy derived from them, current as its caller checked)
         self.held = layout_of(values) == kernel.layout
         self.m, self.k = weight_shape(values)
+        self.cols = epilogue_columns(self.m, activation)  # of y: M, or M / 2 under a gated epilogue
         self.dtype = dtype_info(values.dtype).name
         self.device = values.get_device()
         self.activation = activation
@@ -454,7 +457,7 @@ class _TiledWeight:
         """The call through every layer; where x's rows can be read in place in one launch, its direct entry."""
         if self.held and (values.data_ptr(), metadata.data_ptr()) != self.weight:
             return slow(x, values, metadata, bias)  # the weight's storage moved: its layout is looked up again
-        y, x2, y2 = output_rows(x, self.m)
+        y, x2, y2 = output_rows(x, self.cols)
         if x2.shape[0] and self.m and self.k:
             slow.launch_on(self, x2, bias, y2)
         n = x.numel() // self.k if self.k else 0
@@ -464,7 +467,7 @@ class _TiledWeight:
             pairs, codes = self.weight
             with on_device(self.device):  # the weight's tensor maps are encoded here, as a launch on it would
                 bound = launch.bind(grid, (x.data_ptr(), pairs, codes, 0 if bias is None else bias.data_ptr(),
-                                           y.data_ptr(), n, self.m, self.k, self.k, self.m))
+                                           y.data_ptr(), n, self.m, self.k, self.k, self.cols))
             if bound is not None:  # None: a launch that does more than pack and launch, called as above
                 if len(self._direct) >= self._MAX_KEYS:
                     self._direct.clear()

@@ -149,10 +149,10 @@ class SpKernel(TiledKernel):
         return _tiled(values, metadata)
 
     def launch_for(self, n, m, k, dtype, has_bias, activation, device):
-        cfg = self.config(n, m, k, device)
+        cfg = self.config(n, m, k, device, activation)
         return _launcher(cfg, dtype, has_bias, activation, device), (-(-m // cfg.rows), 1, 1)
 
-    def config(self, n, m, k, device):
+    def config(self, n, m, k, device, activation=None):
         from ..sparse24.dispatch import config_for
 
         return config_for(self.name, n, m, k, sm_count(device))

@@ -146,9 +146,9 @@ class WgKernel(TiledKernel):
         return _tiled(values, metadata)
 
     def launch_for(self, n, m, k, dtype, has_bias, activation, device):
-        return self.launch_config(self.config(n, m, k, device), n, m, dtype, has_bias, activation, device)
+        return self.launch_config(self.config(n, m, k, device, activation), n, m, dtype, has_bias, activation, device)
 
-    def config(self, n, m, k, device):
+    def config(self, n, m, k, device, activation=None):
         from ..sparse24.dispatch import config_for
 
         return config_for(self.name, n, m, k, sm_count(device))

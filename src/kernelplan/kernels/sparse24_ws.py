@@ -18,6 +18,7 @@ import ctypes
 import functools
 from dataclasses import dataclass
 
+from ..activations import kernel_epilogue
 from ..errors import KernelPlanError
 from .nvrtc import cuda_source
 from .sparse24_mma import COMMON_SOURCE, defines
@@ -247,10 +248,17 @@ def rule_order(cfg: WsConfig, n: int, m: int, k: int, sms: int,
 
 
 @functools.lru_cache(maxsize=4096)
-def ws_config(n: int, m: int, k: int, sms: int) -> WsConfig:
+def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False) -> WsConfig:
     """The tile for N = n: the candidate first in ``rule_order`` (further ties: the first in ``ws_candidates``'
-    order)."""
-    return min(ws_candidates(n, m, k), key=lambda cfg: rule_order(cfg, n, m, k, sms))
+    order).  ``gated``: among the tiles a gated epilogue runs on (``gated_tile``)."""
+    space = [c for c in ws_candidates(n, m, k) if not gated or gated_tile(c)]
+    return min(space, key=lambda cfg: rule_order(cfg, n, m, k, sms))
+
+
+def gated_tile(cfg: WsConfig) -> bool:
+    """Whether a gated epilogue runs on ``cfg``: one CTA a tile (``sparse24_ws.cu``), as many 64-row blocks of W
+    from each half (``sparse24_ring.cuh``).  The same work as the plain tile, so the rule costs it alike."""
+    return cfg.wm % 2 == 0 and not (cfg.sk or cfg.pp)
 
 
 def source(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None) -> str:
@@ -369,7 +377,7 @@ def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None,
     sizes = _param_sizes(cu, fn)
     if sizes != want:
         raise KernelPlanError(f"{name}: compiled parameter sizes {sizes} are not the launcher's {want}")
-    maps = TensorMaps(cfg.bn // cfg.cm, 4 * cfg.wm, dtype)
+    maps = TensorMaps(cfg.bn // cfg.cm, 4 * cfg.wm // (2 if kernel_epilogue(activation)[1] else 1), dtype)  # a box a half
     kind = {"ws": MapLaunch, "sk": StreamKLaunch, "pp": PingPongLaunch}[_kind(cfg)]
     return kind(fn, f"{name} {cfg} {dtype}", cfg, maps, device_index)
 
@@ -463,6 +471,11 @@ class WsKernel(WgKernel):
 
     name = "cuda_ws"
     source = staticmethod(source)
+
+    def config(self, n, m, k, device, activation=None):
+        from .sparse24 import sm_count
+
+        return ws_config(n, m, k, sm_count(device), gated=bool(kernel_epilogue(activation)[1]))
 
     def launch_config(self, cfg: WsConfig, n, m, dtype, has_bias, activation, device):
         if cfg.sk or cfg.pp:  # the launch takes its grid from the problem (sk_plan; one CTA an SM)

@@ -1,7 +1,7 @@
 """2:4 structured sparsity: the compressed format and the sparse GEMM."""
 
 from .format import FORMAT_VERSION, Sparse24Weight, compress, is_sparse24, prune
-from .gemm import GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan, linear
+from .gemm import GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan, gated_linear, linear
 from . import backends  # noqa: E402,F401  registers the GPU backends (importing no GPU library)
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "is_sparse24",
     "prune",
     "linear",
+    "gated_linear",
     "GemmSparse24Args",
     "GemmSparse24Descriptor",
     "GemmSparse24Plan",

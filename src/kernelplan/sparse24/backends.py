@@ -30,7 +30,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..activations import ACTIVATIONS
+from ..activations import ACTIVATIONS, GATED_EPILOGUES
 from ..dtypes import dtype_info
 from ..kernels import triton_reason
 from ..plan import Backend, PrecisionGuarantee
@@ -40,6 +40,15 @@ from .layout import PUBLIC, SP_LAYOUT
 from .plan import GemmSparse24Args, GemmSparse24Plan
 
 GPU_DTYPES = ("f32", "f16", "bf16")
+
+
+def _ungated(desc, backend: str) -> str | None:
+    """The reason a backend without the gated epilogue gives (only ``cuda_ws``, ``cuda_sp`` and the reference have
+    it), or None."""
+    if desc.activation in GATED_EPILOGUES:
+        return (f"the gated epilogue {desc.activation!r} is in the one layout's kernels (cuda_ws, cuda_sp) and the "
+                f"reference, not {backend}")
+    return None
 
 
 def _sm_count(device: str) -> int:
@@ -74,6 +83,8 @@ class TritonSparse24Backend(Backend):
             return f"dtype {desc.dtype} is not one of {GPU_DTYPES}"
         if desc.k % 64:
             return f"K = {desc.k} is not a multiple of 64, the kernel's smallest K tile"
+        if _ungated(desc, self.name):
+            return _ungated(desc, self.name)
         if desc.dtype == "bf16" and not desc.device.startswith("cuda"):
             # Measured: results off by ~1e9 through the interpreter, whose bf16 arithmetic is wrong.
             return "dtype bf16 on CPU: the Triton interpreter computes bf16 arithmetic wrongly; use f32 or f16 there"
@@ -153,6 +164,7 @@ class CudaMmaSparse24Backend(Backend):
     what = "two 8-wide MMA tiles"
     max_n = 16  # kernels/sparse24_mma.py MAX_N; here so that supports() imports no kernel module
     chunks = False  # more rows of x than max_n run in chunks (kernels/sparse24_mma.py, MmaLinear.launch)
+    gated = False  # has the gated epilogue (activations.GATED_EPILOGUES)
 
     def kernel(self):
         from ..kernels.sparse24_mma import TiledKernel
@@ -168,6 +180,8 @@ class CudaMmaSparse24Backend(Backend):
             return f"n = {desc.n}: the kernel takes at most {self.max_n} rows of x ({self.what})"
         if desc.k % 64:
             return f"K = {desc.k} is not a multiple of 64, the kernel's K step"
+        if not self.gated and _ungated(desc, self.name):
+            return _ungated(desc, self.name)
         why = nvrtc_reason(desc.device)
         if why is None and torch.cuda.get_device_capability(torch.device(desc.device)) < (8, 0):
             return f"device {desc.device}: bf16 MMA (mma.sync, mma.sp) needs compute capability 8.0 or newer"
@@ -206,6 +220,7 @@ class CudaSpSparse24Backend(CudaMmaSparse24Backend):
     what = "eight 8-wide sparse MMA tiles"
     max_n = 64  # kernels/sparse24_sp.py MAX_N
     chunks = True
+    gated = True
 
     def priority_for(self, desc) -> int:
         # A tuning candidate (memory="fast") up to its widest tile; past it, chunks of x re-read W: by rule only.
@@ -230,6 +245,7 @@ class CudaWgSparse24Backend(CudaMmaSparse24Backend):
     layouts = (PUBLIC, SP_LAYOUT)
     what = "wgmma.sp N tiles"
     max_n = 1 << 31
+    gated = False
 
     def kernel(self):
         from ..kernels.sparse24_wg import WgKernel
@@ -253,6 +269,7 @@ class CudaWsSparse24Backend(CudaWgSparse24Backend):
 
     name = "cuda_ws"
     what = "warp-specialized wgmma.sp tiles"
+    gated = True
 
     def kernel(self):
         from ..kernels.sparse24_ws import WsKernel
@@ -273,6 +290,8 @@ class DenseSparse24Backend(Backend):
     def supports(self, desc) -> str | None:
         if desc.dtype not in GPU_DTYPES:
             return f"dtype {desc.dtype} is not one of {GPU_DTYPES}"
+        if _ungated(desc, self.name):
+            return _ungated(desc, self.name)
         if not desc.device.startswith("cuda"):
             return f"device {desc.device}: the dense floor is for CUDA; the reference is the CPU path"
         return None

@@ -333,6 +333,8 @@ class CusparseLtSparse24Backend(Backend):
     def supports(self, desc) -> str | None:
         if not desc.device.startswith("cuda"):
             return f"device {desc.device}: cuSPARSELt runs on CUDA devices"
+        if desc.activation is not None and desc.activation.startswith("gated_"):  # activations.GATED_EPILOGUES
+            return f"the gated epilogue {desc.activation!r}: cuSPARSELt's output has M columns, not M / 2"
         if desc.dtype not in _CUDA_DTYPE:
             return (f"dtype {desc.dtype} is not one of {tuple(_CUDA_DTYPE)} (cuSPARSELt runs f32 as TF32 "
                     f"with 1:2 sparsity, not 2:4)")

@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 
 from .._checks import check_tensor, choice, plain_eager
-from ..activations import ACTIVATIONS
+from ..activations import ACTIVATIONS, GATED_EPILOGUES, GATED_GATES, epilogue_columns
+from ..gated import gate_activation
 from ..dtypes import dtype_info
 from ..errors import InvalidProblem
 from ..kernels import stream_capturing
@@ -25,8 +26,8 @@ from .dispatch import MEMORY_POLICIES
 from .format import Sparse24Weight, derived_from, forget_derived, output_rows
 from .layout import PUBLIC, SP_LAYOUT, check_layout, layout_of, pack_values, unpack, weight_shape
 # n_bucket and rule_backend are re-exported: callers (warm.py, tests) import the plan level's names from here too.
-from .plan import (SPARSE24_ACTIVATIONS, GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan,  # noqa: F401
-                   n_bucket, rule_backend)
+from .plan import (SPARSE24_ACTIVATIONS, SPARSE24_EPILOGUES, GemmSparse24Args,  # noqa: F401
+                   GemmSparse24Descriptor, GemmSparse24Plan, gated_reason, n_bucket, rule_backend)
 
 # -- custom op: torch.compile-safe, autograd-aware ---------------------------
 
@@ -102,7 +103,7 @@ def _on_public_parts(call, x, values, metadata, bias) -> torch.Tensor:
 
 def _linear_with(plan, x, values, metadata, bias) -> torch.Tensor:
     """One call through ``plan``: y allocated here, the args built from inputs already checked."""
-    y, x2, y2 = output_rows(x, weight_shape(values)[0])
+    y, x2, y2 = output_rows(x, epilogue_columns(weight_shape(values)[0], plan.desc.activation))
     # linear() checked x and bias and Sparse24Weight its parts, or the custom op's schema did;
     # y is ours: the plan's own re-checks would only add host time.
     plan.run_prechecked(GemmSparse24Args(x2, values, metadata, y2, bias))
@@ -114,7 +115,7 @@ _sparse24_linear_op = torch.library.custom_op("kernelplan::sparse24_linear", mut
 
 @_sparse24_linear_op.register_fake
 def _(x, values, metadata, bias, activation, memory):
-    return x.new_empty((*x.shape[:-1], weight_shape(values)[0]))
+    return x.new_empty((*x.shape[:-1], epilogue_columns(weight_shape(values)[0], activation or None)))
 
 
 def _setup(ctx, inputs, output):
@@ -132,12 +133,13 @@ def _backward(ctx, dy):
     positions = w24.positions()  # unpacked once: for W and for the gradient gather
     w = w24.decompress(positions)
     x2 = x.reshape(-1, x.shape[-1]).to(compute)
-    g = dy.reshape(-1, w.shape[0]).to(compute)
+    g = dy.reshape(-1, epilogue_columns(w.shape[0], ctx.activation or None)).to(compute)
     if ctx.activation:
         z = x2 @ w.T
         if bias is not None:
             z = z + bias.to(compute)
-        g = g * ACTIVATIONS[ctx.activation].grad(z)
+        gated = GATED_EPILOGUES.get(ctx.activation)
+        g = gated.grad(z, g) if gated is not None else g * ACTIVATIONS[ctx.activation].grad(z)
     dx = (g @ w).reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
     dvalues = None
     if ctx.needs_input_grad[1]:
@@ -176,6 +178,38 @@ def linear(
     return linear_parts(x, w24.values, w24.metadata, bias, activation, memory)
 
 
+def gated_linear(
+    x: torch.Tensor,
+    w24: Sparse24Weight,
+    bias: torch.Tensor | None = None,
+    kind: str = "swiglu",
+    gate: str = "first",
+    approximate: str = "none",
+    memory: str = "compact",
+) -> torch.Tensor:
+    """``kernelplan.gated_activation(linear(x, w24, bias), kind, gate=gate, approximate=approximate)`` as one GEMM.
+
+    W's rows are two halves ``[first; second]`` (M % 32 == 0); column ``c`` of the
+    result, ``[..., M / 2]``, is ``act(gate) * other`` of rows ``c`` and ``M / 2 + c``,
+    the gate being the half ``gate`` names: Llama's ``silu(gate_proj(x)) * up_proj(x)``
+    is ``kind="swiglu", gate="first"`` with W = ``[gate_proj; up_proj]``, as in
+    ``kernelplan.nn.GatedMLP``.  The GPU kernels of the one layout (``cuda_ws``,
+    ``cuda_sp``) apply it in their epilogue, so the [N, M] pre-activation is never
+    written; the reference computes it on CPU.  Differentiable as ``linear``.
+    """
+    if not isinstance(w24, Sparse24Weight):
+        raise InvalidProblem(
+            f"w24 is a {type(w24).__name__}; it must be a Sparse24Weight: build it with "
+            f"kernelplan.sparse24.compress(kernelplan.sparse24.prune(w))"
+        )
+    return linear_parts(x, w24.values, w24.metadata, bias, gated_epilogue(kind, gate, approximate), memory)
+
+
+def gated_epilogue(kind: str, gate: str = "first", approximate: str = "none") -> str:
+    """The gated epilogue's name (``activations.GATED_EPILOGUES``) of ``gated_activation``'s arguments."""
+    return f"gated_{gate_activation(kind, approximate)}_{choice(gate, 'gate', GATED_GATES)}"
+
+
 def linear_parts(x, values, metadata, bias=None, activation=None, memory="compact") -> torch.Tensor:
     """``linear`` on a weight's parts, for holders of them (``Sparse24Linear``): no Sparse24Weight built."""
     eager = plain_eager(x, values, bias)
@@ -204,7 +238,11 @@ def linear_parts(x, values, metadata, bias=None, activation=None, memory="compac
     if bias is not None:
         check_tensor(bias, "bias", shape=(m,), dtype=values.dtype, device=values.device)
     if activation is not None:
-        activation = choice(activation, "activation", SPARSE24_ACTIVATIONS)
+        activation = choice(activation, "activation", SPARSE24_EPILOGUES)
+        why = gated_reason(m) if activation in GATED_EPILOGUES else None
+        if why is not None:
+            raise InvalidProblem(f"the gated epilogue {activation!r} pairs the weight's two halves of rows, but {why}; "
+                                 f"pad each half (gate and up) to a multiple of 16 rows")
     memory = choice(memory, "memory", MEMORY_POLICIES)
     if not eager:
         return _sparse24_linear_op(x, values, metadata, bias, activation or "", memory)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import check_dims, check_no_internal_overlap, check_no_overlap, check_tensor, choice, warn_once
-from ..activations import ACTIVATIONS
+from ..activations import ACTIVATIONS, GATED_EPILOGUES, epilogue_columns
 from ..dtypes import dtype_info
 from ..errors import InvalidProblem, MisalignedOperand
 from ..plan import Backend, BackendRegistry, Plan, PrecisionGuarantee
@@ -24,6 +24,19 @@ from .format import SPARSE24_DTYPES, Sparse24Weight
 from .layout import PUBLIC, SP_LAYOUT
 
 SPARSE24_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
+# An activation, or a gated epilogue (activations.GATED_EPILOGUES: y has M / 2 columns, act(gate) * other).
+SPARSE24_EPILOGUES = SPARSE24_ACTIVATIONS + tuple(GATED_EPILOGUES)
+
+
+def epilogue_fn(epilogue: str | None):
+    """The epilogue as a function of the pre-activation z [..., M], in torch (the reference's, autograd's)."""
+    gated = GATED_EPILOGUES.get(epilogue)
+    return gated.fn if gated is not None else ACTIVATIONS[epilogue or "identity"].fn
+
+
+def gated_reason(m: int) -> str | None:
+    """Why a weight of ``m`` rows cannot take a gated epilogue, or None: its halves are whole 16-row tiles."""
+    return None if m % 32 == 0 else f"M = {m} rows is not two halves of whole 16-row tiles (M % 32 == 0)"
 
 
 @dataclass(frozen=True)
@@ -32,7 +45,7 @@ class GemmSparse24Descriptor:
     m: int  # rows of W, columns of Y (output features)
     k: int  # columns of X and W (input features); a multiple of 8
     dtype: str  # short dtype name, see kernelplan.dtypes
-    activation: str | None = None
+    activation: str | None = None  # or a gated epilogue (SPARSE24_EPILOGUES): y is then [N, M / 2]
     has_bias: bool = False
     device: str = "cpu"
     # Recorded into a CUDA graph: replays cost no host time, so dispatch picks by kernel time alone.
@@ -47,7 +60,7 @@ class GemmSparse24Args:
     x: torch.Tensor  # [N, K]
     values: torch.Tensor  # [M, K/2]
     metadata: torch.Tensor  # [M, K/8] int16
-    y: torch.Tensor  # [N, M], written
+    y: torch.Tensor  # [N, M], written ([N, M / 2] under a gated epilogue)
     bias: torch.Tensor | None = None  # [M]
 
 
@@ -87,7 +100,11 @@ class GemmSparse24Plan(Plan):
             )
         dtype_info(desc.dtype, "descriptor.dtype")
         if desc.activation is not None:
-            choice(desc.activation, "descriptor.activation", SPARSE24_ACTIVATIONS)
+            choice(desc.activation, "descriptor.activation", SPARSE24_EPILOGUES)
+            why = gated_reason(desc.m) if desc.activation in GATED_EPILOGUES else None
+            if why is not None:
+                raise InvalidProblem(f"descriptor.activation is the gated epilogue {desc.activation!r} but {why}; "
+                                     f"pad each half to a multiple of 16 rows")
         choice(desc.memory, "descriptor.memory", MEMORY_POLICIES)
 
     @classmethod
@@ -114,7 +131,8 @@ class GemmSparse24Plan(Plan):
         check_tensor(args.x, "x", shape=(d.n, d.k), dtype=dtype, device=d.device)
         check_tensor(args.values, "values", shape=(d.m, d.k // 2), dtype=dtype, device=d.device)
         check_tensor(args.metadata, "metadata", shape=(d.m, d.k // 8), dtype=torch.int16, device=d.device)
-        check_tensor(args.y, "y", shape=(d.n, d.m), dtype=dtype, device=d.device, output=True)
+        check_tensor(args.y, "y", shape=(d.n, epilogue_columns(d.m, d.activation)), dtype=dtype, device=d.device,
+                     output=True)
         check_no_internal_overlap(args.y, "y")
         if d.has_bias != (args.bias is not None):
             raise InvalidProblem(
@@ -150,7 +168,7 @@ class ReferenceSparse24Backend(Backend):
         z = args.x.to(compute) @ w.T
         if args.bias is not None:
             z += args.bias.to(compute)
-        args.y.copy_(ACTIVATIONS[desc.activation or "identity"].fn(z))
+        args.y.copy_(epilogue_fn(desc.activation)(z))
 
 
 GemmSparse24Plan.registry.register(ReferenceSparse24Backend())

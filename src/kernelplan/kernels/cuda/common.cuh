@@ -1,5 +1,5 @@
 // What every 2:4 CUDA C++ kernel shares: types, dtype conversion, the activations.
-// Needs the variant's #defines IS_BF16, DT, ACT and the ACT_* codes (kernels/sparse24_mma.py, defines).
+// Needs the variant's #defines IS_BF16, DT, ACT, GATED and the ACT_* codes (kernels/sparse24_mma.py, defines).
 #pragma once
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -34,4 +34,16 @@ __device__ __forceinline__ float activate(float z) {
 #else
 #error "an activation with no CUDA form here"
 #endif
+}
+
+// A column of y from its sums: act(z) with one region (v[0]); gated (two regions: W's rows c and M / 2 + c), the
+// gate's act times the other, the gate being region GATED - 1 (kernelplan.gated_activation: gate="first"/"second").
+template <int R>
+__device__ __forceinline__ float epilogue(const float (&v)[R][8], int j) {
+    if constexpr (R == 1) {
+        return activate(v[0][j]);
+    } else {
+        static_assert(R == 2 && (GATED == 1 || GATED == 2), "a gated epilogue pairs two regions");
+        return activate(v[GATED - 1][j]) * v[2 - GATED][j];
+    }
 }

@@ -26,6 +26,7 @@
 #include "wgmma_sp.cuh"
 #include "hopper.cuh"
 #include "sparse24_ring.cuh"
+static_assert(!GATED, "the gated epilogue is sparse24_ws.cu's (its producer loads the two halves of W)");
 
 constexpr int kPpThreads = 384;                    // the producer warpgroup and two consumers (not ring.cuh's kThreads)
 constexpr int kYStride = kBM * 2 + 16;             // bytes a row of the staging buffer

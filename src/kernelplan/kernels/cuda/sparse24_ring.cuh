@@ -19,8 +19,14 @@ constexpr int kTiles = 4 * WM;                     // 16-row tiles of W a CTA
 constexpr int kXBytes = BN * 128;                  // one step of x: BN rows of 64 columns
 constexpr int kWValues = kTiles * 1024;            // one step of W's values for the CTA's tiles
 constexpr int kWBytes = kTiles * 1152;             // ... and their metadata
-constexpr u32 kWK32 = kTiles * 512;                // one k32 of the values: its 2 core matrices along K
-constexpr u32 kWAlongK = kTiles * 256;             // between those 2
+// A gated epilogue (GATED: 1 gate rows first, 2 second; sparse24_ws.cu) pairs row r of W's first half with row
+// H + r: a CTA's tiles are two boxes of kTiles / 2, one from each half, each written as its own [u][j][tile][h]
+// region of the stage, and warpgroup b reads region b / (WM / 2).
+constexpr int kRegions = GATED ? 2 : 1;
+constexpr int kRegTiles = kTiles / kRegions;       // 16-row tiles of W a region
+static_assert(WM % kRegions == 0, "a gated tile has as many 64-row blocks of W from each half");
+constexpr u32 kWK32 = kRegTiles * 512;             // one k32 of a region's values: its 2 core matrices along K
+constexpr u32 kWAlongK = kRegTiles * 256;          // between those 2
 // Each stage starts on 1024 bytes: the 128-byte swizzle's phase is taken from address bits 7-9.
 constexpr int kStageBytes = (kXBytes + kWBytes + 1023) / 1024 * 1024;
 constexpr int kRingBytes = STAGES * kStageBytes;
@@ -49,7 +55,7 @@ __device__ __forceinline__ u32 ring_parity(int g) { return (u32)((g / STAGES) & 
 
 // The producer thread's copies of one tile's steps k0 .. k1 - 1 (x's rows from n0, W's 16-row tiles from tile0) into
 // ring steps g, g + 1, ..., each into its stage once the stage's readers have released it; returns the next ring
-// step.  (sparse24_ws.cu's producer multicasts x across a cluster: its own loop.)
+// step.  (sparse24_ws.cu's producer multicasts x across a cluster and loads a gated tile's halves: its own loop.)
 __device__ __forceinline__ int produce_steps(int g, int k0, int k1, int n0, int tile0, u32 sbase, u32 full0,
                                              u32 empty0, const TensorMap *xmap, const TensorMap *vmap,
                                              const TensorMap *emap) {
@@ -103,7 +109,10 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
                 wg_fence();
 #pragma unroll
                 for (int j = 0; j < BLOCKS; ++j) {
-                    const u32 a0 = at + kXBytes + (tl / 4 + j) * 1024;  // the block's 8 core matrices along M
+                    // The block's 8 core matrices along M, in its region.
+                    const int blk = tl / 4 + j;
+                    const u32 a0 = at + kXBytes + (blk / (WM / kRegions)) * kRegTiles * 1024 +
+                                   (blk % (WM / kRegions)) * 1024;
 #pragma unroll
                     for (int i = 0; i < kInst; ++i) {
                         // N block i starts NI rows (NI / 8 groups of 1024 bytes) in; the second k32 64 bytes in.

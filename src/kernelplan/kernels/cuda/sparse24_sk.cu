@@ -28,6 +28,7 @@
 #include "wgmma_sp.cuh"
 #include "hopper.cuh"
 #include "sparse24_ring.cuh"
+static_assert(!GATED, "the gated epilogue is sparse24_ws.cu's (its producer loads the two halves of W)");
 
 constexpr int kPartFloats = BN * kBM;
 

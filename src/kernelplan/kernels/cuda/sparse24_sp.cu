@@ -1,7 +1,7 @@
 // 2:4 linear for N <= 64 on the sparse tensor cores (mma.sp), operands staged by cp.async: the kernel of
 // kernels/sparse24_sp.py (cuda_sp), which says how it works and how its tile is chosen.
 // Compile-time sizes come from the variant's #defines: NT, RT, MW, KW, STAGES, MIN_BLOCKS, IS_BF16, HAS_BIAS,
-// ACT, DT; common.cuh comes first.
+// ACT, GATED (sparse24_ws.cu says what it is), DT; common.cuh comes first.
 
 #include "sm80.cuh"
 
@@ -32,12 +32,16 @@ kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
     const int g = lane >> 2, t = lane & 3;
     const int ksteps = K / 64, steps = ksteps / KW, tiles = (M + 15) / 16;
 
-    // Per row tile and step: 256 words of values, 32 of metadata; a tile's steps follow each other.
+    // Per row tile and step: 256 words of values, 32 of metadata; a tile's steps follow each other.  Gated, the
+    // CTA's first half of tiles comes from W's first half of rows and its second from the same rows of the other.
+    constexpr int kRegions = GATED ? 2 : 1, kCtaTiles = MW * RT / kRegions;
+    static_assert(MW * RT % kRegions == 0, "a gated CTA has as many tiles from each half of W");
     const u32 *vp[RT]; const u32 *ep[RT]; bool tok[RT];
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
-        int tile = (blockIdx.x * MW + mw) * RT + r;
-        tok[r] = tile < tiles;
+        const int c = mw * RT + r, region = c / kCtaTiles;
+        const int tile = blockIdx.x * kCtaTiles + c % kCtaTiles + region * (tiles / kRegions);
+        tok[r] = tile < tiles && tile - region * (tiles / kRegions) < tiles / kRegions;
         long base = (long)(tok[r] ? tile : 0) * ksteps + kw * steps;
         vp[r] = vals + base * 256 + lane * 4;
         ep[r] = meta + base * 32 + lane;
@@ -123,15 +127,21 @@ kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
                 red[(kw * BM + (mw * RT + r) * 16 + g + 8 * (e >> 1)) * (ROWS + 1) + 8 * j + 2 * t + (e & 1)] =
                     acc[r][j][e];
     __syncthreads();
-    for (int idx = threadIdx.x; idx < BM * ROWS; idx += THREADS) {
-        int ml = idx % BM, nl = idx / BM, m = blockIdx.x * BM + ml;
-        if (m >= M || nl >= N) continue;
-        float v = 0.f;
+    constexpr int kOut = BM / kRegions;  // columns of y a CTA; gated, column c pairs local rows c and kOut + c
+    const int cols = M / kRegions;
+    for (int idx = threadIdx.x; idx < kOut * ROWS; idx += THREADS) {
+        int ml = idx % kOut, nl = idx / kOut, m = blockIdx.x * kOut + ml;
+        if (m >= cols || nl >= N) continue;
+        float v[kRegions][8];
 #pragma unroll
-        for (int w = 0; w < KW; ++w) v += red[(w * BM + ml) * (ROWS + 1) + nl];
+        for (int h = 0; h < kRegions; ++h) {
+            v[h][0] = 0.f;
+#pragma unroll
+            for (int w = 0; w < KW; ++w) v[h][0] += red[(w * BM + h * kOut + ml) * (ROWS + 1) + nl];
 #if HAS_BIAS
-        v += to_f32(bias[m]);
+            v[h][0] += to_f32(bias[h * cols + m]);
 #endif
-        y[(long)nl * syn + m] = from_f32(activate(v));
+        }
+        y[(long)nl * syn + m] = from_f32(epilogue<kRegions>(v, 0));
     }
 }

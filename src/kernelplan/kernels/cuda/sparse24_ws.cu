@@ -25,7 +25,11 @@
 //    writing BN / KC rows of y.
 //
 // Compile-time sizes come from the variant's #defines: BN (rows of x a CTA), NI (wgmma N per
-// instruction), WM, CM, KC, STAGES, CONSUMER_REGS (0: no setmaxnreg), IS_BF16, HAS_BIAS, ACT, DT.
+// instruction), WM, CM, KC, STAGES, CONSUMER_REGS (0: no setmaxnreg), IS_BF16, HAS_BIAS, ACT, GATED, DT.
+//
+// GATED (1: the gate is W's first half of rows, 2: its second) makes y[N, M / 2] = act(gate) * up, the pair of
+// rows c and M / 2 + c (kernelplan.gated_activation's kinds): each CTA loads its tiles from both halves
+// (sparse24_ring.cuh), so the pair meets in its partial sums.
 
 #include "wgmma_sp.cuh"
 #include "hopper.cuh"
@@ -90,8 +94,19 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #else
                 tma_load_2d(at, &xmap, step * 64, n0, full);
 #endif
+#if GATED
+                // Rows r of the first half and H + r of the second: two boxes of kRegTiles tiles (the maps' box),
+                // a region each.  The first box may run into the second half past H: those columns are not written.
+                const int half = M / 32, t0 = blockIdx.y * kRegTiles;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    tma_load_5d(at + kXBytes + r * kRegTiles * 1024, &vmap, 0, t0 + r * half, 0, 0, step, full);
+                    tma_load_3d(at + kXBytes + kWValues + r * kRegTiles * 128, &emap, 0, step, t0 + r * half, full);
+                }
+#else
                 tma_load_5d(at + kXBytes, &vmap, 0, tile0, 0, 0, step, full);
                 tma_load_3d(at + kXBytes + kWValues, &emap, 0, step, tile0, full);
+#endif
             }
         }
     } else {
@@ -120,34 +135,42 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     if (warp >= 4) named_sync(1, kConsumers);
 #endif
     if (warp >= 4) {
-        // Bias, activation and y, 8 rows of W (16 bytes of y) a thread, along M: the K slices in rank order.
-        const int rows_here = BN / KC, nl0 = blockIdx.z * rows_here, m0 = blockIdx.y * kBM;
+        // Bias, activation and y, 8 columns of y (16 bytes) a thread, along M: the K slices in rank order.  Gated,
+        // column c of y is the pair of rows c (local row c) and H + c (local row kBM / 2 + c).
+        constexpr int kOut = kBM / kRegions;               // columns of y a CTA
+        const int rows_here = BN / KC, nl0 = blockIdx.z * rows_here, mo = blockIdx.y * kOut;
+        const int cols = M / kRegions;                     // of y
         const bool vec = syn % 8 == 0 && ((unsigned long long)y & 15) == 0;
-        for (int idx = threadIdx.x - 128; idx < rows_here * (kBM / 8); idx += kConsumers) {
-            const int m8 = idx % (kBM / 8), nl = nl0 + idx / (kBM / 8), m = m0 + m8 * 8, n = n0 + nl;
-            if (m >= M || n >= N) continue;
-            const u32 at = sbase + (nl * kRedStride + m8 * 8) * 4;
-            float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int idx = threadIdx.x - 128; idx < rows_here * (kOut / 8); idx += kConsumers) {
+            const int m8 = idx % (kOut / 8), nl = nl0 + idx / (kOut / 8), m = mo + m8 * 8, n = n0 + nl;
+            if (m >= cols || n >= N) continue;
+            float v[kRegions][8];
 #pragma unroll
-            for (int r = 0; r < KC; ++r) {
+            for (int h = 0; h < kRegions; ++h) {
+                const u32 at = sbase + (nl * kRedStride + h * kOut + m8 * 8) * 4;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) v[h][j] = 0.f;
+#pragma unroll
+                for (int r = 0; r < KC; ++r) {
 #if KC > 1
-                const float4 lo = ld_peer4(at, cy + r * CM), hi = ld_peer4(at + 16, cy + r * CM);
+                    const float4 lo = ld_peer4(at, cy + r * CM), hi = ld_peer4(at + 16, cy + r * CM);
 #else
-                const float4 lo = lds4f(at), hi = lds4f(at + 16);
+                    const float4 lo = lds4f(at), hi = lds4f(at + 16);
 #endif
-                v[0] += lo.x; v[1] += lo.y; v[2] += lo.z; v[3] += lo.w;
-                v[4] += hi.x; v[5] += hi.y; v[6] += hi.z; v[7] += hi.w;
+                    v[h][0] += lo.x; v[h][1] += lo.y; v[h][2] += lo.z; v[h][3] += lo.w;
+                    v[h][4] += hi.x; v[h][5] += hi.y; v[h][6] += hi.z; v[h][7] += hi.w;
+                }
+#if HAS_BIAS
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    if (m + j < cols) v[h][j] += to_f32(bias[h * cols + m + j]);
+#endif
             }
             u16 h[8];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-#if HAS_BIAS
-                if (m + j < M) v[j] += to_f32(bias[m + j]);
-#endif
-                h[j] = from_f32(activate(v[j]));
-            }
+            for (int j = 0; j < 8; ++j) h[j] = from_f32(epilogue<kRegions>(v, j));
             u16 *out = y + (long)n * syn + m;
-            if (vec && m + 8 <= M) {
+            if (vec && m + 8 <= cols) {
                 uint4 packed;
                 packed.x = h[0] | ((u32)h[1] << 16);
                 packed.y = h[2] | ((u32)h[3] << 16);
@@ -157,7 +180,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
             } else {
 #pragma unroll
                 for (int j = 0; j < 8; ++j)
-                    if (m + j < M) out[j] = h[j];
+                    if (m + j < cols) out[j] = h[j];
             }
         }
     }
