@@ -77,8 +77,20 @@ class GatedMLP(nn.Module):
         return mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fuses_gate():
+            # One GEMM: the kernels apply the gated activation in their epilogue (kernelplan.sparse24.gated_linear).
+            return self.down(self.gate_up.gated(x, self.kind, self.gate, self.approximate))
         h = gated_activation(self.gate_up(x), self.kind, dim=-1, gate=self.gate, approximate=self.approximate)
         return self.down(h)
+
+    def fuses_gate(self) -> bool:
+        """Whether ``gate_up`` applies the gated activation in its GEMM's epilogue: a 2:4 layer (after
+        ``kp.sparsify``) held in the device layout, each half whole 16-row tiles."""
+        from .sparse24_linear import Sparse24Linear
+        from ..sparse24.layout import PUBLIC
+
+        g = self.gate_up
+        return isinstance(g, Sparse24Linear) and g.layout != PUBLIC and g.out_features % 32 == 0
 
     def extra_repr(self) -> str:
         return (

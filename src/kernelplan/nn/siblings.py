@@ -50,6 +50,9 @@ class Spec:
     key: Callable[[nn.Module], tuple | None]  # what members must share; None where the module cannot join
     call: Callable  # (first member, x, *parts, bias) -> y of every member's rows
     forget: Callable[[torch.Tensor], None] = lambda t: None  # drop what calls kept for a part, before its .data goes
+    # (first member, x, *parts, bias, epilogue) -> act(gate) * other of two members' rows (activations.GATED_EPILOGUES),
+    # or None where the kind of module has no gated epilogue (nn/gated_siblings.py)
+    gated: Callable | None = None
 
 
 # Rows of x (tokens) up to which a group runs as one GEMM.  Over the sweep set's q/k/v and gate/up (H200, bf16,
@@ -77,6 +80,9 @@ def fuse_siblings(model: nn.Module) -> list["Siblings"]:
         for members in by_key.values():
             if len(members) > 1:
                 out.append(Siblings([m for _, m in members], [n for n, _ in members]))
+    from .gated_siblings import route_gated_mlps
+
+    route_gated_mlps(model)
     return out
 
 
@@ -182,6 +188,7 @@ class _Group:
         self.offsets = [sum(self.rows[:p]) for p in range(len(self.rows))]
         self.broken = False
         self.warmed = False  # the group's GEMM has run outside a capture since its buffers were laid out
+        self.gated_warmed: set = set()  # the gated epilogues (gated_siblings.py) that have, likewise
         self.fused: list | None = None  # per part and the bias: its buffer, or None (no bias)
         self.addresses: list | None = None  # each member tensor's data pointer in the buffers, as laid out
         self.pending: tuple | None = None  # (weakref to x, x's version, y, members served (bits), their versions)
@@ -238,6 +245,26 @@ class _Group:
         self.pending = (weakref.ref(x), _version(x), y, 1 << pos, [self._versions(slots) for slots in self.slots])
         return y.narrow(-1, self.offsets[pos], self.rows[pos])
 
+    def gated(self, x: torch.Tensor, epilogue: str) -> torch.Tensor | None:
+        """The two members' GEMM on x under a gated epilogue (``activations.GATED_EPILOGUES``: the first member's rows
+        the first half), for ``gated_siblings.py``; None where it cannot run now, for the same reasons a member's
+        call would run alone (and any number of rows of x: its output is contiguous, not a view)."""
+        if self.broken or x.dim() == 0 or x.shape[-1] != self.members[0].in_features or \
+                not plain_eager(x, *map(_read, self.flat)):
+            return None
+        capturing = x.is_cuda and stream_capturing()
+        if self._off_buffers():
+            if capturing:
+                return None
+            self._lay_out()
+        if capturing and epilogue not in self.gated_warmed:
+            return None
+        y = self.spec.gated(self.members[0], x, *self.fused, epilogue)
+        if not capturing:
+            self.gated_warmed.add(epilogue)
+        self.owner.stats["gated"] = self.owner.stats.get("gated", 0) + 1
+        return y
+
     def _addresses(self) -> list:
         return [None if t is None else t.data_ptr() for t in map(_read, self.flat)]
 
@@ -275,5 +302,5 @@ class _Group:
                     else:
                         mod._buffers[name] = view
                 fused.append(buffer)
-        self.fused, self.pending, self.warmed = fused, None, False
+        self.fused, self.pending, self.warmed, self.gated_warmed = fused, None, False, set()
         self.addresses = self._addresses()

@@ -10,7 +10,7 @@ from ..errors import InvalidProblem
 from ..sparse24.dispatch import MEMORY_POLICIES
 from ..sparse24 import Sparse24Weight
 from ..sparse24.format import prune_compress
-from ..sparse24.gemm import forget, linear_parts
+from ..sparse24.gemm import forget, gated_epilogue, linear_parts
 from ..sparse24.layout import PUBLIC, layout_of, pack_reason, unpack
 from .siblings import SPECS, Spec
 
@@ -94,6 +94,13 @@ class Sparse24Linear(nn.Module):
 
     forward_alone = forward  # the class's, past an instance forward that routes to a group
 
+    def gated(self, x: torch.Tensor, kind: str = "swiglu", gate: str = "first", approximate: str = "none"):
+        """``kernelplan.gated_activation(self(x), kind, gate=gate, approximate=approximate)`` as one GEMM: the weight's
+        rows are two halves, and the kernels apply the gated activation in their epilogue
+        (``kernelplan.sparse24.gated_linear``).  Needs out_features % 32 == 0."""
+        return linear_parts(x, self.values, self.metadata, self.bias, gated_epilogue(kind, gate, approximate),
+                            self.memory)
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.bias is not None and not keep_vars and "_siblings" in self.__dict__:
@@ -131,4 +138,8 @@ def _sibling_call(first: Sparse24Linear, x, values, metadata, bias) -> torch.Ten
     return linear_parts(x, values, metadata, bias, None, first.memory)
 
 
-SPECS[Sparse24Linear] = Spec(("values", "metadata"), _sibling_key, _sibling_call, forget)
+def _sibling_gated(first: Sparse24Linear, x, values, metadata, bias, epilogue: str) -> torch.Tensor:
+    return linear_parts(x, values, metadata, bias, epilogue, first.memory)
+
+
+SPECS[Sparse24Linear] = Spec(("values", "metadata"), _sibling_key, _sibling_call, forget, _sibling_gated)

@@ -1,0 +1,132 @@
+"""Hugging Face's gated MLPs (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``) on one GEMM with a gated epilogue.
+
+Llama, Qwen2, Mistral, Gemma and others write their feed-forward block as modules named ``gate_proj``,
+``up_proj``, ``down_proj`` and ``act_fn``.  Once ``fuse_siblings`` has grouped gate_proj and up_proj (they read one
+input: nn/siblings.py), their weights lie end to end, gate rows first: the weight of
+``kernelplan.sparse24.gated_linear``.  Its kernels apply ``act(gate) * up`` in their epilogue, so the MLP's
+[N, 2 x intermediate] pre-activation is never written or read back, and the silu and the product are not
+two more kernels.  Unlike the group's own GEMM, whose members take strided columns of its output, the gated
+output is contiguous: it runs at any number of rows of x.
+
+``route_gated_mlps`` gives each such module an instance ``forward``.  The names only propose: a module whose
+act_fn is not one of the kernels' activations, identified by its values on a probe, is not routed, and the
+first fused call of each module is checked against the module's own forward on the same input; a module whose
+results differ (a forward that is not ``down(act(gate) * up)``) goes back to its own forward for good, with a
+warning.  The module's own forward also runs:
+* under autograd or torch.compile (each layer its own op, as without a group);
+* until gate_proj and up_proj have settled as one group of those two, gate first;
+* wherever the group's GEMM would run alone (``_Group.gated``: an x a layer refuses, a capture before the gated
+  GEMM has run eagerly, a broken group).
+
+``GatedMlp.stats`` counts the calls of each kind.  State dicts are unchanged: the route holds no tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .._checks import _is_compiling, warn_once
+from ..activations import ACTIVATIONS
+from ..kernels import stream_capturing
+from .siblings import SPECS, siblings_of
+
+NAMES = ("gate_proj", "up_proj", "down_proj", "act_fn")
+# The activations the kernels' gated epilogue applies, in the order the probe tries them.
+_ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu", "sigmoid")
+# The first fused call against the module's own forward: an error of rounding (bf16's is 2^-8 of a value, and
+# the two paths round the pre-activation differently) against one of a different function (order 1).
+_CHECK_REL_TOL = 0.05
+
+
+def activation_of(fn) -> str | None:
+    """Which of the kernels' activations ``fn`` computes, from its values on a probe in fp32; None if none."""
+    probe = torch.linspace(-8.0, 8.0, 161)
+    try:
+        with torch.no_grad():
+            got = fn(probe.clone())
+    except Exception:  # noqa: BLE001  any module that cannot run on a CPU tensor is simply not one of them
+        return None
+    if not isinstance(got, torch.Tensor) or got.shape != probe.shape:
+        return None
+    for name in _ACTIVATIONS:
+        want = ACTIVATIONS[name].fn(probe.double())
+        if torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6):
+            return name
+    return None
+
+
+def route_gated_mlps(model: nn.Module) -> list["GatedMlp"]:
+    """Route every gated MLP of ``model`` whose gate and up projections are candidates of one ``Siblings`` of a kind
+    with a gated epilogue (see the module docstring); returns the routes.  Idempotent."""
+    out = []
+    for mod in model.modules():
+        if "forward" in mod.__dict__ or not all(hasattr(mod, n) for n in NAMES):
+            continue  # already routed (here, by a group, or by another library's hook), or not a gated MLP
+        gate, up = mod.gate_proj, mod.up_proj
+        siblings = siblings_of(gate)
+        spec = SPECS.get(type(gate))
+        if siblings is None or siblings is not siblings_of(up) or spec is None or spec.gated is None or \
+                gate.out_features != up.out_features or gate.out_features % 16:
+            continue
+        act = activation_of(mod.act_fn)
+        if act is not None:
+            out.append(GatedMlp(mod, act))
+    return out
+
+
+def gated_mlp_of(mod: nn.Module) -> "GatedMlp | None":
+    """The route of a module (``route_gated_mlps``), or None."""
+    return mod.__dict__.get("_gated_mlp")
+
+
+class GatedMlp:
+    """A gated MLP's route: its gate/up group's GEMM with the gated epilogue, then down_proj."""
+
+    def __init__(self, mlp: nn.Module, activation: str):
+        self.mlp, self.activation = mlp, activation
+        self.epilogue = f"gated_{activation}_first"  # the group's rows: gate_proj's, then up_proj's
+        self.checked = False  # the first fused call matched the module's own forward
+        self.off: str | None = None  # why this module runs its own forward for good
+        self.stats = {"fused": 0, "own": 0}
+        mlp.__dict__["forward"] = self.forward
+        mlp.__dict__["_gated_mlp"] = self
+
+    def __repr__(self) -> str:
+        return f"GatedMlp({type(self.mlp).__name__}, {self.epilogue!r}, off={self.off!r}, stats={self.stats})"
+
+    def _group(self):
+        """gate_proj and up_proj's group, settled as exactly those two with gate first; else None."""
+        mlp = self.mlp
+        siblings = siblings_of(mlp.gate_proj)
+        for g in (siblings.groups or ()) if siblings is not None else ():
+            if len(g.members) == 2 and g.members[0] is mlp.gate_proj and g.members[1] is mlp.up_proj:
+                return g
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.mlp
+        own = type(mlp).forward
+        if self.off is not None or _is_compiling():
+            return own(mlp, x)
+        group = self._group()
+        h = None
+        if group is not None and not (self.checked is False and x.is_cuda and stream_capturing()):
+            h = group.gated(x, self.epilogue)
+        if h is None:
+            self.stats["own"] += 1
+            return own(mlp, x)
+        y = mlp.down_proj(h)
+        if not self.checked:
+            want = own(mlp, x)
+            err = float((y.float() - want.float()).abs().max())
+            scale = float(want.float().abs().max())
+            if not err <= _CHECK_REL_TOL * scale + 1e-6:
+                self.off = (f"its first fused call differed from its own forward by {err:.3g} (largest value "
+                            f"{scale:.3g}): its forward is not down_proj({self.activation}(gate_proj(x)) * up_proj(x))")
+                warn_once(f"{type(mlp).__name__}: not run on one gated GEMM: {self.off}")
+                self.stats["own"] += 1
+                return want
+            self.checked = True
+        self.stats["fused"] += 1
+        return y
