@@ -141,6 +141,8 @@ class TritonWideSparse24Backend(TritonSparse24Backend):
     wide = True
 
     def supports(self, desc) -> str | None:
+        if _ungated(desc, self.name):
+            return _ungated(desc, self.name)
         if desc.n <= 16:
             return f"n = {desc.n} runs 16-wide N tiles; 128-row tiles are a candidate for n > 16"
         if desc.k % 128:
@@ -174,14 +176,14 @@ class CudaMmaSparse24Backend(Backend):
     def supports(self, desc) -> str | None:
         from ..kernels.nvrtc import nvrtc_reason
 
+        if not self.gated and _ungated(desc, self.name):
+            return _ungated(desc, self.name)
         if desc.dtype not in ("f16", "bf16"):
             return f"dtype {desc.dtype}: the kernel multiplies f16 and bf16 on the tensor cores"
         if desc.n > self.max_n and not self.chunks:
             return f"n = {desc.n}: the kernel takes at most {self.max_n} rows of x ({self.what})"
         if desc.k % 64:
             return f"K = {desc.k} is not a multiple of 64, the kernel's K step"
-        if not self.gated and _ungated(desc, self.name):
-            return _ungated(desc, self.name)
         why = nvrtc_reason(desc.device)
         if why is None and torch.cuda.get_device_capability(torch.device(desc.device)) < (8, 0):
             return f"device {desc.device}: bf16 MMA (mma.sync, mma.sp) needs compute capability 8.0 or newer"
