@@ -28,6 +28,8 @@ import kernelplan as kp
 from kernelplan.bench import results
 from kernelplan.bench.decode import DecodeStep, Graphed, GraphedDecode, weight_bytes
 from kernelplan.nn import Sparse24Linear, fuse_siblings
+from kernelplan.activations import GATED_EPILOGUES
+from kernelplan.nn.gated_siblings import gated_mlp_of
 from kernelplan.nn.siblings import SPECS, Spec, siblings_of
 from kernelplan.timing import interleaved, kernel_device_ms
 
@@ -69,8 +71,18 @@ class SiblingLinear(torch.nn.Linear):
     forward_alone = torch.nn.Linear.forward
 
 
+def _dense_gated(first, x, weight, bias, epilogue: str) -> torch.Tensor:
+    """Dense's gated MLP grouped alike: one F.linear on gate and up, then kernelplan's gated kernel (cuBLAS has no
+    gated epilogue)."""
+    gated = GATED_EPILOGUES[epilogue]
+    kind, approximate = {"silu": ("swiglu", "none"), "gelu_tanh": ("geglu", "tanh"), "gelu": ("geglu", "none")}[gated.act]
+    return kp.gated_activation(torch.nn.functional.linear(x, weight, bias), kind, gate=gated.gate,
+                               approximate=approximate)
+
+
 SPECS[SiblingLinear] = Spec(("weight",), lambda m: (m.in_features, m.weight.dtype, m.weight.device, m.bias is None),
-                            lambda first, x, weight, bias: torch.nn.functional.linear(x, weight, bias))
+                            lambda first, x, weight, bias: torch.nn.functional.linear(x, weight, bias),
+                            gated=_dense_gated)
 
 
 def _sibling_calls(model) -> dict[str, int]:
@@ -85,7 +97,14 @@ def _sibling_calls(model) -> dict[str, int]:
             for g in siblings.groups or ():
                 key = "+".join(siblings.names[i] for i in g.index)
                 groups[key] = groups.get(key, 0) + 1
-    return {**total, "groups": groups}
+    mlps = {}
+    for mod in model.modules():
+        route = gated_mlp_of(mod)
+        if route is not None:
+            for k, v in route.stats.items():
+                mlps[k] = mlps.get(k, 0) + v
+            mlps["off"] = mlps.get("off", 0) + (route.off is not None)
+    return {**total, "groups": groups, "gated_mlps": mlps}
 
 
 def timings(graph: dict[str, float], eager: dict[str, float]) -> dict:
