@@ -256,9 +256,10 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False) -> WsConfig
 
 
 def gated_tile(cfg: WsConfig) -> bool:
-    """Whether a gated epilogue runs on ``cfg``: one CTA a tile (``sparse24_ws.cu``), as many 64-row blocks of W
-    from each half (``sparse24_ring.cuh``).  The same work as the plain tile, so the rule costs it alike."""
-    return cfg.wm % 2 == 0 and not (cfg.sk or cfg.pp)
+    """Whether a gated epilogue runs on ``cfg``: as many 64-row blocks of W from each half (``sparse24_ring.cuh``),
+    one CTA a tile (``sparse24_ws.cu``) or ping-pong (``sparse24_pp.cu``), not split (``sparse24_sk.cu``).  The same
+    work as the plain tile, so the rule costs it alike."""
+    return cfg.wm % 2 == 0 and not cfg.sk
 
 
 def source(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None) -> str:

@@ -36,14 +36,22 @@ __device__ __forceinline__ float activate(float z) {
 #endif
 }
 
-// A column of y from its sums: act(z) with one region (v[0]); gated (two regions: W's rows c and M / 2 + c), the
-// gate's act times the other, the gate being region GATED - 1 (kernelplan.gated_activation: gate="first"/"second").
+// Gated: a column of y from its sums of W's rows c (first) and M / 2 + c (second): the gate's act times the other,
+// the gate being the half GATED names (1: first, 2: second; kernelplan.gated_activation's gate=).
+__device__ __forceinline__ float gate2(float first, float second) {
+#if GATED == 2
+    return activate(second) * first;
+#else
+    return activate(first) * second;
+#endif
+}
+
+// A column of y from its sums: act(z) with one region (v[0]); gated, two regions (v[0], v[1]: gate2).
 template <int R>
 __device__ __forceinline__ float epilogue(const float (&v)[R][8], int j) {
     if constexpr (R == 1) {
         return activate(v[0][j]);
     } else {
-        static_assert(R == 2 && (GATED == 1 || GATED == 2), "a gated epilogue pairs two regions");
-        return activate(v[GATED - 1][j]) * v[2 - GATED][j];
+        return gate2(v[0][j], v[1][j]);
     }
 }

@@ -20,38 +20,54 @@
 // by 16 bytes: stmatrix's 8 rows then fall on distinct banks), then 16-byte stores of y's rows.
 //
 // Compile-time sizes come from the variant's #defines: BN (a multiple of 16), NI, WM (64-row blocks of W a tile: a
-// warpgroup's m64 instructions per k32), STAGES, CONSUMER_REGS, IS_BF16, HAS_BIAS, ACT, DT.
+// warpgroup's m64 instructions per k32), STAGES, CONSUMER_REGS, IS_BF16, HAS_BIAS, ACT, GATED, DT.  Gated
+// (sparse24_ws.cu says what), a tile's blocks come from both halves of W (sparse24_ring.cuh's regions), and block b
+// of the first meets block b of the second in the same registers: y's column is gate2 of the two.
 
 #define CM 1
 #include "wgmma_sp.cuh"
 #include "hopper.cuh"
 #include "sparse24_ring.cuh"
-static_assert(!GATED, "the gated epilogue is sparse24_ws.cu's (its producer loads the two halves of W)");
 
 constexpr int kPpThreads = 384;                    // the producer warpgroup and two consumers (not ring.cuh's kThreads)
 constexpr int kYStride = kBM * 2 + 16;             // bytes a row of the staging buffer
 constexpr int kYBytes = (BN * kYStride + 1023) / 1024 * 1024;
+constexpr int kOutBlocks = WM / kRegions;          // 64-column blocks of y a tile
+constexpr int kOut = 64 * kOutBlocks;              // columns of y a tile
 static_assert(NI % 16 == 0, "stmatrix stores two 8-column groups of an instruction at once");
 
 __device__ __forceinline__ u32 pack2(float lo, float hi) { return from_f32(lo) | ((u32)from_f32(hi) << 16); }
 
-// This warpgroup's tile of y (x's rows n0 ..., W's rows m0 ...) from its accumulators, through `stage`.  Barrier
-// `bar` is the warpgroup's own; `u` is the thread within the warpgroup.
+// Column `at` of a thread's accumulators of output block b: act(z + bias), or, gated, gate2 of the two halves' sums.
+__device__ __forceinline__ float out_value(const float (&acc)[WM][kInst][kAcc], int b, int i, int at,
+                                           const float (&add)[kRegions]) {
+    if constexpr (kRegions == 1) {
+        return activate(acc[b][i][at] + add[0]);
+    } else {
+        return gate2(acc[b][i][at] + add[0], acc[b + kOutBlocks][i][at] + add[1]);
+    }
+}
+
+// This warpgroup's tile of y (x's rows n0 ..., y's columns m0 ..., of `cols`) from its accumulators, through
+// `stage`.  Barrier `bar` is the warpgroup's own; `u` is the thread within the warpgroup.
 __device__ __forceinline__ void store_tile(float (&acc)[WM][kInst][kAcc], u32 stage, const u16 *__restrict__ bias,
-                                           u16 *__restrict__ y, int n0, int m0, int N, int M, int syn, int wq,
+                                           u16 *__restrict__ y, int n0, int m0, int N, int cols, int syn, int wq,
                                            int lane, int u, int bar) {
     const int g = lane >> 2, q = lane >> 3, i8 = lane & 7;
     named_sync(bar, 128);  // the last tile's rows have been read out of the staging buffer
 #pragma unroll
-    for (int b = 0; b < WM; ++b) {
-        const int row = m0 + 64 * b + 16 * wq + g;  // this thread's rows of W: row, row + 8
-        float b0 = 0.f, b1 = 0.f;
-        (void)row;
+    for (int b = 0; b < kOutBlocks; ++b) {
+        const int row = m0 + 64 * b + 16 * wq + g;  // this thread's columns of y: row, row + 8 (of each half of W)
+        float b0[kRegions], b1[kRegions];
+#pragma unroll
+        for (int h = 0; h < kRegions; ++h) {
+            b0[h] = b1[h] = 0.f;
 #if HAS_BIAS
-        if (row < M) b0 = to_f32(bias[row]);
-        if (row + 8 < M) b1 = to_f32(bias[row + 8]);
+            if (row < cols) b0[h] = to_f32(bias[h * cols + row]);
+            if (row + 8 < cols) b1[h] = to_f32(bias[h * cols + row + 8]);
 #endif
-        (void)b0, (void)b1;
+        }
+        (void)row;
 #pragma unroll
         for (int i = 0; i < kInst; ++i)
 #pragma unroll
@@ -60,8 +76,8 @@ __device__ __forceinline__ void store_tile(float (&acc)[WM][kInst][kAcc], u32 st
 #pragma unroll
                 for (int p = 0; p < 4; ++p) {  // matrix p: rows + 8 (p & 1) of W, columns 8 (j + p / 2) of x
                     const int at = 4 * (j + (p >> 1)) + 2 * (p & 1);
-                    const float add = (p & 1) ? b1 : b0;
-                    r[p] = pack2(activate(acc[b][i][at] + add), activate(acc[b][i][at + 1] + add));
+                    r[p] = pack2(out_value(acc, b, i, at, (p & 1) ? b1 : b0),
+                                 out_value(acc, b, i, at + 1, (p & 1) ? b1 : b0));
                 }
                 const int nl = i * NI + 8 * (j + (q >> 1)) + i8, ml = 64 * b + 16 * wq + 8 * (q & 1);
                 stmatrix_t4(stage + nl * kYStride + ml * 2, r[0], r[1], r[2], r[3]);
@@ -69,8 +85,9 @@ __device__ __forceinline__ void store_tile(float (&acc)[WM][kInst][kAcc], u32 st
     }
     named_sync(bar, 128);
     const bool vec = syn % 8 == 0 && ((unsigned long long)y & 15) == 0;
-    for (int idx = u; idx < BN * (kBM / 8); idx += 128) {
-        const int nl = idx / (kBM / 8), m8 = idx % (kBM / 8), n = n0 + nl, m = m0 + m8 * 8;
+    const int M = cols;
+    for (int idx = u; idx < BN * (kOut / 8); idx += 128) {
+        const int nl = idx / (kOut / 8), m8 = idx % (kOut / 8), n = n0 + nl, m = m0 + m8 * 8;
         if (n >= N || m >= M) continue;
         const uint4 v = lds4(stage + nl * kYStride + m8 * 16);
         u16 *out = y + (long)n * syn + m;
@@ -112,7 +129,7 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         if (threadIdx.x == 0) {
             int g = 0;
             for (int t = blockIdx.x; t < tiles; t += gridDim.x)
-                g = produce_steps(g, 0, steps, t % tiles_n * BN, t / tiles_n * kTiles, sbase, full0, empty0, &xmap,
+                g = produce_steps(g, 0, steps, t % tiles_n * BN, t / tiles_n, M, sbase, full0, empty0, &xmap,
                                   &vmap, &emap);
         }
         return;
@@ -135,7 +152,7 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
                 for (int r = 0; r < kAcc; ++r) acc[b][i][r] = 0.f;
         consume_steps<true, WM>(acc, sbase, full0, empty0, j * steps, steps, wq, lane, wq, 0);
         if (u == 0) mbar_arrive(order0 + 8 * (c ^ 1));  // the warpgroup's MMAs are done, so are its waits
-        store_tile(acc, ybase + c * kYBytes, bias, y, t % tiles_n * BN, t / tiles_n * kBM, N, M, syn, wq, lane, u,
-                   1 + c);
+        store_tile(acc, ybase + c * kYBytes, bias, y, t % tiles_n * BN, t / tiles_n * kOut, N, M / kRegions, syn, wq,
+                   lane, u, 1 + c);
     }
 }

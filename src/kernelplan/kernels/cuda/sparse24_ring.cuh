@@ -19,7 +19,7 @@ constexpr int kTiles = 4 * WM;                     // 16-row tiles of W a CTA
 constexpr int kXBytes = BN * 128;                  // one step of x: BN rows of 64 columns
 constexpr int kWValues = kTiles * 1024;            // one step of W's values for the CTA's tiles
 constexpr int kWBytes = kTiles * 1152;             // ... and their metadata
-// A gated epilogue (GATED: 1 gate rows first, 2 second; sparse24_ws.cu) pairs row r of W's first half with row
+// A gated epilogue (GATED: 1 gate rows first, 2 second; sparse24_ws.cu, sparse24_pp.cu) pairs row r of W's first half with row
 // H + r: a CTA's tiles are two boxes of kTiles / 2, one from each half, each written as its own [u][j][tile][h]
 // region of the stage, and warpgroup b reads region b / (WM / 2).
 constexpr int kRegions = GATED ? 2 : 1;
@@ -53,10 +53,23 @@ __device__ __forceinline__ void ring_init(const TensorMap *xmap, const TensorMap
 __device__ __forceinline__ int ring_stage(int g) { return g % STAGES; }
 __device__ __forceinline__ u32 ring_parity(int g) { return (u32)((g / STAGES) & 1); }
 
-// The producer thread's copies of one tile's steps k0 .. k1 - 1 (x's rows from n0, W's 16-row tiles from tile0) into
-// ring steps g, g + 1, ..., each into its stage once the stage's readers have released it; returns the next ring
-// step.  (sparse24_ws.cu's producer multicasts x across a cluster and loads a gated tile's halves: its own loop.)
-__device__ __forceinline__ int produce_steps(int g, int k0, int k1, int n0, int tile0, u32 sbase, u32 full0,
+// The copies of one 64-column step of W for the CTA's row block tm into the stage at `at`: its kTiles tiles, or,
+// gated, kRegTiles from each half of W's rows (the second half starting at tile M / 32), a region each.  The
+// first half's box may run into the second half past M / 2: those columns are not written.
+__device__ __forceinline__ void load_w(u32 at, const TensorMap *vmap, const TensorMap *emap, int step, int tm, int M,
+                                       u32 full) {
+#pragma unroll
+    for (int r = 0; r < kRegions; ++r) {
+        const int tile0 = tm * kRegTiles + r * (M / 32);
+        tma_load_5d(at + kXBytes + r * kRegTiles * 1024, vmap, 0, tile0, 0, 0, step, full);
+        tma_load_3d(at + kXBytes + kWValues + r * kRegTiles * 128, emap, 0, step, tile0, full);
+    }
+}
+
+// The producer thread's copies of one tile's steps k0 .. k1 - 1 (x's rows from n0, W's row block tm) into ring steps
+// g, g + 1, ..., each into its stage once the stage's readers have released it; returns the next ring step.
+// (sparse24_ws.cu's producer multicasts x across a cluster: its own loop.)
+__device__ __forceinline__ int produce_steps(int g, int k0, int k1, int n0, int tm, int M, u32 sbase, u32 full0,
                                              u32 empty0, const TensorMap *xmap, const TensorMap *vmap,
                                              const TensorMap *emap) {
     constexpr u32 bytes = kXBytes + kWBytes;  // boxes past N or M count in full (zero-filled)
@@ -66,8 +79,7 @@ __device__ __forceinline__ int produce_steps(int g, int k0, int k1, int n0, int 
         const u32 full = full0 + 8 * b, at = sbase + b * kStageBytes;
         mbar_expect_tx(full, bytes);
         tma_load_2d(at, xmap, step * 64, n0, full);
-        tma_load_5d(at + kXBytes, vmap, 0, tile0, 0, 0, step, full);
-        tma_load_3d(at + kXBytes + kWValues, emap, 0, step, tile0, full);
+        load_w(at, vmap, emap, step, tm, M, full);
     }
     return g;
 }

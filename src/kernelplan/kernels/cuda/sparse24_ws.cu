@@ -60,7 +60,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int ksteps = K / 64, steps = ksteps / KC;   // this CTA's 64-column steps
     const int step0 = blockIdx.z * steps;            // blockIdx.z is the CTA's K slice, its rank along z
-    const int n0 = blockIdx.x * BN, tile0 = blockIdx.y * kTiles;
+    const int n0 = blockIdx.x * BN;
     // Cluster ranks run along y then z (x is 1 wide): this CTA's M group is ranks cz * CM ... cz * CM + CM - 1.
     const int cy = blockIdx.y % CM, cz = blockIdx.z;
     (void)cy, (void)cz;  // read by the cluster variants only
@@ -94,19 +94,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #else
                 tma_load_2d(at, &xmap, step * 64, n0, full);
 #endif
-#if GATED
-                // Rows r of the first half and H + r of the second: two boxes of kRegTiles tiles (the maps' box),
-                // a region each.  The first box may run into the second half past H: those columns are not written.
-                const int half = M / 32, t0 = blockIdx.y * kRegTiles;
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    tma_load_5d(at + kXBytes + r * kRegTiles * 1024, &vmap, 0, t0 + r * half, 0, 0, step, full);
-                    tma_load_3d(at + kXBytes + kWValues + r * kRegTiles * 128, &emap, 0, step, t0 + r * half, full);
-                }
-#else
-                tma_load_5d(at + kXBytes, &vmap, 0, tile0, 0, 0, step, full);
-                tma_load_3d(at + kXBytes + kWValues, &emap, 0, step, tile0, full);
-#endif
+                load_w(at, &vmap, &emap, step, blockIdx.y, M, full);
             }
         }
     } else {
