@@ -302,3 +302,22 @@ def test_hf_gated_mlp_on_the_gpu_eager_and_in_a_graph():
         graph.replay()
         torch.testing.assert_close(out, got, rtol=0, atol=0)
         assert fused == 3  # the capture ran the gated GEMM
+
+
+@gpu
+def test_on_the_gpu_warmup_builds_the_gated_mlps_kernels(monkeypatch, tmp_path):
+    """After the first pass settles the groups, ``kp.warmup`` compiles the gated GEMMs too: calls at the warmed
+    sizes compile nothing."""
+    from kernelplan.kernels import nvrtc
+
+    monkeypatch.setenv("KERNELPLAN_CACHE_DIR", str(tmp_path))  # a cold disk cache
+    model = _llama().cuda().bfloat16()
+    kp.sparsify(model, progress=False)
+    with torch.inference_mode():
+        model(torch.randint(0, 100, (1, 4), device="cuda"))  # the first pass settles the groups
+        kp.warmup(model, batch_sizes=(4, 64, 200), progress=False)
+        compiles = nvrtc.COMPILES[0]
+        for n in (4, 64, 200):
+            model(torch.randint(0, 100, (1, n), device="cuda"))
+    assert nvrtc.COMPILES[0] == compiles
+    assert gated_mlp_of(model.model.layers[0].mlp).stats["fused"] == 3

@@ -86,8 +86,10 @@ class _GroupShape:
 def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bool = True,
            threads: int = 8) -> list[dict]:
     """Compile every kernel and settle every dispatch choice of ``model``'s 2:4 layers at ``batch_sizes``, and of
-    their sibling groups settled so far (a group settles on the model's first pass: warm up after it to warm the
-    groups' GEMMs too)."""
+    their sibling groups settled so far, gated MLPs' included (a group settles on the model's first pass: warm up
+    after it to warm the groups' GEMMs too)."""
+    from .nn.gated_siblings import gated_mlp_of
+
     from tqdm.auto import tqdm
 
     if not isinstance(model, torch.nn.Module):
@@ -126,6 +128,12 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
             p = g.members[0].values
             for n in sizes:
                 g.warm(torch.zeros(n, g.members[0].in_features, dtype=p.dtype, device=p.device))
+        # The gated MLPs' GEMMs (nn/gated_siblings.py), on their settled groups: their own kernel variants.
+        for route in filter(None, map(gated_mlp_of, model.modules())):
+            g = route.group()
+            p = g.members[0].values if g is not None else None
+            for n in sizes if g is not None else ():
+                g.gated(torch.zeros(n, g.members[0].in_features, dtype=p.dtype, device=p.device), route.epilogue)
     for row in rows.values():
         row["compile_s"] = compiled_s  # the compile phase, all kernels together
     return list(rows.values())

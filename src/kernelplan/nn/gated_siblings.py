@@ -95,7 +95,7 @@ class GatedMlp:
     def __repr__(self) -> str:
         return f"GatedMlp({type(self.mlp).__name__}, {self.epilogue!r}, off={self.off!r}, stats={self.stats})"
 
-    def _group(self):
+    def group(self):
         """gate_proj and up_proj's group, settled as exactly those two with gate first; else None."""
         mlp = self.mlp
         siblings = siblings_of(mlp.gate_proj)
@@ -109,7 +109,7 @@ class GatedMlp:
         own = type(mlp).forward
         if self.off is not None or _is_compiling():
             return own(mlp, x)
-        group = self._group()
+        group = self.group()
         h = None
         if group is not None and not (self.checked is False and x.is_cuda and stream_capturing()):
             h = group.gated(x, self.epilogue)
