@@ -298,13 +298,15 @@ def test_a_sparsified_llama_groups_qkv_and_gate_up_and_matches_the_unfused_model
     siblings = fuse_siblings(model)
     ids = torch.randint(0, 128, (2, 12))
     with torch.no_grad():
-        for _ in range(2):
-            torch.testing.assert_close(model(ids).logits, alone(ids).logits, rtol=0, atol=0)
+        for _ in range(3):
+            # Not bit for bit: the MLPs run on their gated GEMM (nn/gated_siblings.py), which rounds once in fp32.
+            torch.testing.assert_close(model(ids).logits, alone(ids).logits, rtol=1e-5, atol=1e-6)
         out = model.generate(ids[:1, :4], max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(out, alone.generate(ids[:1, :4], max_new_tokens=5, do_sample=False, pad_token_id=0))
     groups = sorted(tuple(s.names[i] for i in g.index) for s in siblings for g in s.groups)
     assert groups == [("gate_proj", "up_proj")] * 2 + [("q_proj", "k_proj", "v_proj")] * 2
-    assert all(s.stats["fused"] > 0 for s in siblings)
+    assert all(s.stats["fused"] + s.stats.get("gated", 0) > 0 for s in siblings)
+    assert all(s.stats["gated"] > 0 for s in siblings if s.names == ["gate_proj", "up_proj"])
 
 
 @pytest.mark.gpu
