@@ -309,7 +309,8 @@ class TensorMaps:
     * x [N, K] (2-byte elements): boxes of ``rows`` x 64 columns, 128-byte swizzle (wgmma's B layout);
     * the layout's values [tiles, K/64, 256] and metadata [tiles, K/64, 32] (4-byte words): boxes of one
       64-column step of ``tiles`` 16-row tiles; the values' box reorders each step's core matrices so that
-      wgmma reads the CTA's rows as one operand (5 dimensions, the tile's stride not the outermost).
+      wgmma reads the CTA's rows as one operand (5 dimensions, the tile's stride not the outermost).  With
+      ``gated``, the same boxes take ``tiles / 2`` tiles from each half of W's rows (a gated epilogue's pairs).
 
     Encoding is a host call; a call whose x sits where an earlier one did (a
     CUDA graph, a decode loop's reused buffers) packs bytes it already has.
@@ -318,10 +319,10 @@ class TensorMaps:
     MAX_X = 64  # x moves between calls
     MAX_W = 4096  # weights stay: a model's layers of one variant (256 bytes each)
 
-    def __init__(self, rows: int, tiles: int, dtype: str):
+    def __init__(self, rows: int, tiles: int, dtype: str, gated: bool = False):
         from cuda.bindings import driver as cu
 
-        self.rows, self.tiles, self._cu = rows, tiles, cu
+        self.rows, self.tiles, self.gated, self._cu = rows, tiles, gated, cu
         kinds = cu.CUtensorMapDataType
         self._x_dtype = {"bf16": kinds.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, "f16": kinds.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}[dtype]
         self._word = kinds.CU_TENSOR_MAP_DATA_TYPE_UINT32
@@ -342,7 +343,17 @@ class TensorMaps:
     def w(self, values: int, codes: int, m: int, k: int) -> tuple[bytes, bytes]:
         key = (values, codes, m, k)
         hit = self._w.get(key)
-        if hit is None:
+        if hit is None and self.gated:
+            # A dimension for the half of W's rows (sparse24_ring.cuh, load_w): one box of `tiles` tiles a half, the
+            # first half's then the second's, in the order of the plain box; each half's tiles past it read as zeros.
+            # A step's k32 u and matrix j (256 bytes apart, 512 along u) are one dimension of 4.
+            half, steps = m // 32, k // 64
+            hit = self._keep(self._w, self.MAX_W, key, (
+                encode_tensor_map(self._cu, self._word, values, [64, half, 2, 4, steps],
+                                  [steps * 1024, half * steps * 1024, 256, 1024], [64, self.tiles // 2, 2, 4, 1], "NONE"),
+                encode_tensor_map(self._cu, self._word, codes, [32, steps, half, 2],
+                                  [128, steps * 128, half * steps * 128], [32, 1, self.tiles // 2, 2], "NONE")))
+        elif hit is None:
             tiles, steps = -(-m // 16), k // 64
             hit = self._keep(self._w, self.MAX_W, key, (
                 # (h, g, t pairs of one k32's matrix j, tile, j, u, step): the box writes [u][j][tile] (sparse24_ring.cuh)
@@ -378,7 +389,7 @@ def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None,
     sizes = _param_sizes(cu, fn)
     if sizes != want:
         raise KernelPlanError(f"{name}: compiled parameter sizes {sizes} are not the launcher's {want}")
-    maps = TensorMaps(cfg.bn // cfg.cm, 4 * cfg.wm // (2 if kernel_epilogue(activation)[1] else 1), dtype)  # a box a half
+    maps = TensorMaps(cfg.bn // cfg.cm, 4 * cfg.wm, dtype, gated=bool(kernel_epilogue(activation)[1]))
     kind = {"ws": MapLaunch, "sk": StreamKLaunch, "pp": PingPongLaunch}[_kind(cfg)]
     return kind(fn, f"{name} {cfg} {dtype}", cfg, maps, device_index)
 

@@ -46,7 +46,7 @@ __device__ __forceinline__ float gate2(float first, float second) {
 #endif
 }
 
-// A column of y from its sums: act(z) with one region (v[0]); gated, two regions (v[0], v[1]: gate2).
+// A column of y from its sums: act(z) of one (v[0]); gated, of W's two halves (v[0], v[1]: gate2).
 template <int R>
 __device__ __forceinline__ float epilogue(const float (&v)[R][8], int j) {
     if constexpr (R == 1) {

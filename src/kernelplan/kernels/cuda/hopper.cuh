@@ -135,6 +135,13 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap *map, int i
                  :: "r"(dst), "l"(map), "r"(inner), "r"(middle), "r"(outer), "r"(bar) : "memory");
 }
 
+// The box of a 4-D `map` at element coordinates (c0 innermost ... c3) into shared memory `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap *map, int c0, int c1, int c2, int c3, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6];"
+                 :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
+}
+
 // The box of a 5-D `map` at element coordinates (c0 innermost ... c4) into shared memory `dst`, completing on `bar`.
 __device__ __forceinline__ void tma_load_5d(u32 dst, const TensorMap *map, int c0, int c1, int c2, int c3, int c4,
                                             u32 bar) {

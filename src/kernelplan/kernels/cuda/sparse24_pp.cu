@@ -21,7 +21,7 @@
 //
 // Compile-time sizes come from the variant's #defines: BN (a multiple of 16), NI, WM (64-row blocks of W a tile: a
 // warpgroup's m64 instructions per k32), STAGES, CONSUMER_REGS, IS_BF16, HAS_BIAS, ACT, GATED, DT.  Gated
-// (sparse24_ws.cu says what), a tile's blocks come from both halves of W (sparse24_ring.cuh's regions), and block b
+// (sparse24_ws.cu says what), a tile's blocks come from both halves of W (sparse24_ring.cuh, load_w), and block b
 // of the first meets block b of the second in the same registers: y's column is gate2 of the two.
 
 #define CM 1
@@ -129,7 +129,7 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         if (threadIdx.x == 0) {
             int g = 0;
             for (int t = blockIdx.x; t < tiles; t += gridDim.x)
-                g = produce_steps(g, 0, steps, t % tiles_n * BN, t / tiles_n, M, sbase, full0, empty0, &xmap,
+                g = produce_steps(g, 0, steps, t % tiles_n * BN, t / tiles_n, sbase, full0, empty0, &xmap,
                                   &vmap, &emap);
         }
         return;

@@ -19,14 +19,15 @@ constexpr int kTiles = 4 * WM;                     // 16-row tiles of W a CTA
 constexpr int kXBytes = BN * 128;                  // one step of x: BN rows of 64 columns
 constexpr int kWValues = kTiles * 1024;            // one step of W's values for the CTA's tiles
 constexpr int kWBytes = kTiles * 1152;             // ... and their metadata
-// A gated epilogue (GATED: 1 gate rows first, 2 second; sparse24_ws.cu, sparse24_pp.cu) pairs row r of W's first half with row
-// H + r: a CTA's tiles are two boxes of kTiles / 2, one from each half, each written as its own [u][j][tile][h]
-// region of the stage, and warpgroup b reads region b / (WM / 2).
+constexpr u32 kWK32 = kTiles * 512;                // one k32 of the values: its 2 core matrices along K
+constexpr u32 kWAlongK = kTiles * 256;             // between those 2
+// A gated epilogue (GATED: 1 gate rows first, 2 second; sparse24_ws.cu, sparse24_pp.cu) pairs row r of W's first
+// half with row M / 2 + r: a CTA's row block tm is kRegTiles tiles of each half, its first kRegTiles tiles in the
+// stage the first half's.  The gated tensor maps (kernels/sparse24_ws.py, TensorMaps.w) have a dimension for the
+// half, so that one box still writes the stage as the consumers read it.
 constexpr int kRegions = GATED ? 2 : 1;
-constexpr int kRegTiles = kTiles / kRegions;       // 16-row tiles of W a region
+constexpr int kRegTiles = kTiles / kRegions;       // 16-row tiles of W a CTA takes from each half
 static_assert(WM % kRegions == 0, "a gated tile has as many 64-row blocks of W from each half");
-constexpr u32 kWK32 = kRegTiles * 512;             // one k32 of a region's values: its 2 core matrices along K
-constexpr u32 kWAlongK = kRegTiles * 256;          // between those 2
 // Each stage starts on 1024 bytes: the 128-byte swizzle's phase is taken from address bits 7-9.
 constexpr int kStageBytes = (kXBytes + kWBytes + 1023) / 1024 * 1024;
 constexpr int kRingBytes = STAGES * kStageBytes;
@@ -54,22 +55,21 @@ __device__ __forceinline__ int ring_stage(int g) { return g % STAGES; }
 __device__ __forceinline__ u32 ring_parity(int g) { return (u32)((g / STAGES) & 1); }
 
 // The copies of one 64-column step of W for the CTA's row block tm into the stage at `at`: its kTiles tiles, or,
-// gated, kRegTiles from each half of W's rows (the second half starting at tile M / 32), a region each.  The
-// first half's box may run into the second half past M / 2: those columns are not written.
-__device__ __forceinline__ void load_w(u32 at, const TensorMap *vmap, const TensorMap *emap, int step, int tm, int M,
-                                       u32 full) {
-#pragma unroll
-    for (int r = 0; r < kRegions; ++r) {
-        const int tile0 = tm * kRegTiles + r * (M / 32);
-        tma_load_5d(at + kXBytes + r * kRegTiles * 1024, vmap, 0, tile0, 0, 0, step, full);
-        tma_load_3d(at + kXBytes + kWValues + r * kRegTiles * 128, emap, 0, step, tile0, full);
-    }
+// gated, kRegTiles of each half of W's rows (tiles past a half read as zeros).
+__device__ __forceinline__ void load_w(u32 at, const TensorMap *vmap, const TensorMap *emap, int step, int tm, u32 full) {
+#if GATED
+    tma_load_5d(at + kXBytes, vmap, 0, tm * kRegTiles, 0, 0, step, full);         // (256 B, tile, half, k32 x j, step)
+    tma_load_4d(at + kXBytes + kWValues, emap, 0, step, tm * kRegTiles, 0, full);  // (128 B, step, tile, half)
+#else
+    tma_load_5d(at + kXBytes, vmap, 0, tm * kTiles, 0, 0, step, full);
+    tma_load_3d(at + kXBytes + kWValues, emap, 0, step, tm * kTiles, full);
+#endif
 }
 
 // The producer thread's copies of one tile's steps k0 .. k1 - 1 (x's rows from n0, W's row block tm) into ring steps
 // g, g + 1, ..., each into its stage once the stage's readers have released it; returns the next ring step.
 // (sparse24_ws.cu's producer multicasts x across a cluster: its own loop.)
-__device__ __forceinline__ int produce_steps(int g, int k0, int k1, int n0, int tm, int M, u32 sbase, u32 full0,
+__device__ __forceinline__ int produce_steps(int g, int k0, int k1, int n0, int tm, u32 sbase, u32 full0,
                                              u32 empty0, const TensorMap *xmap, const TensorMap *vmap,
                                              const TensorMap *emap) {
     constexpr u32 bytes = kXBytes + kWBytes;  // boxes past N or M count in full (zero-filled)
@@ -79,7 +79,7 @@ __device__ __forceinline__ int produce_steps(int g, int k0, int k1, int n0, int 
         const u32 full = full0 + 8 * b, at = sbase + b * kStageBytes;
         mbar_expect_tx(full, bytes);
         tma_load_2d(at, xmap, step * 64, n0, full);
-        load_w(at, vmap, emap, step, tm, M, full);
+        load_w(at, vmap, emap, step, tm, full);
     }
     return g;
 }
@@ -121,10 +121,7 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
                 wg_fence();
 #pragma unroll
                 for (int j = 0; j < BLOCKS; ++j) {
-                    // The block's 8 core matrices along M, in its region.
-                    const int blk = tl / 4 + j;
-                    const u32 a0 = at + kXBytes + (blk / (WM / kRegions)) * kRegTiles * 1024 +
-                                   (blk % (WM / kRegions)) * 1024;
+                    const u32 a0 = at + kXBytes + (tl / 4 + j) * 1024;  // the block's 8 core matrices along M
 #pragma unroll
                     for (int i = 0; i < kInst; ++i) {
                         // N block i starts NI rows (NI / 8 groups of 1024 bytes) in; the second k32 64 bytes in.
