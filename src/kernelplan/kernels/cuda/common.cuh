@@ -16,7 +16,11 @@ __device__ __forceinline__ u16 from_f32(float v) {
     u16 h; asm("cvt.rn." DT ".f32 %0, %1;" : "=h"(h) : "f"(v)); return h;
 }
 
-// kernelplan.activations, in fp32: gelu by erfc, gelu_tanh as z * sigmoid(2u) (accurate in the left tail).
+// kernelplan.activations, in fp32: gelu by erfc, gelu_tanh as z * sigmoid(2u) (accurate in the left tail).  The
+// logistic ones by the fast exponential and division (__expf, __fdividef: relative errors near 1e-6, under the 16-bit
+// output's rounding), which took the gated epilogue's SwiGLU from about 20 instructions an element to a few: the
+// epilogue runs after the K loop, beside no MMA, in sparse24_ws.cu (docs/design/0025).  Past z = -87 exp(-z) is
+// infinite and __fdividef gives 0, the limit.
 __device__ __forceinline__ float activate(float z) {
 #if ACT == ACT_IDENTITY
     return z;
@@ -26,11 +30,11 @@ __device__ __forceinline__ float activate(float z) {
     return z * 0.5f * erfcf(-z * 0.70710678118654752f);
 #elif ACT == ACT_GELU_TANH
     float u = 0.79788456080286536f * (z + 0.044715f * z * z * z);
-    return z / (1.f + expf(-2.f * u));
+    return __fdividef(z, 1.f + __expf(-2.f * u));
 #elif ACT == ACT_SILU
-    return z / (1.f + expf(-z));
+    return __fdividef(z, 1.f + __expf(-z));
 #elif ACT == ACT_SIGMOID
-    return 1.f / (1.f + expf(-z));
+    return __fdividef(1.f, 1.f + __expf(-z));
 #else
 #error "an activation with no CUDA form here"
 #endif
