@@ -104,6 +104,18 @@ def sparse24_notes() -> list[str]:
             lines.append(f"- 2:4, sibling layers as one GEMM (`kp.nn.fuse_siblings`) over the sweep set's "
                          f"{len({(r['k'], tuple(r['parts'])) for r in rows})} q/k/v and gate/up groups, CUDA graph, "
                          f"separate GEMMs' time over one GEMM's, median: {spans}, {_source(sweep['meta'], name)}.")
+    for name in ("sparse24-gated-sweep-h100", "sparse24-gated-sweep-h200"):
+        sweep = _load(name)
+        if sweep:
+            rows = sweep["rows"]
+            med = lambda key, n: statistics.median([r[key] for r in rows if r["n"] == n])
+            spans = "; ".join(f"n = {n} {med('speedup', n):.2f}x (epilogue {med('epilogue_gain', n):.2f}x)"
+                              for n in sorted({r["n"] for r in rows}))
+            lines.append(f"- 2:4 gate/up with the gated epilogue (`kp.sparse24.gated_linear`, SwiGLU) over the sweep "
+                         f"set's {len({(r['k'], r['h']) for r in rows})} gated MLP shapes, CUDA graph, median against "
+                         f"dense as Hugging Face runs it (two `F.linear`, then `silu(g) * u`), and the epilogue's gain "
+                         f"over the grouped 2:4 GEMM then `kp.gated_activation`: {spans}, "
+                         f"{_source(sweep['meta'], name)}.")
     big = _load("sparse24-70b-memory-h200")
     if big:
         d, s = big["dense"], big["sparse"]
