@@ -10,36 +10,28 @@ and each n, timed as CUDA graph replays (``triton.testing.do_bench_cudagraph``, 
 Bytes held are those of the weights (2:4: the one layout, 0.5625x).  Writes
 ``bench/results/sparse24-gated-sweep-<gpu>.json``.
 
-    PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_gated_sweep.py
+    PYTHONPATH=src:bench KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_gated_sweep.py
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
-import triton
 
 import kernelplan as kp
 from kernelplan.bench import results
+from kernelplan.timing import graph_us
+from sparse24_siblings_sweep import cli, summary  # bench/ is on the path, as the docstring's command runs it
 from kernelplan.bench.shapes import MODELS
 from kernelplan.sparse24.format import prune_compress
 from kernelplan.sparse24.gemm import linear_parts
 
 
-def bench(fn) -> float:
-    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3  # us
-
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--n", default="1,16,64,256,512,2048")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    ns = [int(v) for v in a.n.split(",")]
+    ns, out = cli()
     shapes: dict[tuple, list[str]] = {}
     for model in MODELS:
         if model.gated:
@@ -58,13 +50,13 @@ def main() -> int:
                 got = linear_parts(x, values, metadata, None, "gated_silu_first")
                 want = F.silu(x.float() @ gate.float().T) * (x.float() @ up.float().T)
                 err = float((got.float() - want).abs().max() / want.abs().max())
-                t = {"sparse_gated_us": bench(lambda: linear_parts(x, values, metadata, None, "gated_silu_first")),
-                     "sparse_grouped_act_us": bench(lambda: kp.gated_activation(linear_parts(x, values, metadata),
+                t = {"sparse_gated_us": graph_us(lambda: linear_parts(x, values, metadata, None, "gated_silu_first")),
+                     "sparse_grouped_act_us": graph_us(lambda: kp.gated_activation(linear_parts(x, values, metadata),
                                                                                 "swiglu", gate="first")),
-                     "sparse_separate_us": bench(lambda: F.silu(linear_parts(x, sg.values, sg.metadata)) *
+                     "sparse_separate_us": graph_us(lambda: F.silu(linear_parts(x, sg.values, sg.metadata)) *
                                                  linear_parts(x, su.values, su.metadata)),
-                     "dense_separate_us": bench(lambda: F.silu(F.linear(x, gate)) * F.linear(x, up)),
-                     "dense_grouped_act_us": bench(lambda: kp.gated_activation(F.linear(x, both), "swiglu",
+                     "dense_separate_us": graph_us(lambda: F.silu(F.linear(x, gate)) * F.linear(x, up)),
+                     "dense_grouped_act_us": graph_us(lambda: kp.gated_activation(F.linear(x, both), "swiglu",
                                                                                gate="first"))}
                 rows.append({"k": k, "h": h, "layers": names, "n": n, "rel_err_vs_fp32": err, **t,
                              "speedup": t["dense_separate_us"] / t["sparse_gated_us"],
@@ -75,14 +67,10 @@ def main() -> int:
                 print({key: round(v, 3) if isinstance(v, float) else v for key, v in rows[-1].items()}, flush=True)
     print("n: median [min, max] of: 2:4 gated over dense as HF runs it; over dense grouped + gated kernel; "
           "the epilogue's gain over 2:4 grouped + gated kernel; over 2:4 separate + torch")
-    for n in ns:
-        rs = [r for r in rows if r["n"] == n]
-        span = {key: [r[key] for r in rs] for key in ("speedup", "speedup_vs_dense_grouped_act", "epilogue_gain",
-                                                       "gain_over_separate")}
-        print(n, "  ".join(f"{key} {statistics.median(v):.2f} [{min(v):.2f}, {max(v):.2f}]" for key, v in span.items()))
+    summary(rows, ("speedup", "speedup_vs_dense_grouped_act", "epilogue_gain", "gain_over_separate"))
     worst = max(r["rel_err_vs_fp32"] for r in rows)
     print(f"largest error against fp32: {worst:.2e}")
-    results.write("sparse24-gated-sweep", {"rows": rows}, a.out)
+    results.write("sparse24-gated-sweep", {"rows": rows}, out)
     return 0 if worst < 2e-2 else 1
 
 

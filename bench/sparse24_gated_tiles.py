@@ -16,9 +16,9 @@ import statistics
 import sys
 
 import torch
-import triton
 
 from kernelplan.bench import results
+from kernelplan.timing import graph_us
 from kernelplan.kernels import raw_stream
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_sp import _tiled
@@ -28,9 +28,6 @@ from kernelplan.sparse24.format import prune_compress
 PROBLEMS = [(256, 57344, 8192), (256, 37888, 3584), (256, 35840, 5120), (64, 35840, 5120), (512, 37888, 3584),
             (256, 28672, 3584)]
 
-
-def bench(fn) -> float:
-    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3  # us
 
 
 def main() -> int:
@@ -60,8 +57,8 @@ def main() -> int:
             plain_pick, gated_pick = ws_config(n, m, k, sms), ws_config(n, m, k, sms, gated=True)
             tiles = {}
             for cfg in dict.fromkeys([*gated, gated_pick]):
-                tiles[str(cfg)] = {"gated_us": bench(run(cfg, "gated_silu_first")), "plain_us": bench(run(cfg, None))}
-            plain_us = bench(run(plain_pick, None))
+                tiles[str(cfg)] = {"gated_us": graph_us(run(cfg, "gated_silu_first")), "plain_us": graph_us(run(cfg, None))}
+            plain_us = graph_us(run(plain_pick, None))
             row = {"n": n, "m": m, "k": k, "plain_rule": str(plain_pick), "plain_rule_us": plain_us,
                    "gated_rule": str(gated_pick), "gated_rule_us": tiles[str(gated_pick)]["gated_us"], "tiles": tiles,
                    "gated_over_plain_same_tile": statistics.median(t["plain_us"] / t["gated_us"] for t in tiles.values()),

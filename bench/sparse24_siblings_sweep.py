@@ -16,9 +16,9 @@ import sys
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from kernelplan.bench import results
+from kernelplan.timing import graph_us
 from kernelplan.bench.shapes import MODELS
 from kernelplan.sparse24.format import prune_compress
 from kernelplan.sparse24.gemm import linear_parts
@@ -35,16 +35,25 @@ def groups() -> dict[tuple, list[str]]:
     return out
 
 
-def bench(fn) -> float:
-    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3  # us
 
-
-def main() -> int:
+def cli() -> tuple[list[int], str | None]:
+    """A sweep's arguments: the batch sizes (--n) and the results file (--out)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", default="1,16,64,256,512,2048")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    ns = [int(v) for v in a.n.split(",")]
+    return [int(v) for v in a.n.split(",")], a.out
+
+
+def summary(rows: list[dict], keys: tuple[str, ...]) -> None:
+    """Per n, each key's median [min, max] over the rows."""
+    for n in sorted({r["n"] for r in rows}):
+        span = {key: [r[key] for r in rows if r["n"] == n] for key in keys}
+        print(n, "  ".join(f"{key} {statistics.median(v):.2f} [{min(v):.2f}, {max(v):.2f}]" for key, v in span.items()))
+
+
+def main() -> int:
+    ns, out = cli()
     torch.manual_seed(0)
     rows = []
     with torch.inference_mode():
@@ -58,10 +67,10 @@ def main() -> int:
                 joined = linear_parts(x, values, metadata)
                 alone = torch.cat([linear_parts(x, w.values, w.metadata) for w in sparse], -1)
                 err = float((joined.float() - alone.float()).abs().max() / alone.float().abs().max())
-                t = {"sparse_separate_us": bench(lambda: [linear_parts(x, w.values, w.metadata) for w in sparse]),
-                     "sparse_grouped_us": bench(lambda: linear_parts(x, values, metadata)),
-                     "dense_separate_us": bench(lambda: [F.linear(x, w) for w in dense]),
-                     "dense_grouped_us": bench(lambda: F.linear(x, dense_all))}
+                t = {"sparse_separate_us": graph_us(lambda: [linear_parts(x, w.values, w.metadata) for w in sparse]),
+                     "sparse_grouped_us": graph_us(lambda: linear_parts(x, values, metadata)),
+                     "dense_separate_us": graph_us(lambda: [F.linear(x, w) for w in dense]),
+                     "dense_grouped_us": graph_us(lambda: F.linear(x, dense_all))}
                 rows.append({"k": k, "parts": list(parts), "layers": names, "n": n, "grouped_vs_separate_err": err,
                              **t, "sparse_grouping_gain": t["sparse_separate_us"] / t["sparse_grouped_us"],
                              "dense_grouping_gain": t["dense_separate_us"] / t["dense_grouped_us"],
@@ -70,12 +79,8 @@ def main() -> int:
                              "sparse_grouped_vs_dense_separate": t["dense_separate_us"] / t["sparse_grouped_us"]})
                 print({key: round(v, 3) if isinstance(v, float) else v for key, v in rows[-1].items()}, flush=True)
     print("n: 2:4 grouping gain (separate / grouped) median [min, max]; dense's; 2:4 over dense, grouped and separate")
-    for n in ns:
-        rs = [r for r in rows if r["n"] == n]
-        span = {key: [r[key] for r in rs] for key in ("sparse_grouping_gain", "dense_grouping_gain",
-                                                       "grouped_speedup", "separate_speedup")}
-        print(n, "  ".join(f"{key} {statistics.median(v):.2f} [{min(v):.2f}, {max(v):.2f}]" for key, v in span.items()))
-    results.write("sparse24-siblings-sweep", {"rows": rows}, a.out)
+    summary(rows, ("sparse_grouping_gain", "dense_grouping_gain", "grouped_speedup", "separate_speedup"))
+    results.write("sparse24-siblings-sweep", {"rows": rows}, out)
     return 0
 
 

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 import kernelplan as kp
 from helpers import FWD_ATOL, assert_close, poisoned, sm90
-from kernelplan.activations import GATED_EPILOGUES
 from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
 from kernelplan.errors import InvalidProblem
 from kernelplan.nn.gated_siblings import activation_of, gated_mlp_of

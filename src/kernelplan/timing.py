@@ -111,3 +111,11 @@ def kernel_device_ms(fn: Callable, calls: int) -> dict[str, float]:
     prof = profiled_calls(fn, calls)
     return {ev.key: ev.self_device_time_total / calls / 1e3 for ev in prof.key_averages()
             if ev.device_type == torch.autograd.DeviceType.CUDA and ev.self_device_time_total}
+
+
+def graph_us(fn: Callable, rep: int = 20) -> float:
+    """Microseconds of ``fn`` replayed as a CUDA graph, the median (``triton.testing.do_bench_cudagraph``): the
+    kernels' time, no host work."""
+    import triton
+
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e3
