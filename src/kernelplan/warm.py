@@ -130,10 +130,10 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
                 g.warm(torch.zeros(n, g.members[0].in_features, dtype=p.dtype, device=p.device))
         # The gated MLPs' GEMMs (nn/gated_siblings.py), on their settled groups: their own kernel variants.
         for route in filter(None, map(gated_mlp_of, model.modules())):
-            g = route.group()
-            p = g.members[0].values if g is not None else None
-            for n in sizes if g is not None else ():
-                g.gated(torch.zeros(n, g.members[0].in_features, dtype=p.dtype, device=p.device), route.epilogue)
+            first = route.mlp.gate_up_proj if route.fused else route.mlp.gate_proj
+            p = first.values
+            for n in sizes:
+                route.gated(torch.zeros(n, first.in_features, dtype=p.dtype, device=p.device))
     for row in rows.values():
         row["compile_s"] = compiled_s  # the compile phase, all kernels together
     return list(rows.values())

@@ -3,7 +3,8 @@
 Llama, Qwen2, Mistral, Gemma and others write their feed-forward block as modules named ``gate_proj``,
 ``up_proj``, ``down_proj`` and ``act_fn``.  Once ``fuse_siblings`` has grouped gate_proj and up_proj (they read one
 input: nn/siblings.py), their weights lie end to end, gate rows first: the weight of
-``kernelplan.sparse24.gated_linear``.  Its kernels apply ``act(gate) * up`` in their epilogue, so the MLP's
+``kernelplan.sparse24.gated_linear``.  Phi-3 holds that weight as one layer already: ``gate_up_proj``, with
+``down_proj`` and ``activation_fn`` (``up * act(gate)`` of its output's halves, gate first).  Its kernels apply ``act(gate) * up`` in their epilogue, so the MLP's
 [N, 2 x intermediate] pre-activation is never written or read back, and the silu and the product are not
 two more kernels.  Unlike the group's own GEMM, whose members take strided columns of its output, the gated
 output is contiguous: it runs at any number of rows of x.
@@ -14,7 +15,7 @@ first fused call of each module is checked against the module's own forward on t
 results differ (a forward that is not ``down(act(gate) * up)``) goes back to its own forward for good, with a
 warning.  The module's own forward also runs:
 * under autograd or torch.compile (each layer its own op, as without a group);
-* until gate_proj and up_proj have settled as one group of those two, gate first;
+* until gate_proj and up_proj have settled as one group of those two, gate first (Phi-3's form needs no group);
 * wherever the group's GEMM would run alone (``_Group.gated``: an x a layer refuses, a capture before the gated
   GEMM has run eagerly, a broken group).
 
@@ -26,12 +27,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import _is_compiling, warn_once
+from .._checks import _is_compiling, plain_eager, warn_once
 from ..activations import ACTIVATIONS
 from ..kernels import stream_capturing
 from .siblings import SPECS, siblings_of
 
 NAMES = ("gate_proj", "up_proj", "down_proj", "act_fn")
+FUSED_NAMES = ("gate_up_proj", "down_proj", "activation_fn")  # Phi-3's
 # The activations the kernels' gated epilogue applies, in the order the probe tries them.
 _ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu", "sigmoid")
 # The first fused call against the module's own forward: an error of rounding (bf16's is 2^-8 of a value, and
@@ -59,10 +61,22 @@ def activation_of(fn) -> str | None:
 def route_gated_mlps(model: nn.Module) -> list["GatedMlp"]:
     """Route every gated MLP of ``model`` whose gate and up projections are candidates of one ``Siblings`` of a kind
     with a gated epilogue (see the module docstring); returns the routes.  Idempotent."""
+    from .sparse24_linear import Sparse24Linear
+    from ..sparse24.layout import PUBLIC
+
     out = []
     for mod in model.modules():
-        if "forward" in mod.__dict__ or not all(hasattr(mod, n) for n in NAMES):
-            continue  # already routed (here, by a group, or by another library's hook), or not a gated MLP
+        if "forward" in mod.__dict__:
+            continue  # already routed (here, by a group, or by another library's hook)
+        if all(hasattr(mod, n) for n in FUSED_NAMES):
+            layer = mod.gate_up_proj
+            if isinstance(layer, Sparse24Linear) and layer.layout != PUBLIC and layer.out_features % 32 == 0:
+                act = activation_of(mod.activation_fn)
+                if act is not None:
+                    out.append(GatedMlp(mod, act, fused=True))
+            continue
+        if not all(hasattr(mod, n) for n in NAMES):
+            continue
         gate, up = mod.gate_proj, mod.up_proj
         siblings = siblings_of(gate)
         spec = SPECS.get(type(gate))
@@ -83,10 +97,11 @@ def gated_mlp_of(mod: nn.Module) -> "GatedMlp | None":
 class GatedMlp:
     """A gated MLP's route: its gate/up group's GEMM with the gated epilogue, then down_proj."""
 
-    def __init__(self, mlp: nn.Module, activation: str):
-        self.mlp, self.activation = mlp, activation
-        self.epilogue = f"gated_{activation}_first"  # the group's rows: gate_proj's, then up_proj's
+    def __init__(self, mlp: nn.Module, activation: str, fused: bool = False):
+        self.mlp, self.activation, self.fused = mlp, activation, fused  # fused: Phi-3's gate_up_proj
+        self.epilogue = f"gated_{activation}_first"  # the rows: gate_proj's (or gate_up_proj's first half), then up's
         self.checked = False  # the first fused call matched the module's own forward
+        self.warmed = False  # fused: the gated GEMM has run outside a capture (a capture may not build its kernel)
         self.off: str | None = None  # why this module runs its own forward for good
         self.stats = {"fused": 0, "own": 0}
         mlp.__dict__["forward"] = self.forward
@@ -104,15 +119,30 @@ class GatedMlp:
                 return g
         return None
 
+    def gated(self, x: torch.Tensor) -> torch.Tensor | None:
+        """act(gate) * up of x by one GEMM, or None where it cannot run now (``_Group.gated`` says when; Phi-3's
+        layer: under autograd, for an x it refuses, or in a capture before its first eager call)."""
+        if not self.fused:
+            group = self.group()
+            return group.gated(x, self.epilogue) if group is not None else None
+        layer = self.mlp.gate_up_proj
+        if x.dim() == 0 or x.shape[-1] != layer.in_features or not plain_eager(x, layer.values, layer.bias):
+            return None
+        capturing = x.is_cuda and stream_capturing()
+        if capturing and not self.warmed:
+            return None
+        h = layer.with_epilogue(x, self.epilogue)
+        self.warmed = self.warmed or not capturing
+        return h
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mlp = self.mlp
         own = type(mlp).forward
         if self.off is not None or _is_compiling():
             return own(mlp, x)
-        group = self.group()
         h = None
-        if group is not None and not (self.checked is False and x.is_cuda and stream_capturing()):
-            h = group.gated(x, self.epilogue)
+        if not (self.checked is False and x.is_cuda and stream_capturing()):
+            h = self.gated(x)
         if h is None:
             self.stats["own"] += 1
             return own(mlp, x)

@@ -98,8 +98,11 @@ class Sparse24Linear(nn.Module):
         """``kernelplan.gated_activation(self(x), kind, gate=gate, approximate=approximate)`` as one GEMM: the weight's
         rows are two halves, and the kernels apply the gated activation in their epilogue
         (``kernelplan.sparse24.gated_linear``).  Needs out_features % 32 == 0."""
-        return linear_parts(x, self.values, self.metadata, self.bias, gated_epilogue(kind, gate, approximate),
-                            self.memory)
+        return self.with_epilogue(x, gated_epilogue(kind, gate, approximate))
+
+    def with_epilogue(self, x: torch.Tensor, epilogue: str | None) -> torch.Tensor:
+        """The layer's GEMM under an epilogue by name (``kernelplan.sparse24.gemm.SPARSE24_EPILOGUES``)."""
+        return linear_parts(x, self.values, self.metadata, self.bias, epilogue, self.memory)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
