@@ -203,6 +203,28 @@ def test_phi3s_fused_gate_up_runs_on_the_gated_epilogue():
     assert set(model.state_dict()) == set(plain.state_dict())
 
 
+def test_torch_compile_traces_the_mlps_own_forward_in_one_graph():
+    """Under torch.compile a routed MLP is its own forward (each projection its own op), in one graph."""
+    torch._dynamo.reset()
+    model = _llama()
+    kp.sparsify(model, progress=False)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 5, 128)
+    with torch.no_grad():
+        model(torch.randint(0, 100, (1, 4))), model(torch.randint(0, 100, (1, 4)))  # settled and checked
+        route = gated_mlp_of(mlp)
+        before = dict(route.stats)
+        graphs = []
+
+        def backend(gm, inputs):
+            graphs.append(str(gm.graph))
+            return gm.forward
+
+        got = torch.compile(mlp, fullgraph=True, backend=backend)(x)
+        torch.testing.assert_close(got, type(mlp).forward(mlp, x))
+    assert sum(g.count("kernelplan.sparse24_linear") for g in graphs) == 3 and route.stats == before
+
+
 def test_hf_mlp_under_autograd_runs_its_own_forward():
     model = _llama()
     kp.sparsify(model, progress=False)
