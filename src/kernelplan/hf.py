@@ -231,7 +231,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
     dropped as they are replaced); 2:4 layers become ``Sparse24Linear`` straight
     from their compressed tensors, read on ``device``, so no dense copy of them
     reaches the GPU.  ``dtype`` casts floating tensors.  ``fuse``: sibling 2:4 layers that read one
-    input run as one GEMM (``kernelplan.nn.fuse_siblings``).
+    input run as one GEMM (``kernelplan.nn.fuse_siblings``), gated MLPs with their activation in its epilogue.
     """
     import transformers
 

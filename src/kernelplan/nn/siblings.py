@@ -23,7 +23,9 @@ view:
   outside a capture lays them out again;
 * for good, once a group's members stop reading one input (a cross-attention's k/v): ``broken``.
 
-``Siblings.stats`` counts the calls of each kind, so what ran is never a guess.  Under torch.compile each member
+Gated MLPs (gate_proj/up_proj/down_proj/act_fn) are routed as well, to their group's GEMM with the activation in
+its epilogue (``gated_siblings.py``; counted as "gated").  ``Siblings.stats`` counts the calls of each kind, so what
+ran is never a guess.  Under torch.compile each member
 is its own op, as without a group, and is not counted.  A member's calls reach its group through an instance
 ``forward`` (``_route``); its own GEMM is ``forward_alone``.
 """

@@ -137,7 +137,8 @@ def sparsify(
 
     ``fuse`` (the default) lets sibling layers that read one input (q/k/v,
     gate/up) run as one GEMM at inference, their weights laid end to end in one
-    copy (``kernelplan.nn.fuse_siblings``); the state_dict is the same.
+    copy (``kernelplan.nn.fuse_siblings``), and gated MLPs apply their activation
+    in that GEMM's epilogue (``kernelplan.nn.gated_siblings``); the state_dict is the same.
 
     Skipped, with the reason in the report: layers ``filter_fn`` rejects;
     embedding tables; layers whose weight is shared with another parameter (a
