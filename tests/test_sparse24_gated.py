@@ -225,6 +225,21 @@ def test_torch_compile_traces_the_mlps_own_forward_in_one_graph():
     assert sum(g.count("kernelplan.sparse24_linear") for g in graphs) == 3 and route.stats == before
 
 
+def test_warmup_lists_the_gated_gemms_once_their_groups_settle():
+    from kernelplan.warm import table
+
+    model = _llama()
+    kp.sparsify(model, progress=False)
+    with torch.no_grad():
+        assert not any("epilogue" in r for r in kp.warmup(model, batch_sizes=(1, 8), progress=False))  # watching
+        model(torch.randint(0, 100, (1, 4)))
+        rows = kp.warmup(model, batch_sizes=(1, 8), progress=False)
+    gated = [r for r in rows if r.get("epilogue")]
+    assert [(r["m"], r["k"], r["n"], r["epilogue"], r["expected"]) for r in gated] == \
+        [(512, 128, 1, "gated_silu_first", None), (512, 128, 8, "gated_silu_first", None)]
+    assert "(gated_silu_first)" in table(rows)
+
+
 def test_hf_mlp_under_autograd_runs_its_own_forward():
     model = _llama()
     kp.sparsify(model, progress=False)

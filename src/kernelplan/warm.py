@@ -11,7 +11,9 @@ For every ``Sparse24Linear`` of the model and every batch size asked for:
    (Under ``memory="fast"`` that first call is where the bucket is tuned.)
 
 The same for each sibling group (``kp.nn.fuse_siblings``) that has settled, that is after the model's first
-pass: one GEMM of all its layers' rows.  A group that has not settled yet builds its kernel on its first call.
+pass: one GEMM of all its layers' rows; and for each gated MLP's GEMM (``kp.nn.gated_siblings``) whose group has
+settled, or that needs none (Phi-3's): its rows with the gated epilogue.  A group that has not settled yet builds
+its kernel on its first call.
 
 Returns one row per (layer shape, n): the kernel, its configuration, and the
 speedup over dense the sweeps measured on this kind of GPU (``sparse24/expected.py``).
@@ -37,7 +39,8 @@ def _variant(layer: Sparse24Linear, n: int):
     from .sparse24.gemm import _descriptor, rule_backend
 
     dev = layer.values.device
-    desc = _descriptor(n, layer.out_features, layer.in_features, layer.values.dtype, None, layer.bias is not None,
+    epilogue = getattr(layer, "epilogue", None)
+    desc = _descriptor(n, layer.out_features, layer.in_features, layer.values.dtype, epilogue, layer.bias is not None,
                        dev, False, layer.memory)
     backend = rule_backend(desc)
     kernel = getattr(GemmSparse24Plan.registry.get(backend), "kernel", None)
@@ -45,7 +48,7 @@ def _variant(layer: Sparse24Linear, n: int):
         return backend, None, None
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     cfg, compile_ = kernel().compile_for(n, layer.out_features, layer.in_features, dtype_info(layer.values.dtype).name,
-                                         layer.bias is not None, None, index)
+                                         layer.bias is not None, epilogue, index)
     return backend, cfg, compile_
 
 
@@ -83,6 +86,17 @@ class _GroupShape:
         self.bias = first.bias
 
 
+class _GatedShape:
+    """A gated MLP's GEMM (``nn/gated_siblings.py``) as ``_variant`` reads a layer: gate and up rows, the gated
+    epilogue."""
+
+    def __init__(self, route):
+        first = route.mlp.gate_up_proj if route.fused else route.mlp.gate_proj
+        self.values, self.in_features, self.memory, self.bias = first.values, first.in_features, first.memory, first.bias
+        self.out_features = first.out_features * (1 if route.fused else 2)
+        self.epilogue, self.route = route.epilogue, route
+
+
 def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bool = True,
            threads: int = 8) -> list[dict]:
     """Compile every kernel and settle every dispatch choice of ``model``'s 2:4 layers at ``batch_sizes``, and of
@@ -99,17 +113,24 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
         raise InvalidProblem(f"batch_sizes is {tuple(batch_sizes)}; give positive numbers of rows, such as (1, 16, 128)")
     layers = [m for m in model.modules() if isinstance(m, Sparse24Linear)]
     groups = _groups(layers)
+    # Gated MLPs ready to run their gated GEMM: settled groups, or Phi-3's one layer.
+    gated = [_GatedShape(r) for r in filter(None, map(gated_mlp_of, model.modules())) if r.fused or r.group()]
     rows, compiles = {}, {}
-    for layer in layers + [_GroupShape(g) for g in groups]:
+    for layer in layers + [_GroupShape(g) for g in groups] + gated:
+        epilogue = getattr(layer, "epilogue", None)  # a gated MLP's GEMM's; a layer's own GEMM has none
         for n in sizes:
-            key = (layer.out_features, layer.in_features, str(layer.values.dtype), layer.bias is not None, n)
+            key = (layer.out_features, layer.in_features, str(layer.values.dtype), layer.bias is not None, n, epilogue)
             if key in rows:
                 continue
             backend, cfg, compile_ = _variant(layer, n)
+            # The sweeps measured the plain GEMM: a gated one's expected speedup is not theirs to give.
             rows[key] = {"m": key[0], "k": key[1], "dtype": key[2], "bias": key[3], "n": n, "backend": backend,
-                         "config": str(cfg) if cfg is not None else "-", "expected": _expected(layer, n)}
+                         "config": str(cfg) if cfg is not None else "-",
+                         "expected": _expected(layer, n) if epilogue is None else None}
+            if epilogue is not None:
+                rows[key]["epilogue"] = epilogue
             if compile_ is not None:
-                compiles.setdefault((backend, str(cfg), key[2], key[3]), compile_)
+                compiles.setdefault((backend, str(cfg), key[2], key[3], epilogue), compile_)
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
         futures = [pool.submit(c) for c in compiles.values()]
@@ -128,12 +149,10 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
             p = g.members[0].values
             for n in sizes:
                 g.warm(torch.zeros(n, g.members[0].in_features, dtype=p.dtype, device=p.device))
-        # The gated MLPs' GEMMs (nn/gated_siblings.py), on their settled groups: their own kernel variants.
-        for route in filter(None, map(gated_mlp_of, model.modules())):
-            first = route.mlp.gate_up_proj if route.fused else route.mlp.gate_proj
-            p = first.values
+        for shape in gated:  # the gated MLPs' GEMMs (nn/gated_siblings.py): their own kernel variants
+            p = shape.values
             for n in sizes:
-                route.gated(torch.zeros(n, first.in_features, dtype=p.dtype, device=p.device))
+                shape.route.gated(torch.zeros(n, shape.in_features, dtype=p.dtype, device=p.device))
     for row in rows.values():
         row["compile_s"] = compiled_s  # the compile phase, all kernels together
     return list(rows.values())
@@ -152,8 +171,9 @@ def table(rows: list[dict]) -> str:
         mark = ""
         if e is not None and e.basis != "measured":
             mark = notes.setdefault(e.basis, f"[{len(notes) + 1}]")
+        gated = f" ({r['epilogue']})" if r.get("epilogue") else ""
         lines.append(f"{r['m']:>7} x {r['k']:<5} {r['dtype']:>15} {r['n']:>6}  {r['backend']:<10} "
-                     f"{(str(e) + mark) if e is not None else '-':<31} {r['config']}")
+                     f"{(str(e) + mark) if e is not None else '-':<31} {r['config']}{gated}")
     sources = sorted({r["expected"].source for r in rows if r.get("expected") is not None})
     if sources:
         lines.append("expected: the rule's kernel over F.linear as measured by " + "; ".join(sources))
