@@ -111,3 +111,15 @@ def in_processes(target, arguments: list[tuple], timeout: float = 300) -> list[i
         if p.exitcode is None:
             p.kill()
     return [p.exitcode for p in procs]
+
+
+def compiled_graphs(module, *args):
+    """``(output, graphs)`` of ``torch.compile(module, fullgraph=True)(*args)``: the FX graphs dynamo traced, as text
+    (a backend that records them and runs the graph as traced)."""
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    return torch.compile(module, fullgraph=True, backend=backend)(*args), graphs

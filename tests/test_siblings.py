@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import kernelplan as kp
+from helpers import compiled_graphs
 from kernelplan.bench.decode import weight_bytes
 from kernelplan.nn import Sparse24Linear, fuse_siblings, siblings_of
 
@@ -166,13 +167,7 @@ def test_torch_compile_traces_each_member_as_its_own_op_in_one_graph(settled):
         for _ in range(2 if settled else 0):
             model(x)
         before = dict(siblings.stats)
-        graphs = []
-
-        def backend(gm, inputs):
-            graphs.append(str(gm.graph))
-            return gm.forward
-
-        got = torch.compile(model, fullgraph=True, backend=backend)(x)
+        got, graphs = compiled_graphs(model, x)
         torch.testing.assert_close(got, alone(x), rtol=0, atol=0)
     assert sum(g.count("kernelplan.sparse24_linear") for g in graphs) == 4
     assert siblings.stats == before and (siblings.groups is not None) == settled

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import kernelplan as kp
-from helpers import FWD_ATOL, assert_close, poisoned, sm90
+from helpers import FWD_ATOL, assert_close, compiled_graphs, poisoned, sm90
 from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
 from kernelplan.errors import InvalidProblem
 from kernelplan.nn.gated_siblings import activation_of, gated_mlp_of
@@ -214,13 +214,7 @@ def test_torch_compile_traces_the_mlps_own_forward_in_one_graph():
         model(torch.randint(0, 100, (1, 4))), model(torch.randint(0, 100, (1, 4)))  # settled and checked
         route = gated_mlp_of(mlp)
         before = dict(route.stats)
-        graphs = []
-
-        def backend(gm, inputs):
-            graphs.append(str(gm.graph))
-            return gm.forward
-
-        got = torch.compile(mlp, fullgraph=True, backend=backend)(x)
+        got, graphs = compiled_graphs(mlp, x)
         torch.testing.assert_close(got, type(mlp).forward(mlp, x))
     assert sum(g.count("kernelplan.sparse24_linear") for g in graphs) == 3 and route.stats == before
 
