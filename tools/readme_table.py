@@ -84,6 +84,12 @@ def _ungrouped(row: dict) -> str:
             f"dense grouped alike)")
 
 
+def _by_n(rows: list[dict], cell) -> str:
+    """``n = N <cell>`` for each n of a sweep's rows, ``cell(median)`` given the median of a key over that n's rows."""
+    return "; ".join(f"n = {n} " + cell(lambda key: statistics.median([r[key] for r in rows if r["n"] == n]))
+                     for n in sorted({r["n"] for r in rows}))
+
+
 def sparse24_notes() -> list[str]:
     """The 2:4 model, conversion and host-work results, one line each."""
     lines = []
@@ -99,8 +105,8 @@ def sparse24_notes() -> list[str]:
         sweep = _load(name)
         if sweep:
             rows = sweep["rows"]
-            spans = "; ".join(f"n = {n} {statistics.median([r['sparse_grouping_gain'] for r in rows if r['n'] == n]):.2f}x "
-                              f"(2:4 over dense, both grouped, {statistics.median([r['grouped_speedup'] for r in rows if r['n'] == n]):.2f}x)" for n in sorted({r["n"] for r in rows}))
+            spans = _by_n(rows, lambda med: f"{med('sparse_grouping_gain'):.2f}x (2:4 over dense, both grouped, "
+                                            f"{med('grouped_speedup'):.2f}x)")
             lines.append(f"- 2:4, sibling layers as one GEMM (`kp.nn.fuse_siblings`) over the sweep set's "
                          f"{len({(r['k'], tuple(r['parts'])) for r in rows})} q/k/v and gate/up groups, CUDA graph, "
                          f"separate GEMMs' time over one GEMM's, median: {spans}, {_source(sweep['meta'], name)}.")
@@ -108,9 +114,7 @@ def sparse24_notes() -> list[str]:
         sweep = _load(name)
         if sweep:
             rows = sweep["rows"]
-            med = lambda key, n: statistics.median([r[key] for r in rows if r["n"] == n])
-            spans = "; ".join(f"n = {n} {med('speedup', n):.2f}x (epilogue {med('epilogue_gain', n):.2f}x)"
-                              for n in sorted({r["n"] for r in rows}))
+            spans = _by_n(rows, lambda med: f"{med('speedup'):.2f}x (epilogue {med('epilogue_gain'):.2f}x)")
             lines.append(f"- 2:4 gate/up with the gated epilogue (`kp.sparse24.gated_linear`, SwiGLU) over the sweep "
                          f"set's {len({(r['k'], r['h']) for r in rows})} gated MLP shapes, CUDA graph, median against "
                          f"dense as Hugging Face runs it (two `F.linear`, then `silu(g) * u`), and the epilogue's gain "

@@ -152,7 +152,7 @@ class SpKernel(TiledKernel):
         cfg = self.config(n, m, k, device, activation)
         return _launcher(cfg, dtype, has_bias, activation, device), (-(-m // cfg.rows), 1, 1)
 
-    def config(self, n, m, k, device, activation=None):
+    def config(self, n, m, k, device, activation=None):  # every tile of the rule has a gated variant
         from ..sparse24.dispatch import config_for
 
         return config_for(self.name, n, m, k, sm_count(device))

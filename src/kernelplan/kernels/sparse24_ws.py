@@ -18,7 +18,7 @@ import ctypes
 import functools
 from dataclasses import dataclass
 
-from ..activations import kernel_epilogue
+from ..activations import GATED_EPILOGUES
 from ..errors import KernelPlanError
 from .nvrtc import cuda_source
 from .sparse24_mma import COMMON_SOURCE, defines
@@ -389,7 +389,7 @@ def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None,
     sizes = _param_sizes(cu, fn)
     if sizes != want:
         raise KernelPlanError(f"{name}: compiled parameter sizes {sizes} are not the launcher's {want}")
-    maps = TensorMaps(cfg.bn // cfg.cm, 4 * cfg.wm, dtype, gated=bool(kernel_epilogue(activation)[1]))
+    maps = TensorMaps(cfg.bn // cfg.cm, 4 * cfg.wm, dtype, gated=activation in GATED_EPILOGUES)
     kind = {"ws": MapLaunch, "sk": StreamKLaunch, "pp": PingPongLaunch}[_kind(cfg)]
     return kind(fn, f"{name} {cfg} {dtype}", cfg, maps, device_index)
 
@@ -483,11 +483,6 @@ class WsKernel(WgKernel):
 
     name = "cuda_ws"
     source = staticmethod(source)
-
-    def config(self, n, m, k, device, activation=None):
-        from .sparse24 import sm_count
-
-        return ws_config(n, m, k, sm_count(device), gated=bool(kernel_epilogue(activation)[1]))
 
     def launch_config(self, cfg: WsConfig, n, m, dtype, has_bias, activation, device):
         if cfg.sk or cfg.pp:  # the launch takes its grid from the problem (sk_plan; one CTA an SM)

@@ -8,6 +8,8 @@ from torch import nn
 from .._checks import choice
 from ..errors import InvalidProblem
 from ..gated import APPROXIMATIONS, GATES, KINDS, gated_activation
+from ..sparse24.layout import PUBLIC
+from .sparse24_linear import Sparse24Linear
 
 
 class GatedMLP(nn.Module):
@@ -86,9 +88,6 @@ class GatedMLP(nn.Module):
     def fuses_gate(self) -> bool:
         """Whether ``gate_up`` applies the gated activation in its GEMM's epilogue: a 2:4 layer (after
         ``kp.sparsify``) held in the device layout, each half whole 16-row tiles."""
-        from .sparse24_linear import Sparse24Linear
-        from ..sparse24.layout import PUBLIC
-
         g = self.gate_up
         return isinstance(g, Sparse24Linear) and g.layout != PUBLIC and g.out_features % 32 == 0
 

@@ -102,6 +102,7 @@ class GatedMlp:
         self.epilogue = f"gated_{activation}_first"  # the rows: gate_proj's (or gate_up_proj's first half), then up's
         self.checked = False  # the first fused call matched the module's own forward
         self.warmed = False  # fused: the gated GEMM has run outside a capture (a capture may not build its kernel)
+        self._settled = None  # the group, once found: a settled Siblings keeps its groups
         self.off: str | None = None  # why this module runs its own forward for good
         self.stats = {"fused": 0, "own": 0}
         mlp.__dict__["forward"] = self.forward
@@ -112,12 +113,13 @@ class GatedMlp:
 
     def group(self):
         """gate_proj and up_proj's group, settled as exactly those two with gate first; else None."""
-        mlp = self.mlp
-        siblings = siblings_of(mlp.gate_proj)
-        for g in (siblings.groups or ()) if siblings is not None else ():
-            if len(g.members) == 2 and g.members[0] is mlp.gate_proj and g.members[1] is mlp.up_proj:
-                return g
-        return None
+        if self._settled is None:
+            mlp = self.mlp
+            siblings = siblings_of(mlp.gate_proj)
+            for g in (siblings.groups or ()) if siblings is not None else ():
+                if len(g.members) == 2 and g.members[0] is mlp.gate_proj and g.members[1] is mlp.up_proj:
+                    self._settled = g
+        return self._settled
 
     def gated(self, x: torch.Tensor) -> torch.Tensor | None:
         """act(gate) * up of x by one GEMM, or None where it cannot run now (``_Group.gated`` says when; Phi-3's

@@ -137,12 +137,8 @@ def _sibling_key(mod: Sparse24Linear) -> tuple | None:
     return mod.in_features, mod.values.dtype, mod.values.device, mod.memory, mod.bias is None
 
 
-def _sibling_call(first: Sparse24Linear, x, values, metadata, bias) -> torch.Tensor:
-    return linear_parts(x, values, metadata, bias, None, first.memory)
-
-
-def _sibling_gated(first: Sparse24Linear, x, values, metadata, bias, epilogue: str) -> torch.Tensor:
+def _sibling_call(first: Sparse24Linear, x, values, metadata, bias, epilogue: str | None = None) -> torch.Tensor:
     return linear_parts(x, values, metadata, bias, epilogue, first.memory)
 
 
-SPECS[Sparse24Linear] = Spec(("values", "metadata"), _sibling_key, _sibling_call, forget, _sibling_gated)
+SPECS[Sparse24Linear] = Spec(("values", "metadata"), _sibling_key, _sibling_call, forget, _sibling_call)

@@ -30,25 +30,16 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..activations import ACTIVATIONS, GATED_EPILOGUES
+from ..activations import ACTIVATIONS
 from ..dtypes import dtype_info
 from ..kernels import triton_reason
 from ..plan import Backend, PrecisionGuarantee
 from .cusparselt import CusparseLtSparse24Backend
 from .format import derived_from
 from .layout import PUBLIC, SP_LAYOUT
-from .plan import GemmSparse24Args, GemmSparse24Plan
+from .plan import GemmSparse24Args, GemmSparse24Plan, ungated
 
 GPU_DTYPES = ("f32", "f16", "bf16")
-
-
-def _ungated(desc, backend: str) -> str | None:
-    """The reason a backend without the gated epilogue gives (only ``cuda_ws``, ``cuda_sp`` and the reference have
-    it), or None."""
-    if desc.activation in GATED_EPILOGUES:
-        return (f"the gated epilogue {desc.activation!r} is in the one layout's kernels (cuda_ws, cuda_sp) and the "
-                f"reference, not {backend}")
-    return None
 
 
 def _sm_count(device: str) -> int:
@@ -83,8 +74,8 @@ class TritonSparse24Backend(Backend):
             return f"dtype {desc.dtype} is not one of {GPU_DTYPES}"
         if desc.k % 64:
             return f"K = {desc.k} is not a multiple of 64, the kernel's smallest K tile"
-        if _ungated(desc, self.name):
-            return _ungated(desc, self.name)
+        if (why := ungated(desc, self.name)) is not None:
+            return why
         if desc.dtype == "bf16" and not desc.device.startswith("cuda"):
             # Measured: results off by ~1e9 through the interpreter, whose bf16 arithmetic is wrong.
             return "dtype bf16 on CPU: the Triton interpreter computes bf16 arithmetic wrongly; use f32 or f16 there"
@@ -141,8 +132,8 @@ class TritonWideSparse24Backend(TritonSparse24Backend):
     wide = True
 
     def supports(self, desc) -> str | None:
-        if _ungated(desc, self.name):
-            return _ungated(desc, self.name)
+        if (why := ungated(desc, self.name)) is not None:
+            return why
         if desc.n <= 16:
             return f"n = {desc.n} runs 16-wide N tiles; 128-row tiles are a candidate for n > 16"
         if desc.k % 128:
@@ -176,8 +167,8 @@ class CudaMmaSparse24Backend(Backend):
     def supports(self, desc) -> str | None:
         from ..kernels.nvrtc import nvrtc_reason
 
-        if not self.gated and _ungated(desc, self.name):
-            return _ungated(desc, self.name)
+        if not self.gated and (why := ungated(desc, self.name)) is not None:
+            return why
         if desc.dtype not in ("f16", "bf16"):
             return f"dtype {desc.dtype}: the kernel multiplies f16 and bf16 on the tensor cores"
         if desc.n > self.max_n and not self.chunks:
@@ -292,8 +283,8 @@ class DenseSparse24Backend(Backend):
     def supports(self, desc) -> str | None:
         if desc.dtype not in GPU_DTYPES:
             return f"dtype {desc.dtype} is not one of {GPU_DTYPES}"
-        if _ungated(desc, self.name):
-            return _ungated(desc, self.name)
+        if (why := ungated(desc, self.name)) is not None:
+            return why
         if not desc.device.startswith("cuda"):
             return f"device {desc.device}: the dense floor is for CUDA; the reference is the CPU path"
         return None

@@ -46,7 +46,7 @@ import torch
 from ..kernels import triton_reason
 from ..plan import Backend, PrecisionGuarantee
 from .format import derived_from
-from .plan import GemmSparse24Args
+from .plan import GemmSparse24Args, ungated
 
 # cudaDataType and cuSPARSE enums the bindings take as plain ints.
 _CUDA_DTYPE = {"f16": 2, "bf16": 14}
@@ -333,8 +333,8 @@ class CusparseLtSparse24Backend(Backend):
     def supports(self, desc) -> str | None:
         if not desc.device.startswith("cuda"):
             return f"device {desc.device}: cuSPARSELt runs on CUDA devices"
-        if desc.activation is not None and desc.activation.startswith("gated_"):  # activations.GATED_EPILOGUES
-            return f"the gated epilogue {desc.activation!r}: cuSPARSELt's output has M columns, not M / 2"
+        if (why := ungated(desc, self.name)) is not None:
+            return why
         if desc.dtype not in _CUDA_DTYPE:
             return (f"dtype {desc.dtype} is not one of {tuple(_CUDA_DTYPE)} (cuSPARSELt runs f32 as TF32 "
                     f"with 1:2 sparsity, not 2:4)")

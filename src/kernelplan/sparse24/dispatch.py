@@ -67,12 +67,14 @@ def backend_for(capability: tuple[int, int] | None, n: int, m: int, k: int, dtyp
     return "triton"
 
 
-def config_for(backend: str, n: int, m: int, k: int, sms: int):
-    """The tile configuration ``backend`` runs (n, M, K) with on a GPU of ``sms`` SMs: the kernels' own rules."""
+def config_for(backend: str, n: int, m: int, k: int, sms: int, gated: bool = False):
+    """The tile configuration ``backend`` runs (n, M, K) with on a GPU of ``sms`` SMs: the kernels' own rules.
+    ``gated``: under a gated epilogue, which ``cuda_ws`` runs on fewer tiles (``gated_tile``); ``cuda_sp``'s are
+    all gated-capable."""
     if backend == "cuda_ws":
         from ..kernels.sparse24_ws import ws_config
 
-        return ws_config(n, m, k, sms)
+        return ws_config(n, m, k, sms, gated)
     if backend == "cuda_wg":
         from ..kernels.sparse24_wg import wg_config
 

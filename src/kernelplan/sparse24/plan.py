@@ -34,6 +34,15 @@ def epilogue_fn(epilogue: str | None):
     return gated.fn if gated is not None else ACTIVATIONS[epilogue or "identity"].fn
 
 
+def ungated(desc: "GemmSparse24Descriptor", backend: str) -> str | None:
+    """The reason a backend without the gated epilogue gives (only ``cuda_ws``, ``cuda_sp`` and the reference have
+    it), or None."""
+    if desc.activation in GATED_EPILOGUES:
+        return (f"the gated epilogue {desc.activation!r} is in the one layout's kernels (cuda_ws, cuda_sp) and the "
+                f"reference, not {backend}")
+    return None
+
+
 def gated_reason(m: int) -> str | None:
     """Why a weight of ``m`` rows cannot take a gated epilogue, or None: its halves are whole 16-row tiles."""
     return None if m % 32 == 0 else f"M = {m} rows is not two halves of whole 16-row tiles (M % 32 == 0)"

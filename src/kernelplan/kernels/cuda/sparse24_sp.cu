@@ -36,12 +36,13 @@ kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
     // CTA's first half of tiles comes from W's first half of rows and its second from the same rows of the other.
     constexpr int kRegions = GATED ? 2 : 1, kCtaTiles = MW * RT / kRegions;
     static_assert(MW * RT % kRegions == 0, "a gated CTA has as many tiles from each half of W");
+    const int half = tiles / kRegions;  // tiles of each half (all of them, not gated)
     const u32 *vp[RT]; const u32 *ep[RT]; bool tok[RT];
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
-        const int c = mw * RT + r, region = c / kCtaTiles;
-        const int tile = blockIdx.x * kCtaTiles + c % kCtaTiles + region * (tiles / kRegions);
-        tok[r] = tile < tiles && tile - region * (tiles / kRegions) < tiles / kRegions;
+        const int c = mw * RT + r, in_half = blockIdx.x * kCtaTiles + c % kCtaTiles;
+        const int tile = in_half + c / kCtaTiles * half;
+        tok[r] = in_half < half;
         long base = (long)(tok[r] ? tile : 0) * ksteps + kw * steps;
         vp[r] = vals + base * 256 + lane * 4;
         ep[r] = meta + base * 32 + lane;
