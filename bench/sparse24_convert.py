@@ -2,8 +2,9 @@
 
 For each shape (the largest layers of the sweep set and a BERT-sized one), in
 bf16: ``layout.pack`` and ``layout.unpack`` (public format <-> the device
-layout), ``compress`` of a pruned dense weight, ``prune``, and the whole
-``Sparse24Linear.from_dense``.  Each op's bandwidth counts the bytes it must read
+layout), ``compress`` of a pruned dense weight, ``prune``, ``prune_compress``
+straight into the device layout (``packed=True``, one pass), and the whole
+``Sparse24Linear.from_dense``, which runs it.  Each op's bandwidth counts the bytes it must read
 and write at least; the copy's is a ``copy_`` of the dense weight (read and
 write).  Medians of ``triton.testing.do_bench``.  Writes
 ``bench/results/sparse24-convert-<gpu>.json``.
@@ -21,6 +22,7 @@ import triton
 
 import kernelplan as kp
 from kernelplan.bench import results
+from kernelplan.sparse24.format import prune_compress
 from kernelplan.sparse24.layout import pack, unpack
 
 SHAPES = [(28672, 8192), (8192, 28672), (18944, 3584), (3584, 18944), (8192, 8192), (3072, 768)]
@@ -38,6 +40,8 @@ def main() -> int:
         tv, tm = pack(w24.values, w24.metadata)
         back = unpack(tv, tm)
         assert torch.equal(back[0], w24.values) and torch.equal(back[1], w24.metadata), "round trip"
+        one = prune_compress(dense, packed=True)
+        assert torch.equal(one.values, tv) and torch.equal(one.metadata, tm), "one pass against three"
         linear = torch.nn.Linear(k, m, bias=False, device="cuda", dtype=torch.bfloat16)
         mk = m * k  # bytes: values MK (bf16), public metadata MK/4, packed metadata MK/8, dense 2 MK
         ops = {
@@ -46,6 +50,7 @@ def main() -> int:
             "unpack": (lambda: unpack(tv, tm), 2 * mk + mk // 4 + mk // 8),
             "compress": (lambda: kp.sparse24.compress(pruned), 2 * mk + mk + mk // 4),
             "prune": (lambda: kp.sparse24.prune(dense), 4 * mk),
+            "prune_compress_packed": (lambda: prune_compress(dense, packed=True), 2 * mk + mk + mk // 8),
             "from_dense": (lambda: kp.nn.Sparse24Linear.from_dense(linear), 2 * mk + mk + mk // 8),
         }
         ms = {name: triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median") for name, (fn, _) in ops.items()}

@@ -66,6 +66,48 @@ def test_refusals_leave_the_naming_to_the_torch_ops(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_compress_straight_into_the_device_layout_gives_the_torch_ops_bits(dtype):
+    from kernelplan.kernels import sparse24_convert as convert
+
+    # 5 steps: a partial block of steps; 3 tiles; rows of a wider tensor (stride 384 > K); one step and one tile.
+    for m, k, steps, seed in ((48, 320, 4, 6), (32, 256, 1, 7), (16, 64, 2, 8)):
+        wide = _awkward(m, k + 64, dtype, seed)
+        w = wide[:, 32:32 + k]
+        assert w.stride(0) == k + 64 and not w.is_contiguous()
+        want = kp.sparse24.compress(kp.sparse24.prune(w)).packed()
+        tv, tm = convert.compress_tiled(wide.to(DEV)[:, 32:32 + k], prune=True, steps=steps)
+        assert tv.shape == (m // 16, k // 64, 512) and tm.shape == (m // 16, k // 64, 32) and tm.dtype == torch.int32
+        assert torch.equal(_bits(tv.cpu()), _bits(want.values)) and torch.equal(tm.cpu(), want.metadata)
+        pruned = kp.sparse24.prune(w).to(DEV)  # the exact path: the non-zeros, then fillers
+        tv, tm = convert.compress_tiled(pruned, prune=False, steps=steps)
+        assert torch.equal(_bits(tv.cpu()), _bits(want.values)) and torch.equal(tm.cpu(), want.metadata)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compress_straight_into_the_layout_refuses_as_the_public_one(dtype):
+    from kernelplan.kernels import sparse24_convert as convert
+
+    w = _awkward(32, 128, dtype, 9).to(DEV)
+    assert convert.compress_tiled(w, prune=False) is None  # groups of more than 2 non-zeros
+    w[17, 70] = float("nan")
+    assert convert.compress_tiled(w, prune=True) is None
+    with pytest.raises(kp.InvalidProblem, match="contains NaN"):
+        kp.sparse24.format.prune_compress(w, packed=True)
+    with pytest.raises(kp.InvalidProblem, match=r"row 0, group 0 .* more than 2"):
+        kp.sparse24.compress(w, packed=True)
+
+
+def test_compress_packed_holds_the_device_layout_where_the_shape_allows():
+    w = kp.sparse24.prune(_awkward(48, 192, torch.bfloat16, 10))
+    got, want = kp.sparse24.compress(w, packed=True), kp.sparse24.compress(w)
+    assert got.layout == layout.SP_LAYOUT and torch.equal(got.values, want.packed().values)
+    assert torch.equal(got.public().metadata, want.metadata)
+    odd = kp.sparse24.prune(_awkward(40, 96, torch.bfloat16, 11))  # M % 16 and K % 64 are not 0: public
+    got = kp.sparse24.format.prune_compress(odd, packed=True)
+    assert got.layout == layout.PUBLIC and torch.equal(got.values, kp.sparse24.compress(odd).values)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_pack_and_unpack_kernels_give_the_torch_ops_bits(dtype):
     from kernelplan.kernels import sparse24_convert as convert
 
@@ -91,3 +133,20 @@ def test_on_the_gpu_the_public_functions_run_the_kernels_and_keep_autograd():
     values = packed.values.clone().requires_grad_()  # autograd through unpack: the torch ops, differentiable
     kp.sparse24.Sparse24Weight(values, packed.metadata).decompress().sum().backward()
     assert torch.equal(values.grad, torch.ones_like(values))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("bias", [False, True])
+def test_from_dense_on_the_gpu_holds_what_the_cpu_path_holds(bias):
+    linear = torch.nn.Linear(320, 96, bias=bias, dtype=torch.bfloat16)
+    cpu = kp.nn.Sparse24Linear.from_dense(linear)
+    on_gpu = torch.nn.Linear(320, 96, bias=bias, dtype=torch.bfloat16, device="cuda")
+    on_gpu.load_state_dict(linear.state_dict())
+    gpu = kp.nn.Sparse24Linear.from_dense(on_gpu)
+    assert gpu.layout == cpu.layout == layout.SP_LAYOUT
+    assert torch.equal(gpu.values.cpu(), cpu.values) and torch.equal(gpu.metadata.cpu(), cpu.metadata)
+    if bias:
+        assert torch.equal(gpu.bias.cpu(), linear.bias)
+    public = kp.nn.Sparse24Linear.from_dense(on_gpu, layout="public")
+    assert public.layout == layout.PUBLIC and torch.equal(public.to_dense().cpu(), cpu.to_dense())

@@ -34,6 +34,46 @@ def _int_view(t: torch.Tensor):
 
 
 @triton.jit
+def _keep24(a0, a1, a2, a3, PRUNE: tl.constexpr, ABS: tl.constexpr, INF: tl.constexpr):
+    """Which of a group's 4 bit patterns are kept, and whether the group is refused.
+
+    ``PRUNE``: the 2 largest ``|w|`` (refused: NaN); else the non-zeros, ranked first (-0.0 is zero), with the
+    lowest zeros as fillers (refused: more than 2).  Ties go to the lower index, as prune's stable sort."""
+    m0, m1, m2, m3 = a0 & ABS, a1 & ABS, a2 & ABS, a3 & ABS
+    if PRUNE:  # rank by |w|, NaN refused
+        s0, s1, s2, s3 = m0, m1, m2, m3
+        bad = (m0 > INF) | (m1 > INF) | (m2 > INF) | (m3 > INF)
+    else:  # rank non-zeros first; more than 2 refused
+        s0, s1, s2, s3 = (m0 != 0).to(tl.int32), (m1 != 0).to(tl.int32), (m2 != 0).to(tl.int32), (m3 != 0).to(tl.int32)
+        bad = s0 + s1 + s2 + s3 > 2
+    # Kept: fewer than 2 rank above.
+    k0 = (s1 > s0).to(tl.int32) + (s2 > s0).to(tl.int32) + (s3 > s0).to(tl.int32) < 2
+    k1 = (s0 >= s1).to(tl.int32) + (s2 > s1).to(tl.int32) + (s3 > s1).to(tl.int32) < 2
+    k2 = (s0 >= s2).to(tl.int32) + (s1 >= s2).to(tl.int32) + (s3 > s2).to(tl.int32) < 2
+    k3 = (s0 >= s3).to(tl.int32) + (s1 >= s3).to(tl.int32) + (s2 >= s3).to(tl.int32) < 2
+    return k0, k1, k2, k3, bad
+
+
+@triton.jit
+def _split4(a, SHAPE0: tl.constexpr, SHAPE1: tl.constexpr):
+    """``a [SHAPE0, 4 SHAPE1]``, groups of 4 along its rows -> the groups' 4 entries, each ``[SHAPE0, SHAPE1]``."""
+    even, odd = tl.split(tl.reshape(a, (SHAPE0, SHAPE1, 2, 2)))  # columns 4g + {0, 2} and 4g + {1, 3}
+    a0, a2 = tl.split(even)
+    a1, a3 = tl.split(odd)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _kept_pair(a0, a1, a2, a3, k0, k1, k2, k3):
+    """The kept values (v0, v1) and their positions' 4 bits, ``pos0 | pos1 << 2``, of each group."""
+    p0 = tl.where(k0, 0, tl.where(k1, 1, 2))
+    p1 = tl.where(k3, 3, tl.where(k2, 2, 1))
+    v0 = tl.where(k0, a0, tl.where(k1, a1, a2))
+    v1 = tl.where(k3, a3, tl.where(k2, a2, a1))
+    return v0, v1, p0 | (p1 << 2)
+
+
+@triton.jit
 def _compress24(w_ptr, v_ptr, m_ptr, d_ptr, bad_ptr, M, K, stride_w, PRUNE: tl.constexpr, DENSE: tl.constexpr,
                 ABS: tl.constexpr, INF: tl.constexpr, BM: tl.constexpr, BG: tl.constexpr):
     """A [BM, 4 BG] block of w: the 2 kept of each group of 4, as values + format words (or masked dense)."""
@@ -42,21 +82,8 @@ def _compress24(w_ptr, v_ptr, m_ptr, d_ptr, bad_ptr, M, K, stride_w, PRUNE: tl.c
     cols = pid_g * BG * 4 + tl.arange(0, BG * 4)
     ok = (rows[:, None] < M) & (cols[None, :] < K)
     a = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + cols[None, :], mask=ok, other=0)
-    even, odd = tl.split(tl.reshape(a, (BM, BG, 2, 2)))  # columns 4g + {0, 2} and 4g + {1, 3}
-    a0, a2 = tl.split(even)
-    a1, a3 = tl.split(odd)
-    m0, m1, m2, m3 = a0 & ABS, a1 & ABS, a2 & ABS, a3 & ABS
-    if PRUNE:  # rank by |w|, NaN refused
-        s0, s1, s2, s3 = m0, m1, m2, m3
-        bad = (m0 > INF) | (m1 > INF) | (m2 > INF) | (m3 > INF)
-    else:  # rank non-zeros first (-0.0 is zero); more than 2 refused
-        s0, s1, s2, s3 = (m0 != 0).to(tl.int32), (m1 != 0).to(tl.int32), (m2 != 0).to(tl.int32), (m3 != 0).to(tl.int32)
-        bad = s0 + s1 + s2 + s3 > 2
-    # Kept: fewer than 2 rank above, ties to the lower index (as prune's stable sort and compress's fillers).
-    k0 = (s1 > s0).to(tl.int32) + (s2 > s0).to(tl.int32) + (s3 > s0).to(tl.int32) < 2
-    k1 = (s0 >= s1).to(tl.int32) + (s2 > s1).to(tl.int32) + (s3 > s1).to(tl.int32) < 2
-    k2 = (s0 >= s2).to(tl.int32) + (s1 >= s2).to(tl.int32) + (s3 > s2).to(tl.int32) < 2
-    k3 = (s0 >= s3).to(tl.int32) + (s1 >= s3).to(tl.int32) + (s2 >= s3).to(tl.int32) < 2
+    a0, a1, a2, a3 = _split4(a, BM, BG)
+    k0, k1, k2, k3, bad = _keep24(a0, a1, a2, a3, PRUNE, ABS, INF)
     tl.store(bad_ptr + pid_m * tl.num_programs(1) + pid_g, tl.max(tl.max(bad.to(tl.int32), 1), 0))
     if DENSE:
         zero = tl.zeros_like(a0)
@@ -64,20 +91,50 @@ def _compress24(w_ptr, v_ptr, m_ptr, d_ptr, bad_ptr, M, K, stride_w, PRUNE: tl.c
                        tl.join(tl.where(k1, a1, zero), tl.where(k3, a3, zero)))
         tl.store(d_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], tl.reshape(kept, (BM, BG * 4)), mask=ok)
     else:
-        p0 = tl.where(k0, 0, tl.where(k1, 1, 2))
-        p1 = tl.where(k3, 3, tl.where(k2, 2, 1))
-        v0 = tl.where(k0, a0, tl.where(k1, a1, a2))
-        v1 = tl.where(k3, a3, tl.where(k2, a2, a1))
+        v0, v1, nib = _kept_pair(a0, a1, a2, a3, k0, k1, k2, k3)
         vcols = pid_g * BG * 2 + tl.arange(0, BG * 2)
         tl.store(v_ptr + rows[:, None].to(tl.int64) * (K // 2) + vcols[None, :], tl.reshape(tl.join(v0, v1), (BM, BG * 2)),
                  mask=(rows[:, None] < M) & (vcols[None, :] < K // 2))
-        lo, hi = tl.split(tl.reshape(p0 | (p1 << 2), (BM, BG // 2, 2)))  # a format word is two groups' bytes
+        lo, hi = tl.split(tl.reshape(nib, (BM, BG // 2, 2)))  # a format word is two groups' bytes
         wcols = pid_g * (BG // 2) + tl.arange(0, BG // 2)
         tl.store(m_ptr + rows[:, None].to(tl.int64) * (K // 8) + wcols[None, :], (lo | (hi << 8)).to(tl.int16),
                  mask=(rows[:, None] < M) & (wcols[None, :] < K // 8))
 
 
-def compress(w: torch.Tensor, prune: bool, dense: bool = False, block=(16, 64)):
+@triton.jit
+def _compress24_tiled(w_ptr, tv_ptr, tm_ptr, bad_ptr, K, stride_w, PRUNE: tl.constexpr, ABS: tl.constexpr,
+                      INF: tl.constexpr, STEPS: tl.constexpr):
+    """One 16-row tile of w, STEPS 64-column steps, straight into the device layout (sparse24/layout.py).
+
+    The groups are read in the layout's pair order d = (((u * 2 + j) * 2 + h) * 8 + g) * 4 + t (row 16 i + 8 h + g,
+    group 16 s + 8 u + 4 j + t), so the kept pairs are stored as they come; lane 4 g + 2 u + j's metadata word is
+    its 4 groups t of rows g (low half) and g + 8 (high half), 4 bits each."""
+    i, sb = tl.program_id(0), tl.program_id(1)
+    nsteps = K // 64
+    s = sb * STEPS + tl.arange(0, STEPS)[:, None]  # [STEPS, 1]
+    d = tl.arange(0, 256)[None, :]
+    t, g, h, uj = d % 4, (d // 4) % 8, (d // 32) % 2, d // 64
+    row = (16 * i + 8 * h + g).to(tl.int64)
+    col = 64 * s + 16 * uj + 4 * t  # the group's first column: uj = 2 u + j, 16 columns each
+    live = (s < nsteps)[:, :, None]  # [STEPS, 1, 1]
+    c = tl.arange(0, 4)[None, None, :]
+    a = tl.load(w_ptr + (row * stride_w + col)[:, :, None] + c, mask=live, other=0)  # [STEPS, 256, 4]
+    a0, a1, a2, a3 = _split4(tl.reshape(a, (STEPS, 1024)), STEPS, 256)
+    k0, k1, k2, k3, bad = _keep24(a0, a1, a2, a3, PRUNE, ABS, INF)
+    tl.store(bad_ptr + i * tl.num_programs(1) + sb, tl.max(tl.max(bad.to(tl.int32), 1), 0))
+    v0, v1, nib = _kept_pair(a0, a1, a2, a3, k0, k1, k2, k3)
+    tile_step = (i * nsteps + s).to(tl.int64)  # [STEPS, 1]
+    tl.store(tv_ptr + tile_step * 512 + tl.arange(0, 512)[None, :], tl.reshape(tl.join(v0, v1), (STEPS, 512)),
+             mask=s < nsteps)
+    # Bits are disjoint, so a sum is their OR (no carries, even into bit 31).
+    shifted = tl.reshape(nib << (16 * h + 4 * t), (STEPS, 4, 2, 8, 4))  # [step, uj, h, g, t]
+    words = tl.sum(tl.sum(shifted, 4), 2)  # [STEPS, 4 (uj), 8 (g)]
+    wuj = tl.arange(0, 4)[None, :, None]
+    wg = tl.arange(0, 8)[None, None, :]
+    tl.store(tm_ptr + (tile_step * 32)[:, :, None] + 4 * wg + wuj, words, mask=(s < nsteps)[:, :, None])
+
+
+def compress(w: torch.Tensor, prune: bool, dense: bool = False, block=(16, 64), warps: int = 4):
     """``(values, metadata)`` of a 2-D ``w`` (``dense``: the pruned dense weight), or None where ``w`` is refused.
 
     ``prune``: keep the 2 largest ``|w|`` per group (refused: NaN), else keep
@@ -101,12 +158,30 @@ def compress(w: torch.Tensor, prune: bool, dense: bool = False, block=(16, 64)):
     # ("Pointer argument cannot be accessed from Triton"; tests/test_multi_gpu.py).
     with on_device(w.get_device()), compiling():  # a load-time op: every call may be the one that compiles
         _compress24[grid](bits, values, metadata, out, bad, m, k, w.stride(0), PRUNE=prune, DENSE=dense,
-                          ABS=absmask, INF=inf, BM=bm, BG=bg, num_warps=4)
+                          ABS=absmask, INF=inf, BM=bm, BG=bg, num_warps=warps)
     if bool(bad.any()):
         return None
     if dense:
         return out.view(w.dtype)
     return values.view(w.dtype), metadata
+
+
+def compress_tiled(w: torch.Tensor, prune: bool, steps: int = 4, warps: int = 4):
+    """``compress``'s parts in the device layout, ``(values [M/16, K/64, 512], metadata [M/16, K/64, 32] int32)``,
+    in one pass from ``w`` (no public-format copy), or None where ``w`` is refused.  M % 16 == 0 and K % 64 == 0
+    (checked by the caller); rows of ``w`` must have unit stride."""
+    m, k = w.shape
+    bits, absmask, inf = _int_view(w)
+    grid = (m // 16, triton.cdiv(k // 64, steps))
+    bad = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=w.device)
+    tv = torch.empty((m // 16, k // 64, 512), dtype=bits.dtype, device=w.device)
+    tm = torch.empty((m // 16, k // 64, 32), dtype=torch.int32, device=w.device)
+    with on_device(w.get_device()), compiling():
+        _compress24_tiled[grid](bits, tv, tm, bad, k, w.stride(0), PRUNE=prune, ABS=absmask, INF=inf, STEPS=steps,
+                                num_warps=warps)
+    if bool(bad.any()):
+        return None
+    return tv.view(w.dtype), tm
 
 
 @triton.jit

@@ -62,7 +62,8 @@ class Sparse24Linear(nn.Module):
         if prune != "magnitude":
             raise InvalidProblem(f"prune is {prune!r}; the one pruning method is prune='magnitude'")
         with torch.no_grad():
-            w24 = prune_compress(linear_module.weight.detach())
+            # Straight into the layout the module holds: one pass on the GPU, no public-format copy.
+            w24 = prune_compress(linear_module.weight.detach(), packed=layout == "auto")
             bias = linear_module.bias.detach().clone() if linear_module.bias is not None else None
         return cls(w24.values, w24.metadata, bias, layout=layout, _validate=False)
 

@@ -163,7 +163,7 @@ def sparsify(
     chosen = _select(model, filter_fn, prune_output, out)
     if calibration is None:
         for name, layer in tqdm(chosen, desc="sparsify", disable=not progress or len(chosen) < 8):
-            _replace(model, name, layer, prune_compress(layer.weight.detach()), out)
+            _replace(model, name, layer, prune_compress(layer.weight.detach(), packed=True), out)
         return _fused(model, fuse, out)
 
     data = calibrate.batches(calibration, batch_size)
@@ -184,7 +184,7 @@ def sparsify(
                 for name, layer, w in zip(names, group, pruned):
                     if report:
                         out.errors[name] = methods.relative_error(layer.weight, w, stats)
-                    w24s.append(compress(w))
+                    w24s.append(compress(w, packed=True))
             for name, layer, w24 in zip(names, group, w24s):
                 _replace(model, name, layer, w24, out)
 

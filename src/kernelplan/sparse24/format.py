@@ -30,7 +30,7 @@ import torch
 from .._checks import check_has_data, check_tensor
 from ..dtypes import dtype_info
 from ..errors import InvalidProblem, InvalidState, MisalignedOperand
-from .layout import PUBLIC, SP_LAYOUT, check_layout, gpu_kernels, layout_of, pack, unpack, weight_shape
+from .layout import PUBLIC, SP_LAYOUT, check_layout, gpu_kernels, layout_of, pack, pack_reason, unpack, weight_shape
 
 FORMAT_VERSION = 1
 SPARSE24_DTYPES = ("f64", "f32", "f16", "bf16")
@@ -113,8 +113,11 @@ def is_sparse24(w: torch.Tensor) -> bool:
     return bool(((groups != 0).sum(-1) <= 2).all())
 
 
-def compress(w: torch.Tensor) -> "Sparse24Weight":
-    """Compress a 2:4-sparse ``w [M, K]`` (see :func:`prune`) to values + metadata."""
+def compress(w: torch.Tensor, packed: bool = False) -> "Sparse24Weight":
+    """Compress a 2:4-sparse ``w [M, K]`` (see :func:`prune`) to values + metadata.
+
+    ``packed``: in the device layout (``layout.py``) where M % 16 == 0 and K % 64 == 0, else in the public format,
+    as ``Sparse24Linear(layout="auto")`` holds a weight; on the GPU in one pass from ``w``."""
     check_tensor(w, "w")
     if w.dim() != 2:
         raise InvalidProblem(
@@ -123,11 +126,9 @@ def compress(w: torch.Tensor) -> "Sparse24Weight":
     dtype_info(w.dtype, "w", SPARSE24_DTYPES)
     groups = _groups(w, "w", 8)
     check_has_data(w, "w", "compress")
-    kernels = gpu_kernels(w) if w.numel() else None
-    if kernels is not None:
-        parts = kernels.compress(_rows(w), prune=False)
-        if parts is not None:  # None: a group of more than 2, named below
-            return Sparse24Weight(*parts, _validate=False)
+    parts = _gpu_compress(w, False, packed)
+    if parts is not None:  # None: the torch ops, or a group of more than 2, named below
+        return Sparse24Weight(*parts, _validate=False)
     nonzero = groups != 0
     counts = nonzero.sum(-1)
     if (counts > 2).any():
@@ -141,17 +142,28 @@ def compress(w: torch.Tensor) -> "Sparse24Weight":
     values = torch.gather(groups, -1, pos).reshape(w.shape[0], w.shape[1] // 2)
     byte = (pos[..., 0] | (pos[..., 1] << 2)).to(torch.int32)  # [M, K/4]
     words = byte[:, 0::2] | (byte[:, 1::2] << 8)
-    return Sparse24Weight(values.contiguous(), words.to(torch.int16), _validate=False)
+    w24 = Sparse24Weight(values.contiguous(), words.to(torch.int16), _validate=False)
+    return w24.packed() if packed and pack_reason(*w.shape) is None else w24
 
 
-def prune_compress(w: torch.Tensor) -> "Sparse24Weight":
-    """``compress(prune(w))`` of a 2-D weight, in one pass on the GPU (no pruned dense copy)."""
-    kernels = gpu_kernels(w) if w.dim() == 2 and w.numel() and w.shape[-1] % 8 == 0 else None
-    if kernels is not None:
-        parts = kernels.compress(_rows(w), prune=True)
+def prune_compress(w: torch.Tensor, packed: bool = False) -> "Sparse24Weight":
+    """``compress(prune(w), packed)`` of a 2-D weight, in one pass on the GPU (no pruned dense copy)."""
+    if w.dim() == 2 and w.shape[-1] % 8 == 0:
+        parts = _gpu_compress(w, True, packed)
         if parts is not None:
             return Sparse24Weight(*parts, _validate=False)
-    return compress(prune(w))
+    return compress(prune(w), packed)
+
+
+def _gpu_compress(w: torch.Tensor, prune: bool, packed: bool):
+    """The conversion kernels' parts of a 2-D ``w`` (``packed``: in the device layout where its shape allows), or
+    None where they do not run (not on the GPU, no data) or refuse ``w`` (the torch ops then name why)."""
+    kernels = gpu_kernels(w) if w.numel() else None
+    if kernels is None:
+        return None
+    if packed and pack_reason(*w.shape) is None:
+        return kernels.compress_tiled(_rows(w), prune=prune)
+    return kernels.compress(_rows(w), prune=prune)
 
 
 def _metadata_bytes(metadata: torch.Tensor) -> torch.Tensor:
