@@ -1,6 +1,8 @@
 """The conversion kernels' block sizes, timed: which ``steps`` and warps ``compress_tiled`` (dense straight into the
 device layout) and which block ``compress`` (into the public format) run fastest, against a copy of the dense
-weight in the same process (median of ``triton.testing.do_bench``).  Prints a table; writes
+weight in the same process (median of ``triton.testing.do_bench``).  Each is timed twice: the whole call (outputs
+allocated, the kernel, the host's read of the refusal flags, which waits for the GPU) and the kernel alone
+(launched back to back on allocated outputs).  Prints a table; writes
 ``bench/results/sparse24-convert-blocks-<gpu>.json``.
 
     PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_convert_blocks.py
@@ -23,6 +25,15 @@ TILED = [(steps, warps) for steps in (1, 2, 4, 8) for warps in (4, 8)]
 PUBLIC = [((bm, bg), warps) for bm, bg in ((16, 64), (32, 64), (16, 128), (64, 32)) for warps in (4, 8)]
 
 
+def timed(call, kernel, nbytes: int, copy_bw: float) -> dict:
+    """The whole call's and the kernel's median times, and each as a share of the copy bandwidth."""
+    out = {}
+    for name, fn in (("", call), ("kernel_", kernel)):
+        ms = triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
+        out[name + "ms"], out[name + "of_copy"] = ms, nbytes / ms / 1e6 / copy_bw
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -37,21 +48,31 @@ def main() -> int:
                                           return_mode="median")
         copy_bw = 4 * mk / copy_ms / 1e6
         row = {"m": m, "k": k, "copy_GBps": copy_bw, "tiled": {}, "public": {}}
+        bits = dense.view(torch.int16)
+        tv, tm = torch.empty_like(want.values).view(torch.int16), torch.empty_like(want.metadata)
+        values, metadata = torch.empty(m, k // 2, dtype=torch.int16, device="cuda"), torch.empty(
+            m, k // 8, dtype=torch.int16, device="cuda")
+        bad = torch.empty(m * k // 64, dtype=torch.int32, device="cuda")
         for steps, warps in TILED:
-            tv, tm = convert.compress_tiled(dense, prune=True, steps=steps, warps=warps)
-            ok = torch.equal(tv, want.values) and torch.equal(tm, want.metadata)
-            ms = triton.testing.do_bench(lambda: convert.compress_tiled(dense, True, steps, warps), warmup=5, rep=50,
-                                         return_mode="median")
-            row["tiled"][f"steps={steps} warps={warps}"] = {"ms": ms, "of_copy": (3 * mk + mk // 8) / ms / 1e6 / copy_bw,
-                                                            "ok": ok}
-        for block, warps in PUBLIC:
-            ms = triton.testing.do_bench(lambda: convert.compress(pruned, False, block=block, warps=warps), warmup=5,
-                                         rep=50, return_mode="median")
-            row["public"][f"block={block} warps={warps}"] = {"ms": ms, "of_copy": (3 * mk + mk // 4) / ms / 1e6 / copy_bw}
+            got = convert.compress_tiled(dense, prune=True, steps=steps, warps=warps)
+            ok = torch.equal(got[0], want.values) and torch.equal(got[1], want.metadata)
+            grid = (m // 16, triton.cdiv(k // 64, steps))
+            kernel = lambda: convert._compress24_tiled[grid](bits, tv, tm, bad, k, k, PRUNE=True, ABS=0x7FFF,  # noqa: E731
+                                                             INF=0x7F80, STEPS=steps, num_warps=warps)
+            row["tiled"][f"steps={steps} warps={warps}"] = timed(lambda: convert.compress_tiled(dense, True, steps, warps),
+                                                                 kernel, 3 * mk + mk // 8, copy_bw) | {"ok": ok}
+        for (bm, bg), warps in PUBLIC:
+            grid = (triton.cdiv(m, bm), triton.cdiv(k // 4, bg))
+            kernel = lambda: convert._compress24[grid](pruned.view(torch.int16), values, metadata, values, bad, m, k,  # noqa: E731
+                                                       k, PRUNE=False, DENSE=False, ABS=0x7FFF, INF=0x7F80, BM=bm,
+                                                       BG=bg, num_warps=warps)
+            row["public"][f"block={(bm, bg)} warps={warps}"] = timed(
+                lambda: convert.compress(pruned, False, block=(bm, bg), warps=warps), kernel, 3 * mk + mk // 4, copy_bw)
         rows.append(row)
         for part in ("tiled", "public"):
             best = max(row[part], key=lambda c: row[part][c]["of_copy"])
-            print(f"{m}x{k} {part}: " + ", ".join(f"{c} {v['of_copy']:.2f}" + ("" if v.get("ok", True) else " WRONG")
+            print(f"{m}x{k} {part}, of copy, call / kernel: " + ", ".join(
+                f"{c} {v['of_copy']:.2f} / {v['kernel_of_copy']:.2f}" + ("" if v.get("ok", True) else " WRONG")
                                                   for c, v in row[part].items()) + f"; best {best}", flush=True)
     results.write("sparse24-convert-blocks", {"rows": rows}, a.out, dtype="bf16")
     return 0

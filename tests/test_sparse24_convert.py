@@ -69,8 +69,9 @@ def test_refusals_leave_the_naming_to_the_torch_ops(dtype):
 def test_compress_straight_into_the_device_layout_gives_the_torch_ops_bits(dtype):
     from kernelplan.kernels import sparse24_convert as convert
 
-    # 5 steps: a partial block of steps; 3 tiles; rows of a wider tensor (stride 384 > K); one step and one tile.
-    for m, k, steps, seed in ((48, 320, 4, 6), (32, 256, 1, 7), (16, 64, 2, 8)):
+    # 5 steps: a partial block of steps; 3 tiles; rows of a wider tensor (stride K + 64); one step and one tile;
+    # the default block (8 steps at K = 2048, 36 steps: a partial block).
+    for m, k, steps, seed in ((48, 320, 4, 6), (32, 256, 1, 7), (16, 64, 2, 8), (16, 2304, None, 12)):
         wide = _awkward(m, k + 64, dtype, seed)
         w = wide[:, 32:32 + k]
         assert w.stride(0) == k + 64 and not w.is_contiguous()
