@@ -11,8 +11,9 @@ For every ``Sparse24Linear`` of the model and every batch size asked for:
    (Under ``memory="fast"`` that first call is where the bucket is tuned.)
 
 The same for each sibling group (``kp.nn.fuse_siblings``) that has settled, that is after the model's first
-pass: one GEMM of all its layers' rows; and for each gated MLP's GEMM (``kp.nn.gated_siblings``) whose group has
-settled, or that needs none (Phi-3's): its rows with the gated epilogue.  A group that has not settled yet builds
+pass: one GEMM of all its layers' rows; for each gated MLP's GEMM (``kp.nn.gated_siblings``) whose group has
+settled, or that needs none (Phi-3's): its rows with the gated epilogue; and for each MLP with one activation
+(``kp.nn.activated``): its first layer with the activation in the epilogue.  A group that has not settled yet builds
 its kernel on its first call.
 
 Returns one row per (layer shape, n): the kernel, its configuration, and the
@@ -86,15 +87,14 @@ class _GroupShape:
         self.bias = first.bias
 
 
-class _GatedShape:
-    """A gated MLP's GEMM (``nn/gated_siblings.py``) as ``_variant`` reads a layer: gate and up rows, the gated
-    epilogue."""
+class _RouteShape:
+    """A routed module's GEMM with an epilogue (``nn/routes.py``: a gated MLP's gate and up rows with the gated
+    epilogue, or an MLP's first layer with its activation) as ``_variant`` reads a layer."""
 
     def __init__(self, route):
-        first = route.mlp.gate_up_proj if route.fused else route.mlp.gate_proj
+        first, self.out_features, self.epilogue = route.epilogue_layer()
         self.values, self.in_features, self.memory, self.bias = first.values, first.in_features, first.memory, first.bias
-        self.out_features = first.out_features * (1 if route.fused else 2)
-        self.epilogue, self.route = route.epilogue, route
+        self.route = route
 
 
 def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bool = True,
@@ -102,7 +102,7 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
     """Compile every kernel and settle every dispatch choice of ``model``'s 2:4 layers at ``batch_sizes``, and of
     their sibling groups settled so far, gated MLPs' included (a group settles on the model's first pass: warm up
     after it to warm the groups' GEMMs too)."""
-    from .nn.gated_siblings import gated_mlp_of
+    from .nn.routes import route_of
 
     from tqdm.auto import tqdm
 
@@ -113,17 +113,18 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
         raise InvalidProblem(f"batch_sizes is {tuple(batch_sizes)}; give positive numbers of rows, such as (1, 16, 128)")
     layers = [m for m in model.modules() if isinstance(m, Sparse24Linear)]
     groups = _groups(layers)
-    # Gated MLPs ready to run their gated GEMM: settled groups, or Phi-3's one layer.
-    gated = [_GatedShape(r) for r in filter(None, map(gated_mlp_of, model.modules())) if r.fused or r.group()]
+    # Routed modules ready to run their epilogue's GEMM: gated MLPs of settled groups or of Phi-3's one layer, MLPs
+    # with one activation.
+    routed = [_RouteShape(r) for r in filter(None, map(route_of, model.modules())) if r.ready()]
     rows, compiles = {}, {}
-    for layer in layers + [_GroupShape(g) for g in groups] + gated:
-        epilogue = getattr(layer, "epilogue", None)  # a gated MLP's GEMM's; a layer's own GEMM has none
+    for layer in layers + [_GroupShape(g) for g in groups] + routed:
+        epilogue = getattr(layer, "epilogue", None)  # a routed module's GEMM's; a layer's own GEMM has none
         for n in sizes:
             key = (layer.out_features, layer.in_features, str(layer.values.dtype), layer.bias is not None, n, epilogue)
             if key in rows:
                 continue
             backend, cfg, compile_ = _variant(layer, n)
-            # The sweeps measured the plain GEMM: a gated one's expected speedup is not theirs to give.
+            # The sweeps measured the plain GEMM: one with an epilogue's expected speedup is not theirs to give.
             rows[key] = {"m": key[0], "k": key[1], "dtype": key[2], "bias": key[3], "n": n, "backend": backend,
                          "config": str(cfg) if cfg is not None else "-",
                          "expected": _expected(layer, n) if epilogue is None else None}
@@ -149,10 +150,10 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
             p = g.members[0].values
             for n in sizes:
                 g.warm(torch.zeros(n, g.members[0].in_features, dtype=p.dtype, device=p.device))
-        for shape in gated:  # the gated MLPs' GEMMs (nn/gated_siblings.py): their own kernel variants
+        for shape in routed:  # the routed modules' GEMMs (nn/routes.py): their own kernel variants
             p = shape.values
             for n in sizes:
-                shape.route.gated(torch.zeros(n, shape.in_features, dtype=p.dtype, device=p.device))
+                shape.route.epilogue_gemm(torch.zeros(n, shape.in_features, dtype=p.dtype, device=p.device))
     for row in rows.values():
         row["compile_s"] = compiled_s  # the compile phase, all kernels together
     return list(rows.values())

@@ -9,17 +9,15 @@ input: nn/siblings.py), their weights lie end to end, gate rows first: the weigh
 two more kernels.  Unlike the group's own GEMM, whose members take strided columns of its output, the gated
 output is contiguous: it runs at any number of rows of x.
 
-``route_gated_mlps`` gives each such module an instance ``forward``.  The names only propose: a module whose
-act_fn is not one of the kernels' activations, identified by its values on a probe, is not routed, and the
-first fused call of each module is checked against the module's own forward on the same input; a module whose
-results differ (a forward that is not ``down(act(gate) * up)``) goes back to its own forward for good, with a
-warning.  The module's own forward also runs:
-* under autograd or torch.compile (each layer its own op, as without a group);
+``route_gated_mlps`` gives each such module a route (``nn/routes.py``: its first fused call is checked against
+the module's own forward).  The names only propose: a module whose act_fn is not one of the kernels' activations,
+identified by its values on a probe, is not routed.  The module's own forward also runs:
+* under autograd (each layer its own op, as without a group);
 * until gate_proj and up_proj have settled as one group of those two, gate first (Phi-3's form needs no group);
 * wherever the group's GEMM would run alone (``_Group.gated``: an x a layer refuses, a capture before the gated
   GEMM has run eagerly, a broken group).
 
-``GatedMlp.stats`` counts the calls of each kind.  State dicts are unchanged: the route holds no tensors.
+``GatedMlp.stats`` counts the calls of each kind.
 """
 
 from __future__ import annotations
@@ -27,23 +25,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import _is_compiling, plain_eager, warn_once
+from .._checks import plain_eager
 from ..activations import ACTIVATIONS
-from ..kernels import stream_capturing
+from .routes import EpilogueRoute, route_of
 from .siblings import SPECS, siblings_of
 
 NAMES = ("gate_proj", "up_proj", "down_proj", "act_fn")
 FUSED_NAMES = ("gate_up_proj", "down_proj", "activation_fn")  # Phi-3's
 # The activations the kernels' gated epilogue applies, in the order the probe tries them.
 _ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu", "sigmoid")
-# The first fused call against the module's own forward: an error of rounding (bf16's is 2^-8 of a value, and
-# the two paths round the pre-activation differently) against one of a different function (order 1).
-_CHECK_REL_TOL = 0.05
 
 
 def activation_of(fn) -> str | None:
     """Which of the kernels' activations ``fn`` computes, from its values on a probe in fp32; None if none."""
     probe = torch.linspace(-8.0, 8.0, 161)
+    if isinstance(fn, nn.Module):
+        fn = fn.forward  # not the module's call: its hooks are the user's, not for a probe
     try:
         with torch.no_grad():
             got = fn(probe.clone())
@@ -91,25 +88,26 @@ def route_gated_mlps(model: nn.Module) -> list["GatedMlp"]:
 
 def gated_mlp_of(mod: nn.Module) -> "GatedMlp | None":
     """The route of a module (``route_gated_mlps``), or None."""
-    return mod.__dict__.get("_gated_mlp")
+    route = route_of(mod)
+    return route if isinstance(route, GatedMlp) else None
 
 
-class GatedMlp:
+class GatedMlp(EpilogueRoute):
     """A gated MLP's route: its gate/up group's GEMM with the gated epilogue, then down_proj."""
+
+    HOW = "on one gated GEMM"
 
     def __init__(self, mlp: nn.Module, activation: str, fused: bool = False):
         self.mlp, self.activation, self.fused = mlp, activation, fused  # fused: Phi-3's gate_up_proj
         self.epilogue = f"gated_{activation}_first"  # the rows: gate_proj's (or gate_up_proj's first half), then up's
-        self.checked = False  # the first fused call matched the module's own forward
-        self.warmed = False  # fused: the gated GEMM has run outside a capture (a capture may not build its kernel)
         self._settled = None  # the group, once found: a settled Siblings keeps its groups
-        self.off: str | None = None  # why this module runs its own forward for good
-        self.stats = {"fused": 0, "own": 0}
-        mlp.__dict__["forward"] = self.forward
-        mlp.__dict__["_gated_mlp"] = self
+        super().__init__(mlp)
 
     def __repr__(self) -> str:
         return f"GatedMlp({type(self.mlp).__name__}, {self.epilogue!r}, off={self.off!r}, stats={self.stats})"
+
+    def what(self) -> str:
+        return f"down_proj({self.activation}(gate_proj(x)) * up_proj(x))"
 
     def group(self):
         """gate_proj and up_proj's group, settled as exactly those two with gate first; else None."""
@@ -121,6 +119,17 @@ class GatedMlp:
                     self._settled = g
         return self._settled
 
+    def ready(self) -> bool:
+        return self.fused or self.group() is not None
+
+    def epilogue_layer(self):
+        if self.fused:
+            return self.mlp.gate_up_proj, self.mlp.gate_up_proj.out_features, self.epilogue
+        return self.mlp.gate_proj, 2 * self.mlp.gate_proj.out_features, self.epilogue
+
+    def epilogue_gemm(self, x: torch.Tensor) -> torch.Tensor | None:
+        return self.gated(x)
+
     def gated(self, x: torch.Tensor) -> torch.Tensor | None:
         """act(gate) * up of x by one GEMM, or None where it cannot run now (``_Group.gated`` says when; Phi-3's
         layer: under autograd, for an x it refuses, or in a capture before its first eager call)."""
@@ -128,37 +137,13 @@ class GatedMlp:
             group = self.group()
             return group.gated(x, self.epilogue) if group is not None else None
         layer = self.mlp.gate_up_proj
-        if x.dim() == 0 or x.shape[-1] != layer.in_features or not plain_eager(x, layer.values, layer.bias):
-            return None
-        capturing = x.is_cuda and stream_capturing()
-        if capturing and not self.warmed:
+        if x.dim() == 0 or x.shape[-1] != layer.in_features or not plain_eager(x, layer.values, layer.bias) or \
+                not self.warmed_for(x):
             return None
         h = layer.with_epilogue(x, self.epilogue)
-        self.warmed = self.warmed or not capturing
+        self.ran(x)
         return h
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mlp = self.mlp
-        own = type(mlp).forward
-        if self.off is not None or _is_compiling():
-            return own(mlp, x)
-        h = None
-        if not (self.checked is False and x.is_cuda and stream_capturing()):
-            h = self.gated(x)
-        if h is None:
-            self.stats["own"] += 1
-            return own(mlp, x)
-        y = mlp.down_proj(h)
-        if not self.checked:
-            want = own(mlp, x)
-            err = float((y.float() - want.float()).abs().max())
-            scale = float(want.float().abs().max())
-            if not err <= _CHECK_REL_TOL * scale + 1e-6:
-                self.off = (f"its first fused call differed from its own forward by {err:.3g} (largest value "
-                            f"{scale:.3g}): its forward is not down_proj({self.activation}(gate_proj(x)) * up_proj(x))")
-                warn_once(f"{type(mlp).__name__}: not run on one gated GEMM: {self.off}")
-                self.stats["own"] += 1
-                return want
-            self.checked = True
-        self.stats["fused"] += 1
-        return y
+    def call_fused(self, x: torch.Tensor) -> torch.Tensor | None:
+        h = self.gated(x)
+        return self.mlp.down_proj(h) if h is not None else None

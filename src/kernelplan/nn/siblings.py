@@ -24,7 +24,8 @@ view:
 * for good, once a group's members stop reading one input (a cross-attention's k/v): ``broken``.
 
 Gated MLPs (gate_proj/up_proj/down_proj/act_fn) are routed as well, to their group's GEMM with the activation in
-its epilogue (``gated_siblings.py``; counted as "gated").  ``Siblings.stats`` counts the calls of each kind, so what
+its epilogue (``gated_siblings.py``; counted as "gated"), and so are MLPs with one activation, to their first
+layer's GEMM with the activation in its epilogue (``activated.py``).  ``Siblings.stats`` counts the calls of each kind, so what
 ran is never a guess.  Under torch.compile each member
 is its own op, as without a group, and is not counted.  A member's calls reach its group through an instance
 ``forward`` (``_route``); its own GEMM is ``forward_alone``.
@@ -82,9 +83,11 @@ def fuse_siblings(model: nn.Module) -> list["Siblings"]:
         for members in by_key.values():
             if len(members) > 1:
                 out.append(Siblings([m for _, m in members], [n for n, _ in members]))
+    from .activated import route_activated_mlps
     from .gated_siblings import route_gated_mlps
 
     route_gated_mlps(model)
+    route_activated_mlps(model)  # after: a gated MLP's three layers are not an activated MLP's one or two
     return out
 
 

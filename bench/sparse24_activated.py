@@ -1,0 +1,137 @@
+"""MLPs with one activation on the 2:4 GEMM with the activation in its epilogue (``kp.nn.activated``), in bf16.
+
+1. **The sweep set's up projections** (``intermediate x hidden`` of every model of ``kernelplan.bench.shapes.MODELS``,
+   with bias, GELU), at each n, as CUDA graph replays (``triton.testing.do_bench_cudagraph``, median):
+   * ``sparse_epilogue``: ``linear_parts`` with ``activation="gelu"``, one kernel;
+   * ``sparse_then_act``: the 2:4 GEMM, then ``F.gelu``: a sparsified MLP without the route;
+   * ``dense``: ``F.gelu(F.linear(...))``, as the dense Hugging Face MLP runs it (the baseline).
+2. **Models**, random weights, no download: BERT-base (12 layers) and a GPT-NeoX with Pythia-1.4B's sizes (4 of its
+   24 layers).  Dense, ``kp.sparsify``'s model (routed) and the same with ``fuse=False`` (unrouted) alternate in one
+   process (``kernelplan.timing.interleaved``, medians of rounds), each forward replayed as a CUDA graph and run
+   eagerly.  Weight bytes of each model and the routes' call counts are reported.
+
+Writes ``bench/results/sparse24-activated-<gpu>.json``.
+
+    PYTHONPATH=src:bench KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_activated.py
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+import kernelplan as kp
+from kernelplan.bench import results
+from kernelplan.bench.decode import Graphed, weight_bytes
+from kernelplan.bench.shapes import MODELS
+from kernelplan.nn.activated import activated_mlp_of
+from kernelplan.sparse24.format import prune_compress
+from kernelplan.sparse24.gemm import linear_parts
+from kernelplan.timing import graph_us, interleaved
+from sparse24_siblings_sweep import cli, summary  # bench/ is on the path, as the docstring's command runs it
+
+
+def sweep(ns: list[int]) -> list[dict]:
+    shapes: dict[tuple, list[str]] = {}
+    for model in MODELS:
+        shapes.setdefault((model.intermediate, model.hidden), []).append(model.name)
+    rows = []
+    for (m, k), names in shapes.items():
+        w24 = prune_compress(torch.randn(m, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5, packed=True)
+        w, b = w24.decompress(), torch.randn(m, device="cuda", dtype=torch.bfloat16)  # dense: the same weights
+        values, metadata = w24.values, w24.metadata
+        for n in ns:
+            x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            got = linear_parts(x, values, metadata, b, "gelu")
+            want = F.gelu(x.float() @ w.float().T + b.float())
+            err = float((got.float() - want).abs().max() / want.abs().max())
+            t = {"sparse_epilogue_us": graph_us(lambda: linear_parts(x, values, metadata, b, "gelu")),
+                 "sparse_then_act_us": graph_us(lambda: F.gelu(linear_parts(x, values, metadata, b))),
+                 "dense_us": graph_us(lambda: F.gelu(F.linear(x, w, b)))}
+            rows.append({"m": m, "k": k, "layers": names, "n": n, "rel_err_vs_fp32": err, **t,
+                         "speedup": t["dense_us"] / t["sparse_epilogue_us"],
+                         "epilogue_gain": t["sparse_then_act_us"] / t["sparse_epilogue_us"],
+                         "unrouted_speedup": t["dense_us"] / t["sparse_then_act_us"],
+                         "dense_bytes": 2 * m * k, "sparse_bytes": values.nbytes + metadata.nbytes})
+            print({key: round(v, 3) if isinstance(v, float) else v for key, v in rows[-1].items()}, flush=True)
+    return rows
+
+
+def wall(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+MODEL_CASES = {
+    "BERT-base": (lambda: transformers.BertModel(transformers.BertConfig()), ((1, 128), (8, 128), (32, 128))),
+    "GPT-NeoX, Pythia-1.4B sizes, 4 layers": (
+        lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+            hidden_size=2048, intermediate_size=8192, num_hidden_layers=4, num_attention_heads=16, vocab_size=50304)),
+        ((1, 1), (1, 32), (1, 512))),
+}
+
+
+def _out(model, ids):
+    out = model(ids)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out.logits
+
+
+def models(rounds: int) -> list[dict]:
+    rows = []
+    for name, (build, cases) in MODEL_CASES.items():
+        torch.manual_seed(0)
+        dense = build().to("cuda", torch.bfloat16).eval()
+        sparse, unrouted = copy.deepcopy(dense), copy.deepcopy(dense)
+        kp.sparsify(sparse, progress=False)
+        kp.sparsify(unrouted, progress=False, fuse=False)
+        routes = [r for r in map(activated_mlp_of, sparse.modules()) if r is not None]
+        trio = {"dense": dense, "sparse": sparse, "sparse unrouted": unrouted}
+        for batch, seq in cases:
+            ids = torch.randint(0, 1000, (batch, seq), device="cuda")
+            with torch.inference_mode():
+                err = float((_out(sparse, ids).float() - _out(unrouted, ids).float()).abs().max() /
+                            _out(unrouted, ids).float().abs().max())
+                graphs = {n: Graphed(lambda m=m: _out(m, ids)) for n, m in trio.items()}
+                graph = interleaved({n: lambda g=g: g.replay_seconds(5) for n, g in graphs.items()}, rounds)
+                eager = interleaved({n: lambda m=m: wall(lambda: _out(m, ids)) for n, m in trio.items()}, rounds, 3)
+            row = {"model": name, "batch": batch, "seq": seq, "routed_vs_unrouted_rel_err": err}
+            for mode, t in (("graph", graph), ("eager", eager)):
+                row |= {f"{mode}_{n.replace(' ', '_')}_ms": s * 1e3 for n, s in t.items()}
+                row[f"{mode}_speedup"] = t["dense"] / t["sparse"]
+                row[f"{mode}_speedup_unrouted"] = t["dense"] / t["sparse unrouted"]
+            rows.append(row)
+            print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+            del graphs
+        rows.append({"model": name, "weight_bytes": {n: weight_bytes(m) for n, m in trio.items()},
+                     "routes": len(routes), "route_calls": {k: sum(r.stats[k] for r in routes) for k in ("fused", "own")},
+                     "routes_off": sum(r.off is not None for r in routes)})
+        print(rows[-1], flush=True)
+        del dense, sparse, unrouted, trio
+    return rows
+
+
+def main() -> int:
+    ns, out = cli()
+    with torch.inference_mode():
+        rows = sweep(ns)
+    print("n: median [min, max] of: 2:4 with the epilogue over dense as HF runs it; the epilogue's gain over the 2:4 "
+          "GEMM then F.gelu; 2:4 then F.gelu over dense")
+    summary(rows, ("speedup", "epilogue_gain", "unrouted_speedup"))
+    worst = max(r["rel_err_vs_fp32"] for r in rows)
+    print(f"largest error against fp32: {worst:.2e}")
+    model_rows = models(rounds=7)
+    results.write("sparse24-activated", {"rows": rows, "models": model_rows}, out,
+                  transformers=transformers.__version__)
+    return 0 if worst < 2e-2 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""A module's calls routed to 2:4 GEMMs with an epilogue, checked once against the module's own forward.
+
+Two kinds of route share this: gated MLPs (``nn/gated_siblings.py``: ``down(act(gate) * up)`` on one GEMM with a
+gated epilogue) and MLPs with one activation (``nn/activated.py``: ``act(dense(x))`` or ``fc2(act(fc1(x)))`` with
+the activation in fc1's epilogue).  Both are found by what a module holds, and what a module holds does not say what
+its forward computes.  So the first fused call of each module is compared with the module's own forward on the same
+input; a module whose results differ goes back to its own forward for good, with a warning.
+
+A route is the module's instance ``forward``, which Module.__call__ finds before the class's; it holds no tensors,
+so state dicts are unchanged.  The module's own forward runs:
+* under torch.compile (each layer its own op, as without a route), or for calls of other than one input;
+* wherever the subclass's ``call_fused`` returns None (autograd, an input a layer refuses, a capture before the
+  fused GEMM has run eagerly: the route cannot build a kernel inside a capture);
+* for the first call, when it falls inside a CUDA graph capture (the check needs the two results).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .._checks import _is_compiling, warn_once
+from ..kernels import stream_capturing
+
+# The first fused call against the module's own forward: an error of rounding (bf16's is 2^-8 of a value, and the
+# two paths round the pre-activation differently) against one of a different function (order 1).
+CHECK_REL_TOL = 0.05
+
+
+def route_of(mod: nn.Module) -> "EpilogueRoute | None":
+    """The route of a module (``EpilogueRoute``), or None."""
+    return mod.__dict__.get("_epilogue_route")
+
+
+class EpilogueRoute:
+    """The calls of ``mod`` on fused GEMMs.  A subclass gives ``call_fused`` (the module's result by them, or None),
+    ``epilogue_layer``, ``epilogue_gemm`` and ``ready`` (what ``kp.warmup`` compiles and runs), ``what`` (the
+    function the fused GEMMs compute, named in the warning of a mismatch) and ``HOW`` (how the route runs it)."""
+
+    HOW = "with a fused epilogue"
+
+    def __init__(self, mod: nn.Module):
+        self.mod = mod
+        self.checked = False  # the first fused call matched the module's own forward
+        self.warmed = False  # the epilogue's GEMM has run outside a capture (a capture may not build its kernel)
+        self.off: str | None = None  # why this module runs its own forward for good
+        self.stats = {"fused": 0, "own": 0}
+        mod.__dict__["forward"] = self.forward
+        mod.__dict__["_epilogue_route"] = self
+
+    def what(self) -> str:
+        raise NotImplementedError
+
+    def call_fused(self, x: torch.Tensor) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def epilogue_layer(self):
+        """``(layer, rows, epilogue)``: the layer whose weight the epilogue's GEMM reads, its rows, the epilogue."""
+        raise NotImplementedError
+
+    def epilogue_gemm(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The epilogue's GEMM alone on ``x`` (``kp.warmup`` runs it on zeros); None where it cannot run now."""
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        """Whether the epilogue's GEMM can run now (a gated MLP's group may not have settled yet)."""
+        return True
+
+    def warmed_for(self, x: torch.Tensor) -> bool:
+        """Whether an epilogue GEMM on ``x`` may run now: not inside a capture before one has run eagerly.  Call
+        ``ran(x)`` after it does."""
+        return self.warmed or not (x.is_cuda and stream_capturing())
+
+    def ran(self, x: torch.Tensor) -> None:
+        self.warmed = self.warmed or not (x.is_cuda and stream_capturing())
+
+    def forward(self, *args, **kwargs):
+        mod = self.mod
+        own = type(mod).forward
+        if self.off is not None or _is_compiling() or len(args) != 1 or kwargs or \
+                not isinstance(args[0], torch.Tensor):
+            return own(mod, *args, **kwargs)
+        x = args[0]
+        y = None
+        if not (self.checked is False and x.is_cuda and stream_capturing()):
+            y = self.call_fused(x)
+        if y is None:
+            self.stats["own"] += 1
+            return own(mod, x)
+        if not self.checked:
+            want = own(mod, x)
+            err = float((y.float() - want.float()).abs().max())
+            scale = float(want.float().abs().max())
+            if not err <= CHECK_REL_TOL * scale + 1e-6:
+                self.off = (f"its first fused call differed from its own forward by {err:.3g} (largest value "
+                            f"{scale:.3g}): its forward is not {self.what()}")
+                warn_once(f"{type(mod).__name__}: not run {self.HOW}: {self.off}")
+                self.stats["own"] += 1
+                return want
+            self.checked = True
+        self.stats["fused"] += 1
+        return y
