@@ -16,18 +16,40 @@ __device__ __forceinline__ u16 from_f32(float v) {
     u16 h; asm("cvt.rn." DT ".f32 %0, %1;" : "=h"(h) : "f"(v)); return h;
 }
 
-// kernelplan.activations, in fp32: gelu by erfc, gelu_tanh as z * sigmoid(2u) (accurate in the left tail).  The
-// logistic ones by the fast exponential and division (__expf, __fdividef: relative errors near 1e-6, under the 16-bit
-// output's rounding), which took the gated epilogue's SwiGLU from about 20 instructions an element to a few: the
-// epilogue runs after the K loop, beside no MMA, in sparse24_ws.cu (docs/design/0025).  Past z = -87 exp(-z) is
-// infinite and __fdividef gives 0, the limit.
+// erfc(x) for x >= 0 as t exp(-x^2 + P(t)), t = 1 / (1 + x / 2): Numerical Recipes' Chebyshev fit (erfcc), whose
+// relative error is under 1.2e-7 in exact arithmetic; with the fast exponential and division, gelu's relative
+// error is under 2e-5 over z in [-12, 12] (checked in fp32 against fp64 on the CPU: tests/test_cuda_sources.py), far
+// under a 16-bit output's rounding.  CUDA's erfcf took the erf GELU epilogue to 0.68-0.95x of the plain GEMM then a
+// separate F.gelu at n >= 256 (sparse24-activated-h100.json at 904d322): about 40 dependent instructions an element,
+// run after the K loop by the consumer warpgroups alone (docs/design/0026).
+__device__ __forceinline__ float erfc_nonneg(float x) {
+    const float t = __fdividef(1.f, fmaf(0.5f, x, 1.f));
+    float p = fmaf(t, 0.17087277f, -0.82215223f);
+    p = fmaf(p, t, 1.48851587f);
+    p = fmaf(p, t, -1.13520398f);
+    p = fmaf(p, t, 0.27886807f);
+    p = fmaf(p, t, -0.18628806f);
+    p = fmaf(p, t, 0.09678418f);
+    p = fmaf(p, t, 0.37409196f);
+    p = fmaf(p, t, 1.00002368f);
+    p = fmaf(p, t, -1.26551223f);
+    return t * __expf(fmaf(-x, x, p));
+}
+
+// kernelplan.activations, in fp32: gelu by erfc (of -z / sqrt 2, direct where it is positive: the left tail keeps
+// its relative accuracy), gelu_tanh as z * sigmoid(2u) (accurate in the left tail).  The logistic ones by the fast
+// exponential and division (__expf, __fdividef: relative errors near 1e-6, under the 16-bit output's rounding),
+// which took the gated epilogue's SwiGLU from about 20 instructions an element to a few: the epilogue runs after
+// the K loop, beside no MMA, in sparse24_ws.cu (docs/design/0025).  Past z = -87 exp(-z) is infinite and
+// __fdividef gives 0, the limit.
 __device__ __forceinline__ float activate(float z) {
 #if ACT == ACT_IDENTITY
     return z;
 #elif ACT == ACT_RELU
     return z > 0.f ? z : 0.f;
 #elif ACT == ACT_GELU
-    return z * 0.5f * erfcf(-z * 0.70710678118654752f);
+    const float x = -z * 0.70710678118654752f, e = erfc_nonneg(fabsf(x));
+    return z * 0.5f * (x >= 0.f ? e : 2.f - e);
 #elif ACT == ACT_GELU_TANH
     float u = 0.79788456080286536f * (z + 0.044715f * z * z * z);
     return __fdividef(z, 1.f + __expf(-2.f * u));
