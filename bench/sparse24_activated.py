@@ -1,8 +1,9 @@
 """MLPs with one activation on the 2:4 GEMM with the activation in its epilogue (``kp.nn.activated``), in bf16.
 
 1. **The sweep set's up projections** (``intermediate x hidden`` of every model of ``kernelplan.bench.shapes.MODELS``,
-   with bias, GELU), at each n, as CUDA graph replays (``triton.testing.do_bench_cudagraph``, median):
-   * ``sparse_epilogue``: ``linear_parts`` with ``activation="gelu"``, one kernel;
+   with bias), under GELU (erf: BERT's, GPT-NeoX's) and GELU (tanh: GPT-2's, Phi-2's), at each n, as CUDA graph
+   replays (``triton.testing.do_bench_cudagraph``, median):
+   * ``sparse_epilogue``: ``linear_parts`` with the activation as its epilogue, one kernel;
    * ``sparse_then_act``: the 2:4 GEMM, then ``F.gelu``: a sparsified MLP without the route;
    * ``dense``: ``F.gelu(F.linear(...))``, as the dense Hugging Face MLP runs it (the baseline).
 2. **Models**, random weights, no download: BERT-base (12 layers) and a GPT-NeoX with Pythia-1.4B's sizes (4 of its
@@ -36,6 +37,9 @@ from kernelplan.timing import graph_us, interleaved
 from sparse24_siblings_sweep import cli, summary  # bench/ is on the path, as the docstring's command runs it
 
 
+ACTS = {"gelu": "none", "gelu_tanh": "tanh"}  # the epilogue's name: F.gelu's approximate=
+
+
 def sweep(ns: list[int]) -> list[dict]:
     shapes: dict[tuple, list[str]] = {}
     for model in MODELS:
@@ -45,15 +49,16 @@ def sweep(ns: list[int]) -> list[dict]:
         w24 = prune_compress(torch.randn(m, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5, packed=True)
         w, b = w24.decompress(), torch.randn(m, device="cuda", dtype=torch.bfloat16)  # dense: the same weights
         values, metadata = w24.values, w24.metadata
-        for n in ns:
+        for n, (act, approximate) in ((n, a) for n in ns for a in ACTS.items()):
             x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-            got = linear_parts(x, values, metadata, b, "gelu")
-            want = F.gelu(x.float() @ w.float().T + b.float())
+            got = linear_parts(x, values, metadata, b, act)
+            want = F.gelu(x.float() @ w.float().T + b.float(), approximate=approximate)
             err = float((got.float() - want).abs().max() / want.abs().max())
-            t = {"sparse_epilogue_us": graph_us(lambda: linear_parts(x, values, metadata, b, "gelu")),
-                 "sparse_then_act_us": graph_us(lambda: F.gelu(linear_parts(x, values, metadata, b))),
-                 "dense_us": graph_us(lambda: F.gelu(F.linear(x, w, b)))}
-            rows.append({"m": m, "k": k, "layers": names, "n": n, "rel_err_vs_fp32": err, **t,
+            t = {"sparse_epilogue_us": graph_us(lambda: linear_parts(x, values, metadata, b, act)),
+                 "sparse_then_act_us": graph_us(lambda: F.gelu(linear_parts(x, values, metadata, b),
+                                                               approximate=approximate)),
+                 "dense_us": graph_us(lambda: F.gelu(F.linear(x, w, b), approximate=approximate))}
+            rows.append({"m": m, "k": k, "layers": names, "n": n, "act": act, "rel_err_vs_fp32": err, **t,
                          "speedup": t["dense_us"] / t["sparse_epilogue_us"],
                          "epilogue_gain": t["sparse_then_act_us"] / t["sparse_epilogue_us"],
                          "unrouted_speedup": t["dense_us"] / t["sparse_then_act_us"],
@@ -124,7 +129,9 @@ def main() -> int:
         rows = sweep(ns)
     print("n: median [min, max] of: 2:4 with the epilogue over dense as HF runs it; the epilogue's gain over the 2:4 "
           "GEMM then F.gelu; 2:4 then F.gelu over dense")
-    summary(rows, ("speedup", "epilogue_gain", "unrouted_speedup"))
+    for act in ACTS:
+        print(act)
+        summary([r for r in rows if r["act"] == act], ("speedup", "epilogue_gain", "unrouted_speedup"))
     worst = max(r["rel_err_vs_fp32"] for r in rows)
     print(f"largest error against fp32: {worst:.2e}")
     model_rows = models(rounds=7)
