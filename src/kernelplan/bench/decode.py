@@ -86,7 +86,9 @@ class DecodeStep:
 
 
 class Graphed:
-    """``fn()`` (returning a tensor) captured once in a CUDA graph, after a warm-up on a side stream."""
+    """``fn()`` (returning a tensor) captured once in a CUDA graph, after a warm-up on the side stream it is captured
+    on: a library that makes a handle per stream on first use (cuBLAS, under an attention's matmuls) makes it in the
+    warm-up, not in the capture, where that fails (CUBLAS_STATUS_NOT_INITIALIZED, seen with BERT's attention)."""
 
     def __init__(self, fn, warmup: int = 3):
         side = torch.cuda.Stream()
@@ -97,7 +99,7 @@ class Graphed:
         torch.cuda.current_stream().wait_stream(side)
         self.fn = fn
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, stream=side):
             self.out = fn()
 
     def check(self) -> float:
