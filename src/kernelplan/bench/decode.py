@@ -86,9 +86,7 @@ class DecodeStep:
 
 
 class Graphed:
-    """``fn()`` (returning a tensor) captured once in a CUDA graph, after a warm-up on the side stream it is captured
-    on: a library that makes a handle per stream on first use (cuBLAS, under an attention's matmuls) makes it in the
-    warm-up, not in the capture, where that fails (CUBLAS_STATUS_NOT_INITIALIZED, seen with BERT's attention)."""
+    """``fn()`` (returning a tensor) captured once in a CUDA graph, after a warm-up on a side stream."""
 
     def __init__(self, fn, warmup: int = 3):
         side = torch.cuda.Stream()
@@ -99,7 +97,7 @@ class Graphed:
         torch.cuda.current_stream().wait_stream(side)
         self.fn = fn
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=side):
+        with torch.cuda.graph(self.graph):
             self.out = fn()
 
     def check(self) -> float:
