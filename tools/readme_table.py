@@ -120,6 +120,25 @@ def sparse24_notes() -> list[str]:
                          f"dense as Hugging Face runs it (two `F.linear`, then `silu(g) * u`), and the epilogue's gain "
                          f"over the grouped 2:4 GEMM then `kp.gated_activation`: {spans}, "
                          f"{_source(sweep['meta'], name)}.")
+    for name in ("sparse24-activated-h100", "sparse24-activated-h200"):
+        doc = _load(name)
+        if doc:
+            for act in ("gelu", "gelu_tanh"):
+                rows = [r for r in doc["rows"] if r["act"] == act]
+                spans = _by_n(rows, lambda med: f"{med('speedup'):.2f}x (epilogue {med('epilogue_gain'):.2f}x)")
+                lines.append(f"- 2:4 up projection with {act} in the epilogue (`kp.nn.activated`'s route) over the sweep "
+                             f"set's {len({(r['m'], r['k']) for r in rows})} MLP up shapes with bias, CUDA graph, median "
+                             f"against dense as Hugging Face runs it (`F.linear`, then `F.gelu`), and the epilogue's gain "
+                             f"over the 2:4 GEMM then `F.gelu`: {spans}, {_source(doc['meta'], name)}.")
+            for model in dict.fromkeys(r["model"] for r in doc["models"]):
+                cases = [r for r in doc["models"] if r["model"] == model and "batch" in r]
+                held = next(r for r in doc["models"] if r["model"] == model and "weight_bytes" in r)
+                cells = "; ".join(f"{r['batch']}x{r['seq']} tokens {r['graph_speedup']:.2f}x graph "
+                                  f"({r['graph_speedup_unrouted']:.2f}x unrouted), {r['eager_speedup']:.2f}x eager"
+                                  for r in cases)
+                bytes_ = held["weight_bytes"]
+                lines.append(f"- 2:4, {model} (random weights) sparsified against dense, its MLPs routed: {cells}; "
+                             f"weights {bytes_['sparse'] / bytes_['dense']:.3f}x of dense, {_source(doc['meta'], name)}.")
     big = _load("sparse24-70b-memory-h200")
     if big:
         d, s = big["dense"], big["sparse"]
@@ -134,10 +153,21 @@ def sparse24_notes() -> list[str]:
     convert = _load("sparse24-convert-h100")
     if convert:
         big = [r for r in convert["rows"] if r["m"] * r["k"] >= 2**26]
-        ops = ", ".join(f"{op} {min(r[op]['of_copy'] for r in big):.2f}-{max(r[op]['of_copy'] for r in big):.2f}x"
-                        for op in ("pack", "unpack", "compress", "prune"))
-        lines.append(f"- 2:4 conversions on the GPU, of the copy bandwidth, layers of 64M weights and up: {ops}, "
+        ops = ", ".join(f"{op.replace('_', ' ')} {min(r[op]['of_copy'] for r in big):.2f}-"
+                        f"{max(r[op]['of_copy'] for r in big):.2f}x"
+                        for op in ("pack", "unpack", "compress", "prune", "prune_compress_packed", "from_dense")
+                        if op in big[0])
+        lines.append(f"- 2:4 conversions on the GPU, whole calls (the host's wait on the refusal flag included), of the "
+                     f"copy bandwidth, layers of 64M weights and up: {ops}, "
                      f"{_source(convert['meta'], 'sparse24-convert-h100')}.")
+    blocks = _load("sparse24-convert-blocks-h100")
+    if blocks:
+        big = [r for r in blocks["rows"] if r["m"] * r["k"] >= 2**26]
+        best = lambda part: [max(v["kernel_of_copy"] for v in r[part].values()) for r in big]  # noqa: E731
+        lines.append(f"- 2:4 conversion kernels alone (`bench/sparse24_convert_blocks.py`, launched back to back), of "
+                     f"the copy bandwidth, layers of 64M weights and up, best block: dense straight into the device "
+                     f"layout {_span(best('tiled'))}, into the public format {_span(best('public'))}, "
+                     f"{_source(blocks['meta'], 'sparse24-convert-blocks-h100')}.")
     rate = _load("wgmma-rate-h100")
     if rate:
         pick = lambda **want: next(r for r in rate["rows"] if all(r[k] == v for k, v in want.items()))
