@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +32,7 @@ from kernelplan.bench.shapes import MODELS
 from kernelplan.nn.activated import activated_mlp_of
 from kernelplan.sparse24.format import prune_compress
 from kernelplan.sparse24.gemm import linear_parts
-from kernelplan.timing import graph_us, interleaved
+from kernelplan.timing import graph_us, interleaved, wall_seconds
 from sparse24_siblings_sweep import cli, summary  # bench/ is on the path, as the docstring's command runs it
 
 
@@ -67,14 +66,6 @@ def sweep(ns: list[int]) -> list[dict]:
     return rows
 
 
-def wall(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
 MODEL_CASES = {
     "BERT-base": (lambda: transformers.BertModel(transformers.BertConfig()), ((1, 128), (8, 128), (32, 128))),
     "GPT-NeoX, Pythia-1.4B sizes, 4 layers": (
@@ -106,7 +97,8 @@ def models(rounds: int) -> list[dict]:
                             _out(unrouted, ids).float().abs().max())
                 graphs = {n: Graphed(lambda m=m: _out(m, ids)) for n, m in trio.items()}
                 graph = interleaved({n: lambda g=g: g.replay_seconds(5) for n, g in graphs.items()}, rounds)
-                eager = interleaved({n: lambda m=m: wall(lambda: _out(m, ids)) for n, m in trio.items()}, rounds, 3)
+                eager = interleaved({n: lambda m=m: wall_seconds(lambda: _out(m, ids)) for n, m in trio.items()},
+                                    rounds, 3)
             row = {"model": name, "batch": batch, "seq": seq, "routed_vs_unrouted_rel_err": err}
             for mode, t in (("graph", graph), ("eager", eager)):
                 row |= {f"{mode}_{n.replace(' ', '_')}_ms": s * 1e3 for n, s in t.items()}

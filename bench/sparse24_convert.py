@@ -28,14 +28,24 @@ from kernelplan.sparse24.layout import pack, unpack
 SHAPES = [(28672, 8192), (8192, 28672), (18944, 3584), (3584, 18944), (8192, 8192), (3072, 768)]
 
 
-def main() -> int:
+def out_path() -> str | None:
+    """The results file (--out), or None for bench/results' own name."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    rows = []
-    for m, k in SHAPES:
+    return ap.parse_args().out
+
+
+def weights(shapes):
+    """``(m, k, dense, pruned)`` of each shape: random bf16 on the GPU, and the same pruned to 2:4."""
+    for m, k in shapes:
         dense = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        pruned = kp.sparse24.prune(dense)
+        yield m, k, dense, kp.sparse24.prune(dense)
+
+
+def main() -> int:
+    out = out_path()
+    rows = []
+    for m, k, dense, pruned in weights(SHAPES):
         w24 = kp.sparse24.compress(pruned)
         tv, tm = pack(w24.values, w24.metadata)
         back = unpack(tv, tm)
@@ -64,7 +74,7 @@ def main() -> int:
         print(f"{m}x{k}: copy {copy_bw:.0f} GB/s; " + ", ".join(
             f"{n} {row[n]['ms']:.3f} ms ({row[n]['of_copy']:.2f} of copy)" for n in ops if n != "copy"), flush=True)
         del dense, pruned, w24, tv, tm, back, linear
-    results.write("sparse24-convert", {"rows": rows}, a.out, dtype="bf16")
+    results.write("sparse24-convert", {"rows": rows}, out, dtype="bf16")
     return 0
 
 

@@ -5,12 +5,11 @@ allocated, the kernel, the host's read of the refusal flags, which waits for the
 (launched back to back on allocated outputs).  Prints a table; writes
 ``bench/results/sparse24-convert-blocks-<gpu>.json``.
 
-    PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_convert_blocks.py
+    PYTHONPATH=src:bench KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_convert_blocks.py
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -19,6 +18,7 @@ import triton
 import kernelplan as kp
 from kernelplan.bench import results
 from kernelplan.kernels import sparse24_convert as convert
+from sparse24_convert import out_path, weights  # bench/ is on the path, as the docstring's command runs it
 
 SHAPES = [(28672, 8192), (18944, 3584), (8192, 8192), (3072, 768)]
 TILED = [(steps, warps) for steps in (1, 2, 4, 8) for warps in (4, 8)]
@@ -35,13 +35,9 @@ def timed(call, kernel, nbytes: int, copy_bw: float) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    out = out_path()
     rows = []
-    for m, k in SHAPES:
-        dense = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        pruned = kp.sparse24.prune(dense)
+    for m, k, dense, pruned in weights(SHAPES):
         want = kp.sparse24.compress(pruned).packed()
         mk = m * k
         copy_ms = triton.testing.do_bench(lambda: torch.empty_like(dense).copy_(dense), warmup=5, rep=50,
@@ -74,7 +70,7 @@ def main() -> int:
             print(f"{m}x{k} {part}, of copy, call / kernel: " + ", ".join(
                 f"{c} {v['of_copy']:.2f} / {v['kernel_of_copy']:.2f}" + ("" if v.get("ok", True) else " WRONG")
                                                   for c, v in row[part].items()) + f"; best {best}", flush=True)
-    results.write("sparse24-convert-blocks", {"rows": rows}, a.out, dtype="bf16")
+    results.write("sparse24-convert-blocks", {"rows": rows}, out, dtype="bf16")
     return 0
 
 

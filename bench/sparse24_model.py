@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-import time
 
 import torch
 import transformers
@@ -31,15 +30,7 @@ from kernelplan.nn import Sparse24Linear, fuse_siblings
 from kernelplan.activations import GATED_EPILOGUES
 from kernelplan.nn.gated_siblings import gated_mlp_of
 from kernelplan.nn.siblings import SPECS, Spec, siblings_of
-from kernelplan.timing import interleaved, kernel_device_ms
-
-
-def wall(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
+from kernelplan.timing import interleaved, kernel_device_ms, wall_seconds
 
 
 # Kernel names by class, first match wins: the 2:4 kernels (kp_sparse24_*, cuSPARSELt's), cuBLAS's GEMMs, attention.
@@ -169,7 +160,7 @@ def main() -> int:
             graphs = {n: GraphedDecode(s) for n, s in steps.items()}
             check = max(g.check() for g in graphs.values())
             graph = interleaved({n: lambda g=g: g.replay_seconds(4) for n, g in graphs.items()}, a.rounds, 1)
-            eager = interleaved({n: lambda s=s: wall(s) for n, s in steps.items()}, a.rounds, 3)
+            eager = interleaved({n: lambda s=s: wall_seconds(s) for n, s in steps.items()}, a.rounds, 3)
             rows.append({"case": f"decode batch {batch}", **timings(graph, eager), "replay_vs_eager_rel_err": check})
             if a.profile:
                 rows[-1]["device_ms_by_kernel"] = {n: kernel_split(s) for n, s in steps.items()}
@@ -180,7 +171,7 @@ def main() -> int:
             graphs = {n: Graphed(lambda m=m: m(ids).logits) for n, m in models.items()}
             check = max(g.check() for g in graphs.values())
             graph = interleaved({n: lambda g=g: g.replay_seconds(3) for n, g in graphs.items()}, a.rounds, 1)
-            eager = interleaved({n: lambda m=m: wall(lambda: m(ids)) for n, m in models.items()}, a.rounds, 3)
+            eager = interleaved({n: lambda m=m: wall_seconds(lambda: m(ids)) for n, m in models.items()}, a.rounds, 3)
             rows.append({"case": f"prefill {tokens}", **timings(graph, eager), "replay_vs_eager_rel_err": check})
             if a.profile:
                 rows[-1]["device_ms_by_kernel"] = {n: kernel_split(lambda m=m: m(ids)) for n, m in models.items()}

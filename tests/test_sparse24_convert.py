@@ -51,18 +51,21 @@ def test_prune_and_compress_kernels_give_the_torch_ops_bits(dtype):
         assert torch.equal(_bits(values.cpu()), _bits(want.values)) and torch.equal(metadata.cpu(), want.metadata)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["public", "device layout"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_refusals_leave_the_naming_to_the_torch_ops(dtype):
+def test_refusals_leave_the_naming_to_the_torch_ops(dtype, packed):
+    """Either kernel refuses (None) where the torch ops raise, and the public functions raise by name."""
     from kernelplan.kernels import sparse24_convert as convert
 
+    kernel = convert.compress_tiled if packed else convert.compress
     w = _awkward(32, 256, dtype, 2).to(DEV)
-    assert convert.compress(w, prune=False) is None  # groups of more than 2 non-zeros
+    assert kernel(w, prune=False) is None  # groups of more than 2 non-zeros
     w[9, 33] = float("nan")
-    assert convert.compress(w, prune=True) is None
+    assert kernel(w, prune=True) is None
     with pytest.raises(kp.InvalidProblem, match="contains NaN"):
-        kp.sparse24.prune(w)
+        kp.sparse24.format.prune_compress(w, packed=packed)
     with pytest.raises(kp.InvalidProblem, match=r"row 0, group 0 .* more than 2"):
-        kp.sparse24.compress(w)
+        kp.sparse24.compress(w, packed=packed)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -82,20 +85,6 @@ def test_compress_straight_into_the_device_layout_gives_the_torch_ops_bits(dtype
         pruned = kp.sparse24.prune(w).to(DEV)  # the exact path: the non-zeros, then fillers
         tv, tm = convert.compress_tiled(pruned, prune=False, steps=steps)
         assert torch.equal(_bits(tv.cpu()), _bits(want.values)) and torch.equal(tm.cpu(), want.metadata)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_compress_straight_into_the_layout_refuses_as_the_public_one(dtype):
-    from kernelplan.kernels import sparse24_convert as convert
-
-    w = _awkward(32, 128, dtype, 9).to(DEV)
-    assert convert.compress_tiled(w, prune=False) is None  # groups of more than 2 non-zeros
-    w[17, 70] = float("nan")
-    assert convert.compress_tiled(w, prune=True) is None
-    with pytest.raises(kp.InvalidProblem, match="contains NaN"):
-        kp.sparse24.format.prune_compress(w, packed=True)
-    with pytest.raises(kp.InvalidProblem, match=r"row 0, group 0 .* more than 2"):
-        kp.sparse24.compress(w, packed=True)
 
 
 def test_compress_packed_holds_the_device_layout_where_the_shape_allows():

@@ -38,6 +38,15 @@ def host_us_per_call(fn: Callable, dev: torch.device, calls: int, *, wait: bool 
     return elapsed / calls * 1e6
 
 
+def wall_seconds(fn: Callable) -> float:
+    """Wall time of one call of ``fn`` on the GPU, its work finished: synchronized before and after."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def interleaved(samplers: dict[str, Callable[[], float]], rounds: int, per_round: int = 1) -> dict[str, float]:
     """The median of each sampler's readings, taken in rounds that alternate between the samplers.
 
