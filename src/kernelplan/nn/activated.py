@@ -85,19 +85,21 @@ class ActivatedMlp(EpilogueRoute):
     def epilogue_layer(self):
         return self.first, self.first.out_features, self.activation
 
-    def epilogue_gemm(self, x: torch.Tensor) -> torch.Tensor | None:
+    def epilogue_gemm(self, x: torch.Tensor, capturing: bool | None = None) -> torch.Tensor | None:
         layer = self.first
-        if x.dim() == 0 or x.shape[-1] != layer.in_features or not plain_eager(x, layer.values, layer.bias) or \
-                not self.warmed_for(x):
+        if x.dim() == 0 or x.shape[-1] != layer.in_features or not plain_eager(x, layer.values, layer.bias):
+            return None
+        capturing = self.capturing(x) if capturing is None else capturing
+        if not self.warmed_for(capturing):
             return None
         h = layer.with_epilogue(x, self.activation)
-        self.ran(x)
+        self.ran(capturing)
         return h
 
-    def call_fused(self, x: torch.Tensor) -> torch.Tensor | None:
+    def call_fused(self, x: torch.Tensor, capturing: bool) -> torch.Tensor | None:
         if self.mod.training:
             return None
-        h = self.epilogue_gemm(x)
+        h = self.epilogue_gemm(x, capturing)
         if h is None or self.second is None:
             return h
         return self.second(h)

@@ -127,23 +127,25 @@ class GatedMlp(EpilogueRoute):
             return self.mlp.gate_up_proj, self.mlp.gate_up_proj.out_features, self.epilogue
         return self.mlp.gate_proj, 2 * self.mlp.gate_proj.out_features, self.epilogue
 
-    def epilogue_gemm(self, x: torch.Tensor) -> torch.Tensor | None:
-        return self.gated(x)
+    def epilogue_gemm(self, x: torch.Tensor, capturing: bool | None = None) -> torch.Tensor | None:
+        return self.gated(x, capturing)
 
-    def gated(self, x: torch.Tensor) -> torch.Tensor | None:
+    def gated(self, x: torch.Tensor, capturing: bool | None = None) -> torch.Tensor | None:
         """act(gate) * up of x by one GEMM, or None where it cannot run now (``_Group.gated`` says when; Phi-3's
         layer: under autograd, for an x it refuses, or in a capture before its first eager call)."""
         if not self.fused:
             group = self.group()
             return group.gated(x, self.epilogue) if group is not None else None
         layer = self.mlp.gate_up_proj
-        if x.dim() == 0 or x.shape[-1] != layer.in_features or not plain_eager(x, layer.values, layer.bias) or \
-                not self.warmed_for(x):
+        if x.dim() == 0 or x.shape[-1] != layer.in_features or not plain_eager(x, layer.values, layer.bias):
+            return None
+        capturing = self.capturing(x) if capturing is None else capturing
+        if not self.warmed_for(capturing):
             return None
         h = layer.with_epilogue(x, self.epilogue)
-        self.ran(x)
+        self.ran(capturing)
         return h
 
-    def call_fused(self, x: torch.Tensor) -> torch.Tensor | None:
-        h = self.gated(x)
+    def call_fused(self, x: torch.Tensor, capturing: bool) -> torch.Tensor | None:
+        h = self.gated(x, capturing)
         return self.mlp.down_proj(h) if h is not None else None

@@ -51,28 +51,35 @@ class EpilogueRoute:
     def what(self) -> str:
         raise NotImplementedError
 
-    def call_fused(self, x: torch.Tensor) -> torch.Tensor | None:
+    def call_fused(self, x: torch.Tensor, capturing: bool) -> torch.Tensor | None:
+        """The module's result on ``x`` by the fused GEMMs, or None; ``capturing``: x is on a stream being captured
+        (asked once a call: a CUDA call each time)."""
         raise NotImplementedError
 
     def epilogue_layer(self):
         """``(layer, rows, epilogue)``: the layer whose weight the epilogue's GEMM reads, its rows, the epilogue."""
         raise NotImplementedError
 
-    def epilogue_gemm(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The epilogue's GEMM alone on ``x`` (``kp.warmup`` runs it on zeros); None where it cannot run now."""
+    def epilogue_gemm(self, x: torch.Tensor, capturing: bool | None = None) -> torch.Tensor | None:
+        """The epilogue's GEMM alone on ``x`` (``kp.warmup`` runs it on zeros); None where it cannot run now.
+        ``capturing`` as ``call_fused``'s, asked here where not given."""
         raise NotImplementedError
 
     def ready(self) -> bool:
         """Whether the epilogue's GEMM can run now (a gated MLP's group may not have settled yet)."""
         return True
 
-    def warmed_for(self, x: torch.Tensor) -> bool:
-        """Whether an epilogue GEMM on ``x`` may run now: not inside a capture before one has run eagerly.  Call
-        ``ran(x)`` after it does."""
-        return self.warmed or not (x.is_cuda and stream_capturing())
+    @staticmethod
+    def capturing(x: torch.Tensor) -> bool:
+        return x.is_cuda and stream_capturing()
 
-    def ran(self, x: torch.Tensor) -> None:
-        self.warmed = self.warmed or not (x.is_cuda and stream_capturing())
+    def warmed_for(self, capturing: bool) -> bool:
+        """Whether an epilogue GEMM may run now: not inside a capture before one has run eagerly.  Call
+        ``ran(capturing)`` after it does."""
+        return self.warmed or not capturing
+
+    def ran(self, capturing: bool) -> None:
+        self.warmed = self.warmed or not capturing
 
     def forward(self, *args, **kwargs):
         mod = self.mod
@@ -82,8 +89,9 @@ class EpilogueRoute:
             return own(mod, *args, **kwargs)
         x = args[0]
         y = None
-        if not (self.checked is False and x.is_cuda and stream_capturing()):
-            y = self.call_fused(x)
+        capturing = self.capturing(x)
+        if not (self.checked is False and capturing):
+            y = self.call_fused(x, capturing)
         if y is None:
             self.stats["own"] += 1
             return own(mod, x)
