@@ -32,7 +32,7 @@ from kernelplan.bench.shapes import MODELS
 from kernelplan.nn.activated import activated_mlp_of
 from kernelplan.sparse24.format import prune_compress
 from kernelplan.sparse24.gemm import linear_parts
-from kernelplan.timing import graph_us, interleaved, wall_seconds
+from kernelplan.timing import graph_us, host_report, interleaved, wall_seconds
 from sparse24_siblings_sweep import cli, summary  # bench/ is on the path, as the docstring's command runs it
 
 
@@ -75,6 +75,9 @@ MODEL_CASES = {
 }
 
 
+MLP_TYPES = ("BertIntermediate", "GPTNeoXMLP")  # the routed module of each model, its first found
+
+
 def _out(model, ids):
     out = model(ids)
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out.logits
@@ -107,7 +110,17 @@ def models(rounds: int) -> list[dict]:
             rows.append(row)
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
             del graphs
-        rows.append({"model": name, "weight_bytes": {n: weight_bytes(m) for n, m in trio.items()},
+        # One MLP's call alone, host work and back-to-back wall (kernelplan.timing.host_report), at the first case's
+        # tokens: what the route's Python costs against the activation's launch it saves, eagerly.
+        mlps = {n: next(mod for mod in m.modules() if type(mod).__name__ in MLP_TYPES) for n, m in trio.items()}
+        k = next(c for c in mlps["dense"].children() if isinstance(c, torch.nn.Linear)).in_features
+        x = torch.randn(*cases[0], k, device="cuda", dtype=torch.bfloat16)
+        with torch.inference_mode():
+            host = host_report({n: lambda m=m: m(x) for n, m in mlps.items()}, x.device, calls=200, rounds=9)
+        print(name, "one MLP's call, us:", {k: {n: round(v, 1) for n, v in t.items()} for k, t in host.items()},
+              flush=True)
+        rows.append({"model": name, "mlp_call_us": host, "mlp_call_tokens": list(cases[0]),
+                     "weight_bytes": {n: weight_bytes(m) for n, m in trio.items()},
                      "routes": len(routes), "route_calls": {k: sum(r.stats[k] for r in routes) for k in ("fused", "own")},
                      "routes_off": sum(r.off is not None for r in routes)})
         print(rows[-1], flush=True)
