@@ -20,8 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import on_device
-from .triton_cache import compiling
+from . import Launcher
 
 # Integer view, |bits| mask and the bits of +inf, by element width in bytes.
 _BITS = {2: (torch.int16, 0x7FFF, 0x7C00), 4: (torch.int32, 0x7FFFFFFF, 0x7F800000)}
@@ -139,6 +138,13 @@ def _compress24_tiled(w_ptr, tv_ptr, tm_ptr, bad_ptr, K, stride_w, PRUNE: tl.con
     tl.store(tm_ptr + (tile_step * 32)[:, :, None] + 4 * wg + wuj, words, mask=(s < nsteps)[:, :, None])
 
 
+# Launched through kernels.Launcher: compiled once per specialization (on the weight's device, in kernelplan's Triton
+# cache scope), then launched with no re-binding.  Through Triton's JIT call, with the cache scope entered each time, a
+# call's host work was about 70 us on the CI machine's CPU, most of a 64M-weight layer's whole call on a GPU host
+# (docs/design/0026).
+_PUBLIC, _TILED = Launcher(_compress24), Launcher(_compress24_tiled)
+
+
 def compress(w: torch.Tensor, prune: bool, dense: bool = False, block=(16, 64), warps: int = 8):
     """``(values, metadata)`` of a 2-D ``w`` (``dense``: the pruned dense weight), or None where ``w`` is refused.
 
@@ -160,11 +166,8 @@ def compress(w: torch.Tensor, prune: bool, dense: bool = False, block=(16, 64), 
         values = torch.empty((m, k // 2), dtype=bits.dtype, device=w.device)
         metadata = torch.empty((m, k // 8), dtype=torch.int16, device=w.device)
         out = values
-    # Triton launches on the current device: a weight on cuda:1 with cuda:0 current was a launch error
-    # ("Pointer argument cannot be accessed from Triton"; tests/test_multi_gpu.py).
-    with on_device(w.get_device()), compiling():  # a load-time op: every call may be the one that compiles
-        _compress24[grid](bits, values, metadata, out, bad, m, k, w.stride(0), PRUNE=prune, DENSE=dense,
-                          ABS=absmask, INF=inf, BM=bm, BG=bg, num_warps=warps)
+    _PUBLIC(grid, (bits, values, metadata, out, bad, m, k, w.stride(0)),
+            {"PRUNE": prune, "DENSE": dense, "ABS": absmask, "INF": inf, "BM": bm, "BG": bg}, num_warps=warps)
     if bad.item():
         return None
     if dense:
@@ -187,9 +190,8 @@ def compress_tiled(w: torch.Tensor, prune: bool, steps: int | None = None, warps
     bad = _flag(w.device)
     tv = torch.empty((m // 16, k // 64, 512), dtype=bits.dtype, device=w.device)
     tm = torch.empty((m // 16, k // 64, 32), dtype=torch.int32, device=w.device)
-    with on_device(w.get_device()), compiling():
-        _compress24_tiled[grid](bits, tv, tm, bad, k, w.stride(0), PRUNE=prune, ABS=absmask, INF=inf, STEPS=steps,
-                                num_warps=warps)
+    _TILED(grid, (bits, tv, tm, bad, k, w.stride(0)), {"PRUNE": prune, "ABS": absmask, "INF": inf, "STEPS": steps},
+           num_warps=warps)
     if bad.item():
         return None
     return tv.view(w.dtype), tm
@@ -229,14 +231,14 @@ def _pack24(v_ptr, m_ptr, tv_ptr, tm_ptr, K, UNPACK: tl.constexpr, STEPS: tl.con
 
 
 _PAIR = {2: torch.int32, 4: torch.int64}  # a kept pair as one integer, by element width
+_PACK = Launcher(_pack24)
 
 
 def _launch_pack(values, metadata, tv, tm, k, unpack: bool, steps: int) -> None:
     pair = _PAIR[values.element_size()]
     grid = (tv.shape[0], triton.cdiv(k // 64, steps))
-    with on_device(values.get_device()), compiling():
-        _pack24[grid](values.view(pair), metadata.view(torch.int32), tv.view(pair), tm, k, UNPACK=unpack,
-                      STEPS=steps, num_warps=4)
+    _PACK(grid, (values.view(pair), metadata.view(torch.int32), tv.view(pair), tm, k), {"UNPACK": unpack, "STEPS": steps},
+          num_warps=4)
 
 
 def pack(values: torch.Tensor, metadata: torch.Tensor, steps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
