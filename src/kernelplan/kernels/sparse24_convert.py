@@ -139,9 +139,8 @@ def _compress24_tiled(w_ptr, tv_ptr, tm_ptr, bad_ptr, K, stride_w, PRUNE: tl.con
 
 
 # Launched through kernels.Launcher: compiled once per specialization (on the weight's device, in kernelplan's Triton
-# cache scope), then launched with no re-binding.  Through Triton's JIT call, with the cache scope entered each time, a
-# call's host work was about 70 us on the CI machine's CPU, most of a 64M-weight layer's whole call on a GPU host
-# (docs/design/0026).
+# cache scope), then launched with no re-binding.  Before, each call went through Triton's JIT call inside the cache
+# scope, and entering the scope alone took 72 us on the CI machine's CPU (docs/design/0026).
 _PUBLIC, _TILED = Launcher(_compress24), Launcher(_compress24_tiled)
 
 
