@@ -137,7 +137,11 @@ def sparse24_notes() -> list[str]:
                                   f"({r['graph_speedup_unrouted']:.2f}x unrouted), {r['eager_speedup']:.2f}x eager"
                                   for r in cases)
                 bytes_ = held["weight_bytes"]
-                lines.append(f"- 2:4, {model} (random weights) sparsified against dense, its MLPs routed: {cells}; "
+                host = held.get("mlp_call_us", {}).get("host_us")
+                mlp = (f"; host work of one MLP's eager call at {'x'.join(map(str, held['mlp_call_tokens']))} tokens "
+                       f"{host['sparse']:.1f} us routed, {host['sparse unrouted']:.1f} us unrouted, {host['dense']:.1f} "
+                       f"us dense" if host else "")
+                lines.append(f"- 2:4, {model} (random weights) sparsified against dense, its MLPs routed: {cells}{mlp}; "
                              f"weights {bytes_['sparse'] / bytes_['dense']:.3f}x of dense, {_source(doc['meta'], name)}.")
     big = _load("sparse24-70b-memory-h200")
     if big:
