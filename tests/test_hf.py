@@ -186,3 +186,82 @@ def test_a_dense_directory_sparsified_shard_by_shard_is_what_the_in_memory_path_
     assert run.returncode == 0 and "shard by shard" in run.stdout, run.stderr
     with pytest.raises(InvalidProblem, match="2:4 checkpoint already"):
         hf.sparsify_directory(tmp_path / "streamed", tmp_path / "again", fmt)
+
+
+# -- GPT-2: Hugging Face's Conv1D, a linear layer whose weight is stored [in, out] -------------------------------------
+
+def _gpt2():
+    config = transformers.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def _masked_dense(dense, sparse, names):
+    """``dense`` with each converted Conv1D's weight replaced by its 2:4 layer's, transposed back: the reference."""
+    with torch.no_grad():
+        for name in names:
+            dense.get_submodule(name).weight.copy_(sparse.get_submodule(name).to_dense().t())
+    return dense
+
+
+def test_gpt2s_conv1d_layers_are_sparsified_as_linear_layers_and_its_mlps_routed(seed):
+    model = _gpt2()
+    reference = _gpt2()
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        want_fc = prune(model.transformer.h[0].mlp.c_fc.weight.t())  # groups of 4 along the inputs
+    report = kp.sparsify(model, progress=False)
+    per_block = ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
+    assert sorted(report.converted) == sorted(f"transformer.h.{i}.{n}" for i in range(2) for n in per_block)
+    assert "lm_head" in report.skipped  # tied to the token embeddings
+    fc = model.transformer.h[0].mlp.c_fc
+    assert isinstance(fc, kp.nn.Sparse24Linear) and (fc.out_features, fc.in_features) == (256, 64)
+    assert torch.equal(fc.to_dense(), want_fc)
+    _masked_dense(reference, model, report.converted)
+    ids = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+    route = kp.nn.activated.activated_mlp_of(model.transformer.h[0].mlp)  # c_fc, gelu_new, c_proj, dropout
+    assert route is not None and route.activation == "gelu_tanh" and route.stats["fused"] == 1 and route.checked
+
+
+def test_gpt2_is_pruned_with_calibration_as_a_model_of_linear_layers(seed):
+    """SparseGPT reads each Conv1D's inputs through the linear layer that replaced it: error under magnitude's."""
+    model, ids = _gpt2(), torch.randint(0, 96, (8, 32))
+    magnitude = _gpt2()
+    magnitude.load_state_dict(model.state_dict())
+    got = kp.sparsify(model, progress=False, method="sparsegpt", calibration=ids, report=True)
+    base = kp.sparsify(magnitude, progress=False, method="magnitude", calibration=ids, report=True)
+    assert sorted(got.errors) == sorted(base.errors) and len(got.errors) == 8
+    assert all(got.errors[n] < base.errors[n] for n in got.errors)
+
+
+@pytest.mark.parametrize("fmt", ["kernelplan", "sparse-24-bitmask"])
+def test_a_sparsified_gpt2_round_trips_and_its_directory_sparsifies_shard_by_shard(tmp_path, seed, fmt):
+    model = _gpt2()
+    model.save_pretrained(tmp_path / "dense", max_shard_size="60KB")
+    kp.sparsify(model, progress=False)
+    ids = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        ref = model(ids).logits
+    hf.save_model(model, tmp_path / "in-memory", fmt)
+    loaded = hf.load_model(tmp_path / "in-memory")
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, ref)
+    assert sum(isinstance(m, kp.nn.Sparse24Linear) for m in loaded.modules()) == 8
+    report = hf.sparsify_directory(tmp_path / "dense", tmp_path / "streamed", fmt)
+    assert len(report.converted) == 8 and hf.checkpoint_format(hf.read_config(tmp_path / "streamed")) == fmt
+    streamed = hf.load_model(tmp_path / "streamed")
+    sa, sb = streamed.state_dict(), loaded.state_dict()
+    assert sorted(sa) == sorted(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert all(m.from_conv1d for m in streamed.modules() if isinstance(m, kp.nn.Sparse24Linear))
+
+
+def test_the_dense_format_refuses_gpt2s_conv1d_layers_and_writes_nothing(tmp_path, seed):
+    model = _gpt2()
+    model.save_pretrained(tmp_path / "dense")
+    kp.sparsify(model, progress=False)
+    with pytest.raises(InvalidProblem, match=r"format='dense' cannot hold transformer.h.0.attn.c_attn \(8 such"):
+        hf.save_model(model, tmp_path / "out", "dense")
+    with pytest.raises(InvalidProblem, match="Conv1D, whose checkpoints store the weight transposed"):
+        hf.sparsify_directory(tmp_path / "dense", tmp_path / "streamed", "dense")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "streamed").exists()

@@ -236,6 +236,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
     import transformers
 
     from .nn.sparse24_linear import Sparse24Linear
+    from .pruning.sparsify import is_conv1d
 
     read_config(path)  # a missing config.json is named here, not deep inside transformers
     config = transformers.AutoConfig.from_pretrained(str(path))
@@ -250,13 +251,18 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
             layer = model.get_submodule(name)
         except AttributeError:
             layer = None
-        if not isinstance(layer, nn.Linear) or tuple(layer.weight.shape) != tuple(item.shape):
+        # A Conv1D (GPT-2's) holds its weight transposed, [in, out]: its 2:4 weight is the linear layer's [out, in].
+        shape = tuple(layer.weight.shape)[::-1] if is_conv1d(layer) else \
+            tuple(layer.weight.shape) if isinstance(layer, nn.Linear) else None
+        if shape != tuple(item.shape):
             raise InvalidProblem(f"{name} holds a 2:4 weight of shape {tuple(item.shape)}, but the model built from "
                                  f"config.json has {type(layer).__name__} there")
         values = item.values.to(dtype) if dtype is not None else item.values
-        bias = torch.zeros(layer.out_features, dtype=values.dtype, device=device) if layer.bias is not None else None
+        bias = torch.zeros(shape[0], dtype=values.dtype, device=device) if layer.bias is not None else None
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        setattr(parent, name.rpartition(".")[2], Sparse24Linear(values, item.metadata, bias, _validate=False))
+        replacement = Sparse24Linear(values, item.metadata, bias, _validate=False)
+        replacement.from_conv1d = is_conv1d(layer)
+        setattr(parent, name.rpartition(".")[2], replacement)
         sparse.update((f"{name}.values", f"{name}.metadata"))
     result = model.load_state_dict(state, strict=False)
     tied = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)
@@ -291,6 +297,15 @@ def _write_config(out: Path, config: dict, format: str, ignore: list[str]) -> No
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
+def _refuse_dense_conv1d(names: list[str]) -> None:
+    """The dense format writes each 2:4 layer as the dense weight its model's own layer holds, and reads them back
+    as [out, in]; a Conv1D (GPT-2's) holds its weight transposed, [in, out]."""
+    if names:
+        raise InvalidProblem(f"format='dense' cannot hold {names[0]} ({len(names)} such layers): it replaced a Hugging "
+                             f"Face Conv1D, whose checkpoints store the weight transposed, and the dense 2:4 format is "
+                             f"read back as [out, in]; write format='kernelplan' or format='sparse-24-bitmask'")
+
+
 def _stored(format: str, prefix: str, values: torch.Tensor, metadata: torch.Tensor) -> dict[str, torch.Tensor]:
     """A 2:4 layer's tensors as ``format`` stores them."""
     if format == "kernelplan":
@@ -315,7 +330,7 @@ def sparsify_directory(src: str | os.PathLike, dst: str | os.PathLike, format: s
     from safetensors.torch import save_file
 
     from ._checks import choice
-    from .pruning.sparsify import SparsifyReport, _select
+    from .pruning.sparsify import SparsifyReport, _select, is_conv1d
     from .stream import headers, prune_compress_rows, read_tensor
 
     format = choice(format, "format", FORMATS)
@@ -327,7 +342,10 @@ def sparsify_directory(src: str | os.PathLike, dst: str | os.PathLike, format: s
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(str(src)),
                                                               dtype=_stored_dtype(src))
     report = SparsifyReport()
+    conv1d = {name for name, m in model.named_modules() if is_conv1d(m)}  # stored [in, out]: read transposed
     chosen = {name for name, _ in _select(model, filter_fn, False, report)}
+    if format == "dense":
+        _refuse_dense_conv1d(sorted(conv1d & chosen))
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     out, files, weight_map, total = Path(dst), [], {}, 0
     if not dry_run:
@@ -343,7 +361,7 @@ def sparsify_directory(src: str | os.PathLike, dst: str | os.PathLike, format: s
             if dry_run:
                 continue
             t = read_tensor(shard, name)
-            values, metadata = prune_compress_rows(t)
+            values, metadata = prune_compress_rows(t.t().contiguous() if prefix in conv1d else t)
             report.bytes_before += t.numel() * t.element_size()
             report.bytes_after += values.nbytes + metadata.nbytes
             tensors.update(_stored(format, prefix, values, metadata))
@@ -378,9 +396,11 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "kernelp
     from .nn.sparse24_linear import Sparse24Linear
 
     format = choice(format, "format", FORMATS)
+    sparse = {name for name, m in model.named_modules() if isinstance(m, Sparse24Linear)}
+    if format == "dense":
+        _refuse_dense_conv1d(sorted(n for n in sparse if model.get_submodule(n).from_conv1d))
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    sparse = {name for name, m in model.named_modules() if isinstance(m, Sparse24Linear)}
     tensors, seen = {}, set()
     for name, t in model.state_dict().items():
         prefix, _, leaf = name.rpartition(".")

@@ -36,6 +36,10 @@ class Sparse24Linear(nn.Module):
     "compact" (the one device layout, by rule) or "fast" (every backend timed).
     """
 
+    # Whether the layer replaced a Hugging Face Conv1D (GPT-2's), whose checkpoints hold the weight transposed:
+    # hf.save_model's dense format refuses to write such a layer (kernelplan/hf.py).
+    from_conv1d = False
+
     def __init__(self, values: torch.Tensor, metadata: torch.Tensor, bias: torch.Tensor | None = None,
                  memory: str = "compact", layout: str = "auto", *, _validate: bool = True):
         super().__init__()

@@ -65,6 +65,29 @@ def eligibility(weight: torch.Tensor) -> str | None:
     return None
 
 
+def is_conv1d(mod: nn.Module) -> bool:
+    """Whether ``mod`` is Hugging Face's ``Conv1D`` (GPT-2's projections): ``x @ weight + bias`` with ``weight``
+    ``[in, out]``, a linear layer whose weight is stored transposed.  Told by its name and fields, so transformers is
+    not imported."""
+    weight = getattr(mod, "weight", None)
+    return type(mod).__name__ == "Conv1D" and hasattr(mod, "nf") and isinstance(weight, torch.Tensor) and \
+        weight.dim() == 2
+
+
+def as_linear(conv: nn.Module) -> nn.Linear:
+    """The ``nn.Linear`` that computes what a ``Conv1D`` does: its weight transposed (a copy), its bias the same
+    Parameter."""
+    k, m = conv.weight.shape
+    linear = nn.Linear(k, m, bias=conv.bias is not None, device=conv.weight.device, dtype=conv.weight.dtype)
+    with torch.no_grad():
+        linear.weight = nn.Parameter(conv.weight.detach().t().contiguous(), requires_grad=conv.weight.requires_grad)
+    if conv.bias is not None:
+        linear.bias = conv.bias
+    linear.train(conv.training)
+    linear.from_conv1d = True  # carried to its Sparse24Linear (_replace)
+    return linear
+
+
 def _owner(p: torch.Tensor) -> tuple:
     return ("meta", id(p)) if p.is_meta else (p.data_ptr(), tuple(p.shape))
 
@@ -78,11 +101,12 @@ def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyRep
     get_output = getattr(model, "get_output_embeddings", None)
     output = get_output() if callable(get_output) else None
     chosen = []
-    for name, layer in model.named_modules():
+    for name, layer in list(model.named_modules()):  # a list: chosen Conv1Ds are swapped on the way
         if isinstance(layer, nn.Embedding):
             report.skipped[name] = "an embedding table: a lookup, not a matmul, so 2:4 neither shrinks its reads nor speeds it"
             continue
-        if not isinstance(layer, nn.Linear):
+        conv = is_conv1d(layer)
+        if not isinstance(layer, nn.Linear) and not conv:
             continue
         if not name:
             report.skipped["<model>"] = "the model itself is an nn.Linear: use Sparse24Linear.from_dense(model)"
@@ -99,10 +123,14 @@ def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyRep
         if not prune_output and (layer is output or (output is None and name.rpartition(".")[2] == "lm_head")):
             report.skipped[name] = "the output projection (LM head) stays dense by default: prune_output=True prunes it"
             continue
-        reason = eligibility(layer.weight)
+        reason = eligibility(layer.weight.t() if conv else layer.weight)
         if reason is not None:
             report.skipped[name] = reason
             continue
+        if conv:  # pruned as the linear layer it is: groups of 4 along its inputs, as nn.Linear's
+            layer = as_linear(layer)
+            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+            setattr(parent, name.rpartition(".")[2], layer)
         chosen.append((name, layer))
     return chosen
 
@@ -111,6 +139,8 @@ def _replace(model: nn.Module, name: str, layer: nn.Linear, w24: Sparse24Weight,
     with torch.no_grad():
         bias = layer.bias.detach().clone() if layer.bias is not None else None
     sparse = Sparse24Linear(w24.values, w24.metadata, bias, _validate=False)
+    if getattr(layer, "from_conv1d", False):
+        sparse.from_conv1d = True
     parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
     setattr(parent, name.rpartition(".")[2], sparse)
     report.converted.append(name)
@@ -123,7 +153,8 @@ def sparsify(
     prune_output: bool = False, *, method: str | None = None, calibration=None, blocks=None, report: bool = False,
     batch_size: int = 8, blocksize: int = 128, damp: float = 0.01, fuse: bool = True,
 ) -> SparsifyReport:
-    """Replace every eligible ``nn.Linear`` of ``model`` in place with a 2:4 ``Sparse24Linear``.
+    """Replace every eligible ``nn.Linear`` of ``model`` (and Hugging Face ``Conv1D``: GPT-2's, pruned along its
+    inputs as a linear layer is) in place with a 2:4 ``Sparse24Linear``.
 
     ``method``: "magnitude" (the default without ``calibration``), "wanda" or
     "sparsegpt" (the default with it); see ``kernelplan/pruning/methods.py``.
