@@ -123,3 +123,17 @@ def compiled_graphs(module, *args):
         return gm.forward
 
     return torch.compile(module, fullgraph=True, backend=backend)(*args), graphs
+
+
+def compiles_after_warmup(model, batch_sizes=(4, 64, 200), vocab: int = 100) -> int:
+    """NVRTC compiles that a model's calls at ``batch_sizes`` tokens made after ``kp.warmup`` at those sizes, on the
+    GPU, in inference mode (the callers point KERNELPLAN_CACHE_DIR at an empty folder: a cold disk cache)."""
+    import kernelplan as kp
+    from kernelplan.kernels import nvrtc
+
+    with torch.inference_mode():
+        kp.warmup(model, batch_sizes=batch_sizes, progress=False)
+        compiles = nvrtc.COMPILES[0]
+        for n in batch_sizes:
+            model(torch.randint(0, vocab, (1, n), device="cuda"))
+    return nvrtc.COMPILES[0] - compiles
