@@ -22,13 +22,14 @@ def test_warpgroup_and_mma_sp_kernels_compile(compile_for):
 
 
 def test_the_kernels_erf_gelu_is_accurate_in_fp32_over_its_range():
-    """``common.cuh``'s erfc (a Chebyshev fit with the fast exponential) emulated in fp32 with its own constants, read
-    from the header: gelu within 2e-5 relative of fp64 over z in [-12, 12], the left tail included."""
+    """``common.cuh``'s erfc (a fit for 16-bit results, with the fast exponential) emulated in fp32 with its own
+    constants, read from the header: gelu within 7e-5 relative of fp64 over z in [-12, 12], the left tail included
+    (f16's rounding is 4.9e-4, bf16's 3.9e-3)."""
     text = resources.files("kernelplan.kernels").joinpath("cuda/common.cuh").read_text()
     body = text[text.index("float erfc_nonneg"):text.index("}", text.index("float erfc_nonneg"))]
     first = [float(v) for v in re.findall(r"fmaf\(t, ([-0-9.]+)f, ([-0-9.]+)f\)", body)[0]]
     rest = [float(v) for v in re.findall(r"fmaf\(p, t, ([-0-9.]+)f\)", body)]
-    assert len(first) == 2 and len(rest) == 8
+    assert len(first) == 2 and len(rest) == 4
     z = torch.linspace(-12, 12, 240001, dtype=torch.float64)
     x = (-z * 0.70710678118654752).float()
     t = 1 / (1 + 0.5 * x.abs())
@@ -39,4 +40,4 @@ def test_the_kernels_erf_gelu_is_accurate_in_fp32_over_its_range():
     got = z.float() * 0.5 * torch.where(x >= 0, e, 2 - e)
     want = z * 0.5 * torch.special.erfc(-z / 2 ** 0.5)
     rel = ((got.double() - want).abs() / want.abs()).nan_to_num(0.0)
-    assert float(rel.max()) < 2e-5
+    assert float(rel.max()) < 7e-5
