@@ -62,6 +62,7 @@ _ACT64 = {
     "gelu": F.gelu,
     "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
     "silu": F.silu,
+    "quick_gelu": lambda z: z * torch.sigmoid(1.702 * z),
 }
 
 
@@ -77,6 +78,7 @@ def _sparse24_samples(device, dtype):
         ("n=1", (1, 64), 8, "gelu", True),
         ("non-contiguous x", (9, 32), 6, "silu", True),
         ("strided x", (4, 40), 3, "gelu_tanh", False),
+        ("3-D, CLIP's GELU", (2, 2, 24), 7, "quick_gelu", True),
         ("empty n", (0, 16), 4, None, True),
     ]
     for desc, xshape, m, act, has_bias in cases:

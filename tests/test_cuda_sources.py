@@ -17,7 +17,8 @@ def test_warpgroup_and_mma_sp_kernels_compile(compile_for):
     # Both dtypes and an epilogue, taken in turn (a compile takes seconds on CI's two cores).
     assert compile_for(wg.source(wg.wg_config(256, 4096, 4096, 132), "f16", True, "gelu_tanh"), "sm_90a")[:4] == b"\x7fELF"
     for n, arch, sms, dtype, bias, act in ((16, "sm_90a", 132, "bf16", True, "gelu_tanh"), (64, "sm_80", 108, "f16", False, None),
-                                           (8, "sm_89", 128, "bf16", False, "relu"), (32, "sm_90a", 132, "f16", True, "gelu")):
+                                           (8, "sm_89", 128, "bf16", False, "relu"), (32, "sm_90a", 132, "f16", True, "gelu"),
+                                           (4, "sm_80", 108, "bf16", True, "quick_gelu")):
         assert compile_for(sp.source(sp.sp_config(n, 4096, 4096, sms), dtype, bias, act), arch)[:4] == b"\x7fELF"
 
 

@@ -40,10 +40,20 @@ def _phi(seed=0):
     return transformers.PhiForCausalLM(cfg).eval()
 
 
+def _clip(seed=0):  # OpenAI CLIP's text tower: fc1, quick GELU, fc2
+    torch.manual_seed(seed)
+    cfg = transformers.CLIPTextConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                      vocab_size=100, max_position_embeddings=64, hidden_act="quick_gelu",
+                                      bos_token_id=0, pad_token_id=1, eos_token_id=2)
+    return transformers.CLIPTextModel(cfg).eval()
+
+
 MODELS = {  # the builder, the routed module of its first layer, what the route must find
     "bert": (_bert, lambda m: m.encoder.layer[0].intermediate, ("gelu", "dense", None)),
     "gpt-neox": (_neox, lambda m: m.gpt_neox.layers[0].mlp, ("gelu", "dense_h_to_4h", "dense_4h_to_h")),
     "phi": (_phi, lambda m: m.model.layers[0].mlp, ("gelu_tanh", "fc1", "fc2")),
+    "clip": (_clip, lambda m: next(x for x in m.modules() if type(x).__name__ == "CLIPMLP"),  # where it is varies
+             ("quick_gelu", "fc1", "fc2")),
 }
 
 
@@ -83,7 +93,7 @@ def test_sequential_and_custom_modules_are_routed_by_what_they_hold():
     l1, l2 = _linear(128, 64, 1), _linear(64, 128, 2)
     seq = nn.Sequential(l1, nn.GELU(approximate="tanh"), nn.Dropout(0.1), l2).eval()
     wrong_order = nn.Sequential(nn.ReLU(), _linear(64, 64, 3))
-    quick = nn.Sequential(_linear(64, 64, 4), transformers.activations.QuickGELUActivation())  # not a kernel's
+    mish = nn.Sequential(_linear(64, 64, 4), nn.Mish())  # not a kernel's activation
 
     class Doubled(nn.Module):  # holds a layer and an activation, computes something else
         def __init__(self):
@@ -94,9 +104,9 @@ def test_sequential_and_custom_modules_are_routed_by_what_they_hold():
             return 2 * self.act(self.dense(x))
 
     doubled = Doubled().eval()
-    routes = route_activated_mlps(nn.ModuleList([seq, wrong_order, quick, doubled]))
+    routes = route_activated_mlps(nn.ModuleList([seq, wrong_order, mish, doubled]))
     assert [type(r.mod) for r in routes] == [nn.Sequential, Doubled] and route_of(wrong_order) is None
-    assert route_of(quick) is None and route_activated_mlps(seq) == []  # idempotent
+    assert route_of(mish) is None and route_activated_mlps(seq) == []  # idempotent
     x = torch.randn(3, 5, 64, dtype=torch.float64)
     with torch.no_grad():
         torch.testing.assert_close(seq(x), l2(torch.nn.functional.gelu(l1(x), approximate="tanh")))
@@ -133,6 +143,8 @@ def test_the_activation_probe_runs_no_hooks():
     seen = []
     act.register_forward_hook(lambda *a: seen.append(1))
     assert activation_of(act) == "gelu" and seen == []
+    assert activation_of(transformers.activations.QuickGELUActivation()) == "quick_gelu"
+    assert activation_of(nn.Mish()) is None
 
 
 def test_warmup_lists_the_activated_gemms():

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
     DEV == "cpu" and not interpreting(), reason="Triton kernels need CUDA or TRITON_INTERPRET=1"
 )
 _ACT = {None: lambda z: z, "relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
-        "silu": F.silu}
+        "silu": F.silu, "quick_gelu": lambda z: z * torch.sigmoid(1.702 * z)}
 
 
 def run_backend(backend, x, w, bias=None, activation=None):
@@ -42,6 +42,7 @@ def run_backend(backend, x, w, bias=None, activation=None):
 
 CASES = [  # (n, m, k, activation, bias, x layout)
     (1, 64, 128, None, False, "contiguous"),
+    (9, 48, 128, "quick_gelu", True, "contiguous"),
     (3, 70, 192, "relu", True, "contiguous"),  # odd M: masked rows
     (17, 64, 256, "gelu", True, "transposed"),  # non-contiguous x
     (5, 32, 2048, "silu", True, "contiguous"),  # K split in two: the partial-sum path

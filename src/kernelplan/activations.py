@@ -17,7 +17,9 @@ import torch
 
 # The ``ACT`` compile-time code of every GPU kernel (Triton and CUDA C++), by name.  Here, not
 # beside the Triton device functions, so that the CUDA C++ kernels need no Triton to compile.
-ACTIVATION_CODES = {"sigmoid": 0, "relu": 1, "silu": 2, "gelu": 3, "gelu_tanh": 4, "identity": 5}
+ACTIVATION_CODES = {"sigmoid": 0, "relu": 1, "silu": 2, "gelu": 3, "gelu_tanh": 4, "identity": 5, "quick_gelu": 6}
+# quick_gelu is z * sigmoid(1.702 z), OpenAI CLIP's GELU (Hugging Face's QuickGELUActivation).
+_QUICK = 1.702
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
@@ -52,6 +54,11 @@ def _silu_grad(z):
     return s * (1.0 + z * (1.0 - s))
 
 
+def _quick_gelu_grad(z):
+    s = torch.sigmoid(_QUICK * z)
+    return s * (1.0 + _QUICK * z * (1.0 - s))
+
+
 def _sigmoid_grad(z):
     s = torch.sigmoid(z)
     return s * (1.0 - s)
@@ -73,6 +80,7 @@ ACTIVATIONS: dict[str, Activation] = {
         Activation("gelu_tanh", _gelu_tanh, _gelu_tanh_grad),
         Activation("silu", lambda z: z * torch.sigmoid(z), _silu_grad),
         Activation("sigmoid", torch.sigmoid, _sigmoid_grad),
+        Activation("quick_gelu", lambda z: z * torch.sigmoid(_QUICK * z), _quick_gelu_grad),
     )
 }
 

@@ -68,6 +68,10 @@ def act_and_grad(z, ACT: tl.constexpr, GRAD: tl.constexpr, F64: tl.constexpr, OU
         cdf = _normal_cdf(z, F64, OUT16)
         f = z * cdf
         df = cdf + z * tl.exp(-0.5 * z * z) * 0.3989422804014327 if GRAD else f
+    elif ACT == 6:  # quick_gelu, z sigmoid(1.702 z)
+        s = _sigmoid(1.702 * z)
+        f = z * s
+        df = s * (1.0 + 1.702 * z * (1.0 - s))
     else:  # gelu, tanh form: 0.5 (1 + tanh u) = sigmoid(2u), which has no cancellation in the left tail
         u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
         s = _sigmoid(2.0 * u)

@@ -33,7 +33,7 @@ from .siblings import SPECS, siblings_of
 NAMES = ("gate_proj", "up_proj", "down_proj", "act_fn")
 FUSED_NAMES = ("gate_up_proj", "down_proj", "activation_fn")  # Phi-3's
 # The activations the kernels' gated epilogue applies, in the order the probe tries them.
-_ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu", "sigmoid")
+_ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu", "sigmoid", "quick_gelu")
 
 
 def activation_of(fn) -> str | None:

@@ -164,7 +164,7 @@ def linear(
     """``activation(x @ W^T + bias)`` with ``W`` 2:4-compressed; x of any leading shape.
 
     Differentiable in ``x``, ``bias`` and ``w24.values`` (the mask is fixed).
-    ``activation`` is None, "relu", "gelu" (erf), "gelu_tanh" or "silu".
+    ``activation`` is None, "relu", "gelu" (erf), "gelu_tanh", "silu" or "quick_gelu" (z sigmoid(1.702 z), CLIP's).
     ``memory`` is the dispatch policy (``sparse24/dispatch.py``): "compact", the
     kernels of one device layout kept with the weight (0.5625x of its dense
     bytes), chosen by rule; or "fast", every backend timed on the first call of

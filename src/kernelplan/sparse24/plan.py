@@ -23,7 +23,7 @@ from .dispatch import MEMORY_POLICIES, backend_for
 from .format import SPARSE24_DTYPES, Sparse24Weight
 from .layout import PUBLIC, SP_LAYOUT
 
-SPARSE24_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
+SPARSE24_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "quick_gelu")
 # An activation, or a gated epilogue (activations.GATED_EPILOGUES: y has M / 2 columns, act(gate) * other).
 SPARSE24_EPILOGUES = SPARSE24_ACTIVATIONS + tuple(GATED_EPILOGUES)
 

@@ -54,6 +54,8 @@ __device__ __forceinline__ float activate(float z) {
     return __fdividef(z, 1.f + __expf(-z));
 #elif ACT == ACT_SIGMOID
     return __fdividef(1.f, 1.f + __expf(-z));
+#elif ACT == ACT_QUICK_GELU
+    return __fdividef(z, 1.f + __expf(-1.702f * z));
 #else
 #error "an activation with no CUDA form here"
 #endif
