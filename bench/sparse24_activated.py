@@ -96,8 +96,8 @@ def models(rounds: int) -> list[dict]:
         for batch, seq in cases:
             ids = torch.randint(0, 1000, (batch, seq), device="cuda")
             with torch.inference_mode():
-                err = float((_out(sparse, ids).float() - _out(unrouted, ids).float()).abs().max() /
-                            _out(unrouted, ids).float().abs().max())
+                want = _out(unrouted, ids).float()
+                err = float((_out(sparse, ids).float() - want).abs().max() / want.abs().max())
                 graphs = {n: Graphed(lambda m=m: _out(m, ids)) for n, m in trio.items()}
                 graph = interleaved({n: lambda g=g: g.replay_seconds(5) for n, g in graphs.items()}, rounds)
                 eager = interleaved({n: lambda m=m: wall_seconds(lambda: _out(m, ids)) for n, m in trio.items()},

@@ -90,6 +90,11 @@ def _by_n(rows: list[dict], cell) -> str:
                      for n in sorted({r["n"] for r in rows}))
 
 
+def _epilogue_spans(rows: list[dict]) -> str:
+    """Per n, an epilogue sweep's median speedup over dense and the epilogue's median gain."""
+    return _by_n(rows, lambda med: f"{med('speedup'):.2f}x (epilogue {med('epilogue_gain'):.2f}x)")
+
+
 def sparse24_notes() -> list[str]:
     """The 2:4 model, conversion and host-work results, one line each."""
     lines = []
@@ -114,7 +119,7 @@ def sparse24_notes() -> list[str]:
         sweep = _load(name)
         if sweep:
             rows = sweep["rows"]
-            spans = _by_n(rows, lambda med: f"{med('speedup'):.2f}x (epilogue {med('epilogue_gain'):.2f}x)")
+            spans = _epilogue_spans(rows)
             lines.append(f"- 2:4 gate/up with the gated epilogue (`kp.sparse24.gated_linear`, SwiGLU) over the sweep "
                          f"set's {len({(r['k'], r['h']) for r in rows})} gated MLP shapes, CUDA graph, median against "
                          f"dense as Hugging Face runs it (two `F.linear`, then `silu(g) * u`), and the epilogue's gain "
@@ -125,7 +130,7 @@ def sparse24_notes() -> list[str]:
         if doc:
             for act in ("gelu", "gelu_tanh"):
                 rows = [r for r in doc["rows"] if r["act"] == act]
-                spans = _by_n(rows, lambda med: f"{med('speedup'):.2f}x (epilogue {med('epilogue_gain'):.2f}x)")
+                spans = _epilogue_spans(rows)
                 lines.append(f"- 2:4 up projection with {act} in the epilogue (`kp.nn.activated`'s route) over the sweep "
                              f"set's {len({(r['m'], r['k']) for r in rows})} MLP up shapes with bias, CUDA graph, median "
                              f"against dense as Hugging Face runs it (`F.linear`, then `F.gelu`), and the epilogue's gain "

@@ -9,8 +9,9 @@ Found by what a module holds, not by names: its children are one or two 2:4 laye
 device layout, in no sibling group), exactly one activation (a child without parameters or buffers whose values on
 a probe are one of the kernels' activations: ``gated_siblings.activation_of``), and nothing else with parameters
 or buffers.  With two layers, the first registered is fc1 and fc1's rows must be fc2's inputs; an ``nn.Sequential``
-must hold fc1, the activation[, fc2] in that order, and dropouts (which the route, in eval mode only, may skip).  What a module holds does not say
-what its forward computes, so its first fused call is checked against its own forward (``nn/routes.py``).
+must hold fc1, the activation[, fc2] in that order, and dropouts (which the route, in eval mode only, may skip).
+What a module holds does not say what its forward computes, so its first fused call is checked against its own
+forward (``nn/routes.py``).
 
 A module in training mode runs its own forward: a dropout the route cannot see (a child, or ``F.dropout`` in the
 forward) would be skipped.
@@ -21,7 +22,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import plain_eager
 from ..sparse24.layout import PUBLIC
 from .gated_siblings import activation_of
 from .routes import EpilogueRoute, route_of
@@ -38,24 +38,29 @@ def route_activated_mlps(model: nn.Module) -> list["ActivatedMlp"]:
     for mod in model.modules():
         if "forward" in mod.__dict__:
             continue
-        layers, acts, other = [], [], False
+        layers, bare, other = [], [], False
         for child in mod.children():
             if isinstance(child, Sparse24Linear):
                 layers.append(child)
             elif any(True for _ in child.parameters()) or any(True for _ in child.buffers()):
                 other = True  # a layer of another kind, a norm, a rotary embedding's tables, a container
-            elif activation_of(child) is not None:
-                acts.append(child)
-        if other or len(acts) != 1 or not 1 <= len(layers) <= 2:
+            else:
+                bare.append(child)
+        if other or not 1 <= len(layers) <= 2:
             continue
+        found = [(child, activation_of(child)) for child in bare]  # probed only here, once a child
+        found = [(child, name) for child, name in found if name is not None]
+        if len(found) != 1:
+            continue
+        act, act_name = found[0]
         if isinstance(mod, nn.Sequential) and \
-                [c for c in mod if not isinstance(c, nn.Dropout)] != [layers[0], acts[0], *layers[1:]]:
+                [c for c in mod if not isinstance(c, nn.Dropout)] != [layers[0], act, *layers[1:]]:
             continue  # a Sequential runs its children in order: first, activation[, second], and dropouts
         if any(layer.layout == PUBLIC or siblings_of(layer) is not None for layer in layers):
             continue
         if len(layers) == 2 and layers[0].out_features != layers[1].in_features:
             continue
-        out.append(ActivatedMlp(mod, activation_of(acts[0]), *layers))
+        out.append(ActivatedMlp(mod, act_name, *layers))
     return out
 
 
@@ -86,15 +91,7 @@ class ActivatedMlp(EpilogueRoute):
         return self.first, self.first.out_features, self.activation
 
     def epilogue_gemm(self, x: torch.Tensor, capturing: bool | None = None) -> torch.Tensor | None:
-        layer = self.first
-        if x.dim() == 0 or x.shape[-1] != layer.in_features or not plain_eager(x, layer.values, layer.bias):
-            return None
-        capturing = self.capturing(x) if capturing is None else capturing
-        if not self.warmed_for(capturing):
-            return None
-        h = layer.with_epilogue(x, self.activation)
-        self.ran(capturing)
-        return h
+        return self.layer_gemm(self.first, x, self.activation, capturing)
 
     def call_fused(self, x: torch.Tensor, capturing: bool) -> torch.Tensor | None:
         if self.mod.training:

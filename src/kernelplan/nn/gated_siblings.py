@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import plain_eager
 from ..activations import ACTIVATIONS
 from .routes import EpilogueRoute, route_of
 from .siblings import SPECS, siblings_of
@@ -136,15 +135,7 @@ class GatedMlp(EpilogueRoute):
         if not self.fused:
             group = self.group()
             return group.gated(x, self.epilogue) if group is not None else None
-        layer = self.mlp.gate_up_proj
-        if x.dim() == 0 or x.shape[-1] != layer.in_features or not plain_eager(x, layer.values, layer.bias):
-            return None
-        capturing = self.capturing(x) if capturing is None else capturing
-        if not self.warmed_for(capturing):
-            return None
-        h = layer.with_epilogue(x, self.epilogue)
-        self.ran(capturing)
-        return h
+        return self.layer_gemm(self.mlp.gate_up_proj, x, self.epilogue, capturing)
 
     def call_fused(self, x: torch.Tensor, capturing: bool) -> torch.Tensor | None:
         h = self.gated(x, capturing)

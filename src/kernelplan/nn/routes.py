@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import _is_compiling, warn_once
+from .._checks import _is_compiling, plain_eager, warn_once
 from ..kernels import stream_capturing
 
 # The first fused call against the module's own forward: an error of rounding (bf16's is 2^-8 of a value, and the
@@ -73,13 +73,18 @@ class EpilogueRoute:
     def capturing(x: torch.Tensor) -> bool:
         return x.is_cuda and stream_capturing()
 
-    def warmed_for(self, capturing: bool) -> bool:
-        """Whether an epilogue GEMM may run now: not inside a capture before one has run eagerly.  Call
-        ``ran(capturing)`` after it does."""
-        return self.warmed or not capturing
-
-    def ran(self, capturing: bool) -> None:
+    def layer_gemm(self, layer: nn.Module, x: torch.Tensor, epilogue: str,
+                   capturing: bool | None) -> torch.Tensor | None:
+        """``layer``'s own GEMM on ``x`` with ``epilogue``, or None where it cannot run now: an x the layer refuses,
+        autograd or a tensor subclass, or a capture before it has run eagerly (a capture may not build its kernel)."""
+        if x.dim() == 0 or x.shape[-1] != layer.in_features or not plain_eager(x, layer.values, layer.bias):
+            return None
+        capturing = self.capturing(x) if capturing is None else capturing
+        if capturing and not self.warmed:
+            return None
+        h = layer.with_epilogue(x, epilogue)
         self.warmed = self.warmed or not capturing
+        return h
 
     def forward(self, *args, **kwargs):
         mod = self.mod

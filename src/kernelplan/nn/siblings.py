@@ -25,8 +25,8 @@ view:
 
 Gated MLPs (gate_proj/up_proj/down_proj/act_fn) are routed as well, to their group's GEMM with the activation in
 its epilogue (``gated_siblings.py``; counted as "gated"), and so are MLPs with one activation, to their first
-layer's GEMM with the activation in its epilogue (``activated.py``).  ``Siblings.stats`` counts the calls of each kind, so what
-ran is never a guess.  Under torch.compile each member
+layer's GEMM with the activation in its epilogue (``activated.py``).  ``Siblings.stats`` counts the calls of each
+kind, so what ran is never a guess.  Under torch.compile each member
 is its own op, as without a group, and is not counted.  A member's calls reach its group through an instance
 ``forward`` (``_route``); its own GEMM is ``forward_alone``.
 """
