@@ -134,7 +134,7 @@ class GatedMlp(EpilogueRoute):
         layer: under autograd, for an x it refuses, or in a capture before its first eager call)."""
         if not self.fused:
             group = self.group()
-            return group.gated(x, self.epilogue) if group is not None else None
+            return group.gated(x, self.epilogue, capturing) if group is not None else None
         return self.layer_gemm(self.mlp.gate_up_proj, x, self.epilogue, capturing)
 
     def call_fused(self, x: torch.Tensor, capturing: bool) -> torch.Tensor | None:

@@ -250,14 +250,15 @@ class _Group:
         self.pending = (weakref.ref(x), _version(x), y, 1 << pos, [self._versions(slots) for slots in self.slots])
         return y.narrow(-1, self.offsets[pos], self.rows[pos])
 
-    def gated(self, x: torch.Tensor, epilogue: str) -> torch.Tensor | None:
+    def gated(self, x: torch.Tensor, epilogue: str, capturing: bool | None = None) -> torch.Tensor | None:
         """The two members' GEMM on x under a gated epilogue (``activations.GATED_EPILOGUES``: the first member's rows
         the first half), for ``gated_siblings.py``; None where it cannot run now, for the same reasons a member's
         call would run alone (and any number of rows of x: its output is contiguous, not a view)."""
         if self.broken or x.dim() == 0 or x.shape[-1] != self.members[0].in_features or \
                 not plain_eager(x, *map(_read, self.flat)):
             return None
-        capturing = x.is_cuda and stream_capturing()
+        if capturing is None:  # a caller that asked already passes it (nn/routes.py): a CUDA call each time
+            capturing = x.is_cuda and stream_capturing()
         if self._off_buffers():
             if capturing:
                 return None
