@@ -66,8 +66,7 @@ def route_activated_mlps(model: nn.Module) -> list["ActivatedMlp"]:
 
 def activated_mlp_of(mod: nn.Module) -> "ActivatedMlp | None":
     """The route of a module (``route_activated_mlps``), or None."""
-    route = route_of(mod)
-    return route if isinstance(route, ActivatedMlp) else None
+    return route_of(mod, ActivatedMlp)
 
 
 class ActivatedMlp(EpilogueRoute):

@@ -87,8 +87,7 @@ def route_gated_mlps(model: nn.Module) -> list["GatedMlp"]:
 
 def gated_mlp_of(mod: nn.Module) -> "GatedMlp | None":
     """The route of a module (``route_gated_mlps``), or None."""
-    route = route_of(mod)
-    return route if isinstance(route, GatedMlp) else None
+    return route_of(mod, GatedMlp)
 
 
 class GatedMlp(EpilogueRoute):

@@ -27,9 +27,10 @@ from ..kernels import stream_capturing
 CHECK_REL_TOL = 0.05
 
 
-def route_of(mod: nn.Module) -> "EpilogueRoute | None":
-    """The route of a module (``EpilogueRoute``), or None."""
-    return mod.__dict__.get("_epilogue_route")
+def route_of(mod: nn.Module, kind: type | None = None) -> "EpilogueRoute | None":
+    """The route of a module (``EpilogueRoute``; of that ``kind`` where given), or None."""
+    route = mod.__dict__.get("_epilogue_route")
+    return route if kind is None or isinstance(route, kind) else None
 
 
 class EpilogueRoute:
