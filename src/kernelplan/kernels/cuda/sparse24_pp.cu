@@ -19,8 +19,19 @@
 // staging buffer is 8 rows of W, 16 bytes of y) into the warpgroup's own staging buffer [BN][kBM + 8] (rows padded
 // by 16 bytes: stmatrix's 8 rows then fall on distinct banks), then 16-byte stores of y's rows.
 //
+// Stream-K (STREAMK 1): the CTAs share the tiles' steps evenly instead, so a grid of one CTA an SM is busy to the
+// end whatever the number of tiles (4608 x 256 in tiles of 128 x 128 is 72 tiles: 72 of 132 SMs, one tile long).
+// CTA c takes steps [c S / G, (c + 1) S / G) of the S = tiles x K/64 steps, in order, as units of (tile, k0, k1):
+// whole tiles, and where its range starts or ends inside a tile, a part.  Only a CTA's first unit can start past a
+// tile's step 0 ("handed over": its sums go to the workspace, slot c, and flag c is set with release); only its
+// last can stop short of a tile's end with step 0 in it (the tile's "head": it waits for, adds in CTA order, and
+// clears the flags of the CTAs c + 1, ... whose ranges start inside the tile, then writes y).  The CTAs a head
+// waits on hand over in their first unit, before anything of theirs waits, so every wait ends (all CTAs resident).
+// The workspace: G flags (ints, in whole KiB), then G slots of a warpgroup's accumulators in register order,
+// [slot][WM x kInst x kAcc][128] f32; the host zeroes the flags before each launch.
+//
 // Compile-time sizes come from the variant's #defines: BN (a multiple of 16), NI, WM (64-row blocks of W a tile: a
-// warpgroup's m64 instructions per k32), STAGES, CONSUMER_REGS, IS_BF16, HAS_BIAS, ACT, GATED, DT.  Gated
+// warpgroup's m64 instructions per k32), STAGES, CONSUMER_REGS, IS_BF16, HAS_BIAS, ACT, GATED, DT, STREAMK.  Gated
 // (sparse24_ws.cu says what), a tile's blocks come from both halves of W (sparse24_ring.cuh, load_w), and block b
 // of the first meets block b of the second in the same registers: y's column is gate2 of the two.
 
@@ -35,6 +46,75 @@ constexpr int kYBytes = (BN * kYStride + 1023) / 1024 * 1024;
 constexpr int kOutBlocks = WM / kRegions;          // 64-column blocks of y a tile
 constexpr int kOut = 64 * kOutBlocks;              // columns of y a tile
 static_assert(NI % 16 == 0, "stmatrix stores two 8-column groups of an instruction at once");
+
+// This CTA's work, in order: (tile, first step, end step) a unit.
+struct Units {
+#if STREAMK
+    long long p, end;
+    int steps;
+    __device__ Units(int tiles, int steps_) : steps(steps_) {
+        const long long total = (long long)tiles * steps_;
+        p = total * blockIdx.x / gridDim.x;
+        end = total * (blockIdx.x + 1) / gridDim.x;
+    }
+    __device__ bool next(int &t, int &k0, int &k1) {
+        if (p >= end) return false;
+        t = (int)(p / steps), k0 = (int)(p % steps);
+        k1 = (int)min((long long)steps, k0 + (end - p));
+        p += k1 - k0;
+        return true;
+    }
+#else
+    int at, tiles, steps;
+    __device__ Units(int tiles_, int steps_) : at((int)blockIdx.x), tiles(tiles_), steps(steps_) {}
+    __device__ bool next(int &t, int &k0, int &k1) {
+        if (at >= tiles) return false;
+        t = at, k0 = 0, k1 = steps;
+        at += (int)gridDim.x;
+        return true;
+    }
+#endif
+};
+
+constexpr int kSlotFloats = WM * kInst * kAcc * 128;  // a warpgroup's accumulators
+
+// Stream-K: a part's sums into slot `cta` of the workspace, then its flag (sparse24_sk.cu hands over alike).
+__device__ __forceinline__ void hand_over(const float (&acc)[WM][kInst][kAcc], int *flags, float *slots, int cta,
+                                          int u, int bar) {
+    float *mine = slots + (long long)cta * kSlotFloats;
+#pragma unroll
+    for (int b = 0; b < WM; ++b)
+#pragma unroll
+        for (int i = 0; i < kInst; ++i)
+#pragma unroll
+            for (int r = 0; r < kAcc; ++r) __stcg(mine + ((b * kInst + i) * kAcc + r) * 128 + u, acc[b][i][r]);
+    named_sync(bar, 128);
+    if (u == 0) {
+        __threadfence();
+        atomicExch(flags + cta, 1);
+    }
+}
+
+// Stream-K: a head adds the parts of its tile that CTAs cta + 1, ... (those whose range starts before `end`, the
+// tile's last step + 1 in the count of all steps) handed over, in CTA order, so every launch sums alike.
+__device__ __forceinline__ void take_parts(float (&acc)[WM][kInst][kAcc], int *flags, const float *slots, int cta,
+                                           long long total, long long end, int u, int bar) {
+    for (int c = cta + 1; c < (int)gridDim.x && total * c / gridDim.x < end; ++c) {
+        if (u == 0) {
+            while (ld_acquire(flags + c) == 0) {
+            }
+            flags[c] = 0;  // for the next launch: only this head reads it
+        }
+        named_sync(bar, 128);
+        const float *theirs = slots + (long long)c * kSlotFloats;
+#pragma unroll
+        for (int b = 0; b < WM; ++b)
+#pragma unroll
+            for (int i = 0; i < kInst; ++i)
+#pragma unroll
+                for (int r = 0; r < kAcc; ++r) acc[b][i][r] += __ldcg(theirs + ((b * kInst + i) * kAcc + r) * 128 + u);
+    }
+}
 
 __device__ __forceinline__ u32 pack2(float lo, float hi) { return from_f32(lo) | ((u32)from_f32(hi) << 16); }
 
@@ -105,7 +185,7 @@ __device__ __forceinline__ void store_tile(float (&acc)[WM][kInst][kAcc], u32 st
 extern "C" __global__ void __launch_bounds__(kPpThreads, 1)
 kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ TensorMap vmap,
                const __grid_constant__ TensorMap emap, const u16 *__restrict__ bias, u16 *__restrict__ y, int N, int M,
-               int K, int syn, int tiles_n)
+               int K, int syn, int tiles_n, unsigned char *__restrict__ work)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 sbase = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
@@ -127,10 +207,10 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         regs_down<40>();
 #endif
         if (threadIdx.x == 0) {
-            int g = 0;
-            for (int t = blockIdx.x; t < tiles; t += gridDim.x)
-                g = produce_steps(g, 0, steps, t % tiles_n * BN, t / tiles_n, sbase, full0, empty0, &xmap,
-                                  &vmap, &emap);
+            Units units(tiles, steps);
+            int g = 0, t, k0, k1;
+            while (units.next(t, k0, k1))
+                g = produce_steps(g, k0, k1, t % tiles_n * BN, t / tiles_n, sbase, full0, empty0, &xmap, &vmap, &emap);
         }
         return;
     }
@@ -139,9 +219,12 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #endif
     const int c = warp / 4 - 1, wq = warp & 3, u = threadIdx.x - 128 * (c + 1);
     float acc[WM][kInst][kAcc];
-    int j = c;  // this CTA's tiles, counted: warpgroup c takes j = c, c + 2, ...
-    for (int t = blockIdx.x + c * gridDim.x; t < tiles; t += 2 * gridDim.x, j += 2) {
-        // Tile j's K loop after tile j - 1's: the other warpgroup's (j / 2)-th arrival (warpgroup 0's first tile
+    Units units(tiles, steps);
+    int t, k0, k1, g = 0;  // g: the unit's first ring step
+    // This CTA's units, counted: warpgroup c takes j = c, c + 2, ...
+    for (int j = 0; units.next(t, k0, k1); g += k1 - k0, ++j) {
+        if ((j & 1) != c) continue;
+        // Unit j's K loop after unit j - 1's: the other warpgroup's (j / 2)-th arrival (warpgroup 0's first unit
         // waits on nothing).
         if (j > 0) mbar_wait(order0 + 8 * c, (u32)(((j - 1) >> 1) & 1));
 #pragma unroll
@@ -150,8 +233,21 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
             for (int i = 0; i < kInst; ++i)
 #pragma unroll
                 for (int r = 0; r < kAcc; ++r) acc[b][i][r] = 0.f;
-        consume_steps<true, WM>(acc, sbase, full0, empty0, j * steps, steps, wq, lane, wq, 0);
+        consume_steps<true, WM>(acc, sbase, full0, empty0, g, k1 - k0, wq, lane, wq, 0);
         if (u == 0) mbar_arrive(order0 + 8 * (c ^ 1));  // the warpgroup's MMAs are done, so are its waits
+#if STREAMK
+        if (k1 - k0 < steps) {
+            int *flags = (int *)work;
+            float *slots = (float *)(work + ((long long)gridDim.x * 4 + 1023) / 1024 * 1024);
+            if (k0 > 0) {
+                hand_over(acc, flags, slots, blockIdx.x, u, 1 + c);
+                continue;
+            }
+            take_parts(acc, flags, slots, blockIdx.x, (long long)tiles * steps, (long long)(t + 1) * steps, u, 1 + c);
+        }
+#else
+        (void)work;
+#endif
         store_tile(acc, ybase + c * kYBytes, bias, y, t % tiles_n * BN, t / tiles_n * kOut, N, M / kRegions, syn, wq,
                    lane, u, 1 + c);
     }
