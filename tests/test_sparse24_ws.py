@@ -319,33 +319,32 @@ def test_a_bound_launch_packs_what_the_launch_does(monkeypatch, cfg):
     assert stub.launches[-1][0] == ((132, 1, 1) if cfg.pp else grid)
 
 
-def _streamk_units(total: int, steps: int, grid: int, c: int) -> list[tuple[int, int, int]]:
-    """CTA c's units as cuda/sparse24_pp.cu's Units walks them under STREAMK: (tile, first step, end step)."""
-    p, end, out = total * c // grid, total * (c + 1) // grid, []
+def _streamk_units(total: int, steps: int, g: int, c: int, tiles_n: int, column: int) -> list[tuple[int, int, int]]:
+    """CTA c of column ``column`` as cuda/sparse24_pp.cu's Units walks it under STREAMK: (tile, first step, end step)."""
+    p, end, out = total * c // g, total * (c + 1) // g, []
     while p < end:
-        t, k0 = divmod(p, steps)
+        mb, k0 = divmod(p, steps)
         k1 = min(steps, k0 + end - p)
-        out.append((t, k0, k1))
+        out.append((mb * tiles_n + column, k0, k1))
         p += k1 - k0
     return out
 
 
-def _streamk_partners(total: int, steps: int, grid: int, c: int, tile: int) -> list[int]:
-    """The CTAs whose parts a head of ``tile`` on CTA c waits for, as take_parts counts them."""
-    out, d = [], c + 1
-    while d < grid and total * d // grid < (tile + 1) * steps:
-        out.append(d)
-        d += 1
-    return out
+def _streamk_partners(total: int, steps: int, g: int, c: int, tile: int, tiles_n: int) -> int:
+    """How many of the column's CTAs c + 1, ... a head of ``tile`` on CTA c waits for, as Units.partners counts."""
+    count = 0
+    while c + 1 + count < g and total * (c + 1 + count) // g < (tile // tiles_n + 1) * steps:
+        count += 1
+    return count
 
 
 @pytest.mark.parametrize("sms", [78, 132])
 def test_streamk_schedule_covers_every_step_once_and_every_wait_ends(sms):
-    """cuda/sparse24_pp.cu's stream-K units, emulated over the sweep's shapes and odd ones: every (tile, step) once;
-    only a CTA's first unit starts past step 0 (it hands over, into the CTA's own slot, before the CTA waits on
-    anything); only its last stops short with step 0 in it (the head, which waits); a head waits for exactly the
-    CTAs holding its tile's other parts, each of which hands that part over in its first unit; so every flag set is
-    read and cleared once, and no CTA waits on one that waits."""
+    """cuda/sparse24_pp.cu's stream-K units, emulated over the sweep's shapes and odd ones: every (tile, step) once,
+    each tile in its column of CTAs (x's tile); only a CTA's first unit starts past step 0 (it hands over, into the
+    CTA's own slot, before the CTA waits on anything); only its last stops short with step 0 in it (the head, which
+    waits); a head waits for exactly the CTAs holding its tile's other parts, each of which hands that part over in
+    its first unit; so every flag set is read and cleared once, and no CTA waits on one that waits."""
     from kernelplan.kernels.sparse24_ws import streamk_plan
 
     problems = [(n, m, k) for (m, k) in list(sweep_shapes())[::3] + [(200, 128), (64, 64), (4096, 64 * 7)]
@@ -354,34 +353,38 @@ def test_streamk_schedule_covers_every_step_once_and_every_wait_ends(sms):
         for bn, wm in ((64, 3), (128, 2), (256, 1)):
             cfg = WsConfig(bn, wm, stages=4, pp=True, streamk=True)
             plan = streamk_plan(cfg, n, m, k, sms)
-            steps = k // 64
-            tiles = plan.tiles_n * -(-m // cfg.rows)
-            total = tiles * steps
-            assert plan.tiles_n == -(-n // bn) and 1 <= plan.grid <= sms
-            assert plan.grid == sms or plan.grid == max(1, total // 8)
+            steps, tiles_n, tiles_m = k // 64, -(-n // bn), -(-m // cfg.rows)
+            total = tiles_m * steps
+            g = plan.grid // tiles_n
+            assert plan.tiles_n == tiles_n and plan.grid == tiles_n * g and 1 <= g and plan.grid <= sms
+            assert g == sms // tiles_n or g == max(1, total // 8)
             covered, handed, heads = [], {}, {}
-            for c in range(plan.grid):
-                units = _streamk_units(total, steps, plan.grid, c)
-                assert units, (n, m, k, cfg, c)  # every CTA has work
+            for b in range(plan.grid):
+                column, c = b % tiles_n, b // tiles_n
+                units = _streamk_units(total, steps, g, c, tiles_n, column)
+                assert units, (n, m, k, cfg, b)  # every CTA has work
                 for j, (t, k0, k1) in enumerate(units):
-                    assert 0 <= k0 < k1 <= steps
+                    assert 0 <= k0 < k1 <= steps and t % tiles_n == column
                     covered += [(t, s) for s in range(k0, k1)]
                     if k0 > 0:
                         assert j == 0
-                        handed[c] = t
+                        handed[b] = t
                     elif k1 < steps:
                         assert j == len(units) - 1
-                        heads[c] = t
-            assert sorted(covered) == [(t, s) for t in range(tiles) for s in range(steps)], (n, m, k, cfg)
+                        heads[b] = t
+            assert sorted(covered) == [(t, s) for t in range(tiles_n * tiles_m) for s in range(steps)], (n, m, k, cfg)
             waited = []
-            for c, t in heads.items():
-                partners = _streamk_partners(total, steps, plan.grid, c, t)
-                assert partners and all(handed.get(d) == t for d in partners), (c, t, partners)
+            for b, t in heads.items():
+                count = _streamk_partners(total, steps, g, b // tiles_n, t, tiles_n)
+                partners = [b + tiles_n * i for i in range(1, count + 1)]
+                assert partners and all(handed.get(d) == t for d in partners), (b, t, partners)
                 waited += partners
             assert sorted(waited) == sorted(handed)  # each part handed over is added by one head
             assert plan.split == bool(handed)
             assert plan.workspace_bytes == (-(-4 * plan.grid // 1024) * 1024 + 4 * plan.grid * bn * cfg.rows
                                             if handed else 0)
+    with pytest.raises(ValueError, match="exceed the 132 SMs"):
+        streamk_plan(WsConfig(16, 1, stages=4, pp=True, streamk=True), 16 * 133, 4096, 4096, 132)
 
 
 def test_streamk_is_a_ping_pong_schedule_outside_the_rule():
@@ -416,7 +419,7 @@ def test_a_streamk_launch_takes_a_workspace_and_is_not_bound(monkeypatch):
     n, m, k = 256, 4608, 3584  # 72 tiles of 56 steps on 132 SMs
     launch((0, 0, 0), (0x1000, 0xA000, 0xB000, 0, 0x3000, n, m, k, k, m), 3)
     plan = sparse24_ws.streamk_plan(cfg, n, m, k, 132)
-    assert plan.grid == 132 and plan.split
+    assert plan.grid == 132 and plan.split  # 2 columns of 66 CTAs
     grid, params = stub.launches[-1][0], stub.launches[-1][4]
     tiles_n, address = (int.from_bytes(p, "little") for p in params[-2:])
     assert grid == (132, 1, 1) and tiles_n == plan.tiles_n == 2

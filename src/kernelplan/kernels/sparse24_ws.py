@@ -199,8 +199,9 @@ _STREAMK_MIN_STEPS = 8
 
 @dataclass(frozen=True)
 class StreamKPlan:
-    """A stream-K ping-pong launch (``cfg.streamk``): CTA c takes steps [c S / grid, (c + 1) S / grid) of the
-    S = tiles x K/64; a pure function of the problem and SMs."""
+    """A stream-K ping-pong launch (``cfg.streamk``): ``tiles_n`` columns (x's tiles) of ``grid / tiles_n`` CTAs, CTA c
+    of a column taking steps [c S / g, (c + 1) S / g) of its S = tiles_m x K/64; a pure function of the problem and SMs.
+    """
 
     grid: int
     tiles_n: int
@@ -216,10 +217,13 @@ class StreamKPlan:
 @functools.lru_cache(maxsize=4096)
 def streamk_plan(cfg: WsConfig, n: int, m: int, k: int, sms: int) -> StreamKPlan:
     tiles_n, steps = -(-n // cfg.bn), k // 64
-    total = tiles_n * -(-m // cfg.rows) * steps
-    grid = max(1, min(sms, total // _STREAMK_MIN_STEPS))
-    split = any(total * c // grid % steps for c in range(grid))
-    return StreamKPlan(grid, tiles_n, split, cfg.bn * cfg.rows)
+    if tiles_n > sms:
+        raise ValueError(f"{cfg}: stream-K runs a column of CTAs a tile of x, and {tiles_n} tiles of x (n = {n}) "
+                         f"exceed the {sms} SMs")
+    total = -(-m // cfg.rows) * steps  # a column's steps
+    g = max(1, min(sms // tiles_n, total // _STREAMK_MIN_STEPS))
+    split = any(total * c // g % steps for c in range(g))
+    return StreamKPlan(tiles_n * g, tiles_n, split, cfg.bn * cfg.rows)
 
 
 @dataclass(frozen=True)

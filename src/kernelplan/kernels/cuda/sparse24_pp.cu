@@ -21,14 +21,17 @@
 //
 // Stream-K (STREAMK 1): the CTAs share the tiles' steps evenly instead, so a grid of one CTA an SM is busy to the
 // end whatever the number of tiles (4608 x 256 in tiles of 128 x 128 is 72 tiles: 72 of 132 SMs, one tile long).
-// CTA c takes steps [c S / G, (c + 1) S / G) of the S = tiles x K/64 steps, in order, as units of (tile, k0, k1):
-// whole tiles, and where its range starts or ends inside a tile, a part.  Only a CTA's first unit can start past a
-// tile's step 0 ("handed over": its sums go to the workspace, slot c, and flag c is set with release); only its
-// last can stop short of a tile's end with step 0 in it (the tile's "head": it waits for, adds in CTA order, and
-// clears the flags of the CTAs c + 1, ... whose ranges start inside the tile, then writes y).  The CTAs a head
-// waits on hand over in their first unit, before anything of theirs waits, so every wait ends (all CTAs resident).
-// The workspace: G flags (ints, in whole KiB), then G slots of a warpgroup's accumulators in register order,
-// [slot][WM x kInst x kAcc][128] f32; the host zeroes the flags before each launch.
+// The grid is tiles_n columns of G CTAs (CTA b is column b % tiles_n, c = b / tiles_n within it): column j takes
+// the tiles of x's rows j, and its CTA c takes steps [c S / G, (c + 1) S / G) of their S = tiles_m x K/64 steps, in
+// order, as units of (tile, k0, k1).  The CTAs of one c read the same steps of one block of W at the same time, so
+// it comes from DRAM once.  A unit is a whole tile or, where the range starts or ends inside a tile, a part.  Only
+// a CTA's first unit can start past a tile's step 0 ("handed over": its sums go to the workspace, slot b, and flag
+// b is set with release); only its last can stop short of a tile's end with step 0 in it (the tile's "head": it
+// waits for, adds in order, and clears the flags of the column's CTAs c + 1, ... whose ranges start inside the
+// tile, then writes y).  The CTAs a head waits on hand over in their first unit, before anything of theirs waits,
+// so every wait ends (all CTAs resident).  The workspace: a flag a CTA (ints, in whole KiB), then a slot a CTA of a
+// warpgroup's accumulators in register order, [slot][WM x kInst x kAcc][128] f32; the host zeroes the flags before
+// each launch.
 //
 // Compile-time sizes come from the variant's #defines: BN (a multiple of 16), NI, WM (64-row blocks of W a tile: a
 // warpgroup's m64 instructions per k32), STAGES, CONSUMER_REGS, IS_BF16, HAS_BIAS, ACT, GATED, DT, STREAMK.  Gated
@@ -50,23 +53,32 @@ static_assert(NI % 16 == 0, "stmatrix stores two 8-column groups of an instructi
 // This CTA's work, in order: (tile, first step, end step) a unit.
 struct Units {
 #if STREAMK
-    long long p, end;
-    int steps;
-    __device__ Units(int tiles, int steps_) : steps(steps_) {
-        const long long total = (long long)tiles * steps_;
-        p = total * blockIdx.x / gridDim.x;
-        end = total * (blockIdx.x + 1) / gridDim.x;
+    long long p, end, total;  // steps of this CTA's column: its range, all of them
+    int steps, tiles_n, column, c, g;  // g: the column's CTAs
+    __device__ Units(int tiles, int steps_, int tiles_n_)
+        : steps(steps_), tiles_n(tiles_n_), column((int)blockIdx.x % tiles_n_), c((int)blockIdx.x / tiles_n_),
+          g((int)gridDim.x / tiles_n_) {
+        total = (long long)(tiles / tiles_n) * steps;
+        p = total * c / g;
+        end = total * (c + 1) / g;
     }
     __device__ bool next(int &t, int &k0, int &k1) {
         if (p >= end) return false;
-        t = (int)(p / steps), k0 = (int)(p % steps);
+        t = (int)(p / steps) * tiles_n + column, k0 = (int)(p % steps);
         k1 = (int)min((long long)steps, k0 + (end - p));
         p += k1 - k0;
         return true;
     }
+    // The CTAs (grid index) whose parts the head of tile t adds: the column's c + 1, ... that start inside it.
+    __device__ int partners(int t) const {
+        const long long stop = (long long)(t / tiles_n + 1) * steps;
+        int count = 0;
+        while (c + 1 + count < g && total * (c + 1 + count) / g < stop) ++count;
+        return count;
+    }
 #else
     int at, tiles, steps;
-    __device__ Units(int tiles_, int steps_) : at((int)blockIdx.x), tiles(tiles_), steps(steps_) {}
+    __device__ Units(int tiles_, int steps_, int) : at((int)blockIdx.x), tiles(tiles_), steps(steps_) {}
     __device__ bool next(int &t, int &k0, int &k1) {
         if (at >= tiles) return false;
         t = at, k0 = 0, k1 = steps;
@@ -95,11 +107,11 @@ __device__ __forceinline__ void hand_over(const float (&acc)[WM][kInst][kAcc], i
     }
 }
 
-// Stream-K: a head adds the parts of its tile that CTAs cta + 1, ... (those whose range starts before `end`, the
-// tile's last step + 1 in the count of all steps) handed over, in CTA order, so every launch sums alike.
+// Stream-K: a head adds the parts of its tile that the `count` CTAs cta + stride, cta + 2 stride, ... handed over,
+// in that order, so every launch sums alike.
 __device__ __forceinline__ void take_parts(float (&acc)[WM][kInst][kAcc], int *flags, const float *slots, int cta,
-                                           long long total, long long end, int u, int bar) {
-    for (int c = cta + 1; c < (int)gridDim.x && total * c / gridDim.x < end; ++c) {
+                                           int stride, int count, int u, int bar) {
+    for (int c = cta + stride; c <= cta + count * stride; c += stride) {
         if (u == 0) {
             while (ld_acquire(flags + c) == 0) {
             }
@@ -207,7 +219,7 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         regs_down<40>();
 #endif
         if (threadIdx.x == 0) {
-            Units units(tiles, steps);
+            Units units(tiles, steps, tiles_n);
             int g = 0, t, k0, k1;
             while (units.next(t, k0, k1))
                 g = produce_steps(g, k0, k1, t % tiles_n * BN, t / tiles_n, sbase, full0, empty0, &xmap, &vmap, &emap);
@@ -219,7 +231,7 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #endif
     const int c = warp / 4 - 1, wq = warp & 3, u = threadIdx.x - 128 * (c + 1);
     float acc[WM][kInst][kAcc];
-    Units units(tiles, steps);
+    Units units(tiles, steps, tiles_n);
     int t, k0, k1, g = 0;  // g: the unit's first ring step
     // This CTA's units, counted: warpgroup c takes j = c, c + 2, ...
     for (int j = 0; units.next(t, k0, k1); g += k1 - k0, ++j) {
@@ -243,7 +255,7 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
                 hand_over(acc, flags, slots, blockIdx.x, u, 1 + c);
                 continue;
             }
-            take_parts(acc, flags, slots, blockIdx.x, (long long)tiles * steps, (long long)(t + 1) * steps, u, 1 + c);
+            take_parts(acc, flags, slots, blockIdx.x, tiles_n, units.partners(t), u, 1 + c);
         }
 #else
         (void)work;
