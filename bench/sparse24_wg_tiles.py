@@ -76,8 +76,6 @@ def main() -> int:
                     help="ws: tiles of x between the halvings of 256 rows too (ws_candidates' between)")
     ap.add_argument("--top", type=int, default=0,
                     help="ws: only the TOP tiles of least rule cost (with --between, over the wider space)")
-    ap.add_argument("--streamk", action="store_true",
-                    help="ws: every ping-pong tile's stream-K schedule too (ws_candidates' streamk)")
     a = ap.parse_args()
     dtype = torch.bfloat16
     sms = sm_count(0)
@@ -89,10 +87,6 @@ def main() -> int:
         candidates = functools.partial(_top, a.top, a.between, sms)
     elif a.kernel == "ws":  # the persistent split variant too, beside the rule's space
         candidates = functools.partial(candidates, split=True, between=a.between)
-    if a.kernel == "ws" and a.streamk:
-        chosen = candidates
-        candidates = lambda n, m, k: list(dict.fromkeys(chosen(n, m, k) + [  # noqa: E731
-            c for c in sparse24_ws.ws_candidates(n, m, k, between=a.between, streamk=True) if c.streamk]))
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape] if a.shape else SHAPES[: a.shapes]
     # Compile every variant first, in threads (NVRTC is thread-safe): the timing loop then only launches.
     configs = {c for (m, k) in shapes for n in a.batch for c in candidates(n, m, k)}

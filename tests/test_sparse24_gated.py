@@ -293,8 +293,8 @@ def test_gated_linear_on_the_gpu_matches_fp64(n, h, k, kind, gate, approximate, 
 @sm90
 @pytest.mark.parametrize("n, m, k", [(200, 1024, 2048), (77, 544, 1024), (300, 1056, 4096), (16, 4096, 1024)])
 def test_every_gated_tile_matches_fp64(n, m, k, seed):
-    """Each tile the gated rule may pick (N tiles of every size, clusters along M and K, ping-pong, its stream-K
-    schedule), rows past M / 2."""
+    """Each tile the gated rule may pick (N tiles of every size, clusters along M and K, ping-pong), rows past
+    M / 2."""
     from kernelplan.kernels import raw_stream
     from kernelplan.kernels.sparse24_sp import _tiled
     from kernelplan.kernels.sparse24_ws import WsKernel, gated_tile, ws_candidates
@@ -306,7 +306,7 @@ def test_every_gated_tile_matches_fp64(n, m, k, seed):
     x = torch.randn(n, k, device="cuda").bfloat16()
     ref, base = _oracle(x, w, b, "swiglu", "first", "none"), _baseline(x, w, b, "swiglu", "first", "none")
     kernel = WsKernel()
-    tiles = [c for c in ws_candidates(n, m, k, between=True, streamk=True) if gated_tile(c)]
+    tiles = [c for c in ws_candidates(n, m, k, between=True) if gated_tile(c)]
     assert {c.cm for c in tiles} >= {1, 2} and any(c.pp for c in tiles) and len(tiles) > 3
     for cfg in tiles:
         y = poisoned((n, m // 2), torch.bfloat16, "cuda")

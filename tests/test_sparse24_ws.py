@@ -73,7 +73,7 @@ def test_every_variant_compiles_for_sm90a(compile_for):
 
     cfgs = {WsConfig(256, 2, 2, 1, 5), WsConfig(64, 1, 1, 4, 8), WsConfig(96, 2, 1, 2, 8), WsConfig(128, 1, 4, 2, 8),
             WsConfig(128, 2, stages=6, pp=True), WsConfig(48, 1, stages=8, pp=True), WsConfig(256, 2, stages=5, sk=True),
-            WsConfig(192, 3, 2, 1, 5), WsConfig(64, 3, stages=7, pp=True), WsConfig(64, 3, stages=7, pp=True, streamk=True)}
+            WsConfig(192, 3, 2, 1, 5), WsConfig(64, 3, stages=7, pp=True)}
     # Each tile once, the dtypes and epilogues taken in turn (a compile takes seconds on CI's two cores).
     variants = itertools.cycle((("bf16", True, "gelu"), ("f16", False, None)))
     for cfg, (dtype, bias, act) in zip(sorted(cfgs, key=str), variants):
@@ -317,114 +317,6 @@ def test_a_bound_launch_packs_what_the_launch_does(monkeypatch, cfg):
         assert got == unbound
         assert got[4][0].startswith(f"x {x:#x} {n} {k} {k}".encode()) and got[4][1].startswith(b"v 0xa000")
     assert stub.launches[-1][0] == ((132, 1, 1) if cfg.pp else grid)
-
-
-def _streamk_units(total: int, steps: int, g: int, c: int, tiles_n: int, column: int) -> list[tuple[int, int, int]]:
-    """CTA c of column ``column`` as cuda/sparse24_pp.cu's Units walks it under STREAMK: (tile, first step, end step)."""
-    p, end, out = total * c // g, total * (c + 1) // g, []
-    while p < end:
-        mb, k0 = divmod(p, steps)
-        k1 = min(steps, k0 + end - p)
-        out.append((mb * tiles_n + column, k0, k1))
-        p += k1 - k0
-    return out
-
-
-def _streamk_partners(total: int, steps: int, g: int, c: int, tile: int, tiles_n: int) -> int:
-    """How many of the column's CTAs c + 1, ... a head of ``tile`` on CTA c waits for, as Units.partners counts."""
-    count = 0
-    while c + 1 + count < g and total * (c + 1 + count) // g < (tile // tiles_n + 1) * steps:
-        count += 1
-    return count
-
-
-@pytest.mark.parametrize("sms", [78, 132])
-def test_streamk_schedule_covers_every_step_once_and_every_wait_ends(sms):
-    """cuda/sparse24_pp.cu's stream-K units, emulated over the sweep's shapes and odd ones: every (tile, step) once,
-    each tile in its column of CTAs (x's tile); only a CTA's first unit starts past step 0 (it hands over, into the
-    CTA's own slot, before the CTA waits on anything); only its last stops short with step 0 in it (the head, which
-    waits); a head waits for exactly the CTAs holding its tile's other parts, each of which hands that part over in
-    its first unit; so every flag set is read and cleared once, and no CTA waits on one that waits."""
-    from kernelplan.kernels.sparse24_ws import streamk_plan
-
-    problems = [(n, m, k) for (m, k) in list(sweep_shapes())[::3] + [(200, 128), (64, 64), (4096, 64 * 7)]
-                for n in (1, 17, 256, 1000)]
-    for n, m, k in problems:
-        for bn, wm in ((64, 3), (128, 2), (256, 1)):
-            cfg = WsConfig(bn, wm, stages=4, pp=True, streamk=True)
-            plan = streamk_plan(cfg, n, m, k, sms)
-            steps, tiles_n, tiles_m = k // 64, -(-n // bn), -(-m // cfg.rows)
-            total = tiles_m * steps
-            g = plan.grid // tiles_n
-            assert plan.tiles_n == tiles_n and plan.grid == tiles_n * g and 1 <= g and plan.grid <= sms
-            assert g == sms // tiles_n or g == max(1, total // 8)
-            covered, handed, heads = [], {}, {}
-            for b in range(plan.grid):
-                column, c = b % tiles_n, b // tiles_n
-                units = _streamk_units(total, steps, g, c, tiles_n, column)
-                assert units, (n, m, k, cfg, b)  # every CTA has work
-                for j, (t, k0, k1) in enumerate(units):
-                    assert 0 <= k0 < k1 <= steps and t % tiles_n == column
-                    covered += [(t, s) for s in range(k0, k1)]
-                    if k0 > 0:
-                        assert j == 0
-                        handed[b] = t
-                    elif k1 < steps:
-                        assert j == len(units) - 1
-                        heads[b] = t
-            assert sorted(covered) == [(t, s) for t in range(tiles_n * tiles_m) for s in range(steps)], (n, m, k, cfg)
-            waited = []
-            for b, t in heads.items():
-                count = _streamk_partners(total, steps, g, b // tiles_n, t, tiles_n)
-                partners = [b + tiles_n * i for i in range(1, count + 1)]
-                assert partners and all(handed.get(d) == t for d in partners), (b, t, partners)
-                waited += partners
-            assert sorted(waited) == sorted(handed)  # each part handed over is added by one head
-            assert plan.split == bool(handed)
-            assert plan.workspace_bytes == (-(-4 * plan.grid // 1024) * 1024 + 4 * plan.grid * bn * cfg.rows
-                                            if handed else 0)
-    with pytest.raises(ValueError, match="exceed the 132 SMs"):
-        streamk_plan(WsConfig(16, 1, stages=4, pp=True, streamk=True), 16 * 133, 4096, 4096, 132)
-
-
-def test_streamk_is_a_ping_pong_schedule_outside_the_rule():
-    from kernelplan.kernels.sparse24_ws import _deepest
-
-    with pytest.raises(ValueError, match="stream-K"):
-        WsConfig(128, 2, stages=6, streamk=True)
-    assert not any(c.streamk for c in ws_candidates(256, 4608, 3584))
-    sk = [c for c in ws_candidates(256, 4608, 3584, streamk=True) if c.streamk]
-    assert {(c.bn, c.wm) for c in sk} == {(c.bn, c.wm) for c in ws_candidates(256, 4608, 3584) if c.pp}
-    cfg = _deepest(128, 2, 1, 1, pp=True, streamk=True)
-    assert cfg.shared == _deepest(128, 2, 1, 1, pp=True).shared and "streamk=True" in repr(cfg)
-    assert repr(_deepest(128, 2, 1, 1, pp=True)).endswith("pp=True)")  # the measured tables' keys are unchanged
-
-
-def test_a_streamk_launch_takes_a_workspace_and_is_not_bound(monkeypatch):
-    """A stream-K call: the plan's grid, a workspace whose flags are zeroed first, on the launch's stream."""
-    from helpers import stub_driver
-    from kernelplan.kernels import sparse24, sparse24_ws
-
-    monkeypatch.setattr(sparse24, "sm_count", lambda device: 132)
-    stub = stub_driver(monkeypatch, sparse24_ws._PP_PARAMS)
-    zeroed = []
-    stub.cuMemsetD32Async = lambda address, value, count, stream: zeroed.append((address, value, count)) or (0,)
-    allocated = []
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: allocated.append((a, kw)) or real_empty(*a, **{
-        **kw, "device": "cpu"}))
-    cfg = WsConfig(bn=128, wm=2, stages=6, pp=True, streamk=True)
-    launch = sparse24_ws.PingPongLaunch("fn", "kp", cfg, _Maps(), 0)
-    assert launch.bind((1, 1, 1), (0,) * 10) is None
-    n, m, k = 256, 4608, 3584  # 72 tiles of 56 steps on 132 SMs
-    launch((0, 0, 0), (0x1000, 0xA000, 0xB000, 0, 0x3000, n, m, k, k, m), 3)
-    plan = sparse24_ws.streamk_plan(cfg, n, m, k, 132)
-    assert plan.grid == 132 and plan.split  # 2 columns of 66 CTAs
-    grid, params = stub.launches[-1][0], stub.launches[-1][4]
-    tiles_n, address = (int.from_bytes(p, "little") for p in params[-2:])
-    assert grid == (132, 1, 1) and tiles_n == plan.tiles_n == 2
-    assert len(zeroed) == 1 and zeroed[0][1:] == (0, 132) and zeroed[0][0] == address != 0
-    assert allocated[0][0] == (plan.workspace_bytes // 4,)
 
 
 def test_a_split_tail_launch_is_not_bound(monkeypatch):

@@ -45,20 +45,16 @@ class WsConfig:
     sk: bool = False  # persistent, tail tiles split along K (cuda/sparse24_sk.cu, sk_plan): one CTA an SM, no clusters
     pp: bool = False  # persistent ping-pong (cuda/sparse24_pp.cu): one CTA an SM, each consumer warpgroup its own
     #                   tile of BN x 64 wm, no clusters
-    streamk: bool = False  # ping-pong whose CTAs share the tiles' steps evenly (STREAMK in cuda/sparse24_pp.cu)
 
     def __post_init__(self):
         if self.pp and (self.sk or self.cm > 1 or self.kc > 1 or self.bn % 16 or self.bn * self.wm > 256):
             raise ValueError(f"{self}: a ping-pong tile has no split or cluster, BN a multiple of 16, and at most "
                              f"256 x 64 accumulators a warpgroup (BN x wm <= 256)")
-        if self.streamk and not self.pp:
-            raise ValueError(f"{self}: stream-K is a schedule of the ping-pong kernel (pp=True)")
 
     def __repr__(self) -> str:
-        # The measured tables (bench/results/sparse24-ws-tiles-*.json) are keyed by this text: pp and streamk only
-        # where set.
+        # The measured tables (bench/results/sparse24-ws-tiles-*.json) are keyed by this text: pp only where set.
         return (f"WsConfig(bn={self.bn}, wm={self.wm}, cm={self.cm}, kc={self.kc}, stages={self.stages}, "
-                f"sk={self.sk}" + (", pp=True" if self.pp else "") + (", streamk=True)" if self.streamk else ")"))
+                f"sk={self.sk}" + (", pp=True)" if self.pp else ")"))
 
     @property
     def ni(self) -> int:
@@ -92,12 +88,11 @@ class WsConfig:
         return max(self.stages * self.stage_bytes, sums) + 2 * self.staging_bytes + bars + 1024
 
 
-def _deepest(bn: int, wm: int, cm: int, kc: int, sk: bool = False, pp: bool = False,
-             streamk: bool = False) -> WsConfig | None:
+def _deepest(bn: int, wm: int, cm: int, kc: int, sk: bool = False, pp: bool = False) -> WsConfig | None:
     """The tile with the deepest ring (up to 8 steps) that fits the SM's shared memory; None if not 3."""
-    one = WsConfig(bn, wm, cm, kc, 1, sk, pp, streamk)
+    one = WsConfig(bn, wm, cm, kc, 1, sk, pp)
     stages = min(_MAX_STAGES, (SM_SHARED - 1024 - 16 * _MAX_STAGES - 16 - 2 * one.staging_bytes) // one.stage_bytes)
-    cfg = WsConfig(bn, wm, cm, kc, stages, sk, pp, streamk)
+    cfg = WsConfig(bn, wm, cm, kc, stages, sk, pp)
     return cfg if stages >= 3 and cfg.shared <= SM_SHARED else None
 
 
@@ -111,13 +106,12 @@ _NARROW_MAX_STEPS = 16
 
 
 def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = False,
-                  between: bool = False, streamk: bool = False) -> list[WsConfig]:
+                  between: bool = False) -> list[WsConfig]:
     """Every tile the kernel can run for this problem, the rule's space: one CTA a tile (``sparse24_ws.cu``) and,
     with ``pingpong``, the persistent ping-pong tiles (``cfg.pp``).  With ``split``, the persistent variant with
     split tails (``cfg.sk``) too, which ``bench/sparse24_wg_tiles.py --kernel ws`` also measures; it is not the
     rule's: measured slower than the one-a-tile tiles on 86 of 88 problems (docs/design/0006).  With ``between``,
-    tiles of x of ``_BETWEEN`` rows too, where they are fewer than n.  With ``streamk``, each ping-pong tile's stream-K
-    schedule too (``cfg.streamk``, docs/design/0027).
+    tiles of x of ``_BETWEEN`` rows too, where they are fewer than n.
 
     Where K is at most ``_NARROW_MAX_STEPS`` steps, tiles of 16 and 32 rows of x of one 64-row block of W too, where n
     needs more: a short K loop leaves a CTA's time to its fixed costs, and a grid of more, smaller CTAs fills more
@@ -142,10 +136,8 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
                     cfg = _deepest(bn, wm, cm, kc)
                     if cfg is not None:
                         out.append(cfg)
-            ping = pingpong and bn % 16 == 0 and bn * wm <= 256
             persistent = (_deepest(bn, wm, 1, 1, sk=True) if split and wm < 3 else None,
-                          _deepest(bn, wm, 1, 1, pp=True) if ping else None,
-                          _deepest(bn, wm, 1, 1, pp=True, streamk=True) if ping and streamk else None)
+                          _deepest(bn, wm, 1, 1, pp=True) if pingpong and bn % 16 == 0 and bn * wm <= 256 else None)
             out += [c for c in persistent if c is not None]
     return out
 
@@ -191,39 +183,6 @@ def sk_plan(cfg: WsConfig, n: int, m: int, k: int, sms: int) -> SkPlan:
     splits = min(options, key=lambda s: -(-rest * s // sms) / s * (1 + _PER_SPLIT * (s - 1)))
     grid = sms if waves else min(sms, rest * splits)
     return SkPlan(grid, tiles_n, waves * sms, splits, rest, cfg.bn * cfg.rows)
-
-
-# A stream-K CTA's share of the steps: at least this many (a shorter one hands over more sums than it computes).
-_STREAMK_MIN_STEPS = 8
-
-
-@dataclass(frozen=True)
-class StreamKPlan:
-    """A stream-K ping-pong launch (``cfg.streamk``): ``tiles_n`` columns (x's tiles) of ``grid / tiles_n`` CTAs, CTA c
-    of a column taking steps [c S / g, (c + 1) S / g) of its S = tiles_m x K/64; a pure function of the problem and SMs.
-    """
-
-    grid: int
-    tiles_n: int
-    split: bool  # whether any CTA's range starts inside a tile (else no part is handed over: no workspace)
-    slot_floats: int  # f32 of one handed-over part: a warpgroup's accumulators (BN x rows)
-
-    @property
-    def workspace_bytes(self) -> int:
-        """A flag a CTA (in whole KiB), then a slot a CTA; none where no tile is split."""
-        return -(-4 * self.grid // 1024) * 1024 + 4 * self.grid * self.slot_floats if self.split else 0
-
-
-@functools.lru_cache(maxsize=4096)
-def streamk_plan(cfg: WsConfig, n: int, m: int, k: int, sms: int) -> StreamKPlan:
-    tiles_n, steps = -(-n // cfg.bn), k // 64
-    if tiles_n > sms:
-        raise ValueError(f"{cfg}: stream-K runs a column of CTAs a tile of x, and {tiles_n} tiles of x (n = {n}) "
-                         f"exceed the {sms} SMs")
-    total = -(-m // cfg.rows) * steps  # a column's steps
-    g = max(1, min(sms // tiles_n, total // _STREAMK_MIN_STEPS))
-    split = any(total * c // g % steps for c in range(g))
-    return StreamKPlan(tiles_n * g, tiles_n, split, cfg.bn * cfg.rows)
 
 
 @dataclass(frozen=True)
@@ -307,9 +266,8 @@ def source(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None) ->
     """The CUDA C++ of one kernel variant (``kp_sparse24_ws``; ``kp_sparse24_sk`` where ``cfg.sk``,
     ``kp_sparse24_pp`` where ``cfg.pp``), compiled by NVRTC for sm_90a."""
     clusters = {} if cfg.sk or cfg.pp else {"CM": cfg.cm, "KC": cfg.kc}
-    schedule = {"STREAMK": int(cfg.streamk)} if cfg.pp else {}
-    head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, **clusters, **schedule,
-                   STAGES=cfg.stages, CONSUMER_REGS=_CONSUMER_REGS[2 if cfg.pp else cfg.wm])
+    head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, **clusters, STAGES=cfg.stages,
+                   CONSUMER_REGS=_CONSUMER_REGS[2 if cfg.pp else cfg.wm])
     return head + COMMON_SOURCE + cuda_source(_SOURCE[_kind(cfg)])
 
 
@@ -324,8 +282,8 @@ _PARAMS = ["tensormap", "tensormap", "tensormap", "*u16", "*u16", "i32", "i32", 
 _SIZES = [128, 128, 128, 8, 8, 4, 4, 4, 4]
 _SK_PARAMS = _PARAMS + ["i32", "i32", "i32", "*u8"]  # tiles along N, whole tiles, parts of the rest, the workspace
 _SK_SIZES = _SIZES + [4, 4, 4, 8]
-_PP_PARAMS = _PARAMS + ["i32", "*u8"]  # tiles along N, stream-K's workspace
-_PP_SIZES = _SIZES + [4, 8]
+_PP_PARAMS = _PARAMS + ["i32"]  # tiles along N
+_PP_SIZES = _SIZES + [4]
 
 
 def encode_tensor_map(cu, dtype, address: int, dims: list[int], strides: list[int], box: list[int],
@@ -480,68 +438,44 @@ class StreamKLaunch(MapLaunch):
         return None  # a split tail takes a workspace each call
 
     def __call__(self, grid: tuple, args: tuple, stream: int) -> None:
+        import torch
+
         n, m, k = args[5], args[6], args[7]
         plan = self._plans.get((n, m, k))
         if plan is None:
             if len(self._plans) >= 256:
                 self._plans.clear()
             plan = self._plans[n, m, k] = sk_plan(self.cfg, n, m, k, self.sms)
-        work, address = _flagged_workspace(self, plan.workspace_bytes, plan.slots, stream)
+        work, address = None, 0
+        if plan.slots:
+            work = torch.empty(plan.workspace_bytes // 4, dtype=torch.int32, device=self.device)
+            address = work.data_ptr()
+            err, = self._cu.cuMemsetD32Async(address, 0, plan.slots, _stream(self._cu, stream))
+            if err:
+                raise KernelPlanError(f"{self.name}: zeroing its {plan.slots} flags failed: {err.name}")
         params = self._mapped(args) + (plan.tiles_n, plan.dp_tiles, plan.splits, address)
         FunctionLaunch.__call__(self, (plan.grid, 1, 1), params, stream, packed=True)
 
 
-def _flagged_workspace(launch: MapLaunch, nbytes: int, flags: int, stream: int):
-    """A persistent launch's workspace (none where ``nbytes`` is 0): from torch's allocator on the launch's stream
-    (so graphs and other streams each get their own), its first ``flags`` ints zeroed by ``cuMemsetD32Async`` before
-    the kernel.  The tensor, to be held until the launch is queued, and its address."""
-    import torch
-
-    if not nbytes:
-        return None, 0
-    work = torch.empty(nbytes // 4, dtype=torch.int32, device=launch.device)
-    address = work.data_ptr()
-    err, = launch._cu.cuMemsetD32Async(address, 0, flags, _stream(launch._cu, stream))
-    if err:
-        raise KernelPlanError(f"{launch.name}: zeroing its {flags} flags failed: {err.name}")
-    return work, address
-
-
 class PingPongLaunch(MapLaunch):
-    """A ping-pong launch: one CTA per SM, or one per tile where there are fewer tiles.  Stream-K (``cfg.streamk``):
-    the grid of ``streamk_plan``, and where a tile is split, a workspace for the parts handed over and their flags."""
+    """A ping-pong launch: one CTA per SM, or one per tile where there are fewer tiles."""
 
-    __slots__ = ("sms", "device", "_plans")
+    __slots__ = ("sms",)
     _TYPES = _PP_PARAMS
 
     def __init__(self, fn, name: str, cfg: WsConfig, maps: TensorMaps, device_index: int):
         from .sparse24 import sm_count
 
         super().__init__(fn, name, cfg, maps, device_index)
-        self.sms, self.device = sm_count(device_index), device_index
-        self._plans: dict = {}  # (N, M, K) -> StreamKPlan: a dictionary hit costs less host time than a cache's
+        self.sms = sm_count(device_index)
 
     def _grid_params(self, grid: tuple, args: tuple) -> tuple[tuple, tuple]:
         n, m = args[5], args[6]
         tiles_n = -(-n // self.cfg.bn)
-        return (min(self.sms, tiles_n * -(-m // self.cfg.rows)), 1, 1), self._mapped(args) + (tiles_n, 0)
-
-    def launch_params(self, grid: tuple, args: tuple):
-        return None if self.cfg.streamk else super().launch_params(grid, args)  # stream-K: a workspace each call
+        return (min(self.sms, tiles_n * -(-m // self.cfg.rows)), 1, 1), self._mapped(args) + (tiles_n,)
 
     def __call__(self, grid: tuple, args: tuple, stream: int) -> None:
-        if not self.cfg.streamk:
-            FunctionLaunch.__call__(self, *self._grid_params(grid, args), stream, packed=True)
-            return
-        n, m, k = args[5], args[6], args[7]
-        plan = self._plans.get((n, m, k))
-        if plan is None:
-            if len(self._plans) >= 256:
-                self._plans.clear()
-            plan = self._plans[n, m, k] = streamk_plan(self.cfg, n, m, k, self.sms)
-        work, address = _flagged_workspace(self, plan.workspace_bytes, plan.grid, stream)
-        FunctionLaunch.__call__(self, (plan.grid, 1, 1), self._mapped(args) + (plan.tiles_n, address), stream,
-                                packed=True)
+        FunctionLaunch.__call__(self, *self._grid_params(grid, args), stream, packed=True)
 
 
 class WsKernel(WgKernel):

@@ -175,10 +175,3 @@ __device__ __forceinline__ void stmatrix_t4(u32 addr, u32 r0, u32 r1, u32 r2, u3
     asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
                  :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
 }
-
-// A flag another CTA sets (release) once the data before it is written: read with acquire, so those reads follow.
-__device__ __forceinline__ int ld_acquire(const int *p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}

@@ -19,22 +19,8 @@
 // staging buffer is 8 rows of W, 16 bytes of y) into the warpgroup's own staging buffer [BN][kBM + 8] (rows padded
 // by 16 bytes: stmatrix's 8 rows then fall on distinct banks), then 16-byte stores of y's rows.
 //
-// Stream-K (STREAMK 1): the CTAs share the tiles' steps evenly instead, so a grid of one CTA an SM is busy to the
-// end whatever the number of tiles (4608 x 256 in tiles of 128 x 128 is 72 tiles: 72 of 132 SMs, one tile long).
-// The grid is tiles_n columns of G CTAs (CTA b is column b % tiles_n, c = b / tiles_n within it): column j takes
-// the tiles of x's rows j, and its CTA c takes steps [c S / G, (c + 1) S / G) of their S = tiles_m x K/64 steps, in
-// order, as units of (tile, k0, k1).  The CTAs of one c read the same steps of one block of W at the same time, so
-// it comes from DRAM once.  A unit is a whole tile or, where the range starts or ends inside a tile, a part.  Only
-// a CTA's first unit can start past a tile's step 0 ("handed over": its sums go to the workspace, slot b, and flag
-// b is set with release); only its last can stop short of a tile's end with step 0 in it (the tile's "head": it
-// waits for, adds in order, and clears the flags of the column's CTAs c + 1, ... whose ranges start inside the
-// tile, then writes y).  The CTAs a head waits on hand over in their first unit, before anything of theirs waits,
-// so every wait ends (all CTAs resident).  The workspace: a flag a CTA (ints, in whole KiB), then a slot a CTA of a
-// warpgroup's accumulators in register order, [slot][WM x kInst x kAcc][128] f32; the host zeroes the flags before
-// each launch.
-//
 // Compile-time sizes come from the variant's #defines: BN (a multiple of 16), NI, WM (64-row blocks of W a tile: a
-// warpgroup's m64 instructions per k32), STAGES, CONSUMER_REGS, IS_BF16, HAS_BIAS, ACT, GATED, DT, STREAMK.  Gated
+// warpgroup's m64 instructions per k32), STAGES, CONSUMER_REGS, IS_BF16, HAS_BIAS, ACT, GATED, DT.  Gated
 // (sparse24_ws.cu says what), a tile's blocks come from both halves of W (sparse24_ring.cuh, load_w), and block b
 // of the first meets block b of the second in the same registers: y's column is gate2 of the two.
 
@@ -49,84 +35,6 @@ constexpr int kYBytes = (BN * kYStride + 1023) / 1024 * 1024;
 constexpr int kOutBlocks = WM / kRegions;          // 64-column blocks of y a tile
 constexpr int kOut = 64 * kOutBlocks;              // columns of y a tile
 static_assert(NI % 16 == 0, "stmatrix stores two 8-column groups of an instruction at once");
-
-// This CTA's work, in order: (tile, first step, end step) a unit.
-struct Units {
-#if STREAMK
-    long long p, end, total;  // steps of this CTA's column: its range, all of them
-    int steps, tiles_n, column, c, g;  // g: the column's CTAs
-    __device__ Units(int tiles, int steps_, int tiles_n_)
-        : steps(steps_), tiles_n(tiles_n_), column((int)blockIdx.x % tiles_n_), c((int)blockIdx.x / tiles_n_),
-          g((int)gridDim.x / tiles_n_) {
-        total = (long long)(tiles / tiles_n) * steps;
-        p = total * c / g;
-        end = total * (c + 1) / g;
-    }
-    __device__ bool next(int &t, int &k0, int &k1) {
-        if (p >= end) return false;
-        t = (int)(p / steps) * tiles_n + column, k0 = (int)(p % steps);
-        k1 = (int)min((long long)steps, k0 + (end - p));
-        p += k1 - k0;
-        return true;
-    }
-    // The CTAs (grid index) whose parts the head of tile t adds: the column's c + 1, ... that start inside it.
-    __device__ int partners(int t) const {
-        const long long stop = (long long)(t / tiles_n + 1) * steps;
-        int count = 0;
-        while (c + 1 + count < g && total * (c + 1 + count) / g < stop) ++count;
-        return count;
-    }
-#else
-    int at, tiles, steps;
-    __device__ Units(int tiles_, int steps_, int) : at((int)blockIdx.x), tiles(tiles_), steps(steps_) {}
-    __device__ bool next(int &t, int &k0, int &k1) {
-        if (at >= tiles) return false;
-        t = at, k0 = 0, k1 = steps;
-        at += (int)gridDim.x;
-        return true;
-    }
-#endif
-};
-
-constexpr int kSlotFloats = WM * kInst * kAcc * 128;  // a warpgroup's accumulators
-
-// Stream-K: a part's sums into slot `cta` of the workspace, then its flag (sparse24_sk.cu hands over alike).
-__device__ __forceinline__ void hand_over(const float (&acc)[WM][kInst][kAcc], int *flags, float *slots, int cta,
-                                          int u, int bar) {
-    float *mine = slots + (long long)cta * kSlotFloats;
-#pragma unroll
-    for (int b = 0; b < WM; ++b)
-#pragma unroll
-        for (int i = 0; i < kInst; ++i)
-#pragma unroll
-            for (int r = 0; r < kAcc; ++r) __stcg(mine + ((b * kInst + i) * kAcc + r) * 128 + u, acc[b][i][r]);
-    named_sync(bar, 128);
-    if (u == 0) {
-        __threadfence();
-        atomicExch(flags + cta, 1);
-    }
-}
-
-// Stream-K: a head adds the parts of its tile that the `count` CTAs cta + stride, cta + 2 stride, ... handed over,
-// in that order, so every launch sums alike.
-__device__ __forceinline__ void take_parts(float (&acc)[WM][kInst][kAcc], int *flags, const float *slots, int cta,
-                                           int stride, int count, int u, int bar) {
-    for (int c = cta + stride; c <= cta + count * stride; c += stride) {
-        if (u == 0) {
-            while (ld_acquire(flags + c) == 0) {
-            }
-            flags[c] = 0;  // for the next launch: only this head reads it
-        }
-        named_sync(bar, 128);
-        const float *theirs = slots + (long long)c * kSlotFloats;
-#pragma unroll
-        for (int b = 0; b < WM; ++b)
-#pragma unroll
-            for (int i = 0; i < kInst; ++i)
-#pragma unroll
-                for (int r = 0; r < kAcc; ++r) acc[b][i][r] += __ldcg(theirs + ((b * kInst + i) * kAcc + r) * 128 + u);
-    }
-}
 
 __device__ __forceinline__ u32 pack2(float lo, float hi) { return from_f32(lo) | ((u32)from_f32(hi) << 16); }
 
@@ -197,7 +105,7 @@ __device__ __forceinline__ void store_tile(float (&acc)[WM][kInst][kAcc], u32 st
 extern "C" __global__ void __launch_bounds__(kPpThreads, 1)
 kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ TensorMap vmap,
                const __grid_constant__ TensorMap emap, const u16 *__restrict__ bias, u16 *__restrict__ y, int N, int M,
-               int K, int syn, int tiles_n, unsigned char *__restrict__ work)
+               int K, int syn, int tiles_n)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 sbase = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
@@ -219,10 +127,10 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         regs_down<40>();
 #endif
         if (threadIdx.x == 0) {
-            Units units(tiles, steps, tiles_n);
-            int g = 0, t, k0, k1;
-            while (units.next(t, k0, k1))
-                g = produce_steps(g, k0, k1, t % tiles_n * BN, t / tiles_n, sbase, full0, empty0, &xmap, &vmap, &emap);
+            int g = 0;
+            for (int t = blockIdx.x; t < tiles; t += gridDim.x)
+                g = produce_steps(g, 0, steps, t % tiles_n * BN, t / tiles_n, sbase, full0, empty0, &xmap,
+                                  &vmap, &emap);
         }
         return;
     }
@@ -231,12 +139,9 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #endif
     const int c = warp / 4 - 1, wq = warp & 3, u = threadIdx.x - 128 * (c + 1);
     float acc[WM][kInst][kAcc];
-    Units units(tiles, steps, tiles_n);
-    int t, k0, k1, g = 0;  // g: the unit's first ring step
-    // This CTA's units, counted: warpgroup c takes j = c, c + 2, ...
-    for (int j = 0; units.next(t, k0, k1); g += k1 - k0, ++j) {
-        if ((j & 1) != c) continue;
-        // Unit j's K loop after unit j - 1's: the other warpgroup's (j / 2)-th arrival (warpgroup 0's first unit
+    int j = c;  // this CTA's tiles, counted: warpgroup c takes j = c, c + 2, ...
+    for (int t = blockIdx.x + c * gridDim.x; t < tiles; t += 2 * gridDim.x, j += 2) {
+        // Tile j's K loop after tile j - 1's: the other warpgroup's (j / 2)-th arrival (warpgroup 0's first tile
         // waits on nothing).
         if (j > 0) mbar_wait(order0 + 8 * c, (u32)(((j - 1) >> 1) & 1));
 #pragma unroll
@@ -245,21 +150,8 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
             for (int i = 0; i < kInst; ++i)
 #pragma unroll
                 for (int r = 0; r < kAcc; ++r) acc[b][i][r] = 0.f;
-        consume_steps<true, WM>(acc, sbase, full0, empty0, g, k1 - k0, wq, lane, wq, 0);
+        consume_steps<true, WM>(acc, sbase, full0, empty0, j * steps, steps, wq, lane, wq, 0);
         if (u == 0) mbar_arrive(order0 + 8 * (c ^ 1));  // the warpgroup's MMAs are done, so are its waits
-#if STREAMK
-        if (k1 - k0 < steps) {
-            int *flags = (int *)work;
-            float *slots = (float *)(work + ((long long)gridDim.x * 4 + 1023) / 1024 * 1024);
-            if (k0 > 0) {
-                hand_over(acc, flags, slots, blockIdx.x, u, 1 + c);
-                continue;
-            }
-            take_parts(acc, flags, slots, blockIdx.x, tiles_n, units.partners(t), u, 1 + c);
-        }
-#else
-        (void)work;
-#endif
         store_tile(acc, ybase + c * kYBytes, bias, y, t % tiles_n * BN, t / tiles_n * kOut, N, M / kRegions, syn, wq,
                    lane, u, 1 + c);
     }

@@ -63,6 +63,12 @@ struct Schedule {
     }
 };
 
+__device__ __forceinline__ int ld_acquire(const int *p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 // Bias, activation and y for this warp's accumulators: rows m0 + g (+ 8) of W, rows n0 + columns of x.  Up to
 // BN = 128, lanes 4g + t and 4(g + 1) + t first swap one value each, in place, so that each then stores two
 // adjacent elements of y (4 bytes); at BN = 256 ptxas hoists the 64 swaps and spills, so each lane stores its
