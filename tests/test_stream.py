@@ -98,3 +98,79 @@ def test_the_command_holds_a_layer_at_a_time_not_the_file(tmp_path):
     # values and the public format's metadata: 0.625x
     assert "converted 64 layers" in run.stdout and dst.stat().st_size < 0.65 * size
     assert extra < 0.4 * size, f"peak RSS {extra / 2**20:.0f} MiB over the imports, for a {size / 2**20:.0f} MiB file"
+
+
+def _gpt2(tmp_path):
+    """A tiny GPT-2 (transformers' GPT2Model: Conv1D projections, weights stored [in, out]) and its file."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=96, n_positions=32)
+    model = transformers.GPT2Model(cfg).eval()
+    src = tmp_path / "gpt2.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(src))
+    return model, src
+
+
+def test_gpt2s_conv1d_weights_are_pruned_as_the_linear_layers_kp_sparsify_makes(tmp_path, seed):
+    """A GPT-2 file's Conv1D weights ([in, out]) are pruned along their inputs and written as the linear layer's
+    [out, in]: the file loads into the model kp.sparsify makes of the same weights, tensor for tensor, and runs as it
+    does.  Read as stored, they were pruned along the outputs (the wrong axis) and did not load."""
+    import copy
+
+    model, src = _gpt2(tmp_path)
+    dst = tmp_path / "out.safetensors"
+    report = sparsify_file(str(src), str(dst))
+    conv = [f"h.{i}.{p}" for i in range(2) for p in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    assert sorted(report.transposed) == sorted(conv) and set(conv) <= set(report.converted)
+    assert "read as stored [in, out]" in report.summary()
+    got = kp.load_compressed(dst)
+    sparse = copy.deepcopy(model)
+    kp.sparsify(sparse, progress=False, fuse=False)
+    want = sparse.state_dict()
+    for prefix in conv:
+        for part in ("values", "metadata"):
+            assert torch.equal(got[f"{prefix}.{part}"], want[f"{prefix}.{part}"]), (prefix, part)
+    expected, _ = sparsify_state_dict(model.state_dict())  # the in-memory path agrees
+    assert all(torch.equal(got[name], t) for name, t in expected.items())
+    fresh = copy.deepcopy(model)
+    kp.sparsify(fresh, progress=False, fuse=False)
+    fresh.load_state_dict({k: v for k, v in got.items() if k in want}, strict=False)
+    ids = torch.randint(0, 96, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).last_hidden_state, sparse(ids).last_hidden_state)
+    # Said to be as stored, the same weights are pruned along their outputs: another mask, another shape.
+    flat = sparsify_file(str(src), str(tmp_path / "flat.safetensors"), transposed="none")
+    assert not flat.transposed
+    assert kp.load_compressed(tmp_path / "flat.safetensors")["h.0.mlp.c_fc.values"].shape == (64, 128)
+    assert got["h.0.mlp.c_fc.values"].shape == (256, 32)
+
+
+def test_transposed_weights_are_told_by_the_family_or_named():
+    from kernelplan.checkpoint import transposed_weights
+
+    gpt2 = ["wte.weight", "wpe.weight", "h.0.attn.c_attn.weight", "h.0.mlp.c_fc.weight", "h.0.ln_1.weight"]
+    assert transposed_weights(gpt2) == {"h.0.attn.c_attn.weight", "h.0.mlp.c_fc.weight"}
+    assert transposed_weights(["transformer." + n for n in gpt2]) == {"transformer.h.0.attn.c_attn.weight",
+                                                                    "transformer.h.0.mlp.c_fc.weight"}
+    # OpenCLIP's nn.Linear c_fc / c_proj (stored [out, in]) beside token_embedding: not GPT-2's.
+    clip = ["token_embedding.weight", "positional_embedding", "transformer.resblocks.0.mlp.c_fc.weight",
+            "transformer.resblocks.0.mlp.c_proj.weight"]
+    assert transposed_weights(clip) == set()
+    assert transposed_weights(gpt2, "none") == set()
+    assert transposed_weights(clip, r"mlp\.c_fc") == {"transformer.resblocks.0.mlp.c_fc.weight"}
+    with pytest.raises(InvalidProblem, match="neither 'auto', 'none' nor a valid regular expression"):
+        transposed_weights(gpt2, "(")
+
+
+def test_the_command_takes_transposed_for_a_file_only(tmp_path):
+    from helpers import kernelplan_cli
+
+    _, src = _gpt2(tmp_path)
+    done = kernelplan_cli("sparsify", src, tmp_path / "out.safetensors", "--dry-run")
+    assert done.returncode == 0 and "read as stored [in, out]" in done.stdout, done.stderr
+    done = kernelplan_cli("sparsify", src, tmp_path / "out.safetensors", "--transposed", "(")
+    assert done.returncode == 2 and "neither 'auto', 'none'" in done.stderr and not (tmp_path / "out.safetensors").exists()
+    (tmp_path / "dir").mkdir()
+    done = kernelplan_cli("sparsify", tmp_path / "dir", tmp_path / "out", "--transposed", "none")
+    assert done.returncode == 2 and "--transposed is for a single file" in done.stderr

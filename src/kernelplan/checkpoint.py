@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 
 import torch
 from torch import nn
@@ -133,12 +134,34 @@ def compressed_bytes(m: int, k: int, itemsize: int) -> int:
 
 
 def compile_filter(pattern: str | None):
-    import re
-
     try:
         return re.compile(pattern) if pattern is not None else None
     except re.error as e:
         raise InvalidProblem(f"filter {pattern!r} is not a valid regular expression: {e}") from e
+
+
+# Hugging Face's GPT-2 family (GPT2, ImageGPT, DecisionTransformer's GPT-2) builds these projections as Conv1D,
+# whose weight is stored [in, out], and its files hold the token and position tables wte and wpe.  OpenCLIP names
+# its nn.Linear projections c_fc and c_proj too, beside token_embedding: no wte or wpe there.
+_CONV1D_SUFFIXES = (".c_attn.weight", ".q_attn.weight", ".c_fc.weight", ".c_proj.weight")
+
+
+def transposed_weights(names, transposed: str = "auto") -> set[str]:
+    """Which of ``names`` are weights stored [in, out] (a Conv1D's), to be pruned as the linear layer's [out, in]:
+    ``"auto"``: GPT-2's Conv1D projections, where the names show that family (a ``wte.weight`` and a
+    ``wpe.weight``); ``"none"``; or a regular expression of the names."""
+    names = list(names)
+    if transposed == "none":
+        return set()
+    if transposed == "auto":
+        family = all(any(n == table or n.endswith("." + table) for n in names) for table in ("wte.weight", "wpe.weight"))
+        return {n for n in names if n.endswith(_CONV1D_SUFFIXES)} if family else set()
+    try:
+        regex = re.compile(transposed)
+    except re.error as e:
+        raise InvalidProblem(f"transposed {transposed!r} is neither 'auto', 'none' nor a valid regular expression: "
+                             f"{e}") from e
+    return {n for n in names if regex.search(n)}
 
 
 def plan_tensor(name: str, dtype: torch.dtype, shape: tuple, regex) -> str | None:
@@ -152,19 +175,23 @@ def plan_tensor(name: str, dtype: torch.dtype, shape: tuple, regex) -> str | Non
     return reason
 
 
-def sparsify_state_dict(state: dict[str, torch.Tensor], pattern: str | None = None) -> tuple[dict, SparsifyReport]:
+def sparsify_state_dict(state: dict[str, torch.Tensor], pattern: str | None = None,
+                        transposed: str = "auto") -> tuple[dict, SparsifyReport]:
     """Prune and compress every 2-D ``*.weight`` whose name matches ``pattern`` (a regex; default all).
 
     ``p.weight`` becomes ``p.values`` and ``p.metadata``; everything else is kept.  Embedding
-    tables (names containing "embed") stay dense unless ``pattern`` names them.  (``stream.sparsify_file``
-    does the same to a file, a tensor at a time.)
+    tables (names containing "embed") stay dense unless ``pattern`` names them.  Weights stored [in, out]
+    (``transposed_weights``: GPT-2's Conv1D) are pruned and stored as the linear layer's [out, in], as
+    ``kp.sparsify`` holds them.  (``stream.sparsify_file`` does the same to a file, a tensor at a time.)
     """
     from .sparse24.format import prune_compress
 
     regex = compile_filter(pattern)
+    flipped = transposed_weights(state, transposed)
     out, report = {}, SparsifyReport()
     for name, t in state.items():
-        reason = plan_tensor(name, t.dtype, tuple(t.shape), regex)
+        w = t.t() if name in flipped and t.dim() == 2 else t  # the linear layer's [out, in]
+        reason = plan_tensor(name, w.dtype, tuple(w.shape), regex)
         if reason == "keep":
             out[name] = t
             continue
@@ -173,9 +200,11 @@ def sparsify_state_dict(state: dict[str, torch.Tensor], pattern: str | None = No
             report.skipped[prefix] = reason
             out[name] = t
             continue
-        w24 = prune_compress(t)
+        w24 = prune_compress(w.contiguous())
         out[prefix + ".values"], out[prefix + ".metadata"] = w24.values, w24.metadata
         report.converted.append(prefix)
+        if w is not t:
+            report.transposed.append(prefix)
         report.bytes_before += t.numel() * t.element_size()
-        report.bytes_after += compressed_bytes(*t.shape, t.element_size())
+        report.bytes_after += compressed_bytes(*w.shape, t.element_size())
     return out, report

@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
                           help="directory output: how the 2:4 layers are stored")
     sparsify.add_argument("--device", default=None, help="directory input: where to calibrate (default: cuda if present)")
     sparsify.add_argument("--filter", default=None, metavar="REGEX", help="prune only the 2-D weights whose name matches")
+    sparsify.add_argument("--transposed", default="auto", metavar="auto|none|REGEX",
+                          help="single file: the weights stored [in, out] (Hugging Face's Conv1D), pruned as the "
+                               "linear layer's [out, in]; auto: GPT-2's, where the file holds wte and wpe")
     sparsify.add_argument("--dry-run", action="store_true", help="report what would change; write nothing")
 
     warm = sub.add_parser("warmup", help="compile a model's 2:4 kernels and settle their dispatch ahead of time",
@@ -182,6 +185,10 @@ def _sparsify(args) -> int:
               file=sys.stderr)
         return 2
     if args.input is not None and os.path.isdir(args.input):
+        if args.transposed != "auto":
+            print("kernelplan sparsify: --transposed is for a single file; a model directory's Conv1D layers are "
+                  "found from the model itself", file=sys.stderr)
+            return 2
         try:
             return _sparsify_directory(args)
         except KernelPlanError as e:
@@ -202,7 +209,7 @@ def _sparsify(args) -> int:
                 raise InvalidProblem(f"OUT {target} is IN {source}: sparsify would overwrite the dense original; "
                                      f"give another output path")
             # Tensor by tensor: memory holds a layer at a time, not the file (kernelplan/stream.py).
-            report = sparsify_file(source, target, args.filter, dry_run=args.dry_run)
+            report = sparsify_file(source, target, args.filter, dry_run=args.dry_run, transposed=args.transposed)
             print(report.summary())
             if not args.dry_run:
                 print(f"wrote {target}")

@@ -75,9 +75,13 @@ def prune_compress_rows(w: torch.Tensor, rows: int = 512) -> tuple[torch.Tensor,
     return values, metadata
 
 
-def sparsify_file(src: str, dst: str, pattern: str | None = None, dry_run: bool = False) -> SparsifyReport:
-    """Prune and compress ``src``'s eligible 2-D weights into ``dst``, one tensor in memory at a time."""
-    from .checkpoint import FORMAT_NAME, _write_atomically, compile_filter, compressed_bytes, plan_tensor
+def sparsify_file(src: str, dst: str, pattern: str | None = None, dry_run: bool = False,
+                  transposed: str = "auto") -> SparsifyReport:
+    """Prune and compress ``src``'s eligible 2-D weights into ``dst``, one tensor in memory at a time.  Weights
+    stored [in, out] (``checkpoint.transposed_weights``: GPT-2's Conv1D) are pruned and written as the linear
+    layer's [out, in]."""
+    from .checkpoint import (FORMAT_NAME, _write_atomically, compile_filter, compressed_bytes, plan_tensor,
+                             transposed_weights)
     from .sparse24.format import FORMAT_VERSION
 
     regex = compile_filter(pattern)
@@ -89,21 +93,25 @@ def sparsify_file(src: str, dst: str, pattern: str | None = None, dry_run: bool 
         raise InvalidProblem(f"{src}: {odd[0]} has dtype {odd[1]}, which kernelplan does not copy; supported: "
                              f"{', '.join(BY_NAME)}")
     report = SparsifyReport()
+    flipped = {name for name in transposed_weights(found, transposed) if len(found[name][1]) == 2}
     outputs: dict[str, tuple[str, str, torch.dtype, tuple]] = {}  # out name -> (in name, part, dtype, shape)
-    for name, (dtype, shape) in found.items():
+    for name, (dtype, stored) in found.items():
+        shape = stored[::-1] if name in flipped else stored  # the linear layer's [out, in]
         reason = plan_tensor(name, dtype, shape, regex)
         if reason == "keep":
-            outputs[name] = (name, "as is", dtype, shape)
+            outputs[name] = (name, "as is", dtype, stored)
             continue
         prefix = name[: -len(".weight")]
         if reason is not None:
             report.skipped[prefix] = reason
-            outputs[name] = (name, "as is", dtype, shape)
+            outputs[name] = (name, "as is", dtype, stored)
             continue
         m, k = shape
         outputs[prefix + ".values"] = (name, "values", dtype, (m, k // 2))
         outputs[prefix + ".metadata"] = (name, "metadata", torch.int16, (m, k // 8))
         report.converted.append(prefix)
+        if name in flipped:
+            report.transposed.append(prefix)
         report.bytes_before += m * k * dtype.itemsize
         report.bytes_after += compressed_bytes(m, k, dtype.itemsize)
     if dry_run:
@@ -136,7 +144,8 @@ def sparsify_file(src: str, dst: str, pattern: str | None = None, dry_run: bool 
                 elif name in waiting:
                     t = waiting.pop(name)
                 else:
-                    values, metadata = prune_compress_rows(read_tensor(src, source))
+                    w = read_tensor(src, source)
+                    values, metadata = prune_compress_rows(w.t().contiguous() if source in flipped else w)
                     t, other = (values, metadata) if part == "values" else (metadata, values)
                     waiting[source[: -len(".weight")] + (".metadata" if part == "values" else ".values")] = other
                 t = t.contiguous().reshape(-1)

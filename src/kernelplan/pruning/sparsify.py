@@ -27,6 +27,7 @@ class SparsifyReport:
     method: str = "magnitude"
     errors: dict[str, float] = field(default_factory=dict)  # layer -> relative output error on calibration inputs
     seconds: dict[str, float] = field(default_factory=dict)  # calibration's wall time by phase (device drained)
+    transposed: list[str] = field(default_factory=list)  # converted layers whose weight was stored [in, out]
 
     def summary(self) -> str:
         saved = self.bytes_before - self.bytes_after
@@ -37,6 +38,9 @@ class SparsifyReport:
         if self.errors:
             lines.append("relative output error on the calibration inputs, ||X(W - W')^T||^2 / ||XW^T||^2:")
             lines += [f"  {name}: {err:.4f}" for name, err in self.errors.items()]
+        if self.transposed:
+            lines.append(f"read as stored [in, out] (Hugging Face's Conv1D, GPT-2's) and written as the linear layer's "
+                         f"[out, in]: {', '.join(self.transposed)}")
         lines += [f"skipped {name}: {why}" for name, why in self.skipped.items()]
         if self.method == "magnitude" and self.converted:
             lines.append(MAGNITUDE_NOTE)
