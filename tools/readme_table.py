@@ -159,24 +159,25 @@ def sparse24_notes() -> list[str]:
                      f"graph, {d['decode_step_ms']:.1f} ms dense, {s['decode_step_ms']:.1f} ms sparse "
                      f"({d['decode_step_ms'] / s['decode_step_ms']:.2f}x; the models in turn, they do not fit together), "
                      f"{_source(big['meta'], 'sparse24-70b-memory-h200')}.")
-    convert = _load("sparse24-convert-h100")
-    if convert:
-        big = [r for r in convert["rows"] if r["m"] * r["k"] >= 2**26]
-        ops = ", ".join(f"{op.replace('_', ' ')} {min(r[op]['of_copy'] for r in big):.2f}-"
-                        f"{max(r[op]['of_copy'] for r in big):.2f}x"
-                        for op in ("pack", "unpack", "compress", "prune", "prune_compress_packed", "from_dense")
-                        if op in big[0])
-        lines.append(f"- 2:4 conversions on the GPU, whole calls (the host's wait on the refusal flag included), of the "
-                     f"copy bandwidth, layers of 64M weights and up: {ops}, "
-                     f"{_source(convert['meta'], 'sparse24-convert-h100')}.")
-    blocks = _load("sparse24-convert-blocks-h100")
-    if blocks:
-        big = [r for r in blocks["rows"] if r["m"] * r["k"] >= 2**26]
-        best = lambda part: [max(v["kernel_of_copy"] for v in r[part].values()) for r in big]  # noqa: E731
-        lines.append(f"- 2:4 conversion kernels alone (`bench/sparse24_convert_blocks.py`, launched back to back), of "
-                     f"the copy bandwidth, layers of 64M weights and up, best block: dense straight into the device "
-                     f"layout {_span(best('tiled'))}, into the public format {_span(best('public'))}, "
-                     f"{_source(blocks['meta'], 'sparse24-convert-blocks-h100')}.")
+    for gpu in ("h100", "h200"):
+        convert = _load(f"sparse24-convert-{gpu}")
+        if convert:
+            big = [r for r in convert["rows"] if r["m"] * r["k"] >= 2**26]
+            ops = ", ".join(f"{op.replace('_', ' ')} {min(r[op]['of_copy'] for r in big):.2f}-"
+                            f"{max(r[op]['of_copy'] for r in big):.2f}x"
+                            for op in ("pack", "unpack", "compress", "prune", "prune_compress_packed", "from_dense")
+                            if op in big[0])
+            lines.append(f"- 2:4 conversions on the GPU, whole calls (the host's wait on the refusal flag included), of "
+                         f"the copy bandwidth, layers of 64M weights and up: {ops}, "
+                         f"{_source(convert['meta'], f'sparse24-convert-{gpu}')}.")
+        blocks = _load(f"sparse24-convert-blocks-{gpu}")
+        if blocks:
+            big = [r for r in blocks["rows"] if r["m"] * r["k"] >= 2**26]
+            best = lambda part: [max(v["kernel_of_copy"] for v in r[part].values()) for r in big]  # noqa: E731
+            lines.append(f"- 2:4 conversion kernels alone (`bench/sparse24_convert_blocks.py`, launched back to back), "
+                         f"of the copy bandwidth, layers of 64M weights and up, best block: dense straight into the "
+                         f"device layout {_span(best('tiled'))}, into the public format {_span(best('public'))}, "
+                         f"{_source(blocks['meta'], f'sparse24-convert-blocks-{gpu}')}.")
     rate = _load("wgmma-rate-h100")
     if rate:
         pick = lambda **want: next(r for r in rate["rows"] if all(r[k] == v for k, v in want.items()))
