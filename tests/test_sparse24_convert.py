@@ -87,6 +87,28 @@ def test_compress_straight_into_the_device_layout_gives_the_torch_ops_bits(dtype
         assert torch.equal(_bits(tv.cpu()), _bits(want.values)) and torch.equal(tm.cpu(), want.metadata)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_group_of_special_values_keeps_what_the_torch_ops_keep(dtype):
+    """Every group of 4 drawn from 0, -0, +-1, +-2 and inf (ties within and across signs, zeros of both signs),
+    pruned and compressed into the device layout, against the torch ops; the 16-bit weights take their own ranking
+    (``_pick16``), so each group's order is checked there once."""
+    import itertools
+
+    from kernelplan.kernels import sparse24_convert as convert
+
+    special = [0.0, -0.0, 1.0, -1.0, 2.0, -2.0, float("inf")]
+    groups = torch.tensor(list(itertools.product(special, repeat=4)), dtype=torch.float32)  # [2401, 4]
+    w = torch.zeros(16 * 160, 4)
+    w[: len(groups)] = groups
+    w = w.reshape(16, 640).to(dtype)
+    want = kp.sparse24.compress(kp.sparse24.prune(w)).packed()
+    tv, tm = convert.compress_tiled(w.to(DEV), prune=True)
+    assert torch.equal(_bits(tv.cpu()), _bits(want.values)) and torch.equal(tm.cpu(), want.metadata)
+    pruned = kp.sparse24.prune(w)
+    tv, tm = convert.compress_tiled(pruned.to(DEV), prune=False)
+    assert torch.equal(_bits(tv.cpu()), _bits(want.values)) and torch.equal(tm.cpu(), want.metadata)
+
+
 def test_compress_packed_holds_the_device_layout_where_the_shape_allows():
     w = kp.sparse24.prune(_awkward(48, 192, torch.bfloat16, 10))
     got, want = kp.sparse24.compress(w, packed=True), kp.sparse24.compress(w)

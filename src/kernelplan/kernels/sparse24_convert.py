@@ -78,6 +78,44 @@ def _kept_pair(a0, a1, a2, a3, k0, k1, k2, k3):
 
 
 @triton.jit
+def _pick16(a0, a1, a2, a3, PRUNE: tl.constexpr, INF: tl.constexpr):
+    """``_keep24`` then ``_kept_pair`` for 16-bit weights (int16 bits), in about half the instructions: the kept
+    values (v0, v1) as int32, their positions' 4 bits, and whether the group is refused.
+
+    Each entry becomes a key that ranks as prune ranks it and carries the entry, so that the two largest keys (a
+    network of 6 min / max) are the kept entries: pruning, |w|'s 15 bits in bits 16-30, 3 - its index in bits 14-15
+    (ties to the lower index), its sign in bit 13; compressing, 1 where it is non-zero in bit 18, 3 - its index in
+    bits 16-17, its 16 bits below."""
+    if PRUNE:
+        IB: tl.constexpr = 14
+        k0 = ((a0.to(tl.int32) & 0x7FFF) << 16) | (3 << IB) | ((a0.to(tl.int32) >> 2) & 0x2000)
+        k1 = ((a1.to(tl.int32) & 0x7FFF) << 16) | (2 << IB) | ((a1.to(tl.int32) >> 2) & 0x2000)
+        k2 = ((a2.to(tl.int32) & 0x7FFF) << 16) | (1 << IB) | ((a2.to(tl.int32) >> 2) & 0x2000)
+        k3 = ((a3.to(tl.int32) & 0x7FFF) << 16) | ((a3.to(tl.int32) >> 2) & 0x2000)
+    else:
+        IB: tl.constexpr = 16
+        k0 = tl.where((a0 & 0x7FFF) != 0, 1 << 18, 0) | (3 << IB) | (a0.to(tl.int32) & 0xFFFF)
+        k1 = tl.where((a1 & 0x7FFF) != 0, 1 << 18, 0) | (2 << IB) | (a1.to(tl.int32) & 0xFFFF)
+        k2 = tl.where((a2 & 0x7FFF) != 0, 1 << 18, 0) | (1 << IB) | (a2.to(tl.int32) & 0xFFFF)
+        k3 = tl.where((a3 & 0x7FFF) != 0, 1 << 18, 0) | (a3.to(tl.int32) & 0xFFFF)
+    hi01, lo01, hi23, lo23 = tl.maximum(k0, k1), tl.minimum(k0, k1), tl.maximum(k2, k3), tl.minimum(k2, k3)
+    top = tl.maximum(hi01, hi23)
+    inner, outer = tl.minimum(hi01, hi23), tl.maximum(lo01, lo23)
+    second = tl.maximum(inner, outer)
+    if PRUNE:
+        bad = (top >> 16) > INF  # a NaN ranks above every number
+        val_a = (top >> 16) | ((top & 0x2000) << 2)
+        val_b = (second >> 16) | ((second & 0x2000) << 2)
+    else:
+        bad = tl.minimum(inner, outer) >= (1 << 18)  # a third non-zero
+        val_a, val_b = top & 0xFFFF, second & 0xFFFF
+    i_a, i_b = 3 - ((top >> IB) & 3), 3 - ((second >> IB) & 3)
+    first = i_a < i_b
+    v0, v1 = tl.where(first, val_a, val_b), tl.where(first, val_b, val_a)
+    return v0, v1, tl.minimum(i_a, i_b) | (tl.maximum(i_a, i_b) << 2), bad
+
+
+@triton.jit
 def _compress24(w_ptr, v_ptr, m_ptr, d_ptr, bad_ptr, M, K, stride_w, PRUNE: tl.constexpr, DENSE: tl.constexpr,
                 ABS: tl.constexpr, INF: tl.constexpr, BM: tl.constexpr, BG: tl.constexpr):
     """A [BM, 4 BG] block of w: the 2 kept of each group of 4, as values + format words (or masked dense)."""
@@ -107,35 +145,51 @@ def _compress24(w_ptr, v_ptr, m_ptr, d_ptr, bad_ptr, M, K, stride_w, PRUNE: tl.c
 
 @triton.jit
 def _compress24_tiled(w_ptr, tv_ptr, tm_ptr, bad_ptr, K, stride_w, PRUNE: tl.constexpr, ABS: tl.constexpr,
-                      INF: tl.constexpr, STEPS: tl.constexpr):
+                      INF: tl.constexpr, WIDE: tl.constexpr, STEPS: tl.constexpr):
     """One 16-row tile of w, STEPS 64-column steps, straight into the device layout (sparse24/layout.py).
 
-    The groups are read in the layout's pair order d = (((u * 2 + j) * 2 + h) * 8 + g) * 4 + t (row 16 i + 8 h + g,
-    group 16 s + 8 u + 4 j + t), so the kept pairs are stored as they come; lane 4 g + 2 u + j's metadata word is
-    its 4 groups t of rows g (low half) and g + 8 (high half), 4 bits each."""
+    The groups are taken in the layout's pair order d = (((u * 2 + j) * 2 + h) * 8 + g) * 4 + t (row 16 i + 8 h + g,
+    group 16 s + 8 u + 4 j + t), two at a time (t = 2 t2 + t1: 8 contiguous columns, one 16-byte load of a 16-bit
+    weight), so the kept pairs are stored as they come; lane 4 g + 2 u + j's metadata word is its 4 groups t of rows
+    g (low half) and g + 8 (high half), 4 bits each, so byte 2 h + t2 of it is the two groups a thread holds.
+
+    Why two groups a thread and byte stores of the metadata: the kernel is bound by its instructions (2.3-2.6 TB/s
+    on an H100 and an H200 alike, sparse24-convert-blocks-*.json), and assembling each word from 8 threads' groups
+    took as many of them as choosing the kept pairs (docs/design/0027)."""
     i, sb = tl.program_id(0), tl.program_id(1)
     nsteps = K // 64
     s = sb * STEPS + tl.arange(0, STEPS)[:, None]  # [STEPS, 1]
-    d = tl.arange(0, 256)[None, :]
-    t, g, h, uj = d % 4, (d // 4) % 8, (d // 32) % 2, d // 64
+    q = tl.arange(0, 128)[None, :]  # two groups: d = 2 q + t1
+    t2, g, h, uj = q % 2, (q // 2) % 8, (q // 16) % 2, q // 32
     row = (16 * i + 8 * h + g).to(tl.int64)
-    col = 64 * s + 16 * uj + 4 * t  # the group's first column: uj = 2 u + j, 16 columns each
-    live = (s < nsteps)[:, :, None]  # [STEPS, 1, 1]
-    c = tl.arange(0, 4)[None, None, :]
-    a = tl.load(w_ptr + (row * stride_w + col)[:, :, None] + c, mask=live, other=0)  # [STEPS, 256, 4]
-    a0, a1, a2, a3 = _split4(tl.reshape(a, (STEPS, 1024)), STEPS, 256)
-    k0, k1, k2, k3, bad = _keep24(a0, a1, a2, a3, PRUNE, ABS, INF)
-    tl.store(bad_ptr, 1, mask=tl.max(tl.max(bad.to(tl.int32), 1), 0) > 0)
-    v0, v1, nib = _kept_pair(a0, a1, a2, a3, k0, k1, k2, k3)
+    col = 64 * s + 16 * uj + 8 * t2  # the two groups' first column: uj = 2 u + j, 16 columns each
+    live = s < nsteps  # [STEPS, 1]
+    e = tl.arange(0, 8)[None, None, :]
+    a = tl.load(w_ptr + (row * stride_w + col)[:, :, None] + e, mask=live[:, :, None], other=0)  # [STEPS, 128, 8]
+    # Column e = 4 t1 + c of the two groups: the c of each, for t1 = 0 and 1.
+    c_even, c_odd = tl.split(tl.reshape(a, (STEPS, 128, 2, 2, 2)))  # c = 0, 2 | 1, 3, each [.., t1, c // 2]
+    a0, a2 = tl.split(c_even)
+    a1, a3 = tl.split(c_odd)
+    a0l, a0h = tl.split(a0)
+    a1l, a1h = tl.split(a1)
+    a2l, a2h = tl.split(a2)
+    a3l, a3h = tl.split(a3)
+    if WIDE:
+        k0, k1, k2, k3, bad_l = _keep24(a0l, a1l, a2l, a3l, PRUNE, ABS, INF)
+        v0l, v1l, nib_l = _kept_pair(a0l, a1l, a2l, a3l, k0, k1, k2, k3)
+        k0, k1, k2, k3, bad_h = _keep24(a0h, a1h, a2h, a3h, PRUNE, ABS, INF)
+        v0h, v1h, nib_h = _kept_pair(a0h, a1h, a2h, a3h, k0, k1, k2, k3)
+    else:
+        v0l, v1l, nib_l, bad_l = _pick16(a0l, a1l, a2l, a3l, PRUNE, INF)
+        v0h, v1h, nib_h, bad_h = _pick16(a0h, a1h, a2h, a3h, PRUNE, INF)
+        v0l, v1l, v0h, v1h = v0l.to(tl.int16), v1l.to(tl.int16), v0h.to(tl.int16), v1h.to(tl.int16)
+    # One flag: racing writers write alike, and no reduction across the program is needed.
+    tl.store(bad_ptr + tl.zeros_like(nib_l), 1, mask=(bad_l | bad_h) & live)
     tile_step = (i * nsteps + s).to(tl.int64)  # [STEPS, 1]
-    tl.store(tv_ptr + tile_step * 512 + tl.arange(0, 512)[None, :], tl.reshape(tl.join(v0, v1), (STEPS, 512)),
-             mask=s < nsteps)
-    # Bits are disjoint, so a sum is their OR (no carries, even into bit 31).
-    shifted = tl.reshape(nib << (16 * h + 4 * t), (STEPS, 4, 2, 8, 4))  # [step, uj, h, g, t]
-    words = tl.sum(tl.sum(shifted, 4), 2)  # [STEPS, 4 (uj), 8 (g)]
-    wuj = tl.arange(0, 4)[None, :, None]
-    wg = tl.arange(0, 8)[None, None, :]
-    tl.store(tm_ptr + (tile_step * 32)[:, :, None] + 4 * wg + wuj, words, mask=(s < nsteps)[:, :, None])
+    pairs = tl.join(tl.join(v0l, v0h), tl.join(v1l, v1h))  # [STEPS, 128, t1, value]: d's pairs in order
+    tl.store(tv_ptr + tile_step * 512 + tl.arange(0, 512)[None, :], tl.reshape(pairs, (STEPS, 512)), mask=live)
+    byte = (nib_l | (nib_h << 4)).to(tl.int8)
+    tl.store(tm_ptr + (tile_step * 32 + 4 * g + uj) * 4 + 2 * h + t2, byte, mask=live)
 
 
 # Launched through kernels.Launcher: compiled once per specialization (on the weight's device, in kernelplan's Triton
@@ -189,7 +243,8 @@ def compress_tiled(w: torch.Tensor, prune: bool, steps: int | None = None, warps
     bad = _flag(w.device)
     tv = torch.empty((m // 16, k // 64, 512), dtype=bits.dtype, device=w.device)
     tm = torch.empty((m // 16, k // 64, 32), dtype=torch.int32, device=w.device)
-    _TILED(grid, (bits, tv, tm, bad, k, w.stride(0)), {"PRUNE": prune, "ABS": absmask, "INF": inf, "STEPS": steps},
+    _TILED(grid, (bits, tv, tm.view(torch.int8), bad, k, w.stride(0)),
+           {"PRUNE": prune, "ABS": absmask, "INF": inf, "WIDE": w.element_size() == 4, "STEPS": steps},
            num_warps=warps)
     if bad.item():
         return None
