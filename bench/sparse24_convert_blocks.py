@@ -53,15 +53,16 @@ def main() -> int:
             got = convert.compress_tiled(dense, prune=True, steps=steps, warps=warps)
             ok = torch.equal(got[0], want.values) and torch.equal(got[1], want.metadata)
             grid = (m // 16, triton.cdiv(k // 64, steps))
-            kernel = lambda: convert._compress24_tiled[grid](bits, tv, tm, bad, k, k, PRUNE=True, ABS=0x7FFF,  # noqa: E731
-                                                             INF=0x7F80, STEPS=steps, num_warps=warps)
+            kernel = lambda: convert._compress24_tiled[grid](bits, tv, tm.view(torch.int8), bad, k, k,  # noqa: E731
+                                                             PRUNE=True, ABS=0x7FFF, INF=0x7F80, WIDE=False,
+                                                             STEPS=steps, num_warps=warps)
             row["tiled"][f"steps={steps} warps={warps}"] = timed(lambda: convert.compress_tiled(dense, True, steps, warps),
                                                                  kernel, 3 * mk + mk // 8, copy_bw) | {"ok": ok}
         for (bm, bg), warps in PUBLIC:
             grid = (triton.cdiv(m, bm), triton.cdiv(k // 4, bg))
             kernel = lambda: convert._compress24[grid](pruned.view(torch.int16), values, metadata, values, bad, m, k,  # noqa: E731
-                                                       k, PRUNE=False, DENSE=False, ABS=0x7FFF, INF=0x7F80, BM=bm,
-                                                       BG=bg, num_warps=warps)
+                                                       k, PRUNE=False, DENSE=False, ABS=0x7FFF, INF=0x7F80,
+                                                       WIDE=False, BM=bm, BG=bg, num_warps=warps)
             row["public"][f"block={(bm, bg)} warps={warps}"] = timed(
                 lambda: convert.compress(pruned, False, block=(bm, bg), warps=warps), kernel, 3 * mk + mk // 4, copy_bw)
         rows.append(row)

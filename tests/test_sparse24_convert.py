@@ -107,6 +107,12 @@ def test_every_group_of_special_values_keeps_what_the_torch_ops_keep(dtype):
     pruned = kp.sparse24.prune(w)
     tv, tm = convert.compress_tiled(pruned.to(DEV), prune=False)
     assert torch.equal(_bits(tv.cpu()), _bits(want.values)) and torch.equal(tm.cpu(), want.metadata)
+    public = want.public()  # the public format's kernel, and its masked dense output, the same way
+    values, metadata = convert.compress(w.to(DEV), prune=True)
+    assert torch.equal(_bits(values.cpu()), _bits(public.values)) and torch.equal(metadata.cpu(), public.metadata)
+    assert torch.equal(_bits(convert.compress(w.to(DEV), prune=True, dense=True).cpu()), _bits(pruned))
+    values, metadata = convert.compress(pruned.to(DEV), prune=False)
+    assert torch.equal(_bits(values.cpu()), _bits(public.values)) and torch.equal(metadata.cpu(), public.metadata)
 
 
 def test_compress_packed_holds_the_device_layout_where_the_shape_allows():

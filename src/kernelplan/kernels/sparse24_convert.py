@@ -116,8 +116,21 @@ def _pick16(a0, a1, a2, a3, PRUNE: tl.constexpr, INF: tl.constexpr):
 
 
 @triton.jit
+def _choose(a0, a1, a2, a3, PRUNE: tl.constexpr, ABS: tl.constexpr, INF: tl.constexpr, WIDE: tl.constexpr):
+    """Each group's kept values (v0, v1, in the weights' integer type), their positions' 4 bits, and whether the group
+    is refused: ``_pick16`` for 16-bit weights, ``_keep24`` then ``_kept_pair`` for 32-bit ones (``WIDE``)."""
+    if WIDE:
+        k0, k1, k2, k3, bad = _keep24(a0, a1, a2, a3, PRUNE, ABS, INF)
+        v0, v1, nib = _kept_pair(a0, a1, a2, a3, k0, k1, k2, k3)
+    else:
+        v0, v1, nib, bad = _pick16(a0, a1, a2, a3, PRUNE, INF)
+        v0, v1 = v0.to(a0.dtype), v1.to(a0.dtype)
+    return v0, v1, nib, bad
+
+
+@triton.jit
 def _compress24(w_ptr, v_ptr, m_ptr, d_ptr, bad_ptr, M, K, stride_w, PRUNE: tl.constexpr, DENSE: tl.constexpr,
-                ABS: tl.constexpr, INF: tl.constexpr, BM: tl.constexpr, BG: tl.constexpr):
+                ABS: tl.constexpr, INF: tl.constexpr, WIDE: tl.constexpr, BM: tl.constexpr, BG: tl.constexpr):
     """A [BM, 4 BG] block of w: the 2 kept of each group of 4, as values + format words (or masked dense)."""
     pid_m, pid_g = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -125,15 +138,15 @@ def _compress24(w_ptr, v_ptr, m_ptr, d_ptr, bad_ptr, M, K, stride_w, PRUNE: tl.c
     ok = (rows[:, None] < M) & (cols[None, :] < K)
     a = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + cols[None, :], mask=ok, other=0)
     a0, a1, a2, a3 = _split4(a, BM, BG)
-    k0, k1, k2, k3, bad = _keep24(a0, a1, a2, a3, PRUNE, ABS, INF)
-    tl.store(bad_ptr, 1, mask=tl.max(tl.max(bad.to(tl.int32), 1), 0) > 0)  # one flag; racing writers write alike
+    v0, v1, nib, bad = _choose(a0, a1, a2, a3, PRUNE, ABS, INF, WIDE)
+    tl.store(bad_ptr + tl.zeros_like(nib), 1, mask=bad)  # one flag; racing writers write alike
     if DENSE:
         zero = tl.zeros_like(a0)
-        kept = tl.join(tl.join(tl.where(k0, a0, zero), tl.where(k2, a2, zero)),
-                       tl.join(tl.where(k1, a1, zero), tl.where(k3, a3, zero)))
+        p0, p1 = nib & 3, nib >> 2
+        kept = tl.join(tl.join(tl.where(p0 == 0, a0, zero), tl.where((p0 == 2) | (p1 == 2), a2, zero)),
+                       tl.join(tl.where((p0 == 1) | (p1 == 1), a1, zero), tl.where(p1 == 3, a3, zero)))
         tl.store(d_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], tl.reshape(kept, (BM, BG * 4)), mask=ok)
     else:
-        v0, v1, nib = _kept_pair(a0, a1, a2, a3, k0, k1, k2, k3)
         vcols = pid_g * BG * 2 + tl.arange(0, BG * 2)
         tl.store(v_ptr + rows[:, None].to(tl.int64) * (K // 2) + vcols[None, :], tl.reshape(tl.join(v0, v1), (BM, BG * 2)),
                  mask=(rows[:, None] < M) & (vcols[None, :] < K // 2))
@@ -174,15 +187,8 @@ def _compress24_tiled(w_ptr, tv_ptr, tm_ptr, bad_ptr, K, stride_w, PRUNE: tl.con
     a1l, a1h = tl.split(a1)
     a2l, a2h = tl.split(a2)
     a3l, a3h = tl.split(a3)
-    if WIDE:
-        k0, k1, k2, k3, bad_l = _keep24(a0l, a1l, a2l, a3l, PRUNE, ABS, INF)
-        v0l, v1l, nib_l = _kept_pair(a0l, a1l, a2l, a3l, k0, k1, k2, k3)
-        k0, k1, k2, k3, bad_h = _keep24(a0h, a1h, a2h, a3h, PRUNE, ABS, INF)
-        v0h, v1h, nib_h = _kept_pair(a0h, a1h, a2h, a3h, k0, k1, k2, k3)
-    else:
-        v0l, v1l, nib_l, bad_l = _pick16(a0l, a1l, a2l, a3l, PRUNE, INF)
-        v0h, v1h, nib_h, bad_h = _pick16(a0h, a1h, a2h, a3h, PRUNE, INF)
-        v0l, v1l, v0h, v1h = v0l.to(tl.int16), v1l.to(tl.int16), v0h.to(tl.int16), v1h.to(tl.int16)
+    v0l, v1l, nib_l, bad_l = _choose(a0l, a1l, a2l, a3l, PRUNE, ABS, INF, WIDE)
+    v0h, v1h, nib_h, bad_h = _choose(a0h, a1h, a2h, a3h, PRUNE, ABS, INF, WIDE)
     # One flag: racing writers write alike, and no reduction across the program is needed.
     tl.store(bad_ptr + tl.zeros_like(nib_l), 1, mask=(bad_l | bad_h) & live)
     tile_step = (i * nsteps + s).to(tl.int64)  # [STEPS, 1]
@@ -220,7 +226,8 @@ def compress(w: torch.Tensor, prune: bool, dense: bool = False, block=(16, 64), 
         metadata = torch.empty((m, k // 8), dtype=torch.int16, device=w.device)
         out = values
     _PUBLIC(grid, (bits, values, metadata, out, bad, m, k, w.stride(0)),
-            {"PRUNE": prune, "DENSE": dense, "ABS": absmask, "INF": inf, "BM": bm, "BG": bg}, num_warps=warps)
+            {"PRUNE": prune, "DENSE": dense, "ABS": absmask, "INF": inf, "WIDE": w.element_size() == 4, "BM": bm,
+             "BG": bg}, num_warps=warps)
     if bad.item():
         return None
     if dense:
