@@ -25,6 +25,9 @@ __device__ __forceinline__ unsigned long long core_desc(u32 addr, u32 lbo, u32 s
            ((unsigned long long)(sbo >> 4) << 32);
 }
 
+// A descriptor from its two words (the kernels' loops build the low word from a stage's address: sparse24_ring.cuh).
+__device__ __forceinline__ unsigned long long desc(u32 lo, u32 hi) { return ((unsigned long long)hi << 32) | lo; }
+
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int PENDING>

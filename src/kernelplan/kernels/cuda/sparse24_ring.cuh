@@ -108,27 +108,37 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
                                               int g0, int count, int tl, int lane, int wq, int cz)
 {
     u32 e[2][BLOCKS];
+    // The stage and its phase advance by one a step (one division a call, not one a step), and the descriptors are
+    // stage 0's plus the stage's offset in 16-byte units: a step's instructions are the consumer warps' whole issue,
+    // and at 64 rows of x their chain, not the MMAs, set the step's time (docs/design/0029).
+    int b = ring_stage(g0);
+    u32 parity = ring_parity(g0), at = sbase + b * kStageBytes;
+    const u32 bar_prev0 = empty0;
+    int b_prev = b;
+    // wgmma descriptors (hopper.cuh, core_desc and b_desc) as a 32-bit low word on top of the stage's address >> 4:
+    // shared addresses are under 2^18, so the 14-bit address field never carries into the fields above it.
+    const u32 a_lo = ((kXBytes + (tl / 4) * 1024) >> 4) | ((kWAlongK >> 4) << 16), a_hi = 128 >> 4;
+    const u32 b_lo = 1u << 16, b_hi = (1024 >> 4) | (1u << 30);
     for (int s0 = 0; s0 < count; s0 += 2) {
 #pragma unroll
         for (int p = 0; p < 2; ++p) {  // p: which register set (compile-time), so no set is indexed at run time
             const int s = s0 + p;
             if (s < count) {
-                const int g = g0 + s, b = ring_stage(g);
-                mbar_wait(full0 + 8 * b, ring_parity(g));
-                const u32 at = sbase + b * kStageBytes;
+                mbar_wait(full0 + 8 * b, parity);
 #pragma unroll
                 for (int j = 0; j < BLOCKS; ++j) e[p][j] = lds1(at + kXBytes + kWValues + (tl + 4 * j) * 128 + lane * 4);
                 wg_fence();
+                const u32 lo = at >> 4;
 #pragma unroll
                 for (int j = 0; j < BLOCKS; ++j) {
-                    const u32 a0 = at + kXBytes + (tl / 4 + j) * 1024;  // the block's 8 core matrices along M
+                    const u32 a0 = lo + a_lo + j * (1024 >> 4);  // the block's 8 core matrices along M
 #pragma unroll
                     for (int i = 0; i < kInst; ++i) {
                         // N block i starts NI rows (NI / 8 groups of 1024 bytes) in; the second k32 64 bytes in.
-                        WgmmaSpSS<NI>::template run<0>(acc[j][i], core_desc(a0, kWAlongK, 128),
-                                                       b_desc(at + i * NI * 128), e[p][j]);
-                        WgmmaSpSS<NI>::template run<1>(acc[j][i], core_desc(a0 + kWK32, kWAlongK, 128),
-                                                       b_desc(at + i * NI * 128 + 64), e[p][j]);
+                        const u32 b0 = lo + b_lo + i * NI * (128 >> 4);
+                        WgmmaSpSS<NI>::template run<0>(acc[j][i], desc(a0, a_hi), desc(b0, b_hi), e[p][j]);
+                        WgmmaSpSS<NI>::template run<1>(acc[j][i], desc(a0 + (kWK32 >> 4), a_hi),
+                                                       desc(b0 + (64 >> 4), b_hi), e[p][j]);
                     }
                 }
                 wg_commit();
@@ -137,7 +147,13 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
                 // while step g - 1's MMAs might still read them.
 #pragma unroll
                 for (int j = 0; j < BLOCKS; ++j) keep_word(e[p ^ 1][j]);
-                if (s > 0) release_stage(empty0 + 8 * ring_stage(g - 1), lane, wq, cz);
+                if (s > 0) release_stage(bar_prev0 + 8 * b_prev, lane, wq, cz);
+                b_prev = b;
+                if (++b == STAGES) {
+                    b = 0, parity ^= 1u, at = sbase;
+                } else {
+                    at += kStageBytes;
+                }
             }
         }
     }
@@ -146,5 +162,5 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
     for (int j = 0; j < BLOCKS; ++j)
 #pragma unroll
         for (int i = 0; i < kInst; ++i) keep(acc[j][i]);
-    if (RELEASE_LAST && count > 0) release_stage(empty0 + 8 * ring_stage(g0 + count - 1), lane, wq, cz);
+    if (RELEASE_LAST && count > 0) release_stage(empty0 + 8 * b_prev, lane, wq, cz);
 }
