@@ -115,8 +115,11 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
     u32 parity = ring_parity(g0), at = sbase + b * kStageBytes;
     const u32 bar_prev0 = empty0;
     int b_prev = b;
-    // wgmma descriptors (hopper.cuh, core_desc and b_desc) as a 32-bit low word on top of the stage's address >> 4:
-    // shared addresses are under 2^18, so the 14-bit address field never carries into the fields above it.
+    // wgmma descriptors (hopper.cuh, core_desc and b_desc) as a 32-bit low word on top of the stage's address's
+    // bits 4-17 (`lo`): the CTA's shared memory is under 2^18 bytes, so that 14-bit field never carries into the
+    // fields above it.  (A cluster launch's shared addresses have bits above 17 set: hence the mask.)
+    const u32 lo0 = (sbase & 0x3FFFF) >> 4;
+    u32 lo = lo0 + b * (kStageBytes >> 4);
     const u32 a_lo = ((kXBytes + (tl / 4) * 1024) >> 4) | ((kWAlongK >> 4) << 16), a_hi = 128 >> 4;
     const u32 b_lo = 1u << 16, b_hi = (1024 >> 4) | (1u << 30);
     for (int s0 = 0; s0 < count; s0 += 2) {
@@ -128,7 +131,6 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
 #pragma unroll
                 for (int j = 0; j < BLOCKS; ++j) e[p][j] = lds1(at + kXBytes + kWValues + (tl + 4 * j) * 128 + lane * 4);
                 wg_fence();
-                const u32 lo = at >> 4;
 #pragma unroll
                 for (int j = 0; j < BLOCKS; ++j) {
                     const u32 a0 = lo + a_lo + j * (1024 >> 4);  // the block's 8 core matrices along M
@@ -150,9 +152,9 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
                 if (s > 0) release_stage(bar_prev0 + 8 * b_prev, lane, wq, cz);
                 b_prev = b;
                 if (++b == STAGES) {
-                    b = 0, parity ^= 1u, at = sbase;
+                    b = 0, parity ^= 1u, at = sbase, lo = lo0;
                 } else {
-                    at += kStageBytes;
+                    at += kStageBytes, lo += kStageBytes >> 4;
                 }
             }
         }
