@@ -80,6 +80,41 @@ def test_every_variant_compiles_for_sm90a(compile_for):
         assert len(compile_for(source(cfg, dtype, bias, act), "sm_90a")) > 0
 
 
+def _sass(cubin: bytes) -> str | None:
+    """``cuobjdump -sass`` of a cubin, with the cuobjdump Triton ships; None where there is none."""
+    import os
+    import subprocess
+    import tempfile
+
+    triton = pytest.importorskip("triton")
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.isfile(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def test_no_variant_has_its_mmas_serialized(compile_for):
+    """ptxas serializes a loop's wgmmas (warning C7515) where it cannot prove their registers are left alone while
+    they run: each HGMMA then waits for itself (`DEPBAR.LE gsb0, 0x0`), and a step's MMAs stop overlapping. One form of
+    the descriptors did that to every tile of 16 or 32 rows of x (13% slower at 1024x1024, docs/design/0029); this
+    checks the step's MMAs commit as one group in each kind of tile."""
+    from kernelplan.kernels.sparse24_ws import _deepest, source
+
+    cfgs = [_deepest(16, 1, 1, 1, pp=True), WsConfig(32, 1, 1, 2, 8), WsConfig(16, 2, 2, 1, 8),
+            _deepest(48, 1, 1, 1, pp=True), _deepest(64, 3, 1, 1, pp=True), WsConfig(128, 2, 2, 2, 8),
+            _deepest(256, 2, 1, 1)]
+    for cfg in cfgs:
+        sass = _sass(compile_for(source(cfg, "bf16", True, "gelu"), "sm_90a"))
+        if sass is None:
+            pytest.skip("no cuobjdump beside Triton")
+        mmas = [line for line in sass.splitlines() if "HGMMA" in line]
+        assert mmas and sass.count("DEPBAR.LE gsb0, 0x0") <= 2, cfg
+        assert sum("gsb0" in line for line in mmas) < len(mmas), cfg  # a step's MMAs are one group
+
+
 @gpu
 @sm90
 def test_tensor_maps_follow_x_between_calls(seed):
