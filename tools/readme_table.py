@@ -167,8 +167,8 @@ def sparse24_notes() -> list[str]:
                             f"{max(r[op]['of_copy'] for r in big):.2f}x"
                             for op in ("pack", "unpack", "compress", "prune", "prune_compress_packed", "from_dense")
                             if op in big[0])
-            lines.append(f"- 2:4 conversions on the GPU, whole calls (the host's wait on the refusal flag included), of "
-                         f"the copy bandwidth, layers of 64M weights and up: {ops}, "
+            lines.append(f"- 2:4 conversions on the GPU, whole calls (the host's wait on the refusal flag included), "
+                         f"of the copy bandwidth, layers of 64M weights and up: {ops}, "
                          f"{_source(convert['meta'], f'sparse24-convert-{gpu}')}.")
         blocks = _load(f"sparse24-convert-blocks-{gpu}")
         if blocks:

@@ -154,7 +154,8 @@ def transposed_weights(names, transposed: str = "auto") -> set[str]:
     if transposed == "none":
         return set()
     if transposed == "auto":
-        family = all(any(n == table or n.endswith("." + table) for n in names) for table in ("wte.weight", "wpe.weight"))
+        family = all(any(n == table or n.endswith("." + table) for n in names)
+                     for table in ("wte.weight", "wpe.weight"))
         return {n for n in names if n.endswith(_CONV1D_SUFFIXES)} if family else set()
     try:
         regex = re.compile(transposed)
