@@ -113,8 +113,7 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
     // and at 64 rows of x their chain, not the MMAs, set the step's time (docs/design/0029).
     int b = ring_stage(g0);
     u32 parity = ring_parity(g0), at = sbase + b * kStageBytes;
-    const u32 bar_prev0 = empty0;
-    int b_prev = b;
+    int b_prev = b;  // the step before's stage, released once its MMAs are done
     // wgmma descriptors (hopper.cuh, core_desc and b_desc) as a 32-bit low word on top of the stage's address's
     // bits 4-17 (`lo`): the CTA's shared memory is under 2^18 bytes, so that 14-bit field never carries into the
     // fields above it.  (A cluster launch's shared addresses have bits above 17 set: hence the mask.)
@@ -156,7 +155,7 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
                 // while step g - 1's MMAs might still read them.
 #pragma unroll
                 for (int j = 0; j < BLOCKS; ++j) keep_word(e[p ^ 1][j]);
-                if (s > 0) release_stage(bar_prev0 + 8 * b_prev, lane, wq, cz);
+                if (s > 0) release_stage(empty0 + 8 * b_prev, lane, wq, cz);
                 b_prev = b;
                 if (++b == STAGES) {
                     b = 0, parity ^= 1u, at = sbase, lo = lo0;
