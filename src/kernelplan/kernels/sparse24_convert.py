@@ -78,6 +78,14 @@ def _kept_pair(a0, a1, a2, a3, k0, k1, k2, k3):
 
 
 @triton.jit
+def _key16(a, LOWER: tl.constexpr, PRUNE: tl.constexpr):
+    """An entry's key (``_pick16``); ``LOWER`` is 3 - its index in the group."""
+    if PRUNE:
+        return ((a.to(tl.int32) & 0x7FFF) << 16) | (LOWER << 14) | ((a.to(tl.int32) >> 2) & 0x2000)
+    return tl.where((a & 0x7FFF) != 0, 1 << 18, 0) | (LOWER << 16) | (a.to(tl.int32) & 0xFFFF)
+
+
+@triton.jit
 def _pick16(a0, a1, a2, a3, PRUNE: tl.constexpr, INF: tl.constexpr):
     """``_keep24`` then ``_kept_pair`` for 16-bit weights (int16 bits), in about half the instructions: the kept
     values (v0, v1) as int32, their positions' 4 bits, and whether the group is refused.
@@ -86,18 +94,8 @@ def _pick16(a0, a1, a2, a3, PRUNE: tl.constexpr, INF: tl.constexpr):
     network of 6 min / max) are the kept entries: pruning, |w|'s 15 bits in bits 16-30, 3 - its index in bits 14-15
     (ties to the lower index), its sign in bit 13; compressing, 1 where it is non-zero in bit 18, 3 - its index in
     bits 16-17, its 16 bits below."""
-    if PRUNE:
-        IB: tl.constexpr = 14
-        k0 = ((a0.to(tl.int32) & 0x7FFF) << 16) | (3 << IB) | ((a0.to(tl.int32) >> 2) & 0x2000)
-        k1 = ((a1.to(tl.int32) & 0x7FFF) << 16) | (2 << IB) | ((a1.to(tl.int32) >> 2) & 0x2000)
-        k2 = ((a2.to(tl.int32) & 0x7FFF) << 16) | (1 << IB) | ((a2.to(tl.int32) >> 2) & 0x2000)
-        k3 = ((a3.to(tl.int32) & 0x7FFF) << 16) | ((a3.to(tl.int32) >> 2) & 0x2000)
-    else:
-        IB: tl.constexpr = 16
-        k0 = tl.where((a0 & 0x7FFF) != 0, 1 << 18, 0) | (3 << IB) | (a0.to(tl.int32) & 0xFFFF)
-        k1 = tl.where((a1 & 0x7FFF) != 0, 1 << 18, 0) | (2 << IB) | (a1.to(tl.int32) & 0xFFFF)
-        k2 = tl.where((a2 & 0x7FFF) != 0, 1 << 18, 0) | (1 << IB) | (a2.to(tl.int32) & 0xFFFF)
-        k3 = tl.where((a3 & 0x7FFF) != 0, 1 << 18, 0) | (a3.to(tl.int32) & 0xFFFF)
+    IB: tl.constexpr = 14 if PRUNE else 16  # where the index's 2 bits sit
+    k0, k1, k2, k3 = _key16(a0, 3, PRUNE), _key16(a1, 2, PRUNE), _key16(a2, 1, PRUNE), _key16(a3, 0, PRUNE)
     hi01, lo01, hi23, lo23 = tl.maximum(k0, k1), tl.minimum(k0, k1), tl.maximum(k2, k3), tl.minimum(k2, k3)
     top = tl.maximum(hi01, hi23)
     inner, outer = tl.minimum(hi01, hi23), tl.maximum(lo01, lo23)
@@ -168,7 +166,7 @@ def _compress24_tiled(w_ptr, tv_ptr, tm_ptr, bad_ptr, K, stride_w, PRUNE: tl.con
 
     Why two groups a thread and byte stores of the metadata: the kernel is bound by its instructions (2.3-2.6 TB/s
     on an H100 and an H200 alike, sparse24-convert-blocks-*.json), and assembling each word from 8 threads' groups
-    took as many of them as choosing the kept pairs (docs/design/0027)."""
+    took as many of them as choosing the kept pairs (docs/design/0028)."""
     i, sb = tl.program_id(0), tl.program_id(1)
     nsteps = K // 64
     s = sb * STEPS + tl.arange(0, STEPS)[:, None]  # [STEPS, 1]
@@ -210,8 +208,8 @@ def compress(w: torch.Tensor, prune: bool, dense: bool = False, block=(16, 64), 
     ``prune``: keep the 2 largest ``|w|`` per group (refused: NaN), else keep
     the non-zeros (refused: a group with more than 2).  A refused weight gives
     None and the caller's torch op names the offending group.  Rows of ``w``
-    must have unit stride.  8 warps a block: the exact path's kernel ran at 0.81-0.82x of the copy bandwidth on
-    layers of 64M-235M weights, against 0.72-0.73x with 4 (sparse24-convert-blocks-h100.json).
+    must have unit stride.  8 warps a block: before 0028's keys, the exact path's kernel ran at 0.81-0.82x of the
+    copy bandwidth with 8 on layers of 64M-235M weights, against 0.72-0.73x with 4 (H100, 4ddb2dc+).
     """
     m, k = w.shape
     bits, absmask, inf = _int_view(w)
@@ -241,8 +239,9 @@ def compress_tiled(w: torch.Tensor, prune: bool, steps: int | None = None, warps
     (checked by the caller); rows of ``w`` must have unit stride.
 
     A program takes ``steps`` 64-column steps of a 16-row tile: 8 where K has 32 steps or more, else 2, so that
-    a row's last block is not mostly past K (sparse24-convert-blocks-h100.json: the kernel at 0.79-0.82x of the
-    copy bandwidth with 8 on layers of 64M-235M weights, 0.77-0.78x with 2; at K = 768, 0.74x with 2, 0.58x with 8)."""
+    a row's last block is not mostly past K (before 0028's keys, H100 at 4ddb2dc+: the kernel at 0.79-0.82x of the
+    copy bandwidth with 8 on layers of 64M-235M weights, 0.77-0.78x with 2; at K = 768, 0.74x with 2, 0.58x with 8;
+    sparse24-convert-blocks-*.json at 5e4b545 still has 8 best on the large layers)."""
     m, k = w.shape
     steps = steps or (8 if k // 64 >= 32 else 2)
     bits, absmask, inf = _int_view(w)

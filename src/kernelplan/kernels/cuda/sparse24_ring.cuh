@@ -108,9 +108,9 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
                                               int g0, int count, int tl, int lane, int wq, int cz)
 {
     u32 e[2][BLOCKS];
-    // The stage and its phase advance by one a step (one division a call, not one a step), and the descriptors are
-    // stage 0's plus the stage's offset in 16-byte units: a step's instructions are the consumer warps' whole issue,
-    // and at 64 rows of x their chain, not the MMAs, set the step's time (docs/design/0029).
+    // The stage and its phase advance by one a step (one division a call, not two a step), and the descriptors are
+    // a fixed low word on the stage's address: each consumer warp issues a step's instructions alone on its
+    // scheduler, and the shorter chain gave 2-4% (docs/design/0029).
     int b = ring_stage(g0);
     u32 parity = ring_parity(g0), at = sbase + b * kStageBytes;
     int b_prev = b;  // the step before's stage, released once its MMAs are done
