@@ -11,6 +11,13 @@ __device__ __forceinline__ float4 lds4f(u32 addr) {
     return v;
 }
 
+// This thread's warp, broadcast from lane 0: ptxas then knows it is the same in every lane, so that what is made from
+// it (a warpgroup's role and tiles, the wgmma descriptors of its K loop) is computed in uniform registers, where
+// HGMMA reads its descriptors.  From threadIdx.x >> 5 the descriptors were built in per-thread registers and moved
+// over each step (R2UR: 34 of a 64x128 ping-pong tile's instructions; CUTLASS's canonical_warp_idx_sync does
+// the same broadcast).
+__device__ __forceinline__ int warp_uniform() { return __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 5), 0); }
+
 // wgmma's shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart.
 __device__ __forceinline__ unsigned long long b_desc(u32 addr) {
     return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |

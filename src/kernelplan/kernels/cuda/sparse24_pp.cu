@@ -111,7 +111,7 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     const u32 sbase = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
     const u32 ybase = sbase + kRingBytes, full0 = ybase + 2 * kYBytes, empty0 = full0 + 8 * STAGES;
     const u32 order0 = empty0 + 8 * STAGES;  // order0 + 8 c: warpgroup c may run its next K loop
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = warp_uniform(), lane = threadIdx.x & 31;
     const int steps = K / 64, tiles = tiles_n * ((M + kBM - 1) / kBM);
 
     if (threadIdx.x == 0) {

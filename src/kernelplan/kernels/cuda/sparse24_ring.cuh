@@ -135,12 +135,13 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
 #pragma unroll
                     for (int i = 0; i < kInst; ++i) {
                         // N block i starts NI rows (NI / 8 groups of 1024 bytes) in; the second k32 64 bytes in.
-                        if (NI >= 64) {
+                        if (NI >= 64 || kInst > 1) {
                             const u32 a0 = lo + a_lo + j * (1024 >> 4), b0 = lo + b_lo + i * NI * (128 >> 4);
                             WgmmaSpSS<NI>::template run<0>(acc[j][i], desc(a0, a_hi), desc(b0, b_hi), e[p][j]);
                             WgmmaSpSS<NI>::template run<1>(acc[j][i], desc(a0 + (kWK32 >> 4), a_hi),
                                                            desc(b0 + (64 >> 4), b_hi), e[p][j]);
-                        } else {  // built from the address: the form above made ptxas serialize these loops' MMAs
+                        } else {  // one N block of 16 or 32 rows: from the address, as the form above made ptxas
+                                  // serialize these loops' MMAs (docs/design/0029; with more blocks it does not: 0030)
                             const u32 a0 = at + kXBytes + (tl / 4 + j) * 1024;  // the block's 8 core matrices
                             WgmmaSpSS<NI>::template run<0>(acc[j][i], core_desc(a0, kWAlongK, 128),
                                                            b_desc(at + i * NI * 128), e[p][j]);

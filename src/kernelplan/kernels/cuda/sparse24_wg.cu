@@ -52,7 +52,7 @@ kp_sparse24_wg(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 sbase = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = warp_uniform();
     const int wg = warp >> 2, wq = warp & 3;               // warpgroup, warp within it
     const int wm = wg % WM, ks = wg / WM;
     const int ksteps = K / 64, steps = ksteps / kSlices, tiles = (M + 15) / 16;

@@ -57,7 +57,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     const u32 sraw = (u32)__cvta_generic_to_shared(smem_raw);
     const u32 sbase = (sraw + 1023u) & ~1023u;
     const u32 full0 = sbase + kBarOffset, empty0 = full0 + 8 * STAGES;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = warp_uniform(), lane = threadIdx.x & 31;
     const int ksteps = K / 64, steps = ksteps / KC;   // this CTA's 64-column steps
     const int step0 = blockIdx.z * steps;            // blockIdx.z is the CTA's K slice, its rank along z
     const int n0 = blockIdx.x * BN;
