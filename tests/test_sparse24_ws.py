@@ -115,6 +115,38 @@ def test_no_variant_has_its_mmas_serialized(compile_for):
         assert sum("gsb0" in line for line in mmas) < len(mmas), cfg  # a step's MMAs are one group
 
 
+def _mma_loop(sass: str) -> list[str]:
+    """The instructions of the innermost loop (a backward branch and its target) around an HGMMA."""
+    import re
+
+    code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    mmas = [at for at, text in code if "HGMMA" in text]
+    loops = []
+    for at, text in code:
+        branch = re.search(r"BRA (?:\S+, )?0x([0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < at and any(int(branch.group(1), 16) <= m <= at for m in mmas):
+            loops.append((int(branch.group(1), 16), at))
+    start, end = min(loops, key=lambda loop: loop[1] - loop[0])
+    return [text for at, text in code if start <= at <= end]
+
+
+def test_the_k_loop_builds_its_descriptors_in_uniform_registers(compile_for):
+    """HGMMA reads its descriptors from uniform registers.  Built from the warp index as threadIdx.x >> 5, they were
+    computed per thread and moved over (R2UR) each step: 32 of a 64x128 ping-pong tile's 139 loop instructions.  With
+    the index broadcast from lane 0 (hopper.cuh, warp_uniform) the loop has none (docs/design/0030).  Tiles of one
+    16- or 32-row N block keep descriptors made from the address (sparse24_ring.cuh), and are not checked here."""
+    from kernelplan.kernels.sparse24_ws import _deepest, source
+
+    for cfg in [_deepest(48, 1, 1, 1, pp=True), _deepest(64, 2, 1, 1, pp=True), _deepest(128, 1, 1, 1, pp=True),
+                WsConfig(64, 1, 1, 1, 8), WsConfig(96, 2, 1, 2, 8), WsConfig(128, 2, 2, 2, 8), _deepest(256, 2, 1, 1)]:
+        sass = _sass(compile_for(source(cfg, "bf16", True, "gelu"), "sm_90a"))
+        if sass is None:
+            pytest.skip("no cuobjdump beside Triton")
+        loop = _mma_loop(sass)
+        assert sum("HGMMA" in text for text in loop) >= 4, cfg
+        assert not [text for text in loop if text.startswith("R2UR")], cfg
+
+
 @gpu
 @sm90
 def test_tensor_maps_follow_x_between_calls(seed):
