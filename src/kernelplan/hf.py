@@ -393,9 +393,17 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "kernelp
     from safetensors.torch import save_file
 
     from ._checks import choice
+    from .nn.experts import Sparse24Experts
     from .nn.sparse24_linear import Sparse24Linear
 
     format = choice(format, "format", FORMATS)
+    experts = {name: m for name, m in model.named_modules() if isinstance(m, Sparse24Experts)}
+    if experts and format != "dense":
+        raise InvalidProblem(
+            f"{next(iter(experts))} is a Sparse24Experts (a MoE layer's experts, stacked): format={format!r} has no "
+            f"layout for experts yet. Save with format='dense' (the pruned weights, which transformers reads as it "
+            f"reads the model), or save model.state_dict() (safetensors' save_file) and load it into a model that "
+            f"kp.sparsify made from the same config")
     sparse = {name for name, m in model.named_modules() if isinstance(m, Sparse24Linear)}
     if format == "dense":
         _refuse_dense_conv1d(sorted(n for n in sparse if model.get_submodule(n).from_conv1d))
@@ -408,6 +416,9 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "kernelp
         if key is not None and key in seen:
             continue  # a tied weight
         seen.add(key)
+        owner = next((e for e in experts if name.startswith(e + ".")), None)
+        if owner is not None:  # written once, below, as the transformers module holds it
+            continue
         if prefix in sparse and leaf in ("values", "metadata"):
             if leaf == "metadata":
                 continue
@@ -423,6 +434,10 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "kernelp
                 tensors[f"{prefix}.weight"] = layer.to_dense()
             continue
         tensors[name] = t.detach()
+    for prefix, mod in experts.items():
+        tensors.update({f"{prefix}.{part}": t for part, t in mod.dense_parts().items()})
+        if mod.post_expert_norm is not None:
+            tensors.update({f"{prefix}.post_expert_norm.{k}": t for k, t in mod.post_expert_norm.state_dict().items()})
     groups, size = [[]], 0
     for name, t in tensors.items():
         nbytes = t.numel() * t.element_size()

@@ -74,6 +74,8 @@ def fuse_siblings(model: nn.Module) -> list["Siblings"]:
     returns them.  Children already in one are left as they are.  Idempotent."""
     out = []
     for parent in model.modules():
+        if getattr(parent, "kp_no_siblings", False):  # children that never read one input (nn/experts.py)
+            continue
         by_key: dict[tuple, list[tuple[str, nn.Module]]] = {}
         for name, child in parent.named_children():
             spec = SPECS.get(type(child))

@@ -12,6 +12,7 @@ from torch import nn
 
 from .._checks import choice
 from ..errors import InvalidProblem
+from ..nn.experts import Sparse24Experts, experts_reason
 from ..nn.siblings import fuse_siblings
 from ..nn.sparse24_linear import Sparse24Linear
 from ..sparse24.format import SPARSE24_DTYPES, Sparse24Weight, compress, prune_compress
@@ -96,8 +97,16 @@ def _owner(p: torch.Tensor) -> tuple:
     return ("meta", id(p)) if p.is_meta else (p.data_ptr(), tuple(p.shape))
 
 
-def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyReport) -> list[tuple[str, nn.Linear]]:
-    """The linear layers to prune; every other layer that could have been goes to ``report.skipped`` with why."""
+def _three_d(module: nn.Module) -> list[str]:
+    """The names of ``module``'s own floating-point Parameters of 3 dims (a MoE layer's experts, stacked)."""
+    return [name for name, p in module.named_parameters(recurse=False) if p.dim() == 3 and p.is_floating_point()]
+
+
+def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyReport,
+            experts: list | None = None) -> list[tuple[str, nn.Linear]]:
+    """The linear layers to prune; every other layer that could have been goes to ``report.skipped`` with why.
+    Experts modules of 3-D weights (``nn/experts.py``) that can be pruned go to ``experts``, or, where it is None
+    (a method that scores weights by their inputs), to ``report.skipped``."""
     owners: dict[tuple, list[str]] = {}  # parameter storage -> the names that hold it, ties included
     for pname, p in model.named_parameters(remove_duplicate=False):
         if p.numel():  # (a model built on the meta device has no storage: a tie is one Parameter there)
@@ -110,6 +119,9 @@ def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyRep
             report.skipped[name] = "an embedding table: a lookup, not a matmul, so 2:4 neither shrinks its reads nor speeds it"
             continue
         conv = is_conv1d(layer)
+        if _three_d(layer) and not isinstance(layer, nn.modules.conv._ConvNd):
+            _select_experts(name, layer, filter_fn, report, experts)
+            continue
         if not isinstance(layer, nn.Linear) and not conv:
             continue
         if not name:
@@ -139,6 +151,30 @@ def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyRep
     return chosen
 
 
+def _select_experts(name: str, layer: nn.Module, filter_fn, report: SparsifyReport, experts: list | None) -> None:
+    if filter_fn is not None and not filter_fn(name, layer):
+        report.skipped[name] = "filtered out by filter_fn"
+        return
+    reason = experts_reason(layer)
+    if reason is None and experts is None:
+        reason = ("a MoE layer's experts, stacked as 3-D weights, are pruned by magnitude only: Wanda and SparseGPT "
+                  "need each expert's own inputs, which calibration does not gather yet; method='magnitude' prunes "
+                  "them")
+    if reason is not None:
+        report.skipped[name] = f"{reason}; its 3-D weights ({', '.join(_three_d(layer))}) stay dense"
+        return
+    experts.append((name, layer))
+
+
+def _replace_experts(model: nn.Module, name: str, layer: nn.Module, report: SparsifyReport) -> None:
+    sparse = Sparse24Experts.from_experts(layer)
+    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    setattr(parent, name.rpartition(".")[2], sparse)
+    report.converted.append(name)
+    report.bytes_before += sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False) if p.dim() == 3)
+    report.bytes_after += sum(m.values.nbytes + m.metadata.nbytes for m in [*sparse.first, *sparse.down])
+
+
 def _replace(model: nn.Module, name: str, layer: nn.Linear, w24: Sparse24Weight, report: SparsifyReport) -> None:
     with torch.no_grad():
         bias = layer.bias.detach().clone() if layer.bias is not None else None
@@ -158,7 +194,10 @@ def sparsify(
     batch_size: int = 8, blocksize: int = 128, damp: float = 0.01, fuse: bool = True,
 ) -> SparsifyReport:
     """Replace every eligible ``nn.Linear`` of ``model`` (and Hugging Face ``Conv1D``: GPT-2's, pruned along its
-    inputs as a linear layer is) in place with a 2:4 ``Sparse24Linear``.
+    inputs as a linear layer is) in place with a 2:4 ``Sparse24Linear``.  A MoE layer's experts stored as 3-D
+    weights (transformers 5's experts modules: Mixtral, Qwen-MoE, OLMoE, DeepSeek, gpt-oss ...) become a
+    ``Sparse24Experts``, each expert's projections pruned by magnitude, with every method: scoring them by their
+    inputs is not built, so with "wanda" or "sparsegpt" they stay dense, and the report says so.
 
     ``method``: "magnitude" (the default without ``calibration``), "wanda" or
     "sparsegpt" (the default with it); see ``kernelplan/pruning/methods.py``.
@@ -195,7 +234,11 @@ def sparsify(
         raise InvalidProblem(f"{why}, and no calibration= was given: pass token ids [N, S] from text like the "
                              f"model's (for example 128 sequences of 2048 tokens), or use method='magnitude'")
     out = SparsifyReport(method=method)
-    chosen = _select(model, filter_fn, prune_output, out)
+    experts: list | None = [] if method == "magnitude" else None
+    chosen = _select(model, filter_fn, prune_output, out, experts)
+    # Experts first: with calibration, the blocks after them are pruned on the outputs of the pruned experts.
+    for name, layer in tqdm(experts or [], desc="sparsify (experts)", disable=not progress or not experts):
+        _replace_experts(model, name, layer, out)
     if calibration is None:
         for name, layer in tqdm(chosen, desc="sparsify", disable=not progress or len(chosen) < 8):
             _replace(model, name, layer, prune_compress(layer.weight.detach(), packed=True), out)

@@ -1,0 +1,164 @@
+"""``Sparse24Experts``: a mixture-of-experts layer's experts, each expert's projections held 2:4.
+
+Transformers 5 stores a MoE layer's experts as one module of 3-D weights (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek,
+gpt-oss ...: ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``, or ``up_proj`` where there is no gate), with
+the flags its ``use_experts_implementation`` decorator sets: ``has_gate``, ``has_bias``, ``is_transposed``
+(``[E, in, out]``), ``has_post_expert_norm``.  Its forward takes ``(hidden_states [T, H], top_k_index [T, k],
+top_k_weights [T, k])``.  Those are nn.Parameters, not nn.Linear modules, so ``sparsify`` finds them here
+(``experts_reason``) and replaces the module with a ``Sparse24Experts`` of the same forward: one ``Sparse24Linear``
+per expert and projection, pruned along its inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import InvalidProblem
+from ..sparse24.format import prune_compress
+from .sparse24_linear import Sparse24Linear
+
+# The flags transformers' use_experts_implementation sets on an experts module, with the decorator's defaults.
+FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "has_post_expert_norm": False}
+
+
+def _default_gate(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """Transformers' default gating: the first half of the columns through the activation, times the second."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return module.act_fn(gate) * up
+
+
+def _parts(experts: nn.Module) -> tuple[str, str]:
+    return ("gate_up_proj" if experts.has_gate else "up_proj"), "down_proj"
+
+
+def experts_reason(module: nn.Module) -> str | None:
+    """Why ``module`` is not an experts module that ``Sparse24Experts.from_experts`` reads, or None if it is."""
+    if not all(hasattr(module, flag) for flag in FLAGS):
+        return ("its experts are 3-D weights in a module without transformers' use_experts_implementation flags "
+                "(has_gate, has_bias, is_transposed), so kernelplan cannot tell how its forward reads them")
+    if not hasattr(module, "act_fn") and not (module.has_gate and "_apply_gate" in vars(type(module))):
+        return "it has no act_fn, and no gating of its own (_apply_gate) that would not need one"
+    if getattr(module, "_is_expert_parallel", False):
+        return "it is sharded by expert parallelism: each rank holds part of the experts"
+    first, down = _parts(module)
+    weights = [getattr(module, name, None) for name in (first, down)]
+    if not all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights):
+        return f"it has no 3-D {first} and {down} weights"
+    if weights[0].shape[0] != weights[1].shape[0]:
+        return f"{first} holds {weights[0].shape[0]} experts and {down} {weights[1].shape[0]}"
+    from ..pruning.sparsify import eligibility
+
+    for name, w in zip((first, down), weights):
+        reason = eligibility(w[0].t() if module.is_transposed else w[0])
+        if reason is not None:
+            return f"{name}: {reason}"
+    return None
+
+
+class _Experts(nn.ModuleList):
+    """One projection's per-expert layers.  Each reads its own tokens, so they are never siblings of one GEMM:
+    ``fuse_siblings`` leaves them out."""
+
+    kp_no_siblings = True
+
+
+class Sparse24Experts(nn.Module):
+    """The forward of a transformers experts module (see the module docstring), on 2:4 weights.
+
+    ``first[e]`` is expert ``e``'s gate/up projection (``up_proj`` where the experts have no gate) and ``down[e]`` its
+    down projection, each a ``Sparse24Linear`` that runs the rows of x routed to the expert.  The gating is the
+    source module's own ``_apply_gate`` (gpt-oss clamps and interleaves), with its activation and scalar attributes
+    carried over.
+    """
+
+    def __init__(self, first: list[Sparse24Linear], down: list[Sparse24Linear], act_fn: nn.Module | None,
+                 has_gate: bool = True, gate=None, post_expert_norm: nn.Module | None = None, **attributes):
+        super().__init__()
+        if len(first) != len(down) or not first:
+            raise InvalidProblem(f"first has {len(first)} experts and down {len(down)}; both need the same count, "
+                                 f"at least one")
+        self.first, self.down = _Experts(first), _Experts(down)
+        self.act_fn = act_fn
+        self.post_expert_norm = post_expert_norm
+        self.has_gate = has_gate
+        self.num_experts = len(first)
+        self.is_transposed = False  # how the source held its weights: dense_parts writes them so
+        self._gate = gate if gate is not None else _default_gate
+        for name, value in attributes.items():
+            setattr(self, name, value)
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module) -> "Sparse24Experts":
+        """Prune each expert's projections by magnitude (2 of every 4 along their inputs) and compress them."""
+        reason = experts_reason(experts)
+        if reason is not None:
+            raise InvalidProblem(f"experts is a {type(experts).__name__} that cannot be held 2:4: {reason}")
+        layers = []
+        for name in _parts(experts):
+            weights = getattr(experts, name).detach()
+            biases = getattr(experts, name + "_bias", None) if experts.has_bias else None
+            built = []
+            for e in range(weights.shape[0]):
+                w = weights[e].t() if experts.is_transposed else weights[e]
+                with torch.no_grad():
+                    w24 = prune_compress(w, packed=True)
+                    bias = biases[e].detach().clone() if biases is not None else None
+                built.append(Sparse24Linear(w24.values, w24.metadata, bias, _validate=False))
+            layers.append(built)
+        # Scalars the source's gating may read (gpt-oss: alpha, limit), and its config.
+        skip = set(FLAGS) | {"training", "num_experts"}
+        attributes = {k: v for k, v in vars(experts).items() if not k.startswith("_") and k not in skip and
+                      (v is None or isinstance(v, (bool, int, float, str)) or k == "config")}
+        gate = getattr(type(experts), "_apply_gate", None)
+        norm = experts.post_expert_norm if experts.has_post_expert_norm else None
+        act = getattr(experts, "act_fn", None)
+        out = cls(layers[0], layers[1], act, experts.has_gate, gate, norm, **attributes)
+        out.is_transposed = experts.is_transposed
+        return out.train(experts.training)
+
+    def dense_parts(self) -> dict[str, torch.Tensor]:
+        """The pruned weights as the transformers module holds them, by its names: ``gate_up_proj`` (or
+        ``up_proj``), ``down_proj`` and their ``_bias``, 3-D (``[E, out, in]``, or ``[E, in, out]`` where the
+        source was transposed).  What ``hf.save_model(format="dense")`` writes."""
+        out = {}
+        for name, layers in zip(_parts(self), (self.first, self.down)):
+            weights = [m.to_dense() for m in layers]
+            out[name] = torch.stack([w.t() for w in weights] if self.is_transposed else weights)
+            if layers[0].bias is not None:
+                out[name + "_bias"] = torch.stack([m.bias.detach() for m in layers])
+        return out
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dim() != 2 or top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape or \
+                top_k_index.shape[0] != hidden_states.shape[0]:
+            raise InvalidProblem(
+                f"hidden_states {tuple(hidden_states.shape)}, top_k_index {tuple(top_k_index.shape)} and "
+                f"top_k_weights {tuple(top_k_weights.shape)}: the experts take hidden_states [T, H] and routing "
+                f"[T, k] of the same T, as transformers' experts modules do")
+        tokens, k = top_k_index.shape
+        ids = top_k_index.reshape(-1)
+        # The (token, expert) pairs by expert, so that each expert's rows are one contiguous block; ids past the
+        # experts (transformers' expert-parallel sentinel) sort last and add nothing, as in its eager loop.
+        order = torch.argsort(ids, stable=True)
+        ends = torch.bincount(ids, minlength=self.num_experts)[:self.num_experts].cumsum(0).tolist()
+        x = hidden_states.index_select(0, torch.div(order, k, rounding_mode="floor"))
+        out = x.new_zeros(x.shape[0], self.down[0].out_features)
+        start = 0
+        for e, end in enumerate(ends):
+            if end > start:
+                h = self.first[e](x[start:end])
+                h = self._gate(self, h) if self.has_gate else self.act_fn(h)
+                h = self.down[e](h)
+                out[start:end] = self.post_expert_norm(h) if self.post_expert_norm is not None else h
+            start = end
+        pairs = torch.empty_like(out)
+        pairs[order] = out
+        pairs = pairs * top_k_weights.reshape(-1, 1).to(pairs.dtype)
+        return pairs.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, in_features={self.first[0].in_features}, "
+                f"intermediate={self.down[0].in_features}, has_gate={self.has_gate}, "
+                f"bias={self.first[0].bias is not None}")

@@ -1,0 +1,283 @@
+"""MoE experts stored as 3-D weights (transformers 5's experts modules) held 2:4: ``Sparse24Experts``, ``sparsify``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import kernelplan as kp
+from kernelplan.errors import InvalidProblem
+from kernelplan.nn import Sparse24Experts, Sparse24Linear, siblings_of
+
+from helpers import FWD_ATOL, assert_close
+
+transformers = pytest.importorskip("transformers")
+moe = pytest.importorskip("transformers.integrations.moe")
+gpu = pytest.mark.gpu
+
+
+def _mixtral(dtype, device="cpu", experts=4):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=experts,
+                        num_experts_per_tok=2)
+    cfg._experts_implementation = "eager"  # the reference loop, in every dtype (grouped_mm refuses float64)
+    return MixtralForCausalLM(cfg).eval().to(device=device, dtype=dtype)
+
+
+def _dense_twin(sparse_model, dense_model):
+    """``dense_model`` with every 2:4 layer's weight as ``sparse_model`` holds it, decompressed: the same function."""
+    twin = copy.deepcopy(dense_model)
+    with torch.no_grad():
+        for name, mod in sparse_model.named_modules():
+            if isinstance(mod, Sparse24Experts):
+                dense = twin.get_submodule(name)
+                first = "gate_up_proj" if dense.has_gate else "up_proj"
+                for e in range(mod.num_experts):
+                    for part, layer in ((first, mod.first[e]), ("down_proj", mod.down[e])):
+                        w = layer.to_dense()
+                        getattr(dense, part)[e] = w.t() if dense.is_transposed else w
+            elif isinstance(mod, Sparse24Linear) and ".first." not in name and ".down." not in name:
+                twin.get_submodule(name).weight.copy_(mod.to_dense())
+    return twin
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_mixtral_experts_are_held_2_4_and_compute_the_pruned_model(seed, dtype):
+    """In float64 the whole model against its dense twin; in bf16 (where a rounding can flip a router's choice,
+    and with it a token's experts) the report and the layout here, the numbers in the test after."""
+    dense = _mixtral(torch.float64)
+    model = copy.deepcopy(dense).to(dtype)
+    report = kp.sparsify(model, progress=False)
+    experts = [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert set(experts) <= set(report.converted)
+    for name in experts:
+        mod = model.get_submodule(name)
+        assert isinstance(mod, Sparse24Experts) and mod.num_experts == 4
+        assert all(m.layout == "sp tiled" for m in [*mod.first, *mod.down])
+        w = mod.first[1].to_dense().reshape(-1, 4)
+        assert ((w != 0).sum(dim=1) <= 2).all()  # each expert pruned 2:4 along its inputs
+    # 2 layers x 4 experts x (384 x 128 + 128 x 192) weights, and the attention's 4 projections a layer.
+    expert_bytes = 2 * 4 * (384 * 128 + 128 * 192) * torch.finfo(dtype).bits // 8
+    attention_bytes = 2 * (128 * 128 * 2 + 64 * 128 * 2) * torch.finfo(dtype).bits // 8
+    assert report.bytes_before == expert_bytes + attention_bytes
+    if dtype == torch.bfloat16:  # the device layout: half the values, and 4 bits of metadata per 4 of them
+        assert report.bytes_after * 16 == report.bytes_before * 9
+
+    if dtype == torch.float64:
+        ids = torch.randint(0, 256, (3, 11))
+        oracle = _dense_twin(model, dense)
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, oracle(ids).logits, rtol=1e-12, atol=1e-12)
+
+
+def _experts_against_the_oracle(device, tokens):
+    """One Mixtral experts module, bf16, on fixed routing (some experts get no rows, some odd counts) against the
+    fp64 dense module of the same pruned weights; the baseline is that dense module in bf16."""
+    dense = _mixtral(torch.float64, experts=8).model.layers[0].mlp.experts
+    sparse = Sparse24Experts.from_experts(copy.deepcopy(dense).bfloat16()).to(device)
+    oracle = copy.deepcopy(dense)
+    with torch.no_grad():
+        for e in range(8):
+            oracle.gate_up_proj[e] = sparse.first[e].to_dense().double()
+            oracle.down_proj[e] = sparse.down[e].to_dense().double()
+    baseline = copy.deepcopy(oracle).bfloat16().to(device)
+    index, weights = _routing(tokens, 6)  # experts 6 and 7 get nothing
+    x = torch.randn(tokens, 2, 128, dtype=torch.float64)[:, 0]  # not contiguous
+    with torch.no_grad():
+        want = oracle(x, index, weights.double())
+        x, index, weights = x.bfloat16().to(device), index.to(device), weights.bfloat16().to(device)
+        out, base = sparse(x, index, weights), baseline(x, index, weights)
+    assert_close(out, want.to(device), base, atol=FWD_ATOL[torch.bfloat16])
+
+
+def test_bf16_experts_on_fixed_routing(seed):
+    _experts_against_the_oracle("cpu", 37)
+
+
+def _gpt_oss_experts(dtype):
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    cfg = transformers.GptOssConfig(hidden_size=128, intermediate_size=64, num_local_experts=3, swiglu_limit=3.0)
+    cfg._experts_implementation = "eager"
+    experts = gpt_oss.GptOssExperts(cfg).to(dtype)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.3)
+    return experts
+
+
+def _routing(tokens, experts, k=2):
+    index = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k).softmax(dim=-1)
+    return index, weights
+
+
+def test_transposed_experts_with_biases_and_their_own_gating(seed):
+    """gpt-oss: weights [E, in, out], biases, and a gating that interleaves and clamps (its own _apply_gate)."""
+    dense = _gpt_oss_experts(torch.float64)
+    assert dense.is_transposed and dense.has_bias and "_apply_gate" in vars(type(dense))
+    sparse = Sparse24Experts.from_experts(dense)
+    assert sparse.first[0].bias is not None and sparse.limit == dense.limit and sparse.alpha == dense.alpha
+    wide = torch.randn(9, 256, dtype=torch.float64)
+    x = wide[:, ::2]  # not contiguous
+    index, weights = _routing(9, 3)
+    twin = copy.deepcopy(dense)
+    with torch.no_grad():
+        for e in range(3):
+            twin.gate_up_proj[e] = sparse.first[e].to_dense().t()
+            twin.down_proj[e] = sparse.down[e].to_dense().t()
+        want = twin(x, index, weights.double())
+        out = sparse(x, index, weights.double())
+    assert out.shape == x.shape and out.dtype == x.dtype
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
+class _UpDownExperts(nn.Module):
+    """Experts of one activation and no gate (NemotronH's form), under transformers' decorator."""
+
+    def __init__(self, config, experts=3, hidden=128, inner=64):
+        super().__init__()
+        self.num_experts = experts
+        self.up_proj = nn.Parameter(torch.randn(experts, inner, hidden, dtype=torch.float64))
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, inner, dtype=torch.float64))
+        self.act_fn = nn.GELU()
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for t in range(hidden_states.shape[0]):
+            for j in range(top_k_index.shape[1]):
+                e = int(top_k_index[t, j])
+                if e < self.num_experts:
+                    h = self.act_fn(self.up_proj[e] @ hidden_states[t])
+                    out[t] += top_k_weights[t, j] * (self.down_proj[e] @ h)
+        return out
+
+
+def _up_down():
+    cls = moe.use_experts_implementation(has_gate=False)(type("UpDown", (_UpDownExperts,), {}))
+    cfg = transformers.PretrainedConfig()
+    cfg._experts_implementation = "eager"
+    return cls(cfg)
+
+
+def test_experts_without_a_gate_and_ids_past_the_experts(seed):
+    """up_proj alone through the activation; an id past the experts (expert parallelism's sentinel) adds nothing,
+    as in transformers' eager loop."""
+    dense = _up_down()
+    sparse = Sparse24Experts.from_experts(dense)
+    assert not sparse.has_gate
+    x = torch.randn(7, 128, dtype=torch.float64)
+    index, weights = _routing(7, 3)
+    index[2, 1] = index[5, 0] = 3  # the sentinel
+    twin = copy.deepcopy(dense)
+    with torch.no_grad():
+        for e in range(3):
+            twin.up_proj[e] = sparse.first[e].to_dense()
+            twin.down_proj[e] = sparse.down[e].to_dense()
+        torch.testing.assert_close(sparse(x, index, weights.double()), twin(x, index, weights.double()),
+                                   rtol=1e-12, atol=1e-12)
+
+
+def test_a_state_dict_loads_into_a_sparsified_model_of_the_same_config(seed):
+    model, other = _mixtral(torch.float64), _mixtral(torch.float64)
+    kp.sparsify(model, progress=False)
+    kp.sparsify(other, progress=False)
+    state = model.state_dict()
+    assert state["model.layers.0.mlp.experts.first.2.values"].shape == (384, 64)  # the public format
+    assert state["model.layers.0.mlp.experts.down.0.metadata"].shape == (128, 24)
+    other.load_state_dict(state)
+    ids = torch.randint(0, 256, (2, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(other(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_expert_layers_are_not_sibling_candidates():
+    """Each expert reads its own tokens: fuse_siblings would watch them on every call and never group them."""
+    model = _mixtral(torch.float32)
+    kp.sparsify(model, progress=False, fuse=True)
+    experts = model.model.layers[0].mlp.experts
+    assert all(siblings_of(m) is None for m in [*experts.first, *experts.down])
+    assert siblings_of(model.model.layers[0].self_attn.k_proj) is not None  # the rest of the model still is
+
+
+def test_calibrated_methods_leave_the_experts_dense_and_say_so(seed):
+    model = _mixtral(torch.float32)
+    report = kp.sparsify(model, progress=False, calibration=torch.randint(0, 256, (4, 16)), method="wanda")
+    name = "model.layers.0.mlp.experts"
+    assert name not in report.converted and "pruned by magnitude only" in report.skipped[name]
+    assert "gate_up_proj, down_proj" in report.skipped[name]
+    assert type(model.get_submodule(name)).__name__ == "MixtralExperts"
+    assert "model.layers.0.self_attn.q_proj" in report.converted
+
+
+def test_three_d_weights_of_an_unknown_module_are_reported(seed):
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stack = nn.Parameter(torch.randn(2, 16, 16))
+
+    model = nn.Module()
+    model.odd, model.proj = Odd(), nn.Linear(16, 16)
+    report = kp.sparsify(model, progress=False)
+    assert report.converted == ["proj"]
+    why = report.skipped["odd"]
+    assert "use_experts_implementation" in why and "3-D weights (stack) stay dense" in why
+    assert isinstance(model.odd.stack, nn.Parameter)
+
+
+def test_error_inputs_are_refused_before_anything_runs(seed):
+    sparse = Sparse24Experts.from_experts(_up_down())
+    x = torch.randn(4, 128, dtype=torch.float64)
+    index, weights = _routing(4, 3)
+    for args in [(x[None], index, weights), (x, index[:3], weights[:3]), (x, index, weights[:, :1])]:
+        with pytest.raises(InvalidProblem, match="hidden_states .* top_k_index .* top_k_weights"):
+            sparse(*args)
+    with pytest.raises(InvalidProblem, match="Linear that cannot be held 2:4"):
+        Sparse24Experts.from_experts(nn.Linear(16, 16))
+    odd = _up_down()
+    odd.up_proj = nn.Parameter(torch.randn(3, 64, 100, dtype=torch.float64))
+    with pytest.raises(InvalidProblem, match="up_proj: in_features=100 is not a multiple of 8"):
+        Sparse24Experts.from_experts(odd)
+
+
+@gpu
+def test_experts_on_the_gpu(seed):
+    """bf16 on the GPU against the fp64 oracle, at a decode's and a prefill's token counts; then a whole model
+    sparsified on the GPU holds each expert in the device layout alone (0.5625x) and runs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for tokens in (3, 37, 600):
+        _experts_against_the_oracle("cuda", tokens)
+    model = _mixtral(torch.bfloat16, "cuda", experts=8)
+    report = kp.sparsify(model, progress=False)
+    assert report.bytes_after * 16 == report.bytes_before * 9
+    with torch.no_grad():
+        logits = model(torch.randint(0, 256, (4, 33), device="cuda")).logits
+    assert logits.shape == (4, 33, 256) and torch.isfinite(logits).all()
+
+
+def test_save_model_writes_the_experts_as_transformers_holds_them(tmp_path, seed):
+    """format="dense" writes each Sparse24Experts back as the 3-D weights of the module it replaced (the pruned
+    ones), which a dense model of the config loads strictly; the 2:4 formats have no layout for them and refuse."""
+    from safetensors.torch import load_file
+
+    model, dense = _mixtral(torch.float32), _mixtral(torch.float32)
+    kp.sparsify(model, progress=False)
+    kp.hf.save_model(model, tmp_path / "dense", format="dense")
+    state = load_file(str(tmp_path / "dense" / "model.safetensors"))
+    experts = model.model.layers[1].mlp.experts
+    assert torch.equal(state["model.layers.1.mlp.experts.gate_up_proj"], experts.dense_parts()["gate_up_proj"])
+    assert state["model.layers.1.mlp.experts.down_proj"].shape == (4, 128, 192)
+    assert not [k for k in state if ".first." in k or ".down." in k]
+    dense.load_state_dict(state, strict=True)
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(dense(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+    for fmt in ("kernelplan", "sparse-24-bitmask"):
+        with pytest.raises(InvalidProblem, match="model.layers.0.mlp.experts is a Sparse24Experts .* format='dense'"):
+            kp.hf.save_model(model, tmp_path / fmt, format=fmt)
+        assert not (tmp_path / fmt).exists()
