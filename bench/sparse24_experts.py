@@ -1,0 +1,95 @@
+"""A MoE layer's experts held 2:4 (``kp.nn.Sparse24Experts``) against the dense transformers module, on the GPU.
+
+Mixtral-8x7B's and Qwen3-30B-A3B's expert sizes from their published configs (8 experts of 4096 -> 14336, top 2;
+128 experts of 2048 -> 768, top 8), bf16, random weights and routing (top-k of random logits).  For each token count:
+the dense module under transformers' ``grouped_mm`` (its default on the GPU) and ``eager`` implementations, and the
+2:4 module, eager calls timed by ``triton.testing.do_bench`` (medians, alternating rounds); the 2:4 module's
+relative error against the dense module of the same pruned weights; bytes held by each.  Writes
+``bench/results/sparse24-experts-<gpu>.json``.
+
+    PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_experts.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+
+import torch
+
+from kernelplan.bench import results
+from kernelplan.nn import Sparse24Experts
+from kernelplan.timing import interleaved
+
+MODELS = {  # (experts, hidden, intermediate, top k)
+    "Mixtral-8x7B": (8, 4096, 14336, 2),
+    "Qwen3-30B-A3B": (128, 2048, 768, 8),
+}
+TOKENS = (1, 16, 128, 512, 2048)
+
+
+def dense_experts(experts: int, hidden: int, inner: int, implementation: str):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    cfg = MixtralConfig(hidden_size=hidden, intermediate_size=inner, num_local_experts=experts)
+    cfg._experts_implementation = implementation
+    with torch.device("cuda"):
+        mod = MixtralExperts(cfg).bfloat16()
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.normal_(0, 0.02)
+    return mod
+
+
+def main() -> int:
+    import triton
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, nargs="*", default=TOKENS)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    rows = []
+    for model, (experts, hidden, inner, k) in MODELS.items():
+        dense = dense_experts(experts, hidden, inner, "grouped_mm")
+        sparse = Sparse24Experts.from_experts(dense)
+        with torch.no_grad():  # the dense module computes with the pruned weights: the same function
+            for e in range(experts):
+                dense.gate_up_proj[e] = sparse.first[e].to_dense()
+                dense.down_proj[e] = sparse.down[e].to_dense()
+        eager = copy.copy(dense)
+        eager.config = copy.copy(dense.config)
+        eager.config._experts_implementation = "eager"
+        dense_bytes = sum(p.nbytes for p in dense.parameters())
+        held = sum(m.values.nbytes + m.metadata.nbytes for m in [*sparse.first, *sparse.down])
+        for tokens in a.tokens:
+            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+            logits = torch.randn(tokens, experts, device="cuda")
+            weights, index = logits.softmax(-1).topk(k, dim=-1)
+            weights = weights.bfloat16()
+            with torch.no_grad():
+                want, out = dense(x, index, weights), sparse(x, index, weights)
+                err = float((out.double() - want.double()).abs().max() / want.double().abs().max())
+                calls = {"grouped_mm": lambda: dense(x, index, weights), "eager": lambda: eager(x, index, weights),
+                         "sparse24": lambda: sparse(x, index, weights)}
+                ms = interleaved({n: (lambda f=f: triton.testing.do_bench(f, warmup=5, rep=40)) for n, f in
+                                  calls.items()}, a.rounds)
+            row = {"model": model, "experts": experts, "hidden": hidden, "intermediate": inner, "top_k": k,
+                   "tokens": tokens, "ms": ms, "speedup_vs_grouped_mm": ms["grouped_mm"] / ms["sparse24"],
+                   "speedup_vs_eager": ms["eager"] / ms["sparse24"], "rel_err": err,
+                   "dense_bytes": dense_bytes, "held_bytes": held}
+            rows.append(row)
+            print(f"{model:14s} T={tokens:5d}  grouped_mm {ms['grouped_mm']:8.3f} ms  eager {ms['eager']:8.3f} ms  "
+                  f"2:4 {ms['sparse24']:8.3f} ms  ({row['speedup_vs_grouped_mm']:.2f}x / "
+                  f"{row['speedup_vs_eager']:.2f}x)  err {err:.1e}  bytes {held / dense_bytes:.4f}x", flush=True)
+        dense = sparse = eager = None  # freed before the next model
+        torch.cuda.empty_cache()
+    results.write("sparse24-experts", {"rows": rows}, a.out, dtype="bf16")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
