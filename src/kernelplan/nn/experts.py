@@ -18,8 +18,20 @@ from ..errors import InvalidProblem
 from ..sparse24.format import prune_compress
 from .sparse24_linear import Sparse24Linear
 
-# The flags transformers' use_experts_implementation sets on an experts module, with the decorator's defaults.
-FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "has_post_expert_norm": False}
+# The flags transformers' use_experts_implementation sets on an experts module.  Releases before 5.2x set fewer of
+# them (5.17: not all four); one that is missing is read off the module's weights, is_transposed excepted.
+FLAGS = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm")
+
+
+def _flags(module: nn.Module) -> dict[str, bool] | None:
+    """The module's flags, or None where it has no is_transposed (no sign of the decorator)."""
+    if not hasattr(module, "is_transposed"):
+        return None
+    has_gate = getattr(module, "has_gate", isinstance(getattr(module, "gate_up_proj", None), torch.Tensor))
+    first = "gate_up_proj" if has_gate else "up_proj"
+    return {"has_gate": has_gate, "is_transposed": bool(module.is_transposed),
+            "has_bias": getattr(module, "has_bias", isinstance(getattr(module, first + "_bias", None), torch.Tensor)),
+            "has_post_expert_norm": getattr(module, "has_post_expert_norm", False)}
 
 
 def _default_gate(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
@@ -28,20 +40,21 @@ def _default_gate(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     return module.act_fn(gate) * up
 
 
-def _parts(experts: nn.Module) -> tuple[str, str]:
-    return ("gate_up_proj" if experts.has_gate else "up_proj"), "down_proj"
+def _parts(has_gate: bool) -> tuple[str, str]:
+    return ("gate_up_proj" if has_gate else "up_proj"), "down_proj"
 
 
 def experts_reason(module: nn.Module) -> str | None:
     """Why ``module`` is not an experts module that ``Sparse24Experts.from_experts`` reads, or None if it is."""
-    if not all(hasattr(module, flag) for flag in FLAGS):
+    flags = _flags(module)
+    if flags is None:
         return ("its experts are 3-D weights in a module without transformers' use_experts_implementation flags "
-                "(has_gate, has_bias, is_transposed), so kernelplan cannot tell how its forward reads them")
-    if not hasattr(module, "act_fn") and not (module.has_gate and "_apply_gate" in vars(type(module))):
+                "(is_transposed, has_gate, has_bias), so kernelplan cannot tell how its forward reads them")
+    if not hasattr(module, "act_fn") and not (flags["has_gate"] and "_apply_gate" in vars(type(module))):
         return "it has no act_fn, and no gating of its own (_apply_gate) that would not need one"
     if getattr(module, "_is_expert_parallel", False):
         return "it is sharded by expert parallelism: each rank holds part of the experts"
-    first, down = _parts(module)
+    first, down = _parts(flags["has_gate"])
     weights = [getattr(module, name, None) for name in (first, down)]
     if not all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights):
         return f"it has no 3-D {first} and {down} weights"
@@ -50,7 +63,7 @@ def experts_reason(module: nn.Module) -> str | None:
     from ..pruning.sparsify import eligibility
 
     for name, w in zip((first, down), weights):
-        reason = eligibility(w[0].t() if module.is_transposed else w[0])
+        reason = eligibility(w[0].t() if flags["is_transposed"] else w[0])
         if reason is not None:
             return f"{name}: {reason}"
     return None
@@ -94,13 +107,14 @@ class Sparse24Experts(nn.Module):
         reason = experts_reason(experts)
         if reason is not None:
             raise InvalidProblem(f"experts is a {type(experts).__name__} that cannot be held 2:4: {reason}")
+        flags = _flags(experts)
         layers = []
-        for name in _parts(experts):
+        for name in _parts(flags["has_gate"]):
             weights = getattr(experts, name).detach()
-            biases = getattr(experts, name + "_bias", None) if experts.has_bias else None
+            biases = getattr(experts, name + "_bias", None) if flags["has_bias"] else None
             built = []
             for e in range(weights.shape[0]):
-                w = weights[e].t() if experts.is_transposed else weights[e]
+                w = weights[e].t() if flags["is_transposed"] else weights[e]
                 with torch.no_grad():
                     w24 = prune_compress(w, packed=True)
                     bias = biases[e].detach().clone() if biases is not None else None
@@ -111,10 +125,10 @@ class Sparse24Experts(nn.Module):
         attributes = {k: v for k, v in vars(experts).items() if not k.startswith("_") and k not in skip and
                       (v is None or isinstance(v, (bool, int, float, str)) or k == "config")}
         gate = getattr(type(experts), "_apply_gate", None)
-        norm = experts.post_expert_norm if experts.has_post_expert_norm else None
+        norm = experts.post_expert_norm if flags["has_post_expert_norm"] else None
         act = getattr(experts, "act_fn", None)
-        out = cls(layers[0], layers[1], act, experts.has_gate, gate, norm, **attributes)
-        out.is_transposed = experts.is_transposed
+        out = cls(layers[0], layers[1], act, flags["has_gate"], gate, norm, **attributes)
+        out.is_transposed = flags["is_transposed"]
         return out.train(experts.training)
 
     def dense_parts(self) -> dict[str, torch.Tensor]:
@@ -122,7 +136,7 @@ class Sparse24Experts(nn.Module):
         ``up_proj``), ``down_proj`` and their ``_bias``, 3-D (``[E, out, in]``, or ``[E, in, out]`` where the
         source was transposed).  What ``hf.save_model(format="dense")`` writes."""
         out = {}
-        for name, layers in zip(_parts(self), (self.first, self.down)):
+        for name, layers in zip(_parts(self.has_gate), (self.first, self.down)):
             weights = [m.to_dense() for m in layers]
             out[name] = torch.stack([w.t() for w in weights] if self.is_transposed else weights)
             if layers[0].bias is not None:
