@@ -52,7 +52,7 @@ def test_mixtral_experts_are_held_2_4_and_compute_the_pruned_model(seed, dtype):
     and with it a token's experts) the report and the layout here, the numbers in the test after."""
     dense = _mixtral(torch.float64)
     model = copy.deepcopy(dense).to(dtype)
-    report = kp.sparsify(model, progress=False)
+    report = kp.sparsify(model, progress=False, experts="all")
     experts = [f"model.layers.{i}.mlp.experts" for i in range(2)]
     assert set(experts) <= set(report.converted)
     for name in experts:
@@ -191,8 +191,8 @@ def test_experts_without_a_gate_and_ids_past_the_experts(seed):
 
 def test_a_state_dict_loads_into_a_sparsified_model_of_the_same_config(seed):
     model, other = _mixtral(torch.float64), _mixtral(torch.float64)
-    kp.sparsify(model, progress=False)
-    kp.sparsify(other, progress=False)
+    kp.sparsify(model, progress=False, experts="all")
+    kp.sparsify(other, progress=False, experts="all")
     state = model.state_dict()
     assert state["model.layers.0.mlp.experts.first.2.values"].shape == (384, 64)  # the public format
     assert state["model.layers.0.mlp.experts.down.0.metadata"].shape == (128, 24)
@@ -205,7 +205,7 @@ def test_a_state_dict_loads_into_a_sparsified_model_of_the_same_config(seed):
 def test_expert_layers_are_not_sibling_candidates():
     """Each expert reads its own tokens: fuse_siblings would watch them on every call and never group them."""
     model = _mixtral(torch.float32)
-    kp.sparsify(model, progress=False, fuse=True)
+    kp.sparsify(model, progress=False, fuse=True, experts="all")
     experts = model.model.layers[0].mlp.experts
     assert all(siblings_of(m) is None for m in [*experts.first, *experts.down])
     assert siblings_of(model.model.layers[0].self_attn.k_proj) is not None  # the rest of the model still is
@@ -213,7 +213,8 @@ def test_expert_layers_are_not_sibling_candidates():
 
 def test_calibrated_methods_leave_the_experts_dense_and_say_so(seed):
     model = _mixtral(torch.float32)
-    report = kp.sparsify(model, progress=False, calibration=torch.randint(0, 256, (4, 16)), method="wanda")
+    report = kp.sparsify(model, progress=False, calibration=torch.randint(0, 256, (4, 16)), method="wanda",
+                         experts="all")
     name = "model.layers.0.mlp.experts"
     assert name not in report.converted and "pruned by magnitude only" in report.skipped[name]
     assert "gate_up_proj, down_proj" in report.skipped[name]
@@ -229,7 +230,7 @@ def test_three_d_weights_of_an_unknown_module_are_reported(seed):
 
     model = nn.Module()
     model.odd, model.proj = Odd(), nn.Linear(16, 16)
-    report = kp.sparsify(model, progress=False)
+    report = kp.sparsify(model, progress=False, experts="all")
     assert report.converted == ["proj"]
     why = report.skipped["odd"]
     assert "use_experts_implementation" in why and "3-D weights (stack) stay dense" in why
@@ -260,7 +261,7 @@ def test_experts_on_the_gpu(seed):
     for tokens in (3, 37, 600):
         _experts_against_the_oracle("cuda", tokens)
     model = _mixtral(torch.bfloat16, "cuda", experts=8)
-    report = kp.sparsify(model, progress=False)
+    report = kp.sparsify(model, progress=False, experts="all")
     assert report.bytes_after * 16 == report.bytes_before * 9
     with torch.no_grad():
         logits = model(torch.randint(0, 256, (4, 33), device="cuda")).logits
@@ -273,7 +274,7 @@ def test_save_model_writes_the_experts_as_transformers_holds_them(tmp_path, seed
     from safetensors.torch import load_file
 
     model, dense = _mixtral(torch.float32), _mixtral(torch.float32)
-    kp.sparsify(model, progress=False)
+    kp.sparsify(model, progress=False, experts="all")
     kp.hf.save_model(model, tmp_path / "dense", format="dense")
     state = load_file(str(tmp_path / "dense" / "model.safetensors"))
     experts = model.model.layers[1].mlp.experts
@@ -288,3 +289,25 @@ def test_save_model_writes_the_experts_as_transformers_holds_them(tmp_path, seed
         with pytest.raises(InvalidProblem, match="model.layers.0.mlp.experts is a Sparse24Experts .* format='dense'"):
             kp.hf.save_model(model, tmp_path / fmt, format=fmt)
         assert not (tmp_path / fmt).exists()
+
+
+def test_auto_holds_experts_2_4_only_where_each_is_large(seed, monkeypatch):
+    """One GEMM per expert loses to transformers' grouped GEMM where experts are many and small (0.05x at
+    Qwen3-30B-A3B's), so "auto" keeps those dense and says why; "none" keeps every one dense."""
+    from kernelplan.nn import experts as experts_module
+
+    model = _mixtral(torch.float32)  # 4 experts of 3 x 128 x 192 floats: 288 KiB each
+    report = kp.sparsify(model, progress=False)
+    why = report.skipped["model.layers.0.mlp.experts"]
+    assert "each of its 4 experts holds 0.3 MiB, under 128 MiB" in why and "experts='all'" in why
+    assert type(model.model.layers[0].mlp.experts).__name__ == "MixtralExperts"
+    monkeypatch.setattr(experts_module, "EXPERTS_MIN_BYTES", 288 << 10)
+    model = _mixtral(torch.float32)
+    assert "model.layers.1.mlp.experts" in kp.sparsify(model, progress=False).converted
+    model = _mixtral(torch.float32)
+    assert kp.sparsify(model, progress=False, experts="none").skipped["model.layers.1.mlp.experts"].startswith(
+        "experts='none'")
+    model = _mixtral(torch.float32)
+    with pytest.raises(InvalidProblem, match="experts"):
+        kp.sparsify(model, progress=False, experts="some")
+    assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear  # refused before anything was replaced

@@ -12,7 +12,7 @@ from torch import nn
 
 from .._checks import choice
 from ..errors import InvalidProblem
-from ..nn.experts import Sparse24Experts, experts_reason
+from ..nn.experts import Sparse24Experts, experts_reason, experts_speed_reason
 from ..nn.siblings import fuse_siblings
 from ..nn.sparse24_linear import Sparse24Linear
 from ..sparse24.format import SPARSE24_DTYPES, Sparse24Weight, compress, prune_compress
@@ -103,10 +103,10 @@ def _three_d(module: nn.Module) -> list[str]:
 
 
 def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyReport,
-            experts: list | None = None) -> list[tuple[str, nn.Linear]]:
+            experts: list | None = None, policy: str = "auto") -> list[tuple[str, nn.Linear]]:
     """The linear layers to prune; every other layer that could have been goes to ``report.skipped`` with why.
-    Experts modules of 3-D weights (``nn/experts.py``) that can be pruned go to ``experts``, or, where it is None
-    (a method that scores weights by their inputs), to ``report.skipped``."""
+    Experts modules of 3-D weights (``nn/experts.py``) to hold 2:4 under ``policy`` (sparsify's ``experts``) go to
+    ``experts``; where it is None (a method that scores weights by their inputs), to ``report.skipped``."""
     owners: dict[tuple, list[str]] = {}  # parameter storage -> the names that hold it, ties included
     for pname, p in model.named_parameters(remove_duplicate=False):
         if p.numel():  # (a model built on the meta device has no storage: a tie is one Parameter there)
@@ -120,7 +120,7 @@ def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyRep
             continue
         conv = is_conv1d(layer)
         if _three_d(layer) and not isinstance(layer, nn.modules.conv._ConvNd):
-            _select_experts(name, layer, filter_fn, report, experts)
+            _select_experts(name, layer, filter_fn, report, experts, policy)
             continue
         if not isinstance(layer, nn.Linear) and not conv:
             continue
@@ -151,11 +151,16 @@ def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyRep
     return chosen
 
 
-def _select_experts(name: str, layer: nn.Module, filter_fn, report: SparsifyReport, experts: list | None) -> None:
+def _select_experts(name: str, layer: nn.Module, filter_fn, report: SparsifyReport, experts: list | None,
+                    policy: str) -> None:
     if filter_fn is not None and not filter_fn(name, layer):
         report.skipped[name] = "filtered out by filter_fn"
         return
     reason = experts_reason(layer)
+    if reason is None and policy == "none":
+        reason = "experts='none'"
+    if reason is None and policy == "auto":
+        reason = experts_speed_reason(layer)
     if reason is None and experts is None:
         reason = ("a MoE layer's experts, stacked as 3-D weights, are pruned by magnitude only: Wanda and SparseGPT "
                   "need each expert's own inputs, which calibration does not gather yet; method='magnitude' prunes "
@@ -191,13 +196,18 @@ def _replace(model: nn.Module, name: str, layer: nn.Linear, w24: Sparse24Weight,
 def sparsify(
     model: nn.Module, filter_fn: Callable[[str, nn.Linear], bool] | None = None, progress: bool = True,
     prune_output: bool = False, *, method: str | None = None, calibration=None, blocks=None, report: bool = False,
-    batch_size: int = 8, blocksize: int = 128, damp: float = 0.01, fuse: bool = True,
+    batch_size: int = 8, blocksize: int = 128, damp: float = 0.01, fuse: bool = True, experts: str = "auto",
 ) -> SparsifyReport:
     """Replace every eligible ``nn.Linear`` of ``model`` (and Hugging Face ``Conv1D``: GPT-2's, pruned along its
-    inputs as a linear layer is) in place with a 2:4 ``Sparse24Linear``.  A MoE layer's experts stored as 3-D
-    weights (transformers 5's experts modules: Mixtral, Qwen-MoE, OLMoE, DeepSeek, gpt-oss ...) become a
-    ``Sparse24Experts``, each expert's projections pruned by magnitude, with every method: scoring them by their
-    inputs is not built, so with "wanda" or "sparsegpt" they stay dense, and the report says so.
+    inputs as a linear layer is) in place with a 2:4 ``Sparse24Linear``.
+
+    A MoE layer's experts stored as 3-D weights (transformers 5's experts modules: Mixtral, Qwen-MoE, OLMoE,
+    DeepSeek, gpt-oss ...) can become a ``Sparse24Experts``, each expert's projections pruned by magnitude.
+    ``experts``: "auto" (the default) does so where each expert holds at least ``EXPERTS_MIN_BYTES`` (128 MiB:
+    Mixtral's do, Qwen3-MoE's and DeepSeek's do not), since one GEMM per expert is slower than transformers'
+    grouped GEMM for many small experts (nn/experts.py says what was measured); "all" wherever it can; "none"
+    never.  Scoring experts by their inputs is not built, so under "wanda" and "sparsegpt" they stay dense.
+    Experts left dense are in the report, with why.
 
     ``method``: "magnitude" (the default without ``calibration``), "wanda" or
     "sparsegpt" (the default with it); see ``kernelplan/pruning/methods.py``.
@@ -234,10 +244,11 @@ def sparsify(
         raise InvalidProblem(f"{why}, and no calibration= was given: pass token ids [N, S] from text like the "
                              f"model's (for example 128 sequences of 2048 tokens), or use method='magnitude'")
     out = SparsifyReport(method=method)
-    experts: list | None = [] if method == "magnitude" else None
-    chosen = _select(model, filter_fn, prune_output, out, experts)
+    policy = choice(experts, "experts", ("auto", "all", "none"))
+    held: list | None = [] if method == "magnitude" else None
+    chosen = _select(model, filter_fn, prune_output, out, held, policy)
     # Experts first: with calibration, the blocks after them are pruned on the outputs of the pruned experts.
-    for name, layer in tqdm(experts or [], desc="sparsify (experts)", disable=not progress or not experts):
+    for name, layer in tqdm(held or [], desc="sparsify (experts)", disable=not progress or not held):
         _replace_experts(model, name, layer, out)
     if calibration is None:
         for name, layer in tqdm(chosen, desc="sparsify", disable=not progress or len(chosen) < 8):
