@@ -311,3 +311,19 @@ def test_auto_holds_experts_2_4_only_where_each_is_large(seed, monkeypatch):
     with pytest.raises(InvalidProblem, match="experts"):
         kp.sparsify(model, progress=False, experts="some")
     assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear  # refused before anything was replaced
+
+
+def test_the_gated_epilogue_and_the_autograd_path_agree(seed):
+    """Without autograd, Mixtral's default gating (silu of the first half times the second) runs in the first
+    GEMM's epilogue; with it, as the GEMM then the module's gating, which gradients flow through."""
+    dense = _mixtral(torch.float64).model.layers[0].mlp.experts
+    sparse = Sparse24Experts.from_experts(dense)
+    assert sparse._epilogue == "gated_silu_first"
+    x = torch.randn(21, 128, dtype=torch.float64, requires_grad=True)
+    index, weights = _routing(21, 4)
+    with torch.no_grad():
+        fused = sparse(x, index, weights.double())
+    plain = sparse(x, index, weights.double())
+    torch.testing.assert_close(fused, plain.detach(), rtol=1e-12, atol=1e-12)
+    plain.square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all() and sparse.first[0].values.grad is not None

@@ -122,6 +122,21 @@ class Sparse24Experts(nn.Module):
         self._gate = gate if gate is not None else _default_gate
         for name, value in attributes.items():
             setattr(self, name, value)
+        self._epilogue = self._gated_epilogue()
+
+    def _gated_epilogue(self) -> str | None:
+        """The kernels' gated epilogue that computes this gating (transformers' default, gate columns first), or
+        None: the first projection then runs its GEMM and the gating as one call, two fewer a expert."""
+        from ..sparse24.plan import gated_reason
+        from .gated_siblings import activation_of
+
+        default = getattr(self._gate, "__name__", "") in ("_default_apply_gate", "_default_gate")
+        if not (self.has_gate and default and getattr(self, "is_concatenated", True) and self.act_fn is not None):
+            return None
+        if gated_reason(self.first[0].out_features) is not None or self.first[0].layout != "sp tiled":
+            return None
+        activation = activation_of(self.act_fn)
+        return f"gated_{activation}_first" if activation is not None else None
 
     @classmethod
     def from_experts(cls, experts: nn.Module) -> "Sparse24Experts":
@@ -184,8 +199,11 @@ class Sparse24Experts(nn.Module):
         start = 0
         for e, end in enumerate(ends):
             if end > start:
-                h = self.first[e](x[start:end])
-                h = self._gate(self, h) if self.has_gate else self.act_fn(h)
+                if self._epilogue is not None and not torch.is_grad_enabled():
+                    h = self.first[e].with_epilogue(x[start:end], self._epilogue)
+                else:
+                    h = self.first[e](x[start:end])
+                    h = self._gate(self, h) if self.has_gate else self.act_fn(h)
                 h = self.down[e](h)
                 out[start:end] = self.post_expert_norm(h) if self.post_expert_norm is not None else h
             start = end
