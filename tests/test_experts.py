@@ -292,7 +292,7 @@ def test_save_model_writes_the_experts_as_transformers_holds_them(tmp_path, seed
 
 
 def test_auto_holds_experts_2_4_only_where_each_is_large(seed, monkeypatch):
-    """One GEMM per expert loses to transformers' grouped GEMM where experts are many and small (0.05x at
+    """One GEMM per expert loses to transformers' grouped GEMM where experts are many and small (0.09x at
     Qwen3-30B-A3B's), so "auto" keeps those dense and says why; "none" keeps every one dense."""
     from kernelplan.nn import experts as experts_module
 

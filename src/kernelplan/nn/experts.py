@@ -70,10 +70,10 @@ def experts_reason(module: nn.Module) -> str | None:
 
 
 # Below this many dense bytes an expert, kp.sparsify(experts="auto") leaves a MoE layer's experts dense.  Sparse24Experts
-# runs one GEMM per expert hit, and each costs its host work (about 70 us an expert on the H200's host: two linear
-# calls, the gating, the copy), where transformers' grouped_mm runs all experts in one call.  On an H200
-# (bench/results/sparse24-experts-h200.json, 0168b52): Mixtral-8x7B's experts (336 MiB each) ran 1.05-1.46x of
-# grouped_mm at 1-2048 tokens; Qwen3-30B-A3B's (9 MiB each, 128 of them, top 8) 0.05-0.43x.
+# runs two GEMMs per expert hit, and each expert costs its host work (about 50 us on the H200's host: the two calls
+# and the copy), where transformers' grouped_mm runs all experts in one call.  On an H200
+# (bench/results/sparse24-experts-h200.json, 67f6a12): Mixtral-8x7B's experts (336 MiB each) ran 1.18-1.63x of
+# grouped_mm at 1-2048 tokens; Qwen3-30B-A3B's (9 MiB each, 128 of them, top 8) 0.09-0.59x.
 EXPERTS_MIN_BYTES = 128 << 20
 
 
@@ -87,7 +87,7 @@ def experts_speed_reason(module: nn.Module) -> str | None:
         return None
     return (f"each of its {count} experts holds {each / 2**20:.1f} MiB, under {EXPERTS_MIN_BYTES >> 20} MiB: "
             f"2:4 experts run one GEMM per expert, and at that size the host work of each outweighs the bytes 2:4 "
-            f"saves (Qwen3-30B-A3B's: 0.05-0.43x of transformers' grouped_mm on an H200, "
+            f"saves (Qwen3-30B-A3B's: 0.09-0.59x of transformers' grouped_mm on an H200, "
             f"bench/results/sparse24-experts-h200.json); experts='all' holds them 2:4 anyway, at 0.5625x the bytes")
 
 
