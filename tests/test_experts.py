@@ -75,7 +75,7 @@ def test_mixtral_experts_are_held_2_4_and_compute_the_pruned_model(seed, dtype):
             torch.testing.assert_close(model(ids).logits, oracle(ids).logits, rtol=1e-12, atol=1e-12)
 
 
-def _experts_against_the_oracle(device, tokens):
+def _experts_against_the_oracle(device, tokens, grad=False):
     """One Mixtral experts module, bf16, on fixed routing (some experts get no rows, some odd counts) against the
     fp64 dense module of the same pruned weights; the baseline is that dense module in bf16."""
     dense = _mixtral(torch.float64, experts=8).model.layers[0].mlp.experts
@@ -91,12 +91,17 @@ def _experts_against_the_oracle(device, tokens):
     with torch.no_grad():
         want = oracle(x, index, weights.double())
         x, index, weights = x.bfloat16().to(device), index.to(device), weights.bfloat16().to(device)
-        out, base = sparse(x, index, weights), baseline(x, index, weights)
+        base = baseline(x, index, weights)
+    with torch.set_grad_enabled(grad):  # with autograd, each expert through its own layers
+        assert sparse._grouped(x) == (not grad and torch.device(device).type == "cuda" and
+                                      torch.cuda.get_device_capability() == (9, 0))
+        out = sparse(x, index, weights)
     assert_close(out, want.to(device), base, atol=FWD_ATOL[torch.bfloat16])
 
 
 def test_bf16_experts_on_fixed_routing(seed):
     _experts_against_the_oracle("cpu", 37)
+    _experts_against_the_oracle("cpu", 5, grad=True)
 
 
 def _gpt_oss_experts(dtype):
@@ -111,7 +116,7 @@ def _gpt_oss_experts(dtype):
 
 
 def _routing(tokens, experts, k=2):
-    index = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
+    index = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)]) if tokens else torch.zeros(0, k).long()
     weights = torch.rand(tokens, k).softmax(dim=-1)
     return index, weights
 
@@ -258,8 +263,9 @@ def test_experts_on_the_gpu(seed):
     sparsified on the GPU holds each expert in the device layout alone (0.5625x) and runs."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    for tokens in (3, 37, 600):
-        _experts_against_the_oracle("cuda", tokens)
+    for tokens in (0, 3, 37, 600):
+        for grad in (False, True):
+            _experts_against_the_oracle("cuda", tokens, grad)
     model = _mixtral(torch.bfloat16, "cuda", experts=8)
     report = kp.sparsify(model, progress=False, experts="all")
     assert report.bytes_after * 16 == report.bytes_before * 9
@@ -327,3 +333,64 @@ def test_the_gated_epilogue_and_the_autograd_path_agree(seed):
     torch.testing.assert_close(fused, plain.detach(), rtol=1e-12, atol=1e-12)
     plain.square().sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all() and sparse.first[0].values.grad is not None
+
+
+def test_each_projection_is_held_once_end_to_end(seed):
+    """The grouped kernel reads a projection's experts as one tall weight: their tensors are views of one storage,
+    laid out again where a deep copy gave them storages of their own; the state_dict stays per expert."""
+    sparse = Sparse24Experts.from_experts(_mixtral(torch.bfloat16).model.layers[0].mlp.experts)
+    for layers in (sparse.first, sparse.down):
+        values, metadata, bias = sparse._span(layers)
+        assert bias is None and values.shape[0] == 4 * layers[0].values.shape[0]
+        assert len({m.values.untyped_storage().data_ptr() for m in layers}) == 1
+        assert layers[2].metadata.data_ptr() == metadata.data_ptr() + 2 * layers[0].metadata.nbytes
+    twin = copy.deepcopy(sparse)
+    assert len({m.values.untyped_storage().data_ptr() for m in twin.first}) == 4  # deepcopy: one storage each
+    values, _, _ = twin._span(twin.first)
+    assert len({m.values.untyped_storage().data_ptr() for m in twin.first}) == 1
+    assert torch.equal(values, sparse._span(sparse.first)[0])
+
+
+@gpu
+def test_grouped_experts_with_biases_and_in_a_cuda_graph(seed):
+    """gpt-oss's experts (transposed, biased, their own gating) in bf16 on the GPU against the fp64 oracle, the
+    expert-parallel sentinel included; then the layer captured in a CUDA graph (the grouped path needs no host
+    sync) and replayed on new routing."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 (Hopper) GPU: the grouped kernel")
+    dense = _gpt_oss_experts(torch.float64)
+    if not hasattr(dense, "is_transposed"):
+        pytest.skip("this transformers' gpt-oss experts have no is_transposed")
+    sparse = Sparse24Experts.from_experts(copy.deepcopy(dense).bfloat16()).cuda()
+    oracle = copy.deepcopy(dense)
+    with torch.no_grad():
+        for e in range(3):
+            oracle.gate_up_proj[e] = sparse.first[e].to_dense().t().double()
+            oracle.down_proj[e] = sparse.down[e].to_dense().t().double()
+            oracle.gate_up_proj_bias[e] = sparse.first[e].bias.double()
+            oracle.down_proj_bias[e] = sparse.down[e].bias.double()
+    baseline = copy.deepcopy(oracle).bfloat16().cuda()
+    x = torch.randn(300, 128, dtype=torch.float64)
+    index, weights = _routing(300, 3)
+    index[7, 1] = 3  # the sentinel
+    with torch.no_grad():
+        want = oracle(x, index, weights.double())
+        x, index, weights = x.bfloat16().cuda(), index.cuda(), weights.bfloat16().cuda()
+        assert sparse._grouped(x)
+        out, base = sparse(x, index, weights), baseline(x, index, weights)
+        assert_close(out, want.cuda(), base, atol=FWD_ATOL[torch.bfloat16])
+
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            sparse(x, index, weights)  # warm: compiled and the tensor maps encoded outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            captured = sparse(x, index, weights)
+        new_index, new_weights = _routing(300, 3)
+        x.copy_(torch.randn_like(x))
+        index.copy_(new_index)
+        weights.copy_(new_weights)
+        graph.replay()
+        torch.testing.assert_close(captured, sparse(x, index, weights), rtol=0, atol=0)

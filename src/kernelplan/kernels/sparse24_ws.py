@@ -262,10 +262,13 @@ def gated_tile(cfg: WsConfig) -> bool:
     return cfg.wm % 2 == 0 and not cfg.sk
 
 
-def source(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None) -> str:
+def source(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None, grouped: bool = False) -> str:
     """The CUDA C++ of one kernel variant (``kp_sparse24_ws``; ``kp_sparse24_sk`` where ``cfg.sk``,
-    ``kp_sparse24_pp`` where ``cfg.pp``), compiled by NVRTC for sm_90a."""
+    ``kp_sparse24_pp`` where ``cfg.pp``, and its ``grouped`` form: a MoE layer's experts, ``grouped_linear``),
+    compiled by NVRTC for sm_90a."""
     clusters = {} if cfg.sk or cfg.pp else {"CM": cfg.cm, "KC": cfg.kc}
+    if grouped:
+        clusters["GROUPED"] = 1
     head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, **clusters, STAGES=cfg.stages,
                    CONSUMER_REGS=_CONSUMER_REGS[2 if cfg.pp else cfg.wm])
     return head + COMMON_SOURCE + cuda_source(_SOURCE[_kind(cfg)])

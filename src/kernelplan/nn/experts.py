@@ -16,6 +16,7 @@ from torch import nn
 
 from ..errors import InvalidProblem
 from ..sparse24.format import prune_compress
+from ..sparse24.gemm import forget
 from .sparse24_linear import Sparse24Linear
 
 # The flags transformers' use_experts_implementation sets on an experts module.  Releases before 5.2x set fewer of
@@ -123,6 +124,9 @@ class Sparse24Experts(nn.Module):
         for name, value in attributes.items():
             setattr(self, name, value)
         self._epilogue = self._gated_epilogue()
+        self._spans: dict = {}  # projection -> (its layers' addresses, their tensors end to end): _span
+        for layers in (self.first, self.down):
+            self._span(layers)  # one copy of each projection's weights, the experts' tensors views of it
 
     def _gated_epilogue(self) -> str | None:
         """The kernels' gated epilogue that computes this gating (transformers' default, gate columns first), or
@@ -180,6 +184,48 @@ class Sparse24Experts(nn.Module):
                 out[name + "_bias"] = torch.stack([m.bias.detach() for m in layers])
         return out
 
+    def _span(self, layers: _Experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The projection's values, metadata and biases, every expert's end to end (the grouped kernel's W: the
+        device layout of the stacked rows), as views of one storage each.  Where ``.to()``, a deep copy or
+        ``load_state_dict(assign=True)`` gave the experts storages of their own, they are laid out again here."""
+        head, tail, count = layers[0], layers[-1], len(layers)
+        parts = [(head.values, tail.values), (head.metadata, tail.metadata)]
+        if head.bias is not None:
+            parts.append((head.bias, tail.bias))
+        key = tuple(t.data_ptr() for pair in parts for t in pair)
+        hit = self._spans.get(id(layers))
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        spans = []
+        for i, (first, last) in enumerate(parts):
+            storage = first.untyped_storage()
+            if last.untyped_storage().data_ptr() == storage.data_ptr() and \
+                    last.data_ptr() == first.data_ptr() + (count - 1) * first.nbytes:
+                span = first.new_empty(0).set_(storage, first.storage_offset(), (count * first.shape[0],
+                                                                                  *first.shape[1:]), first.stride())
+            else:
+                tensors = [(m.values, m.metadata, m.bias)[i] for m in layers]
+                span = torch.cat([t.detach() for t in tensors])
+                for e, t in enumerate(tensors):
+                    if i == 0:
+                        forget(t)  # what calls kept for the expert's old storage
+                    t.data = span[e * first.shape[0]:(e + 1) * first.shape[0]]
+            spans.append(span)
+        spans = (spans[0], spans[1], spans[2].view(count, -1) if head.bias is not None else None)
+        self._spans[id(layers)] = (tuple(t.data_ptr() for pair in parts for t in pair), spans)  # after any move
+        return spans
+
+    def _grouped(self, x: torch.Tensor) -> bool:
+        """Whether this call runs each projection as one grouped launch (``kernels/sparse24_grouped.py``): on
+        Hopper, without autograd (the grouped kernel has no backward), for weights it reads."""
+        if not x.is_cuda or torch.is_grad_enabled() or self.first[0].layout != "sp tiled":
+            return False
+        from ..kernels.sparse24_grouped import grouped_reason
+
+        capability = torch.cuda.get_device_capability(x.device)
+        return all(grouped_reason(capability, m.out_features, m.in_features, self.num_experts, x.dtype) is None
+                   for m in (self.first[0], self.down[0]))
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         if hidden_states.dim() != 2 or top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape or \
@@ -193,8 +239,34 @@ class Sparse24Experts(nn.Module):
         # The (token, expert) pairs by expert, so that each expert's rows are one contiguous block; ids past the
         # experts (transformers' expert-parallel sentinel) sort last and add nothing, as in its eager loop.
         order = torch.argsort(ids, stable=True)
-        ends = torch.bincount(ids, minlength=self.num_experts)[:self.num_experts].cumsum(0).tolist()
+        # Counted by a scatter, not bincount, whose output length waits on the device for the largest id.
+        counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=ids.device)
+        counts = counts.scatter_add_(0, ids.clamp(max=self.num_experts), torch.ones_like(ids))[:-1]
         x = hidden_states.index_select(0, torch.div(order, k, rounding_mode="floor"))
+        if self._grouped(x):
+            out = self._grouped_forward(x, counts, ids.index_select(0, order))
+        else:
+            out = self._per_expert(x, counts.cumsum(0).tolist())
+        pairs = torch.empty_like(out)
+        pairs[order] = out
+        pairs = pairs * top_k_weights.reshape(-1, 1).to(pairs.dtype)
+        return pairs.view(tokens, k, out.shape[1]).sum(dim=1).to(hidden_states.dtype)
+
+    def _grouped_forward(self, x: torch.Tensor, counts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each projection as one launch over every expert's rows; the gating between them over all rows at once."""
+        from ..kernels.sparse24_grouped import grouped_linear
+
+        offsets = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=x.device)
+        offsets[1:] = counts.cumsum(0)
+        h = grouped_linear(x.contiguous(), *self._span(self.first), offsets, self.num_experts)
+        h = self._gate(self, h) if self.has_gate else self.act_fn(h)
+        out = grouped_linear(h.contiguous(), *self._span(self.down), offsets, self.num_experts)
+        if self.post_expert_norm is not None:
+            out = self.post_expert_norm(out)
+        return out.masked_fill((ids >= self.num_experts)[:, None], 0)  # the sentinel's rows: never written
+
+    def _per_expert(self, x: torch.Tensor, ends: list[int]) -> torch.Tensor:
+        """Each expert's rows through its own layers (the CPU, autograd, and GPUs the grouped kernel does not run on)."""
         out = x.new_zeros(x.shape[0], self.down[0].out_features)
         start = 0
         for e, end in enumerate(ends):
@@ -207,10 +279,7 @@ class Sparse24Experts(nn.Module):
                 h = self.down[e](h)
                 out[start:end] = self.post_expert_norm(h) if self.post_expert_norm is not None else h
             start = end
-        pairs = torch.empty_like(out)
-        pairs[order] = out
-        pairs = pairs * top_k_weights.reshape(-1, 1).to(pairs.dtype)
-        return pairs.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+        return out
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.first[0].in_features}, "

@@ -25,6 +25,9 @@
 // of the first meets block b of the second in the same registers: y's column is gate2 of the two.
 
 #define CM 1
+#ifndef GROUPED
+#define GROUPED 0
+#endif
 #include "wgmma_sp.cuh"
 #include "hopper.cuh"
 #include "sparse24_ring.cuh"
@@ -102,17 +105,65 @@ __device__ __forceinline__ void store_tile(float (&acc)[WM][kInst][kAcc], u32 st
     }
 }
 
+// Grouped (GROUPED 1: a MoE layer's experts, nn/experts.py), W is E weights of M rows each, end to end (the device
+// layout of the stacked rows), and x's rows are sorted by expert: expert e's are offsets[e] .. offsets[e + 1] - 1.
+// Its output tiles are those of each expert's own problem, expert by expert, N first within one; `first` holds each
+// expert's first tile number (a scan of its tile counts, made by each CTA before the walk).  Rows of a box past an
+// expert's last are another expert's, or zeros: they are computed and not stored.
+constexpr int kMaxExperts = 1024;
+struct Tile {
+    int n0, block, n_end, expert;  // x's first row, W's 64 WM-row block (of the stacked rows), x's row bound, expert
+};
+
+__device__ __forceinline__ Tile tile_at(int t, int tiles_n, int N, int tiles_m, const int *__restrict__ offsets,
+                                        const int *first, int &e) {
+#if GROUPED
+    while (first[e + 1] <= t) ++e;  // tiles come in increasing order: the cursor only moves on
+    const int start = offsets[e], count = offsets[e + 1] - start, local = t - first[e];
+    const int per = (count + BN - 1) / BN;
+    return {start + local % per * BN, e * tiles_m + local / per, start + count, e};
+#else
+    (void)tiles_m, (void)offsets, (void)first, (void)e;
+    return {t % tiles_n * BN, t / tiles_n, N, 0};
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(kPpThreads, 1)
 kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ TensorMap vmap,
                const __grid_constant__ TensorMap emap, const u16 *__restrict__ bias, u16 *__restrict__ y, int N, int M,
-               int K, int syn, int tiles_n)
+               int K, int syn, int tiles_n
+#if GROUPED
+               , const int *__restrict__ offsets, int experts
+#endif
+)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 sbase = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
     const u32 ybase = sbase + kRingBytes, full0 = ybase + 2 * kYBytes, empty0 = full0 + 8 * STAGES;
     const u32 order0 = empty0 + 8 * STAGES;  // order0 + 8 c: warpgroup c may run its next K loop
     const int warp = warp_uniform(), lane = threadIdx.x & 31;
-    const int steps = K / 64, tiles = tiles_n * ((M + kBM - 1) / kBM);
+    const int steps = K / 64, tiles_m = (M + kBM - 1) / kBM;
+#if GROUPED
+    __shared__ int first[kMaxExperts + 1];
+    if (warp == 0) {  // first[e]: the tiles of the experts before e (a warp's scan, 32 experts at a time)
+        int carry = 0;
+        for (int base = 0; base < experts; base += 32) {
+            const int i = base + lane;
+            int v = i < experts ? (offsets[i + 1] - offsets[i] + BN - 1) / BN * tiles_m : 0;
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const int o = __shfl_up_sync(0xffffffffu, v, d);
+                if (lane >= d) v += o;
+            }
+            if (i < experts) first[i + 1] = carry + v;
+            carry += __shfl_sync(0xffffffffu, v, 31);
+        }
+        if (lane == 0) first[0] = 0;
+    }
+#else
+    const int *offsets = nullptr, *first = nullptr;
+    const int experts = 0;
+#endif
 
     if (threadIdx.x == 0) {
         ring_init(&xmap, &vmap, &emap, full0, empty0, 1);  // one release a stage: the warpgroup that reads it
@@ -121,16 +172,18 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         mbar_init_fence();
     }
     __syncthreads();
+    const int tiles = GROUPED ? first[experts] : tiles_n * tiles_m;
 
     if (warp < 4) {
 #if CONSUMER_REGS
         regs_down<40>();
 #endif
         if (threadIdx.x == 0) {
-            int g = 0;
-            for (int t = blockIdx.x; t < tiles; t += gridDim.x)
-                g = produce_steps(g, 0, steps, t % tiles_n * BN, t / tiles_n, sbase, full0, empty0, &xmap,
-                                  &vmap, &emap);
+            int g = 0, e = 0;
+            for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+                const Tile at = tile_at(t, tiles_n, N, tiles_m, offsets, first, e);
+                g = produce_steps(g, 0, steps, at.n0, at.block, sbase, full0, empty0, &xmap, &vmap, &emap);
+            }
         }
         return;
     }
@@ -139,8 +192,9 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #endif
     const int c = warp / 4 - 1, wq = warp & 3, u = threadIdx.x - 128 * (c + 1);
     float acc[WM][kInst][kAcc];
-    int j = c;  // this CTA's tiles, counted: warpgroup c takes j = c, c + 2, ...
+    int j = c, e = 0;  // this CTA's tiles, counted: warpgroup c takes j = c, c + 2, ...
     for (int t = blockIdx.x + c * gridDim.x; t < tiles; t += 2 * gridDim.x, j += 2) {
+        const Tile at = tile_at(t, tiles_n, N, tiles_m, offsets, first, e);
         // Tile j's K loop after tile j - 1's: the other warpgroup's (j / 2)-th arrival (warpgroup 0's first tile
         // waits on nothing).
         if (j > 0) mbar_wait(order0 + 8 * c, (u32)(((j - 1) >> 1) & 1));
@@ -152,7 +206,8 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
                 for (int r = 0; r < kAcc; ++r) acc[b][i][r] = 0.f;
         consume_steps<true, WM>(acc, sbase, full0, empty0, j * steps, steps, wq, lane, wq, 0);
         if (u == 0) mbar_arrive(order0 + 8 * (c ^ 1));  // the warpgroup's MMAs are done, so are its waits
-        store_tile(acc, ybase + c * kYBytes, bias, y, t % tiles_n * BN, t / tiles_n * kOut, N, M / kRegions, syn, wq,
-                   lane, u, 1 + c);
+        const u16 *own = HAS_BIAS ? bias + (long)at.expert * M : bias;  // grouped: the biases are [E, M]
+        store_tile(acc, ybase + c * kYBytes, own, y, at.n0, (at.block - at.expert * tiles_m) * kOut, at.n_end,
+                   M / kRegions, syn, wq, lane, u, 1 + c);
     }
 }

@@ -1,0 +1,85 @@
+"""A MoE layer's experts in one launch: the ping-pong ``wgmma.sp`` kernel over all experts' tiles.
+
+``cuda/sparse24_pp.cu`` with ``GROUPED``: W is the experts' weights end to end (E x M rows in the one device
+layout, which is the layout of one tall weight), x's rows are sorted by expert, and ``offsets`` (on the device) says
+where each expert's rows start, so the launch needs no host sync and a CUDA graph can hold it.  Each CTA scans the
+experts' tile counts, then walks the tiles as the plain kernel does.  ``nn/experts.py`` calls it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..errors import KernelPlanError
+from .direct import FunctionLaunch, _param_sizes
+from .sparse24_ws import _PP_PARAMS, _PP_SIZES, TensorMaps, WsConfig, _deepest, source
+
+MAX_EXPERTS = 1024  # sparse24_pp.cu's kMaxExperts: the scan of tile counts is in shared memory
+_PARAMS = _PP_PARAMS + ["*i32", "i32"]  # the offsets, the experts
+
+
+def grouped_config(m: int) -> WsConfig:
+    """The tile: 64 rows of x, and 128 rows of W where an expert's M allows (a tile never spans two experts)."""
+    return _deepest(64, 2 if m % 128 == 0 else 1, 1, 1, pp=True)
+
+
+def grouped_reason(capability: tuple[int, int] | None, m: int, k: int, experts: int, dtype: torch.dtype) -> str | None:
+    """Why ``grouped_linear`` cannot run these experts, or None."""
+    if capability != (9, 0):
+        return f"compute capability {capability}: the grouped kernel is sm_90a code (wgmma.sp)"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {dtype}: the kernel takes bf16 and f16"
+    if m % 64 or k % 64:
+        return f"an expert's weight is [{m}, {k}]: the grouped kernel needs M and K multiples of 64"
+    if experts > MAX_EXPERTS:
+        return f"{experts} experts: the grouped kernel scans at most {MAX_EXPERTS}"
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, device_index: int):
+    from cuda.bindings import driver as cu
+
+    from . import nvrtc
+    from .sparse24_wg import WgKernel
+
+    fn = nvrtc.function(source(cfg, dtype, has_bias, None, grouped=True), "kp_sparse24_pp", device_index,
+                        WgKernel.architecture)
+    err, = cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                 cfg.shared)
+    if err:
+        raise KernelPlanError(f"the grouped kernel ({cfg}) cannot have {cfg.shared} bytes of shared memory on "
+                              f"cuda:{device_index}: {err.name}")
+    sizes = _param_sizes(cu, fn)
+    if sizes != _PP_SIZES + [8, 4]:
+        raise KernelPlanError(f"the grouped kernel: compiled parameter sizes {sizes} are not the launcher's")
+    launch = FunctionLaunch(fn, f"kp_sparse24_pp grouped {cfg} {dtype}", _PARAMS, cfg.threads, cfg.shared)
+    return launch, TensorMaps(cfg.bn, 4 * cfg.wm, dtype)
+
+
+def grouped_linear(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias: torch.Tensor | None,
+                   offsets: torch.Tensor, experts: int) -> torch.Tensor:
+    """``y[offsets[e]:offsets[e + 1]] = x[offsets[e]:offsets[e + 1]] @ W_e^T (+ bias[e])`` for every expert e, as one
+    launch: ``x [S, K]`` (rows sorted by expert, contiguous), ``values`` / ``metadata`` the experts' weights end to
+    end in the device layout (E x M rows), ``bias [E, M]`` or None, ``offsets`` int32 ``[E + 1]`` on x's device,
+    non-decreasing from 0.  Rows of x past ``offsets[E]`` are left unwritten in y.  The caller checks
+    ``grouped_reason``; these are internal operands, built by ``Sparse24Experts``."""
+    from .sparse24 import sm_count
+
+    s, k = x.shape
+    m = values.shape[0] * 16 // experts
+    y = torch.empty(s, m, dtype=x.dtype, device=x.device)
+    if s == 0:
+        return y
+    cfg = grouped_config(m)
+    dtype = "bf16" if x.dtype == torch.bfloat16 else "f16"
+    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    launch, maps = _launcher(cfg, dtype, bias is not None, device)
+    bound = (-(-s // cfg.bn) + experts) * (m // cfg.rows)  # tiles at most: each expert's rows round up once
+    params = (maps.x(x.data_ptr(), s, k, x.stride(0)), *maps.w(values.data_ptr(), metadata.data_ptr(), experts * m, k),
+              0 if bias is None else bias.data_ptr(), y.data_ptr(), s, m, k, y.stride(0), 0, offsets.data_ptr(),
+              experts)
+    launch((min(sm_count(device), bound), 1, 1), params, torch.cuda.current_stream(device).cuda_stream, packed=True)
+    return y
