@@ -1,5 +1,8 @@
 """A MoE layer's experts held 2:4 (``kp.nn.Sparse24Experts``) against the dense transformers module, on the GPU.
 
+The 2:4 module runs each projection as one grouped launch (``kernels/sparse24_grouped.py``); ``sparse24_loop`` is
+the same module one GEMM per expert, as it runs with autograd.
+
 Mixtral-8x7B's and Qwen3-30B-A3B's expert sizes from their published configs (8 experts of 4096 -> 14336, top 2;
 128 experts of 2048 -> 768, top 8), bf16, random weights and routing (top-k of random logits).  For each token count:
 the dense module under transformers' ``grouped_mm`` (its default on the GPU) and ``eager`` implementations, and the
@@ -60,6 +63,8 @@ def main() -> int:
             for e in range(experts):
                 dense.gate_up_proj[e] = sparse.first[e].to_dense()
                 dense.down_proj[e] = sparse.down[e].to_dense()
+        loop = copy.copy(sparse)  # the same weights, one GEMM per expert (the path with autograd and off Hopper)
+        loop._grouped = lambda x: False
         eager = copy.copy(dense)
         eager.config = copy.copy(dense.config)
         eager.config._experts_implementation = "eager"
@@ -74,18 +79,19 @@ def main() -> int:
                 want, out = dense(x, index, weights), sparse(x, index, weights)
                 err = float((out.double() - want.double()).abs().max() / want.double().abs().max())
                 calls = {"grouped_mm": lambda: dense(x, index, weights), "eager": lambda: eager(x, index, weights),
-                         "sparse24": lambda: sparse(x, index, weights)}
+                         "sparse24": lambda: sparse(x, index, weights), "sparse24_loop": lambda: loop(x, index, weights)}
                 ms = interleaved({n: (lambda f=f: triton.testing.do_bench(f, warmup=5, rep=40)) for n, f in
                                   calls.items()}, a.rounds)
             row = {"model": model, "experts": experts, "hidden": hidden, "intermediate": inner, "top_k": k,
                    "tokens": tokens, "ms": ms, "speedup_vs_grouped_mm": ms["grouped_mm"] / ms["sparse24"],
-                   "speedup_vs_eager": ms["eager"] / ms["sparse24"], "rel_err": err,
+                   "speedup_vs_eager": ms["eager"] / ms["sparse24"], "rel_err": err, "grouped": sparse._grouped(x),
                    "dense_bytes": dense_bytes, "held_bytes": held}
             rows.append(row)
             print(f"{model:14s} T={tokens:5d}  grouped_mm {ms['grouped_mm']:8.3f} ms  eager {ms['eager']:8.3f} ms  "
-                  f"2:4 {ms['sparse24']:8.3f} ms  ({row['speedup_vs_grouped_mm']:.2f}x / "
+                  f"2:4 {ms['sparse24']:8.3f} ms (a GEMM an expert {ms['sparse24_loop']:8.3f})  "
+                  f"({row['speedup_vs_grouped_mm']:.2f}x / "
                   f"{row['speedup_vs_eager']:.2f}x)  err {err:.1e}  bytes {held / dense_bytes:.4f}x", flush=True)
-        dense = sparse = eager = None  # freed before the next model
+        dense = sparse = eager = loop = None  # freed before the next model
         torch.cuda.empty_cache()
     results.write("sparse24-experts", {"rows": rows}, a.out, dtype="bf16")
     return 0
