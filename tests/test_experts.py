@@ -372,13 +372,17 @@ def test_grouped_experts_with_biases_and_in_a_cuda_graph(seed):
     baseline = copy.deepcopy(oracle).bfloat16().cuda()
     x = torch.randn(300, 128, dtype=torch.float64)
     index, weights = _routing(300, 3)
-    index[7, 1] = 3  # the sentinel
     with torch.no_grad():
         want = oracle(x, index, weights.double())
         x, index, weights = x.bfloat16().cuda(), index.cuda(), weights.bfloat16().cuda()
         assert sparse._grouped(x)
         out, base = sparse(x, index, weights), baseline(x, index, weights)
         assert_close(out, want.cuda(), base, atol=FWD_ATOL[torch.bfloat16])
+        # The sentinel (an id past the experts) adds what a zero weight does: nothing.
+        sentinel, zeroed = index.clone(), weights.clone()
+        sentinel[7, 1] = 3
+        zeroed[7, 1] = 0
+        torch.testing.assert_close(sparse(x, sentinel, weights), sparse(x, index, zeroed), rtol=0, atol=0)
 
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
