@@ -27,8 +27,10 @@ def grouped_config(m: int) -> WsConfig:
 
 def grouped_reason(capability: tuple[int, int] | None, m: int, k: int, experts: int, dtype: torch.dtype) -> str | None:
     """Why ``grouped_linear`` cannot run these experts, or None."""
+    if capability is None:
+        return "the weights are not on a CUDA GPU"
     if capability != (9, 0):
-        return f"compute capability {capability}: the grouped kernel is sm_90a code (wgmma.sp)"
+        return f"compute capability {capability[0]}.{capability[1]}: the grouped kernel is sm_90a code (wgmma.sp)"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {dtype}: the kernel takes bf16 and f16"
     if m % 64 or k % 64:

@@ -70,26 +70,37 @@ def experts_reason(module: nn.Module) -> str | None:
     return None
 
 
-# Below this many dense bytes an expert, kp.sparsify(experts="auto") leaves a MoE layer's experts dense.  Sparse24Experts
-# runs two GEMMs per expert hit, and each expert costs its host work (about 50 us on the H200's host: the two calls
-# and the copy), where transformers' grouped_mm runs all experts in one call.  On an H200
-# (bench/results/sparse24-experts-h200.json, 67f6a12): Mixtral-8x7B's experts (336 MiB each) ran 1.18-1.63x of
-# grouped_mm at 1-2048 tokens; Qwen3-30B-A3B's (9 MiB each, 128 of them, top 8) 0.09-0.59x.
+# kp.sparsify(experts="auto") holds a MoE layer's experts 2:4 where the grouped kernel runs them (on a Hopper GPU:
+# each projection one launch over every expert), or where each expert holds at least this many dense bytes.
+# Elsewhere (the CPU, other GPUs, autograd) they run one GEMM per expert, and each expert costs its host work
+# (about 50 us on an H200's host), where transformers' grouped_mm runs all experts in one call.  On an H200
+# (bench/results/sparse24-experts-h200.json, 0276346), against grouped_mm at 1-2048 tokens:
+# * Mixtral-8x7B's experts (336 MiB each): grouped 1.05-2.08x, one GEMM an expert 1.2-2.2x;
+# * Qwen3-30B-A3B's (9 MiB each, 128 of them, top 8): grouped 0.84-1.36x, one GEMM an expert 0.05-0.6x.
 EXPERTS_MIN_BYTES = 128 << 20
 
 
 def experts_speed_reason(module: nn.Module) -> str | None:
-    """Why holding ``module``'s experts 2:4 would slow its layer down (experts too small for one GEMM each), or
-    None.  ``module`` is one that ``experts_reason`` accepts."""
+    """Why holding ``module``'s experts 2:4 would slow its layer down, or None: they are on a GPU the grouped
+    kernel runs them on, or each is large enough for a GEMM of its own.  ``module`` is one ``experts_reason``
+    accepts."""
+    from ..kernels.sparse24_grouped import grouped_reason
+
     weights = [p for p in module.parameters(recurse=False) if p.dim() == 3]
-    count = weights[0].shape[0]
+    count, w = weights[0].shape[0], weights[0]
     each = sum(p.numel() * p.element_size() for p in weights) // count
     if each >= EXPERTS_MIN_BYTES:
         return None
-    return (f"each of its {count} experts holds {each / 2**20:.1f} MiB, under {EXPERTS_MIN_BYTES >> 20} MiB: "
-            f"2:4 experts run one GEMM per expert, and at that size the host work of each outweighs the bytes 2:4 "
-            f"saves (Qwen3-30B-A3B's: 0.09-0.59x of transformers' grouped_mm on an H200, "
-            f"bench/results/sparse24-experts-h200.json); experts='all' holds them 2:4 anyway, at 0.5625x the bytes")
+    shapes = [(p.shape[2], p.shape[1]) if module.is_transposed else tuple(p.shape[1:]) for p in weights]
+    capability = torch.cuda.get_device_capability(w.device) if w.is_cuda else None
+    why = next((r for m, k in shapes if (r := grouped_reason(capability, m, k, count, w.dtype))), None)
+    if why is None:
+        return None
+    return (f"each of its {count} experts holds {each / 2**20:.1f} MiB, under {EXPERTS_MIN_BYTES >> 20} MiB, and the "
+            f"grouped kernel cannot run them here ({why}): one GEMM per expert, each with its host work, ran 0.05-0.6x "
+            f"of transformers' grouped_mm at Qwen3-30B-A3B's sizes on an H200 "
+            f"(bench/results/sparse24-experts-h200.json); sparsify on the GPU, or experts='all' for the memory "
+            f"(0.5625x) anyway")
 
 
 class _Experts(nn.ModuleList):
