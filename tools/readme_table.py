@@ -106,6 +106,22 @@ def sparse24_notes() -> list[str]:
             lines.append(f"- 2:4, {model['meta']['model']} ({model['meta']['layers']} layers), sparsified against "
                          f"dense: {cases}; weights {model['sparse_over_dense_bytes']:.3f}x of dense (embeddings "
                          f"dense, the LM head pruned too), {_source(model['meta'], name)}.")
+    for name in ("sparse24-experts-h100", "sparse24-experts-h200"):
+        doc = _load(name)
+        if doc:
+            models = dict.fromkeys(r["model"] for r in doc["rows"])
+            parts = []
+            for model in models:
+                rows = [r for r in doc["rows"] if r["model"] == model]
+                head = rows[0]
+                parts.append(f"{model} ({head['experts']} experts of {head['hidden']} -> {head['intermediate']}, top "
+                             f"{head['top_k']}) " + " / ".join(f"{r['speedup_vs_grouped_mm']:.2f}" for r in rows) +
+                             f"x at {' / '.join(str(r['tokens']) for r in rows)} tokens, one GEMM an expert " +
+                             _span([r["ms"]["grouped_mm"] / r["ms"]["sparse24_loop"] for r in rows]) +
+                             f", bytes {head['held_bytes'] / head['dense_bytes']:.4f}x")
+            lines.append(f"- 2:4 MoE experts (`kp.nn.Sparse24Experts`, each projection one grouped launch), eager "
+                         f"calls against transformers' `grouped_mm` on the same pruned weights: {'; '.join(parts)}, "
+                         f"{_source(doc['meta'], name)}.")
     for name in ("sparse24-siblings-sweep-h100", "sparse24-siblings-sweep-h200"):
         sweep = _load(name)
         if sweep:
