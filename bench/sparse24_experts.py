@@ -79,7 +79,8 @@ def main() -> int:
                 want, out = dense(x, index, weights), sparse(x, index, weights)
                 err = float((out.double() - want.double()).abs().max() / want.double().abs().max())
                 calls = {"grouped_mm": lambda: dense(x, index, weights), "eager": lambda: eager(x, index, weights),
-                         "sparse24": lambda: sparse(x, index, weights), "sparse24_loop": lambda: loop(x, index, weights)}
+                         "sparse24": lambda: sparse(x, index, weights),
+                         "sparse24_loop": lambda: loop(x, index, weights)}
                 ms = interleaved({n: (lambda f=f: triton.testing.do_bench(f, warmup=5, rep=40)) for n, f in
                                   calls.items()}, a.rounds)
                 grouped = sparse._grouped(x)  # under no_grad, as the calls ran
