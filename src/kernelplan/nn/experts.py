@@ -75,7 +75,7 @@ def experts_reason(module: nn.Module) -> str | None:
 # Elsewhere (the CPU, other GPUs, autograd) they run one GEMM per expert, and each expert costs its host work
 # (about 50 us on an H200's host), where transformers' grouped_mm runs all experts in one call.  On an H200
 # (bench/results/sparse24-experts-h200.json, 0276346), against grouped_mm at 1-2048 tokens:
-# * Mixtral-8x7B's experts (336 MiB each): grouped 1.05-2.08x, one GEMM an expert 1.2-2.2x;
+# * Mixtral-8x7B's experts (336 MiB each): grouped 1.05-2.08x, one GEMM an expert 1.24-1.82x;
 # * Qwen3-30B-A3B's (9 MiB each, 128 of them, top 8): grouped 0.84-1.36x, one GEMM an expert 0.05-0.6x.
 EXPERTS_MIN_BYTES = 128 << 20
 
