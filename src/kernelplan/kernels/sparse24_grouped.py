@@ -20,9 +20,13 @@ MAX_EXPERTS = 1024  # sparse24_pp.cu's kMaxExperts: the scan of tile counts is i
 _PARAMS = _PP_PARAMS + ["*i32", "i32"]  # the offsets, the experts
 
 
-def grouped_config(m: int) -> WsConfig:
-    """The tile: 64 rows of x, and 128 rows of W where an expert's M allows (a tile never spans two experts)."""
-    return _deepest(64, 2 if m % 128 == 0 else 1, 1, 1, pp=True)
+def grouped_config(m: int, s: int, experts: int) -> WsConfig:
+    """The tile for ``s`` rows of x over ``experts`` experts of M = ``m`` rows: as many rows of x as an expert hit
+    gets if the rows spread evenly (16 to 128, in powers of two: a row or two an expert is a decode's), and 128 rows
+    of W where M allows (a tile never spans two experts), else 64."""
+    rows = -(-s // max(1, min(experts, s)))
+    bn = min(128, max(16, 1 << (rows - 1).bit_length()))
+    return _deepest(bn, 2 if m % 128 == 0 else 1, 1, 1, pp=True)
 
 
 def grouped_reason(capability: tuple[int, int] | None, m: int, k: int, experts: int, dtype: torch.dtype) -> str | None:
@@ -75,7 +79,7 @@ def grouped_linear(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor
     y = torch.empty(s, m, dtype=x.dtype, device=x.device)
     if s == 0:
         return y
-    cfg = grouped_config(m)
+    cfg = grouped_config(m, s, experts)
     dtype = "bf16" if x.dtype == torch.bfloat16 else "f16"
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     launch, maps = _launcher(cfg, dtype, bias is not None, device)
