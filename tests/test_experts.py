@@ -403,3 +403,15 @@ def test_grouped_experts_with_biases_and_in_a_cuda_graph(seed):
         weights.copy_(new_weights)
         graph.replay()
         torch.testing.assert_close(captured, sparse(x, index, weights), rtol=0, atol=0)
+
+
+def test_a_moe_directory_says_why_its_experts_stay_dense(tmp_path, seed):
+    """On disk a MoE model's experts are per expert (Mixtral's w1/w2/w3), and transformers stacks them as it loads:
+    the tensor-by-tensor directory path cannot match them to the model's stacked weights, and says so; the loader
+    of its output says what to do instead."""
+    _mixtral(torch.float32).save_pretrained(tmp_path / "dense")
+    report = kp.hf.sparsify_directory(tmp_path / "dense", tmp_path / "out")
+    assert "model.layers.0.self_attn.q_proj" in report.converted
+    assert "transformers stacks them as it loads" in report.skipped["model.layers.1.mlp.experts"]
+    with pytest.raises(InvalidProblem, match="load the dense model with transformers, kp.sparsify it"):
+        kp.hf.load_model(tmp_path / "out")

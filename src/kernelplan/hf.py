@@ -269,8 +269,12 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
             and getattr(config, "tie_word_embeddings", False) and m is model.get_output_embeddings()}
     missing = [k for k in result.missing_keys if k not in tied and k not in sparse]
     if missing or result.unexpected_keys:
+        moe = any(".experts." in k for k in [*missing, *result.unexpected_keys])
         raise InvalidProblem(f"{path}: the checkpoint does not fit the model config.json builds: missing "
-                             f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}")
+                             f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}" + (
+                                 "; a MoE model's experts are stored per expert and transformers stacks them as it "
+                                 "loads, which this loader does not: load the dense model with transformers, "
+                                 "kp.sparsify it, and save its state_dict (docs/design/0031)" if moe else ""))
     model = model.to(device).eval()
     if fuse:
         from .nn.siblings import fuse_siblings
@@ -344,6 +348,12 @@ def sparsify_directory(src: str | os.PathLike, dst: str | os.PathLike, format: s
     report = SparsifyReport()
     conv1d = {name for name, m in model.named_modules() if is_conv1d(m)}  # stored [in, out]: read transposed
     chosen = {name for name, _ in _select(model, filter_fn, False, report)}
+    for name, why in report.skipped.items():  # a MoE layer's stacked experts: not under these names on disk
+        if "3-D weights" in why and "filter_fn" not in why:
+            report.skipped[name] = (
+                "a MoE layer's experts: checkpoints store them per expert, and transformers stacks them as it "
+                "loads, so this tensor-by-tensor path cannot match them to the model; load the model with "
+                "transformers and kp.sparsify it (docs/design/0031). They are copied dense")
     if format == "dense":
         _refuse_dense_conv1d(sorted(conv1d & chosen))
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
