@@ -347,13 +347,10 @@ def sparsify_directory(src: str | os.PathLike, dst: str | os.PathLike, format: s
                                                               dtype=_stored_dtype(src))
     report = SparsifyReport()
     conv1d = {name for name, m in model.named_modules() if is_conv1d(m)}  # stored [in, out]: read transposed
-    chosen = {name for name, _ in _select(model, filter_fn, False, report)}
-    for name, why in report.skipped.items():  # a MoE layer's stacked experts: not under these names on disk
-        if "3-D weights" in why and "filter_fn" not in why:
-            report.skipped[name] = (
-                "a MoE layer's experts: checkpoints store them per expert, and transformers stacks them as it "
-                "loads, so this tensor-by-tensor path cannot match them to the model; load the model with "
-                "transformers and kp.sparsify it (docs/design/0031). They are copied dense")
+    chosen = {name for name, _ in _select(model, filter_fn, False, report, experts_dense=(
+        "a MoE layer's experts: checkpoints store them per expert, and transformers stacks them as it loads, so "
+        "this tensor-by-tensor path cannot match them to the model; load the model with transformers and "
+        "kp.sparsify it (docs/design/0031). They are copied dense"))}
     if format == "dense":
         _refuse_dense_conv1d(sorted(conv1d & chosen))
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}

@@ -136,6 +136,7 @@ class Sparse24Experts(nn.Module):
             setattr(self, name, value)
         self._epilogue = self._gated_epilogue()
         self._spans: dict = {}  # projection -> (its layers' addresses, their tensors end to end): _span
+        self._runs: dict = {}  # (device, dtype) -> whether the grouped kernel runs this module there: _grouped
         for layers in (self.first, self.down):
             self._span(layers)  # one copy of each projection's weights, the experts' tensors views of it
 
@@ -231,11 +232,15 @@ class Sparse24Experts(nn.Module):
         Hopper, without autograd (the grouped kernel has no backward), for weights it reads."""
         if not x.is_cuda or torch.is_grad_enabled() or self.first[0].layout != "sp tiled":
             return False
-        from ..kernels.sparse24_grouped import grouped_reason
+        runs = self._runs.get((x.device, x.dtype))
+        if runs is None:  # the shapes are the module's: one verdict per device and dtype
+            from ..kernels.sparse24_grouped import grouped_reason
 
-        capability = torch.cuda.get_device_capability(x.device)
-        return all(grouped_reason(capability, m.out_features, m.in_features, self.num_experts, x.dtype) is None
-                   for m in (self.first[0], self.down[0]))
+            capability = torch.cuda.get_device_capability(x.device)
+            runs = self._runs[x.device, x.dtype] = all(
+                grouped_reason(capability, m.out_features, m.in_features, self.num_experts, x.dtype) is None
+                for m in (self.first[0], self.down[0]))
+        return runs
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -269,12 +274,16 @@ class Sparse24Experts(nn.Module):
 
         offsets = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=x.device)
         offsets[1:] = counts.cumsum(0)
-        h = grouped_linear(x.contiguous(), *self._span(self.first), offsets, self.num_experts)
-        h = self._gate(self, h) if self.has_gate else self.act_fn(h)
-        out = grouped_linear(h.contiguous(), *self._span(self.down), offsets, self.num_experts)
-        if self.post_expert_norm is not None:
-            out = self.post_expert_norm(out)
+        h = self._activate(grouped_linear(x.contiguous(), *self._span(self.first), offsets, self.num_experts))
+        out = self._norm(grouped_linear(h.contiguous(), *self._span(self.down), offsets, self.num_experts))
         return out.masked_fill((ids >= self.num_experts)[:, None], 0)  # the sentinel's rows: never written
+
+    def _activate(self, h: torch.Tensor) -> torch.Tensor:
+        """The first projection's output through the gating (or, without a gate, the activation)."""
+        return self._gate(self, h) if self.has_gate else self.act_fn(h)
+
+    def _norm(self, out: torch.Tensor) -> torch.Tensor:
+        return self.post_expert_norm(out) if self.post_expert_norm is not None else out
 
     def _per_expert(self, x: torch.Tensor, ends: list[int]) -> torch.Tensor:
         """Each expert's rows through its own layers (the CPU, autograd, and GPUs the grouped kernel does not run on)."""
@@ -285,10 +294,8 @@ class Sparse24Experts(nn.Module):
                 if self._epilogue is not None and not torch.is_grad_enabled():
                     h = self.first[e].with_epilogue(x[start:end], self._epilogue)
                 else:
-                    h = self.first[e](x[start:end])
-                    h = self._gate(self, h) if self.has_gate else self.act_fn(h)
-                h = self.down[e](h)
-                out[start:end] = self.post_expert_norm(h) if self.post_expert_norm is not None else h
+                    h = self._activate(self.first[e](x[start:end]))
+                out[start:end] = self._norm(self.down[e](h))
             start = end
         return out
 

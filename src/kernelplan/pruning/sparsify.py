@@ -103,10 +103,12 @@ def _three_d(module: nn.Module) -> list[str]:
 
 
 def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyReport,
-            experts: list | None = None, policy: str = "auto") -> list[tuple[str, nn.Linear]]:
+            experts: list | None = None, policy: str = "auto",
+            experts_dense: str | None = None) -> list[tuple[str, nn.Linear]]:
     """The linear layers to prune; every other layer that could have been goes to ``report.skipped`` with why.
     Experts modules of 3-D weights (``nn/experts.py``) to hold 2:4 under ``policy`` (sparsify's ``experts``) go to
-    ``experts``; where it is None (a method that scores weights by their inputs), to ``report.skipped``."""
+    ``experts``; where it is None (a method that scores weights by their inputs), to ``report.skipped``, with
+    ``experts_dense`` as the reason where the caller has its own."""
     owners: dict[tuple, list[str]] = {}  # parameter storage -> the names that hold it, ties included
     for pname, p in model.named_parameters(remove_duplicate=False):
         if p.numel():  # (a model built on the meta device has no storage: a tie is one Parameter there)
@@ -120,7 +122,7 @@ def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyRep
             continue
         conv = is_conv1d(layer)
         if _three_d(layer) and not isinstance(layer, nn.modules.conv._ConvNd):
-            _select_experts(name, layer, filter_fn, report, experts, policy)
+            _select_experts(name, layer, filter_fn, report, experts, policy, experts_dense)
             continue
         if not isinstance(layer, nn.Linear) and not conv:
             continue
@@ -152,11 +154,14 @@ def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyRep
 
 
 def _select_experts(name: str, layer: nn.Module, filter_fn, report: SparsifyReport, experts: list | None,
-                    policy: str) -> None:
+                    policy: str, experts_dense: str | None) -> None:
     if filter_fn is not None and not filter_fn(name, layer):
         report.skipped[name] = "filtered out by filter_fn"
         return
     reason = experts_reason(layer)
+    if reason is None and experts_dense is not None:
+        report.skipped[name] = experts_dense
+        return
     if reason is None and policy == "none":
         reason = "experts='none'"
     if reason is None and policy == "auto":
