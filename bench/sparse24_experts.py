@@ -3,12 +3,16 @@
 The 2:4 module runs each projection as one grouped launch (``kernels/sparse24_grouped.py``); ``sparse24_loop`` is
 the same module one GEMM per expert, as it runs with autograd.
 
-Mixtral-8x7B's and Qwen3-30B-A3B's expert sizes from their published configs (8 experts of 4096 -> 14336, top 2;
-128 experts of 2048 -> 768, top 8), bf16, random weights and routing (top-k of random logits).  For each token count:
-the dense module under transformers' ``grouped_mm`` (its default on the GPU) and ``eager`` implementations, and the
-2:4 module, eager calls timed by ``triton.testing.do_bench`` (medians, alternating rounds); the 2:4 module's
-relative error against the dense module of the same pruned weights; bytes held by each.  Writes
-``bench/results/sparse24-experts-<gpu>.json``.
+The expert sizes of published MoE configs (``MODELS``: experts, hidden, intermediate, top k), in Mixtral's module
+(SiLU gating, no bias), bf16, random weights and routing (top-k of random logits).  For each token count:
+
+* as CUDA graphs (``triton.testing.do_bench_cudagraph``): the dense module under transformers' ``grouped_mm`` (its
+  default on the GPU, written to be captured) against the 2:4 module;
+* as eager calls (``triton.testing.do_bench``): those two, transformers' ``eager`` loop, and the 2:4 module one GEMM
+  an expert (``sparse24_loop``; neither loop can be captured: they read the routing on the host);
+
+medians of alternating rounds; the 2:4 module's relative error against the dense module of the same pruned weights;
+bytes held by each.  Writes ``bench/results/sparse24-experts-<gpu>.json``.
 
     PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_experts.py
 """
@@ -25,11 +29,19 @@ from kernelplan.bench import results
 from kernelplan.nn import Sparse24Experts
 from kernelplan.timing import interleaved
 
-MODELS = {  # (experts, hidden, intermediate, top k)
+MODELS = {  # (experts, hidden, intermediate, top k): the routed experts of each config.json
     "Mixtral-8x7B": (8, 4096, 14336, 2),
+    "Mixtral-8x22B": (8, 6144, 16384, 2),
+    "Phi-3.5-MoE": (16, 4096, 6400, 2),
+    "gpt-oss-20b": (32, 2880, 2880, 4),  # its sizes only: gpt-oss's own module adds biases and clamped gating
+    "Qwen1.5-MoE-A2.7B": (60, 2048, 1408, 4),
+    "DeepSeek-V2-Lite": (64, 2048, 1408, 6),
+    "OLMoE-1B-7B": (64, 2048, 1024, 8),
     "Qwen3-30B-A3B": (128, 2048, 768, 8),
+    "Qwen3-235B-A22B": (128, 4096, 1536, 8),
+    "DeepSeek-V3": (256, 7168, 2048, 8),
 }
-TOKENS = (1, 16, 128, 512, 2048)
+TOKENS = (1, 4, 16, 64, 128, 512, 2048)
 
 
 def dense_experts(experts: int, hidden: int, inner: int, implementation: str):
@@ -53,10 +65,12 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, nargs="*", default=TOKENS)
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     a = ap.parse_args()
     torch.manual_seed(0)
     rows = []
-    for model, (experts, hidden, inner, k) in MODELS.items():
+    for model in a.models:
+        experts, hidden, inner, k = MODELS[model]
         dense = dense_experts(experts, hidden, inner, "grouped_mm")
         sparse = Sparse24Experts.from_experts(dense)
         with torch.no_grad():  # the dense module computes with the pruned weights: the same function
@@ -83,16 +97,22 @@ def main() -> int:
                          "sparse24_loop": lambda: loop(x, index, weights)}
                 ms = interleaved({n: (lambda f=f: triton.testing.do_bench(f, warmup=5, rep=40)) for n, f in
                                   calls.items()}, a.rounds)
+                replay = lambda f: triton.testing.do_bench_cudagraph(f, rep=20, return_mode="median")  # noqa: E731
+                graph = interleaved({n: (lambda f=calls[n]: replay(f)) for n in ("grouped_mm", "sparse24")}, a.rounds)
                 grouped = sparse._grouped(x)  # under no_grad, as the calls ran
             row = {"model": model, "experts": experts, "hidden": hidden, "intermediate": inner, "top_k": k,
-                   "tokens": tokens, "ms": ms, "speedup_vs_grouped_mm": ms["grouped_mm"] / ms["sparse24"],
+                   "tokens": tokens, "ms": ms, "graph_ms": graph,
+                   "graph_speedup_vs_grouped_mm": graph["grouped_mm"] / graph["sparse24"],
+                   "speedup_vs_grouped_mm": ms["grouped_mm"] / ms["sparse24"],
                    "speedup_vs_eager": ms["eager"] / ms["sparse24"], "rel_err": err, "grouped": grouped,
                    "dense_bytes": dense_bytes, "held_bytes": held}
             rows.append(row)
-            print(f"{model:14s} T={tokens:5d}  grouped_mm {ms['grouped_mm']:8.3f} ms  eager {ms['eager']:8.3f} ms  "
-                  f"2:4 {ms['sparse24']:8.3f} ms (a GEMM an expert {ms['sparse24_loop']:8.3f})  "
-                  f"({row['speedup_vs_grouped_mm']:.2f}x / "
-                  f"{row['speedup_vs_eager']:.2f}x)  err {err:.1e}  bytes {held / dense_bytes:.4f}x", flush=True)
+            print(f"{model:17s} T={tokens:5d}  graph: grouped_mm {graph['grouped_mm']:7.3f} "
+                  f"2:4 {graph['sparse24']:7.3f} ms ({row['graph_speedup_vs_grouped_mm']:.2f}x)  "
+                  f"eager: grouped_mm {ms['grouped_mm']:7.3f} "
+                  f"2:4 {ms['sparse24']:7.3f} ms ({row['speedup_vs_grouped_mm']:.2f}x; transformers' loop "
+                  f"{ms['eager']:7.3f}, a GEMM an expert {ms['sparse24_loop']:7.3f})  err {err:.1e}  "
+                  f"bytes {held / dense_bytes:.4f}x", flush=True)
         dense = sparse = eager = loop = None  # freed before the next model
         torch.cuda.empty_cache()
     results.write("sparse24-experts", {"rows": rows}, a.out, dtype="bf16")
