@@ -95,6 +95,30 @@ def _epilogue_spans(rows: list[dict]) -> str:
     return _by_n(rows, lambda med: f"{med('speedup'):.2f}x (epilogue {med('epilogue_gain'):.2f}x)")
 
 
+def _experts_note(doc: dict, name: str) -> str:
+    """Per token count, the grouped 2:4 experts against transformers' ``grouped_mm`` over every MoE config timed."""
+    rows = doc["rows"]
+    configs = ", ".join(f"{m} ({r['experts']} x {r['hidden']} -> {r['intermediate']}, top {r['top_k']})"
+                        for m, r in {r["model"]: r for r in rows}.items())
+    by_tokens = _by_tokens(rows)
+    held = {round(r["held_bytes"] / r["dense_bytes"], 4) for r in rows}
+    return (f"- 2:4 MoE experts (`kp.nn.Sparse24Experts`, each projection one grouped launch) against transformers' "
+            f"`grouped_mm` on the same pruned weights, over {len({r['model'] for r in rows})} configs' routed "
+            f"experts ({configs}), random routing, median (min) by tokens, CUDA graph / eager: {by_tokens}; "
+            f"bytes {'-'.join(f'{b:.4f}' for b in sorted(held))}x, {_source(doc['meta'], name)}.")
+
+
+def _by_tokens(rows: list[dict]) -> str:
+    def cell(values: list[float]) -> str:
+        return f"{statistics.median(values):.2f}x ({min(values):.2f}x)"
+
+    def at(t: int, key: str) -> str:
+        return cell([r[key] for r in rows if r["tokens"] == t])
+
+    return "; ".join(f"{t} token{'s' * (t != 1)} {at(t, 'graph_speedup_vs_grouped_mm')} / "
+                     f"{at(t, 'speedup_vs_grouped_mm')}" for t in sorted({r["tokens"] for r in rows}))
+
+
 def sparse24_notes() -> list[str]:
     """The 2:4 model, conversion and host-work results, one line each."""
     lines = []
@@ -108,20 +132,8 @@ def sparse24_notes() -> list[str]:
                          f"dense, the LM head pruned too), {_source(model['meta'], name)}.")
     for name in ("sparse24-experts-h100", "sparse24-experts-h200"):
         doc = _load(name)
-        if doc:
-            models = dict.fromkeys(r["model"] for r in doc["rows"])
-            parts = []
-            for model in models:
-                rows = [r for r in doc["rows"] if r["model"] == model]
-                head = rows[0]
-                parts.append(f"{model} ({head['experts']} experts of {head['hidden']} -> {head['intermediate']}, top "
-                             f"{head['top_k']}) " + " / ".join(f"{r['speedup_vs_grouped_mm']:.2f}" for r in rows) +
-                             f"x at {' / '.join(str(r['tokens']) for r in rows)} tokens, one GEMM an expert " +
-                             _span([r["ms"]["grouped_mm"] / r["ms"]["sparse24_loop"] for r in rows]) +
-                             f", bytes {head['held_bytes'] / head['dense_bytes']:.4f}x")
-            lines.append(f"- 2:4 MoE experts (`kp.nn.Sparse24Experts`, each projection one grouped launch), eager "
-                         f"calls against transformers' `grouped_mm` on the same pruned weights: {'; '.join(parts)}, "
-                         f"{_source(doc['meta'], name)}.")
+        if doc and "graph_ms" in doc["rows"][0]:
+            lines.append(_experts_note(doc, name))
     for name in ("sparse24-siblings-sweep-h100", "sparse24-siblings-sweep-h200"):
         sweep = _load(name)
         if sweep:

@@ -72,12 +72,12 @@ def experts_reason(module: nn.Module) -> str | None:
 
 # kp.sparsify(experts="auto") holds a MoE layer's experts 2:4 where the grouped kernel runs them (on a Hopper GPU:
 # each projection one launch over every expert), or where each expert holds at least this many dense bytes.
-# Elsewhere (the CPU, other GPUs, autograd) they run one GEMM per expert, and each expert costs its host work
-# (about 50 us on an H200's host), where transformers' grouped_mm runs all experts in one call.  On an H200
-# (bench/results/sparse24-experts-h200.json, 6e0e896), against grouped_mm at 1-2048 tokens:
-# * Mixtral-8x7B's experts (336 MiB each): grouped 0.94-2.40x, one GEMM an expert 1.16-1.75x;
-# * Qwen3-30B-A3B's (9 MiB each, 128 of them, top 8): grouped 0.96-1.38x, one GEMM an expert 0.06-0.6x.
-EXPERTS_MIN_BYTES = 128 << 20
+# Elsewhere (the CPU, other GPUs, autograd) they run one GEMM per expert, and each expert costs its host work, where
+# transformers' grouped_mm runs all experts in one call.  One GEMM an expert against grouped_mm, eager, 1-2048
+# tokens, ten published configs (bench/results/sparse24-experts-h100.json and -h200.json, 9dab382):
+# * Mixtral-8x22B (576 MiB an expert) 1.05-2.05x, Mixtral-8x7B (336 MiB) 0.87-1.65x;
+# * Phi-3.5-MoE (150 MiB) 0.61-1.22x; 84 MiB and less (DeepSeek-V3 ... Qwen3-30B-A3B) 0.06-1.19x.
+EXPERTS_MIN_BYTES = 256 << 20
 
 
 def experts_speed_reason(module: nn.Module) -> str | None:
@@ -97,9 +97,9 @@ def experts_speed_reason(module: nn.Module) -> str | None:
     if why is None:
         return None
     return (f"each of its {count} experts holds {each / 2**20:.1f} MiB, under {EXPERTS_MIN_BYTES >> 20} MiB, and the "
-            f"grouped kernel cannot run them here ({why}): one GEMM per expert, each with its host work, ran 0.06-0.6x "
-            f"of transformers' grouped_mm at Qwen3-30B-A3B's sizes on an H200 "
-            f"(bench/results/sparse24-experts-h200.json); sparsify on the GPU, or experts='all' for the memory "
+            f"grouped kernel cannot run them here ({why}): one GEMM per expert, each with its host work, ran 0.06-1.22x "
+            f"of transformers' grouped_mm for experts of 150 MiB and less on an H100 and an H200 "
+            f"(bench/results/sparse24-experts-h100.json); sparsify on the GPU, or experts='all' for the memory "
             f"(0.5625x) anyway")
 
 

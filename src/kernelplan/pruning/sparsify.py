@@ -209,10 +209,10 @@ def sparsify(
     A MoE layer's experts stored as 3-D weights (transformers 5's experts modules: Mixtral, Qwen-MoE, OLMoE,
     DeepSeek, gpt-oss ...) can become a ``Sparse24Experts``, each expert's projections pruned by magnitude.
     ``experts``: "auto" (the default) does so where the grouped kernel runs them (weights on a Hopper GPU: each
-    projection one launch over every expert) or where each expert holds at least ``EXPERTS_MIN_BYTES`` (128 MiB:
-    Mixtral's do, Qwen3-MoE's and DeepSeek's do not), since elsewhere they run one GEMM per expert, far slower than
-    transformers' grouped GEMM for many small experts (nn/experts.py says what was measured); "all" wherever it
-    can; "none" never.  Scoring experts by their inputs is not built, so under "wanda" and "sparsegpt" they stay
+    projection one launch over every expert) or where each expert holds at least ``EXPERTS_MIN_BYTES`` (256 MiB:
+    Mixtral's do; Phi-3.5-MoE's, Qwen3-MoE's and DeepSeek's do not), since elsewhere they run one GEMM per expert,
+    slower than transformers' grouped GEMM for all but large experts (nn/experts.py says what was measured); "all"
+    wherever it can; "none" never.  Scoring experts by their inputs is not built, so under "wanda" and "sparsegpt" they stay
     dense.  Experts left dense are in the report, with why.
 
     ``method``: "magnitude" (the default without ``calibration``), "wanda" or
