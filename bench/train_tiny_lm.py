@@ -28,6 +28,39 @@ import kernelplan as kp
 from kernelplan.bench.accuracy import CONFIG, CORPUS, SEQ, corpus
 
 
+def train_lm(model, train: torch.Tensor, held: torch.Tensor, steps: int, batch: int, lr: float, eval_every: int,
+             decay_1d: bool = True) -> tuple[tuple, list[dict]]:
+    """AdamW with a warm-up and cosine schedule on random windows of ``train``, bf16 autocast on the model's device;
+    held-out perplexity every ``eval_every`` steps.  ``((best perplexity, its state_dict, its step), log)``."""
+    dev = next(model.parameters()).device
+    params = list(model.parameters())
+    groups = [dict(params=params, weight_decay=0.1)] if decay_1d else [
+        dict(params=[q for q in params if q.dim() > 1], weight_decay=0.1),
+        dict(params=[q for q in params if q.dim() <= 1], weight_decay=0.0)]
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, s / 200) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    train_dev = train.to(dev)
+    best, log, t0 = (float("inf"), None, 0), [], time.time()
+    for step in range(1, steps + 1):
+        starts = torch.randint(0, len(train) - SEQ - 1, (batch,), device=dev)
+        ids = train_dev[starts[:, None] + torch.arange(SEQ, device=dev)]
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % eval_every == 0 or step == steps:
+            ppl = kp.evaluate(model, held, seq_len=SEQ, batch_size=64)
+            log.append(dict(step=step, train_loss=float(loss.detach()), held_out_perplexity=ppl, seconds=time.time() - t0))
+            print(log[-1], flush=True)
+            if ppl < best[0]:
+                best = (ppl, copy.deepcopy(model.state_dict()), step)
+    return best, log
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -51,31 +84,7 @@ def main() -> None:
         model = transformers.LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32).to(dev)
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**CONFIG, **json.loads(args.config)})).to(dev)
-    params = list(model.parameters())
-    groups = [dict(params=params, weight_decay=0.1)] if args.decay_1d else [
-        dict(params=[q for q in params if q.dim() > 1], weight_decay=0.1),
-        dict(params=[q for q in params if q.dim() <= 1], weight_decay=0.0)]
-    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, s / 200) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
-    train_dev = train.to(dev)
-    best, log, t0 = (float("inf"), None, 0), [], time.time()
-    for step in range(1, args.steps + 1):
-        starts = torch.randint(0, len(train) - SEQ - 1, (args.batch,), device=dev)
-        ids = train_dev[starts[:, None] + torch.arange(SEQ, device=dev)]
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            loss = model(ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if step % args.eval_every == 0 or step == args.steps:
-            ppl = kp.evaluate(model, held, seq_len=SEQ, batch_size=64)
-            log.append(dict(step=step, train_loss=float(loss), held_out_perplexity=ppl, seconds=time.time() - t0))
-            print(log[-1], flush=True)
-            if ppl < best[0]:
-                best = (ppl, copy.deepcopy(model.state_dict()), step)
+    best, log = train_lm(model, train, held, args.steps, args.batch, args.lr, args.eval_every, bool(args.decay_1d))
     model.load_state_dict(best[1])
     os.makedirs(args.out, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(args.out, safe_serialization=True)

@@ -216,17 +216,6 @@ def test_expert_layers_are_not_sibling_candidates():
     assert siblings_of(model.model.layers[0].self_attn.k_proj) is not None  # the rest of the model still is
 
 
-def test_calibrated_methods_leave_the_experts_dense_and_say_so(seed):
-    model = _mixtral(torch.float32)
-    report = kp.sparsify(model, progress=False, calibration=torch.randint(0, 256, (4, 16)), method="wanda",
-                         experts="all")
-    name = "model.layers.0.mlp.experts"
-    assert name not in report.converted and "pruned by magnitude only" in report.skipped[name]
-    assert "gate_up_proj, down_proj" in report.skipped[name]
-    assert type(model.get_submodule(name)).__name__ == "MixtralExperts"
-    assert "model.layers.0.self_attn.q_proj" in report.converted
-
-
 def test_three_d_weights_of_an_unknown_module_are_reported(seed):
     class Odd(nn.Module):
         def __init__(self):

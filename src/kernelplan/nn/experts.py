@@ -45,6 +45,26 @@ def _parts(has_gate: bool) -> tuple[str, str]:
     return ("gate_up_proj" if has_gate else "up_proj"), "down_proj"
 
 
+def parts_of(module: nn.Module) -> tuple[str, str]:
+    """The names of an experts module's two projections (``experts_reason`` accepts it)."""
+    return _parts(_flags(module)["has_gate"])
+
+
+def expert_weight(module: nn.Module, name: str, e: int) -> torch.Tensor:
+    """Expert ``e``'s weight of projection ``name`` as a linear layer's ``[out, in]`` (a view)."""
+    w = getattr(module, name)[e]
+    return w.t() if module.is_transposed else w
+
+
+def source_activation(module: nn.Module):
+    """What an experts module does between its projections, as a function of the first one's output: its own
+    gating (``_apply_gate``, transformers' default where the class has none), or its activation without a gate."""
+    if not _flags(module)["has_gate"]:
+        return module.act_fn
+    gate = getattr(type(module), "_apply_gate", None) or _default_gate
+    return lambda h: gate(module, h)
+
+
 def experts_reason(module: nn.Module) -> str | None:
     """Why ``module`` is not an experts module that ``Sparse24Experts.from_experts`` reads, or None if it is."""
     flags = _flags(module)
@@ -155,21 +175,23 @@ class Sparse24Experts(nn.Module):
         return f"gated_{activation}_first" if activation is not None else None
 
     @classmethod
-    def from_experts(cls, experts: nn.Module) -> "Sparse24Experts":
-        """Prune each expert's projections by magnitude (2 of every 4 along their inputs) and compress them."""
+    def from_experts(cls, experts: nn.Module, pruned: dict | None = None) -> "Sparse24Experts":
+        """Prune each expert's projections by magnitude (2 of every 4 along their inputs) and compress them; or, with
+        ``pruned`` (``{projection name: [Sparse24Weight of each expert]}``, as ``pruning/experts.py`` calibrates
+        them), hold those."""
         reason = experts_reason(experts)
         if reason is not None:
             raise InvalidProblem(f"experts is a {type(experts).__name__} that cannot be held 2:4: {reason}")
         flags = _flags(experts)
         layers = []
         for name in _parts(flags["has_gate"]):
-            weights = getattr(experts, name).detach()
+            count = getattr(experts, name).shape[0]
             biases = getattr(experts, name + "_bias", None) if flags["has_bias"] else None
             built = []
-            for e in range(weights.shape[0]):
-                w = weights[e].t() if flags["is_transposed"] else weights[e]
+            for e in range(count):
                 with torch.no_grad():
-                    w24 = prune_compress(w, packed=True)
+                    w24 = pruned[name][e] if pruned is not None else \
+                        prune_compress(expert_weight(experts, name, e).detach(), packed=True)
                     bias = biases[e].detach().clone() if biases is not None else None
                 built.append(Sparse24Linear(w24.values, w24.metadata, bias, _validate=False))
             layers.append(built)

@@ -17,6 +17,7 @@ from ..nn.siblings import fuse_siblings
 from ..nn.sparse24_linear import Sparse24Linear
 from ..sparse24.format import SPARSE24_DTYPES, Sparse24Weight, compress, prune_compress
 from . import calibrate, methods
+from .experts import calibrate_experts
 
 
 @dataclass
@@ -29,6 +30,7 @@ class SparsifyReport:
     errors: dict[str, float] = field(default_factory=dict)  # layer -> relative output error on calibration inputs
     seconds: dict[str, float] = field(default_factory=dict)  # calibration's wall time by phase (device drained)
     transposed: list[str] = field(default_factory=list)  # converted layers whose weight was stored [in, out]
+    uncalibrated: dict[str, list[int]] = field(default_factory=dict)  # experts module -> experts no token reached
 
     def summary(self) -> str:
         saved = self.bytes_before - self.bytes_after
@@ -42,6 +44,8 @@ class SparsifyReport:
         if self.transposed:
             lines.append(f"read as stored [in, out] (Hugging Face's Conv1D, GPT-2's) and written as the linear layer's "
                          f"[out, in]: {', '.join(self.transposed)}")
+        lines += [f"pruned by magnitude, no calibration token routed to them: {name} experts "
+                  f"{', '.join(map(str, ids))}" for name, ids in self.uncalibrated.items()]
         lines += [f"skipped {name}: {why}" for name, why in self.skipped.items()]
         if self.method == "magnitude" and self.converted:
             lines.append(MAGNITUDE_NOTE)
@@ -107,8 +111,8 @@ def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyRep
             experts_dense: str | None = None) -> list[tuple[str, nn.Linear]]:
     """The linear layers to prune; every other layer that could have been goes to ``report.skipped`` with why.
     Experts modules of 3-D weights (``nn/experts.py``) to hold 2:4 under ``policy`` (sparsify's ``experts``) go to
-    ``experts``; where it is None (a method that scores weights by their inputs), to ``report.skipped``, with
-    ``experts_dense`` as the reason where the caller has its own."""
+    ``experts``; where the caller holds none (``experts`` None), to ``report.skipped``, with ``experts_dense`` (then
+    required) as the reason."""
     owners: dict[tuple, list[str]] = {}  # parameter storage -> the names that hold it, ties included
     for pname, p in model.named_parameters(remove_duplicate=False):
         if p.numel():  # (a model built on the meta device has no storage: a tie is one Parameter there)
@@ -166,18 +170,15 @@ def _select_experts(name: str, layer: nn.Module, filter_fn, report: SparsifyRepo
         reason = "experts='none'"
     if reason is None and policy == "auto":
         reason = experts_speed_reason(layer)
-    if reason is None and experts is None:
-        reason = ("a MoE layer's experts, stacked as 3-D weights, are pruned by magnitude only: Wanda and SparseGPT "
-                  "need each expert's own inputs, which calibration does not gather yet; method='magnitude' prunes "
-                  "them")
     if reason is not None:
         report.skipped[name] = f"{reason}; its 3-D weights ({', '.join(_three_d(layer))}) stay dense"
         return
     experts.append((name, layer))
 
 
-def _replace_experts(model: nn.Module, name: str, layer: nn.Module, report: SparsifyReport) -> None:
-    sparse = Sparse24Experts.from_experts(layer)
+def _replace_experts(model: nn.Module, name: str, layer: nn.Module, report: SparsifyReport,
+                     pruned: dict | None = None) -> None:
+    sparse = Sparse24Experts.from_experts(layer, pruned)
     parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
     setattr(parent, name.rpartition(".")[2], sparse)
     report.converted.append(name)
@@ -207,13 +208,14 @@ def sparsify(
     inputs as a linear layer is) in place with a 2:4 ``Sparse24Linear``.
 
     A MoE layer's experts stored as 3-D weights (transformers 5's experts modules: Mixtral, Qwen-MoE, OLMoE,
-    DeepSeek, gpt-oss ...) can become a ``Sparse24Experts``, each expert's projections pruned by magnitude.
+    DeepSeek, gpt-oss ...) can become a ``Sparse24Experts``, each expert's projections pruned by ``method``: with
+    calibration, on the tokens the router sends it (``pruning/experts.py``; an expert no token reached is pruned by
+    magnitude and named in the report's ``uncalibrated``).
     ``experts``: "auto" (the default) does so where the grouped kernel runs them (weights on a Hopper GPU: each
     projection one launch over every expert) or where each expert holds at least ``EXPERTS_MIN_BYTES`` (256 MiB:
     Mixtral's do; Phi-3.5-MoE's, Qwen3-MoE's and DeepSeek's do not), since elsewhere they run one GEMM per expert,
     slower than transformers' grouped GEMM for all but large experts (nn/experts.py says what was measured); "all"
-    wherever it can; "none" never.  Scoring experts by their inputs is not built, so under "wanda" and "sparsegpt" they stay
-    dense.  Experts left dense are in the report, with why.
+    wherever it can; "none" never.  Experts left dense are in the report, with why.
 
     ``method``: "magnitude" (the default without ``calibration``), "wanda" or
     "sparsegpt" (the default with it); see ``kernelplan/pruning/methods.py``.
@@ -251,12 +253,11 @@ def sparsify(
                              f"model's (for example 128 sequences of 2048 tokens), or use method='magnitude'")
     out = SparsifyReport(method=method)
     policy = choice(experts, "experts", ("auto", "all", "none"))
-    held: list | None = [] if method == "magnitude" else None
+    held: list[tuple[str, nn.Module]] = []
     chosen = _select(model, filter_fn, prune_output, out, held, policy)
-    # Experts first: with calibration, the blocks after them are pruned on the outputs of the pruned experts.
-    for name, layer in tqdm(held or [], desc="sparsify (experts)", disable=not progress or not held):
-        _replace_experts(model, name, layer, out)
     if calibration is None:
+        for name, layer in tqdm(held, desc="sparsify (experts)", disable=not progress or not held):
+            _replace_experts(model, name, layer, out)
         for name, layer in tqdm(chosen, desc="sparsify", disable=not progress or len(chosen) < 8):
             _replace(model, name, layer, prune_compress(layer.weight.detach(), packed=True), out)
         return _fused(model, fuse, out)
@@ -283,19 +284,41 @@ def sparsify(
             for name, layer, w24 in zip(names, group, w24s):
                 _replace(model, name, layer, w24, out)
 
-    if chosen:
+    def prune_experts(modules: list[tuple[str, nn.Module]], run: Callable[[], None]) -> None:
+        """Each experts module on the tokens ``run()`` routes to each expert (``pruning/experts.py``), after the
+        block's linear layers: its inputs then come through the pruned attention, as the next block's will."""
+        for name, module in modules:
+            if method == "magnitude" and not report:  # nothing to gather
+                _replace_experts(model, name, module, out)
+                continue
+            with clock("experts"):
+                pruned, unreached, errors = calibrate_experts(module, method, run, report, blocksize, damp)
+            if unreached:
+                out.uncalibrated[name] = unreached
+            out.errors.update({f"{name}.{part} (mean over experts)": err for part, err in errors.items()})
+            _replace_experts(model, name, module, out, pruned)
+
+    if chosen or held:
         _, blocks = calibrate.resolve_blocks(model, blocks)
         owner = {id(m): i for i, block in enumerate(blocks) for m in block.modules()}
         per_block = [[(n, l) for n, l in chosen if owner.get(id(l)) == i] for i in range(len(blocks))]
+        experts_in = [[(n, m) for n, m in held if owner.get(id(m)) == i] for i in range(len(blocks))]
         outside = [(n, l) for n, l in chosen if id(l) not in owner]
+        experts_outside = [(n, m) for n, m in held if id(m) not in owner]
         with torch.no_grad(), clock("capture"):
             inputs = calibrate.capture_inputs(model, blocks[0], data)
         bar = lambda it: tqdm(it, desc=f"sparsify ({method})", unit="layer", disable=not progress)  # noqa: E731
+
+        def prune_block(i: int, block: nn.Module, dense_pass: Callable[[], None]) -> None:
+            prune_layers(per_block[i], dense_pass)
+            prune_experts(experts_in[i], dense_pass)
+
         with torch.no_grad():
-            calibrate.run_blocks(blocks, inputs, lambda i, block, dense_pass: prune_layers(per_block[i], dense_pass),
-                                 bar, lambda: clock("forward"))
+            calibrate.run_blocks(blocks, inputs, prune_block, bar, lambda: clock("forward"))
+        whole = lambda: calibrate.model_pass(model, data)  # noqa: E731
         if outside:
-            prune_layers(outside, lambda: calibrate.model_pass(model, data))
+            prune_layers(outside, whole)
+        prune_experts(experts_outside, whole)
     return _fused(model, fuse, out)
 
 
