@@ -284,10 +284,63 @@ def test_save_model_writes_the_experts_as_transformers_holds_them(tmp_path, seed
     ids = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(dense(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
-    for fmt in ("kernelplan", "sparse-24-bitmask"):
-        with pytest.raises(InvalidProblem, match="model.layers.0.mlp.experts is a Sparse24Experts .* format='dense'"):
-            kp.hf.save_model(model, tmp_path / fmt, format=fmt)
-        assert not (tmp_path / fmt).exists()
+    with pytest.raises(InvalidProblem, match="model.layers.0.mlp.experts is a Sparse24Experts .* "
+                                             "format='kernelplan'"):
+        kp.hf.save_model(model, tmp_path / "bitmask", format="sparse-24-bitmask")
+    assert not (tmp_path / "bitmask").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_experts_round_trip_through_the_kernelplan_format(tmp_path, seed, dtype):
+    """format="kernelplan" writes the experts stacked and 2:4 ([E, M, K/2] values, [E, M, K/8] metadata, the public
+    format), no dense copy of them; load_model builds Sparse24Experts from them that compute what the saved model
+    does, exactly."""
+    from safetensors.torch import load_file
+
+    model = _mixtral(dtype)
+    kp.sparsify(model, progress=False, experts="all")
+    kp.hf.save_model(model, tmp_path / "kp")
+    state = load_file(str(tmp_path / "kp" / "model.safetensors"))
+    prefix = "model.layers.1.mlp.experts"
+    assert state[f"{prefix}.gate_up_proj.values"].shape == (4, 384, 64)
+    assert state[f"{prefix}.down_proj.metadata"].shape == (4, 128, 24)
+    assert f"{prefix}.gate_up_proj" not in state and not [k for k in state if ".first." in k]
+    saved = model.get_submodule(prefix)
+    assert torch.equal(state[f"{prefix}.down_proj.values"][2], saved.down[2].weight24.public().values)
+    loaded = kp.hf.load_model(tmp_path / "kp")
+    experts = loaded.get_submodule(prefix)
+    assert isinstance(experts, Sparse24Experts) and experts.num_experts == 4
+    for e in range(4):
+        assert torch.equal(experts.first[e].to_dense(), saved.first[e].to_dense())
+    index, weights = _routing(13, 4)
+    x = torch.randn(13, 128, dtype=dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(experts(x, index, weights.to(dtype)), saved(x, index, weights.to(dtype)), rtol=0,
+                                   atol=0)
+        if dtype == torch.float64:  # the whole model (in bf16 the loaded model's attention may be another kernel)
+            ids = torch.randint(0, 256, (2, 9))
+            torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_stacked_experts_that_do_not_fit_the_model_are_refused(tmp_path, seed):
+    from safetensors.torch import load_file, save_file
+
+    model = _mixtral(torch.float32)
+    kp.sparsify(model, progress=False, experts="all")
+    kp.hf.save_model(model, tmp_path / "kp")
+    path = tmp_path / "kp" / "model.safetensors"
+    state = load_file(str(path))
+    for leaf in ("values", "metadata"):  # three experts of four
+        key = f"model.layers.0.mlp.experts.down_proj.{leaf}"
+        state[key] = state[key][:3]
+    save_file(state, str(path))
+    with pytest.raises(InvalidProblem, match=r"experts.down_proj: the checkpoint holds 3 experts of \(128, 192\) "
+                                             r"2:4, and the model built from config.json has 4 experts"):
+        kp.hf.load_model(tmp_path / "kp")
+    del state["model.layers.0.mlp.experts.down_proj.values"]
+    save_file(state, str(path))
+    with pytest.raises(InvalidProblem, match="down_proj has .'metadata'. but not all of"):
+        kp.hf.load_model(tmp_path / "kp")
 
 
 def test_auto_holds_experts_2_4_only_where_each_is_large(seed, monkeypatch):
@@ -404,3 +457,27 @@ def test_a_moe_directory_says_why_its_experts_stay_dense(tmp_path, seed):
     assert "transformers stacks them as it loads" in report.skipped["model.layers.1.mlp.experts"]
     with pytest.raises(InvalidProblem, match="load the dense model with transformers, kp.sparsify it"):
         kp.hf.load_model(tmp_path / "out")
+
+
+def test_transposed_experts_with_biases_round_trip(tmp_path, seed):
+    """gpt-oss's experts ([E, in, out] weights, biases): saved as each expert's [out, in], and loaded back into a
+    model whose module holds them transposed."""
+    cfg = transformers.GptOssConfig(vocab_size=256, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=3,
+                                    num_experts_per_tok=2, layer_types=["full_attention"] * 2)
+    model = transformers.GptOssForCausalLM(cfg).eval().double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name:
+                p.normal_(0, 0.3)
+    kp.sparsify(model, progress=False, experts="all")
+    saved = model.model.layers[0].mlp.experts
+    assert isinstance(saved, Sparse24Experts) and saved.is_transposed
+    kp.hf.save_model(model, tmp_path / "kp")
+    loaded = kp.hf.load_model(tmp_path / "kp")
+    experts = loaded.model.layers[0].mlp.experts
+    assert isinstance(experts, Sparse24Experts) and experts.is_transposed
+    assert torch.equal(experts.first[1].bias, saved.first[1].bias)
+    ids = torch.randint(0, 256, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)

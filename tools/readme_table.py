@@ -262,6 +262,21 @@ def pruning_notes() -> list[str]:
                          f"{rows['dense']['perplexity']:.3f}; layers' input spread, max/median column norm, median "
                          f"{plain:.1f} -> {spread:.1f}), increase over dense: {cells} "
                          f"(`bench/accuracy_table.py`, `accuracy.fold_outliers`).")
+    moe = _load("accuracy-moe-h200")
+    if moe:
+        rows = moe["rows"]
+        cfg = moe["config"]
+
+        def cells(experts: str) -> str:
+            return "; ".join(f"{r['model']} {r['perplexity']:.3f} ({r['increase']:+.3f})" for r in rows
+                             if r["experts"] == experts)
+
+        lines.append(f"- Pruning a trained MoE to 2:4, a byte-level Mixtral ({cfg['num_hidden_layers']} layers of "
+                     f"{cfg['num_local_experts']} experts, top {cfg['num_experts_per_tok']}; trained "
+                     f"{moe['train_log'][-1]['step']} steps here), held-out perplexity per byte "
+                     f"(`bench/accuracy_moe.py`), dense {rows[0]['perplexity']:.3f}: experts pruned too "
+                     f"(each on the tokens routed to it), {cells('all')}; attention only, {cells('none')}; "
+                     f"{_source(moe['meta'], 'accuracy-moe-h200')}.")
     pre = _load("accuracy-minilm-cpu")
     if pre:
         res, meta, (median, _) = pre["methods"], pre["meta"], _spread(pre)

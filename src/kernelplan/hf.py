@@ -5,7 +5,11 @@ A directory holds ``config.json`` and either ``model.safetensors`` or shards
 ``p`` is stored as one of:
 
 * ``kernelplan``: ``p.values [M, K/2]`` and ``p.metadata [M, K/8]`` (the public
-  format, ``kernelplan/sparse24/format.py``);
+  format, ``kernelplan/sparse24/format.py``); a MoE layer's experts, stacked as
+  transformers holds them (``p`` is ``...experts.gate_up_proj``, ``up_proj`` or
+  ``down_proj``), ``p.values [E, M, K/2]`` and ``p.metadata [E, M, K/8]``: each
+  expert's projection as a linear layer's ``[out, in]``, whatever the module's
+  ``is_transposed``, with their biases under the module's own names;
 * ``sparse-24-bitmask`` (compressed-tensors, as llm-compressor wrote it):
   ``p.compressed [M, K/2]`` (byte-identical to ``values``), ``p.bitmask``
   (uint8 ``[M, K/8]``, the keep-mask packed little-endian along each row) and
@@ -128,7 +132,8 @@ def iter_tensors(path: str | os.PathLike, device: str | torch.device = "cpu") ->
 
 def iter_layers(path: str | os.PathLike, device: str | torch.device = "cpu",
                 targets: str | None = None) -> Iterator[tuple[str, object]]:
-    """``(name, tensor)`` for plain tensors and ``(prefix, Sparse24Weight)`` for 2:4 layers, in any of the formats.
+    """``(name, tensor)`` for plain tensors and ``(prefix, Sparse24Weight)`` for 2:4 layers, in any of the formats;
+    ``(prefix, [Sparse24Weight of each expert])`` for a MoE layer's stacked experts projection (``kernelplan``).
 
     ``targets`` (a regex on the layer prefix) chooses which dense ``*.weight``s of a
     ``dense`` 2:4 checkpoint must be 2:4; default: those of the layers
@@ -199,7 +204,12 @@ def _targeted(prefix: str, targets: str | None, ignore: list[str]) -> bool:
                    for i in ignore)
 
 
-def _weight(fmt: str, prefix: str, got: dict[str, torch.Tensor]) -> Sparse24Weight:
+def _weight(fmt: str, prefix: str, got: dict[str, torch.Tensor]) -> Sparse24Weight | list[Sparse24Weight]:
+    if fmt == "kernelplan" and got["values"].dim() == 3:  # a MoE layer's experts, stacked: one weight an expert
+        if got["metadata"].dim() != 3 or got["metadata"].shape[0] != got["values"].shape[0]:
+            raise InvalidProblem(f"{prefix}.values is {tuple(got['values'].shape)} and {prefix}.metadata "
+                                 f"{tuple(got['metadata'].shape)}; stacked experts store [E, M, K/2] and [E, M, K/8]")
+        return [Sparse24Weight(v, m) for v, m in zip(got["values"], got["metadata"])]
     if fmt == "kernelplan":
         return Sparse24Weight(got["values"], got["metadata"])
     shape = tuple(int(v) for v in got["shape"].flatten().tolist())
@@ -242,8 +252,12 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
     config = transformers.AutoConfig.from_pretrained(str(path))
     # Built in the checkpoint's own dtype (config.json's can be stale: a model cast after it was configured).
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype or _stored_dtype(path))
-    state, sparse = {}, set()
+    state, sparse, stacked = {}, set(), {}
     for name, item in iter_layers(path, device, targets):
+        if isinstance(item, list):  # an experts projection: built with its module's biases, after the state loads
+            stacked[name] = [w.to(dtype=dtype) if dtype is not None else w for w in item]
+            sparse.add(name)
+            continue
         if not isinstance(item, Sparse24Weight):
             state[name] = item.to(dtype) if dtype is not None and item.is_floating_point() else item
             continue
@@ -274,13 +288,39 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
                              f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}" + (
                                  "; a MoE model's experts are stored per expert and transformers stacks them as it "
                                  "loads, which this loader does not: load the dense model with transformers, "
-                                 "kp.sparsify it, and save its state_dict (docs/design/0031)" if moe else ""))
+                                 "kp.sparsify it, and save it with kp.hf.save_model (docs/design/0032)" if moe else ""))
+    _load_experts(model, stacked)
     model = model.to(device).eval()
     if fuse:
         from .nn.siblings import fuse_siblings
 
         fuse_siblings(model)
     return model
+
+
+def _load_experts(model: nn.Module, stacked: dict[str, list[Sparse24Weight]]) -> None:
+    """Replace each experts module whose projections the checkpoint holds 2:4 (``{param name: weights}``) with a
+    ``Sparse24Experts`` of them; its biases and the rest are the module's, loaded already."""
+    from .nn.experts import Sparse24Experts, expert_weight, experts_reason, parts_of
+
+    for prefix in dict.fromkeys(name.rpartition(".")[0] for name in stacked):
+        module = model.get_submodule(prefix)
+        reason = experts_reason(module)
+        if reason is not None:
+            raise InvalidProblem(f"{prefix} holds 2:4 stacked experts, but the model built from config.json has a "
+                                 f"{type(module).__name__} there that cannot hold them: {reason}")
+        pruned = {}
+        for part in parts_of(module):
+            weights = stacked.get(f"{prefix}.{part}")
+            count, want = getattr(module, part).shape[0], tuple(expert_weight(module, part, 0).shape)
+            if weights is None or len(weights) != count or tuple(weights[0].shape) != want:
+                got = "nothing" if weights is None else f"{len(weights)} experts of {tuple(weights[0].shape)}"
+                raise InvalidProblem(f"{prefix}.{part}: the checkpoint holds {got} 2:4, and the model built from "
+                                     f"config.json has {count} experts of {want} ([out, in]) there; a checkpoint "
+                                     f"holds both projections of an experts module 2:4, or neither")
+            pruned[part] = weights
+        parent = model.get_submodule(prefix.rpartition(".")[0]) if "." in prefix else model
+        setattr(parent, prefix.rpartition(".")[2], Sparse24Experts.from_experts(module, pruned))
 
 
 def _write_config(out: Path, config: dict, format: str, ignore: list[str]) -> None:
@@ -405,12 +445,13 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "kernelp
 
     format = choice(format, "format", FORMATS)
     experts = {name: m for name, m in model.named_modules() if isinstance(m, Sparse24Experts)}
-    if experts and format != "dense":
+    if experts and format == "sparse-24-bitmask":
         raise InvalidProblem(
-            f"{next(iter(experts))} is a Sparse24Experts (a MoE layer's experts, stacked): format={format!r} has no "
-            f"layout for experts yet. Save with format='dense' (the pruned weights, which transformers reads as it "
-            f"reads the model), or save model.state_dict() (safetensors' save_file) and load it into a model that "
-            f"kp.sparsify made from the same config")
+            f"{next(iter(experts))} is a Sparse24Experts (a MoE layer's experts, stacked as transformers holds them): "
+            f"compressed-tensors' sparse-24-bitmask format stores experts as per-expert linear layers under each "
+            f"model's own checkpoint names, which kernelplan does not write. Save with format='kernelplan' (the "
+            f"experts stacked, 2:4; load_model reads it) or format='dense' (the pruned weights, which transformers "
+            f"reads)")
     sparse = {name for name, m in model.named_modules() if isinstance(m, Sparse24Linear)}
     if format == "dense":
         _refuse_dense_conv1d(sorted(n for n in sparse if model.get_submodule(n).from_conv1d))
@@ -442,7 +483,8 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "kernelp
             continue
         tensors[name] = t.detach()
     for prefix, mod in experts.items():
-        tensors.update({f"{prefix}.{part}": t for part, t in mod.dense_parts().items()})
+        parts = mod.dense_parts() if format == "dense" else mod.stacked_parts()
+        tensors.update({f"{prefix}.{part}": t for part, t in parts.items()})
         if mod.post_expert_norm is not None:
             tensors.update({f"{prefix}.post_expert_norm.{k}": t for k, t in mod.post_expert_norm.state_dict().items()})
     groups, size = [[]], 0

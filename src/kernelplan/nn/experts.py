@@ -117,8 +117,8 @@ def experts_speed_reason(module: nn.Module) -> str | None:
     if why is None:
         return None
     return (f"each of its {count} experts holds {each / 2**20:.1f} MiB, under {EXPERTS_MIN_BYTES >> 20} MiB, and the "
-            f"grouped kernel cannot run them here ({why}): one GEMM per expert, each with its host work, ran 0.06-1.22x "
-            f"of transformers' grouped_mm for experts of 150 MiB and less on an H100 and an H200 "
+            f"grouped kernel cannot run them here ({why}): one GEMM per expert, each with its host work, ran "
+            f"0.06-1.22x of transformers' grouped_mm for experts of 150 MiB and less on an H100 and an H200 "
             f"(bench/results/sparse24-experts-h100.json); sparsify on the GPU, or experts='all' for the memory "
             f"(0.5625x) anyway")
 
@@ -218,6 +218,19 @@ class Sparse24Experts(nn.Module):
                 out[name + "_bias"] = torch.stack([m.bias.detach() for m in layers])
         return out
 
+    def stacked_parts(self) -> dict[str, torch.Tensor]:
+        """The 2:4 weights stacked as ``hf.save_model(format="kernelplan")`` writes them: ``{part}.values [E, M, K/2]``
+        and ``{part}.metadata [E, M, K/8]`` (the public format, each expert's projection ``[out, in]``) by the
+        transformers module's names, and its ``_bias`` tensors."""
+        out = {}
+        for name, layers in zip(_parts(self.has_gate), (self.first, self.down)):
+            public = [m.weight24.public() for m in layers]
+            out[name + ".values"] = torch.stack([w.values.detach() for w in public])
+            out[name + ".metadata"] = torch.stack([w.metadata for w in public])
+            if layers[0].bias is not None:
+                out[name + "_bias"] = torch.stack([m.bias.detach() for m in layers])
+        return out
+
     def _span(self, layers: _Experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The projection's values, metadata and biases, every expert's end to end (the grouped kernel's W: the
         device layout of the stacked rows), as views of one storage each.  Where ``.to()``, a deep copy or
@@ -308,7 +321,7 @@ class Sparse24Experts(nn.Module):
         return self.post_expert_norm(out) if self.post_expert_norm is not None else out
 
     def _per_expert(self, x: torch.Tensor, ends: list[int]) -> torch.Tensor:
-        """Each expert's rows through its own layers (the CPU, autograd, and GPUs the grouped kernel does not run on)."""
+        """Each expert's rows through its own layers (the CPU, autograd, GPUs the grouped kernel does not run on)."""
         out = x.new_zeros(x.shape[0], self.down[0].out_features)
         start = 0
         for e, end in enumerate(ends):
