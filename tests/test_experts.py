@@ -481,3 +481,25 @@ def test_transposed_experts_with_biases_round_trip(tmp_path, seed):
     ids = torch.randint(0, 256, (2, 7))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_the_sparsify_command_calibrates_a_moe_directory_and_writes_its_experts_2_4(tmp_path, seed):
+    """A dense Mixtral directory (per-expert tensors on disk) through `kernelplan sparsify --calibration`: loaded by
+    transformers, every expert calibrated, the experts written stacked 2:4, and load_model reads the result."""
+    import numpy as np
+
+    from helpers import kernelplan_cli
+
+    dense = _mixtral(torch.float32)
+    dense.save_pretrained(tmp_path / "dense")
+    np.save(tmp_path / "calib.npy", torch.randint(0, 256, (4, 24)).numpy())
+    done = kernelplan_cli("sparsify", tmp_path / "dense", tmp_path / "out", "--method", "sparsegpt", "--calibration",
+                          tmp_path / "calib.npy", "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    assert "model.layers.1.mlp.experts.down_proj (mean over experts)" in done.stdout
+    loaded = kp.hf.load_model(tmp_path / "out")
+    experts = loaded.model.layers[1].mlp.experts
+    assert isinstance(experts, Sparse24Experts)
+    original = dense.model.layers[1].mlp.experts.down_proj[2].detach()
+    pruned = experts.down[2].to_dense()
+    assert ((pruned.reshape(-1, 4) != 0).sum(-1) <= 2).all() and not torch.equal(pruned, original)

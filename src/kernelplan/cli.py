@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     sparsify.add_argument("--transposed", default="auto", metavar="auto|none|REGEX",
                           help="single file: the weights stored [in, out] (Hugging Face's Conv1D), pruned as the "
                                "linear layer's [out, in]; auto: GPT-2's, where the file holds wte and wpe")
+    sparsify.add_argument("--experts", default="all", choices=("all", "auto", "none"),
+                          help="directory input with --calibration or --eval: a MoE model's experts (kp.sparsify's "
+                               "experts=); all (the default): written 2:4 wherever the checkpoint will be loaded; auto: "
+                               "only where they would run faster on this machine")
     sparsify.add_argument("--dry-run", action="store_true", help="report what would change; write nothing")
 
     warm = sub.add_parser("warmup", help="compile a model's 2:4 kernels and settle their dispatch ahead of time",
@@ -274,7 +278,7 @@ def _sparsify_directory(args) -> int:
             print(f"wrote {args.output} ({args.format}), shard by shard")
         return 0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = hf.load_model(args.input, device)
+    model = hf.load_for_pruning(args.input, device)
     calibration = None
     if args.calibration:
         ids = _token_ids(args.calibration)
@@ -289,7 +293,7 @@ def _sparsify_directory(args) -> int:
     if held is not None:
         print(f"dense perplexity: {kp.evaluate(model, held, seq_len=args.seq_len):.4f}")
     report = kp.sparsify(model, method=args.method, calibration=calibration, report=calibration is not None,
-                         filter_fn=keep)
+                         filter_fn=keep, experts=args.experts)
     print(report.summary())
     if held is not None:
         print(f"sparse perplexity ({report.method}): {kp.evaluate(model, held, seq_len=args.seq_len):.4f}")

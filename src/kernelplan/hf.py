@@ -323,6 +323,20 @@ def _load_experts(model: nn.Module, stacked: dict[str, list[Sparse24Weight]]) ->
         setattr(parent, prefix.rpartition(".")[2], Sparse24Experts.from_experts(module, pruned))
 
 
+def load_for_pruning(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Module:
+    """The model of a directory, in memory, to prune: a dense checkpoint through transformers' own loader (which
+    stacks a MoE model's per-expert tensors into its experts modules, as ``load_model`` cannot), a 2:4 one through
+    ``load_model``."""
+    config = read_config(path)
+    sparsity = (config.get("quantization_config") or {}).get("sparsity_config") or {}
+    if checkpoint_format(config) != "dense" or sparsity.get("sparsity_structure") == "2:4":
+        return load_model(path, device)
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=_stored_dtype(path))
+    return model.to(device).eval()
+
+
 def _write_config(out: Path, config: dict, format: str, ignore: list[str]) -> None:
     """config.json with the 2:4 format recorded where its readers look (compressed-tensors' ``quantization_config``);
     ``ignore``: the linear layers left dense."""
@@ -389,8 +403,9 @@ def sparsify_directory(src: str | os.PathLike, dst: str | os.PathLike, format: s
     conv1d = {name for name, m in model.named_modules() if is_conv1d(m)}  # stored [in, out]: read transposed
     chosen = {name for name, _ in _select(model, filter_fn, False, report, experts_dense=(
         "a MoE layer's experts: checkpoints store them per expert, and transformers stacks them as it loads, so "
-        "this tensor-by-tensor path cannot match them to the model; load the model with transformers and "
-        "kp.sparsify it (docs/design/0031). They are copied dense"))}
+        "this tensor-by-tensor path cannot match them to the model; `kernelplan sparsify` with --calibration "
+        "(the model in memory, loaded by transformers), or kp.sparsify of the model, holds them 2:4 "
+        "(docs/design/0032). They are copied dense"))}
     if format == "dense":
         _refuse_dense_conv1d(sorted(conv1d & chosen))
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
