@@ -147,3 +147,25 @@ def test_gpt_oss_experts_are_calibrated_through_their_own_gating(seed):
         for name, inputs in (("gate_up_proj", x), ("down_proj", h)):
             w = getattr(module, name)[e].detach().T
             torch.testing.assert_close(pruned[name][e].decompress(), _wanda_reference(w, inputs), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_experts_calibrate_on_the_gpu_as_on_the_cpu(seed):
+    """SparseGPT on a Mixtral's experts on the GPU (Gram matrices of the routed rows on tensor cores; the experts
+    then run on the grouped kernel on Hopper) against the same on the CPU, in fp32: masks and errors agree."""
+    model = _mixtral(torch.float32, experts=4)
+    ids = torch.randint(0, 256, (4, 32))
+    cpu, gpu = copy.deepcopy(model), copy.deepcopy(model).cuda()
+    on_cpu = kp.sparsify(cpu, method="sparsegpt", calibration=ids, report=True, progress=False, experts="all")
+    on_gpu = kp.sparsify(gpu, method="sparsegpt", calibration=ids, report=True, progress=False, experts="all")
+    assert on_gpu.uncalibrated == on_cpu.uncalibrated
+    for i in range(2):
+        a, b = cpu.model.layers[i].mlp.experts, gpu.model.layers[i].mlp.experts
+        for e in range(4):
+            x, y = a.down[e].to_dense(), b.down[e].to_dense().cpu()
+            agree = float(((x != 0) == (y != 0)).float().mean())
+            assert agree > 0.98, f"layer {i} expert {e}: masks agree on {agree:.3f} only"
+    for key, err in on_cpu.errors.items():
+        assert on_gpu.errors[key] == pytest.approx(err, rel=0.1, abs=1e-3), key
+    with torch.no_grad():
+        assert torch.isfinite(gpu(ids.cuda()).logits).all()
