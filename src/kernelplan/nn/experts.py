@@ -157,6 +157,7 @@ class Sparse24Experts(nn.Module):
         self._epilogue = self._gated_epilogue()
         self._spans: dict = {}  # projection -> (its layers' addresses, their tensors end to end): _span
         self._runs: dict = {}  # (device, dtype) -> whether the grouped kernel runs this module there: _grouped
+        self._bound_cache: dict = {}  # (device, dtype) -> 0 .. E: _bounds
         for layers in (self.first, self.down):
             self._span(layers)  # one copy of each projection's weights, the experts' tensors views of it
 
@@ -289,26 +290,34 @@ class Sparse24Experts(nn.Module):
         ids = top_k_index.reshape(-1)
         # The (token, expert) pairs by expert, so that each expert's rows are one contiguous block; ids past the
         # experts (transformers' expert-parallel sentinel) sort last and add nothing, as in its eager loop.
-        order = torch.argsort(ids, stable=True)
-        # Counted by a scatter, not bincount, whose output length waits on the device for the largest id.
-        counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=ids.device)
-        counts = counts.scatter_add_(0, ids.clamp(max=self.num_experts), torch.ones_like(ids))[:-1]
+        sorted_ids, order = torch.sort(ids, stable=True)
+        # Where each expert's rows start, found in the sorted ids (no bincount, whose output length waits on the
+        # device for the largest id): [E + 1], the last where the sentinel's rows start.  Fewer small ops than a
+        # count and a cumsum: at a few tokens an eager call is host work (docs/design/0032).
+        offsets = torch.searchsorted(sorted_ids, self._bounds(sorted_ids), out_int32=True)
         x = hidden_states.index_select(0, torch.div(order, k, rounding_mode="floor"))
         if self._grouped(x):
-            out = self._grouped_forward(x, counts, ids.index_select(0, order))
+            out = self._grouped_forward(x, offsets, sorted_ids)
         else:
-            out = self._per_expert(x, counts.cumsum(0).tolist())
+            out = self._per_expert(x, offsets[1:].tolist())
         pairs = torch.empty_like(out)
         pairs[order] = out
         pairs = pairs * top_k_weights.reshape(-1, 1).to(pairs.dtype)
         return pairs.view(tokens, k, out.shape[1]).sum(dim=1).to(hidden_states.dtype)
 
-    def _grouped_forward(self, x: torch.Tensor, counts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Each projection as one launch over every expert's rows; the gating between them over all rows at once."""
+    def _bounds(self, ids: torch.Tensor) -> torch.Tensor:
+        """``0 .. E`` on ids' device and in their dtype, made once: what ``searchsorted`` looks up."""
+        key = (ids.device, ids.dtype)
+        bounds = self._bound_cache.get(key)
+        if bounds is None:
+            bounds = self._bound_cache[key] = torch.arange(self.num_experts + 1, device=ids.device, dtype=ids.dtype)
+        return bounds
+
+    def _grouped_forward(self, x: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each projection as one launch over every expert's rows; the gating between them over all rows at once.
+        ``offsets`` int32 [E + 1] where each expert's rows start; ``ids`` the rows' experts, sorted."""
         from ..kernels.sparse24_grouped import grouped_linear
 
-        offsets = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=x.device)
-        offsets[1:] = counts.cumsum(0)
         h = self._activate(grouped_linear(x.contiguous(), *self._span(self.first), offsets, self.num_experts))
         out = self._norm(grouped_linear(h.contiguous(), *self._span(self.down), offsets, self.num_experts))
         return out.masked_fill((ids >= self.num_experts)[:, None], 0)  # the sentinel's rows: never written
