@@ -503,3 +503,23 @@ def test_the_sparsify_command_calibrates_a_moe_directory_and_writes_its_experts_
     original = dense.model.layers[1].mlp.experts.down_proj[2].detach()
     pruned = experts.down[2].to_dense()
     assert ((pruned.reshape(-1, 4) != 0).sum(-1) <= 2).all() and not torch.equal(pruned, original)
+
+
+def test_the_sparsify_command_holds_a_moe_directory_s_experts_2_4_without_calibration(tmp_path, seed):
+    """Magnitude, no calibration: the shard-by-shard path cannot stack per-expert tensors, so a MoE directory is
+    loaded whole and says so; --experts none keeps the streaming path, experts dense."""
+    from helpers import kernelplan_cli
+
+    dense = _mixtral(torch.float32)
+    dense.save_pretrained(tmp_path / "dense")
+    done = kernelplan_cli("sparsify", tmp_path / "dense", tmp_path / "out", "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    assert "2 MoE experts modules (model.layers.0.mlp.experts ...): the model is loaded whole" in done.stdout
+    loaded = kp.hf.load_model(tmp_path / "out")
+    experts = loaded.model.layers[0].mlp.experts
+    assert isinstance(experts, Sparse24Experts)
+    want = Sparse24Experts.from_experts(dense.model.layers[0].mlp.experts)
+    assert torch.equal(experts.down[3].to_dense(), want.down[3].to_dense())  # magnitude, as kp.sparsify prunes
+    streamed = kernelplan_cli("sparsify", tmp_path / "dense", tmp_path / "streamed", "--experts", "none")
+    assert streamed.returncode == 0, streamed.stderr
+    assert "loaded whole" not in streamed.stdout and "They are copied dense" in streamed.stdout

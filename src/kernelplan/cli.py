@@ -51,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
                           help="single file: the weights stored [in, out] (Hugging Face's Conv1D), pruned as the "
                                "linear layer's [out, in]; auto: GPT-2's, where the file holds wte and wpe")
     sparsify.add_argument("--experts", default="all", choices=("all", "auto", "none"),
-                          help="directory input with --calibration or --eval: a MoE model's experts (kp.sparsify's "
-                               "experts=); all (the default): written 2:4 wherever the checkpoint will be loaded; auto: "
-                               "only where they would run faster on this machine")
+                          help="directory input: a MoE model's experts (kp.sparsify's experts=). all (the default): "
+                               "written 2:4, the model loaded whole by transformers; auto: only where they would run "
+                               "faster on this machine; none: copied dense (without --calibration: shard by shard)")
     sparsify.add_argument("--dry-run", action="store_true", help="report what would change; write nothing")
 
     warm = sub.add_parser("warmup", help="compile a model's 2:4 kernels and settle their dispatch ahead of time",
@@ -270,7 +270,15 @@ def _sparsify_directory(args) -> int:
         raise InvalidProblem(f"OUT {args.output} is IN: sparsify would overwrite the dense original")
     regex = re.compile(args.filter) if args.filter else None
     keep = (lambda name, layer: regex.search(name) is not None) if regex else None
-    if not args.calibration and not args.eval and args.method in (None, "magnitude"):
+    streaming = not args.calibration and not args.eval and args.method in (None, "magnitude")
+    experts = hf.experts_modules(args.input) if streaming and args.experts != "none" else []
+    if experts:
+        # On disk the experts are per expert; transformers stacks them as it loads, which the streaming path cannot.
+        print(f"{len(experts)} MoE experts modules ({experts[0]} ...): the model is loaded whole, by transformers, "
+              f"so that its experts are pruned and written 2:4 too (--experts none keeps the shard-by-shard path, "
+              f"the experts copied dense)")
+        streaming = False
+    if streaming:
         # Nothing needs the model in memory: shard by shard, a tensor at a time.
         report = hf.sparsify_directory(args.input, args.output, args.format, keep, dry_run=args.dry_run)
         print(report.summary())

@@ -323,6 +323,19 @@ def _load_experts(model: nn.Module, stacked: dict[str, list[Sparse24Weight]]) ->
         setattr(parent, prefix.rpartition(".")[2], Sparse24Experts.from_experts(module, pruned))
 
 
+def experts_modules(path: str | os.PathLike) -> list[str]:
+    """The MoE experts modules (stacked 3-D weights that ``Sparse24Experts`` holds) of the model config.json builds,
+    found on the meta device: no weight is read."""
+    import transformers
+
+    from .nn.experts import experts_reason
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(str(path)))
+    return [name for name, m in model.named_modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))
+            and experts_reason(m) is None]
+
+
 def load_for_pruning(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Module:
     """The model of a directory, in memory, to prune: a dense checkpoint through transformers' own loader (which
     stacks a MoE model's per-expert tensors into its experts modules, as ``load_model`` cannot), a 2:4 one through
