@@ -105,6 +105,12 @@ def checkpoint_format(config: dict) -> str:
     return "dense"
 
 
+def holds_2_4(config: dict) -> bool:
+    """Whether config.json says the checkpoint is 2:4 already (kernelplan's, the bitmask, or dense 2:4)."""
+    sparsity = (config.get("quantization_config") or {}).get("sparsity_config") or {}
+    return checkpoint_format(config) != "dense" or sparsity.get("sparsity_structure") == "2:4"
+
+
 def shards(path: str | os.PathLike) -> list[Path]:
     path = Path(path)
     index = path / INDEX
@@ -191,7 +197,7 @@ def layer_shapes(path: str | os.PathLike) -> tuple[str, list[dict]]:
             continue
         m, k = shape[0], shape[1] * (2 if leaf != "weight" else 1)
         layers.append({"name": prefix, "m": m, "k": k, "bias": f"{prefix}.bias" in found, "dtype": dtype})
-    return ("2:4" if fmt != "dense" or sparsity.get("sparsity_structure") == "2:4" else "would prune"), layers
+    return ("2:4" if holds_2_4(config) else "would prune"), layers
 
 
 def _targeted(prefix: str, targets: str | None, ignore: list[str]) -> bool:
@@ -329,20 +335,18 @@ def experts_modules(path: str | os.PathLike) -> list[str]:
     import transformers
 
     from .nn.experts import experts_reason
+    from .pruning.sparsify import _three_d
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(str(path)))
-    return [name for name, m in model.named_modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))
-            and experts_reason(m) is None]
+    return [name for name, m in model.named_modules() if _three_d(m) and experts_reason(m) is None]
 
 
 def load_for_pruning(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Module:
     """The model of a directory, in memory, to prune: a dense checkpoint through transformers' own loader (which
     stacks a MoE model's per-expert tensors into its experts modules, as ``load_model`` cannot), a 2:4 one through
     ``load_model``."""
-    config = read_config(path)
-    sparsity = (config.get("quantization_config") or {}).get("sparsity_config") or {}
-    if checkpoint_format(config) != "dense" or sparsity.get("sparsity_structure") == "2:4":
+    if holds_2_4(read_config(path)):
         return load_model(path, device)
     import transformers
 
@@ -406,8 +410,7 @@ def sparsify_directory(src: str | os.PathLike, dst: str | os.PathLike, format: s
 
     format = choice(format, "format", FORMATS)
     config = read_config(src)
-    sparsity = (config.get("quantization_config") or {}).get("sparsity_config") or {}
-    if checkpoint_format(config) != "dense" or sparsity.get("sparsity_structure") == "2:4":
+    if holds_2_4(config):
         raise InvalidProblem(f"{src} is a 2:4 checkpoint already ({checkpoint_format(config)}); sparsify a dense one")
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(str(src)),

@@ -56,6 +56,11 @@ def expert_weight(module: nn.Module, name: str, e: int) -> torch.Tensor:
     return w.t() if module.is_transposed else w
 
 
+def expert_bias(module: nn.Module, name: str) -> torch.Tensor | None:
+    """Projection ``name``'s biases ``[E, out]``, or None where the experts have none."""
+    return getattr(module, name + "_bias", None) if _flags(module)["has_bias"] else None
+
+
 def source_activation(module: nn.Module):
     """What an experts module does between its projections, as a function of the first one's output: its own
     gating (``_apply_gate``, transformers' default where the class has none), or its activation without a gate."""
@@ -111,7 +116,7 @@ def experts_speed_reason(module: nn.Module) -> str | None:
     each = sum(p.numel() * p.element_size() for p in weights) // count
     if each >= EXPERTS_MIN_BYTES:
         return None
-    shapes = [(p.shape[2], p.shape[1]) if module.is_transposed else tuple(p.shape[1:]) for p in weights]
+    shapes = [tuple(expert_weight(module, name, 0).shape) for name in parts_of(module)]
     capability = torch.cuda.get_device_capability(w.device) if w.is_cuda else None
     why = next((r for m, k in shapes if (r := grouped_reason(capability, m, k, count, w.dtype))), None)
     if why is None:
@@ -187,7 +192,7 @@ class Sparse24Experts(nn.Module):
         layers = []
         for name in _parts(flags["has_gate"]):
             count = getattr(experts, name).shape[0]
-            biases = getattr(experts, name + "_bias", None) if flags["has_bias"] else None
+            biases = expert_bias(experts, name)
             built = []
             for e in range(count):
                 with torch.no_grad():
@@ -211,23 +216,24 @@ class Sparse24Experts(nn.Module):
         """The pruned weights as the transformers module holds them, by its names: ``gate_up_proj`` (or
         ``up_proj``), ``down_proj`` and their ``_bias``, 3-D (``[E, out, in]``, or ``[E, in, out]`` where the
         source was transposed).  What ``hf.save_model(format="dense")`` writes."""
-        out = {}
-        for name, layers in zip(_parts(self.has_gate), (self.first, self.down)):
-            weights = [m.to_dense() for m in layers]
-            out[name] = torch.stack([w.t() for w in weights] if self.is_transposed else weights)
-            if layers[0].bias is not None:
-                out[name + "_bias"] = torch.stack([m.bias.detach() for m in layers])
-        return out
+        return self._stacked(dense=True)
 
     def stacked_parts(self) -> dict[str, torch.Tensor]:
         """The 2:4 weights stacked as ``hf.save_model(format="kernelplan")`` writes them: ``{part}.values [E, M, K/2]``
         and ``{part}.metadata [E, M, K/8]`` (the public format, each expert's projection ``[out, in]``) by the
         transformers module's names, and its ``_bias`` tensors."""
+        return self._stacked(dense=False)
+
+    def _stacked(self, dense: bool) -> dict[str, torch.Tensor]:
         out = {}
         for name, layers in zip(_parts(self.has_gate), (self.first, self.down)):
-            public = [m.weight24.public() for m in layers]
-            out[name + ".values"] = torch.stack([w.values.detach() for w in public])
-            out[name + ".metadata"] = torch.stack([w.metadata for w in public])
+            if dense:
+                weights = [m.to_dense() for m in layers]
+                out[name] = torch.stack([w.t() for w in weights] if self.is_transposed else weights)
+            else:
+                public = [m.weight24.public() for m in layers]
+                out[name + ".values"] = torch.stack([w.values.detach() for w in public])
+                out[name + ".metadata"] = torch.stack([w.metadata for w in public])
             if layers[0].bias is not None:
                 out[name + "_bias"] = torch.stack([m.bias.detach() for m in layers])
         return out

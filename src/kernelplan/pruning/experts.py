@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn.experts import expert_weight, parts_of, source_activation
+from ..nn.experts import expert_bias, expert_weight, parts_of, source_activation
 from ..sparse24.format import Sparse24Weight, compress, prune_compress
 from . import methods
 
@@ -37,6 +37,7 @@ class _Gatherer:
         self.module, self.ids = module, ids
         self.first_name, self.down_name = parts_of(module)
         self.activate = source_activation(module)
+        self.bias = expert_bias(module, self.first_name)
         device = getattr(module, self.first_name).device
         k_first = expert_weight(module, self.first_name, 0).shape[1]
         k_down = expert_weight(module, self.down_name, 0).shape[1]
@@ -46,7 +47,7 @@ class _Gatherer:
     def __call__(self, module, args, kwargs) -> None:
         names = ("hidden_states", "top_k_index")
         hidden, index = (args[i] if len(args) > i else kwargs[name] for i, name in enumerate(names))
-        bias = getattr(module, self.first_name + "_bias", None) if getattr(module, "has_bias", False) else None
+        bias = self.bias
         for e in self.ids:
             rows = (index == e).any(dim=-1).nonzero().squeeze(1)
             if not rows.numel():
@@ -58,9 +59,9 @@ class _Gatherer:
             self.down[e].add(self.activate(h))
 
 
-def _bytes_per_expert(module: nn.Module, full: bool) -> int:
+def _bytes_per_expert(module: nn.Module, full: bool, dtype: torch.dtype) -> int:
     ks = [expert_weight(module, name, 0).shape[1] for name in parts_of(module)]
-    return sum(k * k if full else k for k in ks) * 4
+    return sum(k * k if full else k for k in ks) * dtype.itemsize
 
 
 def _gather(run: Callable[[], None], module: nn.Module, gatherer: _Gatherer) -> None:
@@ -72,14 +73,6 @@ def _gather(run: Callable[[], None], module: nn.Module, gatherer: _Gatherer) -> 
         handle.remove()
 
 
-def _pruned(method: str, w: torch.Tensor, stats: methods.InputStats, blocksize: int, damp: float) -> torch.Tensor:
-    if method == "magnitude":
-        return methods.magnitude(w)
-    if method == "wanda":
-        return methods.wanda(w, stats)
-    return methods.sparsegpt(w, stats, blocksize, damp)
-
-
 def calibrate_experts(module: nn.Module, method: str, run: Callable[[], None], measure: bool, blocksize: int,
                       damp: float) -> tuple[dict[str, list[Sparse24Weight]], list[int], dict[str, float]]:
     """Each expert's projections pruned by ``method`` (one of ``methods.METHODS``) on the inputs ``run()`` routes to
@@ -88,7 +81,7 @@ def calibrate_experts(module: nn.Module, method: str, run: Callable[[], None], m
     full = method == "sparsegpt" or measure
     count = getattr(module, parts_of(module)[0]).shape[0]
     dtype = torch.float64 if getattr(module, parts_of(module)[0]).dtype == torch.float64 else torch.float32
-    chunk = max(1, STATS_BYTES // _bytes_per_expert(module, full))
+    chunk = max(1, STATS_BYTES // _bytes_per_expert(module, full, dtype))
     out: dict[str, list[Sparse24Weight]] = {name: [] for name in parts_of(module)}
     errors: dict[str, list[float]] = {name: [] for name in parts_of(module)}
     unreached = []
@@ -104,7 +97,7 @@ def calibrate_experts(module: nn.Module, method: str, run: Callable[[], None], m
                 if not reached:
                     out[name].append(prune_compress(w, packed=True))
                     continue
-                pruned = _pruned(method, w, stats, blocksize, damp)
+                pruned = methods.prune(method, w, stats, blocksize, damp)
                 if measure:
                     errors[name].append(methods.relative_error(w, pruned, stats))
                 out[name].append(compress(pruned, packed=True))

@@ -130,6 +130,16 @@ def sparsegpt(weight: torch.Tensor, stats: InputStats, blocksize: int = 128, dam
     return w.to(weight.dtype)
 
 
+def prune(method: str, weight: torch.Tensor, stats: InputStats | None, blocksize: int = 128,
+          damp: float = 0.01) -> torch.Tensor:
+    """``weight`` pruned by ``method`` (one of ``METHODS``) on the inputs ``stats`` describes (unused by magnitude)."""
+    if method == "magnitude":
+        return magnitude(weight)
+    if method == "wanda":
+        return wanda(weight, stats)
+    return sparsegpt(weight, stats, blocksize, damp)
+
+
 def relative_error(weight: torch.Tensor, pruned: torch.Tensor, stats: InputStats) -> float:
     """``||X (W - W')^T||_F^2 / ||X W^T||_F^2`` over the calibration inputs, from ``X^T X``."""
     if stats.gram is None:

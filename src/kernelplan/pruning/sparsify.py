@@ -403,11 +403,7 @@ def _prune_group(method: str, group: list[nn.Linear], stats: methods.InputStats,
                  damp: float) -> list[torch.Tensor]:
     """Each layer's pruned weight.  SparseGPT treats rows independently given H, so layers that share their
     input statistics are solved as one stacked weight: one Cholesky and one column sweep for q/k/v."""
-    if method == "magnitude":
-        return [methods.magnitude(layer.weight) for layer in group]
-    if method == "wanda":
-        return [methods.wanda(layer.weight, stats) for layer in group]
-    if len({layer.weight.dtype for layer in group}) > 1:
-        return [methods.sparsegpt(layer.weight, stats, blocksize, damp) for layer in group]
+    if method != "sparsegpt" or len({layer.weight.dtype for layer in group}) > 1:
+        return [methods.prune(method, layer.weight, stats, blocksize, damp) for layer in group]
     stacked = methods.sparsegpt(torch.cat([layer.weight.detach() for layer in group]), stats, blocksize, damp)
     return list(stacked.split([layer.out_features for layer in group]))
