@@ -10,6 +10,10 @@ The expert sizes of published MoE configs (``MODELS``: experts, hidden, intermed
   default on the GPU, written to be captured) against the 2:4 module;
 * as eager calls (``triton.testing.do_bench``): those two, transformers' ``eager`` loop, and the 2:4 module one GEMM
   an expert (``sparse24_loop``; neither loop can be captured: they read the routing on the host);
+* both ways, the 2:4 module with its gating as torch ops between the two launches (``sparse24_unfused``), where the
+  module runs it in the first launch's epilogue;
+* the host work of an eager call alone (``host_us``: the clock stops when the last of 20 calls returns), of the
+  dense module and the 2:4 one;
 
 medians of alternating rounds; the 2:4 module's relative error against the dense module of the same pruned weights;
 bytes held by each.  Writes ``bench/results/sparse24-experts-<gpu>.json``.
@@ -27,7 +31,7 @@ import torch
 
 from kernelplan.bench import results
 from kernelplan.nn import Sparse24Experts
-from kernelplan.timing import interleaved
+from kernelplan.timing import host_us_per_call, interleaved
 
 MODELS = {  # (experts, hidden, intermediate, top k): the routed experts of each config.json
     "Mixtral-8x7B": (8, 4096, 14336, 2),
@@ -79,6 +83,8 @@ def main() -> int:
                 dense.down_proj[e] = sparse.down[e].to_dense()
         loop = copy.copy(sparse)  # the same weights, one GEMM per expert (the path with autograd and off Hopper)
         loop._grouped = lambda x: False
+        unfused = copy.copy(sparse)  # the gating between the launches, as torch ops
+        unfused._epilogue = None
         eager = copy.copy(dense)
         eager.config = copy.copy(dense.config)
         eager.config._experts_implementation = "eager"
@@ -94,28 +100,35 @@ def main() -> int:
                 err = float((out.double() - want.double()).abs().max() / want.double().abs().max())
                 calls = {"grouped_mm": lambda: dense(x, index, weights), "eager": lambda: eager(x, index, weights),
                          "sparse24": lambda: sparse(x, index, weights),
-                         "sparse24_loop": lambda: loop(x, index, weights)}
+                         "sparse24_loop": lambda: loop(x, index, weights),
+                         "sparse24_unfused": lambda: unfused(x, index, weights)}
                 ms = interleaved({n: (lambda f=f: triton.testing.do_bench(f, warmup=5, rep=40)) for n, f in
                                   calls.items()}, a.rounds)
                 replay = lambda f: triton.testing.do_bench_cudagraph(f, rep=20, return_mode="median")  # noqa: E731
-                graph = interleaved({n: (lambda f=calls[n]: replay(f)) for n in ("grouped_mm", "sparse24")}, a.rounds)
+                graph = interleaved({n: (lambda f=calls[n]: replay(f)) for n in
+                                     ("grouped_mm", "sparse24", "sparse24_unfused")}, a.rounds)
+                host = interleaved({n: (lambda f=calls[n]: host_us_per_call(f, x.device, 20, wait=False)) for n in
+                                    ("grouped_mm", "sparse24")}, a.rounds)
                 grouped = sparse._grouped(x)  # under no_grad, as the calls ran
             row = {"model": model, "experts": experts, "hidden": hidden, "intermediate": inner, "top_k": k,
-                   "tokens": tokens, "ms": ms, "graph_ms": graph,
+                   "tokens": tokens, "ms": ms, "graph_ms": graph, "host_us": host, "epilogue": sparse._epilogue,
                    "graph_speedup_vs_grouped_mm": graph["grouped_mm"] / graph["sparse24"],
                    "speedup_vs_grouped_mm": ms["grouped_mm"] / ms["sparse24"],
                    "speedup_vs_eager": ms["eager"] / ms["sparse24"], "rel_err": err, "grouped": grouped,
                    "dense_bytes": dense_bytes, "held_bytes": held}
             rows.append(row)
             print(f"{model:17s} T={tokens:5d}  graph: grouped_mm {graph['grouped_mm']:7.3f} "
-                  f"2:4 {graph['sparse24']:7.3f} ms ({row['graph_speedup_vs_grouped_mm']:.2f}x)  "
+                  f"2:4 {graph['sparse24']:7.3f} ms ({row['graph_speedup_vs_grouped_mm']:.2f}x; unfused "
+                  f"{graph['sparse24_unfused']:7.3f})  "
                   f"eager: grouped_mm {ms['grouped_mm']:7.3f} "
                   f"2:4 {ms['sparse24']:7.3f} ms ({row['speedup_vs_grouped_mm']:.2f}x; transformers' loop "
-                  f"{ms['eager']:7.3f}, a GEMM an expert {ms['sparse24_loop']:7.3f})  err {err:.1e}  "
+                  f"{ms['eager']:7.3f}, a GEMM an expert {ms['sparse24_loop']:7.3f}, unfused "
+                  f"{ms['sparse24_unfused']:7.3f})  host {host['grouped_mm']:.0f} / {host['sparse24']:.0f} us  "
+                  f"err {err:.1e}  "
                   f"bytes {held / dense_bytes:.4f}x", flush=True)
-        dense = sparse = eager = loop = None  # freed before the next model
+        dense = sparse = eager = loop = unfused = None  # freed before the next model
         torch.cuda.empty_cache()
-    results.write("sparse24-experts", {"rows": rows}, a.out, dtype="bf16")
+        results.write("sparse24-experts", {"rows": rows}, a.out, dtype="bf16")  # each model's rows kept as they come
     return 0
 
 

@@ -4,6 +4,10 @@
 layout, which is the layout of one tall weight), x's rows are sorted by expert, and ``offsets`` (on the device) says
 where each expert's rows start, so the launch needs no host sync and a CUDA graph can hold it.  Each CTA scans the
 experts' tile counts, then walks the tiles as the plain kernel does.  ``nn/experts.py`` calls it.
+
+The epilogue is the plain kernel's: an activation, or a gated one (each expert's rows its gate and up halves, y's
+columns act(gate) * up), which takes the gating's pass over the ``[S, 2I]`` output and its torch kernels out of a
+MoE layer's forward.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import functools
 
 import torch
 
+from ..activations import GATED_EPILOGUES
 from ..errors import KernelPlanError
 from .direct import FunctionLaunch, _param_sizes
 from .sparse24_ws import _PP_PARAMS, _PP_SIZES, TensorMaps, WsConfig, _deepest, source
@@ -20,13 +25,14 @@ MAX_EXPERTS = 1024  # sparse24_pp.cu's kMaxExperts: the scan of tile counts is i
 _PARAMS = _PP_PARAMS + ["*i32", "i32"]  # the offsets, the experts
 
 
-def grouped_config(m: int, s: int, experts: int) -> WsConfig:
+def grouped_config(m: int, s: int, experts: int, gated: bool = False) -> WsConfig:
     """The tile for ``s`` rows of x over ``experts`` experts of M = ``m`` rows: as many rows of x as an expert hit
     gets if the rows spread evenly (16 to 128, in powers of two: a row or two an expert is a decode's), and 128 rows
-    of W where M allows (a tile never spans two experts), else 64."""
+    of W where M allows (a tile never spans two experts), else 64.  Gated, 128: 64 of each half, whose map reads
+    rows past a half as zeros."""
     rows = -(-s // max(1, min(experts, s)))
     bn = min(128, max(16, 1 << (rows - 1).bit_length()))
-    return _deepest(bn, 2 if m % 128 == 0 else 1, 1, 1, pp=True)
+    return _deepest(bn, 2 if m % 128 == 0 or gated else 1, 1, 1, pp=True)
 
 
 def grouped_reason(capability: tuple[int, int] | None, m: int, k: int, experts: int, dtype: torch.dtype) -> str | None:
@@ -45,13 +51,13 @@ def grouped_reason(capability: tuple[int, int] | None, m: int, k: int, experts: 
 
 
 @functools.lru_cache(maxsize=64)
-def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, device_index: int):
+def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, epilogue: str | None, device_index: int):
     from cuda.bindings import driver as cu
 
     from . import nvrtc
     from .sparse24_wg import WgKernel
 
-    fn = nvrtc.function(source(cfg, dtype, has_bias, None, grouped=True), "kp_sparse24_pp", device_index,
+    fn = nvrtc.function(source(cfg, dtype, has_bias, epilogue, grouped=True), "kp_sparse24_pp", device_index,
                         WgKernel.architecture)
     err, = cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                  cfg.shared)
@@ -61,30 +67,33 @@ def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, device_index: int):
     sizes = _param_sizes(cu, fn)
     if sizes != _PP_SIZES + [8, 4]:
         raise KernelPlanError(f"the grouped kernel: compiled parameter sizes {sizes} are not the launcher's")
-    launch = FunctionLaunch(fn, f"kp_sparse24_pp grouped {cfg} {dtype}", _PARAMS, cfg.threads, cfg.shared)
-    return launch, TensorMaps(cfg.bn, 4 * cfg.wm, dtype)
+    launch = FunctionLaunch(fn, f"kp_sparse24_pp grouped {cfg} {dtype} {epilogue}", _PARAMS, cfg.threads, cfg.shared)
+    return launch, TensorMaps(cfg.bn, 4 * cfg.wm, dtype, gated=epilogue in GATED_EPILOGUES)
 
 
 def grouped_linear(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias: torch.Tensor | None,
-                   offsets: torch.Tensor, experts: int) -> torch.Tensor:
-    """``y[offsets[e]:offsets[e + 1]] = x[offsets[e]:offsets[e + 1]] @ W_e^T (+ bias[e])`` for every expert e, as one
-    launch: ``x [S, K]`` (rows sorted by expert, contiguous), ``values`` / ``metadata`` the experts' weights end to
-    end in the device layout (E x M rows), ``bias [E, M]`` or None, ``offsets`` int32 ``[E + 1]`` on x's device,
-    non-decreasing from 0.  Rows of x past ``offsets[E]`` are left unwritten in y.  The caller checks
+                   offsets: torch.Tensor, experts: int, epilogue: str | None = None) -> torch.Tensor:
+    """``y[offsets[e]:offsets[e + 1]] = act(x[offsets[e]:offsets[e + 1]] @ W_e^T (+ bias[e]))`` for every expert e, as
+    one launch: ``x [S, K]`` (rows sorted by expert, contiguous), ``values`` / ``metadata`` the experts' weights end
+    to end in the device layout (E x M rows), ``bias [E, M]`` or None, ``offsets`` int32 ``[E + 1]`` on x's device,
+    non-decreasing from 0, ``epilogue`` None, an activation or a gated epilogue (``activations.GATED_EPILOGUES``: y
+    is then ``[S, M / 2]``).  Rows of x past ``offsets[E]`` are left unwritten in y.  The caller checks
     ``grouped_reason``; these are internal operands, built by ``Sparse24Experts``."""
     from .sparse24 import sm_count
 
     s, k = x.shape
     m = values.shape[0] * 16 // experts
-    y = torch.empty(s, m, dtype=x.dtype, device=x.device)
+    gated = epilogue in GATED_EPILOGUES
+    y = torch.empty(s, m // 2 if gated else m, dtype=x.dtype, device=x.device)
     if s == 0:
         return y
-    cfg = grouped_config(m, s, experts)
+    cfg = grouped_config(m, s, experts, gated)
     dtype = "bf16" if x.dtype == torch.bfloat16 else "f16"
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    launch, maps = _launcher(cfg, dtype, bias is not None, device)
-    bound = (-(-s // cfg.bn) + experts) * (m // cfg.rows)  # tiles at most: each expert's rows round up once
-    params = (maps.x(x.data_ptr(), s, k, x.stride(0)), *maps.w(values.data_ptr(), metadata.data_ptr(), experts * m, k),
+    launch, maps = _launcher(cfg, dtype, bias is not None, epilogue, device)
+    bound = (-(-s // cfg.bn) + experts) * -(-m // cfg.rows)  # tiles at most: each expert's rows round up once
+    params = (maps.x(x.data_ptr(), s, k, x.stride(0)),
+              *maps.w(values.data_ptr(), metadata.data_ptr(), experts * m, k, experts if gated else 1),
               0 if bias is None else bias.data_ptr(), y.data_ptr(), s, m, k, y.stride(0), 0, offsets.data_ptr(),
               experts)
     launch((min(sm_count(device), bound), 1, 1), params, torch.cuda.current_stream(device).cuda_stream, packed=True)

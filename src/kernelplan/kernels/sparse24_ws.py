@@ -341,18 +341,22 @@ class TensorMaps:
                                                              [64, self.rows], "128B"))
         return hit
 
-    def w(self, values: int, codes: int, m: int, k: int) -> tuple[bytes, bytes]:
-        key = (values, codes, m, k)
+    def w(self, values: int, codes: int, m: int, k: int, groups: int = 1) -> tuple[bytes, bytes]:
+        """The maps of W's ``m`` rows; gated, those are ``groups`` weights end to end (a grouped launch's experts),
+        each two halves."""
+        key = (values, codes, m, k, groups)
         hit = self._w.get(key)
         if hit is None and self.gated:
             # A dimension for the half of W's rows (sparse24_ring.cuh, load_w): one box of `tiles` tiles a half, the
             # first half's then the second's, in the order of the plain box; each half's tiles past it read as zeros.
-            # A step's k32 u and matrix j (256 bytes apart, 512 along u) are one dimension of 4.
-            half, steps = m // 32, k // 64
+            # A step's k32 u and matrix j (256 bytes apart, 512 along u) are one dimension of 4.  The halves of
+            # consecutive weights are consecutive, so one dimension of 2 x groups holds them all.
+            halves, steps = 2 * groups, k // 64
+            half = m // (16 * halves)
             hit = self._keep(self._w, self.MAX_W, key, (
-                encode_tensor_map(self._cu, self._word, values, [64, half, 2, 4, steps],
+                encode_tensor_map(self._cu, self._word, values, [64, half, halves, 4, steps],
                                   [steps * 1024, half * steps * 1024, 256, 1024], [64, self.tiles // 2, 2, 4, 1], "NONE"),
-                encode_tensor_map(self._cu, self._word, codes, [32, steps, half, 2],
+                encode_tensor_map(self._cu, self._word, codes, [32, steps, half, halves],
                                   [128, steps * 128, half * steps * 128], [32, 1, self.tiles // 2, 2], "NONE")))
         elif hit is None:
             tiles, steps = -(-m // 16), k // 64

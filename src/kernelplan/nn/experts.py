@@ -159,26 +159,31 @@ class Sparse24Experts(nn.Module):
         self._gate = gate if gate is not None else _default_gate
         for name, value in attributes.items():
             setattr(self, name, value)
-        self._epilogue = self._gated_epilogue()
+        self._epilogue = self._first_epilogue()
         self._spans: dict = {}  # projection -> (its layers' addresses, their tensors end to end): _span
         self._runs: dict = {}  # (device, dtype) -> whether the grouped kernel runs this module there: _grouped
         self._bound_cache: dict = {}  # (device, dtype) -> 0 .. E: _bounds
         for layers in (self.first, self.down):
             self._span(layers)  # one copy of each projection's weights, the experts' tensors views of it
 
-    def _gated_epilogue(self) -> str | None:
-        """The kernels' gated epilogue that computes this gating (transformers' default, gate columns first), or
-        None: the first projection then runs its GEMM and the gating as one call, two fewer a expert."""
+    def _first_epilogue(self) -> str | None:
+        """The kernels' epilogue that computes what comes between the projections, or None: the gated one for
+        transformers' default gating (gate columns first), the activation where there is no gate.  The first
+        projection then runs its GEMM and the gating as one call (one launch over every expert on the grouped
+        kernel; two calls fewer an expert on the others)."""
         from ..sparse24.plan import gated_reason
         from .gated_siblings import activation_of
 
-        default = getattr(self._gate, "__name__", "") in ("_default_apply_gate", "_default_gate")
-        if not (self.has_gate and default and getattr(self, "is_concatenated", True) and self.act_fn is not None):
-            return None
-        if gated_reason(self.first[0].out_features) is not None or self.first[0].layout != "sp tiled":
+        if self.act_fn is None or self.first[0].layout != "sp tiled":
             return None
         activation = activation_of(self.act_fn)
-        return f"gated_{activation}_first" if activation is not None else None
+        if activation is None or not self.has_gate:
+            return activation
+        default = getattr(self._gate, "__name__", "") in ("_default_apply_gate", "_default_gate")
+        if not default or not getattr(self, "is_concatenated", True) or \
+                gated_reason(self.first[0].out_features) is not None:
+            return None
+        return f"gated_{activation}_first"
 
     @classmethod
     def from_experts(cls, experts: nn.Module, pruned: dict | None = None) -> "Sparse24Experts":
@@ -324,7 +329,10 @@ class Sparse24Experts(nn.Module):
         ``offsets`` int32 [E + 1] where each expert's rows start; ``ids`` the rows' experts, sorted."""
         from ..kernels.sparse24_grouped import grouped_linear
 
-        h = self._activate(grouped_linear(x.contiguous(), *self._span(self.first), offsets, self.num_experts))
+        if self._epilogue is not None:  # the gating in the first launch's epilogue: no [S, 2I] pass
+            h = grouped_linear(x.contiguous(), *self._span(self.first), offsets, self.num_experts, self._epilogue)
+        else:
+            h = self._activate(grouped_linear(x.contiguous(), *self._span(self.first), offsets, self.num_experts))
         out = self._norm(grouped_linear(h.contiguous(), *self._span(self.down), offsets, self.num_experts))
         return out.masked_fill((ids >= self.num_experts)[:, None], 0)  # the sentinel's rows: never written
 

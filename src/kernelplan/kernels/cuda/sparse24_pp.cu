@@ -109,11 +109,19 @@ __device__ __forceinline__ void store_tile(float (&acc)[WM][kInst][kAcc], u32 st
 // layout of the stacked rows), and x's rows are sorted by expert: expert e's are offsets[e] .. offsets[e + 1] - 1.
 // Its output tiles are those of each expert's own problem, expert by expert, N first within one; `first` holds each
 // expert's first tile number (a scan of its tile counts, made by each CTA before the walk).  Rows of a box past an
-// expert's last are another expert's, or zeros: they are computed and not stored.
+// expert's last are another expert's, or zeros: they are computed and not stored.  Grouped and gated, each expert's
+// M rows are its two halves (gate and up), and the gated maps' half dimension runs over all 2 E of them.
 constexpr int kMaxExperts = 1024;
 struct Tile {
-    int n0, block, n_end, expert;  // x's first row, W's 64 WM-row block (of the stacked rows), x's row bound, expert
+    int n0, block, n_end, expert;  // x's first row, W's 64 WM-row block within the expert, x's row bound, expert
 };
+
+// The tile's W as load_w takes it: the row block of the stacked rows and 0, or, gated, the block within each half
+// and the expert's first half.
+__device__ __forceinline__ int w_block(const Tile &t, int tiles_m) {
+    return GATED ? t.block : t.expert * tiles_m + t.block;
+}
+__device__ __forceinline__ int w_half(const Tile &t) { return GATED ? 2 * t.expert : 0; }
 
 __device__ __forceinline__ Tile tile_at(int t, int tiles_n, int N, int tiles_m, const int *__restrict__ offsets,
                                         const int *first, int &e) {
@@ -121,7 +129,7 @@ __device__ __forceinline__ Tile tile_at(int t, int tiles_n, int N, int tiles_m, 
     while (first[e + 1] <= t) ++e;  // tiles come in increasing order: the cursor only moves on
     const int start = offsets[e], count = offsets[e + 1] - start, local = t - first[e];
     const int per = (count + BN - 1) / BN;
-    return {start + local % per * BN, e * tiles_m + local / per, start + count, e};
+    return {start + local % per * BN, local / per, start + count, e};
 #else
     (void)tiles_m, (void)offsets, (void)first, (void)e;
     return {t % tiles_n * BN, t / tiles_n, N, 0};
@@ -182,7 +190,8 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
             int g = 0, e = 0;
             for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
                 const Tile at = tile_at(t, tiles_n, N, tiles_m, offsets, first, e);
-                g = produce_steps(g, 0, steps, at.n0, at.block, sbase, full0, empty0, &xmap, &vmap, &emap);
+                g = produce_steps(g, 0, steps, at.n0, w_block(at, tiles_m), w_half(at), sbase, full0, empty0, &xmap,
+                                  &vmap, &emap);
             }
         }
         return;
@@ -207,7 +216,7 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         consume_steps<true, WM>(acc, sbase, full0, empty0, j * steps, steps, wq, lane, wq, 0);
         if (u == 0) mbar_arrive(order0 + 8 * (c ^ 1));  // the warpgroup's MMAs are done, so are its waits
         const u16 *own = HAS_BIAS ? bias + (long)at.expert * M : bias;  // grouped: the biases are [E, M]
-        store_tile(acc, ybase + c * kYBytes, own, y, at.n0, (at.block - at.expert * tiles_m) * kOut, at.n_end,
-                   M / kRegions, syn, wq, lane, u, 1 + c);
+        store_tile(acc, ybase + c * kYBytes, own, y, at.n0, at.block * kOut, at.n_end, M / kRegions, syn, wq, lane, u,
+                   1 + c);
     }
 }

@@ -55,21 +55,25 @@ __device__ __forceinline__ int ring_stage(int g) { return g % STAGES; }
 __device__ __forceinline__ u32 ring_parity(int g) { return (u32)((g / STAGES) & 1); }
 
 // The copies of one 64-column step of W for the CTA's row block tm into the stage at `at`: its kTiles tiles, or,
-// gated, kRegTiles of each half of W's rows (tiles past a half read as zeros).
-__device__ __forceinline__ void load_w(u32 at, const TensorMap *vmap, const TensorMap *emap, int step, int tm, u32 full) {
+// gated, kRegTiles of each half of W's rows (tiles past a half read as zeros).  Gated, `half` is the pair's first
+// half: 0, or 2 e for expert e of a grouped launch, whose gated maps hold every expert's two halves in turn.
+__device__ __forceinline__ void load_w(u32 at, const TensorMap *vmap, const TensorMap *emap, int step, int tm,
+                                       int half, u32 full) {
 #if GATED
-    tma_load_5d(at + kXBytes, vmap, 0, tm * kRegTiles, 0, 0, step, full);         // (256 B, tile, half, k32 x j, step)
-    tma_load_4d(at + kXBytes + kWValues, emap, 0, step, tm * kRegTiles, 0, full);  // (128 B, step, tile, half)
+    tma_load_5d(at + kXBytes, vmap, 0, tm * kRegTiles, half, 0, step, full);       // (256 B, tile, half, k32 x j, step)
+    tma_load_4d(at + kXBytes + kWValues, emap, 0, step, tm * kRegTiles, half, full);  // (128 B, step, tile, half)
 #else
+    (void)half;
     tma_load_5d(at + kXBytes, vmap, 0, tm * kTiles, 0, 0, step, full);
     tma_load_3d(at + kXBytes + kWValues, emap, 0, step, tm * kTiles, full);
 #endif
 }
 
-// The producer thread's copies of one tile's steps k0 .. k1 - 1 (x's rows from n0, W's row block tm) into ring steps
-// g, g + 1, ..., each into its stage once the stage's readers have released it; returns the next ring step.
+// The producer thread's copies of one tile's steps k0 .. k1 - 1 (x's rows from n0, W's row block tm and `half`, as
+// load_w takes them) into ring steps g, g + 1, ..., each into its stage once the stage's readers have released it;
+// returns the next ring step.
 // (sparse24_ws.cu's producer multicasts x across a cluster: its own loop.)
-__device__ __forceinline__ int produce_steps(int g, int k0, int k1, int n0, int tm, u32 sbase, u32 full0,
+__device__ __forceinline__ int produce_steps(int g, int k0, int k1, int n0, int tm, int half, u32 sbase, u32 full0,
                                              u32 empty0, const TensorMap *xmap, const TensorMap *vmap,
                                              const TensorMap *emap) {
     constexpr u32 bytes = kXBytes + kWBytes;  // boxes past N or M count in full (zero-filled)
@@ -79,7 +83,7 @@ __device__ __forceinline__ int produce_steps(int g, int k0, int k1, int n0, int 
         const u32 full = full0 + 8 * b, at = sbase + b * kStageBytes;
         mbar_expect_tx(full, bytes);
         tma_load_2d(at, xmap, step * 64, n0, full);
-        load_w(at, vmap, emap, step, tm, full);
+        load_w(at, vmap, emap, step, tm, half, full);
     }
     return g;
 }

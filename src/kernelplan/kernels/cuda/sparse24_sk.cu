@@ -156,7 +156,7 @@ kp_sparse24_sk(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
             int g = 0;
             while (work_list.next(tile, part, k0, k1)) {
                 tile_origin(tile, tiles_n, n0, tile0);
-                g = produce_steps(g, k0, k1, n0, tile0 / kTiles, sbase, full0, empty0, &xmap, &vmap, &emap);
+                g = produce_steps(g, k0, k1, n0, tile0 / kTiles, 0, sbase, full0, empty0, &xmap, &vmap, &emap);
             }
         }
         return;

@@ -94,7 +94,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #else
                 tma_load_2d(at, &xmap, step * 64, n0, full);
 #endif
-                load_w(at, &vmap, &emap, step, blockIdx.y, full);
+                load_w(at, &vmap, &emap, step, blockIdx.y, 0, full);
             }
         }
     } else {

@@ -1,0 +1,199 @@
+"""The grouped kernel's epilogues (``kernels/sparse24_grouped.py``): a MoE layer's first projection and its gating as
+one launch over every expert.  CPU: its variants compile, and its gated tensor maps read each expert's two halves as
+one expert's own gated maps do (the copy engine's boxes emulated).  GPU: against fp64."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kernelplan.nn import Sparse24Experts
+
+from helpers import FWD_ATOL, assert_close, sm90
+
+transformers = pytest.importorskip("transformers")
+gpu = pytest.mark.gpu
+
+
+def _box(buffer: torch.Tensor, address: int, dims, strides, box, coords) -> torch.Tensor:
+    """What a tiled tensor map's copy writes (``cuTensorMapEncodeTiled`` of 4-byte elements; dims, strides in bytes
+    past the first, box and coords innermost first) from ``buffer``'s words at byte ``address``: the box, outermost
+    first, zeros where it runs past a dimension."""
+    index = torch.zeros((), dtype=torch.long)
+    inside = torch.ones((), dtype=torch.bool)
+    for d, (size, at) in enumerate(zip(box, coords)):
+        pos = (torch.arange(size) + at).view([-1] + [1] * d)
+        index = index.unsqueeze(0) + pos * ([4] + list(strides))[d]
+        inside = inside.unsqueeze(0) & (pos < dims[d])
+    words = (address + index) // 4
+    return torch.where(inside, buffer[words.clamp(max=buffer.numel() - 1)], 0)
+
+
+def _maps(monkeypatch, rows, tiles):
+    """A gated ``TensorMaps`` whose maps are their encoding arguments."""
+    pytest.importorskip("cuda.bindings.driver")
+    from kernelplan.kernels import sparse24_ws
+
+    monkeypatch.setattr(sparse24_ws, "encode_tensor_map",
+                        lambda cu, dtype, address, dims, strides, box, swizzle: (address, dims, strides, box))
+    return sparse24_ws.TensorMaps(rows, tiles, "bf16", gated=True)
+
+
+@pytest.mark.parametrize("half_rows", [64, 96, 144])  # whole 64-row blocks, and halves that end inside one
+def test_grouped_gated_maps_read_each_expert_as_its_own_maps_do(monkeypatch, half_rows, seed):
+    """Expert e's box at (block, half 2 e) of the grouped maps holds what expert e's own gated maps' box at (block,
+    half 0) does, every block and step: its gate tiles then its up tiles, zeros past each half, never a neighbour's
+    rows (``sparse24_ring.cuh``, load_w)."""
+    experts, k, tiles = 3, 192, 8  # a 128-row tile: 4 16-row tiles from each half
+    m, steps = 2 * half_rows, k // 64
+    values = torch.randint(1, 2**30, (experts * m // 16 * steps * 256,), dtype=torch.int32)
+    codes = torch.randint(1, 2**30, (experts * m // 16 * steps * 32,), dtype=torch.int32)
+    maps = _maps(monkeypatch, 64, tiles)
+    grouped_v, grouped_e = maps.w(0, 0, experts * m, k, groups=experts)
+    blocks = -(-half_rows // (16 * tiles // 2))
+    for e in range(experts):
+        at_v, at_e = e * values.numel() // experts * 4, e * codes.numel() // experts * 4
+        own_v, own_e = maps.w(at_v, at_e, m, k)
+        for block in range(blocks):
+            for step in range(steps):
+                for (address, *geometry), own, buffer, coords in (
+                        (grouped_v, own_v, values, lambda h: (0, block * tiles // 2, h, 0, step)),
+                        (grouped_e, own_e, codes, lambda h: (0, step, block * tiles // 2, h))):
+                    got = _box(buffer, address, *geometry, coords(2 * e))
+                    want = _box(buffer, own[0], *own[1:], coords(0))
+                    assert torch.equal(got, want), (e, block, step)
+                    assert (got != 0).any()
+    # The box of the last expert's last block stops at its halves: the rows past them are zeros.
+    if half_rows % 64:
+        got = _box(values, grouped_v[0], *grouped_v[1:], (0, (blocks - 1) * tiles // 2, 2 * experts - 2, 0, 0))
+        assert (got[..., half_rows // 16 % 4:, :] == 0).all() and (got[..., :half_rows // 16 % 4, :] != 0).all()
+
+
+def test_grouped_variants_compile(compile_for):
+    """NVRTC builds the grouped kernel plain, under an activation and under a gated epilogue, with and without biases,
+    in both dtypes, on a CPU machine."""
+    from kernelplan.kernels.sparse24_grouped import grouped_config
+    from kernelplan.kernels.sparse24_ws import source
+
+    for (m, s, gated), dtype, bias, epilogue in (((256, 300, False), "bf16", False, None),
+                                                ((192, 5, False), "f16", True, "gelu_tanh"),
+                                                ((192, 40, True), "bf16", True, "gated_silu_first"),
+                                                ((512, 3000, True), "f16", False, "gated_gelu_second")):
+        cfg = grouped_config(m, s, 8, gated)
+        assert cfg.wm == (2 if gated or m % 128 == 0 else 1)
+        assert compile_for(source(cfg, dtype, bias, epilogue, grouped=True), "sm_90a")
+
+
+def _mixtral_experts(dtype, hidden=128, inner=192, experts=4, act="silu"):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    cfg = MixtralConfig(hidden_size=hidden, intermediate_size=inner, num_local_experts=experts, hidden_act=act)
+    cfg._experts_implementation = "eager"
+    mod = MixtralExperts(cfg).to(dtype)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.normal_(0, 0.05)
+    return mod
+
+
+def test_the_first_projection_s_epilogue_is_its_gating_or_activation(seed):
+    """Mixtral's default gating is the gated epilogue; experts without a gate take their activation; a gating of the
+    module's own (gpt-oss's clamp and interleave) is not one the kernels compute."""
+    sparse = Sparse24Experts.from_experts(_mixtral_experts(torch.float32, act="gelu_pytorch_tanh"))
+    assert sparse._epilogue == "gated_gelu_tanh_first"
+    ungated = copy.copy(sparse)
+    ungated.has_gate = False
+    assert ungated._first_epilogue() == "gelu_tanh"
+    own = copy.copy(sparse)
+    own._gate = lambda module, h: h[..., ::2] * h[..., 1::2]
+    assert own._first_epilogue() is None
+
+
+def _routing(tokens, experts, k=2):
+    logits = torch.randn(tokens, experts)
+    weights, index = logits.softmax(-1).topk(k, dim=-1)
+    return index, weights
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("inner", [192, 96])  # halves of whole 64-row blocks, and of one and a half
+def test_grouped_gated_experts_match_fp64_eager_and_in_a_graph(dtype, inner, seed):
+    """Mixtral's experts on the grouped kernel with the gating in the first launch's epilogue, against the fp64
+    oracle of the same pruned weights, at token counts that leave experts empty, partly filled boxes and many tiles;
+    the unfused module's output beside it; then captured in a CUDA graph and replayed on new routing."""
+    dense = _mixtral_experts(torch.float64, inner=inner, experts=6)
+    sparse = Sparse24Experts.from_experts(copy.deepcopy(dense).to(dtype)).cuda()
+    assert sparse._epilogue == "gated_silu_first"
+    unfused = copy.copy(sparse)
+    unfused._epilogue = None
+    oracle = copy.deepcopy(dense)
+    with torch.no_grad():
+        for e in range(6):
+            oracle.gate_up_proj[e] = sparse.first[e].to_dense().double().cpu()
+            oracle.down_proj[e] = sparse.down[e].to_dense().double().cpu()
+    for tokens in (1, 37, 300):
+        x = torch.randn(tokens, 128, dtype=torch.float64)
+        index, weights = _routing(tokens, 6)
+        with torch.no_grad():
+            want = oracle(x, index, weights.double())
+            xd, index, weights = x.to(dtype).cuda(), index.cuda(), weights.to(dtype).cuda()
+            assert sparse._grouped(xd)
+            out, base = sparse(xd, index, weights), unfused(xd, index, weights)
+        assert_close(out, want.cuda(), base, atol=FWD_ATOL[dtype])
+    with torch.no_grad():
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            sparse(xd, index, weights)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            captured = sparse(xd, index, weights)
+        new_index, new_weights = _routing(300, 6)
+        xd.copy_(torch.randn_like(xd))
+        index.copy_(new_index)
+        weights.copy_(new_weights)
+        graph.replay()
+        torch.testing.assert_close(captured, sparse(xd, index, weights), rtol=0, atol=0)
+
+
+@gpu
+@sm90
+def test_grouped_linear_under_a_gated_epilogue_with_biases_and_under_an_activation(seed):
+    """``grouped_linear`` itself: biases [E, M] under the gated epilogue (each expert's bias halves paired as its
+    rows are), and a plain activation, against fp64; experts with no rows, a few, and many, and rows of x past the
+    last offset."""
+    import torch.nn.functional as F
+
+    from kernelplan.kernels.sparse24_grouped import grouped_linear
+    from kernelplan.nn import Sparse24Linear
+    from kernelplan.sparse24.format import prune_compress
+
+    experts, m, k = 5, 192, 256
+    layers = []
+    for _ in range(experts):
+        w24 = prune_compress(torch.randn(m, k).bfloat16().cuda(), packed=True)
+        layers.append(Sparse24Linear(w24.values, w24.metadata, torch.randn(m).bfloat16().cuda()))
+    holder = Sparse24Experts(layers, copy.deepcopy(layers), torch.nn.SiLU())
+    values, metadata, bias = holder._span(holder.first)
+    bounds = [0, 0, 70, 73, 73, 223]
+    offsets = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    x = torch.randn(bounds[-1] + 9, k, dtype=torch.float64)
+    z = torch.cat([F.linear(x[a:b], layers[e].to_dense().double().cpu(), layers[e].bias.double().cpu())
+                   for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))])
+    zb = torch.cat([F.linear(x[a:b].bfloat16().cuda(), layers[e].to_dense(), layers[e].bias)
+                    for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))])
+    xd = x.bfloat16().cuda()
+    with torch.no_grad():
+        y = grouped_linear(xd, values, metadata, bias, offsets, experts, "gated_silu_first")
+        plain = grouped_linear(xd, values, metadata, bias, offsets, experts, "relu")
+    assert y.shape == (x.shape[0], m // 2) and plain.shape == (x.shape[0], m)
+    rows, h = bounds[-1], m // 2
+    assert_close(y[:rows], (F.silu(z[:, :h]) * z[:, h:]).cuda(), F.silu(zb[:, :h]) * zb[:, h:],
+                 atol=FWD_ATOL[torch.bfloat16])
+    assert_close(plain[:rows], z.clamp(min=0).cuda(), zb.clamp(min=0), atol=FWD_ATOL[torch.bfloat16])
