@@ -152,21 +152,30 @@ def test_gpt_oss_experts_are_calibrated_through_their_own_gating(seed):
 
 @pytest.mark.gpu
 def test_experts_calibrate_on_the_gpu_as_on_the_cpu(seed):
-    """SparseGPT on a Mixtral's experts on the GPU (Gram matrices of the routed rows on tensor cores; the experts
-    then run on the grouped kernel on Hopper) against the same on the CPU, in fp32: masks and errors agree."""
-    model = _mixtral(torch.float32, experts=4)
-    ids = torch.randint(0, 256, (4, 32))
-    cpu, gpu = copy.deepcopy(model), copy.deepcopy(model).cuda()
-    on_cpu = kp.sparsify(cpu, method="sparsegpt", calibration=ids, report=True, progress=False, experts="all")
-    on_gpu = kp.sparsify(gpu, method="sparsegpt", calibration=ids, report=True, progress=False, experts="all")
-    assert on_gpu.uncalibrated == on_cpu.uncalibrated
-    for i in range(2):
-        a, b = cpu.model.layers[i].mlp.experts, gpu.model.layers[i].mlp.experts
+    """SparseGPT on a Mixtral layer's experts on the GPU (the routed rows' Gram matrices there) against the same on
+    the CPU, in fp32, on the same hidden states and routing: masks and errors agree.  Then a whole model sparsified
+    on the GPU runs.  (Whole models compared layer by layer drift apart: layer 1 calibrates on layer 0's pruned
+    outputs, and SparseGPT's chained updates turn their last-bit differences into 8% of layer 1's mask, 370eb7f.)"""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    module = _mixtral(torch.float32, experts=4).model.layers[0].mlp.experts
+    index, weights = _routing(96, 4)
+    hidden = torch.randn(96, 128)
+    got = {}
+    for device in ("cpu", "cuda"):
+        mod, x, i, w = (t.to(device) for t in (copy.deepcopy(module), hidden, index, weights))
+        got[device] = pe.calibrate_experts(mod, "sparsegpt", lambda: mod(x, i, w), True, 128, 0.01)
+    (cpu, cpu_unreached, cpu_errors), (gpu, gpu_unreached, gpu_errors) = got["cpu"], got["cuda"]
+    assert cpu_unreached == gpu_unreached == []
+    for name in cpu:
         for e in range(4):
-            x, y = a.down[e].to_dense(), b.down[e].to_dense().cpu()
-            agree = float(((x != 0) == (y != 0)).float().mean())
-            assert agree > 0.98, f"layer {i} expert {e}: masks agree on {agree:.3f} only"
-    for key, err in on_cpu.errors.items():
-        assert on_gpu.errors[key] == pytest.approx(err, rel=0.1, abs=1e-3), key
+            a, b = cpu[name][e].decompress(), gpu[name][e].decompress().cpu()
+            agree = float(((a != 0) == (b != 0)).float().mean())
+            assert agree > 0.98, f"{name} expert {e}: masks agree on {agree:.3f} only"
+        assert gpu_errors[name] == pytest.approx(cpu_errors[name], rel=0.02), name
+    model = _mixtral(torch.float32, experts=4).cuda()
+    report = kp.sparsify(model, method="sparsegpt", calibration=torch.randint(0, 256, (4, 32)), report=True,
+                         progress=False, experts="all")
+    assert all(f"model.layers.{i}.mlp.experts" in report.converted for i in range(2))
     with torch.no_grad():
-        assert torch.isfinite(gpu(ids.cuda()).logits).all()
+        assert torch.isfinite(model(torch.randint(0, 256, (2, 16), device="cuda")).logits).all()
