@@ -200,3 +200,42 @@ def test_grouped_linear_under_a_gated_epilogue_with_biases_and_under_an_activati
     assert_close(y[:rows], (F.silu(z[:, :h]) * z[:, h:]).cuda(), F.silu(zb[:, :h]) * zb[:, h:],
                  atol=FWD_ATOL[torch.bfloat16])
     assert_close(plain[:rows], z.clamp(min=0).cuda(), zb.clamp(min=0), atol=FWD_ATOL[torch.bfloat16])
+
+
+def test_warmup_has_a_variant_for_each_width_of_x_s_tile(compile_for):
+    """``grouped_variants``: one tile for each width ``grouped_config`` can pick, 128 rows of W under a gated
+    epilogue, each compiling on a CPU machine."""
+    from kernelplan.kernels.sparse24_grouped import GROUPED_ROWS, grouped_config, grouped_variants
+
+    variants = grouped_variants(192, 256, torch.bfloat16, True, "gated_silu_first")
+    assert [cfg.bn for cfg, _ in variants] == list(GROUPED_ROWS) and all(cfg.wm == 2 for cfg, _ in variants)
+    picked = {grouped_config(192, s, 8, True) for s in (1, 9, 200, 300, 600, 5000)}
+    assert picked == {cfg for cfg, _ in variants}
+    assert len(variants[0][1]()) > 0
+
+
+@gpu
+@sm90
+def test_after_warmup_a_moe_model_s_grouped_calls_compile_nothing(monkeypatch, tmp_path, seed):
+    """``kp.warmup`` builds both projections' grouped tiles in place of the per-expert layers; then forwards at token
+    counts from a decode's to a prefill's compile nothing."""
+    import kernelplan as kp
+    from kernelplan.kernels import nvrtc
+    from kernelplan.kernels.sparse24_grouped import GROUPED_ROWS
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    monkeypatch.setenv("KERNELPLAN_CACHE_DIR", str(tmp_path))  # a cold disk cache
+    cfg = MixtralConfig(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2)
+    model = MixtralForCausalLM(cfg).eval().to("cuda", torch.bfloat16)
+    kp.sparsify(model, progress=False, experts="all")
+    rows = kp.warmup(model, batch_sizes=(1, 16), progress=False)
+    grouped = [r for r in rows if r["backend"] == "grouped"]
+    assert sorted((r["m"], r["k"], r["n"]) for r in grouped) == sorted(
+        (m, k, n) for m, k in ((384, 128), (128, 192)) for n in GROUPED_ROWS)
+    assert not any(r["m"] == 384 and r["backend"] != "grouped" for r in rows)  # no per-expert first projection
+    compiles = nvrtc.COMPILES[0]
+    with torch.inference_mode():
+        for tokens in (1, 5, 64, 700):
+            model(torch.randint(0, 256, (1, tokens), device="cuda"))
+    assert nvrtc.COMPILES[0] == compiles

@@ -14,7 +14,9 @@ The same for each sibling group (``kp.nn.fuse_siblings``) that has settled, that
 pass: one GEMM of all its layers' rows; for each gated MLP's GEMM (``kp.nn.gated_siblings``) whose group has
 settled, or that needs none (Phi-3's): its rows with the gated epilogue; and for each MLP with one activation
 (``kp.nn.activated``): its first layer with the activation in the epilogue.  A group that has not settled yet builds
-its kernel on its first call.
+its kernel on its first call.  A MoE layer's experts (``kp.nn.Sparse24Experts``) that run on the grouped kernel get
+each of its tiles for both projections (the tile follows the rows each expert gets, whatever the batch size), in
+place of their per-expert layers, which only autograd calls there.
 
 Returns one row per (layer shape, n): the kernel, its configuration, and the
 speedup over dense the sweeps measured on this kind of GPU (``sparse24/expected.py``).
@@ -28,6 +30,8 @@ import time
 import torch
 
 from .errors import InvalidProblem
+from .kernels.sparse24_grouped import grouped_load, grouped_variants
+from .nn.experts import Sparse24Experts
 from .nn.sparse24_linear import Sparse24Linear
 
 DEFAULT_BATCH_SIZES = (1, 16, 128, 2048)
@@ -111,7 +115,10 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
     sizes = sorted({int(n) for n in batch_sizes})
     if not sizes or sizes[0] < 1:
         raise InvalidProblem(f"batch_sizes is {tuple(batch_sizes)}; give positive numbers of rows, such as (1, 16, 128)")
-    layers = [m for m in model.modules() if isinstance(m, Sparse24Linear)]
+    grouped = [m for m in model.modules() if isinstance(m, Sparse24Experts) and
+               m.runs_grouped(m.first[0].values.device, m.first[0].values.dtype)]
+    per_expert = {id(layer) for m in grouped for layer in (*m.first, *m.down)}
+    layers = [m for m in model.modules() if isinstance(m, Sparse24Linear) and id(m) not in per_expert]
     groups = _groups(layers)
     # Routed modules ready to run their epilogue's GEMM: gated MLPs of settled groups or of Phi-3's one layer, MLPs
     # with one activation.
@@ -132,6 +139,18 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
                 rows[key]["epilogue"] = epilogue
             if compile_ is not None:
                 compiles.setdefault((backend, str(cfg), key[2], key[3], epilogue), compile_)
+    loads = {}  # the grouped kernels' variants, by what loading one takes
+    for mod in grouped:
+        values = mod.first[0].values
+        index = values.device.index if values.device.index is not None else torch.cuda.current_device()
+        for m, k, bias, epilogue in mod.grouped_gemms():
+            for cfg, compile_ in grouped_variants(m, k, values.dtype, bias, epilogue):
+                key = ("grouped", m, k, str(values.dtype), bias, cfg.bn, epilogue, mod.num_experts)
+                rows.setdefault(key, {"m": m, "k": k, "dtype": key[3], "bias": bias, "n": cfg.bn, "backend": "grouped",
+                                      "config": f"{cfg}, {mod.num_experts} experts, n rows an expert",
+                                      "expected": None, **({"epilogue": epilogue} if epilogue else {})})
+                compiles.setdefault(("grouped", str(cfg), key[3], bias, epilogue), compile_)
+                loads[(cfg, values.dtype, bias, epilogue, index)] = None
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
         futures = [pool.submit(c) for c in compiles.values()]
@@ -139,6 +158,8 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
                       disable=not progress or not futures):
             f.result()
     compiled_s = time.perf_counter() - t0
+    for load in loads:
+        grouped_load(*load)
     with torch.inference_mode():
         for layer in tqdm(layers, desc="warm up", disable=not progress or len(layers) < 2):
             p = layer.values

@@ -31,8 +31,32 @@ def grouped_config(m: int, s: int, experts: int, gated: bool = False) -> WsConfi
     of W where M allows (a tile never spans two experts), else 64.  Gated, 128: 64 of each half, whose map reads
     rows past a half as zeros."""
     rows = -(-s // max(1, min(experts, s)))
-    bn = min(128, max(16, 1 << (rows - 1).bit_length()))
+    return _tile(min(GROUPED_ROWS[-1], max(GROUPED_ROWS[0], 1 << (rows - 1).bit_length())), m, gated)
+
+
+GROUPED_ROWS = (16, 32, 64, 128)  # the rows of x a tile of grouped_config, whatever the tokens
+
+
+def _tile(bn: int, m: int, gated: bool) -> WsConfig:
     return _deepest(bn, 2 if m % 128 == 0 or gated else 1, 1, 1, pp=True)
+
+
+def grouped_variants(m: int, k: int, dtype: torch.dtype, has_bias: bool, epilogue: str | None) -> list[tuple]:
+    """``(config, compile)`` of each tile ``grouped_linear`` can pick for experts of ``[m, k]`` weights, one for each
+    width of x's tile: ``compile()`` gives its cubin, from the disk cache or NVRTC, and touches no device (so it may
+    run in threads).  What ``kp.warmup`` builds for a MoE layer's experts."""
+    from . import nvrtc
+    from .sparse24_wg import WgKernel
+
+    gated = epilogue in GATED_EPILOGUES
+    name = "bf16" if dtype == torch.bfloat16 else "f16"
+    return [(cfg, functools.partial(nvrtc.cubin, source(cfg, name, has_bias, epilogue, grouped=True),
+                                    WgKernel.architecture)) for cfg in (_tile(bn, m, gated) for bn in GROUPED_ROWS)]
+
+
+def grouped_load(cfg: WsConfig, dtype: torch.dtype, has_bias: bool, epilogue: str | None, device_index: int) -> None:
+    """Load one of ``grouped_variants`` on a device, as ``grouped_linear``'s first call with it would."""
+    _launcher(cfg, "bf16" if dtype == torch.bfloat16 else "f16", has_bias, epilogue, device_index)
 
 
 def grouped_reason(capability: tuple[int, int] | None, m: int, k: int, experts: int, dtype: torch.dtype) -> str | None:

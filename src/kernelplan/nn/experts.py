@@ -277,17 +277,27 @@ class Sparse24Experts(nn.Module):
     def _grouped(self, x: torch.Tensor) -> bool:
         """Whether this call runs each projection as one grouped launch (``kernels/sparse24_grouped.py``): on
         Hopper, without autograd (the grouped kernel has no backward), for weights it reads."""
-        if not x.is_cuda or torch.is_grad_enabled() or self.first[0].layout != "sp tiled":
+        return not torch.is_grad_enabled() and self.runs_grouped(x.device, x.dtype)
+
+    def runs_grouped(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether calls without autograd on ``device`` in ``dtype`` run on the grouped kernel."""
+        if device.type != "cuda" or self.first[0].layout != "sp tiled":
             return False
-        runs = self._runs.get((x.device, x.dtype))
+        runs = self._runs.get((device, dtype))
         if runs is None:  # the shapes are the module's: one verdict per device and dtype
             from ..kernels.sparse24_grouped import grouped_reason
 
-            capability = torch.cuda.get_device_capability(x.device)
-            runs = self._runs[x.device, x.dtype] = all(
-                grouped_reason(capability, m.out_features, m.in_features, self.num_experts, x.dtype) is None
+            capability = torch.cuda.get_device_capability(device)
+            runs = self._runs[device, dtype] = all(
+                grouped_reason(capability, m.out_features, m.in_features, self.num_experts, dtype) is None
                 for m in (self.first[0], self.down[0]))
         return runs
+
+    def grouped_gemms(self) -> list[tuple[int, int, bool, str | None]]:
+        """``(M, K, bias, epilogue)`` of each projection's grouped launch: the kernels ``kp.warmup`` builds."""
+        first, down = self.first[0], self.down[0]
+        return [(first.out_features, first.in_features, first.bias is not None, self._epilogue),
+                (down.out_features, down.in_features, down.bias is not None, None)]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
