@@ -3,8 +3,9 @@
 Published configs' sizes (``MODELS``), a few decoder layers each, random bf16 weights, no download: Mixtral-8x7B
 (8 experts of 14336, top 2) and Qwen3-30B-A3B (128 experts of 768, top 8, Qwen3-MoE's own module).  The dense
 model's experts run transformers' ``grouped_mm``, its default on the GPU.  The sparsified model's logits are checked
-against the dense model holding the same pruned weights first, on the tokens both route alike in every layer (in
-bf16 a router's near-tie can go either way, and a token routed elsewhere is another function, not an error).  Then, alternating dense and sparse (medians of
+against the dense model holding the same pruned weights first, on the sequences whose every token both route alike
+in every layer (in bf16 a router's near-tie can go either way; a token routed elsewhere is another function, not an
+error, and the tokens after it in its sequence attend to it).  Then, alternating dense and sparse (medians of
 rounds): one decode step at batch 1, 32 and 128 and a 512-token prefill, each replayed as a CUDA graph and run
 eagerly (Hugging Face's Python included).  Bytes of each model's weights (the 2:4 layouts its calls built included)
 and the GPU memory each one holds are reported.  Writes ``bench/results/sparse24-moe-model-<gpu>.json``.
@@ -82,10 +83,13 @@ def routed_logits(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def agreement(sparse, masked, ids: torch.Tensor) -> dict:
-    """The sparse model's logits against its masked-dense twin's on the tokens both route alike in every layer."""
+    """The sparse model's logits against its masked-dense twin's on the sequences of ``ids [B, T]`` whose every token
+    both route alike in every layer."""
     (got, a), (want, b) = routed_logits(sparse, ids), routed_logits(masked, ids)
-    same = (a == b).all(-1)
-    return {"tokens_routed_alike": float(same.float().mean()),
+    tokens = (a == b).all(-1)
+    same = tokens.view(ids.shape).all(-1).repeat_interleave(ids.shape[1])
+    return {"tokens_routed_alike": float(tokens.float().mean()),
+            "sequences_routed_alike": int(same.sum()) // ids.shape[1], "sequences": ids.shape[0],
             "logits_rel_err_routed_alike": float((got - want)[same].abs().max() / want[same].abs().max()),
             "logits_rel_err_all_tokens": float((got - want).abs().max() / want.abs().max())}
 
@@ -115,10 +119,11 @@ def one_model(model: str, rounds: int) -> dict:
                  "skipped": dict(report.skipped), "rows": []}
     with torch.inference_mode():
         masked = masked_twin(dense, sparse)
-        out |= (check := agreement(sparse, masked, torch.randint(0, cfg.vocab_size, (4, 64), device="cuda")))
+        out |= (check := agreement(sparse, masked, torch.randint(0, cfg.vocab_size, (32, 16), device="cuda")))
         del masked
         print(f"{model}: {report.summary().splitlines()[0]}; against the masked-dense model: "
-              f"{check['tokens_routed_alike']:.0%} of tokens routed alike, on those logits rel err "
+              f"{check['tokens_routed_alike']:.1%} of tokens and {check['sequences_routed_alike']} of 32 sequences "
+              f"routed alike, on those logits rel err "
               f"{check['logits_rel_err_routed_alike']:.1e} (all tokens {check['logits_rel_err_all_tokens']:.1e})",
               flush=True)
         for batch in (1, 32, 128):
