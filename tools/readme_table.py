@@ -102,10 +102,31 @@ def _experts_note(doc: dict, name: str) -> str:
                         for m, r in {r["model"]: r for r in rows}.items())
     by_tokens = _by_tokens(rows)
     held = {round(r["held_bytes"] / r["dense_bytes"], 4) for r in rows}
+    fused = ""
+    if "sparse24_unfused" in rows[0]["graph_ms"]:
+        gain = {t: [r["graph_ms"]["sparse24_unfused"] / r["graph_ms"]["sparse24"] for r in rows if r["tokens"] == t]
+                for t in sorted({r["tokens"] for r in rows})}
+        fused = ("; the gating in the first launch's epilogue over the gating between the launches, CUDA graph, median "
+                 "by tokens: " + ", ".join(f"{t} {statistics.median(g):.2f}x" for t, g in gain.items()))
     return (f"- 2:4 MoE experts (`kp.nn.Sparse24Experts`, each projection one grouped launch) against transformers' "
             f"`grouped_mm` on the same pruned weights, over {len({r['model'] for r in rows})} configs' routed "
-            f"experts ({configs}), random routing, median (min) by tokens, CUDA graph / eager: {by_tokens}; "
+            f"experts ({configs}), random routing, median (min) by tokens, CUDA graph / eager: {by_tokens}{fused}; "
             f"bytes {'-'.join(f'{b:.4f}' for b in sorted(held))}x, {_source(doc['meta'], name)}.")
+
+
+def _moe_model_note(doc: dict, name: str) -> str:
+    """Whole MoE models, sparsified against dense, by case; their weights and GPU memory."""
+    models = []
+    for m in doc["models"]:
+        cases = "; ".join(f"{r['case']} {r['graph_speedup']:.2f}x graph, {r['eager_speedup']:.2f}x eager"
+                          for r in m["rows"])
+        gib = {k: v / 2**30 for k, v in m["gpu_memory_bytes"].items()}
+        models.append(f"{m['model']} ({m['layers']} layers): {cases}; weights {m['sparse_over_dense_bytes']:.3f}x of "
+                      f"dense (experts {m['experts_bytes']['sparse'] / m['experts_bytes']['dense']:.4f}x, embeddings "
+                      f"and LM head dense), GPU memory held {gib['sparse']:.2f} against {gib['dense']:.2f} GiB")
+    return (f"- 2:4 MoE models (`bench/sparse24_moe_model.py`, published configs' sizes, random weights), sparsified "
+            f"against dense (experts on transformers' `grouped_mm`): " + "; ".join(models) +
+            f"; {_source(doc['meta'], name)}.")
 
 
 def _by_tokens(rows: list[dict]) -> str:
@@ -134,6 +155,10 @@ def sparse24_notes() -> list[str]:
         doc = _load(name)
         if doc and "graph_ms" in doc["rows"][0]:
             lines.append(_experts_note(doc, name))
+    for name in ("sparse24-moe-model-h100", "sparse24-moe-model-h200"):
+        doc = _load(name)
+        if doc:
+            lines.append(_moe_model_note(doc, name))
     for name in ("sparse24-siblings-sweep-h100", "sparse24-siblings-sweep-h200"):
         sweep = _load(name)
         if sweep:
