@@ -10,8 +10,9 @@ The expert sizes of published MoE configs (``MODELS``: experts, hidden, intermed
   default on the GPU, written to be captured) against the 2:4 module;
 * as eager calls (``triton.testing.do_bench``): those two, transformers' ``eager`` loop, and the 2:4 module one GEMM
   an expert (``sparse24_loop``; neither loop can be captured: they read the routing on the host);
-* both ways, the 2:4 module with its gating as torch ops between the two launches (``sparse24_unfused``), where the
-  module runs it in the first launch's epilogue;
+* both ways, the 2:4 module with its gating as torch ops between the two launches and its pairs reordered and
+  weighted by torch ops after them (``sparse24_unfused``), where the module runs the gating in the first launch's
+  epilogue and the rest in the second's store;
 * the host work of an eager call alone (``host_us``: the clock stops when the last of 20 calls returns), of the
   dense module and the 2:4 one;
 
@@ -83,8 +84,10 @@ def main() -> int:
                 dense.down_proj[e] = sparse.down[e].to_dense()
         loop = copy.copy(sparse)  # the same weights, one GEMM per expert (the path with autograd and off Hopper)
         loop._grouped = lambda x: False
-        unfused = copy.copy(sparse)  # the gating between the launches, as torch ops
+        unfused = copy.copy(sparse)  # the gating between the launches and the pairs' combining after, as torch ops
         unfused._epilogue = None
+        unfused._modules = dict(sparse._modules)  # its own registry: the norm below is the copy's alone
+        unfused.post_expert_norm = torch.nn.Identity()  # a norm after the experts keeps the combining out of the store
         eager = copy.copy(dense)
         eager.config = copy.copy(dense.config)
         eager.config._experts_implementation = "eager"

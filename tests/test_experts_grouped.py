@@ -73,17 +73,18 @@ def test_grouped_gated_maps_read_each_expert_as_its_own_maps_do(monkeypatch, hal
 
 def test_grouped_variants_compile(compile_for):
     """NVRTC builds the grouped kernel plain, under an activation and under a gated epilogue, with and without biases,
-    in both dtypes, on a CPU machine."""
+    in both dtypes, and its scattered store, on a CPU machine."""
     from kernelplan.kernels.sparse24_grouped import grouped_config
     from kernelplan.kernels.sparse24_ws import source
 
-    for (m, s, gated), dtype, bias, epilogue in (((256, 300, False), "bf16", False, None),
-                                                ((192, 5, False), "f16", True, "gelu_tanh"),
-                                                ((192, 40, True), "bf16", True, "gated_silu_first"),
-                                                ((512, 3000, True), "f16", False, "gated_gelu_second")):
+    for (m, s, gated), dtype, bias, epilogue, scatter in (((256, 300, False), "bf16", False, None, False),
+                                                         ((192, 5, False), "f16", True, "gelu_tanh", False),
+                                                         ((192, 40, True), "bf16", True, "gated_silu_first", False),
+                                                         ((512, 3000, True), "f16", False, "gated_gelu_second", False),
+                                                         ((192, 70, False), "bf16", True, None, True)):
         cfg = grouped_config(m, s, 8, gated)
         assert cfg.wm == (2 if gated or m % 128 == 0 else 1)
-        assert compile_for(source(cfg, dtype, bias, epilogue, grouped=True), "sm_90a")
+        assert compile_for(source(cfg, dtype, bias, epilogue, True, scatter), "sm_90a")
 
 
 def _mixtral_experts(dtype, hidden=128, inner=192, experts=4, act="silu"):
@@ -167,10 +168,10 @@ def test_grouped_gated_experts_match_fp64_eager_and_in_a_graph(dtype, inner, see
 
 @gpu
 @sm90
-def test_grouped_linear_under_a_gated_epilogue_with_biases_and_under_an_activation(seed):
+def test_grouped_linear_under_a_gated_epilogue_with_biases_and_an_activation_and_scattered(seed):
     """``grouped_linear`` itself: biases [E, M] under the gated epilogue (each expert's bias halves paired as its
-    rows are), and a plain activation, against fp64; experts with no rows, a few, and many, and rows of x past the
-    last offset."""
+    rows are), a plain activation, and the scattered store (each row weighted into its pair's row), against fp64;
+    experts with no rows, a few, and many, and rows of x past the last offset."""
     import torch.nn.functional as F
 
     from kernelplan.kernels.sparse24_grouped import grouped_linear
@@ -200,6 +201,20 @@ def test_grouped_linear_under_a_gated_epilogue_with_biases_and_under_an_activati
     assert_close(y[:rows], (F.silu(z[:, :h]) * z[:, h:]).cuda(), F.silu(zb[:, :h]) * zb[:, h:],
                  atol=FWD_ATOL[torch.bfloat16])
     assert_close(plain[:rows], z.clamp(min=0).cuda(), zb.clamp(min=0), atol=FWD_ATOL[torch.bfloat16])
+
+    # Scattered: row n to row rows[n] of a given y, times scale[rows[n]]; rows past the last offset leave theirs.
+    total = x.shape[0]
+    rows_of = torch.randperm(total, device="cuda")
+    scale = torch.rand(total, device="cuda")
+    y = torch.full((total, m), 7.0, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        got = grouped_linear(xd, values, metadata, bias, offsets, experts, scatter=(y, rows_of, scale))
+    assert got is y
+    placed = rows_of[:rows].cpu()
+    want = z * scale.double().cpu()[placed, None]
+    base = zb * scale[rows_of[:rows], None].bfloat16()
+    assert_close(y[rows_of[:rows]], want.cuda(), base, atol=FWD_ATOL[torch.bfloat16])
+    assert (y[rows_of[rows:]] == 7.0).all()
 
 
 def test_warmup_has_a_variant_for_each_width_of_x_s_tile(compile_for):

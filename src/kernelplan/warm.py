@@ -143,14 +143,15 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
     for mod in grouped:
         values = mod.first[0].values
         index = values.device.index if values.device.index is not None else torch.cuda.current_device()
-        for m, k, bias, epilogue in mod.grouped_gemms():
-            for cfg, compile_ in grouped_variants(m, k, values.dtype, bias, epilogue):
-                key = ("grouped", m, k, str(values.dtype), bias, cfg.bn, epilogue, mod.num_experts)
+        for m, k, bias, epilogue, scatter in mod.grouped_gemms():
+            for cfg, compile_ in grouped_variants(m, k, values.dtype, bias, epilogue, scatter):
+                key = ("grouped", m, k, str(values.dtype), bias, cfg.bn, epilogue, scatter, mod.num_experts)
                 rows.setdefault(key, {"m": m, "k": k, "dtype": key[3], "bias": bias, "n": cfg.bn, "backend": "grouped",
-                                      "config": f"{cfg}, {mod.num_experts} experts, n rows an expert",
+                                      "config": f"{cfg}, {mod.num_experts} experts, n rows an expert"
+                                                f"{', scattered' * scatter}",
                                       "expected": None, **({"epilogue": epilogue} if epilogue else {})})
-                compiles.setdefault(("grouped", str(cfg), key[3], bias, epilogue), compile_)
-                loads[(cfg, values.dtype, bias, epilogue, index)] = None
+                compiles.setdefault(("grouped", str(cfg), key[3], bias, epilogue, scatter), compile_)
+                loads[(cfg, values.dtype, bias, epilogue, index, scatter)] = None
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
         futures = [pool.submit(c) for c in compiles.values()]

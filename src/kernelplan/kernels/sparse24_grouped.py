@@ -23,6 +23,7 @@ from .sparse24_ws import _PP_PARAMS, _PP_SIZES, TensorMaps, WsConfig, _deepest, 
 
 MAX_EXPERTS = 1024  # sparse24_pp.cu's kMaxExperts: the scan of tile counts is in shared memory
 _PARAMS = _PP_PARAMS + ["*i32", "i32"]  # the offsets, the experts
+_SCATTER_PARAMS = _PARAMS + ["*i64", "*fp32"]  # each row's (token, k) pair, the pairs' routing weights
 
 
 def grouped_config(m: int, s: int, experts: int, gated: bool = False) -> WsConfig:
@@ -41,7 +42,8 @@ def _tile(bn: int, m: int, gated: bool) -> WsConfig:
     return _deepest(bn, 2 if m % 128 == 0 or gated else 1, 1, 1, pp=True)
 
 
-def grouped_variants(m: int, k: int, dtype: torch.dtype, has_bias: bool, epilogue: str | None) -> list[tuple]:
+def grouped_variants(m: int, k: int, dtype: torch.dtype, has_bias: bool, epilogue: str | None,
+                     scatter: bool = False) -> list[tuple]:
     """``(config, compile)`` of each tile ``grouped_linear`` can pick for experts of ``[m, k]`` weights, one for each
     width of x's tile: ``compile()`` gives its cubin, from the disk cache or NVRTC, and touches no device (so it may
     run in threads).  What ``kp.warmup`` builds for a MoE layer's experts."""
@@ -50,13 +52,14 @@ def grouped_variants(m: int, k: int, dtype: torch.dtype, has_bias: bool, epilogu
 
     gated = epilogue in GATED_EPILOGUES
     name = "bf16" if dtype == torch.bfloat16 else "f16"
-    return [(cfg, functools.partial(nvrtc.cubin, source(cfg, name, has_bias, epilogue, grouped=True),
+    return [(cfg, functools.partial(nvrtc.cubin, source(cfg, name, has_bias, epilogue, True, scatter),
                                     WgKernel.architecture)) for cfg in (_tile(bn, m, gated) for bn in GROUPED_ROWS)]
 
 
-def grouped_load(cfg: WsConfig, dtype: torch.dtype, has_bias: bool, epilogue: str | None, device_index: int) -> None:
+def grouped_load(cfg: WsConfig, dtype: torch.dtype, has_bias: bool, epilogue: str | None, device_index: int,
+                 scatter: bool = False) -> None:
     """Load one of ``grouped_variants`` on a device, as ``grouped_linear``'s first call with it would."""
-    _launcher(cfg, "bf16" if dtype == torch.bfloat16 else "f16", has_bias, epilogue, device_index)
+    _launcher(cfg, "bf16" if dtype == torch.bfloat16 else "f16", has_bias, epilogue, scatter, device_index)
 
 
 def grouped_reason(capability: tuple[int, int] | None, m: int, k: int, experts: int, dtype: torch.dtype) -> str | None:
@@ -75,13 +78,13 @@ def grouped_reason(capability: tuple[int, int] | None, m: int, k: int, experts: 
 
 
 @functools.lru_cache(maxsize=64)
-def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, epilogue: str | None, device_index: int):
+def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, epilogue: str | None, scatter: bool, device_index: int):
     from cuda.bindings import driver as cu
 
     from . import nvrtc
     from .sparse24_wg import WgKernel
 
-    fn = nvrtc.function(source(cfg, dtype, has_bias, epilogue, grouped=True), "kp_sparse24_pp", device_index,
+    fn = nvrtc.function(source(cfg, dtype, has_bias, epilogue, True, scatter), "kp_sparse24_pp", device_index,
                         WgKernel.architecture)
     err, = cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                  cfg.shared)
@@ -89,36 +92,40 @@ def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, epilogue: str | None, d
         raise KernelPlanError(f"the grouped kernel ({cfg}) cannot have {cfg.shared} bytes of shared memory on "
                               f"cuda:{device_index}: {err.name}")
     sizes = _param_sizes(cu, fn)
-    if sizes != _PP_SIZES + [8, 4]:
+    if sizes != _PP_SIZES + [8, 4] + [8, 8] * scatter:
         raise KernelPlanError(f"the grouped kernel: compiled parameter sizes {sizes} are not the launcher's")
-    launch = FunctionLaunch(fn, f"kp_sparse24_pp grouped {cfg} {dtype} {epilogue}", _PARAMS, cfg.threads, cfg.shared)
+    launch = FunctionLaunch(fn, f"kp_sparse24_pp grouped {cfg} {dtype} {epilogue}{' scattered' * scatter}",
+                            _SCATTER_PARAMS if scatter else _PARAMS, cfg.threads, cfg.shared)
     return launch, TensorMaps(cfg.bn, 4 * cfg.wm, dtype, gated=epilogue in GATED_EPILOGUES)
 
 
 def grouped_linear(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias: torch.Tensor | None,
-                   offsets: torch.Tensor, experts: int, epilogue: str | None = None) -> torch.Tensor:
+                   offsets: torch.Tensor, experts: int, epilogue: str | None = None,
+                   scatter: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``y[offsets[e]:offsets[e + 1]] = act(x[offsets[e]:offsets[e + 1]] @ W_e^T (+ bias[e]))`` for every expert e, as
     one launch: ``x [S, K]`` (rows sorted by expert, contiguous), ``values`` / ``metadata`` the experts' weights end
     to end in the device layout (E x M rows), ``bias [E, M]`` or None, ``offsets`` int32 ``[E + 1]`` on x's device,
     non-decreasing from 0, ``epilogue`` None, an activation or a gated epilogue (``activations.GATED_EPILOGUES``: y
-    is then ``[S, M / 2]``).  Rows of x past ``offsets[E]`` are left unwritten in y.  The caller checks
-    ``grouped_reason``; these are internal operands, built by ``Sparse24Experts``."""
+    is then ``[S, M / 2]``).  Rows of x past ``offsets[E]`` are left unwritten in y.  ``scatter``: ``(y, rows,
+    scale)``: row n's result, times ``scale[rows[n]]``, goes to row ``rows[n]`` of that y (``[S, M]``, contiguous;
+    ``rows`` int64 ``[S]``, ``scale`` float32): a MoE layer's pairs back in their order and weighted as they are
+    stored.  The caller checks ``grouped_reason``; these are internal operands, built by ``Sparse24Experts``."""
     from .sparse24 import sm_count
 
     s, k = x.shape
     m = values.shape[0] * 16 // experts
     gated = epilogue in GATED_EPILOGUES
-    y = torch.empty(s, m // 2 if gated else m, dtype=x.dtype, device=x.device)
+    y = torch.empty(s, m // 2 if gated else m, dtype=x.dtype, device=x.device) if scatter is None else scatter[0]
     if s == 0:
         return y
     cfg = grouped_config(m, s, experts, gated)
     dtype = "bf16" if x.dtype == torch.bfloat16 else "f16"
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    launch, maps = _launcher(cfg, dtype, bias is not None, epilogue, device)
+    launch, maps = _launcher(cfg, dtype, bias is not None, epilogue, scatter is not None, device)
     bound = (-(-s // cfg.bn) + experts) * -(-m // cfg.rows)  # tiles at most: each expert's rows round up once
     params = (maps.x(x.data_ptr(), s, k, x.stride(0)),
               *maps.w(values.data_ptr(), metadata.data_ptr(), experts * m, k, experts if gated else 1),
               0 if bias is None else bias.data_ptr(), y.data_ptr(), s, m, k, y.stride(0), 0, offsets.data_ptr(),
-              experts)
+              experts) + ((scatter[1].data_ptr(), scatter[2].data_ptr()) if scatter is not None else ())
     launch((min(sm_count(device), bound), 1, 1), params, torch.cuda.current_stream(device).cuda_stream, packed=True)
     return y

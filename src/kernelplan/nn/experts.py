@@ -293,11 +293,12 @@ class Sparse24Experts(nn.Module):
                 for m in (self.first[0], self.down[0]))
         return runs
 
-    def grouped_gemms(self) -> list[tuple[int, int, bool, str | None]]:
-        """``(M, K, bias, epilogue)`` of each projection's grouped launch: the kernels ``kp.warmup`` builds."""
+    def grouped_gemms(self) -> list[tuple[int, int, bool, str | None, bool]]:
+        """``(M, K, bias, epilogue, scatter)`` of each projection's grouped launch: the kernels ``kp.warmup``
+        builds."""
         first, down = self.first[0], self.down[0]
-        return [(first.out_features, first.in_features, first.bias is not None, self._epilogue),
-                (down.out_features, down.in_features, down.bias is not None, None)]
+        return [(first.out_features, first.in_features, first.bias is not None, self._epilogue, False),
+                (down.out_features, down.in_features, down.bias is not None, None, self.post_expert_norm is None)]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -318,13 +319,13 @@ class Sparse24Experts(nn.Module):
         offsets = torch.searchsorted(sorted_ids, self._bounds(sorted_ids), out_int32=True)
         x = hidden_states.index_select(0, torch.div(order, k, rounding_mode="floor"))
         if self._grouped(x):
-            out = self._grouped_forward(x, offsets, sorted_ids)
+            pairs = self._grouped_forward(x, offsets, sorted_ids, order, top_k_weights)
         else:
             out = self._per_expert(x, offsets[1:].tolist())
-        pairs = torch.empty_like(out)
-        pairs[order] = out
-        pairs = pairs * top_k_weights.reshape(-1, 1).to(pairs.dtype)
-        return pairs.view(tokens, k, out.shape[1]).sum(dim=1).to(hidden_states.dtype)
+            pairs = torch.empty_like(out)
+            pairs[order] = out
+            pairs = pairs * top_k_weights.reshape(-1, 1).to(pairs.dtype)
+        return pairs.view(tokens, k, pairs.shape[1]).sum(dim=1).to(hidden_states.dtype)
 
     def _bounds(self, ids: torch.Tensor) -> torch.Tensor:
         """``0 .. E`` on ids' device and in their dtype, made once: what ``searchsorted`` looks up."""
@@ -334,17 +335,29 @@ class Sparse24Experts(nn.Module):
             bounds = self._bound_cache[key] = torch.arange(self.num_experts + 1, device=ids.device, dtype=ids.dtype)
         return bounds
 
-    def _grouped_forward(self, x: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _grouped_forward(self, x: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor, order: torch.Tensor,
+                         weights: torch.Tensor) -> torch.Tensor:
         """Each projection as one launch over every expert's rows; the gating between them over all rows at once.
-        ``offsets`` int32 [E + 1] where each expert's rows start; ``ids`` the rows' experts, sorted."""
+        ``offsets`` int32 [E + 1] where each expert's rows start; ``ids`` the rows' experts, sorted; ``order`` each
+        row's (token, k) pair.  Returns each pair's weighted output, in the pairs' order ``[T k, H]``."""
         from ..kernels.sparse24_grouped import grouped_linear
 
         if self._epilogue is not None:  # the gating in the first launch's epilogue: no [S, 2I] pass
             h = grouped_linear(x.contiguous(), *self._span(self.first), offsets, self.num_experts, self._epilogue)
         else:
             h = self._activate(grouped_linear(x.contiguous(), *self._span(self.first), offsets, self.num_experts))
-        out = self._norm(grouped_linear(h.contiguous(), *self._span(self.down), offsets, self.num_experts))
-        return out.masked_fill((ids >= self.num_experts)[:, None], 0)  # the sentinel's rows: never written
+        down = self._span(self.down)
+        if self.post_expert_norm is None:
+            # Each row stored where its pair goes, times its routing weight, by the down launch: no reordering and
+            # weighting passes over [T k, H] after it.  The sentinel's pairs are never written: zeros.
+            pairs = h.new_zeros(h.shape[0], self.down[0].out_features)
+            scatter = (pairs, order, weights.reshape(-1).float())
+            return grouped_linear(h.contiguous(), *down, offsets, self.num_experts, scatter=scatter)
+        out = self._norm(grouped_linear(h.contiguous(), *down, offsets, self.num_experts))
+        out = out.masked_fill((ids >= self.num_experts)[:, None], 0)  # the sentinel's rows: never written
+        pairs = torch.empty_like(out)
+        pairs[order] = out
+        return pairs * weights.reshape(-1, 1).to(pairs.dtype)
 
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
         """The first projection's output through the gating (or, without a gate, the activation)."""

@@ -28,6 +28,9 @@
 #ifndef GROUPED
 #define GROUPED 0
 #endif
+#ifndef SCATTER
+#define SCATTER 0
+#endif
 #include "wgmma_sp.cuh"
 #include "hopper.cuh"
 #include "sparse24_ring.cuh"
@@ -51,11 +54,29 @@ __device__ __forceinline__ float out_value(const float (&acc)[WM][kInst][kAcc], 
     }
 }
 
+// Scattered (SCATTER 1, grouped only: a MoE layer's down projection), row n of x is (token, k) pair rows[n] of the
+// layer, its output goes to row rows[n] of y, scaled by that pair's routing weight scale[rows[n]] before it is
+// rounded: the pairs' reordering and weighting in the store, not in two passes over y after it (nn/experts.py).
+struct Scatter {
+    const long long *__restrict__ rows;
+    const float *__restrict__ scale;
+};
+
+// The factor of x's row n of the tile (1 unless scattered); rows past `N` are not stored.
+__device__ __forceinline__ float row_scale(const Scatter &sc, int n, int N) {
+#if SCATTER
+    return n < N ? sc.scale[sc.rows[n]] : 0.f;
+#else
+    (void)sc, (void)n, (void)N;
+    return 1.f;
+#endif
+}
+
 // This warpgroup's tile of y (x's rows n0 ..., y's columns m0 ..., of `cols`) from its accumulators, through
 // `stage`.  Barrier `bar` is the warpgroup's own; `u` is the thread within the warpgroup.
 __device__ __forceinline__ void store_tile(float (&acc)[WM][kInst][kAcc], u32 stage, const u16 *__restrict__ bias,
                                            u16 *__restrict__ y, int n0, int m0, int N, int cols, int syn, int wq,
-                                           int lane, int u, int bar) {
+                                           int lane, int u, int bar, const Scatter &sc) {
     const int g = lane >> 2, q = lane >> 3, i8 = lane & 7;
     named_sync(bar, 128);  // the last tile's rows have been read out of the staging buffer
 #pragma unroll
@@ -75,12 +96,16 @@ __device__ __forceinline__ void store_tile(float (&acc)[WM][kInst][kAcc], u32 st
         for (int i = 0; i < kInst; ++i)
 #pragma unroll
             for (int j = 0; j < NI / 8; j += 2) {
+                // The thread's columns of x in blocks j and j + 1: 8 c + 2 (lane & 3) and the next.
+                const int nx = n0 + i * NI + 8 * j + 2 * (lane & 3);
+                const float s[2][2] = {{row_scale(sc, nx, N), row_scale(sc, nx + 1, N)},
+                                       {row_scale(sc, nx + 8, N), row_scale(sc, nx + 9, N)}};
                 u32 r[4];
 #pragma unroll
                 for (int p = 0; p < 4; ++p) {  // matrix p: rows + 8 (p & 1) of W, columns 8 (j + p / 2) of x
                     const int at = 4 * (j + (p >> 1)) + 2 * (p & 1);
-                    r[p] = pack2(out_value(acc, b, i, at, (p & 1) ? b1 : b0),
-                                 out_value(acc, b, i, at + 1, (p & 1) ? b1 : b0));
+                    r[p] = pack2(out_value(acc, b, i, at, (p & 1) ? b1 : b0) * s[p >> 1][0],
+                                 out_value(acc, b, i, at + 1, (p & 1) ? b1 : b0) * s[p >> 1][1]);
                 }
                 const int nl = i * NI + 8 * (j + (q >> 1)) + i8, ml = 64 * b + 16 * wq + 8 * (q & 1);
                 stmatrix_t4(stage + nl * kYStride + ml * 2, r[0], r[1], r[2], r[3]);
@@ -93,7 +118,7 @@ __device__ __forceinline__ void store_tile(float (&acc)[WM][kInst][kAcc], u32 st
         const int nl = idx / (kOut / 8), m8 = idx % (kOut / 8), n = n0 + nl, m = m0 + m8 * 8;
         if (n >= N || m >= M) continue;
         const uint4 v = lds4(stage + nl * kYStride + m8 * 16);
-        u16 *out = y + (long)n * syn + m;
+        u16 *out = y + (long)(SCATTER ? sc.rows[n] : n) * syn + m;
         if (vec && m + 8 <= M) {
             *(uint4 *)out = v;
         } else {
@@ -143,6 +168,9 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #if GROUPED
                , const int *__restrict__ offsets, int experts
 #endif
+#if SCATTER
+               , const long long *__restrict__ rows, const float *__restrict__ scale
+#endif
 )
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -171,6 +199,12 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #else
     const int *offsets = nullptr, *first = nullptr;
     const int experts = 0;
+#endif
+#if SCATTER
+    static_assert(GROUPED, "a scattered store is a grouped launch's");
+    const Scatter sc{rows, scale};
+#else
+    const Scatter sc{nullptr, nullptr};
 #endif
 
     if (threadIdx.x == 0) {
@@ -217,6 +251,6 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         if (u == 0) mbar_arrive(order0 + 8 * (c ^ 1));  // the warpgroup's MMAs are done, so are its waits
         const u16 *own = HAS_BIAS ? bias + (long)at.expert * M : bias;  // grouped: the biases are [E, M]
         store_tile(acc, ybase + c * kYBytes, own, y, at.n0, at.block * kOut, at.n_end, M / kRegions, syn, wq, lane, u,
-                   1 + c);
+                   1 + c, sc);
     }
 }
