@@ -30,7 +30,6 @@ import time
 import torch
 
 from .errors import InvalidProblem
-from .kernels.sparse24_grouped import grouped_load, grouped_variants
 from .nn.experts import Sparse24Experts
 from .nn.sparse24_linear import Sparse24Linear
 
@@ -139,12 +138,14 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
                 rows[key]["epilogue"] = epilogue
             if compile_ is not None:
                 compiles.setdefault((backend, str(cfg), key[2], key[3], epilogue), compile_)
+    from .kernels.sparse24_grouped import grouped_load, grouped_variants  # kernels: imported where a GPU is used
+
     loads = {}  # the grouped kernels' variants, by what loading one takes
     for mod in grouped:
         values = mod.first[0].values
         index = values.device.index if values.device.index is not None else torch.cuda.current_device()
         for m, k, bias, epilogue, scatter in mod.grouped_gemms():
-            for cfg, compile_ in grouped_variants(m, k, values.dtype, bias, epilogue, scatter):
+            for cfg, compile_ in grouped_variants(m, values.dtype, bias, epilogue, scatter):
                 key = ("grouped", m, k, str(values.dtype), bias, cfg.bn, epilogue, scatter, mod.num_experts)
                 rows.setdefault(key, {"m": m, "k": k, "dtype": key[3], "bias": bias, "n": cfg.bn, "backend": "grouped",
                                       "config": f"{cfg}, {mod.num_experts} experts, n rows an expert"

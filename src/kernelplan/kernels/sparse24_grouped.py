@@ -42,9 +42,9 @@ def _tile(bn: int, m: int, gated: bool) -> WsConfig:
     return _deepest(bn, 2 if m % 128 == 0 or gated else 1, 1, 1, pp=True)
 
 
-def grouped_variants(m: int, k: int, dtype: torch.dtype, has_bias: bool, epilogue: str | None,
+def grouped_variants(m: int, dtype: torch.dtype, has_bias: bool, epilogue: str | None,
                      scatter: bool = False) -> list[tuple]:
-    """``(config, compile)`` of each tile ``grouped_linear`` can pick for experts of ``[m, k]`` weights, one for each
+    """``(config, compile)`` of each tile ``grouped_linear`` can pick for experts of M = ``m`` rows, one for each
     width of x's tile: ``compile()`` gives its cubin, from the disk cache or NVRTC, and touches no device (so it may
     run in threads).  What ``kp.warmup`` builds for a MoE layer's experts."""
     from . import nvrtc
