@@ -431,20 +431,26 @@ def test_grouped_experts_with_biases_and_in_a_cuda_graph(seed):
         zeroed[7, 1] = 0
         torch.testing.assert_close(sparse(x, sentinel, weights), sparse(x, index, zeroed), rtol=0, atol=0)
 
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            sparse(x, index, weights)  # warm: compiled and the tensor maps encoded outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(graph):
-            captured = sparse(x, index, weights)
-        new_index, new_weights = _routing(300, 3)
-        x.copy_(torch.randn_like(x))
-        index.copy_(new_index)
-        weights.copy_(new_weights)
-        graph.replay()
-        torch.testing.assert_close(captured, sparse(x, index, weights), rtol=0, atol=0)
+        replay_on_new_routing(sparse, x, index, weights, 3)
+
+
+def replay_on_new_routing(sparse, x, index, weights, experts: int) -> None:
+    """``sparse`` captured in a CUDA graph on these inputs, then replayed on new ones written in place (x and the
+    routing): the replay equals an eager call (the grouped path needs no host sync)."""
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        sparse(x, index, weights)  # warm: compiled and the tensor maps encoded outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        captured = sparse(x, index, weights)
+    new_index, new_weights = _routing(x.shape[0], experts)
+    x.copy_(torch.randn_like(x))
+    index.copy_(new_index)
+    weights.copy_(new_weights)
+    graph.replay()
+    torch.testing.assert_close(captured, sparse(x, index, weights), rtol=0, atol=0)
 
 
 def test_a_moe_directory_says_why_its_experts_stay_dense(tmp_path, seed):

@@ -12,6 +12,7 @@ import torch
 from kernelplan.nn import Sparse24Experts
 
 from helpers import FWD_ATOL, assert_close, sm90
+from test_experts import _routing, replay_on_new_routing
 
 transformers = pytest.importorskip("transformers")
 gpu = pytest.mark.gpu
@@ -113,12 +114,6 @@ def test_the_first_projection_s_epilogue_is_its_gating_or_activation(seed):
     assert own._first_epilogue() is None
 
 
-def _routing(tokens, experts, k=2):
-    logits = torch.randn(tokens, experts)
-    weights, index = logits.softmax(-1).topk(k, dim=-1)
-    return index, weights
-
-
 @gpu
 @sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -150,20 +145,7 @@ def test_grouped_gated_experts_match_fp64_eager_and_in_a_graph(dtype, inner, see
             out, base = sparse(xd, index, weights), unfused(xd, index, weights)
         assert_close(out, want.cuda(), base, atol=FWD_ATOL[dtype])
     with torch.no_grad():
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            sparse(xd, index, weights)
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(graph):
-            captured = sparse(xd, index, weights)
-        new_index, new_weights = _routing(300, 6)
-        xd.copy_(torch.randn_like(xd))
-        index.copy_(new_index)
-        weights.copy_(new_weights)
-        graph.replay()
-        torch.testing.assert_close(captured, sparse(xd, index, weights), rtol=0, atol=0)
+        replay_on_new_routing(sparse, xd, index, weights, 6)
 
 
 @gpu
