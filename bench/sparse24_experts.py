@@ -15,6 +15,8 @@ The expert sizes of published MoE configs (``MODELS``: experts, hidden, intermed
   epilogue and the rest in the second's store;
 * the host work of an eager call alone (``host_us``: the clock stops when the last of 20 calls returns), of the
   dense module and the 2:4 one;
+* with ``--max-rows R``, both ways, the 2:4 module with its grouped tiles capped at R rows of x
+  (``sparse24_rows<R>``): the tile choice against a narrower one, side by side;
 
 medians of alternating rounds; the 2:4 module's relative error against the dense module of the same pruned weights;
 bytes held by each.  Writes ``bench/results/sparse24-experts-<gpu>.json``.
@@ -63,6 +65,18 @@ def dense_experts(experts: int, hidden: int, inner: int, implementation: str):
     return mod
 
 
+def capped(rows: int, module, *args):
+    """``module(*args)`` with the grouped kernel's tiles at most ``rows`` rows of x (a graph captured so keeps them)."""
+    from kernelplan.kernels import sparse24_grouped
+
+    widths = sparse24_grouped.GROUPED_ROWS
+    sparse24_grouped.GROUPED_ROWS = tuple(r for r in widths if r <= rows)
+    try:
+        return module(*args)
+    finally:
+        sparse24_grouped.GROUPED_ROWS = widths
+
+
 def main() -> int:
     import triton
 
@@ -71,6 +85,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, nargs="*", default=TOKENS)
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--max-rows", type=int, default=None, help="also time the grouped tiles capped at this many rows")
     a = ap.parse_args()
     torch.manual_seed(0)
     rows = []
@@ -105,11 +120,13 @@ def main() -> int:
                          "sparse24": lambda: sparse(x, index, weights),
                          "sparse24_loop": lambda: loop(x, index, weights),
                          "sparse24_unfused": lambda: unfused(x, index, weights)}
+                if a.max_rows:
+                    calls[f"sparse24_rows{a.max_rows}"] = lambda: capped(a.max_rows, sparse, x, index, weights)
                 ms = interleaved({n: (lambda f=f: triton.testing.do_bench(f, warmup=5, rep=40)) for n, f in
                                   calls.items()}, a.rounds)
                 replay = lambda f: triton.testing.do_bench_cudagraph(f, rep=20, return_mode="median")  # noqa: E731
-                graph = interleaved({n: (lambda f=calls[n]: replay(f)) for n in
-                                     ("grouped_mm", "sparse24", "sparse24_unfused")}, a.rounds)
+                graph = interleaved({n: (lambda f=calls[n]: replay(f)) for n in calls
+                                     if n not in ("eager", "sparse24_loop")}, a.rounds)
                 host = interleaved({n: (lambda f=calls[n]: host_us_per_call(f, x.device, 20, wait=False)) for n in
                                     ("grouped_mm", "sparse24")}, a.rounds)
                 grouped = sparse._grouped(x)  # under no_grad, as the calls ran
@@ -127,8 +144,9 @@ def main() -> int:
                   f"2:4 {ms['sparse24']:7.3f} ms ({row['speedup_vs_grouped_mm']:.2f}x; transformers' loop "
                   f"{ms['eager']:7.3f}, a GEMM an expert {ms['sparse24_loop']:7.3f}, unfused "
                   f"{ms['sparse24_unfused']:7.3f})  host {host['grouped_mm']:.0f} / {host['sparse24']:.0f} us  "
-                  f"err {err:.1e}  "
-                  f"bytes {held / dense_bytes:.4f}x", flush=True)
+                  f"err {err:.1e}  bytes {held / dense_bytes:.4f}x" +
+                  "".join(f"  {n}: graph {graph[n]:7.3f}, eager {ms[n]:7.3f} ms" for n in graph if "_rows" in n),
+                  flush=True)
         dense = sparse = eager = loop = unfused = None  # freed before the next model
         torch.cuda.empty_cache()
         results.write("sparse24-experts", {"rows": rows}, a.out, dtype="bf16")  # each model's rows kept as they come

@@ -74,7 +74,7 @@ def test_grouped_gated_maps_read_each_expert_as_its_own_maps_do(monkeypatch, hal
 
 def test_grouped_variants_compile(compile_for):
     """NVRTC builds the grouped kernel plain, under an activation and under a gated epilogue, with and without biases,
-    in both dtypes, and its scattered store, on a CPU machine."""
+    in both dtypes, and its scattered store, ping-pong and (256 rows of x a tile) one a CTA, on a CPU machine."""
     from kernelplan.kernels.sparse24_grouped import grouped_config
     from kernelplan.kernels.sparse24_ws import source
 
@@ -82,9 +82,11 @@ def test_grouped_variants_compile(compile_for):
                                                          ((192, 5, False), "f16", True, "gelu_tanh", False),
                                                          ((192, 40, True), "bf16", True, "gated_silu_first", False),
                                                          ((512, 3000, True), "f16", False, "gated_gelu_second", False),
-                                                         ((192, 70, False), "bf16", True, None, True)):
+                                                         ((192, 70, False), "bf16", True, None, True),
+                                                         ((512, 5000, True), "bf16", True, "gated_silu_first", False),
+                                                         ((192, 5000, False), "f16", True, None, True)):
         cfg = grouped_config(m, s, 8, gated)
-        assert cfg.wm == (2 if gated or m % 128 == 0 else 1)
+        assert cfg.wm == (2 if gated or m % 128 == 0 else 1) and cfg.pp == (cfg.bn < 256)
         assert compile_for(source(cfg, dtype, bias, epilogue, True, scatter), "sm_90a")
 
 
@@ -135,7 +137,7 @@ def test_grouped_gated_experts_match_fp64_eager_and_in_a_graph(dtype, inner, see
         for e in range(6):
             oracle.gate_up_proj[e] = sparse.first[e].to_dense().double().cpu()
             oracle.down_proj[e] = sparse.down[e].to_dense().double().cpu()
-    for tokens in (1, 37, 300):
+    for tokens in (1, 37, 300, 1500):  # ... 1500: 500 rows an expert, tiles of 256 rows (one a CTA)
         x = torch.randn(tokens, 128, dtype=torch.float64)
         index, weights = _routing(tokens, 6)
         with torch.no_grad():
@@ -150,13 +152,15 @@ def test_grouped_gated_experts_match_fp64_eager_and_in_a_graph(dtype, inner, see
 
 @gpu
 @sm90
-def test_grouped_linear_under_a_gated_epilogue_with_biases_and_an_activation_and_scattered(seed):
+@pytest.mark.parametrize("bounds", [[0, 0, 70, 73, 73, 223], [0, 0, 600, 603, 603, 1500]],
+                         ids=["ping-pong", "one-a-cta"])  # 47 and 302 rows an expert on average
+def test_grouped_linear_under_a_gated_epilogue_with_biases_and_an_activation_and_scattered(bounds, seed):
     """``grouped_linear`` itself: biases [E, M] under the gated epilogue (each expert's bias halves paired as its
     rows are), a plain activation, and the scattered store (each row weighted into its pair's row), against fp64;
     experts with no rows, a few, and many, and rows of x past the last offset."""
     import torch.nn.functional as F
 
-    from kernelplan.kernels.sparse24_grouped import grouped_linear
+    from kernelplan.kernels.sparse24_grouped import grouped_config, grouped_linear
     from kernelplan.nn import Sparse24Linear
     from kernelplan.sparse24.format import prune_compress
 
@@ -167,8 +171,8 @@ def test_grouped_linear_under_a_gated_epilogue_with_biases_and_an_activation_and
         layers.append(Sparse24Linear(w24.values, w24.metadata, torch.randn(m).bfloat16().cuda()))
     holder = Sparse24Experts(layers, copy.deepcopy(layers), torch.nn.SiLU())
     values, metadata, bias = holder._span(holder.first)
-    bounds = [0, 0, 70, 73, 73, 223]
     offsets = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    assert grouped_config(m, bounds[-1] + 9, experts).pp == (bounds[-1] < 1000)
     x = torch.randn(bounds[-1] + 9, k, dtype=torch.float64)
     z = torch.cat([F.linear(x[a:b], layers[e].to_dense().double().cpu(), layers[e].bias.double().cpu())
                    for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))])
@@ -206,7 +210,7 @@ def test_warmup_has_a_variant_for_each_width_of_x_s_tile(compile_for):
 
     variants = grouped_variants(192, torch.bfloat16, True, "gated_silu_first")
     assert [cfg.bn for cfg, _ in variants] == list(GROUPED_ROWS) and all(cfg.wm == 2 for cfg, _ in variants)
-    picked = {grouped_config(192, s, 8, True) for s in (1, 9, 200, 300, 600, 5000)}
+    picked = {grouped_config(192, s, 8, True) for s in (1, 9, 200, 300, 600, 1500, 5000)}
     assert picked == {cfg for cfg, _ in variants}
     assert len(variants[0][1]()) > 0
 

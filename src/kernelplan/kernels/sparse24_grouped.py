@@ -1,9 +1,10 @@
-"""A MoE layer's experts in one launch: the ping-pong ``wgmma.sp`` kernel over all experts' tiles.
+"""A MoE layer's experts in one launch: a ``wgmma.sp`` kernel over all experts' tiles.
 
-``cuda/sparse24_pp.cu`` with ``GROUPED``: W is the experts' weights end to end (E x M rows in the one device
+``cuda/sparse24_pp.cu`` (persistent, ping-pong) or ``cuda/sparse24_ws.cu`` (a CTA a tile, for experts of many rows)
+with ``GROUPED`` (``cuda/sparse24_grouped.cuh``): W is the experts' weights end to end (E x M rows in the one device
 layout, which is the layout of one tall weight), x's rows are sorted by expert, and ``offsets`` (on the device) says
 where each expert's rows start, so the launch needs no host sync and a CUDA graph can hold it.  Each CTA scans the
-experts' tile counts, then walks the tiles as the plain kernel does.  ``nn/experts.py`` calls it.
+experts' tile counts, then walks the tiles (ping-pong) or takes its own (one a tile).  ``nn/experts.py`` calls it.
 
 The epilogue is the plain kernel's: an activation, or a gated one (each expert's rows its gate and up halves, y's
 columns act(gate) * up), which takes the gating's pass over the ``[S, 2I]`` output and its torch kernels out of a
@@ -12,6 +13,7 @@ MoE layer's forward.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -19,27 +21,34 @@ import torch
 from ..activations import GATED_EPILOGUES
 from ..errors import KernelPlanError
 from .direct import FunctionLaunch, _param_sizes
-from .sparse24_ws import _PP_PARAMS, _PP_SIZES, TensorMaps, WsConfig, _deepest, source
+from .sparse24_ws import (SM_SHARED, _PARAMS, _PP_PARAMS, _PP_SIZES, _SIZES, TensorMaps, WsConfig, _deepest,
+                          source)
 
-MAX_EXPERTS = 1024  # sparse24_pp.cu's kMaxExperts: the scan of tile counts is in shared memory
-_PARAMS = _PP_PARAMS + ["*i32", "i32"]  # the offsets, the experts
-_SCATTER_PARAMS = _PARAMS + ["*i64", "*fp32"]  # each row's (token, k) pair, the pairs' routing weights
+MAX_EXPERTS = 1024  # sparse24_grouped.cuh's kMaxExperts: the scan of tile counts is in shared memory
+_SCAN_BYTES = 4 * (MAX_EXPERTS + 1)
+_GROUP_PARAMS = ["*i32", "i32"]  # the offsets, the experts
+_SCATTER_PARAMS = ["*i64", "*fp32"]  # each row's (token, k) pair, the pairs' routing weights
 
 
 def grouped_config(m: int, s: int, experts: int, gated: bool = False) -> WsConfig:
     """The tile for ``s`` rows of x over ``experts`` experts of M = ``m`` rows: as many rows of x as an expert hit
-    gets if the rows spread evenly (16 to 128, in powers of two: a row or two an expert is a decode's), and 128 rows
+    gets if the rows spread evenly (16 to 256, in powers of two: a row or two an expert is a decode's), and 128 rows
     of W where M allows (a tile never spans two experts), else 64.  Gated, 128: 64 of each half, whose map reads
-    rows past a half as zeros."""
+    rows past a half as zeros.  Tiles of 256 rows of x are one a CTA (``sparse24_ws.cu``): a ping-pong warpgroup
+    cannot hold their accumulators, and each wgmma then reads W's fragment for twice the rows of x (docs/design/0012,
+    0033); narrower ones are ping-pong."""
     rows = -(-s // max(1, min(experts, s)))
     return _tile(min(GROUPED_ROWS[-1], max(GROUPED_ROWS[0], 1 << (rows - 1).bit_length())), m, gated)
 
 
-GROUPED_ROWS = (16, 32, 64, 128)  # the rows of x a tile of grouped_config, whatever the tokens
+GROUPED_ROWS = (16, 32, 64, 128, 256)  # the rows of x a tile of grouped_config, whatever the tokens
 
 
 def _tile(bn: int, m: int, gated: bool) -> WsConfig:
-    return _deepest(bn, 2 if m % 128 == 0 or gated else 1, 1, 1, pp=True)
+    cfg = _deepest(bn, 2 if m % 128 == 0 or gated else 1, 1, 1, pp=bn < 256)
+    while cfg.shared + _SCAN_BYTES > SM_SHARED:  # the scan's static array beside the ring (256 x 64: one stage)
+        cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
+    return cfg
 
 
 def grouped_variants(m: int, dtype: torch.dtype, has_bias: bool, epilogue: str | None,
@@ -84,7 +93,8 @@ def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, epilogue: str | None, s
     from . import nvrtc
     from .sparse24_wg import WgKernel
 
-    fn = nvrtc.function(source(cfg, dtype, has_bias, epilogue, True, scatter), "kp_sparse24_pp", device_index,
+    name = "kp_sparse24_pp" if cfg.pp else "kp_sparse24_ws"
+    fn = nvrtc.function(source(cfg, dtype, has_bias, epilogue, True, scatter), name, device_index,
                         WgKernel.architecture)
     err, = cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                  cfg.shared)
@@ -92,10 +102,11 @@ def _launcher(cfg: WsConfig, dtype: str, has_bias: bool, epilogue: str | None, s
         raise KernelPlanError(f"the grouped kernel ({cfg}) cannot have {cfg.shared} bytes of shared memory on "
                               f"cuda:{device_index}: {err.name}")
     sizes = _param_sizes(cu, fn)
-    if sizes != _PP_SIZES + [8, 4] + [8, 8] * scatter:
+    params = (_PP_PARAMS if cfg.pp else _PARAMS) + _GROUP_PARAMS + _SCATTER_PARAMS * scatter
+    if sizes != (_PP_SIZES if cfg.pp else _SIZES) + [8, 4] + [8, 8] * scatter:
         raise KernelPlanError(f"the grouped kernel: compiled parameter sizes {sizes} are not the launcher's")
-    launch = FunctionLaunch(fn, f"kp_sparse24_pp grouped {cfg} {dtype} {epilogue}{' scattered' * scatter}",
-                            _SCATTER_PARAMS if scatter else _PARAMS, cfg.threads, cfg.shared)
+    launch = FunctionLaunch(fn, f"{name} grouped {cfg} {dtype} {epilogue}{' scattered' * scatter}", params,
+                            cfg.threads, cfg.shared)
     return launch, TensorMaps(cfg.bn, 4 * cfg.wm, dtype, gated=epilogue in GATED_EPILOGUES)
 
 
@@ -125,7 +136,8 @@ def grouped_linear(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor
     bound = (-(-s // cfg.bn) + experts) * -(-m // cfg.rows)  # tiles at most: each expert's rows round up once
     params = (maps.x(x.data_ptr(), s, k, x.stride(0)),
               *maps.w(values.data_ptr(), metadata.data_ptr(), experts * m, k, experts if gated else 1),
-              0 if bias is None else bias.data_ptr(), y.data_ptr(), s, m, k, y.stride(0), 0, offsets.data_ptr(),
-              experts) + ((scatter[1].data_ptr(), scatter[2].data_ptr()) if scatter is not None else ())
-    launch((min(sm_count(device), bound), 1, 1), params, torch.cuda.current_stream(device).cuda_stream, packed=True)
+              0 if bias is None else bias.data_ptr(), y.data_ptr(), s, m, k, y.stride(0)) + (0,) * cfg.pp + \
+        (offsets.data_ptr(), experts) + ((scatter[1].data_ptr(), scatter[2].data_ptr()) if scatter is not None else ())
+    grid = min(sm_count(device), bound) if cfg.pp else bound  # persistent, or a CTA a tile (the rest leave)
+    launch((grid, 1, 1), params, torch.cuda.current_stream(device).cuda_stream, packed=True)
     return y

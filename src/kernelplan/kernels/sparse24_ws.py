@@ -265,10 +265,11 @@ def gated_tile(cfg: WsConfig) -> bool:
 def source(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None, grouped: bool = False,
            scatter: bool = False) -> str:
     """The CUDA C++ of one kernel variant (``kp_sparse24_ws``; ``kp_sparse24_sk`` where ``cfg.sk``,
-    ``kp_sparse24_pp`` where ``cfg.pp``, and its ``grouped`` form: a MoE layer's experts, ``grouped_linear``, whose
-    ``scatter`` form stores each row weighted where its token's pair goes), compiled by NVRTC for sm_90a."""
-    kind = {"GROUPED": 1, "SCATTER": int(scatter)} if grouped else {} if cfg.sk or cfg.pp else {"CM": cfg.cm,
-                                                                                                 "KC": cfg.kc}
+    ``kp_sparse24_pp`` where ``cfg.pp``; the ``grouped`` form of those two: a MoE layer's experts, ``grouped_linear``,
+    whose ``scatter`` form stores each row weighted where its token's pair goes), compiled by NVRTC for sm_90a."""
+    kind = {} if cfg.sk or cfg.pp else {"CM": cfg.cm, "KC": cfg.kc}
+    if grouped:
+        kind |= {"GROUPED": 1, "SCATTER": int(scatter)}
     head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, **kind, STAGES=cfg.stages,
                    CONSUMER_REGS=_CONSUMER_REGS[2 if cfg.pp else cfg.wm])
     return head + COMMON_SOURCE + cuda_source(_SOURCE[_kind(cfg)])

@@ -34,6 +34,7 @@
 #include "wgmma_sp.cuh"
 #include "hopper.cuh"
 #include "sparse24_ring.cuh"
+#include "sparse24_grouped.cuh"
 
 constexpr int kRedStride = kBM + 4;                // f32 partial sums [BN][kBM + 4]: rows 16-byte aligned
 constexpr int kRedBytes = BN * kRedStride * 4;
@@ -51,7 +52,14 @@ static_assert(kXPart % 8 == 0, "each part of x starts on a 1024-byte swizzle pha
 extern "C" __global__ void KP_CLUSTER __launch_bounds__(kThreads, 1)
 kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ TensorMap vmap,
                const __grid_constant__ TensorMap emap, const u16 *__restrict__ bias, u16 *__restrict__ y, int N, int M,
-               int K, int syn)
+               int K, int syn
+#if GROUPED
+               , const int *__restrict__ offsets, int experts
+#endif
+#if SCATTER
+               , const long long *__restrict__ rows, const float *__restrict__ scale
+#endif
+)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 sraw = (u32)__cvta_generic_to_shared(smem_raw);
@@ -60,7 +68,26 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     const int warp = warp_uniform(), lane = threadIdx.x & 31;
     const int ksteps = K / 64, steps = ksteps / KC;   // this CTA's 64-column steps
     const int step0 = blockIdx.z * steps;            // blockIdx.z is the CTA's K slice, its rank along z
-    const int n0 = blockIdx.x * BN;
+#if GROUPED
+    // Grouped (sparse24_grouped.cuh): CTA t is the launch's tile t, of a grid of at least as many; the rest leave.
+    static_assert(CM * KC == 1, "a grouped launch has no clusters");
+    const int tiles_m = (M + kBM - 1) / kBM;
+    __shared__ int first[kMaxExperts + 1];
+    if (warp == 0) scan_tiles(first, offsets, experts, tiles_m, lane);
+    __syncthreads();
+    if ((int)blockIdx.x >= first[experts]) return;
+    int e = 0;
+    const Tile tile = tile_at(blockIdx.x, 0, N, tiles_m, offsets, first, e);
+#else
+    const Tile tile{(int)blockIdx.x * BN, (int)blockIdx.y, N, 0};
+    const int tiles_m = 0;
+#endif
+#if SCATTER
+    const Scatter sc{rows, scale};
+#else
+    const Scatter sc{nullptr, nullptr};
+#endif
+    const int n0 = tile.n0;
     // Cluster ranks run along y then z (x is 1 wide): this CTA's M group is ranks cz * CM ... cz * CM + CM - 1.
     const int cy = blockIdx.y % CM, cz = blockIdx.z;
     (void)cy, (void)cz;  // read by the cluster variants only
@@ -94,7 +121,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #else
                 tma_load_2d(at, &xmap, step * 64, n0, full);
 #endif
-                load_w(at, &vmap, &emap, step, blockIdx.y, 0, full);
+                load_w(at, &vmap, &emap, step, w_block(tile, tiles_m), w_half(tile), full);
             }
         }
     } else {
@@ -126,12 +153,14 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         // Bias, activation and y, 8 columns of y (16 bytes) a thread, along M: the K slices in rank order.  Gated,
         // column c of y is the pair of rows c (local row c) and H + c (local row kBM / 2 + c).
         constexpr int kOut = kBM / kRegions;               // columns of y a CTA
-        const int rows_here = BN / KC, nl0 = blockIdx.z * rows_here, mo = blockIdx.y * kOut;
+        const int rows_here = BN / KC, nl0 = blockIdx.z * rows_here, mo = tile.block * kOut;
+        const u16 *own = HAS_BIAS ? bias + (long)tile.expert * M : bias;  // grouped: the biases are [E, M]
+        (void)own;
         const int cols = M / kRegions;                     // of y
         const bool vec = syn % 8 == 0 && ((unsigned long long)y & 15) == 0;
         for (int idx = threadIdx.x - 128; idx < rows_here * (kOut / 8); idx += kConsumers) {
             const int m8 = idx % (kOut / 8), nl = nl0 + idx / (kOut / 8), m = mo + m8 * 8, n = n0 + nl;
-            if (m >= cols || n >= N) continue;
+            if (m >= cols || n >= tile.n_end) continue;
             float v[kRegions][8];
 #pragma unroll
             for (int h = 0; h < kRegions; ++h) {
@@ -151,13 +180,14 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #if HAS_BIAS
 #pragma unroll
                 for (int j = 0; j < 8; ++j)
-                    if (m + j < cols) v[h][j] += to_f32(bias[h * cols + m + j]);
+                    if (m + j < cols) v[h][j] += to_f32(own[h * cols + m + j]);
 #endif
             }
             u16 h[8];
+            const float s = row_scale(sc, n, tile.n_end);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) h[j] = from_f32(epilogue<kRegions>(v, j));
-            u16 *out = y + (long)n * syn + m;
+            for (int j = 0; j < 8; ++j) h[j] = from_f32(epilogue<kRegions>(v, j) * s);
+            u16 *out = y + (long)(SCATTER ? sc.rows[n] : n) * syn + m;
             if (vec && m + 8 <= cols) {
                 uint4 packed;
                 packed.x = h[0] | ((u32)h[1] << 16);
