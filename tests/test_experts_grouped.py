@@ -210,8 +210,9 @@ def test_warmup_has_a_variant_for_each_width_of_x_s_tile(compile_for):
 
     variants = grouped_variants(192, torch.bfloat16, True, "gated_silu_first")
     assert [cfg.bn for cfg, _ in variants] == list(GROUPED_ROWS) and all(cfg.wm == 2 for cfg, _ in variants)
-    picked = {grouped_config(192, s, 8, True) for s in (1, 9, 200, 300, 600, 1500, 5000)}
+    picked = {grouped_config(192, s, 8, True) for s in (1, 9, 200, 300, 600, 2049, 5000)}
     assert picked == {cfg for cfg, _ in variants}
+    assert grouped_config(192, 2048, 8).bn == 128 and grouped_config(192, 2049, 8).bn == 256  # 256 a tile: > 256
     assert len(variants[0][1]()) > 0
 
 

@@ -31,14 +31,20 @@ _SCATTER_PARAMS = ["*i64", "*fp32"]  # each row's (token, k) pair, the pairs' ro
 
 
 def grouped_config(m: int, s: int, experts: int, gated: bool = False) -> WsConfig:
-    """The tile for ``s`` rows of x over ``experts`` experts of M = ``m`` rows: as many rows of x as an expert hit
-    gets if the rows spread evenly (16 to 256, in powers of two: a row or two an expert is a decode's), and 128 rows
-    of W where M allows (a tile never spans two experts), else 64.  Gated, 128: 64 of each half, whose map reads
-    rows past a half as zeros.  Tiles of 256 rows of x are one a CTA (``sparse24_ws.cu``): a ping-pong warpgroup
-    cannot hold their accumulators, and each wgmma then reads W's fragment for twice the rows of x (docs/design/0012,
-    0033); narrower ones are ping-pong."""
+    """The tile for ``s`` rows of x over ``experts`` experts of M = ``m`` rows, from the rows an expert hit gets if
+    they spread evenly: as many (16 to 128, in powers of two: a row or two an expert is a decode's), or 256 where
+    that is more than 256; and 128 rows of W where M allows (a tile never spans two experts), else 64.  Gated, 128:
+    64 of each half, whose map reads rows past a half as zeros.
+
+    Tiles of 256 rows of x are one a CTA (``sparse24_ws.cu``: a ping-pong warpgroup cannot hold their accumulators),
+    and each wgmma reads W's fragment for twice the rows (docs/design/0012).  Against 128-row tiles at 2048 tokens
+    (H100, ``sparse24-experts-rows-h100.json``): 1.06-1.09x at 512 rows an expert, 1.04-1.09x at 137-192, but
+    0.87-0.95x at 256, where about half the experts get a second, nearly empty 256-row tile (docs/design/0033)."""
     rows = -(-s // max(1, min(experts, s)))
-    return _tile(min(GROUPED_ROWS[-1], max(GROUPED_ROWS[0], 1 << (rows - 1).bit_length())), m, gated)
+    wide = GROUPED_ROWS[-1]
+    if rows > 256 and wide >= 256:
+        return _tile(256, m, gated)
+    return _tile(min(128, wide, max(GROUPED_ROWS[0], 1 << (rows - 1).bit_length())), m, gated)
 
 
 GROUPED_ROWS = (16, 32, 64, 128, 256)  # the rows of x a tile of grouped_config, whatever the tokens
