@@ -8,6 +8,19 @@
 #define SCATTER 0
 #endif
 
+// The kernels' parameters past their plain ones: the offsets and the experts, then the scattered store's rows and
+// scales (grouped_linear passes them in this order).
+#if GROUPED
+#define KP_GROUP_PARAMS , const int *__restrict__ offsets, int experts
+#else
+#define KP_GROUP_PARAMS
+#endif
+#if SCATTER
+#define KP_SCATTER_PARAMS , const long long *__restrict__ rows, const float *__restrict__ scale
+#else
+#define KP_SCATTER_PARAMS
+#endif
+
 // Grouped (GROUPED 1: a MoE layer's experts, nn/experts.py), W is E weights of M rows each, end to end (the device
 // layout of the stacked rows), and x's rows are sorted by expert: expert e's are offsets[e] .. offsets[e + 1] - 1.
 // Its output tiles are those of each expert's own problem, expert by expert, N first within one; `first` holds each

@@ -110,14 +110,7 @@ __device__ __forceinline__ void store_tile(float (&acc)[WM][kInst][kAcc], u32 st
 extern "C" __global__ void __launch_bounds__(kPpThreads, 1)
 kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ TensorMap vmap,
                const __grid_constant__ TensorMap emap, const u16 *__restrict__ bias, u16 *__restrict__ y, int N, int M,
-               int K, int syn, int tiles_n
-#if GROUPED
-               , const int *__restrict__ offsets, int experts
-#endif
-#if SCATTER
-               , const long long *__restrict__ rows, const float *__restrict__ scale
-#endif
-)
+               int K, int syn, int tiles_n KP_GROUP_PARAMS KP_SCATTER_PARAMS)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 sbase = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;

@@ -52,14 +52,7 @@ static_assert(kXPart % 8 == 0, "each part of x starts on a 1024-byte swizzle pha
 extern "C" __global__ void KP_CLUSTER __launch_bounds__(kThreads, 1)
 kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ TensorMap vmap,
                const __grid_constant__ TensorMap emap, const u16 *__restrict__ bias, u16 *__restrict__ y, int N, int M,
-               int K, int syn
-#if GROUPED
-               , const int *__restrict__ offsets, int experts
-#endif
-#if SCATTER
-               , const long long *__restrict__ rows, const float *__restrict__ scale
-#endif
-)
+               int K, int syn KP_GROUP_PARAMS KP_SCATTER_PARAMS)
 {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 sraw = (u32)__cvta_generic_to_shared(smem_raw);
