@@ -19,6 +19,7 @@ import functools
 import torch
 
 from ..activations import GATED_EPILOGUES
+from ..dtypes import dtype_info
 from ..errors import KernelPlanError
 from .direct import FunctionLaunch, _param_sizes
 from .sparse24_ws import (SM_SHARED, _PARAMS, _PP_PARAMS, _PP_SIZES, _SIZES, TensorMaps, WsConfig, _deepest,
@@ -50,6 +51,7 @@ def grouped_config(m: int, s: int, experts: int, gated: bool = False) -> WsConfi
 GROUPED_ROWS = (16, 32, 64, 128, 256)  # the rows of x a tile of grouped_config, whatever the tokens
 
 
+@functools.lru_cache(maxsize=256)  # once per shape, not per call: grouped_linear asks on every call
 def _tile(bn: int, m: int, gated: bool) -> WsConfig:
     cfg = _deepest(bn, 2 if m % 128 == 0 or gated else 1, 1, 1, pp=bn < 256)
     while cfg.shared + _SCAN_BYTES > SM_SHARED:  # the scan's static array beside the ring (256 x 64: one stage)
@@ -66,7 +68,7 @@ def grouped_variants(m: int, dtype: torch.dtype, has_bias: bool, epilogue: str |
     from .sparse24_wg import WgKernel
 
     gated = epilogue in GATED_EPILOGUES
-    name = "bf16" if dtype == torch.bfloat16 else "f16"
+    name = dtype_info(dtype).name
     return [(cfg, functools.partial(nvrtc.cubin, source(cfg, name, has_bias, epilogue, True, scatter),
                                     WgKernel.architecture)) for cfg in (_tile(bn, m, gated) for bn in GROUPED_ROWS)]
 
@@ -74,7 +76,7 @@ def grouped_variants(m: int, dtype: torch.dtype, has_bias: bool, epilogue: str |
 def grouped_load(cfg: WsConfig, dtype: torch.dtype, has_bias: bool, epilogue: str | None, device_index: int,
                  scatter: bool = False) -> None:
     """Load one of ``grouped_variants`` on a device, as ``grouped_linear``'s first call with it would."""
-    _launcher(cfg, "bf16" if dtype == torch.bfloat16 else "f16", has_bias, epilogue, scatter, device_index)
+    _launcher(cfg, dtype_info(dtype).name, has_bias, epilogue, scatter, device_index)
 
 
 def grouped_reason(capability: tuple[int, int] | None, m: int, k: int, experts: int, dtype: torch.dtype) -> str | None:
@@ -136,7 +138,7 @@ def grouped_linear(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor
     if s == 0:
         return y
     cfg = grouped_config(m, s, experts, gated)
-    dtype = "bf16" if x.dtype == torch.bfloat16 else "f16"
+    dtype = dtype_info(x.dtype).name
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     launch, maps = _launcher(cfg, dtype, bias is not None, epilogue, scatter is not None, device)
     bound = (-(-s // cfg.bn) + experts) * -(-m // cfg.rows)  # tiles at most: each expert's rows round up once

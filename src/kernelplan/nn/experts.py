@@ -128,6 +128,13 @@ def experts_speed_reason(module: nn.Module) -> str | None:
             f"(0.5625x) anyway")
 
 
+def _combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Rows sorted by expert (``out``) back in their (token, k) pairs' order, each times its routing weight."""
+    pairs = torch.empty_like(out)
+    pairs[order] = out
+    return pairs * weights.reshape(-1, 1).to(pairs.dtype)
+
+
 class _Experts(nn.ModuleList):
     """One projection's per-expert layers.  Each reads its own tokens, so they are never siblings of one GEMM:
     ``fuse_siblings`` leaves them out."""
@@ -321,10 +328,7 @@ class Sparse24Experts(nn.Module):
         if self._grouped(x):
             pairs = self._grouped_forward(x, offsets, sorted_ids, order, top_k_weights)
         else:
-            out = self._per_expert(x, offsets[1:].tolist())
-            pairs = torch.empty_like(out)
-            pairs[order] = out
-            pairs = pairs * top_k_weights.reshape(-1, 1).to(pairs.dtype)
+            pairs = _combine(self._per_expert(x, offsets[1:].tolist()), order, top_k_weights)
         return pairs.view(tokens, k, pairs.shape[1]).sum(dim=1).to(hidden_states.dtype)
 
     def _bounds(self, ids: torch.Tensor) -> torch.Tensor:
@@ -355,9 +359,7 @@ class Sparse24Experts(nn.Module):
             return grouped_linear(h.contiguous(), *down, offsets, self.num_experts, scatter=scatter)
         out = self._norm(grouped_linear(h.contiguous(), *down, offsets, self.num_experts))
         out = out.masked_fill((ids >= self.num_experts)[:, None], 0)  # the sentinel's rows: never written
-        pairs = torch.empty_like(out)
-        pairs[order] = out
-        return pairs * weights.reshape(-1, 1).to(pairs.dtype)
+        return _combine(out, order, weights)
 
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
         """The first projection's output through the gating (or, without a gate, the activation)."""
