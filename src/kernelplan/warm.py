@@ -163,6 +163,8 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
     for load in loads:
         grouped_load(*load)
     with torch.inference_mode():
+        for mod in grouped:
+            mod.warm_routing()
         for layer in tqdm(layers, desc="warm up", disable=not progress or len(layers) < 2):
             p = layer.values
             for n in sizes:

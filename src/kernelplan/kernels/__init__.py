@@ -8,6 +8,7 @@ lazily, from a backend's ``run``; ``triton_reason`` answers a backend's
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 
@@ -19,9 +20,15 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@functools.lru_cache(maxsize=1)
+def have_triton() -> bool:
+    """Whether Triton is installed (asked on host paths: looked up once)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def triton_reason(device: str) -> str | None:
     """Why a Triton backend cannot run on ``device``, or None if it can."""
-    if importlib.util.find_spec("triton") is None:
+    if not have_triton():
         return "triton is not installed: pip install 'kernelplan[gpu]'"
     kind = torch.device(device).type
     if kind == "cuda" or (kind == "cpu" and interpreting()):
@@ -105,6 +112,8 @@ class Launcher:
         self.interpreted = type(fn).__name__ == "InterpretedFunction"
         self._compiled: dict = {}
         self._constexpr_names: dict[int, list[str]] = {}  # by the number of positional args
+        # Arguments the kernel's ``do_not_specialize`` names: one compiled kernel for every value of them.
+        self._plain = tuple(p.do_not_specialize for p in getattr(fn, "params", ()))
 
     def compiled(self, args: tuple, constexprs: dict, **options) -> Compiled:
         """The kernel compiled for these arguments' specialization (compiled now if new, not launched)."""
@@ -114,7 +123,9 @@ class Launcher:
         values = tuple(constexprs[name] for name in names)  # the kernel's parameter order
         # A compiled kernel is loaded into one device's context: the device is part of the key.
         device = args[0].get_device()
-        key = (device, values, tuple(options.items()), tuple(_specialization(a) for a in args))
+        plain = self._plain
+        key = (device, values, tuple(options.items()),
+               tuple(None if i < len(plain) and plain[i] else _specialization(a) for i, a in enumerate(args)))
         hit = self._compiled.get(key)
         if hit is None:
             from .triton_cache import compiling

@@ -21,6 +21,7 @@ import torch
 from ..activations import GATED_EPILOGUES
 from ..dtypes import dtype_info
 from ..errors import KernelPlanError
+from . import have_triton, raw_stream
 from .direct import FunctionLaunch, _param_sizes
 from .sparse24_ws import (SM_SHARED, _PARAMS, _PP_PARAMS, _PP_SIZES, _SIZES, TensorMaps, WsConfig, _deepest,
                           source)
@@ -91,6 +92,8 @@ def grouped_reason(capability: tuple[int, int] | None, m: int, k: int, experts: 
         return f"an expert's weight is [{m}, {k}]: the grouped kernel needs M and K multiples of 64"
     if experts > MAX_EXPERTS:
         return f"{experts} experts: the grouped kernel scans at most {MAX_EXPERTS}"
+    if not have_triton():
+        return "triton is not installed, and the experts' routing is a Triton kernel: pip install 'kernelplan[gpu]'"
     return None
 
 
@@ -147,5 +150,5 @@ def grouped_linear(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor
               0 if bias is None else bias.data_ptr(), y.data_ptr(), s, m, k, y.stride(0)) + (0,) * cfg.pp + \
         (offsets.data_ptr(), experts) + ((scatter[1].data_ptr(), scatter[2].data_ptr()) if scatter is not None else ())
     grid = min(sm_count(device), bound) if cfg.pp else bound  # persistent, or a CTA a tile (the rest leave)
-    launch((grid, 1, 1), params, torch.cuda.current_stream(device).cuda_stream, packed=True)
+    launch((grid, 1, 1), params, raw_stream(device), packed=True)
     return y

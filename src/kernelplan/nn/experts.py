@@ -307,6 +307,18 @@ class Sparse24Experts(nn.Module):
         return [(first.out_features, first.in_features, first.bias is not None, self._epilogue, False),
                 (down.out_features, down.in_features, down.bias is not None, None, self.post_expert_norm is None)]
 
+    def warm_routing(self) -> None:
+        """Compile the grouped forward's routing kernel for this module's shapes, as ``kp.warmup`` does: routing weights
+        in the experts' dtype and in float32 (routers give either), one variant for every token count."""
+        from ..kernels.moe_route import route
+
+        w = self.first[0].values
+        x = torch.zeros(1, self.first[0].in_features, dtype=w.dtype, device=w.device)
+        ids = torch.zeros(1, 1, dtype=torch.int64, device=w.device)
+        for dtype in (w.dtype, torch.float32):
+            y = x.new_empty(1, self.down[0].out_features) if self.post_expert_norm is None else None
+            route(ids, torch.ones(1, 1, dtype=dtype, device=w.device), x, self.num_experts, y)
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         if hidden_states.dim() != 2 or top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape or \
@@ -316,19 +328,17 @@ class Sparse24Experts(nn.Module):
                 f"top_k_weights {tuple(top_k_weights.shape)}: the experts take hidden_states [T, H] and routing "
                 f"[T, k] of the same T, as transformers' experts modules do")
         tokens, k = top_k_index.shape
-        ids = top_k_index.reshape(-1)
-        # The (token, expert) pairs by expert, so that each expert's rows are one contiguous block; ids past the
-        # experts (transformers' expert-parallel sentinel) sort last and add nothing, as in its eager loop.
-        sorted_ids, order = torch.sort(ids, stable=True)
-        # Where each expert's rows start, found in the sorted ids (no bincount, whose output length waits on the
-        # device for the largest id): [E + 1], the last where the sentinel's rows start.  Fewer small ops than a
-        # count and a cumsum: at a few tokens an eager call is host work (docs/design/0032).
-        offsets = torch.searchsorted(sorted_ids, self._bounds(sorted_ids), out_int32=True)
-        x = hidden_states.index_select(0, torch.div(order, k, rounding_mode="floor"))
-        if self._grouped(x):
-            pairs = self._grouped_forward(x, offsets, sorted_ids, order, top_k_weights)
+        if self._grouped(hidden_states):
+            pairs = self._grouped_forward(hidden_states, top_k_index, top_k_weights)
         else:
-            pairs = _combine(self._per_expert(x, offsets[1:].tolist()), order, top_k_weights)
+            ids = top_k_index.reshape(-1)
+            # The (token, expert) pairs by expert, so that each expert's rows are one contiguous block; ids outside
+            # the experts (transformers' expert-parallel sentinel is E) sort last and add nothing, as in its eager
+            # loop, and as the grouped path's routing kernel does.
+            sorted_ids, order = torch.sort(torch.where(ids < 0, self.num_experts, ids), stable=True)
+            ends = torch.searchsorted(sorted_ids, self._bounds(sorted_ids)[1:]).tolist()
+            x = hidden_states.index_select(0, torch.div(order, k, rounding_mode="floor"))
+            pairs = _combine(self._per_expert(x, ends), order, top_k_weights)
         return pairs.view(tokens, k, pairs.shape[1]).sum(dim=1).to(hidden_states.dtype)
 
     def _bounds(self, ids: torch.Tensor) -> torch.Tensor:
@@ -339,27 +349,32 @@ class Sparse24Experts(nn.Module):
             bounds = self._bound_cache[key] = torch.arange(self.num_experts + 1, device=ids.device, dtype=ids.dtype)
         return bounds
 
-    def _grouped_forward(self, x: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor, order: torch.Tensor,
-                         weights: torch.Tensor) -> torch.Tensor:
-        """Each projection as one launch over every expert's rows; the gating between them over all rows at once.
-        ``offsets`` int32 [E + 1] where each expert's rows start; ``ids`` the rows' experts, sorted; ``order`` each
-        row's (token, k) pair.  Returns each pair's weighted output, in the pairs' order ``[T k, H]``."""
+    def _grouped_forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each projection as one launch over every expert's rows, after one routing launch
+        (``kernels/moe_route.py``: the pairs sorted by expert, the offsets and the rows of x; six torch ops before,
+        docs/design/0034).  Returns each (token, k) pair's weighted output, in the pairs' order ``[T k, H]``."""
+        from ..kernels.moe_route import route
         from ..kernels.sparse24_grouped import grouped_linear
 
+        experts = self.num_experts
+        if hidden.stride(1) != 1:
+            hidden = hidden.contiguous()
+        # Each row stored where its pair goes, times its routing weight, by the down launch: no reordering and
+        # weighting passes over [T k, H] after it.  The routing zeroes the rows of pairs outside the experts (the
+        # sentinel's), which no launch writes.
+        scatter = self.post_expert_norm is None
+        pairs = hidden.new_empty(index.numel(), self.down[0].out_features) if scatter else None
+        x, order, offsets, scale = route(index.contiguous(), weights.contiguous(), hidden, experts, pairs)
         if self._epilogue is not None:  # the gating in the first launch's epilogue: no [S, 2I] pass
-            h = grouped_linear(x.contiguous(), *self._span(self.first), offsets, self.num_experts, self._epilogue)
+            h = grouped_linear(x, *self._span(self.first), offsets, experts, self._epilogue)
         else:
-            h = self._activate(grouped_linear(x.contiguous(), *self._span(self.first), offsets, self.num_experts))
+            h = self._activate(grouped_linear(x, *self._span(self.first), offsets, experts))
         down = self._span(self.down)
-        if self.post_expert_norm is None:
-            # Each row stored where its pair goes, times its routing weight, by the down launch: no reordering and
-            # weighting passes over [T k, H] after it.  The sentinel's pairs are never written: zeros.
-            pairs = h.new_zeros(h.shape[0], self.down[0].out_features)
-            scatter = (pairs, order, weights.reshape(-1).float())
-            return grouped_linear(h.contiguous(), *down, offsets, self.num_experts, scatter=scatter)
-        out = self._norm(grouped_linear(h.contiguous(), *down, offsets, self.num_experts))
-        out = out.masked_fill((ids >= self.num_experts)[:, None], 0)  # the sentinel's rows: never written
-        return _combine(out, order, weights)
+        if scatter:
+            return grouped_linear(h.contiguous(), *down, offsets, experts, scatter=(pairs, order, scale))
+        out = self._norm(grouped_linear(h.contiguous(), *down, offsets, experts))
+        unrouted = torch.arange(out.shape[0], device=out.device) >= offsets[experts:]  # rows no launch wrote
+        return _combine(out.masked_fill(unrouted[:, None], 0), order, weights)
 
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
         """The first projection's output through the gating (or, without a gate, the activation)."""

@@ -32,13 +32,11 @@ for a weight there.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
 
 from .._checks import check_tensor, warn_once
 from ..errors import InvalidProblem
+from ..kernels import have_triton
 
 PUBLIC = "public"
 SP_LAYOUT = "sp tiled"
@@ -124,11 +122,6 @@ def pack(values: torch.Tensor, metadata: torch.Tensor) -> tuple[torch.Tensor, to
     return pack_values(values), pack_metadata(metadata)
 
 
-@functools.lru_cache(maxsize=1)
-def _have_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def gpu_kernels(t: torch.Tensor):
     """The Triton conversion kernels (``kernels/sparse24_convert.py``) where they convert ``t``, else None.
 
@@ -139,7 +132,7 @@ def gpu_kernels(t: torch.Tensor):
         return None
     if type(t) not in (torch.Tensor, torch.nn.Parameter) or torch.compiler.is_compiling():
         return None  # traced (FakeTensor, FunctionalTensor, a compiled backward): no pointers, the torch ops
-    if not _have_triton():
+    if not have_triton():
         warn_once("triton is not installed: 2:4 weights are pruned, compressed and laid out on the GPU by torch "
                    "ops, in many passes (pip install 'kernelplan[gpu]' for the one-pass kernels)")
         return None

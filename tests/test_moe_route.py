@@ -1,0 +1,128 @@
+"""The MoE routing kernel (kernels/moe_route.py) against torch's stable sort, bit for bit.
+
+On CPU it runs under the Triton interpreter on CPU tensors; on a GPU, on CUDA tensors, then inside
+``Sparse24Experts``' grouped forward, against its per-expert path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernelplan.kernels import interpreting
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(DEV == "cpu" and not interpreting(),
+                                reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _want(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, experts: int):
+    """What the kernel must give, by torch ops: ids outside [0, E) sort last."""
+    flat = ids.reshape(-1).long().cpu()
+    key = torch.where((flat >= 0) & (flat < experts), flat, experts)
+    ordered, order = torch.sort(key, stable=True)
+    offsets = torch.searchsorted(ordered, torch.arange(experts + 1))
+    return order, offsets, x.cpu()[order // ids.shape[1]], weights.reshape(-1).float().cpu(), key == experts
+
+
+def _check(tokens, k, experts, h, dtype, ids_dtype=torch.int64, seed=0, row_pad=0, y_width=None, outside=()):
+    from kernelplan.kernels.moe_route import route
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, h + row_pad, generator=g).to(dtype)[:, :h]  # rows of stride h + row_pad
+    ids = torch.randint(0, experts, (tokens, k), generator=g).to(ids_dtype)
+    for (t, j), e in outside:
+        ids[t, j] = e
+    weights = torch.rand(tokens, k, generator=g).to(dtype)
+    y = torch.full((tokens * k, y_width), 7.0, dtype=dtype, device=DEV) if y_width else None
+    xs, order, offsets, scale = route(ids.to(DEV), weights.to(DEV), x.to(DEV), experts, y)
+    want_order, want_offsets, want_xs, want_scale, dropped = _want(ids, weights, x, experts)
+    assert torch.equal(order.cpu(), want_order)
+    assert offsets.dtype == torch.int32 and torch.equal(offsets.cpu().long(), want_offsets)
+    routed = int(want_offsets[-1])
+    assert torch.equal(_bits(xs.cpu()[:routed]), _bits(want_xs[:routed]))
+    assert torch.equal(scale.cpu(), want_scale)
+    if y is not None:
+        y = y.cpu()
+        assert (y[dropped] == 0).all() and (y[~dropped] == 7).all()  # only the dropped pairs' rows, all of each
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_route_gives_the_stable_sort_and_the_gathered_rows(dtype):
+    _check(1, 2, 8, 64, dtype)  # a decode's one token
+    _check(37, 8, 128, 200, dtype, seed=1, row_pad=3)  # H not a multiple of the column block, rows strided
+    _check(300, 2, 8, 96, dtype, seed=2)  # 600 pairs: five chunks, each placed after the ones before
+
+
+def test_route_with_several_counting_steps_and_column_blocks_a_program(monkeypatch):
+    """Counting steps of fewer ids than the pairs, and programs that copy several column blocks (the last past H)."""
+    from kernelplan.kernels import moe_route
+
+    monkeypatch.setattr(moe_route, "_HIST", 256)  # 600 pairs: three steps, the last partial
+    monkeypatch.setattr(moe_route, "_PROGRAMS", 10)  # 5 chunks x 2 programs of 3 column blocks (of 5 in H)
+    _check(150, 4, 16, 600, torch.bfloat16, seed=6, outside=[((7, 2), 16)], y_width=600)
+
+
+def test_route_places_ids_outside_the_experts_last_and_zeroes_their_rows_of_y():
+    # The expert-parallel sentinel (E), an id far past it and a negative one; y wider than x.
+    _check(9, 4, 3, 130, torch.bfloat16, outside=[((0, 3), 3), ((4, 0), 1000), ((8, 2), -1)], y_width=160)
+    _check(5, 2, 6, 64, torch.float16, ids_dtype=torch.int32, outside=[((2, 1), 6)], y_width=64)
+
+
+def test_route_with_many_experts_and_every_pair_on_one():
+    _check(70, 8, 256, 64, torch.bfloat16, seed=3)  # DeepSeek-V3's 256 experts: 512 histogram bins
+    from kernelplan.kernels.moe_route import route
+
+    ids = torch.full((40, 4), 5, dtype=torch.int64)
+    x = torch.randn(40, 32).to(torch.bfloat16)
+    xs, order, offsets, _ = route(ids.to(DEV), torch.rand(40, 4).to(DEV), x.to(DEV), 8)
+    assert offsets.tolist() == [0] * 6 + [160] * 3 and torch.equal(order.cpu(), torch.arange(160))
+    assert torch.equal(_bits(xs.cpu()), _bits(x.repeat_interleave(4, 0)))
+
+
+def test_route_of_no_tokens():
+    from kernelplan.kernels.moe_route import route
+
+    empty = torch.empty(0, 2, dtype=torch.int64, device=DEV)
+    xs, order, offsets, scale = route(empty, empty.float(), torch.empty(0, 16, device=DEV), 4)
+    assert xs.shape == (0, 16) and order.numel() == scale.numel() == 0 and offsets.tolist() == [0] * 5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_route_on_the_gpu_at_prefill_sizes():
+    _check(2048, 8, 128, 2048, torch.bfloat16, seed=4, outside=[((5, 1), 128)], y_width=2048)
+    _check(4097, 2, 8, 4096, torch.float16, seed=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the grouped experts kernel needs an sm_90 GPU")
+def test_grouped_forward_routes_as_the_per_expert_path():
+    """The grouped forward (routing kernel, two grouped launches) against the same module one GEMM an expert (the
+    path autograd takes), ids outside the experts included."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    from kernelplan.nn import Sparse24Experts
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(hidden_size=256, intermediate_size=384, num_local_experts=6)
+    dense = MixtralExperts(cfg).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.normal_(0, 0.05)
+    sparse = Sparse24Experts.from_experts(dense)
+    for tokens in (1, 33, 700):
+        x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
+        weights, index = torch.topk(torch.randn(tokens, 6, device="cuda").softmax(-1), 2, dim=-1)
+        index[0, 1] = 6  # the sentinel
+        index[-1, 0] = -1
+        with torch.no_grad():
+            grouped = sparse(x, index, weights)
+        loop = sparse(x, index, weights).detach()  # autograd on: one GEMM an expert, torch's routing
+        torch.testing.assert_close(grouped, loop, rtol=0, atol=2e-2 * loop.abs().max().item())
