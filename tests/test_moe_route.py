@@ -58,11 +58,11 @@ def test_route_gives_the_stable_sort_and_the_gathered_rows(dtype):
     _check(300, 2, 8, 96, dtype, seed=2)  # 600 pairs: five chunks, each placed after the ones before
 
 
-def test_route_with_several_counting_steps_and_column_blocks_a_program(monkeypatch):
-    """Counting steps of fewer ids than the pairs, and programs that copy several column blocks (the last past H)."""
+def test_route_with_several_summing_steps_and_column_blocks_a_program(monkeypatch):
+    """Summing steps of fewer chunks than there are, and programs that copy several column blocks (the last past H)."""
     from kernelplan.kernels import moe_route
 
-    monkeypatch.setattr(moe_route, "_HIST", 256)  # 600 pairs: three steps, the last partial
+    monkeypatch.setattr(moe_route, "_CB", 2)  # 600 pairs, 5 chunks: three steps, the last partial
     monkeypatch.setattr(moe_route, "_PROGRAMS", 10)  # 5 chunks x 2 programs of 3 column blocks (of 5 in H)
     _check(150, 4, 16, 600, torch.bfloat16, seed=6, outside=[((7, 2), 16)], y_width=600)
 
@@ -103,8 +103,11 @@ def test_route_on_the_gpu_at_prefill_sizes():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the grouped experts kernel needs an sm_90 GPU")
 def test_grouped_forward_routes_as_the_per_expert_path():
-    """The grouped forward (routing kernel, two grouped launches) against the same module one GEMM an expert (the
-    path autograd takes), ids outside the experts included."""
+    """The grouped forward against the same module one GEMM an expert (the path autograd takes), ids outside the
+    experts included: routed by the kernel at 1 and 33 tokens, by the torch ops at 700 (1400 pairs)."""
+    from kernelplan.nn.experts import ROUTE_MAX_PAIRS
+
+    assert 33 * 2 <= ROUTE_MAX_PAIRS < 700 * 2
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 

@@ -1,21 +1,22 @@
-"""A MoE layer's routing in one Triton launch: the (token, k) pairs sorted by expert, and the rows of x gathered.
+"""A MoE layer's routing in two Triton launches: the (token, k) pairs sorted by expert, and the rows of x gathered.
 
 ``Sparse24Experts`` ran it as six torch ops (a stable sort of the ids, ``searchsorted`` for the experts' offsets,
 a division and an ``index_select`` for the rows of x, a ``float`` of the routing weights, zeros for the output):
 116-150 us of host work of an eager call's 200-300 on an H100's host, more than the two grouped GEMM launches
 (docs/design/0034).  Here:
 
-* each program takes a chunk of ``B`` pairs and a block of ``BH`` columns.  It counts every chunk's ids (one
-  histogram each: the experts' sizes, and the chunks before its own), so it knows where each of its pairs goes
-  without a second launch: ``starts[e] + before[e] + its rank among its chunk's pairs of expert e``.  That is the
-  stable sort's order: a pair's place depends on (expert, pair index) alone, whichever program computes it;
-* it copies its pairs' rows of x (as bits: no arithmetic, which the Triton interpreter gets wrong for bf16) to
-  their places, and, in its first column block, writes ``order``, the routing weights as float32 and, in program
-  0, the offsets;
+* ``_count``: a program a chunk of ``B`` pairs writes how many of them each expert has;
+* ``_route``: a program a chunk and a span of columns sums those counts (every chunk's: where each expert's rows
+  start; the chunks' before its own), so each of its pairs goes to ``starts[e] + before[e] + its rank among its
+  chunk's pairs of expert e``.  That is the stable sort's order: a pair's place depends on (expert, pair index)
+  alone, whichever program computes it.  It copies its pairs' rows of x there (as bits: no arithmetic, which the
+  Triton interpreter gets wrong for bf16) and, in its first span, writes ``order``, the routing weights as float32
+  and, in program 0, the offsets;
 * ids outside ``[0, E)`` (transformers' expert-parallel sentinel is ``E``) sort last; their rows of ``y`` are
   zeroed, since the down launch writes only the experts' rows.
 
-Every program recounts all chunks: ``P / B`` histograms of ``B`` ids, a few at a decode's sizes.
+One launch that recounted every chunk's ids in each program (2c47d5c) cost up to 275 us more than the torch ops on
+the device at 16384 pairs over 128 experts (H200): a histogram is dearer than summing the counts it leaves.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import triton.language as tl
 from . import Launcher
 
 _B = 128  # pairs a program places: its rank step compares B x B ids
-_HIST = 1024  # ids a step of the counting loop
+_CB = 8  # chunks' counts a step of the summing loop
 _BH = 128  # columns a block of the copy
-_PROGRAMS = 1024  # about this many programs where the pairs allow: the fewer, the fewer recounts
+_PROGRAMS = 512  # about this many programs where the pairs allow: each sums every chunk's counts
 
 
 @triton.jit
@@ -40,30 +41,37 @@ def _bucket(ids_ptr, p, P, E, EP: tl.constexpr):
     return tl.where(p < P, b, EP - 1)
 
 
-@triton.jit(do_not_specialize=["P", "TOP_K", "SPAN"])  # a call's pairs vary: one kernel for every count
-def _route(ids_ptr, w_ptr, x_ptr, xs_ptr, order_ptr, offsets_ptr, scale_ptr, y_ptr, P, TOP_K, E, H, stride_x,
-           YW, stride_y, SPAN, B: tl.constexpr, HIST: tl.constexpr, EP: tl.constexpr, BH: tl.constexpr,
+@triton.jit(do_not_specialize=["P"])  # a call's pairs vary: one kernel for every count
+def _count(ids_ptr, counts_ptr, P, E, B: tl.constexpr, EP: tl.constexpr):
+    """Row c of ``counts [chunks, EP]``: how many of chunk c's pairs each expert has."""
+    c = tl.program_id(0)
+    tl.store(counts_ptr + c * EP + tl.arange(0, EP), tl.histogram(_bucket(ids_ptr, c * B + tl.arange(0, B), P, E, EP), EP))
+
+
+@triton.jit(do_not_specialize=["P", "TOP_K", "SPAN"])
+def _route(ids_ptr, counts_ptr, w_ptr, x_ptr, xs_ptr, order_ptr, offsets_ptr, scale_ptr, y_ptr, P, TOP_K, E, H,
+           stride_x, YW, stride_y, SPAN, B: tl.constexpr, CB: tl.constexpr, EP: tl.constexpr, BH: tl.constexpr,
            ZERO_Y: tl.constexpr):
     c = tl.program_id(0)
     hb = tl.program_id(1)
     lanes = tl.arange(0, B)
     bins = tl.arange(0, EP)
-    # Every expert's count, and the counts of the chunks before this one (pairs before c * B): HIST ids a step.
-    wide = tl.arange(0, HIST)
+    # Every expert's count, and those of the chunks before this one, from the counts: CB chunks a step.
     total = tl.zeros([EP], dtype=tl.int32)
     before = tl.zeros([EP], dtype=tl.int32)
-    for j in range(0, tl.cdiv(P, HIST)):
-        q = j * HIST + wide
-        b = _bucket(ids_ptr, q, P, E, EP)
-        total += tl.histogram(b, EP)
-        before += tl.histogram(tl.where(q < c * B, b, EP - 1), EP)
+    for j in range(0, tl.cdiv(P, B), CB):
+        chunk = j + tl.arange(0, CB)
+        counts = tl.load(counts_ptr + chunk[:, None] * EP + bins[None, :], mask=(chunk < tl.cdiv(P, B))[:, None],
+                         other=0)
+        total += tl.sum(counts, 0)
+        before += tl.sum(tl.where((chunk < c)[:, None], counts, 0), 0)
     starts = tl.cumsum(total, 0) - total  # where each expert's rows begin; the sentinel's after them all
 
     p = c * B + lanes
     b = _bucket(ids_ptr, p, P, E, EP)
     live = p < P
     rank = tl.sum(((b[:, None] == b[None, :]) & (lanes[None, :] < lanes[:, None])).to(tl.int32), 1)
-    place = tl.sum(tl.where(b[:, None] == bins[None, :], (starts + before)[None, :], 0), 1) + rank
+    place = tl.gather(starts + before, b, 0) + rank
 
     if hb == 0:
         tl.store(order_ptr + place, p.to(tl.int64), mask=live)
@@ -84,7 +92,7 @@ def _route(ids_ptr, w_ptr, x_ptr, xs_ptr, order_ptr, offsets_ptr, scale_ptr, y_p
                      tl.zeros([B, BH], dtype=rows.dtype), mask=dropped[:, None] & (cols[None, :] < YW))
 
 
-_ROUTE = Launcher(_route)
+_COUNT, _ROUTE = Launcher(_count), Launcher(_route)
 _BITS = {2: torch.int16, 4: torch.int32}
 
 
@@ -114,10 +122,12 @@ def route(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, experts: in
     width = max(h, y.shape[1]) if y is not None else h
     chunks, blocks = triton.cdiv(pairs, _B), triton.cdiv(width, _BH)
     span = triton.cdiv(blocks, max(1, min(blocks, _PROGRAMS // chunks)))  # column blocks a program copies
-    grid = (chunks, triton.cdiv(blocks, span))
-    _ROUTE(grid, (ids, weights, x.view(bits), xs.view(bits), order, offsets, scale,
-                  y.view(bits) if y is not None else xs.view(bits), pairs, top_k, experts, h, x.stride(0),
-                  y.shape[1] if y is not None else 0, y.stride(0) if y is not None else 0, span),
-           {"B": _B, "HIST": _HIST, "EP": triton.next_power_of_2(experts + 2), "BH": _BH, "ZERO_Y": y is not None},
-           num_warps=8)
+    bins = triton.next_power_of_2(experts + 2)
+    counts = torch.empty(chunks * bins, dtype=torch.int32, device=x.device)
+    _COUNT((chunks,), (ids, counts, pairs, experts), {"B": _B, "EP": bins}, num_warps=4)
+    _ROUTE((chunks, triton.cdiv(blocks, span)),
+           (ids, counts, weights, x.view(bits), xs.view(bits), order, offsets, scale,
+            y.view(bits) if y is not None else xs.view(bits), pairs, top_k, experts, h, x.stride(0),
+            y.shape[1] if y is not None else 0, y.stride(0) if y is not None else 0, span),
+           {"B": _B, "CB": _CB, "EP": bins, "BH": _BH, "ZERO_Y": y is not None}, num_warps=8)
     return xs, order, offsets, scale

@@ -128,6 +128,13 @@ def experts_speed_reason(module: nn.Module) -> str | None:
             f"(0.5625x) anyway")
 
 
+# The most (token, k) pairs a grouped call routes by the routing kernel.  Graph time of an experts call with it over
+# the same with the torch ops' routing, H200 (docs/design/0034): 0.80-0.97x at 2-256 pairs, 0.92x at 1024
+# (Mixtral-8x7B, 512 tokens), 0.99-1.07x at 4096 and 1.03-1.13x at 16384, where its copy of x's rows runs far
+# under the bandwidth.
+ROUTE_MAX_PAIRS = 1024
+
+
 def _combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Rows sorted by expert (``out``) back in their (token, k) pairs' order, each times its routing weight."""
     pairs = torch.empty_like(out)
@@ -331,15 +338,22 @@ class Sparse24Experts(nn.Module):
         if self._grouped(hidden_states):
             pairs = self._grouped_forward(hidden_states, top_k_index, top_k_weights)
         else:
-            ids = top_k_index.reshape(-1)
-            # The (token, expert) pairs by expert, so that each expert's rows are one contiguous block; ids outside
-            # the experts (transformers' expert-parallel sentinel is E) sort last and add nothing, as in its eager
-            # loop, and as the grouped path's routing kernel does.
-            sorted_ids, order = torch.sort(torch.where(ids < 0, self.num_experts, ids), stable=True)
-            ends = torch.searchsorted(sorted_ids, self._bounds(sorted_ids)[1:]).tolist()
-            x = hidden_states.index_select(0, torch.div(order, k, rounding_mode="floor"))
-            pairs = _combine(self._per_expert(x, ends), order, top_k_weights)
+            x, order, offsets = self._sorted_pairs(hidden_states, top_k_index)
+            pairs = _combine(self._per_expert(x, offsets[1:].tolist()), order, top_k_weights)
         return pairs.view(tokens, k, pairs.shape[1]).sum(dim=1).to(hidden_states.dtype)
+
+    def _sorted_pairs(self, hidden: torch.Tensor, index: torch.Tensor):
+        """``(x, order, offsets)`` by torch ops: the (token, expert) pairs by expert (``order``), so that each expert's
+        rows of ``x`` are one contiguous block starting at ``offsets[e]`` (int32 ``[E + 1]``).  Ids outside the
+        experts (transformers' expert-parallel sentinel is E) sort last and add nothing, as in its eager loop, and
+        as the routing kernel places them."""
+        ids = index.reshape(-1)
+        sorted_ids, order = torch.sort(torch.where(ids < 0, self.num_experts, ids), stable=True)
+        # Where each expert's rows start, found in the sorted ids (no bincount, whose output length waits on the
+        # device for the largest id).
+        offsets = torch.searchsorted(sorted_ids, self._bounds(sorted_ids), out_int32=True)
+        x = hidden.index_select(0, torch.div(order, index.shape[1], rounding_mode="floor"))
+        return x, order, offsets
 
     def _bounds(self, ids: torch.Tensor) -> torch.Tensor:
         """``0 .. E`` on ids' device and in their dtype, made once: what ``searchsorted`` looks up."""
@@ -350,9 +364,13 @@ class Sparse24Experts(nn.Module):
         return bounds
 
     def _grouped_forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Each projection as one launch over every expert's rows, after one routing launch
-        (``kernels/moe_route.py``: the pairs sorted by expert, the offsets and the rows of x; six torch ops before,
-        docs/design/0034).  Returns each (token, k) pair's weighted output, in the pairs' order ``[T k, H]``."""
+        """Each projection as one launch over every expert's rows.  Returns each (token, k) pair's weighted output,
+        in the pairs' order ``[T k, H]``.
+
+        Up to ``ROUTE_MAX_PAIRS`` (token, k) pairs, the routing (the pairs sorted by expert, the offsets, the rows of
+        x) is the routing kernel's two launches (``kernels/moe_route.py``), in place of six torch ops: at a decode's
+        sizes an eager call is host work, and the kernel's device time is below the ops' too.  Past it the torch
+        ops' device time is the lower (docs/design/0034)."""
         from ..kernels.moe_route import route
         from ..kernels.sparse24_grouped import grouped_linear
 
@@ -360,11 +378,17 @@ class Sparse24Experts(nn.Module):
         if hidden.stride(1) != 1:
             hidden = hidden.contiguous()
         # Each row stored where its pair goes, times its routing weight, by the down launch: no reordering and
-        # weighting passes over [T k, H] after it.  The routing zeroes the rows of pairs outside the experts (the
-        # sentinel's), which no launch writes.
+        # weighting passes over [T k, H] after it.  The rows of pairs outside the experts (the sentinel's) no launch
+        # writes: the routing kernel zeroes them, the torch ops' path all rows.
         scatter = self.post_expert_norm is None
         pairs = hidden.new_empty(index.numel(), self.down[0].out_features) if scatter else None
-        x, order, offsets, scale = route(index.contiguous(), weights.contiguous(), hidden, experts, pairs)
+        if index.numel() <= ROUTE_MAX_PAIRS:
+            x, order, offsets, scale = route(index.contiguous(), weights.contiguous(), hidden, experts, pairs)
+        else:
+            x, order, offsets = self._sorted_pairs(hidden, index)
+            scale = weights.reshape(-1).float()
+            if scatter:
+                pairs.zero_()
         if self._epilogue is not None:  # the gating in the first launch's epilogue: no [S, 2I] pass
             h = grouped_linear(x, *self._span(self.first), offsets, experts, self._epilogue)
         else:
