@@ -55,15 +55,15 @@ def _check(tokens, k, experts, h, dtype, ids_dtype=torch.int64, seed=0, row_pad=
 def test_route_gives_the_stable_sort_and_the_gathered_rows(dtype):
     _check(1, 2, 8, 64, dtype)  # a decode's one token
     _check(37, 8, 128, 200, dtype, seed=1, row_pad=3)  # H not a multiple of the column block, rows strided
-    _check(300, 2, 8, 96, dtype, seed=2)  # 600 pairs: five chunks, each placed after the ones before
+    _check(300, 2, 8, 96, dtype, seed=2)  # 600 pairs: 19 chunks, each placed after the ones before
 
 
 def test_route_with_several_summing_steps_and_column_blocks_a_program(monkeypatch):
     """Summing steps of fewer chunks than there are, and programs that copy several column blocks (the last past H)."""
     from kernelplan.kernels import moe_route
 
-    monkeypatch.setattr(moe_route, "_CB", 2)  # 600 pairs, 5 chunks: three steps, the last partial
-    monkeypatch.setattr(moe_route, "_PROGRAMS", 10)  # 5 chunks x 2 programs of 3 column blocks (of 5 in H)
+    monkeypatch.setattr(moe_route, "_CB", 2)  # 600 pairs, 19 chunks of 32: ten steps, the last partial
+    monkeypatch.setattr(moe_route, "_PROGRAMS", 38)  # 19 chunks x 2 programs of 3 column blocks (of 5 in H)
     _check(150, 4, 16, 600, torch.bfloat16, seed=6, outside=[((7, 2), 16)], y_width=600)
 
 
@@ -104,10 +104,10 @@ def test_route_on_the_gpu_at_prefill_sizes():
                     reason="the grouped experts kernel needs an sm_90 GPU")
 def test_grouped_forward_routes_as_the_per_expert_path():
     """The grouped forward against the same module one GEMM an expert (the path autograd takes), ids outside the
-    experts included: routed by the kernel at 1 and 33 tokens, by the torch ops at 700 (1400 pairs)."""
+    experts included: routed by the kernel at 1 and 33 tokens, by the torch ops at 2100 (4200 pairs)."""
     from kernelplan.nn.experts import ROUTE_MAX_PAIRS
 
-    assert 33 * 2 <= ROUTE_MAX_PAIRS < 700 * 2
+    assert 33 * 2 <= ROUTE_MAX_PAIRS < 2100 * 2
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
@@ -120,7 +120,7 @@ def test_grouped_forward_routes_as_the_per_expert_path():
         for p in dense.parameters():
             p.normal_(0, 0.05)
     sparse = Sparse24Experts.from_experts(dense)
-    for tokens in (1, 33, 700):
+    for tokens in (1, 33, 2100):
         x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
         weights, index = torch.topk(torch.randn(tokens, 6, device="cuda").softmax(-1), 2, dim=-1)
         index[0, 1] = 6  # the sentinel

@@ -124,9 +124,31 @@ def _moe_model_note(doc: dict, name: str) -> str:
         models.append(f"{m['model']} ({m['layers']} layers): {cases}; weights {m['sparse_over_dense_bytes']:.3f}x of "
                       f"dense (experts {m['experts_bytes']['sparse'] / m['experts_bytes']['dense']:.4f}x, embeddings "
                       f"and LM head dense), GPU memory held {gib['sparse']:.2f} against {gib['dense']:.2f} GiB")
-    return (f"- 2:4 MoE models (`bench/sparse24_moe_model.py`, published configs' sizes, random weights), sparsified "
-            f"against dense (experts on transformers' `grouped_mm`): " + "; ".join(models) +
+    return ("- 2:4 MoE models (`bench/sparse24_moe_model.py`, published configs' sizes, random weights), sparsified "
+            "against dense (experts on transformers' `grouped_mm`): " + "; ".join(models) +
             f"; {_source(doc['meta'], name)}.")
+
+
+def _moe_route_note(doc: dict, name: str) -> str:
+    """The routing kernel (each chunk size timed) over the torch ops' routing, by pairs: graph time and host work."""
+    rows = doc["rows"]
+    ways = [w for w in rows[0]["graph_us"] if w != "torch"]
+
+    def span(values: list[float]) -> str:
+        low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+        return f"{low}x" if low == high else f"{low}-{high}x"
+
+    cells = []
+    for pairs in sorted({r["pairs"] for r in rows}):
+        at = [r for r in rows if r["pairs"] == pairs]
+        cells.append(f"{pairs} pairs " + ", ".join(
+            f"{w}: {span([r['graph_over_torch'][w] for r in at])} graph, "
+            f"{span([r['host_us'][w] / r['host_us']['torch'] for r in at])} host" for w in ways))
+    models = sorted({r["model"] for r in rows})
+    equal = all(all(r["bitwise_equal"].values()) for r in rows)
+    return (f"- MoE routing kernel (`kernels/moe_route.py`, two launches; bN: chunks of N pairs) over the torch ops' "
+            f"routing in one experts call ({', '.join(models)}), one process, by (token, k) pairs: " + "; ".join(cells)
+            + f"; outputs {'bit for bit equal' if equal else 'NOT all equal'}, {_source(doc['meta'], name)}.")
 
 
 def _by_tokens(rows: list[dict]) -> str:
@@ -159,6 +181,10 @@ def sparse24_notes() -> list[str]:
         doc = _load(name)
         if doc:
             lines.append(_moe_model_note(doc, name))
+    for name in ("sparse24-moe-route-h200", "sparse24-moe-route-chunks-h200"):
+        doc = _load(name)
+        if doc:
+            lines.append(_moe_route_note(doc, name))
     for name in ("sparse24-siblings-sweep-h100", "sparse24-siblings-sweep-h200"):
         sweep = _load(name)
         if sweep:

@@ -27,8 +27,11 @@ import triton.language as tl
 
 from . import Launcher
 
-_B = 128  # pairs a program places: its rank step compares B x B ids
-_CB = 8  # chunks' counts a step of the summing loop
+# Pairs a program places.  Its rank step compares B x B ids, held in registers: 199 a thread at 128 (one program an
+# SM), 40-64 at 32.  Graph time of an experts call, H200, 16384 pairs: 0.94-1.07x at 32 against 1.00-1.12x at 128 of
+# the torch ops' routing (bench/results/sparse24-moe-route-chunks-h200.json).
+_B = 32
+_CB = 32  # chunks' counts a step of the summing loop
 _BH = 128  # columns a block of the copy
 _PROGRAMS = 512  # about this many programs where the pairs allow: each sums every chunk's counts
 

@@ -129,10 +129,9 @@ def experts_speed_reason(module: nn.Module) -> str | None:
 
 
 # The most (token, k) pairs a grouped call routes by the routing kernel.  Graph time of an experts call with it over
-# the same with the torch ops' routing, H200 (docs/design/0034): 0.80-0.97x at 2-256 pairs, 0.92x at 1024
-# (Mixtral-8x7B, 512 tokens), 0.99-1.07x at 4096 and 1.03-1.13x at 16384, where its copy of x's rows runs far
-# under the bandwidth.
-ROUTE_MAX_PAIRS = 1024
+# the same with the torch ops' routing, H200, one process (docs/design/0034): 0.75-0.96x at 2-1024 pairs, 0.91-0.99x
+# at 4096; at 16384, 0.95x (Qwen3-30B-A3B) but 1.07x (OLMoE-1B-7B).
+ROUTE_MAX_PAIRS = 4096
 
 
 def _combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

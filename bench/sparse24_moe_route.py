@@ -1,0 +1,100 @@
+"""The MoE routing kernel (``kernels/moe_route.py``) against the torch ops' routing, in one experts call, on the GPU.
+
+``Sparse24Experts``' grouped forward routes up to ``ROUTE_MAX_PAIRS`` (token, k) pairs by the kernel and more by six
+torch ops.  Here the same module, in one process, runs each way on the same inputs, the ways alternating round by
+round: the torch ops (the cap at 0), and the kernel (the cap lifted) with each chunk size of ``--chunks`` (``_B``,
+with ``_CB`` chunks' counts a summing step: 1024 // B).  For each published config and token count:
+
+* the call replayed as a CUDA graph (``triton.testing.do_bench_cudagraph``), median over ``--graph-rounds``;
+* the host work of an eager call alone (the clock stops when the last of 20 calls returns), over ``--rounds``;
+* that every way's output equals the torch ops' bit for bit (a row's place is the stable sort's either way).
+
+Writes ``bench/results/sparse24-moe-route-<gpu>.json``.
+
+    PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_moe_route.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+from kernelplan.bench import results
+from kernelplan.kernels import moe_route
+from kernelplan.nn import Sparse24Experts
+from kernelplan.nn import experts as experts_module
+from kernelplan.timing import host_us_per_call
+
+from sparse24_experts import MODELS, dense_experts
+
+
+def _set(chunk: int | None) -> None:
+    """Route by the torch ops (None), or by the kernel with chunks of ``chunk`` pairs."""
+    if chunk is None:
+        experts_module.ROUTE_MAX_PAIRS = 0
+    else:
+        experts_module.ROUTE_MAX_PAIRS = 1 << 30
+        moe_route._B, moe_route._CB = chunk, max(1, 1024 // chunk)
+
+
+def main() -> int:
+    import triton
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--models", nargs="*", default=["OLMoE-1B-7B", "Qwen3-30B-A3B", "Mixtral-8x7B"],
+                    choices=list(MODELS))
+    ap.add_argument("--tokens", type=int, nargs="*", default=(32, 128, 512, 2048))
+    ap.add_argument("--chunks", type=int, nargs="*", default=(128, 64, 32))
+    ap.add_argument("--rounds", type=int, default=3, help="host-time rounds")
+    ap.add_argument("--graph-rounds", type=int, default=3)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    ways = {"torch": None, **{f"b{c}": c for c in a.chunks}}
+    saved = experts_module.ROUTE_MAX_PAIRS, moe_route._B, moe_route._CB
+    rows = []
+    for model in a.models:
+        count, hidden, inner, k = MODELS[model]
+        sparse = Sparse24Experts.from_experts(dense_experts(count, hidden, inner, "grouped_mm"))
+        for tokens in a.tokens:
+            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+            weights, index = torch.topk(torch.randn(tokens, count, device="cuda").softmax(-1), k, dim=-1)
+            weights = weights.bfloat16()
+            call = lambda: sparse(x, index, weights)  # noqa: E731
+            graph, host, equal = {w: [] for w in ways}, {w: [] for w in ways}, {}
+            with torch.no_grad():
+                _set(None)
+                want = call()
+                for r in range(max(a.rounds, a.graph_rounds)):
+                    for way, chunk in (list(ways.items()) if r % 2 == 0 else list(ways.items())[::-1]):
+                        _set(chunk)
+                        equal[way] = equal.get(way, True) and torch.equal(call(), want)
+                        for _ in range(3):
+                            call()
+                        if r < a.rounds:
+                            host[way].append(host_us_per_call(call, x.device, 20, wait=False))
+                        if r < a.graph_rounds:
+                            graph[way].append(triton.testing.do_bench_cudagraph(call, rep=40) * 1e3)
+            row = {"model": model, "experts": count, "hidden": hidden, "top_k": k, "tokens": tokens,
+                   "pairs": tokens * k, "graph_us": {w: statistics.median(v) for w, v in graph.items()},
+                   "host_us": {w: statistics.median(v) for w, v in host.items()}, "bitwise_equal": equal}
+            row["graph_over_torch"] = {w: row["graph_us"][w] / row["graph_us"]["torch"] for w in ways}
+            rows.append(row)
+            print(f"{model:15s} T={tokens:5d} pairs={tokens * k:6d}  graph us " +
+                  "  ".join(f"{w} {v:7.1f}" for w, v in row["graph_us"].items()) + "  host us " +
+                  "  ".join(f"{w} {v:5.0f}" for w, v in row["host_us"].items()) +
+                  ("" if all(equal.values()) else f"  NOT EQUAL {equal}"))
+        sparse = None  # freed before the next config's weights
+        torch.cuda.empty_cache()
+    experts_module.ROUTE_MAX_PAIRS, moe_route._B, moe_route._CB = saved
+    results.write("sparse24-moe-route", {"rows": rows}, a.out, dtype="bf16",
+                  timing="one process; ways alternating by round; graph: do_bench_cudagraph median; host: 20 eager "
+                         "calls, the clock stopped when the last returned")
+    return 0 if all(all(r["bitwise_equal"].values()) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
