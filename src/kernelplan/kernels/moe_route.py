@@ -31,7 +31,8 @@ from . import Launcher
 # SM), 40-64 at 32.  Graph time of an experts call, H200, 16384 pairs: 0.94-1.07x at 32 against 1.00-1.12x at 128 of
 # the torch ops' routing (bench/results/sparse24-moe-route-chunks-h200.json).
 _B = 32
-_CB = 32  # chunks' counts a step of the summing loop
+_CB = 32  # chunks' counts a step of the summing loop, at most: CB x EP counts stay under 8192 (64 registers a thread
+# at 512 bins with 16, 127 with 32)
 _BH = 128  # columns a block of the copy
 _PROGRAMS = 512  # about this many programs where the pairs allow: each sums every chunk's counts
 
@@ -48,7 +49,8 @@ def _bucket(ids_ptr, p, P, E, EP: tl.constexpr):
 def _count(ids_ptr, counts_ptr, P, E, B: tl.constexpr, EP: tl.constexpr):
     """Row c of ``counts [chunks, EP]``: how many of chunk c's pairs each expert has."""
     c = tl.program_id(0)
-    tl.store(counts_ptr + c * EP + tl.arange(0, EP), tl.histogram(_bucket(ids_ptr, c * B + tl.arange(0, B), P, E, EP), EP))
+    counts = tl.histogram(_bucket(ids_ptr, c * B + tl.arange(0, B), P, E, EP), EP)
+    tl.store(counts_ptr + c * EP + tl.arange(0, EP), counts)
 
 
 @triton.jit(do_not_specialize=["P", "TOP_K", "SPAN"])
@@ -132,5 +134,5 @@ def route(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, experts: in
            (ids, counts, weights, x.view(bits), xs.view(bits), order, offsets, scale,
             y.view(bits) if y is not None else xs.view(bits), pairs, top_k, experts, h, x.stride(0),
             y.shape[1] if y is not None else 0, y.stride(0) if y is not None else 0, span),
-           {"B": _B, "CB": _CB, "EP": bins, "BH": _BH, "ZERO_Y": y is not None}, num_warps=8)
+           {"B": _B, "CB": max(1, min(_CB, 8192 // bins)), "EP": bins, "BH": _BH, "ZERO_Y": y is not None}, num_warps=8)
     return xs, order, offsets, scale
