@@ -129,7 +129,7 @@ def experts_speed_reason(module: nn.Module) -> str | None:
 
 
 # The most (token, k) pairs a grouped call routes by the routing kernel.  Graph time of an experts call with it over
-# the same with the torch ops' routing, H200, one process (docs/design/0034): 0.75-0.96x at 2-1024 pairs, 0.91-0.99x
+# the same with the torch ops' routing, H200, one process (docs/design/0034): 0.75-0.96x at 64-1024 pairs, 0.86-0.99x
 # at 4096; at 16384, 0.95x (Qwen3-30B-A3B) but 1.07x (OLMoE-1B-7B).
 ROUTE_MAX_PAIRS = 4096
 
