@@ -368,8 +368,8 @@ class Sparse24Experts(nn.Module):
 
         Up to ``ROUTE_MAX_PAIRS`` (token, k) pairs, the routing (the pairs sorted by expert, the offsets, the rows of
         x) is the routing kernel's two launches (``kernels/moe_route.py``), in place of six torch ops: at a decode's
-        sizes an eager call is host work, and the kernel's device time is below the ops' too.  Past it the torch
-        ops' device time is the lower (docs/design/0034)."""
+        sizes an eager call is host work, and the kernel's device time is below the ops' too.  Past it the torch ops
+        route: at 16384 pairs the kernel's device time was above theirs on one of two configs (docs/design/0034)."""
         from ..kernels.moe_route import route
         from ..kernels.sparse24_grouped import grouped_linear
 
