@@ -143,7 +143,7 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
     loads = {}  # the grouped kernels' variants, by what loading one takes
     for mod in grouped:
         values = mod.first[0].values
-        index = values.device.index if values.device.index is not None else torch.cuda.current_device()
+        index = values.get_device()
         for m, k, bias, epilogue, scatter in mod.grouped_gemms():
             for cfg, compile_ in grouped_variants(m, values.dtype, bias, epilogue, scatter):
                 key = ("grouped", m, k, str(values.dtype), bias, cfg.bn, epilogue, scatter, mod.num_experts)

@@ -142,7 +142,7 @@ def grouped_linear(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor
         return y
     cfg = grouped_config(m, s, experts, gated)
     dtype = dtype_info(x.dtype).name
-    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    device = x.get_device()  # a CUDA tensor's device always has its index
     launch, maps = _launcher(cfg, dtype, bias is not None, epilogue, scatter is not None, device)
     bound = (-(-s // cfg.bn) + experts) * -(-m // cfg.rows)  # tiles at most: each expert's rows round up once
     params = (maps.x(x.data_ptr(), s, k, x.stride(0)),

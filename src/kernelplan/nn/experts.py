@@ -321,8 +321,8 @@ class Sparse24Experts(nn.Module):
         w = self.first[0].values
         x = torch.zeros(1, self.first[0].in_features, dtype=w.dtype, device=w.device)
         ids = torch.zeros(1, 1, dtype=torch.int64, device=w.device)
+        y = x.new_empty(1, self.down[0].out_features) if self.post_expert_norm is None else None
         for dtype in (w.dtype, torch.float32):
-            y = x.new_empty(1, self.down[0].out_features) if self.post_expert_norm is None else None
             route(ids, torch.ones(1, 1, dtype=dtype, device=w.device), x, self.num_experts, y)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
