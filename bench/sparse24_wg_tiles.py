@@ -54,16 +54,13 @@ def graph_ms(fns, calls: int, rounds: int) -> list[float]:
     return out
 
 
-def _top(top: int, between: bool, shared_k: bool, sms: int, n: int, m: int, k: int) -> list:
+def _top(top: int, between: bool, sms: int, n: int, m: int, k: int) -> list:
     """The ``top`` tiles of least rule cost over the rule's space and (``between``) as many over the wider one,
-    and as many of 192 rows of W (``wm = 3``); with ``shared_k``, every tile whose K loop consumer warpgroups share
-    (``kw``, which the rule does not cost) too."""
+    and as many of 192 rows of W (``wm = 3``)."""
     cost = lambda c: sparse24_ws.tile_cost(c, n, m, k, sms)
     rule = sorted(sparse24_ws.ws_candidates(n, m, k), key=cost)
     space = sorted(sparse24_ws.ws_candidates(n, m, k, between=True), key=cost) if between else rule
-    shared = [c for c in sparse24_ws.ws_candidates(n, m, k, between=between, shared_k=True) if c.kw > 1] \
-        if shared_k else []
-    return list(dict.fromkeys(rule[:top] + space[:top] + [c for c in space if c.wm == 3][:top] + shared))
+    return list(dict.fromkeys(rule[:top] + space[:top] + [c for c in space if c.wm == 3][:top]))
 
 
 def main() -> int:
@@ -77,8 +74,6 @@ def main() -> int:
     ap.add_argument("--kernel", choices=("wg", "ws"), default="wg")
     ap.add_argument("--between", action="store_true",
                     help="ws: tiles of x between the halvings of 256 rows too (ws_candidates' between)")
-    ap.add_argument("--shared-k", action="store_true",
-                    help="ws: tiles whose consumer warpgroups share a block's K loop (kw) too")
     ap.add_argument("--top", type=int, default=0,
                     help="ws: only the TOP tiles of least rule cost (with --between, over the wider space)")
     a = ap.parse_args()
@@ -89,9 +84,9 @@ def main() -> int:
     candidates, rule_config, _launcher = getattr(module, f"{a.kernel}_candidates"), \
         getattr(module, f"{a.kernel}_config"), module._launcher
     if a.kernel == "ws" and a.top:
-        candidates = functools.partial(_top, a.top, a.between, a.shared_k, sms)
+        candidates = functools.partial(_top, a.top, a.between, sms)
     elif a.kernel == "ws":  # the persistent split variant too, beside the rule's space
-        candidates = functools.partial(candidates, split=True, between=a.between, shared_k=a.shared_k)
+        candidates = functools.partial(candidates, split=True, between=a.between)
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape] if a.shape else SHAPES[: a.shapes]
     # Compile every variant first, in threads (NVRTC is thread-safe): the timing loop then only launches.
     configs = {c for (m, k) in shapes for n in a.batch for c in candidates(n, m, k)}

@@ -170,12 +170,11 @@ def _tiled_problem(n, m, k):
 @pytest.mark.parametrize("backend, n, m, k", CANDIDATE_CASES)
 def test_every_candidate_tile_matches_fp64(backend, n, m, k, seed):
     """Each tile a rule may pick (N tiles of every size, row blocks, K slices in a CTA and across a cluster, x
-    shared along M), and each whose warpgroups share a block's K loop (``kw``), is right, rows of W past M included."""
+    shared along M) is right, rows of W past M included."""
     w, x, b, run = _tiled_problem(n, m, k)
     ref = F.gelu(F.linear(x.double(), w.double(), b.double()))
     kernel = KERNELS[backend]()
-    space = {"cuda_wg": wg_candidates, "cuda_ws": functools.partial(ws_candidates, between=True, shared_k=True)}
-    for cfg in space[backend](n, m, k):
+    for cfg in {"cuda_wg": wg_candidates, "cuda_ws": functools.partial(ws_candidates, between=True)}[backend](n, m, k):
         y = poisoned((n, m), torch.bfloat16, "cuda")
         run(*kernel.launch_config(cfg, n, m, "bf16", True, "gelu", 0), y)
         assert_close(y, ref, F.gelu(F.linear(x, w, b)), atol=FWD_ATOL[torch.bfloat16], what=str(cfg))

@@ -48,31 +48,6 @@ def test_shared_memory_holds_the_ring_the_partial_sums_and_the_barriers():
     assert wide.shared == 256 * 132 * 4 + 16 * 3 + 1024
 
 
-def test_warpgroups_sharing_a_k_loop_are_one_a_cta_tiles_outside_the_rules_space():
-    """``kw``: 2 or 3 consumer warpgroups take turns over one 64-row block's K steps; their partial sums need kw
-    copies in shared memory.  Measured, not costed: only ``shared_k`` asks for them (docs/design/0035)."""
-    from kernelplan.kernels.sparse24_mma import COMMON_SOURCE
-    from kernelplan.kernels.sparse24_ws import source
-
-    shared = [c for c in ws_candidates(256, 4096, 4096, shared_k=True) if c.kw > 1]
-    assert {c.kw for c in shared} == {2, 3} and {c.cm for c in shared} == {1, 2}
-    assert all(c.wm == 1 and c.kc == 1 and not c.pp and not c.sk for c in shared)
-    assert all(c.bn <= 192 for c in shared if c.kw == 3)
-    assert not any(c.kw > 1 for c in ws_candidates(256, 4096, 4096, between=True, split=True))
-    assert {c.kw for c in ws_candidates(256, 4096, 128, shared_k=True)} == {1, 2}  # 2 K steps: at most 2 takers
-    cfg = WsConfig(128, 1, stages=8, kw=2)
-    assert cfg.threads == 384 and cfg.consumers == 2
-    assert cfg.shared == max(8 * cfg.stage_bytes, 2 * 128 * 68 * 4) + 16 * 8 + 1024
-    assert WsConfig(192, 1, stages=3, kw=3).shared == 3 * 192 * 68 * 4 + 16 * 3 + 1024  # the sums exceed the ring
-    assert repr(cfg).endswith("sk=False, kw=2)") and "kw" not in repr(WsConfig(128, 1, stages=8))
-    assert "#define KW 2\n" in source(cfg, "bf16", False, None)
-    assert "KW" not in source(WsConfig(128, 1, stages=8), "bf16", False, None).split(COMMON_SOURCE)[0]
-    for bad in (dict(wm=1, kw=2, pp=True), dict(wm=1, kw=2, sk=True), dict(wm=2, kw=2), dict(wm=1, kw=3, bn=256),
-                dict(wm=1, kw=3, stages=2)):
-        with pytest.raises(ValueError, match="sharing a block's K loop"):
-            WsConfig(**{"bn": 128, "stages": 8, **bad})
-
-
 def test_m_groups_need_as_many_row_tiles():
     assert {c.cm for c in ws_candidates(256, 4096, 4096)} == {1, 2, 4}
     assert {c.cm for c in ws_candidates(256, 128, 4096) if c.wm == 2} == {1}  # one 128-row tile
@@ -98,7 +73,7 @@ def test_every_variant_compiles_for_sm90a(compile_for):
 
     cfgs = {WsConfig(256, 2, 2, 1, 5), WsConfig(64, 1, 1, 4, 8), WsConfig(96, 2, 1, 2, 8), WsConfig(128, 1, 4, 2, 8),
             WsConfig(128, 2, stages=6, pp=True), WsConfig(48, 1, stages=8, pp=True), WsConfig(256, 2, stages=5, sk=True),
-            WsConfig(192, 3, 2, 1, 5), WsConfig(64, 3, stages=7, pp=True), WsConfig(96, 1, 2, 1, 8, kw=3)}
+            WsConfig(192, 3, 2, 1, 5), WsConfig(64, 3, stages=7, pp=True)}
     # Each tile once, the dtypes and epilogues taken in turn (a compile takes seconds on CI's two cores).
     variants = itertools.cycle((("bf16", True, "gelu"), ("f16", False, None)))
     for cfg, (dtype, bias, act) in zip(sorted(cfgs, key=str), variants):
@@ -130,7 +105,7 @@ def test_no_variant_has_its_mmas_serialized(compile_for):
 
     cfgs = [_deepest(16, 1, 1, 1, pp=True), WsConfig(32, 1, 1, 2, 8), WsConfig(16, 2, 2, 1, 8),
             _deepest(48, 1, 1, 1, pp=True), _deepest(64, 3, 1, 1, pp=True), WsConfig(128, 2, 2, 2, 8),
-            _deepest(256, 2, 1, 1), _deepest(64, 1, 1, 1, kw=2)]
+            _deepest(256, 2, 1, 1)]
     for cfg in cfgs:
         sass = _sass(compile_for(source(cfg, "bf16", True, "gelu"), "sm_90a"))
         if sass is None:

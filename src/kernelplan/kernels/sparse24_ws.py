@@ -45,22 +45,16 @@ class WsConfig:
     sk: bool = False  # persistent, tail tiles split along K (cuda/sparse24_sk.cu, sk_plan): one CTA an SM, no clusters
     pp: bool = False  # persistent ping-pong (cuda/sparse24_pp.cu): one CTA an SM, each consumer warpgroup its own
     #                   tile of BN x 64 wm, no clusters
-    kw: int = 1  # consumer warpgroups a 64-row block of W, splitting its K loop inside the CTA (sparse24_ws.cu only)
 
     def __post_init__(self):
         if self.pp and (self.sk or self.cm > 1 or self.kc > 1 or self.bn % 16 or self.bn * self.wm > 256):
             raise ValueError(f"{self}: a ping-pong tile has no split or cluster, BN a multiple of 16, and at most "
                              f"256 x 64 accumulators a warpgroup (BN x wm <= 256)")
-        if self.kw > 1 and (self.sk or self.pp or self.wm * self.kw > 3 or self.kw > self.stages
-                            or self.wm * self.kw == 3 and self.bn > _WIDE_MAX_BN):
-            raise ValueError(f"{self}: warpgroups sharing a block's K loop (kw > 1) run one tile a CTA (not sk or "
-                             f"pp), at most 3 consumer warpgroups (wm x kw), at most {_WIDE_MAX_BN} rows of x with 3, "
-                             f"and kw <= stages; ask for kw=1 otherwise")
 
     def __repr__(self) -> str:
         # The measured tables (bench/results/sparse24-ws-tiles-*.json) are keyed by this text: pp only where set.
         return (f"WsConfig(bn={self.bn}, wm={self.wm}, cm={self.cm}, kc={self.kc}, stages={self.stages}, "
-                f"sk={self.sk}" + (", pp=True" if self.pp else "") + (f", kw={self.kw})" if self.kw > 1 else ")"))
+                f"sk={self.sk}" + (", pp=True)" if self.pp else ")"))
 
     @property
     def ni(self) -> int:
@@ -72,12 +66,7 @@ class WsConfig:
 
     @property
     def threads(self) -> int:
-        return 384 if self.pp else 128 * (self.wm * self.kw + 1)
-
-    @property
-    def consumers(self) -> int:
-        """Consumer warpgroups a CTA (the ping-pong's two take tiles in turn)."""
-        return 2 if self.pp else self.wm * self.kw
+        return 384 if self.pp else 128 * (self.wm + 1)
 
     @property
     def stage_bytes(self) -> int:
@@ -94,16 +83,16 @@ class WsConfig:
         """Dynamic shared memory: the ring (or the partial sums, where they meet in shared memory: not persistent),
         the ping-pong's two staging buffers of y, the mbarriers (and the ping-pong's two order barriers), and 1 KiB
         to align to 1024."""
-        sums = 0 if self.sk or self.pp else self.kw * self.bn * (self.rows + 4) * 4
+        sums = 0 if self.sk or self.pp else self.bn * (self.rows + 4) * 4
         bars = 16 * self.stages + (16 if self.pp else 0)
         return max(self.stages * self.stage_bytes, sums) + 2 * self.staging_bytes + bars + 1024
 
 
-def _deepest(bn: int, wm: int, cm: int, kc: int, sk: bool = False, pp: bool = False, kw: int = 1) -> WsConfig | None:
+def _deepest(bn: int, wm: int, cm: int, kc: int, sk: bool = False, pp: bool = False) -> WsConfig | None:
     """The tile with the deepest ring (up to 8 steps) that fits the SM's shared memory; None if not 3."""
-    one = WsConfig(bn, wm, cm, kc, _MAX_STAGES, sk, pp, kw)
+    one = WsConfig(bn, wm, cm, kc, 1, sk, pp)
     stages = min(_MAX_STAGES, (SM_SHARED - 1024 - 16 * _MAX_STAGES - 16 - 2 * one.staging_bytes) // one.stage_bytes)
-    cfg = WsConfig(bn, wm, cm, kc, stages, sk, pp, kw)
+    cfg = WsConfig(bn, wm, cm, kc, stages, sk, pp)
     return cfg if stages >= 3 and cfg.shared <= SM_SHARED else None
 
 
@@ -117,7 +106,7 @@ _NARROW_MAX_STEPS = 16
 
 
 def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = False,
-                  between: bool = False, shared_k: bool = False) -> list[WsConfig]:
+                  between: bool = False) -> list[WsConfig]:
     """Every tile the kernel can run for this problem, the rule's space: one CTA a tile (``sparse24_ws.cu``) and,
     with ``pingpong``, the persistent ping-pong tiles (``cfg.pp``).  With ``split``, the persistent variant with
     split tails (``cfg.sk``) too, which ``bench/sparse24_wg_tiles.py --kernel ws`` also measures; it is not the
@@ -130,10 +119,7 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
 
     Tiles of 192 rows of W (``wm = 3``: three consumer warpgroups, or a ping-pong warpgroup's three 64-row blocks)
     fill the SMs where 64 and 128 rows do not (docs/design/0016).  They do not split K across a cluster: at n = 128
-    that lost to the 128-row tiles by up to 16% (sparse24-ws-wide-h100.json).
-
-    With ``shared_k``, one-a-CTA tiles of one 64-row block of W whose K loop 2 or 3 consumer warpgroups share
-    (``cfg.kw``) too.  They are not the rule's (docs/design/0035)."""
+    that lost to the 128-row tiles by up to 16% (sparse24-ws-wide-h100.json)."""
     out = []
     fitted = -(-(-(-n // -(-n // 256))) // 16) * 16  # n in the fewest N tiles of at most 256, rounded to 16
     more = {b for b in _BETWEEN if b < n} if between else set()
@@ -153,10 +139,6 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
             persistent = (_deepest(bn, wm, 1, 1, sk=True) if split and wm < 3 else None,
                           _deepest(bn, wm, 1, 1, pp=True) if pingpong and bn % 16 == 0 and bn * wm <= 256 else None)
             out += [c for c in persistent if c is not None]
-            if shared_k and wm == 1:
-                out += [c for kw in (2, 3) if kw <= k // 64 and (kw < 3 or bn <= _WIDE_MAX_BN)
-                        for c in (_deepest(bn, 1, cm, 1, kw=kw) for cm in (1, 2)
-                                  if bn % (8 * cm) == 0 and (cm == 1 or -(-m // 64) >= cm)) if c is not None]
     return out
 
 
@@ -285,11 +267,11 @@ def source(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None, gr
     """The CUDA C++ of one kernel variant (``kp_sparse24_ws``; ``kp_sparse24_sk`` where ``cfg.sk``,
     ``kp_sparse24_pp`` where ``cfg.pp``; the ``grouped`` form of those two: a MoE layer's experts, ``grouped_linear``,
     whose ``scatter`` form stores each row weighted where its token's pair goes), compiled by NVRTC for sm_90a."""
-    kind = {} if cfg.sk or cfg.pp else {"CM": cfg.cm, "KC": cfg.kc} | ({"KW": cfg.kw} if cfg.kw > 1 else {})
+    kind = {} if cfg.sk or cfg.pp else {"CM": cfg.cm, "KC": cfg.kc}
     if grouped:
         kind |= {"GROUPED": 1, "SCATTER": int(scatter)}
     head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, **kind, STAGES=cfg.stages,
-                   CONSUMER_REGS=_CONSUMER_REGS[cfg.consumers])
+                   CONSUMER_REGS=_CONSUMER_REGS[2 if cfg.pp else cfg.wm])
     return head + COMMON_SOURCE + cuda_source(_SOURCE[_kind(cfg)])
 
 

@@ -12,10 +12,7 @@
 // kTiles * 256 bytes apart.
 #pragma once
 
-#ifndef KW
-#define KW 1  // consumer warpgroups that split one 64-row block's K loop inside a CTA (sparse24_ws.cu only)
-#endif
-constexpr int kConsumers = 128 * WM * KW;
+constexpr int kConsumers = 128 * WM;
 constexpr int kThreads = kConsumers + 128;
 constexpr int kBM = 64 * WM;                       // rows of W a CTA
 constexpr int kTiles = 4 * WM;                     // 16-row tiles of W a CTA
@@ -104,14 +101,13 @@ __device__ __forceinline__ void release_stage(u32 bar, int lane, int wq, int cz)
     }
 }
 
-// acc += this warpgroup's 64-row blocks of W x x's box over `count` ring steps, the g0-th first and every STRIDE-th
-// after it (STRIDE warpgroups taking a block's steps in turn, sparse24_ws.cu's KW): BLOCKS blocks
+// acc += this warpgroup's 64-row blocks of W x x's box over `count` ring steps, the g0-th first: BLOCKS blocks
 // (BLOCKS m64 instructions a k32), block b being tiles tl / 4 * 4 + 4 b ... + 3 and this warp's metadata that of
 // tile tl + 4 b.  wgmma reads A (the values) and B (x) from the stage; only the metadata word passes through
 // registers.  Each stage is released once the MMAs that read it are done, the last one before returning where
 // RELEASE_LAST (a kernel that runs on past its K loop); without it the kernel's last stage stays taken: releasing
 // it there made ptxas serialize the loop's wgmmas (its warning C7515) in sparse24_ws.cu.
-template <bool RELEASE_LAST, int BLOCKS = 1, int STRIDE = 1>
+template <bool RELEASE_LAST, int BLOCKS = 1>
 __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc], u32 sbase, u32 full0, u32 empty0,
                                               int g0, int count, int tl, int lane, int wq, int cz)
 {
@@ -166,16 +162,10 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
                 for (int j = 0; j < BLOCKS; ++j) keep_word(e[p ^ 1][j]);
                 if (s > 0) release_stage(empty0 + 8 * b_prev, lane, wq, cz);
                 b_prev = b;
-                if constexpr (STRIDE == 1) {
-                    if (++b == STAGES) {
-                        b = 0, parity ^= 1u, at = sbase, lo = lo0;
-                    } else {
-                        at += kStageBytes, lo += kStageBytes >> 4;
-                    }
+                if (++b == STAGES) {
+                    b = 0, parity ^= 1u, at = sbase, lo = lo0;
                 } else {
-                    static_assert(STRIDE <= STAGES, "a stride of at most one lap of the ring");
-                    b += STRIDE, at += STRIDE * kStageBytes, lo += STRIDE * (kStageBytes >> 4);
-                    if (b >= STAGES) b -= STAGES, parity ^= 1u, at -= kRingBytes, lo -= kRingBytes >> 4;
+                    at += kStageBytes, lo += kStageBytes >> 4;
                 }
             }
         }

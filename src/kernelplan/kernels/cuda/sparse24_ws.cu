@@ -24,13 +24,8 @@
 //  * KC CTAs along K split it; their partial sums meet through distributed shared memory, each CTA
 //    writing BN / KC rows of y.
 //
-// KW consumer warpgroups may share each 64-row block of W (KW > 1): warpgroup q of a block takes the ring's steps q,
-// q + KW, ..., and their partial sums meet in shared memory as the K slices of a cluster do.  A grid of one tile a
-// CTA then has KW warpgroups issuing MMAs on each SM where it had one (docs/design/0035).
-//
 // Compile-time sizes come from the variant's #defines: BN (rows of x a CTA), NI (wgmma N per
-// instruction), WM, KW (1 where not defined), CM, KC, STAGES, CONSUMER_REGS (0: no setmaxnreg), IS_BF16,
-// HAS_BIAS, ACT, GATED, DT.
+// instruction), WM, CM, KC, STAGES, CONSUMER_REGS (0: no setmaxnreg), IS_BF16, HAS_BIAS, ACT, GATED, DT.
 //
 // GATED (1: the gate is W's first half of rows, 2: its second) makes y[N, M / 2] = act(gate) * up, the pair of
 // rows c and M / 2 + c (kernelplan.gated_activation's kinds): each CTA loads its tiles from both halves
@@ -42,8 +37,7 @@
 #include "sparse24_grouped.cuh"
 
 constexpr int kRedStride = kBM + 4;                // f32 partial sums [BN][kBM + 4]: rows 16-byte aligned
-constexpr int kRedFloats = BN * kRedStride;        // one warpgroup row's partial sums
-constexpr int kRedBytes = KW * kRedFloats * 4;
+constexpr int kRedBytes = BN * kRedStride * 4;
 constexpr int kBarOffset = kRingBytes > kRedBytes ? kRingBytes : kRedBytes;  // the mbarriers, past both
 constexpr int kXPart = BN / CM;                    // rows of x each CTA of an M group loads for all of them
 static_assert(BN % KC == 0, "each CTA of a cluster writes BN / KC rows of y");
@@ -127,7 +121,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #if CONSUMER_REGS
         regs_up<CONSUMER_REGS>();
 #endif
-        const int cw = warp / 4 - 1, wm = cw % WM, kq = cw / WM, wq = warp & 3;
+        const int wm = warp / 4 - 1, wq = warp & 3;
         const int tl = wm * 4 + wq;                             // this warp's tile within the CTA
         float blocks[1][kInst][kAcc];  // one 64-row block of W a warpgroup
         float (&acc)[kInst][kAcc] = blocks[0];
@@ -135,11 +129,11 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         for (int i = 0; i < kInst; ++i)
 #pragma unroll
             for (int r = 0; r < kAcc; ++r) acc[i][r] = 0.f;
-        consume_steps<false, 1, KW>(blocks, sbase, full0, empty0, kq, (steps - kq + KW - 1) / KW, tl, lane, wq, cz);
+        consume_steps<false>(blocks, sbase, full0, empty0, 0, steps, tl, lane, wq, cz);
 
         // Every consumer is past its last MMA before the ring is reused for the partial sums.
         named_sync(1, kConsumers);
-        float *red = (float *)(smem_raw + (sbase - sraw)) + kq * kRedFloats;  // [KW][BN][kRedStride]
+        float *red = (float *)(smem_raw + (sbase - sraw));  // [BN][kRedStride]
         store_acc<NI>(red, acc, wm * 64 + wq * 16, kRedStride, lane);
     }
 
@@ -167,12 +161,11 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #pragma unroll
                 for (int j = 0; j < 8; ++j) v[h][j] = 0.f;
 #pragma unroll
-                for (int r = 0; r < KC * KW; ++r) {  // the K slices: KW in each CTA of the cluster's K group
-                    const u32 part = at + (r % KW) * kRedFloats * 4;
+                for (int r = 0; r < KC; ++r) {
 #if KC > 1
-                    const float4 lo = ld_peer4(part, cy + r / KW * CM), hi = ld_peer4(part + 16, cy + r / KW * CM);
+                    const float4 lo = ld_peer4(at, cy + r * CM), hi = ld_peer4(at + 16, cy + r * CM);
 #else
-                    const float4 lo = lds4f(part), hi = lds4f(part + 16);
+                    const float4 lo = lds4f(at), hi = lds4f(at + 16);
 #endif
                     v[h][0] += lo.x; v[h][1] += lo.y; v[h][2] += lo.z; v[h][3] += lo.w;
                     v[h][4] += hi.x; v[h][5] += hi.y; v[h][6] += hi.z; v[h][7] += hi.w;
