@@ -14,9 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._checks import _is_compiling
 from ..errors import InvalidProblem
 from ..sparse24.format import prune_compress
 from ..sparse24.gemm import forget
+from . import experts_ops
 from .sparse24_linear import Sparse24Linear
 
 # The flags transformers' use_experts_implementation sets on an experts module.  Releases before 5.2x set fewer of
@@ -141,6 +143,10 @@ def _combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> t
     return pairs * weights.reshape(-1, 1).to(pairs.dtype)
 
 
+def _after_load(module: "Sparse24Experts", incompatible_keys) -> None:
+    module._lay_out()  # load_state_dict(assign=True) gave the experts new tensors
+
+
 class _Experts(nn.ModuleList):
     """One projection's per-expert layers.  Each reads its own tokens, so they are never siblings of one GEMM:
     ``fuse_siblings`` leaves them out."""
@@ -173,11 +179,25 @@ class Sparse24Experts(nn.Module):
         for name, value in attributes.items():
             setattr(self, name, value)
         self._epilogue = self._first_epilogue()
-        self._spans: dict = {}  # projection -> (its layers' addresses, their tensors end to end): _span
+        self._spans: dict = {}  # "first" / "down" -> (its layers' addresses, their tensors end to end): _span
         self._runs: dict = {}  # (device, dtype) -> whether the grouped kernel runs this module there: _grouped
         self._bound_cache: dict = {}  # (device, dtype) -> 0 .. E: _bounds
+        self._lay_out()
+        self.register_load_state_dict_post_hook(_after_load)
+
+    def _lay_out(self) -> None:
+        """One copy of each projection's weights, the experts' tensors views of it (``_span``), and whether the
+        grouped kernel runs the module where its weights are: after building, moving and loading, so that a traced
+        forward finds both made (it cannot read addresses)."""
         for layers in (self.first, self.down):
-            self._span(layers)  # one copy of each projection's weights, the experts' tensors views of it
+            self._span(layers)
+        w = self.first[0].values
+        self.runs_grouped(w.device, w.dtype)
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super()._apply(fn, recurse)
+        self._lay_out()  # .to(), .cuda(), .half() ... gave each expert a storage of its own
+        return out
 
     def _first_epilogue(self) -> str | None:
         """The kernels' epilogue that computes what comes between the projections, or None: the gated one for
@@ -260,12 +280,15 @@ class Sparse24Experts(nn.Module):
         """The projection's values, metadata and biases, every expert's end to end (the grouped kernel's W: the
         device layout of the stacked rows), as views of one storage each.  Where ``.to()``, a deep copy or
         ``load_state_dict(assign=True)`` gave the experts storages of their own, they are laid out again here."""
+        name = "first" if layers is self.first else "down"
+        if _is_compiling():  # made by _lay_out: a traced forward cannot compare addresses
+            return self._spans[name][1]
         head, tail, count = layers[0], layers[-1], len(layers)
         parts = [(head.values, tail.values), (head.metadata, tail.metadata)]
         if head.bias is not None:
             parts.append((head.bias, tail.bias))
         key = tuple(t.data_ptr() for pair in parts for t in pair)
-        hit = self._spans.get(id(layers))
+        hit = self._spans.get(name)
         if hit is not None and hit[0] == key:
             return hit[1]
         spans = []
@@ -284,7 +307,7 @@ class Sparse24Experts(nn.Module):
                     t.data = span[e * first.shape[0]:(e + 1) * first.shape[0]]
             spans.append(span)
         spans = (spans[0], spans[1], spans[2].view(count, -1) if head.bias is not None else None)
-        self._spans[id(layers)] = (tuple(t.data_ptr() for pair in parts for t in pair), spans)  # after any move
+        self._spans[name] = (tuple(t.data_ptr() for pair in parts for t in pair), spans)  # after any move
         return spans
 
     def _grouped(self, x: torch.Tensor) -> bool:
@@ -370,8 +393,12 @@ class Sparse24Experts(nn.Module):
         x) is the routing kernel's two launches (``kernels/moe_route.py``), in place of six torch ops: at a decode's
         sizes an eager call is host work, and the kernel's device time is below the ops' too.  Past it the torch ops
         route: at 16384 pairs the kernel's device time was above theirs on one of two configs (docs/design/0034)."""
-        from ..kernels.moe_route import route
-        from ..kernels.sparse24_grouped import grouped_linear
+        traced = _is_compiling()
+        if traced:  # the kernels as ops a compiled graph holds (experts_ops), not raw launches that break it
+            route, grouped_linear = experts_ops.moe_route, experts_ops.grouped_linear
+        else:
+            from ..kernels.moe_route import route
+            from ..kernels.sparse24_grouped import grouped_linear
 
         experts = self.num_experts
         if hidden.stride(1) != 1:
@@ -391,11 +418,14 @@ class Sparse24Experts(nn.Module):
         if self._epilogue is not None:  # the gating in the first launch's epilogue: no [S, 2I] pass
             h = grouped_linear(x, *self._span(self.first), offsets, experts, self._epilogue)
         else:
-            h = self._activate(grouped_linear(x, *self._span(self.first), offsets, experts))
+            h = self._activate(grouped_linear(x, *self._span(self.first), offsets, experts, None))
         down = self._span(self.down)
         if scatter:
+            if traced:
+                experts_ops.grouped_linear_scatter(h.contiguous(), *down, offsets, experts, pairs, order, scale)
+                return pairs
             return grouped_linear(h.contiguous(), *down, offsets, experts, scatter=(pairs, order, scale))
-        out = self._norm(grouped_linear(h.contiguous(), *down, offsets, experts))
+        out = self._norm(grouped_linear(h.contiguous(), *down, offsets, experts, None))
         unrouted = torch.arange(out.shape[0], device=out.device) >= offsets[experts:]  # rows no launch wrote
         return _combine(out.masked_fill(unrouted[:, None], 0), order, weights)
 
