@@ -72,6 +72,65 @@ def test_grouped_gated_maps_read_each_expert_as_its_own_maps_do(monkeypatch, hal
         assert (got[..., half_rows // 16 % 4:, :] == 0).all() and (got[..., :half_rows // 16 % 4, :] != 0).all()
 
 
+class _NamedMaps:
+    """TensorMaps' two lookups, each map 128 bytes naming what it maps."""
+
+    def x(self, x, n, k, stride):
+        return f"x {x:#x} {n} {k} {stride}".encode().ljust(128, b".")
+
+    def w(self, values, codes, m, k, groups=1):
+        return (f"v {values:#x} {m} {k} {groups}".encode().ljust(128, b"."),
+                f"e {codes:#x} {m} {k} {groups}".encode().ljust(128, b"."))
+
+
+@pytest.mark.parametrize("rows, epilogue, scatter", [(40, "gated_silu_first", False), (3000, None, True)],
+                         ids=["ping-pong gated", "one-a-cta scattered"])
+def test_grouped_calls_pack_their_operands_into_one_bound_launch(monkeypatch, rows, epilogue, scatter):
+    """``grouped_linear`` binds a launch per projection and row count (``GroupedBound``): each call's x map, y, offsets
+    (and the scattered store's rows and scales) land in their slots, everything else as bound, on the tiles' grid."""
+    import struct
+
+    from helpers import stub_driver
+    from kernelplan.activations import GATED_EPILOGUES
+    from kernelplan.kernels import direct, sparse24, sparse24_grouped as g
+    from kernelplan.kernels.sparse24_ws import _PARAMS, _PP_PARAMS
+
+    experts, m, k = 6, 256, 192
+    gated = epilogue in GATED_EPILOGUES
+    cfg = g.grouped_config(m, rows, experts, gated)
+    assert cfg.pp == (rows == 40)
+    types = (_PP_PARAMS if cfg.pp else _PARAMS) + g._GROUP_PARAMS + g._SCATTER_PARAMS * scatter
+    stub = stub_driver(monkeypatch, types)
+    launch, maps = direct.FunctionLaunch("fn", "kp", types, cfg.threads, cfg.shared), _NamedMaps()
+    monkeypatch.setattr(g, "_launcher", lambda *args: (launch, maps))
+    monkeypatch.setattr(sparse24, "sm_count", lambda device: 132)
+    monkeypatch.setattr(g, "raw_stream", lambda device: 3)
+    monkeypatch.setattr(g, "_BOUND", {})
+    values = torch.zeros(experts * m // 16, k // 64, 256, dtype=torch.int32)
+    metadata = torch.zeros(experts * m // 16, k // 64, 32, dtype=torch.int32)
+    bias = torch.zeros(experts, m, dtype=torch.bfloat16)
+    kept = []  # every call's operands stay alive, so that each call's addresses are new
+    for _ in range(3):
+        x, offsets = torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(experts + 1, dtype=torch.int32)
+        pairs, order, scale = torch.zeros(rows, m, dtype=torch.bfloat16), torch.zeros(rows, dtype=torch.int64), \
+            torch.zeros(rows)
+        y = g.grouped_linear(x, values, metadata, bias, offsets, experts, epilogue,
+                             (pairs, order, scale) if scatter else None)
+        kept.append((x, offsets, pairs, order, scale, y))
+        assert y.shape == (rows, m // 2 if gated else m) and (y is pairs) == scatter
+        want = (maps.x(x.data_ptr(), rows, k, k), *maps.w(values.data_ptr(), metadata.data_ptr(), experts * m, k,
+                                                           experts if gated else 1),
+                bias.data_ptr(), y.data_ptr(), rows, m, k, y.stride(0)) + (0,) * cfg.pp + \
+            (offsets.data_ptr(), experts) + ((order.data_ptr(), scale.data_ptr()) if scatter else ())
+        grid, block, shared, stream, slots = stub.launches[-1]
+        assert slots == [struct.pack("<" + code, value)[:direct._slot_code(ty)[1]]
+                         for code, value, ty in zip(launch._codes, want, types)]
+        tiles = (-(-rows // cfg.bn) + experts) * -(-m // cfg.rows)
+        assert grid == (min(132, tiles) if cfg.pp else tiles, 1, 1) and (block, shared) == (cfg.threads, cfg.shared)
+        assert stream == ("stream", 3)
+    assert len(g._BOUND) == 1 and len({call[0].data_ptr() for call in kept}) == 3
+
+
 def test_grouped_variants_compile(compile_for):
     """NVRTC builds the grouped kernel plain, under an activation and under a gated epilogue, with and without biases,
     in both dtypes, and its scattered store, ping-pong and (256 rows of x a tile) one a CTA, on a CPU machine."""
