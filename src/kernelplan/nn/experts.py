@@ -147,11 +147,23 @@ def _after_load(module: "Sparse24Experts", incompatible_keys) -> None:
     module._lay_out()  # load_state_dict(assign=True) gave the experts new tensors
 
 
+def _addresses(head: Sparse24Linear, tail: Sparse24Linear) -> tuple[int, ...]:
+    """Where the first and last experts' values, metadata and biases are: a span is laid out again where they moved."""
+    if head.bias is None:
+        return head.values.data_ptr(), tail.values.data_ptr(), head.metadata.data_ptr(), tail.metadata.data_ptr()
+    return (head.values.data_ptr(), tail.values.data_ptr(), head.metadata.data_ptr(), tail.metadata.data_ptr(),
+            head.bias.data_ptr(), tail.bias.data_ptr())
+
+
 class _Experts(nn.ModuleList):
     """One projection's per-expert layers.  Each reads its own tokens, so they are never siblings of one GEMM:
     ``fuse_siblings`` leaves them out."""
 
     kp_no_siblings = True
+
+    def __init__(self, layers: list[Sparse24Linear], name: str):
+        super().__init__(layers)
+        self.kp_name = name  # "first" or "down": the key of its span in Sparse24Experts._spans
 
 
 class Sparse24Experts(nn.Module):
@@ -169,7 +181,8 @@ class Sparse24Experts(nn.Module):
         if len(first) != len(down) or not first:
             raise InvalidProblem(f"first has {len(first)} experts and down {len(down)}; both need the same count, "
                                  f"at least one")
-        self.first, self.down = _Experts(first), _Experts(down)
+        self.first, self.down = _Experts(first, "first"), _Experts(down, "down")
+        self._out = down[0].out_features  # read by every grouped call: once here, not through the ModuleList
         self.act_fn = act_fn
         self.post_expert_norm = post_expert_norm
         self.has_gate = has_gate
@@ -189,6 +202,7 @@ class Sparse24Experts(nn.Module):
         """One copy of each projection's weights, the experts' tensors views of it (``_span``), and whether the
         grouped kernel runs the module where its weights are: after building, moving and loading, so that a traced
         forward finds both made (it cannot read addresses)."""
+        self._runs.clear()
         for layers in (self.first, self.down):
             self._span(layers)
         w = self.first[0].values
@@ -280,17 +294,16 @@ class Sparse24Experts(nn.Module):
         """The projection's values, metadata and biases, every expert's end to end (the grouped kernel's W: the
         device layout of the stacked rows), as views of one storage each.  Where ``.to()``, a deep copy or
         ``load_state_dict(assign=True)`` gave the experts storages of their own, they are laid out again here."""
-        name = "first" if layers is self.first else "down"
+        name = layers.kp_name
+        hit = self._spans.get(name)
         if _is_compiling():  # made by _lay_out: a traced forward cannot compare addresses
-            return self._spans[name][1]
+            return hit[1]
+        if hit is not None and hit[0] == _addresses(*hit[2]):
+            return hit[1]
         head, tail, count = layers[0], layers[-1], len(layers)
         parts = [(head.values, tail.values), (head.metadata, tail.metadata)]
         if head.bias is not None:
             parts.append((head.bias, tail.bias))
-        key = tuple(t.data_ptr() for pair in parts for t in pair)
-        hit = self._spans.get(name)
-        if hit is not None and hit[0] == key:
-            return hit[1]
         spans = []
         for i, (first, last) in enumerate(parts):
             storage = first.untyped_storage()
@@ -307,7 +320,7 @@ class Sparse24Experts(nn.Module):
                     t.data = span[e * first.shape[0]:(e + 1) * first.shape[0]]
             spans.append(span)
         spans = (spans[0], spans[1], spans[2].view(count, -1) if head.bias is not None else None)
-        self._spans[name] = (tuple(t.data_ptr() for pair in parts for t in pair), spans)  # after any move
+        self._spans[name] = (_addresses(head, tail), spans, (head, tail))  # after any move
         return spans
 
     def _grouped(self, x: torch.Tensor) -> bool:
@@ -317,16 +330,17 @@ class Sparse24Experts(nn.Module):
 
     def runs_grouped(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether calls without autograd on ``device`` in ``dtype`` run on the grouped kernel."""
-        if device.type != "cuda" or self.first[0].layout != "sp tiled":
-            return False
         runs = self._runs.get((device, dtype))
-        if runs is None:  # the shapes are the module's: one verdict per device and dtype
+        if runs is None:  # the shapes are the module's: one verdict per device and dtype (_lay_out clears them)
             from ..kernels.sparse24_grouped import grouped_reason
 
-            capability = torch.cuda.get_device_capability(device)
-            runs = self._runs[device, dtype] = all(
-                grouped_reason(capability, m.out_features, m.in_features, self.num_experts, dtype) is None
-                for m in (self.first[0], self.down[0]))
+            if device.type != "cuda" or self.first[0].layout != "sp tiled":
+                runs = False
+            else:
+                capability = torch.cuda.get_device_capability(device)
+                runs = all(grouped_reason(capability, m.out_features, m.in_features, self.num_experts, dtype) is None
+                           for m in (self.first[0], self.down[0]))
+            self._runs[device, dtype] = runs
         return runs
 
     def grouped_gemms(self) -> list[tuple[int, int, bool, str | None, bool]]:
@@ -407,7 +421,7 @@ class Sparse24Experts(nn.Module):
         # weighting passes over [T k, H] after it.  The rows of pairs outside the experts (the sentinel's) no launch
         # writes: the routing kernel zeroes them, the torch ops' path all rows.
         scatter = self.post_expert_norm is None
-        pairs = hidden.new_empty(index.numel(), self.down[0].out_features) if scatter else None
+        pairs = hidden.new_empty(index.numel(), self._out) if scatter else None
         if index.numel() <= ROUTE_MAX_PAIRS:
             x, order, offsets, scale = route(index.contiguous(), weights.contiguous(), hidden, experts, pairs)
         else:
