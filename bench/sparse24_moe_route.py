@@ -3,7 +3,8 @@
 ``Sparse24Experts``' grouped forward routes up to ``ROUTE_MAX_PAIRS`` (token, k) pairs by the kernel and more by six
 torch ops.  Here the same module, in one process, runs each way on the same inputs, the ways alternating round by
 round: the torch ops (the cap at 0), and the kernel (the cap lifted) with each chunk size of ``--chunks`` (``_B``,
-with ``_CB`` chunks' counts a summing step: 1024 // B).  For each published config and token count:
+with ``_CB`` chunks' counts a summing step: 1024 // B), each with the counts summed in every ``_route`` program
+(``sum``) and by their own launch (``scan``, ``_SCAN_MIN_CHUNKS`` at 1).  For each published config and token count:
 
 * the call replayed as a CUDA graph (``triton.testing.do_bench_cudagraph``), median over ``--graph-rounds``;
 * the host work of an eager call alone (the clock stops when the last of 20 calls returns), over ``--rounds``;
@@ -31,13 +32,15 @@ from kernelplan.timing import host_us_per_call
 from sparse24_experts import MODELS, dense_experts
 
 
-def _set(chunk: int | None) -> None:
-    """Route by the torch ops (None), or by the kernel with chunks of ``chunk`` pairs."""
-    if chunk is None:
+def _set(way: tuple[int, bool] | None) -> None:
+    """Route by the torch ops (None), or by the kernel with chunks of ``way[0]`` pairs, the counts summed by their
+    own launch where ``way[1]``."""
+    if way is None:
         experts_module.ROUTE_MAX_PAIRS = 0
     else:
         experts_module.ROUTE_MAX_PAIRS = 1 << 30
-        moe_route._B, moe_route._CB = chunk, max(1, 1024 // chunk)
+        moe_route._B, moe_route._CB = way[0], max(1, 1024 // way[0])
+        moe_route._SCAN_MIN_CHUNKS = 1 if way[1] else 1 << 30
 
 
 def main() -> int:
@@ -48,13 +51,13 @@ def main() -> int:
     ap.add_argument("--models", nargs="*", default=["OLMoE-1B-7B", "Qwen3-30B-A3B", "Mixtral-8x7B"],
                     choices=list(MODELS))
     ap.add_argument("--tokens", type=int, nargs="*", default=(32, 128, 512, 2048))
-    ap.add_argument("--chunks", type=int, nargs="*", default=(128, 64, 32))
+    ap.add_argument("--chunks", type=int, nargs="*", default=(32,))
     ap.add_argument("--rounds", type=int, default=3, help="host-time rounds")
     ap.add_argument("--graph-rounds", type=int, default=3)
     a = ap.parse_args()
     torch.manual_seed(0)
-    ways = {"torch": None, **{f"b{c}": c for c in a.chunks}}
-    saved = experts_module.ROUTE_MAX_PAIRS, moe_route._B, moe_route._CB
+    ways = {"torch": None, **{f"b{c}{' scan' * scan}": (c, scan) for c in a.chunks for scan in (False, True)}}
+    saved = experts_module.ROUTE_MAX_PAIRS, moe_route._B, moe_route._CB, moe_route._SCAN_MIN_CHUNKS
     rows = []
     for model in a.models:
         count, hidden, inner, k = MODELS[model]
@@ -89,7 +92,7 @@ def main() -> int:
                   ("" if all(equal.values()) else f"  NOT EQUAL {equal}"))
         sparse = None  # freed before the next config's weights
         torch.cuda.empty_cache()
-    experts_module.ROUTE_MAX_PAIRS, moe_route._B, moe_route._CB = saved
+    experts_module.ROUTE_MAX_PAIRS, moe_route._B, moe_route._CB, moe_route._SCAN_MIN_CHUNKS = saved
     results.write("sparse24-moe-route", {"rows": rows}, a.out, dtype="bf16",
                   timing="one process; ways alternating by round; graph: do_bench_cudagraph median; host: 20 eager "
                          "calls, the clock stopped when the last returned")

@@ -282,7 +282,7 @@ def test_after_warmup_a_moe_model_s_grouped_calls_compile_nothing(monkeypatch, t
     counts from a decode's to a prefill's compile nothing."""
     import kernelplan as kp
     from kernelplan.kernels import nvrtc
-    from kernelplan.kernels.moe_route import _ROUTE
+    from kernelplan.kernels.moe_route import _ROUTE, _SCAN
     from kernelplan.kernels.sparse24_grouped import GROUPED_ROWS
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -296,8 +296,8 @@ def test_after_warmup_a_moe_model_s_grouped_calls_compile_nothing(monkeypatch, t
     assert sorted((r["m"], r["k"], r["n"]) for r in grouped) == sorted(
         (m, k, n) for m, k in ((384, 128), (128, 192)) for n in GROUPED_ROWS)
     assert not any(r["m"] == 384 and r["backend"] != "grouped" for r in rows)  # no per-expert first projection
-    compiles, routes = nvrtc.COMPILES[0], dict(_ROUTE._compiled)  # the routing kernel: Triton's
+    compiles, routes, scans = nvrtc.COMPILES[0], dict(_ROUTE._compiled), dict(_SCAN._compiled)  # routing: Triton's
     with torch.inference_mode():
-        for tokens in (1, 5, 64, 700):
+        for tokens in (1, 5, 64, 700, 1100):  # 1100: 2200 pairs, whose counts the scan launch sums
             model(torch.randint(0, 256, (1, tokens), device="cuda"))
-    assert nvrtc.COMPILES[0] == compiles and _ROUTE._compiled == routes
+    assert nvrtc.COMPILES[0] == compiles and _ROUTE._compiled == routes and _SCAN._compiled == scans and scans

@@ -67,6 +67,20 @@ def test_route_with_several_summing_steps_and_column_blocks_a_program(monkeypatc
     _check(150, 4, 16, 600, torch.bfloat16, seed=6, outside=[((7, 2), 16)], y_width=600)
 
 
+@pytest.mark.parametrize("scan_bins, scan_step", [(16, 8192), (4, 16)])
+def test_route_with_the_counts_summed_once_by_their_own_launch(monkeypatch, scan_bins, scan_step):
+    """Past ``_SCAN_MIN_CHUNKS`` chunks, ``_scan`` sums the counts down the chunks once and ``_route`` reads them: here
+    at every size, with bins split over several scan programs and chunks over several steps of each."""
+    from kernelplan.kernels import moe_route
+
+    monkeypatch.setattr(moe_route, "_SCAN_MIN_CHUNKS", 1)
+    monkeypatch.setattr(moe_route, "_SCAN_BINS", scan_bins)
+    monkeypatch.setattr(moe_route, "_SCAN_STEP", scan_step)  # (4, 16): 4 chunks a step, 19 chunks in 5 steps
+    _check(300, 2, 8, 96, torch.bfloat16, seed=7, outside=[((3, 1), 8), ((9, 0), -2)], y_width=96)
+    _check(1, 2, 8, 64, torch.float16)  # one chunk
+    _check(70, 8, 30, 64, torch.bfloat16, seed=8)  # 32 bins: two scan programs at 16 a program
+
+
 def test_route_places_ids_outside_the_experts_last_and_zeroes_their_rows_of_y():
     # The expert-parallel sentinel (E), an id far past it and a negative one; y wider than x.
     _check(9, 4, 3, 130, torch.bfloat16, outside=[((0, 3), 3), ((4, 0), 1000), ((8, 2), -1)], y_width=160)
@@ -95,8 +109,12 @@ def test_route_of_no_tokens():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_route_on_the_gpu_at_prefill_sizes():
-    _check(2048, 8, 128, 2048, torch.bfloat16, seed=4, outside=[((5, 1), 128)], y_width=2048)
+    from kernelplan.kernels import moe_route
+
+    _check(2048, 8, 128, 2048, torch.bfloat16, seed=4, outside=[((5, 1), 128)], y_width=2048)  # 512 chunks: scanned
     _check(4097, 2, 8, 4096, torch.float16, seed=5)
+    _check(20000, 8, 256, 256, torch.bfloat16, seed=9, outside=[((17, 3), -1)], y_width=256)  # 5000 chunks
+    assert 2048 * 8 // moe_route._B >= moe_route._SCAN_MIN_CHUNKS
 
 
 @pytest.mark.gpu

@@ -35,6 +35,11 @@ _CB = 32  # chunks' counts a step of the summing loop, at most: CB x EP counts s
 # at 512 bins with 16, 127 with 32)
 _BH = 128  # columns a block of the copy
 _PROGRAMS = 512  # about this many programs where the pairs allow: each sums every chunk's counts
+# Past this many chunks, a third launch (_scan) sums the counts once, and each _route program reads its chunk's sums:
+# summing them in every program reads chunks x chunks x EP counts (268 MB at 16384 pairs over 128 experts).
+_SCAN_MIN_CHUNKS = 64
+_SCAN_BINS = 16  # bins a _scan program sums over every chunk
+_SCAN_STEP = 8192  # counts a step of a _scan program's loop
 
 
 @triton.jit
@@ -53,23 +58,41 @@ def _count(ids_ptr, counts_ptr, P, E, B: tl.constexpr, EP: tl.constexpr):
     tl.store(counts_ptr + c * EP + tl.arange(0, EP), counts)
 
 
+@triton.jit(do_not_specialize=["CHUNKS"])
+def _scan(counts_ptr, CHUNKS, EP: tl.constexpr, EB: tl.constexpr, CB: tl.constexpr):
+    """Bins ``EB * program ...`` of ``counts [CHUNKS + 1, EP]``: row c becomes the counts of the chunks before c (an
+    exclusive sum down the chunks), and row CHUNKS every chunk's.  CB chunks a step."""
+    bins = tl.program_id(0) * EB + tl.arange(0, EB)
+    run = tl.zeros([EB], dtype=tl.int32)
+    for j in range(0, CHUNKS, CB):
+        chunk = j + tl.arange(0, CB)
+        at = counts_ptr + chunk[:, None] * EP + bins[None, :]
+        counts = tl.load(at, mask=(chunk < CHUNKS)[:, None], other=0)
+        tl.store(at, tl.cumsum(counts, 0) - counts + run[None, :], mask=(chunk < CHUNKS)[:, None])
+        run += tl.sum(counts, 0)
+    tl.store(counts_ptr + CHUNKS * EP + bins, run)
+
+
 @triton.jit(do_not_specialize=["P", "TOP_K", "SPAN"])
 def _route(ids_ptr, counts_ptr, w_ptr, x_ptr, xs_ptr, order_ptr, offsets_ptr, scale_ptr, y_ptr, P, TOP_K, E, H,
            stride_x, YW, stride_y, SPAN, B: tl.constexpr, CB: tl.constexpr, EP: tl.constexpr, BH: tl.constexpr,
-           ZERO_Y: tl.constexpr):
+           ZERO_Y: tl.constexpr, SCANNED: tl.constexpr):
     c = tl.program_id(0)
     hb = tl.program_id(1)
     lanes = tl.arange(0, B)
     bins = tl.arange(0, EP)
-    # Every expert's count, and those of the chunks before this one, from the counts: CB chunks a step.
-    total = tl.zeros([EP], dtype=tl.int32)
-    before = tl.zeros([EP], dtype=tl.int32)
-    for j in range(0, tl.cdiv(P, B), CB):
-        chunk = j + tl.arange(0, CB)
-        counts = tl.load(counts_ptr + chunk[:, None] * EP + bins[None, :], mask=(chunk < tl.cdiv(P, B))[:, None],
-                         other=0)
-        total += tl.sum(counts, 0)
-        before += tl.sum(tl.where((chunk < c)[:, None], counts, 0), 0)
+    if SCANNED:  # _scan left the chunks' sums before this one in row c, every chunk's in the last row
+        before = tl.load(counts_ptr + c * EP + bins)
+        total = tl.load(counts_ptr + tl.cdiv(P, B) * EP + bins)
+    else:  # every expert's count, and those of the chunks before this one, from the counts: CB chunks a step
+        total = tl.zeros([EP], dtype=tl.int32)
+        before = tl.zeros([EP], dtype=tl.int32)
+        for j in range(0, tl.cdiv(P, B), CB):
+            chunk = j + tl.arange(0, CB)
+            counts = tl.load(counts_ptr + chunk[:, None] * EP + bins[None, :],
+                             mask=(chunk < tl.cdiv(P, B))[:, None], other=0)
+            total += tl.sum(counts, 0)
+            before += tl.sum(tl.where((chunk < c)[:, None], counts, 0), 0)
     starts = tl.cumsum(total, 0) - total  # where each expert's rows begin; the sentinel's after them all
 
     p = c * B + lanes
@@ -97,7 +120,7 @@ def _route(ids_ptr, counts_ptr, w_ptr, x_ptr, xs_ptr, order_ptr, offsets_ptr, sc
                      tl.zeros([B, BH], dtype=rows.dtype), mask=dropped[:, None] & (cols[None, :] < YW))
 
 
-_COUNT, _ROUTE = Launcher(_count), Launcher(_route)
+_COUNT, _SCAN, _ROUTE = Launcher(_count), Launcher(_scan), Launcher(_route)
 _BITS = {2: torch.int16, 4: torch.int32}
 
 
@@ -130,11 +153,16 @@ def route(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, experts: in
     chunks, blocks = -(-pairs // _B), -(-width // _BH)
     span = -(-blocks // max(1, min(blocks, _PROGRAMS // chunks)))  # column blocks a program copies
     bins = 1 << (experts + 1).bit_length()  # the power of two at or past experts + 2
-    counts = torch.empty(chunks * bins, dtype=torch.int32, device=x.device)
+    scanned = chunks >= _SCAN_MIN_CHUNKS
+    counts = torch.empty((chunks + scanned) * bins, dtype=torch.int32, device=x.device)
+    step = max(1, min(_CB, 8192 // bins))  # chunks a summing step
     _COUNT((chunks,), (ids, counts, pairs, experts), {"B": _B, "EP": bins}, num_warps=4)
+    if scanned:
+        eb = min(bins, _SCAN_BINS)
+        _SCAN((bins // eb,), (counts, chunks), {"EP": bins, "EB": eb, "CB": max(1, _SCAN_STEP // eb)}, num_warps=4)
     _ROUTE((chunks, -(-blocks // span)),
            (ids, counts, weights, x.view(bits), xs.view(bits), order, offsets, scale,
             y.view(bits) if y is not None else xs.view(bits), pairs, top_k, experts, h, x.stride(0),
             y.shape[1] if y is not None else 0, y.stride(0) if y is not None else 0, span),
-           {"B": _B, "CB": max(1, min(_CB, 8192 // bins)), "EP": bins, "BH": _BH, "ZERO_Y": y is not None}, num_warps=8)
+           {"B": _B, "CB": step, "EP": bins, "BH": _BH, "ZERO_Y": y is not None, "SCANNED": scanned}, num_warps=8)
     return xs, order, offsets, scale

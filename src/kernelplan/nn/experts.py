@@ -351,16 +351,20 @@ class Sparse24Experts(nn.Module):
                 (down.out_features, down.in_features, down.bias is not None, None, self.post_expert_norm is None)]
 
     def warm_routing(self) -> None:
-        """Compile the grouped forward's routing kernel for this module's shapes, as ``kp.warmup`` does: routing weights
-        in the experts' dtype and in float32 (routers give either), one variant for every token count."""
-        from ..kernels.moe_route import route
+        """Compile the grouped forward's routing kernels for this module's shapes, as ``kp.warmup`` does: routing
+        weights in the experts' dtype and in float32 (routers give either), for a decode's pairs and for as many as
+        take the counts' own summing launch (``_SCAN_MIN_CHUNKS``): one variant of each for every token count."""
+        from ..kernels import moe_route
 
         w = self.first[0].values
-        x = torch.zeros(1, self.first[0].in_features, dtype=w.dtype, device=w.device)
-        ids = torch.zeros(1, 1, dtype=torch.int64, device=w.device)
-        y = x.new_empty(1, self.down[0].out_features) if self.post_expert_norm is None else None
-        for dtype in (w.dtype, torch.float32):
-            route(ids, torch.ones(1, 1, dtype=dtype, device=w.device), x, self.num_experts, y)
+        many = moe_route._SCAN_MIN_CHUNKS * moe_route._B
+        x = torch.zeros(many, self.first[0].in_features, dtype=w.dtype, device=w.device)
+        y = x.new_empty(many, self._out) if self.post_expert_norm is None else None
+        for pairs in (1, many):
+            ids = torch.zeros(pairs, 1, dtype=torch.int64, device=w.device)
+            for dtype in (w.dtype, torch.float32):
+                moe_route.route(ids, torch.ones(pairs, 1, dtype=dtype, device=w.device), x[:pairs], self.num_experts,
+                                y[:pairs] if y is not None else None)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
