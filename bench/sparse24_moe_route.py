@@ -1,10 +1,11 @@
 """The MoE routing kernel (``kernels/moe_route.py``) against the torch ops' routing, in one experts call, on the GPU.
 
-``Sparse24Experts``' grouped forward routes up to ``ROUTE_MAX_PAIRS`` (token, k) pairs by the kernel and more by six
-torch ops.  Here the same module, in one process, runs each way on the same inputs, the ways alternating round by
-round: the torch ops (the cap at 0), and the kernel (the cap lifted) with each chunk size of ``--chunks`` (``_B``,
-with ``_CB`` chunks' counts a summing step: 1024 // B), each with the counts summed in every ``_route`` program
-(``sum``) and by their own launch (``scan``, ``_SCAN_MIN_CHUNKS`` at 1).  For each published config and token count:
+``Sparse24Experts``' grouped forward routes its (token, k) pairs by the kernel, where it had six torch ops.  Here the
+same module, in one process, runs each way on the same inputs, the ways alternating round by round: the torch ops
+(``torch_route``, what the grouped forward ran before the kernel), and the kernel with each chunk size of
+``--chunks`` (``_B``, with ``_CB`` chunks' counts a summing step: 1024 // B), each with the counts summed in every
+``_route`` program and by their own launch (``scan``, ``_SCAN_MIN_CHUNKS`` at 1).  For each published config and
+token count:
 
 * the call replayed as a CUDA graph (``triton.testing.do_bench_cudagraph``), median over ``--graph-rounds``;
 * the host work of an eager call alone (the clock stops when the last of 20 calls returns), over ``--rounds``;
@@ -26,19 +27,34 @@ import torch
 from kernelplan.bench import results
 from kernelplan.kernels import moe_route
 from kernelplan.nn import Sparse24Experts
-from kernelplan.nn import experts as experts_module
 from kernelplan.timing import host_us_per_call
 
 from sparse24_experts import MODELS, dense_experts
+
+
+def torch_route(ids, weights, x, experts, y=None):
+    """``moe_route.route`` by torch ops: a stable sort of the ids (those outside the experts last), ``searchsorted``
+    for the offsets, ``index_select`` for the rows of x, the weights as float32, and y zeroed."""
+    flat = ids.reshape(-1)
+    sorted_ids, order = torch.sort(torch.where((flat >= 0) & (flat < experts), flat, experts), stable=True)
+    offsets = torch.searchsorted(sorted_ids, torch.arange(experts + 1, device=ids.device, dtype=ids.dtype),
+                                 out_int32=True)
+    if y is not None:
+        y.zero_()
+    return x.index_select(0, torch.div(order, ids.shape[1], rounding_mode="floor")), order, offsets, \
+        weights.reshape(-1).float()
+
+
+KERNEL_ROUTE = moe_route.route
 
 
 def _set(way: tuple[int, bool] | None) -> None:
     """Route by the torch ops (None), or by the kernel with chunks of ``way[0]`` pairs, the counts summed by their
     own launch where ``way[1]``."""
     if way is None:
-        experts_module.ROUTE_MAX_PAIRS = 0
+        moe_route.route = torch_route
     else:
-        experts_module.ROUTE_MAX_PAIRS = 1 << 30
+        moe_route.route = KERNEL_ROUTE
         moe_route._B, moe_route._CB = way[0], max(1, 1024 // way[0])
         moe_route._SCAN_MIN_CHUNKS = 1 if way[1] else 1 << 30
 
@@ -57,7 +73,7 @@ def main() -> int:
     a = ap.parse_args()
     torch.manual_seed(0)
     ways = {"torch": None, **{f"b{c}{' scan' * scan}": (c, scan) for c in a.chunks for scan in (False, True)}}
-    saved = experts_module.ROUTE_MAX_PAIRS, moe_route._B, moe_route._CB, moe_route._SCAN_MIN_CHUNKS
+    saved = moe_route.route, moe_route._B, moe_route._CB, moe_route._SCAN_MIN_CHUNKS
     rows = []
     for model in a.models:
         count, hidden, inner, k = MODELS[model]
@@ -92,7 +108,7 @@ def main() -> int:
                   ("" if all(equal.values()) else f"  NOT EQUAL {equal}"))
         sparse = None  # freed before the next config's weights
         torch.cuda.empty_cache()
-    experts_module.ROUTE_MAX_PAIRS, moe_route._B, moe_route._CB, moe_route._SCAN_MIN_CHUNKS = saved
+    moe_route.route, moe_route._B, moe_route._CB, moe_route._SCAN_MIN_CHUNKS = saved
     results.write("sparse24-moe-route", {"rows": rows}, a.out, dtype="bf16",
                   timing="one process; ways alternating by round; graph: do_bench_cudagraph median; host: 20 eager "
                          "calls, the clock stopped when the last returned")

@@ -108,9 +108,9 @@ def _oracle(dense, sparse, experts):
 @sm90
 def test_grouped_experts_compile_fullgraph_and_match_eager_and_fp64(seed):
     """fullgraph: the routing and both launches are nodes of one graph (no break at a raw launch); compiled with
-    inductor, the same outputs as eager, at token counts from a decode's to past the routing kernel's limit
-    (``ROUTE_MAX_PAIRS``: the torch ops route there)."""
-    from kernelplan.nn.experts import ROUTE_MAX_PAIRS
+    inductor, the same outputs as eager, at token counts from a decode's to a prefill's (whose counts the routing's
+    scan launch sums)."""
+    from kernelplan.kernels import moe_route
 
     dense = _mixtral_experts(torch.float64, experts=6)
     sparse = Sparse24Experts.from_experts(copy.deepcopy(dense).to(torch.bfloat16)).cuda()
@@ -124,7 +124,7 @@ def test_grouped_experts_compile_fullgraph_and_match_eager_and_fp64(seed):
     torch._dynamo.reset()
     traced = torch.compile(sparse, fullgraph=True, backend=capture)
     compiled = torch.compile(sparse, fullgraph=True)
-    for tokens in (1, 37, 300, ROUTE_MAX_PAIRS // 2 + 5):
+    for tokens in (1, 37, 300, moe_route._SCAN_MIN_CHUNKS * moe_route._B // 2 + 5):
         x = torch.randn(tokens, 128, dtype=torch.float64)
         index, weights = _routing(tokens, 6)
         with torch.no_grad():

@@ -122,10 +122,10 @@ def test_route_on_the_gpu_at_prefill_sizes():
                     reason="the grouped experts kernel needs an sm_90 GPU")
 def test_grouped_forward_routes_as_the_per_expert_path():
     """The grouped forward against the same module one GEMM an expert (the path autograd takes), ids outside the
-    experts included: routed by the kernel at 1 and 33 tokens, by the torch ops at 2100 (4200 pairs)."""
-    from kernelplan.nn.experts import ROUTE_MAX_PAIRS
+    experts included: at 1 and 33 tokens, and at 2100 (4200 pairs), whose counts the scan launch sums."""
+    from kernelplan.kernels import moe_route
 
-    assert 33 * 2 <= ROUTE_MAX_PAIRS < 2100 * 2
+    assert 33 * 2 < moe_route._SCAN_MIN_CHUNKS * moe_route._B <= 2100 * 2
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 

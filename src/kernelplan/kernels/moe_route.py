@@ -1,4 +1,5 @@
-"""A MoE layer's routing in two Triton launches: the (token, k) pairs sorted by expert, and the rows of x gathered.
+"""A MoE layer's routing in two or three Triton launches: the (token, k) pairs sorted by expert, and the rows of x
+gathered.
 
 ``Sparse24Experts`` ran it as six torch ops (a stable sort of the ids, ``searchsorted`` for the experts' offsets,
 a division and an ``index_select`` for the rows of x, a ``float`` of the routing weights, zeros for the output):
@@ -6,9 +7,11 @@ a division and an ``index_select`` for the rows of x, a ``float`` of the routing
 (docs/design/0034).  Here:
 
 * ``_count``: a program a chunk of ``B`` pairs writes how many of them each expert has;
-* ``_route``: a program a chunk and a span of columns sums those counts (every chunk's: where each expert's rows
-  start; the chunks' before its own), so each of its pairs goes to ``starts[e] + before[e] + its rank among its
-  chunk's pairs of expert e``.  That is the stable sort's order: a pair's place depends on (expert, pair index)
+* ``_scan``, from ``_SCAN_MIN_CHUNKS`` chunks on: the counts summed down the chunks once (each chunk's row becomes
+  the sums of the chunks before it, and a last row every chunk's);
+* ``_route``: a program a chunk and a span of columns reads those sums (or, with fewer chunks, sums the counts
+  itself: every chunk's, where each expert's rows start; the chunks' before its own), so each of its pairs goes to
+  ``starts[e] + before[e] + its rank among its chunk's pairs of expert e``.  That is the stable sort's order: a pair's place depends on (expert, pair index)
   alone, whichever program computes it.  It copies its pairs' rows of x there (as bits: no arithmetic, which the
   Triton interpreter gets wrong for bf16) and, in its first span, writes ``order``, the routing weights as float32
   and, in program 0, the offsets;
@@ -37,7 +40,10 @@ _BH = 128  # columns a block of the copy
 _PROGRAMS = 512  # about this many programs where the pairs allow: each sums every chunk's counts
 # Past this many chunks, a third launch (_scan) sums the counts once, and each _route program reads its chunk's sums:
 # summing them in every program reads chunks x chunks x EP counts (268 MB at 16384 pairs over 128 experts).
-_SCAN_MIN_CHUNKS = 64
+# An experts call's graph time, H200 (bench/results/sparse24-moe-route-scan-h200.json): with the scan 0.99-1.02x of
+# without at 256 pairs (8 chunks), 0.96-1.00x at 1024, 0.86-1.00x at 4096, 0.78-1.00x at 16384, 0.40-0.53x at 65536
+# (the least change with 8 experts: their counts are 16 bins a chunk).
+_SCAN_MIN_CHUNKS = 32
 _SCAN_BINS = 16  # bins a _scan program sums over every chunk
 _SCAN_STEP = 8192  # counts a step of a _scan program's loop
 

@@ -130,12 +130,6 @@ def experts_speed_reason(module: nn.Module) -> str | None:
             f"(0.5625x) anyway")
 
 
-# The most (token, k) pairs a grouped call routes by the routing kernel.  Graph time of an experts call with it over
-# the same with the torch ops' routing, H200, one process (docs/design/0034): 0.75-0.96x at 64-1024 pairs, 0.86-0.99x
-# at 4096; at 16384, 0.95x (Qwen3-30B-A3B) but 1.07x (OLMoE-1B-7B).
-ROUTE_MAX_PAIRS = 4096
-
-
 def _combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Rows sorted by expert (``out``) back in their (token, k) pairs' order, each times its routing weight."""
     pairs = torch.empty_like(out)
@@ -407,10 +401,10 @@ class Sparse24Experts(nn.Module):
         """Each projection as one launch over every expert's rows.  Returns each (token, k) pair's weighted output,
         in the pairs' order ``[T k, H]``.
 
-        Up to ``ROUTE_MAX_PAIRS`` (token, k) pairs, the routing (the pairs sorted by expert, the offsets, the rows of
-        x) is the routing kernel's two launches (``kernels/moe_route.py``), in place of six torch ops: at a decode's
-        sizes an eager call is host work, and the kernel's device time is below the ops' too.  Past it the torch ops
-        route: at 16384 pairs the kernel's device time was above theirs on one of two configs (docs/design/0034)."""
+        The routing (the pairs sorted by expert, the offsets, the rows of x) is the routing kernel's launches
+        (``kernels/moe_route.py``), in place of six torch ops: at a decode's sizes an eager call is host work, and an
+        experts call's graph time with the kernel was 0.76-0.98x of the same with the ops at 64-65536 pairs (H200,
+        bench/results/sparse24-moe-route-scan-h200.json, docs/design/0036)."""
         traced = _is_compiling()
         if traced:  # the kernels as ops a compiled graph holds (experts_ops), not raw launches that break it
             route, grouped_linear = experts_ops.moe_route, experts_ops.grouped_linear
@@ -423,16 +417,10 @@ class Sparse24Experts(nn.Module):
             hidden = hidden.contiguous()
         # Each row stored where its pair goes, times its routing weight, by the down launch: no reordering and
         # weighting passes over [T k, H] after it.  The rows of pairs outside the experts (the sentinel's) no launch
-        # writes: the routing kernel zeroes them, the torch ops' path all rows.
+        # writes: the routing kernel zeroes them.
         scatter = self.post_expert_norm is None
         pairs = hidden.new_empty(index.numel(), self._out) if scatter else None
-        if index.numel() <= ROUTE_MAX_PAIRS:
-            x, order, offsets, scale = route(index.contiguous(), weights.contiguous(), hidden, experts, pairs)
-        else:
-            x, order, offsets = self._sorted_pairs(hidden, index)
-            scale = weights.reshape(-1).float()
-            if scatter:
-                pairs.zero_()
+        x, order, offsets, scale = route(index.contiguous(), weights.contiguous(), hidden, experts, pairs)
         if self._epilogue is not None:  # the gating in the first launch's epilogue: no [S, 2I] pass
             h = grouped_linear(x, *self._span(self.first), offsets, experts, self._epilogue)
         else:
