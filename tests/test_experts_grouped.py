@@ -298,6 +298,10 @@ def test_after_warmup_a_moe_model_s_grouped_calls_compile_nothing(monkeypatch, t
     assert not any(r["m"] == 384 and r["backend"] != "grouped" for r in rows)  # no per-expert first projection
     compiles, routes, scans = nvrtc.COMPILES[0], dict(_ROUTE._compiled), dict(_SCAN._compiled)  # routing: Triton's
     with torch.inference_mode():
-        for tokens in (1, 5, 64, 700, 1100):  # 1100: 2200 pairs, whose counts the scan launch sums
+        for tokens in (1, 5, 64, 700):
             model(torch.randint(0, 256, (1, tokens), device="cuda"))
-    assert nvrtc.COMPILES[0] == compiles and _ROUTE._compiled == routes and _SCAN._compiled == scans and scans
+        assert nvrtc.COMPILES[0] == compiles
+        # 2200 pairs, whose counts the scan launch sums.  (The attention layers' own tiles for 1100 rows are not
+        # among warmup's batch sizes: NVRTC may build one here.)
+        model(torch.randint(0, 256, (1, 1100), device="cuda"))
+    assert _ROUTE._compiled == routes and _SCAN._compiled == scans and scans

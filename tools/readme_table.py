@@ -146,7 +146,8 @@ def _moe_route_note(doc: dict, name: str) -> str:
             f"{span([r['host_us'][w] / r['host_us']['torch'] for r in at])} host" for w in ways))
     models = sorted({r["model"] for r in rows})
     equal = all(all(r["bitwise_equal"].values()) for r in rows)
-    return (f"- MoE routing kernel (`kernels/moe_route.py`, two launches; bN: chunks of N pairs) over the torch ops' "
+    return (f"- MoE routing kernel (`kernels/moe_route.py`; bN: chunks of N pairs; scan: the counts summed by a third "
+            f"launch) over the torch ops' "
             f"routing in one experts call ({', '.join(models)}), one process, by (token, k) pairs: " + "; ".join(cells)
             + f"; outputs {'bit for bit equal' if equal else 'NOT all equal'}, {_source(doc['meta'], name)}.")
 
@@ -181,7 +182,7 @@ def sparse24_notes() -> list[str]:
         doc = _load(name)
         if doc:
             lines.append(_moe_model_note(doc, name))
-    for name in ("sparse24-moe-route-h200", "sparse24-moe-route-chunks-h200"):
+    for name in ("sparse24-moe-route-h200", "sparse24-moe-route-chunks-h200", "sparse24-moe-route-scan-h200"):
         doc = _load(name)
         if doc:
             lines.append(_moe_route_note(doc, name))
