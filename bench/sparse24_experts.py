@@ -27,6 +27,7 @@ bytes held by each.  Writes ``bench/results/sparse24-experts-<gpu>.json``.
 from __future__ import annotations
 
 import argparse
+import functools
 import copy
 import sys
 
@@ -63,6 +64,29 @@ def dense_experts(experts: int, hidden: int, inner: int, implementation: str):
         for p in mod.parameters():
             p.normal_(0, 0.02)
     return mod
+
+
+def routed(tokens: int, hidden: int, experts: int, k: int):
+    """``(x, index, weights)``: ``tokens`` random bf16 rows on the GPU, each routed to its top ``k`` of ``experts`` by
+    random logits, the weights in bf16 (as a router gives them)."""
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, index = torch.randn(tokens, experts, device="cuda").softmax(-1).topk(k, dim=-1)
+    return x, index, weights.bfloat16()
+
+
+def sparse_calls(models, token_counts):
+    """For each published config of ``models`` and each token count: ``(model, (experts, hidden, inner, k), tokens,
+    call)``, where ``call()`` runs the config's ``Sparse24Experts`` (random weights, magnitude-pruned) on ``routed``
+    inputs.  A config's weights are let go before the next one's are made."""
+    from kernelplan.nn import Sparse24Experts
+
+    for model in models:
+        count, hidden, inner, k = MODELS[model]
+        sparse = Sparse24Experts.from_experts(dense_experts(count, hidden, inner, "grouped_mm"))
+        for tokens in token_counts:
+            yield model, MODELS[model], tokens, functools.partial(sparse, *routed(tokens, hidden, count, k))
+        sparse = None
+        torch.cuda.empty_cache()
 
 
 def capped(rows: int, module, *args):
@@ -109,10 +133,7 @@ def main() -> int:
         dense_bytes = sum(p.nbytes for p in dense.parameters())
         held = sum(m.values.nbytes + m.metadata.nbytes for m in [*sparse.first, *sparse.down])
         for tokens in a.tokens:
-            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-            logits = torch.randn(tokens, experts, device="cuda")
-            weights, index = logits.softmax(-1).topk(k, dim=-1)
-            weights = weights.bfloat16()
+            x, index, weights = routed(tokens, hidden, experts, k)
             with torch.no_grad():
                 want, out = dense(x, index, weights), sparse(x, index, weights)
                 err = float((out.double() - want.double()).abs().max() / want.double().abs().max())

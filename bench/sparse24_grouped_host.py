@@ -25,10 +25,9 @@ from kernelplan.activations import GATED_EPILOGUES
 from kernelplan.bench import results
 from kernelplan.dtypes import dtype_info
 from kernelplan.kernels import raw_stream, sparse24_grouped
-from kernelplan.nn import Sparse24Experts
 from kernelplan.timing import host_us_per_call
 
-from sparse24_experts import MODELS, dense_experts
+from sparse24_experts import MODELS, sparse_calls
 
 
 def unbound_grouped_linear(x, values, metadata, bias, offsets, experts, epilogue=None, scatter=None):
@@ -68,35 +67,27 @@ def main() -> int:
     a = ap.parse_args()
     torch.manual_seed(0)
     rows = []
-    for model in a.models:
-        count, hidden, inner, k = MODELS[model]
-        sparse = Sparse24Experts.from_experts(dense_experts(count, hidden, inner, "grouped_mm"))
-        for tokens in a.tokens:
-            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-            weights, index = torch.topk(torch.randn(tokens, count, device="cuda").softmax(-1), k, dim=-1)
-            weights = weights.bfloat16()
-            call = lambda: sparse(x, index, weights)  # noqa: E731
-            host, wall, outs = {w: [] for w in WAYS}, {w: [] for w in WAYS}, {}
-            with torch.no_grad():
-                for r in range(a.rounds):
-                    for way, fn in (list(WAYS.items()) if r % 2 == 0 else list(WAYS.items())[::-1]):
-                        sparse24_grouped.grouped_linear = fn
-                        outs.setdefault(way, call())
-                        for _ in range(3):
-                            call()
-                        host[way].append(host_us_per_call(call, x.device, 20, wait=False))
-                        wall[way].append(host_us_per_call(call, x.device, 20, wait=True))
-            sparse24_grouped.grouped_linear = WAYS["bound"]
-            row = {"model": model, "experts": count, "hidden": hidden, "top_k": k, "tokens": tokens,
-                   "host_us": {w: statistics.median(v) for w, v in host.items()},
-                   "wall_us": {w: statistics.median(v) for w, v in wall.items()},
-                   "bitwise_equal": torch.equal(outs["bound"], outs["unbound"])}
-            rows.append(row)
-            print(f"{model:15s} T={tokens:4d}  host us bound {row['host_us']['bound']:6.1f} unbound "
-                  f"{row['host_us']['unbound']:6.1f}  wall us bound {row['wall_us']['bound']:6.1f} unbound "
-                  f"{row['wall_us']['unbound']:6.1f}" + ("" if row["bitwise_equal"] else "  NOT EQUAL"), flush=True)
-        sparse = None  # freed before the next config's weights
-        torch.cuda.empty_cache()
+    cuda = torch.device("cuda")
+    for model, (count, hidden, _, k), tokens, call in sparse_calls(a.models, a.tokens):
+        host, wall, outs = {w: [] for w in WAYS}, {w: [] for w in WAYS}, {}
+        with torch.no_grad():
+            for r in range(a.rounds):
+                for way, fn in (list(WAYS.items()) if r % 2 == 0 else list(WAYS.items())[::-1]):
+                    sparse24_grouped.grouped_linear = fn
+                    outs.setdefault(way, call())
+                    for _ in range(3):
+                        call()
+                    host[way].append(host_us_per_call(call, cuda, 20, wait=False))
+                    wall[way].append(host_us_per_call(call, cuda, 20, wait=True))
+        sparse24_grouped.grouped_linear = WAYS["bound"]
+        row = {"model": model, "experts": count, "hidden": hidden, "top_k": k, "tokens": tokens,
+               "host_us": {w: statistics.median(v) for w, v in host.items()},
+               "wall_us": {w: statistics.median(v) for w, v in wall.items()},
+               "bitwise_equal": torch.equal(outs["bound"], outs["unbound"])}
+        rows.append(row)
+        print(f"{model:15s} T={tokens:4d}  host us bound {row['host_us']['bound']:6.1f} unbound "
+              f"{row['host_us']['unbound']:6.1f}  wall us bound {row['wall_us']['bound']:6.1f} unbound "
+              f"{row['wall_us']['unbound']:6.1f}" + ("" if row["bitwise_equal"] else "  NOT EQUAL"), flush=True)
     results.write("sparse24-grouped-host", {"rows": rows}, a.out, dtype="bf16",
                   timing="one process; ways alternating by round; host: 20 eager calls, the clock stopped when the "
                          "last returned; wall: 20 eager calls waited for; medians of rounds")

@@ -26,10 +26,9 @@ import torch
 
 from kernelplan.bench import results
 from kernelplan.kernels import moe_route
-from kernelplan.nn import Sparse24Experts
 from kernelplan.timing import host_us_per_call
 
-from sparse24_experts import MODELS, dense_experts
+from sparse24_experts import MODELS, sparse_calls
 
 
 def torch_route(ids, weights, x, experts, y=None):
@@ -75,39 +74,31 @@ def main() -> int:
     ways = {"torch": None, **{f"b{c}{' scan' * scan}": (c, scan) for c in a.chunks for scan in (False, True)}}
     saved = moe_route.route, moe_route._B, moe_route._CB, moe_route._SCAN_MIN_CHUNKS
     rows = []
-    for model in a.models:
-        count, hidden, inner, k = MODELS[model]
-        sparse = Sparse24Experts.from_experts(dense_experts(count, hidden, inner, "grouped_mm"))
-        for tokens in a.tokens:
-            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-            weights, index = torch.topk(torch.randn(tokens, count, device="cuda").softmax(-1), k, dim=-1)
-            weights = weights.bfloat16()
-            call = lambda: sparse(x, index, weights)  # noqa: E731
-            graph, host, equal = {w: [] for w in ways}, {w: [] for w in ways}, {}
-            with torch.no_grad():
-                _set(None)
-                want = call()
-                for r in range(max(a.rounds, a.graph_rounds)):
-                    for way, chunk in (list(ways.items()) if r % 2 == 0 else list(ways.items())[::-1]):
-                        _set(chunk)
-                        equal[way] = equal.get(way, True) and torch.equal(call(), want)
-                        for _ in range(3):
-                            call()
-                        if r < a.rounds:
-                            host[way].append(host_us_per_call(call, x.device, 20, wait=False))
-                        if r < a.graph_rounds:
-                            graph[way].append(triton.testing.do_bench_cudagraph(call, rep=40) * 1e3)
-            row = {"model": model, "experts": count, "hidden": hidden, "top_k": k, "tokens": tokens,
-                   "pairs": tokens * k, "graph_us": {w: statistics.median(v) for w, v in graph.items()},
-                   "host_us": {w: statistics.median(v) for w, v in host.items()}, "bitwise_equal": equal}
-            row["graph_over_torch"] = {w: row["graph_us"][w] / row["graph_us"]["torch"] for w in ways}
-            rows.append(row)
-            print(f"{model:15s} T={tokens:5d} pairs={tokens * k:6d}  graph us " +
-                  "  ".join(f"{w} {v:7.1f}" for w, v in row["graph_us"].items()) + "  host us " +
-                  "  ".join(f"{w} {v:5.0f}" for w, v in row["host_us"].items()) +
-                  ("" if all(equal.values()) else f"  NOT EQUAL {equal}"))
-        sparse = None  # freed before the next config's weights
-        torch.cuda.empty_cache()
+    cuda = torch.device("cuda")
+    for model, (count, hidden, _, k), tokens, call in sparse_calls(a.models, a.tokens):
+        graph, host, equal = {w: [] for w in ways}, {w: [] for w in ways}, {}
+        with torch.no_grad():
+            _set(None)
+            want = call()
+            for r in range(max(a.rounds, a.graph_rounds)):
+                for way, chunk in (list(ways.items()) if r % 2 == 0 else list(ways.items())[::-1]):
+                    _set(chunk)
+                    equal[way] = equal.get(way, True) and torch.equal(call(), want)
+                    for _ in range(3):
+                        call()
+                    if r < a.rounds:
+                        host[way].append(host_us_per_call(call, cuda, 20, wait=False))
+                    if r < a.graph_rounds:
+                        graph[way].append(triton.testing.do_bench_cudagraph(call, rep=40) * 1e3)
+        row = {"model": model, "experts": count, "hidden": hidden, "top_k": k, "tokens": tokens,
+               "pairs": tokens * k, "graph_us": {w: statistics.median(v) for w, v in graph.items()},
+               "host_us": {w: statistics.median(v) for w, v in host.items()}, "bitwise_equal": equal}
+        row["graph_over_torch"] = {w: row["graph_us"][w] / row["graph_us"]["torch"] for w in ways}
+        rows.append(row)
+        print(f"{model:15s} T={tokens:5d} pairs={tokens * k:6d}  graph us " +
+              "  ".join(f"{w} {v:7.1f}" for w, v in row["graph_us"].items()) + "  host us " +
+              "  ".join(f"{w} {v:5.0f}" for w, v in row["host_us"].items()) +
+              ("" if all(equal.values()) else f"  NOT EQUAL {equal}"))
     moe_route.route, moe_route._B, moe_route._CB, moe_route._SCAN_MIN_CHUNKS = saved
     results.write("sparse24-moe-route", {"rows": rows}, a.out, dtype="bf16",
                   timing="one process; ways alternating by round; graph: do_bench_cudagraph median; host: 20 eager "
