@@ -12,9 +12,9 @@ a division and an ``index_select`` for the rows of x, a ``float`` of the routing
 * ``_route``: a program a chunk and a span of columns reads those sums (or, with fewer chunks, sums the counts
   itself: every chunk's, where each expert's rows start; the chunks' before its own), so each of its pairs goes to
   ``starts[e] + before[e] + its rank among its chunk's pairs of expert e``.  That is the stable sort's order: a
-  pair's place depends on (expert, pair index) alone, whichever program computes it.  It copies its pairs' rows of x there (as bits: no arithmetic, which the
-  Triton interpreter gets wrong for bf16) and, in its first span, writes ``order``, the routing weights as float32
-  and, in program 0, the offsets;
+  pair's place depends on (expert, pair index) alone, whichever program computes it.  It copies its pairs' rows of
+  x there (as bits: no arithmetic, which the Triton interpreter gets wrong for bf16) and, in its first span, writes
+  ``order``, the routing weights as float32 and, in program 0, the offsets;
 * ids outside ``[0, E)`` (transformers' expert-parallel sentinel is ``E``) sort last; their rows of ``y`` are
   zeroed, since the down launch writes only the experts' rows.
 
