@@ -178,6 +178,12 @@ class BoundLaunch:
         self._cu, self._function, self._block, self._shared = launch._cu, launch.function, launch.block, launch.shared
 
     def __call__(self, x: int, bias: int, y: int, stream: int) -> None:
+        buffers = self._with_x(x)
+        self._pack_by(buffers[0], self._by_at, bias, y)
+        self._launch(buffers, stream)
+
+    def _with_x(self, x: int) -> tuple:
+        """This thread's parameter buffers (``_param_buffers``), x's parameter written into them."""
         buffers = getattr(self._local, "buffers", None)
         if buffers is None:
             buffers = self._local.buffers = _param_buffers(self._template, self._offsets)
@@ -190,7 +196,9 @@ class BoundLaunch:
         else:
             xp = x
         self._pack_x(buffers[0], 0, xp)
-        self._pack_by(buffers[0], self._by_at, bias, y)
+        return buffers
+
+    def _launch(self, buffers: tuple, stream: int) -> None:
         grid = self.grid
         err, = self._cu.cuLaunchKernel(self._function, grid[0], grid[1], grid[2], self._block, 1, 1, self._shared,
                                        _stream(self._cu, stream), buffers[2], 0)

@@ -23,7 +23,7 @@ from ..activations import GATED_EPILOGUES
 from ..dtypes import dtype_info
 from ..errors import KernelPlanError
 from . import have_triton, raw_stream
-from .direct import BoundLaunch, FunctionLaunch, _launch_failed, _param_buffers, _param_sizes, _stream
+from .direct import BoundLaunch, FunctionLaunch, _param_sizes
 from .sparse24_ws import (SM_SHARED, _PARAMS, _PP_PARAMS, _PP_SIZES, _SIZES, TensorMaps, WsConfig, _deepest,
                           source)
 
@@ -139,25 +139,13 @@ class GroupedBound(BoundLaunch):
         self._pack_qq = struct.Struct("<QQ").pack_into
 
     def __call__(self, x: int, y: int, offsets: int, rows: int, scale: int, stream: int) -> None:
-        buffers = getattr(self._local, "buffers", None)
-        if buffers is None:
-            buffers = self._local.buffers = _param_buffers(self._template, self._offsets)
-        xp = self._maps.get(x)
-        if xp is None:
-            if len(self._maps) >= self.MAX_X:
-                self._maps.clear()
-            xp = self._maps[x] = self.x_map(x)
+        buffers = self._with_x(x)
         storage = buffers[0]
-        self._pack_x(storage, 0, xp)
         self._pack_q(storage, self._by_at + 8, y)  # the bias stays as bound
         self._pack_q(storage, self._offsets_at, offsets)
         if self._scatter_at is not None:
             self._pack_qq(storage, self._scatter_at, rows, scale)
-        grid = self.grid
-        err, = self._cu.cuLaunchKernel(self._function, grid[0], grid[1], grid[2], self._block, 1, 1, self._shared,
-                                       _stream(self._cu, stream), buffers[2], 0)
-        if err:
-            _launch_failed(self.launch, grid, err)
+        self._launch(buffers, stream)
 
 
 _BOUND: dict = {}  # grouped_linear's calls, by what fixes their parameters -> GroupedBound
@@ -183,6 +171,13 @@ def _bind(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias: t
     return GroupedBound(launch, grid, params, lambda address: maps.x(address, s, k, stride), scatter)
 
 
+def output_columns(values: torch.Tensor, experts: int, epilogue: str | None) -> int:
+    """Columns of ``grouped_linear``'s y: each expert's M (``values`` holds the experts' 16-row tiles end to end), half
+    of it under a gated epilogue."""
+    m = values.shape[0] * 16 // experts
+    return m // 2 if epilogue in GATED_EPILOGUES else m
+
+
 def grouped_linear(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias: torch.Tensor | None,
                    offsets: torch.Tensor, experts: int, epilogue: str | None = None,
                    scatter: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -195,11 +190,8 @@ def grouped_linear(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor
     ``rows`` int64 ``[S]``, ``scale`` float32): a MoE layer's pairs back in their order and weighted as they are
     stored.  The caller checks ``grouped_reason``; these are internal operands, built by ``Sparse24Experts``."""
     s = x.shape[0]
-    if scatter is None:
-        m = values.shape[0] * 16 // experts
-        y = torch.empty(s, m // 2 if epilogue in GATED_EPILOGUES else m, dtype=x.dtype, device=x.device)
-    else:
-        y = scatter[0]
+    y = torch.empty(s, output_columns(values, experts, epilogue), dtype=x.dtype, device=x.device) if scatter is None \
+        else scatter[0]
     if s == 0:
         return y
     key = (values.data_ptr(), metadata.data_ptr(), 0 if bias is None else bias.data_ptr(), values.shape[0], experts,

@@ -14,8 +14,6 @@ from typing import Optional
 
 import torch
 
-from ..activations import GATED_EPILOGUES
-
 
 @torch.library.custom_op("kernelplan::moe_route", mutates_args=("y",))
 def moe_route(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, experts: int,
@@ -33,11 +31,6 @@ def _(ids, weights, x, experts, y):
             ids.new_empty(experts + 1, dtype=torch.int32), x.new_empty(pairs, dtype=torch.float32))
 
 
-def _columns(values: torch.Tensor, experts: int, epilogue: Optional[str]) -> int:
-    m = values.shape[0] * 16 // experts  # the device layout's 16-row tiles, every expert's end to end
-    return m // 2 if epilogue in GATED_EPILOGUES else m
-
-
 @torch.library.custom_op("kernelplan::grouped_linear", mutates_args=())
 def grouped_linear(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias: Optional[torch.Tensor],
                    offsets: torch.Tensor, experts: int, epilogue: Optional[str]) -> torch.Tensor:
@@ -49,7 +42,9 @@ def grouped_linear(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor
 
 @grouped_linear.register_fake
 def _(x, values, metadata, bias, offsets, experts, epilogue):
-    return x.new_empty(x.shape[0], _columns(values, experts, epilogue))
+    from ..kernels.sparse24_grouped import output_columns
+
+    return x.new_empty(x.shape[0], output_columns(values, experts, epilogue))
 
 
 @torch.library.custom_op("kernelplan::grouped_linear_scatter", mutates_args=("y",))
