@@ -12,6 +12,13 @@
 // kTiles * 256 bytes apart.
 #pragma once
 
+// KP_PROBE splits a step's time in two, for bench/sparse24_feed_probe.py only (docs/design/0037): 1, the copies
+// alone (the consumers wait for each stage and release it, no MMA); 2, the MMAs alone (the producer arrives on
+// each stage's "full" barrier and copies nothing, so the MMAs read whatever the stage holds).
+#ifndef KP_PROBE
+#define KP_PROBE 0
+#endif
+
 constexpr int kConsumers = 128 * WM;
 constexpr int kThreads = kConsumers + 128;
 constexpr int kBM = 64 * WM;                       // rows of W a CTA
@@ -81,9 +88,14 @@ __device__ __forceinline__ int produce_steps(int g, int k0, int k1, int n0, int 
         const int b = ring_stage(g);
         mbar_wait(empty0 + 8 * b, ring_parity(g) ^ 1);
         const u32 full = full0 + 8 * b, at = sbase + b * kStageBytes;
+#if KP_PROBE == 2
+        (void)at, (void)bytes, (void)n0, (void)xmap, (void)step;
+        mbar_arrive(full);
+#else
         mbar_expect_tx(full, bytes);
         tma_load_2d(at, xmap, step * 64, n0, full);
         load_w(at, vmap, emap, step, tm, half, full);
+#endif
     }
     return g;
 }
@@ -131,6 +143,7 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
             const int s = s0 + p;
             if (s < count) {
                 mbar_wait(full0 + 8 * b, parity);
+#if KP_PROBE != 1
 #pragma unroll
                 for (int j = 0; j < BLOCKS; ++j) e[p][j] = lds1(at + kXBytes + kWValues + (tl + 4 * j) * 128 + lane * 4);
                 wg_fence();
@@ -154,6 +167,9 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
                         }
                     }
                 }
+#else
+                (void)e, (void)at, (void)lo, (void)a_lo, (void)a_hi, (void)b_lo, (void)b_hi;
+#endif
                 wg_commit();
                 wg_wait<1>();  // step g - 1's MMAs are done: its stage and its metadata register are free
                 // The other set stays allocated until here, so the compiler cannot reuse its registers
