@@ -11,7 +11,10 @@ bytes a step brings into the SM.  This bench times three builds of one tile (``K
 
 If ``full`` sits on ``feed``, the copies bound the tile.  Each SM's intake is then the tile's bytes (x's box, whole
 even where it is multicast, and W's values and metadata) over the time and the SMs the grid occupies.  CUDA graph
-replays, weights rotated past L2, alternating with dense ``F.linear`` (``sparse24_wg_tiles.graph_ms``).
+replays, weights rotated past L2, alternating with dense ``F.linear`` (``sparse24_wg_tiles.graph_ms``).  The SM clock
+and the board's power are read through NVML while each round replays (the carried ``nvidia-ml-py``; without it they
+are left out), so that a step's time can be put in cycles: a 2:4 kernel may run at a lower clock than dense
+(docs/design/0014).
 
     PYTHONPATH=src:bench KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_feed_probe.py
 """
@@ -52,14 +55,41 @@ def launchers(cfg, n: int, m: int) -> dict:
     return out
 
 
-def intake(cfg, n: int, m: int, k: int, sms: int) -> tuple[int, int]:
-    """(bytes into the SMs' shared memory over the call, SMs the grid occupies at once)."""
+class Sensor:
+    """The SM clock (MHz) and board power (W) through NVML, one reading a call; nothing where NVML is missing."""
+
+    def __init__(self):
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml, self._dev = pynvml, pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        except Exception as e:  # the bench's timings stand without it
+            print(f"no SM clock or power readings: {e}", flush=True)
+            self._nvml = None
+        self.readings: list[tuple[float, float]] = []
+
+    def __call__(self) -> None:
+        if self._nvml is not None:
+            nv = self._nvml
+            self.readings.append((nv.nvmlDeviceGetClockInfo(self._dev, nv.NVML_CLOCK_SM),
+                                  nv.nvmlDeviceGetPowerUsage(self._dev) / 1e3))
+
+    def drain(self) -> list[tuple[float, float]]:
+        """The (clock, power) readings since the last drain."""
+        got, self.readings = self.readings, []
+        return got
+
+
+def intake(cfg, n: int, m: int, k: int, sms: int) -> tuple[int, int, int]:
+    """(bytes into the SMs' shared memory over the call, SMs the grid occupies at once, 64-column steps of one tile
+    of BN x 64 wm in all)."""
     step = cfg.bn * 128 + cfg.wm * 4 * 1152  # x's box whole (multicast or not), then W's values and metadata
     tiles = -(-n // cfg.bn) * -(-m // cfg.rows)
     if cfg.pp or cfg.sk:  # one CTA an SM, over every tile
-        return tiles * (k // 64) * step, min(sms, tiles)
+        return tiles * (k // 64) * step, min(sms, tiles), tiles * (k // 64)
     ctas = -(-n // cfg.bn) * -(-(-(-m // cfg.rows)) // cfg.cm) * cfg.cm * cfg.kc
-    return ctas * (k // 64 // cfg.kc) * step, min(sms, ctas)
+    return ctas * (k // 64 // cfg.kc) * step, min(sms, ctas), ctas * (k // 64 // cfg.kc)
 
 
 def main() -> int:
@@ -71,12 +101,13 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=2, help="the TOP tiles of least rule cost (the rule's pick first)")
     a = ap.parse_args()
     sms = sm_count(0)
-    clock = torch.cuda.get_device_properties(0).clock_rate * 1e3 if hasattr(
-        torch.cuda.get_device_properties(0), "clock_rate") else None
+    sensor = Sensor()
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape] if a.shape else SHAPES
     rows = []
-    print(f"{'M':>6} {'K':>6} {'n':>5} {'tile':<44} {'dense':>7} {'full':>7} {'feed':>7} {'mma':>7}  "
-          f"{'x':>5} {'full/feed':>9} {'B/ns/SM feed':>12}", flush=True)
+    print("us a call; cycles a step of one tile on an occupied SM at the clock read while it ran (MMA: at the sparse "
+          "rate, 4096 multiply-adds a cycle); intake: bytes a cycle an SM", flush=True)
+    print(f"{'M':>6} {'K':>6} {'n':>5} {'tile':<44} {'dense':>7} {'full':>7} {'feed':>7} {'mma':>7} {'x':>5}  "
+          f"{'cycles full/feed/mma/MMA':>24} {'intake':>6} {'MHz dense/full':>14}", flush=True)
     for m, k in shapes:
         copies = max(1, min(8, -(-L2_BYTES // (m * k))))
         ws = [prune(torch.randn(m, k, device="cuda")).bfloat16() for _ in range(copies)]
@@ -88,7 +119,7 @@ def main() -> int:
             cost = lambda c: sparse24_ws.tile_cost(c, n, m, k, sms)
             rule = sparse24_ws.ws_config(n, m, k, sms)
             tiles = list(dict.fromkeys([rule] + sorted(sparse24_ws.ws_candidates(n, m, k), key=cost)))[: a.top]
-            calls = max(6, min(100, int(2e-3 * 2e12 / (2 * m * k * n + 1))))
+            calls = max(20, min(400, int(2e-3 * 7e14 / (2 * m * k * n))))  # rounds of about 2 ms: NVML reads
             for cfg in tiles:
                 fns = {"dense": [lambda w=w: F.linear(x, w) for w in ws]}
                 for mode, (launch, grid) in launchers(cfg, n, m).items():
@@ -100,24 +131,33 @@ def main() -> int:
                 err = float((y.float() - want).abs().max()) / float(want.abs().max())
                 if not err <= 2.0 ** -5:
                     raise SystemExit(f"{m}x{k} n={n} {cfg}: relative error {err:.3g}")
-                times = {name: [] for name in fns}
+                times, reads = {name: [] for name in fns}, {name: [] for name in fns}
                 for r in range(2):
                     for name in list(fns) if r == 0 else list(fns)[::-1]:
-                        times[name] += graph_ms(fns[name], calls, a.rounds)
+                        times[name] += graph_ms(fns[name], calls, a.rounds, during=sensor)
+                        reads[name] += sensor.drain()
                 med = {name: statistics.median(t) for name, t in times.items()}
-                into, active = intake(cfg, n, m, k, sms)
-                per_sm = into / (med["feed"] * 1e6) / active  # bytes a ns an occupied SM
-                row = {"m": m, "k": k, "n": n, "tile": str(cfg), "rule": cfg == rule, "ms": med,
-                       "bytes_into_sms": into, "sms_occupied": active, "feed_bytes_per_ns_per_sm": per_sm,
-                       "full_bytes_per_ns_per_sm": into / (med["full"] * 1e6) / active}
+                mhz = {name: statistics.median(r[0] for r in rs) if rs else None for name, rs in reads.items()}
+                watts = {name: statistics.median(r[1] for r in rs) if rs else None for name, rs in reads.items()}
+                into, active, steps = intake(cfg, n, m, k, sms)
+                # One step's time on an occupied SM, in cycles of the clock read while it ran.
+                cycles = {nm: med[nm] * 1e3 * mhz[nm] * active / steps if mhz[nm] else None for nm in MODES}
+                mma = cfg.rows * cfg.bn * 64 / 4096
+                row = {"m": m, "k": k, "n": n, "tile": str(cfg), "rule": cfg == rule, "ms": med, "sm_mhz": mhz,
+                       "power_w": watts, "bytes_into_sms": into, "sms_occupied": active, "tile_steps": steps,
+                       "cycles_a_step": cycles, "mma_cycles_a_step": mma,
+                       "feed_bytes_per_ns_per_sm": into / (med["feed"] * 1e6) / active}
                 rows.append(row)
                 us = {nm: v * 1e3 for nm, v in med.items()}
+                cyc = "/".join(f"{cycles[nm]:.0f}" if cycles[nm] else "-" for nm in MODES) + f"/{mma:.0f}"
+                per_cycle = into / (med["feed"] * 1e3 * mhz["feed"]) / active if mhz["feed"] else float("nan")
+                clocks = f"{mhz['dense'] or 0:.0f}/{mhz['full'] or 0:.0f}"
                 print(f"{m:6d} {k:6d} {n:5d} {str(cfg)[9:-1]:<44} {us['dense']:7.1f} {us['full']:7.1f} "
-                      f"{us['feed']:7.1f} {us['mma']:7.1f}  {med['dense'] / med['full']:5.2f} "
-                      f"{med['full'] / med['feed']:9.2f} {per_sm:12.1f}", flush=True)
+                      f"{us['feed']:7.1f} {us['mma']:7.1f} {med['dense'] / med['full']:5.2f}  {cyc:>24} "
+                      f"{per_cycle:6.1f} {clocks:>14}", flush=True)
         del ws, tiled
         torch.cuda.empty_cache()
-        results.write("sparse24-feed-probe", {"rows": rows}, a.out, dtype="bf16", sms=sms, sm_clock_hz=clock)
+        results.write("sparse24-feed-probe", {"rows": rows}, a.out, dtype="bf16", sms=sms)
     return 0
 
 

@@ -36,8 +36,9 @@ BATCH = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 L2_BYTES = 100 << 20  # rotate over weight copies past this many bytes (H100 50 MB, H200 60 MB of L2)
 
 
-def graph_ms(fns, calls: int, rounds: int) -> list[float]:
-    """Per round, mean ms per call of ``calls`` calls cycling over ``fns``, replayed as one CUDA graph (no host work)."""
+def graph_ms(fns, calls: int, rounds: int, during=None) -> list[float]:
+    """Per round, mean ms per call of ``calls`` calls cycling over ``fns``, replayed as one CUDA graph (no host work);
+    ``during()``, where given, runs on the host each round while the GPU replays."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(calls):
@@ -48,6 +49,8 @@ def graph_ms(fns, calls: int, rounds: int) -> list[float]:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
+        if during is not None:
+            during()
         end.record()
         end.synchronize()
         out.append(start.elapsed_time(end) / calls)
