@@ -37,16 +37,19 @@ from sparse24_wg_tiles import L2_BYTES, graph_ms
 
 SHAPES = [(4096, 4096), (4608, 3584), (3584, 18944), (28672, 4096), (8192, 8192), (2304, 768), (3072, 3072)]
 BATCH = (128, 256, 512, 1024, 4096)
-MODES = {"full": 0, "feed": 1, "mma": 2}
+MODES = {"full": {}, "feed": {"KP_PROBE": 1}, "mma": {"KP_PROBE": 2}}
+# --depth D: the full kernel and its MMAs alone with D step groups in flight (MMA_DEPTH, sparse24_ring.cuh)
+DEPTH_MODES = {"full_d": {}, "mma_d": {"KP_PROBE": 2}}
 
 
-def launchers(cfg, n: int, m: int) -> dict:
-    """``{mode: (launch, grid)}`` of the three builds of ``cfg``: each compiled with its ``KP_PROBE``."""
+def launchers(cfg, n: int, m: int, modes: dict) -> dict:
+    """``{mode: (launch, grid)}`` of the builds of ``cfg``, each compiled with its mode's ``#define``s."""
     kernel, plain = sparse24_ws.WsKernel(), sparse24_ws.source
     out = {}
     try:
-        for mode, probe in MODES.items():
-            sparse24_ws.source = lambda *a, probe=probe, **k: f"#define KP_PROBE {probe}\n" + plain(*a, **k)
+        for mode, defs in modes.items():
+            head = "".join(f"#define {k} {v}\n" for k, v in defs.items())
+            sparse24_ws.source = lambda *a, head=head, **k: head + plain(*a, **k)
             sparse24_ws._launcher.cache_clear()
             out[mode] = kernel.launch_config(cfg, n, m, "bf16", False, None, 0)
     finally:
@@ -99,7 +102,12 @@ def main() -> int:
     ap.add_argument("--shape", nargs="*", default=None, metavar="MxK")
     ap.add_argument("--batch", type=int, nargs="*", default=BATCH)
     ap.add_argument("--top", type=int, default=2, help="the TOP tiles of least rule cost (the rule's pick first)")
+    ap.add_argument("--depth", type=int, default=0,
+                    help="also the full kernel and its MMAs alone with this many step groups in flight (full_d, mma_d)")
     a = ap.parse_args()
+    modes = dict(MODES)
+    if a.depth:
+        modes |= {name: dict(defs, MMA_DEPTH=a.depth) for name, defs in DEPTH_MODES.items()}
     sms = sm_count(0)
     sensor = Sensor()
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape] if a.shape else SHAPES
@@ -122,15 +130,16 @@ def main() -> int:
             calls = max(20, min(400, int(2e-3 * 7e14 / (2 * m * k * n))))  # rounds of about 2 ms: NVML reads
             for cfg in tiles:
                 fns = {"dense": [lambda w=w: F.linear(x, w) for w in ws]}
-                for mode, (launch, grid) in launchers(cfg, n, m).items():
+                for mode, (launch, grid) in launchers(cfg, n, m, modes).items():
                     fns[mode] = [lambda p=p, c=c, launch=launch, grid=grid: launch(
                         grid, (x.data_ptr(), p.data_ptr(), c.data_ptr(), 0, y.data_ptr(), n, m, k, x.stride(0),
                                y.stride(0)), raw_stream(0)) for p, c in tiled]
-                y.fill_(float("nan"))
-                fns["full"][0]()
-                err = float((y.float() - want).abs().max()) / float(want.abs().max())
-                if not err <= 2.0 ** -5:
-                    raise SystemExit(f"{m}x{k} n={n} {cfg}: relative error {err:.3g}")
+                for name in ("full", "full_d") if a.depth else ("full",):
+                    y.fill_(float("nan"))
+                    fns[name][0]()
+                    err = float((y.float() - want).abs().max()) / float(want.abs().max())
+                    if not err <= 2.0 ** -5:
+                        raise SystemExit(f"{m}x{k} n={n} {cfg} {name}: relative error {err:.3g}")
                 times, reads = {name: [] for name in fns}, {name: [] for name in fns}
                 for r in range(2):
                     for name in list(fns) if r == 0 else list(fns)[::-1]:
@@ -141,7 +150,7 @@ def main() -> int:
                 watts = {name: statistics.median(r[1] for r in rs) if rs else None for name, rs in reads.items()}
                 into, active, steps = intake(cfg, n, m, k, sms)
                 # One step's time on an occupied SM, in cycles of the clock read while it ran.
-                cycles = {nm: med[nm] * 1e3 * mhz[nm] * active / steps if mhz[nm] else None for nm in MODES}
+                cycles = {nm: med[nm] * 1e3 * mhz[nm] * active / steps if mhz[nm] else None for nm in modes}
                 mma = cfg.rows * cfg.bn * 64 / 4096
                 row = {"m": m, "k": k, "n": n, "tile": str(cfg), "rule": cfg == rule, "ms": med, "sm_mhz": mhz,
                        "power_w": watts, "bytes_into_sms": into, "sms_occupied": active, "tile_steps": steps,
@@ -152,6 +161,9 @@ def main() -> int:
                 cyc = "/".join(f"{cycles[nm]:.0f}" if cycles[nm] else "-" for nm in MODES) + f"/{mma:.0f}"
                 per_cycle = into / (med["feed"] * 1e3 * mhz["feed"]) / active if mhz["feed"] else float("nan")
                 clocks = f"{mhz['dense'] or 0:.0f}/{mhz['full'] or 0:.0f}"
+                if a.depth:
+                    clocks += (f"  depth {a.depth}: full {us['full_d']:.1f} ({med['full'] / med['full_d']:.3f}x), "
+                               f"mma {us['mma_d']:.1f} ({med['mma'] / med['mma_d']:.3f}x)")
                 print(f"{m:6d} {k:6d} {n:5d} {str(cfg)[9:-1]:<44} {us['dense']:7.1f} {us['full']:7.1f} "
                       f"{us['feed']:7.1f} {us['mma']:7.1f} {med['dense'] / med['full']:5.2f}  {cyc:>24} "
                       f"{per_cycle:6.1f} {clocks:>14}", flush=True)
