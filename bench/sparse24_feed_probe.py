@@ -38,8 +38,6 @@ from sparse24_wg_tiles import L2_BYTES, graph_ms
 SHAPES = [(4096, 4096), (4608, 3584), (3584, 18944), (28672, 4096), (8192, 8192), (2304, 768), (3072, 3072)]
 BATCH = (128, 256, 512, 1024, 4096)
 MODES = {"full": {}, "feed": {"KP_PROBE": 1}, "mma": {"KP_PROBE": 2}}
-# --depth D: the full kernel and its MMAs alone with D step groups in flight (MMA_DEPTH, sparse24_ring.cuh)
-DEPTH_MODES = {"full_d": {}, "mma_d": {"KP_PROBE": 2}}
 
 
 def launchers(cfg, n: int, m: int, modes: dict) -> dict:
@@ -102,15 +100,8 @@ def main() -> int:
     ap.add_argument("--shape", nargs="*", default=None, metavar="MxK")
     ap.add_argument("--batch", type=int, nargs="*", default=BATCH)
     ap.add_argument("--top", type=int, default=2, help="the TOP tiles of least rule cost (the rule's pick first)")
-    ap.add_argument("--depth", type=int, default=0,
-                    help="also the full kernel and its MMAs alone with this many step groups in flight (full_d, mma_d)")
-    ap.add_argument("--ab", action="store_true", help="with --depth: only the two full kernels (no feed, no mma)")
     a = ap.parse_args()
-    modes = dict(MODES)
-    if a.depth:
-        modes |= {name: dict(defs, MMA_DEPTH=a.depth) for name, defs in DEPTH_MODES.items()}
-        if a.ab:
-            modes = {name: modes[name] for name in ("full", "full_d")}
+    modes = MODES
     sms = sm_count(0)
     sensor = Sensor()
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape] if a.shape else SHAPES
@@ -137,12 +128,11 @@ def main() -> int:
                     fns[mode] = [lambda p=p, c=c, launch=launch, grid=grid: launch(
                         grid, (x.data_ptr(), p.data_ptr(), c.data_ptr(), 0, y.data_ptr(), n, m, k, x.stride(0),
                                y.stride(0)), raw_stream(0)) for p, c in tiled]
-                for name in ("full", "full_d") if a.depth else ("full",):
-                    y.fill_(float("nan"))
-                    fns[name][0]()
-                    err = float((y.float() - want).abs().max()) / float(want.abs().max())
-                    if not err <= 2.0 ** -5:
-                        raise SystemExit(f"{m}x{k} n={n} {cfg} {name}: relative error {err:.3g}")
+                y.fill_(float("nan"))
+                fns["full"][0]()
+                err = float((y.float() - want).abs().max()) / float(want.abs().max())
+                if not err <= 2.0 ** -5:
+                    raise SystemExit(f"{m}x{k} n={n} {cfg}: relative error {err:.3g}")
                 times, reads = {name: [] for name in fns}, {name: [] for name in fns}
                 for r in range(2):
                     for name in list(fns) if r == 0 else list(fns)[::-1]:
@@ -155,27 +145,17 @@ def main() -> int:
                 # One step's time on an occupied SM, in cycles of the clock read while it ran.
                 cycles = {nm: med[nm] * 1e3 * mhz[nm] * active / steps if mhz[nm] else None for nm in modes}
                 mma = cfg.rows * cfg.bn * 64 / 4096
-                fed = med.get("feed")
                 row = {"m": m, "k": k, "n": n, "tile": str(cfg), "rule": cfg == rule, "ms": med, "sm_mhz": mhz,
                        "power_w": watts, "bytes_into_sms": into, "sms_occupied": active, "tile_steps": steps,
-                       "cycles_a_step": cycles, "mma_cycles_a_step": mma, "mma_depth": a.depth or None,
-                       "feed_bytes_per_ns_per_sm": into / (fed * 1e6) / active if fed else None}
+                       "cycles_a_step": cycles, "mma_cycles_a_step": mma,
+                       "feed_bytes_per_ns_per_sm": into / (med["feed"] * 1e6) / active}
                 rows.append(row)
                 us = {nm: v * 1e3 for nm, v in med.items()}
-                line = f"{m:6d} {k:6d} {n:5d} {str(cfg)[9:-1]:<44} {us['dense']:7.1f} {us['full']:7.1f} "
-                if fed:
-                    cyc = "/".join(f"{cycles[nm]:.0f}" if cycles[nm] else "-" for nm in MODES) + f"/{mma:.0f}"
-                    per_cycle = into / (fed * 1e3 * mhz["feed"]) / active if mhz["feed"] else float("nan")
-                    line += (f"{us['feed']:7.1f} {us['mma']:7.1f} {med['dense'] / med['full']:5.2f}  {cyc:>24} "
-                             f"{per_cycle:6.1f} ")
-                else:
-                    line += f"{med['dense'] / med['full']:5.2f} "
-                line += f"{mhz['dense'] or 0:>5.0f}/{mhz['full'] or 0:.0f}"
-                if a.depth:
-                    line += f"  depth {a.depth}: full {us['full_d']:.1f} ({med['full'] / med['full_d']:.3f}x)"
-                    if "mma_d" in med:
-                        line += f", mma {us['mma_d']:.1f} ({med['mma'] / med['mma_d']:.3f}x)"
-                print(line, flush=True)
+                cyc = "/".join(f"{cycles[nm]:.0f}" if cycles[nm] else "-" for nm in MODES) + f"/{mma:.0f}"
+                per_cycle = into / (med["feed"] * 1e3 * mhz["feed"]) / active if mhz["feed"] else float("nan")
+                print(f"{m:6d} {k:6d} {n:5d} {str(cfg)[9:-1]:<44} {us['dense']:7.1f} {us['full']:7.1f} "
+                      f"{us['feed']:7.1f} {us['mma']:7.1f} {med['dense'] / med['full']:5.2f}  {cyc:>24} "
+                      f"{per_cycle:6.1f} {mhz['dense'] or 0:>5.0f}/{mhz['full'] or 0:.0f}", flush=True)
         del ws, tiled
         torch.cuda.empty_cache()
         results.write("sparse24-feed-probe", {"rows": rows}, a.out, dtype="bf16", sms=sms)

@@ -18,12 +18,6 @@
 #ifndef KP_PROBE
 #define KP_PROBE 0
 #endif
-// MMA_DEPTH: the consumers' step groups of MMAs left in flight at each wait (wgmma.wait_group), each holding its
-// stage and its metadata register set until it is done.
-#ifndef MMA_DEPTH
-#define MMA_DEPTH 1
-#endif
-constexpr int kSets = MMA_DEPTH + 1;  // metadata register sets, one a step in flight and the step being issued
 
 constexpr int kConsumers = 128 * WM;
 constexpr int kThreads = kConsumers + 128;
@@ -65,8 +59,6 @@ __device__ __forceinline__ void ring_init(const TensorMap *xmap, const TensorMap
 
 // Ring step g (counted over the CTA's whole life): its stage and the parity of its stage's current phase.
 __device__ __forceinline__ int ring_stage(int g) { return g % STAGES; }
-// The stage d steps before stage b (d < STAGES).
-__device__ __forceinline__ int back(int b, int d) { return b >= d ? b - d : b - d + STAGES; }
 __device__ __forceinline__ u32 ring_parity(int g) { return (u32)((g / STAGES) & 1); }
 
 // The copies of one 64-column step of W for the CTA's row block tm into the stage at `at`: its kTiles tiles, or,
@@ -131,12 +123,13 @@ template <bool RELEASE_LAST, int BLOCKS = 1>
 __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc], u32 sbase, u32 full0, u32 empty0,
                                               int g0, int count, int tl, int lane, int wq, int cz)
 {
-    u32 e[kSets][BLOCKS];
+    u32 e[2][BLOCKS];
     // The stage and its phase advance by one a step (one division a call, not two a step), and the descriptors are
     // a fixed low word on the stage's address: each consumer warp issues a step's instructions alone on its
     // scheduler, and the shorter chain gave 2-4% (docs/design/0029).
     int b = ring_stage(g0);
     u32 parity = ring_parity(g0), at = sbase + b * kStageBytes;
+    int b_prev = b;  // the step before's stage, released once its MMAs are done
     // wgmma descriptors (hopper.cuh, core_desc and b_desc) as a 32-bit low word on top of the stage's address's
     // bits 4-17 (`lo`): the CTA's shared memory is under 2^18 bytes, so that 14-bit field never carries into the
     // fields above it.  (A cluster launch's shared addresses have bits above 17 set: hence the mask.)
@@ -144,9 +137,9 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
     u32 lo = lo0 + b * (kStageBytes >> 4);
     const u32 a_lo = ((kXBytes + (tl / 4) * 1024) >> 4) | ((kWAlongK >> 4) << 16), a_hi = 128 >> 4;
     const u32 b_lo = 1u << 16, b_hi = (1024 >> 4) | (1u << 30);
-    for (int s0 = 0; s0 < count; s0 += kSets) {
+    for (int s0 = 0; s0 < count; s0 += 2) {
 #pragma unroll
-        for (int p = 0; p < kSets; ++p) {  // p: which register set (compile-time), so no set is indexed at run time
+        for (int p = 0; p < 2; ++p) {  // p: which register set (compile-time), so no set is indexed at run time
             const int s = s0 + p;
             if (s < count) {
                 mbar_wait(full0 + 8 * b, parity);
@@ -178,15 +171,13 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
                 (void)e, (void)at, (void)lo, (void)a_lo, (void)a_hi, (void)b_lo, (void)b_hi;
 #endif
                 wg_commit();
-                wg_wait<MMA_DEPTH>();  // step s - MMA_DEPTH's MMAs are done: its stage and its register set are free
-                // The other sets stay allocated until here, so the compiler cannot reuse their registers
-                // while the steps in flight might still read them.
+                wg_wait<1>();  // step g - 1's MMAs are done: its stage and its metadata register are free
+                // The other set stays allocated until here, so the compiler cannot reuse its registers
+                // while step g - 1's MMAs might still read them.
 #pragma unroll
-                for (int q = 0; q < kSets; ++q)
-#pragma unroll
-                    for (int j = 0; j < BLOCKS; ++j)
-                        if (q != p) keep_word(e[q][j]);
-                if (s >= MMA_DEPTH) release_stage(empty0 + 8 * back(b, MMA_DEPTH), lane, wq, cz);
+                for (int j = 0; j < BLOCKS; ++j) keep_word(e[p ^ 1][j]);
+                if (s > 0) release_stage(empty0 + 8 * b_prev, lane, wq, cz);
+                b_prev = b;
                 if (++b == STAGES) {
                     b = 0, parity ^= 1u, at = sbase, lo = lo0;
                 } else {
@@ -200,6 +191,5 @@ __device__ __forceinline__ void consume_steps(float (&acc)[BLOCKS][kInst][kAcc],
     for (int j = 0; j < BLOCKS; ++j)
 #pragma unroll
         for (int i = 0; i < kInst; ++i) keep(acc[j][i]);
-    if (RELEASE_LAST)  // the last MMA_DEPTH steps' stages (b is the stage after the last step's)
-        for (int d = 1; d <= MMA_DEPTH && d <= count; ++d) release_stage(empty0 + 8 * back(b, d), lane, wq, cz);
+    if (RELEASE_LAST && count > 0) release_stage(empty0 + 8 * b_prev, lane, wq, cz);
 }
