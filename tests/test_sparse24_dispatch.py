@@ -6,7 +6,7 @@ import pytest
 
 from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
 from kernelplan.sparse24 import GemmSparse24Descriptor, GemmSparse24Plan
-from kernelplan.sparse24.dispatch import MEMORY_POLICIES, backend_for, config_for, layout_reason
+from kernelplan.sparse24.dispatch import MEMORY_POLICIES, N_GRAIN, backend_for, config_for, layout_reason, rule_points
 
 HOPPER, AMPERE, ADA, TURING = (9, 0), (8, 0), (8, 9), (7, 5)
 
@@ -40,6 +40,31 @@ def test_configs_come_from_the_kernels_rules():
     assert config_for("cuda_sp", 4, 4096, 4096, 132) is not None
     with pytest.raises(ValueError, match="no tile rule"):
         config_for("dense", 4, 64, 64, 132)
+
+
+def test_the_rule_picks_one_kernel_and_tile_over_each_run_of_n_grain_n():
+    """What ``kp.warmup`` relies on to compile every n up to a batch size from ``rule_points``: over n = 8 j + 1 ...
+    8 j + 8 the backend and its tile do not change, on Hopper and Ampere, plain and gated, for layers of every
+    kind of the sweep set (short K, where the narrow tiles of x join the rule, and long)."""
+    shapes = [(768, 768), (2304, 768), (1024, 4096), (4096, 4096), (3584, 18944), (28672, 4096), (57344, 8192)]
+    for capability, sms in (((9, 0), 132), ((9, 0), 114), ((8, 0), 108)):
+        for m, k in shapes:
+            for gated in (False, True):
+                def pick(n):
+                    backend = backend_for(capability, n, m, k, "bf16")
+                    return backend, config_for(backend, n, m, k, sms, gated)
+
+                for n in range(1, 530):
+                    end = -(-n // N_GRAIN) * N_GRAIN
+                    assert pick(n) == pick(end), (capability, sms, m, k, gated, n)
+
+
+@pytest.mark.parametrize("n_max", [1, 7, 8, 9, 16, 300, 2048])
+def test_rule_points_hold_one_n_of_each_run_up_to_n_max(n_max):
+    points = rule_points(n_max)
+    assert points == sorted(set(points)) and points[-1] == n_max
+    # each n up to n_max has a point in its own run (the run's end, or n_max in the last)
+    assert {min(-(-n // N_GRAIN) * N_GRAIN, n_max) for n in range(1, n_max + 1)} == set(points)
 
 
 def test_compact_is_the_default_and_memory_is_checked():

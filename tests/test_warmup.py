@@ -34,6 +34,33 @@ def test_warmup_lists_each_layer_shape_and_batch_size_once_and_leaves_the_model_
         kp.warmup([model])
 
 
+@pytest.mark.parametrize("every_n", [True, False])
+def test_warmup_compiles_the_rules_kernel_of_every_n_up_to_the_largest_batch_size(monkeypatch, every_n):
+    """On the CPU the rule names no kernel to compile, so the rule is stood in for: each shape is asked at every
+    point of ``rule_points`` (one n of each run with one tile) and at the batch sizes, once; each distinct kernel is
+    compiled once; the rows are the batch sizes'."""
+    from kernelplan import warm
+    from kernelplan.sparse24.dispatch import rule_points
+
+    asked, built = [], []
+
+    def variant(layer, n):
+        asked.append((layer.out_features, layer.in_features, n))
+        cfg = f"tile {min(n, 40) // 16}"  # three tiles, as a rule picks fewer tiles than n
+        return "cuda_ws", cfg, lambda: built.append((cfg, layer.bias is not None))
+
+    monkeypatch.setattr(warm, "_variant", variant)
+    sizes = (1, 100, 16)
+    rows = kp.warmup(_model(), batch_sizes=sizes, progress=False, every_n=every_n)
+    points = sorted({1, 16, 100} | set(rule_points(100))) if every_n else [1, 16, 100]
+    assert asked == [(64, 128, n) for n in points] + [(128, 64, n) for n in points]  # the third layer's shape: asked
+    shapes = ((64, 128), (128, 64))
+    assert [(r["m"], r["k"], r["n"]) for r in rows] == [(m, k, n) for m, k in shapes for n in (1, 16, 100)]
+    tiles = {f"tile {min(n, 40) // 16}" for n in points}
+    assert sorted(built) == sorted((t, bias) for t in tiles for bias in (True, False))
+    assert {r["compiled"] for r in rows} == {len(built)}
+
+
 def _run(*args):
     return kernelplan_cli("warmup", *args)
 
@@ -66,11 +93,11 @@ def test_on_the_gpu_after_warmup_no_call_of_those_shapes_compiles_or_tunes(monke
     if (torch.cuda.get_device_name(), "bf16") in gpus():  # a GPU the sweeps measured: every row has its speedup
         assert all(r["expected"] is not None and r["expected"].graph > 0 for r in rows)
     # The calls of the warm-up compiled nothing the compile phase had not (this process may hold some already).
-    assert nvrtc.COMPILES[0] - before <= len({(r["backend"], r["config"], r["bias"]) for r in rows})
+    assert nvrtc.COMPILES[0] - before <= rows[0]["compiled"]
     monkeypatch.setattr(tuning, "tune", lambda *a, **k: pytest.fail("a call after warmup tuned"))
     compiles = nvrtc.COMPILES[0]
-    with torch.inference_mode():
-        for n in (1, 16, 128, 300):
+    with torch.inference_mode():  # the batch sizes, and n between them, which every_n compiled
+        for n in (1, 16, 128, 300, 2, 9, 17, 33, 64, 77, 129, 200, 257, 299):
             model(torch.randn(n, 128, device="cuda").to(torch.bfloat16))
     assert nvrtc.COMPILES[0] == compiles
 

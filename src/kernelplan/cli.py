@@ -58,9 +58,10 @@ def main(argv: list[str] | None = None) -> int:
 
     warm = sub.add_parser("warmup", help="compile a model's 2:4 kernels and settle their dispatch ahead of time",
                           description="For the 2:4 layers of a model directory (or of the given shapes) and batch "
-                          "sizes: compile the kernels the dispatch rule names (kept in the kernel cache for later "
-                          "processes) and run each shape once. Prints shape, n, kernel, the speedup over dense the "
-                          "sweeps measured on this GPU, and the configuration.")
+                          "sizes: compile the kernels the dispatch rule names for every n up to the largest batch size "
+                          "(kept in the kernel cache for later processes) and run each shape once at each batch size. "
+                          "Prints shape, n, kernel, the speedup over dense the sweeps measured on this GPU, and the "
+                          "configuration.")
     source = warm.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", metavar="DIR", help="a Hugging Face model directory: its 2:4 layers, read from the "
                         "safetensors headers (a dense checkpoint: the layers kp.sparsify would prune)")
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     warm.add_argument("--dtype", default=None, choices=("bf16", "f16"),
                       help="the weights' dtype (default: the checkpoint's for --model, else bf16)")
     warm.add_argument("--device", default=None, help="cuda[:i] (default: cuda if present, else cpu)")
+    warm.add_argument("--sizes-only", action="store_true",
+                      help="compile the batch sizes' kernels alone, not every n up to the largest")
 
     cache = sub.add_parser("cache", help="inspect or clear the persistent plan and kernel caches")
     cache.add_argument("action", choices=("info", "clear"))
@@ -354,13 +357,15 @@ def _warmup(args) -> int:
             Sparse24Linear.from_dense(torch.nn.Linear(k, m, bias=bias, device=device,
                                                       dtype=dtype_info(args.dtype).dtype if args.dtype else dtype))
             for m, k, bias, dtype in layers)
-        rows = warmup(model, sizes, progress=sys.stderr.isatty())
+        rows = warmup(model, sizes, progress=sys.stderr.isatty(), every_n=not args.sizes_only)
     except (KernelPlanError, RuntimeError) as e:
         print(f"kernelplan warmup: {e}", file=sys.stderr)
         return 2
     if which:
         print(which)
     print(table(rows))
+    if rows:
+        print(f"{rows[0]['compiled']} kernels compiled or read from the cache in {rows[0]['compile_s']:.1f} s")
     return 0
 
 

@@ -1,11 +1,14 @@
 """``kp.warmup``: a model's 2:4 kernels compiled and its dispatch settled before its first request.
 
-For every ``Sparse24Linear`` of the model and every batch size asked for:
+For every ``Sparse24Linear`` of the model:
 
 1. the kernel the dispatch rule names (``sparse24/dispatch.py``) and its tile
-   configuration, compiled by NVRTC in threads, distinct kernels at once
-   (NVRTC is thread-safe) or read from the disk cache (``kernels/kernel_cache.py``);
-2. one call of the layer on zeros, under ``torch.inference_mode``: the
+   configuration for every n up to the largest batch size asked for (``every_n``; else for those batch sizes
+   alone), compiled by NVRTC in threads, distinct kernels at once (NVRTC is thread-safe) or read from the disk
+   cache (``kernels/kernel_cache.py``).  The rule picks one tile for each run of 8 n (``dispatch.rule_points``),
+   and a layer has 5-39 distinct tiles up to n = 2048 (median 24 over the sweep set's 43 shapes, 132 SMs):
+   a serving loop's batch sizes then never compile;
+2. at every batch size asked for, one call of the layer on zeros, under ``torch.inference_mode``: the
    kernel is loaded, its launch prepared, and the layer's inference fast path
    filled, so that a later call of the same shape compiles, tunes and builds nothing.
    (Under ``memory="fast"`` that first call is where the bucket is tuned.)
@@ -18,8 +21,9 @@ its kernel on its first call.  A MoE layer's experts (``kp.nn.Sparse24Experts``)
 each of its tiles for both projections (the tile follows the rows each expert gets, whatever the batch size), in
 place of their per-expert layers, which only autograd calls there.
 
-Returns one row per (layer shape, n): the kernel, its configuration, and the
-speedup over dense the sweeps measured on this kind of GPU (``sparse24/expected.py``).
+Returns one row per (layer shape, batch size): the kernel, its configuration, the
+speedup over dense the sweeps measured on this kind of GPU (``sparse24/expected.py``), and the
+compile phase's kernels and seconds (all layers together).
 """
 
 from __future__ import annotations
@@ -96,16 +100,19 @@ class _RouteShape:
 
     def __init__(self, route):
         first, self.out_features, self.epilogue = route.epilogue_layer()
-        self.values, self.in_features, self.memory, self.bias = first.values, first.in_features, first.memory, first.bias
+        self.values, self.in_features, self.memory = first.values, first.in_features, first.memory
+        self.bias = first.bias
         self.route = route
 
 
 def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bool = True,
-           threads: int = 8) -> list[dict]:
+           threads: int = 8, every_n: bool = True) -> list[dict]:
     """Compile every kernel and settle every dispatch choice of ``model``'s 2:4 layers at ``batch_sizes``, and of
     their sibling groups settled so far, gated MLPs' included (a group settles on the model's first pass: warm up
-    after it to warm the groups' GEMMs too)."""
+    after it to warm the groups' GEMMs too).  With ``every_n``, the kernels of every n up to the largest batch size
+    are compiled too, so that no call of up to that many rows compiles."""
     from .nn.routes import route_of
+    from .sparse24.dispatch import rule_points
 
     from tqdm.auto import tqdm
 
@@ -113,7 +120,8 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
         raise InvalidProblem(f"model is a {type(model).__name__}; warmup takes an nn.Module")
     sizes = sorted({int(n) for n in batch_sizes})
     if not sizes or sizes[0] < 1:
-        raise InvalidProblem(f"batch_sizes is {tuple(batch_sizes)}; give positive numbers of rows, such as (1, 16, 128)")
+        raise InvalidProblem(f"batch_sizes is {tuple(batch_sizes)}; give positive numbers of rows, "
+                             "such as (1, 16, 128)")
     grouped = [m for m in model.modules() if isinstance(m, Sparse24Experts) and
                m.runs_grouped(m.first[0].values.device, m.first[0].values.dtype)]
     per_expert = {id(layer) for m in grouped for layer in (*m.first, *m.down)}
@@ -122,20 +130,23 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
     # Routed modules ready to run their epilogue's GEMM: gated MLPs of settled groups or of Phi-3's one layer, MLPs
     # with one activation.
     routed = [_RouteShape(r) for r in filter(None, map(route_of, model.modules())) if r.ready()]
-    rows, compiles = {}, {}
+    rows, compiles, seen = {}, {}, set()
+    compile_at = sorted(set(sizes) | set(rule_points(sizes[-1]))) if every_n else sizes
     for layer in layers + [_GroupShape(g) for g in groups] + routed:
         epilogue = getattr(layer, "epilogue", None)  # a routed module's GEMM's; a layer's own GEMM has none
-        for n in sizes:
+        for n in compile_at:
             key = (layer.out_features, layer.in_features, str(layer.values.dtype), layer.bias is not None, n, epilogue)
-            if key in rows:
+            if key in seen:
                 continue
+            seen.add(key)
             backend, cfg, compile_ = _variant(layer, n)
-            # The sweeps measured the plain GEMM: one with an epilogue's expected speedup is not theirs to give.
-            rows[key] = {"m": key[0], "k": key[1], "dtype": key[2], "bias": key[3], "n": n, "backend": backend,
-                         "config": str(cfg) if cfg is not None else "-",
-                         "expected": _expected(layer, n) if epilogue is None else None}
-            if epilogue is not None:
-                rows[key]["epilogue"] = epilogue
+            if n in sizes:
+                # The sweeps measured the plain GEMM: one with an epilogue's expected speedup is not theirs to give.
+                rows[key] = {"m": key[0], "k": key[1], "dtype": key[2], "bias": key[3], "n": n, "backend": backend,
+                             "config": str(cfg) if cfg is not None else "-",
+                             "expected": _expected(layer, n) if epilogue is None else None}
+                if epilogue is not None:
+                    rows[key]["epilogue"] = epilogue
             if compile_ is not None:
                 compiles.setdefault((backend, str(cfg), key[2], key[3], epilogue), compile_)
     from .kernels.sparse24_grouped import grouped_load, grouped_variants  # kernels: imported where a GPU is used
@@ -180,7 +191,7 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
             for n in sizes:
                 shape.route.epilogue_gemm(torch.zeros(n, shape.in_features, dtype=p.dtype, device=p.device))
     for row in rows.values():
-        row["compile_s"] = compiled_s  # the compile phase, all kernels together
+        row["compile_s"], row["compiled"] = compiled_s, len(compiles)  # the compile phase, all kernels together
     return list(rows.values())
 
 

@@ -32,6 +32,19 @@ SP_MAX_N_HOPPER = 16
 SP_MIN_M_HOPPER = 9216
 
 
+# The kernels' rules read n only through the tiles of x it makes, and every tile of x they weigh is a multiple of
+# N_GRAIN rows (cuda_ws: 16 to 256 in steps of 16; cuda_sp: 8, 16, 32 and 64), as is SP_MAX_N_HOPPER.  So over each
+# run n = 8 j + 1 ... 8 j + 8 the backend and its tile stay the same (tests/test_sparse24_dispatch.py checks it).
+N_GRAIN = 8
+
+
+def rule_points(n_max: int) -> list[int]:
+    """One n of each run of n in 1 ... n_max over which ``backend_for`` and ``config_for`` pick one kernel and tile:
+    every multiple of ``N_GRAIN`` below n_max, and n_max.  What ``kp.warmup`` compiles so that no n up to n_max
+    compiles at its first call."""
+    return [*range(N_GRAIN, n_max, N_GRAIN), n_max]
+
+
 def layout_reason(capability: tuple[int, int] | None, k: int, dtype: str) -> str | None:
     """Why the one device layout's kernels cannot run a weight, or None if they can."""
     if capability is None:
