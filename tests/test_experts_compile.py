@@ -141,6 +141,32 @@ def test_grouped_experts_compile_fullgraph_and_match_eager_and_fp64(seed):
 
 @gpu
 @sm90
+def test_grouped_experts_compile_into_cuda_graphs_that_replay_fresh_inputs(seed):
+    """mode="reduce-overhead": inductor records the compiled forward as a CUDA graph (no skip: every op's outputs
+    have sizes its fake form gives) and replays it; each replay, with new tokens, routing and weights in the same
+    shapes, matches eager and fp64, so the launches read the graph's inputs, not the recording's."""
+    from torch._dynamo.utils import counters
+
+    dense = _mixtral_experts(torch.float64, experts=6)
+    sparse = Sparse24Experts.from_experts(copy.deepcopy(dense).to(torch.bfloat16)).cuda()
+    oracle = _oracle(dense, sparse, 6)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(sparse, mode="reduce-overhead", fullgraph=True)
+    for tokens in (37, 37, 37, 37, 300, 300, 300):
+        x = torch.randn(tokens, 128, dtype=torch.float64)
+        index, weights = _routing(tokens, 6)
+        with torch.no_grad():
+            want = oracle(x, index, weights.double())
+            xd, index, weights = x.to(torch.bfloat16).cuda(), index.cuda(), weights.to(torch.bfloat16).cuda()
+            eager = sparse(xd, index, weights)
+            got = compiled(xd, index, weights).clone()  # a replay's output is overwritten by the next
+        assert_close(got, want.cuda(), eager, atol=FWD_ATOL[torch.bfloat16])
+    assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+@gpu
+@sm90
 def test_the_grouped_ops_pass_opcheck(seed):
     """torch.library.opcheck: the schemas (what each op mutates), the fake forms against the real outputs."""
     from kernelplan.nn import experts_ops
