@@ -22,6 +22,7 @@ are left out), so that a step's time can be put in cycles: a 2:4 kernel may run 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 
@@ -100,6 +101,9 @@ def main() -> int:
     ap.add_argument("--shape", nargs="*", default=None, metavar="MxK")
     ap.add_argument("--batch", type=int, nargs="*", default=BATCH)
     ap.add_argument("--top", type=int, default=2, help="the TOP tiles of least rule cost (the rule's pick first)")
+    ap.add_argument("--stages", type=int, nargs="*", default=(),
+                    help="also each tile with these shallower rings, full and feed alone (full_sS, feed_sS): whether "
+                         "the bytes in flight bound the feed")
     a = ap.parse_args()
     modes = MODES
     sms = sm_count(0)
@@ -124,7 +128,12 @@ def main() -> int:
             calls = max(20, min(400, int(2e-3 * 7e14 / (2 * m * k * n))))  # rounds of about 2 ms: NVML reads
             for cfg in tiles:
                 fns = {"dense": [lambda w=w: F.linear(x, w) for w in ws]}
-                for mode, (launch, grid) in launchers(cfg, n, m, modes).items():
+                builds = [(mode, launch, grid) for mode, (launch, grid) in launchers(cfg, n, m, modes).items()]
+                for depth in (s for s in a.stages if s < cfg.stages):
+                    shallow = dataclasses.replace(cfg, stages=depth)
+                    builds += [(f"{mode}_s{depth}", launch, grid) for mode, (launch, grid)
+                               in launchers(shallow, n, m, {"full": MODES["full"], "feed": MODES["feed"]}).items()]
+                for mode, launch, grid in builds:
                     fns[mode] = [lambda p=p, c=c, launch=launch, grid=grid: launch(
                         grid, (x.data_ptr(), p.data_ptr(), c.data_ptr(), 0, y.data_ptr(), n, m, k, x.stride(0),
                                y.stride(0)), raw_stream(0)) for p, c in tiled]
@@ -153,9 +162,11 @@ def main() -> int:
                 us = {nm: v * 1e3 for nm, v in med.items()}
                 cyc = "/".join(f"{cycles[nm]:.0f}" if cycles[nm] else "-" for nm in MODES) + f"/{mma:.0f}"
                 per_cycle = into / (med["feed"] * 1e3 * mhz["feed"]) / active if mhz["feed"] else float("nan")
+                shallow = "".join(f"  s{nm.split('_s')[1]} {nm.split('_')[0]} {med[nm] / med[nm.split('_')[0]]:.3f}x"
+                                  for nm in med if "_s" in nm)
                 print(f"{m:6d} {k:6d} {n:5d} {str(cfg)[9:-1]:<44} {us['dense']:7.1f} {us['full']:7.1f} "
                       f"{us['feed']:7.1f} {us['mma']:7.1f} {med['dense'] / med['full']:5.2f}  {cyc:>24} "
-                      f"{per_cycle:6.1f} {mhz['dense'] or 0:>5.0f}/{mhz['full'] or 0:.0f}", flush=True)
+                      f"{per_cycle:6.1f} {mhz['dense'] or 0:>5.0f}/{mhz['full'] or 0:.0f}{shallow}", flush=True)
         del ws, tiled
         torch.cuda.empty_cache()
         results.write("sparse24-feed-probe", {"rows": rows}, a.out, dtype="bf16", sms=sms)
