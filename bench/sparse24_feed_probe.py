@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from kernelplan.bench import results
 from kernelplan.kernels import raw_stream, sparse24_ws
 from kernelplan.kernels.sparse24 import sm_count
+from kernelplan.kernels.sparse24_sp import SM_SHARED
 from kernelplan.kernels.sparse24_sp import _tiled
 from kernelplan.sparse24 import compress, prune
 from sparse24_wg_tiles import L2_BYTES, graph_ms
@@ -102,8 +103,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="*", default=BATCH)
     ap.add_argument("--top", type=int, default=2, help="the TOP tiles of least rule cost (the rule's pick first)")
     ap.add_argument("--stages", type=int, nargs="*", default=(),
-                    help="also each tile with these shallower rings, full and feed alone (full_sS, feed_sS): whether "
-                         "the bytes in flight bound the feed")
+                    help="also each tile with rings of these many stages where they fit, full and feed alone "
+                         "(full_sS, feed_sS): whether the bytes in flight bound the feed")
     a = ap.parse_args()
     modes = MODES
     sms = sm_count(0)
@@ -129,10 +130,12 @@ def main() -> int:
             for cfg in tiles:
                 fns = {"dense": [lambda w=w: F.linear(x, w) for w in ws]}
                 builds = [(mode, launch, grid) for mode, (launch, grid) in launchers(cfg, n, m, modes).items()]
-                for depth in (s for s in a.stages if s < cfg.stages):
-                    shallow = dataclasses.replace(cfg, stages=depth)
+                for depth in (s for s in a.stages if s != cfg.stages):
+                    ring = dataclasses.replace(cfg, stages=depth)
+                    if ring.shared > SM_SHARED:
+                        continue
                     builds += [(f"{mode}_s{depth}", launch, grid) for mode, (launch, grid)
-                               in launchers(shallow, n, m, {"full": MODES["full"], "feed": MODES["feed"]}).items()]
+                               in launchers(ring, n, m, {"full": MODES["full"], "feed": MODES["feed"]}).items()]
                 for mode, launch, grid in builds:
                     fns[mode] = [lambda p=p, c=c, launch=launch, grid=grid: launch(
                         grid, (x.data_ptr(), p.data_ptr(), c.data_ptr(), 0, y.data_ptr(), n, m, k, x.stride(0),
