@@ -105,8 +105,9 @@ def main() -> int:
     ap.add_argument("--stages", type=int, nargs="*", default=(),
                     help="also each tile with rings of these many stages where they fit, full and feed alone "
                          "(full_sS, feed_sS): whether the bytes in flight bound the feed")
+    ap.add_argument("--full-only", action="store_true", help="the kernel as it ships alone (and its --stages rings)")
     a = ap.parse_args()
-    modes = MODES
+    modes = {"full": MODES["full"]} if a.full_only else MODES
     sms = sm_count(0)
     sensor = Sensor()
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape] if a.shape else SHAPES
@@ -134,17 +135,19 @@ def main() -> int:
                     ring = dataclasses.replace(cfg, stages=depth)
                     if ring.shared > SM_SHARED:
                         continue
-                    builds += [(f"{mode}_s{depth}", launch, grid) for mode, (launch, grid)
-                               in launchers(ring, n, m, {"full": MODES["full"], "feed": MODES["feed"]}).items()]
+                    both = {nm: modes[nm] for nm in ("full", "feed") if nm in modes}
+                    builds += [(f"{mode}_s{depth}", launch, grid)
+                               for mode, (launch, grid) in launchers(ring, n, m, both).items()]
                 for mode, launch, grid in builds:
                     fns[mode] = [lambda p=p, c=c, launch=launch, grid=grid: launch(
                         grid, (x.data_ptr(), p.data_ptr(), c.data_ptr(), 0, y.data_ptr(), n, m, k, x.stride(0),
                                y.stride(0)), raw_stream(0)) for p, c in tiled]
-                y.fill_(float("nan"))
-                fns["full"][0]()
-                err = float((y.float() - want).abs().max()) / float(want.abs().max())
-                if not err <= 2.0 ** -5:
-                    raise SystemExit(f"{m}x{k} n={n} {cfg}: relative error {err:.3g}")
+                for name in (nm for nm in fns if nm.startswith("full")):
+                    y.fill_(float("nan"))
+                    fns[name][0]()
+                    err = float((y.float() - want).abs().max()) / float(want.abs().max())
+                    if not err <= 2.0 ** -5:
+                        raise SystemExit(f"{m}x{k} n={n} {cfg} {name}: relative error {err:.3g}")
                 times, reads = {name: [] for name in fns}, {name: [] for name in fns}
                 for r in range(2):
                     for name in list(fns) if r == 0 else list(fns)[::-1]:
@@ -157,19 +160,24 @@ def main() -> int:
                 # One step's time on an occupied SM, in cycles of the clock read while it ran.
                 cycles = {nm: med[nm] * 1e3 * mhz[nm] * active / steps if mhz[nm] else None for nm in modes}
                 mma = cfg.rows * cfg.bn * 64 / 4096
+                fed = med.get("feed")
                 row = {"m": m, "k": k, "n": n, "tile": str(cfg), "rule": cfg == rule, "ms": med, "sm_mhz": mhz,
                        "power_w": watts, "bytes_into_sms": into, "sms_occupied": active, "tile_steps": steps,
                        "cycles_a_step": cycles, "mma_cycles_a_step": mma,
-                       "feed_bytes_per_ns_per_sm": into / (med["feed"] * 1e6) / active}
+                       "feed_bytes_per_ns_per_sm": into / (fed * 1e6) / active if fed else None}
                 rows.append(row)
                 us = {nm: v * 1e3 for nm, v in med.items()}
-                cyc = "/".join(f"{cycles[nm]:.0f}" if cycles[nm] else "-" for nm in MODES) + f"/{mma:.0f}"
-                per_cycle = into / (med["feed"] * 1e3 * mhz["feed"]) / active if mhz["feed"] else float("nan")
-                shallow = "".join(f"  s{nm.split('_s')[1]} {nm.split('_')[0]} {med[nm] / med[nm.split('_')[0]]:.3f}x"
-                                  for nm in med if "_s" in nm)
-                print(f"{m:6d} {k:6d} {n:5d} {str(cfg)[9:-1]:<44} {us['dense']:7.1f} {us['full']:7.1f} "
-                      f"{us['feed']:7.1f} {us['mma']:7.1f} {med['dense'] / med['full']:5.2f}  {cyc:>24} "
-                      f"{per_cycle:6.1f} {mhz['dense'] or 0:>5.0f}/{mhz['full'] or 0:.0f}{shallow}", flush=True)
+                rings = "".join(f"  s{nm.split('_s')[1]} {nm.split('_')[0]} {med[nm] / med[nm.split('_')[0]]:.3f}x"
+                                for nm in med if "_s" in nm)
+                line = f"{m:6d} {k:6d} {n:5d} {str(cfg)[9:-1]:<44} {us['dense']:7.1f} {us['full']:7.1f} "
+                if fed:
+                    cyc = "/".join(f"{cycles[nm]:.0f}" if cycles[nm] else "-" for nm in MODES) + f"/{mma:.0f}"
+                    per_cycle = into / (fed * 1e3 * mhz["feed"]) / active if mhz["feed"] else float("nan")
+                    line += (f"{us['feed']:7.1f} {us['mma']:7.1f} {med['dense'] / med['full']:5.2f}  {cyc:>24} "
+                             f"{per_cycle:6.1f} ")
+                else:
+                    line += f"{med['dense'] / med['full']:5.2f} "
+                print(line + f"{mhz['dense'] or 0:>5.0f}/{mhz['full'] or 0:.0f}{rings}", flush=True)
         del ws, tiled
         torch.cuda.empty_cache()
         results.write("sparse24-feed-probe", {"rows": rows}, a.out, dtype="bf16", sms=sms)
