@@ -106,8 +106,13 @@ def main() -> int:
                     help="also each tile with rings of these many stages where they fit, full and feed alone "
                          "(full_sS, feed_sS): whether the bytes in flight bound the feed")
     ap.add_argument("--full-only", action="store_true", help="the kernel as it ships alone (and its --stages rings)")
+    ap.add_argument("--define", nargs="*", default=(), metavar="NAME=VALUE",
+                    help="also the full kernel built with each of these #defines (mode full_NAME=VALUE)")
     a = ap.parse_args()
-    modes = {"full": MODES["full"]} if a.full_only else MODES
+    modes = {"full": MODES["full"]} if a.full_only else dict(MODES)
+    for d in a.define:
+        name, value = d.split("=")
+        modes[f"full_{d}"] = {name: value}
     sms = sm_count(0)
     sensor = Sensor()
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape] if a.shape else SHAPES
@@ -168,7 +173,8 @@ def main() -> int:
                 rows.append(row)
                 us = {nm: v * 1e3 for nm, v in med.items()}
                 rings = "".join(f"  s{nm.split('_s')[1]} {nm.split('_')[0]} {med[nm] / med[nm.split('_')[0]]:.3f}x"
-                                for nm in med if "_s" in nm)
+                                for nm in med if "_s" in nm and "=" not in nm)
+                rings += "".join(f"  {nm[5:]} {med[nm] / med['full']:.3f}x" for nm in med if "=" in nm)
                 line = f"{m:6d} {k:6d} {n:5d} {str(cfg)[9:-1]:<44} {us['dense']:7.1f} {us['full']:7.1f} "
                 if fed:
                     cyc = "/".join(f"{cycles[nm]:.0f}" if cycles[nm] else "-" for nm in MODES) + f"/{mma:.0f}"

@@ -60,6 +60,27 @@ def test_k_split_only_where_each_cta_keeps_four_steps():
     assert {c.kc for c in ws_candidates(256, 4096, 64 * 6)} == {1}  # 6 steps: 2 x 3 would leave 3 a CTA
 
 
+@pytest.mark.parametrize("tiles_n, groups", [(1, 1), (1, 37), (32, 224), (7, 9), (3, 8), (5, 17), (16, 3)])
+def test_the_grid_runs_its_tiles_in_bands_each_once(tiles_n, groups):
+    """The one-a-tile grid's launch order (``band_order``, the kernel's ``band_tile``): every (tile of x, M group)
+    once, and the CTAs of a wave of 132 on as few tiles of x and groups as a band gives, where the grid's own order
+    (x fastest) took every tile of x for a few groups."""
+    import pathlib
+
+    from kernelplan.kernels import sparse24_ws
+
+    cu = (pathlib.Path(sparse24_ws.__file__).parent / "cuda" / "sparse24_ws.cu").read_text()
+    assert f"#define KP_BAND {sparse24_ws.BAND}\n" in cu  # the mirror's band is the kernel's
+    order = sparse24_ws.band_order(tiles_n, groups)
+    assert sorted(order) == [(t, g) for t in range(tiles_n) for g in range(groups)]
+    wave = order[:132]
+    band = min(sparse24_ws.BAND, groups)
+    assert {g for _, g in wave} <= set(range(band)) or len(wave) > band * tiles_n
+    assert len({t for t, _ in wave}) == min(tiles_n, -(-len(wave) // band))
+    if tiles_n == 32 and groups == 224:  # n = 8192 in tiles of 256, 57344 rows in clusters of 2 x 128
+        assert len({t for t, _ in wave}) == 17 and len({g for _, g in wave}) == 8  # old order: all 32 x 5 groups
+
+
 def test_cuda_ws_reads_the_one_layout():
     from kernelplan.kernels.sparse24_sp import SpKernel
 

@@ -255,6 +255,21 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False) -> WsConfig
     return min(space, key=lambda cfg: rule_order(cfg, n, m, k, sms))
 
 
+BAND = 8  # cuda/sparse24_ws.cu's KP_BAND: M groups a band of the grid's tiles
+
+
+def band_order(tiles_n: int, groups: int, band: int = BAND) -> list[tuple[int, int]]:
+    """``(tile of x, M group)`` of each CTA of a one-a-tile grid (``sparse24_ws.cu``'s ``band_tile``), in launch
+    order: bands of ``band`` M groups, each band's tiles of x one after another, so that the CTAs running at once
+    share a few tiles of x and a few row blocks of W in L2 (docs/design/0038)."""
+    out = []
+    for index in range(tiles_n * groups):
+        b, rest = divmod(index, band * tiles_n)
+        width = min(band, groups - b * band)
+        out.append((rest // width, b * band + rest % width))
+    return out
+
+
 def gated_tile(cfg: WsConfig) -> bool:
     """Whether a gated epilogue runs on ``cfg``: as many 64-row blocks of W from each half (``sparse24_ring.cuh``),
     one CTA a tile (``sparse24_ws.cu``) or ping-pong (``sparse24_pp.cu``), not split (``sparse24_sk.cu``).  The same
