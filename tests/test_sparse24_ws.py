@@ -61,24 +61,52 @@ def test_k_split_only_where_each_cta_keeps_four_steps():
 
 
 @pytest.mark.parametrize("tiles_n, groups", [(1, 1), (1, 37), (32, 224), (7, 9), (3, 8), (5, 17), (16, 3)])
-def test_the_grid_runs_its_tiles_in_bands_each_once(tiles_n, groups):
+def test_the_grid_runs_its_tiles_in_bands_where_x_is_large_each_once(tiles_n, groups):
     """The one-a-tile grid's launch order (``band_order``, the kernel's ``band_tile``): every (tile of x, M group)
-    once, and the CTAs of a wave of 132 on as few tiles of x and groups as a band gives, where the grid's own order
-    (x fastest) took every tile of x for a few groups."""
+    once; where x is large, a wave of 132 CTAs on as few tiles of x and groups as a band gives, where the grid's own
+    order (x fastest, kept for smaller x) took every tile of x for a few groups."""
     import pathlib
 
     from kernelplan.kernels import sparse24_ws
 
     cu = (pathlib.Path(sparse24_ws.__file__).parent / "cuda" / "sparse24_ws.cu").read_text()
     assert f"#define KP_BAND {sparse24_ws.BAND}\n" in cu  # the mirror's band is the kernel's
-    order = sparse24_ws.band_order(tiles_n, groups)
-    assert sorted(order) == [(t, g) for t in range(tiles_n) for g in range(groups)]
-    wave = order[:132]
-    band = min(sparse24_ws.BAND, groups)
-    assert {g for _, g in wave} <= set(range(band)) or len(wave) > band * tiles_n
+    assert f"#define KP_BAND_MIN_X ({sparse24_ws.BAND_MIN_X >> 20} << 20)\n" in cu
+    k = 8192
+    small, large = sparse24_ws.BAND_MIN_X // (2 * k) - 1, sparse24_ws.BAND_MIN_X // (2 * k)
+    every = sorted((t, g) for t in range(tiles_n) for g in range(groups))
+    assert sparse24_ws.band_order(small, k, tiles_n, groups) == [(t, g) for g in range(groups) for t in range(tiles_n)]
+    order = sparse24_ws.band_order(large, k, tiles_n, groups)
+    assert sorted(order) == every
+    wave, band = order[:132], min(sparse24_ws.BAND, groups)
     assert len({t for t, _ in wave}) == min(tiles_n, -(-len(wave) // band))
     if tiles_n == 32 and groups == 224:  # n = 8192 in tiles of 256, 57344 rows in clusters of 2 x 128
-        assert len({t for t, _ in wave}) == 17 and len({g for _, g in wave}) == 8  # old order: all 32 x 5 groups
+        assert len({t for t, _ in wave}) == 17 and len({g for _, g in wave}) == 8  # own order: all 32 x 5 groups
+
+
+@gpu
+@sm90
+def test_a_grid_in_bands_matches_fp64(seed):
+    """x of 24 MiB and more runs the grid in bands (``band_tile``): tiles of one CTA a tile, with and without x's
+    multicast and K's split, against fp64, bias and an activation included."""
+    from kernelplan.kernels import raw_stream
+    from kernelplan.kernels.sparse24_sp import _tiled
+    from kernelplan.kernels.sparse24_ws import BAND_MIN_X, _deepest
+
+    k, m = 4096, 1040
+    n = -(-BAND_MIN_X // (2 * k)) + 27  # 3099 rows: past the bound, not a multiple of any tile
+    x = torch.randn(n, k, device="cuda").bfloat16()
+    w = kp.sparse24.prune(torch.randn(m, k, device="cuda")).bfloat16()
+    bias = torch.randn(m, device="cuda").bfloat16()
+    w24 = kp.sparse24.compress(w)
+    values, codes = _tiled(w24.values, w24.metadata)
+    want = F.gelu(F.linear(x.double(), w.double(), bias.double()))
+    for cfg in (_deepest(240, 2, 1, 1), _deepest(256, 2, 2, 1), _deepest(128, 2, 2, 2), _deepest(96, 3, 1, 1)):
+        y = torch.full((n, m), float("nan"), device="cuda", dtype=torch.bfloat16)
+        launch, grid = WsKernel().launch_config(cfg, n, m, "bf16", True, "gelu", 0)
+        launch(grid, (x.data_ptr(), values.data_ptr(), codes.data_ptr(), bias.data_ptr(), y.data_ptr(), n, m, k,
+                      x.stride(0), y.stride(0)), raw_stream(0))
+        assert_close(y, want, F.gelu(F.linear(x, w, bias)), atol=FWD_ATOL[torch.bfloat16])
 
 
 def test_cuda_ws_reads_the_one_layout():

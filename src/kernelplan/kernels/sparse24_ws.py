@@ -256,17 +256,20 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False) -> WsConfig
 
 
 BAND = 8  # cuda/sparse24_ws.cu's KP_BAND: M groups a band of the grid's tiles
+BAND_MIN_X = 24 << 20  # and its KP_BAND_MIN_X: bands where x has this many bytes or more
 
 
-def band_order(tiles_n: int, groups: int, band: int = BAND) -> list[tuple[int, int]]:
+def band_order(n: int, k: int, tiles_n: int, groups: int) -> list[tuple[int, int]]:
     """``(tile of x, M group)`` of each CTA of a one-a-tile grid (``sparse24_ws.cu``'s ``band_tile``), in launch
-    order: bands of ``band`` M groups, each band's tiles of x one after another, so that the CTAs running at once
-    share a few tiles of x and a few row blocks of W in L2 (docs/design/0038)."""
+    order, for x of n rows and K columns: where x has ``BAND_MIN_X`` bytes or more, bands of ``BAND`` M groups, each
+    band's tiles of x one after another, so that the CTAs running at once share a few tiles of x and a few row blocks
+    of W in L2; else the grid's own order, x's tiles fastest (docs/design/0038)."""
+    bands = BAND if 2 * n * k >= BAND_MIN_X else 1
     out = []
     for index in range(tiles_n * groups):
-        b, rest = divmod(index, band * tiles_n)
-        width = min(band, groups - b * band)
-        out.append((rest // width, b * band + rest % width))
+        b, rest = divmod(index, bands * tiles_n)
+        width = min(bands, groups - b * bands)
+        out.append((rest // width, b * bands + rest % width))
     return out
 
 

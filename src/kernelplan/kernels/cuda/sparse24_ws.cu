@@ -43,25 +43,31 @@ constexpr int kXPart = BN / CM;                    // rows of x each CTA of an M
 static_assert(BN % KC == 0, "each CTA of a cluster writes BN / KC rows of y");
 static_assert(kXPart % 8 == 0, "each part of x starts on a 1024-byte swizzle phase");
 
-// The grid's tiles in bands of KP_BAND M groups (of CM row blocks of W each), a band's tiles of x one after another:
-// the CTAs running at once then share a few tiles of x and a few row blocks of W, which stay in L2 between them.  In
-// the grid's own order (x's tiles fastest) a wave took every tile of x for a few row blocks of W, and where x is
-// larger than L2 (n = 8192 at K = 8192: 134 MB) each wave read all of it from DRAM again (docs/design/0038).
-// kernels/sparse24_ws.py's band_order is the same map.
+// Where x is KP_BAND_MIN_X bytes or more, the grid's tiles run in bands of KP_BAND M groups (of CM row blocks of W
+// each), a band's tiles of x one after another: the CTAs running at once then share a few tiles of x and a few row
+// blocks of W, which stay in L2 between them.  In the grid's own order (x's tiles fastest) a wave took every tile of
+// x for a few row blocks of W, and where x is larger than L2 (n = 8192 at K = 8192: 134 MB) each wave read all of it
+// from DRAM again: bands ran 1.04-1.11x faster at n = 8192 on an H200.  Where x is smaller, the grid's own order
+// was as fast or faster (up to 5% at x = 16 MB), so it stays (docs/design/0038).  kernels/sparse24_ws.py's
+// band_order is the same map.
 #ifndef KP_BAND
 #define KP_BAND 8
+#endif
+#ifndef KP_BAND_MIN_X
+#define KP_BAND_MIN_X (24 << 20)
 #endif
 
 // This CTA's tile of x and M group: CTA l of the grid in launch order (clusters of CM CTAs along y as one) is the
 // (l % width)-th M group and the (l / width)-th tile of x of its band, width M groups wide (the last band may be
-// narrower).
-__device__ __forceinline__ void band_tile(int &tile_n, int &group) {
+// narrower).  A band of one M group is the grid's own order.
+__device__ __forceinline__ void band_tile(int N, int K, int &tile_n, int &group) {
     const int tiles_n = (int)gridDim.x, groups = (int)gridDim.y / CM;
+    const int bands = 2LL * N * K >= KP_BAND_MIN_X ? KP_BAND : 1;
     const int l = (int)blockIdx.x + tiles_n * ((int)blockIdx.y / CM);
-    const int band = l / (KP_BAND * tiles_n), rest = l - band * KP_BAND * tiles_n;
-    const int width = min(KP_BAND, groups - band * KP_BAND);
+    const int band = l / (bands * tiles_n), rest = l - band * bands * tiles_n;
+    const int width = min(bands, groups - band * bands);
     tile_n = rest / width;
-    group = band * KP_BAND + rest % width;
+    group = band * bands + rest % width;
 }
 
 #if CM * KC > 1
@@ -94,7 +100,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     const Tile tile = tile_at(blockIdx.x, 0, N, tiles_m, offsets, first, e);
 #else
     int tile_n, group;
-    band_tile(tile_n, group);
+    band_tile(N, K, tile_n, group);
     const Tile tile{tile_n * BN, group * CM + (int)blockIdx.y % CM, N, 0};
     const int tiles_m = 0;
 #endif
