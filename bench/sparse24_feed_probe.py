@@ -14,7 +14,8 @@ even where it is multicast, and W's values and metadata) over the time and the S
 replays, weights rotated past L2, alternating with dense ``F.linear`` (``sparse24_wg_tiles.graph_ms``).  The SM clock
 and the board's power are read through NVML while each round replays (the carried ``nvidia-ml-py``; without it they
 are left out), so that a step's time can be put in cycles: a 2:4 kernel may run at a lower clock than dense
-(docs/design/0014).
+(docs/design/0014).  Not ``sparse24_clocks.py``'s nvidia-smi sampling: that needs seconds of replay a reading,
+where these rounds are about 2 ms.
 
     PYTHONPATH=src:bench KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_feed_probe.py
 """
@@ -91,7 +92,8 @@ def intake(cfg, n: int, m: int, k: int, sms: int) -> tuple[int, int, int]:
     tiles = -(-n // cfg.bn) * -(-m // cfg.rows)
     if cfg.pp or cfg.sk:  # one CTA an SM, over every tile
         return tiles * (k // 64) * step, min(sms, tiles), tiles * (k // 64)
-    ctas = -(-n // cfg.bn) * -(-(-(-m // cfg.rows)) // cfg.cm) * cfg.cm * cfg.kc
+    tiles_n, blocks, slices = cfg.grid(n, m)
+    ctas = tiles_n * blocks * slices
     return ctas * (k // 64 // cfg.kc) * step, min(sms, ctas), ctas * (k // 64 // cfg.kc)
 
 

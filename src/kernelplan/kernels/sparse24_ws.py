@@ -64,6 +64,11 @@ class WsConfig:
     def rows(self) -> int:
         return 64 * self.wm
 
+    def grid(self, n: int, m: int) -> tuple[int, int, int]:
+        """The one-a-tile launch's grid for n rows of x and M rows of W: tiles of x, row blocks of W padded to a
+        whole number of clusters (CM along y), and K's slices (KC along z)."""
+        return -(-n // self.bn), -(-(-(-m // self.rows)) // self.cm) * self.cm, self.kc
+
     @property
     def threads(self) -> int:
         return 384 if self.pp else 128 * (self.wm + 1)
@@ -219,8 +224,8 @@ _BIG_CLUSTER_SMS = 120 / 132
 
 def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) -> float:
     """The rule's estimate of a tile's time, relative: lower is faster (not for the split persistent variant)."""
-    n_tiles, m_tiles = -(-n // cfg.bn), -(-(-(-m // cfg.rows)) // cfg.cm) * cfg.cm
-    ctas = n_tiles * m_tiles * cfg.kc
+    n_tiles, m_tiles, slices = cfg.grid(n, m)
+    ctas = n_tiles * m_tiles * slices
     step_bytes = cfg.bn * 128 / cfg.cm + cfg.wm * 4608
     usable = int(sms * _BIG_CLUSTER_SMS) if cfg.cm * cfg.kc >= 4 else sms
     waves = -(-ctas // usable)  # ping-pong: tiles a CTA, one after another
@@ -513,5 +518,4 @@ class WsKernel(WgKernel):
     def launch_config(self, cfg: WsConfig, n, m, dtype, has_bias, activation, device):
         if cfg.sk or cfg.pp:  # the launch takes its grid from the problem (sk_plan; one CTA an SM)
             return _launcher(cfg, dtype, has_bias, activation, device), (0, 0, 0)
-        m_groups = -(-(-(-m // cfg.rows)) // cfg.cm)  # the grid's y is a whole number of clusters
-        return _launcher(cfg, dtype, has_bias, activation, device), (-(-n // cfg.bn), m_groups * cfg.cm, cfg.kc)
+        return _launcher(cfg, dtype, has_bias, activation, device), cfg.grid(n, m)
