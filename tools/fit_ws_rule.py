@@ -66,6 +66,18 @@ def ratios(w: RuleWeights, table) -> list[float]:
     return out
 
 
+def unicast_ratios(w: RuleWeights, table) -> list[float]:
+    """``ratios`` with each pick that multicasts x without splitting K (cm > 1, kc = 1) moved to the same tile
+    with cm = 1, where the table timed it: what the rule would gain by not multicasting (docs/design/0039)."""
+    out = []
+    for n, m, k, sms, cands, times, best in table:
+        i = min(range(len(cands)), key=lambda j: rule_order(cands[j], n, m, k, sms, w))
+        if cands[i].kc == 1 and cands[i].cm > 1:
+            i = next((j for j, c in enumerate(cands) if c == dataclasses.replace(cands[i], cm=1)), i)
+        out.append(best / times[i])
+    return out
+
+
 def score(w: RuleWeights, tables) -> float:
     rs = [ratios(w, t) for t in tables]
     return statistics.mean(statistics.mean(r) for r in rs) + 0.1 * min(min(r) for r in rs)
@@ -78,12 +90,20 @@ def main(argv: list[str]) -> int:
     ap.add_argument("tables", nargs="+")
     ap.add_argument("--sweep", action="append", default=[])
     ap.add_argument("--between", action="store_true", help="fit the rule over the space with between tiles")
+    ap.add_argument("--unicast", action="store_true",
+                    help="only print each table's picks with and without x multicast where K is not split")
     ap.add_argument("--start", action="append", default=[], metavar="FIELD=VALUE",
                     help="start the search from this weight (a weight at 0 is not moved by the search's factors)")
     a = ap.parse_args(argv)
     paths = a.tables + (["sweep pairs"] if a.sweep else [])
     tables = [problems(p) for p in a.tables] + ([sweep_pairs(a.sweep)] if a.sweep else [])
     w = dataclasses.replace(WEIGHTS, **{f: float(v) for f, v in (s.split("=") for s in a.start)})
+    if a.unicast:
+        for p, t in zip(paths, tables):
+            r, u = ratios(w, t), unicast_ratios(w, t)
+            print(f"{p} ({len(t)} problems): mean {statistics.mean(r):.4f} min {min(r):.3f}; without multicast "
+                  f"where kc = 1: mean {statistics.mean(u):.4f} min {min(u):.3f}")
+        return 0
     best = score(w, tables)
     improved = True
     while improved:
