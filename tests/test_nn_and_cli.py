@@ -101,6 +101,12 @@ def test_bench_bad_arguments_fail_in_one_line_before_any_work(tmp_path, capsys, 
         (["bench", "sparse24", "--quick"], "belong to --sweep"),
         (["bench", "sparse24", "--l2", "warm"], "belong to --sweep"),
         (["bench", "sparse24", "--sweep", "--device", "cpu"], "on a CUDA device"),
+        (["bench", "sparse24", "--batch", "8"], "belong to --sweep"),
+        (["bench", "sparse24", "--merge", "a.json", "b.json"], "belong to --sweep"),
+        (["bench", "sparse24", "--sweep", "--batch", "8", "0"], "--batch 0: a batch size is 1 or more"),
+        (["bench", "sparse24", "--sweep", "--batch", "8", "--quick"], "give one of them"),
+        (["bench", "sparse24", "--sweep", "--merge", "a.json", "b.json", "--dtype", "f16"], "leave out"),
+        (["bench", "gemm", "--sweep", "--merge", "a.json", "b.json"], "give the suite sparse24"),
     ]
     if not torch.cuda.is_available():
         cases.append((["bench", "--device", "cuda"], "no CUDA device"))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 
@@ -82,3 +83,69 @@ def test_cycling_calls_each_in_turn():
     for _ in range(7):
         call()
     assert seen == [0, 1, 2] + [0, 1, 2, 0, 1, 2, 0]  # each once eagerly first, then in turn
+
+
+def _part(rows, sizes, date, **meta):
+    """The JSON a sweep run over ``sizes`` writes, from rows of the sweep's form (each shape's memory row too)."""
+    doc = {"device": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "commit": "abc1234", "date": date,
+           "dtype": "bf16", "l2": "cold", "timing": "t", "l2_means": "m", "batch_sizes": sorted(set(sizes))}
+    doc.update(meta)
+    doc["rows"] = copy.deepcopy([r for r in rows if "n" not in r or r["n"] in sizes])
+    return doc
+
+
+def test_merge_joins_parts_over_disjoint_batch_sizes_into_the_whole_sweep():
+    rows = _rows()
+    low, high = [n for n in BATCH_SIZES if n < 512], [n for n in BATCH_SIZES if n >= 512]
+    a, b = _part(rows, high, "2026-11-27T09:00:00+00:00"), _part(rows, low, "2026-11-27T08:00:00+00:00")
+    shape = (a["rows"][-1]["m"], a["rows"][-1]["k"])
+    b["rows"][-1]["memory"]["held_bytes"] += 64  # a later call derived something: the larger count stands
+    merged = sweep.merge([("a.json", a), ("b.json", b)])
+    assert merged["batch_sizes"] == sorted(BATCH_SIZES)
+    assert merged["date"] == "2026-11-27T09:00:00+00:00"
+    assert merged["parts"] == [{"file": "a.json", "date": a["date"], "batch_sizes": high},
+                               {"file": "b.json", "date": b["date"], "batch_sizes": low}]
+    assert merged["commit"] == "abc1234" and merged["timing"] == "t"
+    timed = [r for r in merged["rows"] if "n" in r]
+    assert [(r["m"], r["k"], r["n"]) for r in timed] == [(r["m"], r["k"], r["n"]) for r in rows if "n" in r]
+    held = {(r["m"], r["k"]): r["memory"]["held_bytes"] for r in merged["rows"] if "memory" in r}
+    assert held[shape] == b["rows"][-1]["memory"]["held_bytes"] and len(held) == 5
+    assert "memory" in merged["rows"][len(BATCH_SIZES)]  # each shape's timed rows, then its memory row
+    assert sweep.summary(merged["rows"]) == sweep.summary(rows)
+
+
+@pytest.mark.parametrize("key, value", [("commit", "def5678"), ("device", "NVIDIA H100 80GB HBM3"), ("dtype", "f16"),
+                                        ("l2", "warm")])
+def test_merge_refuses_parts_of_two_sweeps(key, value):
+    rows = _rows()
+    a, b = _part(rows, [1, 8], "d1"), _part(rows, [16], "d2", **{key: value})
+    with pytest.raises(ValueError, match=f"b.json has {key} {value!r} but a.json has"):
+        sweep.merge([("a.json", a), ("b.json", b)])
+
+
+def test_merge_refuses_a_problem_timed_twice_and_a_single_part():
+    rows = _rows()
+    a, b = _part(rows, [1, 8], "d1"), _part(rows, [8, 16], "d2")
+    with pytest.raises(ValueError, match="b.json and a.json both time .* at n = 8"):
+        sweep.merge([("a.json", a), ("b.json", b)])
+    with pytest.raises(ValueError, match="two or more"):
+        sweep.merge([("a.json", a)])
+
+
+def test_the_merge_command_writes_one_sweep_without_a_gpu(tmp_path, capsys):
+    from kernelplan import cli
+
+    rows = _rows()
+    paths = []
+    for name, sizes in (("hi.json", [n for n in BATCH_SIZES if n >= 64]), ("lo.json", [1, 8, 16, 32])):
+        paths.append(str(tmp_path / name))
+        (tmp_path / name).write_text(json.dumps(_part(rows, sizes, name)))
+    out = tmp_path / "whole.json"
+    assert cli.main(["bench", "sparse24", "--sweep", "--merge", *paths, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["batch_sizes"] == sorted(BATCH_SIZES) and len(doc["parts"]) == 2
+    assert "wrote" in capsys.readouterr().out
+    (tmp_path / "lo.json").write_text("{")  # a part cut short
+    assert cli.main(["bench", "sparse24", "--sweep", "--merge", *paths, "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kernelplan bench --merge: ") and err.count("\n") == 1

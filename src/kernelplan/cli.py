@@ -24,6 +24,12 @@ def main(argv: list[str] | None = None) -> int:
                        "every batch size, against dense; writes JSON (--json, default "
                        "sparse24-sweep-<gpu>[-f16].json here) and a PNG beside it, and prints a summary")
     bench.add_argument("--quick", action="store_true", help="with --sweep: 6 batch sizes instead of 12")
+    bench.add_argument("--batch", type=int, nargs="+", default=None, metavar="N",
+                       help="with --sweep: these batch sizes only, a part of a sweep too long for one run "
+                       "(join the parts with --merge)")
+    bench.add_argument("--merge", nargs="+", default=None, metavar="PART.json",
+                       help="with --sweep: join the JSON of runs over disjoint --batch sizes (one GPU model, one "
+                       "commit) into one sweep, its summary and PNG; needs no GPU")
     bench.add_argument("--dtype", default="bf16", choices=("bf16", "f16"), help="with --sweep: the weights' dtype")
     bench.add_argument("--l2", default="cold", choices=("cold", "warm"),
                        help="with --sweep: cold (default) rotates each call over copies of the weight past twice the "
@@ -104,10 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"kernelplan bench: {problem}", file=sys.stderr)
         return 2
+    if args.merge:
+        from .bench import merge_sweep_command
+
+        return merge_sweep_command(args.merge, args.json)
     if args.sweep:
         from .bench import run_sweep_command
 
-        return run_sweep_command(args.device, args.dtype, args.quick, args.json, args.l2)
+        return run_sweep_command(args.device, args.dtype, args.quick, args.json, args.l2, args.batch)
     from .bench import run_bench
 
     return run_bench(args.suite, device=args.device, json_path=args.json)
@@ -163,10 +173,23 @@ def _bench_args_problem(args) -> str | None:
             if dev.index is not None and dev.index >= torch.cuda.device_count():
                 return (f"--device {args.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    if (args.batch or args.merge) and not args.sweep:
+        return "--batch and --merge belong to --sweep (kernelplan bench sparse24 --sweep --batch 2048 8192)"
+    if args.merge:
+        if args.batch or args.quick or args.device is not None or args.dtype != "bf16" or args.l2 != "cold":
+            return ("--merge joins finished parts: it takes their dtype, L2 mode and device from the files; leave "
+                    "out --batch, --quick, --device, --dtype and --l2")
+    elif args.batch:
+        bad = [n for n in args.batch if n < 1]
+        if bad:
+            return f"--batch {bad[0]}: a batch size is 1 or more"
+        if args.quick:
+            return "--batch and --quick both choose the batch sizes: give one of them"
     if args.sweep:
         if args.suite != "sparse24":
             return f"--sweep times the 2:4 kernels: give the suite sparse24 (kernelplan bench sparse24 --sweep), not {args.suite!r}"
-        if not torch.cuda.is_available() or args.device is not None and torch.device(args.device).type != "cuda":
+        no_gpu = not torch.cuda.is_available() or args.device is not None and torch.device(args.device).type != "cuda"
+        if no_gpu and not args.merge:  # --merge joins files: it needs no device
             return ("--sweep times the 2:4 GPU kernels against dense on a CUDA device, and this run has none; "
                     "leave --sweep out for the CPU checks of every op")
     elif args.quick or args.dtype != "bf16" or args.l2 != "cold":

@@ -13,6 +13,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -84,35 +85,66 @@ def run_bench(suite: str = "all", device: str | None = None, json_path: str | No
     return 0 if ok else 1
 
 
-def run_sweep_command(device: str | None, dtype: str, quick: bool, json_path: str | None, l2: str = "cold") -> int:
-    """``kernelplan bench sparse24 --sweep``: the sweep, its JSON and PNG, and its summary; 1 if a result was wrong."""
+def run_sweep_command(device: str | None, dtype: str, quick: bool, json_path: str | None, l2: str = "cold",
+                      batch: list[int] | None = None) -> int:
+    """``kernelplan bench sparse24 --sweep``: the sweep, its JSON and PNG, and its summary; 1 if a result was wrong.
+    ``batch``: these batch sizes instead of the sweep's (a part of a sweep too long for one run; ``--merge``)."""
     from . import sweep
 
     dev = torch.device(device or "cuda")
     t0 = time.time()
-    rows = sweep.run_sweep(dev, {"bf16": torch.bfloat16, "f16": torch.float16}[dtype],
-                           sweep.QUICK_BATCH_SIZES if quick else sweep.BATCH_SIZES,
+    sizes = batch or (sweep.QUICK_BATCH_SIZES if quick else sweep.BATCH_SIZES)
+    rows = sweep.run_sweep(dev, {"bf16": torch.bfloat16, "f16": torch.float16}[dtype], sizes,
                            log=lambda line: print(line, flush=True), l2=l2)
-    path = json_path or f"{sweep.default_name(dev, dtype, l2)}.json"
-    env = environment(dev)
+    doc = {**environment(dev), "dtype": dtype, "timing": SWEEP_TIMING, "l2": l2, "l2_means": SWEEP_L2_MEANS[l2],
+           "rows": rows, "batch_sizes": sorted({r["n"] for r in rows if "n" in r})}
+    path = json_path or f"{sweep.default_name(torch.cuda.get_device_name(dev), dtype, l2)}.json"
+    _write_sweep(doc, path)
+    print(f"wrote {path} in {time.time() - t0:.0f} s")
+    return 1 if any(k.endswith("_wrong") for r in rows for k in r) else 0
+
+
+def merge_sweep_command(paths: list[str], json_path: str | None) -> int:
+    """``kernelplan bench sparse24 --sweep --merge A.json B.json ...``: one sweep from runs over disjoint batch
+    sizes, with its summary and PNG; no GPU needed.  2 if the parts do not make one sweep."""
+    from . import sweep
+
+    try:
+        parts = []
+        for path in paths:
+            with open(path) as f:
+                parts.append((path, json.load(f)))
+        doc = sweep.merge(parts)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"kernelplan bench --merge: {exc}", file=sys.stderr)
+        return 2
+    path = json_path or f"{sweep.default_name(doc['device'], doc['dtype'], doc['l2'])}.json"
+    _write_sweep(doc, path)
+    print(f"wrote {path} from {len(parts)} parts ({', '.join(str(p['batch_sizes']) for p in doc['parts'])})")
+    return 1 if any(k.endswith("_wrong") for r in doc["rows"] for k in r) else 0
+
+
+SWEEP_TIMING = ("CUDA graph replay, median (triton.testing.do_bench_cudagraph); eager: wall per call of 50 "
+                "back-to-back calls, 9 rounds alternating with dense, median of the rounds' ratios")
+SWEEP_L2_MEANS = {"cold": "each call's weight is the next of copies past twice the L2 (weight_copies per row), dense "
+                          "and 2:4 alike: read from DRAM, as in a model's forward",
+                  "warm": "one weight, called over and over: held in L2 where it fits"}
+
+
+def _write_sweep(doc: dict, path: str) -> None:
+    """A sweep's JSON, its summary printed, and its PNG beside it (where matplotlib is installed)."""
+    from . import sweep
+
     with open(path, "w") as f:
-        json.dump({**env, "dtype": dtype, "timing": "CUDA graph replay, median (triton.testing.do_bench_cudagraph); "
-                   "eager: wall per call of 50 back-to-back calls, 9 rounds alternating with dense, median of the "
-                   "rounds' ratios", "l2": l2,
-                   "l2_means": {"cold": "each call's weight is the next of copies past twice the L2 (weight_copies "
-                                        "per row), dense and 2:4 alike: read from DRAM, as in a model's forward",
-                                "warm": "one weight, called over and over: held in L2 where it fits"}[l2],
-                   "rows": rows,
-                   "batch_sizes": sorted({r["n"] for r in rows if "n" in r})}, f, indent=1)
-    print("\n".join(sweep.summary(rows)))
+        json.dump(doc, f, indent=1)
+    print("\n".join(sweep.summary(doc["rows"])))
     try:
         png = path.removesuffix(".json") + ".png"
-        sweep.plot(rows, png, f"2:4 linear (one layout) vs dense, {dtype}, L2 {l2}, {env['device']}, {env['commit']}")
+        sweep.plot(doc["rows"], png, f"2:4 linear (one layout) vs dense, {doc['dtype']}, L2 {doc['l2']}, "
+                                     f"{doc['device']}, {doc['commit']}")
         print(f"plot written to {png}")
     except ImportError:
         print("no plot written: matplotlib is not installed (pip install matplotlib)")
-    print(f"wrote {path} in {time.time() - t0:.0f} s")
-    return 1 if any(k.endswith("_wrong") for r in rows for k in r) else 0
 
 
 def _plot(rows, path: str) -> None:

@@ -237,9 +237,53 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-def default_name(dev: torch.device, dtype: str, l2: str = "cold") -> str:
-    """``sparse24-sweep-<gpu>[-f16][-l2warm]``: the GPU's model word (h100, h200), as the committed results are
-    named."""
-    words = torch.cuda.get_device_name(dev).split()
+def default_name(device: str, dtype: str, l2: str = "cold") -> str:
+    """``sparse24-sweep-<gpu>[-f16][-l2warm]`` for a GPU named ``device`` (``torch.cuda.get_device_name``): the
+    name's model word (h100, h200), as the committed results are named."""
+    words = device.split()
     gpu = words[1].lower() if len(words) > 1 else "gpu"
     return f"sparse24-sweep-{gpu}" + ("" if dtype == "bf16" else f"-{dtype}") + ("" if l2 == "cold" else "-l2warm")
+
+
+# What a sweep's parts must share to be one sweep: one GPU model, one code version, one dtype and L2 mode.
+_SAME_ACROSS_PARTS = ("device", "torch", "triton", "commit", "dtype", "l2")
+
+
+def merge(parts: list[tuple[str, dict]]) -> dict:
+    """One sweep from the JSON of several runs over disjoint batch sizes (``--batch``), where one run would pass a
+    time limit: ``parts`` is ``[(path, doc), ...]``.  The parts must agree on ``_SAME_ACROSS_PARTS`` and time no
+    (M, K, n) twice; a ValueError names the first part that does not.  Each weight keeps the largest bytes held
+    after its calls in any part (the bytes after calls at every n).  ``parts`` in the result says which run timed
+    which batch sizes, when; ``date`` is the last run's."""
+    if len(parts) < 2:
+        raise ValueError(f"merging sweeps takes two or more JSON files, got {len(parts)}")
+    first_path, first = parts[0]
+    timed: dict[tuple[int, int, int], str] = {}
+    memory: dict[tuple[int, int], dict] = {}
+    rows = []
+    for path, doc in parts:
+        for key in _SAME_ACROSS_PARTS:
+            if doc.get(key) != first.get(key):
+                raise ValueError(f"{path} has {key} {doc.get(key)!r} but {first_path} has {first.get(key)!r}: "
+                                 f"a sweep's parts come from one GPU model and one commit; run the parts again")
+        for row in doc["rows"]:
+            if "memory" in row:
+                key = (row["m"], row["k"])
+                if key not in memory or row["memory"]["held_bytes"] > memory[key]["memory"]["held_bytes"]:
+                    memory[key] = row
+                continue
+            key = (row["m"], row["k"], row["n"])
+            if key in timed:
+                raise ValueError(f"{path} and {timed[key]} both time {key[0]}x{key[1]} at n = {key[2]}: give each "
+                                 f"part its own batch sizes (--batch)")
+            timed[key] = path
+            rows.append(row)
+    dates = sorted(doc["date"] for _, doc in parts)
+    merged = {k: v for k, v in first.items() if k not in ("rows", "batch_sizes", "date", "parts")}
+    merged["date"] = dates[-1]
+    merged["parts"] = [{"file": path, "date": doc["date"], "batch_sizes": doc["batch_sizes"]} for path, doc in parts]
+    shapes = list(dict.fromkeys([(r["m"], r["k"]) for r in rows] + list(memory)))  # the first part's order
+    by_shape = {shape: sorted((r for r in rows if (r["m"], r["k"]) == shape), key=lambda r: r["n"]) for shape in shapes}
+    merged["rows"] = [r for shape in shapes for r in by_shape[shape] + ([memory[shape]] if shape in memory else [])]
+    merged["batch_sizes"] = sorted({r["n"] for r in rows})
+    return merged
