@@ -149,3 +149,32 @@ def test_the_merge_command_writes_one_sweep_without_a_gpu(tmp_path, capsys):
     assert cli.main(["bench", "sparse24", "--sweep", "--merge", *paths, "--json", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kernelplan bench --merge: ") and err.count("\n") == 1
+
+
+def test_sweep_parts_written_by_the_command_merge_into_the_whole(tmp_path, monkeypatch, capsys):
+    """``run_sweep_command`` with ``batch`` (the timing stubbed: it runs on a GPU) writes a part that --merge
+    joins."""
+    from kernelplan import bench, cli
+
+    rows = _rows()
+    asked = []
+
+    def fake_run_sweep(dev, dtype, sizes, log, l2):
+        asked.append(tuple(sizes))
+        return copy.deepcopy([r for r in rows if "n" not in r or r["n"] in sizes])
+
+    monkeypatch.setattr(sweep, "run_sweep", fake_run_sweep)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "NVIDIA H200")
+    monkeypatch.setenv("KERNELPLAN_COMMIT", "abc1234")
+    parts = [str(tmp_path / "lo.json"), str(tmp_path / "hi.json")]
+    assert bench.run_sweep_command(None, "bf16", False, parts[0], batch=[1, 8, 16, 32, 64]) == 0
+    assert bench.run_sweep_command(None, "bf16", False, parts[1], batch=[128, 256, 512, 1024, 2048, 4096, 8192]) == 0
+    assert asked == [(1, 8, 16, 32, 64), (128, 256, 512, 1024, 2048, 4096, 8192)]
+    part = json.loads(open(parts[0]).read())
+    assert part["batch_sizes"] == [1, 8, 16, 32, 64] and part["device"] == "NVIDIA H200" and part["l2"] == "cold"
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "sparse24", "--sweep", "--merge", *parts]) == 0
+    whole = json.loads((tmp_path / "sparse24-sweep-h200.json").read_text())
+    assert whole["batch_sizes"] == sorted(BATCH_SIZES)
+    assert sweep.summary(whole["rows"]) == sweep.summary(rows)
+    capsys.readouterr()
