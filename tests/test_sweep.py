@@ -148,7 +148,12 @@ def test_the_merge_command_writes_one_sweep_without_a_gpu(tmp_path, capsys):
     (tmp_path / "lo.json").write_text("{")  # a part cut short
     assert cli.main(["bench", "sparse24", "--sweep", "--merge", *paths, "--json", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("kernelplan bench --merge: ") and err.count("\n") == 1
+    assert err.startswith(f"kernelplan bench --merge: {paths[1]} could not be read") and err.count("\n") == 1
+    (tmp_path / "lo.json").write_text(json.dumps({"device": "NVIDIA H200"}))  # some other JSON
+    assert cli.main(["bench", "sparse24", "--sweep", "--merge", *paths, "--json", str(out)]) == 2
+    assert f"{paths[1]} has no 'rows'" in capsys.readouterr().err
+    assert cli.main(["bench", "sparse24", "--sweep", "--merge", paths[0], str(tmp_path / "gone.json")]) == 2
+    assert "gone.json could not be read" in capsys.readouterr().err
 
 
 def test_sweep_parts_written_by_the_command_merge_into_the_whole(tmp_path, monkeypatch, capsys):

@@ -112,10 +112,13 @@ def merge_sweep_command(paths: list[str], json_path: str | None) -> int:
     try:
         parts = []
         for path in paths:
-            with open(path) as f:
-                parts.append((path, json.load(f)))
+            try:
+                with open(path) as f:
+                    parts.append((path, json.load(f)))
+            except (OSError, ValueError) as exc:  # ValueError: not JSON, or cut short
+                raise ValueError(f"{path} could not be read as a sweep's JSON ({exc})") from exc
         doc = sweep.merge(parts)
-    except (OSError, ValueError, KeyError) as exc:
+    except ValueError as exc:
         print(f"kernelplan bench --merge: {exc}", file=sys.stderr)
         return 2
     path = json_path or f"{sweep.default_name(doc['device'], doc['dtype'], doc['l2'])}.json"

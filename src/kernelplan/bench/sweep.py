@@ -262,6 +262,9 @@ def merge(parts: list[tuple[str, dict]]) -> dict:
     memory: dict[tuple[int, int], dict] = {}
     rows = []
     for path, doc in parts:
+        missing = [key for key in ("rows", "date", "batch_sizes") if key not in doc]
+        if missing:
+            raise ValueError(f"{path} has no {missing[0]!r}: it is not the JSON of kernelplan bench sparse24 --sweep")
         for key in _SAME_ACROSS_PARTS:
             if doc.get(key) != first.get(key):
                 raise ValueError(f"{path} has {key} {doc.get(key)!r} but {first_path} has {first.get(key)!r}: "
