@@ -58,21 +58,14 @@ def sweep_pairs(paths: list[str], sms: int = 132):
     return out
 
 
-def ratios(w: RuleWeights, table) -> list[float]:
+def ratios(w: RuleWeights, table, unicast: bool = False) -> list[float]:
+    """Per problem, the best time over the rule's pick's.  ``unicast``: each pick that multicasts x without splitting
+    K (cm > 1, kc = 1) moved to the same tile with cm = 1, where the table timed it: what the rule would gain by not
+    multicasting (docs/design/0039)."""
     out = []
     for n, m, k, sms, cands, times, best in table:
         i = min(range(len(cands)), key=lambda j: rule_order(cands[j], n, m, k, sms, w))
-        out.append(best / times[i])
-    return out
-
-
-def unicast_ratios(w: RuleWeights, table) -> list[float]:
-    """``ratios`` with each pick that multicasts x without splitting K (cm > 1, kc = 1) moved to the same tile
-    with cm = 1, where the table timed it: what the rule would gain by not multicasting (docs/design/0039)."""
-    out = []
-    for n, m, k, sms, cands, times, best in table:
-        i = min(range(len(cands)), key=lambda j: rule_order(cands[j], n, m, k, sms, w))
-        if cands[i].kc == 1 and cands[i].cm > 1:
+        if unicast and cands[i].kc == 1 and cands[i].cm > 1:
             i = next((j for j, c in enumerate(cands) if c == dataclasses.replace(cands[i], cm=1)), i)
         out.append(best / times[i])
     return out
@@ -100,7 +93,7 @@ def main(argv: list[str]) -> int:
     w = dataclasses.replace(WEIGHTS, **{f: float(v) for f, v in (s.split("=") for s in a.start)})
     if a.unicast:
         for p, t in zip(paths, tables):
-            r, u = ratios(w, t), unicast_ratios(w, t)
+            r, u = ratios(w, t), ratios(w, t, unicast=True)
             print(f"{p} ({len(t)} problems): mean {statistics.mean(r):.4f} min {min(r):.3f}; without multicast "
                   f"where kc = 1: mean {statistics.mean(u):.4f} min {min(u):.3f}")
         return 0

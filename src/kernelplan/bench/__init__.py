@@ -96,7 +96,7 @@ def run_sweep_command(device: str | None, dtype: str, quick: bool, json_path: st
     sizes = batch or (sweep.QUICK_BATCH_SIZES if quick else sweep.BATCH_SIZES)
     rows = sweep.run_sweep(dev, {"bf16": torch.bfloat16, "f16": torch.float16}[dtype], sizes,
                            log=lambda line: print(line, flush=True), l2=l2)
-    doc = {**environment(dev), "dtype": dtype, "timing": SWEEP_TIMING, "l2": l2, "l2_means": SWEEP_L2_MEANS[l2],
+    doc = {**environment(dev), "dtype": dtype, "timing": sweep.TIMING, "l2": l2, "l2_means": sweep.L2_MEANS[l2],
            "rows": rows, "batch_sizes": sorted({r["n"] for r in rows if "n" in r})}
     path = json_path or f"{sweep.default_name(torch.cuda.get_device_name(dev), dtype, l2)}.json"
     _write_sweep(doc, path)
@@ -125,13 +125,6 @@ def merge_sweep_command(paths: list[str], json_path: str | None) -> int:
     _write_sweep(doc, path)
     print(f"wrote {path} from {len(parts)} parts ({', '.join(str(p['batch_sizes']) for p in doc['parts'])})")
     return 1 if any(k.endswith("_wrong") for r in doc["rows"] for k in r) else 0
-
-
-SWEEP_TIMING = ("CUDA graph replay, median (triton.testing.do_bench_cudagraph); eager: wall per call of 50 "
-                "back-to-back calls, 9 rounds alternating with dense, median of the rounds' ratios")
-SWEEP_L2_MEANS = {"cold": "each call's weight is the next of copies past twice the L2 (weight_copies per row), dense "
-                          "and 2:4 alike: read from DRAM, as in a model's forward",
-                  "warm": "one weight, called over and over: held in L2 where it fits"}
 
 
 def _write_sweep(doc: dict, path: str) -> None:

@@ -30,7 +30,13 @@ import torch
 from .shapes import BATCH_SIZES, sweep_shapes
 
 QUICK_BATCH_SIZES = (1, 16, 64, 256, 1024, 4096)
-L2_MODES = ("cold", "warm")
+# What a sweep's JSON says of its two columns and its L2 mode.
+TIMING = ("CUDA graph replay, median (triton.testing.do_bench_cudagraph); eager: wall per call of 50 back-to-back "
+          "calls, 9 rounds alternating with dense, median of the rounds' ratios")
+L2_MEANS = {"cold": "each call's weight is the next of copies past twice the L2 (weight_copies per row), dense and "
+                    "2:4 alike: read from DRAM, as in a model's forward",
+            "warm": "one weight, called over and over: held in L2 where it fits"}
+L2_MODES = tuple(L2_MEANS)
 MAX_COPIES = 256
 EAGER_CALLS, EAGER_ROUNDS = 50, 9  # eager: back-to-back calls a reading, readings of each (paired) a row
 RANGES = (("n <= 16", 1, 16), ("n = 32-64", 32, 64), ("n = 128-512", 128, 512), ("n >= 1024", 1024, 1 << 30))
@@ -260,7 +266,7 @@ def merge(parts: list[tuple[str, dict]]) -> dict:
     first_path, first = parts[0]
     timed: dict[tuple[int, int, int], str] = {}
     memory: dict[tuple[int, int], dict] = {}
-    rows = []
+    by_shape: dict[tuple[int, int], list[dict]] = {}  # each shape's timed rows, in the first part's order
     for path, doc in parts:
         missing = [key for key in ("rows", "date", "batch_sizes") if key not in doc]
         if missing:
@@ -280,13 +286,14 @@ def merge(parts: list[tuple[str, dict]]) -> dict:
                 raise ValueError(f"{path} and {timed[key]} both time {key[0]}x{key[1]} at n = {key[2]}: give each "
                                  f"part its own batch sizes (--batch)")
             timed[key] = path
-            rows.append(row)
+            by_shape.setdefault(key[:2], []).append(row)
     dates = sorted(doc["date"] for _, doc in parts)
     merged = {k: v for k, v in first.items() if k not in ("rows", "batch_sizes", "date", "parts")}
     merged["date"] = dates[-1]
     merged["parts"] = [{"file": path, "date": doc["date"], "batch_sizes": doc["batch_sizes"]} for path, doc in parts]
-    shapes = list(dict.fromkeys([(r["m"], r["k"]) for r in rows] + list(memory)))  # the first part's order
-    by_shape = {shape: sorted((r for r in rows if (r["m"], r["k"]) == shape), key=lambda r: r["n"]) for shape in shapes}
-    merged["rows"] = [r for shape in shapes for r in by_shape[shape] + ([memory[shape]] if shape in memory else [])]
-    merged["batch_sizes"] = sorted({r["n"] for r in rows})
+    merged["rows"] = []
+    for shape in dict.fromkeys([*by_shape, *memory]):  # a shape's timed rows by n, then its bytes held
+        held = [memory[shape]] if shape in memory else []
+        merged["rows"] += sorted(by_shape.get(shape, []), key=lambda r: r["n"]) + held
+    merged["batch_sizes"] = sorted({n for _, _, n in timed})
     return merged
