@@ -71,6 +71,28 @@ def ratios(w: RuleWeights, table, unicast: bool = False) -> list[float]:
     return out
 
 
+def report(w: RuleWeights, table) -> list[str]:
+    """The rule's picks against the best tile timed, by n: the mean and largest ratio of their times and how many
+    problems it misses by more than 5%; the three largest misses; and x multicast (cm > 1, K not split) against the
+    same tile without it, over every pair the table timed (docs/design/0039)."""
+    misses = [(1 / r, n, m, k) for r, (n, m, k, *_) in zip(ratios(w, table), table)]
+    lines = ["n | mean | max | over 5%"]
+    for n in sorted({n for _, n, _, _ in misses}):
+        at = [x for x, nn, _, _ in misses if nn == n]
+        lines.append(f"{n} | {statistics.mean(at):.3f} | {max(at):.3f} | {sum(x > 1.05 for x in at)}")
+    lines += [f"miss {x:.3f}: {m}x{k} n = {n}" for x, n, m, k in sorted(misses, reverse=True)[:3]]
+    pairs = []
+    for _, _, _, _, cands, times, _ in table:
+        at = dict(zip(cands, times))
+        pairs += [t / at[c1] for c, t in at.items()
+                  if c.kc == 1 and c.cm > 1 and (c1 := dataclasses.replace(c, cm=1)) in at]
+    if pairs:
+        lines.append(f"x multicast, kc = 1: {len(pairs)} pairs, the tile without it faster in "
+                     f"{100 * sum(p > 1 for p in pairs) / len(pairs):.0f}%, multicast's time over it median "
+                     f"{statistics.median(pairs):.3f}")
+    return lines
+
+
 def score(w: RuleWeights, tables) -> float:
     rs = [ratios(w, t) for t in tables]
     return statistics.mean(statistics.mean(r) for r in rs) + 0.1 * min(min(r) for r in rs)
@@ -85,6 +107,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--between", action="store_true", help="fit the rule over the space with between tiles")
     ap.add_argument("--unicast", action="store_true",
                     help="only print each table's picks with and without x multicast where K is not split")
+    ap.add_argument("--report", action="store_true",
+                    help="only print each table's misses by n and its x multicast pairs, at the present weights "
+                         "(or --start's)")
     ap.add_argument("--start", action="append", default=[], metavar="FIELD=VALUE",
                     help="start the search from this weight (a weight at 0 is not moved by the search's factors)")
     a = ap.parse_args(argv)
@@ -96,6 +121,11 @@ def main(argv: list[str]) -> int:
             r, u = ratios(w, t), ratios(w, t, unicast=True)
             print(f"{p} ({len(t)} problems): mean {statistics.mean(r):.4f} min {min(r):.3f}; without multicast "
                   f"where kc = 1: mean {statistics.mean(u):.4f} min {min(u):.3f}")
+        return 0
+    if a.report:
+        for p, t in zip(paths, tables):
+            print(f"{p} ({len(t)} problems): the rule's pick's time over the best timed")
+            print("\n".join("  " + line for line in report(w, t)))
         return 0
     best = score(w, tables)
     improved = True
@@ -109,7 +139,8 @@ def main(argv: list[str]) -> int:
                     w, best, improved = trial, s, True
     for p, t in zip(paths, tables):
         r = ratios(w, t)
-        print(f"{p} ({len(t)} problems): mean {statistics.mean(r):.3f} median {statistics.median(r):.3f} min {min(r):.3f} "
+        print(f"{p} ({len(t)} problems): mean {statistics.mean(r):.3f} median {statistics.median(r):.3f} "
+              f"min {min(r):.3f} "
               f"(present weights: mean {statistics.mean(ratios(WEIGHTS, t)):.3f})")
     print(w)
     return 0

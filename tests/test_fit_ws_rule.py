@@ -1,0 +1,67 @@
+"""tools/fit_ws_rule.py --report: the rule's misses and the multicast pairs, on a hand-made tile table."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tools"))
+
+import fit_ws_rule  # noqa: E402
+from kernelplan.kernels.sparse24_ws import WEIGHTS, ws_candidates, ws_config  # noqa: E402
+
+SMS = 132
+
+
+def _row(n, m, k, times):
+    return {"m": m, "k": k, "n": n, "dense_ms": 1.0, "tiles_ms": {str(c): t for c, t in times.items()}, "wrong": {}}
+
+
+def _table(tmp_path, rows):
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps({"meta": {"sms": SMS}, "rows": rows}))
+    return fit_ws_rule.problems(str(path))
+
+
+def test_report_gives_the_rules_misses_by_n_and_the_multicast_pairs(tmp_path):
+    n, m, k = 256, 4096, 4096
+    pick = ws_config(n, m, k, SMS)
+    mcast = next(c for c in ws_candidates(n, m, k) if c.kc == 1 and c.cm == 2 and c != pick)
+    uni = dataclasses.replace(mcast, cm=1)
+    # The rule's pick takes 1.2, the best 1.0; the multicast tile 1.5 against its cm = 1 sibling's 1.25.
+    rows = [_row(n, m, k, {pick: 1.2, uni: 1.25, mcast: 1.5, **{c: 1.0 for c in ws_candidates(n, m, k)[-1:]}}),
+            _row(512, m, k, {ws_config(512, m, k, SMS): 1.0, ws_candidates(512, m, k)[-1]: 1.02})]
+    lines = fit_ws_rule.report(WEIGHTS, _table(tmp_path, rows))
+    assert lines[1] == "256 | 1.200 | 1.200 | 1"
+    assert lines[2] == "512 | 1.000 | 1.000 | 0"  # the pick is the best there
+    assert lines[3] == f"miss 1.200: {m}x{k} n = {n}"
+    assert lines[-1] == "x multicast, kc = 1: 1 pairs, the tile without it faster in 100%, multicast's time over it " \
+                        "median 1.200"
+
+
+def test_report_leaves_out_the_pairs_where_the_table_timed_no_multicast_tile(tmp_path):
+    n, m, k = 256, 4096, 4096
+    lines = fit_ws_rule.report(WEIGHTS, _table(tmp_path, [_row(n, m, k, {ws_config(n, m, k, SMS): 1.0})]))
+    assert lines == ["n | mean | max | over 5%", "256 | 1.000 | 1.000 | 0", f"miss 1.000: {m}x{k} n = {n}"]
+
+
+def test_report_runs_from_the_command_line(tmp_path, capsys):
+    n, m, k = 128, 3072, 3072
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps({"meta": {"sms": SMS}, "rows": [_row(n, m, k, {ws_config(n, m, k, SMS): 2.0})]}))
+    assert fit_ws_rule.main([str(path), "--report"]) == 0
+    out = capsys.readouterr().out
+    assert "(1 problems)" in out and "128 | 1.000 | 1.000 | 0" in out
+
+
+@pytest.mark.parametrize("n", [128, 2048])
+def test_report_at_the_present_weights_agrees_with_ratios(tmp_path, n):
+    m, k = 8192, 8192
+    cands = ws_candidates(n, m, k)[:4]
+    table = _table(tmp_path, [_row(n, m, k, {c: 1.0 + 0.1 * i for i, c in enumerate(cands)})])
+    r = fit_ws_rule.ratios(WEIGHTS, table)
+    assert fit_ws_rule.report(WEIGHTS, table)[1] == f"{n} | {1 / r[0]:.3f} | {1 / r[0]:.3f} | {int(1 / r[0] > 1.05)}"
