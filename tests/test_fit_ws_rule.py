@@ -65,3 +65,20 @@ def test_report_at_the_present_weights_agrees_with_ratios(tmp_path, n):
     table = _table(tmp_path, [_row(n, m, k, {c: 1.0 + 0.1 * i for i, c in enumerate(cands)})])
     r = fit_ws_rule.ratios(WEIGHTS, table)
     assert fit_ws_rule.report(WEIGHTS, table)[1] == f"{n} | {1 / r[0]:.3f} | {1 / r[0]:.3f} | {int(1 / r[0] > 1.05)}"
+
+
+def _fit(tmp_path, capsys, *args):
+    n, m, k = 128, 3584, 3584
+    # The rule's pick is slow and every other tile fast: the search has a reason to move a weight (step does it).
+    times = {c: (2.0 if c == ws_config(n, m, k, SMS) else 1.0) for c in ws_candidates(n, m, k)}
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps({"meta": {"sms": SMS}, "rows": [_row(n, m, k, times)]}))
+    assert fit_ws_rule.main([str(path), *args]) == 0
+    return eval(capsys.readouterr().out.strip().splitlines()[-1], {"RuleWeights": type(WEIGHTS)})
+
+
+def test_field_restricts_the_search_to_the_weights_named(tmp_path, capsys):
+    assert _fit(tmp_path, capsys).step != WEIGHTS.step  # unrestricted, the search moves step
+    fitted = _fit(tmp_path, capsys, "--field", "step")
+    assert fitted.step != WEIGHTS.step and dataclasses.replace(fitted, step=WEIGHTS.step) == WEIGHTS
+    assert _fit(tmp_path, capsys, "--field", "copy") == WEIGHTS  # copy alone cannot move the pick here

@@ -110,6 +110,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--report", action="store_true",
                     help="only print each table's misses by n and its x multicast pairs, at the present weights "
                          "(or --start's)")
+    ap.add_argument("--field", action="append", default=[], choices=[f.name for f in dataclasses.fields(RuleWeights)],
+                    help="search only this weight (repeatable; default: all)")
     ap.add_argument("--start", action="append", default=[], metavar="FIELD=VALUE",
                     help="start the search from this weight (a weight at 0 is not moved by the search's factors)")
     a = ap.parse_args(argv)
@@ -131,9 +133,9 @@ def main(argv: list[str]) -> int:
     improved = True
     while improved:
         improved = False
-        for field in dataclasses.fields(RuleWeights):
+        for field in a.field or [f.name for f in dataclasses.fields(RuleWeights)]:
             for f in STEPS:
-                trial = dataclasses.replace(w, **{field.name: getattr(w, field.name) * f})
+                trial = dataclasses.replace(w, **{field: getattr(w, field) * f})
                 s = score(trial, tables)
                 if s > best + 1e-6:
                     w, best, improved = trial, s, True
