@@ -33,8 +33,7 @@ import torch.nn.functional as F
 from kernelplan.bench import results
 from kernelplan.kernels import raw_stream, sparse24_ws
 from kernelplan.kernels.sparse24 import sm_count
-from kernelplan.kernels.sparse24_sp import SM_SHARED
-from kernelplan.kernels.sparse24_sp import _tiled
+from kernelplan.kernels.sparse24_sp import SM_SHARED, _tiled
 from kernelplan.sparse24 import compress, prune
 from sparse24_wg_tiles import L2_BYTES, graph_ms
 

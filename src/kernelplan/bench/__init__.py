@@ -99,9 +99,9 @@ def run_sweep_command(device: str | None, dtype: str, quick: bool, json_path: st
     doc = {**environment(dev), "dtype": dtype, "timing": sweep.TIMING, "l2": l2, "l2_means": sweep.L2_MEANS[l2],
            "rows": rows, "batch_sizes": sorted({r["n"] for r in rows if "n" in r})}
     path = json_path or f"{sweep.default_name(torch.cuda.get_device_name(dev), dtype, l2)}.json"
-    _write_sweep(doc, path)
+    status = _write_sweep(doc, path)
     print(f"wrote {path} in {time.time() - t0:.0f} s")
-    return 1 if any(k.endswith("_wrong") for r in rows for k in r) else 0
+    return status
 
 
 def merge_sweep_command(paths: list[str], json_path: str | None) -> int:
@@ -122,13 +122,14 @@ def merge_sweep_command(paths: list[str], json_path: str | None) -> int:
         print(f"kernelplan bench --merge: {exc}", file=sys.stderr)
         return 2
     path = json_path or f"{sweep.default_name(doc['device'], doc['dtype'], doc['l2'])}.json"
-    _write_sweep(doc, path)
+    status = _write_sweep(doc, path)
     print(f"wrote {path} from {len(parts)} parts ({', '.join(str(p['batch_sizes']) for p in doc['parts'])})")
-    return 1 if any(k.endswith("_wrong") for r in doc["rows"] for k in r) else 0
+    return status
 
 
-def _write_sweep(doc: dict, path: str) -> None:
-    """A sweep's JSON, its summary printed, and its PNG beside it (where matplotlib is installed)."""
+def _write_sweep(doc: dict, path: str) -> int:
+    """A sweep's JSON, its summary printed, and its PNG beside it (where matplotlib is installed); the command's
+    exit status: 1 if a kernel's result was wrong."""
     from . import sweep
 
     with open(path, "w") as f:
@@ -141,6 +142,7 @@ def _write_sweep(doc: dict, path: str) -> None:
         print(f"plot written to {png}")
     except ImportError:
         print("no plot written: matplotlib is not installed (pip install matplotlib)")
+    return 1 if any(k.endswith("_wrong") for r in doc["rows"] for k in r) else 0
 
 
 def _plot(rows, path: str) -> None:
