@@ -61,7 +61,8 @@ def test_report_runs_from_the_command_line(tmp_path, capsys):
 @pytest.mark.parametrize("n", [128, 2048])
 def test_report_at_the_present_weights_agrees_with_ratios(tmp_path, n):
     m, k = 8192, 8192
-    cands = ws_candidates(n, m, k)[:4]
+    pick = ws_config(n, m, k, SMS)
+    cands = [c for c in ws_candidates(n, m, k) if c != pick][:3] + [pick]  # the pick timed, and the slowest
     table = _table(tmp_path, [_row(n, m, k, {c: 1.0 + 0.1 * i for i, c in enumerate(cands)})])
     r = fit_ws_rule.ratios(WEIGHTS, table)
     assert fit_ws_rule.report(WEIGHTS, table)[1] == f"{n} | {1 / r[0]:.3f} | {1 / r[0]:.3f} | {int(1 / r[0] > 1.05)}"
@@ -82,3 +83,26 @@ def test_field_restricts_the_search_to_the_weights_named(tmp_path, capsys):
     fitted = _fit(tmp_path, capsys, "--field", "step")
     assert fitted.step != WEIGHTS.step and dataclasses.replace(fitted, step=WEIGHTS.step) == WEIGHTS
     assert _fit(tmp_path, capsys, "--field", "copy") == WEIGHTS  # copy alone cannot move the pick here
+
+
+def test_a_pick_the_table_did_not_time_is_untimed_not_the_best_of_the_rest(tmp_path):
+    n, m, k = 256, 4096, 4096
+    others = [c for c in ws_candidates(n, m, k) if c != ws_config(n, m, k, SMS)][:2]
+    table = _table(tmp_path, [_row(n, m, k, {others[0]: 1.0, others[1]: 1.3}),
+                              _row(512, m, k, {ws_config(512, m, k, SMS): 1.0})])
+    assert fit_ws_rule.ratios(WEIGHTS, table) == [None, 1.0]
+    assert fit_ws_rule.report(WEIGHTS, table)[:3] == ["untimed picks: 1 of 2", "n | mean | max | over 5%",
+                                                      "512 | 1.000 | 1.000 | 0"]
+
+
+def test_the_search_never_moves_a_pick_onto_a_tile_no_table_timed(tmp_path, capsys):
+    # The rule's pick is slow and one other tile fast; every other tile untimed.  Moving off the pick is a gain
+    # only if the new pick is that one tile: landing anywhere else is a guess the search must not take.
+    n, m, k = 128, 3584, 3584
+    pick = ws_config(n, m, k, SMS)
+    path = tmp_path / "tiles.json"
+    for other in [c for c in ws_candidates(n, m, k) if c != pick][:6]:
+        path.write_text(json.dumps({"meta": {"sms": SMS}, "rows": [_row(n, m, k, {pick: 2.0, other: 1.0})]}))
+        assert fit_ws_rule.main([str(path)]) == 0
+        fitted = eval(capsys.readouterr().out.strip().splitlines()[-1], {"RuleWeights": type(WEIGHTS)})
+        assert fit_ws_rule.ratios(fitted, fit_ws_rule.problems(str(path))) != [None]

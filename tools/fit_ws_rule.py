@@ -1,10 +1,12 @@
 """Fits the ``cuda_ws`` tile rule's weights (``kernels/sparse24_ws.py``, ``RuleWeights``) to measured tile tables.
 
 Each table (``bench/results/sparse24-ws-tiles-<gpu>.json``, from ``bench/sparse24_wg_tiles.py --kernel ws``) has,
-per (M, K, n), every candidate's time.  For a set of weights the rule picks, per problem, the least-cost candidate
-among those the table measured; the score is the mean over problems of best time / picked time, over all tables
-(each table weighs alike), less a penalty for the worst pick.  A coordinate search over multiplicative steps,
-from the present weights.
+per (M, K, n), the times of the candidates it ran (``--top`` tables: a few).  For a set of weights the rule picks,
+per problem, the least-cost candidate of its whole space, as ``ws_config`` does; where the table did not time that
+tile the problem is untimed and says nothing about those weights.  The score is the mean over timed problems of best
+time / picked time, over all tables (each table weighs alike), less a penalty for the worst pick.  A coordinate
+search over multiplicative steps, from the present weights, that never adds an untimed problem: a step that moves a
+pick onto a tile no table timed is a guess, and a sweep showed such guesses lose (docs/design/0040).
 
 Sweeps (``kernelplan bench sparse24 --sweep --json``) add evidence: each timed the rule's tile of its day on 43
 shapes x 12 n, so two sweeps under different rules give, where their picks differ, two measured tiles of one problem
@@ -37,13 +39,15 @@ def problems(path: str):
     out = []
     for row in data["rows"]:
         times = row["tiles_ms"]
-        cands = [c for c in ws_candidates(row["n"], row["m"], row["k"], between=BETWEEN) if str(c) in times]
-        out.append((row["n"], row["m"], row["k"], sms, cands, [times[str(c)] for c in cands], min(times.values())))
+        cands = ws_candidates(row["n"], row["m"], row["k"], between=BETWEEN)
+        out.append((row["n"], row["m"], row["k"], sms, cands, [times.get(str(c)) for c in cands],
+                    min(times.values())))
     return out
 
 
 def sweep_pairs(paths: list[str], sms: int = 132):
-    """The problems two or more sweeps timed with different tiles: (n, m, k, sms, tiles, times / dense, best)."""
+    """The problems two or more sweeps timed with different tiles: (n, m, k, sms, the rule's space, times / dense
+    (None: untimed), best)."""
     seen: dict = {}
     for path in paths:
         for row in json.loads(Path(path).read_text())["rows"]:
@@ -53,37 +57,49 @@ def sweep_pairs(paths: list[str], sms: int = 132):
     out = []
     for (n, m, k), tiles in seen.items():
         if len(tiles) > 1:
-            cands = list(tiles)
-            out.append((n, m, k, sms, cands, [tiles[c] for c in cands], min(tiles.values())))
+            cands = ws_candidates(n, m, k, between=BETWEEN)
+            out.append((n, m, k, sms, cands, [tiles.get(c) for c in cands], min(tiles.values())))
     return out
 
 
-def ratios(w: RuleWeights, table, unicast: bool = False) -> list[float]:
-    """Per problem, the best time over the rule's pick's.  ``unicast``: each pick that multicasts x without splitting
-    K (cm > 1, kc = 1) moved to the same tile with cm = 1, where the table timed it: what the rule would gain by not
-    multicasting (docs/design/0039)."""
+def ratios(w: RuleWeights, table, unicast: bool = False) -> list[float | None]:
+    """Per problem, the best time over the rule's pick's (None where the table did not time the pick).
+    ``unicast``: each pick that multicasts x without splitting K (cm > 1, kc = 1) moved to the same tile with cm = 1,
+    where the table timed it: what the rule would gain by not multicasting (docs/design/0039)."""
     out = []
     for n, m, k, sms, cands, times, best in table:
         i = min(range(len(cands)), key=lambda j: rule_order(cands[j], n, m, k, sms, w))
         if unicast and cands[i].kc == 1 and cands[i].cm > 1:
-            i = next((j for j, c in enumerate(cands) if c == dataclasses.replace(cands[i], cm=1)), i)
-        out.append(best / times[i])
+            i = next((j for j, c in enumerate(cands)
+                      if c == dataclasses.replace(cands[i], cm=1) and times[j] is not None), i)
+        out.append(None if times[i] is None else best / times[i])
     return out
+
+
+def timed(w: RuleWeights, table, unicast: bool = False) -> list[float]:
+    return [r for r in ratios(w, table, unicast) if r is not None]
+
+
+def untimed(w: RuleWeights, tables) -> int:
+    """How many problems, over all tables, whose pick under ``w`` the table did not time."""
+    return sum(r is None for t in tables for r in ratios(w, t))
 
 
 def report(w: RuleWeights, table) -> list[str]:
     """The rule's picks against the best tile timed, by n: the mean and largest ratio of their times and how many
     problems it misses by more than 5%; the three largest misses; and x multicast (cm > 1, K not split) against the
     same tile without it, over every pair the table timed (docs/design/0039)."""
-    misses = [(1 / r, n, m, k) for r, (n, m, k, *_) in zip(ratios(w, table), table)]
-    lines = ["n | mean | max | over 5%"]
+    rs = ratios(w, table)
+    misses = [(1 / r, n, m, k) for r, (n, m, k, *_) in zip(rs, table) if r is not None]
+    lines = [f"untimed picks: {sum(r is None for r in rs)} of {len(rs)}"] if None in rs else []
+    lines.append("n | mean | max | over 5%")
     for n in sorted({n for _, n, _, _ in misses}):
         at = [x for x, nn, _, _ in misses if nn == n]
         lines.append(f"{n} | {statistics.mean(at):.3f} | {max(at):.3f} | {sum(x > 1.05 for x in at)}")
     lines += [f"miss {x:.3f}: {m}x{k} n = {n}" for x, n, m, k in sorted(misses, reverse=True)[:3]]
     pairs = []
     for _, _, _, _, cands, times, _ in table:
-        at = dict(zip(cands, times))
+        at = {c: t for c, t in zip(cands, times) if t is not None}
         pairs += [t / at[c1] for c, t in at.items()
                   if c.kc == 1 and c.cm > 1 and (c1 := dataclasses.replace(c, cm=1)) in at]
     if pairs:
@@ -94,7 +110,7 @@ def report(w: RuleWeights, table) -> list[str]:
 
 
 def score(w: RuleWeights, tables) -> float:
-    rs = [ratios(w, t) for t in tables]
+    rs = [r for r in (timed(w, t) for t in tables) if r]
     return statistics.mean(statistics.mean(r) for r in rs) + 0.1 * min(min(r) for r in rs)
 
 
@@ -120,7 +136,7 @@ def main(argv: list[str]) -> int:
     w = dataclasses.replace(WEIGHTS, **{f: float(v) for f, v in (s.split("=") for s in a.start)})
     if a.unicast:
         for p, t in zip(paths, tables):
-            r, u = ratios(w, t), ratios(w, t, unicast=True)
+            r, u = timed(w, t), timed(w, t, unicast=True)
             print(f"{p} ({len(t)} problems): mean {statistics.mean(r):.4f} min {min(r):.3f}; without multicast "
                   f"where kc = 1: mean {statistics.mean(u):.4f} min {min(u):.3f}")
         return 0
@@ -129,21 +145,23 @@ def main(argv: list[str]) -> int:
             print(f"{p} ({len(t)} problems): the rule's pick's time over the best timed")
             print("\n".join("  " + line for line in report(w, t)))
         return 0
-    best = score(w, tables)
+    best, gaps = score(w, tables), untimed(w, tables)
     improved = True
     while improved:
         improved = False
         for field in a.field or [f.name for f in dataclasses.fields(RuleWeights)]:
             for f in STEPS:
                 trial = dataclasses.replace(w, **{field: getattr(w, field) * f})
+                if untimed(trial, tables) > gaps:
+                    continue
                 s = score(trial, tables)
                 if s > best + 1e-6:
                     w, best, improved = trial, s, True
     for p, t in zip(paths, tables):
-        r = ratios(w, t)
-        print(f"{p} ({len(t)} problems): mean {statistics.mean(r):.3f} median {statistics.median(r):.3f} "
-              f"min {min(r):.3f} "
-              f"(present weights: mean {statistics.mean(ratios(WEIGHTS, t)):.3f})")
+        r, r0 = timed(w, t), timed(WEIGHTS, t)
+        print(f"{p} ({len(t)} problems, {len(r)} picks timed): mean {statistics.mean(r):.3f} median "
+              f"{statistics.median(r):.3f} min {min(r):.3f} "
+              f"(present weights: mean {statistics.mean(r0):.3f} over {len(r0)} timed)")
     print(w)
     return 0
 
