@@ -128,3 +128,29 @@ def graph_us(fn: Callable, rep: int = 20) -> float:
     import triton
 
     return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e3
+
+
+def graph_rounds(fns: dict[str, list[Callable]], calls: int, rounds: int) -> dict[str, list[float]]:
+    """ms per call of each of ``fns``' lists, per round: ``calls`` back-to-back calls cycling over the list (one
+    weight copy each, so the weights are read past the L2), captured once as a CUDA graph and replayed, in rounds
+    whose order alternates (forwards, then backwards), so that a slow spell of the GPU lands on all alike.  No host
+    work is timed."""
+    graphs = {}
+    for name, calls_of in fns.items():
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                calls_of[i % len(calls_of)]()
+        graph.replay()  # the first replay uploads the graph
+        graphs[name] = graph
+    out: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs[name].replay()
+            end.record()
+            end.synchronize()
+            out[name].append(start.elapsed_time(end) / calls)
+    return out

@@ -106,11 +106,13 @@ class _RouteShape:
 
 
 def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bool = True,
-           threads: int = 8, every_n: bool = True) -> list[dict]:
+           threads: int = 8, every_n: bool = True, tune: bool = False) -> list[dict]:
     """Compile every kernel and settle every dispatch choice of ``model``'s 2:4 layers at ``batch_sizes``, and of
     their sibling groups settled so far, gated MLPs' included (a group settles on the model's first pass: warm up
     after it to warm the groups' GEMMs too).  With ``every_n``, the kernels of every n up to the largest batch size
-    are compiled too, so that no call of up to that many rows compiles."""
+    are compiled too, so that no call of up to that many rows compiles.  With ``tune`` (opt-in), the ``cuda_ws``
+    tile of each GEMM at each of ``batch_sizes`` is tuned first (``sparse24/tiles.py``: timed, or read back from
+    the plan cache), and each row says what it kept (``tile``: "rule", or the gain of the tile kept over it)."""
     from .nn.routes import route_of
     from .sparse24.dispatch import rule_points
 
@@ -132,6 +134,7 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
     routed = [_RouteShape(r) for r in filter(None, map(route_of, model.modules())) if r.ready()]
     rows, compiles, seen = {}, {}, set()
     compile_at = sorted(set(sizes) | set(rule_points(sizes[-1]))) if every_n else sizes
+    tuned = _tune(layers + [_GroupShape(g) for g in groups] + routed, sizes) if tune else {}
     for layer in layers + [_GroupShape(g) for g in groups] + routed:
         epilogue = getattr(layer, "epilogue", None)  # a routed module's GEMM's; a layer's own GEMM has none
         for n in compile_at:
@@ -147,6 +150,10 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
                              "expected": _expected(layer, n) if epilogue is None else None}
                 if epilogue is not None:
                     rows[key]["epilogue"] = epilogue
+                choice = tuned.get((key[0], key[1], epilogue, n))
+                if choice is not None and choice.tile is not None:
+                    rows[key]["tile"] = "rule" if choice.tile == choice.rule else \
+                        f"{choice.gain:.3f}x over the rule's" if choice.gain is not None else "stored choice"
             if compile_ is not None:
                 compiles.setdefault((backend, str(cfg), key[2], key[3], epilogue), compile_)
     from .kernels.sparse24_grouped import grouped_load, grouped_variants  # kernels: imported where a GPU is used
@@ -193,6 +200,26 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
     for row in rows.values():
         row["compile_s"], row["compiled"] = compiled_s, len(compiles)  # the compile phase, all kernels together
     return list(rows.values())
+
+
+def _tune(shapes: list, sizes: list[int]) -> dict:
+    """``{(M, K, epilogue, n): TileChoice}`` of the compact-policy GEMMs among ``shapes`` on CUDA, tuned by device
+    and dtype (``tiles.tune_tiles``)."""
+    from .sparse24.tiles import tune_tiles
+
+    by_device: dict = {}
+    for shape in shapes:
+        dev = shape.values.device
+        if dev.type == "cuda" and shape.memory == "compact":
+            by_device.setdefault((dev, shape.values.dtype), {})[
+                (shape.out_features, shape.in_features, getattr(shape, "epilogue", None))] = None
+    out = {}
+    for (dev, dtype), gemms in by_device.items():
+        for choice, (m, k, epilogue, n) in zip(
+                tune_tiles(list(gemms), sizes, device=dev, dtype=dtype),
+                [(*g, n) for g in gemms for n in sizes]):
+            out[(m, k, epilogue, n)] = choice
+    return out
 
 
 def table(rows: list[dict]) -> str:

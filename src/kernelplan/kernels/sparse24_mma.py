@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import re
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,7 @@ from ..activations import ACTIVATION_CODES, epilogue_columns, kernel_epilogue
 from .sparse24 import _expand_ptx, code_metadata, sm_count
 
 MAX_N = 16  # two 8-wide N tiles
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every _TiledWeight, for drop_launches
 
 
 @dataclass(frozen=True)
@@ -378,6 +380,14 @@ class MmaLinear:
             weight(x[i:i + step], bias, y[i:i + step])
 
 
+def drop_launches() -> None:
+    """Every live weight's prepared launches: its next call looks its kernel and tile up again (after tile tuning,
+    ``sparse24/tiles.py``, changed a tile).  Captured CUDA graphs keep what they recorded."""
+    for weight in list(_LIVE):
+        weight._calls.clear()
+        weight._direct.clear()
+
+
 class _TiledWeight:
     """One weight's tiled layout and its launches; per call only x, bias, y and N vary.
 
@@ -402,6 +412,7 @@ class _TiledWeight:
         self.kernel = kernel
         self._calls: dict = {}  # per-call key -> (FunctionLaunch, grid, x readable in place, y writable in place)
         self._direct: dict = {}  # (x shape, no bias) -> (BoundLaunch, y shape): contiguous, aligned x
+        _LIVE.add(self)
 
     def __call__(self, x, bias, y) -> None:
         device = self.device

@@ -3,6 +3,7 @@
 from .format import FORMAT_VERSION, Sparse24Weight, compress, is_sparse24, prune
 from .gemm import GemmSparse24Args, GemmSparse24Descriptor, GemmSparse24Plan, gated_linear, linear
 from . import backends  # noqa: E402,F401  registers the GPU backends (importing no GPU library)
+from .tiles import clear_tuned_tiles, tune_tiles  # noqa: E402  opt-in tile tuning (imports no GPU library)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -12,6 +13,8 @@ __all__ = [
     "prune",
     "linear",
     "gated_linear",
+    "tune_tiles",
+    "clear_tuned_tiles",
     "GemmSparse24Args",
     "GemmSparse24Descriptor",
     "GemmSparse24Plan",

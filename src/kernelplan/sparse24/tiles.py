@@ -1,0 +1,309 @@
+"""Opt-in tile tuning of the ``cuda_ws`` kernel: the rule's few best-ranked tiles timed on the caller's GPU for the
+caller's shapes, the fastest kept where it beats the rule's own pick.
+
+The rule (``kernels/sparse24_ws.py``, ``ws_config``) picks the best tile timed on 94-99% of the problems of the
+tile tables (docs/design/0039): a few layers lose 7-14% to a tile it ranks second or third, and the two GPUs
+disagree on some (3-4K-wide layers at n = 128: a K split wins on the H200, the ping-pong tile on the H100), which a
+rule that sees the SM count cannot tell apart (docs/design/0040).  Timing decides those.
+
+* Nothing here runs unless asked: ``tune_tiles`` or ``kp.warmup(..., tune=True)``.  A user's first call never
+  times anything.
+* It chooses among tiles of the one device layout; it creates no layout.  The weights it times are synthetic
+  copies of the shape (values do not change a kernel's time), enough that they are read past the L2, as in a
+  model's forward; they are freed when it returns.
+* Each candidate's result is checked against the rule's tile's (the agreement check of ``tuning.agreeing``)
+  before any timing: a tile that disagrees never wins.
+* A candidate replaces the rule's tile only where the median over rounds of the per-round ratio of their times
+  is ``min_gain`` or more in its favour: within one process, alternating rounds, the rule's tile read against
+  itself varies by about 1%.
+* A choice holds for the run of ``N_GRAIN`` n that the tuned n is in (the rule's own grain, ``dispatch.py``); other
+  n keep the rule's tile.
+* Choices are stored in the plan cache (keyed by the GPU, driver and library versions, with the rule's pick of the
+  day: a choice made under another rule is measured again) and applied to this process; a later process's
+  ``tune_tiles`` reads them back without timing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import statistics
+import warnings
+from typing import Iterable
+
+import torch
+
+from ..errors import InvalidProblem
+from .dispatch import N_GRAIN, backend_for, layout_reason
+from .plan import SPARSE24_EPILOGUES, gated_reason
+
+OP = "sparse24_ws_tile"
+DEFAULT_TOP = 6  # the rule's best-ranked tiles timed; the tables' best tile was among the rule's first 6 on 99%
+MIN_GAIN = 0.03
+_TUNED: dict = {}  # (device index, M, K, run of n, gated) -> WsConfig: this process's choices
+
+
+def run_of(n: int) -> int:
+    """The run of n (``N_GRAIN`` of them) over which the rule keeps one tile: n = 8 j + 1 ... 8 j + 8 is run j."""
+    return (n - 1) // N_GRAIN
+
+
+def tuned_tile(device: int, n: int, m: int, k: int, gated: bool):
+    """The tile this process tuned for (M, K) at n's run on cuda:``device``, or None: the rule's then."""
+    return _TUNED.get((device, m, k, run_of(n), gated)) if _TUNED else None
+
+
+def clear_tuned_tiles() -> None:
+    """Back to the rule's tiles in this process (stored choices stay in the plan cache)."""
+    _TUNED.clear()
+    _drop_launches()
+
+
+@dataclasses.dataclass(frozen=True)
+class TileChoice:
+    """One tuned problem: the rule's tile, the one kept, and their median ms per call (None where read from the plan
+    cache without timing, or where no tile was tuned: ``reason``)."""
+
+    m: int
+    k: int
+    n: int
+    gated: bool
+    rule: object | None
+    tile: object | None
+    rule_ms: float | None = None
+    tile_ms: float | None = None
+    source: str = "measured"  # or "stored", or "not tuned"
+    reason: str | None = None
+
+    @property
+    def gain(self) -> float | None:
+        """The rule's tile's time over the kept tile's (1.0 where the rule's was kept)."""
+        return None if self.rule_ms is None else self.rule_ms / self.tile_ms
+
+
+def candidates(n: int, m: int, k: int, sms: int, gated: bool, top: int = DEFAULT_TOP) -> list:
+    """The rule's ``top`` best-ranked tiles for (n, M, K), its own pick first (``rule_order``)."""
+    from ..kernels.sparse24_ws import gated_tile, rule_order, ws_candidates
+
+    space = [c for c in ws_candidates(n, m, k) if not gated or gated_tile(c)]
+    return sorted(space, key=lambda c: rule_order(c, n, m, k, sms))[:top]
+
+
+def decide(rounds_ms: dict, rule, min_gain: float = MIN_GAIN):
+    """The tile to keep from ``{tile: [ms per round]}`` (rounds side by side): the one whose median per-round
+    ratio, rule's time over its, is largest, where that is ``1 + min_gain`` or more; else the rule's."""
+    def ratio(tile) -> float:
+        return statistics.median(r / t for r, t in zip(rounds_ms[rule], rounds_ms[tile]))
+
+    best = max((t for t in rounds_ms if t != rule), key=ratio, default=rule)
+    return best if best != rule and ratio(best) >= 1 + min_gain else rule
+
+
+def _stored(value, rule, space):
+    """A plan-cache entry's tile, if it was chosen under today's rule pick and is one of today's candidates."""
+    from ..kernels.sparse24_ws import WsConfig
+
+    try:
+        stored_rule, tile = WsConfig(**value["rule"]), WsConfig(**value["tile"])
+    except (TypeError, KeyError, ValueError):
+        return None
+    return tile if stored_rule == rule and tile in space else None
+
+
+def _problem(m: int, k: int, n: int, gated: bool, sms: int) -> dict:
+    return {"m": m, "k": k, "run": run_of(n), "gated": gated, "sms": sms}
+
+
+def _synthetic(m: int, k: int, dtype: torch.dtype, device: torch.device, copies: int) -> list:
+    """``copies`` weights of M x K in the kernel's layout: a 2:4 pattern from a pruned random block, random values."""
+    from ..kernels.sparse24_sp import _tiled
+    from .format import compress, prune
+
+    block = compress(prune(torch.randn(min(m, 64), k, device=device)).to(dtype))
+    rows = torch.arange(m, device=device) % block.metadata.shape[0]
+    return [_tiled(torch.randn(m, k // 2, device=device).to(dtype), block.metadata[rows]) for _ in range(copies)]
+
+
+def tile_calls(cands: list, n: int, m: int, k: int, dtype: torch.dtype, activation: str | None, index: int) -> dict:
+    """``{tile: [call per weight copy]}``: each candidate's launch on x of n random rows and enough synthetic copies
+    of an M x K weight to be read past the L2, for the candidates whose result agrees with the first's (the rule's
+    tile), the others left out with a RuntimeWarning.  The calls hold the tensors they read."""
+    from ..activations import epilogue_columns
+    from ..dtypes import dtype_info
+    from ..kernels import raw_stream
+    from ..kernels.sparse24_ws import WsKernel
+    from .tuning import _AGREE, disagreement
+
+    name = dtype_info(dtype).name
+    device = torch.device("cuda", index)
+    kernel = WsKernel()
+    compile_all([(c, name, activation) for c in cands], index)
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    copies = max(1, min(8, -(-2 * l2 // (m * k * 9 // 8))))  # the layout holds 0.5625 x M x K x 2 bytes
+    weights = _synthetic(m, k, dtype, device, copies)
+    x = torch.randn(n, k, device=device).to(dtype)
+    y = torch.empty(n, epilogue_columns(m, activation), device=device, dtype=dtype)
+
+    def calls(cfg) -> list:
+        launch, grid = kernel.launch_config(cfg, n, m, name, False, activation, index)
+        return [lambda p=p, c=c, x=x, y=y: launch(grid, (x.data_ptr(), p.data_ptr(), c.data_ptr(), 0, y.data_ptr(),
+                                                         n, m, k, x.stride(0), y.stride(0)), raw_stream(index))
+                for p, c in weights]
+
+    fns = {cfg: calls(cfg) for cfg in cands}
+    fns[cands[0]][0]()
+    want = y.clone()
+    for cfg in cands[1:]:
+        y.fill_(float("nan"))
+        fns[cfg][0]()
+        err = disagreement(y, want)
+        if err > _AGREE[name]:
+            warnings.warn(f"tile tuning {m}x{k} n = {n}: {cfg} left out: its result differs from the rule's tile's by "
+                          f"{err:.3g} of the largest |y| (at most {_AGREE[name]:.3g} is rounding)", RuntimeWarning,
+                          stacklevel=3)
+            del fns[cfg]
+    return fns
+
+
+def compile_all(variants, index: int) -> None:
+    """Load every ``(tile, dtype name, epilogue)`` of ``variants`` on cuda:``index``, compiled by NVRTC in threads
+    (it is thread-safe) or read from the kernel cache: the timing then only launches."""
+    from ..kernels.sparse24_ws import _launcher
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda v: _launcher(v[0], v[1], False, v[2], index), set(variants)))
+
+
+def calls_per_replay(n: int, m: int, k: int) -> int:
+    """Back-to-back calls in one timed graph replay: about 2 ms of dense work at 2 PFLOP/s, 6 to 100."""
+    return max(6, min(100, int(4e9 / (2 * m * k * n + 1))))
+
+
+def _measure(cands: list, n: int, m: int, k: int, dtype: torch.dtype, activation: str | None, index: int,
+             rounds: int) -> dict:
+    """``{tile: [ms per call, per round]}`` of the candidates that agree with the first (the rule's)."""
+    from ..timing import graph_rounds
+
+    return graph_rounds(tile_calls(cands, n, m, k, dtype, activation, index), calls_per_replay(n, m, k), rounds)
+
+
+def _check(shapes, batch_sizes) -> tuple[list, list]:
+    from ..activations import GATED_EPILOGUES
+
+    sizes = sorted({int(n) for n in batch_sizes})
+    if not sizes or sizes[0] < 1:
+        raise InvalidProblem(f"batch_sizes is {tuple(batch_sizes)}; give positive numbers of rows, such as (32, 128)")
+    out = []
+    for shape in shapes:
+        shape = tuple(shape)
+        if len(shape) not in (2, 3):
+            raise InvalidProblem(f"shape {shape}: give (M, K) or (M, K, epilogue)")
+        m, k, epilogue = int(shape[0]), int(shape[1]), shape[2] if len(shape) == 3 else None
+        why = None if m > 0 and k > 0 else f"M = {m}, K = {k}: not positive"
+        if epilogue is not None and epilogue not in SPARSE24_EPILOGUES:
+            why = why or f"epilogue {epilogue!r} is none of {sorted(SPARSE24_EPILOGUES)}"
+        why = why or (gated_reason(m) if epilogue in GATED_EPILOGUES else None)
+        if why:
+            raise InvalidProblem(f"shape {shape}: {why}; give the (M, K) of a weight, and its epilogue, as "
+                                 f"kp.sparse24.linear takes them")
+        out.append((m, k, epilogue))
+    return out, sizes
+
+
+def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dtype=torch.bfloat16,
+               top: int = DEFAULT_TOP, rounds: int = 7, min_gain: float = MIN_GAIN, store: bool = True) -> list:
+    """Tune the ``cuda_ws`` tile of each ``(M, K)`` or ``(M, K, epilogue)`` in ``shapes`` at each n in
+    ``batch_sizes``, on ``device`` (a Hopper GPU; default the current one), and apply the choices to this process.
+
+    Returns one ``TileChoice`` per (shape, n): a problem the rule gives another kernel (n <= 16 on tall weights:
+    ``cuda_sp``) is returned untuned, with the reason.  Choices read back from the plan cache are not timed again
+    (``store=False``: neither read nor written).  Layers already called pick the new tiles at their next call;
+    CUDA graphs captured before keep the kernels they recorded.
+    """
+    from ..activations import GATED_EPILOGUES
+    from ..cache import plan_cache
+    from ..dtypes import dtype_info
+    from ..kernels import on_device, stream_capturing
+    from ..kernels.sparse24 import sm_count
+
+    if not torch.cuda.is_available():
+        raise InvalidProblem("tile tuning times CUDA kernels; this process sees no CUDA device")
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if dev.type != "cuda":
+        raise InvalidProblem(f"device is {dev}; tile tuning times CUDA kernels: pass a CUDA device")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if top < 1 or rounds < 1 or min_gain < 0:
+        raise InvalidProblem(f"top = {top}, rounds = {rounds}, min_gain = {min_gain}: top and rounds must be 1 or "
+                             f"more, min_gain 0 or more")
+    problems, sizes = _check(list(shapes), batch_sizes)
+    name = dtype_info(dtype).name
+    out = []
+    with on_device(index):
+        if stream_capturing():
+            raise InvalidProblem("tile tuning cannot run while a CUDA graph is being captured: tune before capture")
+        sms, cap = sm_count(index), torch.cuda.get_device_capability(index)
+        plan = []  # (m, k, epilogue, n, candidates, a stored tile or None); None candidates: not cuda_ws's
+        for m, k, epilogue in problems:
+            gated = epilogue in GATED_EPILOGUES
+            for n in sizes:
+                if backend_for(cap, n, m, k, name) != "cuda_ws":
+                    plan.append((m, k, epilogue, n, None, None))
+                    continue
+                cands = candidates(n, m, k, sms, gated, top)
+                value = plan_cache().get(OP, _problem(m, k, n, gated, sms), device=f"cuda:{index}") if store else None
+                plan.append((m, k, epilogue, n, cands, _stored(value, cands[0], cands) if value is not None else None))
+        compile_all([(c, name, e) for _, _, e, _, cands, tile in plan if cands and tile is None for c in cands], index)
+        for m, k, epilogue, n, cands, tile in plan:
+            gated = epilogue in GATED_EPILOGUES
+            if cands is None:
+                backend = backend_for(cap, n, m, k, name)
+                why = layout_reason(cap, k, name) or (f"compute capability {cap[0]}.{cap[1]}" if cap != (9, 0)
+                                                      else f"n = {n} rows on a weight of {m} rows")
+                out.append(TileChoice(m, k, n, gated, None, None, source="not tuned",
+                                      reason=f"the rule runs {backend} here ({why}), not cuda_ws"))
+                continue
+            rule, problem = cands[0], _problem(m, k, n, gated, sms)
+            if tile is not None:
+                choice = TileChoice(m, k, n, gated, rule, tile, source="stored")
+            else:
+                times = _measure(cands, n, m, k, dtype, epilogue, index, rounds)
+                tile = decide(times, rule, min_gain)
+                choice = TileChoice(m, k, n, gated, rule, tile, statistics.median(times[rule]),
+                                    statistics.median(times[tile]))
+                if store:
+                    plan_cache().put(OP, problem, {"rule": dataclasses.asdict(rule), "tile": dataclasses.asdict(tile),
+                                                   "dtype": name,
+                                                   "ms": {str(c): statistics.median(t) for c, t in times.items()}},
+                                     device=f"cuda:{index}")
+            _TUNED[(index, m, k, run_of(n), gated)] = tile
+            out.append(choice)
+    _drop_launches()
+    return out
+
+
+def _drop_launches() -> None:
+    """Every weight's prepared launches, so that its next call looks its tile up again (``sparse24_mma``)."""
+    try:
+        from ..kernels.sparse24_mma import drop_launches
+    except ImportError as e:  # the kernels need triton; without it no launch was ever prepared
+        if "triton" not in str(e):
+            raise
+        return
+    drop_launches()
+
+
+def table(choices: list) -> str:
+    """The choices as text: shape, n, the rule's tile, the tile kept, the gain."""
+    lines = [f"{'M x K':>13} {'n':>6}  {'kept':<8} {'gain':>6}  tile"]
+    for c in choices:
+        if c.tile is None:
+            lines.append(f"{c.m:>6} x {c.k:<5} {c.n:>6}  {'-':<8} {'-':>6}  {c.reason}")
+            continue
+        kept = "rule" if c.tile == c.rule else "other"
+        gain = f"{c.gain:.3f}" if c.gain is not None else c.source
+        lines.append(f"{c.m:>6} x {c.k:<5} {c.n:>6}  {kept:<8} {gain:>6}  {c.tile}" +
+                     (f" (rule: {c.rule})" if kept == "other" else ""))
+    return "\n".join(lines)
+
+
+__all__ = ["TileChoice", "tune_tiles", "tuned_tile", "clear_tuned_tiles", "candidates", "decide", "table", "run_of"]

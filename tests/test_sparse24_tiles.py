@@ -1,0 +1,247 @@
+"""Opt-in tile tuning of ``cuda_ws`` (``sparse24/tiles.py``): its candidates, its decision and its stored choices on
+CPU; on a Hopper GPU, the tuned tile's results against fp64, its reach to layers called before, and graph replay."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernelplan as kp
+from helpers import FWD_ATOL, assert_close, sm90
+from kernelplan.bench.shapes import sweep_shapes
+from kernelplan.errors import InvalidProblem
+from kernelplan.sparse24 import tiles
+from kernelplan.kernels.sparse24_ws import WsConfig, WsKernel, gated_tile, ws_candidates, ws_config
+
+gpu = pytest.mark.gpu
+SMS = 132
+
+
+@pytest.fixture(autouse=True)
+def _untuned():
+    tiles.clear_tuned_tiles()
+    yield
+    tiles.clear_tuned_tiles()
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_candidates_start_with_the_rules_pick_and_stay_in_its_space(gated):
+    for m, k in list(sweep_shapes())[::3]:
+        for n in (17, 64, 128, 200, 512, 2048):
+            cands = tiles.candidates(n, m, k, SMS, gated, top=5)
+            assert cands[0] == ws_config(n, m, k, SMS, gated)
+            assert len(cands) == len(set(cands)) <= 5
+            assert set(cands) <= set(ws_candidates(n, m, k))
+            assert not gated or all(gated_tile(c) for c in cands)
+
+
+def test_the_run_of_n_is_the_rules_grain():
+    from kernelplan.sparse24.dispatch import N_GRAIN, rule_points
+
+    assert [tiles.run_of(n) for n in (1, 8, 9, 16, 17)] == [0, 0, 1, 1, 2]
+    # rule_points gives one n of each run: distinct runs
+    points = rule_points(100)
+    assert len({tiles.run_of(n) for n in points}) == len(points) and N_GRAIN == 8
+
+
+def _rounds(rule_ms, other_ms):
+    a, b = WsConfig(64, 2), WsConfig(128, 2)
+    return {a: rule_ms, b: other_ms}, a, b
+
+
+def test_decide_keeps_the_rule_unless_another_tile_wins_by_min_gain():
+    times, rule, other = _rounds([1.0] * 5, [0.98] * 5)  # 2% faster: under the default 3%
+    assert tiles.decide(times, rule) == rule
+    assert tiles.decide(times, rule, min_gain=0.01) == other
+    times, rule, other = _rounds([1.0] * 5, [0.9] * 5)
+    assert tiles.decide(times, rule) == other
+    assert tiles.decide({rule: [1.0]}, rule) == rule  # nothing else timed
+
+
+def test_decide_needs_the_gain_in_most_rounds_whatever_the_gpus_pace():
+    # The GPU slows 2x for the last three rounds: the other tile is 5% faster in every round.
+    slow = [1.0, 1.0, 2.0, 2.0, 2.0]
+    times, rule, other = _rounds(slow, [0.95 * t for t in slow])
+    assert tiles.decide(times, rule) == other
+    # A tile that is faster in two rounds of five is not kept, however large its lead there.
+    times, rule, other = _rounds([1.0] * 5, [0.5, 0.5, 1.01, 1.01, 1.01])
+    assert tiles.decide(times, rule) == rule
+
+
+def test_decide_takes_the_larger_median_gain():
+    a, b, c = WsConfig(64, 2), WsConfig(128, 2), WsConfig(64, 1, pp=True)
+    assert tiles.decide({a: [1.0] * 3, b: [0.9] * 3, c: [0.8] * 3}, a) == c
+
+
+def test_a_stored_choice_holds_only_under_todays_rule_and_candidates():
+    rule, tile = WsConfig(64, 1, pp=True, stages=8), WsConfig(64, 2, kc=2, stages=8)
+    value = {"rule": dataclasses.asdict(rule), "tile": dataclasses.asdict(tile)}
+    assert tiles._stored(value, rule, [rule, tile]) == tile
+    assert tiles._stored(value, tile, [rule, tile]) is None  # chosen under another rule pick: measured again
+    assert tiles._stored(value, rule, [rule]) is None  # no longer a candidate
+    assert tiles._stored({"rule": {"bn": "x", "nope": 1}, "tile": {}}, rule, [rule]) is None  # does not parse
+    assert tiles._stored({"tile": dataclasses.asdict(tile)}, rule, [rule, tile]) is None
+
+
+def test_the_kernel_takes_a_tuned_tile_for_the_run_of_n_and_the_rule_elsewhere(monkeypatch):
+    from kernelplan.kernels import sparse24_wg
+
+    monkeypatch.setattr(sparse24_wg, "sm_count", lambda device: SMS)
+    m, k = 3584, 3584
+    other = tiles.candidates(128, m, k, SMS, False)[2]
+    tiles._TUNED[(0, m, k, tiles.run_of(128), False)] = other
+    kernel = WsKernel()
+    assert kernel.config(128, m, k, 0) == kernel.config(121, m, k, 0) == other
+    assert kernel.config(129, m, k, 0) == ws_config(129, m, k, SMS)  # the next run
+    assert kernel.config(128, m, k, 1) == ws_config(128, m, k, SMS)  # another device
+    assert kernel.config(128, m, k, 0, "gated_silu_first") == ws_config(128, m, k, SMS, True)  # gated is apart
+    tiles.clear_tuned_tiles()
+    assert kernel.config(128, m, k, 0) == ws_config(128, m, k, SMS)
+
+
+def test_drop_launches_empties_every_live_weights_launch_tables():
+    from kernelplan.kernels import sparse24_mma
+
+    class Weight:  # the two tables of a _TiledWeight
+        def __init__(self):
+            self._calls, self._direct = {1: "launch"}, {2: "bound"}
+
+    weights = [Weight(), Weight()]
+    for w in weights:
+        sparse24_mma._LIVE.add(w)
+    sparse24_mma.drop_launches()
+    assert all(w._calls == {} and w._direct == {} for w in weights)
+
+
+@pytest.mark.parametrize("shapes, sizes, match", [
+    ([(0, 64)], [32], "not positive"),
+    ([(128, 64, "gelu", 1)], [32], r"give \(M, K\)"),
+    ([(128, 64, "swish")], [32], "epilogue 'swish'"),
+    ([(48, 64, "gated_silu_first")], [32], "M % 32"),
+    ([(128, 64)], [0, 32], "positive numbers of rows"),
+    ([(128, 64)], [], "positive numbers of rows"),
+])
+def test_bad_shapes_and_batch_sizes_are_refused_with_the_fix(shapes, sizes, match):
+    with pytest.raises(InvalidProblem, match=match):
+        tiles._check(shapes, sizes)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA error")
+def test_tuning_without_cuda_says_it_times_cuda_kernels():
+    with pytest.raises(InvalidProblem, match="no CUDA device"):
+        kp.sparse24.tune_tiles([(128, 128)], [32])
+
+
+def test_warmup_with_tune_on_cpu_tunes_nothing_and_says_so():
+    model = torch.nn.Sequential(kp.nn.Sparse24Linear.from_dense(torch.nn.Linear(128, 64)))
+    rows = kp.warmup(model, (4,), progress=False, tune=True)
+    assert rows and all("tile" not in r for r in rows) and tiles._TUNED == {}
+
+
+def test_table_says_what_was_kept():
+    rule, other = WsConfig(64, 2), WsConfig(128, 2)
+    text = tiles.table([tiles.TileChoice(4096, 4096, 128, False, rule, other, 1.1, 1.0),
+                        tiles.TileChoice(4096, 4096, 256, False, rule, rule, 1.0, 1.0),
+                        tiles.TileChoice(9216, 4096, 8, False, None, None, source="not tuned", reason="cuda_sp")])
+    lines = text.splitlines()
+    assert "other" in lines[1] and "1.100" in lines[1] and f"(rule: {rule})" in lines[1]
+    assert "rule" in lines[2] and "1.000" in lines[2] and lines[3].endswith("cuda_sp")
+
+
+# -- on a Hopper GPU ----------------------------------------------------------------------------------------------
+
+
+def _layer(m, k, dtype=torch.bfloat16):
+    dense = torch.nn.Linear(k, m, device="cuda", dtype=dtype)
+    return kp.nn.Sparse24Linear.from_dense(dense), dense
+
+
+def _tile_of_last_launch(layer):
+    """The WsConfig of the launches a layer's weight prepared (its _TiledWeight's tables)."""
+    from kernelplan.kernels.sparse24_mma import _LIVE
+
+    held = [w for w in _LIVE if w.weight[0] == layer.values.data_ptr()]
+    cfgs = {entry[0].cfg for w in held for entry in w._calls.values()}
+    cfgs |= {getattr(getattr(b, "launch", None), "cfg", None) for w in held for b, _ in w._direct.values()}
+    return cfgs - {None}
+
+
+@gpu
+@sm90
+def test_tuning_times_measures_stores_and_reads_back(tmp_path, monkeypatch, seed):
+    monkeypatch.setenv("KERNELPLAN_CACHE_DIR", str(tmp_path))
+    shapes = [(3584, 3584), (1536, 768, "gated_silu_first"), (9216, 4096)]
+    got = kp.sparse24.tune_tiles(shapes, [8, 128, 200], rounds=3)
+    assert len(got) == 9
+    untuned = [c for c in got if c.tile is None]
+    assert [(c.m, c.n) for c in untuned] == [(9216, 8)] and "cuda_sp" in untuned[0].reason
+    for c in got:
+        if c.tile is not None:
+            assert c.source == "measured" and c.rule_ms > 0 and c.tile_ms > 0
+            assert c.tile == c.rule or c.gain >= 1 + tiles.MIN_GAIN
+            assert tiles.tuned_tile(0, c.n, c.m, c.k, c.gated) == c.tile
+    tiles.clear_tuned_tiles()
+
+    def no_timing(*a, **kw):
+        raise AssertionError("a stored choice was timed again")
+
+    monkeypatch.setattr(tiles, "_measure", no_timing)
+    again = kp.sparse24.tune_tiles(shapes, [8, 128, 200])
+    assert [c.tile for c in again] == [c.tile for c in got]
+    assert {c.source for c in again if c.tile is not None} == {"stored"}
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("n", [128, 125, 121])
+def test_a_tuned_tile_reaches_a_layer_called_before_and_matches_fp64(n, seed):
+    m, k = 3584, 3584
+    layer, dense = _layer(m, k)
+    x = torch.randn(n, 2, k, device="cuda", dtype=torch.bfloat16).transpose(0, 1)  # 3-D, not contiguous: 2n rows
+    want = F.linear(x.double(), layer.to_dense().double(), dense.bias.double())
+    with torch.inference_mode():
+        layer(x)
+        rule = ws_config(2 * n, m, k, torch.cuda.get_device_properties(0).multi_processor_count)
+        assert _tile_of_last_launch(layer) == {rule}
+        other = next(c for c in tiles.candidates(2 * n, m, k, 132, False) if c != rule)
+        tiles._TUNED[(0, m, k, tiles.run_of(2 * n), False)] = other
+        tiles._drop_launches()
+        y = layer(x)
+        assert _tile_of_last_launch(layer) == {other}
+    assert_close(y, want, F.linear(x, layer.to_dense(), dense.bias), atol=FWD_ATOL[torch.bfloat16])
+
+
+@gpu
+@sm90
+def test_a_tuned_tile_replays_in_a_cuda_graph(seed):
+    m, k, n = 3072, 3072, 128
+    layer, dense = _layer(m, k)
+    rule = ws_config(n, m, k, 132)
+    other = next(c for c in tiles.candidates(n, m, k, 132, False) if c != rule)
+    tiles._TUNED[(0, m, k, tiles.run_of(n), False)] = other
+    x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        layer(x)  # warm-up: the launch is prepared outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = layer(x)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _tile_of_last_launch(layer) == {other}
+    want = F.linear(x.double(), layer.to_dense().double(), dense.bias.double())
+    assert_close(y, want, F.linear(x, layer.to_dense(), dense.bias), atol=FWD_ATOL[torch.bfloat16])
+
+
+@gpu
+@sm90
+def test_warmup_with_tune_tunes_the_models_gemms(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERNELPLAN_CACHE_DIR", str(tmp_path))
+    model = torch.nn.Sequential(kp.nn.Sparse24Linear.from_dense(torch.nn.Linear(1024, 2048, device="cuda",
+                                                                                  dtype=torch.bfloat16)))
+    rows = kp.warmup(model, (64,), progress=False, tune=True)
+    assert [r["n"] for r in rows] == [64] and rows[0]["tile"].startswith(("rule", "1."))
+    assert tiles.tuned_tile(0, 64, 2048, 1024, False) is not None
