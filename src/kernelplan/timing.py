@@ -136,6 +136,9 @@ def graph_rounds(fns: dict[str, list[Callable]], calls: int, rounds: int) -> dic
     whose order alternates (forwards, then backwards), so that a slow spell of the GPU lands on all alike.  No host
     work is timed."""
     graphs = {}
+    for calls_of in fns.values():  # outside capture first: a library's lazy set-up (cuBLAS's handle) cannot be captured
+        calls_of[0]()
+    torch.cuda.synchronize()
     for name, calls_of in fns.items():
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
