@@ -54,26 +54,26 @@ def _rounds(rule_ms, other_ms):
 
 def test_decide_keeps_the_rule_unless_another_tile_wins_by_min_gain():
     times, rule, other = _rounds([1.0] * 5, [0.98] * 5)  # 2% faster: under the default 3%
-    assert tiles.decide(times, rule) == rule
-    assert tiles.decide(times, rule, min_gain=0.01) == other
+    assert tiles.decide(times, rule) == (rule, 1.0)
+    assert tiles.decide(times, rule, min_gain=0.01) == (other, pytest.approx(1 / 0.98))
     times, rule, other = _rounds([1.0] * 5, [0.9] * 5)
-    assert tiles.decide(times, rule) == other
-    assert tiles.decide({rule: [1.0]}, rule) == rule  # nothing else timed
+    assert tiles.decide(times, rule) == (other, pytest.approx(1 / 0.9))
+    assert tiles.decide({rule: [1.0]}, rule) == (rule, 1.0)  # nothing else timed
 
 
 def test_decide_needs_the_gain_in_most_rounds_whatever_the_gpus_pace():
     # The GPU slows 2x for the last three rounds: the other tile is 5% faster in every round.
     slow = [1.0, 1.0, 2.0, 2.0, 2.0]
     times, rule, other = _rounds(slow, [0.95 * t for t in slow])
-    assert tiles.decide(times, rule) == other
+    assert tiles.decide(times, rule)[0] == other
     # A tile that is faster in two rounds of five is not kept, however large its lead there.
     times, rule, other = _rounds([1.0] * 5, [0.5, 0.5, 1.01, 1.01, 1.01])
-    assert tiles.decide(times, rule) == rule
+    assert tiles.decide(times, rule) == (rule, 1.0)
 
 
 def test_decide_takes_the_larger_median_gain():
     a, b, c = WsConfig(64, 2), WsConfig(128, 2), WsConfig(64, 1, pp=True)
-    assert tiles.decide({a: [1.0] * 3, b: [0.9] * 3, c: [0.8] * 3}, a) == c
+    assert tiles.decide({a: [1.0] * 3, b: [0.9] * 3, c: [0.8] * 3}, a)[0] == c
 
 
 def test_a_stored_choice_holds_only_under_todays_rule_and_candidates():
@@ -143,8 +143,8 @@ def test_warmup_with_tune_on_cpu_tunes_nothing_and_says_so():
 
 def test_table_says_what_was_kept():
     rule, other = WsConfig(64, 2), WsConfig(128, 2)
-    text = tiles.table([tiles.TileChoice(4096, 4096, 128, False, rule, other, 1.1, 1.0),
-                        tiles.TileChoice(4096, 4096, 256, False, rule, rule, 1.0, 1.0),
+    text = tiles.table([tiles.TileChoice(4096, 4096, 128, False, rule, other, 1.1, 1.0, 1.1),
+                        tiles.TileChoice(4096, 4096, 256, False, rule, rule, 1.0, 1.0, 1.0),
                         tiles.TileChoice(9216, 4096, 8, False, None, None, source="not tuned", reason="cuda_sp")])
     lines = text.splitlines()
     assert "other" in lines[1] and "1.100" in lines[1] and f"(rule: {rule})" in lines[1]

@@ -72,13 +72,9 @@ class TileChoice:
     tile: object | None
     rule_ms: float | None = None
     tile_ms: float | None = None
+    gain: float | None = None  # the median over rounds of the rule's tile's time over the kept one's (``decide``)
     source: str = "measured"  # or "stored", or "not tuned"
     reason: str | None = None
-
-    @property
-    def gain(self) -> float | None:
-        """The rule's tile's time over the kept tile's (1.0 where the rule's was kept)."""
-        return None if self.rule_ms is None else self.rule_ms / self.tile_ms
 
 
 def candidates(n: int, m: int, k: int, sms: int, gated: bool, top: int = DEFAULT_TOP) -> list:
@@ -89,14 +85,15 @@ def candidates(n: int, m: int, k: int, sms: int, gated: bool, top: int = DEFAULT
     return sorted(space, key=lambda c: rule_order(c, n, m, k, sms))[:top]
 
 
-def decide(rounds_ms: dict, rule, min_gain: float = MIN_GAIN):
-    """The tile to keep from ``{tile: [ms per round]}`` (rounds side by side): the one whose median per-round
-    ratio, rule's time over its, is largest, where that is ``1 + min_gain`` or more; else the rule's."""
+def decide(rounds_ms: dict, rule, min_gain: float = MIN_GAIN) -> tuple:
+    """``(tile, gain)``: the tile to keep from ``{tile: [ms per round]}`` (rounds side by side), the one whose
+    median per-round ratio, rule's time over its, is largest, where that is ``1 + min_gain`` or more, else the
+    rule's; and that median ratio (1.0 for the rule's)."""
     def ratio(tile) -> float:
         return statistics.median(r / t for r, t in zip(rounds_ms[rule], rounds_ms[tile]))
 
     best = max((t for t in rounds_ms if t != rule), key=ratio, default=rule)
-    return best if best != rule and ratio(best) >= 1 + min_gain else rule
+    return (best, ratio(best)) if best != rule and ratio(best) >= 1 + min_gain else (rule, 1.0)
 
 
 def _stored(value, rule, space):
@@ -175,8 +172,9 @@ def compile_all(variants, index: int) -> None:
 
 
 def calls_per_replay(n: int, m: int, k: int) -> int:
-    """Back-to-back calls in one timed graph replay: about 2 ms of dense work at 2 PFLOP/s, 6 to 100."""
-    return max(6, min(100, int(4e9 / (2 * m * k * n + 1))))
+    """Back-to-back calls in one timed graph replay: about 1 ms of 2:4 kernels at 1 PFLOP/s, 10 to 200 (a replay
+    of 6 calls of 15 us read gains 3% off a second timing; docs/design/0041)."""
+    return max(10, min(200, int(1e12 / (2 * m * k * n + 1))))
 
 
 def _measure(cands: list, n: int, m: int, k: int, dtype: torch.dtype, activation: str | None, index: int,
@@ -267,9 +265,9 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
                 choice = TileChoice(m, k, n, gated, rule, tile, source="stored")
             else:
                 times = _measure(cands, n, m, k, dtype, epilogue, index, rounds)
-                tile = decide(times, rule, min_gain)
+                tile, gain = decide(times, rule, min_gain)
                 choice = TileChoice(m, k, n, gated, rule, tile, statistics.median(times[rule]),
-                                    statistics.median(times[tile]))
+                                    statistics.median(times[tile]), gain)
                 if store:
                     plan_cache().put(OP, problem, {"rule": dataclasses.asdict(rule), "tile": dataclasses.asdict(tile),
                                                    "dtype": name,
