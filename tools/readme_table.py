@@ -163,17 +163,36 @@ def _by_tokens(rows: list[dict]) -> str:
                      f"{at(t, 'speedup_vs_grouped_mm')}" for t in sorted({r["tokens"] for r in rows}))
 
 
+def _tile_tuning_note(doc: dict, name: str) -> str:
+    s, meta = doc["summary"], doc["meta"]
+    changed = [r for r in doc["rows"] if "gain" in r]
+    lost = sum(r["gain"] < 1 for r in changed)
+    return (f"- 2:4, opt-in tile tuning (`kp.sparse24.tune_tiles`, the rule's {meta['top']} best-ranked tiles) over "
+            f"the sweep set at n = {', '.join(map(str, meta['batch']))}: another tile kept on {s['changed']} of "
+            f"{s['tuned']} problems; timed again afresh, the kept tile over the rule's, median "
+            f"{s['gain_median']:.3f}x ({s['gain_min']:.3f}-{s['gain_max']:.3f}x, {lost} under 1); over all "
+            f"{s['tuned']}, mean {s['mean_gain_over_tuned']:.3f}x; tuning took {s['tune_s']:.0f} s, "
+            f"{_source(meta, name)}.")
+
+
 def sparse24_notes() -> list[str]:
     """The 2:4 model, conversion and host-work results, one line each."""
     lines = []
-    for name in ("sparse24-model-h100", "sparse24-model-h200"):
+    for name in ("sparse24-model-h100", "sparse24-model-h200", "sparse24-model-tuned-h100",
+                 "sparse24-model-tuned-h200"):
         model = _load(name)
         if model:
             cases = "; ".join(f"{r['case']} {r['graph_speedup']:.2f}x graph{_ungrouped(r)}, "
                               f"{r['eager_speedup']:.2f}x eager" for r in model["rows"])
-            lines.append(f"- 2:4, {model['meta']['model']} ({model['meta']['layers']} layers), sparsified against "
-                         f"dense: {cases}; weights {model['sparse_over_dense_bytes']:.3f}x of dense (embeddings "
-                         f"dense, the LM head pruned too), {_source(model['meta'], name)}.")
+            tuned = f", its tiles tuned first (`kp.warmup(tune=True)`, {model['tune_s']:.0f} s)" \
+                if model["meta"].get("tuned") else ""
+            lines.append(f"- 2:4, {model['meta']['model']} ({model['meta']['layers']} layers), sparsified{tuned}, "
+                         f"against dense: {cases}; weights {model['sparse_over_dense_bytes']:.3f}x of dense "
+                         f"(embeddings dense, the LM head pruned too), {_source(model['meta'], name)}.")
+    for name in ("sparse24-tile-tuning-h100", "sparse24-tile-tuning-h200"):
+        doc = _load(name)
+        if doc:
+            lines.append(_tile_tuning_note(doc, name))
     for name in ("sparse24-experts-h100", "sparse24-experts-h200"):
         doc = _load(name)
         if doc and "graph_ms" in doc["rows"][0]:
