@@ -189,22 +189,15 @@ def sparse24_notes() -> list[str]:
             lines.append(f"- 2:4, {model['meta']['model']} ({model['meta']['layers']} layers), sparsified{tuned}, "
                          f"against dense: {cases}; weights {model['sparse_over_dense_bytes']:.3f}x of dense "
                          f"(embeddings dense, the LM head pruned too), {_source(model['meta'], name)}.")
-    for name in ("sparse24-tile-tuning-h100", "sparse24-tile-tuning-h200"):
-        doc = _load(name)
-        if doc:
-            lines.append(_tile_tuning_note(doc, name))
     for name in ("sparse24-experts-h100", "sparse24-experts-h200"):
         doc = _load(name)
         if doc and "graph_ms" in doc["rows"][0]:
             lines.append(_experts_note(doc, name))
-    for name in ("sparse24-moe-model-h100", "sparse24-moe-model-h200"):
-        doc = _load(name)
-        if doc:
-            lines.append(_moe_model_note(doc, name))
-    for name in ("sparse24-moe-route-h200", "sparse24-moe-route-chunks-h200", "sparse24-moe-route-scan-h200"):
-        doc = _load(name)
-        if doc:
-            lines.append(_moe_route_note(doc, name))
+    for names, note in ((("sparse24-tile-tuning-h100", "sparse24-tile-tuning-h200"), _tile_tuning_note),
+                        (("sparse24-moe-model-h100", "sparse24-moe-model-h200"), _moe_model_note),
+                        (("sparse24-moe-route-h200", "sparse24-moe-route-chunks-h200", "sparse24-moe-route-scan-h200"),
+                         _moe_route_note)):
+        lines += [note(doc, name) for name in names if (doc := _load(name))]
     for name in ("sparse24-siblings-sweep-h100", "sparse24-siblings-sweep-h200"):
         sweep = _load(name)
         if sweep:
