@@ -141,6 +141,15 @@ def test_warmup_with_tune_on_cpu_tunes_nothing_and_says_so():
     assert rows and all("tile" not in r for r in rows) and tiles._TUNED == {}
 
 
+def test_the_warmup_table_says_what_tuning_kept():
+    from kernelplan.warm import table
+
+    row = {"m": 2048, "k": 1024, "dtype": "torch.bfloat16", "bias": True, "n": 64, "backend": "cuda_ws",
+           "config": "WsConfig(bn=64)", "expected": None}
+    assert "[tuned" not in table([row])
+    assert table([{**row, "tile": "1.073x over the rule's"}]).splitlines()[1].endswith("[tuned: 1.073x over the rule's]")
+
+
 def test_table_says_what_was_kept():
     rule, other = WsConfig(64, 2), WsConfig(128, 2)
     text = tiles.table([tiles.TileChoice(4096, 4096, 128, False, rule, other, 1.1, 1.0, 1.1),
@@ -244,4 +253,6 @@ def test_warmup_with_tune_tunes_the_models_gemms(tmp_path, monkeypatch):
                                                                                   dtype=torch.bfloat16)))
     rows = kp.warmup(model, (64,), progress=False, tune=True)
     assert [r["n"] for r in rows] == [64] and rows[0]["tile"].startswith(("rule", "1."))
-    assert tiles.tuned_tile(0, 64, 2048, 1024, False) is not None
+    tile = tiles.tuned_tile(0, 64, 2048, 1024, False)
+    assert tile is not None and rows[0]["config"] == str(tile)  # the row's kernel is the tuned one
+    assert f"[tuned: {rows[0]['tile']}]" in kp.warm.table(rows)

@@ -236,8 +236,9 @@ def table(rows: list[dict]) -> str:
         if e is not None and e.basis != "measured":
             mark = notes.setdefault(e.basis, f"[{len(notes) + 1}]")
         gated = f" ({r['epilogue']})" if r.get("epilogue") else ""
+        tile = f" [tuned: {r['tile']}]" if r.get("tile") else ""
         lines.append(f"{r['m']:>7} x {r['k']:<5} {r['dtype']:>15} {r['n']:>6}  {r['backend']:<10} "
-                     f"{(str(e) + mark) if e is not None else '-':<31} {r['config']}{gated}")
+                     f"{(str(e) + mark) if e is not None else '-':<31} {r['config']}{gated}{tile}")
     sources = sorted({r["expected"].source for r in rows if r.get("expected") is not None})
     if sources:
         lines.append("expected: the rule's kernel over F.linear as measured by " + "; ".join(sources))
