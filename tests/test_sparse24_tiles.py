@@ -256,3 +256,28 @@ def test_warmup_with_tune_tunes_the_models_gemms(tmp_path, monkeypatch):
     tile = tiles.tuned_tile(0, 64, 2048, 1024, False)
     assert tile is not None and rows[0]["config"] == str(tile)  # the row's kernel is the tuned one
     assert f"[tuned: {rows[0]['tile']}]" in kp.warm.table(rows)
+
+
+def test_the_warmup_command_with_tune_on_cpu_tunes_nothing(tmp_path):
+    from helpers import kernelplan_cli
+
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text("[[64, 128]]")
+    out = kernelplan_cli("warmup", "--shapes", shapes, "--batch-sizes", "32", "--device", "cpu", "--tune")
+    assert out.returncode == 0, out.stderr
+    assert "64 x 128" in out.stdout and "[tuned" not in out.stdout
+
+
+@gpu
+@sm90
+def test_the_warmup_command_tunes_once_and_a_second_run_reads_the_stored_choice(tmp_path):
+    from helpers import kernelplan_cli
+
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text("[[3584, 3584]]")
+    env = {"KERNELPLAN_CACHE_DIR": str(tmp_path / "cache")}
+    first = kernelplan_cli("warmup", "--shapes", shapes, "--batch-sizes", "128", "--tune", env=env)
+    assert first.returncode == 0, first.stderr
+    assert "[tuned: rule]" in first.stdout or "over the rule's]" in first.stdout
+    again = kernelplan_cli("warmup", "--shapes", shapes, "--batch-sizes", "128", "--tune", env=env)
+    assert again.returncode == 0 and "[tuned: stored choice]" in again.stdout, again.stdout + again.stderr

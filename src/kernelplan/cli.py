@@ -78,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     warm.add_argument("--device", default=None, help="cuda[:i] (default: cuda if present, else cpu)")
     warm.add_argument("--sizes-only", action="store_true",
                       help="compile the batch sizes' kernels alone, not every n up to the largest")
+    warm.add_argument("--tune", action="store_true",
+                      help="Hopper: tune each shape's wgmma.sp tile at the batch sizes first (kp.sparse24.tune_tiles) "
+                           "and store the choices in the plan cache, where a later kp.warmup(model, sizes, tune=True) "
+                           "reads them without timing")
 
     cache = sub.add_parser("cache", help="inspect or clear the persistent plan and kernel caches")
     cache.add_argument("action", choices=("info", "clear"))
@@ -380,7 +384,7 @@ def _warmup(args) -> int:
             Sparse24Linear.from_dense(torch.nn.Linear(k, m, bias=bias, device=device,
                                                       dtype=dtype_info(args.dtype).dtype if args.dtype else dtype))
             for m, k, bias, dtype in layers)
-        rows = warmup(model, sizes, progress=sys.stderr.isatty(), every_n=not args.sizes_only)
+        rows = warmup(model, sizes, progress=sys.stderr.isatty(), every_n=not args.sizes_only, tune=args.tune)
     except (KernelPlanError, RuntimeError) as e:
         print(f"kernelplan warmup: {e}", file=sys.stderr)
         return 2
