@@ -150,6 +150,16 @@ def test_the_warmup_table_says_what_tuning_kept():
     assert table([{**row, "tile": "1.073x over the rule's"}]).splitlines()[1].endswith("[tuned: 1.073x over the rule's]")
 
 
+def test_the_warmup_note_says_what_was_kept_and_whether_it_was_stored():
+    from kernelplan.warm import tile_note
+
+    rule, other = WsConfig(64, 2), WsConfig(128, 2)
+    assert tile_note(tiles.TileChoice(1, 1, 1, False, rule, rule, 1.0, 1.0, 1.0)) == "rule"
+    assert tile_note(tiles.TileChoice(1, 1, 1, False, rule, other, gain=1.0734, source="stored")) == \
+        "1.073x over the rule's (stored)"
+    assert tile_note(tiles.TileChoice(1, 1, 1, False, rule, other, source="stored")) == "not the rule's (stored)"
+
+
 def test_table_says_what_was_kept():
     rule, other = WsConfig(64, 2), WsConfig(128, 2)
     text = tiles.table([tiles.TileChoice(4096, 4096, 128, False, rule, other, 1.1, 1.0, 1.1),
@@ -280,4 +290,5 @@ def test_the_warmup_command_tunes_once_and_a_second_run_reads_the_stored_choice(
     assert first.returncode == 0, first.stderr
     assert "[tuned: rule]" in first.stdout or "over the rule's]" in first.stdout
     again = kernelplan_cli("warmup", "--shapes", shapes, "--batch-sizes", "128", "--tune", env=env)
-    assert again.returncode == 0 and "[tuned: stored choice]" in again.stdout, again.stdout + again.stderr
+    kept = "rule" if "[tuned: rule]" in first.stdout else first.stdout.split("[tuned: ")[1].split("]")[0]
+    assert again.returncode == 0 and f"[tuned: {kept} (stored)]" in again.stdout, again.stdout + again.stderr

@@ -152,8 +152,7 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
                     rows[key]["epilogue"] = epilogue
                 choice = tuned.get((key[0], key[1], epilogue, n))
                 if choice is not None and choice.tile is not None:
-                    rows[key]["tile"] = "rule" if choice.tile == choice.rule else \
-                        f"{choice.gain:.3f}x over the rule's" if choice.gain is not None else "stored choice"
+                    rows[key]["tile"] = tile_note(choice)
             if compile_ is not None:
                 compiles.setdefault((backend, str(cfg), key[2], key[3], epilogue), compile_)
     from .kernels.sparse24_grouped import grouped_load, grouped_variants  # kernels: imported where a GPU is used
@@ -200,6 +199,14 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
     for row in rows.values():
         row["compile_s"], row["compiled"] = compiled_s, len(compiles)  # the compile phase, all kernels together
     return list(rows.values())
+
+
+def tile_note(choice) -> str:
+    """What tuning kept, in a few words: "rule", or the kept tile's gain over the rule's; "(stored)" where it was
+    read back from the plan cache."""
+    kept = "rule" if choice.tile == choice.rule else \
+        f"{choice.gain:.3f}x over the rule's" if choice.gain is not None else "not the rule's"
+    return kept + (" (stored)" if choice.source == "stored" else "")
 
 
 def _tune(shapes: list, sizes: list[int]) -> dict:

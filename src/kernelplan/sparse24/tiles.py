@@ -244,6 +244,7 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
             raise InvalidProblem("tile tuning cannot run while a CUDA graph is being captured: tune before capture")
         sms, cap = sm_count(index), torch.cuda.get_device_capability(index)
         plan = []  # (m, k, epilogue, n, candidates, a stored tile or None); None candidates: not cuda_ws's
+        stored_gain: dict = {}  # the gain a stored choice was kept by, where the entry has it
         for m, k, epilogue in problems:
             gated = epilogue in GATED_EPILOGUES
             for n in sizes:
@@ -252,7 +253,10 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
                     continue
                 cands = candidates(n, m, k, sms, gated, top)
                 value = plan_cache().get(OP, _problem(m, k, n, gated, sms), device=f"cuda:{index}") if store else None
-                plan.append((m, k, epilogue, n, cands, _stored(value, cands[0], cands) if value is not None else None))
+                tile = _stored(value, cands[0], cands) if value is not None else None
+                if tile is not None and isinstance(value.get("gain"), (int, float)):
+                    stored_gain[(m, k, epilogue, n)] = float(value["gain"])
+                plan.append((m, k, epilogue, n, cands, tile))
         compile_all([(c, name, e) for _, _, e, _, cands, tile in plan if cands and tile is None for c in cands], index)
         for m, k, epilogue, n, cands, tile in plan:
             gated = epilogue in GATED_EPILOGUES
@@ -265,7 +269,8 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
                 continue
             rule, problem = cands[0], _problem(m, k, n, gated, sms)
             if tile is not None:
-                choice = TileChoice(m, k, n, gated, rule, tile, source="stored")
+                choice = TileChoice(m, k, n, gated, rule, tile, gain=stored_gain.get((m, k, epilogue, n)),
+                                    source="stored")
             else:
                 times = _measure(cands, n, m, k, dtype, epilogue, index, rounds)
                 tile, gain = decide(times, rule, min_gain)
@@ -273,7 +278,7 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
                                     statistics.median(times[tile]), gain)
                 if store:
                     plan_cache().put(OP, problem, {"rule": dataclasses.asdict(rule), "tile": dataclasses.asdict(tile),
-                                                   "dtype": name,
+                                                   "dtype": name, "gain": gain,
                                                    "ms": {str(c): statistics.median(t) for c, t in times.items()}},
                                      device=f"cuda:{index}")
             _TUNED[(index, m, k, run_of(n), gated)] = tile
