@@ -5,7 +5,8 @@ from or written to the plan cache), and reports how long that took.  Phase 2 tim
 weight copies, dense ``F.linear``, the rule's tile and the kept tile, for every problem where tuning kept another
 tile, side by side in CUDA graphs with the weights read past the L2: the gain phase 1 reported is the best of
 several noisy readings and reads high; phase 2's is the one to quote.  Writes
-``bench/results/sparse24-tile-tuning-<gpu>.json``.
+``bench/results/sparse24-tile-tuning-<gpu>.json``, whose rows' ``tiles_ms`` (every candidate's tuning time) make it a
+tile table for ``tools/fit_ws_rule.py`` too.
 
     PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_tile_tuning.py
 """
@@ -58,7 +59,8 @@ def main() -> int:
         choices = tiles.tune_tiles([shape], a.batch, dtype=dtype, top=a.top, rounds=a.rounds, store=False)
         tune_s += time.perf_counter() - t0
         for c in choices:
-            row = {"m": c.m, "k": c.k, "n": c.n, "rule": str(c.rule), "tile": str(c.tile), "tune_gain": c.gain}
+            row = {"m": c.m, "k": c.k, "n": c.n, "rule": str(c.rule), "tile": str(c.tile), "tune_gain": c.gain,
+                   "tiles_ms": c.times_ms}  # every candidate's tuning time, in the rule's order
             if c.tile is not None and c.tile != c.rule:
                 fns = tiles.tile_calls([c.rule, c.tile], c.n, c.m, c.k, dtype, None, 0)
                 fns = {"rule": fns[c.rule], "tuned": fns[c.tile], "dense": dense_calls(c.n, c.m, c.k, dtype)}
@@ -82,7 +84,7 @@ def main() -> int:
                         "mean_gain_over_tuned": (sum(gains) + len(tuned) - len(changed)) / len(tuned)}
         # After each shape, so that a run cut off by a time limit keeps what it measured.
         results.write("sparse24-tile-tuning", {"rows": rows, "summary": summary}, a.out, dtype="bf16",
-                      batch=a.batch, rounds=a.rounds, top=a.top)
+                      batch=a.batch, rounds=a.rounds, top=a.top, sms=sms)
     print(summary, flush=True)
     return 0
 

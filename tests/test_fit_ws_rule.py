@@ -106,3 +106,10 @@ def test_the_search_never_moves_a_pick_onto_a_tile_no_table_timed(tmp_path, caps
         assert fit_ws_rule.main([str(path)]) == 0
         fitted = eval(capsys.readouterr().out.strip().splitlines()[-1], {"RuleWeights": type(WEIGHTS)})
         assert fit_ws_rule.ratios(fitted, fit_ws_rule.problems(str(path))) != [None]
+
+
+def test_a_tuning_benchs_untuned_rows_are_left_out(tmp_path):
+    n, m, k = 256, 4096, 4096
+    rows = [_row(n, m, k, {ws_config(n, m, k, SMS): 1.0}),
+            {"m": 9216, "k": 4096, "n": 8, "rule": "None", "tile": "None", "tiles_ms": None}]  # cuda_sp's problem
+    assert [p[:3] for p in _table(tmp_path, rows)] == [(n, m, k)]

@@ -200,6 +200,7 @@ def test_tuning_times_measures_stores_and_reads_back(tmp_path, monkeypatch, seed
     for c in got:
         if c.tile is not None:
             assert c.source == "measured" and c.rule_ms > 0 and c.tile_ms > 0
+            assert list(c.times_ms)[0] == str(c.rule) and c.times_ms[str(c.tile)] == c.tile_ms
             assert c.tile == c.rule or c.gain >= 1 + tiles.MIN_GAIN
             assert tiles.tuned_tile(0, c.n, c.m, c.k, c.gated) == c.tile
     tiles.clear_tuned_tiles()

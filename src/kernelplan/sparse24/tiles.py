@@ -78,6 +78,7 @@ class TileChoice:
     gain: float | None = None  # the median over rounds of the rule's tile's time over the kept one's (``decide``)
     source: str = "measured"  # or "stored", or "not tuned"
     reason: str | None = None
+    times_ms: dict | None = None  # measured: every candidate's median ms per call, by its repr, in the rule's order
 
 
 def candidates(n: int, m: int, k: int, sms: int, gated: bool, top: int = DEFAULT_TOP) -> list:
@@ -274,13 +275,11 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
             else:
                 times = _measure(cands, n, m, k, dtype, epilogue, index, rounds)
                 tile, gain = decide(times, rule, min_gain)
-                choice = TileChoice(m, k, n, gated, rule, tile, statistics.median(times[rule]),
-                                    statistics.median(times[tile]), gain)
+                ms = {str(c): statistics.median(t) for c, t in times.items()}
+                choice = TileChoice(m, k, n, gated, rule, tile, ms[str(rule)], ms[str(tile)], gain, times_ms=ms)
                 if store:
                     plan_cache().put(OP, problem, {"rule": dataclasses.asdict(rule), "tile": dataclasses.asdict(tile),
-                                                   "dtype": name, "gain": gain,
-                                                   "ms": {str(c): statistics.median(t) for c, t in times.items()}},
-                                     device=f"cuda:{index}")
+                                                   "dtype": name, "gain": gain, "ms": ms}, device=f"cuda:{index}")
             _TUNED[(index, m, k, run_of(n), gated)] = tile
             out.append(choice)
     _drop_launches()
