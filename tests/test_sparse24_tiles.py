@@ -147,7 +147,8 @@ def test_the_warmup_table_says_what_tuning_kept():
     row = {"m": 2048, "k": 1024, "dtype": "torch.bfloat16", "bias": True, "n": 64, "backend": "cuda_ws",
            "config": "WsConfig(bn=64)", "expected": None}
     assert "[tuned" not in table([row])
-    assert table([{**row, "tile": "1.073x over the rule's"}]).splitlines()[1].endswith("[tuned: 1.073x over the rule's]")
+    line = table([{**row, "tile": "1.073x over the rule's"}]).splitlines()[1]
+    assert line.endswith("[tuned: 1.073x over the rule's]")
 
 
 def test_the_warmup_note_says_what_was_kept_and_whether_it_was_stored():
