@@ -294,3 +294,92 @@ def test_the_warmup_command_tunes_once_and_a_second_run_reads_the_stored_choice(
     again = kernelplan_cli("warmup", "--shapes", shapes, "--batch-sizes", "128", "--tune", env=env)
     kept = "rule" if "[tuned: rule]" in first.stdout else first.stdout.split("[tuned: ")[1].split("]")[0]
     assert again.returncode == 0 and f"[tuned: {kept} (stored)]" in again.stdout, again.stdout + again.stderr
+
+
+# -- tune_tiles' orchestration on CPU: a Hopper of 132 SMs faked, each candidate's timing scripted -------------------
+
+
+@pytest.fixture
+def fake_hopper(monkeypatch, tmp_path):
+    """tune_tiles on a CPU machine: capability 9.0, 132 SMs, a plan cache in tmp_path, and ``_measure`` replaced by a
+    script: ``timed`` lists each call's (n, m, k, candidates); the tile named by ``faster[(m, k, n)]`` reads 0.8 of
+    the rule's time, every other one 1.0."""
+    from kernelplan import cache, kernels
+    from kernelplan.kernels import sparse24 as kernels_sparse24
+
+    monkeypatch.setenv("KERNELPLAN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(kernels_sparse24, "sm_count", lambda index: SMS)
+    monkeypatch.setattr(kernels, "on_device", lambda index: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(kernels, "stream_capturing", lambda: False)
+    monkeypatch.setattr(cache, "environment_fingerprint", lambda device="cpu": {"gpu": "fake H100", "device": device})
+    monkeypatch.setattr(tiles, "compile_all", lambda variants, index: None)
+    script = {"timed": [], "faster": {}}
+
+    def measure(cands, n, m, k, dtype, activation, index, rounds):
+        script["timed"].append((n, m, k, tuple(cands)))
+        fast = script["faster"].get((m, k, n))
+        return {c: [0.8 if c == fast else 1.0] * rounds for c in cands}
+
+    monkeypatch.setattr(tiles, "_measure", measure)
+    return script
+
+
+def test_tune_tiles_returns_a_choice_per_shape_and_n_and_applies_it(fake_hopper):
+    m, k = 3584, 3584
+    other = tiles.candidates(128, m, k, SMS, False)[4]
+    fake_hopper["faster"][(m, k, 128)] = other
+    got = kp.sparse24.tune_tiles([(m, k), (9216, 4096)], [128, 8])
+    assert [(c.m, c.n) for c in got] == [(m, 8), (m, 128), (9216, 8), (9216, 128)]  # shapes in order, n ascending
+    by = {(c.m, c.n): c for c in got}
+    assert by[(m, 128)].tile == other and by[(m, 128)].gain == pytest.approx(1.25)
+    assert by[(m, 8)].tile == by[(m, 8)].rule == ws_config(8, m, k, SMS) and by[(m, 8)].gain == 1.0
+    assert by[(9216, 8)].tile is None and "cuda_sp" in by[(9216, 8)].reason  # n <= 16 on a tall weight
+    assert tiles.tuned_tile(0, 125, m, k, False) == other  # n = 121 ... 128 take it
+    assert [t[:3] for t in fake_hopper["timed"]] == [(8, m, k), (128, m, k), (128, 9216, 4096)]
+    assert all(len(t[3]) == tiles.DEFAULT_TOP for t in fake_hopper["timed"])
+
+
+def test_a_second_tuning_reads_the_store_and_a_stale_entry_is_measured_again(fake_hopper, monkeypatch):
+    m, k = 3072, 3072
+    other = tiles.candidates(128, m, k, SMS, False)[2]
+    fake_hopper["faster"][(m, k, 128)] = other
+    kp.sparse24.tune_tiles([(m, k)], [128])
+    tiles.clear_tuned_tiles()
+    again = kp.sparse24.tune_tiles([(m, k)], [128])
+    assert len(fake_hopper["timed"]) == 1 and again[0].source == "stored" and again[0].tile == other
+    assert again[0].gain == pytest.approx(1.25) and tiles.tuned_tile(0, 128, m, k, False) == other
+    # Under a rule that picks another tile today the stored choice is stale: measured again.
+    today = tiles.candidates(128, m, k, SMS, False)
+    monkeypatch.setattr(tiles, "candidates", lambda *a, **kw: today[1:] + today[:1])
+    stale = kp.sparse24.tune_tiles([(m, k)], [128])
+    assert len(fake_hopper["timed"]) == 2 and stale[0].source == "measured"
+
+
+def test_store_false_neither_reads_nor_writes_the_plan_cache(fake_hopper):
+    from kernelplan.cache import plan_cache
+
+    kp.sparse24.tune_tiles([(4096, 4096)], [256], store=False)
+    assert plan_cache().info()["entries"] == 0  # not written
+    kp.sparse24.tune_tiles([(4096, 4096)], [256])  # stored
+    kp.sparse24.tune_tiles([(4096, 4096)], [256], store=False)  # not read: timed again
+    assert len(fake_hopper["timed"]) == 3 and plan_cache().info()["entries"] == 1
+
+
+def test_a_gated_shape_is_tuned_over_gated_tiles_apart_from_the_plain_one(fake_hopper):
+    kp.sparse24.tune_tiles([(2048, 1024, "gated_silu_first"), (2048, 1024)], [64])
+    gated, plain = fake_hopper["timed"]
+    assert all(gated_tile(c) for c in gated[3]) and set(gated[3]) != set(plain[3])
+    assert tiles.tuned_tile(0, 64, 2048, 1024, True) == gated[3][0]
+    assert tiles.tuned_tile(0, 64, 2048, 1024, False) == plain[3][0]
+
+
+@pytest.mark.parametrize("kw, match", [({"top": 0}, "top and rounds"), ({"rounds": 0}, "top and rounds"),
+                                       ({"min_gain": -0.1}, "min_gain 0 or more"),
+                                       ({"device": "cpu"}, "pass a CUDA device")])
+def test_bad_tuning_arguments_are_refused_before_anything_is_timed(fake_hopper, kw, match):
+    with pytest.raises(InvalidProblem, match=match):
+        kp.sparse24.tune_tiles([(4096, 4096)], [256], **kw)
+    assert fake_hopper["timed"] == [] and tiles._TUNED == {}
