@@ -134,8 +134,9 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
     routed = [_RouteShape(r) for r in filter(None, map(route_of, model.modules())) if r.ready()]
     rows, compiles, seen = {}, {}, set()
     compile_at = sorted(set(sizes) | set(rule_points(sizes[-1]))) if every_n else sizes
-    tuned = _tune(layers + [_GroupShape(g) for g in groups] + routed, sizes) if tune else {}
-    for layer in layers + [_GroupShape(g) for g in groups] + routed:
+    gemms = layers + [_GroupShape(g) for g in groups] + routed
+    tuned = _tune(gemms, sizes) if tune else {}
+    for layer in gemms:
         epilogue = getattr(layer, "epilogue", None)  # a routed module's GEMM's; a layer's own GEMM has none
         for n in compile_at:
             key = (layer.out_features, layer.in_features, str(layer.values.dtype), layer.bias is not None, n, epilogue)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import statistics
+import sys
 import warnings
 from typing import Iterable
 
@@ -131,7 +132,8 @@ def _synthetic(m: int, k: int, dtype: torch.dtype, device: torch.device, copies:
 def tile_calls(cands: list, n: int, m: int, k: int, dtype: torch.dtype, activation: str | None, index: int) -> dict:
     """``{tile: [call per weight copy]}``: each candidate's launch on x of n random rows and enough synthetic copies
     of an M x K weight to be read past the L2, for the candidates whose result agrees with the first's (the rule's
-    tile), the others left out with a RuntimeWarning.  The calls hold the tensors they read."""
+    tile), the others left out with a RuntimeWarning.  The calls hold the tensors they read.  Variants not loaded
+    yet (``compile_all`` loads many at once) compile at their first launch."""
     from ..activations import epilogue_columns
     from ..dtypes import dtype_info
     from ..kernels import raw_stream
@@ -141,7 +143,6 @@ def tile_calls(cands: list, n: int, m: int, k: int, dtype: torch.dtype, activati
     name = dtype_info(dtype).name
     device = torch.device("cuda", index)
     kernel = WsKernel()
-    compile_all([(c, name, activation) for c in cands], index)
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     copies = max(1, min(8, -(-2 * l2 // (m * k * 9 // 8))))  # the layout holds 0.5625 x M x K x 2 bytes
     weights = _synthetic(m, k, dtype, device, copies)
@@ -247,25 +248,25 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
         if stream_capturing():
             raise InvalidProblem("tile tuning cannot run while a CUDA graph is being captured: tune before capture")
         sms, cap = sm_count(index), torch.cuda.get_device_capability(index)
-        plan = []  # (m, k, epilogue, n, candidates, a stored tile or None); None candidates: not cuda_ws's
-        stored_gain: dict = {}  # the gain a stored choice was kept by, where the entry has it
+        plan = []  # (m, k, epilogue, n, the rule's backend, cuda_ws's candidates, a stored tile or None, its gain)
         for m, k, epilogue in problems:
             gated = epilogue in GATED_EPILOGUES
             for n in sizes:
-                if backend_for(cap, n, m, k, name) != "cuda_ws":
-                    plan.append((m, k, epilogue, n, None, None))
+                backend = backend_for(cap, n, m, k, name)
+                if backend != "cuda_ws":
+                    plan.append((m, k, epilogue, n, backend, None, None, None))
                     continue
                 cands = candidates(n, m, k, sms, gated, top)
                 value = plan_cache().get(OP, _problem(m, k, n, gated, sms), device=f"cuda:{index}") if store else None
                 tile = _stored(value, cands[0], cands) if value is not None else None
-                if tile is not None and isinstance(value.get("gain"), (int, float)):
-                    stored_gain[(m, k, epilogue, n)] = float(value["gain"])
-                plan.append((m, k, epilogue, n, cands, tile))
-        compile_all([(c, name, e) for _, _, e, _, cands, tile in plan if cands and tile is None for c in cands], index)
-        for m, k, epilogue, n, cands, tile in plan:
+                gain = value.get("gain") if tile is not None else None
+                plan.append((m, k, epilogue, n, backend, cands, tile,
+                             float(gain) if isinstance(gain, (int, float)) else None))
+        compile_all([(c, name, e) for _, _, e, _, _, cands, tile, _ in plan if cands and tile is None for c in cands],
+                    index)
+        for m, k, epilogue, n, backend, cands, tile, stored_gain in plan:
             gated = epilogue in GATED_EPILOGUES
             if cands is None:
-                backend = backend_for(cap, n, m, k, name)
                 why = layout_reason(cap, k, name) or (f"compute capability {cap[0]}.{cap[1]}" if cap != (9, 0)
                                                       else f"n = {n} rows on a weight of {m} rows")
                 out.append(TileChoice(m, k, n, gated, None, None, source="not tuned",
@@ -273,8 +274,7 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
                 continue
             rule, problem = cands[0], _problem(m, k, n, gated, sms)
             if tile is not None:
-                choice = TileChoice(m, k, n, gated, rule, tile, gain=stored_gain.get((m, k, epilogue, n)),
-                                    source="stored")
+                choice = TileChoice(m, k, n, gated, rule, tile, gain=stored_gain, source="stored")
             else:
                 times = _measure(cands, n, m, k, dtype, epilogue, index, rounds)
                 tile, gain = decide(times, rule, min_gain)
@@ -290,14 +290,11 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
 
 
 def _drop_launches() -> None:
-    """Every weight's prepared launches, so that its next call looks its tile up again (``sparse24_mma``)."""
-    try:
-        from ..kernels.sparse24_mma import drop_launches
-    except ImportError as e:  # the kernels need triton; without it no launch was ever prepared
-        if "triton" not in str(e):
-            raise
-        return
-    drop_launches()
+    """Every weight's prepared launches, so that its next call looks its tile up again (``sparse24_mma``).  A
+    process that never imported that module prepared none."""
+    mma = sys.modules.get(f"{__package__.rpartition('.')[0]}.kernels.sparse24_mma")
+    if mma is not None:
+        mma.drop_launches()
 
 
 def table(choices: list) -> str:
