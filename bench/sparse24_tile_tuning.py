@@ -23,13 +23,14 @@ import torch.nn.functional as F
 
 from kernelplan.bench import results
 from kernelplan.bench.shapes import sweep_shapes
+from kernelplan.bench.sweep import copies_past_l2
 from kernelplan.sparse24 import tiles
 from kernelplan.timing import graph_rounds
 
 
 def dense_calls(n: int, m: int, k: int, dtype) -> list:
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    ws = [torch.randn(m, k, device="cuda").to(dtype) for _ in range(max(1, min(8, -(-2 * l2 // (2 * m * k)))))]
+    copies = copies_past_l2(torch.cuda.get_device_properties(0).L2_cache_size, 2 * m * k, "cold")
+    ws = [torch.randn(m, k, device="cuda").to(dtype) for _ in range(copies)]
     x = torch.randn(n, k, device="cuda").to(dtype)
     return [lambda w=w: F.linear(x, w) for w in ws]
 

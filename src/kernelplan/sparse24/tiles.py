@@ -135,6 +135,7 @@ def tile_calls(cands: list, n: int, m: int, k: int, dtype: torch.dtype, activati
     tile), the others left out with a RuntimeWarning.  The calls hold the tensors they read.  Variants not loaded
     yet (``compile_all`` loads many at once) compile at their first launch."""
     from ..activations import epilogue_columns
+    from ..bench.sweep import copies_past_l2
     from ..dtypes import dtype_info
     from ..kernels import raw_stream
     from ..kernels.sparse24_ws import WsKernel
@@ -143,8 +144,8 @@ def tile_calls(cands: list, n: int, m: int, k: int, dtype: torch.dtype, activati
     name = dtype_info(dtype).name
     device = torch.device("cuda", index)
     kernel = WsKernel()
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    copies = max(1, min(8, -(-2 * l2 // (m * k * 9 // 8))))  # the layout holds 0.5625 x M x K x 2 bytes
+    # As the sweep does: past twice the L2 (the layout holds 0.5625 x M x K x 2 bytes).
+    copies = copies_past_l2(torch.cuda.get_device_properties(device).L2_cache_size, m * k * 9 // 8, "cold")
     weights = _synthetic(m, k, dtype, device, copies)
     x = torch.randn(n, k, device=device).to(dtype)
     y = torch.empty(n, epilogue_columns(m, activation), device=device, dtype=dtype)
