@@ -14,7 +14,9 @@ from helpers import FWD_ATOL, assert_close, sm90
 from kernelplan.bench.shapes import sweep_shapes
 from kernelplan.errors import InvalidProblem
 from kernelplan.sparse24 import tiles
+from kernelplan.kernels.sparse24_sp import SM_SHARED, SpConfig, SpKernel, sp_candidates, sp_config
 from kernelplan.kernels.sparse24_ws import WsConfig, WsKernel, gated_tile, ws_candidates, ws_config
+from kernelplan.sparse24.dispatch import backend_for, config_for
 
 gpu = pytest.mark.gpu
 SMS = 132
@@ -36,6 +38,18 @@ def test_candidates_start_with_the_rules_pick_and_stay_in_its_space(gated):
             assert len(cands) == len(set(cands)) <= 5
             assert set(cands) <= set(ws_candidates(n, m, k))
             assert not gated or all(gated_tile(c) for c in cands)
+
+
+def test_sp_candidates_start_with_the_rules_pick_and_are_tiles_the_kernel_runs():
+    for m, k in sweep_shapes():
+        for n in (1, 8, 9, 16, 33, 64):
+            cands = sp_candidates(n, m, k, SMS)
+            assert cands[0] == sp_config(n, m, k, SMS) and len(cands) == len(set(cands)) >= 4
+            assert tiles.candidates(n, m, k, SMS, True, 3, "cuda_sp") == cands[:3]  # gated or not: all gated-capable
+            for c in cands:
+                assert c.n_tiles * 8 >= n > c.n_tiles * 4 or (n <= 8 and c.n_tiles == 1)
+                assert (k // 64) % c.k_warps == 0 and c.threads <= 512 and c.shared <= SM_SHARED - 1024
+                assert c.m_warps * c.row_tiles % 2 == 0 and 2 <= c.stages <= 6  # a gated CTA splits its tiles
 
 
 def test_the_run_of_n_is_the_rules_grain():
@@ -87,12 +101,17 @@ def test_a_stored_choice_holds_only_under_todays_rule_and_candidates():
 
 
 def test_the_kernel_takes_a_tuned_tile_for_the_run_of_n_and_the_rule_elsewhere(monkeypatch):
-    from kernelplan.kernels import sparse24_wg
+    from kernelplan.kernels import sparse24_sp, sparse24_wg
 
     monkeypatch.setattr(sparse24_wg, "sm_count", lambda device: SMS)
+    monkeypatch.setattr(sparse24_sp, "sm_count", lambda device: SMS)
+    sp_other = sp_candidates(8, 28672, 4096, SMS)[3]
+    tiles._TUNED[(0, "cuda_sp", 28672, 4096, tiles.run_of(8), False)] = sp_other
+    assert SpKernel().config(1, 28672, 4096, 0) == sp_other and SpKernel().config(9, 28672, 4096, 0) != sp_other
+    assert WsKernel().config(8, 28672, 4096, 0) == ws_config(8, 28672, 4096, SMS)  # a backend's choice is its own
     m, k = 3584, 3584
     other = tiles.candidates(128, m, k, SMS, False)[2]
-    tiles._TUNED[(0, m, k, tiles.run_of(128), False)] = other
+    tiles._TUNED[(0, "cuda_ws", m, k, tiles.run_of(128), False)] = other
     kernel = WsKernel()
     assert kernel.config(128, m, k, 0) == kernel.config(121, m, k, 0) == other
     assert kernel.config(129, m, k, 0) == ws_config(129, m, k, SMS)  # the next run
@@ -180,30 +199,35 @@ def _layer(m, k, dtype=torch.bfloat16):
 
 
 def _tile_of_last_launch(layer):
-    """The WsConfig of the launches a layer's weight prepared (its _TiledWeight's tables)."""
+    """The tiles (str of a WsConfig or SpConfig) of the launches a layer's weight prepared (its _TiledWeight's
+    tables), read from each launch's name: the kernel's name, the tile, the dtype."""
     from kernelplan.kernels.sparse24_mma import _LIVE
 
     held = [w for w in _LIVE if w.weight[0] == layer.values.data_ptr()]
-    cfgs = {entry[0].cfg for w in held for entry in w._calls.values()}
-    cfgs |= {getattr(getattr(b, "launch", None), "cfg", None) for w in held for b, _ in w._direct.values()}
-    return cfgs - {None}
+    launches = [entry[0] for w in held for entry in w._calls.values()]
+    launches += [getattr(b, "launch", None) for w in held for b, _ in w._direct.values()]
+    return {" ".join(f.name.split(" ")[1:-1]) for f in launches if f is not None}
 
 
 @gpu
 @sm90
 def test_tuning_times_measures_stores_and_reads_back(tmp_path, monkeypatch, seed):
     monkeypatch.setenv("KERNELPLAN_CACHE_DIR", str(tmp_path))
-    shapes = [(3584, 3584), (1536, 768, "gated_silu_first"), (9216, 4096)]
+    shapes = [(3584, 3584), (1536, 768, "gated_silu_first"), (28672, 4096), (1024, 200)]
     got = kp.sparse24.tune_tiles(shapes, [8, 128, 200], rounds=3)
-    assert len(got) == 9
+    assert len(got) == 12
     untuned = [c for c in got if c.tile is None]
-    assert [(c.m, c.n) for c in untuned] == [(9216, 8)] and "cuda_sp" in untuned[0].reason
+    assert [(c.m, c.n) for c in untuned] == [(1024, 8), (1024, 128), (1024, 200)]
+    assert all("triton" in c.reason for c in untuned)
+    cap = torch.cuda.get_device_capability(0)
     for c in got:
         if c.tile is not None:
+            backend = backend_for(cap, c.n, c.m, c.k, "bf16")
+            assert tiles.backend_of(c.tile) == backend and (backend == "cuda_sp") == (c.m == 28672 and c.n == 8)
             assert c.source == "measured" and c.rule_ms > 0 and c.tile_ms > 0
             assert list(c.times_ms)[0] == str(c.rule) and c.times_ms[str(c.tile)] == c.tile_ms
             assert c.tile == c.rule or c.gain >= 1 + tiles.MIN_GAIN
-            assert tiles.tuned_tile(0, c.n, c.m, c.k, c.gated) == c.tile
+            assert tiles.tuned_tile(0, c.n, c.m, c.k, c.gated, backend) == c.tile
     tiles.clear_tuned_tiles()
 
     def no_timing(*a, **kw):
@@ -217,21 +241,22 @@ def test_tuning_times_measures_stores_and_reads_back(tmp_path, monkeypatch, seed
 
 @gpu
 @sm90
-@pytest.mark.parametrize("n", [128, 125, 121])
-def test_a_tuned_tile_reaches_a_layer_called_before_and_matches_fp64(n, seed):
-    m, k = 3584, 3584
+@pytest.mark.parametrize("n, m, k", [(128, 3584, 3584), (125, 3584, 3584), (121, 3584, 3584), (3, 28672, 1024)])
+def test_a_tuned_tile_reaches_a_layer_called_before_and_matches_fp64(n, m, k, seed):
     layer, dense = _layer(m, k)
     x = torch.randn(n, 2, k, device="cuda", dtype=torch.bfloat16).transpose(0, 1)  # 3-D, not contiguous: 2n rows
     want = F.linear(x.double(), layer.to_dense().double(), dense.bias.double())
+    backend = backend_for(torch.cuda.get_device_capability(0), 2 * n, m, k, "bf16")
+    assert backend == ("cuda_sp" if n == 3 else "cuda_ws")
     with torch.inference_mode():
         layer(x)
-        rule = ws_config(2 * n, m, k, torch.cuda.get_device_properties(0).multi_processor_count)
-        assert _tile_of_last_launch(layer) == {rule}
-        other = next(c for c in tiles.candidates(2 * n, m, k, 132, False) if c != rule)
-        tiles._TUNED[(0, m, k, tiles.run_of(2 * n), False)] = other
+        rule = config_for(backend, 2 * n, m, k, torch.cuda.get_device_properties(0).multi_processor_count)
+        assert _tile_of_last_launch(layer) == {str(rule)}
+        other = next(c for c in tiles.candidates(2 * n, m, k, 132, False, backend=backend) if c != rule)
+        tiles._TUNED[(0, backend, m, k, tiles.run_of(2 * n), False)] = other
         tiles._drop_launches()
         y = layer(x)
-        assert _tile_of_last_launch(layer) == {other}
+        assert _tile_of_last_launch(layer) == {str(other)}
     assert_close(y, want, F.linear(x, layer.to_dense(), dense.bias), atol=FWD_ATOL[torch.bfloat16])
 
 
@@ -242,7 +267,7 @@ def test_a_tuned_tile_replays_in_a_cuda_graph(seed):
     layer, dense = _layer(m, k)
     rule = ws_config(n, m, k, 132)
     other = next(c for c in tiles.candidates(n, m, k, 132, False) if c != rule)
-    tiles._TUNED[(0, m, k, tiles.run_of(n), False)] = other
+    tiles._TUNED[(0, "cuda_ws", m, k, tiles.run_of(n), False)] = other
     x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
         layer(x)  # warm-up: the launch is prepared outside the capture
@@ -252,7 +277,7 @@ def test_a_tuned_tile_replays_in_a_cuda_graph(seed):
         x.copy_(torch.randn_like(x))
         graph.replay()
         torch.cuda.synchronize()
-        assert _tile_of_last_launch(layer) == {other}
+        assert _tile_of_last_launch(layer) == {str(other)}
     want = F.linear(x.double(), layer.to_dense().double(), dense.bias.double())
     assert_close(y, want, F.linear(x, layer.to_dense(), dense.bias), atol=FWD_ATOL[torch.bfloat16])
 
@@ -331,15 +356,23 @@ def test_tune_tiles_returns_a_choice_per_shape_and_n_and_applies_it(fake_hopper)
     m, k = 3584, 3584
     other = tiles.candidates(128, m, k, SMS, False)[4]
     fake_hopper["faster"][(m, k, 128)] = other
-    got = kp.sparse24.tune_tiles([(m, k), (9216, 4096)], [128, 8])
-    assert [(c.m, c.n) for c in got] == [(m, 8), (m, 128), (9216, 8), (9216, 128)]  # shapes in order, n ascending
-    by = {(c.m, c.n): c for c in got}
+    tall = 57344, 8192  # n <= 8 on it: the rule runs cuda_sp
+    assert backend_for((9, 0), 8, *tall, "bf16") == "cuda_sp"
+    sp_other = sp_candidates(8, *tall, SMS)[1]
+    fake_hopper["faster"][(*tall, 8)] = sp_other
+    got = kp.sparse24.tune_tiles([(m, k), tall, (1024, 200)], [128, 8])
+    assert [(c.m, c.n) for c in got] == [(m, 8), (m, 128), (tall[0], 8), (tall[0], 128), (1024, 8), (1024, 128)]
+    by = {(c.m, c.n): c for c in got}  # shapes in order, n ascending
     assert by[(m, 128)].tile == other and by[(m, 128)].gain == pytest.approx(1.25)
     assert by[(m, 8)].tile == by[(m, 8)].rule == ws_config(8, m, k, SMS) and by[(m, 8)].gain == 1.0
-    assert by[(9216, 8)].tile is None and "cuda_sp" in by[(9216, 8)].reason  # n <= 16 on a tall weight
+    assert by[(tall[0], 8)].rule == sp_config(8, *tall, SMS) and by[(tall[0], 8)].tile == sp_other
+    assert tiles.tuned_tile(0, 5, *tall, False, "cuda_sp") == sp_other and tiles.tuned_tile(0, 5, *tall, False) is None
+    assert by[(1024, 8)].tile is None and "K = 200" in by[(1024, 8)].reason  # the Triton kernel's: no tiles
     assert tiles.tuned_tile(0, 125, m, k, False) == other  # n = 121 ... 128 take it
-    assert [t[:3] for t in fake_hopper["timed"]] == [(8, m, k), (128, m, k), (128, 9216, 4096)]
-    assert all(len(t[3]) == tiles.DEFAULT_TOP for t in fake_hopper["timed"])
+    assert [t[:3] for t in fake_hopper["timed"]] == [(8, m, k), (128, m, k), (8, *tall), (128, *tall)]
+    assert [len(t[3]) for t in fake_hopper["timed"]] == [tiles.DEFAULT_TOP] * 2 + [
+        min(tiles.DEFAULT_TOP, len(sp_candidates(8, *tall, SMS))), tiles.DEFAULT_TOP]
+    assert all(isinstance(c, SpConfig) for c in fake_hopper["timed"][2][3])
 
 
 def test_a_second_tuning_reads_the_store_and_a_stale_entry_is_measured_again(fake_hopper, monkeypatch):

@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
 
+from ..activations import GATED_EPILOGUES
 from ..sparse24.layout import SP_LAYOUT, layout_of, pack
 from .sparse24 import sm_count
 from .nvrtc import cuda_source
@@ -66,7 +68,8 @@ class SpConfig:
 
     @property
     def stage_bytes(self) -> int:
-        """One step: x for each K slice (8 N-tile rows of 128 bytes), then each warp's weight (1152 bytes a row tile)."""
+        """One step: x for each K slice (8 N-tile rows of 128 bytes), then each warp's weight (1152 bytes a row
+        tile)."""
         return self.k_warps * 8 * self.n_tiles * 128 + self.m_warps * self.k_warps * self.row_tiles * 1152
 
     @property
@@ -100,9 +103,32 @@ def sp_config(n: int, m: int, k: int, sms: int) -> SpConfig:
     k_warps = max(1, min(8, (16 if n_tiles == 8 else 8) // (m_warps * per_sm)))
     while (k // 64) % k_warps:
         k_warps //= 2
-    cfg = SpConfig(n_tiles, m_warps=m_warps, k_warps=k_warps)
+    return _filled(SpConfig(n_tiles, m_warps=m_warps, k_warps=k_warps), per_sm)
+
+
+def _filled(cfg: SpConfig, per_sm: int) -> SpConfig:
+    """``cfg`` with as many steps in flight as ``per_sm`` CTAs an SM leave shared memory for (2 to 6), and the
+    launch bound that lets an SM hold them."""
     stages = (SM_SHARED // per_sm - 1024) // cfg.stage_bytes
     return dataclasses.replace(cfg, stages=max(2, min(6, stages)), min_blocks=min(per_sm, max(1, 512 // cfg.threads)))
+
+
+def sp_candidates(n: int, m: int, k: int, sms: int) -> list[SpConfig]:
+    """The tiles the kernel can run for (n, M, K) on ``sms`` SMs, the rule's pick (``sp_config``) first: 32 to 128
+    rows of W a CTA (2 or 4 warps along M, 1 or 2 row tiles each), 1 to 8 K slices that divide K's steps, 16 warps
+    a CTA at most, each with the ring ``sp_config`` would give it.  What tile tuning times (``sparse24/tiles.py``)."""
+    n_tiles = next(t for t in (1, 2, 4, 8) if 8 * t >= n)
+    space = [sp_config(n, m, k, sms)]
+    for m_warps, row_tiles, k_warps in itertools.product((2, 4), (1, 2), (1, 2, 4, 8)):
+        if (k // 64) % k_warps or m_warps * k_warps > 16:
+            continue
+        cfg = SpConfig(n_tiles, row_tiles, m_warps, k_warps)
+        cfg = _filled(cfg, -(-m // (cfg.rows * sms)))
+        if cfg.shared <= SM_SHARED - 1024 and cfg not in space:
+            space.append(cfg)
+    rule = space[0]  # then its neighbours first: rows of W, then K slices, fewest doublings away
+    return sorted(space, key=lambda c: (c != rule, abs(c.rows.bit_length() - rule.rows.bit_length())
+                                        + abs(c.k_warps.bit_length() - rule.k_warps.bit_length())))
 
 
 
@@ -149,10 +175,15 @@ class SpKernel(TiledKernel):
         return _tiled(values, metadata)
 
     def launch_for(self, n, m, k, dtype, has_bias, activation, device):
-        cfg = self.config(n, m, k, device, activation)
+        return self.launch_config(self.config(n, m, k, device, activation), n, m, dtype, has_bias, activation, device)
+
+    def launch_config(self, cfg: SpConfig, n, m, dtype, has_bias, activation, device):
         return _launcher(cfg, dtype, has_bias, activation, device), (-(-m // cfg.rows), 1, 1)
 
-    def config(self, n, m, k, device, activation=None):  # every tile of the rule has a gated variant
+    def config(self, n, m, k, device, activation=None):  # every tile of the space has a gated variant
+        """The tile this process tuned for the problem (``sparse24/tiles.py``, opt-in), else the rule's."""
         from ..sparse24.dispatch import config_for
+        from ..sparse24.tiles import tuned_tile
 
-        return config_for(self.name, n, m, k, sm_count(device))
+        return (tuned_tile(device, n, m, k, activation in GATED_EPILOGUES, self.name)
+                or config_for(self.name, n, m, k, sm_count(device)))

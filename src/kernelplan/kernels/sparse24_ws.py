@@ -519,7 +519,8 @@ class WsKernel(WgKernel):
         """The tile this process tuned for the problem (``sparse24/tiles.py``, opt-in), else the rule's."""
         from ..sparse24.tiles import tuned_tile
 
-        return tuned_tile(device, n, m, k, activation in GATED_EPILOGUES) or super().config(n, m, k, device, activation)
+        return (tuned_tile(device, n, m, k, activation in GATED_EPILOGUES, self.name)
+                or super().config(n, m, k, device, activation))
 
     def launch_config(self, cfg: WsConfig, n, m, dtype, has_bias, activation, device):
         if cfg.sk or cfg.pp:  # the launch takes its grid from the problem (sk_plan; one CTA an SM)

@@ -1,5 +1,6 @@
-"""Opt-in tile tuning of the ``cuda_ws`` kernel: the rule's few best-ranked tiles timed on the caller's GPU for the
-caller's shapes, the fastest kept where it beats the rule's own pick.
+"""Opt-in tile tuning of the one layout's tiled kernels (``cuda_ws``; ``cuda_sp`` where the rule runs it, at small
+n): the kernel's few first tiles timed on the caller's GPU for the caller's shapes, the fastest kept where it beats
+the rule's own pick.  The backend stays the rule's.
 
 The rule (``kernels/sparse24_ws.py``, ``ws_config``) picks a tile 1-3% slower than the best timed on the mean
 of the tile tables (docs/design/0039), but a few layers lose 7-25% to a tile it ranks lower, and the two GPUs
@@ -39,7 +40,7 @@ from ..errors import InvalidProblem
 from .dispatch import N_GRAIN, backend_for, layout_reason
 from .plan import SPARSE24_EPILOGUES, gated_reason
 
-OP = "sparse24_ws_tile"
+OPS = {"cuda_ws": "sparse24_ws_tile", "cuda_sp": "sparse24_sp_tile"}  # each tuned kernel's plan-cache op
 # The rule's best-ranked tiles timed.  In the full tile tables (sparse24-ws-tiles-h{100,200}.json, every tile timed,
 # older kernels), a tile within 1% of the best timed is among the rule's first 6 on 86-88% of the problems; tuning
 # the sweep set's worst layers over the first 16 (sparse24-tile-tuning-top16-h{100,200}.json) kept the 7th tile on
@@ -47,7 +48,7 @@ OP = "sparse24_ws_tile"
 # H100 problem, none past it.
 DEFAULT_TOP = 10
 MIN_GAIN = 0.03
-_TUNED: dict = {}  # (device index, M, K, run of n, gated) -> WsConfig: this process's choices
+_TUNED: dict = {}  # (device index, backend, M, K, run of n, gated) -> its config: this process's choices
 
 
 def run_of(n: int) -> int:
@@ -55,9 +56,10 @@ def run_of(n: int) -> int:
     return (n - 1) // N_GRAIN
 
 
-def tuned_tile(device: int, n: int, m: int, k: int, gated: bool):
-    """The tile this process tuned for (M, K) at n's run on cuda:``device``, or None: the rule's then."""
-    return _TUNED.get((device, m, k, run_of(n), gated)) if _TUNED else None
+def tuned_tile(device: int, n: int, m: int, k: int, gated: bool, backend: str = "cuda_ws"):
+    """The tile this process tuned for ``backend`` on (M, K) at n's run on cuda:``device``, or None: the rule's
+    then."""
+    return _TUNED.get((device, backend, m, k, run_of(n), gated)) if _TUNED else None
 
 
 def clear_tuned_tiles() -> None:
@@ -85,8 +87,30 @@ class TileChoice:
     times_ms: dict | None = None  # measured: every candidate's median ms per call, by its repr, in the rule's order
 
 
-def candidates(n: int, m: int, k: int, sms: int, gated: bool, top: int = DEFAULT_TOP) -> list:
-    """The rule's ``top`` best-ranked tiles for (n, M, K), its own pick first (``rule_order``)."""
+def _kernels() -> dict:
+    """The kernel of each tuned backend: ``cuda_ws``'s and ``cuda_sp``'s tiles read the one layout alike."""
+    from ..kernels.sparse24_sp import SpKernel
+    from ..kernels.sparse24_ws import WsKernel
+
+    return {"cuda_ws": WsKernel(), "cuda_sp": SpKernel()}
+
+
+def backend_of(cfg) -> str:
+    """The backend whose tile ``cfg`` is."""
+    from ..kernels.sparse24_sp import SpConfig
+
+    return "cuda_sp" if isinstance(cfg, SpConfig) else "cuda_ws"
+
+
+def candidates(n: int, m: int, k: int, sms: int, gated: bool, top: int = DEFAULT_TOP,
+               backend: str = "cuda_ws") -> list:
+    """``backend``'s ``top`` first tiles for (n, M, K), the rule's own pick first: ``cuda_ws``'s in the order of its
+    rule's cost (``rule_order``); ``cuda_sp``'s, whose rule has no cost to rank by, its pick's neighbours first
+    (``sp_candidates``; every one of them runs a gated epilogue)."""
+    if backend == "cuda_sp":
+        from ..kernels.sparse24_sp import sp_candidates
+
+        return sp_candidates(n, m, k, sms)[:top]
     from ..kernels.sparse24_ws import gated_tile, rule_order, ws_candidates
 
     space = [c for c in ws_candidates(n, m, k) if not gated or gated_tile(c)]
@@ -106,16 +130,15 @@ def decide(rounds_ms: dict, rule, min_gain: float = MIN_GAIN) -> tuple:
 
 def _stored(value, rule, space):
     """A plan-cache entry's tile, if it was chosen under today's rule pick and is one of today's candidates."""
-    from ..kernels.sparse24_ws import WsConfig
-
+    config = type(rule)
     try:
-        stored_rule, tile = WsConfig(**value["rule"]), WsConfig(**value["tile"])
+        stored_rule, tile = config(**value["rule"]), config(**value["tile"])
     except (TypeError, KeyError, ValueError):
         return None
     return tile if stored_rule == rule and tile in space else None
 
 
-def _problem(m: int, k: int, n: int, gated: bool, sms: int) -> dict:
+def _problem(m: int, k: int, n: int, gated: bool, sms: int) -> dict:  # with the backend's op, a plan-cache key
     return {"m": m, "k": k, "run": run_of(n), "gated": gated, "sms": sms}
 
 
@@ -130,20 +153,20 @@ def _synthetic(m: int, k: int, dtype: torch.dtype, device: torch.device, copies:
 
 
 def tile_calls(cands: list, n: int, m: int, k: int, dtype: torch.dtype, activation: str | None, index: int) -> dict:
-    """``{tile: [call per weight copy]}``: each candidate's launch on x of n random rows and enough synthetic copies
-    of an M x K weight to be read past the L2, for the candidates whose result agrees with the first's (the rule's
-    tile), the others left out with a RuntimeWarning.  The calls hold the tensors they read.  Variants not loaded
-    yet (``compile_all`` loads many at once) compile at their first launch."""
+    """``{tile: [call per weight copy]}``: each candidate's launch (``cuda_ws``'s or ``cuda_sp``'s tiles, which read
+    the one layout alike) on x of n random rows and enough synthetic copies of an M x K weight to be read past the
+    L2, for the candidates whose result agrees with the first's (the rule's tile), the others left out with a
+    RuntimeWarning.  The calls hold the tensors they read.  Variants not loaded yet (``compile_all`` loads many at
+    once) compile at their first launch."""
     from ..activations import epilogue_columns
     from ..bench.sweep import copies_past_l2
     from ..dtypes import dtype_info
     from ..kernels import raw_stream
-    from ..kernels.sparse24_ws import WsKernel
     from .tuning import _AGREE, disagreement
 
     name = dtype_info(dtype).name
     device = torch.device("cuda", index)
-    kernel = WsKernel()
+    kernels = _kernels()
     # As the sweep does: past twice the L2 (the layout holds 0.5625 x M x K x 2 bytes).
     copies = copies_past_l2(torch.cuda.get_device_properties(device).L2_cache_size, m * k * 9 // 8, "cold")
     weights = _synthetic(m, k, dtype, device, copies)
@@ -151,7 +174,7 @@ def tile_calls(cands: list, n: int, m: int, k: int, dtype: torch.dtype, activati
     y = torch.empty(n, epilogue_columns(m, activation), device=device, dtype=dtype)
 
     def calls(cfg) -> list:
-        launch, grid = kernel.launch_config(cfg, n, m, name, False, activation, index)
+        launch, grid = kernels[backend_of(cfg)].launch_config(cfg, n, m, name, False, activation, index)
         return [lambda p=p, c=c, x=x, y=y: launch(grid, (x.data_ptr(), p.data_ptr(), c.data_ptr(), 0, y.data_ptr(),
                                                          n, m, k, x.stride(0), y.stride(0)), raw_stream(index))
                 for p, c in weights]
@@ -174,16 +197,17 @@ def tile_calls(cands: list, n: int, m: int, k: int, dtype: torch.dtype, activati
 def compile_all(variants, index: int) -> None:
     """Load every ``(tile, dtype name, epilogue)`` of ``variants`` on cuda:``index``, compiled by NVRTC in threads
     (it is thread-safe) or read from the kernel cache: the timing then only launches."""
-    from ..kernels.sparse24_ws import _launcher
-
+    kernels = _kernels()  # launch_config loads the variant (the grid it gives for n = M = 1 is not used)
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda v: _launcher(v[0], v[1], False, v[2], index), set(variants)))
+        list(pool.map(lambda v: kernels[backend_of(v[0])].launch_config(v[0], 1, 1, v[1], False, v[2], index),
+                      set(variants)))
 
 
 def calls_per_replay(n: int, m: int, k: int) -> int:
-    """Back-to-back calls in one timed graph replay: about 1 ms of 2:4 kernels at 1 PFLOP/s, 10 to 200 (a replay
-    of 6 calls of 15 us read gains 3% off a second timing; docs/design/0041)."""
-    return max(10, min(200, int(1e12 / (2 * m * k * n + 1))))
+    """Back-to-back calls in one timed graph replay: about 1 ms of 2:4 kernels at 1 PFLOP/s, or of their weight's
+    bytes at 3 TB/s where that takes longer (small n), 10 to 200 (a replay of 6 calls of 15 us read gains 3% off a
+    second timing; docs/design/0041)."""
+    return max(10, min(200, int(1e-3 / max(2 * m * k * n / 1e15, m * k * 9 / 8 / 3e12))))
 
 
 def _measure(cands: list, n: int, m: int, k: int, dtype: torch.dtype, activation: str | None, index: int,
@@ -219,13 +243,14 @@ def _check(shapes, batch_sizes) -> tuple[list, list]:
 
 def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dtype=torch.bfloat16,
                top: int = DEFAULT_TOP, rounds: int = 7, min_gain: float = MIN_GAIN, store: bool = True) -> list:
-    """Tune the ``cuda_ws`` tile of each ``(M, K)`` or ``(M, K, epilogue)`` in ``shapes`` at each n in
-    ``batch_sizes``, on ``device`` (a Hopper GPU; default the current one), and apply the choices to this process.
+    """Tune the tile of the kernel the rule runs (``cuda_ws``, or ``cuda_sp`` at n <= its 64 rows) for each
+    ``(M, K)`` or ``(M, K, epilogue)`` in ``shapes`` at each n in ``batch_sizes``, on ``device`` (default the current
+    one), and apply the choices to this process.
 
-    Returns one ``TileChoice`` per (shape, n), shapes in their order, n ascending: a problem the rule gives another
-    kernel (n <= 16 on tall weights: ``cuda_sp``) is returned untuned, with the reason.  Choices read back from
-    the plan cache are not timed again (``store=False``: neither read nor written).  Layers already called pick
-    the new tiles at their next call; CUDA graphs captured before keep the kernels they recorded.
+    Returns one ``TileChoice`` per (shape, n), shapes in their order, n ascending: a problem the rule gives no tiled
+    kernel of the layout (a dtype or K it cannot read: the Triton kernel) is returned untuned, with the reason.
+    Choices read back from the plan cache are not timed again (``store=False``: neither read nor written).  Layers
+    already called pick the new tiles at their next call; CUDA graphs captured before keep the kernels they recorded.
     """
     from ..activations import GATED_EPILOGUES
     from ..cache import plan_cache
@@ -249,16 +274,18 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
         if stream_capturing():
             raise InvalidProblem("tile tuning cannot run while a CUDA graph is being captured: tune before capture")
         sms, cap = sm_count(index), torch.cuda.get_device_capability(index)
-        plan = []  # (m, k, epilogue, n, the rule's backend, cuda_ws's candidates, a stored tile or None, its gain)
+        kernels = _kernels()
+        plan = []  # (m, k, epilogue, n, the rule's backend, its candidates, a stored tile or None, its gain)
         for m, k, epilogue in problems:
             gated = epilogue in GATED_EPILOGUES
             for n in sizes:
                 backend = backend_for(cap, n, m, k, name)
-                if backend != "cuda_ws":
+                if backend not in OPS or n > kernels[backend].max_n:
                     plan.append((m, k, epilogue, n, backend, None, None, None))
                     continue
-                cands = candidates(n, m, k, sms, gated, top)
-                value = plan_cache().get(OP, _problem(m, k, n, gated, sms), device=f"cuda:{index}") if store else None
+                cands = candidates(n, m, k, sms, gated, top, backend)
+                value = (plan_cache().get(OPS[backend], _problem(m, k, n, gated, sms), device=f"cuda:{index}")
+                         if store else None)
                 tile = _stored(value, cands[0], cands) if value is not None else None
                 gain = value.get("gain") if tile is not None else None
                 plan.append((m, k, epilogue, n, backend, cands, tile,
@@ -268,10 +295,9 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
         for m, k, epilogue, n, backend, cands, tile, stored_gain in plan:
             gated = epilogue in GATED_EPILOGUES
             if cands is None:
-                why = layout_reason(cap, k, name) or (f"compute capability {cap[0]}.{cap[1]}" if cap != (9, 0)
-                                                      else f"n = {n} rows on a weight of {m} rows")
+                why = layout_reason(cap, k, name) or f"n = {n}: in chunks of {kernels[backend].max_n} rows"
                 out.append(TileChoice(m, k, n, gated, None, None, source="not tuned",
-                                      reason=f"the rule runs {backend} here ({why}), not cuda_ws"))
+                                      reason=f"the rule runs {backend} here ({why}), no tile tuned"))
                 continue
             rule, problem = cands[0], _problem(m, k, n, gated, sms)
             if tile is not None:
@@ -282,9 +308,10 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
                 ms = {str(c): statistics.median(t) for c, t in times.items()}
                 choice = TileChoice(m, k, n, gated, rule, tile, ms[str(rule)], ms[str(tile)], gain, times_ms=ms)
                 if store:
-                    plan_cache().put(OP, problem, {"rule": dataclasses.asdict(rule), "tile": dataclasses.asdict(tile),
-                                                   "dtype": name, "gain": gain, "ms": ms}, device=f"cuda:{index}")
-            _TUNED[(index, m, k, run_of(n), gated)] = tile
+                    plan_cache().put(OPS[backend], problem, {"rule": dataclasses.asdict(rule),
+                                                             "tile": dataclasses.asdict(tile), "dtype": name,
+                                                             "gain": gain, "ms": ms}, device=f"cuda:{index}")
+            _TUNED[(index, backend, m, k, run_of(n), gated)] = tile
             out.append(choice)
     _drop_launches()
     return out
