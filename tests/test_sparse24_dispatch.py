@@ -11,12 +11,17 @@ from kernelplan.sparse24.dispatch import MEMORY_POLICIES, N_GRAIN, backend_for, 
 HOPPER, AMPERE, ADA, TURING = (9, 0), (8, 0), (8, 9), (7, 5)
 
 
+# The sweep set's wide weights of few rows that mma.sp runs at n <= 8 on Hopper (K >= 2.5 M, M <= 4096), besides
+# every weight of 9216 rows or more.
+WIDE_SP = {(768, 3072), (1024, 4096), (3072, 8192), (3584, 14336), (3584, 18944), (4096, 14336)}
+
+
 def test_the_table_over_the_sweep_set():
     for (m, k) in sweep_shapes():
-        for n in BATCH_SIZES + (3, 17, 65, 1000):
+        for n in BATCH_SIZES + (3, 9, 17, 65, 1000):
             for dtype in ("bf16", "f16"):
-                tall_and_thin = n <= 16 and m >= 9216  # mma.sp's rows of CTAs: the sweeps' n <= 16 rows
-                assert backend_for(HOPPER, n, m, k, dtype) == ("cuda_sp" if tall_and_thin else "cuda_ws")
+                sp = n <= 8 and (m >= 9216 or (m, k) in WIDE_SP)  # the sweeps' n <= 8 rows (dispatch.py)
+                assert backend_for(HOPPER, n, m, k, dtype) == ("cuda_sp" if sp else "cuda_ws"), (m, k, n)
                 for gpu in (AMPERE, ADA):
                     assert backend_for(gpu, n, m, k, dtype) == "cuda_sp"  # mma.sp at every n, chunks past 64
             assert backend_for(None, n, m, k, "bf16") == "reference"

@@ -83,13 +83,23 @@ def test_config_fills_one_wave_with_8_or_16_warps_an_sm_and_the_ring_with_shared
     assert sp_config(32, 28672, 8192, 132) == SpConfig(4, m_warps=4, k_warps=1, stages=6, min_blocks=2)
     assert sp_config(64, 8192, 8192, 132) == SpConfig(8, m_warps=2, k_warps=8, stages=2)  # 128 CTAs of 64 rows
     assert sp_config(32, 8192, 8192, 132) == SpConfig(4, m_warps=2, k_warps=4, stages=6)
-    assert sp_config(1, 4096, 192, 132) == SpConfig(1, m_warps=2, k_warps=1, stages=6)  # 3 K steps: one slice
     for n in (1, 16, 33, 64):
         for m, k in ((4096, 4096), (28672, 8192), (128256, 4096)):
             cfg = sp_config(n, m, k, 132)
             per_sm = -(-m // (cfg.rows * 132))
             assert per_sm * (cfg.shared + 1024) <= 227 * 1024 or cfg.stages == 2
-            assert cfg.stage_bytes == cfg.k_warps * 8 * cfg.n_tiles * 128 + cfg.m_warps * cfg.k_warps * 2 * 1152
+            assert cfg.stage_bytes == (cfg.k_warps * 8 * cfg.n_tiles * 128
+                                       + cfg.m_warps * cfg.k_warps * cfg.row_tiles * 1152)
+
+
+def test_config_at_n_up_to_16_takes_32_row_ctas_and_16_warps_an_sm():
+    # 112 CTAs of 32 rows: 16 x 132 / (112 x 2) = 9.4 warps a CTA's row of W, so 8 K slices
+    assert sp_config(8, 3584, 14336, 132) == SpConfig(1, row_tiles=1, m_warps=2, k_warps=8, stages=6)
+    # 576 CTAs of 128 rows are 4 an SM or more: 128 rows, one slice, the ring of 5 CTAs an SM (launch-bound to 4:
+    # 16 warps)
+    assert sp_config(1, 73728, 4608, 132) == SpConfig(1, m_warps=4, k_warps=1, stages=4, min_blocks=4)
+    assert sp_config(16, 35840, 5120, 132) == SpConfig(2, m_warps=2, k_warps=1, stages=6, min_blocks=5)  # 560 of 64
+    assert sp_config(1, 4096, 192, 132) == SpConfig(1, row_tiles=1, m_warps=2, k_warps=1, stages=6)  # 3 K steps
 
 
 @gpu

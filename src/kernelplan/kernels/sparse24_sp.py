@@ -82,10 +82,24 @@ class SpConfig:
 SM_SHARED = 227 * 1024  # shared memory an sm_90 SM gives its CTAs; each CTA also takes 1 KiB of the driver's
 
 
+# n <= 16: rows of W a CTA and the (MW, RT) that make them, largest first; a size is taken where it makes
+# SMALL_N_CTAS_PER_SM CTAs an SM or more; the K slices then give the grid SMALL_N_WARPS_PER_SM warps an SM.
+_SMALL_N_ROWS = ((128, 4, 2), (64, 2, 2), (32, 2, 1))
+SMALL_N_CTAS_PER_SM = 4
+SMALL_N_WARPS_PER_SM = 16
+
+
 def sp_config(n: int, m: int, k: int, sms: int) -> SpConfig:
     """Rows per CTA, then K slices to make the warps an SM holds in one wave, then as many steps as fit.
 
-    Each CTA reads all of x for its rows, so larger CTAs read less of it,
+    At n <= 16 a call streams its weight, and the more bytes in flight the faster: CTAs of 32 rows (64 and 128
+    only where they still make 4 CTAs an SM), and K slices to 16 warps an SM over the grid.  Fitted on every tile
+    of ``sp_candidates`` timed over the sweep set at n = 1, 8 and 16 (``sparse24-small-n-h{100,200}.json``): on the
+    rows where this kernel's best tile beats ``cuda_ws``'s rule by 3% or more (45 on the H100, 37 on the H200), its
+    pick reads 1.021x and 1.020x of the best tile's time (geometric mean), against 1.093x and 1.158x for the rule
+    below, which kept 8 warps an SM in CTAs of 64-128 rows (docs/design/0042).
+
+    Past n = 16: each CTA reads all of x for its rows, so larger CTAs read less of it,
     until too few CTAs leave SMs idle: 128 rows where there are about as many
     CTAs as SMs, else 64.  K slices then give each SM 8 warps (16 at n > 32),
     and the ring takes the SM's shared memory.  On an H200 (bf16, one run of
@@ -98,12 +112,24 @@ def sp_config(n: int, m: int, k: int, sms: int) -> SpConfig:
     to finish, ran 0.65-0.9x at n = 32 and 64: the last CTA's sum is a tail.
     """
     n_tiles = next(t for t in (1, 2, 4, 8) if 8 * t >= n)
+    if n_tiles <= 2:
+        return _small_n_config(n_tiles, m, k, sms)
     m_warps = 4 if -(-m // 128) >= 0.8 * sms else 2
     per_sm = -(-m // (32 * m_warps * sms))  # CTAs an SM holds for one wave
     k_warps = max(1, min(8, (16 if n_tiles == 8 else 8) // (m_warps * per_sm)))
     while (k // 64) % k_warps:
         k_warps //= 2
     return _filled(SpConfig(n_tiles, m_warps=m_warps, k_warps=k_warps), per_sm)
+
+
+def _small_n_config(n_tiles: int, m: int, k: int, sms: int) -> SpConfig:
+    rows, m_warps, row_tiles = next((r for r in _SMALL_N_ROWS if -(-m // r[0]) >= SMALL_N_CTAS_PER_SM * sms),
+                                    _SMALL_N_ROWS[-1])
+    ctas = -(-m // rows)
+    k_warps = min(8, 1 << (max(1, SMALL_N_WARPS_PER_SM * sms // (ctas * m_warps)).bit_length() - 1))
+    while (k // 64) % k_warps:
+        k_warps //= 2
+    return _filled(SpConfig(n_tiles, row_tiles, m_warps, k_warps), -(-ctas // sms))
 
 
 def _filled(cfg: SpConfig, per_sm: int) -> SpConfig:

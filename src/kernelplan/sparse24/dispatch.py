@@ -22,14 +22,21 @@ from __future__ import annotations
 MEMORY_POLICIES = ("compact", "fast")
 LAYOUT_DTYPES = ("f16", "bf16")  # the sparse tensor cores' operand types
 
-# Hopper at n <= SP_MAX_N_HOPPER: mma.sp (cuda_sp) only for tall weights, M >= SP_MIN_M_HOPPER; else
-# cuda_ws.  From the sweeps at n = 1 and 16 (sparse24-sweep-h100.json at 3b1d11c, sparse24-sweep-h200.json at
-# 509782c, 43 shapes each): cuda_sp took 0.85-0.98x of cuda_ws's time on the weights of 9216 rows and more, on both
-# GPUs, and 1.1-1.7x on nearly every shorter one (768-1024-wide layers: 1.1-1.7x; 3584x3584: 1.23-1.68x); below
-# 9216 rows it won by more than 5% on 2 of 68 rows (H100: 8192x4608 n = 1, 0.92x; 6144x4096 n = 1, 0.96x), on the
-# H200 on none.  Past n = 16 the warpgroup kernel's wider N tiles win everywhere (docs/design/0005).
-SP_MAX_N_HOPPER = 16
+# Hopper at n <= SP_MAX_N_HOPPER: mma.sp (cuda_sp) for tall weights, M >= SP_MIN_M_HOPPER, and for wide ones of
+# few rows, K >= SP_WIDE_K_OVER_M x M with M <= SP_WIDE_MAX_M; else cuda_ws.  From every cuda_sp tile and cuda_ws's
+# first 4 timed over the sweep set at n = 1, 8 and 16 in one process each (sparse24-small-n-h{100,200}.json,
+# 6365b46; docs/design/0042), with cuda_sp's tile by sp_config's rule for n <= 16:
+# * at n = 16 cuda_ws won on 36 (H100) and 39 (H200) of 43 shapes, by up to 1.42x; cuda_sp by 1.07x at most;
+# * at n <= 8 on the tall weights cuda_sp ran 0.97-1.11x of cuda_ws's speed on the H200, 0.95-1.04x on the H100;
+# * at n <= 8 on wide weights of few rows, whose 64-row warpgroup tiles fill under half of the SMs (M <= 4096 is 64
+#   CTAs or fewer) over a long K, cuda_sp's K slices won by 1.04-1.25x (768x3072, 3072x8192, 3584x14336,
+#   4096x14336, 3584x18944); 1024x4096 went 1.06x faster on the H100 and 1.05x slower on the H200.
+# Over the 129 rows, against the boundary before (M >= 9216 at n <= 16, the older sp tile rule), the time
+# went to 0.986x (H100) and 0.986x (H200) of it, geometric mean.
+SP_MAX_N_HOPPER = 8
 SP_MIN_M_HOPPER = 9216
+SP_WIDE_MAX_M = 4096
+SP_WIDE_K_OVER_M = 2.5
 
 
 # The kernels' rules read n only through the tiles of x it makes, and every tile of x they weigh is a multiple of
@@ -62,7 +69,8 @@ def backend_for(capability: tuple[int, int] | None, n: int, m: int, k: int, dtyp
     """The backend of the ``compact`` policy for one call: a pure function, no GPU touched.
 
     * the one layout where its kernels run: ``cuda_ws`` (``wgmma.sp``, warp-specialized) on Hopper,
-      except at n <= 16 on weights of 9216 rows or more; else ``cuda_sp``
+      except at n <= 8 on weights of 9216 rows or more, or of 4096 rows or fewer and K 2.5x M or more; else
+      ``cuda_sp``
       (``mma.sp``; on Ampere and Ada at every n, in chunks of 64 rows of x past 64);
     * else the Triton kernel on CUDA, which reads the public format itself
       (f32 weights, K not a multiple of 64), and the reference on CPU.
@@ -75,7 +83,8 @@ def backend_for(capability: tuple[int, int] | None, n: int, m: int, k: int, dtyp
         return "reference"
     if layout_reason(capability, k, dtype) is None:
         if capability == (9, 0):
-            return "cuda_sp" if n <= SP_MAX_N_HOPPER and m >= SP_MIN_M_HOPPER else "cuda_ws"
+            sp = n <= SP_MAX_N_HOPPER and (m >= SP_MIN_M_HOPPER or m <= SP_WIDE_MAX_M and k >= SP_WIDE_K_OVER_M * m)
+            return "cuda_sp" if sp else "cuda_ws"
         return "cuda_sp"
     return "triton"
 
