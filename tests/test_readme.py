@@ -64,3 +64,28 @@ def test_the_shipped_expected_speedups_are_the_tools_digest_of_the_results():
 
     assert expected_table.OUT.read_text() == expected_table.text(), (
         "expected.json differs from bench/results/sparse24-sweep-*.json: run python tools/expected_table.py")
+
+
+def test_a_newer_sweep_part_replaces_the_base_sweeps_rows_at_its_n(tmp_path):
+    import json
+    import sys
+
+    sys.path.insert(0, str(README.parent / "tools"))
+    import expected_table
+
+    from kernelplan.sparse24.expected import source
+
+    def sweep(name, date, ns, speedup, l2="cold"):
+        rows = [{"m": 64, "k": 128, "n": n, "speedup": speedup, "eager_speedup": speedup / 2} for n in ns]
+        doc = {"device": "G", "dtype": "bf16", "l2": l2, "date": date, "commit": name[:3], "batch_sizes": ns,
+               "rows": rows + [{"m": 64, "k": 128, "memory": {}}]}
+        (tmp_path / f"sparse24-sweep-{name}.json").write_text(json.dumps(doc))
+
+    sweep("base", "2026-01-02", [1, 8, 16, 32, 64], 1.5)
+    sweep("new", "2026-01-03", [1, 8], 1.7)  # run again after a rule changed
+    sweep("old", "2026-01-01", [16], 9.0)  # older than the base: not taken
+    sweep("warm", "2026-01-04", [32], 9.0, l2="warm")  # another L2 regime: not taken
+    table, = expected_table.tables(tmp_path)["tables"]
+    assert table["shapes"]["64x128"] == [[1, 1.7, 0.85], [8, 1.7, 0.85], [16, 1.5, 0.75], [32, 1.5, 0.75],
+                                         [64, 1.5, 0.75]]
+    assert source(table) == "sparse24-sweep-base.json at bas; sparse24-sweep-new.json at new (n = 1, 8), L2 cold"

@@ -154,4 +154,4 @@ def test_the_table_gives_the_sweeps_speedup_exact_or_marked_as_read_from_the_nea
     assert near.basis == f"nearest {m}x{k}" and near.graph == graph
     assert expected("a GPU never swept", dtype, m, k, n) is None
     text = table([{"m": m + 16, "k": k, "dtype": dtype, "n": n, "backend": "cuda_ws", "config": "-", "expected": near}])
-    assert f"~{graph:.2f}x graph" in text and f"[1] nearest {m}x{k}" in text and doc["tables"][0]["source"] in text
+    assert f"~{graph:.2f}x graph" in text and f"[1] nearest {m}x{k}" in text and doc["tables"][0]["sources"][0]["file"] in text

@@ -2,8 +2,11 @@
 
 Per (GPU name, dtype) it takes one sweep: L2-cold before L2-warm (a model's
 forward reads its weights from DRAM), then the one with more batch sizes, then
-the newer.  Each shape keeps ``[n, graph speedup, eager speedup]`` of the rule's
-kernel.  ``tests/test_readme.py`` checks the file equals this tool's output.
+the newer.  Newer sweeps of the same GPU, dtype and L2 regime over fewer batch
+sizes (a part run again after a rule changed) replace its rows at the n they
+timed.  Each shape keeps ``[n, graph speedup, eager speedup]`` of the rule's
+kernel; ``sources`` says which file and commit gave which n.
+``tests/test_readme.py`` checks the file equals this tool's output.
 
     python tools/expected_table.py
 """
@@ -24,24 +27,32 @@ def _rank(doc: dict) -> tuple:
 
 
 def tables(results: Path = RESULTS) -> dict:
-    chosen: dict[tuple[str, str], tuple[str, dict]] = {}
+    by_key: dict[tuple[str, str], list[tuple[str, dict]]] = {}
     for path in sorted(results.glob("sparse24-sweep-*.json")):
         doc = json.loads(path.read_text())
-        key = (doc["device"], doc.get("dtype", "bf16"))
-        if key not in chosen or _rank(doc) > _rank(chosen[key][1]):
-            chosen[key] = (path.name, doc)
+        by_key.setdefault((doc["device"], doc.get("dtype", "bf16")), []).append((path.name, doc))
     out = []
-    for (gpu, dtype), (name, doc) in sorted(chosen.items()):
+    for (gpu, dtype), docs in sorted(by_key.items()):
+        name, base = max(docs, key=lambda d: _rank(d[1]))
+        newer = sorted((d for d in docs if d[1].get("l2") == base.get("l2")
+                        and d[1].get("date", "") > base.get("date", "")), key=lambda d: d[1]["date"])
+        sources = [{"file": name, "commit": base["commit"], "n": None}]
+        cells: dict[tuple[str, int], list] = {}
+        for doc_name, doc in [(name, base), *newer]:
+            ns = sorted({r["n"] for r in doc["rows"] if "n" in r and "speedup" in r})
+            if doc is not base:
+                sources.append({"file": doc_name, "commit": doc["commit"], "n": ns})
+            for r in doc["rows"]:
+                if "n" in r and "speedup" in r:
+                    eager = r.get("eager_speedup")
+                    cells[(f"{r['m']}x{r['k']}", r["n"])] = [r["n"], round(r["speedup"], 3),
+                                                            None if eager is None else round(eager, 3)]
         shapes: dict[str, list] = {}
-        for r in doc["rows"]:
-            if "n" in r and "speedup" in r:
-                eager = r.get("eager_speedup")
-                shapes.setdefault(f"{r['m']}x{r['k']}", []).append(
-                    [r["n"], round(r["speedup"], 3), None if eager is None else round(eager, 3)])
+        for (shape, _), row in cells.items():
+            shapes.setdefault(shape, []).append(row)
         for rows in shapes.values():
             rows.sort()
-        out.append({"gpu": gpu, "dtype": dtype, "source": name, "commit": doc["commit"],
-                    "l2": doc.get("l2", "warm"), "shapes": shapes})
+        out.append({"gpu": gpu, "dtype": dtype, "sources": sources, "l2": base.get("l2", "warm"), "shapes": shapes})
     return {"generated_by": "tools/expected_table.py from bench/results/sparse24-sweep-*.json", "tables": out}
 
 

@@ -26,7 +26,7 @@ class Expected:
     graph: float  # the rule's kernel over F.linear, as a CUDA graph
     eager: float | None  # the same, called eagerly (host work included); None where not measured
     basis: str  # "measured", or the shape it was read from: "nearest 8192x8192"
-    source: str  # the results file, its commit and L2 regime
+    source: str  # the results files, their commits (and n, for a part run again) and the L2 regime
 
     def __str__(self) -> str:
         eager = "-" if self.eager is None else f"{self.eager:.2f}x"
@@ -79,4 +79,11 @@ def expected(gpu: str, dtype: str, m: int, k: int, n: int) -> Expected | None:
     if n not in ns:
         parts.append("n interpolated" if ns[0] < n < ns[-1] else f"n past the measured {ns[0]}-{ns[-1]}")
     basis = ", ".join(parts) or "measured"
-    return Expected(graph, eager, basis, f"{table['source']} at {table['commit']}, L2 {table['l2']}")
+    return Expected(graph, eager, basis, source(table))
+
+
+def source(table: dict) -> str:
+    """Which sweep files and commits a table's speedups come from: the base sweep, then the parts run again."""
+    parts = [f"{s['file']} at {s['commit']}" + (f" (n = {', '.join(map(str, s['n']))})" if s["n"] else "")
+             for s in table["sources"]]
+    return "; ".join(parts) + f", L2 {table['l2']}"
