@@ -152,7 +152,7 @@ def _is_hopper(dev: torch.device) -> bool:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_sparse24_module_default_path_every_kernel_family(dtype, seed):
     """``Sparse24Linear`` on each device with the other current, over n = 1-4096: the rule's kernel for the weight's
-    own device (cuda_sp at n <= 16 on a 9216-row weight, cuda_ws's ping-pong and cluster tiles past it; cuda_sp on
+    own device (cuda_sp at n <= 8 on a 9216-row weight, cuda_ws's ping-pong and cluster tiles past it; cuda_sp on
     Ampere), each call twice (the first binds the launch on the weight's device, the second takes the bound call),
     3-D and non-contiguous x, a CUDA graph, and one copy of the weight: 0.5625x of the dense bytes, f16 on
     device index 1 included."""
@@ -170,7 +170,7 @@ def test_sparse24_module_default_path_every_kernel_family(dtype, seed):
             desc = GemmSparse24Descriptor(n, m, k, "bf16" if dtype == torch.bfloat16 else "f16", None, True, str(dev))
             backend = GemmSparse24Plan.select(desc).backend.name
             assert backend == rule_backend(desc)
-            assert backend == ("cuda_ws" if _is_hopper(dev) and n > 16 else "cuda_sp"), (n, backend)
+            assert backend == ("cuda_ws" if _is_hopper(dev) and n > 8 else "cuda_sp"), (n, backend)
             x = torch.randn(n, k, device=dev, dtype=dtype)
             ref, same = F.linear(x.double(), w.double(), b.double()), F.linear(x, w, b)
             for call in range(2):
@@ -231,6 +231,48 @@ def test_sparse24_functional_bias_activations_and_fast_policy_f16_on_each_device
             assert reason is not None and "device index 1" in reason, reason
 
     _on_each_device(run)
+
+
+def test_a_tile_tuned_on_one_device_is_taken_there_alone(tmp_path, monkeypatch, seed):
+    """``tune_tiles`` for cuda:1 with cuda:0 current keys its choices by cuda:1; a tile set for one device (cuda_ws
+    at n = 128, cuda_sp at n = 4) is launched by a layer on that device, against fp64, while the same layer on the
+    other device keeps the rule's tile."""
+    from kernelplan.sparse24 import tiles
+    from kernelplan.sparse24.dispatch import backend_for, config_for
+    from test_sparse24_tiles import _tile_of_last_launch
+
+    if not all(_is_hopper(torch.device("cuda", i)) for i in (0, 1)):
+        pytest.skip("tile tuning here times Hopper's kernels on both devices")
+    monkeypatch.setenv("KERNELPLAN_CACHE_DIR", str(tmp_path))
+    tiles.clear_tuned_tiles()
+    try:
+        with torch.cuda.device(0):
+            got = kp.sparse24.tune_tiles([(3072, 3072), (28672, 1024)], [4, 128], device="cuda:1",
+                                         dtype=torch.float16, rounds=2)
+        assert all(c.tile is not None for c in got)
+        for c in got:
+            backend = tiles.backend_of(c.tile)
+            assert tiles.tuned_tile(1, c.n, c.m, c.k, False, backend) == c.tile
+            assert tiles.tuned_tile(0, c.n, c.m, c.k, False, backend) is None
+        tiles.clear_tuned_tiles()
+        for n, m, k in ((128, 3072, 3072), (4, 28672, 1024)):
+            backend = backend_for((9, 0), n, m, k, "f16")
+            rule = config_for(backend, n, m, k, torch.cuda.get_device_properties(0).multi_processor_count)
+            other = next(c for c in tiles.candidates(n, m, k, 132, False, backend=backend) if c != rule)
+            tiles._TUNED[(1, backend, m, k, tiles.run_of(n), False)] = other
+            for index, want in ((1, other), (0, rule)):
+                dev = torch.device("cuda", index)
+                dense = torch.nn.Linear(k, m, device=dev, dtype=torch.float16)
+                layer = kp.nn.Sparse24Linear.from_dense(dense)
+                x = torch.randn(n, k, device=dev, dtype=torch.float16)
+                with torch.cuda.device(1 - index), torch.no_grad():
+                    y = layer(x)
+                assert _tile_of_last_launch(layer) == {str(want)}, (n, index)
+                w, b = layer.to_dense(), layer.bias.detach()
+                assert_close(y, F.linear(x.double(), w.double(), b.double()), F.linear(x, w, b),
+                             atol=FWD_ATOL[torch.float16], what=f"{want} on {dev}")
+    finally:
+        tiles.clear_tuned_tiles()
 
 
 def test_sparse24_ws_tile_kinds_on_each_device(seed):
