@@ -51,8 +51,8 @@ def main() -> int:
     t0 = time.perf_counter()  # every variant first, in threads: per shape, the tuning then only times
     sms, cap = sm_count(0), torch.cuda.get_device_capability(0)
     tiles.compile_all([(c, "bf16", None) for m, k in shapes for n in a.batch
-                       if backend_for(cap, n, m, k, "bf16") == "cuda_ws"
-                       for c in tiles.candidates(n, m, k, sms, False, a.top)], 0)
+                       for backend in [backend_for(cap, n, m, k, "bf16")] if backend in tiles.OPS
+                       for c in tiles.candidates(n, m, k, sms, False, a.top, backend)], 0)
     compile_s = time.perf_counter() - t0
     rows, tune_s = [], 0.0
     for shape in shapes:
@@ -60,7 +60,8 @@ def main() -> int:
         choices = tiles.tune_tiles([shape], a.batch, dtype=dtype, top=a.top, rounds=a.rounds, store=False)
         tune_s += time.perf_counter() - t0
         for c in choices:
-            row = {"m": c.m, "k": c.k, "n": c.n, "rule": str(c.rule), "tile": str(c.tile), "tune_gain": c.gain,
+            row = {"m": c.m, "k": c.k, "n": c.n, "backend": tiles.backend_of(c.tile) if c.tile else None,
+                   "rule": str(c.rule), "tile": str(c.tile), "tune_gain": c.gain,
                    "tiles_ms": c.times_ms}  # every candidate's tuning time, in the rule's order
             if c.tile is not None and c.tile != c.rule:
                 fns = tiles.tile_calls([c.rule, c.tile], c.n, c.m, c.k, dtype, None, 0)

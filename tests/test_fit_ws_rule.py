@@ -108,8 +108,11 @@ def test_the_search_never_moves_a_pick_onto_a_tile_no_table_timed(tmp_path, caps
         assert fit_ws_rule.ratios(fitted, fit_ws_rule.problems(str(path))) != [None]
 
 
-def test_a_tuning_benchs_untuned_rows_are_left_out(tmp_path):
+def test_a_tuning_benchs_untuned_and_cuda_sp_rows_are_left_out(tmp_path):
+    from kernelplan.kernels.sparse24_sp import sp_config
+
     n, m, k = 256, 4096, 4096
     rows = [_row(n, m, k, {ws_config(n, m, k, SMS): 1.0}),
-            {"m": 9216, "k": 4096, "n": 8, "rule": "None", "tile": "None", "tiles_ms": None}]  # cuda_sp's problem
+            {"m": 1024, "k": 200, "n": 8, "rule": "None", "tile": "None", "tiles_ms": None},  # the Triton kernel's
+            {"m": 9216, "k": 4096, "n": 8, "backend": "cuda_sp", "tiles_ms": {str(sp_config(8, 9216, 4096, SMS)): 1.0}}]
     assert [p[:3] for p in _table(tmp_path, rows)] == [(n, m, k)]
