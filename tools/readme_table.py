@@ -168,7 +168,8 @@ def _tile_tuning_note(doc: dict, name: str) -> str:
     changed = [r for r in doc["rows"] if "gain" in r]
     lost = sum(r["gain"] < 1 for r in changed)
     shapes = len({(r["m"], r["k"]) for r in doc["rows"]})
-    return (f"- 2:4, opt-in tile tuning (`kp.sparse24.tune_tiles`, the rule's {meta['top']} best-ranked tiles) over "
+    return (f"- 2:4, opt-in tile tuning (`kp.sparse24.tune_tiles`, the first {meta['top']} tiles of the kernel the rule "
+            f"runs) over "
             f"{shapes} sweep-set shapes at n = {', '.join(map(str, meta['batch']))}: another tile kept on "
             f"{s['changed']} of {s['tuned']} problems; timed again afresh, the kept tile over the rule's, median "
             f"{s['gain_median']:.3f}x ({s['gain_min']:.3f}-{s['gain_max']:.3f}x, {lost} under 1); over all "
@@ -195,7 +196,7 @@ def sparse24_notes() -> list[str]:
         if doc and "graph_ms" in doc["rows"][0]:
             lines.append(_experts_note(doc, name))
     for names, note in ((("sparse24-tile-tuning-h100", "sparse24-tile-tuning-h200", "sparse24-tile-tuning-top16-h100",
-                          "sparse24-tile-tuning-top16-h200"), _tile_tuning_note),
+                          "sparse24-tile-tuning-top16-h200", "sparse24-tile-tuning-small-n-h100"), _tile_tuning_note),
                         (("sparse24-moe-model-h100", "sparse24-moe-model-h200"), _moe_model_note),
                         (("sparse24-moe-route-h200", "sparse24-moe-route-chunks-h200", "sparse24-moe-route-scan-h200"),
                          _moe_route_note)):
