@@ -79,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     warm.add_argument("--sizes-only", action="store_true",
                       help="compile the batch sizes' kernels alone, not every n up to the largest")
     warm.add_argument("--tune", action="store_true",
-                      help="Hopper: tune each shape's wgmma.sp tile at the batch sizes first (kp.sparse24.tune_tiles) "
-                           "and store the choices in the plan cache, where a later kp.warmup(model, sizes, tune=True) "
-                           "reads them without timing")
+                      help="tune each shape's tile (wgmma.sp, or mma.sp) at the batch sizes first "
+                           "(kp.sparse24.tune_tiles) and store the choices in the plan cache, where a later "
+                           "kp.warmup(model, sizes, tune=True) reads them without timing")
 
     cache = sub.add_parser("cache", help="inspect or clear the persistent plan and kernel caches")
     cache.add_argument("action", choices=("info", "clear"))

@@ -110,9 +110,10 @@ def warmup(model: torch.nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bo
     """Compile every kernel and settle every dispatch choice of ``model``'s 2:4 layers at ``batch_sizes``, and of
     their sibling groups settled so far, gated MLPs' included (a group settles on the model's first pass: warm up
     after it to warm the groups' GEMMs too).  With ``every_n``, the kernels of every n up to the largest batch size
-    are compiled too, so that no call of up to that many rows compiles.  With ``tune`` (opt-in), the ``cuda_ws``
-    tile of each GEMM at each of ``batch_sizes`` is tuned first (``sparse24/tiles.py``: timed, or read back from
-    the plan cache), and each row says what it kept (``tile``: "rule", or the gain of the tile kept over it)."""
+    are compiled too, so that no call of up to that many rows compiles.  With ``tune`` (opt-in), the tile of the
+    kernel the rule runs (``cuda_ws``, or ``cuda_sp``) for each GEMM at each of ``batch_sizes`` is tuned first
+    (``sparse24/tiles.py``: timed, or read back from the plan cache), and each row says what it kept (``tile``:
+    "rule", or the gain of the tile kept over it)."""
     from .nn.routes import route_of
     from .sparse24.dispatch import rule_points
 
