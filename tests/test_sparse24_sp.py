@@ -107,6 +107,8 @@ def test_config_at_n_up_to_16_takes_32_row_ctas_and_16_warps_an_sm():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("n, m, k, activation, bias, layout", [
     (1, 64, 128, None, False, "contiguous"),
+    (5, 70, 192, "relu", True, "contiguous"),  # n <= 16: 32-row CTAs, the last one part M
+    (13, 1000, 4096, "gelu", True, "strided"),  # n <= 16: 32-row CTAs, K split in 8 slices
     (17, 70, 192, "relu", True, "contiguous"),  # M not a multiple of 16 or of the CTA's 64 rows
     (24, 1000, 4096, "gelu", True, "transposed"),  # non-contiguous x: copied
     (33, 256, 1024, "gelu_tanh", True, "strided"),  # five N tiles of eight staged
