@@ -1,8 +1,8 @@
 """The two tiled kernels of the one layout at small n, side by side: every ``cuda_sp`` tile (``sp_candidates``), the
 rule's first ``cuda_ws`` tiles, and dense ``F.linear``, over the sweep set (or ``--shape``) at each n of ``--batch``.
 
-What the Hopper boundary between the two kernels (``dispatch.backend_for``: ``SP_MAX_N_HOPPER``, ``SP_MIN_M_HOPPER``)
-and ``cuda_sp``'s tile rule (``sp_config``) are read from.  All of a problem's kernels are timed in one set of CUDA
+What the Hopper boundary between the two kernels (``dispatch.backend_for``) and ``cuda_sp``'s tile rule at
+n <= 16 (``sp_config``) are read from (docs/design/0042).  All of a problem's kernels are timed in one set of CUDA
 graph rounds (``timing.graph_rounds``: alternating order, weights read past the L2), each kernel's result checked
 against the first's.  Writes ``bench/results/sparse24-small-n-<gpu>.json``: per row the median ms of every tile
 (``tiles_ms``, by its repr), dense's, the rule's backend and each kernel's rule pick.

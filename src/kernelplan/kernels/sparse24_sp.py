@@ -157,8 +157,6 @@ def sp_candidates(n: int, m: int, k: int, sms: int) -> list[SpConfig]:
                                         + abs(c.k_warps.bit_length() - rule.k_warps.bit_length())))
 
 
-
-
 def source(cfg: SpConfig, dtype: str, has_bias: bool, activation: str | None) -> str:
     """The CUDA C++ of one kernel variant (``kp_sparse24_sp``), compiled by NVRTC."""
     head = defines(dtype, has_bias, activation, NT=cfg.n_tiles, RT=cfg.row_tiles, MW=cfg.m_warps, KW=cfg.k_warps,

@@ -5,7 +5,9 @@ the rule's own pick.  The backend stays the rule's.
 The rule (``kernels/sparse24_ws.py``, ``ws_config``) picks a tile 1-3% slower than the best timed on the mean
 of the tile tables (docs/design/0039), but a few layers lose 7-25% to a tile it ranks lower, and the two GPUs
 disagree on some (3-4K-wide layers at n = 128: a K split wins on the H200, the ping-pong tile on the H100), which a
-rule that sees the SM count cannot tell apart (docs/design/0040).  Timing decides those.
+rule that sees the SM count cannot tell apart (docs/design/0040).  Timing decides those.  ``cuda_sp``'s rule at
+small n leaves less: over the sweep set at n = 1 and 8 on an H100 tuning kept another of its tiles on 3 of 36
+problems, by 1.03-1.05x (docs/design/0042).
 
 * Nothing here runs unless asked: ``tune_tiles`` or ``kp.warmup(..., tune=True)``.  A user's first call never
   times anything.
