@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import kernelplan as kp
+from kernelplan.bench.shapes import sweep_shapes
 from kernelplan.kernels.sparse24_sp import SpConfig, _tiled, sp_config
 from test_sparse24_triton import check_backend
 
@@ -100,6 +101,40 @@ def test_config_at_n_up_to_16_takes_32_row_ctas_and_16_warps_an_sm():
     assert sp_config(1, 73728, 4608, 132) == SpConfig(1, m_warps=4, k_warps=1, stages=4, min_blocks=4)
     assert sp_config(16, 35840, 5120, 132) == SpConfig(2, m_warps=2, k_warps=1, stages=6, min_blocks=5)  # 560 of 64
     assert sp_config(1, 4096, 192, 132) == SpConfig(1, row_tiles=1, m_warps=2, k_warps=1, stages=6)  # 3 K steps
+
+
+HOPPER_SHARED, A100_SHARED, ADA_SHARED = 227 * 1024, 163 * 1024, 99 * 1024  # opt-in shared memory a CTA
+
+
+def test_every_rule_tile_fits_hoppers_shared_memory_and_is_fitted_to_smaller_gpus():
+    from kernelplan.kernels.sparse24_sp import fit_shared, sp_candidates
+
+    cut = 0
+    for m, k in sweep_shapes():
+        for n in (1, 8, 16, 32, 64):
+            for cfg in sp_candidates(n, m, k, 132):
+                assert fit_shared(cfg, HOPPER_SHARED) == cfg  # the rules size rings for Hopper: nothing cut
+                for limit in (A100_SHARED, ADA_SHARED):
+                    fitted = fit_shared(cfg, limit)
+                    assert fitted.shared <= limit and fitted.stages >= 2 and fitted.rows == cfg.rows
+                    assert (k // 64) % fitted.k_warps == 0 and fitted.n_tiles == cfg.n_tiles
+                    assert fitted.k_warps < cfg.k_warps or fitted.k_warps == cfg.k_warps and (
+                        fitted.stages <= cfg.stages)
+                    cut += fitted != cfg
+    assert cut  # some rings and K splits are too deep for the A100 or Ada
+    # 8192^2 at n = 64: 8 K slices of 2 steps take 200 KiB; the A100 holds 4 slices of 2, Ada 2 slices of 2
+    cfg = sp_config(64, 8192, 8192, 132)
+    assert (cfg.k_warps, cfg.stages) == (8, 2) and cfg.shared == 204800
+    assert (fit_shared(cfg, A100_SHARED).k_warps, fit_shared(cfg, ADA_SHARED).k_warps) == (4, 2)
+
+
+def test_the_kernel_fits_its_tile_to_the_devices_shared_memory(monkeypatch):
+    from kernelplan.kernels import sparse24_sp
+    from kernelplan.kernels.sparse24_sp import SpKernel, fit_shared
+
+    monkeypatch.setattr(sparse24_sp, "sm_count", lambda device: 132)
+    monkeypatch.setattr(sparse24_sp, "shared_per_block", lambda device: ADA_SHARED)
+    assert SpKernel().config(64, 8192, 8192, 0) == fit_shared(sp_config(64, 8192, 8192, 132), ADA_SHARED)
 
 
 @gpu

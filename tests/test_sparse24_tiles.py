@@ -105,6 +105,7 @@ def test_the_kernel_takes_a_tuned_tile_for_the_run_of_n_and_the_rule_elsewhere(m
 
     monkeypatch.setattr(sparse24_wg, "sm_count", lambda device: SMS)
     monkeypatch.setattr(sparse24_sp, "sm_count", lambda device: SMS)
+    monkeypatch.setattr(sparse24_sp, "shared_per_block", lambda device: 227 * 1024)  # Hopper's
     sp_other = sp_candidates(8, 28672, 4096, SMS)[3]
     tiles._TUNED[(0, "cuda_sp", 28672, 4096, tiles.run_of(8), False)] = sp_other
     assert SpKernel().config(1, 28672, 4096, 0) == sp_other and SpKernel().config(9, 28672, 4096, 0) != sp_other

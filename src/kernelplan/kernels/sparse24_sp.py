@@ -41,9 +41,10 @@ from dataclasses import dataclass
 import torch
 
 from ..activations import GATED_EPILOGUES
+from ..errors import KernelPlanError
 from ..sparse24.layout import SP_LAYOUT, layout_of, pack
 from .sparse24 import sm_count
-from .nvrtc import cuda_source
+from .nvrtc import cuda_source, shared_per_block
 from .sparse24_mma import COMMON_SOURCE, TiledKernel, defines
 
 MAX_N = 64  # eight 8-wide N tiles
@@ -139,6 +140,22 @@ def _filled(cfg: SpConfig, per_sm: int) -> SpConfig:
     return dataclasses.replace(cfg, stages=max(2, min(6, stages)), min_blocks=min(per_sm, max(1, 512 // cfg.threads)))
 
 
+def fit_shared(cfg: SpConfig, limit: int) -> SpConfig:
+    """``cfg`` with its ring, then its K slices, cut until a CTA's shared memory is at most ``limit`` bytes (the
+    GPU's ``shared_per_block``).  The rules size rings by Hopper's 227 KiB, where every tile they give fits and this
+    returns ``cfg``; on the A100 (163 KiB) and Ada (99 KiB) the deepest rings and widest K splits would not launch.
+    Halving the K slices keeps them a divisor of K's steps."""
+    k_warps = cfg.k_warps
+    while True:
+        for stages in range(cfg.stages, 1, -1):
+            fitted = dataclasses.replace(cfg, k_warps=k_warps, stages=stages)
+            if fitted.shared <= limit:
+                return fitted
+        if k_warps == 1:
+            raise KernelPlanError(f"cuda_sp {cfg}: no ring of 2 steps fits {limit} bytes of shared memory a CTA")
+        k_warps //= 2
+
+
 def sp_candidates(n: int, m: int, k: int, sms: int) -> list[SpConfig]:
     """The tiles the kernel can run for (n, M, K) on ``sms`` SMs, the rule's pick (``sp_config``) first: 32 to 128
     rows of W a CTA (2 or 4 warps along M, 1 or 2 row tiles each), 1 to 8 K slices that divide K's steps, 16 warps
@@ -202,12 +219,15 @@ class SpKernel(TiledKernel):
         return self.launch_config(self.config(n, m, k, device, activation), n, m, dtype, has_bias, activation, device)
 
     def launch_config(self, cfg: SpConfig, n, m, dtype, has_bias, activation, device):
+        cfg = fit_shared(cfg, shared_per_block(device))  # as config gives it; a tuning candidate as it would run
         return _launcher(cfg, dtype, has_bias, activation, device), (-(-m // cfg.rows), 1, 1)
 
     def config(self, n, m, k, device, activation=None):  # every tile of the space has a gated variant
-        """The tile this process tuned for the problem (``sparse24/tiles.py``, opt-in), else the rule's."""
+        """The tile this process tuned for the problem (``sparse24/tiles.py``, opt-in), else the rule's, fitted to
+        the device's shared memory."""
         from ..sparse24.dispatch import config_for
         from ..sparse24.tiles import tuned_tile
 
-        return (tuned_tile(device, n, m, k, activation in GATED_EPILOGUES, self.name)
-                or config_for(self.name, n, m, k, sm_count(device)))
+        cfg = (tuned_tile(device, n, m, k, activation in GATED_EPILOGUES, self.name)
+               or config_for(self.name, n, m, k, sm_count(device)))
+        return fit_shared(cfg, shared_per_block(device))
