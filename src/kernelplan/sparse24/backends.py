@@ -204,8 +204,9 @@ class CudaSpSparse24Backend(CudaMmaSparse24Backend):
     device layout (``sparse24/layout.py``): read as held where the weight is
     held in it (``Sparse24Linear``), else derived once beside the public
     format.  Both operands are staged in shared memory by cp.async.  The
-    rule's kernel at n <= 16 on Hopper and at every n on Ampere and Ada
-    (``dispatch.py``); what it measured is in ``bench/results/sparse24-sweep-*.json``.
+    rule's kernel at n <= 8 on Hopper's tall weights and wide weights of few
+    rows, and at every n on Ampere and Ada (``dispatch.py``); what it measured
+    is in ``bench/results/sparse24-sweep-*.json`` and ``sparse24-small-n-*.json``.
     """
 
     name = "cuda_sp"
