@@ -12,7 +12,7 @@ import torch
 
 import kernelplan as kp
 from kernelplan.bench.shapes import sweep_shapes
-from kernelplan.kernels.sparse24_sp import SpConfig, _tiled, sp_config
+from kernelplan.kernels.sparse24_sp import SpConfig, _tiled, sp_candidates, sp_config
 from test_sparse24_triton import check_backend
 
 gpu = pytest.mark.gpu
@@ -101,6 +101,52 @@ def test_config_at_n_up_to_16_takes_32_row_ctas_and_16_warps_an_sm():
     assert sp_config(1, 73728, 4608, 132) == SpConfig(1, m_warps=4, k_warps=1, stages=4, min_blocks=4)
     assert sp_config(16, 35840, 5120, 132) == SpConfig(2, m_warps=2, k_warps=1, stages=6, min_blocks=5)  # 560 of 64
     assert sp_config(1, 4096, 192, 132) == SpConfig(1, row_tiles=1, m_warps=2, k_warps=1, stages=6)  # 3 K steps
+
+
+def emulate_ctas(cfg: SpConfig, w: torch.Tensor, x: torch.Tensor, gated: bool) -> list[torch.Tensor]:
+    """What ``kp_sparse24_sp``'s grid of ``cfg`` writes, from its index arithmetic (``sparse24_sp.cu``): each CTA's
+    warps (``mw``, ``kw``) multiply row tile ``tile`` of W over K slice ``kw`` into the reduction buffer at local rows
+    ``16 c``, and output column ``m`` of the CTA sums the slices of local row ``ml`` (and ``kOut + ml``, gated).
+    Returns the sums per region, ``[N, M / regions]`` each, NaN where no CTA wrote."""
+    m, k = w.shape
+    regions = 2 if gated else 1
+    tiles, ksteps = -(-m // 16), k // 64
+    steps, half = ksteps // cfg.k_warps, tiles // regions
+    padded = torch.nn.functional.pad(w, (0, 0, 0, 16 * tiles - m))
+    cta_tiles, rows = cfg.m_warps * cfg.row_tiles // regions, cfg.rows
+    k_out, cols = rows // regions, m // regions
+    out = [torch.full((x.shape[0], cols), float("nan"), dtype=torch.float64) for _ in range(regions)]
+    for b in range(-(-m // rows)):  # the launch's grid (SpKernel.launch_config)
+        red = torch.zeros(cfg.k_warps, rows, x.shape[0], dtype=torch.float64)
+        for mw in range(cfg.m_warps):
+            for kw in range(cfg.k_warps):
+                for r in range(cfg.row_tiles):
+                    c = mw * cfg.row_tiles + r
+                    in_half = b * cta_tiles + c % cta_tiles
+                    tile = in_half + c // cta_tiles * half if in_half < half else 0
+                    ks = slice(64 * kw * steps, 64 * (kw + 1) * steps)
+                    red[kw, 16 * c:16 * c + 16] = padded[16 * tile:16 * tile + 16, ks] @ x[:, ks].T
+        for ml in range(k_out):
+            col = b * k_out + ml
+            if col < cols:
+                for h in range(regions):
+                    assert out[h][:, col].isnan().all(), f"{cfg}: column {col} written twice"
+                    out[h][:, col] = red[:, h * k_out + ml].sum(0)
+    return out
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_every_candidate_tiles_grid_writes_each_column_once_from_its_rows(gated, seed):
+    for n, m, k in ((1, 96, 192), (5, 70, 512), (8, 1056, 1024), (13, 2080, 256), (16, 256, 4096), (40, 544, 512)):
+        if gated and m % 32:
+            continue
+        w, x = torch.randn(m, k, dtype=torch.float64), torch.randn(n, k, dtype=torch.float64)
+        want = x @ w.T
+        for cfg in sp_candidates(n, m, k, 132):
+            got = emulate_ctas(cfg, w, x, gated)
+            halves = [want[:, :m // 2], want[:, m // 2:]] if gated else [want]
+            for g, h in zip(got, halves):
+                torch.testing.assert_close(g, h, rtol=1e-12, atol=1e-12, msg=f"{cfg} n={n} {m}x{k}")
 
 
 HOPPER_SHARED, A100_SHARED, ADA_SHARED = 227 * 1024, 163 * 1024, 99 * 1024  # opt-in shared memory a CTA
