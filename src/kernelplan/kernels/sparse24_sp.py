@@ -98,7 +98,8 @@ def sp_config(n: int, m: int, k: int, sms: int) -> SpConfig:
     of ``sp_candidates`` timed over the sweep set at n = 1, 8 and 16 (``sparse24-small-n-h{100,200}.json``): on the
     rows where this kernel's best tile beats ``cuda_ws``'s rule by 3% or more (45 on the H100, 37 on the H200), its
     pick reads 1.021x and 1.020x of the best tile's time (geometric mean), against 1.093x and 1.158x for the rule
-    below, which kept 8 warps an SM in CTAs of 64-128 rows (docs/design/0042).
+    below, which kept 8 warps an SM in CTAs of 64-128 rows (docs/design/0042; ``tools/fit_sp_rule.py`` reads the
+    tables for every setting of the two constants).
 
     Past n = 16: each CTA reads all of x for its rows, so larger CTAs read less of it,
     until too few CTAs leave SMs idle: 128 rows where there are about as many

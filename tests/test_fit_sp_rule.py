@@ -1,0 +1,57 @@
+"""tools/fit_sp_rule.py: cuda_sp's small-n tile rule and the Hopper boundary read from the small-n tables."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tools"))
+
+import fit_sp_rule  # noqa: E402
+from kernelplan.kernels import sparse24_sp  # noqa: E402
+from kernelplan.kernels.sparse24_sp import sp_candidates, sp_config  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).parents[1] / "bench" / "results"
+TABLES = [RESULTS / f"sparse24-small-n-{gpu}.json" for gpu in ("h100", "h200")]
+SMS = 132
+
+
+def _row(n, m, k, sp_ms: dict, ws_ms: float, rule="cuda_ws"):
+    return {"n": n, "m": m, "k": k, "rule": rule, "ws_rule": "WsConfig(rule)", "sp_rule": str(sp_config(n, m, k, SMS)),
+            "tiles_ms": {**{str(c): t for c, t in sp_ms.items()}, "WsConfig(rule)": ws_ms}}
+
+
+def test_rule_ratios_count_the_rows_where_the_tile_matters_and_read_the_rules_pick():
+    n, m, k = 8, 3584, 14336
+    pick, other = sp_config(n, m, k, SMS), next(c for c in sp_candidates(n, m, k, SMS) if c != sp_config(n, m, k, SMS))
+    rows = [_row(n, m, k, {pick: 1.2, other: 1.0}, ws_ms=2.0),  # cuda_sp's best beats cuda_ws: counted
+            _row(n, m, k, {pick: 1.0, other: 1.0}, ws_ms=1.0)]  # cuda_ws as fast: the tile does not matter
+    got = fit_sp_rule.rule_ratios(rows, SMS, sparse24_sp.SMALL_N_CTAS_PER_SM, sparse24_sp.SMALL_N_WARPS_PER_SM)
+    assert got == [pytest.approx(1.2)]
+    before = sparse24_sp.SMALL_N_WARPS_PER_SM
+    fit_sp_rule.rule_ratios(rows, SMS, 1, 8)
+    assert sparse24_sp.SMALL_N_WARPS_PER_SM == before  # the rule's settings are put back
+
+
+def test_boundary_compares_todays_choice_with_the_faster_rule_and_the_tables_own():
+    n, m, k = 8, 3584, 14336  # a wide weight of few rows: cuda_sp's at n <= 8 today
+    rows = [_row(n, m, k, {sp_config(n, m, k, SMS): 1.0}, ws_ms=1.25)]
+    assert fit_sp_rule.boundary(rows, SMS) == (pytest.approx(1.0), pytest.approx(0.8))  # the table ran cuda_ws
+
+
+@pytest.mark.skipif(not all(t.exists() for t in TABLES), reason="the committed small-n tables")
+def test_todays_small_n_rule_is_the_best_setting_of_the_grid_over_both_committed_tables():
+    tables = [json.loads(t.read_text()) for t in TABLES]
+
+    def mean(ctas, warps):
+        return sum(fit_sp_rule.geomean(fit_sp_rule.rule_ratios(t["rows"], t["meta"]["sms"], ctas, warps))
+                   for t in tables) / len(tables)
+
+    today = mean(sparse24_sp.SMALL_N_CTAS_PER_SM, sparse24_sp.SMALL_N_WARPS_PER_SM)
+    assert today == pytest.approx(min(mean(c, w) for c in fit_sp_rule.CTAS_PER_SM for w in fit_sp_rule.WARPS_PER_SM))
+    assert today < 1.025  # within 2.5% of the best tile timed, where the tile matters (docs/design/0042)
+    lines = fit_sp_rule.report(str(TABLES[0]))
+    assert sum("<- today" in line for line in lines) == 1 and "today's boundary" in lines[-1]

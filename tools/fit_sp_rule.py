@@ -1,0 +1,100 @@
+"""Reads the small-n tables (``bench/results/sparse24-small-n-<gpu>.json``, from ``bench/sparse24_small_n.py``) for
+``cuda_sp``'s tile rule at n <= 16 (``kernels/sparse24_sp.py``: ``SMALL_N_CTAS_PER_SM``, ``SMALL_N_WARPS_PER_SM``)
+and the Hopper boundary between ``cuda_sp`` and ``cuda_ws`` (``sparse24/dispatch.py``: ``backend_for``).
+
+Each table row has every ``cuda_sp`` tile's time and ``cuda_ws``'s first 4, timed side by side.  Prints:
+
+* per table, for each (CTAs an SM, warps an SM) of the rule, its pick's time over the best ``cuda_sp`` tile's, as a
+  geometric mean and the worst, over the rows where ``cuda_sp``'s best tile beats ``cuda_ws``'s rule by 3% or more
+  (where the tile matters); today's setting is marked;
+* per table, the boundary of today's ``backend_for`` with today's tiles: its time over the faster of the two rules'
+  tiles, and over the choice the table was made under (each row's ``rule`` and ``sp_rule``), geometric means.
+
+Docs: docs/design/0042.
+
+    python tools/fit_sp_rule.py bench/results/sparse24-small-n-h100.json bench/results/sparse24-small-n-h200.json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from kernelplan.kernels import sparse24_sp  # noqa: E402
+from kernelplan.sparse24.dispatch import backend_for  # noqa: E402
+
+CTAS_PER_SM = (1, 2, 4, 8)
+WARPS_PER_SM = (8, 12, 16, 24, 32)
+MATTERS = 0.97  # a row counts for the tile rule where cuda_sp's best tile takes at most this of cuda_ws's rule's
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(statistics.mean(math.log(v) for v in values))
+
+
+def _sp_times(row: dict) -> dict:
+    return {c: t for c, t in row["tiles_ms"].items() if c.startswith("SpConfig")}
+
+
+def rule_ratios(rows: list[dict], sms: int, ctas: int, warps: int) -> list[float]:
+    """The rule's pick over the best ``cuda_sp`` tile, per row where the tile matters, with the rule set to ``ctas``
+    and ``warps`` an SM.  A pick the table did not time raises KeyError: every tile of the space is timed."""
+    saved = sparse24_sp.SMALL_N_CTAS_PER_SM, sparse24_sp.SMALL_N_WARPS_PER_SM
+    sparse24_sp.SMALL_N_CTAS_PER_SM, sparse24_sp.SMALL_N_WARPS_PER_SM = ctas, warps
+    try:
+        out = []
+        for row in rows:
+            sp = _sp_times(row)
+            if min(sp.values()) <= MATTERS * row["tiles_ms"][row["ws_rule"]]:
+                out.append(sp[str(sparse24_sp.sp_config(row["n"], row["m"], row["k"], sms))] / min(sp.values()))
+        return out
+    finally:
+        sparse24_sp.SMALL_N_CTAS_PER_SM, sparse24_sp.SMALL_N_WARPS_PER_SM = saved
+
+
+def boundary(rows: list[dict], sms: int) -> tuple[float, float]:
+    """Today's backend and tiles: (time over the faster of the two rules' tiles, time over the table's own choice),
+    geometric means over the rows."""
+    best, before = [], []
+    for row in rows:
+        n, m, k = row["n"], row["m"], row["k"]
+        ws, sp = row["tiles_ms"][row["ws_rule"]], row["tiles_ms"][str(sparse24_sp.sp_config(n, m, k, sms))]
+        today = sp if backend_for((9, 0), n, m, k, "bf16") == "cuda_sp" else ws
+        then = row["tiles_ms"][row["sp_rule"]] if row["rule"] == "cuda_sp" else ws
+        best.append(today / min(ws, sp))
+        before.append(today / then)
+    return geomean(best), geomean(before)
+
+
+def report(path: str) -> list[str]:
+    table = json.loads(Path(path).read_text())
+    rows, sms = table["rows"], table["meta"]["sms"]
+    lines = [f"{path} ({table['meta']['device']}, {table['meta']['commit']}): cuda_sp's pick / its best tile"]
+    today = sparse24_sp.SMALL_N_CTAS_PER_SM, sparse24_sp.SMALL_N_WARPS_PER_SM
+    for ctas in CTAS_PER_SM:
+        for warps in WARPS_PER_SM:
+            ratios = rule_ratios(rows, sms, ctas, warps)
+            mark = "  <- today" if (ctas, warps) == today else ""
+            lines.append(f"  >= {ctas} CTAs an SM, {warps:2d} warps an SM: {geomean(ratios):.4f} "
+                         f"(worst {max(ratios):.3f}, {len(ratios)} rows){mark}")
+    best, before = boundary(rows, sms)
+    lines.append(f"  today's boundary: {best:.4f} of the faster rule's tile; {before:.4f} of the table's own choice")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
+        return 2
+    for path in argv:
+        print("\n".join(report(path)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
