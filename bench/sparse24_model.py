@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
 import sys
+import time
 
 import torch
 import transformers
@@ -121,8 +121,8 @@ def main() -> int:
     ap.add_argument("--memory", default="compact", choices=("compact", "fast"))
     ap.add_argument("--profile", action="store_true", help="split each case's device time by kernel class")
     ap.add_argument("--tune", action="store_true",
-                    help="tune the 2:4 model's cuda_ws tiles at the rows it runs past 16 (kp.warmup(tune=True)) "
-                         "after its first pass, before any timing")
+                    help="tune the 2:4 model's tiles at n = 32, 128 and 512 (kp.warmup(tune=True)) after its "
+                         "first pass, before any timing")
     ap.add_argument("--no-siblings", dest="siblings", action="store_false",
                     help="time dense and kp.sparsify's model unfused only, as before 0024")
     a = ap.parse_args()

@@ -161,16 +161,16 @@ def sp_candidates(n: int, m: int, k: int, sms: int) -> list[SpConfig]:
     """The tiles the kernel can run for (n, M, K) on ``sms`` SMs, the rule's pick (``sp_config``) first: 32 to 128
     rows of W a CTA (2 or 4 warps along M, 1 or 2 row tiles each), 1 to 8 K slices that divide K's steps, 16 warps
     a CTA at most, each with the ring ``sp_config`` would give it.  What tile tuning times (``sparse24/tiles.py``)."""
-    n_tiles = next(t for t in (1, 2, 4, 8) if 8 * t >= n)
-    space = [sp_config(n, m, k, sms)]
+    rule = sp_config(n, m, k, sms)
+    space = [rule]
     for m_warps, row_tiles, k_warps in itertools.product((2, 4), (1, 2), (1, 2, 4, 8)):
         if (k // 64) % k_warps or m_warps * k_warps > 16:
             continue
-        cfg = SpConfig(n_tiles, row_tiles, m_warps, k_warps)
+        cfg = SpConfig(rule.n_tiles, row_tiles, m_warps, k_warps)
         cfg = _filled(cfg, -(-m // (cfg.rows * sms)))
         if cfg.shared <= SM_SHARED - 1024 and cfg not in space:
             space.append(cfg)
-    rule = space[0]  # then its neighbours first: rows of W, then K slices, fewest doublings away
+    # the rule's pick, then its neighbours first: rows of W, then K slices, fewest doublings away
     return sorted(space, key=lambda c: (c != rule, abs(c.rows.bit_length() - rule.rows.bit_length())
                                         + abs(c.k_warps.bit_length() - rule.k_warps.bit_length())))
 
