@@ -47,6 +47,80 @@ def test_a_sparsified_model_round_trips_through_a_sharded_directory(tmp_path, se
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
 
 
+@pytest.mark.parametrize("build", ["llama", "gpt2"])
+def test_a_sparsified_models_own_save_pretrained_writes_a_directory_load_model_reads(tmp_path, seed, build):
+    """The HF-native save: config.json records kernelplan's format, which the model's 2:4 state_dict is in."""
+    model = _llama() if build == "llama" else _gpt2()
+    ids = torch.randint(0, 96, (2, 12))
+    kp.sparsify(model, progress=False, method="wanda", calibration=torch.randint(0, 96, (4, 16)))
+    with torch.no_grad():
+        ref = model(ids).logits
+    model.save_pretrained(tmp_path, max_shard_size="60KB")
+    assert json.loads((tmp_path / "config.json").read_text())["kernelplan"] == {
+        "format": "kernelplan.sparse24", "format_version": kp.sparse24.FORMAT_VERSION}
+    assert hf.layer_shapes(tmp_path)[0] == "2:4"
+    loaded = hf.load_model(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, ref)
+    assert sum(isinstance(m, kp.nn.Sparse24Linear) for m in loaded.modules()) == (14 if build == "llama" else 8)
+    # What load_model builds is marked too, so it saves again the same way.
+    loaded.save_pretrained(tmp_path / "again")
+    with torch.no_grad():
+        assert torch.equal(hf.load_model(tmp_path / "again")(ids).logits, ref)
+
+
+def test_a_model_loaded_from_a_bitmask_checkpoint_drops_its_sparsity_record(tmp_path, seed):
+    """Loaded, its 2:4 layers' state_dict is kernelplan's format: config.json must no longer say bitmask."""
+    model = _llama()
+    kp.sparsify(model, progress=False)
+    hf.save_model(model, tmp_path / "bitmask", "sparse-24-bitmask")
+    loaded = hf.load_model(tmp_path / "bitmask")
+    assert not hasattr(loaded.config, "quantization_config") and loaded.config.kernelplan["format"] == "kernelplan.sparse24"
+    loaded.save_pretrained(tmp_path / "saved")
+    config = hf.read_config(tmp_path / "saved")
+    assert "quantization_config" not in config and hf.checkpoint_format(config) == "kernelplan"
+    ids = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(hf.load_model(tmp_path / "saved")(ids).logits, model(ids).logits)
+
+
+def test_sparsify_marks_the_config_only_of_a_model_it_changed(seed):
+    model = _llama()
+    kp.sparsify(model, progress=False, filter_fn=lambda name, layer: False)
+    assert not hasattr(model.config, "kernelplan")
+    plain = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    kp.sparsify(plain, progress=False)  # no transformers config: nothing to record, nothing raised
+    assert isinstance(plain[0], kp.nn.Sparse24Linear) and not hasattr(plain, "config")
+
+
+@pytest.mark.parametrize("version, match", [(2, "newer than this kernelplan's 1: upgrade"),
+                                            ("1", "positive integer"), (0, "positive integer"),
+                                            (True, "positive integer")])
+def test_a_kernelplan_directory_of_another_format_version_is_refused(tmp_path, seed, version, match):
+    model = _llama()
+    kp.sparsify(model, progress=False)
+    hf.save_model(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["kernelplan"]["format_version"] = version
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidProblem, match=match):
+        hf.load_model(tmp_path)
+
+
+def test_a_moe_models_save_pretrained_is_refused_with_the_save_that_works(tmp_path, seed):
+    from test_experts import _mixtral
+
+    model = _mixtral(torch.float32)
+    kp.sparsify(model, progress=False, experts="all")
+    model.save_pretrained(tmp_path / "pretrained")
+    with pytest.raises(InvalidProblem, match=r"written by save_pretrained .* kp.hf.save_model\(model, path\)"):
+        hf.load_model(tmp_path / "pretrained")
+    hf.save_model(model, tmp_path / "saved")
+    ids = torch.randint(0, 64, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(hf.load_model(tmp_path / "saved")(ids).logits, model(ids).logits)
+
+
 def test_bitmask_conversion_is_numpys_little_endian_packbits(seed):
     w = prune(torch.randn(24, 96))  # no kept weight is zero: the mask is w != 0
     w24 = compress(w)

@@ -22,9 +22,7 @@ from torch import nn
 from . import __version__
 from .errors import InvalidProblem
 from .pruning.sparsify import SparsifyReport, eligibility
-from .sparse24.format import FORMAT_VERSION, Sparse24Weight
-
-FORMAT_NAME = "kernelplan.sparse24"
+from .sparse24.format import FORMAT_NAME, FORMAT_VERSION, Sparse24Weight
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:

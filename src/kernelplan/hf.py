@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .errors import InvalidProblem
-from .sparse24.format import Sparse24Weight, compress, is_sparse24
+from .sparse24.format import FORMAT_NAME, FORMAT_VERSION, Sparse24Weight, compress, is_sparse24
 
 FORMATS = ("kernelplan", "sparse-24-bitmask", "dense")
 INDEX = "model.safetensors.index.json"
@@ -95,7 +95,15 @@ def checkpoint_format(config: dict) -> str:
     """kernelplan, sparse-24-bitmask or dense, from config.json."""
     sparsity = (config.get("quantization_config") or {}).get("sparsity_config") or {}
     fmt = sparsity.get("format")
-    if config.get("kernelplan", {}).get("format") == "kernelplan.sparse24":
+    marker = config.get("kernelplan") or {}
+    if marker.get("format") == FORMAT_NAME:
+        version = marker.get("format_version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise InvalidProblem(f"config.json's kernelplan.format_version is {version!r}; kernelplan records a "
+                                 f"positive integer: the file was edited, or not written by kernelplan")
+        if version > FORMAT_VERSION:
+            raise InvalidProblem(f"config.json records kernelplan format version {version}, newer than this "
+                                 f"kernelplan's {FORMAT_VERSION}: upgrade kernelplan")
         return "kernelplan"
     if fmt == "sparse-24-bitmask":
         return fmt
@@ -226,6 +234,11 @@ def _weight(fmt: str, prefix: str, got: dict[str, torch.Tensor]) -> Sparse24Weig
 
 
 _FLOATING = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+# A sparsified MoE model's save_pretrained: its experts are held per expert (nn/experts.py) and transformers renames
+# modules as it saves (Mixtral's mlp to block_sparse_moe), so its checkpoint names fit no model config.json builds.
+_MOE_SAVED = ("; a MoE model's 2:4 experts written by save_pretrained are held per expert, under names transformers "
+              "changes as it saves: write a sparsified MoE model with kp.hf.save_model(model, path), which stores "
+              "them stacked as transformers builds them, and load_model reads")
 
 
 def _stored_dtype(path: str | os.PathLike) -> torch.dtype | None:
@@ -276,7 +289,8 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
             tuple(layer.weight.shape) if isinstance(layer, nn.Linear) else None
         if shape != tuple(item.shape):
             raise InvalidProblem(f"{name} holds a 2:4 weight of shape {tuple(item.shape)}, but the model built from "
-                                 f"config.json has {type(layer).__name__} there")
+                                 f"config.json has {type(layer).__name__ if layer is not None else 'no module'} there" + (_MOE_SAVED if ".experts." in name
+                                                                                     else ""))
         values = item.values.to(dtype) if dtype is not None else item.values
         bias = torch.zeros(shape[0], dtype=values.dtype, device=device) if layer.bias is not None else None
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
@@ -296,6 +310,8 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
                                  "loads, which this loader does not: load the dense model with transformers, "
                                  "kp.sparsify it, and save it with kp.hf.save_model (docs/design/0032)" if moe else ""))
     _load_experts(model, stacked)
+    if sparse:
+        mark_config(model)
     model = model.to(device).eval()
     if fuse:
         from .nn.siblings import fuse_siblings
@@ -354,6 +370,25 @@ def load_for_pruning(path: str | os.PathLike, device: str | torch.device = "cpu"
     return model.to(device).eval()
 
 
+def _marker() -> dict:
+    return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
+
+
+def mark_config(model: nn.Module) -> None:
+    """Record kernelplan's format in a Hugging Face model's config (``config.kernelplan``), once the model holds 2:4
+    layers: their state_dict is kernelplan's format (``p.values``, ``p.metadata``), whatever checkpoint they came
+    from, so the model's own ``save_pretrained`` writes a directory ``load_model`` reads.  A compressed-tensors
+    sparsity record (``quantization_config`` naming a ``sparsity_config``) no longer describes that state_dict and
+    is dropped, as ``save_model`` drops it.  A model without a transformers config is left as it is."""
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(config, "to_dict", None)):
+        return
+    config.kernelplan = _marker()
+    record = getattr(config, "quantization_config", None)
+    if isinstance(record, dict) and "sparsity_config" in record:
+        del config.quantization_config
+
+
 def _write_config(out: Path, config: dict, format: str, ignore: list[str]) -> None:
     """config.json with the 2:4 format recorded where its readers look (compressed-tensors' ``quantization_config``);
     ``ignore``: the linear layers left dense."""
@@ -361,9 +396,7 @@ def _write_config(out: Path, config: dict, format: str, ignore: list[str]) -> No
     config.pop("quantization_config", None)
     config.pop("kernelplan", None)
     if format == "kernelplan":
-        from .sparse24.format import FORMAT_VERSION
-
-        config["kernelplan"] = {"format": "kernelplan.sparse24", "format_version": FORMAT_VERSION}
+        config["kernelplan"] = _marker()
     else:
         config["quantization_config"] = {
             "version": "0.14.0", "quant_method": "compressed-tensors", "transform_config": {},

@@ -12,6 +12,7 @@ from torch import nn
 
 from .._checks import choice
 from ..errors import InvalidProblem
+from ..hf import mark_config
 from ..nn.experts import Sparse24Experts, experts_reason, experts_speed_reason
 from ..nn.siblings import fuse_siblings
 from ..nn.sparse24_linear import Sparse24Linear
@@ -323,6 +324,8 @@ def sparsify(
 
 
 def _fused(model: nn.Module, fuse: bool, report: SparsifyReport) -> SparsifyReport:
+    if report.converted:
+        mark_config(model)
     if fuse:
         fuse_siblings(model)
     return report

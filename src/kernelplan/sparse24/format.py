@@ -32,6 +32,8 @@ from ..dtypes import dtype_info
 from ..errors import InvalidProblem, InvalidState, MisalignedOperand
 from .layout import PUBLIC, SP_LAYOUT, check_layout, gpu_kernels, layout_of, pack, pack_reason, unpack, weight_shape
 
+# The name and version kernelplan's checkpoints record (checkpoint.py, stream.py; config.json in hf.py).
+FORMAT_NAME = "kernelplan.sparse24"
 FORMAT_VERSION = 1
 SPARSE24_DTYPES = ("f64", "f32", "f16", "bf16")
 
