@@ -288,9 +288,9 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
         shape = tuple(layer.weight.shape)[::-1] if is_conv1d(layer) else \
             tuple(layer.weight.shape) if isinstance(layer, nn.Linear) else None
         if shape != tuple(item.shape):
+            there = type(layer).__name__ if layer is not None else "no module"
             raise InvalidProblem(f"{name} holds a 2:4 weight of shape {tuple(item.shape)}, but the model built from "
-                                 f"config.json has {type(layer).__name__ if layer is not None else 'no module'} there" + (_MOE_SAVED if ".experts." in name
-                                                                                     else ""))
+                                 f"config.json has {there} there" + (_MOE_SAVED if ".experts." in name else ""))
         values = item.values.to(dtype) if dtype is not None else item.values
         bias = torch.zeros(shape[0], dtype=values.dtype, device=device) if layer.bias is not None else None
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
