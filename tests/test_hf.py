@@ -241,6 +241,23 @@ def test_a_bitmask_checkpoint_loads_onto_the_gpu_with_no_dense_copy_of_its_2_4_l
     assert (out - ref).abs().max() <= 0.05 * ref.abs().max()
 
 
+@pytest.mark.gpu
+def test_a_model_sparsified_on_the_gpu_saves_with_save_pretrained_and_loads_back_bit_for_bit(tmp_path, seed):
+    """The device layout is unpacked to the public format as the state_dict is written, and packed again on load."""
+    model = _llama(tie=False).to("cuda", torch.bfloat16)
+    kp.sparsify(model, progress=False)
+    assert all(m.layout != "public" for m in model.modules() if isinstance(m, kp.nn.Sparse24Linear))
+    ids = torch.randint(0, 96, (3, 16), device="cuda")
+    with torch.no_grad():
+        ref = model(ids).logits
+    model.save_pretrained(tmp_path)
+    loaded = hf.load_model(tmp_path, "cuda")
+    layers = [m for m in loaded.modules() if isinstance(m, kp.nn.Sparse24Linear)]
+    assert len(layers) == 14 and all(m.layout != "public" and m.values.is_cuda for m in layers)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, ref)
+
+
 @pytest.mark.parametrize("fmt", hf.FORMATS)
 def test_a_dense_directory_sparsified_shard_by_shard_is_what_the_in_memory_path_writes(tmp_path, seed, fmt):
     dense = _llama(tie=False)
