@@ -1,0 +1,181 @@
+"""PEFT's LoRA on kernelplan's 2:4 layers (``kp.nn.lora``): the function, training, adapters saved, merge refused."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+import kernelplan as kp
+from kernelplan.errors import InvalidProblem
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _llama(dtype=torch.float64):
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config).eval().to(dtype)
+
+
+def _adapted(fuse=True, **kw):
+    """A sparsified Llama, its dense twin (each 2:4 layer's pruned weight) and the LoRA model over the sparse one."""
+    dense = _llama()
+    sparse = copy.deepcopy(dense)
+    kp.sparsify(sparse, progress=False, fuse=fuse)
+    with torch.no_grad():
+        for name, mod in sparse.named_modules():
+            if isinstance(mod, kp.nn.Sparse24Linear):
+                dense.get_submodule(name).weight.copy_(mod.to_dense())
+    options = dict(r=4, lora_alpha=8, target_modules=PROJECTIONS, init_lora_weights=False) | kw
+    return dense, peft.get_peft_model(sparse, kp.nn.lora(peft.LoraConfig(**options)))
+
+
+def _merged_twin(dense, adapted):
+    """``dense`` with each adapted layer's weight W + scaling * B @ A, in float64: the function LoRA computes."""
+    twin = copy.deepcopy(dense)
+    with torch.no_grad():
+        for name, mod in adapted.named_modules():
+            if hasattr(mod, "lora_A") and "default" in mod.lora_A:
+                a, b = mod.lora_A["default"].weight, mod.lora_B["default"].weight
+                target = twin.get_submodule(name.removeprefix("base_model.model."))
+                target.weight += (mod.scaling["default"] * (b.double() @ a.double())).to(target.weight)
+    return twin
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_lora_on_2_4_layers_computes_the_dense_weight_plus_its_update(seed, fuse):
+    """Grouped siblings (q/k/v, gate/up with SwiGLU in the epilogue) must not bypass the adapters."""
+    dense, adapted = _adapted(fuse)
+    wrapped = [n for n, m in adapted.named_modules()
+               if isinstance(getattr(m, "base_layer", None), kp.nn.Sparse24Linear)]
+    assert len(wrapped) == 14
+    ids = torch.randint(0, 96, (3, 10))
+    with torch.no_grad():
+        got = adapted(ids).logits
+        want = _merged_twin(dense, adapted)(ids).logits
+        with adapted.disable_adapter():
+            base = adapted(ids).logits
+        plain = dense(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(base, plain, rtol=1e-10, atol=1e-10)
+    assert (got - base).abs().max() > 1e-3  # the adapter changes the function: the check above can fail
+
+
+def test_training_moves_the_adapters_and_leaves_the_2_4_weights_and_masks(seed):
+    _, adapted = _adapted(init_lora_weights=True)  # PEFT's default: B = 0, the model starts as the sparse one
+    layers = {n: m for n, m in adapted.named_modules() if isinstance(m, kp.nn.Sparse24Linear)}
+    before = {n: (m.values.detach().clone(), m.metadata.clone()) for n, m in layers.items()}
+    ids = torch.randint(0, 96, (4, 12))
+    with torch.no_grad():
+        start = adapted(ids).logits
+    opt = torch.optim.AdamW([p for p in adapted.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        loss = adapted(ids, labels=ids).loss
+        loss.backward()
+        assert all(m.values.grad is None for m in layers.values())
+        opt.step()
+    trainable = {n for n, p in adapted.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert all(torch.equal(m.values, before[n][0]) and torch.equal(m.metadata, before[n][1]) for n, m in layers.items())
+    with torch.no_grad():
+        assert (adapted(ids).logits - start).abs().max() > 1e-3
+
+
+def test_an_adapter_saved_by_peft_loads_onto_a_2_4_model_with_the_registration(tmp_path, seed):
+    dense, adapted = _adapted()
+    ids = torch.randint(0, 96, (2, 8))
+    with torch.no_grad():
+        want = adapted(ids).logits
+    adapted.save_pretrained(tmp_path)
+    base = _llama()
+    base.load_state_dict(dense.state_dict())
+    kp.sparsify(base, progress=False)
+    config = kp.nn.lora(peft.LoraConfig.from_pretrained(tmp_path))
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path, config=config)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, want, rtol=1e-10, atol=1e-10)
+
+
+def test_an_adapted_model_pickles_and_deep_copies(seed):
+    _, adapted = _adapted()
+    ids = torch.randint(0, 96, (2, 8))
+    buffer = io.BytesIO()
+    torch.save(adapted, buffer)
+    buffer.seek(0)
+    with torch.no_grad():
+        want = adapted(ids).logits
+        assert torch.equal(torch.load(buffer, weights_only=False)(ids).logits, want)
+        assert torch.equal(copy.deepcopy(adapted)(ids).logits, want)
+
+
+def test_merging_is_refused_and_changes_nothing_and_unload_gives_the_2_4_model_back(seed):
+    dense, adapted = _adapted()
+    ids = torch.randint(0, 96, (2, 8))
+    with torch.no_grad():
+        want = adapted(ids).logits
+    with pytest.raises(InvalidProblem, match="cannot be merged: B @ A is dense"):
+        adapted.merge_and_unload()
+    with pytest.raises(InvalidProblem, match="cannot be merged"):
+        adapted.merge_adapter()
+    with torch.no_grad():
+        assert torch.equal(adapted(ids).logits, want)
+    unloaded = adapted.unload()
+    assert sum(isinstance(m, kp.nn.Sparse24Linear) for m in unloaded.modules()) == 14
+    with torch.no_grad():
+        torch.testing.assert_close(unloaded(ids).logits, dense(ids).logits, rtol=1e-10, atol=1e-10)
+
+
+def test_lora_refuses_what_a_2_4_layer_cannot_take():
+    with pytest.raises(InvalidProblem, match="takes a peft.LoraConfig"):
+        kp.nn.lora({"r": 8})
+    with pytest.raises(InvalidProblem, match="use_dora=True"):
+        kp.nn.lora(peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    for init in ("pissa", "olora", "corda"):
+        with pytest.raises(InvalidProblem, match=f"init_lora_weights='{init}'"):
+            kp.nn.lora(peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=init))
+
+
+def test_without_the_registration_peft_refuses_the_2_4_layer(seed):
+    model = _llama()
+    kp.sparsify(model, progress=False)
+    with pytest.raises(ValueError, match="Sparse24Linear.* is not supported"):
+        peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_adapters_sit_on_the_layers_device_and_the_model_trains(seed):
+    """PEFT places an adapter by its base layer's ``weight``, which a 2:4 layer does not have (kp.nn.adapters)."""
+    dense = _llama(torch.bfloat16).cuda()
+    sparse = copy.deepcopy(dense)
+    kp.sparsify(sparse, progress=False)
+    assert all(m.layout != "public" for m in sparse.modules() if isinstance(m, kp.nn.Sparse24Linear))
+    adapted = peft.get_peft_model(sparse, kp.nn.lora(peft.LoraConfig(r=4, lora_alpha=8, target_modules=PROJECTIONS,
+                                                                     init_lora_weights=False)))
+    adapters = [p for n, p in adapted.named_parameters() if "lora_" in n]
+    assert len(adapters) == 28 and all(p.is_cuda and p.dtype == torch.float32 for p in adapters)  # PEFT's autocast
+    twin = _llama()
+    for name, mod in sparse.named_modules():
+        if isinstance(mod, kp.nn.Sparse24Linear):
+            with torch.no_grad():
+                twin.get_submodule(name).weight.copy_(mod.to_dense().cpu())
+    rest = {k: v.cpu() for k, v in dense.state_dict().items() if not k.endswith("proj.weight")}
+    twin.load_state_dict(rest, strict=False)
+    ids = torch.randint(0, 96, (3, 10))
+    with torch.no_grad():
+        want = _merged_twin(twin, adapted)(ids).logits
+        got = adapted(ids.cuda()).logits.double().cpu()
+        with adapted.disable_adapter():
+            base = adapted(ids.cuda()).logits.double().cpu()
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= 0.02 * scale < (base - want).abs().max()
+    loss = adapted(ids.cuda(), labels=ids.cuda()).loss
+    loss.backward()
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in adapters)
+    assert all(m.values.grad is None for m in sparse.modules() if isinstance(m, kp.nn.Sparse24Linear))
