@@ -174,7 +174,7 @@ def test_on_the_gpu_the_adapters_sit_on_the_layers_device_and_the_model_trains(s
         with adapted.disable_adapter():
             base = adapted(ids.cuda()).logits.double().cpu()
     scale = want.abs().max()
-    assert (got - want).abs().max() <= 0.02 * scale < (base - want).abs().max()
+    assert (got - want).abs().max() <= 0.05 * scale < (base - want).abs().max()  # bf16 logits, as the hf test
     loss = adapted(ids.cuda(), labels=ids.cuda()).loss
     loss.backward()
     assert all(p.grad is not None and p.grad.isfinite().all() for p in adapters)
