@@ -329,6 +329,17 @@ def pruning_notes() -> list[str]:
                          f"{rows['dense']['perplexity']:.3f}; layers' input spread, max/median column norm, median "
                          f"{plain:.1f} -> {spread:.1f}), increase over dense: {cells} "
                          f"(`bench/accuracy_table.py`, `accuracy.fold_outliers`).")
+    lora = _load("accuracy-lora-h100")
+    if lora:
+        meta, rows = lora["meta"], {r["model"]: r for r in lora["rows"]}
+        cells = "; ".join(f"{m} {r['perplexity']:.3f} -> {r['after_lora']:.3f} (over dense {r['gap_before']:+.3f} -> "
+                          f"{r['gap_after']:+.3f})" for m, r in rows.items() if m != "dense")
+        lines.append(f"- LoRA on the pruned model (`kp.nn.lora`, `bench/accuracy_lora.py`): the same byte-level Llama, "
+                     f"{meta['steps']} steps of rank {meta['rank']} on every projection "
+                     f"({rows['dense']['lora_parameters']:,} adapter parameters), its 2:4 weights frozen on the 2:4 "
+                     f"kernels, held-out perplexity on the first {meta['held_out_bytes']:,} bytes; the dense model "
+                     f"trained alike {rows['dense']['perplexity']:.3f} -> {rows['dense']['after_lora']:.3f}: {cells}, "
+                     f"{_source(meta, 'accuracy-lora-h100')}.")
     moe = _load("accuracy-moe-h200")
     if moe:
         rows = moe["rows"]
