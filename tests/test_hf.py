@@ -85,6 +85,19 @@ def test_a_model_loaded_from_a_bitmask_checkpoint_drops_its_sparsity_record(tmp_
         assert torch.equal(hf.load_model(tmp_path / "saved")(ids).logits, model(ids).logits)
 
 
+def test_2_4_layers_made_by_hand_and_saved_unmarked_are_refused_with_the_two_fixes(tmp_path, seed):
+    model = _llama()
+    model.model.layers[0].mlp.down_proj = kp.nn.Sparse24Linear.from_dense(model.model.layers[0].mlp.down_proj)
+    model.save_pretrained(tmp_path / "unmarked")
+    with pytest.raises(InvalidProblem, match=r"config.json does not say so .* kp.hf.mark_config\(model\)"):
+        hf.load_model(tmp_path / "unmarked")
+    hf.mark_config(model)
+    model.save_pretrained(tmp_path / "marked")
+    ids = torch.randint(0, 96, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(hf.load_model(tmp_path / "marked")(ids).logits, model(ids).logits)
+
+
 def test_sparsify_marks_the_config_only_of_a_model_it_changed(seed):
     model = _llama()
     kp.sparsify(model, progress=False, filter_fn=lambda name, layer: False)

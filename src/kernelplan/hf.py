@@ -304,11 +304,17 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
     missing = [k for k in result.missing_keys if k not in tied and k not in sparse]
     if missing or result.unexpected_keys:
         moe = any(".experts." in k for k in [*missing, *result.unexpected_keys])
+        unmarked = checkpoint_format(read_config(path)) == "dense" and any(
+            k.endswith((".values", ".metadata")) for k in result.unexpected_keys)
         raise InvalidProblem(f"{path}: the checkpoint does not fit the model config.json builds: missing "
                              f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}" + (
                                  "; a MoE model's experts are stored per expert and transformers stacks them as it "
                                  "loads, which this loader does not: load the dense model with transformers, "
-                                 "kp.sparsify it, and save it with kp.hf.save_model (docs/design/0032)" if moe else ""))
+                                 "kp.sparsify it, and save it with kp.hf.save_model (docs/design/0032)" if moe else
+                                 "; it holds 2:4 layers in kernelplan's format, but config.json does not say so (a "
+                                 "model whose 2:4 layers were made without kp.sparsify, saved by save_pretrained): "
+                                 "save it with kp.hf.save_model, or call kp.hf.mark_config(model) before "
+                                 "save_pretrained" if unmarked else ""))
     _load_experts(model, stacked)
     if sparse:
         mark_config(model)

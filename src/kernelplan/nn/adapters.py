@@ -8,7 +8,9 @@ checkpoints work as they do on a dense layer.
 
 Merging is refused.  ``B @ A`` is dense: added to a 2:4 weight it makes the layer dense (the memory and speed 2:4
 bought are gone), and cut to the weight's mask it is no longer the function that was trained.  Keep the adapter
-unmerged (two GEMMs of rank r beside the 2:4 one), or ``unload()`` it.
+unmerged (two GEMMs of rank r beside the 2:4 one), or ``unload()`` it.  PEFT merges layer by layer, so in a model
+whose adapters also sit on dense layers, those before the first 2:4 one in module order are merged (exactly: the
+model's function is unchanged) when the refusal comes.
 """
 
 from __future__ import annotations
