@@ -23,7 +23,7 @@ def _llama(dtype=torch.float64):
     return transformers.LlamaForCausalLM(config).eval().to(dtype)
 
 
-def _adapted(fuse=True, **kw):
+def _adapted(fuse=True, masked=False, **kw):
     """A sparsified Llama, its dense twin (each 2:4 layer's pruned weight) and the LoRA model over the sparse one."""
     dense = _llama()
     sparse = copy.deepcopy(dense)
@@ -33,32 +33,37 @@ def _adapted(fuse=True, **kw):
             if isinstance(mod, kp.nn.Sparse24Linear):
                 dense.get_submodule(name).weight.copy_(mod.to_dense())
     options = dict(r=4, lora_alpha=8, target_modules=PROJECTIONS, init_lora_weights=False) | kw
-    return dense, peft.get_peft_model(sparse, kp.nn.lora(peft.LoraConfig(**options)))
+    return dense, peft.get_peft_model(sparse, kp.nn.lora(peft.LoraConfig(**options), masked=masked))
 
 
-def _merged_twin(dense, adapted):
-    """``dense`` with each adapted layer's weight W + scaling * B @ A, in float64: the function LoRA computes."""
+def _merged_twin(dense, adapted, masked=False):
+    """``dense`` with each adapted layer's weight W + scaling * B @ A (times the 2:4 mask where ``masked``), in
+    float64: the function LoRA computes."""
     twin = copy.deepcopy(dense)
     with torch.no_grad():
         for name, mod in adapted.named_modules():
             if hasattr(mod, "lora_A") and "default" in mod.lora_A:
                 a, b = mod.lora_A["default"].weight, mod.lora_B["default"].weight
                 target = twin.get_submodule(name.removeprefix("base_model.model."))
-                target.weight += (mod.scaling["default"] * (b.double() @ a.double())).to(target.weight)
+                update = mod.scaling["default"] * (b.double() @ a.double())
+                if masked:
+                    update *= mod.get_base_layer().weight24.mask()
+                target.weight += update.to(target.weight)
     return twin
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("fuse", [True, False])
-def test_lora_on_2_4_layers_computes_the_dense_weight_plus_its_update(seed, fuse):
+def test_lora_on_2_4_layers_computes_the_dense_weight_plus_its_update(seed, fuse, masked):
     """Grouped siblings (q/k/v, gate/up with SwiGLU in the epilogue) must not bypass the adapters."""
-    dense, adapted = _adapted(fuse)
+    dense, adapted = _adapted(fuse, masked)
     wrapped = [n for n, m in adapted.named_modules()
                if isinstance(getattr(m, "base_layer", None), kp.nn.Sparse24Linear)]
     assert len(wrapped) == 14
     ids = torch.randint(0, 96, (3, 10))
     with torch.no_grad():
         got = adapted(ids).logits
-        want = _merged_twin(dense, adapted)(ids).logits
+        want = _merged_twin(dense, adapted, masked)(ids).logits
         with adapted.disable_adapter():
             base = adapted(ids).logits
         plain = dense(ids).logits
@@ -132,11 +137,71 @@ def test_merging_is_refused_and_changes_nothing_and_unload_gives_the_2_4_model_b
         torch.testing.assert_close(unloaded(ids).logits, dense(ids).logits, rtol=1e-10, atol=1e-10)
 
 
-def test_lora_refuses_what_a_2_4_layer_cannot_take():
+def test_a_masked_adapter_merges_into_the_kept_values_and_the_model_stays_2_4(seed):
+    dense, adapted = _adapted(masked=True)
+    layers = {n.removeprefix("base_model.model.").removesuffix(".base_layer"): m for n, m in adapted.named_modules()
+              if isinstance(m, kp.nn.Sparse24Linear)}
+    before = {n: (m.values.detach().clone(), m.metadata.clone(), m.layout) for n, m in layers.items()}
+    ids = torch.randint(0, 96, (3, 10))
+    with torch.no_grad():
+        want = adapted(ids).logits
+        twin = _merged_twin(dense, adapted, True)(ids).logits
+        adapted.merge_adapter()
+        assert all(not torch.equal(m.values, before[n][0]) for n, m in layers.items())
+        torch.testing.assert_close(adapted(ids).logits, want, rtol=1e-10, atol=1e-10)
+        adapted.unmerge_adapter()
+        assert all(torch.allclose(m.values, before[n][0], rtol=0, atol=1e-12) for n, m in layers.items())
+    merged = adapted.merge_and_unload()
+    held = {n: m for n, m in merged.named_modules() if isinstance(m, kp.nn.Sparse24Linear)}
+    assert sorted(held) == sorted(layers) and not any("lora" in n for n, _ in merged.named_parameters())
+    for name, mod in held.items():
+        values, metadata, layout = before[name]
+        assert mod.layout == layout and torch.equal(mod.metadata, metadata) and not torch.equal(mod.values, values)
+        assert kp.sparse24.is_sparse24(mod.to_dense())
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, want, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(merged(ids).logits, twin, rtol=1e-10, atol=1e-10)
+
+
+def test_a_masked_merge_that_would_write_non_finite_weights_is_refused_and_writes_nothing(seed):
+    _, adapted = _adapted(masked=True)
+    layer = adapted.base_model.model.model.layers[0].mlp.down_proj
+    with torch.no_grad():
+        layer.lora_B["default"].weight[0, 0] = float("inf")
+    values = layer.base_layer.values.detach().clone()
+    with pytest.raises(InvalidProblem, match="non-finite weights; nothing was merged"):
+        layer.merge(safe_merge=True)
+    assert torch.equal(layer.base_layer.values, values) and not layer.merged
+
+
+def test_a_masked_adapter_trains_and_its_updates_stay_on_the_mask(seed):
+    _, adapted = _adapted(masked=True, init_lora_weights=True)
+    ids = torch.randint(0, 96, (4, 12))
+    opt = torch.optim.AdamW([p for p in adapted.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        adapted(ids, labels=ids).loss.backward()
+        opt.step()
+    for mod in adapted.modules():
+        if hasattr(mod, "lora_A") and "default" in mod.lora_A:
+            assert mod.lora_B["default"].weight.grad.abs().sum() > 0
+            delta = mod.get_delta_weight("default")
+            assert delta.abs().sum() > 0 and not delta[~mod.get_base_layer().weight24.mask()].any()
+
+
+def test_lora_refuses_what_a_2_4_layer_cannot_take(seed):
     with pytest.raises(InvalidProblem, match="takes a peft.LoraConfig"):
         kp.nn.lora({"r": 8})
     with pytest.raises(InvalidProblem, match="use_dora=True"):
         kp.nn.lora(peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(InvalidProblem, match="masked is 'yes'"):
+        kp.nn.lora(peft.LoraConfig(r=4, target_modules=["q_proj"]), masked="yes")
+    with pytest.raises(InvalidProblem, match="lora_bias=True"):
+        kp.nn.lora(peft.LoraConfig(r=4, target_modules=["q_proj"], lora_bias=True), masked=True)
+    _, adapted = _adapted(masked=True)
+    adapted.eval()  # PEFT itself refuses adapter_names in training mode
+    with pytest.raises(InvalidProblem, match="adapter_names="):
+        adapted(torch.randint(0, 96, (2, 8)), adapter_names=["default", "default"])
     for init in ("pissa", "olora", "corda"):
         with pytest.raises(InvalidProblem, match=f"init_lora_weights='{init}'"):
             kp.nn.lora(peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=init))
