@@ -5,8 +5,9 @@
 For each method: held-out perplexity after pruning, then after ``--steps`` AdamW steps of LoRA (rank ``--rank`` on
 q, k, v, o, gate, up and down; batches of ``--batch`` random windows of the training split, a fixed seed). The dense
 model gets the same adapters and steps, so the table separates what training on this text gives any model from what
-the adapters win back for the 2:4 one. Weights are bf16 on a GPU (adapters float32, PEFT's default) and float32 on
-the CPU.
+the adapters win back for the 2:4 one. ``--variants masked`` trains ``kp.nn.lora(masked=True)`` too: the update cut to
+each weight's 2:4 mask, merged into the 2:4 weights afterwards (the merged model's perplexity is reported). Weights
+are bf16 on a GPU (adapters float32, PEFT's default) and float32 on the CPU.
 
     PYTHONPATH=src python bench/accuracy_lora.py [--steps 300] [--out bench/results/accuracy-lora-<gpu>.json]
 """
@@ -27,12 +28,14 @@ from kernelplan.bench import accuracy, environment
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def lora_train(model, train: torch.Tensor, steps: int, rank: int, batch: int, lr: float, seed: int = 0):
-    """The model wrapped in LoRA adapters (``kp.nn.lora`` where it holds 2:4 layers) and trained ``steps`` steps."""
+def lora_train(model, train: torch.Tensor, steps: int, rank: int, batch: int, lr: float, masked: bool = False,
+               seed: int = 0):
+    """The model wrapped in LoRA adapters (``kp.nn.lora`` where it holds 2:4 layers; ``masked``: the update cut to
+    each weight's 2:4 mask) and trained ``steps`` steps."""
     import peft
 
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=PROJECTIONS)
-    adapted = peft.get_peft_model(model, kp.nn.lora(config))
+    adapted = peft.get_peft_model(model, kp.nn.lora(config, masked=masked))
     device = next(model.parameters()).device
     params = [p for p in adapted.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -54,7 +57,16 @@ def lora_train(model, train: torch.Tensor, steps: int, rank: int, batch: int, lr
     return adapted, sum(p.numel() for p in params), torch.stack(losses).float().cpu().tolist()
 
 
-def run(dev: torch.device, steps: int, rank: int, batch: int, lr: float, held_out_tokens: int | None):
+def held_bytes(model) -> dict:
+    """Bytes the 2:4 layers hold (values and metadata, as held) and the trainable adapters hold."""
+    sparse = sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, kp.nn.Sparse24Linear)
+                 for t in (m.values, m.metadata))
+    adapters = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
+    return {"sparse_bytes": sparse, "adapter_bytes": adapters}
+
+
+def run(dev: torch.device, steps: int, rank: int, batch: int, lr: float, held_out_tokens: int | None,
+        variants=("plain",)):
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     train, held = accuracy.corpus()
     if held_out_tokens is not None:
@@ -63,22 +75,31 @@ def run(dev: torch.device, steps: int, rank: int, batch: int, lr: float, held_ou
     dense = accuracy.load_model(dev, dtype)
     rows = []
     for method in ("dense", "magnitude", "wanda", "sparsegpt"):
-        model = copy.deepcopy(dense)
+        pruned = copy.deepcopy(dense)
         if method != "dense":
-            kp.sparsify(model, method=method, calibration=calib, progress=False)
-        before = kp.evaluate(model, held, seq_len=accuracy.SEQ)
-        t0 = time.perf_counter()
-        adapted, trained, losses = lora_train(model, train, steps, rank, batch, lr)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        seconds = time.perf_counter() - t0
-        after = kp.evaluate(adapted, held, seq_len=accuracy.SEQ)
-        layers = sum(isinstance(m, kp.nn.Sparse24Linear) for m in adapted.modules())
-        rows.append(dict(model=method, perplexity=before, after_lora=after, lora_parameters=trained,
-                         sparse_layers=layers, train_seconds=seconds, first_loss=losses[0],
-                         last_loss=sum(losses[-10:]) / len(losses[-10:])))
-        print(f"{method:<10} perplexity {before:8.3f} -> {after:8.3f} after LoRA ({trained} parameters, "
-              f"{layers} 2:4 layers, {seconds:.1f} s)", flush=True)
+            kp.sparsify(pruned, method=method, calibration=calib, progress=False)
+        before = kp.evaluate(pruned, held, seq_len=accuracy.SEQ)
+        for variant in variants if method != "dense" else ("plain",):
+            model = copy.deepcopy(pruned)
+            t0 = time.perf_counter()
+            adapted, trained, losses = lora_train(model, train, steps, rank, batch, lr, masked=variant == "masked")
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            seconds = time.perf_counter() - t0
+            after = kp.evaluate(adapted, held, seq_len=accuracy.SEQ)
+            row = dict(model=method, lora=variant, perplexity=before, after_lora=after, lora_parameters=trained,
+                       sparse_layers=sum(isinstance(m, kp.nn.Sparse24Linear) for m in adapted.modules()),
+                       train_seconds=seconds, first_loss=losses[0], last_loss=sum(losses[-10:]) / len(losses[-10:]),
+                       **held_bytes(adapted))
+            note = ""
+            if variant == "masked":  # merged: plain 2:4 layers again, no adapters
+                merged = adapted.merge_and_unload()
+                row["after_merge"] = kp.evaluate(merged, held, seq_len=accuracy.SEQ)
+                row["merged"] = held_bytes(merged)
+                note = f", merged {row['after_merge']:.3f}"
+            rows.append(row)
+            print(f"{method:<10} {variant:<7} perplexity {before:8.3f} -> {after:8.3f} after LoRA{note} ({trained} "
+                  f"parameters, {row['sparse_layers']} 2:4 layers, {seconds:.1f} s)", flush=True)
     dense_before, dense_after = rows[0]["perplexity"], rows[0]["after_lora"]
     for r in rows[1:]:
         r["gap_before"] = r["perplexity"] - dense_before  # over the dense model as it was
@@ -93,19 +114,21 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--held-out", type=int, default=None, help="the first N held-out bytes (default: all)")
+    parser.add_argument("--variants", nargs="+", choices=("plain", "masked"), default=["plain"],
+                        help="plain: PEFT's LoRA; masked: kp.nn.lora(masked=True), merged afterwards")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     dev = torch.device(args.device)
     torch.manual_seed(0)
-    rows = run(dev, args.steps, args.rank, args.batch, args.lr, args.held_out)
+    rows = run(dev, args.steps, args.rank, args.batch, args.lr, args.held_out, args.variants)
     env = environment(dev)
     gpu = "cpu" if dev.type == "cpu" else ("h200" if "H200" in env["device"] else "h100")
     out = args.out or f"bench/results/accuracy-lora-{gpu}.json"
     meta = {**env, "model": "kernelplan.bench.accuracy's byte-level Llama", "steps": args.steps, "rank": args.rank,
             "alpha": 2 * args.rank, "batch": args.batch, "seq": accuracy.SEQ, "lr": args.lr,
             "held_out_bytes": args.held_out or "whole split", "targets": PROJECTIONS,
-            "calibration_windows": accuracy.CALIBRATION}
+            "calibration_windows": accuracy.CALIBRATION, "variants": args.variants}
     with open(out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print("wrote", out)
