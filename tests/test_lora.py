@@ -72,6 +72,35 @@ def test_lora_on_2_4_layers_computes_the_dense_weight_plus_its_update(seed, fuse
     assert (got - base).abs().max() > 1e-3  # the adapter changes the function: the check above can fail
 
 
+@pytest.mark.parametrize("build", ["llama", "gpt2"])
+def test_mlps_routed_and_checked_before_the_adapters_came_run_them(seed, build):
+    """A gated (Llama) or activated (GPT-2) MLP route checked by an earlier pass must not bypass the adapters."""
+    if build == "llama":
+        model, targets, mlp_of = _llama(), PROJECTIONS, lambda m: m.model.layers[0].mlp
+    else:
+        config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=96, n_positions=64)
+        model = transformers.GPT2LMHeadModel(config).eval().double()
+        targets, mlp_of = ["c_attn", "c_fc", "c_proj"], lambda m: m.transformer.h[0].mlp
+    kp.sparsify(model, progress=False)
+    ids = torch.randint(0, 96, (2, 8))
+    with torch.no_grad():
+        model(ids)
+        model(ids)
+    route = kp.nn.routes.route_of(mlp_of(model))
+    assert route is not None and route.checked and route.stats["fused"] >= 1
+    adapted = peft.get_peft_model(model, kp.nn.lora(peft.LoraConfig(r=4, target_modules=targets,
+                                                                     init_lora_weights=False)))
+    mlp = mlp_of(adapted.base_model.model)
+    x = torch.randn(2, 5, 64, dtype=torch.float64)
+    with torch.no_grad():
+        fused = route.stats["fused"]
+        torch.testing.assert_close(mlp(x), type(mlp).forward(mlp, x), rtol=1e-12, atol=1e-12)
+        assert route.stats["fused"] == fused
+        base = adapted.unload()
+        mlp(x)
+    assert base is model and route.stats["fused"] == fused + 1  # the layers are back: the route runs again
+
+
 def test_training_moves_the_adapters_and_leaves_the_2_4_weights_and_masks(seed):
     _, adapted = _adapted(init_lora_weights=True)  # PEFT's default: B = 0, the model starts as the sparse one
     layers = {n: m for n, m in adapted.named_modules() if isinstance(m, kp.nn.Sparse24Linear)}

@@ -138,6 +138,23 @@ def test_training_mode_autograd_compile_and_other_calls_run_the_modules_own_forw
     assert sum(g.count("kernelplan.sparse24_linear") for g in graphs) == 2 and route.stats["fused"] == 0
 
 
+def test_a_child_replaced_after_a_checked_fused_call_runs_the_modules_own_forward_until_it_is_back():
+    """The fused GEMMs read the layers the route was built on: after a swap they would compute the old function."""
+    first, second = _linear(128, 64, 8), _linear(64, 128, 9)
+    seq = nn.Sequential(first, nn.ReLU(), second).eval()
+    route = route_activated_mlps(seq)[0]
+    x = torch.randn(3, 64, dtype=torch.float64)
+    with torch.no_grad():
+        seq(x)
+        assert route.checked and route.stats == {"own": 0, "fused": 1}
+        seq[2] = other = _linear(64, 128, 10)
+        torch.testing.assert_close(seq(x), other(torch.relu(first(x))))
+        assert route.stats == {"own": 1, "fused": 1}
+        seq[2] = second
+        torch.testing.assert_close(seq(x), second(torch.relu(first(x))))
+    assert route.stats == {"own": 1, "fused": 2} and route.off is None
+
+
 def test_the_activation_probe_runs_no_hooks():
     act = nn.GELU()
     seen = []

@@ -11,7 +11,10 @@ so state dicts are unchanged.  The module's own forward runs:
 * under torch.compile (each layer its own op, as without a route), or for calls of other than one input;
 * wherever the subclass's ``call_fused`` returns None (autograd, an input a layer refuses, a capture before the
   fused GEMM has run eagerly: the route cannot build a kernel inside a capture);
-* for the first call, when it falls inside a CUDA graph capture (the check needs the two results).
+* for the first call, when it falls inside a CUDA graph capture (the check needs the two results);
+* while a child of the module is not the one it held when routed (a PEFT adapter wrapping gate_proj, a user's swap):
+  the fused GEMMs read the layers the route was built on, so they would compute the old function.  The route runs
+  again once the children are back (PEFT's ``unload``).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class EpilogueRoute:
         self.warmed = False  # the epilogue's GEMM has run outside a capture (a capture may not build its kernel)
         self.off: str | None = None  # why this module runs its own forward for good
         self.stats = {"fused": 0, "own": 0}
+        self.children = tuple(mod._modules.items())  # by identity: what the fused GEMMs read
         mod.__dict__["forward"] = self.forward
         mod.__dict__["_epilogue_route"] = self
 
@@ -70,6 +74,11 @@ class EpilogueRoute:
         """Whether the epilogue's GEMM can run now (a gated MLP's group may not have settled yet)."""
         return True
 
+    def children_replaced(self) -> bool:
+        """Whether the module's children are not the ones it held when routed (one replaced, added or removed)."""
+        modules = self.mod._modules
+        return len(modules) != len(self.children) or any(modules.get(n) is not c for n, c in self.children)
+
     @staticmethod
     def capturing(x: torch.Tensor) -> bool:
         return x.is_cuda and stream_capturing()
@@ -93,6 +102,9 @@ class EpilogueRoute:
         if self.off is not None or _is_compiling() or len(args) != 1 or kwargs or \
                 not isinstance(args[0], torch.Tensor):
             return own(mod, *args, **kwargs)
+        if self.children_replaced():
+            self.stats["own"] += 1
+            return own(mod, *args)
         x = args[0]
         y = None
         capturing = self.capturing(x)
