@@ -1,4 +1,5 @@
-"""PEFT's LoRA on kernelplan's 2:4 layers (``kp.nn.lora``): the function, training, adapters saved, merge refused."""
+"""PEFT's LoRA on kernelplan's 2:4 layers (``kp.nn.lora``): the function, training, adapters saved, merging refused
+(plain) or folded into the 2:4 weights (masked), and routed MLPs that must not bypass the adapters."""
 
 from __future__ import annotations
 
@@ -273,3 +274,24 @@ def test_on_the_gpu_the_adapters_sit_on_the_layers_device_and_the_model_trains(s
     loss.backward()
     assert all(p.grad is not None and p.grad.isfinite().all() for p in adapters)
     assert all(m.values.grad is None for m in layers)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_masked_adapter_merges_into_the_device_layout(seed):
+    model = _llama(torch.bfloat16).cuda()
+    kp.sparsify(model, progress=False)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, kp.nn.Sparse24Linear)}
+    before = {n: (m.metadata.clone(), m.layout) for n, m in layers.items()}
+    adapted = peft.get_peft_model(model, kp.nn.lora(peft.LoraConfig(r=4, target_modules=PROJECTIONS,
+                                                                     init_lora_weights=False), masked=True))
+    ids = torch.randint(0, 96, (3, 10), device="cuda")
+    with torch.no_grad():
+        want = adapted(ids).logits.float()
+        with adapted.disable_adapter():
+            base = adapted(ids).logits.float()
+        merged = adapted.merge_and_unload()
+        got = merged(ids).logits.float()
+    for name, mod in layers.items():
+        assert mod.layout == before[name][1] != "public" and torch.equal(mod.metadata, before[name][0])
+    # bf16 logits, as the other GPU tests here; the adapters move them by more than that
+    assert (got - want).abs().max() <= 0.05 * want.abs().max() < (base - want).abs().max()

@@ -329,17 +329,23 @@ def pruning_notes() -> list[str]:
                          f"{rows['dense']['perplexity']:.3f}; layers' input spread, max/median column norm, median "
                          f"{plain:.1f} -> {spread:.1f}), increase over dense: {cells} "
                          f"(`bench/accuracy_table.py`, `accuracy.fold_outliers`).")
-    lora = _load("accuracy-lora-h100")
+    lora = _load("accuracy-lora-cpu")
     if lora:
-        meta, rows = lora["meta"], {r["model"]: r for r in lora["rows"]}
-        cells = "; ".join(f"{m} {r['perplexity']:.3f} -> {r['after_lora']:.3f} (over dense {r['gap_before']:+.3f} -> "
-                          f"{r['gap_after']:+.3f})" for m, r in rows.items() if m != "dense")
+        meta, rows = lora["meta"], lora["rows"]
+        dense = rows[0]
+
+        def cell(r: dict) -> str:
+            merged = f", merged {r['after_merge']:.3f}" if "after_merge" in r else ""
+            return (f"{r['model']} {r['lora']} {r['perplexity']:.3f} -> {r['after_lora']:.3f}{merged} (over dense "
+                    f"{r['gap_before']:+.3f} -> {r['gap_after']:+.3f})")
+
         lines.append(f"- LoRA on the pruned model (`kp.nn.lora`, `bench/accuracy_lora.py`): the same byte-level Llama, "
-                     f"{meta['steps']} steps of rank {meta['rank']} on every projection "
-                     f"({rows['dense']['lora_parameters']:,} adapter parameters), its 2:4 weights frozen on the 2:4 "
-                     f"kernels, held-out perplexity on the first {meta['held_out_bytes']:,} bytes; the dense model "
-                     f"trained alike {rows['dense']['perplexity']:.3f} -> {rows['dense']['after_lora']:.3f}: {cells}, "
-                     f"{_source(meta, 'accuracy-lora-h100')}.")
+                     f"{meta['steps']} steps of rank {meta['rank']} on every projection, batches of {meta['batch']} "
+                     f"({dense['lora_parameters']:,} adapter parameters), its 2:4 weights frozen; masked: the update "
+                     f"cut to the 2:4 mask and merged into the 2:4 weights afterwards. Held-out perplexity on the "
+                     f"first {meta['held_out_bytes']:,} bytes; the dense model trained alike {dense['perplexity']:.3f} "
+                     f"-> {dense['after_lora']:.3f}: {'; '.join(cell(r) for r in rows[1:])}, "
+                     f"{_source(meta, 'accuracy-lora-cpu')}.")
     moe = _load("accuracy-moe-h200")
     if moe:
         rows = moe["rows"]
