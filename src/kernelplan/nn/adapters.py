@@ -19,9 +19,13 @@ fine-tuning does: the adapted layer stays a 2:4 layer, and merging adds the upda
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InvalidProblem
+from ..sparse24.format import Sparse24Weight
+from ..sparse24.layout import PUBLIC
 from .sparse24_linear import Sparse24Linear
 
 _CLASSES: dict[bool, type] = {}
@@ -37,13 +41,8 @@ def _lora_linear(masked: bool) -> type:
     """PEFT's LoRA ``Linear`` around a ``Sparse24Linear``, made on first use: PEFT is imported only here."""
     if masked in _CLASSES:
         return _CLASSES[masked]
-    import torch
-    import torch.nn.functional as F
     from peft.tuners.lora.layer import Linear
     from peft.tuners.tuners_utils import check_adapters_to_merge
-
-    from ..sparse24.format import Sparse24Weight
-    from ..sparse24.layout import PUBLIC
 
     class Sparse24LoraLinear(Linear):
         """PEFT's LoRA ``Linear`` whose base layer is a ``Sparse24Linear``: its forward is PEFT's (the base layer's
