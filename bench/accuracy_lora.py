@@ -120,9 +120,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     dev = torch.device(args.device)
+    env = environment(dev)  # at the start: the commit whose code runs, not one made while it ran
     torch.manual_seed(0)
     rows = run(dev, args.steps, args.rank, args.batch, args.lr, args.held_out, args.variants)
-    env = environment(dev)
     gpu = "cpu" if dev.type == "cpu" else ("h200" if "H200" in env["device"] else "h100")
     out = args.out or f"bench/results/accuracy-lora-{gpu}.json"
     meta = {**env, "model": "kernelplan.bench.accuracy's byte-level Llama", "steps": args.steps, "rank": args.rank,
