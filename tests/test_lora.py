@@ -219,6 +219,26 @@ def test_a_masked_adapter_trains_and_its_updates_stay_on_the_mask(seed):
             assert delta.abs().sum() > 0 and not delta[~mod.get_base_layer().weight24.mask()].any()
 
 
+def test_a_masked_layers_backward_keeps_no_dense_update_and_its_gradients_are_the_direct_forms(seed):
+    _, adapted = _adapted(masked=True)
+    adapted.train()
+    layer = adapted.base_model.model.model.layers[0].mlp.down_proj  # [64, 128]
+    m, k = layer.out_features, layer.in_features
+    x = torch.randn(3, 5, k, dtype=torch.float64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        y = layer(x)
+    assert saved and all(shape[-2:] != (m, k) for shape in saved), saved
+    weights = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    got = torch.autograd.grad(y.square().sum(), (x, *weights))
+    mask = layer.get_base_layer().weight24.mask()
+    direct = layer.get_base_layer().forward_alone(x) + \
+        x @ ((weights[1] @ weights[0]) * layer.scaling["default"] * mask).T
+    want = torch.autograd.grad(direct.square().sum(), (x, *weights))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
 def test_lora_refuses_what_a_2_4_layer_cannot_take(seed):
     with pytest.raises(InvalidProblem, match="takes a peft.LoraConfig"):
         kp.nn.lora({"r": 8})

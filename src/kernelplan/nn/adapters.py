@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..errors import InvalidProblem
 from ..sparse24.format import Sparse24Weight
@@ -85,10 +86,18 @@ def _lora_linear(masked: bool) -> type:
                 return result
             for name in self.active_adapters:
                 if name in self.lora_A:
-                    delta = self.get_delta_weight(name)
-                    update = F.linear(self.lora_dropout[name](self._cast_input_dtype(x, delta.dtype)), delta)
+                    xin = self.lora_dropout[name](self._cast_input_dtype(x, self.lora_A[name].weight.dtype))
+                    if torch.is_grad_enabled():
+                        # Recomputed in the backward: autograd would otherwise keep each layer's dense [M, K] update
+                        # (a 4096 x 14336 MLP layer's: 235 MB in float32) until then.
+                        update = checkpoint(self._update, xin, name, use_reentrant=False)
+                    else:
+                        update = self._update(xin, name)
                     result = result + update.to(result.dtype)
             return result
+
+        def _update(self, x, adapter: str):
+            return F.linear(x, self.get_delta_weight(adapter))
 
         def _add_to_kept(self, adapter: str, sign: int, safe: bool) -> None:
             layer = self.get_base_layer()
@@ -133,7 +142,8 @@ def lora(config, masked: bool = False):
     ``masked=False``: PEFT's LoRA, ``scaling * B @ A`` added whole; merging is refused.  ``masked=True``: the update is
     cut to each weight's 2:4 mask as it trains, so the adapted layers stay 2:4 and ``merge_and_unload()`` folds the
     adapters into the kept values exactly, giving back plain ``Sparse24Linear`` layers.  Its training forward forms
-    the masked update densely, ``[M, K]`` in the adapters' dtype for each layer, held for the backward.
+    the masked update densely, ``[M, K]`` in the adapters' dtype, one layer at a time, and the backward forms it
+    again rather than keeping it.
     ``target_modules`` names the layers as it names linear layers (``["q_proj", "v_proj"]``); PEFT's ``"all-linear"``
     matches ``nn.Linear`` only.  The registration (and ``masked``) is not saved in ``adapter_config.json``: to load an
     adapter, pass ``config=kp.nn.lora(LoraConfig.from_pretrained(path), masked=...)`` to ``PeftModel.from_pretrained``.
