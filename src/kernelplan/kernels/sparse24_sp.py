@@ -118,9 +118,7 @@ def sp_config(n: int, m: int, k: int, sms: int) -> SpConfig:
         return _small_n_config(n_tiles, m, k, sms)
     m_warps = 4 if -(-m // 128) >= 0.8 * sms else 2
     per_sm = -(-m // (32 * m_warps * sms))  # CTAs an SM holds for one wave
-    k_warps = max(1, min(8, (16 if n_tiles == 8 else 8) // (m_warps * per_sm)))
-    while (k // 64) % k_warps:
-        k_warps //= 2
+    k_warps = _dividing(max(1, min(8, (16 if n_tiles == 8 else 8) // (m_warps * per_sm))), k)
     return _filled(SpConfig(n_tiles, m_warps=m_warps, k_warps=k_warps), per_sm)
 
 
@@ -128,10 +126,15 @@ def _small_n_config(n_tiles: int, m: int, k: int, sms: int) -> SpConfig:
     rows, m_warps, row_tiles = next((r for r in _SMALL_N_ROWS if -(-m // r[0]) >= SMALL_N_CTAS_PER_SM * sms),
                                     _SMALL_N_ROWS[-1])
     ctas = -(-m // rows)
-    k_warps = min(8, 1 << (max(1, SMALL_N_WARPS_PER_SM * sms // (ctas * m_warps)).bit_length() - 1))
+    k_warps = _dividing(min(8, 1 << (max(1, SMALL_N_WARPS_PER_SM * sms // (ctas * m_warps)).bit_length() - 1)), k)
+    return _filled(SpConfig(n_tiles, row_tiles, m_warps, k_warps), -(-ctas // sms))
+
+
+def _dividing(k_warps: int, k: int) -> int:
+    """``k_warps`` halved until the K slices divide K's steps of 64 (a power of two, so 1 always does)."""
     while (k // 64) % k_warps:
         k_warps //= 2
-    return _filled(SpConfig(n_tiles, row_tiles, m_warps, k_warps), -(-ctas // sms))
+    return k_warps
 
 
 def _filled(cfg: SpConfig, per_sm: int) -> SpConfig:

@@ -261,7 +261,7 @@ def sparsify(
             _replace_experts(model, name, layer, out)
         for name, layer in tqdm(chosen, desc="sparsify", disable=not progress or len(chosen) < 8):
             _replace(model, name, layer, prune_compress(layer.weight.detach(), packed=True), out)
-        return _fused(model, fuse, out)
+        return _finished(model, fuse, out)
 
     data = calibrate.batches(calibration, batch_size)
     full = method == "sparsegpt" or report
@@ -320,10 +320,12 @@ def sparsify(
         if outside:
             prune_layers(outside, whole)
         prune_experts(experts_outside, whole)
-    return _fused(model, fuse, out)
+    return _finished(model, fuse, out)
 
 
-def _fused(model: nn.Module, fuse: bool, report: SparsifyReport) -> SparsifyReport:
+def _finished(model: nn.Module, fuse: bool, report: SparsifyReport) -> SparsifyReport:
+    """The converted model's last steps: its config records kernelplan's format (``hf.mark_config``), then its
+    sibling layers are grouped (``fuse``)."""
     if report.converted:
         mark_config(model)
     if fuse:
