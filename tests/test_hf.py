@@ -56,8 +56,8 @@ def test_a_sparsified_models_own_save_pretrained_writes_a_directory_load_model_r
     with torch.no_grad():
         ref = model(ids).logits
     model.save_pretrained(tmp_path, max_shard_size="60KB")
-    assert json.loads((tmp_path / "config.json").read_text())["kernelplan"] == {
-        "format": "kernelplan.sparse24", "format_version": kp.sparse24.FORMAT_VERSION}
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"] == {
+        "quant_method": "kernelplan", "format": "kernelplan.sparse24", "format_version": kp.sparse24.FORMAT_VERSION}
     assert hf.layer_shapes(tmp_path)[0] == "2:4"
     loaded = hf.load_model(tmp_path)
     with torch.no_grad():
@@ -75,11 +75,11 @@ def test_a_model_loaded_from_a_bitmask_checkpoint_drops_its_sparsity_record(tmp_
     kp.sparsify(model, progress=False)
     hf.save_model(model, tmp_path / "bitmask", "sparse-24-bitmask")
     loaded = hf.load_model(tmp_path / "bitmask")
-    assert not hasattr(loaded.config, "quantization_config")
-    assert loaded.config.kernelplan["format"] == "kernelplan.sparse24"
+    assert loaded.config.quantization_config == {"quant_method": "kernelplan", "format": "kernelplan.sparse24",
+                                                 "format_version": kp.sparse24.FORMAT_VERSION}
     loaded.save_pretrained(tmp_path / "saved")
     config = hf.read_config(tmp_path / "saved")
-    assert "quantization_config" not in config and hf.checkpoint_format(config) == "kernelplan"
+    assert "sparsity_config" not in config["quantization_config"] and hf.checkpoint_format(config) == "kernelplan"
     ids = torch.randint(0, 96, (2, 12))
     with torch.no_grad():
         assert torch.equal(hf.load_model(tmp_path / "saved")(ids).logits, model(ids).logits)
@@ -101,7 +101,7 @@ def test_2_4_layers_made_by_hand_and_saved_unmarked_are_refused_with_the_two_fix
 def test_sparsify_marks_the_config_only_of_a_model_it_changed(seed):
     model = _llama()
     kp.sparsify(model, progress=False, filter_fn=lambda name, layer: False)
-    assert not hasattr(model.config, "kernelplan")
+    assert not hasattr(model.config, "quantization_config")
     plain = torch.nn.Sequential(torch.nn.Linear(64, 32))
     kp.sparsify(plain, progress=False)  # no transformers config: nothing to record, nothing raised
     assert isinstance(plain[0], kp.nn.Sparse24Linear) and not hasattr(plain, "config")
@@ -115,7 +115,7 @@ def test_a_kernelplan_directory_of_another_format_version_is_refused(tmp_path, s
     kp.sparsify(model, progress=False)
     hf.save_model(model, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    config["kernelplan"]["format_version"] = version
+    config["quantization_config"]["format_version"] = version
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(InvalidProblem, match=match):
         hf.load_model(tmp_path)

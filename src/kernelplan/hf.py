@@ -28,6 +28,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -39,6 +41,10 @@ from .sparse24.format import FORMAT_NAME, FORMAT_VERSION, Sparse24Weight, compre
 
 FORMATS = ("kernelplan", "sparse-24-bitmask", "dense")
 INDEX = "model.safetensors.index.json"
+# config.json's quantization_config.quant_method for kernelplan's format: the name transformers' from_pretrained looks
+# up among registered quantizers (hf_quantizer.py, register_quantizer).
+QUANT_METHOD = "kernelplan"
+LOAD_MODEL_HINT = "load the directory with kp.hf.load_model(path), which builds every layer kernelplan writes"
 
 
 def _byte(nibble: int) -> int:
@@ -91,15 +97,29 @@ def read_config(path: str | os.PathLike) -> dict:
     return json.loads(cfg.read_text())
 
 
+def _record(config: dict) -> dict | None:
+    """kernelplan's record in config.json: ``quantization_config`` naming ``quant_method`` kernelplan, or the top-level
+    ``kernelplan`` key that kernelplan wrote before it registered a transformers quantizer."""
+    record = config.get("quantization_config")
+    if isinstance(record, dict) and record.get("quant_method") == QUANT_METHOD:
+        return record
+    legacy = config.get("kernelplan")
+    return legacy if isinstance(legacy, dict) and legacy.get("format") == FORMAT_NAME else None
+
+
 def checkpoint_format(config: dict) -> str:
     """kernelplan, sparse-24-bitmask or dense, from config.json."""
     sparsity = (config.get("quantization_config") or {}).get("sparsity_config") or {}
     fmt = sparsity.get("format")
-    marker = config.get("kernelplan") or {}
-    if marker.get("format") == FORMAT_NAME:
-        version = marker.get("format_version")
+    record = _record(config)
+    if record is not None:
+        if record.get("format") != FORMAT_NAME:
+            raise InvalidProblem(f"config.json's kernelplan record names format {record.get('format')!r}; this "
+                                 f"kernelplan reads {FORMAT_NAME!r}: the file was edited, or written by a newer "
+                                 f"kernelplan (upgrade kernelplan)")
+        version = record.get("format_version")
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            raise InvalidProblem(f"config.json's kernelplan.format_version is {version!r}; kernelplan records a "
+            raise InvalidProblem(f"config.json's kernelplan format_version is {version!r}; kernelplan records a "
                                  f"positive integer: the file was edited, or not written by kernelplan")
         if version > FORMAT_VERSION:
             raise InvalidProblem(f"config.json records kernelplan format version {version}, newer than this "
@@ -377,22 +397,68 @@ def load_for_pruning(path: str | os.PathLike, device: str | torch.device = "cpu"
 
 
 def _marker() -> dict:
-    return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
+    return {"quant_method": QUANT_METHOD, "format": FORMAT_NAME, "format_version": FORMAT_VERSION}
+
+
+def _foreign_method(config) -> str | None:
+    """The quantization method a model's config records, where it is neither kernelplan's nor a compressed-tensors
+    sparsity record (which a model of 2:4 layers replaces); None otherwise."""
+    record = getattr(config, "quantization_config", None)
+    if record is None:
+        return None
+    get = record.get if isinstance(record, dict) else lambda key: getattr(record, key, None)
+    method = get("quant_method")
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    if method == QUANT_METHOD or (method == "compressed-tensors" and get("sparsity_config")):
+        return None
+    return str(method)
+
+
+def check_markable(model: nn.Module) -> None:
+    """Refuse, before any work, a model whose config records another quantization method: its config.json has one
+    ``quantization_config``, and a model with 2:4 layers records kernelplan's format there."""
+    method = _foreign_method(getattr(model, "config", None))
+    if method is not None:
+        raise InvalidProblem(f"model.config.quantization_config records quant_method {method!r}: the model is "
+                             f"quantized by {method}, and kernelplan's 2:4 layers do not combine with it (its "
+                             f"config.json could not describe both); sparsify the unquantized model")
 
 
 def mark_config(model: nn.Module) -> None:
-    """Record kernelplan's format in a Hugging Face model's config (``config.kernelplan``), once the model holds 2:4
-    layers: their state_dict is kernelplan's format (``p.values``, ``p.metadata``), whatever checkpoint they came
-    from, so the model's own ``save_pretrained`` writes a directory ``load_model`` reads.  A compressed-tensors
-    sparsity record (``quantization_config`` naming a ``sparsity_config``) no longer describes that state_dict and
-    is dropped, as ``save_model`` drops it.  A model without a transformers config is left as it is."""
+    """Record kernelplan's format in a Hugging Face model's config (``config.quantization_config``, quant_method
+    kernelplan), once the model holds 2:4 layers: their state_dict is kernelplan's format (``p.values``,
+    ``p.metadata``), whatever checkpoint they came from, so the model's own ``save_pretrained`` writes a directory
+    that ``load_model`` reads, and transformers' ``from_pretrained`` too once ``register_quantizer`` has run (this
+    runs it).  A compressed-tensors sparsity record no longer describes that state_dict and is replaced.  A model
+    without a transformers config is left as it is."""
     config = getattr(model, "config", None)
     if config is None or not callable(getattr(config, "to_dict", None)):
         return
-    config.kernelplan = _marker()
-    record = getattr(config, "quantization_config", None)
-    if isinstance(record, dict) and "sparsity_config" in record:
-        del config.quantization_config
+    check_markable(model)
+    config.quantization_config = _marker()
+    if "kernelplan" in vars(config):  # the record's place before kernelplan registered a quantizer
+        del config.kernelplan
+    if "transformers" in sys.modules:
+        try:
+            register_quantizer()
+        except (ImportError, AttributeError, TypeError) as e:  # registering must not fail the pruning it follows
+            warnings.warn(f"kernelplan could not register its transformers quantizer ({e!r}): from_pretrained will "
+                          f"not read this model's 2:4 directory; kp.hf.load_model(path) does", stacklevel=2)
+
+
+def register_quantizer() -> None:
+    """Register kernelplan's quantization method with transformers, so ``AutoModelForCausalLM.from_pretrained(path)``
+    (and code built on it: pipelines, lm-eval's ``HFLM(pretrained=path)``) loads a kernelplan 2:4 directory as
+    ``Sparse24Linear`` layers (``kernelplan/hf_quantizer.py``).  Idempotent; call it once in a process before
+    ``from_pretrained`` (``kp.sparsify`` and ``load_model`` call it)."""
+    from transformers.quantizers import auto
+
+    if QUANT_METHOD in auto.AUTO_QUANTIZER_MAPPING:
+        return
+    from .hf_quantizer import Sparse24QuantConfig, Sparse24Quantizer
+
+    auto.register_quantization_config(QUANT_METHOD)(Sparse24QuantConfig)
+    auto.register_quantizer(QUANT_METHOD)(Sparse24Quantizer)
 
 
 def _write_config(out: Path, config: dict, format: str, ignore: list[str]) -> None:
@@ -402,7 +468,7 @@ def _write_config(out: Path, config: dict, format: str, ignore: list[str]) -> No
     config.pop("quantization_config", None)
     config.pop("kernelplan", None)
     if format == "kernelplan":
-        config["kernelplan"] = _marker()
+        config["quantization_config"] = _marker()
     else:
         config["quantization_config"] = {
             "version": "0.14.0", "quant_method": "compressed-tensors", "transform_config": {},

@@ -12,7 +12,7 @@ from torch import nn
 
 from .._checks import choice
 from ..errors import InvalidProblem
-from ..hf import mark_config
+from ..hf import check_markable, mark_config
 from ..nn.experts import Sparse24Experts, experts_reason, experts_speed_reason
 from ..nn.siblings import fuse_siblings
 from ..nn.sparse24_linear import Sparse24Linear
@@ -245,6 +245,7 @@ def sparsify(
 
     if not isinstance(model, nn.Module):
         raise InvalidProblem(f"model is a {type(model).__name__}; sparsify takes an nn.Module")
+    check_markable(model)
     method = choice(method if method is not None else ("magnitude" if calibration is None else "sparsegpt"),
                     "method", methods.METHODS)
     if calibration is None and (method != "magnitude" or report):

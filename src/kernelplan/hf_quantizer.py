@@ -1,0 +1,136 @@
+"""transformers' own ``from_pretrained`` for kernelplan 2:4 directories: a registered quantization method.
+
+A directory kernelplan writes (``kp.hf.save_model``, or ``save_pretrained`` of a
+sparsified model) records ``quantization_config = {"quant_method": "kernelplan",
+...}`` in config.json.  Once ``kernelplan.hf.register_quantizer()`` has run in
+the process (``kp.sparsify`` and ``kp.hf.load_model`` run it), transformers hands
+such a directory to ``Sparse24Quantizer``:
+
+* before the weights load, each layer the checkpoint holds 2:4 (``p.values`` and
+  ``p.metadata``, read from the safetensors headers) becomes a ``Sparse24Linear``
+  in the public format, on the meta device, so transformers' loader fills it by name;
+* after, each is checked (every group keeps 2 of 4) and laid out in the device
+  layout, and sibling layers are grouped (``kernelplan.nn.fuse_siblings``), as
+  ``kp.hf.load_model`` does by default.
+
+This module imports transformers at its top: only ``hf.register_quantizer`` imports it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.quantizers.base import HfQuantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from .errors import InvalidProblem
+from .nn.sparse24_linear import Sparse24Linear
+from .hf import LOAD_MODEL_HINT, QUANT_METHOD, checkpoint_format
+from .sparse24.format import FORMAT_NAME, FORMAT_VERSION, Sparse24Weight
+
+class Sparse24QuantConfig(QuantizationConfigMixin):
+    """config.json's record of a kernelplan 2:4 checkpoint (``quant_method="kernelplan"``).
+
+    It describes files and has no loading options: transformers merges a ``quantization_config=`` given to
+    ``from_pretrained`` into a checkpoint's own only for its built-in methods.
+    """
+
+    def __init__(self, format: str = FORMAT_NAME, format_version: int = FORMAT_VERSION,
+                 quant_method: str = QUANT_METHOD, **unknown):
+        if unknown:
+            raise InvalidProblem(f"quantization_config holds {sorted(unknown)}, which kernelplan format version "
+                                 f"{FORMAT_VERSION} does not write: the file was edited, or written by a newer "
+                                 f"kernelplan (upgrade kernelplan)")
+        self.quant_method, self.format, self.format_version = quant_method, format, format_version
+        checkpoint_format({"quantization_config": self.to_dict()})  # an unknown format or version is refused here
+
+
+class _Loading(Sparse24Linear):
+    """A 2:4 layer on the meta device while transformers loads it.  ``weight`` is there for models whose
+    ``_init_weights`` reaches a child's weight (GPT-2's scales ``mlp.c_proj.weight``): a meta tensor marked as loaded,
+    which transformers' init functions skip."""
+
+    @property
+    def weight(self) -> torch.Tensor:
+        placeholder = torch.empty(self.out_features, self.in_features, dtype=self.values.dtype, device="meta")
+        placeholder._is_hf_initialized = True
+        return placeholder
+
+
+class Sparse24Quantizer(HfQuantizer):
+    """Loads a kernelplan 2:4 directory through ``from_pretrained``; see the module's docstring."""
+
+    def __init__(self, quantization_config: Sparse24QuantConfig, **kwargs):
+        super().__init__(quantization_config, **kwargs)
+        if not self.pre_quantized:
+            raise InvalidProblem("quantization_config=Sparse24QuantConfig(...) loads checkpoints that are 2:4 already, "
+                                 "and this one's config.json does not say it is: load the dense model, then prune it "
+                                 "with kp.sparsify(model) (with calibration=, docs/design/0023)")
+        self.layers: list[str] = []
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        from .pruning.sparsify import is_conv1d
+        from .stream import headers
+
+        if not checkpoint_files:
+            raise InvalidProblem("this transformers version does not hand a quantizer the checkpoint's files, which "
+                                 "name the 2:4 layers: load the directory with kp.hf.load_model(path), or upgrade "
+                                 "transformers (5.x does)")
+        found = {name: shape for path in checkpoint_files for name, (_, shape) in headers(path).items()}
+        for name, shape in found.items():
+            prefix, _, leaf = name.rpartition(".")
+            if leaf != "values":
+                continue
+            if len(shape) != 2:
+                raise InvalidProblem(f"{name} is {list(shape)}: stacked 2:4 experts (a MoE layer's) are built by "
+                                     f"kernelplan's loader, not transformers': {LOAD_MODEL_HINT}")
+            try:
+                layer = model.get_submodule(prefix)
+            except AttributeError:
+                layer = None
+            out_in = tuple(layer.weight.shape)[::-1] if is_conv1d(layer) else \
+                tuple(layer.weight.shape) if isinstance(layer, nn.Linear) else None
+            if out_in != (shape[0], 2 * shape[1]):
+                there = type(layer).__name__ if layer is not None else "no module"
+                raise InvalidProblem(f"{prefix} holds a 2:4 weight of [{shape[0]}, {2 * shape[1]}], but the model "
+                                     f"built from config.json has {there} there: {LOAD_MODEL_HINT}")
+            m, k = out_in
+            with torch.device("meta"):
+                values = torch.empty(m, k // 2, dtype=layer.weight.dtype)
+                bias = torch.empty(m, dtype=layer.bias.dtype) if layer.bias is not None else None
+                replacement = _Loading(values, torch.empty(m, k // 8, dtype=torch.int16), bias,
+                                             layout="public", _validate=False)
+            replacement.from_conv1d = is_conv1d(layer)
+            parent = model.get_submodule(prefix.rpartition(".")[0]) if "." in prefix else model
+            setattr(parent, prefix.rpartition(".")[2], replacement)
+            self.layers.append(prefix)
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        for prefix in self.layers:
+            layer = model.get_submodule(prefix)
+            if layer.values.is_meta or layer.metadata.is_meta:
+                raise InvalidProblem(f"{prefix}: the checkpoint names its 2:4 values but transformers loaded no "
+                                     f"values or metadata into it: {LOAD_MODEL_HINT}")
+            with torch.no_grad():
+                weight = Sparse24Weight(layer.values.detach(), layer.metadata)  # a corrupt group is refused here
+                bias = layer.bias.detach() if layer.bias is not None else None
+                loaded = Sparse24Linear(weight.values, weight.metadata, bias, _validate=False)
+            loaded.from_conv1d = layer.from_conv1d
+            parent = model.get_submodule(prefix.rpartition(".")[0]) if "." in prefix else model
+            setattr(parent, prefix.rpartition(".")[2], loaded)
+        from .nn.siblings import fuse_siblings
+
+        fuse_siblings(model)
+        return model
+
+    def is_serializable(self, *args, **kwargs) -> bool:
+        return True  # the 2:4 layers' state_dict is the public format, which this quantizer reads
+
+    @property
+    def is_trainable(self) -> bool:
+        return True  # the kept values are Parameters; the masks stay fixed
+
+    @property
+    def is_compileable(self) -> bool:
+        return True

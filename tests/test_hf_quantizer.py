@@ -1,0 +1,204 @@
+"""transformers' own from_pretrained on kernelplan 2:4 directories (``kernelplan/hf_quantizer.py``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernelplan as kp
+from kernelplan import hf
+from kernelplan.errors import InvalidProblem
+
+transformers = pytest.importorskip("transformers")
+
+from test_hf import _gpt2, _llama  # noqa: E402
+
+
+def _sparse_layers(model) -> dict[str, kp.nn.Sparse24Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, kp.nn.Sparse24Linear)}
+
+
+def _same_state(a, b) -> None:
+    """Both models' state_dicts bit for bit: 2:4 layers in the public format, the rest as held."""
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert sa[name].dtype == sb[name].dtype and torch.equal(sa[name], sb[name]), name
+
+
+def _fp64_logits(model, ids):
+    """The model's function in float64 with every 2:4 layer decompressed: the reference a load must reproduce."""
+    import copy
+
+    twin = copy.deepcopy(model).double()
+    for name, layer in _sparse_layers(twin).items():
+        dense = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None).double()
+        with torch.no_grad():
+            dense.weight.copy_(layer.to_dense())
+            if layer.bias is not None:
+                dense.bias.copy_(layer.bias)
+        parent = twin.get_submodule(name.rpartition(".")[0])
+        setattr(parent, name.rpartition(".")[2], dense)
+    with torch.no_grad():
+        return twin(ids).logits
+
+
+@pytest.mark.parametrize("build, save", [("llama", "save_pretrained"), ("llama", "save_model"),
+                                         ("gpt2", "save_pretrained")])
+def test_from_pretrained_builds_the_2_4_layers_of_a_kernelplan_directory(tmp_path, seed, build, save):
+    model = _llama() if build == "llama" else _gpt2()
+    kp.sparsify(model, progress=False)
+    if save == "save_pretrained":
+        model.save_pretrained(tmp_path, max_shard_size="60KB")
+    else:
+        hf.save_model(model, tmp_path, max_shard_bytes=60_000)
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    layers = _sparse_layers(loaded)
+    assert len(layers) == (14 if build == "llama" else 8)
+    assert {m.layout for m in layers.values()} == {"sp tiled"}  # the device layout, one copy
+    assert all(m.from_conv1d == (build == "gpt2") for m in layers.values())
+    assert not any(isinstance(m, torch.nn.Linear) for n, m in loaded.named_modules() if n in _sparse_layers(model))
+    _same_state(loaded, model)
+    ids = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        got = loaded(ids).logits.double()
+    ref = _fp64_logits(model, ids)
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert loaded.is_quantized and loaded.config.quantization_config.format == "kernelplan.sparse24"
+    # Saved again through transformers, it is the same directory for both loaders.
+    loaded.save_pretrained(tmp_path / "again")
+    _same_state(hf.load_model(tmp_path / "again"), model)
+    _same_state(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again"), model)
+
+
+def test_from_pretrained_casts_the_kept_values_to_the_dtype_asked_for(tmp_path, seed):
+    model = _llama()
+    kp.sparsify(model, progress=False)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    layer = loaded.model.layers[1].mlp.down_proj
+    want = model.model.layers[1].mlp.down_proj
+    assert layer.values.dtype == torch.bfloat16
+    assert torch.equal(layer.weight24.public().metadata, want.weight24.public().metadata)
+    assert torch.equal(layer.to_dense(), want.to_dense().bfloat16())
+
+
+def test_a_fresh_process_loads_a_directory_once_it_registers_the_quantizer(tmp_path, seed):
+    model = _llama()
+    kp.sparsify(model, progress=False)
+    model.save_pretrained(tmp_path)
+    code = ("import sys, transformers, kernelplan as kp\n"
+            "kp.hf.register_quantizer(); kp.hf.register_quantizer()\n"  # idempotent
+            "m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+            "print(sum(isinstance(x, kp.nn.Sparse24Linear) for x in m.modules()))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "14"
+
+
+def test_a_directory_written_with_the_earlier_top_level_record_still_loads(tmp_path, seed):
+    """Before the quantizer (4d8d57f), kernelplan recorded its format as config.json's top-level ``kernelplan``."""
+    model = _llama()
+    kp.sparsify(model, progress=False)
+    hf.save_model(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["kernelplan"] = {"format": "kernelplan.sparse24", "format_version": 1}
+    del config["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert hf.checkpoint_format(hf.read_config(tmp_path)) == "kernelplan"
+    loaded = hf.load_model(tmp_path)
+    _same_state(loaded, model)
+    assert loaded.config.quantization_config["quant_method"] == "kernelplan"
+    assert "kernelplan" not in vars(loaded.config)  # one record, in the new place
+
+
+def _edit_config(path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"].update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"format_version": 2}, "newer than this kernelplan's 1: upgrade"),
+    ({"format": "kernelplan.sparse48"}, "names format 'kernelplan.sparse48'"),
+    ({"block": 16}, r"holds \['block'\], which kernelplan format version 1 does not write")])
+def test_from_pretrained_refuses_a_record_this_kernelplan_cannot_read(tmp_path, seed, changes, match):
+    model = _llama()
+    kp.sparsify(model, progress=False)
+    model.save_pretrained(tmp_path)
+    _edit_config(tmp_path, **changes)
+    with pytest.raises(InvalidProblem, match=match):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_refuses_metadata_that_is_not_2_4(tmp_path, seed):
+    from safetensors.torch import load_file, save_file
+
+    model = _llama()
+    kp.sparsify(model, progress=False)
+    hf.save_model(model, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.metadata"
+    tensors[name][3, 2] = 0  # both groups of the word keep position 0 twice
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(InvalidProblem, match="metadata"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_refuses_stacked_experts_naming_kernelplans_loader(tmp_path, seed):
+    from test_experts import _mixtral
+
+    model = _mixtral(torch.float32)
+    kp.sparsify(model, progress=False, experts="all")
+    hf.save_model(model, tmp_path)
+    with pytest.raises(InvalidProblem, match=r"stacked 2:4 experts .* kp.hf.load_model\(path\)"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert sum(isinstance(m, kp.nn.Sparse24Experts) for m in hf.load_model(tmp_path).modules()) == 2
+
+
+def test_the_quantizer_refuses_a_dense_checkpoint_and_a_loader_without_the_file_list(tmp_path, seed):
+    from kernelplan.hf_quantizer import Sparse24QuantConfig, Sparse24Quantizer
+
+    hf.register_quantizer()
+    _llama().save_pretrained(tmp_path)
+    with pytest.raises(InvalidProblem, match=r"loads checkpoints that are 2:4 already.* kp.sparsify\(model\)"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=Sparse24QuantConfig())
+    quantizer = Sparse24Quantizer(Sparse24QuantConfig(), pre_quantized=True)
+    model = _llama()
+    with pytest.raises(InvalidProblem, match=r"does not hand a quantizer the checkpoint's files.*kp.hf.load_model"):
+        quantizer.preprocess_model(model)
+    assert not _sparse_layers(model)  # nothing replaced
+
+
+def test_sparsify_refuses_a_model_quantized_by_another_method_before_changing_it(seed):
+    model = _llama()
+    model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    with pytest.raises(InvalidProblem, match="quant_method 'bitsandbytes'"):
+        kp.sparsify(model, progress=False)
+    assert not _sparse_layers(model) and model.config.quantization_config["quant_method"] == "bitsandbytes"
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_from_pretrained_with_a_device_map_loads_the_2_4_layers_there(tmp_path, seed):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = _llama().to(torch.bfloat16)
+    kp.sparsify(model, progress=False)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cuda")
+    layers = _sparse_layers(loaded)
+    assert {m.values.device.type for m in layers.values()} == {"cuda"}
+    assert {m.layout for m in layers.values()} == {"sp tiled"}
+    _same_state(loaded.cpu(), model)
+    loaded.cuda()
+    ids = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        got = loaded(ids.cuda()).logits.double().cpu()
+    ref = _fp64_logits(model, ids)
+    # bf16 through the whole model: the repository's whole-model bf16 tolerance (tests/test_hf.py)
+    assert (got - ref).abs().max() <= 0.05 * ref.abs().max()
