@@ -315,3 +315,36 @@ def test_on_the_gpu_a_masked_adapter_merges_into_the_device_layout(seed):
         assert mod.layout == before[name][1] != "public" and torch.equal(mod.metadata, before[name][0])
     # bf16 logits, as the other GPU tests here; the adapters move them by more than that
     assert (got - want).abs().max() <= 0.05 * want.abs().max() < (base - want).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("build", ["llama", "gpt2"])
+def test_on_the_gpu_mlps_routed_before_the_adapters_came_run_them(seed, build):
+    """The CPU test above on the device layout: a checked gated (Llama) or activated (GPT-2) route, bf16 on CUDA."""
+    if build == "llama":
+        model, targets, mlp_of = _llama(torch.bfloat16).cuda(), PROJECTIONS, lambda m: m.model.layers[0].mlp
+    else:
+        config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=96, n_positions=64)
+        model = transformers.GPT2LMHeadModel(config).eval().to("cuda", torch.bfloat16)
+        targets, mlp_of = ["c_attn", "c_fc", "c_proj"], lambda m: m.transformer.h[0].mlp
+    kp.sparsify(model, progress=False)
+    ids = torch.randint(0, 96, (2, 8), device="cuda")
+    with torch.no_grad():
+        model(ids)
+        model(ids)
+    route = kp.nn.routes.route_of(mlp_of(model))
+    assert route is not None and route.checked and route.stats["fused"] >= 1
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        plain = mlp_of(model)(x).float()
+    adapted = peft.get_peft_model(model, kp.nn.lora(peft.LoraConfig(r=4, target_modules=targets,
+                                                                     init_lora_weights=False)))
+    mlp = mlp_of(adapted.base_model.model)
+    with torch.no_grad():
+        fused = route.stats["fused"]
+        got, own = mlp(x).float(), type(mlp).forward(mlp, x).float()
+        assert route.stats["fused"] == fused
+        assert torch.equal(got, own) and (got - plain).abs().max() > 0.05 * plain.abs().max()
+        adapted.unload()
+        mlp(x)
+    assert route.stats["fused"] == fused + 1
