@@ -374,3 +374,21 @@ def test_the_dense_format_refuses_gpt2s_conv1d_layers_and_writes_nothing(tmp_pat
     with pytest.raises(InvalidProblem, match="Conv1D, whose checkpoints store the weight transposed"):
         hf.sparsify_directory(tmp_path / "dense", tmp_path / "streamed", "dense")
     assert not (tmp_path / "out").exists() and not (tmp_path / "streamed").exists()
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen2", "Mistral", "Mixtral", "Gemma2", "Phi3", "GPT2"])
+def test_load_models_uninitialized_build_computes_every_buffer_as_the_normal_build(seed, family):
+    """load_model builds under transformers' no_init_weights (weights left empty: each is loaded or the load is
+    refused); buffers no checkpoint holds, such as rotary frequencies, must still be computed."""
+    small = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, pad_token_id=0) if family != "GPT2" else dict(
+        vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    config = getattr(transformers, f"{family}Config")(**small)
+    normal = transformers.AutoModelForCausalLM.from_config(config)
+    empty = hf._skeleton(config, None)
+    buffers = dict(normal.named_buffers())
+    assert buffers.keys() == dict(empty.named_buffers()).keys()
+    for name, buffer in empty.named_buffers():
+        assert torch.equal(buffer, buffers[name]), name
+    ties = lambda m: {n for n, p in m.named_parameters(remove_duplicate=False) if p is m.get_input_embeddings().weight}
+    assert ties(empty) == ties(normal)
