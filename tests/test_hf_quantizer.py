@@ -23,8 +23,8 @@ def _sparse_layers(model) -> dict[str, kp.nn.Sparse24Linear]:
 
 
 def _same_state(a, b) -> None:
-    """Both models' state_dicts bit for bit: 2:4 layers in the public format, the rest as held."""
-    sa, sb = a.state_dict(), b.state_dict()
+    """Both models' (or state_dicts') tensors bit for bit: 2:4 layers in the public format, the rest as held."""
+    sa, sb = (x if isinstance(x, dict) else x.state_dict() for x in (a, b))
     assert sa.keys() == sb.keys()
     for name in sa:
         assert sa[name].dtype == sb[name].dtype and torch.equal(sa[name], sb[name]), name
@@ -61,6 +61,7 @@ def test_from_pretrained_builds_the_2_4_layers_of_a_kernelplan_directory(tmp_pat
     layers = _sparse_layers(loaded)
     assert len(layers) == (14 if build == "llama" else 8)
     assert {m.layout for m in layers.values()} == {"sp tiled"}  # the device layout, one copy
+    assert {type(m) for m in layers.values()} == {kp.nn.Sparse24Linear}
     assert all(m.from_conv1d == (build == "gpt2") for m in layers.values())
     assert not any(isinstance(m, torch.nn.Linear) for n, m in loaded.named_modules() if n in _sparse_layers(model))
     _same_state(loaded, model)
@@ -173,6 +174,17 @@ def test_the_quantizer_refuses_a_dense_checkpoint_and_a_loader_without_the_file_
     with pytest.raises(InvalidProblem, match=r"does not hand a quantizer the checkpoint's files.*kp.hf.load_model"):
         quantizer.preprocess_model(model)
     assert not _sparse_layers(model)  # nothing replaced
+
+
+def test_from_pretrained_refuses_a_device_map_that_offloads_to_disk(tmp_path, seed):
+    model = _llama()
+    kp.sparsify(model, progress=False)
+    model.save_pretrained(tmp_path)
+    split = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
+             "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    with pytest.raises(InvalidProblem, match="device_map places modules on 'disk'"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, device_map=split,
+                                                          offload_folder=str(tmp_path / "offload"))
 
 
 def test_sparsify_refuses_a_model_quantized_by_another_method_before_changing_it(seed):

@@ -380,3 +380,28 @@ def test_grouped_sibling_layers_on_each_device(n, seed):
             torch.testing.assert_close(a, b.to(dev), rtol=0, atol=0)
 
     _on_each_device(run)
+
+
+def test_from_pretrained_with_a_device_map_over_two_devices_runs_each_2_4_layer_where_it_was_placed(tmp_path, seed):
+    """transformers' own loader (kernelplan's quantizer) with decoder layers split over cuda:0 and cuda:1: each 2:4
+    layer is laid out on its own device, and the forward (accelerate's hooks moving activations) matches fp64."""
+    transformers = pytest.importorskip("transformers")
+    from test_hf import _llama
+    from test_hf_quantizer import _fp64_logits, _same_state
+
+    model = _llama().to(torch.bfloat16)
+    kp.sparsify(model, progress=False)
+    model.save_pretrained(tmp_path)
+    split = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "model.norm": 1,
+             "model.rotary_emb": 1, "lm_head": 1}
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, device_map=split)
+    layers = {n: m for n, m in loaded.named_modules() if isinstance(m, kp.nn.Sparse24Linear)}
+    assert {(n.split(".")[2], m.values.device.index) for n, m in layers.items()} == {("0", 0), ("1", 1)}
+    assert {m.layout for m in layers.values()} == {"sp tiled"} and {type(m) for m in layers.values()} == {
+        kp.nn.Sparse24Linear}
+    ids = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        got = loaded(ids.cuda(0)).logits.double().cpu()
+    ref = _fp64_logits(model, ids)
+    assert (got - ref).abs().max() <= 0.05 * ref.abs().max()  # bf16 through the whole model, as tests/test_hf.py
+    _same_state({k: v.cpu() for k, v in loaded.state_dict().items()}, model.state_dict())

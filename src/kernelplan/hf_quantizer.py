@@ -107,22 +107,34 @@ class Sparse24Quantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        from .sparse24.layout import pack_reason
+
         for prefix in self.layers:
             layer = model.get_submodule(prefix)
             if layer.values.is_meta or layer.metadata.is_meta:
-                raise InvalidProblem(f"{prefix}: the checkpoint names its 2:4 values but transformers loaded no "
-                                     f"values or metadata into it: {LOAD_MODEL_HINT}")
+                raise InvalidProblem(f"{prefix}: the checkpoint names its 2:4 values, but transformers left the "
+                                     f"layer on the meta device: a device_map that offloads it to disk (give more "
+                                     f"max_memory), or a loader that skipped it ({LOAD_MODEL_HINT})")
             with torch.no_grad():
                 weight = Sparse24Weight(layer.values.detach(), layer.metadata)  # a corrupt group is refused here
-                bias = layer.bias.detach() if layer.bias is not None else None
-                loaded = Sparse24Linear(weight.values, weight.metadata, bias, _validate=False)
-            loaded.from_conv1d = layer.from_conv1d
-            parent = model.get_submodule(prefix.rpartition(".")[0]) if "." in prefix else model
-            setattr(parent, prefix.rpartition(".")[2], loaded)
+                if pack_reason(*weight.shape) is None:
+                    weight = weight.packed()
+            # In place, as Sparse24Linear(layout="auto") holds it: the module object stays the one transformers
+            # placed (accelerate's hooks under a device_map are on it or its parents).
+            layer.values = nn.Parameter(weight.values, requires_grad=layer.values.requires_grad)
+            layer.metadata = weight.metadata
+            layer.__class__ = Sparse24Linear
         from .nn.siblings import fuse_siblings
 
         fuse_siblings(model)
         return model
+
+    def validate_environment(self, device_map=None, **kwargs):
+        places = set(device_map.values()) if isinstance(device_map, dict) else set()
+        if "disk" in places:
+            raise InvalidProblem("device_map places modules on 'disk': kernelplan's 2:4 layers are converted to the "
+                                 "device layout once loaded, which offloaded weights are not; give a device_map "
+                                 "of GPUs (and 'cpu'), or more max_memory")
 
     def is_serializable(self, *args, **kwargs) -> bool:
         return True  # the 2:4 layers' state_dict is the public format, which this quantizer reads
