@@ -214,3 +214,30 @@ def test_on_the_gpu_from_pretrained_with_a_device_map_loads_the_2_4_layers_there
     ref = _fp64_logits(model, ids)
     # bf16 through the whole model: the repository's whole-model bf16 tolerance (tests/test_hf.py)
     assert (got - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loader", ["from_pretrained", "load_model"])
+def test_on_the_gpu_loading_holds_the_plain_tensors_once(tmp_path, seed, loader):
+    """The GPU memory a load peaks at, over what the loaded model holds, stays under one embedding table: the plain
+    tensors (embedding, LM head) reach the device once (0044: load_model's reached it twice, 1.68x its result)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    config = transformers.LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    kp.sparsify(model, progress=False)
+    model.save_pretrained(tmp_path)
+    hf.register_quantizer()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    if loader == "load_model":
+        loaded = hf.load_model(tmp_path, device="cuda")
+    else:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cuda")
+    torch.cuda.synchronize()
+    held, peak = torch.cuda.memory_allocated() - base, torch.cuda.max_memory_allocated() - base
+    embedding = 8192 * 512 * 2
+    assert {m.values.device.type for m in _sparse_layers(loaded).values()} == {"cuda"}
+    assert peak - held < embedding, (peak, held)

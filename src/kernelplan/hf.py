@@ -164,14 +164,16 @@ def iter_tensors(path: str | os.PathLike, device: str | torch.device = "cpu") ->
                 yield name, f.get_tensor(name)
 
 
-def iter_layers(path: str | os.PathLike, device: str | torch.device = "cpu",
-                targets: str | None = None) -> Iterator[tuple[str, object]]:
+def iter_layers(path: str | os.PathLike, device: str | torch.device = "cpu", targets: str | None = None,
+                plain_on_cpu: bool = False) -> Iterator[tuple[str, object]]:
     """``(name, tensor)`` for plain tensors and ``(prefix, Sparse24Weight)`` for 2:4 layers, in any of the formats;
     ``(prefix, [Sparse24Weight of each expert])`` for a MoE layer's stacked experts projection (``kernelplan``).
 
     ``targets`` (a regex on the layer prefix) chooses which dense ``*.weight``s of a
     ``dense`` 2:4 checkpoint must be 2:4; default: those of the layers
     ``sparsity_config.targets``/``ignore`` name, else every 2-D weight but embeddings and ``lm_head``.
+    Every tensor is read on ``device``, or, with ``plain_on_cpu``, the plain ones on the CPU and the 2:4 layers'
+    parts (and a dense 2:4 weight, to compress) on ``device``.
     """
     config = read_config(path)
     fmt = checkpoint_format(config)
@@ -180,16 +182,17 @@ def iter_layers(path: str | os.PathLike, device: str | torch.device = "cpu",
     ignore = [p for p in sparsity.get("ignore", []) if isinstance(p, str)]
     pending: dict[str, dict[str, torch.Tensor]] = {}
     parts = {"kernelplan": ("values", "metadata"), "sparse-24-bitmask": ("compressed", "bitmask", "shape")}.get(fmt, ())
-    for name, t in iter_tensors(path, device):
+    for name, t in iter_tensors(path, "cpu" if plain_on_cpu else device):
         prefix, _, leaf = name.rpartition(".")
         if leaf in parts:
             got = pending.setdefault(prefix, {})
-            got[leaf] = t
+            got[leaf] = t.to(device)
             if len(got) == len(parts):
                 del pending[prefix]
                 yield prefix, _weight(fmt, prefix, got)
             continue
         if dense24 and leaf == "weight" and t.dim() == 2 and _targeted(prefix, targets, ignore):
+            t = t.to(device)
             if not is_sparse24(t):
                 raise InvalidProblem(f"{name} is not 2:4 (a group of 4 holds more than 2 non-zeros), but config.json "
                                      f"says the checkpoint is 2:4: leave the layer out with targets=, or prune it")
@@ -310,7 +313,9 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
     # the CPU took 84 of load_model's 87 s for a 2B-parameter model (docs/design/0044).
     model = _skeleton(config, dtype or _stored_dtype(path))
     state, sparse, stacked = {}, set(), {}
-    for name, item in iter_layers(path, device, targets):
+    # The plain tensors (embeddings, norms, an LM head) are read on the CPU, where the model is built, and reach the
+    # device once, with the model: read there, they were on it twice while the model moved (0044).
+    for name, item in iter_layers(path, device, targets, plain_on_cpu=True):
         if isinstance(item, list):  # an experts projection: built with its module's biases, after the state loads
             stacked[name] = [w.to(dtype=dtype) if dtype is not None else w for w in item]
             sparse.add(name)
