@@ -293,6 +293,14 @@ def test_a_dense_directory_sparsified_shard_by_shard_is_what_the_in_memory_path_
     # the command takes this path where nothing needs the model in memory
     run = kernelplan_cli("sparsify", tmp_path / "dense", tmp_path / "cli", "--format", fmt)
     assert run.returncode == 0 and "shard by shard" in run.stdout, run.stderr
+    if fmt == "kernelplan":  # the command says how to load it, and transformers' own loader does
+        assert "from_pretrained(DIR) once kp.hf.register_quantizer() has run" in run.stdout
+        hf.register_quantizer()
+        native = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "cli")
+        sn = native.state_dict()
+        assert sorted(sn) == sorted(sa) and all(torch.equal(sn[k], sa[k]) for k in sa)
+    else:
+        assert "load it with kp.hf.load_model(DIR); transformers reads" in run.stdout
     with pytest.raises(InvalidProblem, match="2:4 checkpoint already"):
         hf.sparsify_directory(tmp_path / "streamed", tmp_path / "again", fmt)
 
