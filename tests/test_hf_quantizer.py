@@ -171,7 +171,8 @@ def test_the_quantizer_refuses_a_dense_checkpoint_and_a_loader_without_the_file_
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=Sparse24QuantConfig())
     quantizer = Sparse24Quantizer(Sparse24QuantConfig(), pre_quantized=True)
     model = _llama()
-    with pytest.raises(InvalidProblem, match=r"does not hand a quantizer the checkpoint's files.*kp.hf.load_model"):
+    with pytest.raises(InvalidProblem, match=r"does not hand a quantizer the checkpoint's files.*not a local "
+                                             r"directory.*kp.hf.load_model"):
         quantizer.preprocess_model(model)
     assert not _sparse_layers(model)  # nothing replaced
 

@@ -18,6 +18,8 @@ This module imports transformers at its top: only ``hf.register_quantizer`` impo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 from transformers.quantizers.base import HfQuantizer
@@ -25,7 +27,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .errors import InvalidProblem
 from .nn.sparse24_linear import Sparse24Linear
-from .hf import LOAD_MODEL_HINT, QUANT_METHOD, checkpoint_format
+from .hf import LOAD_MODEL_HINT, QUANT_METHOD, checkpoint_format, shards
 from .sparse24.format import FORMAT_NAME, FORMAT_VERSION, Sparse24Weight
 
 class Sparse24QuantConfig(QuantizationConfigMixin):
@@ -72,10 +74,14 @@ class Sparse24Quantizer(HfQuantizer):
         from .pruning.sparsify import is_conv1d
         from .stream import headers
 
-        if not checkpoint_files:
-            raise InvalidProblem("this transformers version does not hand a quantizer the checkpoint's files, which "
-                                 "name the 2:4 layers: load the directory with kp.hf.load_model(path), or upgrade "
-                                 "transformers (5.x does)")
+        if not checkpoint_files:  # transformers 4.x does not pass them; a local directory names its own shards
+            where = getattr(getattr(model, "config", None), "name_or_path", None)
+            if not where or not Path(where).is_dir():
+                raise InvalidProblem(f"this transformers version does not hand a quantizer the checkpoint's files, "
+                                     f"which name the 2:4 layers, and {where!r} is not a local directory to read "
+                                     f"them from: download it and pass its path, load it with "
+                                     f"kp.hf.load_model(path), or upgrade transformers (5.x passes them)")
+            checkpoint_files = shards(where)
         found = {name: shape for path in checkpoint_files for name, (_, shape) in headers(path).items()}
         for name, shape in found.items():
             prefix, _, leaf = name.rpartition(".")
