@@ -464,7 +464,7 @@ def mark_config(model: nn.Module) -> None:
     if "transformers" in sys.modules:
         try:
             register_quantizer()
-        except (ImportError, AttributeError, TypeError) as e:  # registering must not fail the pruning it follows
+        except (ImportError, AttributeError, TypeError, ValueError) as e:  # must not fail the pruning it follows
             warnings.warn(f"kernelplan could not register its transformers quantizer ({e!r}): from_pretrained will "
                           f"not read this model's 2:4 directory; kp.hf.load_model(path) does", stacklevel=2)
 

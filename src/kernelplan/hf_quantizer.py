@@ -30,6 +30,7 @@ from .nn.sparse24_linear import Sparse24Linear
 from .hf import LOAD_MODEL_HINT, QUANT_METHOD, checkpoint_format, shards
 from .sparse24.format import FORMAT_NAME, FORMAT_VERSION, Sparse24Weight
 
+
 class Sparse24QuantConfig(QuantizationConfigMixin):
     """config.json's record of a kernelplan 2:4 checkpoint (``quant_method="kernelplan"``).
 
