@@ -275,6 +275,20 @@ def _stored_dtype(path: str | os.PathLike) -> torch.dtype | None:
     return None
 
 
+def dense_layer(model: nn.Module, name: str) -> tuple[nn.Module | None, tuple[int, int] | None]:
+    """The module at ``name`` (None if there is none) and, where it is a linear layer or a Hugging Face Conv1D, the
+    ``[out, in]`` shape a 2:4 weight replacing it has: a Conv1D (GPT-2's) holds its weight transposed, ``[in, out]``."""
+    from .pruning.sparsify import is_conv1d
+
+    try:
+        layer = model.get_submodule(name)
+    except AttributeError:
+        return None, None
+    if is_conv1d(layer):
+        return layer, tuple(layer.weight.shape)[::-1]
+    return layer, (tuple(layer.weight.shape) if isinstance(layer, nn.Linear) else None)
+
+
 def _skeleton(config, dtype: torch.dtype | None) -> nn.Module:
     """The model ``config`` describes, on the CPU, its weights allocated but not initialized (transformers'
     ``no_init_weights``, which its from_pretrained builds under; it moved from modeling_utils in 4.x to
@@ -323,13 +337,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
         if not isinstance(item, Sparse24Weight):
             state[name] = item.to(dtype) if dtype is not None and item.is_floating_point() else item
             continue
-        try:
-            layer = model.get_submodule(name)
-        except AttributeError:
-            layer = None
-        # A Conv1D (GPT-2's) holds its weight transposed, [in, out]: its 2:4 weight is the linear layer's [out, in].
-        shape = tuple(layer.weight.shape)[::-1] if is_conv1d(layer) else \
-            tuple(layer.weight.shape) if isinstance(layer, nn.Linear) else None
+        layer, shape = dense_layer(model, name)
         if shape != tuple(item.shape):
             there = type(layer).__name__ if layer is not None else "no module"
             raise InvalidProblem(f"{name} holds a 2:4 weight of shape {tuple(item.shape)}, but the model built from "

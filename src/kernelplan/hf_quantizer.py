@@ -27,7 +27,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .errors import InvalidProblem
 from .nn.sparse24_linear import Sparse24Linear
-from .hf import LOAD_MODEL_HINT, QUANT_METHOD, checkpoint_format, shards
+from .hf import LOAD_MODEL_HINT, QUANT_METHOD, checkpoint_format, dense_layer, shards
 from .sparse24.format import FORMAT_NAME, FORMAT_VERSION, Sparse24Weight
 
 
@@ -91,12 +91,7 @@ class Sparse24Quantizer(HfQuantizer):
             if len(shape) != 2:
                 raise InvalidProblem(f"{name} is {list(shape)}: stacked 2:4 experts (a MoE layer's) are built by "
                                      f"kernelplan's loader, not transformers': {LOAD_MODEL_HINT}")
-            try:
-                layer = model.get_submodule(prefix)
-            except AttributeError:
-                layer = None
-            out_in = tuple(layer.weight.shape)[::-1] if is_conv1d(layer) else \
-                tuple(layer.weight.shape) if isinstance(layer, nn.Linear) else None
+            layer, out_in = dense_layer(model, prefix)
             if out_in != (shape[0], 2 * shape[1]):
                 there = type(layer).__name__ if layer is not None else "no module"
                 raise InvalidProblem(f"{prefix} holds a 2:4 weight of [{shape[0]}, {2 * shape[1]}], but the model "
