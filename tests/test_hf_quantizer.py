@@ -242,3 +242,36 @@ def test_on_the_gpu_loading_holds_the_plain_tensors_once(tmp_path, seed, loader)
     embedding = 8192 * 512 * 2
     assert {m.values.device.type for m in _sparse_layers(loaded).values()} == {"cuda"}
     assert peak - held < embedding, (peak, held)
+
+
+@pytest.mark.parametrize("build", ["llama", "gpt2"])
+def test_dequantize_gives_back_the_dense_modules_with_the_pruned_weights(tmp_path, seed, build):
+    """``model.dequantize()`` of a model from_pretrained loaded: plain transformers layers holding the 2:4 weights,
+    its routes detached, and a save_pretrained that transformers reads with no kernelplan record."""
+    model = _llama() if build == "llama" else _gpt2()
+    kp.sparsify(model, progress=False)
+    model.save_pretrained(tmp_path / "sparse")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sparse")
+    ids = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        loaded(ids)  # the MLPs' routes are checked and run
+    names = _sparse_layers(loaded)
+    dense = loaded.dequantize()
+    assert not _sparse_layers(dense) and not dense.is_quantized
+    assert not hasattr(dense.config, "quantization_config")
+    kind = "Conv1D" if build == "gpt2" else "Linear"
+    for name, layer in names.items():
+        got = dense.get_submodule(name)
+        assert type(got).__name__ == kind
+        weight = got.weight.t() if build == "gpt2" else got.weight
+        assert torch.equal(weight, layer.to_dense()) and kp.sparse24.is_sparse24(weight)
+    assert not any(kp.nn.routes.route_of(m) for m in dense.modules())
+    ref = _fp64_logits(model, ids)
+    with torch.no_grad():
+        got = dense(ids).logits.double()
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+    dense.save_pretrained(tmp_path / "dense")
+    assert "quantization_config" not in hf.read_config(tmp_path / "dense")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dense")
+    assert not _sparse_layers(again)
+    _same_state(again, dense)

@@ -131,6 +131,35 @@ class Sparse24Quantizer(HfQuantizer):
         fuse_siblings(model)
         return model
 
+    def _dequantize(self, model, dtype=None):
+        """``model.dequantize()``: each 2:4 layer back to the dense module it replaced (``nn.Linear``, or GPT-2's
+        ``Conv1D``), holding its pruned weight, so the model is a plain transformers model (its ``save_pretrained`` a
+        dense directory any loader reads).  The routes of MLPs whose layers are replaced are detached."""
+        from transformers.pytorch_utils import Conv1D
+
+        from .nn.routes import route_of
+
+        for name, layer in [(n, m) for n, m in model.named_modules() if isinstance(m, Sparse24Linear)]:
+            with torch.no_grad():
+                weight = layer.to_dense().to(dtype or layer.values.dtype)
+                bias = layer.bias.detach().to(weight.dtype) if layer.bias is not None else None
+                if layer.from_conv1d:
+                    dense = Conv1D(layer.out_features, layer.in_features).to(weight.device, weight.dtype)
+                    dense.weight.copy_(weight.t())
+                else:
+                    dense = nn.Linear(layer.in_features, layer.out_features, bias=bias is not None,
+                                      device=weight.device, dtype=weight.dtype)
+                    dense.weight.copy_(weight)
+                if bias is not None:
+                    dense.bias.copy_(bias)
+            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+            setattr(parent, name.rpartition(".")[2], dense)
+        for module in model.modules():
+            route = route_of(module)
+            if route is not None and route.children_replaced():
+                route.detach()
+        return model
+
     def validate_environment(self, device_map=None, **kwargs):
         places = set(device_map.values()) if isinstance(device_map, dict) else set()
         if "disk" in places:

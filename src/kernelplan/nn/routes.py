@@ -74,6 +74,13 @@ class EpilogueRoute:
         """Whether the epilogue's GEMM can run now (a gated MLP's group may not have settled yet)."""
         return True
 
+    def detach(self) -> None:
+        """Give the module back its class's forward, for good: its layers were replaced by ones the route cannot run
+        (``model.dequantize()``)."""
+        self.off = "detached"
+        self.mod.__dict__.pop("forward", None)
+        self.mod.__dict__.pop("_epilogue_route", None)
+
     def children_replaced(self) -> bool:
         """Whether the module's children are not the ones it held when routed (one replaced, added or removed)."""
         modules = self.mod._modules  # a loop, not any(<generator>): 0.27 us against 1.1 a call on the CI host
