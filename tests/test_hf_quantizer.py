@@ -151,15 +151,57 @@ def test_from_pretrained_refuses_metadata_that_is_not_2_4(tmp_path, seed):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
-def test_from_pretrained_refuses_stacked_experts_naming_kernelplans_loader(tmp_path, seed):
+def test_from_pretrained_refuses_a_moe_models_own_save_pretrained_naming_the_save_that_works(tmp_path, seed):
+    from test_experts import _mixtral
+
+    model = _mixtral(torch.float32)
+    kp.sparsify(model, progress=False, experts="all")
+    model.save_pretrained(tmp_path)  # transformers renames the experts' modules as it saves (0043)
+    with pytest.raises(InvalidProblem, match=r"written by save_pretrained .* kp.hf.save_model\(model, path\)"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_builds_stacked_2_4_experts_as_load_model_does(tmp_path, seed):
+    """A MoE model's experts, stacked and 2:4 as kp.hf.save_model writes them, become one Sparse24Experts each."""
     from test_experts import _mixtral
 
     model = _mixtral(torch.float32)
     kp.sparsify(model, progress=False, experts="all")
     hf.save_model(model, tmp_path)
-    with pytest.raises(InvalidProblem, match=r"stacked 2:4 experts .* kp.hf.load_model\(path\)"):
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert sum(isinstance(m, kp.nn.Sparse24Experts) for m in loaded.modules()) == 2
+    reference = hf.load_model(tmp_path)
+    _same_state(loaded, reference)
+    _same_state(loaded, model)
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)
+    with pytest.raises(InvalidProblem, match=r"Sparse24Experts: dequantize gives back linear layers.*format='dense'"):
+        loaded.dequantize()
+    assert sum(isinstance(m, kp.nn.Sparse24Linear) for m in loaded.modules()) > 0  # nothing changed
+
+
+@pytest.mark.parametrize("damage, match", [("fewer experts", r"experts.down_proj: the checkpoint holds 2:4 experts "
+                                                            r"of \[3, "),
+                                           ("metadata", "metadata")])
+def test_from_pretrained_refuses_stacked_experts_that_do_not_fit_the_model_or_are_not_2_4(tmp_path, seed, damage,
+                                                                                          match):
+    from safetensors.torch import load_file, save_file
+    from test_experts import _mixtral
+
+    model = _mixtral(torch.float32)
+    kp.sparsify(model, progress=False, experts="all")
+    hf.save_model(model, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.mlp.experts.down_proj"
+    if damage == "fewer experts":  # 3 experts where the model has 4
+        for leaf in ("values", "metadata"):
+            tensors[f"{name}.{leaf}"] = tensors[f"{name}.{leaf}"][:3].contiguous()
+    else:
+        tensors[f"{name}.metadata"][2, 5, 1] = 0  # expert 2: both groups of the word keep position 0 twice
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(InvalidProblem, match=match):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
-    assert sum(isinstance(m, kp.nn.Sparse24Experts) for m in hf.load_model(tmp_path).modules()) == 2
 
 
 def test_the_quantizer_refuses_a_dense_checkpoint_and_a_loader_without_the_file_list(tmp_path, seed):

@@ -314,7 +314,7 @@ def _sparsify_directory(args) -> int:
         print(report.summary())
         if not args.dry_run:
             print(f"wrote {args.output} ({args.format}), shard by shard")
-            print(_load_hint(args.format, moe=False))
+            print(_load_hint(args.format))
         return 0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = hf.load_for_pruning(args.input, device)
@@ -339,17 +339,15 @@ def _sparsify_directory(args) -> int:
     if not args.dry_run:
         files = hf.save_model(model, args.output, args.format)
         print(f"wrote {args.output}: {', '.join(files)} ({args.format})")
-        print(_load_hint(args.format, moe=any(isinstance(m, kp.nn.Sparse24Experts) for m in model.modules())))
+        print(_load_hint(args.format))
     return 0
 
 
-def _load_hint(fmt: str, moe: bool) -> str:
+def _load_hint(fmt: str) -> str:
     """How to load what ``kernelplan sparsify`` wrote into a model directory."""
     if fmt != "kernelplan":
         return ("load it with kp.hf.load_model(DIR); transformers reads the pruned weights of format dense, and "
                 "compressed-tensors reads sparse-24-bitmask")
-    if moe:
-        return "load it with kp.hf.load_model(DIR): its MoE experts are stored stacked, which only kernelplan reads"
     return ("load it with kp.hf.load_model(DIR), or with transformers' AutoModelForCausalLM.from_pretrained(DIR) once "
             "kp.hf.register_quantizer() has run in the process")
 

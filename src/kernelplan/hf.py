@@ -259,9 +259,9 @@ def _weight(fmt: str, prefix: str, got: dict[str, torch.Tensor]) -> Sparse24Weig
 _FLOATING = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # A sparsified MoE model's save_pretrained: its experts are held per expert (nn/experts.py) and transformers renames
 # modules as it saves (Mixtral's mlp to block_sparse_moe), so its checkpoint names fit no model config.json builds.
-_MOE_SAVED = ("; a MoE model's 2:4 experts written by save_pretrained are held per expert, under names transformers "
-              "changes as it saves: write a sparsified MoE model with kp.hf.save_model(model, path), which stores "
-              "them stacked as transformers builds them, and load_model reads")
+MOE_SAVED_HINT = ("; a MoE model's 2:4 experts written by save_pretrained are held per expert, under names "
+                  "transformers changes as it saves: write a sparsified MoE model with kp.hf.save_model(model, path), "
+                  "which stores them stacked as transformers builds them, and load_model and from_pretrained read")
 
 
 def _stored_dtype(path: str | os.PathLike) -> torch.dtype | None:
@@ -341,7 +341,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
         if shape != tuple(item.shape):
             there = type(layer).__name__ if layer is not None else "no module"
             raise InvalidProblem(f"{name} holds a 2:4 weight of shape {tuple(item.shape)}, but the model built from "
-                                 f"config.json has {there} there" + (_MOE_SAVED if ".experts." in name else ""))
+                                 f"config.json has {there} there" + (MOE_SAVED_HINT if ".experts." in name else ""))
         values = item.values.to(dtype) if dtype is not None else item.values
         bias = torch.zeros(shape[0], dtype=values.dtype, device=device) if layer.bias is not None else None
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model

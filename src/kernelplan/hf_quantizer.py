@@ -27,7 +27,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .errors import InvalidProblem
 from .nn.sparse24_linear import Sparse24Linear
-from .hf import LOAD_MODEL_HINT, QUANT_METHOD, checkpoint_format, dense_layer, shards
+from .hf import LOAD_MODEL_HINT, MOE_SAVED_HINT, QUANT_METHOD, checkpoint_format, dense_layer, shards
 from .sparse24.format import FORMAT_NAME, FORMAT_VERSION, Sparse24Weight
 
 
@@ -69,10 +69,11 @@ class Sparse24Quantizer(HfQuantizer):
             raise InvalidProblem("quantization_config=Sparse24QuantConfig(...) loads checkpoints that are 2:4 already, "
                                  "and this one's config.json does not say it is: load the dense model, then prune it "
                                  "with kp.sparsify(model) (with calibration=, docs/design/0023)")
-        self.layers: list[str] = []
+        self.layers: list[str] = []  # what _process_model_before_weight_loading put on the meta device
+        self.experts: list[str] = []
+        self.dense_shapes: dict[tuple[str, str], torch.Tensor] = {}
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
-        from .pruning.sparsify import is_conv1d
         from .stream import headers
 
         if not checkpoint_files:  # transformers 4.x does not pass them; a local directory names its own shards
@@ -84,29 +85,75 @@ class Sparse24Quantizer(HfQuantizer):
                                      f"kp.hf.load_model(path), or upgrade transformers (5.x passes them)")
             checkpoint_files = shards(where)
         found = {name: shape for path in checkpoint_files for name, (_, shape) in headers(path).items()}
+        stacked: dict[str, dict[str, tuple]] = {}  # experts module -> {projection: [E, M, K/2]}
         for name, shape in found.items():
             prefix, _, leaf = name.rpartition(".")
             if leaf != "values":
                 continue
-            if len(shape) != 2:
-                raise InvalidProblem(f"{name} is {list(shape)}: stacked 2:4 experts (a MoE layer's) are built by "
-                                     f"kernelplan's loader, not transformers': {LOAD_MODEL_HINT}")
-            layer, out_in = dense_layer(model, prefix)
-            if out_in != (shape[0], 2 * shape[1]):
-                there = type(layer).__name__ if layer is not None else "no module"
-                raise InvalidProblem(f"{prefix} holds a 2:4 weight of [{shape[0]}, {2 * shape[1]}], but the model "
-                                     f"built from config.json has {there} there: {LOAD_MODEL_HINT}")
-            m, k = out_in
-            with torch.device("meta"):
-                values = torch.empty(m, k // 2, dtype=layer.weight.dtype)
-                bias = torch.empty(m, dtype=layer.bias.dtype) if layer.bias is not None else None
-                replacement = _Loading(values, torch.empty(m, k // 8, dtype=torch.int16), bias,
-                                             layout="public", _validate=False)
-            replacement.from_conv1d = is_conv1d(layer)
-            parent = model.get_submodule(prefix.rpartition(".")[0]) if "." in prefix else model
-            setattr(parent, prefix.rpartition(".")[2], replacement)
-            self.layers.append(prefix)
+            if len(shape) == 3:
+                module, _, part = prefix.rpartition(".")
+                stacked.setdefault(module, {})[part] = tuple(shape)
+                continue
+            self._hold_layer(model, prefix, tuple(shape))
+        for module, parts in stacked.items():
+            self._hold_experts(model, module, parts)
         return model
+
+    def _hold_layer(self, model, prefix: str, shape: tuple) -> None:
+        """Put a 2:4 layer of the public format on the meta device where the checkpoint holds ``prefix.values``."""
+        from .pruning.sparsify import is_conv1d
+
+        layer, out_in = dense_layer(model, prefix)
+        if len(shape) != 2 or out_in != (shape[0], 2 * shape[1]):
+            there = type(layer).__name__ if layer is not None else "no module"
+            hint = MOE_SAVED_HINT if ".experts." in prefix else f": {LOAD_MODEL_HINT}"
+            raise InvalidProblem(f"{prefix} holds a 2:4 weight of {list(shape)} ([M, K/2]), but the model built from "
+                                 f"config.json has {there} there{hint}")
+        m, k = out_in
+        with torch.device("meta"):
+            values = torch.empty(m, k // 2, dtype=layer.weight.dtype)
+            bias = torch.empty(m, dtype=layer.bias.dtype) if layer.bias is not None else None
+            replacement = _Loading(values, torch.empty(m, k // 8, dtype=torch.int16), bias, layout="public",
+                                   _validate=False)
+        replacement.from_conv1d = is_conv1d(layer)
+        parent = model.get_submodule(prefix.rpartition(".")[0]) if "." in prefix else model
+        setattr(parent, prefix.rpartition(".")[2], replacement)
+        self.layers.append(prefix)
+
+    def _hold_experts(self, model, prefix: str, parts: dict[str, tuple]) -> None:
+        """Where the checkpoint holds a MoE layer's experts stacked and 2:4 (``prefix.gate_up_proj.values
+        [E, M, K/2]`` and ``.metadata``, as ``kp.hf.save_model`` writes them), replace each dense 3-D weight of the
+        experts module with a child holding ``values`` and ``metadata``, so the loader fills them by name; the
+        module's other tensors (biases) load as they are."""
+        from .nn.experts import expert_weight, experts_reason, parts_of
+
+        try:
+            module = model.get_submodule(prefix)
+        except AttributeError:
+            module = None
+        reason = "there is no module there" if module is None else experts_reason(module)
+        if reason is not None:
+            raise InvalidProblem(f"{prefix} holds 2:4 stacked experts, but the model built from config.json has "
+                                 f"{type(module).__name__} there, which cannot hold them: {reason}")
+        if set(parts) != set(parts_of(module)):
+            raise InvalidProblem(f"{prefix}: the checkpoint holds {sorted(parts)} 2:4, and the experts module has "
+                                 f"{list(parts_of(module))}; a checkpoint holds both projections of an experts module "
+                                 f"2:4, or neither")
+        for part, shape in parts.items():
+            dense = getattr(module, part)
+            want = (dense.shape[0], *expert_weight(module, part, 0).shape)
+            if shape[0] != want[0] or shape[1:] != (want[1], want[2] // 2):
+                raise InvalidProblem(f"{prefix}.{part}: the checkpoint holds 2:4 experts of {list(shape)} "
+                                     f"([E, M, K/2]), and the model built from config.json has {want[0]} experts of "
+                                     f"{list(want[1:])} ([out, in]) there")
+            holder = nn.Module()
+            holder.values = nn.Parameter(torch.empty(shape, dtype=dense.dtype, device="meta"))
+            holder.register_buffer("metadata", torch.empty(*shape[:2], shape[2] // 4, dtype=torch.int16,
+                                                           device="meta"))
+            del module._parameters[part]
+            module.add_module(part, holder)
+            self.dense_shapes[prefix, part] = dense  # the meta weight, put back for from_experts' checks
+        self.experts.append(prefix)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         from .sparse24.layout import pack_reason
@@ -126,10 +173,29 @@ class Sparse24Quantizer(HfQuantizer):
             layer.values = nn.Parameter(weight.values, requires_grad=layer.values.requires_grad)
             layer.metadata = weight.metadata
             layer.__class__ = Sparse24Linear
+        for prefix in self.experts:
+            self._build_experts(model, prefix)
         from .nn.siblings import fuse_siblings
 
         fuse_siblings(model)
         return model
+
+    def _build_experts(self, model, prefix: str) -> None:
+        """The loaded stacked weights of an experts module, checked, as a ``Sparse24Experts`` in its place."""
+        from .nn.experts import Sparse24Experts, parts_of
+
+        module = model.get_submodule(prefix)
+        pruned = {}
+        for part in parts_of(module):
+            holder = module._modules.pop(part)
+            if holder.values.is_meta or holder.metadata.is_meta:
+                raise InvalidProblem(f"{prefix}.{part}: the checkpoint names its 2:4 values, but transformers left "
+                                     f"them on the meta device ({LOAD_MODEL_HINT})")
+            with torch.no_grad():  # each expert's word checked here
+                pruned[part] = [Sparse24Weight(v, m) for v, m in zip(holder.values.detach(), holder.metadata)]
+            module._parameters[part] = nn.Parameter(self.dense_shapes[prefix, part], requires_grad=False)
+        parent = model.get_submodule(prefix.rpartition(".")[0]) if "." in prefix else model
+        setattr(parent, prefix.rpartition(".")[2], Sparse24Experts.from_experts(module, pruned))
 
     def _dequantize(self, model, dtype=None):
         """``model.dequantize()``: each 2:4 layer back to the dense module it replaced (``nn.Linear``, or GPT-2's
@@ -137,8 +203,14 @@ class Sparse24Quantizer(HfQuantizer):
         dense directory any loader reads).  The routes of MLPs whose layers are replaced are detached."""
         from transformers.pytorch_utils import Conv1D
 
+        from .nn.experts import Sparse24Experts
         from .nn.routes import route_of
 
+        experts = next((n for n, m in model.named_modules() if isinstance(m, Sparse24Experts)), None)
+        if experts is not None:
+            raise InvalidProblem(f"{experts} is a Sparse24Experts: dequantize gives back linear layers, not a MoE "
+                                 f"layer's experts module; write the pruned weights as transformers holds them with "
+                                 f"kp.hf.save_model(model, path, format='dense'), which from_pretrained reads")
         for name, layer in [(n, m) for n, m in model.named_modules() if isinstance(m, Sparse24Linear)]:
             with torch.no_grad():
                 weight = layer.to_dense().to(dtype or layer.values.dtype)
