@@ -9,9 +9,14 @@ such a directory to ``Sparse24Quantizer``:
 * before the weights load, each layer the checkpoint holds 2:4 (``p.values`` and
   ``p.metadata``, read from the safetensors headers) becomes a ``Sparse24Linear``
   in the public format, on the meta device, so transformers' loader fills it by name;
+* a MoE layer's experts stored stacked (``p.gate_up_proj.values [E, M, K/2]``, as
+  ``kp.hf.save_model`` writes them) get children holding ``values`` and
+  ``metadata`` in place of their dense 3-D weights;
 * after, each is checked (every group keeps 2 of 4) and laid out in the device
-  layout, and sibling layers are grouped (``kernelplan.nn.fuse_siblings``), as
-  ``kp.hf.load_model`` does by default.
+  layout (the experts as one ``Sparse24Experts``), and sibling layers are grouped
+  (``kernelplan.nn.fuse_siblings``), as ``kp.hf.load_model`` does by default.
+
+``model.dequantize()`` gives the dense layers back, holding the pruned weights.
 
 This module imports transformers at its top: only ``hf.register_quantizer`` imports it.
 """
@@ -156,6 +161,7 @@ class Sparse24Quantizer(HfQuantizer):
         self.experts.append(prefix)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        from .nn.siblings import fuse_siblings
         from .sparse24.layout import pack_reason
 
         for prefix in self.layers:
@@ -175,8 +181,6 @@ class Sparse24Quantizer(HfQuantizer):
             layer.__class__ = Sparse24Linear
         for prefix in self.experts:
             self._build_experts(model, prefix)
-        from .nn.siblings import fuse_siblings
-
         fuse_siblings(model)
         return model
 
