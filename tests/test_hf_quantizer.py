@@ -317,3 +317,22 @@ def test_dequantize_gives_back_the_dense_modules_with_the_pruned_weights(tmp_pat
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dense")
     assert not _sparse_layers(again)
     _same_state(again, dense)
+
+
+def test_transformers_trainer_fine_tunes_the_kept_values_of_a_loaded_model(tmp_path, seed):
+    """A model from_pretrained loaded is quantized to transformers, whose Trainer fine-tunes one only where the
+    quantizer says it trains (is_qat_trainable): the 2:4 values move, the masks stay."""
+    model = _llama()
+    kp.sparsify(model, progress=False)
+    model.save_pretrained(tmp_path / "sparse")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sparse")
+    layers = _sparse_layers(loaded)
+    before = {n: (m.values.detach().clone(), m.metadata.clone()) for n, m in layers.items()}
+    ids = torch.randint(0, 96, (8, 12))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4,
+                                          learning_rate=1e-2, report_to=[], use_cpu=True, save_strategy="no")
+    transformers.Trainer(model=loaded, args=args, train_dataset=data).train()
+    for name, layer in layers.items():
+        assert torch.equal(layer.metadata, before[name][1])
+    assert all(not torch.equal(m.values, before[n][0]) for n, m in layers.items())

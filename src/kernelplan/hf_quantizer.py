@@ -251,5 +251,11 @@ class Sparse24Quantizer(HfQuantizer):
         return True  # the kept values are Parameters; the masks stay fixed
 
     @property
+    def is_qat_trainable(self) -> bool:
+        # transformers' Trainer refuses to fine-tune a quantized model without adapters unless this holds; a 2:4
+        # model trains its kept values in place (its masks fixed), as a model kp.sparsify made in memory does.
+        return True
+
+    @property
     def is_compileable(self) -> bool:
         return True
