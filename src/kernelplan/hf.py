@@ -377,17 +377,29 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
     return model
 
 
+def experts_module(model: nn.Module, prefix: str) -> nn.Module:
+    """The experts module at ``prefix``, where a checkpoint holds stacked 2:4 experts; refused where the model built
+    from config.json has none there, or one ``Sparse24Experts`` cannot hold."""
+    from .nn.experts import experts_reason
+
+    try:
+        module = model.get_submodule(prefix)
+    except AttributeError:
+        module = None
+    reason = "there is no module there" if module is None else experts_reason(module)
+    if reason is not None:
+        raise InvalidProblem(f"{prefix} holds 2:4 stacked experts, but the model built from config.json has a "
+                             f"{type(module).__name__} there that cannot hold them: {reason}")
+    return module
+
+
 def _load_experts(model: nn.Module, stacked: dict[str, list[Sparse24Weight]]) -> None:
     """Replace each experts module whose projections the checkpoint holds 2:4 (``{param name: weights}``) with a
     ``Sparse24Experts`` of them; its biases and the rest are the module's, loaded already."""
-    from .nn.experts import Sparse24Experts, expert_weight, experts_reason, parts_of
+    from .nn.experts import Sparse24Experts, expert_weight, parts_of
 
     for prefix in dict.fromkeys(name.rpartition(".")[0] for name in stacked):
-        module = model.get_submodule(prefix)
-        reason = experts_reason(module)
-        if reason is not None:
-            raise InvalidProblem(f"{prefix} holds 2:4 stacked experts, but the model built from config.json has a "
-                                 f"{type(module).__name__} there that cannot hold them: {reason}")
+        module = experts_module(model, prefix)
         pruned = {}
         for part in parts_of(module):
             weights = stacked.get(f"{prefix}.{part}")

@@ -32,7 +32,8 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .errors import InvalidProblem
 from .nn.sparse24_linear import Sparse24Linear
-from .hf import LOAD_MODEL_HINT, MOE_SAVED_HINT, QUANT_METHOD, checkpoint_format, dense_layer, shards
+from .hf import (LOAD_MODEL_HINT, MOE_SAVED_HINT, QUANT_METHOD, checkpoint_format, dense_layer, experts_module,
+                 shards)
 from .sparse24.format import FORMAT_NAME, FORMAT_VERSION, Sparse24Weight
 
 
@@ -76,7 +77,6 @@ class Sparse24Quantizer(HfQuantizer):
                                  "with kp.sparsify(model) (with calibration=, docs/design/0023)")
         self.layers: list[str] = []  # what _process_model_before_weight_loading put on the meta device
         self.experts: list[str] = []
-        self.dense_shapes: dict[tuple[str, str], torch.Tensor] = {}
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         from .stream import headers
@@ -130,16 +130,9 @@ class Sparse24Quantizer(HfQuantizer):
         [E, M, K/2]`` and ``.metadata``, as ``kp.hf.save_model`` writes them), replace each dense 3-D weight of the
         experts module with a child holding ``values`` and ``metadata``, so the loader fills them by name; the
         module's other tensors (biases) load as they are."""
-        from .nn.experts import expert_weight, experts_reason, parts_of
+        from .nn.experts import expert_weight, parts_of
 
-        try:
-            module = model.get_submodule(prefix)
-        except AttributeError:
-            module = None
-        reason = "there is no module there" if module is None else experts_reason(module)
-        if reason is not None:
-            raise InvalidProblem(f"{prefix} holds 2:4 stacked experts, but the model built from config.json has "
-                                 f"{type(module).__name__} there, which cannot hold them: {reason}")
+        module = experts_module(model, prefix)
         if set(parts) != set(parts_of(module)):
             raise InvalidProblem(f"{prefix}: the checkpoint holds {sorted(parts)} 2:4, and the experts module has "
                                  f"{list(parts_of(module))}; a checkpoint holds both projections of an experts module "
@@ -155,14 +148,13 @@ class Sparse24Quantizer(HfQuantizer):
             holder.values = nn.Parameter(torch.empty(shape, dtype=dense.dtype, device="meta"))
             holder.register_buffer("metadata", torch.empty(*shape[:2], shape[2] // 4, dtype=torch.int16,
                                                            device="meta"))
+            holder.dense = dense  # the meta weight, put back for from_experts' checks
             del module._parameters[part]
             module.add_module(part, holder)
-            self.dense_shapes[prefix, part] = dense  # the meta weight, put back for from_experts' checks
         self.experts.append(prefix)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         from .nn.siblings import fuse_siblings
-        from .sparse24.layout import pack_reason
 
         for prefix in self.layers:
             layer = model.get_submodule(prefix)
@@ -170,14 +162,10 @@ class Sparse24Quantizer(HfQuantizer):
                 raise InvalidProblem(f"{prefix}: the checkpoint names its 2:4 values, but transformers left the "
                                      f"layer on the meta device: a device_map that offloads it to disk (give more "
                                      f"max_memory), or a loader that skipped it ({LOAD_MODEL_HINT})")
-            with torch.no_grad():
-                weight = Sparse24Weight(layer.values.detach(), layer.metadata)  # a corrupt group is refused here
-                if pack_reason(*weight.shape) is None:
-                    weight = weight.packed()
-            # In place, as Sparse24Linear(layout="auto") holds it: the module object stays the one transformers
-            # placed (accelerate's hooks under a device_map are on it or its parents).
-            layer.values = nn.Parameter(weight.values, requires_grad=layer.values.requires_grad)
-            layer.metadata = weight.metadata
+            # In place: the module object stays the one transformers placed (accelerate's hooks under a device_map
+            # are on it or its parents).
+            with torch.no_grad():  # a corrupt group is refused by Sparse24Weight
+                layer.hold(Sparse24Weight(layer.values.detach(), layer.metadata), "auto", layer.values.requires_grad)
             layer.__class__ = Sparse24Linear
         for prefix in self.experts:
             self._build_experts(model, prefix)
@@ -197,7 +185,7 @@ class Sparse24Quantizer(HfQuantizer):
                                      f"them on the meta device ({LOAD_MODEL_HINT})")
             with torch.no_grad():  # each expert's word checked here
                 pruned[part] = [Sparse24Weight(v, m) for v, m in zip(holder.values.detach(), holder.metadata)]
-            module._parameters[part] = nn.Parameter(self.dense_shapes[prefix, part], requires_grad=False)
+            module._parameters[part] = nn.Parameter(holder.dense, requires_grad=False)
         parent = model.get_submodule(prefix.rpartition(".")[0]) if "." in prefix else model
         setattr(parent, prefix.rpartition(".")[2], Sparse24Experts.from_experts(module, pruned))
 

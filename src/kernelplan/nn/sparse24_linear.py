@@ -48,13 +48,18 @@ class Sparse24Linear(nn.Module):
         # Validates shapes and metadata bits, in either layout (skipped for parts compress() just built).
         w24 = Sparse24Weight(values, metadata, _validate=_validate)
         self.out_features, self.in_features = w24.shape
+        self.hold(w24, layout)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+
+    def hold(self, w24: Sparse24Weight, layout: str = "auto", requires_grad: bool = True) -> None:
+        """Hold ``w24`` (of this layer's shape) as ``values`` and ``metadata``, in the device layout where the shape
+        packs (``layout="auto"``) or in the public format."""
         if layout == "public":
             w24 = w24.public()
         elif pack_reason(*w24.shape) is None:
             w24 = w24.packed()
-        self.values = nn.Parameter(w24.values)
+        self.values = nn.Parameter(w24.values, requires_grad=requires_grad)
         self.register_buffer("metadata", w24.metadata)
-        self.bias = nn.Parameter(bias) if bias is not None else None
 
     @classmethod
     def from_dense(cls, linear_module: nn.Linear, prune: str = "magnitude", layout: str = "auto") -> "Sparse24Linear":
