@@ -334,8 +334,8 @@ def test_stacked_experts_that_do_not_fit_the_model_are_refused(tmp_path, seed):
         key = f"model.layers.0.mlp.experts.down_proj.{leaf}"
         state[key] = state[key][:3]
     save_file(state, str(path))
-    with pytest.raises(InvalidProblem, match=r"experts.down_proj: the checkpoint holds 3 experts of \(128, 192\) "
-                                             r"2:4, and the model built from config.json has 4 experts"):
+    with pytest.raises(InvalidProblem, match=r"experts.down_proj: the checkpoint holds 3 2:4 experts of \[128, 192\] "
+                                             r"\(\[out, in\]\), and the model built from config.json has 4 experts"):
         kp.hf.load_model(tmp_path / "kp")
     del state["model.layers.0.mlp.experts.down_proj.values"]
     save_file(state, str(path))
@@ -455,19 +455,23 @@ def replay_on_new_routing(sparse, x, index, weights, experts: int) -> None:
 
 def test_a_moe_directory_says_why_its_experts_stay_dense(tmp_path, seed):
     """On disk a MoE model's experts are per expert (Mixtral's w1/w2/w3), and transformers stacks them as it loads:
-    the tensor-by-tensor directory path cannot match them to the model's stacked weights, and says so; the loader
-    of its output says what to do instead."""
+    the tensor-by-tensor directory path cannot match them to the model's stacked weights, and says so; load_model
+    refuses its output and names transformers' from_pretrained, which reads it."""
     _mixtral(torch.float32).save_pretrained(tmp_path / "dense")
     report = kp.hf.sparsify_directory(tmp_path / "dense", tmp_path / "out")
     assert "model.layers.0.self_attn.q_proj" in report.converted
     assert "transformers stacks them as it loads" in report.skipped["model.layers.1.mlp.experts"]
-    with pytest.raises(InvalidProblem, match="load the dense model with transformers, kp.sparsify it"):
+    with pytest.raises(InvalidProblem, match=r"transformers stacks them as it loads, which this loader does not: "
+                                             r"load it with transformers.AutoModelForCausalLM.from_pretrained"):
         kp.hf.load_model(tmp_path / "out")
+    kp.hf.register_quantizer()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert isinstance(loaded.model.layers[0].self_attn.q_proj, Sparse24Linear)
+    assert loaded.model.layers[1].mlp.experts.gate_up_proj.shape == (4, 384, 128)  # stacked by transformers, dense
 
 
-def test_transposed_experts_with_biases_round_trip(tmp_path, seed):
-    """gpt-oss's experts ([E, in, out] weights, biases): saved as each expert's [out, in], and loaded back into a
-    model whose module holds them transposed."""
+def _gpt_oss_model():
+    """A small gpt-oss in float64: experts of [E, in, out] weights (transposed) with biases, all drawn at random."""
     cfg = transformers.GptOssConfig(vocab_size=256, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=3,
                                     num_experts_per_tok=2, layer_types=["full_attention"] * 2)
@@ -476,6 +480,13 @@ def test_transposed_experts_with_biases_round_trip(tmp_path, seed):
         for name, p in model.named_parameters():
             if "experts" in name:
                 p.normal_(0, 0.3)
+    return model
+
+
+def test_transposed_experts_with_biases_round_trip(tmp_path, seed):
+    """gpt-oss's experts ([E, in, out] weights, biases): saved as each expert's [out, in], and loaded back into a
+    model whose module holds them transposed."""
+    model = _gpt_oss_model()
     kp.sparsify(model, progress=False, experts="all")
     saved = model.model.layers[0].mlp.experts
     assert isinstance(saved, Sparse24Experts) and saved.is_transposed

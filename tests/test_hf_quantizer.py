@@ -151,14 +151,68 @@ def test_from_pretrained_refuses_metadata_that_is_not_2_4(tmp_path, seed):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
-def test_from_pretrained_refuses_a_moe_models_own_save_pretrained_naming_the_save_that_works(tmp_path, seed):
-    from test_experts import _mixtral
+def _sparse_moe(kind: str):
+    """A small MoE model with its experts 2:4: Mixtral (saved under transformers' renames: mlp as block_sparse_moe),
+    or gpt-oss (experts transposed, with biases)."""
+    from test_experts import _gpt_oss_model, _mixtral
 
-    model = _mixtral(torch.float32)
+    model = _mixtral(torch.float32) if kind == "mixtral" else _gpt_oss_model()
     kp.sparsify(model, progress=False, experts="all")
-    model.save_pretrained(tmp_path)  # transformers renames the experts' modules as it saves (0043)
-    with pytest.raises(InvalidProblem, match=r"written by save_pretrained .* kp.hf.save_model\(model, path\)"):
-        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    return model
+
+
+@pytest.mark.parametrize("loader", ["from_pretrained", "load_model"])
+@pytest.mark.parametrize("kind", ["mixtral", "gpt-oss"])
+def test_both_loaders_read_a_sparsified_moe_models_own_save_pretrained(tmp_path, seed, kind, loader):
+    """save_pretrained writes a Sparse24Experts' state_dict, one layer an expert (<experts>.first.<e>), under the
+    names transformers saves the model by; both loaders rename them back as transformers' loader does and build one
+    Sparse24Experts, equal to the saved one bit for bit."""
+    from safetensors import safe_open
+
+    model = _sparse_moe(kind)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    keys = {k for f in tmp_path.glob("*.safetensors") for k in safe_open(f, "pt").keys()}
+    renamed = "block_sparse_moe" if kind == "mixtral" else "mlp"  # the rename this test is about, where there is one
+    assert f"model.layers.1.{renamed}.experts.first.2.values" in keys
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path) if loader == "from_pretrained" else \
+        hf.load_model(tmp_path)
+    assert sum(isinstance(m, kp.nn.Sparse24Experts) for m in loaded.modules()) == 2
+    _same_state(loaded, model)
+    ids = torch.randint(0, 256, (2, 9))
+    # float64 gpt-oss: the dense lm_head's product differs in its last bit after from_pretrained (every layer before
+    # it agrees exactly)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-13 * (kind == "gpt-oss"))
+
+
+@pytest.mark.parametrize("damage, match", [("an expert missing", r"gate_up_proj: the checkpoint holds 2:4 layers "
+                                                                 r"of experts \[0, 1, 3\] \(3\).*has 4 experts"),
+                                           ("an expert's shape", r"down_proj: the checkpoint holds 4 2:4 experts of "
+                                                                 r"\[128, \d+\] or \[128, \d+\]"),
+                                           ("metadata", "metadata")])
+@pytest.mark.parametrize("loader", ["from_pretrained", "load_model"])
+def test_both_loaders_refuse_per_expert_layers_that_do_not_fit_the_model_or_are_not_2_4(tmp_path, seed, damage,
+                                                                                       match, loader):
+    from safetensors.torch import load_file, save_file
+
+    model = _sparse_moe("mixtral")
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.block_sparse_moe.experts"
+    if damage == "an expert missing":
+        for leaf in ("values", "metadata"):
+            del tensors[f"{name}.first.2.{leaf}"]
+    elif damage == "an expert's shape":  # expert 1's down projection cut to half its inputs
+        for leaf in ("values", "metadata"):
+            tensors[f"{name}.down.1.{leaf}"] = tensors[f"{name}.down.1.{leaf}"][:, ::2].contiguous()
+    else:
+        tensors[f"{name}.down.3.metadata"][5, 1] = 0  # both groups of the word keep position 0 twice
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(InvalidProblem, match=match):
+        if loader == "from_pretrained":
+            transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+        else:
+            hf.load_model(tmp_path)
 
 
 def test_from_pretrained_builds_stacked_2_4_experts_as_load_model_does(tmp_path, seed):
@@ -181,8 +235,8 @@ def test_from_pretrained_builds_stacked_2_4_experts_as_load_model_does(tmp_path,
     assert sum(isinstance(m, kp.nn.Sparse24Linear) for m in loaded.modules()) > 0  # nothing changed
 
 
-@pytest.mark.parametrize("damage, match", [("fewer experts", r"experts.down_proj: the checkpoint holds 2:4 experts "
-                                                            r"of \[3, "),
+@pytest.mark.parametrize("damage, match", [("fewer experts", r"experts.down_proj: the checkpoint holds 3 2:4 "
+                                                            r"experts of \[128, 96\].*has 4 experts"),
                                            ("metadata", "metadata")])
 def test_from_pretrained_refuses_stacked_experts_that_do_not_fit_the_model_or_are_not_2_4(tmp_path, seed, damage,
                                                                                           match):
@@ -284,6 +338,56 @@ def test_on_the_gpu_loading_holds_the_plain_tensors_once(tmp_path, seed, loader)
     embedding = 8192 * 512 * 2
     assert {m.values.device.type for m in _sparse_layers(loaded).values()} == {"cuda"}
     assert peak - held < embedding, (peak, held)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("save", ["save_model", "save_pretrained"])
+def test_on_the_gpu_from_pretrained_builds_2_4_experts_stacked_or_per_expert(tmp_path, seed, save):
+    """A MoE model's 2:4 experts, stacked (kp.hf.save_model) or one layer an expert under transformers' renames
+    (save_pretrained), loaded with device_map="cuda": one Sparse24Experts a layer in the device layout, against the
+    float64 twin of the saved model."""
+    import copy
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from test_experts import _dense_twin, _mixtral
+
+    base = _mixtral(torch.float32)
+    model = copy.deepcopy(base).to(torch.bfloat16)
+    kp.sparsify(model, progress=False, experts="all")
+    if save == "save_model":
+        hf.save_model(model, tmp_path)
+    else:
+        model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cuda")
+    experts = [m for m in loaded.modules() if isinstance(m, kp.nn.Sparse24Experts)]
+    assert len(experts) == 2
+    assert {layer.values.device.type for e in experts for layer in [*e.first, *e.down]} == {"cuda"}
+    assert {layer.layout for e in experts for layer in [*e.first, *e.down]} == {"sp tiled"}
+    _same_state(loaded.cpu(), model)
+    loaded.cuda()
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        got = loaded(ids.cuda()).logits.double().cpu()
+        ref = _dense_twin(model, base).double()(ids).logits
+    assert (got - ref).abs().max() <= 0.05 * ref.abs().max()  # bf16 through the whole model (tests/test_hf.py)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_dequantize_gives_back_the_pruned_weights_from_the_device_layout(tmp_path, seed):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = _llama().to(torch.bfloat16)
+    kp.sparsify(model, progress=False)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cuda")
+    layers = _sparse_layers(loaded)
+    assert {m.layout for m in layers.values()} == {"sp tiled"}
+    dense = loaded.dequantize()
+    assert not _sparse_layers(dense)
+    for name, layer in _sparse_layers(model).items():
+        got = dense.get_submodule(name).weight
+        assert got.device.type == "cuda" and torch.equal(got.cpu(), layer.to_dense()), name
 
 
 @pytest.mark.parametrize("build", ["llama", "gpt2"])

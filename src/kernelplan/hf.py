@@ -9,7 +9,9 @@ A directory holds ``config.json`` and either ``model.safetensors`` or shards
   transformers holds them (``p`` is ``...experts.gate_up_proj``, ``up_proj`` or
   ``down_proj``), ``p.values [E, M, K/2]`` and ``p.metadata [E, M, K/8]``: each
   expert's projection as a linear layer's ``[out, in]``, whatever the module's
-  ``is_transposed``, with their biases under the module's own names;
+  ``is_transposed``, with their biases under the module's own names; or one layer an
+  expert, as a ``Sparse24Experts`` holds them (``<experts>.first.<e>`` and
+  ``down.<e>``: a sparsified model's ``save_pretrained``, ``hf_names.py``);
 * ``sparse-24-bitmask`` (compressed-tensors, as llm-compressor wrote it):
   ``p.compressed [M, K/2]`` (byte-identical to ``values``), ``p.bitmask``
   (uint8 ``[M, K/8]``, the keep-mask packed little-endian along each row) and
@@ -37,6 +39,7 @@ import torch
 from torch import nn
 
 from .errors import InvalidProblem
+from .hf_names import checkpoint_renamer, per_expert, rename_prefix, stack_experts
 from .sparse24.format import FORMAT_NAME, FORMAT_VERSION, Sparse24Weight, compress, is_sparse24
 
 FORMATS = ("kernelplan", "sparse-24-bitmask", "dense")
@@ -257,11 +260,6 @@ def _weight(fmt: str, prefix: str, got: dict[str, torch.Tensor]) -> Sparse24Weig
 
 
 _FLOATING = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-# A sparsified MoE model's save_pretrained: its experts are held per expert (nn/experts.py) and transformers renames
-# modules as it saves (Mixtral's mlp to block_sparse_moe), so its checkpoint names fit no model config.json builds.
-MOE_SAVED_HINT = ("; a MoE model's 2:4 experts written by save_pretrained are held per expert, under names "
-                  "transformers changes as it saves: write a sparsified MoE model with kp.hf.save_model(model, path), "
-                  "which stores them stacked as transformers builds them, and load_model and from_pretrained read")
 
 
 def _stored_dtype(path: str | os.PathLike) -> torch.dtype | None:
@@ -326,29 +324,53 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
     # its weights left uninitialized: every one is loaded below or the load is refused, and random initialization on
     # the CPU took 84 of load_model's 87 s for a 2B-parameter model (docs/design/0044).
     model = _skeleton(config, dtype or _stored_dtype(path))
+    rename = checkpoint_renamer(model)  # transformers' renames as it saved (Mixtral's mlp as block_sparse_moe), undone
     state, sparse, stacked = {}, set(), {}
+    by_expert: dict[str, dict[int, object]] = {}  # "<experts>.<projection>" -> {e: its 2:4 weight, or its bias}
     # The plain tensors (embeddings, norms, an LM head) are read on the CPU, where the model is built, and reach the
     # device once, with the model: read there, they were on it twice while the model moved (0044).
     for name, item in iter_layers(path, device, targets, plain_on_cpu=True):
+        if dtype is not None and isinstance(item, Sparse24Weight):
+            item = item.to(dtype=dtype)
         if isinstance(item, list):  # an experts projection: built with its module's biases, after the state loads
+            name = rename_prefix(rename, name)
             stacked[name] = [w.to(dtype=dtype) if dtype is not None else w for w in item]
             sparse.add(name)
             continue
         if not isinstance(item, Sparse24Weight):
-            state[name] = item.to(dtype) if dtype is not None and item.is_floating_point() else item
+            name = rename(name)
+            item = item.to(dtype) if dtype is not None and item.is_floating_point() else item
+            expert = per_expert(model, name.removesuffix(".bias")) if name.endswith(".bias") else None
+            if expert is not None:  # a bias of one expert's layer, as a Sparse24Experts holds it
+                by_expert.setdefault(f"{expert[0]}.{expert[1]}_bias", {})[expert[2]] = item
+                continue
+            state[name] = item
+            continue
+        name = rename_prefix(rename, name)
+        expert = per_expert(model, name)
+        if expert is not None:  # one expert's layer, as a Sparse24Experts holds it (its save_pretrained)
+            by_expert.setdefault(f"{expert[0]}.{expert[1]}", {})[expert[2]] = item
+            sparse.add(f"{expert[0]}.{expert[1]}")
             continue
         layer, shape = dense_layer(model, name)
         if shape != tuple(item.shape):
             there = type(layer).__name__ if layer is not None else "no module"
             raise InvalidProblem(f"{name} holds a 2:4 weight of shape {tuple(item.shape)}, but the model built from "
-                                 f"config.json has {there} there" + (MOE_SAVED_HINT if ".experts." in name else ""))
-        values = item.values.to(dtype) if dtype is not None else item.values
+                                 f"config.json has {there} there")
+        values = item.values
         bias = torch.zeros(shape[0], dtype=values.dtype, device=device) if layer.bias is not None else None
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         replacement = Sparse24Linear(values, item.metadata, bias, _validate=False)
         replacement.from_conv1d = is_conv1d(layer)
         setattr(parent, name.rpartition(".")[2], replacement)
         sparse.update((f"{name}.values", f"{name}.metadata"))
+    for key, found in by_expert.items():  # stacked in expert order, every expert there
+        experts = model.get_submodule(key.rpartition(".")[0])
+        items = stack_experts(key.removesuffix("_bias"), found, getattr(experts, key.rpartition(".")[2]).shape[0])
+        if key.endswith("_bias"):
+            state[key] = torch.stack(items)
+        else:
+            stacked[key] = items
     result = model.load_state_dict(state, strict=False)
     tied = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)
             and getattr(config, "tie_word_embeddings", False) and m is model.get_output_embeddings()}
@@ -359,9 +381,10 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
             k.endswith((".values", ".metadata")) for k in result.unexpected_keys)
         raise InvalidProblem(f"{path}: the checkpoint does not fit the model config.json builds: missing "
                              f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}" + (
-                                 "; a MoE model's experts are stored per expert and transformers stacks them as it "
-                                 "loads, which this loader does not: load the dense model with transformers, "
-                                 "kp.sparsify it, and save it with kp.hf.save_model (docs/design/0032)" if moe else
+                                 "; a MoE model's dense experts are stored per expert (save_pretrained writes them "
+                                 "so) and transformers stacks them as it loads, which this loader does not: load it "
+                                 "with transformers.AutoModelForCausalLM.from_pretrained(path) after "
+                                 "kp.hf.register_quantizer(), which reads its 2:4 layers too" if moe else
                                  "; it holds 2:4 layers in kernelplan's format, but config.json does not say so (a "
                                  "model whose 2:4 layers were made without kp.sparsify, saved by save_pretrained): "
                                  "save it with kp.hf.save_model, or call kp.hf.mark_config(model) before "
@@ -404,10 +427,11 @@ def _load_experts(model: nn.Module, stacked: dict[str, list[Sparse24Weight]]) ->
         for part in parts_of(module):
             weights = stacked.get(f"{prefix}.{part}")
             count, want = getattr(module, part).shape[0], tuple(expert_weight(module, part, 0).shape)
-            if weights is None or len(weights) != count or tuple(weights[0].shape) != want:
-                got = "nothing" if weights is None else f"{len(weights)} experts of {tuple(weights[0].shape)}"
-                raise InvalidProblem(f"{prefix}.{part}: the checkpoint holds {got} 2:4, and the model built from "
-                                     f"config.json has {count} experts of {want} ([out, in]) there; a checkpoint "
+            if weights is None or len(weights) != count or any(tuple(w.shape) != want for w in weights):
+                got = "nothing" if weights is None else \
+                    f"{len(weights)} 2:4 experts of {' or '.join(sorted({str(list(w.shape)) for w in weights}))}"
+                raise InvalidProblem(f"{prefix}.{part}: the checkpoint holds {got} ([out, in]), and the model built "
+                                     f"from config.json has {count} experts of {list(want)} there; a checkpoint "
                                      f"holds both projections of an experts module 2:4, or neither")
             pruned[part] = weights
         parent = model.get_submodule(prefix.rpartition(".")[0]) if "." in prefix else model

@@ -9,9 +9,11 @@ such a directory to ``Sparse24Quantizer``:
 * before the weights load, each layer the checkpoint holds 2:4 (``p.values`` and
   ``p.metadata``, read from the safetensors headers) becomes a ``Sparse24Linear``
   in the public format, on the meta device, so transformers' loader fills it by name;
-* a MoE layer's experts stored stacked (``p.gate_up_proj.values [E, M, K/2]``, as
-  ``kp.hf.save_model`` writes them) get children holding ``values`` and
-  ``metadata`` in place of their dense 3-D weights;
+* a MoE layer's experts, stored stacked (``p.gate_up_proj.values [E, M, K/2]``, as
+  ``kp.hf.save_model`` writes them) or one layer an expert (``p.first.<e>.values``,
+  a ``Sparse24Experts``' own state_dict, as ``save_pretrained`` writes it), get
+  children holding them in place of their dense 3-D weights; checkpoint keys are
+  renamed as transformers' loader renames them (``hf_names.py``);
 * after, each is checked (every group keeps 2 of 4) and laid out in the device
   layout (the experts as one ``Sparse24Experts``), and sibling layers are grouped
   (``kernelplan.nn.fuse_siblings``), as ``kp.hf.load_model`` does by default.
@@ -32,8 +34,8 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .errors import InvalidProblem
 from .nn.sparse24_linear import Sparse24Linear
-from .hf import (LOAD_MODEL_HINT, MOE_SAVED_HINT, QUANT_METHOD, checkpoint_format, dense_layer, experts_module,
-                 shards)
+from .hf import (LOAD_MODEL_HINT, QUANT_METHOD, checkpoint_format, dense_layer, experts_module, shards)
+from .hf_names import EXPERT_LISTS, checkpoint_renamer, per_expert, stack_experts
 from .sparse24.format import FORMAT_NAME, FORMAT_VERSION, Sparse24Weight
 
 
@@ -54,6 +56,13 @@ class Sparse24QuantConfig(QuantizationConfigMixin):
         checkpoint_format({"quantization_config": self.to_dict()})  # an unknown format or version is refused here
 
 
+def _loaded_placeholder(tensor: torch.Tensor) -> torch.Tensor:
+    """A meta tensor like ``tensor``, marked as loaded: transformers' init functions skip it."""
+    placeholder = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    placeholder._is_hf_initialized = True
+    return placeholder
+
+
 class _Loading(Sparse24Linear):
     """A 2:4 layer on the meta device while transformers loads it.  ``weight`` is there for models whose
     ``_init_weights`` reaches a child's weight (GPT-2's scales ``mlp.c_proj.weight``): a meta tensor marked as loaded,
@@ -61,9 +70,19 @@ class _Loading(Sparse24Linear):
 
     @property
     def weight(self) -> torch.Tensor:
-        placeholder = torch.empty(self.out_features, self.in_features, dtype=self.values.dtype, device="meta")
-        placeholder._is_hf_initialized = True
-        return placeholder
+        return _loaded_placeholder(torch.empty(self.out_features, self.in_features, dtype=self.values.dtype,
+                                               device="meta"))
+
+
+def _holder(shape: tuple, dtype: torch.dtype, bias: bool) -> nn.Module:
+    """A module holding 2:4 ``values`` of ``shape`` (``[..., M, K/2]``) and their ``metadata`` on the meta device, and
+    a ``bias [M]`` where asked, for transformers' loader to fill by name."""
+    holder = nn.Module()
+    holder.values = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"))
+    holder.register_buffer("metadata", torch.empty(*shape[:-1], shape[-1] // 4, dtype=torch.int16, device="meta"))
+    if bias:
+        holder.bias = nn.Parameter(torch.empty(shape[-2], dtype=dtype, device="meta"))
+    return holder
 
 
 class Sparse24Quantizer(HfQuantizer):
@@ -76,7 +95,8 @@ class Sparse24Quantizer(HfQuantizer):
                                  "and this one's config.json does not say it is: load the dense model, then prune it "
                                  "with kp.sparsify(model) (with calibration=, docs/design/0023)")
         self.layers: list[str] = []  # what _process_model_before_weight_loading put on the meta device
-        self.experts: list[str] = []
+        # prefix -> (its projections, held per expert, {projection: (meta weight, meta biases)})
+        self.experts: dict[str, tuple[tuple[str, str], bool, dict]] = {}
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         from .stream import headers
@@ -89,8 +109,10 @@ class Sparse24Quantizer(HfQuantizer):
                                      f"them from: download it and pass its path, load it with "
                                      f"kp.hf.load_model(path), or upgrade transformers (5.x passes them)")
             checkpoint_files = shards(where)
-        found = {name: shape for path in checkpoint_files for name, (_, shape) in headers(path).items()}
+        rename = checkpoint_renamer(model)  # as transformers' loader will name the keys (0045)
+        found = {rename(name): shape for path in checkpoint_files for name, (_, shape) in headers(path).items()}
         stacked: dict[str, dict[str, tuple]] = {}  # experts module -> {projection: [E, M, K/2]}
+        by_expert: dict[str, dict[str, dict[int, tuple]]] = {}  # experts module -> {projection: {e: [M, K/2]}}
         for name, shape in found.items():
             prefix, _, leaf = name.rpartition(".")
             if leaf != "values":
@@ -99,9 +121,16 @@ class Sparse24Quantizer(HfQuantizer):
                 module, _, part = prefix.rpartition(".")
                 stacked.setdefault(module, {})[part] = tuple(shape)
                 continue
+            expert = per_expert(model, prefix)
+            if expert is not None:  # a Sparse24Experts' own state_dict: save_pretrained of a sparsified MoE model
+                module, part, e = expert
+                by_expert.setdefault(module, {}).setdefault(part, {})[e] = tuple(shape)
+                continue
             self._hold_layer(model, prefix, tuple(shape))
         for module, parts in stacked.items():
             self._hold_experts(model, module, parts)
+        for module, parts in by_expert.items():
+            self._hold_experts(model, module, parts, per_expert=True)
         return model
 
     def _hold_layer(self, model, prefix: str, shape: tuple) -> None:
@@ -111,9 +140,8 @@ class Sparse24Quantizer(HfQuantizer):
         layer, out_in = dense_layer(model, prefix)
         if len(shape) != 2 or out_in != (shape[0], 2 * shape[1]):
             there = type(layer).__name__ if layer is not None else "no module"
-            hint = MOE_SAVED_HINT if ".experts." in prefix else f": {LOAD_MODEL_HINT}"
             raise InvalidProblem(f"{prefix} holds a 2:4 weight of {list(shape)} ([M, K/2]), but the model built from "
-                                 f"config.json has {there} there{hint}")
+                                 f"config.json has {there} there: {LOAD_MODEL_HINT}")
         m, k = out_in
         with torch.device("meta"):
             values = torch.empty(m, k // 2, dtype=layer.weight.dtype)
@@ -125,33 +153,50 @@ class Sparse24Quantizer(HfQuantizer):
         setattr(parent, prefix.rpartition(".")[2], replacement)
         self.layers.append(prefix)
 
-    def _hold_experts(self, model, prefix: str, parts: dict[str, tuple]) -> None:
-        """Where the checkpoint holds a MoE layer's experts stacked and 2:4 (``prefix.gate_up_proj.values
-        [E, M, K/2]`` and ``.metadata``, as ``kp.hf.save_model`` writes them), replace each dense 3-D weight of the
-        experts module with a child holding ``values`` and ``metadata``, so the loader fills them by name; the
-        module's other tensors (biases) load as they are."""
+    def _hold_experts(self, model, prefix: str, parts: dict, per_expert: bool = False) -> None:
+        """Where the checkpoint holds a MoE layer's experts 2:4, give the experts module children that the loader
+        fills by name, in place of its dense 3-D weights:
+
+        * stacked (``prefix.gate_up_proj.values [E, M, K/2]`` and ``.metadata``, as ``kp.hf.save_model`` writes
+          them; ``parts`` is ``{projection: shape}``): a child of the projection's name holding both; the module's
+          biases load as they are;
+        * per expert (``prefix.first.<e>.values [M, K/2]`` and ``down.<e>``, a ``Sparse24Experts``' state_dict;
+          ``parts`` is ``{projection: {e: shape}}``): a list of children ``first`` / ``down``, one an expert, each
+          holding its values, metadata and, where the module has biases, its bias.
+        """
         from .nn.experts import expert_weight, parts_of
 
         module = experts_module(model, prefix)
-        if set(parts) != set(parts_of(module)):
+        names = parts_of(module)
+        if set(parts) != set(names):
             raise InvalidProblem(f"{prefix}: the checkpoint holds {sorted(parts)} 2:4, and the experts module has "
-                                 f"{list(parts_of(module))}; a checkpoint holds both projections of an experts module "
-                                 f"2:4, or neither")
-        for part, shape in parts.items():
+                                 f"{list(names)}; a checkpoint holds both projections of an experts module 2:4, or "
+                                 f"neither")
+        dense_parts = {}  # projection -> its meta weight and biases, put back for from_experts' checks
+        for part, found in parts.items():
             dense = getattr(module, part)
             want = (dense.shape[0], *expert_weight(module, part, 0).shape)
-            if shape[0] != want[0] or shape[1:] != (want[1], want[2] // 2):
-                raise InvalidProblem(f"{prefix}.{part}: the checkpoint holds 2:4 experts of {list(shape)} "
-                                     f"([E, M, K/2]), and the model built from config.json has {want[0]} experts of "
+            shapes = stack_experts(f"{prefix}.{part}", found, want[0]) if per_expert else [found[1:]] * found[0]
+            if len(shapes) != want[0] or any(s != (want[1], want[2] // 2) for s in shapes):
+                got = " or ".join(str(list(s)) for s in sorted(set(shapes)))
+                raise InvalidProblem(f"{prefix}.{part}: the checkpoint holds {len(shapes)} 2:4 experts of {got} "
+                                     f"([M, K/2]), and the model built from config.json has {want[0]} experts of "
                                      f"{list(want[1:])} ([out, in]) there")
-            holder = nn.Module()
-            holder.values = nn.Parameter(torch.empty(shape, dtype=dense.dtype, device="meta"))
-            holder.register_buffer("metadata", torch.empty(*shape[:2], shape[2] // 4, dtype=torch.int16,
-                                                           device="meta"))
-            holder.dense = dense  # the meta weight, put back for from_experts' checks
-            del module._parameters[part]
-            module.add_module(part, holder)
-        self.experts.append(prefix)
+            bias = module._parameters.pop(f"{part}_bias", None) if per_expert else None  # else it loads as it is
+            dense_parts[part] = module._parameters.pop(part), bias
+            if per_expert:
+                holder = nn.ModuleList(_holder(shapes[0], dense.dtype, bias is not None) for _ in shapes)
+                module.add_module(EXPERT_LISTS[names.index(part)], holder)
+                # transformers' init runs over every module after loading, and reads the experts' weights by name
+                # (Mixtral's init.normal_(module.gate_up_proj)): meta tensors marked as loaded, which it skips.
+                for name, tensor in ((part, dense), (f"{part}_bias", bias)):
+                    if tensor is not None:
+                        module.__dict__[name] = _loaded_placeholder(tensor)
+            else:
+                holder = _holder((want[0], *shapes[0]), dense.dtype, False)
+                holder._is_hf_initialized = True  # read by that init as module.<part>: skipped
+                module.add_module(part, holder)
+        self.experts[prefix] = (names, per_expert, dense_parts)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         from .nn.siblings import fuse_siblings
@@ -173,19 +218,29 @@ class Sparse24Quantizer(HfQuantizer):
         return model
 
     def _build_experts(self, model, prefix: str) -> None:
-        """The loaded stacked weights of an experts module, checked, as a ``Sparse24Experts`` in its place."""
-        from .nn.experts import Sparse24Experts, parts_of
+        """The loaded 2:4 weights of an experts module, checked, as a ``Sparse24Experts`` in its place."""
+        from .nn.experts import Sparse24Experts
 
         module = model.get_submodule(prefix)
+        names, per_expert, dense_parts = self.experts[prefix]
         pruned = {}
-        for part in parts_of(module):
-            holder = module._modules.pop(part)
-            if holder.values.is_meta or holder.metadata.is_meta:
+        for i, part in enumerate(names):
+            holder = module._modules.pop(EXPERT_LISTS[i] if per_expert else part)
+            held = list(holder) if per_expert else [holder]
+            if any(h.values.is_meta or h.metadata.is_meta for h in held):
                 raise InvalidProblem(f"{prefix}.{part}: the checkpoint names its 2:4 values, but transformers left "
                                      f"them on the meta device ({LOAD_MODEL_HINT})")
             with torch.no_grad():  # each expert's word checked here
-                pruned[part] = [Sparse24Weight(v, m) for v, m in zip(holder.values.detach(), holder.metadata)]
-            module._parameters[part] = nn.Parameter(holder.dense, requires_grad=False)
+                if per_expert:
+                    pruned[part] = [Sparse24Weight(h.values.detach(), h.metadata) for h in held]
+                    if dense_parts[part][1] is not None:
+                        module._parameters[f"{part}_bias"] = nn.Parameter(
+                            torch.stack([h.bias.detach() for h in held]), requires_grad=False)
+                else:
+                    pruned[part] = [Sparse24Weight(v, m) for v, m in zip(holder.values.detach(), holder.metadata)]
+            for name in (part, f"{part}_bias"):
+                module.__dict__.pop(name, None)
+            module._parameters[part] = dense_parts[part][0]
         parent = model.get_submodule(prefix.rpartition(".")[0]) if "." in prefix else model
         setattr(parent, prefix.rpartition(".")[2], Sparse24Experts.from_experts(module, pruned))
 
