@@ -1,18 +1,21 @@
 """A 2:4 directory loaded by transformers' own ``from_pretrained`` (kernelplan's registered quantizer) and by
 ``kp.hf.load_model``, against the dense directory's ``from_pretrained``: GPU memory, load time and agreement.
 
-A Llama with Qwen2.5-7B's sizes (hidden 3584, intermediate 18944, 28 heads, 4 KV heads, vocabulary 152064, untied
-LM head), ``--layers`` decoder layers, random bf16 weights built on the GPU, no download.  ``kp.sparsify`` (magnitude,
-LM head dense) prunes a copy; both are written with ``save_pretrained``.  Each directory is then loaded onto the GPU
+``--model llama``: a Llama with Qwen2.5-7B's sizes (hidden 3584, intermediate 18944, 28 heads, 4 KV heads, vocabulary
+152064, untied LM head); ``--model mixtral``: Mixtral-8x7B's (hidden 4096, 8 experts of 14336, top 2, 32 heads, 8 KV
+heads, vocabulary 32000), its experts 2:4 too (``experts="all"``).  ``--layers`` decoder layers, random bf16 weights,
+no download.  ``kp.sparsify`` (magnitude, LM head dense) prunes a copy; both are written with ``save_pretrained``
+(a MoE model's 2:4 experts one layer an expert, under transformers' saved names), and for a MoE model the 2:4 one
+with ``kp.hf.save_model`` too (its experts stacked).  Each directory is then loaded onto the GPU
 in turn (``device_map="cuda"``; ``load_model(device="cuda")``), and for each: wall seconds of the load, GPU memory it
 holds after a forward at 1 and at 128 tokens (``torch.cuda.memory_allocated``, and ``weight_bytes``: parameters,
 buffers and the 2:4 layouts calls built), its peak during the load, and the linear layers' bytes against their dense
-bytes.  Each sparse loader's state_dict is compared bit for bit with the sparsified model's before it was saved, and
-the two sparse loaders' logits with each other.  (Logits against the model before saving differ in bf16 by its
+bytes (a MoE layer's experts counted among them).  Each sparse loader's state_dict is compared bit for bit with the
+sparsified model's before it was saved, and the sparse loaders' logits with each other.  (Logits against the model before saving differ in bf16 by its
 rotary buffer: built in float32 and cast, it is bf16 there, and float32 in a model loaded in bf16.)  Writes
-``bench/results/hf-from-pretrained-<gpu>.json``.
+``bench/results/hf-from-pretrained-<gpu>.json`` (``hf-from-pretrained-mixtral-<gpu>.json``).
 
-    PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/hf_from_pretrained.py
+    PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/hf_from_pretrained.py [--model mixtral]
 """
 
 from __future__ import annotations
@@ -34,12 +37,18 @@ from kernelplan.bench.decode import weight_bytes
 
 
 def _linear_bytes(model) -> tuple[int, int]:
-    """(bytes the decoder's linear layers hold, as held, 2:4 layouts their calls built included; their dense bytes)."""
+    """(bytes the decoder's linear layers and dense experts hold, as held, 2:4 layouts their calls built included;
+    their dense bytes)."""
+    from kernelplan.nn.experts import experts_reason
+
     held = dense = 0
     for name, mod in model.named_modules():
         if not name.startswith("model.layers."):
             continue
-        if isinstance(mod, kp.nn.Sparse24Linear):
+        if experts_reason(mod) is None:  # a dense experts module's 3-D weights
+            weights = sum(p.nbytes for p in mod.parameters(recurse=False) if p.dim() == 3)
+            held, dense = held + weights, dense + weights
+        elif isinstance(mod, kp.nn.Sparse24Linear):
             w = mod.weight24
             held += mod.values.nbytes + mod.metadata.nbytes + sum(w.derived_bytes().values())
             dense += mod.out_features * mod.in_features * mod.values.element_size()
@@ -78,29 +87,45 @@ def _load(name: str, fn, ids: torch.Tensor, saved: dict[str, torch.Tensor] | Non
     return row, logits
 
 
+CONFIGS = {
+    "llama": lambda layers: transformers.LlamaConfig(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=layers, num_attention_heads=28,
+        num_key_value_heads=4, vocab_size=152064, max_position_embeddings=4096, tie_word_embeddings=False),
+    "mixtral": lambda layers: transformers.MixtralConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+        max_position_embeddings=4096, tie_word_embeddings=False),
+}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--model", choices=sorted(CONFIGS), default="llama")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 4 for llama, 2 for mixtral)")
     ap.add_argument("--dir", default=None, help="where to write the two directories (default: a temporary one)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=3584, intermediate_size=18944, num_hidden_layers=a.layers,
-                                   num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                                   max_position_embeddings=4096, tie_word_embeddings=False)
+    layers = a.layers or {"llama": 4, "mixtral": 2}[a.model]
+    cfg = CONFIGS[a.model](layers)
+    moe = a.model == "mixtral"
     root = Path(a.dir or tempfile.mkdtemp())
     ids = torch.randint(0, cfg.vocab_size, (2, 16), device="cuda")
-    dense = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    with torch.device("cuda"):  # initialized on the GPU: on the CPU, random init of billions of weights takes minutes
+        dense = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     dense.save_pretrained(root / "dense")
     sparse = copy.deepcopy(dense)
     del dense
-    report = kp.sparsify(sparse, progress=False)
+    report = kp.sparsify(sparse, progress=False, experts="all" if moe else "auto")
     with torch.inference_mode():
         ref = sparse(ids).logits.float().cpu()
     saved = {k: v.cpu() for k, v in sparse.state_dict().items()}
     sparse.save_pretrained(root / "sparse")
+    if moe:
+        kp.hf.save_model(sparse, root / "stacked")
     del sparse
-    sizes = {d: sum(f.stat().st_size for f in (root / d).glob("*.safetensors")) for d in ("dense", "sparse")}
+    dirs = ["dense", "sparse", "stacked"] if moe else ["dense", "sparse"]
+    sizes = {d: sum(f.stat().st_size for f in (root / d).glob("*.safetensors")) for d in dirs}
     kp.hf.register_quantizer()
     loaders = {
         "dense, from_pretrained": lambda: transformers.AutoModelForCausalLM.from_pretrained(
@@ -109,6 +134,9 @@ def main() -> int:
             root / "sparse", device_map="cuda", dtype=torch.bfloat16),
         "2:4, kp.hf.load_model": lambda: kp.hf.load_model(root / "sparse", device="cuda"),
     }
+    if moe:
+        loaders["2:4 experts stacked, from_pretrained"] = lambda: transformers.AutoModelForCausalLM.from_pretrained(
+            root / "stacked", device_map="cuda", dtype=torch.bfloat16)
     rows, logits = [], {}
     for name, fn in loaders.items():
         row, logits[name] = _load(name, fn, ids, saved if "2:4" in name else None)
@@ -116,8 +144,8 @@ def main() -> int:
         print(row, flush=True)
     scale = float(ref.abs().max())
     agreement = {name: float((logits[name] - ref).abs().max()) / scale for name in loaders if "2:4" in name}
-    same = torch.equal(logits["2:4, from_pretrained"], logits["2:4, kp.hf.load_model"])
-    print({"relative max error against the model before saving": agreement, "the two 2:4 loaders equal": same})
+    same = all(torch.equal(logits["2:4, from_pretrained"], logits[name]) for name in loaders if "2:4" in name)
+    print({"relative max error against the model before saving": agreement, "the 2:4 loaders equal": same})
     ok = same and all(row["state_dict_equal_to_saved"] for row in rows[1:])
     if not ok:
         print("a 2:4 loader's state_dict or logits differ from the saved model's", file=sys.stderr)
@@ -125,7 +153,8 @@ def main() -> int:
     for row in rows[1:]:
         row["allocated_over_dense"] = row["allocated_after_calls"] / dense_row["allocated_after_calls"]
         row["weight_bytes_over_dense"] = row["weight_bytes"] / dense_row["weight_bytes"]
-    results.write("hf-from-pretrained", {"rows": rows, "layers": a.layers, "file_bytes": sizes,
+    name = "hf-from-pretrained" if a.model == "llama" else f"hf-from-pretrained-{a.model}"
+    results.write(name, {"rows": rows, "model": a.model, "layers": layers, "file_bytes": sizes,
                                          "relative_error": agreement, "loaders_equal": same,
                                          "converted": len(report.converted)}, a.out)
     return 0 if ok else 1
