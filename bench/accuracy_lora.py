@@ -66,7 +66,9 @@ def held_bytes(model) -> dict:
 
 
 def run(dev: torch.device, steps: int, rank: int, batch: int, lr: float, held_out_tokens: int | None,
-        variants=("plain",)):
+        variants=("plain",), on_row=None):
+    """The table's rows; ``on_row(rows)`` after each (the bench writes them as they come: a run cut short keeps its
+    rows)."""
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     train, held = accuracy.corpus()
     if held_out_tokens is not None:
@@ -98,13 +100,19 @@ def run(dev: torch.device, steps: int, rank: int, batch: int, lr: float, held_ou
                 row["merged"] = held_bytes(merged)
                 note = f", merged {row['after_merge']:.3f}"
             rows.append(row)
+            _gaps(rows)
+            if on_row is not None:
+                on_row(rows)
             print(f"{method:<10} {variant:<7} perplexity {before:8.3f} -> {after:8.3f} after LoRA{note} ({trained} "
                   f"parameters, {row['sparse_layers']} 2:4 layers, {seconds:.1f} s)", flush=True)
+    return rows
+
+
+def _gaps(rows: list[dict]) -> None:
     dense_before, dense_after = rows[0]["perplexity"], rows[0]["after_lora"]
     for r in rows[1:]:
         r["gap_before"] = r["perplexity"] - dense_before  # over the dense model as it was
         r["gap_after"] = r["after_lora"] - dense_after  # over the dense model with the same training
-    return rows
 
 
 def main(argv=None) -> int:
@@ -121,16 +129,19 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     dev = torch.device(args.device)
     env = environment(dev)  # at the start: the commit whose code runs, not one made while it ran
-    torch.manual_seed(0)
-    rows = run(dev, args.steps, args.rank, args.batch, args.lr, args.held_out, args.variants)
     gpu = "cpu" if dev.type == "cpu" else ("h200" if "H200" in env["device"] else "h100")
     out = args.out or f"bench/results/accuracy-lora-{gpu}.json"
     meta = {**env, "model": "kernelplan.bench.accuracy's byte-level Llama", "steps": args.steps, "rank": args.rank,
             "alpha": 2 * args.rank, "batch": args.batch, "seq": accuracy.SEQ, "lr": args.lr,
             "held_out_bytes": args.held_out or "whole split", "targets": PROJECTIONS,
             "calibration_windows": accuracy.CALIBRATION, "variants": args.variants}
-    with open(out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+    def write(rows: list[dict]) -> None:
+        with open(out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+    torch.manual_seed(0)
+    run(dev, args.steps, args.rank, args.batch, args.lr, args.held_out, args.variants, on_row=write)
     print("wrote", out)
     return 0
 
