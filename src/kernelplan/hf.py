@@ -364,7 +364,8 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
         replacement.from_conv1d = is_conv1d(layer)
         setattr(parent, name.rpartition(".")[2], replacement)
         sparse.update((f"{name}.values", f"{name}.metadata"))
-    for key, found in by_expert.items():  # stacked in expert order, every expert there
+    while by_expert:  # stacked in expert order, every expert there
+        key, found = by_expert.popitem()
         experts = model.get_submodule(key.rpartition(".")[0])
         items = stack_experts(key.removesuffix("_bias"), found, getattr(experts, key.rpartition(".")[2]).shape[0])
         if key.endswith("_bias"):
@@ -418,14 +419,16 @@ def experts_module(model: nn.Module, prefix: str) -> nn.Module:
 
 def _load_experts(model: nn.Module, stacked: dict[str, list[Sparse24Weight]]) -> None:
     """Replace each experts module whose projections the checkpoint holds 2:4 (``{param name: weights}``) with a
-    ``Sparse24Experts`` of them; its biases and the rest are the module's, loaded already."""
+    ``Sparse24Experts`` of them; its biases and the rest are the module's, loaded already.  Each module's checkpoint
+    weights leave ``stacked`` as it is built, so the GPU holds them and the built layout together for one module at a
+    time, not for the whole model (docs/design/0045)."""
     from .nn.experts import Sparse24Experts, expert_weight, parts_of
 
     for prefix in dict.fromkeys(name.rpartition(".")[0] for name in stacked):
         module = experts_module(model, prefix)
         pruned = {}
         for part in parts_of(module):
-            weights = stacked.get(f"{prefix}.{part}")
+            weights = stacked.pop(f"{prefix}.{part}", None)
             count, want = getattr(module, part).shape[0], tuple(expert_weight(module, part, 0).shape)
             if weights is None or len(weights) != count or any(tuple(w.shape) != want for w in weights):
                 got = "nothing" if weights is None else \
