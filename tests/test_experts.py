@@ -19,12 +19,14 @@ moe = pytest.importorskip("transformers.integrations.moe")
 gpu = pytest.mark.gpu
 
 
-def _mixtral(dtype, device="cpu", experts=4):
+def _mixtral(dtype, device="cpu", experts=4, top_k=2):
+    """A small Mixtral.  ``top_k=experts`` routes every token to every expert: no top-k choice a low precision can
+    flip, for comparisons of a bf16 run with a float64 one."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     cfg = MixtralConfig(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=experts,
-                        num_experts_per_tok=2)
+                        num_experts_per_tok=top_k)
     cfg._experts_implementation = "eager"  # the reference loop, in every dtype (grouped_mm refuses float64)
     return MixtralForCausalLM(cfg).eval().to(device=device, dtype=dtype)
 

@@ -329,8 +329,10 @@ def pruning_notes() -> list[str]:
                          f"{rows['dense']['perplexity']:.3f}; layers' input spread, max/median column norm, median "
                          f"{plain:.1f} -> {spread:.1f}), increase over dense: {cells} "
                          f"(`bench/accuracy_table.py`, `accuracy.fold_outliers`).")
-    lora = _load("accuracy-lora-cpu")
-    if lora:
+    for name in ("accuracy-lora-cpu", "accuracy-lora-h200"):
+        lora = _load(name)
+        if not lora:
+            continue
         meta, rows = lora["meta"], lora["rows"]
         dense = rows[0]
 
@@ -339,13 +341,15 @@ def pruning_notes() -> list[str]:
             return (f"{r['model']} {r['lora']} {r['perplexity']:.3f} -> {r['after_lora']:.3f}{merged} (over dense "
                     f"{r['gap_before']:+.3f} -> {r['gap_after']:+.3f})")
 
+        seconds = {v: statistics.median(r["train_seconds"] for r in rows[1:] if r["lora"] == v)
+                   for v in dict.fromkeys(r["lora"] for r in rows[1:])}
         lines.append(f"- LoRA on the pruned model (`kp.nn.lora`, `bench/accuracy_lora.py`): the same byte-level Llama, "
                      f"{meta['steps']} steps of rank {meta['rank']} on every projection, batches of {meta['batch']} "
                      f"({dense['lora_parameters']:,} adapter parameters), its 2:4 weights frozen; masked: the update "
                      f"cut to the 2:4 mask and merged into the 2:4 weights afterwards. Held-out perplexity on the "
                      f"first {meta['held_out_bytes']:,} bytes; the dense model trained alike {dense['perplexity']:.3f} "
-                     f"-> {dense['after_lora']:.3f}: {'; '.join(cell(r) for r in rows[1:])}, "
-                     f"{_source(meta, 'accuracy-lora-cpu')}.")
+                     f"-> {dense['after_lora']:.3f}: {'; '.join(cell(r) for r in rows[1:])}; training, median a "
+                     f"run: {', '.join(f'{v} {t:.0f} s' for v, t in seconds.items())}, {_source(meta, name)}.")
     moe = _load("accuracy-moe-h200")
     if moe:
         rows = moe["rows"]
