@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..errors import InvalidProblem
 from ..sparse24.format import Sparse24Weight
@@ -36,6 +35,34 @@ MERGE_REFUSED = (
     "layer dense (its memory and speed lost), and cut to the weight's 2:4 mask it would change the function that was "
     "trained. Keep the adapter unmerged (model(...) runs the 2:4 GEMM and the adapter's two rank-r GEMMs), drop it "
     "with unload(), or train with kp.nn.lora(config, masked=True), whose update stays on the mask and merges exactly")
+
+
+def _masked_delta(a: torch.Tensor, b: torch.Tensor, scaling: float, layer: Sparse24Linear) -> torch.Tensor:
+    """The masked update ``(scaling * B @ A) * mask`` ``[M, K]``, in the adapters' dtype."""
+    return (b @ a) * scaling * layer.weight24.mask()
+
+
+class _MaskedUpdate(torch.autograd.Function):
+    """``x @ ((scaling * B @ A) * mask).T``, whose backward forms the masked update again and nothing else: kept for
+    the backward, each layer's ``[M, K]`` update would stay until then (235 MB for a 4096 x 14336 layer in float32),
+    and ``torch.utils.checkpoint`` (until 0045) recomputed the product with x as well, a GEMM of the layer's size."""
+
+    @staticmethod
+    def forward(ctx, x, a, b, scaling, layer):
+        ctx.scaling, ctx.layer = scaling, layer
+        ctx.save_for_backward(x, a, b)
+        return F.linear(x, _masked_delta(a, b, scaling, layer))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, a, b = ctx.saved_tensors
+        grad = grad.to(a.dtype)  # the output's dtype under autocast; the adapters' otherwise
+        gx = grad @ _masked_delta(a, b, ctx.scaling, ctx.layer) if ctx.needs_input_grad[0] else None
+        # d loss / d (B @ A): the gradient of the update, on the mask, scaled
+        gd = (grad.reshape(-1, grad.shape[-1]).T @ x.reshape(-1, x.shape[-1]).to(a.dtype)) * \
+            ctx.layer.weight24.mask() * ctx.scaling
+        return (gx.to(x.dtype) if gx is not None else None), b.T @ gd, gd @ a.T, None, None
 
 
 def _lora_linear(masked: bool) -> type:
@@ -71,8 +98,8 @@ def _lora_linear(masked: bool) -> type:
         layer, and merging adds the update to the kept values exactly (the mask and the layout stay)."""
 
         def get_delta_weight(self, adapter):
-            lora_a, lora_b = self.lora_A[adapter].weight, self.lora_B[adapter].weight
-            return (lora_b @ lora_a) * self.scaling[adapter] * self.get_base_layer().weight24.mask()
+            return _masked_delta(self.lora_A[adapter].weight, self.lora_B[adapter].weight, self.scaling[adapter],
+                                 self.get_base_layer())
 
         def forward(self, x, *args, **kwargs):
             self._check_forward_args(x, *args, **kwargs)
@@ -87,17 +114,10 @@ def _lora_linear(masked: bool) -> type:
             for name in self.active_adapters:
                 if name in self.lora_A:
                     xin = self.lora_dropout[name](self._cast_input_dtype(x, self.lora_A[name].weight.dtype))
-                    if torch.is_grad_enabled():
-                        # Recomputed in the backward: autograd would otherwise keep each layer's dense [M, K] update
-                        # (a 4096 x 14336 MLP layer's: 235 MB in float32) until then.
-                        update = checkpoint(self._update, xin, name, use_reentrant=False)
-                    else:
-                        update = self._update(xin, name)
+                    update = _MaskedUpdate.apply(xin, self.lora_A[name].weight, self.lora_B[name].weight,
+                                                 self.scaling[name], self.get_base_layer())
                     result = result + update.to(result.dtype)
             return result
-
-        def _update(self, x, adapter: str):
-            return F.linear(x, self.get_delta_weight(adapter))
 
         def _add_to_kept(self, adapter: str, sign: int, safe: bool) -> None:
             layer = self.get_base_layer()
