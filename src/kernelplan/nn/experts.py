@@ -306,15 +306,12 @@ class Sparse24Experts(nn.Module):
                 span = first.new_empty(0).set_(storage, first.storage_offset(), (count * first.shape[0],
                                                                                   *first.shape[1:]), first.stride())
             else:
-                # Expert by expert into one new storage, each expert's old one freed as it is copied: the projection
-                # is held once and one expert twice, where torch.cat held it twice (0045: a MoE load's peak).
-                rows = first.shape[0]
-                span = first.new_empty((count * rows, *first.shape[1:]))
-                for e, t in enumerate([(m.values, m.metadata, m.bias)[i] for m in layers]):
-                    span[e * rows:(e + 1) * rows].copy_(t.detach())
+                tensors = [(m.values, m.metadata, m.bias)[i] for m in layers]
+                span = torch.cat([t.detach() for t in tensors])
+                for e, t in enumerate(tensors):
                     if i == 0:
                         forget(t)  # what calls kept for the expert's old storage
-                    t.data = span[e * rows:(e + 1) * rows]
+                    t.data = span[e * first.shape[0]:(e + 1) * first.shape[0]]
             spans.append(span)
         spans = (spans[0], spans[1], spans[2].view(count, -1) if head.bias is not None else None)
         self._spans[name] = (_addresses(head, tail), spans, (head, tail))  # after any move
