@@ -320,9 +320,8 @@ def test_on_the_gpu_from_pretrained_with_a_device_map_loads_the_2_4_layers_there
 def test_on_the_gpu_loading_peaks_at_what_the_model_holds_plus_one_experts_module(tmp_path, seed, loader, build):
     """The GPU memory a load peaks at, over what the loaded model holds, stays under one embedding table and, for a
     MoE model, one and a half layers' 2:4 experts: the plain tensors reach the device once (0044: load_model's reached
-    it twice, 1.68x its result), a layer's checkpoint experts are freed as it is built (0045: load_model held every
-    layer's until the last was built), and a projection's experts are copied into its span one by one (0045: torch.cat
-    held them twice)."""
+    it twice, 1.68x its result), and a layer's checkpoint experts are freed as it is built (0045: load_model held
+    every layer's until the last was built)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     sizes = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=2 if build == "llama"
