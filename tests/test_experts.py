@@ -472,6 +472,44 @@ def test_a_moe_directory_says_why_its_experts_stay_dense(tmp_path, seed):
     assert loaded.model.layers[1].mlp.experts.gate_up_proj.shape == (4, 384, 128)  # stacked by transformers, dense
 
 
+def test_given_public_experts_are_laid_out_straight_into_one_span(seed, monkeypatch):
+    """Where the GPU conversion kernels run, a projection's given (public) experts are converted one by one into one
+    storage, with no device layout of their own beside it (0045); the module equals one whose experts were laid out
+    one by one and joined.  The kernel's place is taken here by the torch ops' conversion of the same bits."""
+    from kernelplan.nn import experts as module
+    from kernelplan.nn.experts import expert_weight, parts_of
+    from kernelplan.sparse24 import layout
+    from kernelplan.sparse24.format import prune_compress
+
+    calls = []
+
+    class TorchOps:
+        @staticmethod
+        def pack_into(values, metadata, tv, tm):
+            calls.append(tv.data_ptr())
+            tv.copy_(layout.pack_values(values))
+            tm.copy_(layout.pack_metadata(metadata))
+
+    dense = _mixtral(torch.float32).model.layers[0].mlp.experts
+    pruned = {part: [prune_compress(expert_weight(dense, part, e)) for e in range(4)] for part in parts_of(dense)}
+    joined = Sparse24Experts.from_experts(dense, pruned)
+    monkeypatch.setattr(module, "gpu_kernels", lambda t: TorchOps)
+    spanned = Sparse24Experts.from_experts(dense, pruned)
+    assert len(calls) == 8  # each expert of both projections, converted straight into its rows of the span
+    for layers, rows in ((spanned.first, calls[:4]), (spanned.down, calls[4:])):
+        assert [layer.values.data_ptr() for layer in layers] == rows
+        assert {layer.layout for layer in layers} == {"sp tiled"}
+        for part in ("values", "metadata"):
+            storages = {getattr(layer, part).untyped_storage().data_ptr() for layer in layers}
+            assert len(storages) == 1, part  # one storage a part: the span itself
+    state, want = spanned.state_dict(), joined.state_dict()
+    assert state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want)
+    hidden = torch.randn(6, 128)
+    index, weights = _routing(6, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(spanned(hidden, index, weights), joined(hidden, index, weights), rtol=0, atol=0)
+
+
 def _gpt_oss_model():
     """A small gpt-oss in float64: experts of [E, in, out] weights (transposed) with biases, all drawn at random."""
     cfg = transformers.GptOssConfig(vocab_size=256, hidden_size=128, intermediate_size=64, num_hidden_layers=2,

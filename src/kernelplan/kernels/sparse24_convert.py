@@ -310,6 +310,12 @@ def pack(values: torch.Tensor, metadata: torch.Tensor, steps: int = 4) -> tuple[
     return tv, tm
 
 
+def pack_into(values: torch.Tensor, metadata: torch.Tensor, tv: torch.Tensor, tm: torch.Tensor, steps: int = 4) -> None:
+    """``pack`` into given contiguous device-layout tensors of the shapes it returns (rows of a larger one: a MoE
+    projection's experts end to end)."""
+    _launch_pack(values, metadata, tv, tm, 2 * values.shape[1], False, steps)
+
+
 def unpack(tv: torch.Tensor, tm: torch.Tensor, steps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """``layout.unpack`` of contiguous device-layout parts."""
     m, k = 16 * tv.shape[0], 64 * tv.shape[1]

@@ -16,7 +16,8 @@ from torch import nn
 
 from .._checks import _is_compiling
 from ..errors import InvalidProblem
-from ..sparse24.format import prune_compress
+from ..sparse24.format import Sparse24Weight, prune_compress
+from ..sparse24.layout import PUBLIC, gpu_kernels, pack_reason, packed_shapes
 from ..sparse24.gemm import forget
 from . import experts_ops
 from .sparse24_linear import Sparse24Linear
@@ -130,6 +131,28 @@ def experts_speed_reason(module: nn.Module) -> str | None:
             f"(0.5625x) anyway")
 
 
+def _packed_end_to_end(weights: list[Sparse24Weight]) -> list[Sparse24Weight]:
+    """A projection's experts (public, one shape) in the device layout, each a view of one storage a part (the
+    grouped kernel's span), converted one by one straight into it: no expert's own device layout is held beside the
+    span, which was a MoE load's peak (docs/design/0045).  Where the GPU conversion kernels do not run (the CPU), or
+    the weights are laid out already or do not pack, the weights as given: the layers lay themselves out, and
+    ``Sparse24Experts._span`` joins them."""
+    first = weights[0]
+    kernels = gpu_kernels(first.values)
+    if kernels is None or pack_reason(*first.shape) is not None or \
+            any(w.layout != PUBLIC or w.shape != first.shape for w in weights):
+        return weights
+    shapes = packed_shapes(*first.shape)
+    tv = first.values.new_empty((len(weights) * shapes[0][0], *shapes[0][1:]))
+    tm = torch.empty((len(weights) * shapes[1][0], *shapes[1][1:]), dtype=torch.int32, device=tv.device)
+    out = []
+    for e, w in enumerate(weights):
+        rows = slice(e * shapes[0][0], (e + 1) * shapes[0][0])
+        kernels.pack_into(w.values.detach().contiguous(), w.metadata.contiguous(), tv[rows], tm[rows])
+        out.append(Sparse24Weight(tv[rows], tm[rows], _validate=False))
+    return out
+
+
 def _combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Rows sorted by expert (``out``) back in their (token, k) pairs' order, each times its routing weight."""
     pairs = torch.empty_like(out)
@@ -239,10 +262,11 @@ class Sparse24Experts(nn.Module):
         for name in _parts(flags["has_gate"]):
             count = getattr(experts, name).shape[0]
             biases = expert_bias(experts, name)
+            given = _packed_end_to_end(list(pruned[name])) if pruned is not None else None
             built = []
             for e in range(count):
                 with torch.no_grad():
-                    w24 = pruned[name][e] if pruned is not None else \
+                    w24 = given[e] if given is not None else \
                         prune_compress(expert_weight(experts, name, e).detach(), packed=True)
                     bias = biases[e].detach().clone() if biases is not None else None
                 built.append(Sparse24Linear(w24.values, w24.metadata, bias, _validate=False))
