@@ -30,7 +30,7 @@ def checkpoint_renamer(model: nn.Module) -> Callable[[str], str]:
     """A checkpoint key -> the key transformers' loader gives it in ``model`` (its conversion mapping's renamings;
     the key itself where transformers has none).  Converters (which stack or split tensors) are not applied: they
     act on dense ``.weight`` keys, which kernelplan's 2:4 keys never are."""
-    try:  # transformers 5; PEFT calls get_model_conversion_mapping too, so it is kept stable across releases
+    try:  # transformers 5 (its source notes that PEFT calls get_model_conversion_mapping: API changes are coordinated)
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightRenaming, rename_source_key
     except ImportError:
