@@ -293,8 +293,9 @@ def test_sparsify_refuses_a_model_quantized_by_another_method_before_changing_it
     assert not _sparse_layers(model) and model.config.quantization_config["quant_method"] == "bitsandbytes"
 
 
-@pytest.mark.gpu
-def test_on_the_gpu_from_pretrained_with_a_device_map_loads_the_2_4_layers_there(tmp_path, seed):
+def _loaded_on_the_gpu(tmp_path):
+    """A sparsified bf16 Llama, and the same loaded back by from_pretrained with device_map="cuda": its 2:4 layers
+    there, in the device layout."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     model = _llama().to(torch.bfloat16)
@@ -304,6 +305,12 @@ def test_on_the_gpu_from_pretrained_with_a_device_map_loads_the_2_4_layers_there
     layers = _sparse_layers(loaded)
     assert {m.values.device.type for m in layers.values()} == {"cuda"}
     assert {m.layout for m in layers.values()} == {"sp tiled"}
+    return model, loaded
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_from_pretrained_with_a_device_map_loads_the_2_4_layers_there(tmp_path, seed):
+    model, loaded = _loaded_on_the_gpu(tmp_path)
     _same_state(loaded.cpu(), model)
     loaded.cuda()
     ids = torch.randint(0, 96, (2, 12))
@@ -388,14 +395,7 @@ def test_on_the_gpu_from_pretrained_builds_2_4_experts_stacked_or_per_expert(tmp
 
 @pytest.mark.gpu
 def test_on_the_gpu_dequantize_gives_back_the_pruned_weights_from_the_device_layout(tmp_path, seed):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    model = _llama().to(torch.bfloat16)
-    kp.sparsify(model, progress=False)
-    model.save_pretrained(tmp_path)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cuda")
-    layers = _sparse_layers(loaded)
-    assert {m.layout for m in layers.values()} == {"sp tiled"}
+    model, loaded = _loaded_on_the_gpu(tmp_path)
     dense = loaded.dequantize()
     assert not _sparse_layers(dense)
     for name, layer in _sparse_layers(model).items():
