@@ -186,6 +186,51 @@ def test_both_loaders_read_a_sparsified_moe_models_own_save_pretrained(tmp_path,
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-13 * (kind == "gpt-oss"))
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "gpt-oss"])
+def test_dequantize_gives_back_the_experts_modules_with_the_pruned_weights(tmp_path, seed, kind):
+    """``dequantize`` of a loaded MoE model: each Sparse24Experts becomes the transformers experts module it was built
+    from, holding ``dense_parts``; the model computes what the 2:4 one did, and saves a plain dense directory."""
+    model = _sparse_moe(kind)
+    model.save_pretrained(tmp_path / "sparse")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sparse")
+    parts = {n: m.dense_parts() for n, m in loaded.named_modules() if isinstance(m, kp.nn.Sparse24Experts)}
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        want = loaded(ids).logits
+    dense = loaded.dequantize()
+    assert not any(isinstance(m, (kp.nn.Sparse24Experts, kp.nn.Sparse24Linear)) for m in dense.modules())
+    for name, held in parts.items():
+        experts = dense.get_submodule(name)
+        assert type(experts).__name__ in ("MixtralExperts", "GptOssExperts")
+        assert {k: v for k, v in experts.named_parameters()}.keys() == held.keys()
+        assert all(torch.equal(getattr(experts, k), v) for k, v in held.items())
+    dense.config._experts_implementation = "eager"  # transformers' reference loop: grouped_mm refuses float64
+    with torch.no_grad():  # transformers' own experts loop against the 2:4 layers, on the same pruned weights
+        torch.testing.assert_close(dense(ids).logits, want, rtol=0, atol=1e-12 if kind == "gpt-oss" else 1e-5)
+    dense.save_pretrained(tmp_path / "dense")
+    assert "quantization_config" not in hf.read_config(tmp_path / "dense")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dense")
+    assert not _sparse_layers(again)
+    again.config._experts_implementation = "eager"
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, dense(ids).logits, rtol=0, atol=1e-12 if kind == "gpt-oss"
+                                   else 1e-5)
+
+
+def test_dequantize_refuses_experts_not_built_from_a_transformers_module_and_changes_nothing(seed):
+    from kernelplan.hf_quantizer import Sparse24QuantConfig, Sparse24Quantizer
+
+    model = _sparse_moe("mixtral")
+    built = model.model.layers[1].mlp.experts
+    bare = kp.nn.Sparse24Experts(list(built.first), list(built.down), built.act_fn)  # no module to give back
+    model.model.layers[1].mlp.experts = bare
+    quantizer = Sparse24Quantizer(Sparse24QuantConfig(), pre_quantized=True)
+    with pytest.raises(InvalidProblem, match=r"not built from a transformers experts module.*format='dense'"):
+        quantizer._dequantize(model)
+    assert isinstance(model.model.layers[0].mlp.experts, kp.nn.Sparse24Experts)  # converted before any is put back
+    assert isinstance(model.model.layers[0].self_attn.q_proj, kp.nn.Sparse24Linear)
+
+
 @pytest.mark.parametrize("damage, match", [("an expert missing", r"gate_up_proj: the checkpoint holds 2:4 layers "
                                                                  r"of experts \[0, 1, 3\] \(3\).*has 4 experts"),
                                            ("an expert's shape", r"down_proj: the checkpoint holds 4 2:4 experts of "
@@ -231,9 +276,6 @@ def test_from_pretrained_builds_stacked_2_4_experts_as_load_model_does(tmp_path,
     ids = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, reference(ids).logits)
-    with pytest.raises(InvalidProblem, match=r"Sparse24Experts: dequantize gives back linear layers.*format='dense'"):
-        loaded.dequantize()
-    assert sum(isinstance(m, kp.nn.Sparse24Linear) for m in loaded.modules()) > 0  # nothing changed
 
 
 @pytest.mark.parametrize("damage, match", [("fewer experts", r"experts.down_proj: the checkpoint holds 3 2:4 "
@@ -391,6 +433,14 @@ def test_on_the_gpu_from_pretrained_builds_2_4_experts_stacked_or_per_expert(tmp
         got = loaded(ids.cuda()).logits.double().cpu()
         ref = _dense_twin(model, base).double()(ids).logits
     assert (got - ref).abs().max() <= 0.05 * ref.abs().max()  # bf16 through the whole model (tests/test_hf.py)
+    dense = loaded.dequantize()  # the experts modules back, their weights unpacked from the device layout
+    twin = _dense_twin(model, base)
+    for name, module in twin.named_modules():
+        if type(module).__name__ == "MixtralExperts":
+            held = dense.get_submodule(name)
+            assert type(held).__name__ == "MixtralExperts" and held.gate_up_proj.device.type == "cuda"
+            for part in ("gate_up_proj", "down_proj"):
+                assert torch.equal(getattr(held, part).cpu(), getattr(module, part).to(torch.bfloat16)), (name, part)
 
 
 @pytest.mark.gpu

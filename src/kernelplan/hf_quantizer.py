@@ -18,7 +18,7 @@ such a directory to ``Sparse24Quantizer``:
   layout (the experts as one ``Sparse24Experts``), and sibling layers are grouped
   (``kernelplan.nn.fuse_siblings``), as ``kp.hf.load_model`` does by default.
 
-``model.dequantize()`` gives the dense layers back, holding the pruned weights.
+``model.dequantize()`` gives the dense layers (and experts modules) back, holding the pruned weights.
 
 This module imports transformers at its top: only ``hf.register_quantizer`` imports it.
 """
@@ -246,18 +246,21 @@ class Sparse24Quantizer(HfQuantizer):
 
     def _dequantize(self, model, dtype=None):
         """``model.dequantize()``: each 2:4 layer back to the dense module it replaced (``nn.Linear``, or GPT-2's
-        ``Conv1D``), holding its pruned weight, so the model is a plain transformers model (its ``save_pretrained`` a
-        dense directory any loader reads).  The routes of MLPs whose layers are replaced are detached."""
+        ``Conv1D``), and each ``Sparse24Experts`` to the transformers experts module it was built from, holding the
+        pruned weights, so the model is a plain transformers model (its ``save_pretrained`` a dense directory any
+        loader reads).  The routes of MLPs whose layers are replaced are detached."""
         from transformers.pytorch_utils import Conv1D
 
         from .nn.experts import Sparse24Experts
         from .nn.routes import route_of
 
-        experts = next((n for n, m in model.named_modules() if isinstance(m, Sparse24Experts)), None)
-        if experts is not None:
-            raise InvalidProblem(f"{experts} is a Sparse24Experts: dequantize gives back linear layers, not a MoE "
-                                 f"layer's experts module; write the pruned weights as transformers holds them with "
-                                 f"kp.hf.save_model(model, path, format='dense'), which from_pretrained reads")
+        # Every experts module converted before any is put back: a refusal leaves the model as it was.
+        experts = {n: m.to_dense_module() for n, m in model.named_modules() if isinstance(m, Sparse24Experts)}
+        if dtype is not None:
+            experts = {n: m.to(dtype) for n, m in experts.items()}
+        for name, dense in experts.items():
+            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+            setattr(parent, name.rpartition(".")[2], dense)
         for name, layer in [(n, m) for n, m in model.named_modules() if isinstance(m, Sparse24Linear)]:
             with torch.no_grad():
                 weight = layer.to_dense().to(dtype or layer.values.dtype)

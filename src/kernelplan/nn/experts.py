@@ -11,6 +11,8 @@ per expert and projection, pruned along its inputs.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -153,6 +155,18 @@ def _packed_end_to_end(weights: list[Sparse24Weight]) -> list[Sparse24Weight]:
     return out
 
 
+def _meta_skeleton(module: nn.Module) -> nn.Module:
+    """``module`` without its memory: a shallow copy whose own parameters and buffers are meta tensors of their
+    shapes, its children the same objects.  ``Sparse24Experts.to_dense_module`` fills it again."""
+    skeleton = copy.copy(module)
+    skeleton._parameters = {k: None if v is None else nn.Parameter(torch.empty_like(v, device="meta"), v.requires_grad)
+                            for k, v in module._parameters.items()}
+    skeleton._buffers = {k: None if v is None else torch.empty_like(v, device="meta")
+                         for k, v in module._buffers.items()}
+    skeleton._modules = dict(module._modules)
+    return skeleton
+
+
 def _combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Rows sorted by expert (``out``) back in their (token, k) pairs' order, each times its routing weight."""
     pairs = torch.empty_like(out)
@@ -280,7 +294,31 @@ class Sparse24Experts(nn.Module):
         act = getattr(experts, "act_fn", None)
         out = cls(layers[0], layers[1], act, flags["has_gate"], gate, norm, **attributes)
         out.is_transposed = flags["is_transposed"]
+        out.__dict__["_dense_skeleton"] = _meta_skeleton(experts)  # not a child: no state, moved with nothing
         return out.train(experts.training)
+
+    def to_dense_module(self) -> nn.Module:
+        """The transformers experts module this was built from (``from_experts``), holding the pruned weights
+        (``dense_parts``) where it held its dense ones, on their device and in their dtype: what
+        ``model.dequantize()`` puts back.  Refused where it was not built from one."""
+        skeleton = self.__dict__.get("_dense_skeleton")
+        if skeleton is None:
+            raise InvalidProblem("this Sparse24Experts was not built from a transformers experts module "
+                                 "(Sparse24Experts.from_experts), so there is no module to give back: write its "
+                                 "pruned weights with kp.hf.save_model(model, path, format='dense')")
+        parts = self.dense_parts()
+        held = {k: tuple(v.shape) for k, v in skeleton._parameters.items() if v is not None}
+        kept = {k: tuple(parts[k].shape) for k in held if k in parts}
+        buffers = [k for k, v in skeleton._buffers.items() if v is not None]
+        if kept != held or buffers:
+            raise InvalidProblem(f"the {type(skeleton).__name__} this was built from holds {held} and buffers "
+                                 f"{buffers}, and the 2:4 experts give back {kept}: write the pruned weights with "
+                                 f"kp.hf.save_model(model, path, format='dense')")
+        dense = copy.copy(skeleton)
+        dense._parameters = {k: None if v is None else nn.Parameter(parts[k], v.requires_grad)
+                             for k, v in skeleton._parameters.items()}
+        dense._modules = dict(skeleton._modules)
+        return dense.train(self.training)
 
     def dense_parts(self) -> dict[str, torch.Tensor]:
         """The pruned weights as the transformers module holds them, by its names: ``gate_up_proj`` (or
