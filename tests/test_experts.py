@@ -504,6 +504,10 @@ def test_given_public_experts_are_laid_out_straight_into_one_span(seed, monkeypa
             assert len(storages) == 1, part  # one storage a part: the span itself
     state, want = spanned.state_dict(), joined.state_dict()
     assert state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want)
+    assert {w.layout for ws in pruned.values() for w in ws} == {"public"}  # the caller's lists as they were
+    consumed = {k: list(v) for k, v in pruned.items()}
+    Sparse24Experts.from_experts(dense, consumed, consume=True)  # the loaders': each public entry dropped in turn
+    assert {w.layout for ws in consumed.values() for w in ws} == {"sp tiled"}
     hidden = torch.randn(6, 128)
     index, weights = _routing(6, 4)
     with torch.no_grad():

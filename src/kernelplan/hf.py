@@ -364,10 +364,11 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
         replacement.from_conv1d = is_conv1d(layer)
         setattr(parent, name.rpartition(".")[2], replacement)
         sparse.update((f"{name}.values", f"{name}.metadata"))
-    while by_expert:  # stacked in expert order, every expert there
-        key, found = by_expert.popitem()
+    while by_expert:  # stacked in expert order, every expert there; the lists alone hold the tensors then
+        key = next(iter(by_expert))
         experts = model.get_submodule(key.rpartition(".")[0])
-        items = stack_experts(key.removesuffix("_bias"), found, getattr(experts, key.rpartition(".")[2]).shape[0])
+        items = stack_experts(key.removesuffix("_bias"), by_expert.pop(key),
+                              getattr(experts, key.rpartition(".")[2]).shape[0])
         if key.endswith("_bias"):
             state[key] = torch.stack(items)
         else:
@@ -438,7 +439,8 @@ def _load_experts(model: nn.Module, stacked: dict[str, list[Sparse24Weight]]) ->
                                      f"holds both projections of an experts module 2:4, or neither")
             pruned[part] = weights
         parent = model.get_submodule(prefix.rpartition(".")[0]) if "." in prefix else model
-        setattr(parent, prefix.rpartition(".")[2], Sparse24Experts.from_experts(module, pruned))
+        del weights  # pruned alone holds the checkpoint's tensors now, and from_experts frees them as it lays out
+        setattr(parent, prefix.rpartition(".")[2], Sparse24Experts.from_experts(module, pruned, consume=True))
 
 
 def experts_modules(path: str | os.PathLike) -> list[str]:

@@ -241,8 +241,9 @@ class Sparse24Quantizer(HfQuantizer):
             for name in (part, f"{part}_bias"):
                 module.__dict__.pop(name, None)
             module._parameters[part] = dense_parts[part][0]
+        del holder, held  # pruned alone holds the loaded tensors now, and from_experts frees them as it lays out
         parent = model.get_submodule(prefix.rpartition(".")[0]) if "." in prefix else model
-        setattr(parent, prefix.rpartition(".")[2], Sparse24Experts.from_experts(module, pruned))
+        setattr(parent, prefix.rpartition(".")[2], Sparse24Experts.from_experts(module, pruned, consume=True))
 
     def _dequantize(self, model, dtype=None):
         """``model.dequantize()``: each 2:4 layer back to the dense module it replaced (``nn.Linear``, or GPT-2's

@@ -136,23 +136,25 @@ def experts_speed_reason(module: nn.Module) -> str | None:
 def _packed_end_to_end(weights: list[Sparse24Weight]) -> list[Sparse24Weight]:
     """A projection's experts (public, one shape) in the device layout, each a view of one storage a part (the
     grouped kernel's span), converted one by one straight into it: no expert's own device layout is held beside the
-    span, which was a MoE load's peak (docs/design/0045).  Where the GPU conversion kernels do not run (the CPU), or
-    the weights are laid out already or do not pack, the weights as given: the layers lay themselves out, and
-    ``Sparse24Experts._span`` joins them."""
-    first = weights[0]
-    kernels = gpu_kernels(first.values)
-    if kernels is None or pack_reason(*first.shape) is not None or \
-            any(w.layout != PUBLIC or w.shape != first.shape for w in weights):
+    span, which was a MoE load's peak (docs/design/0045).  The list is changed in place, each expert's entry replaced
+    as it is converted, so a caller that holds no other reference frees its public tensors one by one.  Where the GPU
+    conversion kernels do not run (the CPU), or the weights are laid out already or do not pack, the weights as
+    given: the layers lay themselves out, and ``Sparse24Experts._span`` joins them."""
+    kernels = gpu_kernels(weights[0].values)
+    shape, values = weights[0].shape, weights[0].values
+    if kernels is None or pack_reason(*shape) is not None or \
+            any(w.layout != PUBLIC or w.shape != shape for w in weights):
         return weights
-    shapes = packed_shapes(*first.shape)
-    tv = first.values.new_empty((len(weights) * shapes[0][0], *shapes[0][1:]))
+    shapes = packed_shapes(*shape)
+    tv = values.new_empty((len(weights) * shapes[0][0], *shapes[0][1:]))
     tm = torch.empty((len(weights) * shapes[1][0], *shapes[1][1:]), dtype=torch.int32, device=tv.device)
-    out = []
-    for e, w in enumerate(weights):
+    del values
+    for e in range(len(weights)):
         rows = slice(e * shapes[0][0], (e + 1) * shapes[0][0])
-        kernels.pack_into(w.values.detach().contiguous(), w.metadata.contiguous(), tv[rows], tm[rows])
-        out.append(Sparse24Weight(tv[rows], tm[rows], _validate=False))
-    return out
+        kernels.pack_into(weights[e].values.detach().contiguous(), weights[e].metadata.contiguous(), tv[rows],
+                          tm[rows])
+        weights[e] = Sparse24Weight(tv[rows], tm[rows], _validate=False)
+    return weights
 
 
 def _meta_skeleton(module: nn.Module) -> nn.Module:
@@ -264,10 +266,11 @@ class Sparse24Experts(nn.Module):
         return f"gated_{activation}_first"
 
     @classmethod
-    def from_experts(cls, experts: nn.Module, pruned: dict | None = None) -> "Sparse24Experts":
+    def from_experts(cls, experts: nn.Module, pruned: dict | None = None, consume: bool = False) -> "Sparse24Experts":
         """Prune each expert's projections by magnitude (2 of every 4 along their inputs) and compress them; or, with
         ``pruned`` (``{projection name: [Sparse24Weight of each expert]}``, as ``pruning/experts.py`` calibrates
-        them), hold those."""
+        them), hold those.  ``consume``: ``pruned``'s lists may be changed in place, each expert's weight dropped as
+        it is laid out (the loaders pass their checkpoint tensors so, which are then freed one by one)."""
         reason = experts_reason(experts)
         if reason is not None:
             raise InvalidProblem(f"experts is a {type(experts).__name__} that cannot be held 2:4: {reason}")
@@ -276,7 +279,7 @@ class Sparse24Experts(nn.Module):
         for name in _parts(flags["has_gate"]):
             count = getattr(experts, name).shape[0]
             biases = expert_bias(experts, name)
-            given = _packed_end_to_end(list(pruned[name])) if pruned is not None else None
+            given = None if pruned is None else _packed_end_to_end(pruned[name] if consume else list(pruned[name]))
             built = []
             for e in range(count):
                 with torch.no_grad():
