@@ -514,6 +514,23 @@ def test_given_public_experts_are_laid_out_straight_into_one_span(seed, monkeypa
         torch.testing.assert_close(spanned(hidden, index, weights), joined(hidden, index, weights), rtol=0, atol=0)
 
 
+def test_the_dense_module_given_back_runs_its_own_weights_where_the_source_had_accelerate_hooks(seed):
+    """A device_map's accelerate hooks replace the experts module's forward with one bound to it; the module
+    to_dense_module gives back runs its class's forward on the pruned weights, not the source's dense ones."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    model = _mixtral(torch.float32)
+    hooks.add_hook_to_module(model.model.layers[0].mlp.experts, hooks.ModelHook())
+    kp.sparsify(model, progress=False, experts="all")
+    sparse = model.model.layers[0].mlp.experts
+    dense = sparse.to_dense_module()
+    assert "forward" not in vars(dense) and not hasattr(dense, "_hf_hook")
+    hidden = torch.randn(5, 128)
+    index, weights = _routing(5, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(dense(hidden, index, weights), sparse(hidden, index, weights), rtol=1e-5,
+                                   atol=1e-6)
+
+
 def _gpt_oss_model():
     """A small gpt-oss in float64: experts of [E, in, out] weights (transposed) with biases, all drawn at random."""
     cfg = transformers.GptOssConfig(vocab_size=256, hidden_size=128, intermediate_size=64, num_hidden_layers=2,

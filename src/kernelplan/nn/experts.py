@@ -166,6 +166,10 @@ def _meta_skeleton(module: nn.Module) -> nn.Module:
     skeleton._buffers = {k: None if v is None else torch.empty_like(v, device="meta")
                          for k, v in module._buffers.items()}
     skeleton._modules = dict(module._modules)
+    # accelerate's hooks (a device_map's) replace an instance's forward with one bound to that instance: kept, the
+    # dense module given back would run the source's weights, not its own.
+    for name in ("forward", "_old_forward", "_hf_hook"):
+        skeleton.__dict__.pop(name, None)
     return skeleton
 
 
