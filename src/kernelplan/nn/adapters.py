@@ -37,9 +37,9 @@ MERGE_REFUSED = (
     "with unload(), or train with kp.nn.lora(config, masked=True), whose update stays on the mask and merges exactly")
 
 
-def _masked_delta(a: torch.Tensor, b: torch.Tensor, scaling: float, layer: Sparse24Linear) -> torch.Tensor:
+def _masked_delta(a: torch.Tensor, b: torch.Tensor, scaling: float, mask: torch.Tensor) -> torch.Tensor:
     """The masked update ``(scaling * B @ A) * mask`` ``[M, K]``, in the adapters' dtype."""
-    return (b @ a) * scaling * layer.weight24.mask()
+    return (b @ a) * scaling * mask
 
 
 class _MaskedUpdate(torch.autograd.Function):
@@ -51,17 +51,17 @@ class _MaskedUpdate(torch.autograd.Function):
     def forward(ctx, x, a, b, scaling, layer):
         ctx.scaling, ctx.layer = scaling, layer
         ctx.save_for_backward(x, a, b)
-        return F.linear(x, _masked_delta(a, b, scaling, layer))
+        return F.linear(x, _masked_delta(a, b, scaling, layer.weight24.mask()))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, a, b = ctx.saved_tensors
         grad = grad.to(a.dtype)  # the output's dtype under autocast; the adapters' otherwise
-        gx = grad @ _masked_delta(a, b, ctx.scaling, ctx.layer) if ctx.needs_input_grad[0] else None
+        mask = ctx.layer.weight24.mask()  # decoded once from the metadata, for both products
+        gx = grad @ _masked_delta(a, b, ctx.scaling, mask) if ctx.needs_input_grad[0] else None
         # d loss / d (B @ A): the gradient of the update, on the mask, scaled
-        gd = (grad.reshape(-1, grad.shape[-1]).T @ x.reshape(-1, x.shape[-1]).to(a.dtype)) * \
-            ctx.layer.weight24.mask() * ctx.scaling
+        gd = (grad.reshape(-1, grad.shape[-1]).T @ x.reshape(-1, x.shape[-1]).to(a.dtype)) * mask * ctx.scaling
         return (gx.to(x.dtype) if gx is not None else None), b.T @ gd, gd @ a.T, None, None
 
 
@@ -99,7 +99,7 @@ def _lora_linear(masked: bool) -> type:
 
         def get_delta_weight(self, adapter):
             return _masked_delta(self.lora_A[adapter].weight, self.lora_B[adapter].weight, self.scaling[adapter],
-                                 self.get_base_layer())
+                                 self.get_base_layer().weight24.mask())
 
         def forward(self, x, *args, **kwargs):
             self._check_forward_args(x, *args, **kwargs)
