@@ -514,6 +514,114 @@ def test_given_public_experts_are_laid_out_straight_into_one_span(seed, monkeypa
         torch.testing.assert_close(spanned(hidden, index, weights), joined(hidden, index, weights), rtol=0, atol=0)
 
 
+class _TorchCompress:
+    """The conversion kernels' ``compress_tiled`` stood in for by the torch ops' conversion of the same bits, into
+    the given rows; ``refuse`` holds the call numbers that it refuses (the kernel's None), as for a NaN."""
+
+    def __init__(self, refuse=()):
+        self.rows, self.refuse = [], set(refuse)
+
+    def compress_tiled(self, w, prune, out):
+        from kernelplan.sparse24.format import compress, prune_compress
+
+        self.rows.append(out[0].data_ptr())
+        if len(self.rows) - 1 in self.refuse:
+            out[0].fill_(7)  # the kernel writes the rows it reaches before the refusal is read
+            return None
+        w24 = (prune_compress if prune else compress)(w, packed=True)
+        out[0].copy_(w24.values)
+        out[1].copy_(w24.metadata)
+        return out
+
+
+def _one_storage(module: Sparse24Experts) -> bool:
+    return all(len({getattr(m, part).untyped_storage().data_ptr() for m in layers}) == 1
+               for layers in (module.first, module.down) for part in ("values", "metadata"))
+
+
+@pytest.mark.parametrize("make", ["magnitude", "wanda"])
+def test_experts_pruned_where_the_kernels_run_are_written_straight_into_one_span(seed, monkeypatch, make):
+    """A GPU sparsify prunes and compresses each expert straight into its rows of the projection's span, by
+    magnitude (``from_experts``) or calibrated (``calibrate_experts``): no expert's own device layout is made, and
+    the span is held as it is (0046).  A refused expert (the kernel's None) is made by the torch ops in storage of
+    its own, and the experts are joined as before.  Every module equals the one made without a span."""
+    from kernelplan.nn import experts as module
+    from kernelplan.pruning import experts as pe
+
+    dense = _mixtral(torch.float32).model.layers[0].mlp.experts
+    index, weights = _routing(24, 4)
+    hidden = torch.randn(24, 128)
+
+    def build():
+        if make == "magnitude":
+            return Sparse24Experts.from_experts(dense)
+        pruned, _, _ = pe.calibrate_experts(dense, "wanda", lambda: dense(hidden, index, weights), False, 128, 0.01)
+        return Sparse24Experts.from_experts(dense, pruned)
+
+    joined = build()  # on the CPU: each expert in storage of its own, joined by _span
+    stand_in = _TorchCompress()
+    monkeypatch.setattr(module, "gpu_kernels", lambda t: stand_in)
+    spanned = build()
+    assert len(stand_in.rows) == 8 and _one_storage(spanned)
+    held = [layer.values.data_ptr() for layers in (spanned.first, spanned.down) for layer in layers]
+    assert sorted(held) == sorted(stand_in.rows)  # the span itself, held as it was written
+    stand_in = _TorchCompress(refuse={5})
+    monkeypatch.setattr(module, "gpu_kernels", lambda t: stand_in)
+    refused = build()
+    assert len(stand_in.rows) == 8 and _one_storage(refused)  # joined again, with the refused expert's own rows
+    assert refused.down[1].values.data_ptr() != stand_in.rows[5]
+    for got in (spanned, refused):
+        for layers in (got.first, got.down):  # what the grouped kernel reads is what each expert holds
+            values, metadata, _ = got._span(layers)
+            assert torch.equal(values, torch.cat([m.values.detach() for m in layers]))
+            assert torch.equal(metadata, torch.cat([m.metadata for m in layers]))
+        state, want = got.state_dict(), joined.state_dict()
+        assert state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want)
+        with torch.no_grad():
+            torch.testing.assert_close(got(hidden, index, weights), joined(hidden, index, weights), rtol=0, atol=0)
+
+
+@gpu
+@pytest.mark.parametrize("method", ["magnitude", "wanda"])
+def test_experts_pruned_on_the_gpu_peak_at_what_they_hold(seed, method):
+    """On the GPU each expert is pruned and compressed straight into the span the module then holds: building the
+    module allocates what it holds, plus at most one expert's weight.  Before 0046 each expert's own device layout
+    sat beside the span as it was joined: a whole projection over.  The module equals the CPU's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    from kernelplan.pruning import experts as pe
+
+    cfg = MixtralConfig(hidden_size=1024, intermediate_size=2048, num_local_experts=8)
+    cfg._experts_implementation = "eager"
+    dense = MixtralExperts(cfg).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.normal_()
+    index, weights = _routing(64, 8)
+    hidden = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    run = lambda: dense(hidden, index.cuda(), weights.cuda().bfloat16())  # noqa: E731
+    pruned = pe.calibrate_experts(dense, method, run, False, 128, 0.01)[0] if method != "magnitude" else None
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    sparse = Sparse24Experts.from_experts(dense, pruned)
+    torch.cuda.synchronize()
+    held, peak = torch.cuda.memory_allocated() - start, torch.cuda.max_memory_allocated() - start
+    spans = sum(p.numel() for p in dense.parameters()) * 2 * 0.5625  # both projections' experts, 2:4 in bf16
+    expert = dense.gate_up_proj[0].numel() * 2 * 0.5625  # the larger projection's one expert: 4.7 MB
+    if pruned is not None:  # calibrate_experts made the spans: the module holds them, and allocates next to nothing
+        assert held < expert / 8 and peak < expert / 8, (held, peak)
+    else:
+        assert spans <= held < spans + expert / 8 and peak - held < expert, (held, peak)
+    cpu = Sparse24Experts.from_experts(copy.deepcopy(dense).cpu(), None if pruned is None else
+                                       {k: [w.to("cpu") for w in v] for k, v in pruned.items()})
+    state, want = sparse.state_dict(), cpu.state_dict()
+    assert state.keys() == want.keys() and all(torch.equal(state[k].cpu(), want[k]) for k in want)
+
+
 def test_the_dense_module_given_back_runs_its_own_weights_where_the_source_had_accelerate_hooks(seed):
     """A device_map's accelerate hooks replace the experts module's forward with one bound to it; the module
     to_dense_module gives back runs its class's forward on the pruned weights, not the source's dense ones."""

@@ -233,10 +233,12 @@ def compress(w: torch.Tensor, prune: bool, dense: bool = False, block=(16, 64), 
     return values.view(w.dtype), metadata
 
 
-def compress_tiled(w: torch.Tensor, prune: bool, steps: int | None = None, warps: int = 4):
+def compress_tiled(w: torch.Tensor, prune: bool, steps: int | None = None, warps: int = 4, out=None):
     """``compress``'s parts in the device layout, ``(values [M/16, K/64, 512], metadata [M/16, K/64, 32] int32)``,
     in one pass from ``w`` (no public-format copy), or None where ``w`` is refused.  M % 16 == 0 and K % 64 == 0
-    (checked by the caller); rows of ``w`` must have unit stride.
+    (checked by the caller); rows of ``w`` must have unit stride.  ``out``: contiguous ``(values, metadata)`` of
+    those shapes to write them into (rows of a larger one: a MoE projection's experts end to end); a refused ``w``
+    leaves them partly written.
 
     A program takes ``steps`` 64-column steps of a 16-row tile: 8 where K has 32 steps or more, else 2, so that
     a row's last block is not mostly past K (before 0028's keys, H100 at 4ddb2dc+: the kernel at 0.79-0.82x of the
@@ -247,8 +249,11 @@ def compress_tiled(w: torch.Tensor, prune: bool, steps: int | None = None, warps
     bits, absmask, inf = _int_view(w)
     grid = (m // 16, triton.cdiv(k // 64, steps))
     bad = _flag(w.device)
-    tv = torch.empty((m // 16, k // 64, 512), dtype=bits.dtype, device=w.device)
-    tm = torch.empty((m // 16, k // 64, 32), dtype=torch.int32, device=w.device)
+    if out is None:
+        tv = torch.empty((m // 16, k // 64, 512), dtype=bits.dtype, device=w.device)
+        tm = torch.empty((m // 16, k // 64, 32), dtype=torch.int32, device=w.device)
+    else:
+        tv, tm = out[0].view(bits.dtype), out[1]
     _TILED(grid, (bits, tv, tm.view(torch.int8), bad, k, w.stride(0)),
            {"PRUNE": prune, "ABS": absmask, "INF": inf, "WIDE": w.element_size() == 4, "STEPS": steps},
            num_warps=warps)

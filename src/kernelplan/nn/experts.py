@@ -18,7 +18,7 @@ from torch import nn
 
 from .._checks import _is_compiling
 from ..errors import InvalidProblem
-from ..sparse24.format import Sparse24Weight, prune_compress
+from ..sparse24.format import Sparse24Weight, compress, prune_compress
 from ..sparse24.layout import PUBLIC, gpu_kernels, pack_reason, packed_shapes
 from ..sparse24.gemm import forget
 from . import experts_ops
@@ -133,28 +133,44 @@ def experts_speed_reason(module: nn.Module) -> str | None:
             f"(0.5625x) anyway")
 
 
-def _packed_end_to_end(weights: list[Sparse24Weight]) -> list[Sparse24Weight]:
-    """A projection's experts (public, one shape) in the device layout, each a view of one storage a part (the
-    grouped kernel's span), converted one by one straight into it: no expert's own device layout is held beside the
-    span, which was a MoE load's peak (docs/design/0045).  The list is changed in place, each expert's entry replaced
-    as it is converted, so a caller that holds no other reference frees its public tensors one by one.  Where the GPU
-    conversion kernels do not run (the CPU), or the weights are laid out already or do not pack, the weights as
-    given: the layers lay themselves out, and ``Sparse24Experts._span`` joins them."""
-    kernels = gpu_kernels(weights[0].values)
-    shape, values = weights[0].shape, weights[0].values
-    if kernels is None or pack_reason(*shape) is not None or \
-            any(w.layout != PUBLIC or w.shape != shape for w in weights):
-        return weights
-    shapes = packed_shapes(*shape)
-    tv = values.new_empty((len(weights) * shapes[0][0], *shapes[0][1:]))
-    tm = torch.empty((len(weights) * shapes[1][0], *shapes[1][1:]), dtype=torch.int32, device=tv.device)
-    del values
-    for e in range(len(weights)):
-        rows = slice(e * shapes[0][0], (e + 1) * shapes[0][0])
-        kernels.pack_into(weights[e].values.detach().contiguous(), weights[e].metadata.contiguous(), tv[rows],
-                          tm[rows])
-        weights[e] = Sparse24Weight(tv[rows], tm[rows], _validate=False)
-    return weights
+class ExpertSpan:
+    """One projection's experts in the device layout end to end, one storage a part (the grouped kernel's W, which
+    ``Sparse24Experts._span`` then finds whole), each expert written into its rows as it is made.  No expert's own
+    device layout is held beside the span: that was a MoE load's peak (docs/design/0045) and a GPU ``sparsify``'s
+    (0046).  Where the GPU conversion kernels do not run (the CPU) or the shape does not pack, there is no span: each
+    expert is made in storage of its own, and ``Sparse24Experts._span`` joins them."""
+
+    def __init__(self, count: int, shape: tuple[int, int], like: torch.Tensor):
+        self.shape, self.dtype = tuple(shape), like.dtype
+        self.kernels = gpu_kernels(like)
+        self.parts = None
+        if self.kernels is not None and pack_reason(*shape) is None:
+            (rv, *v), (rm, *m) = packed_shapes(*shape)
+            self.rows = (rv, rm)
+            self.parts = (like.new_empty((count * rv, *v)),
+                          torch.empty((count * rm, *m), dtype=torch.int32, device=like.device))
+
+    def _rows(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(part[e * r:(e + 1) * r] for part, r in zip(self.parts, self.rows))
+
+    def laid_out(self, e: int, w: Sparse24Weight) -> Sparse24Weight:
+        """``w``, expert ``e``'s weight in the public format, converted into its rows; ``w`` itself where there is no
+        span or ``w`` is laid out already or of another shape or dtype (the layer then lays itself out)."""
+        if self.parts is None or w.layout != PUBLIC or tuple(w.shape) != self.shape or w.dtype != self.dtype:
+            return w
+        tv, tm = self._rows(e)
+        self.kernels.pack_into(w.values.detach().contiguous(), w.metadata.contiguous(), tv, tm)
+        return Sparse24Weight(tv, tm, _validate=False)
+
+    def compressed(self, e: int, w: torch.Tensor, prune: bool) -> Sparse24Weight:
+        """``compress(w, packed=True)`` (``prune``: ``prune_compress``) of expert ``e``'s dense weight, in its rows.
+        Where there is no span, or the kernel refuses ``w``, the torch ops' (which name what they refuse)."""
+        if self.parts is not None and tuple(w.shape) == self.shape and w.dtype == self.dtype:
+            tv, tm = self._rows(e)
+            rows = w if w.stride(-1) == 1 else w.contiguous()
+            if self.kernels.compress_tiled(rows, prune=prune, out=(tv, tm)) is not None:
+                return Sparse24Weight(tv, tm, _validate=False)
+        return (prune_compress if prune else compress)(w, packed=True)
 
 
 def _meta_skeleton(module: nn.Module) -> nn.Module:
@@ -283,12 +299,17 @@ class Sparse24Experts(nn.Module):
         for name in _parts(flags["has_gate"]):
             count = getattr(experts, name).shape[0]
             biases = expert_bias(experts, name)
-            given = None if pruned is None else _packed_end_to_end(pruned[name] if consume else list(pruned[name]))
+            given = None if pruned is None else pruned[name] if consume else list(pruned[name])
+            source = expert_weight(experts, name, 0) if given is None else given[0].values
+            span = ExpertSpan(count, given[0].shape if given is not None else source.shape, source)
+            del source
             built = []
             for e in range(count):
                 with torch.no_grad():
-                    w24 = given[e] if given is not None else \
-                        prune_compress(expert_weight(experts, name, e).detach(), packed=True)
+                    if given is not None:  # each entry replaced as it is laid out: consumed, it is freed now
+                        w24 = given[e] = span.laid_out(e, given[e])
+                    else:
+                        w24 = span.compressed(e, expert_weight(experts, name, e).detach(), prune=True)
                     bias = biases[e].detach().clone() if biases is not None else None
                 built.append(Sparse24Linear(w24.values, w24.metadata, bias, _validate=False))
             layers.append(built)
@@ -370,12 +391,14 @@ class Sparse24Experts(nn.Module):
         spans = []
         for i, (first, last) in enumerate(parts):
             storage = first.untyped_storage()
-            if last.untyped_storage().data_ptr() == storage.data_ptr() and \
-                    last.data_ptr() == first.data_ptr() + (count - 1) * first.nbytes:
+            tensors = [(m.values, m.metadata, m.bias)[i] for m in layers]
+            # Every expert checked, not the ends alone: a span with a refused expert's rows left unused (ExpertSpan)
+            # has its ends in place and a middle expert elsewhere.
+            if all(t.untyped_storage().data_ptr() == storage.data_ptr() and t.is_contiguous() and
+                   t.data_ptr() == first.data_ptr() + e * first.nbytes for e, t in enumerate(tensors)):
                 span = first.new_empty(0).set_(storage, first.storage_offset(), (count * first.shape[0],
                                                                                   *first.shape[1:]), first.stride())
             else:
-                tensors = [(m.values, m.metadata, m.bias)[i] for m in layers]
                 span = torch.cat([t.detach() for t in tensors])
                 for e, t in enumerate(tensors):
                     if i == 0:

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn.experts import expert_bias, expert_weight, parts_of, source_activation
-from ..sparse24.format import Sparse24Weight, compress, prune_compress
+from ..nn.experts import ExpertSpan, expert_bias, expert_weight, parts_of, source_activation
+from ..sparse24.format import Sparse24Weight
 from . import methods
 
 STATS_BYTES = 4 << 30  # the statistics held at once: one chunk of experts
@@ -83,6 +83,10 @@ def calibrate_experts(module: nn.Module, method: str, run: Callable[[], None], m
     dtype = torch.float64 if getattr(module, parts_of(module)[0]).dtype == torch.float64 else torch.float32
     chunk = max(1, STATS_BYTES // _bytes_per_expert(module, full, dtype))
     out: dict[str, list[Sparse24Weight]] = {name: [] for name in parts_of(module)}
+    # Each expert compressed straight into its rows of the projection's span, which Sparse24Experts then holds as
+    # it is: no expert's own device layout beside it (docs/design/0046).
+    spans = {name: ExpertSpan(count, expert_weight(module, name, 0).shape, expert_weight(module, name, 0))
+             for name in parts_of(module)}
     errors: dict[str, list[float]] = {name: [] for name in parts_of(module)}
     unreached = []
     for start in range(0, count, chunk):
@@ -95,12 +99,12 @@ def calibrate_experts(module: nn.Module, method: str, run: Callable[[], None], m
             for name, stats in zip(parts_of(module), (gatherer.first[e], gatherer.down[e])):
                 w = expert_weight(module, name, e).detach()
                 if not reached:
-                    out[name].append(prune_compress(w, packed=True))
+                    out[name].append(spans[name].compressed(e, w, prune=True))
                     continue
                 pruned = methods.prune(method, w, stats, blocksize, damp)
                 if measure:
                     errors[name].append(methods.relative_error(w, pruned, stats))
-                out[name].append(compress(pruned, packed=True))
+                out[name].append(spans[name].compressed(e, pruned, prune=False))
         del gatherer
     means = {name: sum(v) / len(v) for name, v in errors.items() if v}
     return out, unreached, means
