@@ -405,3 +405,46 @@ def test_from_pretrained_with_a_device_map_over_two_devices_runs_each_2_4_layer_
     ref = _fp64_logits(model, ids)
     assert (got - ref).abs().max() <= 0.05 * ref.abs().max()  # bf16 through the whole model, as tests/test_hf.py
     _same_state({k: v.cpu() for k, v in loaded.state_dict().items()}, model.state_dict())
+
+
+def test_a_moe_model_over_two_devices_sparsified_loaded_and_dequantized_where_each_layer_was_placed(tmp_path, seed):
+    """Mixtral with its decoder layers split over cuda:0 and cuda:1 (a device_map, accelerate's hooks moving the
+    activations): ``kp.sparsify`` prunes each layer's experts on its own device, straight into the span there;
+    ``save_pretrained`` then ``from_pretrained`` lays each out where the map puts it; ``dequantize`` gives each
+    layer its dense experts back on its device.  Every model computes the fp64 twin's function."""
+    transformers = pytest.importorskip("transformers")
+    from test_experts import _dense_twin, _mixtral
+    from test_hf_quantizer import _same_state
+
+    dense = _mixtral(torch.float32, experts=4, top_k=4)  # every token to every expert: no bf16 routing flip
+    dense.save_pretrained(tmp_path / "dense")
+    split = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 1,
+             "model.norm": 1, "lm_head": 1}
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dense", device_map=split,
+                                                             dtype=torch.bfloat16)
+    kp.sparsify(model, progress=False, experts="all")
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        want = _dense_twin(model, dense).double()(ids).logits
+    model.save_pretrained(tmp_path / "sparse")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sparse", device_map=split)
+    for got in (model, loaded):
+        for i in range(2):
+            experts = got.model.layers[i].mlp.experts
+            assert isinstance(experts, kp.nn.Sparse24Experts)
+            for layers in (experts.first, experts.down):
+                assert {m.values.device.index for m in layers} == {i} and {m.layout for m in layers} == {"sp tiled"}
+                values = experts._span(layers)[0]  # the span, held as the experts' storage: one, on their device
+                assert values.device.index == i and {m.values.untyped_storage().data_ptr() for m in layers} == {
+                    values.untyped_storage().data_ptr()}
+        with torch.no_grad():
+            logits = got(ids.cuda(0)).logits.double().cpu()
+        assert (logits - want).abs().max() <= 0.05 * want.abs().max()
+    _same_state(*({k: v.cpu() for k, v in m.state_dict().items()} for m in (loaded, model)))
+    loaded.dequantize()
+    for i in range(2):
+        experts = loaded.model.layers[i].mlp.experts
+        assert type(experts) is type(dense.model.layers[i].mlp.experts) and experts.gate_up_proj.device.index == i
+    with torch.no_grad():
+        logits = loaded(ids.cuda(0)).logits.double().cpu()
+    assert (logits - want).abs().max() <= 0.05 * want.abs().max()
