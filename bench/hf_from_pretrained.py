@@ -6,7 +6,8 @@
 heads, vocabulary 32000), its experts 2:4 too (``experts="all"``).  ``--layers`` decoder layers, random bf16 weights,
 no download.  ``kp.sparsify`` (magnitude, LM head dense) prunes a copy; both are written with ``save_pretrained``
 (a MoE model's 2:4 experts one layer an expert, under transformers' saved names), and for a MoE model the 2:4 one
-with ``kp.hf.save_model`` too (its experts stacked).  Each directory is then loaded onto the GPU
+with ``kp.hf.save_model`` too (its experts stacked).  ``kp.sparsify``'s own peak on the GPU is reported: ``sparsify``,
+the memory it allocated over the dense model it started from.  Each directory is then loaded onto the GPU
 in turn (``device_map="cuda"``; ``load_model(device="cuda")``), and for each: wall seconds of the load, GPU memory it
 holds after a forward at 1 and at 128 tokens (``torch.cuda.memory_allocated``, and ``weight_bytes``: parameters,
 buffers and the 2:4 layouts calls built), its peak during the load, and the linear layers' bytes against their dense
@@ -116,7 +117,16 @@ def main() -> int:
     dense.save_pretrained(root / "dense")
     sparse = copy.deepcopy(dense)
     del dense
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
     report = kp.sparsify(sparse, progress=False, experts="all" if moe else "auto")
+    torch.cuda.synchronize()
+    sparsify = {"seconds": time.perf_counter() - t0, "allocated_before": before,
+                "allocated_after": torch.cuda.memory_allocated(),
+                "peak_over_before": torch.cuda.max_memory_allocated() - before}
+    print({"kp.sparsify on the GPU": sparsify}, flush=True)
     with torch.inference_mode():
         ref = sparse(ids).logits.float().cpu()
     saved = {k: v.cpu() for k, v in sparse.state_dict().items()}
@@ -156,7 +166,7 @@ def main() -> int:
     name = "hf-from-pretrained" if a.model == "llama" else f"hf-from-pretrained-{a.model}"
     results.write(name, {"rows": rows, "model": a.model, "layers": layers, "file_bytes": sizes,
                                          "relative_error": agreement, "loaders_equal": same,
-                                         "converted": len(report.converted)}, a.out)
+                                         "converted": len(report.converted), "sparsify": sparsify}, a.out)
     return 0 if ok else 1
 
 
