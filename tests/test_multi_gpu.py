@@ -407,6 +407,20 @@ def test_from_pretrained_with_a_device_map_over_two_devices_runs_each_2_4_layer_
     _same_state({k: v.cpu() for k, v in loaded.state_dict().items()}, model.state_dict())
 
 
+@pytest.mark.parametrize("tokens", [3, 600])
+def test_moe_experts_on_each_device(tokens, seed):
+    """A MoE layer's 2:4 experts on each device with the other current, against fp64: on Hopper in one grouped
+    launch (without autograd), with autograd through each expert's layers.  The grouped kernel is loaded into its
+    device's context; its launch went to the current one until 0046 (CUDA_ERROR_INVALID_HANDLE on cuda:1)."""
+    from test_experts import _experts_against_the_oracle
+
+    def run(dev):
+        for grad in (False, True):
+            _experts_against_the_oracle(dev, tokens, grad)
+
+    _on_each_device(run)
+
+
 def test_a_moe_model_over_two_devices_sparsified_loaded_and_dequantized_where_each_layer_was_placed(tmp_path, seed):
     """Mixtral with its decoder layers split over cuda:0 and cuda:1 (a device_map, accelerate's hooks moving the
     activations): ``kp.sparsify`` prunes each layer's experts on its own device, straight into the span there;

@@ -22,7 +22,7 @@ import torch
 from ..activations import GATED_EPILOGUES
 from ..dtypes import dtype_info
 from ..errors import KernelPlanError
-from . import have_triton, raw_stream
+from . import have_triton, on_device, raw_stream
 from .direct import BoundLaunch, FunctionLaunch, _param_sizes
 from .sparse24_ws import (SM_SHARED, _PARAMS, _PP_PARAMS, _PP_SIZES, _SIZES, TensorMaps, WsConfig, _deepest,
                           source)
@@ -202,5 +202,7 @@ def grouped_linear(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor
             _BOUND.clear()
         bound = _BOUND[key] = _bind(x, values, metadata, bias, experts, epilogue, y, scatter is not None)
     rows, scale = (0, 0) if scatter is None else (scatter[1].data_ptr(), scatter[2].data_ptr())
-    bound(x.data_ptr(), y.data_ptr(), offsets.data_ptr(), rows, scale, raw_stream(x.get_device()))
+    device = x.get_device()
+    with on_device(device):  # the kernel is loaded into x's device's context, and a launch goes to the current one
+        bound(x.data_ptr(), y.data_ptr(), offsets.data_ptr(), rows, scale, raw_stream(device))
     return y
