@@ -141,22 +141,21 @@ class ExpertSpan:
     expert is made in storage of its own, and ``Sparse24Experts._span`` joins them."""
 
     def __init__(self, count: int, shape: tuple[int, int], like: torch.Tensor):
-        self.shape, self.dtype = tuple(shape), like.dtype
-        self.kernels = gpu_kernels(like)
-        self.parts = None
-        if self.kernels is not None and pack_reason(*shape) is None:
-            (rv, *v), (rm, *m) = packed_shapes(*shape)
-            self.rows = (rv, rm)
-            self.parts = (like.new_empty((count * rv, *v)),
-                          torch.empty((count * rm, *m), dtype=torch.int32, device=like.device))
+        self.count, self.shape, self.dtype, self.device = count, tuple(shape), like.dtype, like.device
+        self.kernels = gpu_kernels(like) if pack_reason(*shape) is None else None
+        self.parts = None  # allocated by the first expert written: where all come laid out, never
 
     def _rows(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(part[e * r:(e + 1) * r] for part, r in zip(self.parts, self.rows))
+        (rv, *v), (rm, *m) = packed_shapes(*self.shape)
+        if self.parts is None:
+            self.parts = (torch.empty((self.count * rv, *v), dtype=self.dtype, device=self.device),
+                          torch.empty((self.count * rm, *m), dtype=torch.int32, device=self.device))
+        return self.parts[0][e * rv:(e + 1) * rv], self.parts[1][e * rm:(e + 1) * rm]
 
     def laid_out(self, e: int, w: Sparse24Weight) -> Sparse24Weight:
         """``w``, expert ``e``'s weight in the public format, converted into its rows; ``w`` itself where there is no
         span or ``w`` is laid out already or of another shape or dtype (the layer then lays itself out)."""
-        if self.parts is None or w.layout != PUBLIC or tuple(w.shape) != self.shape or w.dtype != self.dtype:
+        if self.kernels is None or w.layout != PUBLIC or tuple(w.shape) != self.shape or w.dtype != self.dtype:
             return w
         tv, tm = self._rows(e)
         self.kernels.pack_into(w.values.detach().contiguous(), w.metadata.contiguous(), tv, tm)
@@ -165,7 +164,7 @@ class ExpertSpan:
     def compressed(self, e: int, w: torch.Tensor, prune: bool) -> Sparse24Weight:
         """``compress(w, packed=True)`` (``prune``: ``prune_compress``) of expert ``e``'s dense weight, in its rows.
         Where there is no span, or the kernel refuses ``w``, the torch ops' (which name what they refuse)."""
-        if self.parts is not None and tuple(w.shape) == self.shape and w.dtype == self.dtype:
+        if self.kernels is not None and tuple(w.shape) == self.shape and w.dtype == self.dtype:
             tv, tm = self._rows(e)
             rows = w if w.stride(-1) == 1 else w.contiguous()
             if self.kernels.compress_tiled(rows, prune=prune, out=(tv, tm)) is not None:
