@@ -622,6 +622,18 @@ def test_experts_pruned_on_the_gpu_peak_at_what_they_hold(seed, method):
     assert state.keys() == want.keys() and all(torch.equal(state[k].cpu(), want[k]) for k in want)
 
 
+@pytest.mark.parametrize("method", ["magnitude", "wanda"])
+def test_sparsify_frees_each_dense_experts_module_as_it_is_replaced(seed, monkeypatch, method):
+    """A layer's dense experts are freed once its 2:4 ones replace them, not when sparsify returns (0046)."""
+    from test_pruning import _alive_as_replaced
+
+    alive = _alive_as_replaced(monkeypatch, "_replace_experts")
+    model = _mixtral(torch.float32)
+    kp.sparsify(model, method=method, calibration=torch.randint(0, 256, (2, 8)) if method != "magnitude" else None,
+                experts="all", progress=False)
+    assert alive == [0, 0] and isinstance(model.model.layers[1].mlp.experts, Sparse24Experts)
+
+
 def test_the_dense_module_given_back_runs_its_own_weights_where_the_source_had_accelerate_hooks(seed):
     """A device_map's accelerate hooks replace the experts module's forward with one bound to it; the module
     to_dense_module gives back runs its class's forward on the pruned weights, not the source's dense ones."""

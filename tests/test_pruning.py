@@ -220,6 +220,38 @@ def test_a_magnitude_report_says_that_it_looked_at_no_data(seed):
     assert MAGNITUDE_NOTE not in kp.sparsify(copy.deepcopy(model), lambda *_: False, progress=False).summary()
 
 
+def _alive_as_replaced(monkeypatch, name: str) -> list[int]:
+    """Wraps ``sparsify``'s ``name`` (``_replace`` or ``_replace_experts``): at each replacement, how many of the dense
+    modules replaced before it are still referenced (alive after a collection)."""
+    import gc
+    import weakref
+
+    module = importlib.import_module("kernelplan.pruning.sparsify")  # the package exports the function by that name
+    original, replaced, alive = getattr(module, name), [], []
+
+    def replace(model, layer_name, layer, *args, **kwargs):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in replaced))
+        replaced.append(weakref.ref(layer))
+        return original(model, layer_name, layer, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, replace)
+    return alive
+
+
+@pytest.mark.parametrize("method", ["magnitude", "wanda"])
+def test_sparsify_frees_each_dense_layer_as_it_is_replaced(seed, monkeypatch, method):
+    """Each dense layer is freed once it is replaced (by magnitude) or once its block is (calibrated), not when
+    sparsify returns: a model sparsified on the GPU peaked at the dense model plus the whole 2:4 one (0046)."""
+    alive = _alive_as_replaced(monkeypatch, "_replace")
+    model = _Toy(n=4)
+    kp.sparsify(model, method=method, calibration=torch.randint(0, 64, (4, 8)) if method != "magnitude" else None,
+                progress=False)
+    assert len(alive) == 8 and all(isinstance(model.layers[i].up, kp.nn.Sparse24Linear) for i in range(4))
+    # By magnitude none is left; calibrated, the block's up projection while its down one is replaced.
+    assert max(alive) == (0 if method == "magnitude" else 1), alive
+
+
 def test_blocks_override_and_layers_outside_blocks(seed):
     model = _Toy(n=2).double()
     model.head = nn.Linear(32, 64, bias=False).double()  # untied: prune_output prunes it after the blocks

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -177,6 +177,15 @@ def _select_experts(name: str, layer: nn.Module, filter_fn, report: SparsifyRepo
     experts.append((name, layer))
 
 
+def _drain(items: list) -> Iterator:
+    """Each of ``items``, removed from the list as it is taken: a dense layer replaced is then referenced by nothing,
+    and freed.  Iterated whole, the list held every dense layer until ``sparsify`` returned, so a model sparsified on
+    the GPU peaked at the dense model plus the whole 2:4 one (docs/design/0046)."""
+    items.reverse()
+    while items:
+        yield items.pop()
+
+
 def _replace_experts(model: nn.Module, name: str, layer: nn.Module, report: SparsifyReport,
                      pruned: dict | None = None) -> None:
     sparse = Sparse24Experts.from_experts(layer, pruned)
@@ -258,9 +267,11 @@ def sparsify(
     held: list[tuple[str, nn.Module]] = []
     chosen = _select(model, filter_fn, prune_output, out, held, policy)
     if calibration is None:
-        for name, layer in tqdm(held, desc="sparsify (experts)", disable=not progress or not held):
+        for name, layer in tqdm(_drain(held), desc="sparsify (experts)", total=len(held),
+                                disable=not progress or not held):
             _replace_experts(model, name, layer, out)
-        for name, layer in tqdm(chosen, desc="sparsify", disable=not progress or len(chosen) < 8):
+        for name, layer in tqdm(_drain(chosen), desc="sparsify", total=len(chosen),
+                                disable=not progress or len(chosen) < 8):
             _replace(model, name, layer, prune_compress(layer.weight.detach(), packed=True), out)
         return _finished(model, fuse, out)
 
@@ -307,13 +318,19 @@ def sparsify(
         experts_in = [[(n, m) for n, m in held if owner.get(id(m)) == i] for i in range(len(blocks))]
         outside = [(n, l) for n, l in chosen if id(l) not in owner]
         experts_outside = [(n, m) for n, m in held if id(m) not in owner]
+        chosen.clear()  # each dense layer referenced once from here on, by its block's list, cleared as it is pruned
+        held.clear()
         with torch.no_grad(), clock("capture"):
             inputs = calibrate.capture_inputs(model, blocks[0], data)
         bar = lambda it: tqdm(it, desc=f"sparsify ({method})", unit="layer", disable=not progress)  # noqa: E731
 
         def prune_block(i: int, block: nn.Module, dense_pass: Callable[[], None]) -> None:
-            prune_layers(per_block[i], dense_pass)
-            prune_experts(experts_in[i], dense_pass)
+            # The block's lists handed over, so its dense layers are freed as they are replaced, not at the end.
+            layers, per_block[i] = per_block[i], []
+            prune_layers(layers, dense_pass)
+            del layers
+            modules, experts_in[i] = experts_in[i], []
+            prune_experts(modules, dense_pass)
 
         with torch.no_grad():
             calibrate.run_blocks(blocks, inputs, prune_block, bar, lambda: clock("forward"))
