@@ -634,6 +634,53 @@ def test_sparsify_frees_each_dense_experts_module_as_it_is_replaced(seed, monkey
     assert alive == [0, 0] and isinstance(model.model.layers[1].mlp.experts, Sparse24Experts)
 
 
+def test_load_model_lays_each_expert_out_as_it_reads_it(tmp_path, seed, monkeypatch):
+    """A save_pretrained MoE directory (one layer an expert): where the conversion kernels run, load_model converts
+    each expert into its rows of the projection's span as it is read, rather than holding every expert's checkpoint
+    tensors until the end (0046); the span is then held as written.  The kernel's place is taken by the torch ops."""
+    from kernelplan import hf
+    from kernelplan.nn import experts as module
+    from kernelplan.nn.experts import ExpertSpan
+    from kernelplan.sparse24 import layout
+
+    model = _mixtral(torch.float32)
+    kp.sparsify(model, progress=False, experts="all")
+    model.save_pretrained(tmp_path)
+    read, packed = [0], []
+
+    class TorchOps:
+        @staticmethod
+        def pack_into(values, metadata, tv, tm):
+            packed.append((read[0], tv.data_ptr()))
+            tv.copy_(layout.pack_values(values))
+            tm.copy_(layout.pack_metadata(metadata))
+
+    def counted(*args, **kwargs):
+        for item in iter_layers(*args, **kwargs):
+            read[0] += 1
+            yield item
+
+    iter_layers = hf.iter_layers
+    monkeypatch.setattr(hf, "iter_layers", counted)
+    monkeypatch.setattr(module, "gpu_kernels", lambda t: TorchOps)
+    loaded = hf.load_model(tmp_path)
+    assert len(packed) == 2 * 2 * 4  # layers x projections x experts, each converted once
+    assert [n for n, _ in packed] == sorted(n for n, _ in packed) and packed[0][0] < packed[-1][0] < read[0]
+    for i in range(2):
+        experts = loaded.model.layers[i].mlp.experts
+        held = {layer.values.data_ptr() for layers in (experts.first, experts.down) for layer in layers}
+        assert held <= {ptr for _, ptr in packed}  # the rows written as read: no copy made after
+    state, want = loaded.state_dict(), model.state_dict()
+    assert state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want)
+    ids = torch.randint(0, 256, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    span = ExpertSpan(4, (384, 128), torch.zeros(1))
+    span.kernels = TorchOps
+    w = loaded.model.layers[0].mlp.experts.first[0].weight24.public()
+    assert span.laid_out(4, w) is w and span.laid_out(-1, w) is w and span.parts is None  # no rows: made apart
+
+
 def test_the_dense_module_given_back_runs_its_own_weights_where_the_source_had_accelerate_hooks(seed):
     """A device_map's accelerate hooks replace the experts module's forward with one bound to it; the module
     to_dense_module gives back runs its class's forward on the pruned weights, not the source's dense ones."""

@@ -315,6 +315,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
     """
     import transformers
 
+    from .nn.experts import ExpertSpan, expert_weight
     from .nn.sparse24_linear import Sparse24Linear
     from .pruning.sparsify import is_conv1d
 
@@ -327,6 +328,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
     rename = checkpoint_renamer(model)  # transformers' renames as it saved (Mixtral's mlp as block_sparse_moe), undone
     state, sparse, stacked = {}, set(), {}
     by_expert: dict[str, dict[int, object]] = {}  # "<experts>.<projection>" -> {e: its 2:4 weight, or its bias}
+    spans: dict[str, ExpertSpan] = {}  # "<experts>.<projection>" -> where its experts are laid out as they are read
     # The plain tensors (embeddings, norms, an LM head) are read on the CPU, where the model is built, and reach the
     # device once, with the model: read there, they were on it twice while the model moved (0044).
     for name, item in iter_layers(path, device, targets, plain_on_cpu=True):
@@ -349,8 +351,15 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
         name = rename_prefix(rename, name)
         expert = per_expert(model, name)
         if expert is not None:  # one expert's layer, as a Sparse24Experts holds it (its save_pretrained)
-            by_expert.setdefault(f"{expert[0]}.{expert[1]}", {})[expert[2]] = item
-            sparse.add(f"{expert[0]}.{expert[1]}")
+            key = f"{expert[0]}.{expert[1]}"
+            if key not in spans:
+                module = model.get_submodule(expert[0])
+                spans[key] = ExpertSpan(getattr(module, expert[1]).shape[0],
+                                        expert_weight(module, expert[1], 0).shape, item.values)
+            # Laid out into its rows of the projection's span as it is read, its public tensors dropped: the GPU
+            # holds one expert's checkpoint tensors at a time, not every expert's of the model (docs/design/0046).
+            by_expert.setdefault(key, {})[expert[2]] = spans[key].laid_out(expert[2], item)
+            sparse.add(key)
             continue
         layer, shape = dense_layer(model, name)
         if shape != tuple(item.shape):

@@ -152,10 +152,16 @@ class ExpertSpan:
                           torch.empty((self.count * rm, *m), dtype=torch.int32, device=self.device))
         return self.parts[0][e * rv:(e + 1) * rv], self.parts[1][e * rm:(e + 1) * rm]
 
+    def _fits(self, e: int, w) -> bool:
+        """Whether expert ``e``'s weight ``w`` goes into the span: there is one, ``e`` has rows in it, and ``w`` has its
+        shape and dtype (what does not is made apart, and refused or joined by the caller)."""
+        return self.kernels is not None and 0 <= e < self.count and tuple(w.shape) == self.shape and \
+            w.dtype == self.dtype
+
     def laid_out(self, e: int, w: Sparse24Weight) -> Sparse24Weight:
         """``w``, expert ``e``'s weight in the public format, converted into its rows; ``w`` itself where there is no
         span or ``w`` is laid out already or of another shape or dtype (the layer then lays itself out)."""
-        if self.kernels is None or w.layout != PUBLIC or tuple(w.shape) != self.shape or w.dtype != self.dtype:
+        if not self._fits(e, w) or w.layout != PUBLIC:
             return w
         tv, tm = self._rows(e)
         self.kernels.pack_into(w.values.detach().contiguous(), w.metadata.contiguous(), tv, tm)
@@ -164,7 +170,7 @@ class ExpertSpan:
     def compressed(self, e: int, w: torch.Tensor, prune: bool) -> Sparse24Weight:
         """``compress(w, packed=True)`` (``prune``: ``prune_compress``) of expert ``e``'s dense weight, in its rows.
         Where there is no span, or the kernel refuses ``w``, the torch ops' (which name what they refuse)."""
-        if self.kernels is not None and tuple(w.shape) == self.shape and w.dtype == self.dtype:
+        if self._fits(e, w):
             tv, tm = self._rows(e)
             rows = w if w.stride(-1) == 1 else w.contiguous()
             if self.kernels.compress_tiled(rows, prune=prune, out=(tv, tm)) is not None:
