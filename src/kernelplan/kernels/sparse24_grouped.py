@@ -194,15 +194,17 @@ def grouped_linear(x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor
         else scatter[0]
     if s == 0:
         return y
-    key = (values.data_ptr(), metadata.data_ptr(), 0 if bias is None else bias.data_ptr(), values.shape[0], experts,
-           x.shape, x.stride(0), y.stride(0), x.dtype, epilogue, scatter is None)
+    device = x.get_device()
+    # The device too: a bound launch holds a kernel loaded into one device's context, and keyed by addresses alone
+    # only the allocator's habits kept another device's weights from finding it.
+    key = (device, values.data_ptr(), metadata.data_ptr(), 0 if bias is None else bias.data_ptr(), values.shape[0],
+           experts, x.shape, x.stride(0), y.stride(0), x.dtype, epilogue, scatter is None)
     bound = _BOUND.get(key)
     if bound is None:
         if len(_BOUND) >= _MAX_BOUND:
             _BOUND.clear()
         bound = _BOUND[key] = _bind(x, values, metadata, bias, experts, epilogue, y, scatter is not None)
     rows, scale = (0, 0) if scatter is None else (scatter[1].data_ptr(), scatter[2].data_ptr())
-    device = x.get_device()
     with on_device(device):  # the kernel is loaded into x's device's context, and a launch goes to the current one
         bound(x.data_ptr(), y.data_ptr(), offsets.data_ptr(), rows, scale, raw_stream(device))
     return y
