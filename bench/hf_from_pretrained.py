@@ -12,8 +12,9 @@ in turn (``device_map="cuda"``; ``load_model(device="cuda")``), and for each: wa
 holds after a forward at 1 and at 128 tokens (``torch.cuda.memory_allocated``, and ``weight_bytes``: parameters,
 buffers and the 2:4 layouts calls built), its peak during the load, and the linear layers' bytes against their dense
 bytes (a MoE layer's experts counted among them).  Each sparse loader's state_dict is compared bit for bit with the
-sparsified model's before it was saved, and the sparse loaders' logits with each other.  (Logits against the model before saving differ in bf16 by its
-rotary buffer: built in float32 and cast, it is bf16 there, and float32 in a model loaded in bf16.)  Writes
+sparsified model's before it was saved, and the sparse loaders' logits with each other.  (Logits against the model
+before saving differ in bf16 by its rotary buffer: built in float32 and cast, it is bf16 there, and float32 in a model
+loaded in bf16.)  Writes
 ``bench/results/hf-from-pretrained-<gpu>.json`` (``hf-from-pretrained-mixtral-<gpu>.json``).
 
     PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/hf_from_pretrained.py [--model mixtral]

@@ -305,9 +305,10 @@ class Sparse24Experts(nn.Module):
             count = getattr(experts, name).shape[0]
             biases = expert_bias(experts, name)
             given = None if pruned is None else pruned[name] if consume else list(pruned[name])
-            source = expert_weight(experts, name, 0) if given is None else given[0].values
-            span = ExpertSpan(count, given[0].shape if given is not None else source.shape, source)
-            del source
+            if given is not None:
+                span = ExpertSpan(count, given[0].shape, given[0].values)
+            else:
+                span = ExpertSpan(count, expert_weight(experts, name, 0).shape, expert_weight(experts, name, 0))
             built = []
             for e in range(count):
                 with torch.no_grad():
@@ -390,13 +391,11 @@ class Sparse24Experts(nn.Module):
         if hit is not None and hit[0] == _addresses(*hit[2]):
             return hit[1]
         head, tail, count = layers[0], layers[-1], len(layers)
-        parts = [(head.values, tail.values), (head.metadata, tail.metadata)]
-        if head.bias is not None:
-            parts.append((head.bias, tail.bias))
         spans = []
-        for i, (first, last) in enumerate(parts):
-            storage = first.untyped_storage()
+        for i in range(2 if head.bias is None else 3):  # values, metadata (, biases)
             tensors = [(m.values, m.metadata, m.bias)[i] for m in layers]
+            first = tensors[0]
+            storage = first.untyped_storage()
             # Every expert checked, not the ends alone: a span with a refused expert's rows left unused (ExpertSpan)
             # has its ends in place and a middle expert elsewhere.
             if all(t.untyped_storage().data_ptr() == storage.data_ptr() and t.is_contiguous() and
