@@ -293,6 +293,21 @@ def test_sparse24_functional_3d_x_tunes_and_matches(activation):
     assert_close(y, act(F.linear(x.double(), w.double())), act(F.linear(x, w)), atol=FWD_ATOL[torch.bfloat16])
 
 
+def test_graph_timings_leave_torchs_default_capture_stream_alone(monkeypatch):
+    """Tile tuning's and the benchmarks' graph timings capture on a stream of their own: torch's default capture stream,
+    made once per process on the device current at the first capture that names none, is not made by them (made on
+    cuda:1 by a tuning there, it would take a user's later default captures on cuda:0; docs/design/0047)."""
+    from kernelplan.timing import graph_rounds, graph_us
+
+    monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", None)
+    count = torch.zeros((), dtype=torch.int64, device="cuda")
+    graph_rounds({"count": [lambda: count.add_(1)]}, calls=4, rounds=2)
+    torch.cuda.synchronize()
+    assert int(count) == 1 + 4 * (1 + 2)  # the warm-up, the upload replay and 2 rounds: the graph holds the calls
+    assert graph_us(lambda: count.add_(1), rep=2) > 0
+    assert torch.cuda.graph.default_capture_stream is None
+
+
 def test_sparse24_graph_capture_replays_the_right_result():
     w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(2048, 2048, device="cuda")).bfloat16())
     bias = torch.randn(2048, device="cuda", dtype=torch.bfloat16)

@@ -244,11 +244,16 @@ def test_a_tile_tuned_on_one_device_is_taken_there_alone(tmp_path, monkeypatch, 
     if not all(_is_hopper(torch.device("cuda", i)) for i in (0, 1)):
         pytest.skip("tile tuning here times Hopper's kernels on both devices")
     monkeypatch.setenv("KERNELPLAN_CACHE_DIR", str(tmp_path))
+    # As in a fresh process: torch makes its default capture stream at the first capture that names none.
+    monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", None)
     tiles.clear_tuned_tiles()
     try:
         with torch.cuda.device(0):
             got = kp.sparse24.tune_tiles([(3072, 3072), (28672, 1024)], [4, 128], device="cuda:1",
                                          dtype=torch.float16, rounds=2)
+        # Its timing captured on a stream of its own: torch's default, made on cuda:1 here, took every later default
+        # capture of the process (on cuda:0: empty graphs; docs/design/0047).
+        assert torch.cuda.graph.default_capture_stream is None
         assert all(c.tile is not None for c in got)
         for c in got:
             backend = tiles.backend_of(c.tile)
@@ -462,3 +467,31 @@ def test_a_moe_model_over_two_devices_sparsified_loaded_and_dequantized_where_ea
     with torch.no_grad():
         logits = loaded(ids.cuda(0)).logits.double().cpu()
     assert (logits - want).abs().max() <= 0.05 * want.abs().max()
+
+
+def test_graph_timings_capture_on_the_current_device_whatever_capture_came_first(monkeypatch):
+    """A user's first default capture on cuda:1 makes torch's default capture stream there, for the whole process.
+    ``graph_rounds`` (tile tuning's timing) and ``graph_us`` (the benchmarks') on cuda:0 after it still record their
+    calls: each call's work is counted on the device, and a graph captured on the other device's stream runs its
+    calls once, during the capture, and its replays nothing.  torch's default is left as it was."""
+    from kernelplan.timing import graph_rounds, graph_us
+
+    users = torch.cuda.Stream(1)
+    monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", users)
+    count = torch.zeros((), dtype=torch.int64, device="cuda:0")
+    made = []
+
+    def call():
+        made.append(1)
+        count.add_(1)
+
+    with torch.cuda.device(0):
+        graph_rounds({"count": [call]}, calls=5, rounds=3)
+        torch.cuda.synchronize(0)
+        assert int(count) == 1 + 5 * (1 + 3), int(count)  # one warm-up call, then the upload replay and 3 rounds
+        assert len(made) == 1 + 5  # the warm-up and the captured calls: the replays make no Python calls
+        count.zero_(), made.clear()
+        assert graph_us(call, rep=2) > 0
+        torch.cuda.synchronize(0)
+        assert int(count) > len(made), (int(count), len(made))  # replays ran calls that Python never made
+    assert torch.cuda.graph.default_capture_stream is users

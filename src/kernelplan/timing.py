@@ -3,6 +3,7 @@ device time of each kernel a call launches."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
@@ -122,12 +123,37 @@ def kernel_device_ms(fn: Callable, calls: int) -> dict[str, float]:
             if ev.device_type == torch.autograd.DeviceType.CUDA and ev.self_device_time_total}
 
 
+def capture(graph: "torch.cuda.CUDAGraph"):
+    """``torch.cuda.graph(graph)`` on a new stream of the current device.
+
+    Never on torch's default capture stream: that one is made once per process, on the device current at the first
+    capture that names no stream, and taken by every such capture after it.  A capture of ours on cuda:1 made first
+    would leave every later default capture on cuda:0, the user's own included, recording on cuda:1's stream: an
+    empty graph.  And a timing of ours after a user's first capture on another device would time empty graphs
+    (docs/design/0047)."""
+    return torch.cuda.graph(graph, stream=torch.cuda.Stream())
+
+
+@contextlib.contextmanager
+def default_capture_stream_here():
+    """For a capture that names no stream and is not ours to change (``triton.testing.do_bench_cudagraph``): torch's
+    default capture stream is a new stream of the current device while it runs, and what it was after (``capture``
+    says why)."""
+    before = torch.cuda.graph.default_capture_stream
+    torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
+    try:
+        yield
+    finally:
+        torch.cuda.graph.default_capture_stream = before
+
+
 def graph_us(fn: Callable, rep: int = 20) -> float:
-    """Microseconds of ``fn`` replayed as a CUDA graph, the median (``triton.testing.do_bench_cudagraph``): the
-    kernels' time, no host work."""
+    """Microseconds of ``fn`` replayed as a CUDA graph, the median (``triton.testing.do_bench_cudagraph``, on the
+    current device): the kernels' time, no host work."""
     import triton
 
-    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e3
+    with default_capture_stream_here():
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e3
 
 
 def graph_rounds(fns: dict[str, list[Callable]], calls: int, rounds: int) -> dict[str, list[float]]:
@@ -141,7 +167,7 @@ def graph_rounds(fns: dict[str, list[Callable]], calls: int, rounds: int) -> dic
     torch.cuda.synchronize()
     for name, calls_of in fns.items():
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with capture(graph):
             for i in range(calls):
                 calls_of[i % len(calls_of)]()
         graph.replay()  # the first replay uploads the graph

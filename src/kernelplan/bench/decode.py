@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from ..timing import capture
+
 
 def weight_bytes(model) -> int:
     """Bytes of a model's parameters and buffers, each storage once, plus the 2:4 layouts its layers and their
@@ -97,7 +99,7 @@ class Graphed:
         torch.cuda.current_stream().wait_stream(side)
         self.fn = fn
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with capture(self.graph):
             self.out = fn()
 
     def check(self) -> float:

@@ -87,7 +87,6 @@ def run_sweep(device: torch.device, dtype: torch.dtype = torch.bfloat16, batch=B
               shapes: dict | None = None, log=print, l2: str = "cold") -> list[dict]:
     """The sweep's rows: one per (M, K, n) timed, and one per (M, K) with the bytes its weight held."""
     import torch.nn.functional as F
-    import triton.testing
 
     from ..kernels.sparse24 import sm_count
     from ..kernels.sparse24_mma import MmaLinear
@@ -95,7 +94,7 @@ def run_sweep(device: torch.device, dtype: torch.dtype = torch.bfloat16, batch=B
     from ..sparse24 import compress, linear, prune
     from ..sparse24.dispatch import backend_for
     from ..sparse24.layout import pack_reason
-    from ..timing import host_us_per_call
+    from ..timing import graph_us, host_us_per_call
 
     shapes = sweep_shapes() if shapes is None else shapes
     row_dtype = {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
@@ -106,7 +105,7 @@ def run_sweep(device: torch.device, dtype: torch.dtype = torch.bfloat16, batch=B
     kernels = _kernels()
 
     def graph_ms(fn) -> float:
-        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+        return graph_us(fn, rep) / 1e3
 
     def eager_ms(fn) -> float:
         return host_us_per_call(fn, device, EAGER_CALLS) / 1e3
