@@ -131,6 +131,36 @@ def test_grouped_calls_pack_their_operands_into_one_bound_launch(monkeypatch, ro
     assert len(g._BOUND) == 1 and len({call[0].data_ptr() for call in kept}) == 3
 
 
+def test_a_grouped_launch_bound_on_one_device_is_not_taken_on_another(monkeypatch):
+    """A bound launch holds a kernel loaded into one device's context.  The same weights' addresses seen from another
+    device (memory given back and its addresses handed to another device) bind a launch of that device's kernel,
+    launched there; a second call on each device takes its own."""
+    import contextlib
+
+    from helpers import stub_driver
+    from kernelplan.kernels import direct, sparse24, sparse24_grouped as g
+
+    experts, m, k, rows = 6, 256, 192, 40
+    cfg = g.grouped_config(m, rows, experts, False)
+    types = (g._PP_PARAMS if cfg.pp else g._PARAMS) + g._GROUP_PARAMS
+    stub_driver(monkeypatch, types)
+    loaded, current = [], []  # the device each kernel was loaded for; the device current at each launch
+    launch = direct.FunctionLaunch("fn", "kp", types, cfg.threads, cfg.shared)
+    monkeypatch.setattr(g, "_launcher", lambda *args: loaded.append(args[-1]) or (launch, _NamedMaps()))
+    monkeypatch.setattr(g, "on_device", lambda index: current.append(index) or contextlib.nullcontext())
+    monkeypatch.setattr(sparse24, "sm_count", lambda device: 132)
+    monkeypatch.setattr(g, "raw_stream", lambda device: 3)
+    monkeypatch.setattr(g, "_BOUND", {})
+    device = [0]
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: device[0])  # CPU tensors standing in for each GPU's
+    values = torch.zeros(experts * m // 16, k // 64, 256, dtype=torch.int32)
+    metadata = torch.zeros(experts * m // 16, k // 64, 32, dtype=torch.int32)
+    x, offsets = torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(experts + 1, dtype=torch.int32)
+    for device[0] in (0, 1, 0, 1):
+        g.grouped_linear(x, values, metadata, None, offsets, experts)
+    assert loaded == [0, 1] and current == [0, 1, 0, 1] and len(g._BOUND) == 2
+
+
 def test_grouped_variants_compile(compile_for):
     """NVRTC builds the grouped kernel plain, under an activation and under a gated epilogue, with and without biases,
     in both dtypes, and its scattered store, ping-pong and (256 rows of x a tile) one a CTA, on a CPU machine."""
