@@ -679,6 +679,8 @@ def test_load_model_lays_each_expert_out_as_it_reads_it(tmp_path, seed, monkeypa
     span.kernels = TorchOps
     w = loaded.model.layers[0].mlp.experts.first[0].weight24.public()
     assert span.laid_out(4, w) is w and span.laid_out(-1, w) is w and span.parts is None  # no rows: made apart
+    elsewhere = kp.sparse24.Sparse24Weight(w.values.to("meta"), w.metadata.to("meta"), _validate=False)
+    assert span.laid_out(0, elsewhere) is elsewhere and span.parts is None  # another device's: made apart too
 
 
 def test_the_dense_module_given_back_runs_its_own_weights_where_the_source_had_accelerate_hooks(seed):

@@ -187,6 +187,49 @@ def test_both_loaders_read_a_sparsified_moe_models_own_save_pretrained(tmp_path,
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "gpt-oss"])
+def test_from_pretrained_lays_each_expert_out_as_transformers_loads_it(tmp_path, seed, monkeypatch, kind):
+    """A save_pretrained MoE directory (one layer an expert): where the conversion kernels run, each expert is
+    converted into its rows of the projection's span as soon as the loader has set its values and metadata, so that
+    no other expert holds checkpoint tensors then (every expert's were held until the load ended: 0047); the span is
+    held as written, and the model equals the saved one.  The kernel's place is taken by the torch ops."""
+    from kernelplan import hf_quantizer
+    from kernelplan.nn import experts as module
+    from kernelplan.sparse24 import layout
+
+    model = _sparse_moe(kind)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    holders, packed = [], []  # every holder made, kept alive; (holders holding checkpoint tensors, rows) a conversion
+
+    class TorchOps:
+        @staticmethod
+        def pack_into(values, metadata, tv, tm):
+            public = sum(not h.values.is_meta and h.values.dim() == 2 for h in holders)
+            packed.append((public, tv.data_ptr()))
+            tv.copy_(layout.pack_values(values))
+            tm.copy_(layout.pack_metadata(metadata))
+
+    made = hf_quantizer._ExpertHolder.__init__
+
+    def kept(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        holders.append(self)
+
+    monkeypatch.setattr(hf_quantizer._ExpertHolder, "__init__", kept)
+    monkeypatch.setattr(module, "gpu_kernels", lambda t: TorchOps)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    experts = 4 if kind == "mixtral" else 3
+    assert len(holders) == len(packed) == 2 * 2 * experts  # layers x projections x experts, each converted once
+    assert {public for public, _ in packed} == {1}  # the expert converted alone holds its checkpoint's tensors
+    for experts in (m for m in loaded.modules() if isinstance(m, kp.nn.Sparse24Experts)):
+        held = {layer.values.data_ptr() for layers in (experts.first, experts.down) for layer in layers}
+        assert held <= {rows for _, rows in packed}  # the rows written as loaded: no copy made after
+    _same_state(loaded, model)
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-13 * (kind == "gpt-oss"))
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "gpt-oss"])
 def test_dequantize_gives_back_the_experts_modules_with_the_pruned_weights(tmp_path, seed, kind):
     """``dequantize`` of a loaded MoE model: each Sparse24Experts becomes the transformers experts module it was built
     from, holding ``dense_parts``; the model computes what the 2:4 one did, and saves a plain dense directory."""

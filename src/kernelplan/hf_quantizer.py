@@ -13,7 +13,8 @@ such a directory to ``Sparse24Quantizer``:
   ``kp.hf.save_model`` writes them) or one layer an expert (``p.first.<e>.values``,
   a ``Sparse24Experts``' own state_dict, as ``save_pretrained`` writes it), get
   children holding them in place of their dense 3-D weights; checkpoint keys are
-  renamed as transformers' loader renames them (``hf_names.py``);
+  renamed as transformers' loader renames them (``hf_names.py``); per-expert
+  layers are checked and laid out into their projection's span as they load;
 * after, each is checked (every group keeps 2 of 4) and laid out in the device
   layout (the experts as one ``Sparse24Experts``), and sibling layers are grouped
   (``kernelplan.nn.fuse_siblings``), as ``kp.hf.load_model`` does by default.
@@ -83,6 +84,56 @@ def _holder(shape: tuple, dtype: torch.dtype, bias: bool) -> nn.Module:
     if bias:
         holder.bias = nn.Parameter(torch.empty(shape[-2], dtype=dtype, device="meta"))
     return holder
+
+
+class _ExpertHolder(nn.Module):
+    """One expert's 2:4 layer of a per-expert checkpoint (``_holder``'s tensors, on the meta device) while
+    transformers' loader fills it by name.  Once its values and metadata have both come (the loader sets them as
+    attributes), they are checked, converted into the expert's rows of its projection's span (``span_of``, shared by
+    the projection's experts and made by the first to come, on its device) and dropped: the device holds one
+    expert's checkpoint tensors at a time, not every expert's of the model until the load ends (docs/design/0047).
+    Where there is no span (the CPU; a shape that does not pack) the public tensors are kept, and laid out after."""
+
+    def __init__(self, shape: tuple, dtype: torch.dtype, bias: bool, span_of, expert: int):
+        super().__init__()
+        self.values = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"))
+        self.register_buffer("metadata", torch.empty(*shape[:-1], shape[-1] // 4, dtype=torch.int16, device="meta"))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(shape[-2], dtype=dtype, device="meta"))
+        self._span_of, self._expert = span_of, expert
+        self.weight24 = None  # the checked weight, once both tensors have come
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name in ("values", "metadata") and getattr(self, "_expert", None) is not None:
+            self._lay_out()
+
+    def _lay_out(self) -> None:
+        values, metadata = self._parameters["values"], self._buffers["metadata"]
+        if values.is_meta or metadata.is_meta:
+            return
+        with torch.no_grad():  # a corrupt group is refused here, naming the layer as Sparse24Weight does
+            w24 = Sparse24Weight(values.detach(), metadata)
+            w24 = self._span_of(w24.values).laid_out(self._expert, w24)
+        self.weight24 = w24
+        if w24.values is not values:  # laid out: the holder keeps the rows, not the checkpoint's tensors
+            held = nn.Parameter(w24.values, requires_grad=False)
+            held._is_hf_initialized = True  # transformers' init skips what the loader marked loaded
+            self._parameters["values"], self._buffers["metadata"] = held, w24.metadata
+
+
+class _Spans:
+    """A projection's ``ExpertSpan``, made on the device and in the dtype of the first expert the loader fills."""
+
+    def __init__(self, count: int, shape: tuple):
+        self.count, self.shape, self.span = count, shape, None
+
+    def __call__(self, like: torch.Tensor):
+        from .nn.experts import ExpertSpan
+
+        if self.span is None:
+            self.span = ExpertSpan(self.count, self.shape, like)
+        return self.span
 
 
 class Sparse24Quantizer(HfQuantizer):
@@ -185,7 +236,9 @@ class Sparse24Quantizer(HfQuantizer):
             bias = module._parameters.pop(f"{part}_bias", None) if per_expert else None  # else it loads as it is
             dense_parts[part] = module._parameters.pop(part), bias
             if per_expert:
-                holder = nn.ModuleList(_holder(shapes[0], dense.dtype, bias is not None) for _ in shapes)
+                spans = _Spans(len(shapes), want[1:])
+                holder = nn.ModuleList(_ExpertHolder(shapes[0], dense.dtype, bias is not None, spans, e)
+                                       for e in range(len(shapes)))
                 module.add_module(EXPERT_LISTS[names.index(part)], holder)
                 # transformers' init runs over every module after loading, and reads the experts' weights by name
                 # (Mixtral's init.normal_(module.gate_up_proj)): meta tensors marked as loaded, which it skips.
@@ -230,13 +283,15 @@ class Sparse24Quantizer(HfQuantizer):
             if any(h.values.is_meta or h.metadata.is_meta for h in held):
                 raise InvalidProblem(f"{prefix}.{part}: the checkpoint names its 2:4 values, but transformers left "
                                      f"them on the meta device ({LOAD_MODEL_HINT})")
-            with torch.no_grad():  # each expert's word checked here
-                if per_expert:
-                    pruned[part] = [Sparse24Weight(h.values.detach(), h.metadata) for h in held]
+            with torch.no_grad():
+                if per_expert:  # checked as each came (_ExpertHolder)
+                    pruned[part] = [h.weight24 for h in held]
+                    for h in held:
+                        h.weight24 = None
                     if dense_parts[part][1] is not None:
                         module._parameters[f"{part}_bias"] = nn.Parameter(
                             torch.stack([h.bias.detach() for h in held]), requires_grad=False)
-                else:
+                else:  # each expert's words checked here
                     pruned[part] = [Sparse24Weight(v, m) for v, m in zip(holder.values.detach(), holder.metadata)]
             for name in (part, f"{part}_bias"):
                 module.__dict__.pop(name, None)

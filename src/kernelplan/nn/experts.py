@@ -154,9 +154,9 @@ class ExpertSpan:
 
     def _fits(self, e: int, w) -> bool:
         """Whether expert ``e``'s weight ``w`` goes into the span: there is one, ``e`` has rows in it, and ``w`` has its
-        shape and dtype (what does not is made apart, and refused or joined by the caller)."""
+        shape, dtype and device (what does not is made apart, and refused or joined by the caller)."""
         return self.kernels is not None and 0 <= e < self.count and tuple(w.shape) == self.shape and \
-            w.dtype == self.dtype
+            w.dtype == self.dtype and w.device == self.device
 
     def laid_out(self, e: int, w: Sparse24Weight) -> Sparse24Weight:
         """``w``, expert ``e``'s weight in the public format, converted into its rows; ``w`` itself where there is no
