@@ -37,7 +37,7 @@ from .errors import InvalidProblem
 from .nn.sparse24_linear import Sparse24Linear
 from .hf import (LOAD_MODEL_HINT, QUANT_METHOD, checkpoint_format, dense_layer, experts_module, shards)
 from .hf_names import EXPERT_LISTS, checkpoint_renamer, per_expert, stack_experts
-from .sparse24.format import FORMAT_NAME, FORMAT_VERSION, Sparse24Weight
+from .sparse24.format import FORMAT_NAME, FORMAT_VERSION, Sparse24Weight, bad_words, check_shapes
 
 
 class Sparse24QuantConfig(QuantizationConfigMixin):
@@ -101,7 +101,7 @@ class _ExpertHolder(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(shape[-2], dtype=dtype, device="meta"))
         self._span_of, self._expert = span_of, expert
-        self.weight24 = None  # the checked weight, once both tensors have come
+        self.weight24 = self.bad = None  # the weight, and whether a word of it is not 2:4, once both have come
 
     def __setattr__(self, name: str, value) -> None:
         super().__setattr__(name, value)
@@ -112,8 +112,12 @@ class _ExpertHolder(nn.Module):
         values, metadata = self._parameters["values"], self._buffers["metadata"]
         if values.is_meta or metadata.is_meta:
             return
-        with torch.no_grad():  # a corrupt group is refused here, naming the layer as Sparse24Weight does
-            w24 = Sparse24Weight(values.detach(), metadata)
+        with torch.no_grad():
+            check_shapes(values, metadata)
+            # Each word's check is read once the load ends (_build_experts): read here, the wait for it let the
+            # loader's threads bring more of the checkpoint onto the device ahead of this thread.
+            self.bad = bad_words(metadata).any()
+            w24 = Sparse24Weight(values.detach(), metadata, _validate=False)
             w24 = self._span_of(w24.values).laid_out(self._expert, w24)
         self.weight24 = w24
         if w24.values is not values:  # laid out: the holder keeps the rows, not the checkpoint's tensors
@@ -285,6 +289,12 @@ class Sparse24Quantizer(HfQuantizer):
                                      f"them on the meta device ({LOAD_MODEL_HINT})")
             with torch.no_grad():
                 if per_expert:  # checked as each came (_ExpertHolder)
+                    bad = torch.stack([h.bad.to(held[0].bad.device) for h in held])
+                    if bad.any():
+                        raise InvalidProblem(
+                            f"{prefix}.{part}, expert {int(bad.nonzero()[0])}: its metadata holds a word that is not "
+                            f"2:4 (each byte must hold pos0 in bits 0-1 and pos1 > pos0 in bits 2-3, bits 4-7 "
+                            f"clear); the checkpoint is corrupt: save it again from the model it came from")
                     pruned[part] = [h.weight24 for h in held]
                     for h in held:
                         h.weight24 = None

@@ -375,6 +375,27 @@ class Sparse24Weight:
 
 
 def _validate_compressed(values: torch.Tensor, metadata: torch.Tensor) -> None:
+    check_shapes(values, metadata)
+    bad = bad_words(metadata)
+    if bad.any():
+        row, col = bad.nonzero()[0].tolist()
+        raise InvalidProblem(
+            f"metadata[{row}, {col}] = {int(metadata[row, col]) & 0xFFFF:#06x} is not a valid 2:4 "
+            f"word: each byte must hold pos0 in bits 0-1 and pos1 > pos0 in bits 2-3, bits 4-7 "
+            f"clear; the file or tensor is corrupt: recompress the weight with compress(w)"
+        )
+
+
+def bad_words(metadata: torch.Tensor) -> torch.Tensor:
+    """Where public-format ``metadata`` holds a word that is not 2:4 (bool, its shape), computed on its device without
+    waiting for it: a loader checks each weight as it comes and reads the flags once at the end."""
+    byte = _metadata_bytes(metadata)
+    return (metadata < 0) | ((byte & 0xF0) != 0).any(-1) | ((byte & 0x3) >= (byte >> 2)).any(-1)
+
+
+def check_shapes(values: torch.Tensor, metadata: torch.Tensor) -> None:
+    """The public format's dtypes, devices and shapes (``values [M, K/2]``, ``metadata [M, K/8]`` int16), on the
+    host."""
     check_tensor(values, "values")
     check_tensor(metadata, "metadata", dtype=torch.int16, device=values.device)
     dtype_info(values.dtype, "values", SPARSE24_DTYPES)
@@ -389,13 +410,4 @@ def _validate_compressed(values: torch.Tensor, metadata: torch.Tensor) -> None:
             f"values has shape {tuple(values.shape)} and metadata {tuple(metadata.shape)}; "
             f"for a weight [M, K] they must be [M, K/2] and [M, K/8] with K % 8 == 0: "
             f"build them with kernelplan.sparse24.compress(w)"
-        )
-    byte = _metadata_bytes(metadata)
-    bad = (metadata < 0) | ((byte & 0xF0) != 0).any(-1) | ((byte & 0x3) >= (byte >> 2)).any(-1)
-    if bad.any():
-        row, col = bad.nonzero()[0].tolist()
-        raise InvalidProblem(
-            f"metadata[{row}, {col}] = {int(metadata[row, col]) & 0xFFFF:#06x} is not a valid 2:4 "
-            f"word: each byte must hold pos0 in bits 0-1 and pos1 > pos0 in bits 2-3, bits 4-7 "
-            f"clear; the file or tensor is corrupt: recompress the weight with compress(w)"
         )
