@@ -14,8 +14,9 @@ buffers and the 2:4 layouts calls built), its peak during the load, and the line
 bytes (a MoE layer's experts counted among them).  Each sparse loader's state_dict is compared bit for bit with the
 sparsified model's before it was saved, and the sparse loaders' logits with each other.  (Logits against the model
 before saving differ in bf16 by its rotary buffer: built in float32 and cast, it is bf16 there, and float32 in a model
-loaded in bf16.)  Writes
-``bench/results/hf-from-pretrained-<gpu>.json`` (``hf-from-pretrained-mixtral-<gpu>.json``).
+loaded in bf16.)  transformers' loader runs in threads unless ``HF_DEACTIVATE_ASYNC_LOAD=1`` (its switch), which the
+results record as ``async_load``.  Writes ``bench/results/hf-from-pretrained-<gpu>.json``
+(``hf-from-pretrained-mixtral-<gpu>.json``; ``-sync`` before the GPU's name without the threads).
 
     PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/hf_from_pretrained.py [--model mixtral]
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import os
 import sys
 import tempfile
 import time
@@ -107,6 +109,9 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="where to write the two directories (default: a temporary one)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    # transformers' loader reads the checkpoint onto the device in threads ahead of the thread that sets each tensor,
+    # unless this is set (its is_env_variable_true): a load's peak depends on it (docs/design/0047).
+    async_load = os.getenv("HF_DEACTIVATE_ASYNC_LOAD", "false").lower() not in ("true", "1", "y", "yes", "on")
     torch.manual_seed(0)
     layers = a.layers or {"llama": 4, "mixtral": 2}[a.model]
     cfg = CONFIGS[a.model](layers)
@@ -165,9 +170,10 @@ def main() -> int:
         row["allocated_over_dense"] = row["allocated_after_calls"] / dense_row["allocated_after_calls"]
         row["weight_bytes_over_dense"] = row["weight_bytes"] / dense_row["weight_bytes"]
     name = "hf-from-pretrained" if a.model == "llama" else f"hf-from-pretrained-{a.model}"
+    name += "" if async_load else "-sync"
     results.write(name, {"rows": rows, "model": a.model, "layers": layers, "file_bytes": sizes,
-                                         "relative_error": agreement, "loaders_equal": same,
-                                         "converted": len(report.converted), "sparsify": sparsify}, a.out)
+                         "async_load": async_load, "relative_error": agreement, "loaders_equal": same,
+                         "converted": len(report.converted), "sparsify": sparsify}, a.out)
     return 0 if ok else 1
 
 
