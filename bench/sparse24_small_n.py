@@ -32,6 +32,9 @@ def main() -> int:
     ap.add_argument("--shape", nargs="*", default=None, metavar="MxK")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--ws-top", type=int, default=4, help="cuda_ws's first tiles by its rule's cost")
+    ap.add_argument("--wide-split", action="store_true",
+                    help="cuda_ws tiles wider than n needs, with K split across a cluster of bn / 8 CTAs (4 or 8)")
+    ap.add_argument("--sp-top", type=int, default=None, help="cuda_sp's first tiles (default: all)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dtype = torch.bfloat16
@@ -42,8 +45,24 @@ def main() -> int:
 
     sms, cap = sm_count(0), torch.cuda.get_device_capability(0)
 
+    def wide_split(n, m, k):
+        """Tiles of 32 or 64 rows of x (n needs 16) so that K splits across a cluster of 4 or 8 CTAs (each writes
+        bn / kc rows of y): more CTAs, more of the weight in flight, where a grid of 16-row tiles fills under an SM
+        each."""
+        from kernelplan.kernels.sparse24_ws import _deepest
+
+        out = []
+        for bn, kc in ((32, 4), (64, 8)):
+            for wm in (1, 2):
+                if bn >= 2 * -(-n // 16) * 16 and (k // 64) % kc == 0 and k // 64 >= 4 * kc:
+                    cfg = _deepest(bn, wm, 1, kc)
+                    if cfg is not None:
+                        out.append(cfg)
+        return out
+
     def cands(n, m, k):
-        return sp_candidates(n, m, k, sms) + tiles.candidates(n, m, k, sms, False, a.ws_top, "cuda_ws")
+        return sp_candidates(n, m, k, sms)[:a.sp_top] + tiles.candidates(n, m, k, sms, False, a.ws_top, "cuda_ws") \
+            + (wide_split(n, m, k) if a.wide_split else [])
 
     t0 = time.perf_counter()
     tiles.compile_all([(c, "bf16", None) for m, k in shapes for n in a.batch for c in cands(n, m, k)], 0)
@@ -74,7 +93,7 @@ def main() -> int:
         torch.cuda.empty_cache()
         # After each shape, so that a run cut off by a time limit keeps what it measured.
         results.write("sparse24-small-n", {"rows": rows, "compile_s": compile_s}, a.out, dtype="bf16",
-                      batch=a.batch, rounds=a.rounds, ws_top=a.ws_top, sms=sms)
+                      batch=a.batch, rounds=a.rounds, ws_top=a.ws_top, sms=sms, wide_split=a.wide_split)
     return 0
 
 
