@@ -11,9 +11,10 @@ from kernelplan.sparse24.dispatch import MEMORY_POLICIES, N_GRAIN, backend_for, 
 HOPPER, AMPERE, ADA, TURING = (9, 0), (8, 0), (8, 9), (7, 5)
 
 
-# The sweep set's wide weights of few rows that mma.sp runs at n <= 8 on Hopper (K >= 2.5 M, M <= 4096), besides
-# every weight of 9216 rows or more.
-WIDE_SP = {(768, 3072), (1024, 4096), (3072, 8192), (3584, 14336), (3584, 18944), (4096, 14336)}
+# The sweep set's wide weights of few rows that mma.sp runs at n <= 8 on Hopper (K >= 2.5 M, 2048 < M <= 4096),
+# besides every weight of 9216 rows or more; and those of fewer rows, which cuda_ws's K-split tile runs at n <= 16.
+WIDE_SP = {(3072, 8192), (3584, 14336), (3584, 18944), (4096, 14336)}
+WIDE_SPLIT = WIDE_SP | {(768, 3072), (1024, 4096)}
 
 
 def test_the_table_over_the_sweep_set():
@@ -22,6 +23,10 @@ def test_the_table_over_the_sweep_set():
             for dtype in ("bf16", "f16"):
                 sp = n <= 8 and (m >= 9216 or (m, k) in WIDE_SP)  # the sweeps' n <= 8 rows (dispatch.py)
                 assert backend_for(HOPPER, n, m, k, dtype) == ("cuda_sp" if sp else "cuda_ws"), (m, k, n)
+                tile = config_for("cuda_ws", n, m, k, 132)
+                if n <= 16:  # past it the rule's cost may pick the same tile
+                    assert ((m, k) in WIDE_SPLIT) == ((tile.bn, tile.wm, tile.cm, tile.kc) == (32, 1, 1, 4)), (m, k, n)
+                assert config_for("cuda_ws", n, m, k, 132, gated=True).wm % 2 == 0  # one 64-row block: not gated
                 for gpu in (AMPERE, ADA):
                     assert backend_for(gpu, n, m, k, dtype) == "cuda_sp"  # mma.sp at every n, chunks past 64
             assert backend_for(None, n, m, k, "bf16") == "reference"

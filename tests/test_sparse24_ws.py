@@ -18,7 +18,9 @@ from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_sp import SM_SHARED, SP_LAYOUT
 from kernelplan.kernels.sparse24_wg import INSTRUCTION_N
-from kernelplan.kernels.sparse24_ws import WsConfig, WsKernel, rule_order, tile_cost, ws_candidates, ws_config
+from kernelplan.kernels.sparse24_ws import (SPLIT_MAX_N, WsConfig, WsKernel, rule_order, tile_cost, ws_candidates,
+                                           ws_config)
+from kernelplan.sparse24.dispatch import wide_weight
 
 gpu = pytest.mark.gpu
 
@@ -29,6 +31,10 @@ def test_tile_rule_fits_every_sweep_shape_and_batch(sms):
         for n in BATCH_SIZES + (3, 33, 200, 1000):
             cfg = ws_config(n, m, k, sms)
             cands = ws_candidates(n, m, k)
+            assert cfg in cands
+            if n <= SPLIT_MAX_N and wide_weight(m, k):  # K over a cluster of 4 CTAs, 32 rows of x: not by cost
+                assert (cfg.bn, cfg.wm, cfg.cm, cfg.kc) == (32, 1, 1, 4), (m, k, n)
+                continue
             least = min(tile_cost(c, n, m, k, sms) for c in cands)
             tied = [c for c in cands if tile_cost(c, n, m, k, sms) == least]
             # least cost; ties to ping-pong, then to x multicast to 2 CTAs where x's tile has 128 rows or more
@@ -107,6 +113,44 @@ def test_a_grid_in_bands_matches_fp64(seed):
         launch(grid, (x.data_ptr(), values.data_ptr(), codes.data_ptr(), bias.data_ptr(), y.data_ptr(), n, m, k,
                       x.stride(0), y.stride(0)), raw_stream(0))
         assert_close(y, want, F.gelu(F.linear(x, w, bias)), atol=FWD_ATOL[torch.bfloat16])
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_wide_weight_at_small_n_runs_the_k_split_tile_against_fp64(dtype, seed):
+    """At n <= 16 a wide weight (K >= 2.5 M, M <= 4096) runs cuda_ws's tile of 32 rows of x with K over a cluster of
+    4 CTAs, through Sparse24Linear and kp.sparse24.linear: rows of y written by each CTA of the cluster, odd M (rows
+    padded to the 64-row block), odd n, 3-D and transposed x, bias, an activation, graph replay, against fp64."""
+    from kernelplan.kernels.sparse24_ws import _deepest
+    from test_sparse24_tiles import _tile_of_last_launch
+
+    for m, k in ((1000, 4096), (768, 3072)):
+        layer = kp.nn.Sparse24Linear.from_dense(torch.nn.Linear(k, m, device="cuda", dtype=dtype))
+        w, b = layer.to_dense().double(), layer.bias.detach().double()
+
+        def check(y, x, what, act=lambda t: t):
+            assert_close(y, act(F.linear(x.double(), w, b)), act(F.linear(x, w.to(dtype), b.to(dtype))),
+                         atol=FWD_ATOL[dtype], what=f"{m}x{k} {what}")
+
+        with torch.no_grad():
+            for n in (1, 5, 8, 9, 16):
+                x = torch.randn(n, k, device="cuda", dtype=dtype)
+                check(layer(x), x, f"n = {n}")
+            check(kp.sparse24.linear(x, layer.weight24, layer.bias, "gelu"), x, "gelu", F.gelu)
+            x3 = torch.randn(2, 7, k + 8, device="cuda", dtype=dtype)[..., 8:]
+            xt = torch.randn(k, 13, device="cuda", dtype=dtype).t()
+            for x in (x3, xt):
+                check(layer(x), x, f"x of {tuple(x.shape)}")
+            assert _tile_of_last_launch(layer) == {str(_deepest(32, 1, 1, 4))}
+            xg = torch.randn(11, k, device="cuda", dtype=dtype)
+            layer(xg)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
+                yg = layer(xg)
+            xg.copy_(torch.randn_like(xg))
+            graph.replay()
+        check(yg, xg, "graph replay")
 
 
 def test_cuda_ws_reads_the_one_layout():

@@ -144,7 +144,8 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
             persistent = (_deepest(bn, wm, 1, 1, sk=True) if split and wm < 3 else None,
                           _deepest(bn, wm, 1, 1, pp=True) if pingpong and bn % 16 == 0 and bn * wm <= 256 else None)
             out += [c for c in persistent if c is not None]
-    return out
+    split = _small_n_split(n, m, k)
+    return out + [split] if split is not None and split not in out else out
 
 
 # Split-K parts shorter than this many 64-column steps are not worth their hand-over.
@@ -252,10 +253,33 @@ def rule_order(cfg: WsConfig, n: int, m: int, k: int, sms: int,
     return tile_cost(cfg, n, m, k, sms, w), not cfg.pp, cfg.bn >= _MCAST_TIE_MIN_BN and cfg.cm != 2
 
 
+# At n <= SPLIT_MAX_N, a wide weight (dispatch.wide_weight: K >= 2.5 M, M <= 4096) takes 32 rows of x, twice what
+# n needs, so that K splits over a cluster of 4 CTAs (each writes 8 rows of y), in 64-row blocks of W: four times
+# the CTAs of its 16-row tiles, whose grid filled under half of the SMs over a long K.  Over the sweep set's wide
+# weights at n = 16 it ran 1.04-1.28x (H100) and 1.00-1.37x (H200) of the rule's tile, and up to 1.48x of cuda_sp at
+# n <= 8 on the fewest rows; the other rows of the table lost with it (sparse24-small-n-wide-split-h{100,200}.json,
+# b69c688; docs/design/0047).  Not gated: one 64-row block of W cannot pair the two halves.
+SPLIT_MAX_N = 16
+_SPLIT = (32, 1, 1, 4)  # bn, wm, cm, kc
+
+
+def _small_n_split(n: int, m: int, k: int) -> WsConfig | None:
+    from ..sparse24.dispatch import wide_weight
+
+    bn, wm, cm, kc = _SPLIT
+    if n > SPLIT_MAX_N or not wide_weight(m, k) or (k // 64) % kc or k // 64 < 4 * kc:
+        return None
+    return _deepest(bn, wm, cm, kc)
+
+
 @functools.lru_cache(maxsize=4096)
 def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False) -> WsConfig:
-    """The tile for N = n: the candidate first in ``rule_order`` (further ties: the first in ``ws_candidates``'
-    order).  ``gated``: among the tiles a gated epilogue runs on (``gated_tile``)."""
+    """The tile for N = n: at small n on a wide weight, its K-split tile (``_SPLIT``); else the candidate first in
+    ``rule_order`` (further ties: the first in ``ws_candidates``' order).  ``gated``: among the tiles a gated epilogue
+    runs on (``gated_tile``)."""
+    split = None if gated else _small_n_split(n, m, k)
+    if split is not None:
+        return split
     space = [c for c in ws_candidates(n, m, k) if not gated or gated_tile(c)]
     return min(space, key=lambda cfg: rule_order(cfg, n, m, k, sms))
 

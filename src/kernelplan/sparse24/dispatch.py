@@ -33,10 +33,23 @@ LAYOUT_DTYPES = ("f16", "bf16")  # the sparse tensor cores' operand types
 #   4096x14336, 3584x18944); 1024x4096 went 1.06x faster on the H100 and 1.05x slower on the H200.
 # Over the 129 rows, against the boundary before (M >= 9216 at n <= 16, the older sp tile rule), the time
 # went to 0.986x (H100) and 0.986x (H200) of it, geometric mean.
+#
+# Past that table, wide weights at n <= 16 got a cuda_ws tile of their own (ws_config: K split over a cluster of 4
+# CTAs), which beat cuda_sp at n <= 8 on those of 1024 rows or fewer, by 1.01-1.25x (H100) and 1.20-1.48x (H200),
+# and ran 0.87-1.00x (H100) and 0.69-1.00x (H200) of its speed on those of 3072 to 4096 rows
+# (sparse24-small-n-wide-split-h{100,200}.json, b69c688; docs/design/0047): cuda_sp keeps the wide weights of more
+# than SP_WIDE_MIN_M rows.  The boundary is where that tile's grid, 4 CTAs a 64 rows, passes 132 SMs.
 SP_MAX_N_HOPPER = 8
 SP_MIN_M_HOPPER = 9216
+SP_WIDE_MIN_M = 2048
 SP_WIDE_MAX_M = 4096
 SP_WIDE_K_OVER_M = 2.5
+
+
+def wide_weight(m: int, k: int) -> bool:
+    """A weight of few rows over a long K (K >= 2.5 M, M <= 4096): the down projections of the sweep set's MLPs and
+    BERT / GPT-2's, whose row tiles alone fill under half of the SMs."""
+    return m <= SP_WIDE_MAX_M and k >= SP_WIDE_K_OVER_M * m
 
 
 # The kernels' rules read n only through the tiles of x it makes, and every tile of x they weigh is a multiple of
@@ -69,8 +82,8 @@ def backend_for(capability: tuple[int, int] | None, n: int, m: int, k: int, dtyp
     """The backend of the ``compact`` policy for one call: a pure function, no GPU touched.
 
     * the one layout where its kernels run: ``cuda_ws`` (``wgmma.sp``, warp-specialized) on Hopper,
-      except at n <= 8 on weights of 9216 rows or more, or of 4096 rows or fewer and K 2.5x M or more; else
-      ``cuda_sp``
+      except at n <= 8 on weights of 9216 rows or more, or on wide ones (``wide_weight``) of more than 2048 rows;
+      else ``cuda_sp``
       (``mma.sp``; on Ampere and Ada at every n, in chunks of 64 rows of x past 64);
     * else the Triton kernel on CUDA, which reads the public format itself
       (f32 weights, K not a multiple of 64), and the reference on CPU.
@@ -83,7 +96,7 @@ def backend_for(capability: tuple[int, int] | None, n: int, m: int, k: int, dtyp
         return "reference"
     if layout_reason(capability, k, dtype) is None:
         if capability == (9, 0):
-            sp = n <= SP_MAX_N_HOPPER and (m >= SP_MIN_M_HOPPER or m <= SP_WIDE_MAX_M and k >= SP_WIDE_K_OVER_M * m)
+            sp = n <= SP_MAX_N_HOPPER and (m >= SP_MIN_M_HOPPER or m > SP_WIDE_MIN_M and wide_weight(m, k))
             return "cuda_sp" if sp else "cuda_ws"
         return "cuda_sp"
     return "triton"
