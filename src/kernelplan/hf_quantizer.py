@@ -89,10 +89,11 @@ def _holder(shape: tuple, dtype: torch.dtype, bias: bool) -> nn.Module:
 class _ExpertHolder(nn.Module):
     """One expert's 2:4 layer of a per-expert checkpoint (``_holder``'s tensors, on the meta device) while
     transformers' loader fills it by name.  Once its values and metadata have both come (the loader sets them as
-    attributes), they are checked, converted into the expert's rows of its projection's span (``span_of``, shared by
-    the projection's experts and made by the first to come, on its device) and dropped: the device holds one
-    expert's checkpoint tensors at a time, not every expert's of the model until the load ends (docs/design/0047).
-    Where there is no span (the CPU; a shape that does not pack) the public tensors are kept, and laid out after."""
+    attributes), their shapes are checked, their words' check is started on the device (``bad``, read when the load
+    ends), and they are converted into the expert's rows of its projection's span (``span_of``, shared by the
+    projection's experts and made by the first to come, on its device) and dropped: the device holds one expert's
+    checkpoint tensors at a time, not every expert's of the model until the load ends (docs/design/0047).  Where
+    there is no span (the CPU; a shape that does not pack) the public tensors are kept, and laid out after."""
 
     def __init__(self, shape: tuple, dtype: torch.dtype, bias: bool, span_of, expert: int):
         super().__init__()
