@@ -124,7 +124,9 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
 
     Tiles of 192 rows of W (``wm = 3``: three consumer warpgroups, or a ping-pong warpgroup's three 64-row blocks)
     fill the SMs where 64 and 128 rows do not (docs/design/0016).  They do not split K across a cluster: at n = 128
-    that lost to the 128-row tiles by up to 16% (sparse24-ws-wide-h100.json)."""
+    that lost to the 128-row tiles by up to 16% (sparse24-ws-wide-h100.json).
+
+    At small n on a wide weight, the rule's K-split tile too (``_small_n_split``)."""
     out = []
     fitted = -(-(-(-n // -(-n // 256))) // 16) * 16  # n in the fewest N tiles of at most 256, rounded to 16
     more = {b for b in _BETWEEN if b < n} if between else set()
@@ -257,7 +259,7 @@ def rule_order(cfg: WsConfig, n: int, m: int, k: int, sms: int,
 # n needs, so that K splits over a cluster of 4 CTAs (each writes 8 rows of y), in 64-row blocks of W: four times
 # the CTAs of its 16-row tiles, whose grid filled under half of the SMs over a long K.  Over the sweep set's wide
 # weights at n = 16 it ran 1.04-1.28x (H100) and 1.00-1.37x (H200) of the rule's tile, and up to 1.48x of cuda_sp at
-# n <= 8 on the fewest rows; the other rows of the table lost with it (sparse24-small-n-wide-split-h{100,200}.json,
+# n <= 8 on the fewest rows; most other rows of the table lost with it (sparse24-small-n-wide-split-h{100,200}.json,
 # b69c688; docs/design/0047).  Not gated: one 64-row block of W cannot pair the two halves.
 SPLIT_MAX_N = 16
 _SPLIT = (32, 1, 1, 4)  # bn, wm, cm, kc
