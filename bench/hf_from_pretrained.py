@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import os
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from transformers.utils.import_utils import is_env_variable_true
 
 import kernelplan as kp
 from kernelplan.bench import results
@@ -110,8 +110,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     # transformers' loader reads the checkpoint onto the device in threads ahead of the thread that sets each tensor,
-    # unless this is set (its is_env_variable_true): a load's peak depends on it (docs/design/0047).
-    async_load = os.getenv("HF_DEACTIVATE_ASYNC_LOAD", "false").lower() not in ("true", "1", "y", "yes", "on")
+    # unless this is set: a load's peak depends on it (docs/design/0047).
+    async_load = not is_env_variable_true("HF_DEACTIVATE_ASYNC_LOAD")
     torch.manual_seed(0)
     layers = a.layers or {"llama": 4, "mixtral": 2}[a.model]
     cfg = CONFIGS[a.model](layers)

@@ -199,12 +199,14 @@ def _layer(m, k, dtype=torch.bfloat16):
     return kp.nn.Sparse24Linear.from_dense(dense), dense
 
 
-def _tile_of_last_launch(layer):
+def _tile_of_last_launch(layer, by_shape: bool = False):
     """The tiles (str of a WsConfig or SpConfig) of the launches a layer's weight prepared (its _TiledWeight's
-    tables), read from each launch's name: the kernel's name, the tile, the dtype."""
+    tables), read from each launch's name: the kernel's name, the tile, the dtype.  ``by_shape``: those of every
+    weight of the layer's shape (a weight held public has its tiled layout derived beside it, at another address)."""
     from kernelplan.kernels.sparse24_mma import _LIVE
 
-    held = [w for w in _LIVE if w.weight[0] == layer.values.data_ptr()]
+    held = [w for w in list(_LIVE) if ((w.m, w.k) == (layer.out_features, layer.in_features) if by_shape
+                                       else w.weight[0] == layer.values.data_ptr())]
     launches = [entry[0] for w in held for entry in w._calls.values()]
     launches += [getattr(b, "launch", None) for w in held for b, _ in w._direct.values()]
     return {" ".join(f.name.split(" ")[1:-1]) for f in launches if f is not None}

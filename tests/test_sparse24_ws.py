@@ -122,8 +122,8 @@ def test_a_wide_weight_at_small_n_runs_the_k_split_tile_against_fp64(dtype, seed
     """At n <= 16 a wide weight (K >= 2.5 M, M <= 4096) runs cuda_ws's tile of 32 rows of x with K over a cluster of
     4 CTAs, through Sparse24Linear and kp.sparse24.linear: rows of y written by each CTA of the cluster, odd M (rows
     padded to the 64-row block), odd n, 3-D and transposed x, bias, an activation, graph replay, against fp64."""
-    from kernelplan.kernels.sparse24_mma import _LIVE
     from kernelplan.kernels.sparse24_ws import _deepest
+    from test_sparse24_tiles import _tile_of_last_launch
 
     for m, k in ((1000, 4096), (768, 3072)):
         layer = kp.nn.Sparse24Linear.from_dense(torch.nn.Linear(k, m, device="cuda", dtype=dtype))
@@ -142,10 +142,8 @@ def test_a_wide_weight_at_small_n_runs_the_k_split_tile_against_fp64(dtype, seed
             xt = torch.randn(k, 13, device="cuda", dtype=dtype).t()
             for x in (x3, xt):
                 check(layer(x), x, f"x of {tuple(x.shape)}")
-            # Launches of this shape's weights (1000 rows are held public, their tiled layout derived beside them).
-            tiles = {" ".join(f.name.split(" ")[1:-1]) for t in list(_LIVE) if (t.m, t.k) == (m, k)
-                     for f in [e[0] for e in t._calls.values()] + [b.launch for b, _ in t._direct.values()]}
-            assert tiles == {str(_deepest(32, 1, 1, 4))}, tiles
+            # 1000 rows are held public, their tiled layout derived beside them: found by the weight's shape.
+            assert _tile_of_last_launch(layer, by_shape=True) == {str(_deepest(32, 1, 1, 4))}
             xg = torch.randn(11, k, device="cuda", dtype=dtype)
             layer(xg)
             graph = torch.cuda.CUDAGraph()

@@ -75,10 +75,10 @@ class _Loading(Sparse24Linear):
                                                device="meta"))
 
 
-def _holder(shape: tuple, dtype: torch.dtype, bias: bool) -> nn.Module:
-    """A module holding 2:4 ``values`` of ``shape`` (``[..., M, K/2]``) and their ``metadata`` on the meta device, and
-    a ``bias [M]`` where asked, for transformers' loader to fill by name."""
-    holder = nn.Module()
+def _holder(shape: tuple, dtype: torch.dtype, bias: bool, holder: nn.Module | None = None) -> nn.Module:
+    """A module (``holder``, or a new one) holding 2:4 ``values`` of ``shape`` (``[..., M, K/2]``) and their
+    ``metadata`` on the meta device, and a ``bias [M]`` where asked, for transformers' loader to fill by name."""
+    holder = nn.Module() if holder is None else holder
     holder.values = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"))
     holder.register_buffer("metadata", torch.empty(*shape[:-1], shape[-1] // 4, dtype=torch.int16, device="meta"))
     if bias:
@@ -97,10 +97,7 @@ class _ExpertHolder(nn.Module):
 
     def __init__(self, shape: tuple, dtype: torch.dtype, bias: bool, span_of, expert: int):
         super().__init__()
-        self.values = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"))
-        self.register_buffer("metadata", torch.empty(*shape[:-1], shape[-1] // 4, dtype=torch.int16, device="meta"))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(shape[-2], dtype=dtype, device="meta"))
+        _holder(shape, dtype, bias, self)
         self._span_of, self._expert = span_of, expert
         self.weight24 = self.bad = None  # the weight, and whether a word of it is not 2:4, once both have come
 
