@@ -34,6 +34,8 @@ def main() -> int:
     ap.add_argument("--ws-top", type=int, default=4, help="cuda_ws's first tiles by its rule's cost")
     ap.add_argument("--wide-split", action="store_true",
                     help="cuda_ws tiles wider than n needs, with K split across a cluster of bn / 8 CTAs (4 or 8)")
+    ap.add_argument("--persistent-split", action="store_true",
+                    help="cuda_ws's persistent tiles with K split to fill every SM (sk_plan), 1 and 2 row blocks of W")
     ap.add_argument("--sp-top", type=int, default=None, help="cuda_sp's first tiles (default: all)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -60,9 +62,16 @@ def main() -> int:
                         out.append(cfg)
         return out
 
+    def persistent_split(n):
+        """The persistent tiles of x's fitted rows whose launch splits the weight's row blocks along K into parts
+        spread evenly over every SM (``sk_plan``): a grid of one-a-tile CTAs fills fewer than the SMs at small n."""
+        from kernelplan.kernels.sparse24_ws import _deepest
+
+        return [c for wm in (1, 2) if (c := _deepest(-(-n // 16) * 16, wm, 1, 1, sk=True)) is not None]
+
     def cands(n, m, k):
         return sp_candidates(n, m, k, sms)[:a.sp_top] + tiles.candidates(n, m, k, sms, False, a.ws_top, "cuda_ws") \
-            + (wide_split(n, m, k) if a.wide_split else [])
+            + (wide_split(n, m, k) if a.wide_split else []) + (persistent_split(n) if a.persistent_split else [])
 
     t0 = time.perf_counter()
     tiles.compile_all([(c, "bf16", None) for m, k in shapes for n in a.batch for c in cands(n, m, k)], 0)
@@ -93,7 +102,8 @@ def main() -> int:
         torch.cuda.empty_cache()
         # After each shape, so that a run cut off by a time limit keeps what it measured.
         results.write("sparse24-small-n", {"rows": rows, "compile_s": compile_s}, a.out, dtype="bf16",
-                      batch=a.batch, rounds=a.rounds, ws_top=a.ws_top, sms=sms, wide_split=a.wide_split)
+                      batch=a.batch, rounds=a.rounds, ws_top=a.ws_top, sms=sms, wide_split=a.wide_split,
+                      persistent_split=a.persistent_split)
     return 0
 
 
