@@ -434,8 +434,8 @@ def table() -> str:
     head = ["| op | " + " | ".join(label for label, _, _ in N_RANGES) + " | measured on |",
             "|---|" + "---|" * len(N_RANGES) + "---|"]
     body = []
-    # The full sweeps (12 n) of both GPUs (f6ca3b0, 0044), then their bf16 n <= 16 part again under today's rule
-    # (ebb068f, 0047: wide weights' K-split tile), then the f16 n <= 16 part under the small-n rule (0042); the bf16
+    # The full sweeps (12 n) of both GPUs (f6ca3b0, 0044), then their n <= 16 part again, bf16 and f16, under today's
+    # rule (0047: wide weights' K-split tile; ebb068f on the H100 in bf16, d3d2493 for the rest, 0048); the bf16
     # quick sweeps (4f17378) stay in results/.
     for name in ("sparse24-sweep-h200", "sparse24-sweep-h100", "sparse24-sweep-small-n-h200",
                  "sparse24-sweep-small-n-h100", "sparse24-sweep-h100-l2warm", "sparse24-sweep-h200-l2warm",
