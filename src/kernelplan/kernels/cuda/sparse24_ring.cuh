@@ -14,9 +14,24 @@
 
 // KP_PROBE splits a step's time in two, for bench/sparse24_feed_probe.py only (docs/design/0037): 1, the copies
 // alone (the consumers wait for each stage and release it, no MMA); 2, the MMAs alone (the producer arrives on
-// each stage's "full" barrier and copies nothing, so the MMAs read whatever the stage holds).
+// each stage's "full" barrier and copies nothing, so the MMAs read whatever the stage holds).  3, for
+// bench/sparse24_phases.py only (sparse24_ws.cu; docs/design/0048): the kernel as it ships, which also writes each
+// CTA's phase times (%globaltimer) past y's N rows.
 #ifndef KP_PROBE
 #define KP_PROBE 0
+#endif
+
+#if KP_PROBE == 3
+// Phase p of this CTA: u64 slot p of 8 a CTA, in CTA order (x fastest), from y's row N on.
+__device__ __forceinline__ void phase_mark(u16 *y, int N, int syn, int p) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    const long cta = blockIdx.x + (long)gridDim.x * (blockIdx.y + (long)gridDim.y * blockIdx.z);
+    ((unsigned long long *)(y + (long)N * syn))[cta * 8 + p] = t;
+}
+#define KP_PHASE(p) phase_mark(y, N, syn, p)
+#else
+#define KP_PHASE(p)
 #endif
 
 constexpr int kConsumers = 128 * WM;

@@ -115,6 +115,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     (void)cy, (void)cz;  // read by the cluster variants only
 
     if (threadIdx.x == 0) {
+        KP_PHASE(0);  // bench/sparse24_phases.py's marks (KP_PROBE 3), else nothing
         ring_init(&xmap, &vmap, &emap, full0, empty0, WM * CM);  // one release per consumer warpgroup of the M group
         mbar_init_fence();
     }
@@ -130,6 +131,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         regs_down<40>();  // what the producer thread needs; its warpgroup's other registers go to the consumers
 #endif
         if (threadIdx.x == 0) {
+            KP_PHASE(1);
             constexpr u32 bytes = kXBytes + kWBytes;  // boxes past N or M count in full (zero-filled)
             for (int s = 0; s < steps; ++s) {
                 const int b = ring_stage(s);
@@ -149,6 +151,12 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #endif
                 load_w(at, &vmap, &emap, step, w_block(tile, tiles_m), w_half(tile), full);
 #endif
+#if KP_PROBE == 3
+                if (s == min(steps, STAGES) - 1) {  // the ring's first fill issued: when its first stage lands
+                    mbar_wait(full0, 0);
+                    KP_PHASE(2);
+                }
+#endif
             }
         }
     } else {
@@ -167,6 +175,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 
         // Every consumer is past its last MMA before the ring is reused for the partial sums.
         named_sync(1, kConsumers);
+        if (threadIdx.x == 128) KP_PHASE(3);
         float *red = (float *)(smem_raw + (sbase - sraw));  // [BN][kRedStride]
         store_acc<NI>(red, acc, wm * 64 + wq * 16, kRedStride, lane);
     }
@@ -176,6 +185,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #else
     if (warp >= 4) named_sync(1, kConsumers);
 #endif
+    if (threadIdx.x == 128) KP_PHASE(4);
     if (warp >= 4) {
         // Bias, activation and y, 8 columns of y (16 bytes) a thread, along M: the K slices in rank order.  Gated,
         // column c of y is the pair of rows c (local row c) and H + c (local row kBM / 2 + c).
@@ -232,4 +242,5 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #if CM * KC > 1
     cluster_sync();  // no CTA leaves while a peer may still read its shared memory or arrive on its barriers
 #endif
+    if (threadIdx.x == 128) KP_PHASE(5);
 }
