@@ -70,6 +70,16 @@ __device__ __forceinline__ void band_tile(int N, int K, int &tile_n, int &group)
     group = band * bands + rest % width;
 }
 
+// Without x's multicast (CM = 1) no peer touches this CTA's barriers or ring (the K slices of a cluster meet after
+// their K loops, behind a cluster sync of their own), so the producer thread sends the ring's first fill as soon as
+// it has made the barriers, before the CTA's sync, and that sync is the CTA's alone, not the cluster's: the first
+// stage's trip from DRAM (about 1.3 us on an H100) then overlaps the sync instead of following it
+// (bench/sparse24_phases.py; docs/design/0048).  KP_EARLY_FILL=0 builds the order before, for that bench.
+#ifndef KP_EARLY_FILL
+#define KP_EARLY_FILL (CM == 1)
+#endif
+static_assert(!(KP_EARLY_FILL && CM > 1), "x's multicast lands in the peers' stages: it waits for the cluster's sync");
+
 #if CM * KC > 1
 #define KP_CLUSTER __cluster_dims__(1, CM, KC)
 #else
@@ -114,12 +124,18 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     const int cy = blockIdx.y % CM, cz = blockIdx.z;
     (void)cy, (void)cz;  // read by the cluster variants only
 
+    int filled = 0;  // the producer thread's ring steps sent before the CTA's sync
     if (threadIdx.x == 0) {
         KP_PHASE(0);  // bench/sparse24_phases.py's marks (KP_PROBE 3), else nothing
         ring_init(&xmap, &vmap, &emap, full0, empty0, WM * CM);  // one release per consumer warpgroup of the M group
         mbar_init_fence();
+#if KP_EARLY_FILL
+        filled = min(steps, STAGES);
+        produce_steps(0, step0, step0 + filled, n0, w_block(tile, tiles_m), w_half(tile), sbase, full0, empty0, &xmap,
+                      &vmap, &emap);
+#endif
     }
-#if CM * KC > 1
+#if CM > 1 || (KC > 1 && !KP_EARLY_FILL)
     cluster_sync();  // every CTA's barriers are ready before any copy or arrival from a peer
 #else
     __syncthreads();
@@ -132,8 +148,14 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #endif
         if (threadIdx.x == 0) {
             KP_PHASE(1);
+#if KP_PROBE == 3
+            if (filled) {  // the early fill's first stage: when it lands
+                mbar_wait(full0, 0);
+                KP_PHASE(2);
+            }
+#endif
             constexpr u32 bytes = kXBytes + kWBytes;  // boxes past N or M count in full (zero-filled)
-            for (int s = 0; s < steps; ++s) {
+            for (int s = filled; s < steps; ++s) {
                 const int b = ring_stage(s);
                 mbar_wait(empty0 + 8 * b, ring_parity(s) ^ 1);
                 const u32 full = full0 + 8 * b, at = sbase + b * kStageBytes;
@@ -152,7 +174,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
                 load_w(at, &vmap, &emap, step, w_block(tile, tiles_m), w_half(tile), full);
 #endif
 #if KP_PROBE == 3
-                if (s == min(steps, STAGES) - 1) {  // the ring's first fill issued: when its first stage lands
+                if (!filled && s == min(steps, STAGES) - 1) {  // the ring's first fill sent: when its first stage lands
                     mbar_wait(full0, 0);
                     KP_PHASE(2);
                 }
