@@ -4,9 +4,9 @@ that writes its x (as a norm or an activation does in a model), dense ``F.linear
 Why: at n <= 16 a 2:4 call's time fits ``F + held bytes / BW`` with F about 4.9 us on the H100 (the sweep at ebb068f),
 and the feed probe finds its copies bound it (docs/design/0048).  Back to back, a kernel's launch can overlap the one
 before it; in a model the kernel before a projection is usually not a GEMM.  This bench says whether the sweep's
-back-to-back reading moves the speedup at these sizes.  CUDA graphs of ``calls`` calls each, weights rotated past
-the L2, all variants in alternating rounds (``timing.graph_rounds``); the chained layer's time is the chain's minus
-the elementwise kernels' alone.
+back-to-back reading moves the speedup at these sizes.  CUDA graphs of ``tiles.calls_per_replay`` calls each,
+weights rotated past the L2, all variants in alternating rounds (``timing.graph_rounds``); the chained layer's time
+is the chain's minus the elementwise kernels' alone, round by round.
 
     PYTHONPATH=src:bench KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_chain.py
 """
@@ -76,7 +76,7 @@ def main() -> int:
     shapes = [(m, k) for m, k in shapes if 2 * m * k >= a.min_mb * 1e6]
     rows = []
     print(f"{'M':>6} {'K':>6} {'n':>3} {'MB':>5} {'dense':>7} {'kp':>7} {'x':>5}  {'dense':>7} {'kp':>7} {'x':>5}"
-          f"  (us a layer: back to back | after an elementwise kernel of {'':>1}", flush=True)
+          "  (us a layer: back to back | after a torch elementwise kernel)", flush=True)
     for m, k in shapes:
         for n in a.batch:
             fns = problem_calls(n, m, k, dtype)

@@ -3,10 +3,11 @@
 Why: at n <= 16 a 2:4 call fits ``4.9 us + held bytes / 3.14 TB/s`` on the H100 (the sweep at ebb068f), dense's
 ``3.2 us + bytes / 2.86 TB/s``, and the copies alone take as long as the whole kernel (docs/design/0048).  This
 splits the fixed part.  The kernel built with ``KP_PROBE 3`` (``kernels/cuda/sparse24_ring.cuh``) runs as it ships
-and writes, per CTA, %globaltimer at: 0 entry, 1 barriers ready (after the cluster's sync), 2 the ring's first stage
-landed, 3 the consumers past their last MMA, 4 the partial sums met (cluster sync), 5 exit.  Back-to-back launches
-in one CUDA graph, weights rotated past the L2, as the sweep times them; two y buffers alternate, so the last two
-launches give the gap from one kernel's last exit to the next one's first entry.
+and writes, per CTA, %globaltimer at: 0 entry, 1 barriers ready (after the CTA's sync, or the cluster's where x is
+multicast), 2 the ring's first stage landed, 3 the consumers past their last MMA, 4 the partial sums met (cluster
+sync), 5 exit.  Back-to-back launches in one CUDA graph, weights rotated past the L2, as the sweep times them; two
+y buffers alternate, so the last two launches give the gap from one kernel's last exit to the next one's first
+entry.
 
     PYTHONPATH=src:bench KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_phases.py
 """
@@ -30,7 +31,8 @@ from kernelplan.sparse24 import compress, prune
 from kernelplan.timing import capture, graph_rounds
 from sparse24_feed_probe import launchers
 
-SHAPES = ["4608x3584", "3584x3584", "5120x5120", "8192x3584", "28672x4096", "4096x1024", "1024x1024"]
+# Layers whose rule's tile at n = 1 and 16 is sparse24_ws.cu's on 132 SMs (the persistent tiles are not marked).
+SHAPES = ["4608x3584", "3584x3584", "5120x5120", "8192x3584", "4096x4096", "3072x3072"]
 PHASES = ("ready", "first stage", "K loop", "sums met", "y stored")
 
 

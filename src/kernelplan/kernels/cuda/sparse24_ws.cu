@@ -74,7 +74,8 @@ __device__ __forceinline__ void band_tile(int N, int K, int &tile_n, int &group)
 // their K loops, behind a cluster sync of their own), so the producer thread sends the ring's first fill as soon as
 // it has made the barriers, before the CTA's sync, and that sync is the CTA's alone, not the cluster's: the first
 // stage's trip from DRAM (about 1.3 us on an H100) then overlaps the sync instead of following it
-// (bench/sparse24_phases.py; docs/design/0048).  KP_EARLY_FILL=0 builds the order before, for that bench.
+// (bench/sparse24_phases.py; docs/design/0048).  KP_EARLY_FILL=0 builds the order before, for the A/B of
+// bench/sparse24_feed_probe.py --define.
 #ifndef KP_EARLY_FILL
 #define KP_EARLY_FILL (CM == 1)
 #endif
