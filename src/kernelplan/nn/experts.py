@@ -145,6 +145,12 @@ class ExpertSpan:
         self.kernels = gpu_kernels(like) if pack_reason(*shape) is None else None
         self.parts = None  # allocated by the first expert written: where all come laid out, never
 
+    @classmethod
+    def of(cls, experts: nn.Module, name: str) -> "ExpertSpan":
+        """The span of ``experts``' projection ``name``, in the dtype and on the device of its dense weights."""
+        first = expert_weight(experts, name, 0)
+        return cls(getattr(experts, name).shape[0], first.shape, first)
+
     def _rows(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         (rv, *v), (rm, *m) = packed_shapes(*self.shape)
         if self.parts is None:
@@ -305,10 +311,8 @@ class Sparse24Experts(nn.Module):
             count = getattr(experts, name).shape[0]
             biases = expert_bias(experts, name)
             given = None if pruned is None else pruned[name] if consume else list(pruned[name])
-            if given is not None:
-                span = ExpertSpan(count, given[0].shape, given[0].values)
-            else:
-                span = ExpertSpan(count, expert_weight(experts, name, 0).shape, expert_weight(experts, name, 0))
+            span = ExpertSpan(count, given[0].shape, given[0].values) if given is not None else \
+                ExpertSpan.of(experts, name)
             built = []
             for e in range(count):
                 with torch.no_grad():

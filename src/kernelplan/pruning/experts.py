@@ -85,8 +85,7 @@ def calibrate_experts(module: nn.Module, method: str, run: Callable[[], None], m
     out: dict[str, list[Sparse24Weight]] = {name: [] for name in parts_of(module)}
     # Each expert compressed straight into its rows of the projection's span, which Sparse24Experts then holds as
     # it is: no expert's own device layout beside it (docs/design/0046).
-    spans = {name: ExpertSpan(count, expert_weight(module, name, 0).shape, expert_weight(module, name, 0))
-             for name in parts_of(module)}
+    spans = {name: ExpertSpan.of(module, name) for name in parts_of(module)}
     errors: dict[str, list[float]] = {name: [] for name in parts_of(module)}
     unreached = []
     for start in range(0, count, chunk):
