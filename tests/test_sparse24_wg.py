@@ -219,11 +219,12 @@ def test_persistent_split_kernel_matches_fp64_deterministically(kind, seed):
 @sm90
 @pytest.mark.parametrize("bn, wm", [(48, 1), (64, 1), (128, 1), (128, 2), (256, 1)])
 @pytest.mark.parametrize("kind", ["fewer tiles than SMs", "several tiles a CTA, odd count", "odd M and N, tiny K",
-                                  "rows of y misaligned"])
+                                  "several tiles a CTA, K under the ring", "rows of y misaligned"])
 def test_ping_pong_kernel_matches_fp64(bn, wm, kind, seed):
     """The persistent ping-pong variant: each consumer warpgroup its own tiles, in turn (one tile a CTA, several,
-    an odd number so one warpgroup gets one more), rows of W and x past M and N, y written through the staging
-    buffer with and without 16-byte rows; bias and an activation; the same bits from a CUDA graph replay."""
+    an odd number so one warpgroup gets one more, K shorter than the ring), rows of W and x past M and N, y written
+    through the staging buffer with and without 16-byte rows; bias and an activation; the same bits from a CUDA
+    graph replay."""
     from kernelplan.kernels.sparse24 import sm_count
     from kernelplan.kernels.sparse24_ws import _deepest
 
@@ -233,6 +234,9 @@ def test_ping_pong_kernel_matches_fp64(bn, wm, kind, seed):
     n, m, k = {"fewer tiles than SMs": (bn, rows * (sms // 2), 1024),
                "several tiles a CTA, odd count": (3 * bn, rows * sms + rows, 576),
                "odd M and N, tiny K": (bn * 2 + 5, rows * 7 - 3, 64 * 3),
+               # The first tile's steps all go out before the CTA's sync (KP_EARLY_FILL); the next tiles' ring steps
+               # count on from there.
+               "several tiles a CTA, K under the ring": (3 * bn, rows * sms + rows, 64 * 3),
                "rows of y misaligned": (bn + 9, rows * 3 + 4, 512)}[kind]
     w, x, b, run = _tiled_problem(n, m, k)
     ref = F.silu(F.linear(x.double(), w.double(), b.double()))
