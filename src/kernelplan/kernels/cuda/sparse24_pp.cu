@@ -142,17 +142,19 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     const Scatter sc{nullptr, nullptr};
 #endif
 
-    int filled = 0;  // the producer thread's steps of its first tile sent before the CTA's sync
+    // The producer thread's steps of its first tile sent before the CTA's sync.  Set outside the thread's branch, so
+    // that it stays a uniform value: set inside it, every later copy's operands went through vector registers and a
+    // loop over their values (R2UR, BRA.U.ANY), 0.6-3 us a call slower (docs/design/0049).
+    const int filled = KP_EARLY_FILL ? min(steps, STAGES) : 0;
     if (threadIdx.x == 0) {
         ring_init(&xmap, &vmap, &emap, full0, empty0, 1);  // one release a stage: the warpgroup that reads it
         mbar_init(order0, 1);
         mbar_init(order0 + 8, 1);
         mbar_init_fence();
 #if KP_EARLY_FILL
-        if ((int)blockIdx.x < (GROUPED ? first[experts] : tiles_n * tiles_m)) {
+        if ((int)blockIdx.x < (GROUPED ? first[experts] : tiles_n * tiles_m)) {  // else it has no tiles
             int e = 0;
             const Tile at = tile_at(blockIdx.x, tiles_n, N, tiles_m, offsets, first, e);
-            filled = min(steps, STAGES);
             produce_steps(0, 0, filled, at.n0, w_block(at, tiles_m), w_half(at), sbase, full0, empty0, &xmap, &vmap,
                           &emap);
         }

@@ -81,6 +81,10 @@ __device__ __forceinline__ void band_tile(int N, int K, int &tile_n, int &group)
 #endif
 static_assert(!(KP_EARLY_FILL && CM > 1), "x's multicast lands in the peers' stages: it waits for the cluster's sync");
 
+#ifndef KP_WARP_PRODUCER
+#define KP_WARP_PRODUCER 0
+#endif
+
 #if CM * KC > 1
 #define KP_CLUSTER __cluster_dims__(1, CM, KC)
 #else
@@ -125,13 +129,14 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     const int cy = blockIdx.y % CM, cz = blockIdx.z;
     (void)cy, (void)cz;  // read by the cluster variants only
 
-    int filled = 0;  // the producer thread's ring steps sent before the CTA's sync
+    // The producer thread's ring steps sent before the CTA's sync: a uniform value, set outside the thread's branch
+    // (sparse24_pp.cu says why).
+    const int filled = KP_EARLY_FILL ? min(steps, STAGES) : 0;
     if (threadIdx.x == 0) {
         KP_PHASE(0);  // bench/sparse24_phases.py's marks (KP_PROBE 3), else nothing
         ring_init(&xmap, &vmap, &emap, full0, empty0, WM * CM);  // one release per consumer warpgroup of the M group
         mbar_init_fence();
 #if KP_EARLY_FILL
-        filled = min(steps, STAGES);
         produce_steps(0, step0, step0 + filled, n0, w_block(tile, tiles_m), w_half(tile), sbase, full0, empty0, &xmap,
                       &vmap, &emap);
 #endif
@@ -147,7 +152,11 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #if CONSUMER_REGS
         regs_down<40>();  // what the producer thread needs; its warpgroup's other registers go to the consumers
 #endif
-        if (threadIdx.x == 0) {
+        // KP_WARP_PRODUCER: warp 0 runs the producer's loop, lane 0 alone issuing its copies, so that the loop's
+        // control flow is the warp's and its values can stay uniform (docs/design/0049).
+        if (KP_WARP_PRODUCER ? warp == 0 : threadIdx.x == 0) {
+            const bool issuer = !KP_WARP_PRODUCER || lane == 0;
+            (void)issuer;
             KP_PHASE(1);
 #if KP_PROBE == 3
             if (filled) {  // the early fill's first stage: when it lands
@@ -163,16 +172,18 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
                 const int step = step0 + s;
 #if KP_PROBE == 2  // sparse24_ring.cuh: the MMAs alone
                 (void)at, (void)step, (void)bytes;
-                mbar_arrive(full);
+                if (issuer) mbar_arrive(full);
 #else
-                mbar_expect_tx(full, bytes);
+                if (issuer) {
+                    mbar_expect_tx(full, bytes);
 #if CM > 1
-                tma_load_2d_multicast(at + cy * kXPart * 128, &xmap, step * 64, n0 + cy * kXPart, full,
-                                      (unsigned short)(((1u << CM) - 1) << (cz * CM)));
+                    tma_load_2d_multicast(at + cy * kXPart * 128, &xmap, step * 64, n0 + cy * kXPart, full,
+                                          (unsigned short)(((1u << CM) - 1) << (cz * CM)));
 #else
-                tma_load_2d(at, &xmap, step * 64, n0, full);
+                    tma_load_2d(at, &xmap, step * 64, n0, full);
 #endif
-                load_w(at, &vmap, &emap, step, w_block(tile, tiles_m), w_half(tile), full);
+                    load_w(at, &vmap, &emap, step, w_block(tile, tiles_m), w_half(tile), full);
+                }
 #endif
 #if KP_PROBE == 3
                 if (!filled && s == min(steps, STAGES) - 1) {  // the ring's first fill sent: when its first stage lands
