@@ -30,13 +30,6 @@
 #include "sparse24_ring.cuh"
 #include "sparse24_grouped.cuh"
 
-// The producer thread sends its first tile's first min(steps, STAGES) stages as soon as it has made the barriers,
-// before the CTA's sync, as sparse24_ws.cu does without multicast (docs/design/0048, 0049): nothing else touches
-// the ring before the sync.  KP_EARLY_FILL=0 builds the order before, for bench/sparse24_feed_probe.py --define.
-#ifndef KP_EARLY_FILL
-#define KP_EARLY_FILL 1
-#endif
-
 constexpr int kPpThreads = 384;                    // the producer warpgroup and two consumers (not ring.cuh's kThreads)
 constexpr int kYStride = kBM * 2 + 16;             // bytes a row of the staging buffer
 constexpr int kYBytes = (BN * kYStride + 1023) / 1024 * 1024;
@@ -127,10 +120,7 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     const int steps = K / 64, tiles_m = (M + kBM - 1) / kBM;
 #if GROUPED
     __shared__ int first[kMaxExperts + 1];
-    if (warp == 0) {
-        scan_tiles(first, offsets, experts, tiles_m, lane);
-        __syncwarp();  // warp 0's lanes wrote `first`: thread 0 reads it before the CTA's sync (KP_EARLY_FILL)
-    }
+    if (warp == 0) scan_tiles(first, offsets, experts, tiles_m, lane);
 #else
     const int *offsets = nullptr, *first = nullptr;
     const int experts = 0;
@@ -142,23 +132,11 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     const Scatter sc{nullptr, nullptr};
 #endif
 
-    // The producer thread's steps of its first tile sent before the CTA's sync.  Set outside the thread's branch, so
-    // that it stays a uniform value: set inside it, every later copy's operands went through vector registers and a
-    // loop over their values (R2UR, BRA.U.ANY), 0.6-3 us a call slower (docs/design/0049).
-    const int filled = KP_EARLY_FILL ? min(steps, STAGES) : 0;
     if (threadIdx.x == 0) {
         ring_init(&xmap, &vmap, &emap, full0, empty0, 1);  // one release a stage: the warpgroup that reads it
         mbar_init(order0, 1);
         mbar_init(order0 + 8, 1);
         mbar_init_fence();
-#if KP_EARLY_FILL
-        if ((int)blockIdx.x < (GROUPED ? first[experts] : tiles_n * tiles_m)) {  // else it has no tiles
-            int e = 0;
-            const Tile at = tile_at(blockIdx.x, tiles_n, N, tiles_m, offsets, first, e);
-            produce_steps(0, 0, filled, at.n0, w_block(at, tiles_m), w_half(at), sbase, full0, empty0, &xmap, &vmap,
-                          &emap);
-        }
-#endif
     }
     __syncthreads();
     const int tiles = GROUPED ? first[experts] : tiles_n * tiles_m;
@@ -168,10 +146,10 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         regs_down<40>();
 #endif
         if (threadIdx.x == 0) {
-            int g = filled, e = 0, k0 = filled;
-            for (int t = blockIdx.x; t < tiles; t += gridDim.x, k0 = 0) {
+            int g = 0, e = 0;
+            for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
                 const Tile at = tile_at(t, tiles_n, N, tiles_m, offsets, first, e);
-                g = produce_steps(g, k0, steps, at.n0, w_block(at, tiles_m), w_half(at), sbase, full0, empty0, &xmap,
+                g = produce_steps(g, 0, steps, at.n0, w_block(at, tiles_m), w_half(at), sbase, full0, empty0, &xmap,
                                   &vmap, &emap);
             }
         }

@@ -81,8 +81,13 @@ __device__ __forceinline__ void band_tile(int N, int K, int &tile_n, int &group)
 #endif
 static_assert(!(KP_EARLY_FILL && CM > 1), "x's multicast lands in the peers' stages: it waits for the cluster's sync");
 
+// The producer's K loop runs on the whole of warp 0, lane 0 alone issuing the copies, as CUTLASS's producers do
+// (elect_one_sync): its control flow is then the warp's, and ptxas keeps the loop's values in uniform registers.  On
+// one thread it kept them in vector registers and moved each copy's operands over (R2UR) every step; the warp's loop
+// ran 1.7% faster on the tiles with K over 2 CTAs (geometric mean of 32 problems, H100; docs/design/0049).
+// KP_WARP_PRODUCER=0 builds the one-thread loop, for the A/B of bench/sparse24_feed_probe.py --define.
 #ifndef KP_WARP_PRODUCER
-#define KP_WARP_PRODUCER 0
+#define KP_WARP_PRODUCER 1
 #endif
 
 #if CM * KC > 1
@@ -129,8 +134,8 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     const int cy = blockIdx.y % CM, cz = blockIdx.z;
     (void)cy, (void)cz;  // read by the cluster variants only
 
-    // The producer thread's ring steps sent before the CTA's sync: a uniform value, set outside the thread's branch
-    // (sparse24_pp.cu says why).
+    // The producer thread's ring steps sent before the CTA's sync, set outside its branch: a uniform value (set
+    // inside it, a ping-pong build moved every later copy's operands through vector registers; docs/design/0049).
     const int filled = KP_EARLY_FILL ? min(steps, STAGES) : 0;
     if (threadIdx.x == 0) {
         KP_PHASE(0);  // bench/sparse24_phases.py's marks (KP_PROBE 3), else nothing
@@ -152,8 +157,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #if CONSUMER_REGS
         regs_down<40>();  // what the producer thread needs; its warpgroup's other registers go to the consumers
 #endif
-        // KP_WARP_PRODUCER: warp 0 runs the producer's loop, lane 0 alone issuing its copies, so that the loop's
-        // control flow is the warp's and its values can stay uniform (docs/design/0049).
+        // Warp 0 runs the producer's loop, lane 0 alone issuing its copies (KP_WARP_PRODUCER).
         if (KP_WARP_PRODUCER ? warp == 0 : threadIdx.x == 0) {
             const bool issuer = !KP_WARP_PRODUCER || lane == 0;
             (void)issuer;
