@@ -107,13 +107,13 @@ def main() -> int:
                     help="also each tile with rings of these many stages where they fit, full and feed alone "
                          "(full_sS, feed_sS): whether the bytes in flight bound the feed")
     ap.add_argument("--full-only", action="store_true", help="the kernel as it ships alone (and its --stages rings)")
-    ap.add_argument("--define", nargs="*", default=(), metavar="NAME=VALUE",
-                    help="also the full kernel built with each of these #defines (mode full_NAME=VALUE)")
+    ap.add_argument("--define", nargs="*", default=(), metavar="NAME=VALUE[,NAME=VALUE]",
+                    help="also the full kernel built with each of these #defines, comma-joined ones in one build "
+                         "(mode full_NAME=VALUE)")
     a = ap.parse_args()
     modes = {"full": MODES["full"]} if a.full_only else dict(MODES)
-    for d in a.define:
-        name, value = d.split("=")
-        modes[f"full_{d}"] = {name: value}
+    for d in a.define:  # NAME=VALUE[,NAME=VALUE...]: one build with all of them
+        modes[f"full_{d}"] = dict(kv.split("=") for kv in d.split(","))
     sms = sm_count(0)
     sensor = Sensor()
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape] if a.shape else SHAPES

@@ -176,14 +176,15 @@ def test_every_variant_compiles_for_sm90a(compile_for):
 
 def test_the_benches_builds_compile_and_multicast_keeps_the_cluster_sync(compile_for):
     """The builds bench/sparse24_phases.py and the feed probe's A/B make of a tile without x's multicast (the phase
-    stamps, KP_PROBE 3; the ring's first fill after the sync, KP_EARLY_FILL=0; the producer's loop on one thread,
-    KP_WARP_PRODUCER=0) compile; a tile with it refuses the early fill, whose multicast would land in peers' stages
-    before their barriers exist (docs/design/0048)."""
+    stamps, KP_PROBE 3; the ring's first fill after the sync, KP_EARLY_FILL=0, and with the cluster's sync before the
+    K loop, KP_LOCAL_SYNC=0; the producer's loop on one thread, KP_WARP_PRODUCER=0) compile; a tile with it refuses
+    the early fill, whose multicast would land in peers' stages before their barriers exist (docs/design/0048)."""
     from kernelplan.errors import KernelPlanError
     from kernelplan.kernels.sparse24_ws import source
 
     plain = WsConfig(16, 2, 1, 2, 8)
-    for head in ("#define KP_PROBE 3\n", "#define KP_EARLY_FILL 0\n", "#define KP_WARP_PRODUCER 0\n"):
+    for head in ("#define KP_PROBE 3\n", "#define KP_EARLY_FILL 0\n", "#define KP_WARP_PRODUCER 0\n",
+                 "#define KP_EARLY_FILL 0\n#define KP_LOCAL_SYNC 0\n"):
         assert len(compile_for(head + source(plain, "bf16", False, None), "sm_90a")) > 0
     with pytest.raises(KernelPlanError, match="multicast"):
         compile_for("#define KP_EARLY_FILL 1\n" + source(WsConfig(128, 2, 2, 1, 5), "bf16", False, None), "sm_90a")

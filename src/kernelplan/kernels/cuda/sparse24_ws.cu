@@ -80,6 +80,13 @@ __device__ __forceinline__ void band_tile(int N, int K, int &tile_n, int &group)
 #define KP_EARLY_FILL (CM == 1)
 #endif
 static_assert(!(KP_EARLY_FILL && CM > 1), "x's multicast lands in the peers' stages: it waits for the cluster's sync");
+// Without x's multicast the CTA's first sync is its own, early fill or not: nothing of a peer's reaches this CTA
+// before the cluster's sync after the K loops.  KP_LOCAL_SYNC=0 builds the cluster's sync there where K is split
+// (the order before 0048), for the A/B.
+#ifndef KP_LOCAL_SYNC
+#define KP_LOCAL_SYNC 1
+#endif
+static_assert(KP_LOCAL_SYNC || !KP_EARLY_FILL, "the early fill goes before a sync of the CTA's own");
 
 // The producer's K loop runs on the whole of warp 0, lane 0 alone issuing the copies, as CUTLASS's producers do
 // (elect_one_sync): its control flow is then the warp's, and ptxas keeps the loop's values in uniform registers.  On
@@ -146,7 +153,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
                       &vmap, &emap);
 #endif
     }
-#if CM > 1 || (KC > 1 && !KP_EARLY_FILL)
+#if CM > 1 || !KP_LOCAL_SYNC
     cluster_sync();  // every CTA's barriers are ready before any copy or arrival from a peer
 #else
     __syncthreads();
