@@ -83,6 +83,9 @@ static_assert(!(KP_EARLY_FILL && CM > 1), "x's multicast lands in the peers' sta
 // Without x's multicast the CTA's first sync is its own, early fill or not: nothing of a peer's reaches this CTA
 // before the cluster's sync after the K loops.  KP_LOCAL_SYNC=0 builds the cluster's sync there where K is split
 // (the order before 0048), for the A/B.
+#ifndef KP_EARLY_STAGES
+#define KP_EARLY_STAGES STAGES
+#endif
 #ifndef KP_LOCAL_SYNC
 #define KP_LOCAL_SYNC 1
 #endif
@@ -143,7 +146,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 
     // The producer thread's ring steps sent before the CTA's sync, set outside its branch: a uniform value (set
     // inside it, a ping-pong build moved every later copy's operands through vector registers; docs/design/0049).
-    const int filled = KP_EARLY_FILL ? min(steps, STAGES) : 0;
+    const int filled = KP_EARLY_FILL ? min(steps, KP_EARLY_STAGES) : 0;
     if (threadIdx.x == 0) {
         KP_PHASE(0);  // bench/sparse24_phases.py's marks (KP_PROBE 3), else nothing
         ring_init(&xmap, &vmap, &emap, full0, empty0, WM * CM);  // one release per consumer warpgroup of the M group
