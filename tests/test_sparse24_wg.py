@@ -234,8 +234,7 @@ def test_ping_pong_kernel_matches_fp64(bn, wm, kind, seed):
     n, m, k = {"fewer tiles than SMs": (bn, rows * (sms // 2), 1024),
                "several tiles a CTA, odd count": (3 * bn, rows * sms + rows, 576),
                "odd M and N, tiny K": (bn * 2 + 5, rows * 7 - 3, 64 * 3),
-               # The first tile's steps all go out before the CTA's sync (KP_EARLY_FILL); the next tiles' ring steps
-               # count on from there.
+               # K shorter than the ring: a CTA's next tile starts part way round it.
                "several tiles a CTA, K under the ring": (3 * bn, rows * sms + rows, 64 * 3),
                "rows of y misaligned": (bn + 9, rows * 3 + 4, 512)}[kind]
     w, x, b, run = _tiled_problem(n, m, k)

@@ -71,25 +71,13 @@ __device__ __forceinline__ void band_tile(int N, int K, int &tile_n, int &group)
 }
 
 // Without x's multicast (CM = 1) no peer touches this CTA's barriers or ring (the K slices of a cluster meet after
-// their K loops, behind a cluster sync of their own), so the producer thread sends the ring's first fill as soon as
-// it has made the barriers, before the CTA's sync, and that sync is the CTA's alone, not the cluster's: the first
-// stage's trip from DRAM (about 1.3 us on an H100) then overlaps the sync instead of following it
-// (bench/sparse24_phases.py; docs/design/0048).  KP_EARLY_FILL=0 builds the order before, for the A/B of
-// bench/sparse24_feed_probe.py --define.
-#ifndef KP_EARLY_FILL
-#define KP_EARLY_FILL (CM == 1)
-#endif
-static_assert(!(KP_EARLY_FILL && CM > 1), "x's multicast lands in the peers' stages: it waits for the cluster's sync");
-// Without x's multicast the CTA's first sync is its own, early fill or not: nothing of a peer's reaches this CTA
-// before the cluster's sync after the K loops.  KP_LOCAL_SYNC=0 builds the cluster's sync there where K is split
-// (the order before 0048), for the A/B.
-#ifndef KP_EARLY_STAGES
-#define KP_EARLY_STAGES STAGES
-#endif
+// their K loops, behind a cluster sync of their own), so the CTA's first sync is its own, not the cluster's: 3-6%
+// faster where K is split over a cluster (bench/sparse24_feed_probe.py, H100; docs/design/0049).  KP_LOCAL_SYNC=0
+// builds the cluster's sync there, for the A/B.  (0048 also sent the ring's first fill before that sync; the sync
+// alone read as fast or faster: 0049.)
 #ifndef KP_LOCAL_SYNC
 #define KP_LOCAL_SYNC 1
 #endif
-static_assert(KP_LOCAL_SYNC || !KP_EARLY_FILL, "the early fill goes before a sync of the CTA's own");
 
 // The producer's K loop runs on the whole of warp 0, lane 0 alone issuing the copies, as CUTLASS's producers do
 // (elect_one_sync): its control flow is then the warp's, and ptxas keeps the loop's values in uniform registers.  On
@@ -144,42 +132,29 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     const int cy = blockIdx.y % CM, cz = blockIdx.z;
     (void)cy, (void)cz;  // read by the cluster variants only
 
-    // The producer thread's ring steps sent before the CTA's sync, set outside its branch: a uniform value (set
-    // inside it, a ping-pong build moved every later copy's operands through vector registers; docs/design/0049).
-    const int filled = KP_EARLY_FILL ? min(steps, KP_EARLY_STAGES) : 0;
     if (threadIdx.x == 0) {
         KP_PHASE(0);  // bench/sparse24_phases.py's marks (KP_PROBE 3), else nothing
         ring_init(&xmap, &vmap, &emap, full0, empty0, WM * CM);  // one release per consumer warpgroup of the M group
         mbar_init_fence();
-#if KP_EARLY_FILL
-        produce_steps(0, step0, step0 + filled, n0, w_block(tile, tiles_m), w_half(tile), sbase, full0, empty0, &xmap,
-                      &vmap, &emap);
-#endif
     }
-#if CM > 1 || !KP_LOCAL_SYNC
+#if CM > 1 || (KC > 1 && !KP_LOCAL_SYNC)
     cluster_sync();  // every CTA's barriers are ready before any copy or arrival from a peer
 #else
     __syncthreads();
 #endif
 
     if (warp < 4) {
-        // The producer warpgroup: one thread issues every copy.
+        // The producer warpgroup: warp 0 runs the ring's loop, lane 0 issuing every copy.
 #if CONSUMER_REGS
-        regs_down<40>();  // what the producer thread needs; its warpgroup's other registers go to the consumers
+        regs_down<40>();  // what the producer warp needs; its warpgroup's other registers go to the consumers
 #endif
         // Warp 0 runs the producer's loop, lane 0 alone issuing its copies (KP_WARP_PRODUCER).
         if (KP_WARP_PRODUCER ? warp == 0 : threadIdx.x == 0) {
             const bool issuer = !KP_WARP_PRODUCER || lane == 0;
             (void)issuer;
             KP_PHASE(1);
-#if KP_PROBE == 3
-            if (filled) {  // the early fill's first stage: when it lands
-                mbar_wait(full0, 0);
-                KP_PHASE(2);
-            }
-#endif
             constexpr u32 bytes = kXBytes + kWBytes;  // boxes past N or M count in full (zero-filled)
-            for (int s = filled; s < steps; ++s) {
+            for (int s = 0; s < steps; ++s) {
                 const int b = ring_stage(s);
                 mbar_wait(empty0 + 8 * b, ring_parity(s) ^ 1);
                 const u32 full = full0 + 8 * b, at = sbase + b * kStageBytes;
@@ -200,7 +175,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
                 }
 #endif
 #if KP_PROBE == 3
-                if (!filled && s == min(steps, STAGES) - 1) {  // the ring's first fill sent: when its first stage lands
+                if (s == min(steps, STAGES) - 1) {  // the ring's first fill sent: when its first stage lands
                     mbar_wait(full0, 0);
                     KP_PHASE(2);
                 }
