@@ -71,10 +71,10 @@ __device__ __forceinline__ void band_tile(int N, int K, int &tile_n, int &group)
 }
 
 // Without x's multicast (CM = 1) no peer touches this CTA's barriers or ring (the K slices of a cluster meet after
-// their K loops, behind a cluster sync of their own), so the CTA's first sync is its own, not the cluster's: 3-6%
-// faster where K is split over a cluster (bench/sparse24_feed_probe.py, H100; docs/design/0049).  KP_LOCAL_SYNC=0
-// builds the cluster's sync there, for the A/B.  (0048 also sent the ring's first fill before that sync; the sync
-// alone read as fast or faster: 0049.)
+// their K loops, behind a cluster sync of their own), so the CTA's first sync is its own, not the cluster's:
+// 3.3-8.4% faster where K is split over a cluster (geometric means by kind of tile, bench/sparse24_feed_probe.py,
+// H100; docs/design/0049).  KP_LOCAL_SYNC=0 builds the cluster's sync there, for the A/B.  (0048 also sent the
+// ring's first fill before that sync; the sync alone read as fast or faster: 0049.)
 #ifndef KP_LOCAL_SYNC
 #define KP_LOCAL_SYNC 1
 #endif
@@ -144,14 +144,13 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #endif
 
     if (warp < 4) {
-        // The producer warpgroup: warp 0 runs the ring's loop, lane 0 issuing every copy.
+        // The producer warpgroup: warp 0 runs the ring's loop, lane 0 issuing every copy (KP_WARP_PRODUCER; 0:
+        // thread 0 alone runs it).
 #if CONSUMER_REGS
         regs_down<40>();  // what the producer warp needs; its warpgroup's other registers go to the consumers
 #endif
-        // Warp 0 runs the producer's loop, lane 0 alone issuing its copies (KP_WARP_PRODUCER).
         if (KP_WARP_PRODUCER ? warp == 0 : threadIdx.x == 0) {
             const bool issuer = !KP_WARP_PRODUCER || lane == 0;
-            (void)issuer;
             KP_PHASE(1);
             constexpr u32 bytes = kXBytes + kWBytes;  // boxes past N or M count in full (zero-filled)
             for (int s = 0; s < steps; ++s) {
