@@ -89,3 +89,21 @@ def test_a_newer_sweep_part_replaces_the_base_sweeps_rows_at_its_n(tmp_path):
     assert table["shapes"]["64x128"] == [[1, 1.7, 0.85], [8, 1.7, 0.85], [16, 1.5, 0.75], [32, 1.5, 0.75],
                                          [64, 1.5, 0.75]]
     assert source(table) == "sparse24-sweep-base.json at bas; sparse24-sweep-new.json at new (n = 1, 8), L2 cold"
+
+
+def test_ab_table_groups_a_committed_probe_run_by_tile():
+    """tools/ab_table.py, over the committed local-sync A/B (docs/design/0049's table): the cluster's first sync
+    against the CTA's own on the 26 problems of K over 2 CTAs and 16 MB or more, and the ping-pong control."""
+    import sys
+
+    sys.path.insert(0, str(README.parent / "tools"))
+    import json
+
+    import ab_table
+
+    doc = json.loads((README.parent / "bench" / "results" / "sparse24-local-sync-h100.json").read_text())
+    got = {(k, v): (n, gm) for k, v, n, gm, lo, hi in ab_table.table(doc["rows"], "full_KP_EARLY_FILL=0")}
+    n, gm = got[("cm 1 x kc 2, >= 16 MB", "full_KP_EARLY_FILL=0,KP_LOCAL_SYNC=0")]
+    assert n == 26 and gm == pytest.approx(1.034, abs=5e-4)
+    n, gm = got[("ping-pong", "full_KP_EARLY_FILL=0,KP_LOCAL_SYNC=0")]
+    assert n == 11 and gm == pytest.approx(0.999, abs=5e-4)
