@@ -7,6 +7,7 @@ test_sparse24_layout.py and test_sparse24_sp.py.
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -515,3 +516,62 @@ def test_a_split_tail_launch_is_not_bound(monkeypatch):
     stub_driver(monkeypatch, sparse24_ws._SK_PARAMS)
     cfg = WsConfig(bn=128, wm=2, stages=6, sk=True)
     assert sparse24_ws.StreamKLaunch("fn", "kp", cfg, _Maps(), 0).bind((1, 1, 1), (0,) * 10) is None
+
+
+@pytest.mark.parametrize("bn, wm, kc", [(16, 1, 2), (16, 2, 2), (32, 1, 4), (64, 3, 2)])
+def test_pushed_sums_index_arithmetic_meets_every_slice_once(bn, wm, kc):
+    """KP_PUSH_SUMS's index arithmetic (sparse24_ws.cu), emulated over a cluster of K slices: each slice pushes the
+    other slices' rows of its partial sums to their CTAs' slots, and each CTA's rows, read back in rank order from
+    its own sums and its slots, are the sum over every slice, each slice's part exactly once."""
+    rows_here, bm = bn // kc, 64 * wm
+    stride = bm + 4
+    red_floats = bn * stride
+    chunks = rows_here * bm // 4
+    gen = torch.Generator().manual_seed(bn * kc + wm)
+    red = [torch.randn(bn, stride, generator=gen, dtype=torch.float64) for _ in range(kc)]
+    smem = [torch.full((red_floats + (kc - 1) * rows_here * stride,), float("nan"), dtype=torch.float64)
+            for _ in range(kc)]
+    for cz in range(kc):
+        smem[cz][:red_floats] = red[cz].flatten()
+    for cz in range(kc):  # the push loop, each idx once (the threads' stride does not change the set)
+        for idx in range((kc - 1) * chunks):
+            q, nl, c = idx // chunks, idx % chunks // (bm // 4), idx % (bm // 4)
+            p, slot = q + (q >= cz), cz - (cz > q + (q >= cz))
+            src = ((p * rows_here + nl) * stride + 4 * c)
+            dst = red_floats + ((slot * rows_here + nl) * stride + 4 * c)
+            assert torch.isnan(smem[p][dst:dst + 4]).all(), "a slot written twice"
+            smem[p][dst:dst + 4] = smem[cz][src:src + 4]
+    for cz in range(kc):  # the epilogue's reads: slice r's sums of this CTA's rows, in rank order
+        nl0 = cz * rows_here
+        for nl in range(nl0, nl0 + rows_here):
+            at = nl * stride
+            got = torch.zeros(bm, dtype=torch.float64)
+            for r in range(kc):
+                slot = r - (r > cz)
+                frm = at if r == cz else at + red_floats + (slot * rows_here - nl0) * stride
+                got += smem[cz][frm:frm + bm]
+            want = sum(red[r][nl, :bm] for r in range(kc))
+            assert torch.equal(got, want), (cz, nl)
+
+
+def _generic_loads(sass: str) -> list[str]:
+    """The SASS's generic loads (LD, not LDS/LDG): how another CTA's shared memory is read (ld.shared::cluster)."""
+    return [line for line in sass.splitlines() if re.search(r"\*/\s+(@!?U?P\w+\s+)?LD(\.|\s)", line)]
+
+
+def test_pushed_sums_build_drops_the_cluster_loads_and_last_sync(compile_for):
+    """The KP_PUSH_SUMS=1 build (an A/B experiment, docs/design/0049) compiles for K-split tiles, plain and gated,
+    and in its SASS the partial sums go out as st.async (STAS) with one cluster barrier wait left (after the K loops):
+    none before leaving, and no loads from another CTA's shared memory.  A multicast tile refuses it."""
+    from kernelplan.errors import KernelPlanError
+    from kernelplan.kernels.sparse24_ws import source
+
+    for cfg, act in ((WsConfig(16, 2, 1, 2, 8), None), (WsConfig(32, 1, 1, 4, 8), "gelu"),
+                     (WsConfig(64, 2, 1, 2, 8), "gated_silu_second")):
+        sass = _sass(compile_for("#define KP_PUSH_SUMS 1\n" + source(cfg, "bf16", True, act), "sm_90a"))
+        if sass is None:
+            pytest.skip("no cuobjdump next to Triton")
+        assert sass.count("UCGABAR_WAIT") == 1 and "STAS" in sass, cfg
+        assert not _generic_loads(sass), cfg
+    with pytest.raises(KernelPlanError, match="KP_PUSH_SUMS"):
+        compile_for("#define KP_PUSH_SUMS 1\n" + source(WsConfig(128, 2, 2, 1, 5), "bf16", False, None), "sm_90a")

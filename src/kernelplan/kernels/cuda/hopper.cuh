@@ -101,10 +101,28 @@ __device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 rank) {
     asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(remote) : "memory");
 }
 
+// Stores `v` at this CTA's shared address `addr` in cluster CTA `rank`'s shared memory, its 16 bytes completing on
+// that CTA's barrier at this CTA's address `bar` (st.async: the data leaves from registers, so nothing of this CTA's
+// must outlive the store).
+__device__ __forceinline__ void st_async_peer4(u32 addr, float4 v, u32 bar, u32 rank) {
+    u32 raddr, rbar;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(raddr) : "r"(addr), "r"(rank));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rbar) : "r"(bar), "r"(rank));
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+                 :: "r"(raddr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(rbar) : "memory");
+}
+
 // Waits until the barrier's phase of parity `parity` has completed (a fresh barrier: parity 1 passes at once).
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     asm volatile("{\n.reg .pred done;\nWAIT:\n"
                  "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
+}
+
+// mbar_wait at the cluster's scope: what other CTAs of the cluster wrote and completed on the barrier is seen.
+__device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
+    asm volatile("{\n.reg .pred done;\nWAIT:\n"
+                 "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
                  "@!done bra WAIT;\n}" :: "r"(bar), "r"(parity) : "memory");
 }
 

@@ -88,6 +88,19 @@ __device__ __forceinline__ void band_tile(int N, int K, int &tile_n, int &group)
 #define KP_WARP_PRODUCER 1
 #endif
 
+// KP_PUSH_SUMS=1 builds an experiment, not measured yet (docs/design/0049): where K is split without multicast, once
+// the cluster is past its K loops each K slice pushes the partial sums of the rows another slice stores into that
+// CTA's shared memory (st.async, completing on its "sums" barrier), and each reads its own rows' sums locally: no
+// loads over the cluster, and no cluster sync before leaving, since no CTA then reads another's shared memory.  The
+// pushed rows land past the CTA's own sums, in its ring (free once the cluster is past its K loops).
+#ifndef KP_PUSH_SUMS
+#define KP_PUSH_SUMS 0
+#endif
+constexpr int kRowsHere = BN / KC;                 // rows of y each CTA of a K-split cluster stores
+constexpr int kRecvBytes = (KC - 1) * kRowsHere * kRedStride * 4;  // the other slices' sums of those rows
+constexpr bool kPush = KP_PUSH_SUMS && CM == 1 && KC > 1 && !GROUPED && kRedBytes + kRecvBytes <= kRingBytes;
+static_assert(!KP_PUSH_SUMS || kPush, "KP_PUSH_SUMS: a K-split tile without multicast whose ring holds both sums");
+
 #if CM * KC > 1
 #define KP_CLUSTER __cluster_dims__(1, CM, KC)
 #else
@@ -132,10 +145,13 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     const int cy = blockIdx.y % CM, cz = blockIdx.z;
     (void)cy, (void)cz;  // read by the cluster variants only
 
+    const u32 sums_bar = empty0 + 8 * STAGES;  // kPush: in the 1 KiB the shared memory keeps for alignment
     if (threadIdx.x == 0) {
         KP_PHASE(0);  // bench/sparse24_phases.py's marks (KP_PROBE 3), else nothing
         ring_init(&xmap, &vmap, &emap, full0, empty0, WM * CM);  // one release per consumer warpgroup of the M group
+        if constexpr (kPush) mbar_init(sums_bar, 1);
         mbar_init_fence();
+        if constexpr (kPush) mbar_expect_tx(sums_bar, (KC - 1) * kRowsHere * kBM * 4);
     }
 #if CM > 1 || (KC > 1 && !KP_LOCAL_SYNC)
     cluster_sync();  // every CTA's barriers are ready before any copy or arrival from a peer
@@ -212,7 +228,20 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         // Bias, activation and y, 8 columns of y (16 bytes) a thread, along M: the K slices in rank order.  Gated,
         // column c of y is the pair of rows c (local row c) and H + c (local row kBM / 2 + c).
         constexpr int kOut = kBM / kRegions;               // columns of y a CTA
-        const int rows_here = BN / KC, nl0 = blockIdx.z * rows_here, mo = tile.block * kOut;
+        const int rows_here = kRowsHere, nl0 = blockIdx.z * rows_here, mo = tile.block * kOut;
+        if constexpr (kPush) {
+            // The other slices' rows, 16 bytes a thread at a time, into their CTAs: slice p's rows go to p, to the
+            // slot of this slice among p's others (slots in rank order).
+            constexpr int kChunks = kRowsHere * kBM / 4;  // of one slice's rows
+            for (int idx = threadIdx.x - 128; idx < (KC - 1) * kChunks; idx += kConsumers) {
+                const int q = idx / kChunks, nl = idx % kChunks / (kBM / 4), c = idx % (kBM / 4);
+                const int p = q + (q >= cz), slot = cz - (cz > p);
+                const float4 v = lds4f(sbase + ((p * kRowsHere + nl) * kRedStride + 4 * c) * 4);
+                st_async_peer4(sbase + kRedBytes + ((slot * kRowsHere + nl) * kRedStride + 4 * c) * 4, v, sums_bar,
+                               cy + p * CM);
+            }
+            mbar_wait_cluster(sums_bar, 0);  // the other slices' sums of this CTA's rows are in
+        }
         const u16 *own = HAS_BIAS ? bias + (long)tile.expert * M : bias;  // grouped: the biases are [E, M]
         (void)own;
         const int cols = M / kRegions;                     // of y
@@ -229,7 +258,14 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #pragma unroll
                 for (int r = 0; r < KC; ++r) {
 #if KC > 1
-                    const float4 lo = ld_peer4(at, cy + r * CM), hi = ld_peer4(at + 16, cy + r * CM);
+                    float4 lo, hi;
+                    if constexpr (kPush) {  // slice r's sums: this CTA's own, or the slot r pushed them to
+                        const int slot = r - (r > cz);
+                        const u32 from = r == cz ? at : at + kRedBytes + ((slot * kRowsHere - nl0) * kRedStride) * 4;
+                        lo = lds4f(from), hi = lds4f(from + 16);
+                    } else {
+                        lo = ld_peer4(at, cy + r * CM), hi = ld_peer4(at + 16, cy + r * CM);
+                    }
 #else
                     const float4 lo = lds4f(at), hi = lds4f(at + 16);
 #endif
@@ -262,7 +298,9 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         }
     }
 #if CM * KC > 1
-    cluster_sync();  // no CTA leaves while a peer may still read its shared memory or arrive on its barriers
+    // No CTA leaves while a peer may still read its shared memory or arrive on its barriers (pushed sums: none
+    // reads another's, and the pushes a CTA waits for are all in before it stores y).
+    if constexpr (!kPush) cluster_sync();
 #endif
     if (threadIdx.x == 128) KP_PHASE(5);
 }
