@@ -228,7 +228,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         // Bias, activation and y, 8 columns of y (16 bytes) a thread, along M: the K slices in rank order.  Gated,
         // column c of y is the pair of rows c (local row c) and H + c (local row kBM / 2 + c).
         constexpr int kOut = kBM / kRegions;               // columns of y a CTA
-        const int rows_here = kRowsHere, nl0 = blockIdx.z * rows_here, mo = tile.block * kOut;
+        const int nl0 = blockIdx.z * kRowsHere, mo = tile.block * kOut;
         if constexpr (kPush) {
             // The other slices' rows, 16 bytes a thread at a time, into their CTAs: slice p's rows go to p, to the
             // slot of this slice among p's others (slots in rank order).
@@ -246,7 +246,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         (void)own;
         const int cols = M / kRegions;                     // of y
         const bool vec = syn % 8 == 0 && ((unsigned long long)y & 15) == 0;
-        for (int idx = threadIdx.x - 128; idx < rows_here * (kOut / 8); idx += kConsumers) {
+        for (int idx = threadIdx.x - 128; idx < kRowsHere * (kOut / 8); idx += kConsumers) {
             const int m8 = idx % (kOut / 8), nl = nl0 + idx / (kOut / 8), m = mo + m8 * 8, n = n0 + nl;
             if (m >= cols || n >= tile.n_end) continue;
             float v[kRegions][8];
