@@ -103,6 +103,17 @@ def intake(cfg, n: int, m: int, k: int, sms: int) -> tuple[int, int, int]:
     return ctas * (k // 64 // cfg.kc) * step, min(sms, ctas), ctas * (k // 64 // cfg.kc)
 
 
+def check(fns: dict, y: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Each full build's y (its first copy of W) against dense, to 2^-5 of y's largest: a wrong sum is of its
+    order."""
+    for name in (nm for nm in fns if nm.startswith("full")):
+        y.fill_(float("nan"))
+        fns[name][0]()
+        err = float((y.float() - want).abs().max()) / float(want.abs().max())
+        if not err <= 2.0 ** -5:
+            raise SystemExit(f"{what} {name}: relative error {err:.3g}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -155,17 +166,13 @@ def main() -> int:
                     fns[mode] = [lambda p=p, c=c, launch=launch, grid=grid: launch(
                         grid, (x.data_ptr(), p.data_ptr(), c.data_ptr(), 0, y.data_ptr(), n, m, k, x.stride(0),
                                y.stride(0)), raw_stream(0)) for p, c in tiled]
-                for name in (nm for nm in fns if nm.startswith("full")):
-                    y.fill_(float("nan"))
-                    fns[name][0]()
-                    err = float((y.float() - want).abs().max()) / float(want.abs().max())
-                    if not err <= 2.0 ** -5:
-                        raise SystemExit(f"{m}x{k} n={n} {cfg} {name}: relative error {err:.3g}")
+                check(fns, y, want, f"{m}x{k} n={n} {cfg}")
                 times, reads = {name: [] for name in fns}, {name: [] for name in fns}
                 for r in range(2):
                     for name in list(fns) if r == 0 else list(fns)[::-1]:
                         times[name] += graph_ms(fns[name], calls, a.rounds, during=sensor)
                         reads[name] += sensor.drain()
+                check(fns, y, want, f"{m}x{k} n={n} {cfg} (after its timing)")
                 med = {name: statistics.median(t) for name, t in times.items()}
                 mhz = {name: statistics.median(r[0] for r in rs) if rs else None for name, rs in reads.items()}
                 watts = {name: statistics.median(r[1] for r in rs) if rs else None for name, rs in reads.items()}

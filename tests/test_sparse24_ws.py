@@ -559,19 +559,38 @@ def _generic_loads(sass: str) -> list[str]:
     return [line for line in sass.splitlines() if re.search(r"\*/\s+(@!?U?P\w+\s+)?LD(\.|\s)", line)]
 
 
-def test_pushed_sums_build_drops_the_cluster_loads_and_last_sync(compile_for):
-    """The KP_PUSH_SUMS=1 build (an A/B experiment, docs/design/0049) compiles for K-split tiles, plain and gated,
-    and in its SASS the partial sums go out as st.async (STAS) with one cluster barrier wait left (after the K loops):
-    none before leaving, and no loads from another CTA's shared memory.  A multicast tile refuses it."""
+@pytest.mark.parametrize("level, arrivals, waits", [(1, 1, 1), (2, 1, 2)])
+def test_pushed_sums_build_drops_the_cluster_loads_and_last_sync(compile_for, level, arrivals, waits):
+    """The KP_PUSH_SUMS builds (A/B experiments, docs/design/0049, 0050) compile for K-split tiles, plain and gated,
+    and in their SASS the partial sums go out as st.async (STAS), with no loads from another CTA's shared memory and
+    one cluster barrier arrival: 1, the sync after the K loops (none before leaving); 2, the split sync's arrival at
+    the start, waited on by the consumers before their pushes and by the producers before they leave.  A multicast
+    tile refuses both."""
     from kernelplan.errors import KernelPlanError
     from kernelplan.kernels.sparse24_ws import source
 
+    head = f"#define KP_PUSH_SUMS {level}\n"
     for cfg, act in ((WsConfig(16, 2, 1, 2, 8), None), (WsConfig(32, 1, 1, 4, 8), "gelu"),
                      (WsConfig(64, 2, 1, 2, 8), "gated_silu_second")):
-        sass = _sass(compile_for("#define KP_PUSH_SUMS 1\n" + source(cfg, "bf16", True, act), "sm_90a"))
+        sass = _sass(compile_for(head + source(cfg, "bf16", True, act), "sm_90a"))
         if sass is None:
             pytest.skip("no cuobjdump next to Triton")
-        assert sass.count("UCGABAR_WAIT") == 1 and "STAS" in sass, cfg
-        assert not _generic_loads(sass), cfg
+        assert sass.count("UCGABAR_ARV") == arrivals and sass.count("UCGABAR_WAIT") == waits, cfg
+        assert "STAS" in sass and not _generic_loads(sass), cfg
     with pytest.raises(KernelPlanError, match="KP_PUSH_SUMS"):
-        compile_for("#define KP_PUSH_SUMS 1\n" + source(WsConfig(128, 2, 2, 1, 5), "bf16", False, None), "sm_90a")
+        compile_for(head + source(WsConfig(128, 2, 2, 1, 5), "bf16", False, None), "sm_90a")
+
+
+def test_k_split_tiles_keep_room_for_the_pushed_sums_where_it_fits():
+    """recv_bytes: the other K slices' sums of a CTA's rows and their barrier, counted in its shared memory, for tiles
+    that split K without multicast and only where the SM holds them beside the ring (KP_PUSH_SUMS=2's buffer)."""
+    cfg = WsConfig(16, 2, 1, 2, 8)
+    assert cfg.recv_bytes == 1 * 8 * 132 * 4 + 16 and cfg.shared == 8 * cfg.stage_bytes + 16 * 8 + 1024 + 4240
+    assert WsConfig(32, 1, 1, 4, 8).recv_bytes == 3 * 8 * 68 * 4 + 16
+    assert WsConfig(128, 2, 2, 2, 8).recv_bytes == WsConfig(64, 2, 1, 1, 8).recv_bytes == 0  # multicast; no split
+    assert WsConfig(128, 2, 1, 2, 8).shared + 64 * 132 * 4 + 16 > SM_SHARED  # would not fit beside 8 stages:
+    assert WsConfig(128, 2, 1, 2, 8).recv_bytes == 0
+    for n in (1, 16, 64, 256):
+        for m, k in ((1024, 4096), (4096, 4096), (8192, 8192), (3584, 18944)):
+            for c in ws_candidates(n, m, k):
+                assert c.shared <= SM_SHARED and (c.recv_bytes > 0) <= (c.kc > 1 and c.cm == 1), c

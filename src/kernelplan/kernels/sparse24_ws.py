@@ -88,9 +88,23 @@ class WsConfig:
         """Dynamic shared memory: the ring (or the partial sums, where they meet in shared memory: not persistent),
         the ping-pong's two staging buffers of y, the mbarriers (and the ping-pong's two order barriers), and 1 KiB
         to align to 1024."""
+        return self._fixed + self.recv_bytes
+
+    @property
+    def _fixed(self) -> int:
         sums = 0 if self.sk or self.pp else self.bn * (self.rows + 4) * 4
         bars = 16 * self.stages + (16 if self.pp else 0)
         return max(self.stages * self.stage_bytes, sums) + 2 * self.staging_bytes + bars + 1024
+
+    @property
+    def recv_bytes(self) -> int:
+        """Where K splits over a cluster without multicast: the other K slices' partial sums of the rows this CTA
+        stores, pushed to it past the barriers, and their barrier (cuda/sparse24_ws.cu's KP_PUSH_SUMS=2); 0 for
+        other tiles and where they would not fit the SM beside the ring."""
+        if self.sk or self.pp or self.kc == 1 or self.cm > 1:
+            return 0
+        recv = (self.kc - 1) * (self.bn // self.kc) * (self.rows + 4) * 4 + 16
+        return recv if self._fixed + recv <= SM_SHARED else 0
 
 
 def _deepest(bn: int, wm: int, cm: int, kc: int, sk: bool = False, pp: bool = False) -> WsConfig | None:
@@ -316,7 +330,7 @@ def source(cfg: WsConfig, dtype: str, has_bias: bool, activation: str | None, gr
     """The CUDA C++ of one kernel variant (``kp_sparse24_ws``; ``kp_sparse24_sk`` where ``cfg.sk``,
     ``kp_sparse24_pp`` where ``cfg.pp``; the ``grouped`` form of those two: a MoE layer's experts, ``grouped_linear``,
     whose ``scatter`` form stores each row weighted where its token's pair goes), compiled by NVRTC for sm_90a."""
-    kind = {} if cfg.sk or cfg.pp else {"CM": cfg.cm, "KC": cfg.kc}
+    kind = {} if cfg.sk or cfg.pp else {"CM": cfg.cm, "KC": cfg.kc, "RECV_BYTES": cfg.recv_bytes}
     if grouped:
         kind |= {"GROUPED": 1, "SCATTER": int(scatter)}
     head = defines(dtype, has_bias, activation, BN=cfg.bn, NI=cfg.ni, WM=cfg.wm, **kind, STAGES=cfg.stages,

@@ -58,6 +58,14 @@ __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
+// cluster_sync's two halves, for a sync split around work: the arrival relaxed (what it must publish, barrier
+// inits, is fenced by mbar_init_fence), the wait acquiring.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+
 // The float at this CTA's shared address `addr` in the shared memory of cluster CTA `rank`.
 __device__ __forceinline__ float ld_peer(u32 addr, u32 rank) {
     u32 peer;

@@ -88,18 +88,28 @@ __device__ __forceinline__ void band_tile(int N, int K, int &tile_n, int &group)
 #define KP_WARP_PRODUCER 1
 #endif
 
-// KP_PUSH_SUMS=1 builds an experiment, not measured yet (docs/design/0049): where K is split without multicast, once
-// the cluster is past its K loops each K slice pushes the partial sums of the rows another slice stores into that
-// CTA's shared memory (st.async, completing on its "sums" barrier), and each reads its own rows' sums locally: no
-// loads over the cluster, and no cluster sync before leaving, since no CTA then reads another's shared memory.  The
-// pushed rows land past the CTA's own sums, in its ring (free once the cluster is past its K loops).
+// KP_PUSH_SUMS=1 and 2 build experiments (docs/design/0049, 0050): where K is split without multicast, each K slice
+// pushes the partial sums of the rows another slice stores into that CTA's shared memory (st.async, completing on
+// its "sums" barrier), and each reads its own rows' sums locally: no loads over the cluster, and no cluster sync
+// before leaving, since no CTA then reads another's shared memory.
+//  * 1: once the cluster is past its K loops (its sync), into the receiver's ring past its own sums;
+//  * 2: into a buffer of their own past the barriers (kernels/sparse24_ws.py's recv_bytes, RECV_BYTES), so no slice
+//    waits for another's K loop: the cluster's one sync is split, its arrival at the start and its wait before the
+//    first push.
 #ifndef KP_PUSH_SUMS
 #define KP_PUSH_SUMS 0
 #endif
+#ifndef RECV_BYTES
+#define RECV_BYTES 0
+#endif
 constexpr int kRowsHere = BN / KC;                 // rows of y each CTA of a K-split cluster stores
 constexpr int kRecvBytes = (KC - 1) * kRowsHere * kRedStride * 4;  // the other slices' sums of those rows
-constexpr bool kPush = KP_PUSH_SUMS && CM == 1 && KC > 1 && !GROUPED && kRedBytes + kRecvBytes <= kRingBytes;
-static_assert(!KP_PUSH_SUMS || kPush, "KP_PUSH_SUMS: a K-split tile without multicast whose ring holds both sums");
+constexpr bool kPush = KP_PUSH_SUMS && CM == 1 && KC > 1 && !GROUPED &&
+                       (KP_PUSH_SUMS == 1 ? kRedBytes + kRecvBytes <= kRingBytes : RECV_BYTES >= kRecvBytes + 16);
+constexpr bool kPushEarly = kPush && KP_PUSH_SUMS == 2;
+static_assert(!KP_PUSH_SUMS || kPush, "KP_PUSH_SUMS: a K-split tile without multicast with room for the sums");
+// The pushed sums' barrier and buffer, from sbase: in the 1 KiB kept for alignment (1), or past the barriers (2).
+constexpr int kSumsBar = kBarOffset + 16 * STAGES, kRecvAt = kPushEarly ? kSumsBar + 16 : kRedBytes;
 
 #if CM * KC > 1
 #define KP_CLUSTER __cluster_dims__(1, CM, KC)
@@ -145,7 +155,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     const int cy = blockIdx.y % CM, cz = blockIdx.z;
     (void)cy, (void)cz;  // read by the cluster variants only
 
-    const u32 sums_bar = empty0 + 8 * STAGES;  // kPush: in the 1 KiB the shared memory keeps for alignment
+    const u32 sums_bar = sbase + kSumsBar;
     if (threadIdx.x == 0) {
         KP_PHASE(0);  // bench/sparse24_phases.py's marks (KP_PROBE 3), else nothing
         ring_init(&xmap, &vmap, &emap, full0, empty0, WM * CM);  // one release per consumer warpgroup of the M group
@@ -153,10 +163,11 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         mbar_init_fence();
         if constexpr (kPush) mbar_expect_tx(sums_bar, (KC - 1) * kRowsHere * kBM * 4);
     }
-#if CM > 1 || (KC > 1 && !KP_LOCAL_SYNC)
+#if CM > 1 || (KC > 1 && !KP_LOCAL_SYNC && KP_PUSH_SUMS != 2)
     cluster_sync();  // every CTA's barriers are ready before any copy or arrival from a peer
 #else
     __syncthreads();
+    if constexpr (kPushEarly) cluster_arrive_relaxed();  // its sums barrier is ready (waited on before the pushes)
 #endif
 
     if (warp < 4) {
@@ -219,7 +230,8 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     }
 
 #if CM * KC > 1
-    cluster_sync();  // every CTA's partial sums are in its shared memory (the producer warps take part)
+    if constexpr (!kPushEarly) cluster_sync();  // every CTA's partial sums are in its shared memory (producers too)
+    else if (warp >= 4) named_sync(1, kConsumers);
 #else
     if (warp >= 4) named_sync(1, kConsumers);
 #endif
@@ -233,11 +245,12 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
             // The other slices' rows, 16 bytes a thread at a time, into their CTAs: slice p's rows go to p, to the
             // slot of this slice among p's others (slots in rank order).
             constexpr int kChunks = kRowsHere * kBM / 4;  // of one slice's rows
+            if constexpr (kPushEarly) cluster_wait();        // every peer's sums barrier is ready
             for (int idx = threadIdx.x - 128; idx < (KC - 1) * kChunks; idx += kConsumers) {
                 const int q = idx / kChunks, nl = idx % kChunks / (kBM / 4), c = idx % (kBM / 4);
                 const int p = q + (q >= cz), slot = cz - (cz > p);
                 const float4 v = lds4f(sbase + ((p * kRowsHere + nl) * kRedStride + 4 * c) * 4);
-                st_async_peer4(sbase + kRedBytes + ((slot * kRowsHere + nl) * kRedStride + 4 * c) * 4, v, sums_bar,
+                st_async_peer4(sbase + kRecvAt + ((slot * kRowsHere + nl) * kRedStride + 4 * c) * 4, v, sums_bar,
                                cy + p * CM);
             }
             mbar_wait_cluster(sums_bar, 0);  // the other slices' sums of this CTA's rows are in
@@ -261,7 +274,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
                     float4 lo, hi;
                     if constexpr (kPush) {  // slice r's sums: this CTA's own, or the slot r pushed them to
                         const int slot = r - (r > cz);
-                        const u32 from = r == cz ? at : at + kRedBytes + ((slot * kRowsHere - nl0) * kRedStride) * 4;
+                        const u32 from = r == cz ? at : at + kRecvAt + ((slot * kRowsHere - nl0) * kRedStride) * 4;
                         lo = lds4f(from), hi = lds4f(from + 16);
                     } else {
                         lo = ld_peer4(at, cy + r * CM), hi = ld_peer4(at + 16, cy + r * CM);
@@ -301,6 +314,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     // No CTA leaves while a peer may still read its shared memory or arrive on its barriers (pushed sums: none
     // reads another's, and the pushes a CTA waits for are all in before it stores y).
     if constexpr (!kPush) cluster_sync();
+    if (kPushEarly && warp < 4) cluster_wait();  // the producers' half of the split sync (the consumers' waited)
 #endif
     if (threadIdx.x == 128) KP_PHASE(5);
 }
