@@ -176,13 +176,14 @@ def test_every_variant_compiles_for_sm90a(compile_for):
 
 
 def test_the_benches_builds_compile(compile_for):
-    """The builds bench/sparse24_phases.py and the feed probe's A/B make (the phase stamps, KP_PROBE 3; the cluster's
-    sync before the K loop where K is split, KP_LOCAL_SYNC=0; the producer's loop on one thread, KP_WARP_PRODUCER=0)
-    compile."""
+    """The builds bench/sparse24_phases.py and the feed probe make (the phase stamps, KP_PROBE 3; the copies and the
+    MMAs alone, 1 and 2; the cluster's sync before the K loop where K is split, KP_LOCAL_SYNC=0; the producer's loop
+    on warp 0, KP_WARP_PRODUCER=1; the sums met through the cluster's loads, KP_PUSH_SUMS=0) compile."""
     from kernelplan.kernels.sparse24_ws import source
 
     plain = WsConfig(16, 2, 1, 2, 8)
-    for head in ("#define KP_PROBE 3\n", "#define KP_LOCAL_SYNC 0\n", "#define KP_WARP_PRODUCER 0\n"):
+    for head in ("#define KP_PROBE 3\n", "#define KP_PROBE 1\n", "#define KP_PROBE 2\n", "#define KP_LOCAL_SYNC 0\n",
+                 "#define KP_WARP_PRODUCER 1\n", "#define KP_PUSH_SUMS 0\n"):
         assert len(compile_for(head + source(plain, "bf16", False, None), "sm_90a")) > 0
 
 
@@ -203,19 +204,22 @@ def _sass(cubin: bytes) -> str | None:
 
 
 def test_only_multicast_syncs_the_cluster_before_the_k_loop(compile_for):
-    """A tile that multicasts x (CM > 1) waits for the cluster before its first copy, since the copies land in its
-    peers' stages; one that only splits K syncs its own CTA there, and the cluster once its partial sums are in and
-    once before it leaves; one without a cluster never syncs one (docs/design/0049).  Counted in the SASS: cluster
-    barrier waits (UCGABAR_WAIT)."""
+    """A tile that multicasts x (CM > 1) syncs the cluster before its first copy, since the copies land in its
+    peers' stages, again once its partial sums are in and once before it leaves.  One that only splits K syncs its own
+    CTA there and splits the cluster's one sync: its arrival at the start, its wait before the partial sums are pushed
+    (and the producers' before they leave); where the pushed sums would not fit beside the ring it syncs the cluster
+    after the K loops and before leaving.  One without a cluster never syncs one (docs/design/0049, 0050).  Counted in
+    the SASS: cluster barrier arrivals and waits (UCGABAR_ARV, UCGABAR_WAIT)."""
     from kernelplan.kernels.sparse24_ws import source
 
-    want = {WsConfig(128, 2, 2, 1, 5): 3, WsConfig(128, 2, 2, 2, 8): 3, WsConfig(16, 2, 1, 2, 8): 2,
-            WsConfig(64, 1, 1, 4, 8): 2, WsConfig(64, 2, 1, 1, 8): 0}
-    for cfg, waits in want.items():
+    want = {WsConfig(128, 2, 2, 1, 5): (3, 3), WsConfig(128, 2, 2, 2, 8): (3, 3), WsConfig(16, 2, 1, 2, 8): (1, 2),
+            WsConfig(64, 1, 1, 4, 8): (1, 2), WsConfig(128, 2, 1, 2, 8): (2, 2), WsConfig(64, 2, 1, 1, 8): (0, 0)}
+    for cfg, (arrivals, waits) in want.items():
         sass = _sass(compile_for(source(cfg, "bf16", False, None), "sm_90a"))
         if sass is None:
             pytest.skip("no cuobjdump next to Triton")
-        assert sass.count("UCGABAR_WAIT") == waits, cfg
+        assert (sass.count("UCGABAR_ARV"), sass.count("UCGABAR_WAIT")) == (arrivals, waits), cfg
+        assert ("STAS" in sass) == (cfg.kc > 1 and cfg.cm == 1 and cfg.recv_bytes > 0), cfg
 
 
 def test_no_variant_has_its_mmas_serialized(compile_for):
@@ -520,16 +524,20 @@ def test_a_split_tail_launch_is_not_bound(monkeypatch):
 
 @pytest.mark.parametrize("bn, wm, kc", [(16, 1, 2), (16, 2, 2), (32, 1, 4), (64, 3, 2)])
 def test_pushed_sums_index_arithmetic_meets_every_slice_once(bn, wm, kc):
-    """KP_PUSH_SUMS's index arithmetic (sparse24_ws.cu), emulated over a cluster of K slices: each slice pushes the
-    other slices' rows of its partial sums to their CTAs' slots, and each CTA's rows, read back in rank order from
-    its own sums and its slots, are the sum over every slice, each slice's part exactly once."""
+    """The pushed sums' index arithmetic (sparse24_ws.cu), emulated over a cluster of K slices: each slice pushes the
+    other slices' rows of its partial sums to their CTAs' slots, past the ring and its barriers (recv_bytes: the
+    slots and the sums barrier), and each CTA's rows, read back in rank order from its own sums and its slots, are
+    the sum over every slice, each slice's part exactly once."""
     rows_here, bm = bn // kc, 64 * wm
     stride = bm + 4
     red_floats = bn * stride
+    cfg = WsConfig(bn, wm, 1, kc, 8)
+    recv = max(8 * cfg.stage_bytes, red_floats * 4) // 4 + (16 * 8 + 16) // 4  # kRecvAt, in floats
+    assert cfg.recv_bytes == (kc - 1) * rows_here * stride * 4 + 16
     chunks = rows_here * bm // 4
     gen = torch.Generator().manual_seed(bn * kc + wm)
     red = [torch.randn(bn, stride, generator=gen, dtype=torch.float64) for _ in range(kc)]
-    smem = [torch.full((red_floats + (kc - 1) * rows_here * stride,), float("nan"), dtype=torch.float64)
+    smem = [torch.full((recv + (kc - 1) * rows_here * stride,), float("nan"), dtype=torch.float64)
             for _ in range(kc)]
     for cz in range(kc):
         smem[cz][:red_floats] = red[cz].flatten()
@@ -538,7 +546,7 @@ def test_pushed_sums_index_arithmetic_meets_every_slice_once(bn, wm, kc):
             q, nl, c = idx // chunks, idx % chunks // (bm // 4), idx % (bm // 4)
             p, slot = q + (q >= cz), cz - (cz > q + (q >= cz))
             src = ((p * rows_here + nl) * stride + 4 * c)
-            dst = red_floats + ((slot * rows_here + nl) * stride + 4 * c)
+            dst = recv + ((slot * rows_here + nl) * stride + 4 * c)
             assert torch.isnan(smem[p][dst:dst + 4]).all(), "a slot written twice"
             smem[p][dst:dst + 4] = smem[cz][src:src + 4]
     for cz in range(kc):  # the epilogue's reads: slice r's sums of this CTA's rows, in rank order
@@ -548,7 +556,7 @@ def test_pushed_sums_index_arithmetic_meets_every_slice_once(bn, wm, kc):
             got = torch.zeros(bm, dtype=torch.float64)
             for r in range(kc):
                 slot = r - (r > cz)
-                frm = at if r == cz else at + red_floats + (slot * rows_here - nl0) * stride
+                frm = at if r == cz else at + recv + (slot * rows_here - nl0) * stride
                 got += smem[cz][frm:frm + bm]
             want = sum(red[r][nl, :bm] for r in range(kc))
             assert torch.equal(got, want), (cz, nl)
@@ -559,31 +567,25 @@ def _generic_loads(sass: str) -> list[str]:
     return [line for line in sass.splitlines() if re.search(r"\*/\s+(@!?U?P\w+\s+)?LD(\.|\s)", line)]
 
 
-@pytest.mark.parametrize("level, arrivals, waits", [(1, 1, 1), (2, 1, 2)])
-def test_pushed_sums_build_drops_the_cluster_loads_and_last_sync(compile_for, level, arrivals, waits):
-    """The KP_PUSH_SUMS builds (A/B experiments, docs/design/0049, 0050) compile for K-split tiles, plain and gated,
-    and in their SASS the partial sums go out as st.async (STAS), with no loads from another CTA's shared memory and
-    one cluster barrier arrival: 1, the sync after the K loops (none before leaving); 2, the split sync's arrival at
-    the start, waited on by the consumers before their pushes and by the producers before they leave.  A multicast
-    tile refuses both."""
-    from kernelplan.errors import KernelPlanError
+def test_pushed_sums_leave_no_loads_from_a_peer(compile_for):
+    """K-split tiles without multicast, plain and gated, push their partial sums as st.async (STAS) and load nothing
+    from another CTA's shared memory; the KP_PUSH_SUMS=0 build (the A/B's, docs/design/0050) loads the peers' sums
+    and syncs the cluster twice after its K loops."""
     from kernelplan.kernels.sparse24_ws import source
 
-    head = f"#define KP_PUSH_SUMS {level}\n"
     for cfg, act in ((WsConfig(16, 2, 1, 2, 8), None), (WsConfig(32, 1, 1, 4, 8), "gelu"),
                      (WsConfig(64, 2, 1, 2, 8), "gated_silu_second")):
-        sass = _sass(compile_for(head + source(cfg, "bf16", True, act), "sm_90a"))
+        sass = _sass(compile_for(source(cfg, "bf16", True, act), "sm_90a"))
         if sass is None:
             pytest.skip("no cuobjdump next to Triton")
-        assert sass.count("UCGABAR_ARV") == arrivals and sass.count("UCGABAR_WAIT") == waits, cfg
-        assert "STAS" in sass and not _generic_loads(sass), cfg
-    with pytest.raises(KernelPlanError, match="KP_PUSH_SUMS"):
-        compile_for(head + source(WsConfig(128, 2, 2, 1, 5), "bf16", False, None), "sm_90a")
+        assert "STAS" in sass and not _generic_loads(sass) and sass.count("UCGABAR_ARV") == 1, cfg
+        apart = _sass(compile_for("#define KP_PUSH_SUMS 0\n" + source(cfg, "bf16", True, act), "sm_90a"))
+        assert "STAS" not in apart and _generic_loads(apart) and apart.count("UCGABAR_ARV") == 2, cfg
 
 
 def test_k_split_tiles_keep_room_for_the_pushed_sums_where_it_fits():
     """recv_bytes: the other K slices' sums of a CTA's rows and their barrier, counted in its shared memory, for tiles
-    that split K without multicast and only where the SM holds them beside the ring (KP_PUSH_SUMS=2's buffer)."""
+    that split K without multicast and only where the SM holds them beside the ring."""
     cfg = WsConfig(16, 2, 1, 2, 8)
     assert cfg.recv_bytes == 1 * 8 * 132 * 4 + 16 and cfg.shared == 8 * cfg.stage_bytes + 16 * 8 + 1024 + 4240
     assert WsConfig(32, 1, 1, 4, 8).recv_bytes == 3 * 8 * 68 * 4 + 16

@@ -99,8 +99,9 @@ class WsConfig:
     @property
     def recv_bytes(self) -> int:
         """Where K splits over a cluster without multicast: the other K slices' partial sums of the rows this CTA
-        stores, pushed to it past the barriers, and their barrier (cuda/sparse24_ws.cu's KP_PUSH_SUMS=2); 0 for
-        other tiles and where they would not fit the SM beside the ring."""
+        stores, pushed to it past the barriers, and their barrier (cuda/sparse24_ws.cu, RECV_BYTES); 0 for other
+        tiles and where they would not fit the SM beside the ring (their sums then meet through the cluster's
+        loads)."""
         if self.sk or self.pp or self.kc == 1 or self.cm > 1:
             return 0
         recv = (self.kc - 1) * (self.bn // self.kc) * (self.rows + 4) * 4 + 16

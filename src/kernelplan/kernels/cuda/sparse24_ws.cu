@@ -79,37 +79,34 @@ __device__ __forceinline__ void band_tile(int N, int K, int &tile_n, int &group)
 #define KP_LOCAL_SYNC 1
 #endif
 
-// The producer's K loop runs on the whole of warp 0, lane 0 alone issuing the copies, as CUTLASS's producers do
-// (elect_one_sync): its control flow is then the warp's, and ptxas keeps the loop's values in uniform registers.  On
-// one thread it kept them in vector registers and moved each copy's operands over (R2UR) every step; the warp's loop
-// ran 1.7% faster on the tiles with K over 2 CTAs (geometric mean of 32 problems, H100; docs/design/0049).
-// KP_WARP_PRODUCER=0 builds the one-thread loop, for the A/B of bench/sparse24_feed_probe.py --define.
+// KP_WARP_PRODUCER=1 runs the producer's K loop on the whole of warp 0, lane 0 alone issuing the copies, as CUTLASS's
+// producers do (elect_one_sync): ptxas then keeps the loop's values in uniform registers, where on one thread it
+// moves each copy's operands over (R2UR) every step.  It ran 1.7% faster with K over 2 CTAs before the sync before
+// the K loop was the CTA's own (H100, docs/design/0049); since then, and with the pushed sums, the one thread's loop
+// ran as fast or faster on both GPUs (up to 3% with K over 4 CTAs on small layers; docs/design/0050).
 #ifndef KP_WARP_PRODUCER
-#define KP_WARP_PRODUCER 1
+#define KP_WARP_PRODUCER 0
 #endif
 
-// KP_PUSH_SUMS=1 and 2 build experiments (docs/design/0049, 0050): where K is split without multicast, each K slice
-// pushes the partial sums of the rows another slice stores into that CTA's shared memory (st.async, completing on
-// its "sums" barrier), and each reads its own rows' sums locally: no loads over the cluster, and no cluster sync
-// before leaving, since no CTA then reads another's shared memory.
-//  * 1: once the cluster is past its K loops (its sync), into the receiver's ring past its own sums;
-//  * 2: into a buffer of their own past the barriers (kernels/sparse24_ws.py's recv_bytes, RECV_BYTES), so no slice
-//    waits for another's K loop: the cluster's one sync is split, its arrival at the start and its wait before the
-//    first push.
+// Where K is split without multicast, each K slice pushes the partial sums of the rows another slice stores into that
+// CTA's shared memory, past its barriers (st.async, completing on its "sums" barrier), and each reads its own rows'
+// sums locally.  No CTA then reads another's shared memory or waits for another's K loop: the cluster's one sync is
+// split, its arrival at the start (the sums barrier is ready) and its wait before the first push.  The cluster's
+// sync after the K loops, the loads of the peers' sums and the sync before leaving go: 7.0% faster with K over 2
+// CTAs on layers of 16 MB and more, 16% on smaller ones with K over 4 (geometric means, H100; docs/design/0050).
+// Where the buffer does not fit beside the ring (kernels/sparse24_ws.py's recv_bytes, RECV_BYTES 0), and in the
+// KP_PUSH_SUMS=0 build for the A/B, the sums meet as before.
 #ifndef KP_PUSH_SUMS
-#define KP_PUSH_SUMS 0
+#define KP_PUSH_SUMS 1
 #endif
 #ifndef RECV_BYTES
 #define RECV_BYTES 0
 #endif
 constexpr int kRowsHere = BN / KC;                 // rows of y each CTA of a K-split cluster stores
 constexpr int kRecvBytes = (KC - 1) * kRowsHere * kRedStride * 4;  // the other slices' sums of those rows
-constexpr bool kPush = KP_PUSH_SUMS && CM == 1 && KC > 1 && !GROUPED &&
-                       (KP_PUSH_SUMS == 1 ? kRedBytes + kRecvBytes <= kRingBytes : RECV_BYTES >= kRecvBytes + 16);
-constexpr bool kPushEarly = kPush && KP_PUSH_SUMS == 2;
-static_assert(!KP_PUSH_SUMS || kPush, "KP_PUSH_SUMS: a K-split tile without multicast with room for the sums");
-// The pushed sums' barrier and buffer, from sbase: in the 1 KiB kept for alignment (1), or past the barriers (2).
-constexpr int kSumsBar = kBarOffset + 16 * STAGES, kRecvAt = kPushEarly ? kSumsBar + 16 : kRedBytes;
+constexpr bool kPush = KP_PUSH_SUMS && CM == 1 && KC > 1 && !GROUPED && RECV_BYTES > 0;
+static_assert(RECV_BYTES == 0 || RECV_BYTES >= kRecvBytes + 16, "RECV_BYTES: the pushed sums and their barrier");
+constexpr int kSumsBar = kBarOffset + 16 * STAGES, kRecvAt = kSumsBar + 16;  // from sbase, past the ring's barriers
 
 #if CM * KC > 1
 #define KP_CLUSTER __cluster_dims__(1, CM, KC)
@@ -163,16 +160,15 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         mbar_init_fence();
         if constexpr (kPush) mbar_expect_tx(sums_bar, (KC - 1) * kRowsHere * kBM * 4);
     }
-#if CM > 1 || (KC > 1 && !KP_LOCAL_SYNC && KP_PUSH_SUMS != 2)
-    cluster_sync();  // every CTA's barriers are ready before any copy or arrival from a peer
-#else
-    __syncthreads();
-    if constexpr (kPushEarly) cluster_arrive_relaxed();  // its sums barrier is ready (waited on before the pushes)
-#endif
+    if constexpr (CM > 1 || (KC > 1 && !KP_LOCAL_SYNC && !kPush)) {
+        cluster_sync();  // every CTA's barriers are ready before any copy or arrival from a peer
+    } else {
+        __syncthreads();
+        if constexpr (kPush) cluster_arrive_relaxed();  // its sums barrier is ready (waited on before the pushes)
+    }
 
     if (warp < 4) {
-        // The producer warpgroup: warp 0 runs the ring's loop, lane 0 issuing every copy (KP_WARP_PRODUCER; 0:
-        // thread 0 alone runs it).
+        // The producer warpgroup: thread 0 runs the ring's loop (KP_WARP_PRODUCER=1: warp 0, lane 0 issuing).
 #if CONSUMER_REGS
         regs_down<40>();  // what the producer warp needs; its warpgroup's other registers go to the consumers
 #endif
@@ -230,7 +226,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     }
 
 #if CM * KC > 1
-    if constexpr (!kPushEarly) cluster_sync();  // every CTA's partial sums are in its shared memory (producers too)
+    if constexpr (!kPush) cluster_sync();  // every CTA's partial sums are in its shared memory (producers too)
     else if (warp >= 4) named_sync(1, kConsumers);
 #else
     if (warp >= 4) named_sync(1, kConsumers);
@@ -245,7 +241,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
             // The other slices' rows, 16 bytes a thread at a time, into their CTAs: slice p's rows go to p, to the
             // slot of this slice among p's others (slots in rank order).
             constexpr int kChunks = kRowsHere * kBM / 4;  // of one slice's rows
-            if constexpr (kPushEarly) cluster_wait();        // every peer's sums barrier is ready
+            cluster_wait();                                // every peer's sums barrier is ready
             for (int idx = threadIdx.x - 128; idx < (KC - 1) * kChunks; idx += kConsumers) {
                 const int q = idx / kChunks, nl = idx % kChunks / (kBM / 4), c = idx % (kBM / 4);
                 const int p = q + (q >= cz), slot = cz - (cz > p);
@@ -314,7 +310,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     // No CTA leaves while a peer may still read its shared memory or arrive on its barriers (pushed sums: none
     // reads another's, and the pushes a CTA waits for are all in before it stores y).
     if constexpr (!kPush) cluster_sync();
-    if (kPushEarly && warp < 4) cluster_wait();  // the producers' half of the split sync (the consumers' waited)
+    if (kPush && warp < 4) cluster_wait();  // the producers' half of the split sync (the consumers' waited)
 #endif
     if (threadIdx.x == 128) KP_PHASE(5);
 }
