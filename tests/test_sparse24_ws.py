@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,8 +20,8 @@ from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_sp import SM_SHARED, SP_LAYOUT
 from kernelplan.kernels.sparse24_wg import INSTRUCTION_N
-from kernelplan.kernels.sparse24_ws import (SPLIT_MAX_N, WsConfig, WsKernel, rule_order, tile_cost, ws_candidates,
-                                           ws_config)
+from kernelplan.kernels.sparse24_ws import (SPLIT_MAX_N, WsConfig, WsKernel, push_pays, resident, rule_order,
+                                           tile_cost, ws_candidates, ws_config)
 from kernelplan.sparse24.dispatch import wide_weight
 
 gpu = pytest.mark.gpu
@@ -30,7 +31,9 @@ gpu = pytest.mark.gpu
 def test_tile_rule_fits_every_sweep_shape_and_batch(sms):
     for (m, k) in sweep_shapes():
         for n in BATCH_SIZES + (3, 33, 200, 1000):
-            cfg = ws_config(n, m, k, sms)
+            picked = ws_config(n, m, k, sms)
+            cfg = replace(picked, push=True)  # the candidates' form; push only where it costs no wave
+            assert picked.push == push_pays(cfg, n, m, sms), (m, k, n)
             cands = ws_candidates(n, m, k)
             assert cfg in cands
             if n <= SPLIT_MAX_N and wide_weight(m, k):  # K over a cluster of 4 CTAs, 32 rows of x: not by cost
@@ -596,3 +599,22 @@ def test_k_split_tiles_keep_room_for_the_pushed_sums_where_it_fits():
         for m, k in ((1024, 4096), (4096, 4096), (8192, 8192), (3584, 18944)):
             for c in ws_candidates(n, m, k):
                 assert c.shared <= SM_SHARED and (c.recv_bytes > 0) <= (c.kc > 1 and c.cm == 1), c
+
+
+def test_the_pushed_sums_buffer_never_costs_the_grid_a_wave():
+    """push_pays: a K-split tile keeps its pushed sums' buffer only where the grid then runs in as many waves.  64
+    clusters of 4 CTAs of 32 x 64 (4096x14336 at n <= 16) fit 120 SMs' clusters at three CTAs an SM, not at two
+    (measured, docs/design/0050): no push there; 56 of them (3584x14336) and the one-CTA-an-SM tiles (setmaxnreg)
+    keep it."""
+    tile = WsConfig(32, 1, 1, 4, 8)
+    assert (resident(tile), resident(replace(tile, push=False))) == (2, 3)
+    assert resident(WsConfig(16, 2, 1, 2, 8)) == resident(WsConfig(64, 3, 1, 1, 7, pp=True)) == 1
+    assert not push_pays(tile, 16, 4096, 132) and push_pays(tile, 16, 3584, 132)
+    for n in (1, 8, 16):
+        assert ws_config(n, 4096, 14336, 132) == replace(tile, push=False) and ws_config(n, 3584, 14336, 132) == tile
+    off = replace(tile, push=False)
+    assert off.recv_bytes == 0 and repr(off).endswith(", push=False)") and "push" not in repr(tile)
+    for n in (1, 16, 64, 256):  # a tile that pushes always fits one more wave at most as many as without
+        for m, k in ((1024, 4096), (4096, 4096), (8192, 8192), (3584, 18944), (4096, 14336)):
+            cfg = ws_config(n, m, k, 132)
+            assert cfg.push or (cfg.kc > 1 and cfg.cm == 1), cfg

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..activations import GATED_EPILOGUES
 from ..errors import KernelPlanError
@@ -45,6 +45,8 @@ class WsConfig:
     sk: bool = False  # persistent, tail tiles split along K (cuda/sparse24_sk.cu, sk_plan): one CTA an SM, no clusters
     pp: bool = False  # persistent ping-pong (cuda/sparse24_pp.cu): one CTA an SM, each consumer warpgroup its own
     #                   tile of BN x 64 wm, no clusters
+    push: bool = True  # K split without multicast: the partial sums pushed to a buffer of their own (recv_bytes);
+    #                    False where that buffer would cost the grid a wave (ws_config, push_pays)
 
     def __post_init__(self):
         if self.pp and (self.sk or self.cm > 1 or self.kc > 1 or self.bn % 16 or self.bn * self.wm > 256):
@@ -54,7 +56,7 @@ class WsConfig:
     def __repr__(self) -> str:
         # The measured tables (bench/results/sparse24-ws-tiles-*.json) are keyed by this text: pp only where set.
         return (f"WsConfig(bn={self.bn}, wm={self.wm}, cm={self.cm}, kc={self.kc}, stages={self.stages}, "
-                f"sk={self.sk}" + (", pp=True)" if self.pp else ")"))
+                f"sk={self.sk}" + (", pp=True" if self.pp else "") + ("" if self.push else ", push=False") + ")")
 
     @property
     def ni(self) -> int:
@@ -100,9 +102,9 @@ class WsConfig:
     def recv_bytes(self) -> int:
         """Where K splits over a cluster without multicast: the other K slices' partial sums of the rows this CTA
         stores, pushed to it past the barriers, and their barrier (cuda/sparse24_ws.cu, RECV_BYTES); 0 for other
-        tiles and where they would not fit the SM beside the ring (their sums then meet through the cluster's
-        loads)."""
-        if self.sk or self.pp or self.kc == 1 or self.cm > 1:
+        tiles, where not ``push``, and where they would not fit the SM beside the ring (their sums then meet through
+        the cluster's loads)."""
+        if self.sk or self.pp or self.kc == 1 or self.cm > 1 or not self.push:
             return 0
         recv = (self.kc - 1) * (self.bn // self.kc) * (self.rows + 4) * 4 + 16
         return recv if self._fixed + recv <= SM_SHARED else 0
@@ -295,10 +297,33 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False) -> WsConfig
     ``rule_order`` (further ties: the first in ``ws_candidates``' order).  ``gated``: among the tiles a gated epilogue
     runs on (``gated_tile``)."""
     split = None if gated else _small_n_split(n, m, k)
-    if split is not None:
-        return split
-    space = [c for c in ws_candidates(n, m, k) if not gated or gated_tile(c)]
-    return min(space, key=lambda cfg: rule_order(cfg, n, m, k, sms))
+    if split is None:
+        space = [c for c in ws_candidates(n, m, k) if not gated or gated_tile(c)]
+        split = min(space, key=lambda cfg: rule_order(cfg, n, m, k, sms))
+    return split if push_pays(split, n, m, sms) else replace(split, push=False)
+
+
+def resident(cfg: WsConfig) -> int:
+    """CTAs of ``cfg`` an SM holds: one where the consumers take the register file (setmaxnreg: two or three consumer
+    warpgroups, or ping-pong), else as many as the SM's shared memory holds (228 KiB, 1 KiB of it the driver's a
+    CTA)."""
+    if _CONSUMER_REGS[2 if cfg.pp else cfg.wm]:
+        return 1
+    return (SM_SHARED + 1024) // (cfg.shared + 1024)
+
+
+def push_pays(cfg: WsConfig, n: int, m: int, sms: int) -> bool:
+    """Whether the pushed sums' buffer (``recv_bytes``) leaves the grid in as many waves as without it.  It can cost
+    an SM a CTA: 64 clusters of 4 CTAs of 64 x 32 (4096x14336, n <= 16) ran in one wave at three CTAs an SM and
+    spilled past it at two, 15-26% slower on both GPUs, where 56 of them (3584x14336) ran faster
+    (sparse24-sweep-small-n-*.json at 89f5963; docs/design/0050).  Clusters of 4 or more CTAs place on
+    ``_BIG_CLUSTER_SMS`` of the SMs."""
+    if not cfg.recv_bytes:
+        return True
+    tiles_n, blocks, slices = cfg.grid(n, m)
+    usable = int(sms * _BIG_CLUSTER_SMS) if cfg.cm * cfg.kc >= 4 else sms
+    waves = [-(-tiles_n * blocks * slices // (usable * resident(c))) for c in (cfg, replace(cfg, push=False))]
+    return waves[0] <= waves[1]
 
 
 BAND = 8  # cuda/sparse24_ws.cu's KP_BAND: M groups a band of the grid's tiles
