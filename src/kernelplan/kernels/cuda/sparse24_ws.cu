@@ -92,8 +92,9 @@ __device__ __forceinline__ void band_tile(int N, int K, int &tile_n, int &group)
 // CTA's shared memory, past its barriers (st.async, completing on its "sums" barrier), and each reads its own rows'
 // sums locally.  No CTA then reads another's shared memory or waits for another's K loop: the cluster's one sync is
 // split, its arrival at the start (the sums barrier is ready) and its wait before the first push.  The cluster's
-// sync after the K loops, the loads of the peers' sums and the sync before leaving go: 7.0% faster with K over 2
-// CTAs on layers of 16 MB and more, 16% on smaller ones with K over 4 (geometric means, H100; docs/design/0050).
+// sync after the K loops, the loads of the peers' sums and the sync before leaving go: 6.2% (H100) and 2.3% (H200)
+// faster with K over 2 CTAs on layers of 16 MB and more, 20% and 7.6% on smaller ones with K over 4 (geometric
+// means; docs/design/0050).
 // Where the buffer does not fit beside the ring (kernels/sparse24_ws.py's recv_bytes, RECV_BYTES 0), and in the
 // KP_PUSH_SUMS=0 build for the A/B, the sums meet as before.
 #ifndef KP_PUSH_SUMS
