@@ -54,6 +54,7 @@ def launchers(cfg, n: int, m: int, modes: dict) -> dict:
             sparse24_ws._launcher.cache_clear()
             try:
                 out[mode] = kernel.launch_config(cfg, n, m, "bf16", False, None, 0)
+                out[mode][0].pdl = defs.get("KP_PDL", "0") != "0"  # the build that lets the next call start early
             except KernelPlanError as e:  # a switch's static_assert: the build is not for this tile (KP_PUSH_SUMS)
                 if mode == "full":
                     raise

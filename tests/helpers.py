@@ -57,6 +57,26 @@ class StubDriver:
                               [ctypes.string_at(slots[i], size) for i, size in enumerate(self.sizes)]))
         return (self.error,)
 
+    # cuLaunchKernelEx and its structures, as cuda-bindings names them: each launch recorded as cuLaunchKernel's,
+    # and its attributes' (id, value) pairs in ``attributes``.
+    class CUlaunchConfig:  # noqa: N801
+        pass
+
+    class CUlaunchAttribute:  # noqa: N801
+        def __init__(self):
+            import types
+
+            self.id, self.value = None, types.SimpleNamespace()
+
+    class CUlaunchAttributeID:  # noqa: N801
+        CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+    def cuLaunchKernelEx(self, config, fn, params, extra):  # noqa: N802
+        self.attributes = [(a.id, vars(a.value)) for a in config.attrs[:config.numAttrs]]
+        return self.cuLaunchKernel(fn, config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX,
+                                   config.blockDimY, config.blockDimZ, config.sharedMemBytes, config.hStream, params,
+                                   extra)
+
 
 def stub_driver(monkeypatch, types, error=0) -> StubDriver:
     """``kernels.direct`` launching into a ``StubDriver`` for parameters of Triton types ``types``."""

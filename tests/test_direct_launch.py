@@ -109,6 +109,24 @@ def test_a_bound_launch_packs_what_the_unbound_one_does(monkeypatch):
         assert struct.unpack("<QQ", got[4][3] + got[4][4]) == (bias, y)
 
 
+def test_a_pdl_launch_packs_the_same_and_asks_for_programmatic_serialization(monkeypatch):
+    """``pdl`` (sparse24_ws.cu's KP_PDL experiment, docs/design/0050): the launch goes through cuLaunchKernelEx with
+    programmatic stream serialization allowed, its grid, block, shared bytes, stream and parameters those of the
+    plain launch, bound or not; without ``pdl`` it stays cuLaunchKernel."""
+    stub, launch = _stub_launch(monkeypatch, _SPARSE24)
+    args = (0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 16, 768, 1024, 1024, 768)
+    launch((6, 2, 3), args, 7)
+    plain = stub.launches[-1]
+    assert not hasattr(stub, "attributes")
+    launch.pdl = True
+    for call in (lambda: launch((6, 2, 3), args, 7), lambda: launch.bind((6, 2, 3), args)(0x1000, 0x4000, 0x5000, 7)):
+        stub.__dict__.pop("attributes", None)
+        call()
+        assert stub.launches[-1] == plain
+        assert stub.attributes == [(stub.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                                    {"programmaticStreamSerializationAllowed": 1})]
+
+
 def test_a_bound_launch_maps_x_once_per_address(monkeypatch):
     types = ["tensormap", "tensormap", "tensormap", "*u16", "*u16", "i32"]
     stub, launch = _stub_launch(monkeypatch, types)

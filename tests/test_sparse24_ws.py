@@ -618,3 +618,22 @@ def test_the_pushed_sums_buffer_never_costs_the_grid_a_wave():
         for m, k in ((1024, 4096), (4096, 4096), (8192, 8192), (3584, 18944), (4096, 14336)):
             cfg = ws_config(n, m, k, 132)
             assert cfg.push or (cfg.kc > 1 and cfg.cm == 1), cfg
+
+
+def test_the_pdl_build_waits_for_the_kernel_before_and_lets_the_next_start(compile_for):
+    """KP_PDL=1 (an experiment, docs/design/0050) builds griddepcontrol.launch_dependents (SASS PREEXIT) and
+    griddepcontrol.wait (ACQBULK) on the producer's and the consumers' paths, before x is read and y stored; the
+    default build has neither.  The grouped kernel, which reads its routing first, refuses it."""
+    from kernelplan.errors import KernelPlanError
+    from kernelplan.kernels.sparse24_ws import source
+
+    for cfg, act in ((WsConfig(16, 2, 1, 2, 8), None), (WsConfig(128, 2, 2, 1, 5), "gelu"),
+                     (WsConfig(64, 2, 1, 2, 8), "gated_silu_second"), (WsConfig(64, 2, 1, 1, 8), None)):
+        sass = _sass(compile_for("#define KP_PDL 1\n" + source(cfg, "bf16", True, act), "sm_90a"))
+        if sass is None:
+            pytest.skip("no cuobjdump next to Triton")
+        assert sass.count("ACQBULK") == 2 and "PREEXIT" in sass, cfg
+        plain = _sass(compile_for(source(cfg, "bf16", True, act), "sm_90a"))
+        assert "ACQBULK" not in plain and "PREEXIT" not in plain, cfg
+    with pytest.raises(KernelPlanError, match="KP_PDL"):
+        compile_for("#define KP_PDL 1\n" + source(WsConfig(64, 2), "bf16", False, None, grouped=True), "sm_90a")

@@ -87,14 +87,16 @@ class FunctionLaunch:
     before the call returns.  ``extra`` 8-byte null parameters follow them.
     """
 
-    __slots__ = ("name", "function", "block", "shared", "pick", "pack", "size", "_codes", "_offsets", "_local", "_cu")
+    __slots__ = ("name", "function", "block", "shared", "pick", "pack", "size", "pdl", "_codes", "_offsets", "_local",
+                 "_cu")
 
     def __init__(self, function, name: str, types: list[str], block: int, shared: int, extra: int = 0,
-                 pick=None):
+                 pick=None, pdl: bool = False):
         codes = [_slot_code(ty) for ty in types]
         if None in codes:
             raise KernelPlanError(f"kernel {name}: parameter types {types} include one not packed here")
         self.name, self.function, self.block, self.shared = name, function, block, shared
+        self.pdl = pdl  # launched with programmatic stream serialization (_launch_pdl)
         self.pick = pick or (lambda args: args)
         self._codes = [code for code, _ in codes]
         layout = struct.Struct("<" + "".join(self._codes) + "8x" * extra)
@@ -113,8 +115,11 @@ class FunctionLaunch:
         """Launch on ``grid`` with ``args`` (the parameters themselves where ``packed``, else through ``pick``)."""
         buffers = getattr(self._local, "buffers", None) or self._buffers()
         self.pack(buffers[0], 0, *(args if packed else self.pick(args)))
-        err, = self._cu.cuLaunchKernel(self.function, grid[0], grid[1], grid[2], self.block, 1, 1, self.shared,
-                                       _stream(self._cu, stream), buffers[2], 0)
+        if self.pdl:
+            err = _launch_pdl(self._cu, self.function, grid, self.block, self.shared, stream, buffers[2])
+        else:
+            err, = self._cu.cuLaunchKernel(self.function, grid[0], grid[1], grid[2], self.block, 1, 1, self.shared,
+                                           _stream(self._cu, stream), buffers[2], 0)
         if err:
             _launch_failed(self, grid, err)
 
@@ -138,6 +143,23 @@ def _param_buffers(template: bytes, offsets: list[int]) -> tuple:
     base = ctypes.addressof(storage)
     pointers = (ctypes.c_void_p * len(offsets))(*[base + offset for offset in offsets])
     return storage, pointers, ctypes.addressof(pointers)
+
+
+def _launch_pdl(cu, function, grid: tuple, block: int, shared: int, stream: int, params: int):
+    """``cuLaunchKernelEx`` with programmatic stream serialization: the kernel may start before the one before it in
+    the stream has completed, once every CTA of that one has let it (``griddepcontrol.launch_dependents``) or left,
+    and it must wait (``griddepcontrol.wait``) before it reads what that one wrote.  For kernels built for it alone
+    (``sparse24_ws.cu``'s KP_PDL, an experiment: docs/design/0050).  Returns the driver's error."""
+    config = cu.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+    config.sharedMemBytes, config.hStream = shared, _stream(cu, stream)
+    attribute = cu.CUlaunchAttribute()
+    attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attribute.value.programmaticStreamSerializationAllowed = 1
+    config.attrs, config.numAttrs = [attribute], 1
+    err, = cu.cuLaunchKernelEx(config, function, params, 0)
+    return err
 
 
 def _launch_failed(launch, grid, err):
@@ -200,8 +222,11 @@ class BoundLaunch:
 
     def _launch(self, buffers: tuple, stream: int) -> None:
         grid = self.grid
-        err, = self._cu.cuLaunchKernel(self._function, grid[0], grid[1], grid[2], self._block, 1, 1, self._shared,
-                                       _stream(self._cu, stream), buffers[2], 0)
+        if self.launch.pdl:
+            err = _launch_pdl(self._cu, self._function, grid, self._block, self._shared, stream, buffers[2])
+        else:
+            err, = self._cu.cuLaunchKernel(self._function, grid[0], grid[1], grid[2], self._block, 1, 1,
+                                           self._shared, _stream(self._cu, stream), buffers[2], 0)
         if err:
             _launch_failed(self.launch, grid, err)
 

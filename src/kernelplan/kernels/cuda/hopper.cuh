@@ -66,6 +66,14 @@ __device__ __forceinline__ void cluster_arrive_relaxed() {
 
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
+// Programmatic dependent launch (a launch with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION): the next
+// kernel in the stream may start once every CTA of this one has called griddep_launch_dependents (or left), and
+// griddep_wait returns once the kernel before this one has completed and its writes are visible.  Without the
+// attribute both return at once.
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+__device__ __forceinline__ void griddep_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;"); }
+
 // The float at this CTA's shared address `addr` in the shared memory of cluster CTA `rank`.
 __device__ __forceinline__ float ld_peer(u32 addr, u32 rank) {
     u32 peer;

@@ -109,6 +109,17 @@ constexpr bool kPush = KP_PUSH_SUMS && CM == 1 && KC > 1 && !GROUPED && RECV_BYT
 static_assert(RECV_BYTES == 0 || RECV_BYTES >= kRecvBytes + 16, "RECV_BYTES: the pushed sums and their barrier");
 constexpr int kSumsBar = kBarOffset + 16 * STAGES, kRecvAt = kSumsBar + 16;  // from sbase, past the ring's barriers
 
+// KP_PDL=1 builds an experiment, off and not yet run on a GPU (docs/design/0050), for a launch that lets the next
+// kernel start early (FunctionLaunch's pdl): every CTA lets the next kernel start as soon as it has begun, and the
+// producer sends the ring's first fill of W (a weight: no kernel before this one writes it) before it waits for the
+// kernel before, whose output x is; the consumers wait for it too before they store y.  At n <= 16 a call's fixed
+// part is about as long as dense's (3.4-3.7 us on the H100), and the kernel's launch and its first trip to DRAM
+// are most of it; a grid of 72-128 CTAs leaves SMs free for the next call's CTAs to start on.
+#ifndef KP_PDL
+#define KP_PDL 0
+#endif
+static_assert(!KP_PDL || (!GROUPED && !KP_PROBE), "KP_PDL: the grouped kernel reads its routing before any wait");
+
 #if CM * KC > 1
 #define KP_CLUSTER __cluster_dims__(1, CM, KC)
 #else
@@ -167,6 +178,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         __syncthreads();
         if constexpr (kPush) cluster_arrive_relaxed();  // its sums barrier is ready (waited on before the pushes)
     }
+    if constexpr (KP_PDL) griddep_launch_dependents();
 
     if (warp < 4) {
         // The producer warpgroup: thread 0 runs the ring's loop (KP_WARP_PRODUCER=1: warp 0, lane 0 issuing).
@@ -177,6 +189,17 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
             const bool issuer = !KP_WARP_PRODUCER || lane == 0;
             KP_PHASE(1);
             constexpr u32 bytes = kXBytes + kWBytes;  // boxes past N or M count in full (zero-filled)
+#if KP_PDL
+            const int pre = min(steps, STAGES);  // steps whose W goes out before x can be read
+            for (int s = 0; issuer && s < pre; ++s) {
+                mbar_expect_tx(full0 + 8 * s, bytes);
+                load_w(sbase + s * kStageBytes, &vmap, &emap, step0 + s, w_block(tile, tiles_m), w_half(tile),
+                       full0 + 8 * s);
+            }
+            griddep_wait();  // x is the kernel before's output
+#else
+            constexpr int pre = 0;
+#endif
             for (int s = 0; s < steps; ++s) {
                 const int b = ring_stage(s);
                 mbar_wait(empty0 + 8 * b, ring_parity(s) ^ 1);
@@ -187,14 +210,14 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
                 if (issuer) mbar_arrive(full);
 #else
                 if (issuer) {
-                    mbar_expect_tx(full, bytes);
+                    if (s >= pre) mbar_expect_tx(full, bytes);
 #if CM > 1
                     tma_load_2d_multicast(at + cy * kXPart * 128, &xmap, step * 64, n0 + cy * kXPart, full,
                                           (unsigned short)(((1u << CM) - 1) << (cz * CM)));
 #else
                     tma_load_2d(at, &xmap, step * 64, n0, full);
 #endif
-                    load_w(at, &vmap, &emap, step, w_block(tile, tiles_m), w_half(tile), full);
+                    if (s >= pre) load_w(at, &vmap, &emap, step, w_block(tile, tiles_m), w_half(tile), full);
                 }
 #endif
 #if KP_PROBE == 3
@@ -252,6 +275,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
             }
             mbar_wait_cluster(sums_bar, 0);  // the other slices' sums of this CTA's rows are in
         }
+        if constexpr (KP_PDL) griddep_wait();  // y may be memory the kernel before still reads
         const u16 *own = HAS_BIAS ? bias + (long)tile.expert * M : bias;  // grouped: the biases are [E, M]
         (void)own;
         const int cols = M / kRegions;                     // of y
