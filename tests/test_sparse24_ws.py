@@ -593,8 +593,8 @@ def test_k_split_tiles_keep_room_for_the_pushed_sums_where_it_fits():
     assert cfg.recv_bytes == 1 * 8 * 132 * 4 + 16 and cfg.shared == 8 * cfg.stage_bytes + 16 * 8 + 1024 + 4240
     assert WsConfig(32, 1, 1, 4, 8).recv_bytes == 3 * 8 * 68 * 4 + 16
     assert WsConfig(128, 2, 2, 2, 8).recv_bytes == WsConfig(64, 2, 1, 1, 8).recv_bytes == 0  # multicast; no split
-    assert WsConfig(128, 2, 1, 2, 8).shared + 64 * 132 * 4 + 16 > SM_SHARED  # would not fit beside 8 stages:
-    assert WsConfig(128, 2, 1, 2, 8).recv_bytes == 0
+    wide = WsConfig(128, 2, 1, 2, 8)  # 64 rows of sums from the other slice would not fit beside its 8 stages
+    assert wide.shared + 64 * 132 * 4 + 16 > SM_SHARED and wide.recv_bytes == 0
     for n in (1, 16, 64, 256):
         for m, k in ((1024, 4096), (4096, 4096), (8192, 8192), (3584, 18944)):
             for c in ws_candidates(n, m, k):
@@ -614,7 +614,7 @@ def test_the_pushed_sums_buffer_never_costs_the_grid_a_wave():
         assert ws_config(n, 4096, 14336, 132) == replace(tile, push=False) and ws_config(n, 3584, 14336, 132) == tile
     off = replace(tile, push=False)
     assert off.recv_bytes == 0 and repr(off).endswith(", push=False)") and "push" not in repr(tile)
-    for n in (1, 16, 64, 256):  # a tile that pushes always fits one more wave at most as many as without
+    for n in (1, 16, 64, 256):  # the rule turns the push off on K-split tiles without multicast alone
         for m, k in ((1024, 4096), (4096, 4096), (8192, 8192), (3584, 18944), (4096, 14336)):
             cfg = ws_config(n, m, k, 132)
             assert cfg.push or (cfg.kc > 1 and cfg.cm == 1), cfg
