@@ -27,6 +27,7 @@ appends (null here: ``direct_launch`` refuses kernels that use scratch).
 from __future__ import annotations
 
 import ctypes
+import functools
 import operator
 import struct
 import threading
@@ -154,12 +155,18 @@ def _launch_pdl(cu, function, grid: tuple, block: int, shared: int, stream: int,
     config.gridDimX, config.gridDimY, config.gridDimZ = grid
     config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
     config.sharedMemBytes, config.hStream = shared, _stream(cu, stream)
+    config.attrs, config.numAttrs = _pdl_attributes(cu), 1
+    err, = cu.cuLaunchKernelEx(config, function, params, 0)
+    return err
+
+
+@functools.cache
+def _pdl_attributes(cu) -> list:
+    """The one launch attribute of ``_launch_pdl``, made once per driver module."""
     attribute = cu.CUlaunchAttribute()
     attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     attribute.value.programmaticStreamSerializationAllowed = 1
-    config.attrs, config.numAttrs = [attribute], 1
-    err, = cu.cuLaunchKernelEx(config, function, params, 0)
-    return err
+    return [attribute]
 
 
 def _launch_failed(launch, grid, err):

@@ -242,13 +242,17 @@ WEIGHTS = RuleWeights(mma=3.34, copy=0.00625, step=384, l2=0.014, cta=30600, spl
 _BIG_CLUSTER_SMS = 120 / 132
 
 
+def _cluster_sms(cfg: WsConfig, sms: int) -> int:
+    """The SMs a grid of ``cfg``'s clusters places on: fewer than all where a cluster has 4 CTAs or more."""
+    return int(sms * _BIG_CLUSTER_SMS) if cfg.cm * cfg.kc >= 4 else sms
+
+
 def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) -> float:
     """The rule's estimate of a tile's time, relative: lower is faster (not for the split persistent variant)."""
     n_tiles, m_tiles, slices = cfg.grid(n, m)
     ctas = n_tiles * m_tiles * slices
     step_bytes = cfg.bn * 128 / cfg.cm + cfg.wm * 4608
-    usable = int(sms * _BIG_CLUSTER_SMS) if cfg.cm * cfg.kc >= 4 else sms
-    waves = -(-ctas // usable)  # ping-pong: tiles a CTA, one after another
+    waves = -(-ctas // _cluster_sms(cfg, sms))  # ping-pong: tiles a CTA, one after another
     step = w.step + max(cfg.bn * cfg.wm * w.mma, step_bytes * w.copy) + (w.l2 * step_bytes if waves > 1 else 0)
     if cfg.pp:
         return waves * (k // 64 * step + w.pp_tile) + w.cta - w.pp_tile
@@ -316,12 +320,11 @@ def push_pays(cfg: WsConfig, n: int, m: int, sms: int) -> bool:
     """Whether the pushed sums' buffer (``recv_bytes``) leaves the grid in as many waves as without it.  It can cost
     an SM a CTA: 64 clusters of 4 CTAs of 64 x 32 (4096x14336, n <= 16) ran in one wave at three CTAs an SM and
     spilled past it at two, 15-26% slower on both GPUs, where 56 of them (3584x14336) ran faster
-    (sparse24-sweep-small-n-*.json at 89f5963; docs/design/0050).  Clusters of 4 or more CTAs place on
-    ``_BIG_CLUSTER_SMS`` of the SMs."""
+    (sparse24-sweep-small-n-*.json at 89f5963; docs/design/0050)."""
     if not cfg.recv_bytes:
         return True
     tiles_n, blocks, slices = cfg.grid(n, m)
-    usable = int(sms * _BIG_CLUSTER_SMS) if cfg.cm * cfg.kc >= 4 else sms
+    usable = _cluster_sms(cfg, sms)
     waves = [-(-tiles_n * blocks * slices // (usable * resident(c))) for c in (cfg, replace(cfg, push=False))]
     return waves[0] <= waves[1]
 

@@ -249,12 +249,8 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         store_acc<NI>(red, acc, wm * 64 + wq * 16, kRedStride, lane);
     }
 
-#if CM * KC > 1
-    if constexpr (!kPush) cluster_sync();  // every CTA's partial sums are in its shared memory (producers too)
+    if constexpr (CM * KC > 1 && !kPush) cluster_sync();  // every CTA's partial sums are in its shared memory
     else if (warp >= 4) named_sync(1, kConsumers);
-#else
-    if (warp >= 4) named_sync(1, kConsumers);
-#endif
     if (threadIdx.x == 128) KP_PHASE(4);
     if (warp >= 4) {
         // Bias, activation and y, 8 columns of y (16 bytes) a thread, along M: the K slices in rank order.  Gated,
