@@ -622,8 +622,8 @@ def test_the_pushed_sums_buffer_never_costs_the_grid_a_wave():
 
 def test_the_pdl_build_waits_for_the_kernel_before_and_lets_the_next_start(compile_for):
     """KP_PDL=1 (an experiment, docs/design/0050) builds griddepcontrol.launch_dependents (SASS PREEXIT) and
-    griddepcontrol.wait (ACQBULK) on the producer's and the consumers' paths, before x is read and y stored; the
-    default build has neither.  The grouped kernel, which reads its routing first, refuses it."""
+    griddepcontrol.wait (ACQBULK) on the producer's and the consumers' paths, before x is read and y stored, with W's
+    first copies ahead of the wait; KP_PDL=2 copies nothing before it.  The default build has neither.  The grouped kernel, which reads its routing first, refuses it."""
     from kernelplan.errors import KernelPlanError
     from kernelplan.kernels.sparse24_ws import source
 
@@ -633,6 +633,9 @@ def test_the_pdl_build_waits_for_the_kernel_before_and_lets_the_next_start(compi
         if sass is None:
             pytest.skip("no cuobjdump next to Triton")
         assert sass.count("ACQBULK") == 2 and "PREEXIT" in sass, cfg
+        assert "UTMALDG" in sass[: sass.find("ACQBULK")], cfg  # W's first fill goes out before the wait
+        safe = _sass(compile_for("#define KP_PDL 2\n" + source(cfg, "bf16", True, act), "sm_90a"))
+        assert safe.count("ACQBULK") == 2 and "UTMALDG" not in safe[: safe.find("ACQBULK")], cfg
         plain = _sass(compile_for(source(cfg, "bf16", True, act), "sm_90a"))
         assert "ACQBULK" not in plain and "PREEXIT" not in plain, cfg
     with pytest.raises(KernelPlanError, match="KP_PDL"):

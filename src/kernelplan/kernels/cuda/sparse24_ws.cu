@@ -114,7 +114,8 @@ constexpr int kSumsBar = kBarOffset + 16 * STAGES, kRecvAt = kSumsBar + 16;  // 
 // producer sends the ring's first fill of W (a weight: no kernel before this one writes it) before it waits for the
 // kernel before, whose output x is; the consumers wait for it too before they store y.  At n <= 16 a call's fixed
 // part is about as long as dense's (3.4-3.7 us on the H100), and the kernel's launch and its first trip to DRAM
-// are most of it; a grid of 72-128 CTAs leaves SMs free for the next call's CTAs to start on.
+// are most of it; a grid of 72-128 CTAs leaves SMs free for the next call's CTAs to start on.  KP_PDL=2 reads
+// nothing before the wait: the next kernel's start overlaps this one's end, but not its first trip to DRAM.
 #ifndef KP_PDL
 #define KP_PDL 0
 #endif
@@ -190,7 +191,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
             KP_PHASE(1);
             constexpr u32 bytes = kXBytes + kWBytes;  // boxes past N or M count in full (zero-filled)
 #if KP_PDL
-            const int pre = min(steps, STAGES);  // steps whose W goes out before x can be read
+            const int pre = KP_PDL == 1 ? min(steps, STAGES) : 0;  // steps whose W goes out before the wait
             for (int s = 0; issuer && s < pre; ++s) {
                 mbar_expect_tx(full0 + 8 * s, bytes);
                 load_w(sbase + s * kStageBytes, &vmap, &emap, step0 + s, w_block(tile, tiles_m), w_half(tile),
