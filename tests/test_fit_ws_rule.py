@@ -116,3 +116,19 @@ def test_a_tuning_benchs_untuned_and_cuda_sp_rows_are_left_out(tmp_path):
             {"m": 1024, "k": 200, "n": 8, "rule": "None", "tile": "None", "tiles_ms": None},  # the Triton kernel's
             {"m": 9216, "k": 4096, "n": 8, "backend": "cuda_sp", "tiles_ms": {str(sp_config(8, 9216, 4096, SMS)): 1.0}}]
     assert [p[:3] for p in _table(tmp_path, rows)] == [(n, m, k)]
+
+
+def test_hold_keeps_the_picks_at_the_n_no_table_timed(tmp_path, capsys):
+    """``--hold N``: the sweep set's picks at N count as untimed once moved, so the search leaves them; here the one
+    problem the table gives is at such an n, and unheld the search moves its pick."""
+    from kernelplan.bench.sweep import sweep_shapes
+    from kernelplan.kernels.sparse24_ws import rule_order
+
+    held = fit_ws_rule.held([128])
+    assert len(held) == len(sweep_shapes()) and all(sum(t is not None for t in p[5]) == 1 for p in held)
+
+    def picks(w):
+        return [min(ws_candidates(128, m, k), key=lambda c: rule_order(c, 128, m, k, SMS, w)) for m, k in sweep_shapes()]
+
+    assert picks(_fit(tmp_path, capsys)) != picks(WEIGHTS)
+    assert picks(_fit(tmp_path, capsys, "--hold", "128", "4096")) == picks(WEIGHTS)

@@ -236,7 +236,10 @@ class RuleWeights:
 # grids too was tried (695fe71) and lost on the sweep: docs/design/0014.  The tiles of 192 rows (56cd67b, the 6
 # least-cost tiles and the 4 least-cost of 192 rows on 11 shapes x n = 128..4096, sparse24-ws-wide-h100.json) left
 # the weights where they were; the picks there: 0.98 of the best on average, none more than 3% under the old rule's.
-WEIGHTS = RuleWeights(mma=3.34, copy=0.00625, step=384, l2=0.014, cta=30600, split=18.6, pp_tile=6530,
+# step 384 -> 453 since the K slices push their sums (docs/design/0051): fitted with the picks at n = 1-16 and
+# 2048-8192 held (fit_ws_rule.py --hold) on sparse24-ws-top8-pushed-h100.json and -h200.json (43 sweep shapes x
+# n = 32..1024, a276283); 15 picks move to fewer, K-split steps, means 0.982 -> 0.983 (H100), 0.983 -> 0.987 (H200).
+WEIGHTS = RuleWeights(mma=3.34, copy=0.00625, step=453, l2=0.014, cta=30600, split=18.6, pp_tile=6530,
                       cluster=10000)
 # Clusters of 4 or more CTAs of one SM each: cuOccupancyMaxActiveClusters gave 30 clusters of 4 (120 of 132 SMs).
 _BIG_CLUSTER_SMS = 120 / 132
