@@ -109,13 +109,15 @@ constexpr bool kPush = KP_PUSH_SUMS && CM == 1 && KC > 1 && !GROUPED && RECV_BYT
 static_assert(RECV_BYTES == 0 || RECV_BYTES >= kRecvBytes + 16, "RECV_BYTES: the pushed sums and their barrier");
 constexpr int kSumsBar = kBarOffset + 16 * STAGES, kRecvAt = kSumsBar + 16;  // from sbase, past the ring's barriers
 
-// KP_PDL=1 builds an experiment, off and not yet run on a GPU (docs/design/0050), for a launch that lets the next
+// KP_PDL=1 builds an experiment, off (docs/design/0050; measured in 0051), for a launch that lets the next
 // kernel start early (FunctionLaunch's pdl): every CTA lets the next kernel start as soon as it has begun, and the
 // producer sends the ring's first fill of W (a weight: no kernel before this one writes it) before it waits for the
 // kernel before, whose output x is; the consumers wait for it too before they store y.  At n <= 16 a call's fixed
 // part is about as long as dense's (3.4-3.7 us on the H100), and the kernel's launch and its first trip to DRAM
 // are most of it; a grid of 72-128 CTAs leaves SMs free for the next call's CTAs to start on.  KP_PDL=2 reads
-// nothing before the wait: the next kernel's start overlaps this one's end, but not its first trip to DRAM.
+// nothing before the wait: the next kernel's start overlaps this one's end, but not its first trip to DRAM.  Back to
+// back, =1 took 0.97x of the time on 16 MB+ layers and 0.82-0.85x on small ones, =2 1.04x (H100); after torch's
+// kernels, which never trigger, PDL was slower (0022).
 #ifndef KP_PDL
 #define KP_PDL 0
 #endif
