@@ -644,18 +644,3 @@ def test_the_pdl_build_waits_for_the_kernel_before_and_lets_the_next_start(compi
         assert "ACQBULK" not in plain and "PREEXIT" not in plain, cfg
     with pytest.raises(KernelPlanError, match="KP_PDL"):
         compile_for("#define KP_PDL 1\n" + source(WsConfig(64, 2), "bf16", False, None, grouped=True), "sm_90a")
-
-
-def test_the_gated_picks_keep_the_step_they_were_swept_under():
-    """docs/design/0051: the ungated rule's step went to 453 on tables of ungated tiles; the gated epilogue's picks
-    stay those of 384, under which its sweeps ran.  12288x4096 at n = 1 and 5120x5120 at n = 1024 are picks the two
-    steps part on."""
-    from dataclasses import replace
-
-    from kernelplan.kernels.sparse24_ws import GATED_WEIGHTS, WEIGHTS, gated_tile, rule_order, ws_config
-
-    assert GATED_WEIGHTS == replace(WEIGHTS, step=384)
-    for n, m, k in ((1, 12288, 4096), (1024, 5120, 5120)):
-        space = [c for c in ws_candidates(n, m, k) if gated_tile(c)]
-        old, new = (min(space, key=lambda c: rule_order(c, n, m, k, 132, w)) for w in (GATED_WEIGHTS, WEIGHTS))
-        assert old != new and ws_config(n, m, k, 132, gated=True) == old, (n, m, k)

@@ -241,16 +241,8 @@ class RuleWeights:
 # n = 32..1024, a276283); 15 picks move to fewer, K-split steps, means 0.982 -> 0.983 (H100), 0.983 -> 0.987 (H200).
 WEIGHTS = RuleWeights(mma=3.34, copy=0.00625, step=453, l2=0.014, cta=30600, split=18.6, pp_tile=6530,
                       cluster=10000)
-# The gated epilogue's tiles keep the step they were swept under (sparse24-gated-sweep-*.json): at 453 their picks
-# move on 20 problems of the sweep set, at n = 1-16 and 1024-2048 too, and no table timed those (docs/design/0051).
-GATED_WEIGHTS = replace(WEIGHTS, step=384)
 # Clusters of 4 or more CTAs of one SM each: cuOccupancyMaxActiveClusters gave 30 clusters of 4 (120 of 132 SMs).
 _BIG_CLUSTER_SMS = 120 / 132
-
-
-def rule_weights(gated: bool) -> RuleWeights:
-    """The weights ``ws_config`` ranks tiles by, with a gated epilogue or without."""
-    return GATED_WEIGHTS if gated else WEIGHTS
 
 
 def _cluster_sms(cfg: WsConfig, sms: int) -> int:
@@ -314,7 +306,7 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False) -> WsConfig
     split = None if gated else _small_n_split(n, m, k)
     if split is None:
         space = [c for c in ws_candidates(n, m, k) if not gated or gated_tile(c)]
-        split = min(space, key=lambda cfg: rule_order(cfg, n, m, k, sms, rule_weights(gated)))
+        split = min(space, key=lambda cfg: rule_order(cfg, n, m, k, sms))
     return split if push_pays(split, n, m, sms) else replace(split, push=False)
 
 
