@@ -128,7 +128,8 @@ def test_hold_keeps_the_picks_at_the_n_no_table_timed(tmp_path, capsys):
     assert len(held) == len(sweep_shapes()) and all(sum(t is not None for t in p[5]) == 1 for p in held)
 
     def picks(w):
-        return [min(ws_candidates(128, m, k), key=lambda c: rule_order(c, 128, m, k, SMS, w)) for m, k in sweep_shapes()]
+        return [min(ws_candidates(128, m, k), key=lambda c: rule_order(c, 128, m, k, SMS, w))
+                for m, k in sweep_shapes()]
 
     assert picks(_fit(tmp_path, capsys)) != picks(WEIGHTS)
     assert picks(_fit(tmp_path, capsys, "--hold", "128", "4096")) == picks(WEIGHTS)

@@ -307,8 +307,9 @@ def test_tile_rule_matches_the_measured_tables(table):
     and never below 0.7x; on the small layers (K <= 4096, n <= 256, where clusters cost more than they save) within
     0.98x and never below 0.9x.  Each table measured part of the rule's space (the H100 and H200 ones predate the
     ping-pong tiles, those of 192 rows and the narrow ones), so the rule picks among what it measured.  The tables
-    before the pushed sums (docs/design/0051) timed K-split tiles 6-24% slower than they run now: narrow-h100's
-    1024x4096 at n = 512 reads 0.87x on the K-split pick that top8-pushed-h100 times at 0.96x of the best."""
+    before the pushed sums (docs/design/0050, 0051) timed K-split tiles 2-24% slower than they run now: narrow-h100's
+    1024x4096 at n = 512 reads 0.87x on the K-split pick that top8-pushed-h100 times at 0.96x of the best.  The two
+    top-8 tables since the push: within 0.98x, never below 0.75x (H100: 4096x14336 at n = 512) and 0.85x (H200)."""
     import json
     import pathlib
     import statistics
@@ -627,7 +628,8 @@ def test_the_pushed_sums_buffer_never_costs_the_grid_a_wave():
 def test_the_pdl_build_waits_for_the_kernel_before_and_lets_the_next_start(compile_for):
     """KP_PDL=1 (an experiment, docs/design/0050) builds griddepcontrol.launch_dependents (SASS PREEXIT) and
     griddepcontrol.wait (ACQBULK) on the producer's and the consumers' paths, before x is read and y stored, with W's
-    first copies ahead of the wait; KP_PDL=2 copies nothing before it.  The default build has neither.  The grouped kernel, which reads its routing first, refuses it."""
+    first copies ahead of the wait; KP_PDL=2 copies nothing before it.  The default build has neither.  The grouped
+    kernel, which reads its routing first, refuses it."""
     from kernelplan.errors import KernelPlanError
     from kernelplan.kernels.sparse24_ws import source
 
