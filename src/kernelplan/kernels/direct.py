@@ -187,7 +187,7 @@ class BoundLaunch:
     """
 
     __slots__ = ("launch", "grid", "x_map", "_template", "_offsets", "_pack_x", "_pack_by", "_by_at", "_maps",
-                 "_local", "_cu", "_function", "_block", "_shared")
+                 "_local", "_cu", "_function", "_block", "_shared", "_pdl")
     MAX_X = 16
 
     def __init__(self, launch: FunctionLaunch, grid: tuple, params: tuple, x_map=None):
@@ -205,6 +205,7 @@ class BoundLaunch:
         self._maps: dict = {}
         self._local = threading.local()
         self._cu, self._function, self._block, self._shared = launch._cu, launch.function, launch.block, launch.shared
+        self._pdl = launch.pdl  # read per call as the fields above are: set on the launch before it is bound
 
     def __call__(self, x: int, bias: int, y: int, stream: int) -> None:
         buffers = self._with_x(x)
@@ -229,7 +230,7 @@ class BoundLaunch:
 
     def _launch(self, buffers: tuple, stream: int) -> None:
         grid = self.grid
-        if self.launch.pdl:
+        if self._pdl:
             err = _launch_pdl(self._cu, self._function, grid, self._block, self._shared, stream, buffers[2])
         else:
             err, = self._cu.cuLaunchKernel(self._function, grid[0], grid[1], grid[2], self._block, 1, 1,
