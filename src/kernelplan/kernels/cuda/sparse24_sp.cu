@@ -15,14 +15,14 @@ __device__ __forceinline__ void mma_sp(float (&d)[4], const uint4 &a, const uint
                    "r"(e), "n"(SEL));
 }
 
-#define ROWS (8 * NT)                  // rows of x staged
-#define THREADS (32 * MW * KW)
-#define BM (16 * RT * MW)              // rows of W a CTA
-#define X_BYTES (KW * ROWS * 128)      // one step of x: each K slice's 64 columns
-#define STAGE_BYTES (X_BYTES + MW * KW * RT * 1152)
+constexpr int kRows = 8 * NT;                                  // rows of x staged
+constexpr int kThreads = 32 * MW * KW;
+constexpr int kBM = 16 * RT * MW;                              // rows of W a CTA
+constexpr int kXBytes = KW * kRows * 128;                      // one step of x: each K slice's 64 columns
+constexpr int kStageBytes = kXBytes + MW * KW * RT * 1152;     // then each warp's weight, 1152 bytes a row tile
 
-// y[N, M] = act(x[N, K] @ W^T + bias), W in the device layout (sparse24/layout.py); a CTA per BM rows of W.
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+// y[N, M] = act(x[N, K] @ W^T + bias), W in the device layout (sparse24/layout.py); a CTA per kBM rows of W.
+extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
 kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u32 *__restrict__ meta,
                const u16 *__restrict__ bias, u16 *__restrict__ y, int N, int M, int K, int sxn, int syn)
 {
@@ -57,28 +57,36 @@ kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[r][j][e] = 0.f;
 
-    // Step STEP of every K slice's x into buffer BUF: rows of 8 16-byte chunks, chunk c at c ^ (row % 8)
+    // Step `step` of every K slice's x into buffer `buf`: rows of 8 16-byte chunks, chunk c at c ^ (row % 8)
     // so that ldmatrix's eight rows fall in different banks.  Rows past N are zeros.
-#define COPY_X(BUF, STEP) do { \
-        _Pragma("unroll") for (int i = threadIdx.x; i < KW * ROWS * 8; i += THREADS) { \
-            int c = i & 7, row = (i >> 3) % ROWS, q = i / (ROWS * 8); \
-            bool ok = (STEP) < steps && row < N; \
-            const u16 *src = ok ? x + (long)row * sxn + (long)(q * steps + (STEP)) * 64 + c * 8 : x; \
-            cp16(sx + (BUF) * STAGE_BYTES + (q * ROWS + row) * 128 + ((c ^ (row & 7)) << 4), src, ok); } \
-    } while (0)
-    // This warp's fragments of step STEP, each lane's own, into buffer BUF.
-    const u32 wslot = sx + X_BYTES + warp * RT * 1152;
-#define COPY_W(BUF, STEP) do { \
-        bool live = (STEP) < steps; \
-        _Pragma("unroll") for (int r = 0; r < RT; ++r) { \
-            u32 d = wslot + (BUF) * STAGE_BYTES + r * 1152; \
-            cp16(d + lane * 16, vp[r] + (long)(STEP) * 256, live && tok[r]); \
-            cp16(d + 512 + lane * 16, vp[r] + (long)(STEP) * 256 + 128, live && tok[r]); \
-            cp4(d + 1024 + lane * 4, ep[r] + (long)(STEP) * 32, live && tok[r]); } \
-    } while (0)
-#define ISSUE(BUF, STEP) do { COPY_X(BUF, STEP); COPY_W(BUF, STEP); asm volatile("cp.async.commit_group;"); } while (0)
+    auto copy_x = [&](int buf, int step) {
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) ISSUE(s, s);
+        for (int i = threadIdx.x; i < KW * kRows * 8; i += kThreads) {
+            int c = i & 7, row = (i >> 3) % kRows, q = i / (kRows * 8);
+            bool ok = step < steps && row < N;
+            const u16 *src = ok ? x + (long)row * sxn + (long)(q * steps + step) * 64 + c * 8 : x;
+            cp16(sx + buf * kStageBytes + (q * kRows + row) * 128 + ((c ^ (row & 7)) << 4), src, ok);
+        }
+    };
+    // This warp's fragments of step `step`, each lane's own, into buffer `buf`.
+    const u32 wslot = sx + kXBytes + warp * RT * 1152;
+    auto copy_w = [&](int buf, int step) {
+        bool live = step < steps;
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+            u32 d = wslot + buf * kStageBytes + r * 1152;
+            cp16(d + lane * 16, vp[r] + (long)step * 256, live && tok[r]);
+            cp16(d + 512 + lane * 16, vp[r] + (long)step * 256 + 128, live && tok[r]);
+            cp4(d + 1024 + lane * 4, ep[r] + (long)step * 32, live && tok[r]);
+        }
+    };
+    auto issue = [&](int buf, int step) {
+        copy_x(buf, step);
+        copy_w(buf, step);
+        asm volatile("cp.async.commit_group;");
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) issue(s, s);
 
     for (int s0 = 0; s0 < steps; s0 += STAGES) {
 #pragma unroll
@@ -86,13 +94,13 @@ kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
             const int s = s0 + u;
             cp_wait<STAGES - 2>();  // this thread's copies of step s have landed
             __syncthreads();        // everyone's have, and everyone is done with step s - 1's buffer
-            ISSUE((u + STAGES - 1) % STAGES, s + STAGES - 1);
+            issue((u + STAGES - 1) % STAGES, s + STAGES - 1);
             if (s < steps) {
-                const u32 buf = sx + u * STAGE_BYTES + kw * ROWS * 128;
+                const u32 buf = sx + u * kStageBytes + kw * kRows * 128;
                 uint4 a[RT][2]; u32 e[RT];  // per row tile: the two halves' A fragments, this lane's metadata word
 #pragma unroll
                 for (int r = 0; r < RT; ++r) {
-                    u32 d = wslot + u * STAGE_BYTES + r * 1152;
+                    u32 d = wslot + u * kStageBytes + r * 1152;
                     a[r][0] = ldsm4(d + lane * 16);
                     a[r][1] = ldsm4(d + 512 + lane * 16);
                     e[r] = lds1(d + 1024 + lane * 4);
@@ -118,19 +126,19 @@ kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
     // The K slices summed in slice order (deterministic); then bias, activation, y.
     cp_wait<0>();
     __syncthreads();
-    float *red = (float *)smem;  // [KW][BM][ROWS + 1]
+    float *red = (float *)smem;  // [KW][kBM][kRows + 1]
 #pragma unroll
     for (int r = 0; r < RT; ++r)
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                red[(kw * BM + (mw * RT + r) * 16 + g + 8 * (e >> 1)) * (ROWS + 1) + 8 * j + 2 * t + (e & 1)] =
+                red[(kw * kBM + (mw * RT + r) * 16 + g + 8 * (e >> 1)) * (kRows + 1) + 8 * j + 2 * t + (e & 1)] =
                     acc[r][j][e];
     __syncthreads();
-    constexpr int kOut = BM / kRegions;  // columns of y a CTA; gated, column c pairs local rows c and kOut + c
+    constexpr int kOut = kBM / kRegions;  // columns of y a CTA; gated, column c pairs local rows c and kOut + c
     const int cols = M / kRegions;
-    for (int idx = threadIdx.x; idx < kOut * ROWS; idx += THREADS) {
+    for (int idx = threadIdx.x; idx < kOut * kRows; idx += kThreads) {
         int ml = idx % kOut, nl = idx / kOut, m = blockIdx.x * kOut + ml;
         if (m >= cols || nl >= N) continue;
         float v[kRegions][8];
@@ -138,7 +146,7 @@ kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
         for (int h = 0; h < kRegions; ++h) {
             v[h][0] = 0.f;
 #pragma unroll
-            for (int w = 0; w < KW; ++w) v[h][0] += red[(w * BM + h * kOut + ml) * (ROWS + 1) + nl];
+            for (int w = 0; w < KW; ++w) v[h][0] += red[(w * kBM + h * kOut + ml) * (kRows + 1) + nl];
 #if HAS_BIAS
             v[h][0] += to_f32(bias[h * cols + m]);
 #endif
