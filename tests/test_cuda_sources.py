@@ -1,14 +1,17 @@
 """The layout's CUDA C++ kernels beside cuda_ws (whose own test compiles its tiles: test_sparse24_ws.py) compile under
-NVRTC for their architectures on a machine without a GPU: cuda_wg and cuda_sp, both dtypes, with and without an
-epilogue.  A change to a shared header or to how the one device layout is read fails here before a GPU run."""
+NVRTC for their architectures on a machine without a GPU: cuda_wg, cuda_sp and cuda_mma, both dtypes, with and
+without an epilogue.  A change to a shared header or to how the one device layout is read fails here before a GPU
+run.  And the sources are where the project keeps them: in the package's .cu/.cuh files, with no multi-line macros."""
 
 from __future__ import annotations
 
 import re
 from importlib import resources
+from pathlib import Path
 
 import torch
 
+from kernelplan.kernels import sparse24_mma as mma
 from kernelplan.kernels import sparse24_sp as sp
 from kernelplan.kernels import sparse24_wg as wg
 
@@ -20,6 +23,21 @@ def test_warpgroup_and_mma_sp_kernels_compile(compile_for):
                                            (8, "sm_89", 128, "bf16", False, "relu"), (32, "sm_90a", 132, "f16", True, "gelu"),
                                            (4, "sm_80", 108, "bf16", True, "quick_gelu")):
         assert compile_for(sp.source(sp.sp_config(n, 4096, 4096, sms), dtype, bias, act), arch)[:4] == b"\x7fELF"
+    for n, arch, dtype, bias, act in ((1, "sm_90a", "bf16", True, "silu"), (16, "sm_80", "f16", False, None)):
+        assert compile_for(mma.source(mma.mma_config(n, 4096, 4096, 132), dtype, bias, act), arch)[:4] == b"\x7fELF"
+
+
+def test_cuda_sources_live_in_cu_files_without_multi_line_macros():
+    """Every kernel's CUDA C++ is in the package's .cu/.cuh files (no Python module holds a kernel), and no line of
+    them is continued (a trailing backslash: a multi-line macro).  Code is written as functions, lambdas and
+    constexpr values; a #define names one of a variant's parameters (issue 26's "CUDA sources")."""
+    package = resources.files("kernelplan")
+    sources = [p for p in package.joinpath("kernels", "cuda").iterdir() if p.name.endswith((".cu", ".cuh"))]
+    assert {"sparse24_mma.cu", "sparse24_sp.cu", "sparse24_ws.cu"} <= {p.name for p in sources}
+    assert [f"{p.name}: {line}" for p in sources for line in p.read_text().splitlines() if line.endswith("\\")] == []
+    modules = [p for p in Path(str(package)).rglob("*.py")]
+    assert len(modules) > 20
+    assert [p.name for p in modules if re.search(r"__global__|\basm\s*(volatile\s*)?\(", p.read_text())] == []
 
 
 def test_the_kernels_erf_gelu_is_accurate_in_fp32_over_its_range():
