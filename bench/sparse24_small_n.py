@@ -13,6 +13,7 @@ against the first's.  Writes ``bench/results/sparse24-small-n-<gpu>.json``: per 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -37,12 +38,15 @@ def main() -> int:
     ap.add_argument("--persistent-split", action="store_true",
                     help="cuda_ws's persistent tiles with K split to fill every SM (sk_plan), 1 and 2 row blocks of W")
     ap.add_argument("--sp-top", type=int, default=None, help="cuda_sp's first tiles (default: all)")
+    ap.add_argument("--sp-stages", action="store_true",
+                    help="each of those cuda_sp tiles at every ring depth of 2 to 6 steps that fits beside its "
+                         "resident CTAs (min_blocks), not only at the depth its rule gives it")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dtype = torch.bfloat16
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape] if a.shape else list(sweep_shapes())
     from kernelplan.kernels.sparse24 import sm_count
-    from kernelplan.kernels.sparse24_sp import sp_candidates
+    from kernelplan.kernels.sparse24_sp import SM_SHARED, sp_candidates
     from kernelplan.sparse24.dispatch import backend_for
 
     sms, cap = sm_count(0), torch.cuda.get_device_capability(0)
@@ -69,8 +73,16 @@ def main() -> int:
 
         return [c for wm in (1, 2) if (c := _deepest(-(-n // 16) * 16, wm, 1, 1, sk=True)) is not None]
 
+    def sp_tiles(n, m, k):
+        got = sp_candidates(n, m, k, sms)[:a.sp_top]
+        if a.sp_stages:  # the rule's pick first, as tile_calls checks the others against it
+            got = list(dict.fromkeys(got + [dataclasses.replace(c, stages=s) for c in got for s in range(2, 7)
+                                            if c.min_blocks * (dataclasses.replace(c, stages=s).shared + 1024)
+                                            <= SM_SHARED + 1024]))
+        return got
+
     def cands(n, m, k):
-        return sp_candidates(n, m, k, sms)[:a.sp_top] + tiles.candidates(n, m, k, sms, False, a.ws_top, "cuda_ws") \
+        return sp_tiles(n, m, k) + tiles.candidates(n, m, k, sms, False, a.ws_top, "cuda_ws") \
             + (wide_split(n, m, k) if a.wide_split else []) + (persistent_split(n) if a.persistent_split else [])
 
     t0 = time.perf_counter()
@@ -103,7 +115,7 @@ def main() -> int:
         # After each shape, so that a run cut off by a time limit keeps what it measured.
         results.write("sparse24-small-n", {"rows": rows, "compile_s": compile_s}, a.out, dtype="bf16",
                       batch=a.batch, rounds=a.rounds, ws_top=a.ws_top, sms=sms, wide_split=a.wide_split,
-                      persistent_split=a.persistent_split)
+                      persistent_split=a.persistent_split, sp_stages=a.sp_stages)
     return 0
 
 
