@@ -60,3 +60,27 @@ def test_the_kernels_erf_gelu_is_accurate_in_fp32_over_its_range():
     want = z * 0.5 * torch.special.erfc(-z / 2 ** 0.5)
     rel = ((got.double() - want).abs() / want.abs()).nan_to_num(0.0)
     assert float(rel.max()) < 7e-5
+
+
+def test_cuda_sp_stays_within_the_registers_its_rule_sizes_rings_by(compile_for):
+    """``sparse24_sp._resident`` counts the CTAs an SM holds by SMALL_N_MAX_REGS registers a thread at n <= 16; a
+    tile that took more would hold fewer CTAs than its ring was sized for.  Read from the cubin's resource usage
+    (the cuobjdump Triton ships) for the rule's tiles and their nearest candidates, tall and small."""
+    import os
+    import subprocess
+    import tempfile
+
+    import pytest
+
+    triton = pytest.importorskip("triton")
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.isfile(tool):
+        pytest.skip("no cuobjdump beside Triton")
+    tiles = sp.sp_candidates(16, 152064, 8192, 132)[:3] + sp.sp_candidates(8, 4096, 4096, 132)[:3]
+    for cfg in tiles:
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compile_for(sp.source(cfg, "bf16", True, "gelu"), "sm_90a"))
+            f.flush()
+            usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        regs = int(re.search(r"REG:(\d+)", usage).group(1))
+        assert 32 <= regs <= sp.SMALL_N_MAX_REGS, (cfg, regs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import sys
@@ -57,3 +58,14 @@ def test_todays_small_n_rule_is_the_best_setting_of_the_grid_over_both_committed
         assert fit_sp_rule.boundary(t["rows"], t["meta"]["sms"])[1] < 0.99
     lines = fit_sp_rule.report(str(TABLES[0]))
     assert sum("<- today" in line for line in lines) == 1 and "today's boundary" in lines[-1]
+
+
+def test_a_pick_is_read_at_its_own_ring_else_at_the_one_its_tile_was_timed_at():
+    pick = sp_config(1, 4096, 4096, SMS)
+    other_ring = sparse24_sp.SpConfig(pick.n_tiles, pick.row_tiles, pick.m_warps, pick.k_warps, stages=2)
+    assert fit_sp_rule._timed({str(pick): 1.0, str(other_ring): 2.0}, pick) == 1.0
+    assert fit_sp_rule._timed({str(other_ring): 2.0}, pick) == 2.0
+    with pytest.raises(KeyError):  # neither its ring nor a single other one of its tile
+        fit_sp_rule._timed({str(other_ring): 2.0, str(dataclasses.replace(other_ring, stages=3)): 3.0}, pick)
+    with pytest.raises(KeyError):
+        fit_sp_rule._timed({}, pick)

@@ -7,6 +7,8 @@ arithmetic, and ``mma.sp`` as PTX defines its fragments and metadata.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -85,12 +87,19 @@ def test_config_fills_one_wave_with_8_or_16_warps_an_sm_and_the_ring_with_shared
     assert sp_config(64, 8192, 8192, 132) == SpConfig(8, m_warps=2, k_warps=8, stages=2)  # 128 CTAs of 64 rows
     assert sp_config(32, 8192, 8192, 132) == SpConfig(4, m_warps=2, k_warps=4, stages=6)
     for n in (1, 16, 33, 64):
-        for m, k in ((4096, 4096), (28672, 8192), (128256, 4096)):
+        for m, k in ((4096, 4096), (28672, 8192), (128256, 4096), (256000, 3584), (152064, 8192)):
             cfg = sp_config(n, m, k, 132)
-            per_sm = -(-m // (cfg.rows * 132))
-            assert per_sm * (cfg.shared + 1024) <= 227 * 1024 or cfg.stages == 2
             assert cfg.stage_bytes == (cfg.k_warps * 8 * cfg.n_tiles * 128
                                        + cfg.m_warps * cfg.k_warps * cfg.row_tiles * 1152)
+            # The ring is the deepest (up to 6) that the CTAs an SM holds at once leave room for: the grid's share
+            # of an SM where 96 registers a thread allow that many (n <= 16), else as many as they allow.
+            per_sm = -(-m // (cfg.rows * 132))
+            resident = min(per_sm, 65536 // (96 * cfg.threads)) if n <= 16 else per_sm
+            deeper = dataclasses.replace(cfg, stages=cfg.stages + 1)
+            assert resident * (cfg.shared + 1024) <= 227 * 1024 or cfg.stages == 2
+            assert cfg.stages == 6 or resident * (deeper.shared + 1024) > 227 * 1024
+    # 1002 CTAs of 128 rows, 8 an SM where the registers hold 5 (128 threads): a ring for 5, not 2 steps for 8
+    assert sp_config(1, 128256, 4096, 132) == SpConfig(1, m_warps=4, k_warps=1, stages=4, min_blocks=4)
 
 
 def test_config_at_n_up_to_16_takes_32_row_ctas_and_16_warps_an_sm():

@@ -41,9 +41,23 @@ def _sp_times(row: dict) -> dict:
     return {c: t for c, t in row["tiles_ms"].items() if c.startswith("SpConfig")}
 
 
+def _timed(sp: dict, cfg) -> float:
+    """The time of ``cfg`` in a row's cuda_sp tiles: its own, else that of the one tile of its rows and K slices the
+    table timed.  The settings of the grid choose rows and K slices, and each tile's ring is sized by ``_filled``;
+    since 0052 it sizes rings for the CTAs an SM holds at once, so on grids past the registers' hold a setting's pick
+    can have a deeper ring than the tables (timed before) gave that tile.  KeyError where neither was timed."""
+    if str(cfg) in sp:
+        return sp[str(cfg)]
+    shape = f"SpConfig(n_tiles={cfg.n_tiles}, row_tiles={cfg.row_tiles}, m_warps={cfg.m_warps}, k_warps={cfg.k_warps},"
+    same = [t for c, t in sp.items() if c.startswith(shape)]
+    if len(same) != 1:
+        raise KeyError(str(cfg))
+    return same[0]
+
+
 def rule_ratios(rows: list[dict], sms: int, ctas: int, warps: int) -> list[float]:
     """The rule's pick over the best ``cuda_sp`` tile, per row where the tile matters, with the rule set to ``ctas``
-    and ``warps`` an SM.  A pick the table did not time raises KeyError: every tile of the space is timed."""
+    and ``warps`` an SM (``_timed``: every tile of the space is timed, at one ring each)."""
     saved = sparse24_sp.SMALL_N_CTAS_PER_SM, sparse24_sp.SMALL_N_WARPS_PER_SM
     sparse24_sp.SMALL_N_CTAS_PER_SM, sparse24_sp.SMALL_N_WARPS_PER_SM = ctas, warps
     try:
@@ -51,7 +65,7 @@ def rule_ratios(rows: list[dict], sms: int, ctas: int, warps: int) -> list[float
         for row in rows:
             sp = _sp_times(row)
             if min(sp.values()) <= MATTERS * row["tiles_ms"][row["ws_rule"]]:
-                out.append(sp[str(sparse24_sp.sp_config(row["n"], row["m"], row["k"], sms))] / min(sp.values()))
+                out.append(_timed(sp, sparse24_sp.sp_config(row["n"], row["m"], row["k"], sms)) / min(sp.values()))
         return out
     finally:
         sparse24_sp.SMALL_N_CTAS_PER_SM, sparse24_sp.SMALL_N_WARPS_PER_SM = saved

@@ -137,10 +137,32 @@ def _dividing(k_warps: int, k: int) -> int:
     return k_warps
 
 
+# Registers a thread the kernel takes at n <= 16 (1 and 2 tiles of x), at most over the tiles of sp_candidates: ptxas
+# gave 61-92 for sm_90a (d060424; tests/test_cuda_sources.py holds the kernel to it).  An SM's 64K registers then hold
+# 65536 / (96 x threads) CTAs of any such tile.  Past n = 16, x's fragments take up to 130, and grids of more than
+# one wave there (Ampere's and Ada's, where this kernel runs at every n) were not timed: their rings stay sized for
+# the grid's share of an SM.
+SMALL_N_MAX_REGS = 96
+
+
+def _resident(cfg: SpConfig, per_sm: int) -> int:
+    """The CTAs of ``cfg`` an SM holds at once, of the ``per_sm`` its share of the grid is: all of them where the
+    registers hold that many (the grid is then one wave), else as many as the registers hold."""
+    if cfg.n_tiles > 2:
+        return per_sm
+    return min(per_sm, max(1, 65536 // (SMALL_N_MAX_REGS * cfg.threads)))
+
+
 def _filled(cfg: SpConfig, per_sm: int) -> SpConfig:
-    """``cfg`` with as many steps in flight as ``per_sm`` CTAs an SM leave shared memory for (2 to 6), and the
-    launch bound that lets an SM hold them."""
-    stages = (SM_SHARED // per_sm - 1024) // cfg.stage_bytes
+    """``cfg`` with as many steps in flight (2 to 6) as shared memory leaves the CTAs an SM holds at once
+    (``_resident``), and the launch bound that lets an SM hold ``per_sm`` of them (4 warps' registers each at least).
+
+    Sized for ``per_sm`` alone, the tall LM heads (128256 to 256000 rows: 8 to 16 CTAs an SM) got rings of 2 steps
+    and ran 1.02-1.23x of the best tile's time at n <= 16 (geometric means 1.049x on the H100, 1.095x on the H200);
+    sized for those resident, 1.00-1.08x (1.020x, 1.035x), every tile timed at every depth
+    (sparse24-small-n-sp-rings-h{100,200}.json, d060424; docs/design/0052).  No pick of the sweep set moves on
+    Hopper; on the A100's 108 SMs 73728x4608 at n <= 16 goes from 3 to 4 steps (no Ampere GPU timed it)."""
+    stages = (SM_SHARED // _resident(cfg, per_sm) - 1024) // cfg.stage_bytes
     return dataclasses.replace(cfg, stages=max(2, min(6, stages)), min_blocks=min(per_sm, max(1, 512 // cfg.threads)))
 
 
