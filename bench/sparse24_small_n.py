@@ -21,7 +21,7 @@ import time
 import torch
 
 from kernelplan.bench import results
-from kernelplan.bench.shapes import sweep_shapes
+from kernelplan.bench.shapes import lm_head_shapes, sweep_shapes
 from kernelplan.sparse24 import tiles
 from kernelplan.timing import graph_rounds
 from sparse24_tile_tuning import dense_calls
@@ -30,6 +30,9 @@ from sparse24_tile_tuning import dense_calls
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="*", default=[1, 8, 16])
+    ap.add_argument("--lm-heads", action="store_true",
+                    help="the LM heads of the sweep set's models (bench/shapes.py, lm_head_shapes) instead, held out of "
+                         "the rules' fits (docs/design/0052)")
     ap.add_argument("--shape", nargs="*", default=None, metavar="MxK")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--ws-top", type=int, default=4, help="cuda_ws's first tiles by its rule's cost")
@@ -45,6 +48,8 @@ def main() -> int:
     a = ap.parse_args()
     dtype = torch.bfloat16
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape] if a.shape else list(sweep_shapes())
+    if a.lm_heads:
+        shapes = list(lm_head_shapes())
     from kernelplan.kernels.sparse24 import sm_count
     from kernelplan.kernels.sparse24_sp import SM_SHARED, sp_candidates
     from kernelplan.sparse24.dispatch import backend_for

@@ -74,6 +74,9 @@ def main() -> int:
     ap.add_argument("--shape", nargs="*", default=None, metavar="MxK",
                     help="these (M, K) instead of the built-in list, e.g. 768x768 1024x4096")
     ap.add_argument("--batch", type=int, nargs="*", default=BATCH)
+    ap.add_argument("--lm-heads", action="store_true",
+                    help="the LM heads of the sweep set's models (bench/shapes.py, lm_head_shapes) instead, held out of "
+                         "the rules' fits (docs/design/0052)")
     ap.add_argument("--kernel", choices=("wg", "ws"), default="wg")
     ap.add_argument("--between", action="store_true",
                     help="ws: tiles of x between the halvings of 256 rows too (ws_candidates' between)")
@@ -91,6 +94,10 @@ def main() -> int:
     elif a.kernel == "ws":  # the persistent split variant too, beside the rule's space
         candidates = functools.partial(candidates, split=True, between=a.between)
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape] if a.shape else SHAPES[: a.shapes]
+    if a.lm_heads:
+        from kernelplan.bench.shapes import lm_head_shapes
+
+        shapes = list(lm_head_shapes())
     # Compile every variant first, in threads (NVRTC is thread-safe): the timing loop then only launches.
     configs = {c for (m, k) in shapes for n in a.batch for c in candidates(n, m, k)}
     with concurrent.futures.ThreadPoolExecutor(16) as pool:

@@ -183,3 +183,14 @@ def test_sweep_parts_written_by_the_command_merge_into_the_whole(tmp_path, monke
     assert whole["batch_sizes"] == sorted(BATCH_SIZES)
     assert sweep.summary(whole["rows"]) == sweep.summary(rows)
     capsys.readouterr()
+
+
+def test_lm_heads_are_the_sweep_models_vocabularies_by_their_hidden_size_and_not_in_the_sweep_set():
+    from kernelplan.bench.shapes import MODELS, lm_head_shapes
+
+    heads = lm_head_shapes()
+    assert heads[(152064, 3584)] == ["Qwen2.5-7B lm_head"]
+    assert heads[(128256, 4096)] == ["Llama-3-8B lm_head"] and (32000, 4096) in heads  # Mistral-7B's sizes
+    assert {(v, m.hidden) for m in MODELS for v in m.vocabs} == set(heads)
+    assert all(m.vocabs for m in MODELS)
+    assert not set(heads) & set(sweep_shapes())
