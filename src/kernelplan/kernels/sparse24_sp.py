@@ -155,7 +155,7 @@ def _resident(cfg: SpConfig, per_sm: int) -> int:
 
 def _filled(cfg: SpConfig, per_sm: int) -> SpConfig:
     """``cfg`` with as many steps in flight (2 to 6) as shared memory leaves the CTAs an SM holds at once
-    (``_resident``), and the launch bound that lets an SM hold ``per_sm`` of them (4 warps' registers each at least).
+    (``_resident``), and the launch bound that lets an SM hold ``per_sm`` of them, up to 16 warps.
 
     Sized for ``per_sm`` alone, the tall LM heads (128256 to 256000 rows: 8 to 16 CTAs an SM) got rings of 2 steps
     and ran 1.02-1.23x of the best tile's time at n <= 16 (geometric means 1.049x on the H100, 1.095x on the H200);
