@@ -107,3 +107,29 @@ def test_ab_table_groups_a_committed_probe_run_by_tile():
     assert n == 26 and gm == pytest.approx(1.034, abs=5e-4)
     n, gm = got[("ping-pong", "full_KP_EARLY_FILL=0,KP_LOCAL_SYNC=0")]
     assert n == 11 and gm == pytest.approx(0.999, abs=5e-4)
+
+
+def test_an_lm_heads_sweep_adds_its_shapes_and_is_never_the_base(tmp_path):
+    import json
+    import sys
+
+    sys.path.insert(0, str(README.parent / "tools"))
+    import expected_table
+
+    def sweep(name, date, shape, ns, speedup, **meta):
+        rows = [{"m": shape[0], "k": shape[1], "n": n, "speedup": speedup, "eager_speedup": speedup} for n in ns]
+        doc = {"device": "G", "dtype": "bf16", "l2": "cold", "date": date, "commit": name[:3], "batch_sizes": ns,
+               "rows": rows, **meta}
+        (tmp_path / f"sparse24-sweep-{name}.json").write_text(json.dumps(doc))
+
+    sweep("base", "2026-01-02", (64, 128), [1, 8], 1.5)
+    # More batch sizes and newer than the base, and of other shapes: it adds them, and leaves the base the base.
+    sweep("lm-heads", "2026-01-05", (50000, 128), [1, 8, 16, 32], 1.8, shape_set="lm heads")
+    sweep("heads-warm", "2026-01-06", (70000, 128), [1], 1.9, shape_set="lm heads", l2="warm")  # not taken
+    table, = expected_table.tables(tmp_path)["tables"]
+    assert table["sources"][0]["file"] == "sparse24-sweep-base.json"
+    assert table["shapes"]["64x128"] == [[1, 1.5, 1.5], [8, 1.5, 1.5]]
+    assert table["shapes"]["50000x128"] == [[n, 1.8, 1.8] for n in (1, 8, 16, 32)]
+    assert "70000x128" not in table["shapes"]
+    (tmp_path / "sparse24-sweep-base.json").unlink()  # heads alone make no table: the sweep set is its base
+    assert expected_table.tables(tmp_path)["tables"] == []

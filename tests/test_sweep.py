@@ -115,7 +115,7 @@ def test_merge_joins_parts_over_disjoint_batch_sizes_into_the_whole_sweep():
 
 
 @pytest.mark.parametrize("key, value", [("commit", "def5678"), ("device", "NVIDIA H100 80GB HBM3"), ("dtype", "f16"),
-                                        ("l2", "warm")])
+                                        ("l2", "warm"), ("shape_set", "lm heads")])
 def test_merge_refuses_parts_of_two_sweeps(key, value):
     rows = _rows()
     a, b = _part(rows, [1, 8], "d1"), _part(rows, [16], "d2", **{key: value})
@@ -164,7 +164,8 @@ def test_sweep_parts_written_by_the_command_merge_into_the_whole(tmp_path, monke
     rows = _rows()
     asked = []
 
-    def fake_run_sweep(dev, dtype, sizes, log, l2):
+    def fake_run_sweep(dev, dtype, sizes, shapes, log, l2):
+        assert shapes == sweep_shapes()
         asked.append(tuple(sizes))
         return copy.deepcopy([r for r in rows if "n" not in r or r["n"] in sizes])
 
@@ -182,6 +183,39 @@ def test_sweep_parts_written_by_the_command_merge_into_the_whole(tmp_path, monke
     whole = json.loads((tmp_path / "sparse24-sweep-h200.json").read_text())
     assert whole["batch_sizes"] == sorted(BATCH_SIZES)
     assert sweep.summary(whole["rows"]) == sweep.summary(rows)
+    capsys.readouterr()
+
+
+def test_the_lm_heads_sweep_times_the_heads_and_is_named_and_merged_as_its_own(tmp_path, monkeypatch, capsys):
+    """``--lm-heads`` (the timing stubbed): run_sweep gets the heads, the JSON says its shape set and takes its own
+    default name, and its parts merge into an LM-heads sweep, not the sweep set's."""
+    from kernelplan import bench, cli
+    from kernelplan.bench.shapes import lm_head_shapes
+
+    rows, asked = _rows(), []
+
+    def fake_run_sweep(dev, dtype, sizes, shapes, log, l2):
+        asked.append(shapes)
+        return copy.deepcopy([r for r in rows if "n" not in r or r["n"] in sizes])
+
+    monkeypatch.setattr(sweep, "run_sweep", fake_run_sweep)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "NVIDIA H200")
+    monkeypatch.setenv("KERNELPLAN_COMMIT", "abc1234")
+    monkeypatch.chdir(tmp_path)
+    assert bench.run_sweep_command(None, "bf16", False, None, batch=[1, 8], shape_set="lm heads") == 0
+    assert asked == [lm_head_shapes()]
+    part = json.loads((tmp_path / "sparse24-sweep-lm-heads-h200.json").read_text())
+    assert part["shape_set"] == "lm heads" and part["batch_sizes"] == [1, 8]
+    (tmp_path / "lo.json").write_text(json.dumps(part))
+    assert bench.run_sweep_command(None, "bf16", False, str(tmp_path / "hi.json"), batch=[16],
+                                   shape_set="lm heads") == 0
+    (tmp_path / "sparse24-sweep-lm-heads-h200.json").unlink()
+    assert cli.main(["bench", "sparse24", "--sweep", "--merge", "lo.json", "hi.json"]) == 0
+    whole = json.loads((tmp_path / "sparse24-sweep-lm-heads-h200.json").read_text())
+    assert whole["shape_set"] == "lm heads" and whole["batch_sizes"] == [1, 8, 16]
+    assert not (tmp_path / "sparse24-sweep-h200.json").exists()
+    assert sweep.default_name("NVIDIA H100 80GB HBM3", "f16", "warm", "lm heads") == \
+        "sparse24-sweep-lm-heads-h100-f16-l2warm"
     capsys.readouterr()
 
 

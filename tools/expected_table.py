@@ -1,10 +1,11 @@
 """Write src/kernelplan/sparse24/expected.json: the committed sweeps, digested for ``kp.warmup``'s table.
 
-Per (GPU name, dtype) it takes one sweep: L2-cold before L2-warm (a model's
-forward reads its weights from DRAM), then the one with more batch sizes, then
-the newer.  Newer sweeps of the same GPU, dtype and L2 regime over fewer batch
-sizes (a part run again after a rule changed) replace its rows at the n they
-timed.  Each shape keeps ``[n, graph speedup, eager speedup]`` of the rule's
+Per (GPU name, dtype) it takes one sweep of the sweep set: L2-cold before
+L2-warm (a model's forward reads its weights from DRAM), then the one with more
+batch sizes, then the newer.  Newer sweeps of the same GPU, dtype and L2 regime
+over fewer batch sizes (a part run again after a rule changed) replace its rows
+at the n they timed.  Sweeps of the LM heads (``--lm-heads``) in that regime add
+their shapes.  Each shape keeps ``[n, graph speedup, eager speedup]`` of the rule's
 kernel; ``sources`` says which file and commit gave which n.
 ``tests/test_readme.py`` checks the file equals this tool's output.
 
@@ -33,9 +34,15 @@ def tables(results: Path = RESULTS) -> dict:
         by_key.setdefault((doc["device"], doc.get("dtype", "bf16")), []).append((path.name, doc))
     out = []
     for (gpu, dtype), docs in sorted(by_key.items()):
-        name, base = max(docs, key=lambda d: _rank(d[1]))
-        newer = sorted((d for d in docs if d[1].get("l2") == base.get("l2")
+        sweep_set = [d for d in docs if d[1].get("shape_set", "sweep set") == "sweep set"]
+        if not sweep_set:
+            continue
+        name, base = max(sweep_set, key=lambda d: _rank(d[1]))
+        newer = sorted((d for d in sweep_set if d[1].get("l2") == base.get("l2")
                         and d[1].get("date", "") > base.get("date", "")), key=lambda d: d[1]["date"])
+        # Sweeps of other shapes (the LM heads) add their shapes, in the base's L2 regime, whatever their date.
+        newer += sorted((d for d in docs if d not in sweep_set and d[1].get("l2") == base.get("l2")),
+                        key=lambda d: d[1]["date"])
         sources = [{"file": name, "commit": base["commit"], "n": None}]
         cells: dict[tuple[str, int], list] = {}
         for doc_name, doc in [(name, base), *newer]:

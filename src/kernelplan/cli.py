@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--l2", default="cold", choices=("cold", "warm"),
                        help="with --sweep: cold (default) rotates each call over copies of the weight past twice the "
                        "L2, as a model's forward reads it; warm times one weight over and over")
+    bench.add_argument("--lm-heads", action="store_true",
+                       help="with --sweep: the LM heads (vocab x hidden) of the sweep set's models instead of the "
+                       "sweep set, shapes no kernel rule was fitted on; writes sparse24-sweep-lm-heads-<gpu>.json")
 
     sparsify = sub.add_parser("sparsify", help="prune a checkpoint to 2:4 and write it compressed",
                               description="IN is a .safetensors file of dense weights (pruned by magnitude, written "
@@ -121,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         from .bench import run_sweep_command
 
-        return run_sweep_command(args.device, args.dtype, args.quick, args.json, args.l2, args.batch)
+        return run_sweep_command(args.device, args.dtype, args.quick, args.json, args.l2, args.batch,
+                                 "lm heads" if args.lm_heads else "sweep set")
     from .bench import run_bench
 
     return run_bench(args.suite, device=args.device, json_path=args.json)
@@ -180,9 +184,10 @@ def _bench_args_problem(args) -> str | None:
     if (args.batch or args.merge) and not args.sweep:
         return "--batch and --merge belong to --sweep (kernelplan bench sparse24 --sweep --batch 2048 8192)"
     if args.merge:
-        if args.batch or args.quick or args.device is not None or args.dtype != "bf16" or args.l2 != "cold":
-            return ("--merge joins finished parts: it takes their dtype, L2 mode and device from the files; leave "
-                    "out --batch, --quick, --device, --dtype and --l2")
+        if (args.batch or args.quick or args.device is not None or args.dtype != "bf16" or args.l2 != "cold"
+                or args.lm_heads):
+            return ("--merge joins finished parts: it takes their dtype, L2 mode, shapes and device from the files; "
+                    "leave out --batch, --quick, --device, --dtype, --l2 and --lm-heads")
     elif args.batch:
         bad = [n for n in args.batch if n < 1]
         if bad:
@@ -196,8 +201,9 @@ def _bench_args_problem(args) -> str | None:
         if no_gpu and not args.merge:  # --merge joins files: it needs no device
             return ("--sweep times the 2:4 GPU kernels against dense on a CUDA device, and this run has none; "
                     "leave --sweep out for the CPU checks of every op")
-    elif args.quick or args.dtype != "bf16" or args.l2 != "cold":
-        return "--quick, --dtype and --l2 belong to --sweep (kernelplan bench sparse24 --sweep --quick --dtype f16)"
+    elif args.quick or args.dtype != "bf16" or args.l2 != "cold" or args.lm_heads:
+        return ("--quick, --dtype, --l2 and --lm-heads belong to --sweep (kernelplan bench sparse24 --sweep --quick "
+                "--dtype f16)")
     if args.json is not None:
         folder = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(folder):

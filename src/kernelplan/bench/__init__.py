@@ -86,19 +86,20 @@ def run_bench(suite: str = "all", device: str | None = None, json_path: str | No
 
 
 def run_sweep_command(device: str | None, dtype: str, quick: bool, json_path: str | None, l2: str = "cold",
-                      batch: list[int] | None = None) -> int:
+                      batch: list[int] | None = None, shape_set: str = "sweep set") -> int:
     """``kernelplan bench sparse24 --sweep``: the sweep, its JSON and PNG, and its summary; 1 if a result was wrong.
-    ``batch``: these batch sizes instead of the sweep's (a part of a sweep too long for one run; ``--merge``)."""
+    ``batch``: these batch sizes instead of the sweep's (a part of a sweep too long for one run; ``--merge``).
+    ``shape_set``: the sweep set, or the same models' LM heads (``sweep.SHAPE_SETS``)."""
     from . import sweep
 
     dev = torch.device(device or "cuda")
     t0 = time.time()
     sizes = batch or (sweep.QUICK_BATCH_SIZES if quick else sweep.BATCH_SIZES)
     rows = sweep.run_sweep(dev, {"bf16": torch.bfloat16, "f16": torch.float16}[dtype], sizes,
-                           log=lambda line: print(line, flush=True), l2=l2)
+                           shapes=sweep.SHAPE_SETS[shape_set](), log=lambda line: print(line, flush=True), l2=l2)
     doc = {**environment(dev), "dtype": dtype, "timing": sweep.TIMING, "l2": l2, "l2_means": sweep.L2_MEANS[l2],
-           "rows": rows, "batch_sizes": sorted({r["n"] for r in rows if "n" in r})}
-    path = json_path or f"{sweep.default_name(torch.cuda.get_device_name(dev), dtype, l2)}.json"
+           "shape_set": shape_set, "rows": rows, "batch_sizes": sorted({r["n"] for r in rows if "n" in r})}
+    path = json_path or f"{sweep.default_name(torch.cuda.get_device_name(dev), dtype, l2, shape_set)}.json"
     status = _write_sweep(doc, path)
     print(f"wrote {path} in {time.time() - t0:.0f} s")
     return status
@@ -121,7 +122,7 @@ def merge_sweep_command(paths: list[str], json_path: str | None) -> int:
     except ValueError as exc:
         print(f"kernelplan bench --merge: {exc}", file=sys.stderr)
         return 2
-    path = json_path or f"{sweep.default_name(doc['device'], doc['dtype'], doc['l2'])}.json"
+    path = json_path or f"{sweep.default_name(doc['device'], doc['dtype'], doc['l2'], sweep.shape_set_of(doc))}.json"
     status = _write_sweep(doc, path)
     print(f"wrote {path} from {len(parts)} parts ({', '.join(str(p['batch_sizes']) for p in doc['parts'])})")
     return status

@@ -27,7 +27,7 @@ import statistics
 
 import torch
 
-from .shapes import BATCH_SIZES, sweep_shapes
+from .shapes import BATCH_SIZES, lm_head_shapes, sweep_shapes
 
 QUICK_BATCH_SIZES = (1, 16, 64, 256, 1024, 4096)
 # What a sweep's JSON says of its two columns and its L2 mode.
@@ -242,16 +242,28 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-def default_name(device: str, dtype: str, l2: str = "cold") -> str:
-    """``sparse24-sweep-<gpu>[-f16][-l2warm]`` for a GPU named ``device`` (``torch.cuda.get_device_name``): the
-    name's model word (h100, h200), as the committed results are named."""
+# The shapes a sweep can time: the sweep set (the models' attention and MLP projections, on which the kernels' rules
+# were fitted) or the same models' LM heads, held out of those fits (docs/design/0052).
+SHAPE_SETS = {"sweep set": sweep_shapes, "lm heads": lm_head_shapes}
+
+
+def default_name(device: str, dtype: str, l2: str = "cold", shape_set: str = "sweep set") -> str:
+    """``sparse24-sweep[-lm-heads]-<gpu>[-f16][-l2warm]`` for a GPU named ``device`` (``torch.cuda.get_device_name``):
+    the name's model word (h100, h200), as the committed results are named."""
     words = device.split()
     gpu = words[1].lower() if len(words) > 1 else "gpu"
-    return f"sparse24-sweep-{gpu}" + ("" if dtype == "bf16" else f"-{dtype}") + ("" if l2 == "cold" else "-l2warm")
+    heads = "" if shape_set == "sweep set" else "-" + shape_set.replace(" ", "-")
+    return (f"sparse24-sweep{heads}-{gpu}" + ("" if dtype == "bf16" else f"-{dtype}")
+            + ("" if l2 == "cold" else "-l2warm"))
 
 
-# What a sweep's parts must share to be one sweep: one GPU model, one code version, one dtype and L2 mode.
-_SAME_ACROSS_PARTS = ("device", "torch", "triton", "commit", "dtype", "l2")
+def shape_set_of(doc: dict) -> str:
+    """A sweep JSON's shape set; the sweep set where it says none (sweeps before the LM heads were a choice)."""
+    return doc.get("shape_set", "sweep set")
+
+
+# What a sweep's parts must share to be one sweep: one GPU model, one code version, one dtype, L2 mode and shape set.
+_SAME_ACROSS_PARTS = ("device", "torch", "triton", "commit", "dtype", "l2", "shape_set")
 
 
 def merge(parts: list[tuple[str, dict]]) -> dict:
@@ -271,8 +283,9 @@ def merge(parts: list[tuple[str, dict]]) -> dict:
         if missing:
             raise ValueError(f"{path} has no {missing[0]!r}: it is not the JSON of kernelplan bench sparse24 --sweep")
         for key in _SAME_ACROSS_PARTS:
-            if doc.get(key) != first.get(key):
-                raise ValueError(f"{path} has {key} {doc.get(key)!r} but {first_path} has {first.get(key)!r}: "
+            value_of = shape_set_of if key == "shape_set" else (lambda d, key=key: d.get(key))
+            if value_of(doc) != value_of(first):
+                raise ValueError(f"{path} has {key} {value_of(doc)!r} but {first_path} has {value_of(first)!r}: "
                                  f"a sweep's parts come from one GPU model and one commit; run the parts again")
         for row in doc["rows"]:
             if "memory" in row:
