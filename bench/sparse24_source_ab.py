@@ -65,13 +65,6 @@ def base_sources(base: str, variants: list) -> list[str]:
     return json.loads(got.stdout)
 
 
-def launch_of(kernel: str, cfg, text: str, label: str):
-    """A ``FunctionLaunch`` of ``text``, with the block and shared memory the kernel's own launcher gives ``cfg``."""
-    if kernel == "sp":
-        return nvrtc.launch(text, "kp_sparse24_sp", 0, label, block=cfg.threads, shared=cfg.shared)
-    return nvrtc.launch(text, "kp_sparse24_mma", 0, label, block=32 * cfg.warps)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", required=True, help="the other checkout's src folder (its kernelplan package)")
@@ -94,8 +87,9 @@ def main() -> int:
     with concurrent.futures.ThreadPoolExecutor(16) as pool:  # NVRTC is thread-safe; the launches below load
         arch = nvrtc.arch(0)
         list(pool.map(lambda t: nvrtc.cubin(t, arch), [t for pair in texts.values() for t in pair]))
-    launches = {(kernel, cfg): (launch_of(kernel, cfg, new, f"{cfg} new"), launch_of(kernel, cfg, old, f"{cfg} base"),
-                                new == old) for (kernel, cfg, _), (new, old) in texts.items()}
+    launches = {(kernel, cfg): (KERNELS[kernel][0].launch_of(cfg, new, 0, f"{cfg} new"),
+                                KERNELS[kernel][0].launch_of(cfg, old, 0, f"{cfg} base"), new == old)
+                for (kernel, cfg, _), (new, old) in texts.items()}
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
     for (m, k), todo in problems.items():

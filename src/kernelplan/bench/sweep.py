@@ -262,6 +262,10 @@ def shape_set_of(doc: dict) -> str:
     return doc.get("shape_set", "sweep set")
 
 
+def _part_value(doc: dict, key: str):
+    return shape_set_of(doc) if key == "shape_set" else doc.get(key)
+
+
 # What a sweep's parts must share to be one sweep: one GPU model, one code version, one dtype, L2 mode and shape set.
 _SAME_ACROSS_PARTS = ("device", "torch", "triton", "commit", "dtype", "l2", "shape_set")
 
@@ -283,9 +287,9 @@ def merge(parts: list[tuple[str, dict]]) -> dict:
         if missing:
             raise ValueError(f"{path} has no {missing[0]!r}: it is not the JSON of kernelplan bench sparse24 --sweep")
         for key in _SAME_ACROSS_PARTS:
-            value_of = shape_set_of if key == "shape_set" else (lambda d, key=key: d.get(key))
-            if value_of(doc) != value_of(first):
-                raise ValueError(f"{path} has {key} {value_of(doc)!r} but {first_path} has {value_of(first)!r}: "
+            mine, theirs = _part_value(doc, key), _part_value(first, key)
+            if mine != theirs:
+                raise ValueError(f"{path} has {key} {mine!r} but {first_path} has {theirs!r}: "
                                  f"a sweep's parts come from one GPU model and one commit; run the parts again")
         for row in doc["rows"]:
             if "memory" in row:

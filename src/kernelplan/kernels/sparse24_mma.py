@@ -139,10 +139,15 @@ def _tiled(values: torch.Tensor, metadata: torch.Tensor) -> tuple[torch.Tensor, 
 
 @functools.lru_cache(maxsize=256)
 def _launcher(cfg: MmaConfig, dtype: str, has_bias: bool, activation: str | None, device_index: int):
+    return launch_of(cfg, source(cfg, dtype, has_bias, activation), device_index, f"{cfg} {dtype}")
+
+
+def launch_of(cfg: MmaConfig, text: str, device_index: int, label: str):
+    """The ``FunctionLaunch`` of ``kp_sparse24_mma`` compiled from ``text`` (``source``'s, or another checkout's:
+    bench/sparse24_source_ab.py), with ``cfg``'s block."""
     from . import nvrtc
 
-    return nvrtc.launch(source(cfg, dtype, has_bias, activation), "kp_sparse24_mma", device_index,
-                        f"{cfg} {dtype}", block=32 * cfg.warps)
+    return nvrtc.launch(text, "kp_sparse24_mma", device_index, label, block=32 * cfg.warps)
 
 
 class TiledKernel:

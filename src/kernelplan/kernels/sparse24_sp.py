@@ -225,10 +225,16 @@ def _tiled(values: torch.Tensor, metadata: torch.Tensor) -> tuple[torch.Tensor, 
 
 @functools.lru_cache(maxsize=256)
 def _launcher(cfg: SpConfig, dtype: str, has_bias: bool, activation: str | None, device_index: int):
+    return launch_of(cfg, source(cfg, dtype, has_bias, activation), device_index, f"{cfg} {dtype}")
+
+
+def launch_of(cfg: SpConfig, text: str, device_index: int, label: str):
+    """The ``FunctionLaunch`` of ``kp_sparse24_sp`` compiled from ``text`` (``source``'s, or another checkout's:
+    bench/sparse24_source_ab.py), with ``cfg``'s block and shared memory."""
     from . import nvrtc
 
-    return nvrtc.launch(source(cfg, dtype, has_bias, activation), "kp_sparse24_sp", device_index, f"{cfg} {dtype}",
-                        block=cfg.threads, shared=cfg.shared, architecture=SpKernel.architecture)
+    return nvrtc.launch(text, "kp_sparse24_sp", device_index, label, block=cfg.threads, shared=cfg.shared,
+                        architecture=SpKernel.architecture)
 
 
 class SpKernel(TiledKernel):
