@@ -1,7 +1,11 @@
-"""A Llama built with Qwen2.5-7B's sizes, 4 decoder layers, dense against ``kp.sparsify``'d, in one process (bf16).
+"""A decoder model, 4 layers, dense against ``kp.sparsify``'d, in one process (bf16).
 
-Hidden 3584, intermediate 18944, 28 heads, 4 KV heads, vocabulary 152064 (its
-published config), random weights, no download.  The sparsified model's logits
+By default a Llama built with Qwen2.5-7B's sizes (hidden 3584, intermediate
+18944, 28 heads, 4 KV heads, vocabulary 152064: issue 26's measurement).
+``--model`` picks another of ``ARCHITECTURES``: a model family's own
+transformers class at the sizes of its published config (``bench/shapes.py``),
+held out of everything the kernels' rules were fitted on.  Random weights, no
+download.  The sparsified model's logits
 are checked against the masked-dense model first.  Then, alternating dense and
 sparse (medians of rounds): one decode step at batch 1, 32 and 128 and a
 512-token prefill, each replayed as a CUDA graph and run eagerly (Hugging Face's
@@ -9,9 +13,9 @@ Python included).  GPU memory of each model's weights is reported, the 2:4
 layouts built by the calls included.  With ``--profile``, one eager step of each case and model is also
 profiled (CUPTI kernel durations), its device time split into the 2:4 kernels, the other GEMMs, attention
 and the rest: what bounds the model's speedup where the linear layers are not all of its time.  Writes
-``bench/results/sparse24-model-<gpu>.json``.
+``bench/results/sparse24-model-<gpu>.json`` (``sparse24-model-<model>-<gpu>.json`` for another ``--model``).
 
-    PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_model.py
+    PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_model.py [--model NAME]
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import transformers
 import kernelplan as kp
 from kernelplan.bench import results
 from kernelplan.bench.decode import DecodeStep, Graphed, GraphedDecode, weight_bytes
+from kernelplan.bench.shapes import MODELS
 from kernelplan.nn import Sparse24Linear, fuse_siblings
 from kernelplan.activations import GATED_EPILOGUES
 from kernelplan.nn.gated_siblings import gated_mlp_of
@@ -99,6 +104,33 @@ def _sibling_calls(model) -> dict[str, int]:
     return {**total, "groups": groups, "gated_mlps": mlps}
 
 
+DEFAULT = "qwen2.5-7b-as-llama"
+# name -> (transformers class, the sizes of shapes.MODELS' model, what else its published config.json sets that the
+# class's defaults do not).  One model of each family with sizes of its own (Mistral-7B's layers are Llama-3-8B's).
+ARCHITECTURES = {
+    DEFAULT: ("Llama", "Qwen2.5-7B", dict(vocab_size=152064)),
+    "llama-3-8b": ("Llama", "Llama-3-8B", dict(vocab_size=128256, rope_theta=500000.0)),
+    "qwen2.5-14b": ("Qwen2", "Qwen2.5-14B", dict(vocab_size=152064, tie_word_embeddings=False, rope_theta=1e6)),
+    "gemma-2-9b": ("Gemma2", "Gemma-2-9B", dict(vocab_size=256000, query_pre_attn_scalar=256)),  # tied head
+    "phi-3-mini": ("Phi3", "Phi-3-mini", dict(vocab_size=32064)),
+}
+
+
+def build_config(name: str, layers: int):
+    """The transformers config of ``ARCHITECTURES[name]`` with ``layers`` decoder layers."""
+    family, sizes, extra = ARCHITECTURES[name]
+    m = next(m for m in MODELS if m.name == sizes)
+    return getattr(transformers, f"{family}Config")(
+        hidden_size=m.hidden, intermediate_size=m.intermediate, num_attention_heads=m.heads,
+        num_key_value_heads=m.kv_heads, head_dim=m.head_dim, num_hidden_layers=layers,
+        max_position_embeddings=4096, **extra)
+
+
+def build_model(name: str, layers: int):
+    family = ARCHITECTURES[name][0]
+    return getattr(transformers, f"{family}ForCausalLM")(build_config(name, layers))
+
+
 def timings(graph: dict[str, float], eager: dict[str, float]) -> dict:
     """ms of each model, and speedups over dense: kp.sparsify's default ("sparse"), and beside it unfused, and
     against the dense model grouped alike."""
@@ -115,6 +147,7 @@ def timings(graph: dict[str, float], eager: dict[str, float]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=DEFAULT, choices=sorted(ARCHITECTURES))
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", default=None)
@@ -127,13 +160,14 @@ def main() -> int:
                     help="time dense and kp.sparsify's model unfused only, as before 0024")
     a = ap.parse_args()
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=3584, intermediate_size=18944, num_hidden_layers=a.layers,
-                                   num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                                   max_position_embeddings=4096)
-    dense = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    with torch.device("cuda"):  # random init on the GPU: seconds, where the CPU takes a minute at these sizes
+        dense = build_model(a.model, a.layers).to(torch.bfloat16).eval()
+    cfg = dense.config
     sparse = copy.deepcopy(dense)
-    # The LM head pruned too, as issue 26's measurement and sparse24-model-*.json did (sparsify's default keeps it dense).
+    # The LM head pruned too, as issue 26's measurement and sparse24-model-*.json did (sparsify's default keeps it
+    # dense); a head tied to the embeddings (Gemma-2's) stays dense either way.
     report = kp.sparsify(sparse, progress=False, prune_output=True, fuse=False)
+    out = {"head_pruned": "lm_head" in report.converted}
     for mod in sparse.modules():
         if isinstance(mod, Sparse24Linear):
             mod.memory = a.memory
@@ -149,7 +183,7 @@ def main() -> int:
             if type(mod) is torch.nn.Linear and name != "lm_head":
                 SiblingLinear.adopt(fused, name, mod)
         fuse_siblings(fused)
-    rows, out = [], {}
+    rows = []
     with torch.inference_mode():
         for name in report.converted:
             masked.get_submodule(name).weight.copy_(sparse.get_submodule(name).to_dense())
@@ -199,8 +233,11 @@ def main() -> int:
     out["sparse_over_dense_bytes"] = out["sparse_weight_bytes"] / out["dense_weight_bytes"]
     print(f"weights: dense {out['dense_weight_bytes'] / 2**30:.2f} GiB, sparse {out['sparse_weight_bytes'] / 2**30:.2f} "
           f"GiB ({out['sparse_over_dense_bytes']:.3f}x)")
-    results.write("sparse24-model", {"rows": rows, **out}, a.out, transformers=transformers.__version__,
-                  model="Llama with Qwen2.5-7B sizes", layers=a.layers, memory=a.memory, tuned=a.tune)
+    family, sizes, _ = ARCHITECTURES[a.model]
+    kind = "sparse24-model" if a.model == DEFAULT else f"sparse24-model-{a.model}"
+    results.write(kind, {"rows": rows, **out}, a.out, transformers=transformers.__version__,
+                  model="Llama with Qwen2.5-7B sizes" if a.model == DEFAULT else f"{family} with {sizes}'s sizes",
+                  architecture=a.model, layers=a.layers, memory=a.memory, tuned=a.tune)
     return 0
 
 

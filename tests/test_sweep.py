@@ -228,3 +228,28 @@ def test_lm_heads_are_the_sweep_models_vocabularies_by_their_hidden_size_and_not
     assert {(v, m.hidden) for m in MODELS for v in m.vocabs} == set(heads)
     assert all(m.vocabs for m in MODELS)
     assert not set(heads) & set(sweep_shapes())
+
+
+def test_the_model_bench_builds_each_family_at_its_sweep_set_sizes():
+    """bench/sparse24_model.py --model: each family's class at shapes.MODELS' sizes, so its layers, grouped as
+    kp.sparsify groups them (q/k/v, gate/up), are sweep-set shapes and its head an LM head of lm_head_shapes."""
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    from kernelplan.bench.shapes import lm_head_shapes
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import sparse24_model
+
+    assert len({family for family, _, _ in sparse24_model.ARCHITECTURES.values()}) >= 4
+    for name in sparse24_model.ARCHITECTURES:
+        with torch.device("meta"):
+            model = sparse24_model.build_model(name, 1)
+        shape = {n.rsplit(".", 1)[-1]: tuple(mod.weight.shape) for n, mod in model.named_modules()
+                 if isinstance(mod, torch.nn.Linear)}
+        qkv = shape.get("qkv_proj") or (sum(shape[p][0] for p in ("q_proj", "k_proj", "v_proj")), shape["q_proj"][1])
+        gate_up = shape.get("gate_up_proj") or (shape["gate_proj"][0] + shape["up_proj"][0], shape["up_proj"][1])
+        for layer in (qkv, gate_up, shape["o_proj"], shape["down_proj"]):
+            assert layer in sweep_shapes(), (name, layer)
+        assert shape["lm_head"] in lm_head_shapes(), name

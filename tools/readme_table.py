@@ -16,6 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 README = ROOT / "README.md"
+DEFAULT_MODEL = "qwen2.5-7b-as-llama"  # bench/sparse24_model.py's default: issue 26's model
 BEGIN, END = "<!-- perf-table:begin (tools/readme_table.py) -->", "<!-- perf-table:end -->"
 
 # 2:4 linear rows by batch size (tokens per call), the ranges users ask about.
@@ -180,17 +181,21 @@ def _tile_tuning_note(doc: dict, name: str) -> str:
 def sparse24_notes() -> list[str]:
     """The 2:4 model, conversion and host-work results, one line each."""
     lines = []
+    # The issue's model, then the families held out of it (bench/sparse24_model.py --model), each on both GPUs.
+    held_out = sorted(p.stem for p in RESULTS.glob("sparse24-model-*.json")
+                      if json.loads(p.read_text())["meta"].get("architecture", DEFAULT_MODEL) != DEFAULT_MODEL)
     for name in ("sparse24-model-h100", "sparse24-model-h200", "sparse24-model-tuned-h100",
-                 "sparse24-model-tuned-h200"):
+                 "sparse24-model-tuned-h200", *held_out):
         model = _load(name)
         if model:
             cases = "; ".join(f"{r['case']} {r['graph_speedup']:.2f}x graph{_ungrouped(r)}, "
                               f"{r['eager_speedup']:.2f}x eager" for r in model["rows"])
             tuned = f", its tiles tuned first (`kp.warmup(tune=True)`, {model['tune_s']:.0f} s)" \
                 if model["meta"].get("tuned") else ""
+            head = "the LM head pruned too" if model.get("head_pruned", True) else "the LM head, tied, dense"
             lines.append(f"- 2:4, {model['meta']['model']} ({model['meta']['layers']} layers), sparsified{tuned}, "
                          f"against dense: {cases}; weights {model['sparse_over_dense_bytes']:.3f}x of dense "
-                         f"(embeddings dense, the LM head pruned too), {_source(model['meta'], name)}.")
+                         f"(embeddings dense, {head}), {_source(model['meta'], name)}.")
     for name in ("sparse24-experts-h100", "sparse24-experts-h200"):
         doc = _load(name)
         if doc and "graph_ms" in doc["rows"][0]:
