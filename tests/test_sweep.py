@@ -55,7 +55,10 @@ def test_plot_writes_a_png(tmp_path):
 def test_sweep_runs_on_the_gpu(tmp_path):
     pytest.importorskip("matplotlib")
     shapes = {(768, 768): ["BERT-base/GPT-2 o"], (2304, 768): ["BERT-base/GPT-2 qkv"]}
-    rows = sweep.run_sweep(torch.device("cuda"), torch.bfloat16, (1, 37, 300), rep=5, shapes=shapes, log=lambda s: None)
+    seen = []
+    rows = sweep.run_sweep(torch.device("cuda"), torch.bfloat16, (1, 37, 300), rep=5, shapes=shapes, log=lambda s: None,
+                           done=lambda so_far: seen.append(len(so_far)))
+    assert seen == [4, 8]  # after each shape: its 3 timed rows and its bytes held
     timed = [r for r in rows if "n" in r]
     assert len(timed) == 6 and not any(k.endswith("_wrong") for r in rows for k in r)
     assert all(r["speedup"] > 0 and r["cuda_ws_err"] <= 2 * r["dense_err"] + 1e-3 for r in timed if r["n"] > 16)
@@ -164,7 +167,7 @@ def test_sweep_parts_written_by_the_command_merge_into_the_whole(tmp_path, monke
     rows = _rows()
     asked = []
 
-    def fake_run_sweep(dev, dtype, sizes, shapes, log, l2):
+    def fake_run_sweep(dev, dtype, sizes, shapes, log, l2, done):
         assert shapes == sweep_shapes()
         asked.append(tuple(sizes))
         return copy.deepcopy([r for r in rows if "n" not in r or r["n"] in sizes])
@@ -194,7 +197,7 @@ def test_the_lm_heads_sweep_times_the_heads_and_is_named_and_merged_as_its_own(t
 
     rows, asked = _rows(), []
 
-    def fake_run_sweep(dev, dtype, sizes, shapes, log, l2):
+    def fake_run_sweep(dev, dtype, sizes, shapes, log, l2, done):
         asked.append(shapes)
         return copy.deepcopy([r for r in rows if "n" not in r or r["n"] in sizes])
 
@@ -253,3 +256,41 @@ def test_the_model_bench_builds_each_family_at_its_sweep_set_sizes():
         for layer in (qkv, gate_up, shape["o_proj"], shape["down_proj"]):
             assert layer in sweep_shapes(), (name, layer)
         assert shape["lm_head"] in lm_head_shapes(), name
+
+
+def test_a_sweep_cut_short_keeps_its_shapes_timed_and_merge_refuses_it(tmp_path, monkeypatch, capsys):
+    """After each shape the command writes ``<json>.partial``: a run stopped by its time limit keeps those rows, marked
+    cut short, which --merge refuses; a run that ends writes the sweep and removes the partial file."""
+    from kernelplan import bench, cli
+
+    rows = _rows()
+    shapes = list(sweep_shapes())
+
+    def stopped_run_sweep(dev, dtype, sizes, shapes, log, l2, done):
+        first = [r for r in rows if (r["m"], r["k"]) == next(iter(shapes)) and ("n" not in r or r["n"] in sizes)]
+        done(copy.deepcopy(first))
+        raise KeyboardInterrupt  # what a time limit's signal does to the run
+
+    monkeypatch.setattr(sweep, "run_sweep", stopped_run_sweep)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "NVIDIA H200")
+    monkeypatch.setenv("KERNELPLAN_COMMIT", "abc1234")
+    out = tmp_path / "part.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_sweep_command(None, "bf16", False, str(out), batch=[1, 8])
+    assert not out.exists()
+    kept = json.loads((tmp_path / "part.json.partial").read_text())
+    assert kept["cut_short"] == f"1 of {len(shapes)} shapes timed at n = 1, 8"
+    assert {(r["m"], r["k"]) for r in kept["rows"]} == {shapes[0]} and kept["batch_sizes"] == [1, 8]
+    (tmp_path / "whole.json").write_text(json.dumps(kept | {"cut_short": None, "batch_sizes": [16]}))
+    assert cli.main(["bench", "sparse24", "--sweep", "--merge", str(tmp_path / "part.json.partial"),
+                     str(tmp_path / "whole.json")]) == 2
+    assert "ended early (1 of" in capsys.readouterr().err
+
+    def full_run_sweep(dev, dtype, sizes, shapes, log, l2, done):
+        done([])
+        return copy.deepcopy([r for r in rows if "n" not in r or r["n"] in sizes])
+
+    monkeypatch.setattr(sweep, "run_sweep", full_run_sweep)
+    assert bench.run_sweep_command(None, "bf16", False, str(out), batch=[1, 8]) == 0
+    assert out.exists() and not (tmp_path / "part.json.partial").exists()
+    capsys.readouterr()

@@ -95,12 +95,26 @@ def run_sweep_command(device: str | None, dtype: str, quick: bool, json_path: st
     dev = torch.device(device or "cuda")
     t0 = time.time()
     sizes = batch or (sweep.QUICK_BATCH_SIZES if quick else sweep.BATCH_SIZES)
-    rows = sweep.run_sweep(dev, {"bf16": torch.bfloat16, "f16": torch.float16}[dtype], sizes,
-                           shapes=sweep.SHAPE_SETS[shape_set](), log=lambda line: print(line, flush=True), l2=l2)
-    doc = {**environment(dev), "dtype": dtype, "timing": sweep.TIMING, "l2": l2, "l2_means": sweep.L2_MEANS[l2],
-           "shape_set": shape_set, "rows": rows, "batch_sizes": sorted({r["n"] for r in rows if "n" in r})}
+    head = {**environment(dev), "dtype": dtype, "timing": sweep.TIMING, "l2": l2, "l2_means": sweep.L2_MEANS[l2],
+            "shape_set": shape_set}
     path = json_path or f"{sweep.default_name(torch.cuda.get_device_name(dev), dtype, l2, shape_set)}.json"
+    shapes = sweep.SHAPE_SETS[shape_set]()
+    partial = path + ".partial"
+
+    def done(rows: list[dict]) -> None:
+        # A run cut off by a time limit keeps what it timed (a sweep's JSON is written at its end): merge refuses it.
+        timed = len({(r["m"], r["k"]) for r in rows})
+        doc = {**head, "rows": rows, "batch_sizes": sorted(sizes),
+               "cut_short": f"{timed} of {len(shapes)} shapes timed at n = {', '.join(map(str, sizes))}"}
+        with open(partial, "w") as f:
+            json.dump(doc, f, indent=1)
+
+    rows = sweep.run_sweep(dev, {"bf16": torch.bfloat16, "f16": torch.float16}[dtype], sizes, shapes=shapes,
+                           log=lambda line: print(line, flush=True), l2=l2, done=done)
+    doc = {**head, "rows": rows, "batch_sizes": sorted({r["n"] for r in rows if "n" in r})}
     status = _write_sweep(doc, path)
+    if os.path.exists(partial):
+        os.remove(partial)
     print(f"wrote {path} in {time.time() - t0:.0f} s")
     return status
 

@@ -84,8 +84,9 @@ def _cycling(fns):
 
 
 def run_sweep(device: torch.device, dtype: torch.dtype = torch.bfloat16, batch=BATCH_SIZES, rep: int = 20,
-              shapes: dict | None = None, log=print, l2: str = "cold") -> list[dict]:
-    """The sweep's rows: one per (M, K, n) timed, and one per (M, K) with the bytes its weight held."""
+              shapes: dict | None = None, log=print, l2: str = "cold", done=None) -> list[dict]:
+    """The sweep's rows: one per (M, K, n) timed, and one per (M, K) with the bytes its weight held.
+    ``done(rows)``, if given, gets the rows so far after each shape."""
     import torch.nn.functional as F
 
     from ..kernels.sparse24 import sm_count
@@ -176,6 +177,8 @@ def run_sweep(device: torch.device, dtype: torch.dtype = torch.bfloat16, batch=B
                                                     "held_bytes": held, "ratio": held / dense_bytes}})
             del w, w24, ws, w24s
             torch.cuda.empty_cache()
+            if done is not None:
+                done(rows)
     return rows
 
 
@@ -286,6 +289,9 @@ def merge(parts: list[tuple[str, dict]]) -> dict:
         missing = [key for key in ("rows", "date", "batch_sizes") if key not in doc]
         if missing:
             raise ValueError(f"{path} has no {missing[0]!r}: it is not the JSON of kernelplan bench sparse24 --sweep")
+        if doc.get("cut_short"):
+            raise ValueError(f"{path} is what a sweep had timed when its run ended early ({doc['cut_short']}): "
+                             f"run that part again, over fewer batch sizes if it ran out of time")
         for key in _SAME_ACROSS_PARTS:
             mine, theirs = _part_value(doc, key), _part_value(first, key)
             if mine != theirs:
