@@ -133,3 +133,19 @@ def test_hold_keeps_the_picks_at_the_n_no_table_timed(tmp_path, capsys):
 
     assert picks(_fit(tmp_path, capsys)) != picks(WEIGHTS)
     assert picks(_fit(tmp_path, capsys, "--hold", "128", "4096")) == picks(WEIGHTS)
+
+
+def test_unicast_moves_only_the_multicast_picks_of_the_grids_and_cluster_sizes_asked(tmp_path):
+    """--unicast-waves / --unicast-cm (docs/design/0053): a pick that multicasts x without a K split moves to its
+    cm = 1 sibling only where its grid is at most that many waves and its cluster that size."""
+    n, m, k = 256, 32064, 3072
+    pick = ws_config(n, m, k, SMS)
+    assert pick.cm == 2 and pick.kc == 1
+    tiles_n, blocks, slices = pick.grid(n, m)
+    assert 132 < tiles_n * blocks * slices <= 264  # 251 CTAs: 1.9 waves
+    table = _table(tmp_path, [_row(n, m, k, {pick: 1.1, dataclasses.replace(pick, cm=1): 1.0})])
+    assert fit_ws_rule.ratios(WEIGHTS, table) == [pytest.approx(1 / 1.1)]
+    assert fit_ws_rule.ratios(WEIGHTS, table, unicast=True) == [1.0]
+    assert fit_ws_rule.ratios(WEIGHTS, table, unicast=True, waves=2) == [1.0]
+    assert fit_ws_rule.ratios(WEIGHTS, table, unicast=True, waves=1.5) == [pytest.approx(1 / 1.1)]
+    assert fit_ws_rule.ratios(WEIGHTS, table, unicast=True, cms=(4,)) == [pytest.approx(1 / 1.1)]

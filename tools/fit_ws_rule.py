@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -64,22 +65,24 @@ def sweep_pairs(paths: list[str], sms: int = 132):
     return out
 
 
-def ratios(w: RuleWeights, table, unicast: bool = False) -> list[float | None]:
+def ratios(w: RuleWeights, table, unicast: bool = False, waves: float = math.inf,
+           cms: tuple[int, ...] = (2, 4)) -> list[float | None]:
     """Per problem, the best time over the rule's pick's (None where the table did not time the pick).
-    ``unicast``: each pick that multicasts x without splitting K (cm > 1, kc = 1) moved to the same tile with cm = 1,
-    where the table timed it: what the rule would gain by not multicasting (docs/design/0039)."""
+    ``unicast``: each pick that multicasts x without splitting K (cm in ``cms``, kc = 1) in a grid of at most ``waves``
+    waves of CTAs moved to the same tile with cm = 1, where the table timed it: what the rule would gain by not
+    multicasting there (docs/design/0039, 0053)."""
     out = []
     for n, m, k, sms, cands, times, best in table:
         i = min(range(len(cands)), key=lambda j: rule_order(cands[j], n, m, k, sms, w))
-        if unicast and cands[i].kc == 1 and cands[i].cm > 1:
+        if unicast and cands[i].kc == 1 and cands[i].cm in cms and math.prod(cands[i].grid(n, m)) <= waves * sms:
             i = next((j for j, c in enumerate(cands)
                       if c == dataclasses.replace(cands[i], cm=1) and times[j] is not None), i)
         out.append(None if times[i] is None else best / times[i])
     return out
 
 
-def timed(w: RuleWeights, table, unicast: bool = False) -> list[float]:
-    return [r for r in ratios(w, table, unicast) if r is not None]
+def timed(w: RuleWeights, table, unicast: bool = False, **where) -> list[float]:
+    return [r for r in ratios(w, table, unicast, **where) if r is not None]
 
 
 def untimed(w: RuleWeights, tables) -> int:
@@ -139,6 +142,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--between", action="store_true", help="fit the rule over the space with between tiles")
     ap.add_argument("--unicast", action="store_true",
                     help="only print each table's picks with and without x multicast where K is not split")
+    ap.add_argument("--unicast-waves", type=float, default=math.inf, metavar="W",
+                    help="with --unicast: only in grids of at most W waves of CTAs")
+    ap.add_argument("--unicast-cm", type=int, action="append", default=[], metavar="CM",
+                    help="with --unicast: only picks that multicast x to this many CTAs (repeatable; default: 2, 4)")
     ap.add_argument("--report", action="store_true",
                     help="only print each table's misses by n and its x multicast pairs, at the present weights "
                          "(or --start's)")
@@ -154,7 +161,7 @@ def main(argv: list[str]) -> int:
     w = dataclasses.replace(WEIGHTS, **{f: float(v) for f, v in (s.split("=") for s in a.start)})
     if a.unicast:
         for p, t in zip(paths, tables):
-            r, u = timed(w, t), timed(w, t, unicast=True)
+            r, u = timed(w, t), timed(w, t, unicast=True, waves=a.unicast_waves, cms=tuple(a.unicast_cm or (2, 4)))
             print(f"{p} ({len(t)} problems): mean {statistics.mean(r):.4f} min {min(r):.3f}; without multicast "
                   f"where kc = 1: mean {statistics.mean(u):.4f} min {min(u):.3f}")
         return 0
