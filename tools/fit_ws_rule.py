@@ -28,7 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kernelplan.kernels.sparse24_ws import WEIGHTS, RuleWeights, WsConfig, rule_order, ws_candidates  # noqa: E402
+from kernelplan.kernels.sparse24_ws import (  # noqa: E402
+    _MCAST_TIE_MIN_BN, WEIGHTS, RuleWeights, WsConfig, rule_order, ws_candidates)
 
 STEPS = (0.5, 0.7, 0.85, 1.18, 1.4, 2.0)
 BETWEEN = "--between" in sys.argv  # the rule's space with ws_candidates' between tiles
@@ -102,15 +103,21 @@ def report(w: RuleWeights, table) -> list[str]:
         at = [x for x, nn, _, _ in misses if nn == n]
         lines.append(f"{n} | {statistics.mean(at):.3f} | {max(at):.3f} | {sum(x > 1.05 for x in at)}")
     lines += [f"miss {x:.3f}: {m}x{k} n = {n}" for x, n, m, k in sorted(misses, reverse=True)[:3]]
-    pairs = []
-    for _, _, _, _, cands, times, _ in table:
+    pairs = []  # (waves of the grid, the multicast tile, its time over the same tile's without multicast)
+    for n, m, _, sms, cands, times, _ in table:
         at = {c: t for c, t in zip(cands, times) if t is not None}
-        pairs += [t / at[c1] for c, t in at.items()
+        pairs += [(math.prod(c.grid(n, m)) / sms, c, t / at[c1]) for c, t in at.items()
                   if c.kc == 1 and c.cm > 1 and (c1 := dataclasses.replace(c, cm=1)) in at]
     if pairs:
+        ratios_ = [r for _, _, r in pairs]
         lines.append(f"x multicast, kc = 1: {len(pairs)} pairs, the tile without it faster in "
-                     f"{100 * sum(p > 1 for p in pairs) / len(pairs):.0f}%, multicast's time over it median "
-                     f"{statistics.median(pairs):.3f}")
+                     f"{100 * sum(r > 1 for r in ratios_) / len(pairs):.0f}%, multicast's time over it median "
+                     f"{statistics.median(ratios_):.3f}")
+        for lo, hi in ((0, 2), (2, 8), (8, math.inf)):  # the pairs the rule's multicast tie chooses between
+            at = [r for w, c, r in pairs if lo < w <= hi and c.cm == 2 and c.bn >= _MCAST_TIE_MIN_BN]
+            if at:
+                lines.append(f"  cm = 2, x tiles of {_MCAST_TIE_MIN_BN}+ rows, grids of {lo}-{hi:g} waves: "
+                             f"{len(at)} pairs, median {statistics.median(at):.3f}")
     return lines
 
 
