@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import functools
+import math
 import statistics
 import sys
 
@@ -66,6 +68,15 @@ def _top(top: int, between: bool, sms: int, n: int, m: int, k: int) -> list:
     return list(dict.fromkeys(rule[:top] + space[:top] + [c for c in space if c.wm == 3][:top]))
 
 
+def _unicast_pair(waves: float, sms: int, n: int, m: int, k: int) -> list:
+    """The rule's pick and the same tile without x multicast, where the pick multicasts x without splitting K in a
+    grid of at most ``waves`` waves of CTAs; else nothing (docs/design/0053)."""
+    pick = sparse24_ws.ws_config(n, m, k, sms)
+    if pick.kc != 1 or pick.cm == 1 or math.prod(pick.grid(n, m)) > waves * sms:
+        return []
+    return [pick, dataclasses.replace(pick, cm=1)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -82,6 +93,10 @@ def main() -> int:
                     help="ws: tiles of x between the halvings of 256 rows too (ws_candidates' between)")
     ap.add_argument("--top", type=int, default=0,
                     help="ws: only the TOP tiles of least rule cost (with --between, over the wider space)")
+    ap.add_argument("--unicast-pairs", type=float, default=None, metavar="W",
+                    help="ws: only the problems whose rule's pick multicasts x without a K split in a grid of at most "
+                         "W waves, and only that pick and the same tile without multicast (docs/design/0053)")
+    ap.add_argument("--sweep-set", action="store_true", help="the sweep set's shapes (bench/shapes.py) instead")
     a = ap.parse_args()
     dtype = torch.bfloat16
     sms = sm_count(0)
@@ -89,15 +104,18 @@ def main() -> int:
     kernel = module.WgKernel() if a.kernel == "wg" else module.WsKernel()
     candidates, rule_config, _launcher = getattr(module, f"{a.kernel}_candidates"), \
         getattr(module, f"{a.kernel}_config"), module._launcher
-    if a.kernel == "ws" and a.top:
+    if a.kernel == "ws" and a.unicast_pairs is not None:
+        candidates = functools.partial(_unicast_pair, a.unicast_pairs, sms)
+    elif a.kernel == "ws" and a.top:
         candidates = functools.partial(_top, a.top, a.between, sms)
     elif a.kernel == "ws":  # the persistent split variant too, beside the rule's space
         candidates = functools.partial(candidates, split=True, between=a.between)
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape] if a.shape else SHAPES[: a.shapes]
-    if a.lm_heads:
-        from kernelplan.bench.shapes import lm_head_shapes
+    if a.lm_heads or a.sweep_set:
+        from kernelplan.bench.shapes import lm_head_shapes, sweep_shapes
 
-        shapes = list(lm_head_shapes())
+        shapes = list(lm_head_shapes() if a.lm_heads else sweep_shapes())
+    shapes = [(m, k) for m, k in shapes if any(candidates(n, m, k) for n in a.batch)]
     # Compile every variant first, in threads (NVRTC is thread-safe): the timing loop then only launches.
     configs = {c for (m, k) in shapes for n in a.batch for c in candidates(n, m, k)}
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
@@ -118,6 +136,8 @@ def main() -> int:
         ws = [prune(torch.randn(m, k, device="cuda")).to(dtype) for _ in range(copies)]
         tiled = [_tiled(w24.values, w24.metadata) for w24 in map(compress, ws)]
         for n in a.batch:
+            if not candidates(n, m, k):
+                continue
             x = torch.randn(n, k, device="cuda").to(dtype)
             y = torch.empty(n, m, device="cuda", dtype=dtype)
             want = F.linear(x, ws[0]).float()

@@ -149,3 +149,17 @@ def test_unicast_moves_only_the_multicast_picks_of_the_grids_and_cluster_sizes_a
     assert fit_ws_rule.ratios(WEIGHTS, table, unicast=True, waves=2) == [1.0]
     assert fit_ws_rule.ratios(WEIGHTS, table, unicast=True, waves=1.5) == [pytest.approx(1 / 1.1)]
     assert fit_ws_rule.ratios(WEIGHTS, table, unicast=True, cms=(4,)) == [pytest.approx(1 / 1.1)]
+
+
+def test_the_tile_benchs_unicast_pairs_are_the_moved_picks_and_their_siblings():
+    """bench/sparse24_wg_tiles.py --unicast-pairs W times, per problem, the pick that --unicast-waves W would move
+    and the tile it would move to, and nothing where the pick stays."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
+    import sparse24_wg_tiles
+
+    n, m, k = 256, 32064, 3072  # the rule multicasts x in a grid of 1.9 waves
+    pick = ws_config(n, m, k, SMS)
+    assert sparse24_wg_tiles._unicast_pair(2, SMS, n, m, k) == [pick, dataclasses.replace(pick, cm=1)]
+    assert dataclasses.replace(pick, cm=1) in ws_candidates(n, m, k)  # a tile of the rule's space: fit_ws_rule finds it
+    assert sparse24_wg_tiles._unicast_pair(1.5, SMS, n, m, k) == []
+    assert ws_config(1, 4096, 4096, SMS).cm == 1 and sparse24_wg_tiles._unicast_pair(2, SMS, 1, 4096, 4096) == []
