@@ -222,8 +222,8 @@ def main() -> int:
             graphs = {n: Graphed(lambda m=m: m(ids, use_cache=False).logits) for n, m in models.items()}
             check = max(g.check() for g in graphs.values())
             graph = interleaved({n: lambda g=g: g.replay_seconds(3) for n, g in graphs.items()}, a.rounds, 1)
-            eager = interleaved({n: lambda m=m: wall_seconds(lambda: m(ids, use_cache=False)) for n, m in models.items()},
-                                a.rounds, 3)
+            eager = interleaved({n: lambda m=m: wall_seconds(lambda: m(ids, use_cache=False))
+                                 for n, m in models.items()}, a.rounds, 3)
             rows.append({"case": f"prefill {tokens}", **timings(graph, eager), "replay_vs_eager_rel_err": check})
             if a.profile:
                 rows[-1]["device_ms_by_kernel"] = {n: kernel_split(lambda m=m: m(ids, use_cache=False))

@@ -78,8 +78,9 @@ def sweep_rows(name: str) -> list[str]:
         ratios = [r["memory"]["ratio"] for r in doc["rows"] if "memory" in r]
         held = f"{min(ratios):.4g}-{max(ratios):.4g}x bytes, the most for the odd vocabularies"
         odd = [r["speedup"] for r in rows if r["m"] % 8]
-        what = (f"{shapes} LM heads held out of the rules' fits (at the odd vocabularies, whose dense calls cuBLAS "
-                f"runs slowly, {min(odd):.2f}-{max(odd):.2f}x)")
+        what = f"{shapes} LM heads held out of the rules' fits" + (
+            f" (at the odd vocabularies, whose dense calls cuBLAS runs slowly, {min(odd):.2f}-{max(odd):.2f}x)"
+            if odd else "")
     return [f"| 2:4 linear, default ({held}), {dt}, {what} x {ns} n, "
             f"{l2}, CUDA graph | "
             + " | ".join(graph) + f" | {_source(doc, name)} |",
@@ -451,7 +452,8 @@ def table() -> str:
     # The full sweeps (12 n) of both GPUs (f6ca3b0, 0044), then their n <= 16 part again, bf16 and f16, under today's
     # rule (0047: wide weights' K-split tile; bf16 with 0050's kernel, f16 at d3d2493, 0048), and their n = 32-512
     # part again (0051's rule, a0f610c), and their n >= 1024 part after the pushed sums (87515b0, 0052; the H200's
-    # n = 1024 and 2048), then the LM heads at n <= 512 and the H200's at n = 1024-2048 (0053); the bf16 quick sweeps (4f17378) stay in results/.
+    # n = 1024 and 2048), then the LM heads at n <= 512 and the H200's at n = 1024-2048 (0053); the bf16 quick
+    # sweeps (4f17378) stay in results/.
     for name in ("sparse24-sweep-h200", "sparse24-sweep-h100", "sparse24-sweep-small-n-h200",
                  "sparse24-sweep-small-n-h100", "sparse24-sweep-mid-n-h200", "sparse24-sweep-mid-n-h100",
                  "sparse24-sweep-large-n-h200", "sparse24-sweep-large-n-h100",
