@@ -25,9 +25,12 @@ def test_bound_splits_a_step_into_its_linear_layers_and_the_rest():
     assert b["rest_sparse_ms"] == pytest.approx(0.9)
     assert b["linear_speedup"] == pytest.approx(2.0)
     assert b["model_speedup"] == pytest.approx(3.0 / 1.9)
-    # 1.25x is a 2.4 ms step: 1.5 ms left, past the sparse model's rest, for 2.0 ms of dense linear work.
-    assert b["needed"] == pytest.approx(2.0 / 1.5)
-    assert b["at_limit"] == pytest.approx(3.0 / (0.9 + 1.0))
+    # The GEMM left dense costs 0.1 ms in both models: the 2:4 layers did 1.9 ms of dense work in 0.9.
+    assert b["left_ms"] == pytest.approx(0.1)
+    assert b["sparse_layers_speedup"] == pytest.approx(1.9 / 0.9)
+    # 1.25x is a 2.4 ms step: 1.4 ms left, past the sparse model's rest and the dense GEMM, for 1.9 ms of dense work.
+    assert b["needed"] == pytest.approx(1.9 / 1.4)
+    assert b["at_limit"] == pytest.approx(3.0 / (0.9 + 0.1 + 1.9 / 2.0))
 
 
 def test_a_target_the_rest_alone_exceeds_needs_an_infinite_speedup():
