@@ -294,3 +294,18 @@ def test_a_sweep_cut_short_keeps_its_shapes_timed_and_merge_refuses_it(tmp_path,
     assert bench.run_sweep_command(None, "bf16", False, str(out), batch=[1, 8]) == 0
     assert out.exists() and not (tmp_path / "part.json.partial").exists()
     capsys.readouterr()
+
+
+def test_the_model_host_bench_runs_a_tiny_model_on_the_cpu(capsys):
+    """bench/sparse24_model_host.py --tiny --device cpu: its smoke test (the numbers it means are a GPU's)."""
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import sparse24_model_host
+
+    assert sparse24_model_host.main(["--model", "phi-3-mini", "--tiny", "--device", "cpu", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    for case in ("decode batch 1", "decode batch 128", "prefill 512"):
+        assert f"{case}: host ms a step, dense " in out
