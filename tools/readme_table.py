@@ -188,24 +188,48 @@ def _tile_tuning_note(doc: dict, name: str) -> str:
             f"{_source(meta, name)}.")
 
 
+def _held_out_models() -> list[str]:
+    """The model families held out of issue 26's model (bench/sparse24_model.py --model): a bullet, then a table."""
+    from model_bound import bound
+
+    names = sorted(p.stem for p in RESULTS.glob("sparse24-model-*.json")
+                   if json.loads(p.read_text())["meta"].get("architecture", DEFAULT_MODEL) != DEFAULT_MODEL)
+    if not names:
+        return []
+    cases = [r["case"] for r in _load(names[0])["rows"]]
+    lines = ["- 2:4 on model families held out of the model above (`bench/sparse24_model.py --model`: each family's "
+             "transformers class at its published sizes, 4 layers, random weights), sparsified against dense: CUDA "
+             "graph / eager, and in brackets the 2:4 layers' own speedup in the profiled eager step "
+             "(`tools/model_bound.py`); weights held over dense's, embeddings dense:", "",
+             "| model | " + " | ".join(cases) + " | weights | measured on |",
+             "|---|" + "---|" * (len(cases) + 2)]
+    for name in names:
+        doc = _load(name)
+        cells = []
+        for r in doc["rows"]:
+            own = f" ({bound(r, 1.3, 2.0)['sparse_layers_speedup']:.2f}x)" if "device_ms_by_kernel" in r else ""
+            cells.append(f"{r['graph_speedup']:.2f}x / {r['eager_speedup']:.2f}x{own}")
+        head = "head pruned" if doc["head_pruned"] else "head tied, dense"
+        lines.append(f"| {doc['meta']['model']} | " + " | ".join(cells) +
+                     f" | {doc['sparse_over_dense_bytes']:.3f}x, {head} | {_source(doc['meta'], name)} |")
+    return lines + [""]
+
+
 def sparse24_notes() -> list[str]:
     """The 2:4 model, conversion and host-work results, one line each."""
     lines = []
-    # The issue's model, then the families held out of it (bench/sparse24_model.py --model), each on both GPUs.
-    held_out = sorted(p.stem for p in RESULTS.glob("sparse24-model-*.json")
-                      if json.loads(p.read_text())["meta"].get("architecture", DEFAULT_MODEL) != DEFAULT_MODEL)
     for name in ("sparse24-model-h100", "sparse24-model-h200", "sparse24-model-tuned-h100",
-                 "sparse24-model-tuned-h200", *held_out):
+                 "sparse24-model-tuned-h200"):
         model = _load(name)
         if model:
             cases = "; ".join(f"{r['case']} {r['graph_speedup']:.2f}x graph{_ungrouped(r)}, "
                               f"{r['eager_speedup']:.2f}x eager" for r in model["rows"])
             tuned = f", its tiles tuned first (`kp.warmup(tune=True)`, {model['tune_s']:.0f} s)" \
                 if model["meta"].get("tuned") else ""
-            head = "the LM head pruned too" if model.get("head_pruned", True) else "the LM head, tied, dense"
             lines.append(f"- 2:4, {model['meta']['model']} ({model['meta']['layers']} layers), sparsified{tuned}, "
                          f"against dense: {cases}; weights {model['sparse_over_dense_bytes']:.3f}x of dense "
-                         f"(embeddings dense, {head}), {_source(model['meta'], name)}.")
+                         f"(embeddings dense, the LM head pruned too), {_source(model['meta'], name)}.")
+    lines += _held_out_models()
     for name in ("sparse24-experts-h100", "sparse24-experts-h200"):
         doc = _load(name)
         if doc and "graph_ms" in doc["rows"][0]:
