@@ -116,19 +116,19 @@ ARCHITECTURES = {
 }
 
 
-def build_config(name: str, layers: int):
-    """The transformers config of ``ARCHITECTURES[name]`` with ``layers`` decoder layers."""
+def build_config(name: str, layers: int, **overrides):
+    """The transformers config of ``ARCHITECTURES[name]`` with ``layers`` decoder layers (and ``overrides``)."""
     family, sizes, extra = ARCHITECTURES[name]
     m = next(m for m in MODELS if m.name == sizes)
-    return getattr(transformers, f"{family}Config")(
-        hidden_size=m.hidden, intermediate_size=m.intermediate, num_attention_heads=m.heads,
-        num_key_value_heads=m.kv_heads, head_dim=m.head_dim, num_hidden_layers=layers,
-        max_position_embeddings=4096, **extra)
+    fields = dict(hidden_size=m.hidden, intermediate_size=m.intermediate, num_attention_heads=m.heads,
+                  num_key_value_heads=m.kv_heads, head_dim=m.head_dim, num_hidden_layers=layers,
+                  max_position_embeddings=4096, **extra)
+    return getattr(transformers, f"{family}Config")(**(fields | overrides))
 
 
-def build_model(name: str, layers: int):
+def build_model(name: str, layers: int, **overrides):
     family = ARCHITECTURES[name][0]
-    return getattr(transformers, f"{family}ForCausalLM")(build_config(name, layers))
+    return getattr(transformers, f"{family}ForCausalLM")(build_config(name, layers, **overrides))
 
 
 def timings(graph: dict[str, float], eager: dict[str, float]) -> dict:

@@ -28,7 +28,7 @@ import kernelplan as kp
 from kernelplan.bench import results
 from kernelplan.bench.decode import DecodeStep
 from kernelplan.timing import host_us_per_call, interleaved
-from sparse24_model import ARCHITECTURES, DEFAULT, build_config
+from sparse24_model import ARCHITECTURES, DEFAULT, build_model
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
             vocab_size=512, pad_token_id=0)
@@ -56,12 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
     torch.manual_seed(0)
-    cfg = build_config(a.model, a.layers)
-    for key, value in (TINY if a.tiny else {}).items():
-        setattr(cfg, key, value)
-    family = ARCHITECTURES[a.model][0]
     with dev:
-        dense = getattr(transformers, f"{family}ForCausalLM")(cfg).to(torch.bfloat16).eval()
+        dense = build_model(a.model, a.layers, **(TINY if a.tiny else {})).to(torch.bfloat16).eval()
+    cfg = dense.config
     sparse = copy.deepcopy(dense)
     kp.sparsify(sparse, progress=False, prune_output=True)  # as bench/sparse24_model.py's "sparse": grouped
     models = {"dense": dense, "sparse": sparse}
