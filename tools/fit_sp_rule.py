@@ -48,8 +48,8 @@ def _timed(sp: dict, cfg) -> float:
     can have a deeper ring than the tables (timed before) gave that tile.  KeyError where neither was timed."""
     if str(cfg) in sp:
         return sp[str(cfg)]
-    shape = f"SpConfig(n_tiles={cfg.n_tiles}, row_tiles={cfg.row_tiles}, m_warps={cfg.m_warps}, k_warps={cfg.k_warps},"
-    same = [t for c, t in sp.items() if c.startswith(shape)]
+    tile = lambda c: (c.n_tiles, c.row_tiles, c.m_warps, c.k_warps)  # noqa: E731
+    same = [t for c, t in sp.items() if tile(eval(c, {"SpConfig": sparse24_sp.SpConfig})) == tile(cfg)]
     if len(same) != 1:
         raise KeyError(str(cfg))
     return same[0]

@@ -155,13 +155,9 @@ def _resident(cfg: SpConfig, per_sm: int) -> int:
 
 def _filled(cfg: SpConfig, per_sm: int) -> SpConfig:
     """``cfg`` with as many steps in flight (2 to 6) as shared memory leaves the CTAs an SM holds at once
-    (``_resident``), and the launch bound that lets an SM hold ``per_sm`` of them, up to 16 warps.
-
-    Sized for ``per_sm`` alone, the tall LM heads (128256 to 256000 rows: 8 to 16 CTAs an SM) got rings of 2 steps
-    and ran 1.02-1.23x of the best tile's time at n <= 16 (geometric means 1.049x on the H100, 1.095x on the H200);
-    sized for those resident, 1.00-1.08x (1.020x, 1.035x), every tile timed at every depth
-    (sparse24-small-n-sp-rings-h{100,200}.json, d060424; docs/design/0052).  No pick of the sweep set moves on
-    Hopper; on the A100's 108 SMs 73728x4608 at n <= 16 goes from 3 to 4 steps (no Ampere GPU timed it)."""
+    (``_resident``), and the launch bound that lets an SM hold ``per_sm`` of them, up to 16 warps.  Rings sized for
+    ``per_sm`` alone were 2 steps deep on grids past the registers' hold, the tall LM heads' at n <= 16
+    (sparse24-small-n-sp-rings-h{100,200}.json; docs/design/0052)."""
     stages = (SM_SHARED // _resident(cfg, per_sm) - 1024) // cfg.stage_bytes
     return dataclasses.replace(cfg, stages=max(2, min(6, stages)), min_blocks=min(per_sm, max(1, 512 // cfg.threads)))
 
