@@ -25,12 +25,14 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from kernelplan.activations import GATED_EPILOGUES, epilogue_columns
 from kernelplan.bench import results
 from kernelplan.kernels import raw_stream
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_sp import _tiled
 from kernelplan.kernels import sparse24_wg, sparse24_ws
 from kernelplan.sparse24 import compress, prune
+from kernelplan.sparse24.plan import gated_reason
 
 SHAPES = [(4096, 4096), (4608, 3584), (3584, 18944), (28672, 4096), (8192, 8192), (8192, 28672), (3072, 3072),
           (2304, 768), (1024, 4096), (5120, 13824), (37888, 3584)]
@@ -68,10 +70,12 @@ def _top(top: int, between: bool, sms: int, n: int, m: int, k: int) -> list:
     return list(dict.fromkeys(rule[:top] + space[:top] + [c for c in space if c.wm == 3][:top]))
 
 
-def _unicast_pair(waves: float, sms: int, n: int, m: int, k: int) -> list:
-    """The rule's pick and the same tile without x multicast, where the pick multicasts x without splitting K in a
-    grid of at most ``waves`` waves of CTAs; else nothing (docs/design/0053)."""
-    pick = sparse24_ws.ws_config(n, m, k, sms)
+def _unicast_pair(waves: float, sms: int, gated: bool, n: int, m: int, k: int) -> list:
+    """The rule's least-cost tile (before ``multicast_pays``) and the same tile without x multicast, where the first
+    multicasts x without splitting K in a grid of at most ``waves`` waves of CTAs; else nothing (docs/design/0053,
+    0054).  ``gated``: among the tiles a gated epilogue runs on."""
+    space = [c for c in sparse24_ws.ws_candidates(n, m, k) if not gated or sparse24_ws.gated_tile(c)]
+    pick = min(space, key=lambda c: sparse24_ws.rule_order(c, n, m, k, sms))
     if pick.kc != 1 or pick.cm == 1 or math.prod(pick.grid(n, m)) > waves * sms:
         return []
     return [pick, dataclasses.replace(pick, cm=1)]
@@ -97,15 +101,25 @@ def main() -> int:
                     help="ws: only the problems whose rule's pick multicasts x without a K split in a grid of at most "
                          "W waves, and only that pick and the same tile without multicast (docs/design/0053)")
     ap.add_argument("--sweep-set", action="store_true", help="the sweep set's shapes (bench/shapes.py) instead")
+    ap.add_argument("--gated", action="store_true",
+                    help="ws: the gated epilogue (gated_silu_first: silu of W's first M/2 rows' outputs times the "
+                         "rest's) on the tiles it runs on; dense is the plain F.linear")
     a = ap.parse_args()
+    if a.gated and a.kernel != "ws":
+        ap.error("--gated runs on --kernel ws only")
+    epilogue = "gated_silu_first" if a.gated else None
     dtype = torch.bfloat16
     sms = sm_count(0)
     module = {"wg": sparse24_wg, "ws": sparse24_ws}[a.kernel]
     kernel = module.WgKernel() if a.kernel == "wg" else module.WsKernel()
     candidates, rule_config, _launcher = getattr(module, f"{a.kernel}_candidates"), \
         getattr(module, f"{a.kernel}_config"), module._launcher
+    if a.gated:
+        rule_config = functools.partial(rule_config, gated=True)
     if a.kernel == "ws" and a.unicast_pairs is not None:
-        candidates = functools.partial(_unicast_pair, a.unicast_pairs, sms)
+        candidates = functools.partial(_unicast_pair, a.unicast_pairs, sms, a.gated)
+    elif a.gated:
+        candidates = lambda n, m, k: [c for c in sparse24_ws.ws_candidates(n, m, k) if sparse24_ws.gated_tile(c)]
     elif a.kernel == "ws" and a.top:
         candidates = functools.partial(_top, a.top, a.between, sms)
     elif a.kernel == "ws":  # the persistent split variant too, beside the rule's space
@@ -115,16 +129,18 @@ def main() -> int:
         from kernelplan.bench.shapes import lm_head_shapes, sweep_shapes
 
         shapes = list(lm_head_shapes() if a.lm_heads else sweep_shapes())
+    if a.gated:
+        shapes = [(m, k) for m, k in shapes if gated_reason(m) is None]
     shapes = [(m, k) for m, k in shapes if any(candidates(n, m, k) for n in a.batch)]
     # Compile every variant first, in threads (NVRTC is thread-safe): the timing loop then only launches.
     configs = {c for (m, k) in shapes for n in a.batch for c in candidates(n, m, k)}
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda c: _launcher(c, "bf16", False, None, 0), configs))
+        list(pool.map(lambda c: _launcher(c, "bf16", False, epilogue, 0), configs))
     from cuda.bindings import driver as cu
 
     regs = {}
     for c in configs:
-        fn = _launcher(c, "bf16", False, None, 0).function
+        fn = _launcher(c, "bf16", False, epilogue, 0).function
         attr = cu.CUfunction_attribute
         regs[str(c)] = (cu.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_NUM_REGS, fn)[1],
                         cu.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, fn)[1])
@@ -139,13 +155,14 @@ def main() -> int:
             if not candidates(n, m, k):
                 continue
             x = torch.randn(n, k, device="cuda").to(dtype)
-            y = torch.empty(n, m, device="cuda", dtype=dtype)
+            y = torch.empty(n, epilogue_columns(m, epilogue), device="cuda", dtype=dtype)
             want = F.linear(x, ws[0]).float()
+            want = GATED_EPILOGUES[epilogue].fn(want) if epilogue else want
             scale = float(want.abs().max())
             dense = [lambda w=w: F.linear(x, w) for w in ws]
 
             def sparse(cfg):
-                launch, grid = kernel.launch_config(cfg, n, m, "bf16", False, None, 0)
+                launch, grid = kernel.launch_config(cfg, n, m, "bf16", False, epilogue, 0)
                 return [lambda p=p, c=c: launch(grid, (x.data_ptr(), p.data_ptr(), c.data_ptr(), 0, y.data_ptr(),
                                                        n, m, k, x.stride(0), y.stride(0)), raw_stream(0))
                         for p, c in tiled]
@@ -178,7 +195,7 @@ def main() -> int:
         del ws, tiled
         torch.cuda.empty_cache()
         # After each shape, so that a run cut off by a time limit keeps what it measured.
-        results.write(f"sparse24-{a.kernel}-tiles", {"rows": rows}, a.out, dtype="bf16", sms=sms,
+        results.write(f"sparse24-{a.kernel}-tiles", {"rows": rows}, a.out, dtype="bf16", sms=sms, epilogue=epilogue,
                       registers_local_bytes=regs)
     return 0
 

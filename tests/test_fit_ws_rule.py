@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tools"))
 
 import fit_ws_rule  # noqa: E402
-from kernelplan.kernels.sparse24_ws import WEIGHTS, ws_candidates, ws_config  # noqa: E402
+from kernelplan.kernels.sparse24_ws import WEIGHTS, gated_tile, rule_order, ws_candidates, ws_config  # noqa: E402
 
 SMS = 132
 
@@ -122,7 +122,6 @@ def test_hold_keeps_the_picks_at_the_n_no_table_timed(tmp_path, capsys):
     """``--hold N``: the sweep set's picks at N count as untimed once moved, so the search leaves them; here the one
     problem the table gives is at such an n, and unheld the search moves its pick."""
     from kernelplan.bench.sweep import sweep_shapes
-    from kernelplan.kernels.sparse24_ws import rule_order
 
     held = fit_ws_rule.held([128])
     assert len(held) == len(sweep_shapes()) and all(sum(t is not None for t in p[5]) == 1 for p in held)
@@ -135,19 +134,34 @@ def test_hold_keeps_the_picks_at_the_n_no_table_timed(tmp_path, capsys):
     assert picks(_fit(tmp_path, capsys, "--hold", "128", "4096")) == picks(WEIGHTS)
 
 
-def test_unicast_moves_only_the_multicast_picks_of_the_grids_and_cluster_sizes_asked(tmp_path):
-    """--unicast-waves / --unicast-cm (docs/design/0053): a pick that multicasts x without a K split moves to its
-    cm = 1 sibling only where its grid is at most that many waves and its cluster that size."""
+def test_the_rules_picks_drop_multicast_in_grids_of_two_waves_and_the_fit_scores_that_tile(tmp_path):
+    """The rule (rule_pick, docs/design/0054) moves a least-cost tile that multicasts x without a K split in a grid
+    of at most 2 waves to its cm = 1 sibling, and fit_ws_rule scores the tile the rule runs."""
     n, m, k = 256, 32064, 3072
+    least = min(ws_candidates(n, m, k), key=lambda c: rule_order(c, n, m, k, SMS))
+    assert least.cm == 2 and least.kc == 1
+    tiles_n, blocks, slices = least.grid(n, m)
+    assert 132 < tiles_n * blocks * slices <= 264  # 251 CTAs: 1.9 waves
+    uni = dataclasses.replace(least, cm=1)
+    assert ws_config(n, m, k, SMS) == uni
+    table = _table(tmp_path, [_row(n, m, k, {least: 1.0, uni: 1.1})])
+    assert fit_ws_rule.ratios(WEIGHTS, table) == [pytest.approx(1 / 1.1)]
+
+
+def test_unicast_moves_only_the_multicast_picks_of_the_grids_and_cluster_sizes_asked(tmp_path):
+    """--unicast-waves / --unicast-cm (docs/design/0053): a pick that still multicasts x without a K split (a grid
+    of more than 2 waves) moves to its cm = 1 sibling only where its grid is at most that many waves and its cluster
+    that size."""
+    n, m, k = 2048, 6144, 4096
     pick = ws_config(n, m, k, SMS)
     assert pick.cm == 2 and pick.kc == 1
     tiles_n, blocks, slices = pick.grid(n, m)
-    assert 132 < tiles_n * blocks * slices <= 264  # 251 CTAs: 1.9 waves
+    assert tiles_n * blocks * slices == 384  # 2.9 waves
     table = _table(tmp_path, [_row(n, m, k, {pick: 1.1, dataclasses.replace(pick, cm=1): 1.0})])
     assert fit_ws_rule.ratios(WEIGHTS, table) == [pytest.approx(1 / 1.1)]
     assert fit_ws_rule.ratios(WEIGHTS, table, unicast=True) == [1.0]
-    assert fit_ws_rule.ratios(WEIGHTS, table, unicast=True, waves=2) == [1.0]
-    assert fit_ws_rule.ratios(WEIGHTS, table, unicast=True, waves=1.5) == [pytest.approx(1 / 1.1)]
+    assert fit_ws_rule.ratios(WEIGHTS, table, unicast=True, waves=3) == [1.0]
+    assert fit_ws_rule.ratios(WEIGHTS, table, unicast=True, waves=2.5) == [pytest.approx(1 / 1.1)]
     assert fit_ws_rule.ratios(WEIGHTS, table, unicast=True, cms=(4,)) == [pytest.approx(1 / 1.1)]
 
 
@@ -157,9 +171,13 @@ def test_the_tile_benchs_unicast_pairs_are_the_moved_picks_and_their_siblings():
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
     import sparse24_wg_tiles
 
-    n, m, k = 256, 32064, 3072  # the rule multicasts x in a grid of 1.9 waves
-    pick = ws_config(n, m, k, SMS)
-    assert sparse24_wg_tiles._unicast_pair(2, SMS, n, m, k) == [pick, dataclasses.replace(pick, cm=1)]
-    assert dataclasses.replace(pick, cm=1) in ws_candidates(n, m, k)  # a tile of the rule's space: fit_ws_rule finds it
-    assert sparse24_wg_tiles._unicast_pair(1.5, SMS, n, m, k) == []
-    assert ws_config(1, 4096, 4096, SMS).cm == 1 and sparse24_wg_tiles._unicast_pair(2, SMS, 1, 4096, 4096) == []
+    for gated in (False, True):
+        n, m, k = 256, 32064, 3072  # the least-cost tile multicasts x in a grid of 1.9 waves; the rule runs cm = 1
+        pick = ws_config(n, m, k, SMS, gated)
+        assert pick.cm == 1 and (not gated or gated_tile(pick))
+        least = dataclasses.replace(pick, cm=2)
+        assert sparse24_wg_tiles._unicast_pair(2, SMS, gated, n, m, k) == [least, pick]
+        assert pick in ws_candidates(n, m, k)  # a tile of the rule's space: fit_ws_rule finds it
+        assert sparse24_wg_tiles._unicast_pair(1.5, SMS, gated, n, m, k) == []
+        assert ws_config(1, 4096, 4096, SMS).cm == 1 and sparse24_wg_tiles._unicast_pair(2, SMS, gated, 1, 4096,
+                                                                                         4096) == []

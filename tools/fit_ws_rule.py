@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kernelplan.kernels.sparse24_ws import (  # noqa: E402
-    _MCAST_TIE_MIN_BN, WEIGHTS, RuleWeights, WsConfig, rule_order, ws_candidates)
+    _MCAST_TIE_MIN_BN, WEIGHTS, RuleWeights, WsConfig, rule_pick, ws_candidates)
 
 STEPS = (0.5, 0.7, 0.85, 1.18, 1.4, 2.0)
 BETWEEN = "--between" in sys.argv  # the rule's space with ws_candidates' between tiles
@@ -69,16 +69,17 @@ def sweep_pairs(paths: list[str], sms: int = 132):
 def ratios(w: RuleWeights, table, unicast: bool = False, waves: float = math.inf,
            cms: tuple[int, ...] = (2, 4)) -> list[float | None]:
     """Per problem, the best time over the rule's pick's (None where the table did not time the pick).
-    ``unicast``: each pick that multicasts x without splitting K (cm in ``cms``, kc = 1) in a grid of at most ``waves``
-    waves of CTAs moved to the same tile with cm = 1, where the table timed it: what the rule would gain by not
-    multicasting there (docs/design/0039, 0053)."""
+    ``unicast``: each pick that still multicasts x without splitting K (cm in ``cms``, kc = 1) in a grid of at most
+    ``waves`` waves of CTAs moved to the same tile with cm = 1, where the table timed it: what the rule would gain by
+    not multicasting there too (docs/design/0039, 0053, 0054)."""
     out = []
     for n, m, k, sms, cands, times, best in table:
-        i = min(range(len(cands)), key=lambda j: rule_order(cands[j], n, m, k, sms, w))
-        if unicast and cands[i].kc == 1 and cands[i].cm in cms and math.prod(cands[i].grid(n, m)) <= waves * sms:
-            i = next((j for j, c in enumerate(cands)
-                      if c == dataclasses.replace(cands[i], cm=1) and times[j] is not None), i)
-        out.append(None if times[i] is None else best / times[i])
+        pick = rule_pick(cands, n, m, k, sms, w)
+        if unicast and pick.kc == 1 and pick.cm in cms and math.prod(pick.grid(n, m)) <= waves * sms:
+            one = dataclasses.replace(pick, cm=1)
+            pick = one if one in cands and times[cands.index(one)] is not None else pick
+        t = times[cands.index(pick)] if pick in cands else None
+        out.append(None if t is None else best / t)
     return out
 
 
@@ -130,7 +131,7 @@ def held(ns: list[int], sms: int = 132):
     for m, k in sweep_shapes():
         for n in ns:
             cands = ws_candidates(n, m, k, between=BETWEEN)
-            pick = min(cands, key=lambda c: rule_order(c, n, m, k, sms))
+            pick = rule_pick(cands, n, m, k, sms)
             out.append((n, m, k, sms, cands, [1.0 if c == pick else None for c in cands], 1.0))
     return out
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from dataclasses import dataclass, replace
 
 from ..activations import GATED_EPILOGUES
@@ -279,6 +280,27 @@ def rule_order(cfg: WsConfig, n: int, m: int, k: int, sms: int,
     return tile_cost(cfg, n, m, k, sms, w), not cfg.pp, cfg.bn >= _MCAST_TIE_MIN_BN and cfg.cm != 2
 
 
+# x multicast without a K split (cm > 1, kc = 1) only in grids of more than this many waves of CTAs.  Each such
+# least-cost tile, timed beside the same tile without multicast (bench/sparse24_wg_tiles.py --unicast-pairs: 141 sweep
+# problems and 61 LM heads a GPU, sparse24-ws-unicast-*.json): in grids of at most 2 waves, multicast's time over the
+# other's was 1.04-1.06 at the median on both GPUs (at least 0.97); past 2 waves the H100 gained from multicast
+# (medians 0.97 at 2-4 waves, 0.86-0.90 past 16) and the H200 did not (0.97-1.05): docs/design/0054.
+MULTICAST_MIN_WAVES = 2
+
+
+def multicast_pays(cfg: WsConfig, n: int, m: int, sms: int) -> bool:
+    """Whether the rule keeps ``cfg``'s x multicast: always where K is split across the cluster too (its barriers
+    are paid already, ``_MCAST_TIE_MIN_BN``), else only in grids of more than ``MULTICAST_MIN_WAVES`` waves."""
+    return cfg.cm == 1 or cfg.kc > 1 or math.prod(cfg.grid(n, m)) > MULTICAST_MIN_WAVES * sms
+
+
+def rule_pick(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) -> WsConfig:
+    """The first of ``space`` in ``rule_order`` (further ties: the first in its order), without x multicast where
+    that does not pay (``multicast_pays``)."""
+    cfg = min(space, key=lambda c: rule_order(c, n, m, k, sms, w))
+    return cfg if multicast_pays(cfg, n, m, sms) else replace(cfg, cm=1)
+
+
 # At n <= SPLIT_MAX_N, a wide weight (dispatch.wide_weight: K >= 2.5 M, M <= 4096) takes 32 rows of x, twice what
 # n needs, so that K splits over a cluster of 4 CTAs (each writes 8 rows of y), in 64-row blocks of W: four times
 # the CTAs of its 16-row tiles, whose grid filled under half of the SMs over a long K.  Over the sweep set's wide
@@ -300,13 +322,11 @@ def _small_n_split(n: int, m: int, k: int) -> WsConfig | None:
 
 @functools.lru_cache(maxsize=4096)
 def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False) -> WsConfig:
-    """The tile for N = n: at small n on a wide weight, its K-split tile (``_SPLIT``); else the candidate first in
-    ``rule_order`` (further ties: the first in ``ws_candidates``' order).  ``gated``: among the tiles a gated epilogue
-    runs on (``gated_tile``)."""
+    """The tile for N = n: at small n on a wide weight, its K-split tile (``_SPLIT``); else ``rule_pick`` of
+    ``ws_candidates``.  ``gated``: among the tiles a gated epilogue runs on (``gated_tile``)."""
     split = None if gated else _small_n_split(n, m, k)
     if split is None:
-        space = [c for c in ws_candidates(n, m, k) if not gated or gated_tile(c)]
-        split = min(space, key=lambda cfg: rule_order(cfg, n, m, k, sms))
+        split = rule_pick([c for c in ws_candidates(n, m, k) if not gated or gated_tile(c)], n, m, k, sms)
     return split if push_pays(split, n, m, sms) else replace(split, push=False)
 
 
