@@ -193,7 +193,8 @@ def _held_out_models() -> list[str]:
     from model_bound import bound
 
     names = sorted(p.stem for p in RESULTS.glob("sparse24-model-*.json")
-                   if json.loads(p.read_text())["meta"].get("architecture", DEFAULT_MODEL) != DEFAULT_MODEL)
+                   if not p.stem.startswith("sparse24-model-host-")  # bench/sparse24_model_host.py's host profiles
+                   and json.loads(p.read_text())["meta"].get("architecture", DEFAULT_MODEL) != DEFAULT_MODEL)
     if not names:
         return []
     cases = [r["case"] for r in _load(names[0])["rows"]]
@@ -476,13 +477,16 @@ def table() -> str:
     # The full sweeps (12 n) of both GPUs (f6ca3b0, 0044), then their n <= 16 part again, bf16 and f16, under today's
     # rule (0047: wide weights' K-split tile; bf16 with 0050's kernel, f16 at d3d2493, 0048), and their n = 32-512
     # part again (0051's rule, a0f610c), and their n >= 1024 part after the pushed sums (87515b0, 0052; the H200's
-    # n = 1024 and 2048), then the LM heads at n <= 512 and the H200's at n = 1024-2048 (0053); the bf16 quick
-    # sweeps (4f17378) stay in results/.
+    # n = 1024 and 2048), then the LM heads at n <= 512 and the H200's at n = 1024-2048 (0053), then n = 256-2048
+    # again under 0054's multicast rule and the rest of the heads' n (1e71ed3); the bf16 quick sweeps (4f17378) stay
+    # in results/.
     for name in ("sparse24-sweep-h200", "sparse24-sweep-h100", "sparse24-sweep-small-n-h200",
                  "sparse24-sweep-small-n-h100", "sparse24-sweep-mid-n-h200", "sparse24-sweep-mid-n-h100",
                  "sparse24-sweep-large-n-h200", "sparse24-sweep-large-n-h100",
                  "sparse24-sweep-lm-heads-h200", "sparse24-sweep-lm-heads-h100",
-                 "sparse24-sweep-lm-heads-large-n-h200",
+                 "sparse24-sweep-unicast-h200", "sparse24-sweep-unicast-h100", "sparse24-sweep-unicast-n512-h100",
+                 "sparse24-sweep-lm-heads-large-n-h200", "sparse24-sweep-lm-heads-large-n-h100",
+                 "sparse24-sweep-lm-heads-xl-n-h200",
                  "sparse24-sweep-h100-l2warm", "sparse24-sweep-h200-l2warm",
                  "sparse24-sweep-h200-f16-quick", "sparse24-sweep-h100-f16-quick", "sparse24-sweep-small-n-f16-h200",
                  "sparse24-sweep-small-n-f16-h100", "sparse24-sweep-h100-f16-l2warm", "sparse24-sweep-h200-f16-l2warm"):
