@@ -2,9 +2,10 @@
 
 Each table (``bench/results/sparse24-ws-tiles-<gpu>.json``, from ``bench/sparse24_wg_tiles.py --kernel ws``) has,
 per (M, K, n), the times of the candidates it ran (``--top`` tables: a few).  For a set of weights the rule picks,
-per problem, the least-cost candidate of its whole space, as ``ws_config`` does; where the table did not time that
-tile the problem is untimed and says nothing about those weights.  The score is the mean over timed problems of best
-time / picked time, over all tables (each table weighs alike), less a penalty for the worst pick.  A coordinate
+per problem, the least-cost candidate of its whole space (without x multicast where it does not pay), as
+``ws_config`` does (``rule_pick``); where the table did not time that tile the problem is untimed and says nothing
+about those weights.  The score is the mean over timed problems of best time / picked time, over all tables (each
+table weighs alike), less a penalty for the worst pick.  A coordinate
 search over multiplicative steps, from the present weights, that never adds an untimed problem: a step that moves a
 pick onto a tile no table timed is a guess, and a sweep showed such guesses lose (docs/design/0040).
 
