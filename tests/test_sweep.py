@@ -309,3 +309,38 @@ def test_the_model_host_bench_runs_a_tiny_model_on_the_cpu(capsys):
     out = capsys.readouterr().out
     for case in ("decode batch 1", "decode batch 128", "prefill 512"):
         assert f"{case}: host ms a step, dense " in out
+
+
+def test_results_record_the_gpus_attributes_and_never_fail_on_them(tmp_path, monkeypatch):
+    """Every results file's metadata carries its GPU's driver attributes (what tells an H100 from an H200 of the same
+    SM count, docs/design/0054); where the driver cannot give them it says why, and the file is still written."""
+    from kernelplan.bench import results
+    from kernelplan.kernels import nvrtc
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
+    values = {"MULTIPROCESSOR_COUNT": 132, "L2_CACHE_SIZE": 50 << 20, "MEMORY_CLOCK_RATE": 3_201_000,
+              "GLOBAL_MEMORY_BUS_WIDTH": 6144, "CLOCK_RATE": 1_980_000}
+    monkeypatch.setattr(nvrtc, "device_attribute", lambda index, name: values[name])
+    meta = json.loads(open(results.write("x", {"rows": []}, str(tmp_path / "a.json"), dtype="bf16")).read())["meta"]
+    assert meta["device"] == "NVIDIA H200" and meta["dtype"] == "bf16"
+    assert meta["gpu"] == {"sms": 132, "l2_bytes": 50 << 20, "memory_clock_khz": 3_201_000, "memory_bus_bits": 6144,
+                           "clock_khz": 1_980_000}
+
+    def unreadable(index, name):
+        raise nvrtc.KernelPlanError(f"cannot read cuda:{index}'s {name.lower()}: CUDA_ERROR_NOT_INITIALIZED")
+
+    monkeypatch.setattr(nvrtc, "device_attribute", unreadable)
+    meta = json.loads(open(results.write("x", {"rows": [1]}, str(tmp_path / "b.json"))).read())["meta"]
+    assert meta["gpu"] == {"unreadable": "KernelPlanError: cannot read cuda:0's multiprocessor_count: "
+                                         "CUDA_ERROR_NOT_INITIALIZED"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_gpus_attributes_are_the_drivers():
+    from kernelplan.bench import results
+
+    props = torch.cuda.get_device_properties(0)
+    got = results.gpu_attributes(0)
+    assert got["sms"] == props.multi_processor_count and got["l2_bytes"] == props.L2_cache_size
+    assert got["memory_clock_khz"] > 1e5 and got["memory_bus_bits"] >= 64 and got["clock_khz"] > 1e5

@@ -15,18 +15,35 @@ def gpu_tag(name: str) -> str:
     return "h200" if "H200" in name else "h100" if "H100" in name else name.replace(" ", "_").lower()
 
 
+# The driver's attributes a results file records of its GPU: what tells two GPUs of one SM count apart (the H100 and
+# the H200 differ in their DRAM, not their SMs; docs/design/0054).
+GPU_ATTRIBUTES = {"sms": "MULTIPROCESSOR_COUNT", "l2_bytes": "L2_CACHE_SIZE", "memory_clock_khz": "MEMORY_CLOCK_RATE",
+                  "memory_bus_bits": "GLOBAL_MEMORY_BUS_WIDTH", "clock_khz": "CLOCK_RATE"}
+
+
+def gpu_attributes(device_index: int = 0) -> dict:
+    """``GPU_ATTRIBUTES`` of CUDA device ``device_index``; where the driver cannot give them, why (a results file's
+    metadata is never the reason a bench fails)."""
+    from ..kernels.nvrtc import device_attribute
+
+    try:
+        return {key: device_attribute(device_index, name) for key, name in GPU_ATTRIBUTES.items()}
+    except Exception as e:  # noqa: BLE001 - the bench's results matter more than this record of its GPU
+        return {"unreadable": f"{type(e).__name__}: {e}"}
+
+
 def write(kind: str, payload: dict, out: str | None = None, **meta) -> str:
     """Write ``{"meta": ..., **payload}`` to ``out`` or ``bench/results/<kind>-<gpu>.json``; return the path.
 
-    The metadata is the device, torch, triton, commit (``KERNELPLAN_COMMIT``:
-    the device copy's ``.git`` can be stale) and date, then ``meta``.
+    The metadata is the device, its attributes (``gpu_attributes``), torch, triton, commit
+    (``KERNELPLAN_COMMIT``: the device copy's ``.git`` can be stale) and date, then ``meta``.
     """
     import torch
     import triton
 
     gpu = torch.cuda.get_device_name(0)
     path = out or str(RESULTS / f"{kind}-{gpu_tag(gpu)}.json")
-    head = {"device": gpu, "torch": torch.__version__, "triton": triton.__version__,
+    head = {"device": gpu, "gpu": gpu_attributes(0), "torch": torch.__version__, "triton": triton.__version__,
             "commit": os.environ.get("KERNELPLAN_COMMIT", "unknown"),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **meta}
     with open(path, "w") as f:
