@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import pathlib
 import random
 
 import pytest
@@ -321,7 +322,8 @@ def test_results_record_the_gpus_attributes_and_never_fail_on_them(tmp_path, mon
     values = {"MULTIPROCESSOR_COUNT": 132, "L2_CACHE_SIZE": 50 << 20, "MEMORY_CLOCK_RATE": 3_201_000,
               "GLOBAL_MEMORY_BUS_WIDTH": 6144, "CLOCK_RATE": 1_980_000}
     monkeypatch.setattr(nvrtc, "device_attribute", lambda index, name: values[name])
-    meta = json.loads(open(results.write("x", {"rows": []}, str(tmp_path / "a.json"), dtype="bf16")).read())["meta"]
+    meta = json.loads(pathlib.Path(results.write("x", {"rows": []}, str(tmp_path / "a.json"), dtype="bf16"))
+                      .read_text())["meta"]
     assert meta["device"] == "NVIDIA H200" and meta["dtype"] == "bf16"
     assert meta["gpu"] == {"sms": 132, "l2_bytes": 50 << 20, "memory_clock_khz": 3_201_000, "memory_bus_bits": 6144,
                            "clock_khz": 1_980_000}
@@ -330,7 +332,7 @@ def test_results_record_the_gpus_attributes_and_never_fail_on_them(tmp_path, mon
         raise nvrtc.KernelPlanError(f"cannot read cuda:{index}'s {name.lower()}: CUDA_ERROR_NOT_INITIALIZED")
 
     monkeypatch.setattr(nvrtc, "device_attribute", unreadable)
-    meta = json.loads(open(results.write("x", {"rows": [1]}, str(tmp_path / "b.json"))).read())["meta"]
+    meta = json.loads(pathlib.Path(results.write("x", {"rows": [1]}, str(tmp_path / "b.json"))).read_text())["meta"]
     assert meta["gpu"] == {"unreadable": "KernelPlanError: cannot read cuda:0's multiprocessor_count: "
                                          "CUDA_ERROR_NOT_INITIALIZED"}
 

@@ -283,8 +283,8 @@ def rule_order(cfg: WsConfig, n: int, m: int, k: int, sms: int,
 # x multicast without a K split (cm > 1, kc = 1) only in grids of more than this many waves of CTAs.  Each such
 # least-cost tile, timed beside the same tile without multicast (bench/sparse24_wg_tiles.py --unicast-pairs: 141 sweep
 # problems and 61 LM heads a GPU, sparse24-ws-unicast-*.json): in grids of at most 2 waves, multicast's time over the
-# other's was 1.04-1.06 at the median on both GPUs (at least 0.97); past 2 waves the H100 gained from multicast
-# (medians 0.97 at 2-4 waves, 0.86-0.90 past 16) and the H200 did not (0.97-1.05): docs/design/0054.
+# other's was 1.04-1.06 at the median on both GPUs (at least 0.97); past 2 waves the H100 gains from multicast in
+# large grids (medians 0.86-0.90 past 16 waves) and the H200 does not (0.97-1.05): docs/design/0054.
 MULTICAST_MIN_WAVES = 2
 
 
