@@ -39,8 +39,9 @@ def test_report_gives_the_rules_misses_by_n_and_the_multicast_pairs(tmp_path):
     assert lines[1] == "256 | 1.200 | 1.200 | 1"
     assert lines[2] == "512 | 1.000 | 1.000 | 0"  # the pick is the best there
     assert lines[3] == f"miss 1.200: {m}x{k} n = {n}"
-    assert lines[-1] == "x multicast, kc = 1: 1 pairs, the tile without it faster in 100%, multicast's time over it " \
+    assert lines[-2] == "x multicast, kc = 1: 1 pairs, the tile without it faster in 100%, multicast's time over it " \
                         "median 1.200"
+    assert lines[-1] == "  cm = 2, grids of 0-2 waves: 1 pairs, median 1.200, min 1.200, max 1.200"  # 256 CTAs
 
 
 def test_report_leaves_out_the_pairs_where_the_table_timed_no_multicast_tile(tmp_path):

@@ -29,8 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kernelplan.kernels.sparse24_ws import (  # noqa: E402
-    _MCAST_TIE_MIN_BN, WEIGHTS, RuleWeights, WsConfig, rule_pick, ws_candidates)
+from kernelplan.kernels.sparse24_ws import WEIGHTS, RuleWeights, WsConfig, rule_pick, ws_candidates  # noqa: E402
 
 STEPS = (0.5, 0.7, 0.85, 1.18, 1.4, 2.0)
 BETWEEN = "--between" in sys.argv  # the rule's space with ws_candidates' between tiles
@@ -115,11 +114,12 @@ def report(w: RuleWeights, table) -> list[str]:
         lines.append(f"x multicast, kc = 1: {len(pairs)} pairs, the tile without it faster in "
                      f"{100 * sum(r > 1 for r in ratios_) / len(pairs):.0f}%, multicast's time over it median "
                      f"{statistics.median(ratios_):.3f}")
-        for lo, hi in ((0, 2), (2, 8), (8, math.inf)):  # the pairs the rule's multicast tie chooses between
-            at = [r for w, c, r in pairs if lo < w <= hi and c.cm == 2 and c.bn >= _MCAST_TIE_MIN_BN]
-            if at:
-                lines.append(f"  cm = 2, x tiles of {_MCAST_TIE_MIN_BN}+ rows, grids of {lo}-{hi:g} waves: "
-                             f"{len(at)} pairs, median {statistics.median(at):.3f}")
+        for cm in (2, 4):  # by the grid's waves: multicast_pays' MULTICAST_MIN_WAVES (docs/design/0054)
+            for lo, hi in ((0, 2), (2, 4), (4, 8), (8, 16), (16, math.inf)):
+                at = [r for w, c, r in pairs if lo < w <= hi and c.cm == cm]
+                if at:
+                    lines.append(f"  cm = {cm}, grids of {lo}-{hi:g} waves: {len(at)} pairs, median "
+                                 f"{statistics.median(at):.3f}, min {min(at):.3f}, max {max(at):.3f}")
     return lines
 
 
