@@ -14,6 +14,8 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kernelplan as kp
 from helpers import FWD_ATOL, assert_close, sm90
@@ -21,8 +23,9 @@ from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_sp import SM_SHARED, SP_LAYOUT
 from kernelplan.kernels.sparse24_wg import INSTRUCTION_N
-from kernelplan.kernels.sparse24_ws import (SPLIT_MAX_N, WsConfig, WsKernel, push_pays, resident, rule_order,
-                                           tile_cost, ws_candidates, ws_config)
+from kernelplan.kernels.sparse24_ws import (MULTICAST_MIN_WAVES, SPLIT_MAX_N, WsConfig, WsKernel, gated_tile,
+                                           multicast_pays, push_pays, resident, rule_order, tile_cost, ws_candidates,
+                                           ws_config)
 from kernelplan.sparse24.dispatch import wide_weight
 
 gpu = pytest.mark.gpu
@@ -53,6 +56,25 @@ def test_tile_rule_fits_every_sweep_shape_and_batch(sms):
             assert cfg.threads == (384 if cfg.pp else 128 * (cfg.wm + 1)) and not cfg.sk
             assert cfg.bn % (8 * cfg.cm) == 0 and cfg.cm * cfg.kc <= 8
 
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 8192), m=st.integers(1, 4096).map(lambda v: 32 * v),
+       k=st.integers(1, 1024).map(lambda v: 64 * v), sms=st.sampled_from([78, 114, 132]), gated=st.booleans())
+def test_the_rule_multicasts_x_without_a_k_split_only_past_two_waves(n, m, k, sms, gated):
+    """Any shape (docs/design/0054): the pick is a tile of the rule's space, multicasts x without splitting K only in
+    a grid of more than MULTICAST_MIN_WAVES waves, and is otherwise the least-cost tile itself."""
+    picked = ws_config(n, m, k, sms, gated)
+    cfg = replace(picked, push=True)
+    cands = ws_candidates(n, m, k)
+    assert cfg in cands and (not gated or gated_tile(cfg))
+    assert multicast_pays(cfg, n, m, sms)
+    if cfg.cm > 1 and cfg.kc == 1:
+        assert math.prod(cfg.grid(n, m)) > MULTICAST_MIN_WAVES * sms
+    if gated or not (n <= SPLIT_MAX_N and wide_weight(m, k)):  # else the small-n K-split tile, not by cost
+        least = min((c for c in cands if not gated or gated_tile(c)), key=lambda c: rule_order(c, n, m, k, sms))
+        assert cfg in (least, replace(least, cm=1))
+        assert cfg == least or math.prod(least.grid(n, m)) <= MULTICAST_MIN_WAVES * sms
 
 def test_shared_memory_holds_the_ring_the_partial_sums_and_the_barriers():
     cfg = WsConfig(bn=256, wm=2, stages=5)
