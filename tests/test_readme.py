@@ -133,3 +133,31 @@ def test_an_lm_heads_sweep_adds_its_shapes_and_is_never_the_base(tmp_path):
     assert "70000x128" not in table["shapes"]
     (tmp_path / "sparse24-sweep-base.json").unlink()  # heads alone make no table: the sweep set is its base
     assert expected_table.tables(tmp_path)["tables"] == []
+
+
+def test_the_newest_rows_take_each_cell_at_its_newest_reading_and_leave_the_heads_out(tmp_path, monkeypatch):
+    """tools/readme_table.py's first rows: per GPU and dtype, the sweep set's cells as expected.json merges them."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(README.parent / "tools"))
+    import readme_table
+
+    def sweep(name, date, shapes, ns, speedup, **meta):
+        rows = [{"m": m, "k": k, "n": n, "speedup": speedup, "eager_speedup": speedup / 2} for m, k in shapes
+                for n in ns] + [{"m": m, "k": k, "memory": {"ratio": 0.5625}} for m, k in shapes]
+        doc = {"device": "G", "dtype": "bf16", "l2": "cold", "date": date, "commit": name[:3], "batch_sizes": ns,
+               "rows": rows, **meta}
+        (tmp_path / f"sparse24-sweep-{name}.json").write_text(json.dumps(doc))
+
+    shapes = [(4096, 4096), (6144, 4096)]  # of the sweep set
+    sweep("base", "2026-01-02", shapes, [1, 64, 256, 1024], 1.5)
+    sweep("new", "2026-01-03", shapes[:1], [256], 1.9)  # one cell run again after a rule changed
+    sweep("lm-heads", "2026-01-04", [(128256, 4096)], [256], 0.5, shape_set="lm heads")
+    monkeypatch.setattr(readme_table, "RESULTS", tmp_path)
+    graph, eager = readme_table.newest_rows()
+    cells = graph.split(" | ")[1:5]
+    assert cells == ["1.50x (1.50-1.50x)", "1.50x (1.50-1.50x)", "1.70x (1.50-1.90x)", "1.50x (1.50-1.50x)"]
+    assert eager.split(" | ")[3] == "0.85x (0.75-0.95x)"
+    assert "(0.5625x bytes), bf16, 43 sweep shapes x 4 n" in graph
+    assert graph.endswith("| G, 2 sweep files at bas, new (`sparse24/expected.json`'s sources) |")
