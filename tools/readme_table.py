@@ -108,8 +108,9 @@ def newest_rows() -> list[str]:
         eager = [_span([e for n, _, e in cells if lo <= n <= hi and e is not None]) for _, lo, hi in N_RANGES]
         where = (f"{t['gpu']}, {len(files)} sweep files at {', '.join(commits)} (`sparse24/expected.json`'s "
                  f"sources)")
-        held = f"{min(ratios):.4g}x" if min(ratios) == max(ratios) else f"{min(ratios):.4g}-{max(ratios):.4g}x"
-        out += [f"| **2:4 linear, default ({held} bytes), {t['dtype']}, {len(sweep_set)} sweep shapes x {ns} n, "
+        held = ("bytes held not recorded" if not ratios else f"{min(ratios):.4g}x bytes" if min(ratios) == max(ratios)
+                else f"{min(ratios):.4g}-{max(ratios):.4g}x bytes")
+        out += [f"| **2:4 linear, default ({held}), {t['dtype']}, {len(sweep_set)} sweep shapes x {ns} n, "
                 f"each at its newest reading**, weights read from DRAM (L2 {t['l2']}), CUDA graph | "
                 + " | ".join(graph) + f" | {where} |",
                 "| the same, eager | " + " | ".join(eager) + f" | {where} |"]
