@@ -316,11 +316,12 @@ def test_results_record_the_gpus_attributes_and_never_fail_on_them(tmp_path, mon
     """Every results file's metadata carries its GPU's driver attributes (what tells an H100 from an H200 of the same
     SM count, docs/design/0054); where the driver cannot give them it says why, and the file is still written."""
     from kernelplan.bench import results
+    from kernelplan.kernels import nvrtc
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
     values = {"MULTIPROCESSOR_COUNT": 132, "L2_CACHE_SIZE": 50 << 20, "MEMORY_CLOCK_RATE": 3_201_000,
               "GLOBAL_MEMORY_BUS_WIDTH": 6144, "CLOCK_RATE": 1_980_000}
-    monkeypatch.setattr(results, "device_attribute", lambda index, name: values[name])
+    monkeypatch.setattr(nvrtc, "device_attribute", lambda index, name: values[name])
     meta = json.loads(pathlib.Path(results.write("x", {"rows": []}, str(tmp_path / "a.json"), dtype="bf16"))
                       .read_text())["meta"]
     assert meta["device"] == "NVIDIA H200" and meta["dtype"] == "bf16"
@@ -328,11 +329,11 @@ def test_results_record_the_gpus_attributes_and_never_fail_on_them(tmp_path, mon
                            "clock_khz": 1_980_000}
 
     def unreadable(index, name):
-        raise RuntimeError(f"cannot read cuda:{index}'s {name.lower()}: CUDA_ERROR_NOT_INITIALIZED")
+        raise nvrtc.KernelPlanError(f"cannot read cuda:{index}'s {name.lower()}: CUDA_ERROR_NOT_INITIALIZED")
 
-    monkeypatch.setattr(results, "device_attribute", unreadable)
+    monkeypatch.setattr(nvrtc, "device_attribute", unreadable)
     meta = json.loads(pathlib.Path(results.write("x", {"rows": [1]}, str(tmp_path / "b.json"))).read_text())["meta"]
-    assert meta["gpu"] == {"unreadable": "RuntimeError: cannot read cuda:0's multiprocessor_count: "
+    assert meta["gpu"] == {"unreadable": "KernelPlanError: cannot read cuda:0's multiprocessor_count: "
                                          "CUDA_ERROR_NOT_INITIALIZED"}
 
 
@@ -345,3 +346,24 @@ def test_the_gpus_attributes_are_the_drivers():
     got = results.gpu_attributes(0)
     assert got["sms"] == props.multi_processor_count and got["l2_bytes"] == props.L2_cache_size
     assert got["memory_clock_khz"] > 1e5 and got["memory_bus_bits"] >= 64 and got["clock_khz"] > 1e5
+
+
+def test_a_device_attribute_is_the_drivers_reading_of_that_attribute(monkeypatch):
+    """nvrtc.device_attribute (shared_per_block's and the results' reader) asks the driver for the named attribute of
+    the device's handle, and names the attribute and the driver's error where it cannot."""
+    from cuda.bindings import driver as cu
+
+    from kernelplan.kernels import nvrtc
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(cu, "cuDeviceGet", lambda index: (cu.CUresult.CUDA_SUCCESS, f"dev{index}"))
+    monkeypatch.setattr(cu, "cuDeviceGetAttribute", lambda attr, dev: asked.append((attr, dev)) or
+                        (cu.CUresult.CUDA_SUCCESS, 232448))
+    nvrtc.shared_per_block.cache_clear()
+    assert nvrtc.shared_per_block(1) == 232448
+    assert asked == [(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, "dev1")]
+    monkeypatch.setattr(cu, "cuDeviceGet", lambda index: (cu.CUresult.CUDA_ERROR_INVALID_DEVICE, None))
+    with pytest.raises(nvrtc.KernelPlanError, match="cuda:3's l2_cache_size: CUDA_ERROR_INVALID_DEVICE"):
+        nvrtc.device_attribute(3, "L2_CACHE_SIZE")
+    nvrtc.shared_per_block.cache_clear()

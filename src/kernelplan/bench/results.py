@@ -21,23 +21,11 @@ GPU_ATTRIBUTES = {"sms": "MULTIPROCESSOR_COUNT", "l2_bytes": "L2_CACHE_SIZE", "m
                   "memory_bus_bits": "GLOBAL_MEMORY_BUS_WIDTH", "clock_khz": "CLOCK_RATE"}
 
 
-def device_attribute(device_index: int, name: str) -> int:
-    """The driver's ``CU_DEVICE_ATTRIBUTE_<name>`` of CUDA device ``device_index``."""
-    import torch
-    from cuda.bindings import driver as cu
-
-    torch.cuda.init()
-    err, dev = cu.cuDeviceGet(device_index)
-    if not err:
-        err, value = cu.cuDeviceGetAttribute(getattr(cu.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}"), dev)
-    if err:
-        raise RuntimeError(f"cannot read cuda:{device_index}'s {name.lower()}: {err.name}")
-    return value
-
-
 def gpu_attributes(device_index: int = 0) -> dict:
     """``GPU_ATTRIBUTES`` of CUDA device ``device_index``; where the driver cannot give them, why (a results file's
     metadata is never the reason a bench fails)."""
+    from ..kernels.nvrtc import device_attribute
+
     try:
         return {key: device_attribute(device_index, name) for key, name in GPU_ATTRIBUTES.items()}
     except Exception as e:  # noqa: BLE001 - the bench's results matter more than this record of its GPU

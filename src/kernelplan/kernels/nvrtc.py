@@ -124,20 +124,24 @@ def _dump(nvrtc, prog, source: str, architecture: str) -> None:
         warnings.warn(f"{DUMP_ENV}: could not write the kernel dump ({e})", RuntimeWarning, stacklevel=3)
 
 
+def device_attribute(device_index: int, name: str) -> int:
+    """The driver's ``CU_DEVICE_ATTRIBUTE_<name>`` of CUDA device ``device_index``."""
+    from cuda.bindings import driver as cu
+
+    torch.cuda.init()
+    err, dev = cu.cuDeviceGet(device_index)
+    if not err:
+        err, value = cu.cuDeviceGetAttribute(getattr(cu.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}"), dev)
+    if err:
+        raise KernelPlanError(f"cannot read cuda:{device_index}'s {name.lower()}: {err.name}")
+    return value
+
+
 @functools.lru_cache(maxsize=None)
 def shared_per_block(device_index: int) -> int:
     """The most shared memory a CTA may opt in to on CUDA device ``device_index``, in bytes: 227 KiB on Hopper,
     163 KiB on the A100, 99 KiB on Ada."""
-    from cuda.bindings import driver as cu
-
-    torch.cuda.init()
-    attribute = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
-    err, dev = cu.cuDeviceGet(device_index)
-    if not err:
-        err, value = cu.cuDeviceGetAttribute(attribute, dev)
-    if err:
-        raise KernelPlanError(f"cannot read cuda:{device_index}'s shared memory a block: {err.name}")
-    return value
+    return device_attribute(device_index, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN")
 
 
 @functools.lru_cache(maxsize=256)
