@@ -294,10 +294,14 @@ def multicast_pays(cfg: WsConfig, n: int, m: int, sms: int) -> bool:
     return cfg.cm == 1 or cfg.kc > 1 or math.prod(cfg.grid(n, m)) > MULTICAST_MIN_WAVES * sms
 
 
+def least_cost(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) -> WsConfig:
+    """The first of ``space`` in ``rule_order`` (further ties: the first in its order)."""
+    return min(space, key=lambda c: rule_order(c, n, m, k, sms, w))
+
+
 def rule_pick(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) -> WsConfig:
-    """The first of ``space`` in ``rule_order`` (further ties: the first in its order), without x multicast where
-    that does not pay (``multicast_pays``)."""
-    cfg = min(space, key=lambda c: rule_order(c, n, m, k, sms, w))
+    """``least_cost`` of ``space``, without x multicast where that does not pay (``multicast_pays``)."""
+    cfg = least_cost(space, n, m, k, sms, w)
     return cfg if multicast_pays(cfg, n, m, sms) else replace(cfg, cm=1)
 
 
