@@ -99,9 +99,10 @@ def newest_rows() -> list[str]:
     out = []
     for t in sorted(tables(RESULTS)["tables"], key=lambda t: (t["dtype"], t["gpu"])):
         cells = [c for shape, rows in t["shapes"].items() if shape in sweep_set for c in rows]
-        files = [src["file"] for src in t["sources"] if not src["file"].startswith("sparse24-sweep-lm-heads")]
-        commits = list(dict.fromkeys(src["commit"] for src in t["sources"] if src["file"] in files))
-        ratios = [r["memory"]["ratio"] for f in files for r in _load(f.removesuffix(".json"))["rows"] if "memory" in r
+        docs = {src["file"]: _load(src["file"].removesuffix(".json")) for src in t["sources"]}
+        files = [f for f, doc in docs.items() if doc.get("shape_set", "sweep set") == "sweep set"]  # as expected_table
+        commits = list(dict.fromkeys(docs[f]["commit"] for f in files))
+        ratios = [r["memory"]["ratio"] for f in files for r in docs[f]["rows"] if "memory" in r
                   and f"{r['m']}x{r['k']}" in sweep_set]
         ns = len({n for n, _, _ in cells})
         graph = [_span([g for n, g, _ in cells if lo <= n <= hi]) for _, lo, hi in N_RANGES]
