@@ -1,0 +1,116 @@
+"""The cuda_ws rule on this GPU against the rule as it picks for another GPU, through the sweep's own path.
+
+Every problem of the sweep set (or the LM heads) where ``ws_config`` picks another tile on this GPU than on a GPU of
+``--against-dram`` bytes/s of DRAM bandwidth (same SMs) is timed with both tiles as the sweep times the rule's
+(``bench/sweep.py``: ``MmaLinear`` on the one device layout, each call on the next of the weight's copies past twice
+the L2, ``graph_us`` replays), in one process, alternating A B B A, beside dense ``F.linear``.  Each side has its own
+copies of the weight, so that each tile's launches are its own.  A check of a rule change that the tile tables'
+timings (``sparse24_wg_tiles.py``) and a sweep part disagreed on (docs/design/0055).  Writes
+``bench/results/sparse24-rule-ab-<gpu>.json``.
+
+    PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_rule_ab.py --against-dram 3.35e12
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from kernelplan.bench import results
+from kernelplan.bench.shapes import BATCH_SIZES
+from kernelplan.bench.sweep import SHAPE_SETS, _cycling, copies_past_l2
+from kernelplan.kernels.nvrtc import Gpu, gpu
+from kernelplan.kernels.sparse24_mma import MmaLinear
+from kernelplan.kernels.sparse24_ws import WsKernel, ws_config
+from kernelplan.sparse24 import compress, prune
+from kernelplan.sparse24.dispatch import backend_for
+from kernelplan.sparse24.layout import pack_reason
+from kernelplan.timing import graph_us
+
+
+class FixedTile(WsKernel):
+    """``cuda_ws`` on one tile, whatever the rule would pick."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def config(self, n, m, k, device, activation=None):
+        return self.cfg
+
+
+def moved(shapes, batch, here: Gpu, other: Gpu) -> list[tuple[int, int, int]]:
+    """(n, M, K) where cuda_ws runs and its rule picks differently on ``here`` and ``other``."""
+    return [(n, m, k) for m, k in shapes for n in batch
+            if backend_for((9, 0), n, m, k, "bf16") == "cuda_ws" and ws_config(n, m, k, here) != ws_config(n, m, k,
+                                                                                                            other)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--against-dram", type=float, required=True, metavar="BYTES_PER_S",
+                    help="the other GPU's DRAM bandwidth (this GPU's SMs)")
+    ap.add_argument("--shape-set", default="sweep set", choices=sorted(SHAPE_SETS))
+    ap.add_argument("--batch", type=int, nargs="+", default=[n for n in BATCH_SIZES if n > 16])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rep", type=int, default=20, help="graph_us's rep (ms), as the sweep's")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    here = gpu(0)
+    other = here._replace(dram_bytes_per_s=a.against_dram)
+    shapes = SHAPE_SETS[a.shape_set]()
+    problems = moved(shapes, a.batch, here, other)
+    print(f"{here}: {len(problems)} problems where the rule for {other} picks another tile", flush=True)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    rows, dtype = [], torch.bfloat16
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for m, k in dict.fromkeys((m, k) for _, m, k in problems):
+            w = prune(torch.randn(m, k, device="cuda")).to(dtype)
+            held = (lambda c: compress(c).packed()) if pack_reason(m, k) is None else compress  # as the sweep's
+            w24 = held(w)
+            copies = copies_past_l2(l2, w24.values.nbytes + w24.metadata.nbytes, "cold")
+            ws = [w] + [w.clone() for _ in range(copies - 1)]
+            sides = {side: [held(c) for c in ws] for side in ("here", "other")}
+            for n in [n for n, mm, kk in problems if (mm, kk) == (m, k)]:
+                cfgs = {"here": ws_config(n, m, k, here), "other": ws_config(n, m, k, other)}
+                x = torch.randn(n, k, device="cuda").to(dtype)
+                ref = F.linear(x.double(), w.double())
+                dense_err = float((F.linear(x, w).double() - ref).abs().max() / ref.abs().max())
+                fns = {"dense": _cycling([lambda c=c: F.linear(x, c) for c in ws])}
+                errs = {}
+                for side, cfg in cfgs.items():
+                    call = MmaLinear(None, FixedTile(cfg))
+                    y = call(x, sides[side][0].values, sides[side][0].metadata, None)
+                    errs[side] = float((y.double() - ref).abs().max() / ref.abs().max())
+                    fns[side] = _cycling([lambda call=call, c=c: call(x, c.values, c.metadata, None)
+                                          for c in sides[side]])
+                wrong = [side for side, e in errs.items() if not e <= 2 * dense_err + 1e-3]
+                times = {name: [] for name in fns}
+                for r in range(a.rounds):  # dense, A, B, B, A, dense: a drift lands on both tiles alike
+                    order = ["dense", "here", "other"] if r % 2 == 0 else ["dense", "other", "here"]
+                    for name in order + order[::-1]:
+                        times[name].append(graph_us(fns[name], a.rep))
+                med = {name: statistics.median(t) for name, t in times.items()}
+                ratio = statistics.median(o / h for o, h in zip(times["other"], times["here"]))
+                row = {"m": m, "k": k, "n": n, "weight_copies": copies, "here": str(cfgs["here"]),
+                       "other": str(cfgs["other"]), "dense_us": med["dense"], "here_us": med["here"],
+                       "other_us": med["other"], "other_over_here": ratio, "errors": errs, "wrong": wrong}
+                rows.append(row)
+                print(f"  {m}x{k} n={n}: here {med['dense'] / med['here']:.2f}x, other "
+                      f"{med['dense'] / med['other']:.2f}x of dense; other/here {ratio:.3f}"
+                      f"{'  WRONG ' + str(wrong) if wrong else ''}", flush=True)
+    ratios = [r["other_over_here"] for r in rows]
+    if ratios:
+        print(f"other's time over here's: median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, max "
+              f"{max(ratios):.3f}, here faster in {sum(x > 1 for x in ratios)} of {len(ratios)}")
+    results.write("sparse24-rule-ab", {"rows": rows}, a.out, dtype="bf16", here=here._asdict(),
+                  other=other._asdict(), shape_set=a.shape_set, rounds=a.rounds, rep=a.rep)
+    return 1 if any(r["wrong"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
