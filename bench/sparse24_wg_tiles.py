@@ -101,6 +101,8 @@ def main() -> int:
     ap.add_argument("--unicast-pairs", type=float, default=None, metavar="W",
                     help="ws: only the problems whose rule's pick multicasts x without a K split in a grid of at most "
                          "W waves, and only that pick and the same tile without multicast (docs/design/0053)")
+    ap.add_argument("--min-calls", type=int, default=6,
+                    help="calls a round (one CUDA graph) at least; the sweep's graph_us replays ~20 ms of calls")
     ap.add_argument("--sweep-set", action="store_true", help="the sweep set's shapes (bench/shapes.py) instead")
     ap.add_argument("--gated", action="store_true",
                     help="ws: the gated epilogue (gated_silu_first: silu of W's first M/2 rows' outputs times the "
@@ -176,7 +178,7 @@ def main() -> int:
                 errs[name] = float((y.float() - want).abs().max()) / scale
                 if errs[name] <= 2.0 ** -5:
                     fns[name] = fs
-            calls = max(6, min(100, int(2e-3 * 2e12 / (2 * m * k * n + 1))))  # about 2 ms of dense work a round
+            calls = max(a.min_calls, min(100, int(2e-3 * 2e12 / (2 * m * k * n + 1))))  # 6 on the largest problems
             times = {name: [] for name in fns}
             for r in range(2):  # two passes in opposite orders, so that a slow spell of the GPU lands on all
                 for name in list(fns) if r == 0 else list(fns)[::-1]:
@@ -196,7 +198,7 @@ def main() -> int:
         torch.cuda.empty_cache()
         # After each shape, so that a run cut off by a time limit keeps what it measured.
         results.write(f"sparse24-{a.kernel}-tiles", {"rows": rows}, a.out, dtype="bf16", sms=sms, epilogue=epilogue,
-                      registers_local_bytes=regs)
+                      registers_local_bytes=regs, min_calls=a.min_calls)
     return 0
 
 
