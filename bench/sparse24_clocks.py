@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from kernelplan.bench import results
 from kernelplan.bench.sweep import _cycling, copies_past_l2
-from kernelplan.kernels.nvrtc import gpu
+from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_ws import WsKernel, ws_config
 from kernelplan.sparse24 import compress, prune
@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev = torch.device("cuda")
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    sms, l2 = sm_count(0), torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
     for m, k in SHAPES:
         w = prune(torch.randn(m, k, device=dev)).bfloat16()
@@ -95,7 +95,7 @@ def main() -> None:
             for _ in range(2):
                 for name, fn in kinds.items():
                     runs[name].append(sampled(fn, a.seconds))
-            row = {"m": m, "k": k, "n": n, "ws_config": str(ws_config(n, m, k, gpu(0))), "weight_copies": copies}
+            row = {"m": m, "k": k, "n": n, "ws_config": str(ws_config(n, m, k, sms)), "weight_copies": copies}
             for name, rs in runs.items():
                 for key in ("ms", "mhz", "watts"):
                     row[f"{name}_{key}"] = statistics.median(r[key] for r in rs)

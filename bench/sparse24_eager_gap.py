@@ -247,12 +247,12 @@ def tile_sequence_study(shapes, calls: int, top: int, blocks: int = 6) -> list[d
     from torch.profiler import ProfilerActivity, profile
 
     from kernelplan.kernels import raw_stream
-    from kernelplan.kernels.nvrtc import gpu
+    from kernelplan.kernels.sparse24 import sm_count
     from kernelplan.kernels.sparse24_sp import _tiled
     from kernelplan.kernels.sparse24_ws import _launcher, rule_order, tile_cost, ws_candidates, ws_config
 
     dev = torch.device("cuda")
-    sms = gpu(0).sms
+    sms = sm_count(0)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     kernel = WsKernel()
     rows = []
@@ -262,7 +262,7 @@ def tile_sequence_study(shapes, calls: int, top: int, blocks: int = 6) -> list[d
         tiled = [_tiled(c.values, c.metadata) for c in w24s]
         y = torch.empty(n, m, device=dev, dtype=torch.bfloat16)
         want = F.linear(x, w).float()
-        rule = ws_config(n, m, k, gpu(0))
+        rule = ws_config(n, m, k, sms)
         ranked = [c for c in sorted(ws_candidates(n, m, k), key=lambda c: rule_order(c, n, m, k, sms))
                   if not c.pp and c != rule]
         others = [c for c in ranked if c.wm == 3][:1] + [c for c in ranked if c.wm < 3][:top]

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from kernelplan.bench import results
 from kernelplan.errors import KernelPlanError
 from kernelplan.kernels import raw_stream, sparse24_ws
-from kernelplan.kernels.nvrtc import gpu
+from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_sp import SM_SHARED, _tiled
 from kernelplan.sparse24 import compress, prune
 from sparse24_wg_tiles import L2_BYTES, graph_ms
@@ -133,7 +133,7 @@ def main() -> int:
     modes = {"full": MODES["full"]} if a.full_only else dict(MODES)
     for d in a.define:  # NAME=VALUE[,NAME=VALUE...]: one build with all of them
         modes[f"full_{d}"] = dict(kv.split("=") for kv in d.split(","))
-    sms = gpu(0).sms
+    sms = sm_count(0)
     sensor = Sensor()
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape] if a.shape else SHAPES
     rows = []
@@ -150,7 +150,7 @@ def main() -> int:
             y = torch.empty(n, m, device="cuda", dtype=torch.bfloat16)
             want = F.linear(x, ws[0]).float()
             cost = lambda c: sparse24_ws.tile_cost(c, n, m, k, sms)
-            rule = sparse24_ws.ws_config(n, m, k, gpu(0))
+            rule = sparse24_ws.ws_config(n, m, k, sms)
             tiles = list(dict.fromkeys([rule] + sorted(sparse24_ws.ws_candidates(n, m, k), key=cost)))[: a.top]
             calls = max(20, min(400, int(2e-3 * 7e14 / (2 * m * k * n))))  # rounds of about 2 ms: NVML reads
             for cfg in tiles:

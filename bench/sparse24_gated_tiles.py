@@ -20,7 +20,7 @@ import torch
 from kernelplan.bench import results
 from kernelplan.timing import graph_us
 from kernelplan.kernels import raw_stream
-from kernelplan.kernels.nvrtc import gpu
+from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_sp import _tiled
 from kernelplan.kernels.sparse24_ws import WsKernel, gated_tile, rule_order, ws_candidates, ws_config
 from kernelplan.sparse24.format import prune_compress
@@ -35,7 +35,7 @@ def main() -> int:
     ap.add_argument("--tiles", type=int, default=5, help="gated tiles per problem, the rule's least cost first")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    sms, kernel, rows = gpu(0).sms, WsKernel(), []
+    sms, kernel, rows = sm_count(0), WsKernel(), []
     torch.manual_seed(0)
     with torch.inference_mode():
         for n, m, k in PROBLEMS:
@@ -54,7 +54,7 @@ def main() -> int:
 
             gated = sorted((c for c in ws_candidates(n, m, k) if gated_tile(c)),
                            key=lambda c: rule_order(c, n, m, k, sms))[:a.tiles]
-            plain_pick, gated_pick = ws_config(n, m, k, gpu(0)), ws_config(n, m, k, gpu(0), gated=True)
+            plain_pick, gated_pick = ws_config(n, m, k, sms), ws_config(n, m, k, sms, gated=True)
             tiles = {}
             for cfg in dict.fromkeys([*gated, gated_pick]):
                 tiles[str(cfg)] = {"gated_us": graph_us(run(cfg, "gated_silu_first")), "plain_us": graph_us(run(cfg, None))}

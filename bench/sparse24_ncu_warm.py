@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernelplan.bench.sweep import copies_past_l2
-from kernelplan.kernels.nvrtc import gpu
+from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_ws import WsKernel, ws_config
 from kernelplan.sparse24 import compress, prune
@@ -43,7 +43,7 @@ def main() -> None:
     if not err < 1e-2:
         raise SystemExit(f"cuda_ws relative error {err:.3g}")
     torch.cuda.synchronize()
-    print(f"{a.m}x{a.k} n={a.n}: {ws_config(a.n, a.m, a.k, gpu(0))}, {copies} weight copies", flush=True)
+    print(f"{a.m}x{a.k} n={a.n}: {ws_config(a.n, a.m, a.k, sm_count(0))}, {copies} weight copies", flush=True)
     for i in range(a.warm + 1):  # the check's launch above is the first of the kernel's
         F.linear(x, ws[i % copies])
         c = w24s[i % copies]

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from kernelplan.bench import results
 from kernelplan.bench.sweep import copies_past_l2
 from kernelplan.kernels import raw_stream
-from kernelplan.kernels.nvrtc import gpu
+from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_sp import _tiled
 from kernelplan.kernels.sparse24_ws import ws_config
 from kernelplan.sparse24 import compress, prune
@@ -44,7 +44,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    sms = gpu(0).sms
+    sms = sm_count(0)
     rows = []
     print("us: the graph's time a call | the last launch: span (first entry to last exit), CTAs' entry spread, "
           "then each phase's median over the CTAs | gap: the previous launch's last exit to this one's first entry",
@@ -56,7 +56,7 @@ def main() -> int:
         ws = [w0] + [prune(torch.randn(m, k, device="cuda")).bfloat16() for _ in range(copies - 1)]
         tiled = [_tiled(w24.values, w24.metadata) for w24 in map(compress, ws)]
         for n in a.batch:
-            cfg = ws_config(n, m, k, gpu(0))
+            cfg = ws_config(n, m, k, sms)
             if cfg.pp or cfg.sk:
                 print(f"{m}x{k} n={n}: the rule's tile {cfg} is persistent; the probe marks sparse24_ws.cu only")
                 continue

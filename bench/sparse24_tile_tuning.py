@@ -45,14 +45,14 @@ def main() -> int:
     a = ap.parse_args()
     dtype = torch.bfloat16
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape] if a.shape else list(sweep_shapes())
-    from kernelplan.kernels.nvrtc import gpu
+    from kernelplan.kernels.sparse24 import sm_count
     from kernelplan.sparse24.dispatch import backend_for
 
     t0 = time.perf_counter()  # every variant first, in threads: per shape, the tuning then only times
-    sms, cap = gpu(0).sms, torch.cuda.get_device_capability(0)
+    sms, cap = sm_count(0), torch.cuda.get_device_capability(0)
     tiles.compile_all([(c, "bf16", None) for m, k in shapes for n in a.batch
                        for backend in [backend_for(cap, n, m, k, "bf16")] if backend in tiles.OPS
-                       for c in tiles.candidates(n, m, k, gpu(0), False, a.top, backend)], 0)
+                       for c in tiles.candidates(n, m, k, sms, False, a.top, backend)], 0)
     compile_s = time.perf_counter() - t0
     rows, tune_s = [], 0.0
     for shape in shapes:

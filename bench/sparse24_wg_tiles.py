@@ -28,11 +28,10 @@ import torch.nn.functional as F
 from kernelplan.activations import GATED_EPILOGUES, epilogue_columns
 from kernelplan.bench import results
 from kernelplan.kernels import raw_stream
-from kernelplan.kernels.nvrtc import gpu
+from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_sp import _tiled
 from kernelplan.kernels import sparse24_wg, sparse24_ws
 from kernelplan.sparse24 import compress, prune
-from kernelplan.sparse24.dispatch import config_for
 from kernelplan.sparse24.plan import gated_reason
 
 SHAPES = [(4096, 4096), (4608, 3584), (3584, 18944), (28672, 4096), (8192, 8192), (8192, 28672), (3072, 3072),
@@ -112,12 +111,13 @@ def main() -> int:
         ap.error("--gated runs on --kernel ws only")
     epilogue = "gated_silu_first" if a.gated else None
     dtype = torch.bfloat16
-    card = gpu(0)
-    sms = card.sms
+    sms = sm_count(0)
     module = {"wg": sparse24_wg, "ws": sparse24_ws}[a.kernel]
     kernel = module.WgKernel() if a.kernel == "wg" else module.WsKernel()
-    candidates, _launcher = getattr(module, f"{a.kernel}_candidates"), module._launcher
-    rule_config = lambda n, m, k: config_for(f"cuda_{a.kernel}", n, m, k, card, a.gated)  # noqa: E731
+    candidates, rule_config, _launcher = getattr(module, f"{a.kernel}_candidates"), \
+        getattr(module, f"{a.kernel}_config"), module._launcher
+    if a.gated:
+        rule_config = functools.partial(rule_config, gated=True)
     if a.kernel == "ws" and a.unicast_pairs is not None:
         candidates = functools.partial(_unicast_pair, a.unicast_pairs, sms, a.gated)
     elif a.gated:
@@ -184,7 +184,7 @@ def main() -> int:
                 for name in list(fns) if r == 0 else list(fns)[::-1]:
                     times[name] += graph_ms(fns[name], calls, a.rounds)
             med = {name: statistics.median(t) for name, t in times.items()}
-            rule = str(rule_config(n, m, k))
+            rule = str(rule_config(n, m, k, sms))
             best = min((nm for nm in med if nm != "dense"), key=med.get, default=None)
             row = {"m": m, "k": k, "n": n, "dense_ms": med["dense"], "tiles_ms": {nm: med[nm] for nm in med
                                                                                    if nm != "dense"},

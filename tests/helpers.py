@@ -5,12 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernelplan.kernels.nvrtc import Gpu
-
-# The tile rules' view of the two Hopper GPUs the benches ran on (kernels/nvrtc.py's Gpu): 132 SMs each; memory clock
-# and bus width as the H200's driver gives them, and from the H100's data sheet.
-H100, H200 = Gpu.of(132, 2619000, 5120), Gpu.of(132, 3201000, 6016)
-
 # Floors added to "2 x the same-dtype torch error", relative to max |oracle|.
 # Forward and backward are kept apart: backward chains more roundings.
 FWD_ATOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}

@@ -238,7 +238,6 @@ def test_a_tile_tuned_on_one_device_is_taken_there_alone(tmp_path, monkeypatch, 
     at n = 128, cuda_sp at n = 4) is launched by a layer on that device, against fp64, while the same layer on the
     other device keeps the rule's tile."""
     from kernelplan.sparse24 import tiles
-    from kernelplan.kernels import nvrtc
     from kernelplan.sparse24.dispatch import backend_for, config_for
     from test_sparse24_tiles import _tile_of_last_launch
 
@@ -263,8 +262,8 @@ def test_a_tile_tuned_on_one_device_is_taken_there_alone(tmp_path, monkeypatch, 
         tiles.clear_tuned_tiles()
         for n, m, k in ((128, 3072, 3072), (4, 28672, 1024)):
             backend = backend_for((9, 0), n, m, k, "f16")
-            rule = config_for(backend, n, m, k, nvrtc.gpu(0))
-            other = next(c for c in tiles.candidates(n, m, k, nvrtc.gpu(1), False, backend=backend) if c != rule)
+            rule = config_for(backend, n, m, k, torch.cuda.get_device_properties(0).multi_processor_count)
+            other = next(c for c in tiles.candidates(n, m, k, 132, False, backend=backend) if c != rule)
             tiles._TUNED[(1, backend, m, k, tiles.run_of(n), False)] = other
             for index, want in ((1, other), (0, rule)):
                 dev = torch.device("cuda", index)

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import kernelplan as kp
-from helpers import H100
 from kernelplan.bench.shapes import sweep_shapes
 from kernelplan.kernels.sparse24_sp import SpConfig, _tiled, sp_candidates, sp_config
 from test_sparse24_triton import check_backend
@@ -188,7 +187,7 @@ def test_the_kernel_fits_its_tile_to_the_devices_shared_memory(monkeypatch):
     from kernelplan.kernels import sparse24_sp
     from kernelplan.kernels.sparse24_sp import SpKernel, fit_shared
 
-    monkeypatch.setattr(sparse24_sp, "gpu", lambda device: H100)
+    monkeypatch.setattr(sparse24_sp, "sm_count", lambda device: 132)
     monkeypatch.setattr(sparse24_sp, "shared_per_block", lambda device: ADA_SHARED)
     assert SpKernel().config(64, 8192, 8192, 0) == fit_shared(sp_config(64, 8192, 8192, 132), ADA_SHARED)
 

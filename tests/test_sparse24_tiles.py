@@ -10,10 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import kernelplan as kp
-from helpers import FWD_ATOL, H100, assert_close, sm90
+from helpers import FWD_ATOL, assert_close, sm90
 from kernelplan.bench.shapes import sweep_shapes
 from kernelplan.errors import InvalidProblem
-from kernelplan.kernels import nvrtc
 from kernelplan.sparse24 import tiles
 from kernelplan.kernels.sparse24_sp import SM_SHARED, SpConfig, SpKernel, sp_candidates, sp_config
 from kernelplan.kernels.sparse24_ws import WsConfig, WsKernel, gated_tile, ws_candidates, ws_config
@@ -34,8 +33,8 @@ def _untuned():
 def test_candidates_start_with_the_rules_pick_and_stay_in_its_space(gated):
     for m, k in list(sweep_shapes())[::3]:
         for n in (17, 64, 128, 200, 512, 2048):
-            cands = tiles.candidates(n, m, k, H100, gated, top=5)
-            assert cands[0] == ws_config(n, m, k, H100, gated)
+            cands = tiles.candidates(n, m, k, SMS, gated, top=5)
+            assert cands[0] == ws_config(n, m, k, SMS, gated)
             assert len(cands) == len(set(cands)) <= 5
             assert set(cands) <= set(ws_candidates(n, m, k))
             assert not gated or all(gated_tile(c) for c in cands)
@@ -46,7 +45,7 @@ def test_sp_candidates_start_with_the_rules_pick_and_are_tiles_the_kernel_runs()
         for n in (1, 8, 9, 16, 33, 64):
             cands = sp_candidates(n, m, k, SMS)
             assert cands[0] == sp_config(n, m, k, SMS) and len(cands) == len(set(cands)) >= 4
-            assert tiles.candidates(n, m, k, H100, True, 3, "cuda_sp") == cands[:3]  # gated or not: all gated-capable
+            assert tiles.candidates(n, m, k, SMS, True, 3, "cuda_sp") == cands[:3]  # gated or not: all gated-capable
             for c in cands:
                 assert c.n_tiles * 8 >= n > c.n_tiles * 4 or (n <= 8 and c.n_tiles == 1)
                 assert (k // 64) % c.k_warps == 0 and c.threads <= 512 and c.shared <= SM_SHARED - 1024
@@ -104,23 +103,23 @@ def test_a_stored_choice_holds_only_under_todays_rule_and_candidates():
 def test_the_kernel_takes_a_tuned_tile_for_the_run_of_n_and_the_rule_elsewhere(monkeypatch):
     from kernelplan.kernels import sparse24_sp, sparse24_wg
 
-    monkeypatch.setattr(sparse24_wg, "gpu", lambda device: H100)
-    monkeypatch.setattr(sparse24_sp, "gpu", lambda device: H100)
+    monkeypatch.setattr(sparse24_wg, "sm_count", lambda device: SMS)
+    monkeypatch.setattr(sparse24_sp, "sm_count", lambda device: SMS)
     monkeypatch.setattr(sparse24_sp, "shared_per_block", lambda device: 227 * 1024)  # Hopper's
     sp_other = sp_candidates(8, 28672, 4096, SMS)[3]
     tiles._TUNED[(0, "cuda_sp", 28672, 4096, tiles.run_of(8), False)] = sp_other
     assert SpKernel().config(1, 28672, 4096, 0) == sp_other and SpKernel().config(9, 28672, 4096, 0) != sp_other
-    assert WsKernel().config(8, 28672, 4096, 0) == ws_config(8, 28672, 4096, H100)  # a backend's choice is its own
+    assert WsKernel().config(8, 28672, 4096, 0) == ws_config(8, 28672, 4096, SMS)  # a backend's choice is its own
     m, k = 3584, 3584
-    other = tiles.candidates(128, m, k, H100, False)[2]
+    other = tiles.candidates(128, m, k, SMS, False)[2]
     tiles._TUNED[(0, "cuda_ws", m, k, tiles.run_of(128), False)] = other
     kernel = WsKernel()
     assert kernel.config(128, m, k, 0) == kernel.config(121, m, k, 0) == other
-    assert kernel.config(129, m, k, 0) == ws_config(129, m, k, H100)  # the next run
-    assert kernel.config(128, m, k, 1) == ws_config(128, m, k, H100)  # another device
-    assert kernel.config(128, m, k, 0, "gated_silu_first") == ws_config(128, m, k, H100, True)  # gated is apart
+    assert kernel.config(129, m, k, 0) == ws_config(129, m, k, SMS)  # the next run
+    assert kernel.config(128, m, k, 1) == ws_config(128, m, k, SMS)  # another device
+    assert kernel.config(128, m, k, 0, "gated_silu_first") == ws_config(128, m, k, SMS, True)  # gated is apart
     tiles.clear_tuned_tiles()
-    assert kernel.config(128, m, k, 0) == ws_config(128, m, k, H100)
+    assert kernel.config(128, m, k, 0) == ws_config(128, m, k, SMS)
 
 
 def test_drop_launches_empties_every_live_weights_launch_tables():
@@ -254,9 +253,9 @@ def test_a_tuned_tile_reaches_a_layer_called_before_and_matches_fp64(n, m, k, se
     assert backend == ("cuda_sp" if n == 3 else "cuda_ws")
     with torch.inference_mode():
         layer(x)
-        rule = config_for(backend, 2 * n, m, k, nvrtc.gpu(0))
+        rule = config_for(backend, 2 * n, m, k, torch.cuda.get_device_properties(0).multi_processor_count)
         assert _tile_of_last_launch(layer) == {str(rule)}
-        other = next(c for c in tiles.candidates(2 * n, m, k, nvrtc.gpu(0), False, backend=backend) if c != rule)
+        other = next(c for c in tiles.candidates(2 * n, m, k, 132, False, backend=backend) if c != rule)
         tiles._TUNED[(0, backend, m, k, tiles.run_of(2 * n), False)] = other
         tiles._drop_launches()
         y = layer(x)
@@ -269,8 +268,8 @@ def test_a_tuned_tile_reaches_a_layer_called_before_and_matches_fp64(n, m, k, se
 def test_a_tuned_tile_replays_in_a_cuda_graph(seed):
     m, k, n = 3072, 3072, 128
     layer, dense = _layer(m, k)
-    rule = ws_config(n, m, k, nvrtc.gpu(0))
-    other = next(c for c in tiles.candidates(n, m, k, nvrtc.gpu(0), False) if c != rule)
+    rule = ws_config(n, m, k, 132)
+    other = next(c for c in tiles.candidates(n, m, k, 132, False) if c != rule)
     tiles._TUNED[(0, "cuda_ws", m, k, tiles.run_of(n), False)] = other
     x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
@@ -330,16 +329,17 @@ def test_the_warmup_command_tunes_once_and_a_second_run_reads_the_stored_choice(
 
 @pytest.fixture
 def fake_hopper(monkeypatch, tmp_path):
-    """tune_tiles on a CPU machine: capability 9.0, an H100 (132 SMs), a plan cache in tmp_path, and ``_measure`` replaced by a
+    """tune_tiles on a CPU machine: capability 9.0, 132 SMs, a plan cache in tmp_path, and ``_measure`` replaced by a
     script: ``timed`` lists each call's (n, m, k, candidates); the tile named by ``faster[(m, k, n)]`` reads 0.8 of
     the rule's time, every other one 1.0."""
     from kernelplan import cache, kernels
+    from kernelplan.kernels import sparse24 as kernels_sparse24
 
     monkeypatch.setenv("KERNELPLAN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
-    monkeypatch.setattr(nvrtc, "gpu", lambda index: H100)
+    monkeypatch.setattr(kernels_sparse24, "sm_count", lambda index: SMS)
     monkeypatch.setattr(kernels, "on_device", lambda index: __import__("contextlib").nullcontext())
     monkeypatch.setattr(kernels, "stream_capturing", lambda: False)
     monkeypatch.setattr(cache, "environment_fingerprint", lambda device="cpu": {"gpu": "fake H100", "device": device})
@@ -357,7 +357,7 @@ def fake_hopper(monkeypatch, tmp_path):
 
 def test_tune_tiles_returns_a_choice_per_shape_and_n_and_applies_it(fake_hopper):
     m, k = 3584, 3584
-    other = tiles.candidates(128, m, k, H100, False)[4]
+    other = tiles.candidates(128, m, k, SMS, False)[4]
     fake_hopper["faster"][(m, k, 128)] = other
     tall = 57344, 8192  # n <= 8 on it: the rule runs cuda_sp
     assert backend_for((9, 0), 8, *tall, "bf16") == "cuda_sp"
@@ -367,7 +367,7 @@ def test_tune_tiles_returns_a_choice_per_shape_and_n_and_applies_it(fake_hopper)
     assert [(c.m, c.n) for c in got] == [(m, 8), (m, 128), (tall[0], 8), (tall[0], 128), (1024, 8), (1024, 128)]
     by = {(c.m, c.n): c for c in got}  # shapes in order, n ascending
     assert by[(m, 128)].tile == other and by[(m, 128)].gain == pytest.approx(1.25)
-    assert by[(m, 8)].tile == by[(m, 8)].rule == ws_config(8, m, k, H100) and by[(m, 8)].gain == 1.0
+    assert by[(m, 8)].tile == by[(m, 8)].rule == ws_config(8, m, k, SMS) and by[(m, 8)].gain == 1.0
     assert by[(tall[0], 8)].rule == sp_config(8, *tall, SMS) and by[(tall[0], 8)].tile == sp_other
     assert tiles.tuned_tile(0, 5, *tall, False, "cuda_sp") == sp_other and tiles.tuned_tile(0, 5, *tall, False) is None
     assert by[(1024, 8)].tile is None and "K = 200" in by[(1024, 8)].reason  # the Triton kernel's: no tiles
@@ -380,7 +380,7 @@ def test_tune_tiles_returns_a_choice_per_shape_and_n_and_applies_it(fake_hopper)
 
 def test_a_second_tuning_reads_the_store_and_a_stale_entry_is_measured_again(fake_hopper, monkeypatch):
     m, k = 3072, 3072
-    other = tiles.candidates(128, m, k, H100, False)[2]
+    other = tiles.candidates(128, m, k, SMS, False)[2]
     fake_hopper["faster"][(m, k, 128)] = other
     kp.sparse24.tune_tiles([(m, k)], [128])
     tiles.clear_tuned_tiles()
@@ -388,7 +388,7 @@ def test_a_second_tuning_reads_the_store_and_a_stale_entry_is_measured_again(fak
     assert len(fake_hopper["timed"]) == 1 and again[0].source == "stored" and again[0].tile == other
     assert again[0].gain == pytest.approx(1.25) and tiles.tuned_tile(0, 128, m, k, False) == other
     # Under a rule that picks another tile today the stored choice is stale: measured again.
-    today = tiles.candidates(128, m, k, H100, False)
+    today = tiles.candidates(128, m, k, SMS, False)
     monkeypatch.setattr(tiles, "candidates", lambda *a, **kw: today[1:] + today[:1])
     stale = kp.sparse24.tune_tiles([(m, k)], [128])
     assert len(fake_hopper["timed"]) == 2 and stale[0].source == "measured"

@@ -18,13 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernelplan as kp
-from helpers import FWD_ATOL, H100, H200, assert_close, sm90
+from helpers import FWD_ATOL, assert_close, sm90
 from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_sp import SM_SHARED, SP_LAYOUT
 from kernelplan.kernels.sparse24_wg import INSTRUCTION_N
-from kernelplan.kernels.nvrtc import Gpu
-from kernelplan.kernels.sparse24_ws import (SPLIT_MAX_N, WsConfig, WsKernel, gated_tile, multicast_min_waves,
+from kernelplan.kernels.sparse24_ws import (MULTICAST_MIN_WAVES, SPLIT_MAX_N, WsConfig, WsKernel, gated_tile,
                                            multicast_pays, push_pays, resident, rule_order, tile_cost, ws_candidates,
                                            ws_config)
 from kernelplan.sparse24.dispatch import wide_weight
@@ -32,17 +31,11 @@ from kernelplan.sparse24.dispatch import wide_weight
 gpu = pytest.mark.gpu
 
 
-# H100s of fewer SMs stand for the Hopper parts of 78 (H20) and 114 (PCIe) SMs
-GPUS = {"h100": H100, "h200": H200, "114": H100._replace(sms=114), "78": H100._replace(sms=78)}
-
-
-@pytest.mark.parametrize("card", GPUS.values(), ids=GPUS.keys())
-def test_tile_rule_fits_every_sweep_shape_and_batch(card):
-    sms = card.sms
-    waves = 16 if card == H200 else 2  # x multicast without a K split past this many waves (docs/design/0054, 0055)
+@pytest.mark.parametrize("sms", [78, 114, 132])
+def test_tile_rule_fits_every_sweep_shape_and_batch(sms):
     for (m, k) in sweep_shapes():
         for n in BATCH_SIZES + (3, 33, 200, 1000):
-            picked = ws_config(n, m, k, card)
+            picked = ws_config(n, m, k, sms)
             cfg = replace(picked, push=True)  # the candidates' form; push only where it costs no wave
             assert picked.push == push_pays(cfg, n, m, sms), (m, k, n)
             cands = ws_candidates(n, m, k)
@@ -54,7 +47,7 @@ def test_tile_rule_fits_every_sweep_shape_and_batch(card):
             tied = [c for c in cands if tile_cost(c, n, m, k, sms) == least]
             # least cost; ties to ping-pong, then to x multicast to 2 CTAs where x's tile has 128 rows or more
             want = min(tied, key=lambda c: (not c.pp, c.bn >= 128 and c.cm != 2))
-            if want.kc == 1 and want.cm > 1 and math.prod(want.grid(n, m)) <= waves * sms:
+            if want.kc == 1 and want.cm > 1 and math.prod(want.grid(n, m)) <= 2 * sms:  # x multicast past 2 waves
                 want = replace(want, cm=1)
             assert cfg == want, (m, k, n)
             assert cfg.shared <= SM_SHARED and cfg.stages >= 3 and cfg.stage_bytes % 1024 == 0, (n, m, k, cfg)
@@ -67,33 +60,21 @@ def test_tile_rule_fits_every_sweep_shape_and_batch(card):
 
 @settings(max_examples=300, deadline=None)
 @given(n=st.integers(1, 8192), m=st.integers(1, 4096).map(lambda v: 32 * v),
-       k=st.integers(1, 1024).map(lambda v: 64 * v), card=st.sampled_from(list(GPUS.values())), gated=st.booleans())
-def test_the_rule_multicasts_x_without_a_k_split_only_past_the_gpus_waves(n, m, k, card, gated):
-    """Any shape (docs/design/0054, 0055): the pick is a tile of the rule's space, multicasts x without splitting K
-    only in a grid of more than the GPU's multicast_min_waves waves, and is otherwise the least-cost tile itself."""
-    picked, sms, waves = ws_config(n, m, k, card, gated), card.sms, multicast_min_waves(card)
+       k=st.integers(1, 1024).map(lambda v: 64 * v), sms=st.sampled_from([78, 114, 132]), gated=st.booleans())
+def test_the_rule_multicasts_x_without_a_k_split_only_past_two_waves(n, m, k, sms, gated):
+    """Any shape (docs/design/0054): the pick is a tile of the rule's space, multicasts x without splitting K only in
+    a grid of more than MULTICAST_MIN_WAVES waves, and is otherwise the least-cost tile itself."""
+    picked = ws_config(n, m, k, sms, gated)
     cfg = replace(picked, push=True)
     cands = ws_candidates(n, m, k)
     assert cfg in cands and (not gated or gated_tile(cfg))
-    assert multicast_pays(cfg, n, m, card)
+    assert multicast_pays(cfg, n, m, sms)
     if cfg.cm > 1 and cfg.kc == 1:
-        assert math.prod(cfg.grid(n, m)) > waves * sms
+        assert math.prod(cfg.grid(n, m)) > MULTICAST_MIN_WAVES * sms
     if gated or not (n <= SPLIT_MAX_N and wide_weight(m, k)):  # else the small-n K-split tile, not by cost
         least = min((c for c in cands if not gated or gated_tile(c)), key=lambda c: rule_order(c, n, m, k, sms))
         assert cfg in (least, replace(least, cm=1))
-        assert cfg == least or math.prod(least.grid(n, m)) <= waves * sms
-
-
-def test_x_multicast_waits_for_more_waves_on_the_faster_dram():
-    """The H100 multicasts x past 2 waves, the H200 past 16 (sparse24-ws-unicast-*.json; docs/design/0055), and a
-    GPU's threshold never falls as its DRAM gets faster."""
-    assert multicast_min_waves(H100) == 2 and multicast_min_waves(H200) == 16
-    steps = [multicast_min_waves(Gpu(132, tb * 1e12)) for tb in (0.5, 2.0, 3.35, 3.99, 4.0, 4.81, 8.0)]
-    assert steps == sorted(steps) == [2, 2, 2, 2, 16, 16, 16]
-    # Llama-3-8B's gate and up at n = 1024: 4 x 224 CTAs (x's 256 rows, W's 128), 6.8 waves of 132: x shared by 2 on
-    # the H100 alone
-    n, m, k = 1024, 28672, 4096
-    assert ws_config(n, m, k, H100).cm == 2 and ws_config(n, m, k, H200) == replace(ws_config(n, m, k, H100), cm=1)
+        assert cfg == least or math.prod(least.grid(n, m)) <= MULTICAST_MIN_WAVES * sms
 
 def test_shared_memory_holds_the_ring_the_partial_sums_and_the_barriers():
     cfg = WsConfig(bn=256, wm=2, stages=5)
@@ -516,7 +497,7 @@ def test_tiles_of_192_rows_fit_and_the_rule_picks_them_where_they_fill_the_sms()
         assert all(c.bn * 3 <= 256 and c.threads == 384 if c.pp else c.bn <= 192 and c.threads == 512 for c in wide)
     assert {c.bn for c in ws_candidates(4096, 4608, 3584) if c.wm == 3 and not c.pp} == {64, 128}
     assert {c.bn for c in ws_candidates(4096, 4608, 3584) if c.wm == 3 and c.pp} == {64}
-    assert ws_config(512, 4608, 3584, H100).wm == 3
+    assert ws_config(512, 4608, 3584, 132).wm == 3
 
 
 def test_narrow_tiles_of_x_only_where_k_is_short_and_with_one_block_of_w():
@@ -526,9 +507,9 @@ def test_narrow_tiles_of_x_only_where_k_is_short_and_with_one_block_of_w():
     assert {c.bn for c in narrow} == {16, 32} and all(c.wm == 1 for c in narrow)
     assert min(c.bn for c in ws_candidates(128, 1024, 17 * 64)) == 64  # 17 K steps: none
     assert any(c.wm > 1 for c in ws_candidates(32, 1024, 1024) if c.bn == 32)  # n = 32: 32 rows is not narrow
-    assert ws_config(64, 1024, 1024, H100).bn == 16 and ws_config(64, 768, 768, H100).bn == 16
-    assert ws_config(64, 1024, 4096, H100).bn == 64  # long K: split across a cluster instead
-    assert ws_config(512, 4096, 1024, H100).bn >= 64  # many CTAs already
+    assert ws_config(64, 1024, 1024, 132).bn == 16 and ws_config(64, 768, 768, 132).bn == 16
+    assert ws_config(64, 1024, 4096, 132).bn == 64  # long K: split across a cluster instead
+    assert ws_config(512, 4096, 1024, 132).bn >= 64  # many CTAs already
 
 
 class _Maps:
@@ -661,12 +642,12 @@ def test_the_pushed_sums_buffer_never_costs_the_grid_a_wave():
     assert resident(WsConfig(16, 2, 1, 2, 8)) == resident(WsConfig(64, 3, 1, 1, 7, pp=True)) == 1
     assert not push_pays(tile, 16, 4096, 132) and push_pays(tile, 16, 3584, 132)
     for n in (1, 8, 16):
-        assert ws_config(n, 4096, 14336, H100) == replace(tile, push=False) and ws_config(n, 3584, 14336, H100) == tile
+        assert ws_config(n, 4096, 14336, 132) == replace(tile, push=False) and ws_config(n, 3584, 14336, 132) == tile
     off = replace(tile, push=False)
     assert off.recv_bytes == 0 and repr(off).endswith(", push=False)") and "push" not in repr(tile)
     for n in (1, 16, 64, 256):  # the rule turns the push off on K-split tiles without multicast alone
         for m, k in ((1024, 4096), (4096, 4096), (8192, 8192), (3584, 18944), (4096, 14336)):
-            cfg = ws_config(n, m, k, H100)
+            cfg = ws_config(n, m, k, 132)
             assert cfg.push or (cfg.kc > 1 and cfg.cm == 1), cfg
 
 

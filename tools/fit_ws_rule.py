@@ -29,55 +29,32 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kernelplan.kernels.nvrtc import Gpu  # noqa: E402
 from kernelplan.kernels.sparse24_ws import WEIGHTS, RuleWeights, WsConfig, rule_pick, ws_candidates  # noqa: E402
 
 STEPS = (0.5, 0.7, 0.85, 1.18, 1.4, 2.0)
 BETWEEN = "--between" in sys.argv  # the rule's space with ws_candidates' between tiles
 
 
-# Memory clock (kHz) and bus width (bits) of the GPUs that timed tables before results recorded the driver's
-# attributes (``results.gpu_attributes``): the H200's as its driver gave them; the H100's from its data sheet.
-DRAM_BY_DEVICE = {"NVIDIA H100 80GB HBM3": (2619000, 5120), "NVIDIA H200": (3201000, 6016)}
-
-
-def table_gpu(meta: dict) -> Gpu:
-    """The GPU a results file was timed on, as the rule sees it (``nvrtc.gpu``): from the driver's attributes it
-    recorded, else by its device's name."""
-    attrs = meta.get("gpu", {})
-    if "memory_clock_khz" in attrs:
-        return Gpu.of(attrs["sms"], attrs["memory_clock_khz"], attrs["memory_bus_bits"])
-    if meta.get("device") not in DRAM_BY_DEVICE:
-        raise SystemExit(f"device {meta.get('device')!r} recorded no DRAM attributes and is not in DRAM_BY_DEVICE: "
-                         f"add its memory clock and bus width there")
-    return Gpu.of(meta.get("sms", 132), *DRAM_BY_DEVICE[meta["device"]])
-
-
 def problems(path: str):
     data = json.loads(Path(path).read_text())
-    gpu = table_gpu(data["meta"])
+    sms = data["meta"]["sms"]
     out = []
     for row in data["rows"]:
         times = row.get("tiles_ms")
         if not times or not next(iter(times)).startswith("WsConfig"):  # a tuning bench's row (sparse24_tile_tuning.py)
             continue  # the rule gave another kernel, or cuda_sp's tiles were tuned: not this rule's
         cands = ws_candidates(row["n"], row["m"], row["k"], between=BETWEEN)
-        out.append((row["n"], row["m"], row["k"], gpu, cands, [times.get(str(c)) for c in cands],
+        out.append((row["n"], row["m"], row["k"], sms, cands, [times.get(str(c)) for c in cands],
                     min(times.values())))
     return out
 
 
-def sweep_pairs(paths: list[str]):
-    """The problems two or more sweeps, all on one GPU, timed with different tiles: (n, m, k, the GPU, the rule's
-    space, times / dense (None: untimed), best)."""
+def sweep_pairs(paths: list[str], sms: int = 132):
+    """The problems two or more sweeps timed with different tiles: (n, m, k, sms, the rule's space, times / dense
+    (None: untimed), best)."""
     seen: dict = {}
-    sweeps = [json.loads(Path(path).read_text()) for path in paths]
-    gpus = {table_gpu(s.get("meta", s)) for s in sweeps}  # a sweep's metadata is its top level
-    if len(gpus) != 1:
-        raise SystemExit(f"--sweep: the sweeps ran on {len(gpus)} GPUs ({sorted(gpus)}); give one GPU's")
-    gpu = gpus.pop()
-    for sweep in sweeps:
-        for row in sweep["rows"]:
+    for path in paths:
+        for row in json.loads(Path(path).read_text())["rows"]:
             if row.get("ws_config") and row.get("cuda_ws_ms"):
                 cfg = eval(row["ws_config"], {"WsConfig": WsConfig})  # the sweep's own repr of a WsConfig
                 seen.setdefault((row["n"], row["m"], row["k"]), {})[cfg] = row["cuda_ws_ms"] / row["dense_ms"]
@@ -85,7 +62,7 @@ def sweep_pairs(paths: list[str]):
     for (n, m, k), tiles in seen.items():
         if len(tiles) > 1:
             cands = ws_candidates(n, m, k, between=BETWEEN)
-            out.append((n, m, k, gpu, cands, [tiles.get(c) for c in cands], min(tiles.values())))
+            out.append((n, m, k, sms, cands, [tiles.get(c) for c in cands], min(tiles.values())))
     return out
 
 
@@ -96,9 +73,9 @@ def ratios(w: RuleWeights, table, unicast: bool = False, waves: float = math.inf
     ``waves`` waves of CTAs moved to the same tile with cm = 1, where the table timed it: what the rule would gain by
     not multicasting there too (docs/design/0039, 0053, 0054)."""
     out = []
-    for n, m, k, gpu, cands, times, best in table:
-        pick = rule_pick(cands, n, m, k, gpu, w)
-        if unicast and pick.kc == 1 and pick.cm in cms and math.prod(pick.grid(n, m)) <= waves * gpu.sms:
+    for n, m, k, sms, cands, times, best in table:
+        pick = rule_pick(cands, n, m, k, sms, w)
+        if unicast and pick.kc == 1 and pick.cm in cms and math.prod(pick.grid(n, m)) <= waves * sms:
             one = dataclasses.replace(pick, cm=1)
             pick = one if one in cands and times[cands.index(one)] is not None else pick
         t = times[cands.index(pick)] if pick in cands else None
@@ -128,16 +105,16 @@ def report(w: RuleWeights, table) -> list[str]:
         lines.append(f"{n} | {statistics.mean(at):.3f} | {max(at):.3f} | {sum(x > 1.05 for x in at)}")
     lines += [f"miss {x:.3f}: {m}x{k} n = {n}" for x, n, m, k in sorted(misses, reverse=True)[:3]]
     pairs = []  # (waves of the grid, the multicast tile, its time over the same tile's without multicast)
-    for n, m, _, gpu, cands, times, _ in table:
+    for n, m, _, sms, cands, times, _ in table:
         at = {c: t for c, t in zip(cands, times) if t is not None}
-        pairs += [(math.prod(c.grid(n, m)) / gpu.sms, c, t / at[c1]) for c, t in at.items()
+        pairs += [(math.prod(c.grid(n, m)) / sms, c, t / at[c1]) for c, t in at.items()
                   if c.kc == 1 and c.cm > 1 and (c1 := dataclasses.replace(c, cm=1)) in at]
     if pairs:
         ratios_ = [r for _, _, r in pairs]
         lines.append(f"x multicast, kc = 1: {len(pairs)} pairs, the tile without it faster in "
                      f"{100 * sum(r > 1 for r in ratios_) / len(pairs):.0f}%, multicast's time over it median "
                      f"{statistics.median(ratios_):.3f}")
-        for cm in (2, 4):  # by the grid's waves: multicast_pays' MULTICAST_MIN_WAVES (docs/design/0054, 0055)
+        for cm in (2, 4):  # by the grid's waves: multicast_pays' MULTICAST_MIN_WAVES (docs/design/0054)
             for lo, hi in ((0, 2), (2, 4), (4, 8), (8, 16), (16, math.inf)):
                 at = [r for w, c, r in pairs if lo < w <= hi and c.cm == cm]
                 if at:
@@ -146,18 +123,17 @@ def report(w: RuleWeights, table) -> list[str]:
     return lines
 
 
-def held(ns: list[int], gpu: Gpu):
-    """The sweep set's problems at ``ns`` on ``gpu`` with the present pick alone timed: in ``untimed``'s count, a
-    search that moves any of those picks adds an untimed problem, so it keeps the rule where no table timed its
-    tiles."""
+def held(ns: list[int], sms: int = 132):
+    """The sweep set's problems at ``ns`` with the present pick alone timed: in ``untimed``'s count, a search that
+    moves any of those picks adds an untimed problem, so it keeps the rule where no table timed its tiles."""
     from kernelplan.bench.sweep import sweep_shapes
 
     out = []
     for m, k in sweep_shapes():
         for n in ns:
             cands = ws_candidates(n, m, k, between=BETWEEN)
-            pick = rule_pick(cands, n, m, k, gpu)
-            out.append((n, m, k, gpu, cands, [1.0 if c == pick else None for c in cands], 1.0))
+            pick = rule_pick(cands, n, m, k, sms)
+            out.append((n, m, k, sms, cands, [1.0 if c == pick else None for c in cands], 1.0))
     return out
 
 
@@ -203,7 +179,7 @@ def main(argv: list[str]) -> int:
             print(f"{p} ({len(t)} problems): the rule's pick's time over the best timed")
             print("\n".join("  " + line for line in report(w, t)))
         return 0
-    kept = [held(a.hold, gpu) for gpu in sorted({p[3] for t in tables for p in t})] if a.hold else []  # counted as untimed where a pick moves, never scored
+    kept = [held(a.hold)] if a.hold else []  # counted as untimed where a pick moves, never scored
     best, gaps = score(w, tables), untimed(w, tables + kept)
     improved = True
     while improved:

@@ -14,7 +14,6 @@ import importlib.util
 import os
 import re
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -143,27 +142,6 @@ def shared_per_block(device_index: int) -> int:
     """The most shared memory a CTA may opt in to on CUDA device ``device_index``, in bytes: 227 KiB on Hopper,
     163 KiB on the A100, 99 KiB on Ada."""
     return device_attribute(device_index, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN")
-
-
-class Gpu(NamedTuple):
-    """A GPU as the tile rules see it (``sparse24_ws.ws_config``): its SMs and its DRAM's bandwidth, which tells
-    GPUs of one SM count apart (the H100 and the H200; docs/design/0055)."""
-
-    sms: int
-    dram_bytes_per_s: float
-
-    @classmethod
-    def of(cls, sms: int, memory_clock_khz: int, memory_bus_bits: int) -> Gpu:
-        """From the driver's attributes: DRAM bandwidth is memory clock x bus width x 2 (double data rate),
-        4.81e12 bytes/s on the H200 (3201 MHz, 6016 bits)."""
-        return cls(sms, 2 * memory_clock_khz * 1e3 * memory_bus_bits / 8)
-
-
-@functools.lru_cache(maxsize=None)
-def gpu(device_index: int) -> Gpu:
-    """CUDA device ``device_index`` as a ``Gpu``, from its driver."""
-    return Gpu.of(*(device_attribute(device_index, name)
-                    for name in ("MULTIPROCESSOR_COUNT", "MEMORY_CLOCK_RATE", "GLOBAL_MEMORY_BUS_WIDTH")))
 
 
 @functools.lru_cache(maxsize=256)

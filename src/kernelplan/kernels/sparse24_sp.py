@@ -43,7 +43,8 @@ import torch
 from ..activations import GATED_EPILOGUES
 from ..errors import KernelPlanError
 from ..sparse24.layout import SP_LAYOUT, layout_of, pack
-from .nvrtc import cuda_source, gpu, shared_per_block
+from .sparse24 import sm_count
+from .nvrtc import cuda_source, shared_per_block
 from .sparse24_mma import COMMON_SOURCE, TiledKernel, defines
 
 MAX_N = 64  # eight 8-wide N tiles
@@ -256,5 +257,5 @@ class SpKernel(TiledKernel):
         from ..sparse24.tiles import tuned_tile
 
         cfg = (tuned_tile(device, n, m, k, activation in GATED_EPILOGUES, self.name)
-               or config_for(self.name, n, m, k, gpu(device)))
+               or config_for(self.name, n, m, k, sm_count(device)))
         return fit_shared(cfg, shared_per_block(device))

@@ -15,7 +15,8 @@ import functools
 from dataclasses import dataclass
 
 from ..activations import GATED_EPILOGUES
-from .nvrtc import cuda_source, gpu
+from .nvrtc import cuda_source
+from .sparse24 import sm_count
 from .sparse24_mma import COMMON_SOURCE, TiledKernel, defines
 from ..sparse24.layout import SP_LAYOUT
 from .sparse24_sp import SM_SHARED, _tiled
@@ -151,7 +152,7 @@ class WgKernel(TiledKernel):
     def config(self, n, m, k, device, activation=None):
         from ..sparse24.dispatch import config_for
 
-        return config_for(self.name, n, m, k, gpu(device), activation in GATED_EPILOGUES)
+        return config_for(self.name, n, m, k, sm_count(device), activation in GATED_EPILOGUES)
 
     def launch_config(self, cfg: WgConfig, n, m, dtype, has_bias, activation, device):
         return _launcher(cfg, dtype, has_bias, activation, device), (-(-n // cfg.bn), -(-m // cfg.rows), cfg.kc)

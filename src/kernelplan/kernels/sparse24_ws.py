@@ -9,7 +9,7 @@ cluster of CTAs.  It reads the weight in the one device layout
 Every operand is read through a tensor map, which encodes its address and
 shape (``TensorMaps``, kept per address).
 
-``ws_config`` is the configuration rule: a pure function of (N, M, K, the GPU's SMs and DRAM bandwidth).
+``ws_config`` is the configuration rule: a pure function of (N, M, K, SMs).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from ..activations import GATED_EPILOGUES
 from ..errors import KernelPlanError
-from .nvrtc import Gpu, cuda_source
+from .nvrtc import cuda_source
 from .sparse24_mma import COMMON_SOURCE, defines
 from .sparse24_sp import SM_SHARED
 from .direct import FunctionLaunch, _stream
@@ -280,25 +280,18 @@ def rule_order(cfg: WsConfig, n: int, m: int, k: int, sms: int,
     return tile_cost(cfg, n, m, k, sms, w), not cfg.pp, cfg.bn >= _MCAST_TIE_MIN_BN and cfg.cm != 2
 
 
-# x multicast without a K split (cm > 1, kc = 1) only in grids of more than this many waves of CTAs, by the GPU's
-# DRAM bandwidth (bytes/s, from): the first row the GPU reaches.  Each such least-cost tile, timed beside the same
-# tile without multicast (bench/sparse24_wg_tiles.py --unicast-pairs: 141 sweep problems, 61 LM heads and 137 gated a
-# GPU, sparse24-ws-unicast-*.json): in grids of at most 2 waves, multicast's time over the other's was 1.03-1.11 at
-# the median on both GPUs; in larger grids the H100 (3.35e12 bytes/s) gains from it (0.86-0.90 past 16 waves) and the
-# H200 (4.81e12) does not, up to 16 waves (1.02-1.05): docs/design/0054, 0055.  Which of the two GPUs' differences
-# (DRAM, or L2: 60 MiB on the H200, 50 on the H100) makes this is not known; the row's floor is between them.
-MULTICAST_MIN_WAVES = ((4.0e12, 16), (0.0, 2))
+# x multicast without a K split (cm > 1, kc = 1) only in grids of more than this many waves of CTAs.  Each such
+# least-cost tile, timed beside the same tile without multicast (bench/sparse24_wg_tiles.py --unicast-pairs: 141 sweep
+# problems and 61 LM heads a GPU, sparse24-ws-unicast-*.json): in grids of at most 2 waves, multicast's time over the
+# other's was 1.04-1.06 at the median on both GPUs (at least 0.97); past 2 waves the H100 gains from multicast in
+# large grids (medians 0.86-0.90 past 16 waves) and the H200 does not (0.97-1.05): docs/design/0054.
+MULTICAST_MIN_WAVES = 2
 
 
-def multicast_min_waves(gpu: Gpu) -> int:
-    """The grid, in waves of CTAs, past which ``gpu`` gains from x multicast without a K split."""
-    return next(waves for floor, waves in MULTICAST_MIN_WAVES if gpu.dram_bytes_per_s >= floor)
-
-
-def multicast_pays(cfg: WsConfig, n: int, m: int, gpu: Gpu) -> bool:
+def multicast_pays(cfg: WsConfig, n: int, m: int, sms: int) -> bool:
     """Whether the rule keeps ``cfg``'s x multicast: always where K is split across the cluster too (its barriers
-    are paid already, ``_MCAST_TIE_MIN_BN``), else only in grids of more than ``multicast_min_waves`` waves."""
-    return cfg.cm == 1 or cfg.kc > 1 or math.prod(cfg.grid(n, m)) > multicast_min_waves(gpu) * gpu.sms
+    are paid already, ``_MCAST_TIE_MIN_BN``), else only in grids of more than ``MULTICAST_MIN_WAVES`` waves."""
+    return cfg.cm == 1 or cfg.kc > 1 or math.prod(cfg.grid(n, m)) > MULTICAST_MIN_WAVES * sms
 
 
 def least_cost(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) -> WsConfig:
@@ -306,10 +299,10 @@ def least_cost(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS
     return min(space, key=lambda c: rule_order(c, n, m, k, sms, w))
 
 
-def rule_pick(space, n: int, m: int, k: int, gpu: Gpu, w: RuleWeights = WEIGHTS) -> WsConfig:
-    """``least_cost`` of ``space``, without x multicast where that does not pay on ``gpu`` (``multicast_pays``)."""
-    cfg = least_cost(space, n, m, k, gpu.sms, w)
-    return cfg if multicast_pays(cfg, n, m, gpu) else replace(cfg, cm=1)
+def rule_pick(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) -> WsConfig:
+    """``least_cost`` of ``space``, without x multicast where that does not pay (``multicast_pays``)."""
+    cfg = least_cost(space, n, m, k, sms, w)
+    return cfg if multicast_pays(cfg, n, m, sms) else replace(cfg, cm=1)
 
 
 # At n <= SPLIT_MAX_N, a wide weight (dispatch.wide_weight: K >= 2.5 M, M <= 4096) takes 32 rows of x, twice what
@@ -332,13 +325,13 @@ def _small_n_split(n: int, m: int, k: int) -> WsConfig | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def ws_config(n: int, m: int, k: int, gpu: Gpu, gated: bool = False) -> WsConfig:
-    """The tile for N = n on ``gpu``: at small n on a wide weight, its K-split tile (``_SPLIT``); else ``rule_pick``
-    of ``ws_candidates``.  ``gated``: among the tiles a gated epilogue runs on (``gated_tile``)."""
+def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False) -> WsConfig:
+    """The tile for N = n: at small n on a wide weight, its K-split tile (``_SPLIT``); else ``rule_pick`` of
+    ``ws_candidates``.  ``gated``: among the tiles a gated epilogue runs on (``gated_tile``)."""
     split = None if gated else _small_n_split(n, m, k)
     if split is None:
-        split = rule_pick([c for c in ws_candidates(n, m, k) if not gated or gated_tile(c)], n, m, k, gpu)
-    return split if push_pays(split, n, m, gpu.sms) else replace(split, push=False)
+        split = rule_pick([c for c in ws_candidates(n, m, k) if not gated or gated_tile(c)], n, m, k, sms)
+    return split if push_pays(split, n, m, sms) else replace(split, push=False)
 
 
 def resident(cfg: WsConfig) -> int:

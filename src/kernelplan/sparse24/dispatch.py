@@ -19,11 +19,6 @@ they showed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ..kernels.nvrtc import Gpu
-
 MEMORY_POLICIES = ("compact", "fast")
 LAYOUT_DTYPES = ("f16", "bf16")  # the sparse tensor cores' operand types
 
@@ -107,20 +102,20 @@ def backend_for(capability: tuple[int, int] | None, n: int, m: int, k: int, dtyp
     return "triton"
 
 
-def config_for(backend: str, n: int, m: int, k: int, gpu: Gpu, gated: bool = False):
-    """The tile configuration ``backend`` runs (n, M, K) with on ``gpu`` (``nvrtc.gpu``): the kernels' own rules.
+def config_for(backend: str, n: int, m: int, k: int, sms: int, gated: bool = False):
+    """The tile configuration ``backend`` runs (n, M, K) with on a GPU of ``sms`` SMs: the kernels' own rules.
     ``gated``: under a gated epilogue, which ``cuda_ws`` runs on fewer tiles (``gated_tile``); ``cuda_sp``'s are
     all gated-capable."""
     if backend == "cuda_ws":
         from ..kernels.sparse24_ws import ws_config
 
-        return ws_config(n, m, k, gpu, gated)
+        return ws_config(n, m, k, sms, gated)
     if backend == "cuda_wg":
         from ..kernels.sparse24_wg import wg_config
 
-        return wg_config(n, m, k, gpu.sms)
+        return wg_config(n, m, k, sms)
     if backend == "cuda_sp":
         from ..kernels.sparse24_sp import MAX_N, sp_config
 
-        return sp_config(min(n, MAX_N), m, k, gpu.sms)
+        return sp_config(min(n, MAX_N), m, k, sms)
     raise ValueError(f"backend {backend!r} has no tile rule here; its kernel module chooses")

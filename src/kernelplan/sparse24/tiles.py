@@ -34,16 +34,13 @@ import dataclasses
 import statistics
 import sys
 import warnings
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 import torch
 
 from ..errors import InvalidProblem
 from .dispatch import N_GRAIN, backend_for, layout_reason
 from .plan import SPARSE24_EPILOGUES, gated_reason
-
-if TYPE_CHECKING:
-    from ..kernels.nvrtc import Gpu
 
 OPS = {"cuda_ws": "sparse24_ws_tile", "cuda_sp": "sparse24_sp_tile"}  # each tuned kernel's plan-cache op
 # The rule's best-ranked tiles timed.  In the full tile tables (sparse24-ws-tiles-h{100,200}.json, every tile timed,
@@ -107,20 +104,20 @@ def backend_of(cfg) -> str:
     return "cuda_sp" if isinstance(cfg, SpConfig) else "cuda_ws"
 
 
-def candidates(n: int, m: int, k: int, gpu: Gpu, gated: bool, top: int = DEFAULT_TOP,
+def candidates(n: int, m: int, k: int, sms: int, gated: bool, top: int = DEFAULT_TOP,
                backend: str = "cuda_ws") -> list:
-    """``backend``'s ``top`` first tiles for (n, M, K) on ``gpu`` (``nvrtc.gpu``), the rule's own pick first: ``cuda_ws``'s in the order of its
+    """``backend``'s ``top`` first tiles for (n, M, K), the rule's own pick first: ``cuda_ws``'s in the order of its
     rule's cost (``rule_order``); ``cuda_sp``'s, whose rule has no cost to rank by, its pick's neighbours first
     (``sp_candidates``; every one of them runs a gated epilogue)."""
     if backend == "cuda_sp":
         from ..kernels.sparse24_sp import sp_candidates
 
-        return sp_candidates(n, m, k, gpu.sms)[:top]
+        return sp_candidates(n, m, k, sms)[:top]
     from ..kernels.sparse24_ws import gated_tile, rule_order, ws_candidates, ws_config
 
-    rule = ws_config(n, m, k, gpu, gated)  # first: at small n on a wide weight it is not the least-cost tile
+    rule = ws_config(n, m, k, sms, gated)  # first: at small n on a wide weight it is not the least-cost tile
     space = [c for c in ws_candidates(n, m, k) if (not gated or gated_tile(c)) and c != rule]
-    return [rule, *sorted(space, key=lambda c: rule_order(c, n, m, k, gpu.sms))][:top]
+    return [rule, *sorted(space, key=lambda c: rule_order(c, n, m, k, sms))][:top]
 
 
 def decide(rounds_ms: dict, rule, min_gain: float = MIN_GAIN) -> tuple:
@@ -262,7 +259,7 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
     from ..cache import plan_cache
     from ..dtypes import dtype_info
     from ..kernels import on_device, stream_capturing
-    from ..kernels.nvrtc import gpu
+    from ..kernels.sparse24 import sm_count
 
     if not torch.cuda.is_available():
         raise InvalidProblem("tile tuning times CUDA kernels; this process sees no CUDA device")
@@ -279,8 +276,7 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
     with on_device(index):
         if stream_capturing():
             raise InvalidProblem("tile tuning cannot run while a CUDA graph is being captured: tune before capture")
-        card, cap = gpu(index), torch.cuda.get_device_capability(index)
-        sms = card.sms
+        sms, cap = sm_count(index), torch.cuda.get_device_capability(index)
         kernels = _kernels()
         plan = []  # (m, k, epilogue, n, the rule's backend, its candidates, a stored tile or None, its gain)
         for m, k, epilogue in problems:
@@ -290,7 +286,7 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
                 if backend not in OPS or n > kernels[backend].max_n:
                     plan.append((m, k, epilogue, n, backend, None, None, None))
                     continue
-                cands = candidates(n, m, k, card, gated, top, backend)
+                cands = candidates(n, m, k, sms, gated, top, backend)
                 value = (plan_cache().get(OPS[backend], _problem(m, k, n, gated, sms), device=f"cuda:{index}")
                          if store else None)
                 tile = _stored(value, cands[0], cands) if value is not None else None
