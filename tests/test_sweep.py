@@ -328,6 +328,10 @@ def test_results_record_the_gpus_attributes_and_never_fail_on_them(tmp_path, mon
     assert meta["gpu"] == {"sms": 132, "l2_bytes": 50 << 20, "memory_clock_khz": 3_201_000, "memory_bus_bits": 6144,
                            "clock_khz": 1_980_000}
 
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(nvrtc, "device_attribute", lambda index, name: index)
+    assert set(results.gpu_attributes(None).values()) == {3}  # None: the current device
+
     def unreadable(index, name):
         raise nvrtc.KernelPlanError(f"cannot read cuda:{index}'s {name.lower()}: CUDA_ERROR_NOT_INITIALIZED")
 
@@ -335,6 +339,18 @@ def test_results_record_the_gpus_attributes_and_never_fail_on_them(tmp_path, mon
     meta = json.loads(pathlib.Path(results.write("x", {"rows": [1]}, str(tmp_path / "b.json"))).read_text())["meta"]
     assert meta["gpu"] == {"unreadable": "KernelPlanError: cannot read cuda:0's multiprocessor_count: "
                                          "CUDA_ERROR_NOT_INITIALIZED"}
+
+
+def test_a_sweeps_environment_records_its_gpus_attributes(monkeypatch):
+    """The sweeps' and the main bench's metadata (bench.environment) carries the GPU's attributes too; a CPU run's
+    has none."""
+    from kernelplan import bench
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "NVIDIA H200")
+    monkeypatch.setattr(bench, "gpu_attributes", lambda index: {"sms": 132, "asked": index})
+    assert bench.environment(torch.device("cuda", 1))["gpu"] == {"sms": 132, "asked": 1}
+    assert bench.environment(torch.device("cuda"))["gpu"] == {"sms": 132, "asked": None}  # the current device
+    assert "gpu" not in bench.environment(torch.device("cpu"))
 
 
 @pytest.mark.gpu

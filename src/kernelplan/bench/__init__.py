@@ -22,6 +22,7 @@ import torch
 from ..gemm import linear
 from ..timing import host_report, host_report_line, interleaved
 from .cases import SUITES
+from .results import gpu_attributes
 
 
 @dataclass
@@ -217,7 +218,8 @@ def gemm_host_overhead_us(dev: torch.device) -> dict:
 
 
 def environment(dev: torch.device) -> dict:
-    """What a result file must name: device, library versions, commit and date."""
+    """What a result file must name: device (and a GPU's attributes, ``results.gpu_attributes``), library versions,
+    commit and date."""
     try:
         import triton
 
@@ -231,8 +233,10 @@ def environment(dev: torch.device) -> dict:
         ).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
+    cuda = dev.type == "cuda"
     return {
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
+        **({"gpu": gpu_attributes(dev.index)} if cuda else {}),
         "torch": torch.__version__,
         "triton": triton_version,
         "commit": os.environ.get("KERNELPLAN_COMMIT", commit),

@@ -21,13 +21,16 @@ GPU_ATTRIBUTES = {"sms": "MULTIPROCESSOR_COUNT", "l2_bytes": "L2_CACHE_SIZE", "m
                   "memory_bus_bits": "GLOBAL_MEMORY_BUS_WIDTH", "clock_khz": "CLOCK_RATE"}
 
 
-def gpu_attributes(device_index: int = 0) -> dict:
-    """``GPU_ATTRIBUTES`` of CUDA device ``device_index``; where the driver cannot give them, why (a results file's
-    metadata is never the reason a bench fails)."""
+def gpu_attributes(device_index: int | None = 0) -> dict:
+    """``GPU_ATTRIBUTES`` of CUDA device ``device_index`` (None: the current one); where the driver cannot give them,
+    why (a results file's metadata is never the reason a bench fails)."""
+    import torch
+
     from ..kernels.nvrtc import device_attribute
 
     try:
-        return {key: device_attribute(device_index, name) for key, name in GPU_ATTRIBUTES.items()}
+        index = torch.cuda.current_device() if device_index is None else device_index
+        return {key: device_attribute(index, name) for key, name in GPU_ATTRIBUTES.items()}
     except Exception as e:  # noqa: BLE001 - the bench's results matter more than this record of its GPU
         return {"unreadable": f"{type(e).__name__}: {e}"}
 
