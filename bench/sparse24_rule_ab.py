@@ -1,14 +1,15 @@
-"""The cuda_ws rule on this GPU against the rule as it picks for another GPU, through the sweep's own path.
+"""The cuda_ws rule against the same rule with another x-multicast threshold, through the sweep's own path.
 
-Every problem of the sweep set (or the LM heads) where ``ws_config`` picks another tile on this GPU than on a GPU of
-``--against-dram`` bytes/s of DRAM bandwidth (same SMs) is timed with both tiles as the sweep times the rule's
+Every problem of the sweep set (or the LM heads) where ``ws_config`` picks another tile than it would with x multicast
+without a K split past ``--multicast-min-waves`` waves (``sparse24_ws.MULTICAST_MIN_WAVES``) is timed with both tiles
+as the sweep times the rule's
 (``bench/sweep.py``: ``MmaLinear`` on the one device layout, each call on the next of the weight's copies past twice
 the L2, ``graph_us`` replays), in one process, alternating A B B A, beside dense ``F.linear``.  Each side has its own
 copies of the weight, so that each tile's launches are its own.  A check of a rule change that the tile tables'
 timings (``sparse24_wg_tiles.py``) and a sweep part disagreed on (docs/design/0055).  Writes
 ``bench/results/sparse24-rule-ab-<gpu>.json``.
 
-    PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_rule_ab.py --against-dram 3.35e12
+    PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_rule_ab.py --multicast-min-waves 16
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch.nn.functional as F
 from kernelplan.bench import results
 from kernelplan.bench.shapes import BATCH_SIZES
 from kernelplan.bench.sweep import SHAPE_SETS, _cycling, copies_past_l2
-from kernelplan.kernels.nvrtc import Gpu, gpu
+from kernelplan.kernels import sparse24_ws
+from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_ws import WsKernel, ws_config
 from kernelplan.sparse24 import compress, prune
@@ -42,28 +44,38 @@ class FixedTile(WsKernel):
         return self.cfg
 
 
-def moved(shapes, batch, here: Gpu, other: Gpu) -> list[tuple[int, int, int]]:
-    """(n, M, K) where cuda_ws runs and its rule picks differently on ``here`` and ``other``."""
+def other_pick(n: int, m: int, k: int, sms: int, waves: float):
+    """``ws_config``'s tile had it ``MULTICAST_MIN_WAVES = waves`` (its cache neither read nor written)."""
+    present = sparse24_ws.MULTICAST_MIN_WAVES
+    sparse24_ws.MULTICAST_MIN_WAVES = waves
+    try:
+        return ws_config.__wrapped__(n, m, k, sms)
+    finally:
+        sparse24_ws.MULTICAST_MIN_WAVES = present
+
+
+def moved(shapes, batch, sms: int, waves: float) -> list[tuple[int, int, int]]:
+    """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``."""
     return [(n, m, k) for m, k in shapes for n in batch
-            if backend_for((9, 0), n, m, k, "bf16") == "cuda_ws" and ws_config(n, m, k, here) != ws_config(n, m, k,
-                                                                                                            other)]
+            if backend_for((9, 0), n, m, k, "bf16") == "cuda_ws" and ws_config(n, m, k, sms) != other_pick(n, m, k,
+                                                                                                            sms, waves)]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--against-dram", type=float, required=True, metavar="BYTES_PER_S",
-                    help="the other GPU's DRAM bandwidth (this GPU's SMs)")
+    ap.add_argument("--multicast-min-waves", type=float, required=True, metavar="W",
+                    help="the other rule's: x multicast without a K split only in grids of more than W waves")
     ap.add_argument("--shape-set", default="sweep set", choices=sorted(SHAPE_SETS))
     ap.add_argument("--batch", type=int, nargs="+", default=[n for n in BATCH_SIZES if n > 16])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=20, help="graph_us's rep (ms), as the sweep's")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    here = gpu(0)
-    other = here._replace(dram_bytes_per_s=a.against_dram)
+    sms, waves = sm_count(0), a.multicast_min_waves
     shapes = SHAPE_SETS[a.shape_set]()
-    problems = moved(shapes, a.batch, here, other)
-    print(f"{here}: {len(problems)} problems where the rule for {other} picks another tile", flush=True)
+    problems = moved(shapes, a.batch, sms, waves)
+    print(f"{len(problems)} problems where the rule with x multicast past {waves:g} waves (not "
+          f"{sparse24_ws.MULTICAST_MIN_WAVES}) picks another tile", flush=True)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows, dtype = [], torch.bfloat16
     torch.manual_seed(0)
@@ -76,7 +88,7 @@ def main() -> int:
             ws = [w] + [w.clone() for _ in range(copies - 1)]
             sides = {side: [held(c) for c in ws] for side in ("here", "other")}
             for n in [n for n, mm, kk in problems if (mm, kk) == (m, k)]:
-                cfgs = {"here": ws_config(n, m, k, here), "other": ws_config(n, m, k, other)}
+                cfgs = {"here": ws_config(n, m, k, sms), "other": other_pick(n, m, k, sms, waves)}
                 x = torch.randn(n, k, device="cuda").to(dtype)
                 ref = F.linear(x.double(), w.double())
                 dense_err = float((F.linear(x, w).double() - ref).abs().max() / ref.abs().max())
@@ -107,8 +119,9 @@ def main() -> int:
     if ratios:
         print(f"other's time over here's: median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, max "
               f"{max(ratios):.3f}, here faster in {sum(x > 1 for x in ratios)} of {len(ratios)}")
-    results.write("sparse24-rule-ab", {"rows": rows}, a.out, dtype="bf16", here=here._asdict(),
-                  other=other._asdict(), shape_set=a.shape_set, rounds=a.rounds, rep=a.rep)
+    results.write("sparse24-rule-ab", {"rows": rows}, a.out, dtype="bf16", sms=sms,
+                  here={"multicast_min_waves": sparse24_ws.MULTICAST_MIN_WAVES}, other={"multicast_min_waves": waves},
+                  shape_set=a.shape_set, rounds=a.rounds, rep=a.rep)
     return 1 if any(r["wrong"] for r in rows) else 0
 
 

@@ -182,3 +182,24 @@ def test_the_tile_benchs_unicast_pairs_are_the_moved_picks_and_their_siblings():
         assert sparse24_wg_tiles._unicast_pair(1.5, SMS, gated, n, m, k) == []
         assert ws_config(1, 4096, 4096, SMS).cm == 1 and sparse24_wg_tiles._unicast_pair(2, SMS, gated, 1, 4096,
                                                                                          4096) == []
+
+
+def test_the_rule_ab_bench_times_exactly_the_picks_another_multicast_threshold_moves():
+    """bench/sparse24_rule_ab.py (docs/design/0055): the other rule's tile is the rule's with x multicast past W
+    waves, the rule itself is left as it was, and the problems timed are those whose two tiles differ."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
+    import sparse24_rule_ab
+    from kernelplan.kernels import sparse24_ws
+
+    n, m, k = 1024, 28672, 4096  # x shared by 2 CTAs in a grid of 896 CTAs, 6.8 waves of 132
+    here = ws_config(n, m, k, SMS)
+    assert here.cm == 2 and here.kc == 1
+    assert sparse24_rule_ab.other_pick(n, m, k, SMS, 16) == dataclasses.replace(here, cm=1)
+    assert sparse24_rule_ab.other_pick(n, m, k, SMS, 6) == here  # more than 6 waves: multicast stays
+    assert sparse24_ws.MULTICAST_MIN_WAVES == 2 and ws_config(n, m, k, SMS) == here
+    shapes = [(28672, 4096), (768, 768), (3072, 3072)]
+    got = sparse24_rule_ab.moved(shapes, [128, 1024, 2048], SMS, 16)
+    assert (n, m, k) in got and all(sparse24_rule_ab.other_pick(*p, SMS, 16) != ws_config(*p, SMS) for p in got)
+    assert all(sparse24_rule_ab.other_pick(nn, mm, kk, SMS, 16) == ws_config(nn, mm, kk, SMS)
+               for mm, kk in shapes for nn in (128, 1024, 2048) if (nn, mm, kk) not in got)
+    assert sparse24_rule_ab.FixedTile(here).config(1, 64, 64, 0) == here
