@@ -284,7 +284,8 @@ def rule_order(cfg: WsConfig, n: int, m: int, k: int, sms: int,
 # least-cost tile, timed beside the same tile without multicast (bench/sparse24_wg_tiles.py --unicast-pairs: 141 sweep
 # problems and 61 LM heads a GPU, sparse24-ws-unicast-*.json): in grids of at most 2 waves, multicast's time over the
 # other's was 1.04-1.06 at the median on both GPUs (at least 0.97); past 2 waves the H100 gains from multicast in
-# large grids (medians 0.86-0.90 past 16 waves) and the H200 does not (0.97-1.05): docs/design/0054.
+# large grids (medians 0.86-0.90 past 16 waves) and the H200 does not (0.97-1.05): docs/design/0054.  A threshold of
+# 16 waves on the H200 alone read as a loss through the sweep's path and was not taken (0055).
 MULTICAST_MIN_WAVES = 2
 
 
