@@ -66,7 +66,7 @@ def test_the_shipped_expected_speedups_are_the_tools_digest_of_the_results():
         "expected.json differs from bench/results/sparse24-sweep-*.json: run python tools/expected_table.py")
 
 
-def test_a_newer_sweep_part_replaces_the_base_sweeps_rows_at_its_n(tmp_path):
+def test_each_cell_keeps_its_newest_reading_over_the_sweeps_of_one_l2_regime(tmp_path):
     import json
     import sys
 
@@ -83,12 +83,13 @@ def test_a_newer_sweep_part_replaces_the_base_sweeps_rows_at_its_n(tmp_path):
 
     sweep("base", "2026-01-02", [1, 8, 16, 32, 64], 1.5)
     sweep("new", "2026-01-03", [1, 8], 1.7)  # run again after a rule changed
-    sweep("old", "2026-01-01", [16], 9.0)  # older than the base: not taken
+    sweep("old", "2026-01-01", [16, 128], 9.0)  # older than the base: its n = 16 is the base's, its n = 128 its own
     sweep("warm", "2026-01-04", [32], 9.0, l2="warm")  # another L2 regime: not taken
     table, = expected_table.tables(tmp_path)["tables"]
     assert table["shapes"]["64x128"] == [[1, 1.7, 0.85], [8, 1.7, 0.85], [16, 1.5, 0.75], [32, 1.5, 0.75],
-                                         [64, 1.5, 0.75]]
-    assert source(table) == "sparse24-sweep-base.json at bas; sparse24-sweep-new.json at new (n = 1, 8), L2 cold"
+                                         [64, 1.5, 0.75], [128, 9.0, 4.5]]
+    assert source(table) == ("sparse24-sweep-old.json at old (n = 128); sparse24-sweep-base.json at bas (n = 16, 32, "
+                             "64); sparse24-sweep-new.json at new (n = 1, 8), L2 cold")
 
 
 def test_ab_table_groups_a_committed_probe_run_by_tile():

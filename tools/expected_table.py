@@ -1,12 +1,12 @@
 """Write src/kernelplan/sparse24/expected.json: the committed sweeps, digested for ``kp.warmup``'s table.
 
-Per (GPU name, dtype) it takes one sweep of the sweep set: L2-cold before
-L2-warm (a model's forward reads its weights from DRAM), then the one with more
-batch sizes, then the newer.  Newer sweeps of the same GPU, dtype and L2 regime
-over fewer batch sizes (a part run again after a rule changed) replace its rows
-at the n they timed.  Sweeps of the LM heads (``--lm-heads``) in that regime add
-their shapes.  Each shape keeps ``[n, graph speedup, eager speedup]`` of the rule's
-kernel; ``sources`` says which file and commit gave which n.
+Per (GPU name, dtype) it takes the L2 regime of one sweep of the sweep set: L2-cold
+before L2-warm (a model's forward reads its weights from DRAM), then the one with
+more batch sizes, then the newer.  Every sweep of that GPU, dtype and regime (parts
+run again after a rule changed, and the LM heads' sweeps, which add their shapes)
+gives its rows, oldest first, so that each (shape, n) keeps its newest reading.
+Each shape keeps ``[n, graph speedup, eager speedup]`` of the rule's kernel;
+``sources`` says which file and commit gave which n, oldest first.
 ``tests/test_readme.py`` checks the file equals this tool's output.
 
     python tools/expected_table.py
@@ -37,23 +37,20 @@ def tables(results: Path = RESULTS) -> dict:
         sweep_set = [d for d in docs if d[1].get("shape_set", "sweep set") == "sweep set"]
         if not sweep_set:
             continue
-        name, base = max(sweep_set, key=lambda d: _rank(d[1]))
-        newer = sorted((d for d in sweep_set if d[1].get("l2") == base.get("l2")
-                        and d[1].get("date", "") > base.get("date", "")), key=lambda d: d[1]["date"])
-        # Sweeps of other shapes (the LM heads) add their shapes, in the base's L2 regime, whatever their date.
-        newer += sorted((d for d in docs if d not in sweep_set and d[1].get("l2") == base.get("l2")),
-                        key=lambda d: d[1]["date"])
-        sources = [{"file": name, "commit": base["commit"], "n": None}]
+        base = max(sweep_set, key=lambda d: _rank(d[1]))[1]  # its L2 regime is the table's
+        # Every sweep in that regime, the LM heads' too (they add shapes), oldest first: each cell at its newest reading.
+        regime = sorted((d for d in docs if d[1].get("l2") == base.get("l2")), key=lambda d: d[1].get("date", ""))
         cells: dict[tuple[str, int], list] = {}
-        for doc_name, doc in [(name, base), *newer]:
-            ns = sorted({r["n"] for r in doc["rows"] if "n" in r and "speedup" in r})
-            if doc is not base:
-                sources.append({"file": doc_name, "commit": doc["commit"], "n": ns})
+        origin: dict[tuple[str, int], str] = {}
+        for doc_name, doc in regime:
             for r in doc["rows"]:
                 if "n" in r and "speedup" in r:
                     eager = r.get("eager_speedup")
-                    cells[(f"{r['m']}x{r['k']}", r["n"])] = [r["n"], round(r["speedup"], 3),
-                                                            None if eager is None else round(eager, 3)]
+                    key = (f"{r['m']}x{r['k']}", r["n"])
+                    cells[key] = [r["n"], round(r["speedup"], 3), None if eager is None else round(eager, 3)]
+                    origin[key] = doc_name
+        sources = [{"file": doc_name, "commit": doc["commit"], "n": ns} for doc_name, doc in regime
+                   if (ns := sorted({n for (_, n), o in origin.items() if o == doc_name}))]
         shapes: dict[str, list] = {}
         for (shape, _), row in cells.items():
             shapes.setdefault(shape, []).append(row)

@@ -520,7 +520,8 @@ def table() -> str:
                  "sparse24-sweep-lm-heads-xl-n-h200",
                  "sparse24-sweep-h100-l2warm", "sparse24-sweep-h200-l2warm",
                  "sparse24-sweep-h200-f16-quick", "sparse24-sweep-h100-f16-quick", "sparse24-sweep-small-n-f16-h200",
-                 "sparse24-sweep-small-n-f16-h100", "sparse24-sweep-h100-f16-l2warm", "sparse24-sweep-h200-f16-l2warm"):
+                 "sparse24-sweep-small-n-f16-h100", "sparse24-sweep-f16-mid-h200", "sparse24-sweep-h100-f16-l2warm",
+                 "sparse24-sweep-h200-f16-l2warm"):
         body += sweep_rows(name)
     for name in ("sparse24-h200", "sparse24-h100", "sparse24-h200-f16"):
         body += sparse24_rows(name)
