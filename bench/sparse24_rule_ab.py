@@ -2,9 +2,9 @@
 
 Every problem of the sweep set (or the LM heads) where ``ws_config`` picks another tile than it would with x multicast
 without a K split past ``--multicast-min-waves`` waves (``sparse24_ws.MULTICAST_MIN_WAVES``) is timed with both tiles
-as the sweep times the rule's
-(``bench/sweep.py``: ``MmaLinear`` on the one device layout, each call on the next of the weight's copies past twice
-the L2, ``graph_us`` replays), in one process, alternating A B B A, beside dense ``F.linear``.  Each side has its own
+as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the one device layout, each call on the next of
+the weight's copies past twice the L2, ``graph_us`` replays), in one process, alternating A B B A, beside dense
+``F.linear``.  Each side has its own
 copies of the weight, so that each tile's launches are its own.  A check of a rule change that the tile tables'
 timings (``sparse24_wg_tiles.py``) and a sweep part disagreed on (docs/design/0055).  Writes
 ``bench/results/sparse24-rule-ab-<gpu>.json``.

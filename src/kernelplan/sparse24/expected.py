@@ -83,7 +83,6 @@ def expected(gpu: str, dtype: str, m: int, k: int, n: int) -> Expected | None:
 
 
 def source(table: dict) -> str:
-    """Which sweep files and commits a table's speedups come from: the base sweep, then the parts run again."""
-    parts = [f"{s['file']} at {s['commit']}" + (f" (n = {', '.join(map(str, s['n']))})" if s["n"] else "")
-             for s in table["sources"]]
+    """Which sweep files and commits a table's speedups come from, oldest first, each with the n it gives."""
+    parts = [f"{s['file']} at {s['commit']} (n = {', '.join(map(str, s['n']))})" for s in table["sources"]]
     return "; ".join(parts) + f", L2 {table['l2']}"
