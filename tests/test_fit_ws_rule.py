@@ -203,3 +203,27 @@ def test_the_rule_ab_bench_times_exactly_the_picks_another_multicast_threshold_m
     assert all(sparse24_rule_ab.other_pick(nn, mm, kk, SMS, 16) == ws_config(nn, mm, kk, SMS)
                for mm, kk in shapes for nn in (128, 1024, 2048) if (nn, mm, kk) not in got)
     assert sparse24_rule_ab.FixedTile(here).config(1, 64, 64, 0) == here
+
+
+def test_table_vs_sweep_compares_the_same_tile_on_the_same_problem_by_kind(tmp_path, capsys):
+    """tools/table_vs_sweep.py (docs/design/0055): the sweep's speedup over the tile table's, where both timed one
+    tile on one problem, grouped by kind of tile; tiles and problems only one of them timed say nothing."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tools"))
+    import table_vs_sweep
+
+    n, m, k = 256, 4096, 4096
+    split, mcast = [c for c in ws_candidates(n, m, k) if c.kc == 2][0], [c for c in ws_candidates(n, m, k)
+                                                                         if c.cm == 2 and c.kc == 1][0]
+    tables = tmp_path / "tiles.json"
+    tables.write_text(json.dumps({"meta": {"sms": SMS}, "rows": [
+        _row(n, m, k, {split: 0.5, mcast: 0.8}), _row(512, m, k, {split: 0.5})]}))
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"rows": [
+        {"m": m, "k": k, "n": n, "rule": "cuda_ws", "ws_config": str(split), "speedup": 2.2},
+        {"m": m, "k": k, "n": 128, "rule": "cuda_ws", "ws_config": str(mcast), "speedup": 9.0},  # no table row
+        {"m": m, "k": k, "n": 512, "rule": "cuda_sp", "speedup": 9.0}]}))  # not cuda_ws's
+    got = table_vs_sweep.by_kind([str(tables)], [str(sweep)])
+    assert got == {"K split": [pytest.approx(2.2 / 2.0)]}
+    assert table_vs_sweep.kind(mcast) == "x multicast, K whole"
+    assert table_vs_sweep.main(["--tables", str(tables), "--sweeps", str(sweep)]) == 0
+    assert "K split: 1 problems, the sweep's speedup over the table's: median 1.100" in capsys.readouterr().out
