@@ -40,6 +40,12 @@ BATCH = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 L2_BYTES = 100 << 20  # rotate over weight copies past this many bytes (H100 50 MB, H200 60 MB of L2)
 
 
+def weight_copies(m: int, k: int) -> int:
+    """Copies of an M x K weight a round cycles over: past ``L2_BYTES`` (compressed bytes ~ m * k * 1.125), at most
+    8 (the sweep's rule differs: ``sweep.copies_past_l2``; docs/design/0055)."""
+    return max(1, min(8, -(-L2_BYTES // (m * k))))
+
+
 def graph_ms(fns, calls: int, rounds: int, during=None) -> list[float]:
     """Per round, mean ms per call of ``calls`` calls cycling over ``fns``, replayed as one CUDA graph (no host work);
     ``during()``, where given, runs on the host each round while the GPU replays."""
@@ -150,7 +156,7 @@ def main() -> int:
     print(f"{len(configs)} variants compiled; local memory (spills) in {len(spills)}: {spills}", flush=True)
     rows = []
     for m, k in shapes:
-        copies = max(1, min(8, -(-L2_BYTES // (m * k))))  # compressed bytes ~ m * k * 1.125
+        copies = weight_copies(m, k)
         ws = [prune(torch.randn(m, k, device="cuda")).to(dtype) for _ in range(copies)]
         tiled = [_tiled(w24.values, w24.metadata) for w24 in map(compress, ws)]
         for n in a.batch:

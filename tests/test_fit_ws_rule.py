@@ -12,7 +12,8 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tools"))
 
 import fit_ws_rule  # noqa: E402
-from kernelplan.kernels.sparse24_ws import WEIGHTS, gated_tile, rule_order, ws_candidates, ws_config  # noqa: E402
+from kernelplan.kernels.sparse24_ws import (WEIGHTS, WsConfig, gated_tile, rule_order, ws_candidates,  # noqa: E402
+                                           ws_config)
 
 SMS = 132
 
@@ -224,6 +225,31 @@ def test_table_vs_sweep_compares_the_same_tile_on_the_same_problem_by_kind(tmp_p
         {"m": m, "k": k, "n": 512, "rule": "cuda_sp", "speedup": 9.0}]}))  # not cuda_ws's
     got = table_vs_sweep.by_kind([str(tables)], [str(sweep)])
     assert got == {"K split": [pytest.approx(2.2 / 2.0)]}
-    assert table_vs_sweep.kind(mcast) == "x multicast, K whole"
+    assert mcast.kind == "x multicast, K whole" and split.kind == "K split"
+    assert WsConfig(64, 1, pp=True).kind == "ping-pong" and WsConfig(64, sk=True).kind == "split persistent"
+    assert WsConfig(64).kind == "one CTA a tile"
     assert table_vs_sweep.main(["--tables", str(tables), "--sweeps", str(sweep)]) == 0
     assert "K split: 1 problems, the sweep's speedup over the table's: median 1.100" in capsys.readouterr().out
+
+
+def test_the_harness_ab_bench_times_the_rules_tile_and_one_of_each_other_kind():
+    """bench/sparse24_harness_ab.py (docs/design/0055): per problem the rule's tile first, then the least-cost tile of
+    each other kind; its summary divides each variant's speedup by the sweep's, per kind."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
+    import sparse24_harness_ab
+    import sparse24_wg_tiles
+
+    n, m, k = 512, 4096, 4096
+    got = sparse24_harness_ab.tiles_of_each_kind(n, m, k, SMS)
+    assert got[0] == ws_config(n, m, k, SMS) and len({c.kind for c in got}) == len(got) == 4
+    for cfg in got[1:]:
+        same = [c for c in ws_candidates(n, m, k) if c.kind == cfg.kind]
+        assert cfg == min(same, key=lambda c: rule_order(c, n, m, k, SMS))
+    assert sparse24_wg_tiles.weight_copies(4096, 4096) == 7 and sparse24_wg_tiles.weight_copies(768, 768) == 8
+    assert sparse24_wg_tiles.weight_copies(28672, 8192) == 1
+    rows = [{"kind": "K split", "speedup": {"sweep": 1.0, "lib-tilecopies": 1.1, "direct": 0.9,
+                                            "direct-tilecopies": 0.8}},
+            {"kind": "K split", "speedup": {"sweep": 2.0, "lib-tilecopies": 2.0, "direct": 2.0,
+                                            "direct-tilecopies": 2.0}}]
+    assert sparse24_harness_ab.summary(rows) == ["K split (2): over the sweep's reading: lib-tilecopies 1.050, "
+                                                 "direct 0.950, direct-tilecopies 0.900"]

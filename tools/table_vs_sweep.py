@@ -23,14 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from kernelplan.kernels.sparse24_ws import WsConfig  # noqa: E402
 
 
-def kind(cfg: WsConfig) -> str:
-    if cfg.pp:
-        return "ping-pong"
-    if cfg.kc > 1:
-        return "K split"
-    return "x multicast, K whole" if cfg.cm > 1 else "one CTA a tile"
-
-
 def speedups(paths: list[str], sweep: bool) -> dict[tuple[int, int, int, str], float]:
     """(M, K, n, tile) -> dense's time over the tile's, the later file's where two timed it."""
     out = {}
@@ -50,7 +42,7 @@ def by_kind(tables: list[str], sweeps: list[str]) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
     for key, s in sweep.items():
         if key in table:
-            out.setdefault(kind(eval(key[3], {"WsConfig": WsConfig})), []).append(s / table[key])
+            out.setdefault(eval(key[3], {"WsConfig": WsConfig}).kind, []).append(s / table[key])
     return out
 
 

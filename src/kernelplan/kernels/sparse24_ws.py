@@ -64,6 +64,15 @@ class WsConfig:
         return instruction_n(self.bn)
 
     @property
+    def kind(self) -> str:
+        """The schedule, in words: how the benches group tiles (``tools/table_vs_sweep.py``)."""
+        if self.pp or self.sk:
+            return "ping-pong" if self.pp else "split persistent"
+        if self.kc > 1:
+            return "K split"
+        return "x multicast, K whole" if self.cm > 1 else "one CTA a tile"
+
+    @property
     def rows(self) -> int:
         return 64 * self.wm
 

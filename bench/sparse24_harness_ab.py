@@ -1,0 +1,136 @@
+"""Which difference between the tile bench and the sweep makes them read clustered tiles apart (docs/design/0055).
+
+``tools/table_vs_sweep.py`` found the sweep's path reading K-split and x-multicast tiles 1.5-4% faster, against
+dense, than ``sparse24_wg_tiles.py`` does, and single-CTA tiles alike.  The two harnesses differ in how a call runs
+and in how many copies of the weight it cycles over.  Here each problem's tiles (the rule's, and the least-cost tile
+of each other kind) run under both factors crossed, in one process, each beside dense under the same copies:
+
+* ``sweep``: ``MmaLinear`` (the library's call, y allocated per call), the sweep's copies (``copies_past_l2``: past
+  twice the L2 in compressed bytes);
+* ``lib-tilecopies``: ``MmaLinear``, the tile bench's copies (past 100 MB of dense bytes, at most 8);
+* ``direct``: the tile bench's launch (``launch_config``, one y), the sweep's copies;
+* ``direct-tilecopies``: the tile bench's launch and copies.
+
+All four are ``graph_us`` replays (the graph's length did not matter, 0055).  Writes
+``bench/results/sparse24-harness-ab-<gpu>.json`` and prints, per kind of tile, each variant's speedup over the
+sweep's.
+
+About 12 s a problem at 2 rounds (four tiles x six timings): pass ``--shape`` for a part of the sweep set.
+
+    PYTHONPATH=src:bench KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_harness_ab.py \
+        --batch 512 --shape 4096x4096 28672x4096 3584x3584 8192x8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from kernelplan.bench import results
+from kernelplan.bench.shapes import sweep_shapes
+from kernelplan.bench.sweep import _cycling, copies_past_l2
+from kernelplan.kernels import raw_stream
+from kernelplan.kernels.sparse24 import sm_count
+from kernelplan.kernels.sparse24_mma import MmaLinear
+from kernelplan.kernels.sparse24_ws import WsKernel, rule_order, ws_candidates, ws_config
+from kernelplan.sparse24 import compress, prune
+from kernelplan.sparse24.dispatch import backend_for
+from kernelplan.sparse24.layout import pack_reason
+from kernelplan.timing import graph_us
+from sparse24_rule_ab import FixedTile
+from sparse24_wg_tiles import weight_copies
+
+VARIANTS = ("sweep", "lib-tilecopies", "direct", "direct-tilecopies")
+
+
+def tiles_of_each_kind(n: int, m: int, k: int, sms: int) -> list:
+    """The rule's tile, then the least-cost tile (``rule_order``) of each other kind (``WsConfig.kind``)."""
+    rule = ws_config(n, m, k, sms)
+    out = {rule.kind: rule}
+    for cfg in sorted(ws_candidates(n, m, k), key=lambda c: rule_order(c, n, m, k, sms)):
+        out.setdefault(cfg.kind, cfg)
+    return list(out.values())
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """Per kind, each variant's speedup over dense divided by the sweep's: the median over the problems."""
+    lines = []
+    for kind in sorted({r["kind"] for r in rows}):
+        at = [r for r in rows if r["kind"] == kind]
+        parts = [f"{v} {statistics.median(r['speedup'][v] / r['speedup']['sweep'] for r in at):.3f}"
+                 for v in VARIANTS[1:]]
+        lines.append(f"{kind} ({len(at)}): over the sweep's reading: " + ", ".join(parts))
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, nargs="+", default=[512])
+    ap.add_argument("--shape", nargs="*", default=None, metavar="MxK", help="these (M, K) instead of the sweep set")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    sms, l2 = sm_count(0), torch.cuda.get_device_properties(0).L2_cache_size
+    shapes = [tuple(map(int, s.split("x"))) for s in a.shape] if a.shape else list(sweep_shapes())
+    rows, dtype = [], torch.bfloat16
+    torch.manual_seed(0)
+    kernel = WsKernel()
+    with torch.inference_mode():
+        for m, k in shapes:
+            ns = [n for n in a.batch if backend_for((9, 0), n, m, k, "bf16") == "cuda_ws"]
+            if not ns or pack_reason(m, k) is not None:  # the direct launch reads the device layout alone
+                continue
+            w = prune(torch.randn(m, k, device="cuda")).to(dtype)
+            w24 = compress(w).packed()
+            counts = {"sweep": copies_past_l2(l2, w24.values.nbytes + w24.metadata.nbytes, "cold"),
+                      "tile": weight_copies(m, k)}
+            dense_w = [w] + [w.clone() for _ in range(max(counts.values()) - 1)]
+            for n in ns:
+                x = torch.randn(n, k, device="cuda").to(dtype)
+                ref = F.linear(x.double(), w.double())
+                dense = {c: _cycling([lambda d=d: F.linear(x, d) for d in dense_w[:counts[c]]]) for c in counts}
+                for cfg in tiles_of_each_kind(n, m, k, sms):
+                    # Each tile its own copies: MmaLinear keeps a tile's launches with the weight it built them on.
+                    copies = [compress(d).packed() for d in dense_w]
+                    call = MmaLinear(None, FixedTile(cfg))
+                    y = torch.empty(n, m, device="cuda", dtype=dtype)
+                    launch, grid = kernel.launch_config(cfg, n, m, "bf16", False, None, 0)
+
+                    def direct(c, launch=launch, grid=grid, y=y):
+                        launch(grid, (x.data_ptr(), c.values.data_ptr(), c.metadata.data_ptr(), 0, y.data_ptr(), n,
+                                      m, k, x.stride(0), y.stride(0)), raw_stream(0))
+                        return y
+
+                    fns = {"sweep": ("sweep", lambda c, call=call: call(x, c.values, c.metadata, None)),
+                           "lib-tilecopies": ("tile", lambda c, call=call: call(x, c.values, c.metadata, None)),
+                           "direct": ("sweep", direct), "direct-tilecopies": ("tile", direct)}
+                    errs = {v: float((f(copies[0]).double() - ref).abs().max() / ref.abs().max())
+                            for v, (_, f) in fns.items()}
+                    timed = {v: _cycling([lambda c=c, f=f: f(c) for c in copies[:counts[c_]]])
+                             for v, (c_, f) in fns.items()}
+                    times = {name: [] for name in [*VARIANTS, "dense-sweep", "dense-tile"]}
+                    for r in range(a.rounds):  # the order reversed each round: a drift lands on all alike
+                        order = [*VARIANTS, "dense-sweep", "dense-tile"]
+                        for name in order if r % 2 == 0 else order[::-1]:
+                            fn = dense[name[6:]] if name.startswith("dense") else timed[name]
+                            times[name].append(graph_us(fn, 20))
+                    med = {name: statistics.median(t) for name, t in times.items()}
+                    speedup = {v: med[f"dense-{fns[v][0]}"] / med[v] for v in VARIANTS}
+                    rows.append({"m": m, "k": k, "n": n, "tile": str(cfg), "kind": cfg.kind, "copies": counts,
+                                 "us": med, "speedup": speedup, "errors": errs})
+                    print(f"  {m}x{k} n={n} {cfg.kind:22s} " + " ".join(f"{v} {s:.3f}" for v, s in speedup.items())
+                          + ("  WRONG" if max(errs.values()) > 2 ** -5 else ""), flush=True)
+                    del copies
+            torch.cuda.empty_cache()
+            # After each shape: a run cut off by a time limit keeps what it timed.
+            results.write("sparse24-harness-ab", {"rows": rows}, a.out, dtype="bf16", sms=sms, rounds=a.rounds)
+    print("\n".join(summary(rows)))
+    return 1 if any(max(r["errors"].values()) > 2 ** -5 for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
