@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from kernelplan.bench import results
 from kernelplan.bench.shapes import sweep_shapes
 from kernelplan.bench.sweep import _cycling, copies_past_l2
-from kernelplan.kernels import raw_stream
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_ws import WsKernel, rule_order, ws_candidates, ws_config
@@ -42,7 +41,7 @@ from kernelplan.sparse24.dispatch import backend_for
 from kernelplan.sparse24.layout import pack_reason
 from kernelplan.timing import graph_us
 from sparse24_rule_ab import FixedTile
-from sparse24_wg_tiles import weight_copies
+from sparse24_wg_tiles import direct_launch, weight_copies
 
 VARIANTS = ("sweep", "lib-tilecopies", "direct", "direct-tilecopies")
 
@@ -98,11 +97,10 @@ def main() -> int:
                     copies = [compress(d).packed() for d in dense_w]
                     call = MmaLinear(None, FixedTile(cfg))
                     y = torch.empty(n, m, device="cuda", dtype=dtype)
-                    launch, grid = kernel.launch_config(cfg, n, m, "bf16", False, None, 0)
+                    one = direct_launch(kernel, cfg, x, y, n, m, k)
 
-                    def direct(c, launch=launch, grid=grid, y=y):
-                        launch(grid, (x.data_ptr(), c.values.data_ptr(), c.metadata.data_ptr(), 0, y.data_ptr(), n,
-                                      m, k, x.stride(0), y.stride(0)), raw_stream(0))
+                    def direct(c, one=one, y=y):
+                        one(c.values, c.metadata)
                         return y
 
                     fns = {"sweep": ("sweep", lambda c, call=call: call(x, c.values, c.metadata, None)),

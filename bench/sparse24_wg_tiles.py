@@ -46,6 +46,14 @@ def weight_copies(m: int, k: int) -> int:
     return max(1, min(8, -(-L2_BYTES // (m * k))))
 
 
+def direct_launch(kernel, cfg, x, y, n: int, m: int, k: int, epilogue: str | None = None):
+    """``call(values, codes)``: one launch of ``kernel`` on tile ``cfg``, x times the weight held in the device layout
+    into ``y`` (allocated once, by the caller), on the current stream: this bench's call, below the library's."""
+    launch, grid = kernel.launch_config(cfg, n, m, "bf16", False, epilogue, 0)
+    return lambda values, codes: launch(grid, (x.data_ptr(), values.data_ptr(), codes.data_ptr(), 0, y.data_ptr(), n,
+                                               m, k, x.stride(0), y.stride(0)), raw_stream(0))
+
+
 def graph_ms(fns, calls: int, rounds: int, during=None) -> list[float]:
     """Per round, mean ms per call of ``calls`` calls cycling over ``fns``, replayed as one CUDA graph (no host work);
     ``during()``, where given, runs on the host each round while the GPU replays."""
@@ -170,10 +178,8 @@ def main() -> int:
             dense = [lambda w=w: F.linear(x, w) for w in ws]
 
             def sparse(cfg):
-                launch, grid = kernel.launch_config(cfg, n, m, "bf16", False, epilogue, 0)
-                return [lambda p=p, c=c: launch(grid, (x.data_ptr(), p.data_ptr(), c.data_ptr(), 0, y.data_ptr(),
-                                                       n, m, k, x.stride(0), y.stride(0)), raw_stream(0))
-                        for p, c in tiled]
+                call = direct_launch(kernel, cfg, x, y, n, m, k, epilogue)
+                return [lambda p=p, c=c: call(p, c) for p, c in tiled]
 
             cands = {str(c): c for c in candidates(n, m, k)}
             fns, errs = {"dense": dense}, {}
