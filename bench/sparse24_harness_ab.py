@@ -9,13 +9,14 @@ of each other kind) run under both factors crossed, in one process, each beside 
   twice the L2 in compressed bytes);
 * ``lib-tilecopies``: ``MmaLinear``, the tile bench's copies (past 100 MB of dense bytes, at most 8);
 * ``direct``: the tile bench's launch (``launch_config``, one y), the sweep's copies;
-* ``direct-tilecopies``: the tile bench's launch and copies.
+* ``direct-tilecopies``: the tile bench's launch and copies;
+* ``tile-bench``: the same, timed as the tile bench times (``graph_ms``: a graph of ``calls_per_graph`` calls,
+  replayed five times, the median), dense beside it alike.
 
-All four are ``graph_us`` replays (the graph's length did not matter, 0055).  Writes
-``bench/results/sparse24-harness-ab-<gpu>.json`` and prints, per kind of tile, each variant's speedup over the
-sweep's.
+The first four are ``graph_us`` replays.  Writes ``bench/results/sparse24-harness-ab-<gpu>.json`` and prints, per
+kind of tile, each variant's speedup over the sweep's.
 
-About 12 s a problem at 2 rounds (four tiles x six timings): pass ``--shape`` for a part of the sweep set.
+About 14 s a problem at 2 rounds (four tiles x eight timings): pass ``--shape`` for a part of the sweep set.
 
     PYTHONPATH=src:bench KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_harness_ab.py \
         --batch 512 --shape 4096x4096 28672x4096 3584x3584 8192x8192
@@ -41,9 +42,15 @@ from kernelplan.sparse24.dispatch import backend_for
 from kernelplan.sparse24.layout import pack_reason
 from kernelplan.timing import graph_us
 from sparse24_rule_ab import FixedTile
-from sparse24_wg_tiles import direct_launch, weight_copies
+from sparse24_wg_tiles import calls_per_graph, direct_launch, graph_ms, weight_copies
 
-VARIANTS = ("sweep", "lib-tilecopies", "direct", "direct-tilecopies")
+VARIANTS = ("sweep", "lib-tilecopies", "direct", "direct-tilecopies", "tile-bench")
+TILE_BENCH_REPLAYS = 5  # sparse24_wg_tiles.py's --rounds: replays of its graph a pass
+
+
+def dense_of(variant: str, copies: str) -> str:
+    """The dense reading a variant's speedup is taken against: under the same copies, timed the same way."""
+    return "dense-tile-bench" if variant == "tile-bench" else f"dense-{copies}"
 
 
 def tiles_of_each_kind(n: int, m: int, k: int, sms: int) -> list:
@@ -91,7 +98,9 @@ def main() -> int:
             for n in ns:
                 x = torch.randn(n, k, device="cuda").to(dtype)
                 ref = F.linear(x.double(), w.double())
-                dense = {c: _cycling([lambda d=d: F.linear(x, d) for d in dense_w[:counts[c]]]) for c in counts}
+                dense_lists = {c: [lambda d=d: F.linear(x, d) for d in dense_w[:counts[c]]] for c in counts}
+                dense = {c: _cycling(fs) for c, fs in dense_lists.items()}
+                calls = calls_per_graph(n, m, k)
                 for cfg in tiles_of_each_kind(n, m, k, sms):
                     # Each tile its own copies: MmaLinear keeps a tile's launches with the weight it built them on.
                     copies = [compress(d).packed() for d in dense_w]
@@ -105,19 +114,22 @@ def main() -> int:
 
                     fns = {"sweep": ("sweep", lambda c, call=call: call(x, c.values, c.metadata, None)),
                            "lib-tilecopies": ("tile", lambda c, call=call: call(x, c.values, c.metadata, None)),
-                           "direct": ("sweep", direct), "direct-tilecopies": ("tile", direct)}
+                           "direct": ("sweep", direct), "direct-tilecopies": ("tile", direct),
+                           "tile-bench": ("tile", direct)}
                     errs = {v: float((f(copies[0]).double() - ref).abs().max() / ref.abs().max())
                             for v, (_, f) in fns.items()}
-                    timed = {v: _cycling([lambda c=c, f=f: f(c) for c in copies[:counts[c_]]])
-                             for v, (c_, f) in fns.items()}
-                    times = {name: [] for name in [*VARIANTS, "dense-sweep", "dense-tile"]}
+                    lists = {v: [lambda c=c, f=f: f(c) for c in copies[:counts[c_]]] for v, (c_, f) in fns.items()}
+                    readings = {v: lambda fs=fs: graph_us(_cycling(fs), 20) for v, fs in lists.items()}
+                    readings |= {f"dense-{c}": lambda fn=fn: graph_us(fn, 20) for c, fn in dense.items()}
+                    # The tile bench's own timing: a graph of `calls` calls, replayed, ms a call (sparse24_wg_tiles).
+                    for name, fs in (("tile-bench", lists["tile-bench"]), ("dense-tile-bench", dense_lists["tile"])):
+                        readings[name] = lambda fs=fs: 1e3 * statistics.median(graph_ms(fs, calls, TILE_BENCH_REPLAYS))
+                    times = {name: [] for name in readings}
                     for r in range(a.rounds):  # the order reversed each round: a drift lands on all alike
-                        order = [*VARIANTS, "dense-sweep", "dense-tile"]
-                        for name in order if r % 2 == 0 else order[::-1]:
-                            fn = dense[name[6:]] if name.startswith("dense") else timed[name]
-                            times[name].append(graph_us(fn, 20))
+                        for name in list(readings) if r % 2 == 0 else list(readings)[::-1]:
+                            times[name].append(readings[name]())
                     med = {name: statistics.median(t) for name, t in times.items()}
-                    speedup = {v: med[f"dense-{fns[v][0]}"] / med[v] for v in VARIANTS}
+                    speedup = {v: med[dense_of(v, fns[v][0])] / med[v] for v in VARIANTS}
                     rows.append({"m": m, "k": k, "n": n, "tile": str(cfg), "kind": cfg.kind, "copies": counts,
                                  "us": med, "speedup": speedup, "errors": errs})
                     print(f"  {m}x{k} n={n} {cfg.kind:22s} " + " ".join(f"{v} {s:.3f}" for v, s in speedup.items())

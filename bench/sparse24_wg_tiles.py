@@ -54,6 +54,11 @@ def direct_launch(kernel, cfg, x, y, n: int, m: int, k: int, epilogue: str | Non
                                                m, k, x.stride(0), y.stride(0)), raw_stream(0))
 
 
+def calls_per_graph(n: int, m: int, k: int, min_calls: int = 6) -> int:
+    """Calls in a round's graph: about 2 ms of work at 2 PFLOP/s, 6 to 100 (6 on the largest problems)."""
+    return max(min_calls, min(100, int(2e-3 * 2e12 / (2 * m * k * n + 1))))
+
+
 def graph_ms(fns, calls: int, rounds: int, during=None) -> list[float]:
     """Per round, mean ms per call of ``calls`` calls cycling over ``fns``, replayed as one CUDA graph (no host work);
     ``during()``, where given, runs on the host each round while the GPU replays."""
@@ -190,7 +195,7 @@ def main() -> int:
                 errs[name] = float((y.float() - want).abs().max()) / scale
                 if errs[name] <= 2.0 ** -5:
                     fns[name] = fs
-            calls = max(a.min_calls, min(100, int(2e-3 * 2e12 / (2 * m * k * n + 1))))  # 6 on the largest problems
+            calls = calls_per_graph(n, m, k, a.min_calls)
             times = {name: [] for name in fns}
             for r in range(2):  # two passes in opposite orders, so that a slow spell of the GPU lands on all
                 for name in list(fns) if r == 0 else list(fns)[::-1]:

@@ -247,9 +247,15 @@ def test_the_harness_ab_bench_times_the_rules_tile_and_one_of_each_other_kind():
         assert cfg == min(same, key=lambda c: rule_order(c, n, m, k, SMS))
     assert sparse24_wg_tiles.weight_copies(4096, 4096) == 7 and sparse24_wg_tiles.weight_copies(768, 768) == 8
     assert sparse24_wg_tiles.weight_copies(28672, 8192) == 1
+    # About 2 ms of work a graph at 2 PFLOP/s, 6 to 100 calls.
+    assert [sparse24_wg_tiles.calls_per_graph(n, 4096, 4096) for n in (1, 16, 512)] == [100, 7, 6]
     rows = [{"kind": "K split", "speedup": {"sweep": 1.0, "lib-tilecopies": 1.1, "direct": 0.9,
-                                            "direct-tilecopies": 0.8}},
+                                            "direct-tilecopies": 0.8, "tile-bench": 0.7}},
             {"kind": "K split", "speedup": {"sweep": 2.0, "lib-tilecopies": 2.0, "direct": 2.0,
-                                            "direct-tilecopies": 2.0}}]
+                                            "direct-tilecopies": 2.0, "tile-bench": 2.0}}]
     assert sparse24_harness_ab.summary(rows) == ["K split (2): over the sweep's reading: lib-tilecopies 1.050, "
-                                                 "direct 0.950, direct-tilecopies 0.900"]
+                                                 "direct 0.950, direct-tilecopies 0.900, tile-bench 0.850"]
+    # Each variant against dense timed its way, under its copies.
+    assert [sparse24_harness_ab.dense_of(v, c) for v, c in (("sweep", "sweep"), ("direct-tilecopies", "tile"),
+                                                            ("tile-bench", "tile"))] == \
+        ["dense-sweep", "dense-tile", "dense-tile-bench"]
