@@ -10,8 +10,9 @@ of each other kind) run under both factors crossed, in one process, each beside 
 * ``lib-tilecopies``: ``MmaLinear``, the tile bench's copies (past 100 MB of dense bytes, at most 8);
 * ``direct``: the tile bench's launch (``launch_config``, one y), the sweep's copies;
 * ``direct-tilecopies``: the tile bench's launch and copies;
-* ``tile-bench``: the same, timed as the tile bench times (``graph_ms``: a graph of ``calls_per_graph`` calls,
-  replayed five times, the median), dense beside it alike.
+* ``tile-bench``: the same, timed as the tile bench timed until 85d7767 (``graph_ms``: a graph of
+  ``calls_per_graph`` calls, replayed five times, the median), dense beside it alike.  It reads K-split tiles 7%
+  slow against ``graph_us`` (docs/design/0056); the tile bench now times with ``graph_us``.
 
 The first four are ``graph_us`` replays.  Writes ``bench/results/sparse24-harness-ab-<gpu>.json`` and prints, per
 kind of tile, each variant's speedup over the sweep's.

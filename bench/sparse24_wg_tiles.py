@@ -3,8 +3,8 @@
 
 The data the configuration rule is built from.  For each (M, K) and n: dense
 ``F.linear`` and every candidate tile, each checked against the dense result
-first, then timed as CUDA graph replays of back-to-back calls (no host work),
-alternating between tiles, rotating over enough copies of the weight that it
+first, then timed as the sweep times (``graph_us``: CUDA graph replays of ~``--rep`` ms of back-to-back calls, no
+host work), alternating between tiles, rotating over enough copies of the weight that it
 is not served from L2 (medians of rounds).  Writes ``bench/results/sparse24-<kernel>-tiles-<gpu>.json``
 and prints, per (M, K, n), the best tile, its speedup over dense, and the
 present rule's.
@@ -27,12 +27,14 @@ import torch.nn.functional as F
 
 from kernelplan.activations import GATED_EPILOGUES, epilogue_columns
 from kernelplan.bench import results
+from kernelplan.bench.sweep import _cycling
 from kernelplan.kernels import raw_stream
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_sp import _tiled
 from kernelplan.kernels import sparse24_wg, sparse24_ws
 from kernelplan.sparse24 import compress, prune
 from kernelplan.sparse24.plan import gated_reason
+from kernelplan.timing import graph_us
 
 SHAPES = [(4096, 4096), (4608, 3584), (3584, 18944), (28672, 4096), (8192, 8192), (8192, 28672), (3072, 3072),
           (2304, 768), (1024, 4096), (5120, 13824), (37888, 3584)]
@@ -55,7 +57,8 @@ def direct_launch(kernel, cfg, x, y, n: int, m: int, k: int, epilogue: str | Non
 
 
 def calls_per_graph(n: int, m: int, k: int, min_calls: int = 6) -> int:
-    """Calls in a round's graph: about 2 ms of work at 2 PFLOP/s, 6 to 100 (6 on the largest problems)."""
+    """Calls in one ``graph_ms`` graph as this bench timed tiles until 85d7767 (``sparse24_harness_ab.py``'s
+    ``tile-bench``): about 2 ms of work at 2 PFLOP/s, 6 to 100 (6 on the largest problems)."""
     return max(min_calls, min(100, int(2e-3 * 2e12 / (2 * m * k * n + 1))))
 
 
@@ -103,7 +106,8 @@ def _unicast_pair(waves: float, sms: int, gated: bool, n: int, m: int, k: int) -
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2, help="readings of each tile, in alternating order")
+    ap.add_argument("--rep", type=int, default=20, help="ms of calls a reading replays (graph_us)")
     ap.add_argument("--shapes", type=int, default=len(SHAPES))
     ap.add_argument("--shape", nargs="*", default=None, metavar="MxK",
                     help="these (M, K) instead of the built-in list, e.g. 768x768 1024x4096")
@@ -119,8 +123,6 @@ def main() -> int:
     ap.add_argument("--unicast-pairs", type=float, default=None, metavar="W",
                     help="ws: only the problems whose rule's pick multicasts x without a K split in a grid of at most "
                          "W waves, and only that pick and the same tile without multicast (docs/design/0053)")
-    ap.add_argument("--min-calls", type=int, default=6,
-                    help="calls a round (one CUDA graph) at least; the sweep's graph_us replays ~20 ms of calls")
     ap.add_argument("--sweep-set", action="store_true", help="the sweep set's shapes (bench/shapes.py) instead")
     ap.add_argument("--gated", action="store_true",
                     help="ws: the gated epilogue (gated_silu_first: silu of W's first M/2 rows' outputs times the "
@@ -195,11 +197,12 @@ def main() -> int:
                 errs[name] = float((y.float() - want).abs().max()) / scale
                 if errs[name] <= 2.0 ** -5:
                     fns[name] = fs
-            calls = calls_per_graph(n, m, k, a.min_calls)
+            # The sweep's timer: a graph of 6-100 calls replayed (graph_ms, until 85d7767) read K-split tiles 7%
+            # slow against it, and x multicast 2% (docs/design/0056).
             times = {name: [] for name in fns}
-            for r in range(2):  # two passes in opposite orders, so that a slow spell of the GPU lands on all
-                for name in list(fns) if r == 0 else list(fns)[::-1]:
-                    times[name] += graph_ms(fns[name], calls, a.rounds)
+            for r in range(a.rounds):  # passes in alternating order, so that a slow spell of the GPU lands on all
+                for name in list(fns) if r % 2 == 0 else list(fns)[::-1]:
+                    times[name].append(graph_us(_cycling(fns[name]), a.rep) / 1e3)
             med = {name: statistics.median(t) for name, t in times.items()}
             rule = str(rule_config(n, m, k, sms))
             best = min((nm for nm in med if nm != "dense"), key=med.get, default=None)
@@ -215,7 +218,7 @@ def main() -> int:
         torch.cuda.empty_cache()
         # After each shape, so that a run cut off by a time limit keeps what it measured.
         results.write(f"sparse24-{a.kernel}-tiles", {"rows": rows}, a.out, dtype="bf16", sms=sms, epilogue=epilogue,
-                      registers_local_bytes=regs, min_calls=a.min_calls)
+                      registers_local_bytes=regs, timer=f"graph_us, rep {a.rep} ms", rounds=a.rounds)
     return 0
 
 
