@@ -1,7 +1,9 @@
-"""The cuda_ws rule against the same rule with another x-multicast threshold, through the sweep's own path.
+"""The cuda_ws rule against the same rule with another x-multicast threshold or other weights, through the sweep's
+own path.
 
 Every problem of the sweep set (or the LM heads) where ``ws_config`` picks another tile than it would with x multicast
-without a K split past ``--multicast-min-waves`` waves (``sparse24_ws.MULTICAST_MIN_WAVES``) is timed with both tiles
+without a K split past ``--multicast-min-waves`` waves (``sparse24_ws.MULTICAST_MIN_WAVES``), or with the cost
+weights ``--weights`` (``RuleWeights``, fields not named as they are), is timed with both tiles
 as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the one device layout, each call on the next of
 the weight's copies past twice the L2, ``graph_us`` replays), in one process, alternating A B B A, beside dense
 ``F.linear``.  Each side has its own
@@ -10,11 +12,13 @@ timings (``sparse24_wg_tiles.py``) and a sweep part disagreed on (docs/design/00
 ``bench/results/sparse24-rule-ab-<gpu>.json``.
 
     PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_rule_ab.py --multicast-min-waves 16
+    ... python bench/sparse24_rule_ab.py --weights l2=0.0071 pp_tile=5550
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 
@@ -27,7 +31,7 @@ from kernelplan.bench.sweep import SHAPE_SETS, _cycling, copies_past_l2
 from kernelplan.kernels import sparse24_ws
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
-from kernelplan.kernels.sparse24_ws import WsKernel, ws_config
+from kernelplan.kernels.sparse24_ws import WEIGHTS, RuleWeights, WsKernel, ws_config
 from kernelplan.sparse24 import compress, prune
 from kernelplan.sparse24.dispatch import backend_for
 from kernelplan.sparse24.layout import pack_reason
@@ -44,40 +48,65 @@ class FixedTile(WsKernel):
         return self.cfg
 
 
-def other_pick(n: int, m: int, k: int, sms: int, waves: float):
-    """``ws_config``'s tile had it ``MULTICAST_MIN_WAVES = waves`` (its cache neither read nor written)."""
+def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = WEIGHTS):
+    """``ws_config``'s tile had it ``MULTICAST_MIN_WAVES = waves`` and weights ``w`` (its cache neither read nor
+    written)."""
     present = sparse24_ws.MULTICAST_MIN_WAVES
     sparse24_ws.MULTICAST_MIN_WAVES = waves
     try:
-        return ws_config.__wrapped__(n, m, k, sms)
+        return ws_config.__wrapped__(n, m, k, sms, w=w)
     finally:
         sparse24_ws.MULTICAST_MIN_WAVES = present
 
 
-def moved(shapes, batch, sms: int, waves: float) -> list[tuple[int, int, int]]:
-    """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``."""
+def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS) -> list[tuple[int, int, int]]:
+    """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves`` and ``w``."""
     return [(n, m, k) for m, k in shapes for n in batch
-            if backend_for((9, 0), n, m, k, "bf16") == "cuda_ws" and ws_config(n, m, k, sms) != other_pick(n, m, k,
-                                                                                                            sms, waves)]
+            if backend_for((9, 0), n, m, k, "bf16") == "cuda_ws"
+            and ws_config(n, m, k, sms) != other_pick(n, m, k, sms, waves, w)]
+
+
+def weights_of(settings: list[str]) -> RuleWeights:
+    """``WEIGHTS`` with the ``FIELD=VALUE`` settings given."""
+    fields = {f.name for f in dataclasses.fields(RuleWeights)}
+    pairs = [s.split("=", 1) for s in settings]
+    bad = [s for s, p in zip(settings, pairs) if len(p) != 2 or p[0] not in fields]
+    if bad:
+        raise SystemExit(f"--weights {bad}: each must be FIELD=VALUE with FIELD one of {sorted(fields)}")
+    return dataclasses.replace(WEIGHTS, **{f: float(v) for f, v in pairs})
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--multicast-min-waves", type=float, required=True, metavar="W",
+    ap.add_argument("--multicast-min-waves", type=float, default=None, metavar="W",
                     help="the other rule's: x multicast without a K split only in grids of more than W waves")
+    ap.add_argument("--weights", nargs="+", default=[], metavar="FIELD=VALUE",
+                    help="the other rule's cost weights (RuleWeights), the rest as they are")
     ap.add_argument("--shape-set", default="sweep set", choices=sorted(SHAPE_SETS))
     ap.add_argument("--batch", type=int, nargs="+", default=[n for n in BATCH_SIZES if n > 16])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=20, help="graph_us's rep (ms), as the sweep's")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    sms, waves = sm_count(0), a.multicast_min_waves
+    if a.multicast_min_waves is None and not a.weights:
+        ap.error("give the other rule: --multicast-min-waves, --weights or both")
+    waves = sparse24_ws.MULTICAST_MIN_WAVES if a.multicast_min_waves is None else a.multicast_min_waves
+    other_w = weights_of(a.weights)
+    sms = sm_count(0)
     shapes = SHAPE_SETS[a.shape_set]()
-    problems = moved(shapes, a.batch, sms, waves)
-    print(f"{len(problems)} problems where the rule with x multicast past {waves:g} waves (not "
-          f"{sparse24_ws.MULTICAST_MIN_WAVES}) picks another tile", flush=True)
+    problems = moved(shapes, a.batch, sms, waves, other_w)
+    print(f"{len(problems)} problems where the rule with x multicast past {waves:g} waves (now "
+          f"{sparse24_ws.MULTICAST_MIN_WAVES}) and {other_w} picks another tile", flush=True)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows, dtype = [], torch.bfloat16
+
+    def write():  # after each shape: a run cut off by a time limit keeps what it timed
+        results.write("sparse24-rule-ab", {"rows": rows}, a.out, dtype="bf16", sms=sms,
+                      here={"multicast_min_waves": sparse24_ws.MULTICAST_MIN_WAVES,
+                            "weights": dataclasses.asdict(WEIGHTS)},
+                      other={"multicast_min_waves": waves, "weights": dataclasses.asdict(other_w)},
+                      shape_set=a.shape_set, rounds=a.rounds, rep=a.rep)
+
     torch.manual_seed(0)
     with torch.inference_mode():
         for m, k in dict.fromkeys((m, k) for _, m, k in problems):
@@ -88,7 +117,7 @@ def main() -> int:
             ws = [w] + [w.clone() for _ in range(copies - 1)]
             sides = {side: [held(c) for c in ws] for side in ("here", "other")}
             for n in [n for n, mm, kk in problems if (mm, kk) == (m, k)]:
-                cfgs = {"here": ws_config(n, m, k, sms), "other": other_pick(n, m, k, sms, waves)}
+                cfgs = {"here": ws_config(n, m, k, sms), "other": other_pick(n, m, k, sms, waves, other_w)}
                 x = torch.randn(n, k, device="cuda").to(dtype)
                 ref = F.linear(x.double(), w.double())
                 dense_err = float((F.linear(x, w).double() - ref).abs().max() / ref.abs().max())
@@ -115,13 +144,12 @@ def main() -> int:
                 print(f"  {m}x{k} n={n}: here {med['dense'] / med['here']:.2f}x, other "
                       f"{med['dense'] / med['other']:.2f}x of dense; other/here {ratio:.3f}"
                       f"{'  WRONG ' + str(wrong) if wrong else ''}", flush=True)
+            write()
+    write()
     ratios = [r["other_over_here"] for r in rows]
     if ratios:
         print(f"other's time over here's: median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, max "
               f"{max(ratios):.3f}, here faster in {sum(x > 1 for x in ratios)} of {len(ratios)}")
-    results.write("sparse24-rule-ab", {"rows": rows}, a.out, dtype="bf16", sms=sms,
-                  here={"multicast_min_waves": sparse24_ws.MULTICAST_MIN_WAVES}, other={"multicast_min_waves": waves},
-                  shape_set=a.shape_set, rounds=a.rounds, rep=a.rep)
     return 1 if any(r["wrong"] for r in rows) else 0
 
 

@@ -206,6 +206,30 @@ def test_the_rule_ab_bench_times_exactly_the_picks_another_multicast_threshold_m
     assert sparse24_rule_ab.FixedTile(here).config(1, 64, 64, 0) == here
 
 
+def test_the_rule_ab_bench_times_the_picks_other_weights_move():
+    """bench/sparse24_rule_ab.py --weights (docs/design/0056): the other rule is ws_config under the weights given,
+    the rest of WEIGHTS as they are; a bad setting names itself and the fields."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
+    import sparse24_rule_ab
+    from kernelplan.bench.shapes import sweep_shapes
+    from kernelplan.kernels import sparse24_ws
+
+    other = sparse24_rule_ab.weights_of(["l2=0.007", "pp_tile=5550"])
+    assert other == dataclasses.replace(WEIGHTS, l2=0.007, pp_tile=5550.0)
+    for bad in (["l2"], ["nope=1"]):
+        with pytest.raises(SystemExit, match="FIELD=VALUE with FIELD one of"):
+            sparse24_rule_ab.weights_of(bad)
+    shapes = list(sweep_shapes())
+    got = sparse24_rule_ab.moved(shapes, [512, 1024], SMS, sparse24_ws.MULTICAST_MIN_WAVES, other)
+    assert got
+    for n, m, k in got:  # the library's rule under those weights, and not the rule's tile
+        want = ws_config(n, m, k, SMS, w=other)
+        assert sparse24_rule_ab.other_pick(n, m, k, SMS, sparse24_ws.MULTICAST_MIN_WAVES, other) == want
+        assert want != ws_config(n, m, k, SMS)
+    assert len(got) < len(shapes) * 2
+    assert sparse24_rule_ab.moved(shapes, [512, 1024], SMS, sparse24_ws.MULTICAST_MIN_WAVES, WEIGHTS) == []
+
+
 def test_table_vs_sweep_compares_the_same_tile_on_the_same_problem_by_kind(tmp_path, capsys):
     """tools/table_vs_sweep.py (docs/design/0055): the sweep's speedup over the tile table's, where both timed one
     tile on one problem, grouped by kind of tile; tiles and problems only one of them timed say nothing."""

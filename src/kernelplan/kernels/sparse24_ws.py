@@ -335,12 +335,12 @@ def _small_n_split(n: int, m: int, k: int) -> WsConfig | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False) -> WsConfig:
+def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeights = WEIGHTS) -> WsConfig:
     """The tile for N = n: at small n on a wide weight, its K-split tile (``_SPLIT``); else ``rule_pick`` of
-    ``ws_candidates``.  ``gated``: among the tiles a gated epilogue runs on (``gated_tile``)."""
+    ``ws_candidates`` under ``w``.  ``gated``: among the tiles a gated epilogue runs on (``gated_tile``)."""
     split = None if gated else _small_n_split(n, m, k)
     if split is None:
-        split = rule_pick([c for c in ws_candidates(n, m, k) if not gated or gated_tile(c)], n, m, k, sms)
+        split = rule_pick([c for c in ws_candidates(n, m, k) if not gated or gated_tile(c)], n, m, k, sms, w)
     return split if push_pays(split, n, m, sms) else replace(split, push=False)
 
 
