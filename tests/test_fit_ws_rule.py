@@ -279,7 +279,9 @@ def test_the_harness_ab_bench_times_the_rules_tile_and_one_of_each_other_kind():
                                             "direct-tilecopies": 2.0, "tile-bench": 2.0}}]
     assert sparse24_harness_ab.summary(rows) == ["K split (2): over the sweep's reading: lib-tilecopies 1.050, "
                                                  "direct 0.950, direct-tilecopies 0.900, tile-bench 0.850"]
-    # Each variant against dense timed its way, under its copies.
-    assert [sparse24_harness_ab.dense_of(v, c) for v, c in (("sweep", "sweep"), ("direct-tilecopies", "tile"),
-                                                            ("tile-bench", "tile"))] == \
-        ["dense-sweep", "dense-tile", "dense-tile-bench"]
+    # Each variant against dense timed its way, under its copies; a variant not timed is left out of the summary.
+    assert [sparse24_harness_ab.dense_of(v) for v in ("sweep", "direct-tilecopies", "tile-bench", "tuner")] == \
+        ["dense sweep graph_us", "dense tile graph_us", "dense tile tile-bench", "dense sweep tuner"]
+    assert sparse24_harness_ab.summary([{"kind": "ping-pong", "speedup": {"sweep": 1.0, "tuner": 0.9}}]) == \
+        ["ping-pong (1): over the sweep's reading: tuner 0.900"]
+    assert set(sparse24_harness_ab.timers(512, 4096, 4096)) == {t for _, _, t in sparse24_harness_ab.VARIANTS.values()}
