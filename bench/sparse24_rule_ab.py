@@ -8,19 +8,26 @@ as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the one devi
 the weight's copies past twice the L2, ``graph_us`` replays), in one process, alternating A B B A, beside dense
 ``F.linear``.  Each side has its own
 copies of the weight, so that each tile's launches are its own.  A check of a rule change that the tile tables'
-timings (``sparse24_wg_tiles.py``) and a sweep part disagreed on (docs/design/0055).  Writes
+timings (``sparse24_wg_tiles.py``) and a sweep part disagreed on (docs/design/0055).
+
+``--table-misses TABLE`` takes the other side from a tile table instead: at each problem where the table's best tile
+ran ``--min-gain`` (3%) or more faster than the rule's, that tile (docs/design/0056).  Writes
 ``bench/results/sparse24-rule-ab-<gpu>.json``.
 
-    PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_rule_ab.py --multicast-min-waves 16
+    PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_rule_ab.py \
+        --multicast-min-waves 16
     ... python bench/sparse24_rule_ab.py --weights l2=0.0071 pp_tile=5550
+    ... python bench/sparse24_rule_ab.py --table-misses bench/results/sparse24-ws-top4-graphus-h200.json
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +38,7 @@ from kernelplan.bench.sweep import SHAPE_SETS, _cycling, copies_past_l2
 from kernelplan.kernels import sparse24_ws
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
-from kernelplan.kernels.sparse24_ws import WEIGHTS, RuleWeights, WsKernel, ws_config
+from kernelplan.kernels.sparse24_ws import WEIGHTS, RuleWeights, WsConfig, WsKernel, ws_config
 from kernelplan.sparse24 import compress, prune
 from kernelplan.sparse24.dispatch import backend_for
 from kernelplan.sparse24.layout import pack_reason
@@ -66,6 +73,21 @@ def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS) -> li
             and ws_config(n, m, k, sms) != other_pick(n, m, k, sms, waves, w)]
 
 
+def table_misses(path: str, sms: int, min_gain: float) -> dict[tuple[int, int, int], WsConfig]:
+    """(n, M, K) -> the best tile a tile table (``sparse24_wg_tiles.py --kernel ws``) timed, where it ran at least
+    ``min_gain`` faster than the rule's own tile (``ws_config``, timed in the same row)."""
+    out = {}
+    for row in json.loads(Path(path).read_text())["rows"]:
+        times = {t: ms for t, ms in row.get("tiles_ms", {}).items() if t.startswith("WsConfig")}
+        rule = str(ws_config(row["n"], row["m"], row["k"], sms))
+        if rule not in times:
+            continue
+        best = min(times, key=times.get)
+        if times[rule] >= (1 + min_gain) * times[best]:
+            out[(row["n"], row["m"], row["k"])] = eval(best, {"WsConfig": WsConfig})  # the table's repr of a tile
+    return out
+
+
 def weights_of(settings: list[str]) -> RuleWeights:
     """``WEIGHTS`` with the ``FIELD=VALUE`` settings given."""
     fields = {f.name for f in dataclasses.fields(RuleWeights)}
@@ -82,21 +104,31 @@ def main() -> int:
                     help="the other rule's: x multicast without a K split only in grids of more than W waves")
     ap.add_argument("--weights", nargs="+", default=[], metavar="FIELD=VALUE",
                     help="the other rule's cost weights (RuleWeights), the rest as they are")
+    ap.add_argument("--table-misses", default=None, metavar="TABLE",
+                    help="instead of another rule: each problem where this tile table's best tile ran --min-gain "
+                         "faster than the rule's, against that tile")
+    ap.add_argument("--min-gain", type=float, default=0.03)
     ap.add_argument("--shape-set", default="sweep set", choices=sorted(SHAPE_SETS))
     ap.add_argument("--batch", type=int, nargs="+", default=[n for n in BATCH_SIZES if n > 16])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=20, help="graph_us's rep (ms), as the sweep's")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    if a.multicast_min_waves is None and not a.weights:
-        ap.error("give the other rule: --multicast-min-waves, --weights or both")
+    if (a.multicast_min_waves is None and not a.weights) == (a.table_misses is None):
+        ap.error("give the other rule (--multicast-min-waves, --weights or both) or --table-misses, not both")
     waves = sparse24_ws.MULTICAST_MIN_WAVES if a.multicast_min_waves is None else a.multicast_min_waves
     other_w = weights_of(a.weights)
     sms = sm_count(0)
-    shapes = SHAPE_SETS[a.shape_set]()
-    problems = moved(shapes, a.batch, sms, waves, other_w)
-    print(f"{len(problems)} problems where the rule with x multicast past {waves:g} waves (now "
-          f"{sparse24_ws.MULTICAST_MIN_WAVES}) and {other_w} picks another tile", flush=True)
+    if a.table_misses:
+        others = table_misses(a.table_misses, sms, a.min_gain)
+        problems = list(others)
+        print(f"{len(problems)} problems where {a.table_misses}'s best tile ran {a.min_gain:.0%} or more faster than "
+              f"the rule's", flush=True)
+    else:
+        problems = moved(SHAPE_SETS[a.shape_set](), a.batch, sms, waves, other_w)
+        others = {p: other_pick(*p, sms, waves, other_w) for p in problems}
+        print(f"{len(problems)} problems where the rule with x multicast past {waves:g} waves (now "
+              f"{sparse24_ws.MULTICAST_MIN_WAVES}) and {other_w} picks another tile", flush=True)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows, dtype = [], torch.bfloat16
 
@@ -105,7 +137,8 @@ def main() -> int:
                       here={"multicast_min_waves": sparse24_ws.MULTICAST_MIN_WAVES,
                             "weights": dataclasses.asdict(WEIGHTS)},
                       other={"multicast_min_waves": waves, "weights": dataclasses.asdict(other_w)},
-                      shape_set=a.shape_set, rounds=a.rounds, rep=a.rep)
+                      shape_set=a.shape_set, table_misses=a.table_misses, min_gain=a.min_gain, rounds=a.rounds,
+                      rep=a.rep)
 
     torch.manual_seed(0)
     with torch.inference_mode():
@@ -117,7 +150,7 @@ def main() -> int:
             ws = [w] + [w.clone() for _ in range(copies - 1)]
             sides = {side: [held(c) for c in ws] for side in ("here", "other")}
             for n in [n for n, mm, kk in problems if (mm, kk) == (m, k)]:
-                cfgs = {"here": ws_config(n, m, k, sms), "other": other_pick(n, m, k, sms, waves, other_w)}
+                cfgs = {"here": ws_config(n, m, k, sms), "other": others[(n, m, k)]}
                 x = torch.randn(n, k, device="cuda").to(dtype)
                 ref = F.linear(x.double(), w.double())
                 dense_err = float((F.linear(x, w).double() - ref).abs().max() / ref.abs().max())

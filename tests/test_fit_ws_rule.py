@@ -230,6 +230,26 @@ def test_the_rule_ab_bench_times_the_picks_other_weights_move():
     assert sparse24_rule_ab.moved(shapes, [512, 1024], SMS, sparse24_ws.MULTICAST_MIN_WAVES, WEIGHTS) == []
 
 
+def test_the_rule_ab_bench_takes_a_tables_misses_against_their_best_tile(tmp_path):
+    """bench/sparse24_rule_ab.py --table-misses (docs/design/0056): the problems where the table's best tile ran
+    min_gain or more faster than the rule's own tile, timed in the same row, each against that best tile."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
+    import sparse24_rule_ab
+
+    rows, want = [], {}
+    for (n, m, k), ratio in {(128, 3072, 3072): 1.10, (512, 4096, 4096): 1.02, (256, 768, 3072): 1.04}.items():
+        rule = ws_config(n, m, k, SMS)
+        other = next(c for c in ws_candidates(n, m, k) if c != rule)
+        rows.append({"m": m, "k": k, "n": n, "tiles_ms": {str(rule): ratio, str(other): 1.0, "SpConfig(x)": 0.1}})
+        if ratio >= 1.03:
+            want[(n, m, k)] = other
+    # A row whose rule tile the table did not time says nothing.
+    rows.append({"m": 1024, "k": 1024, "n": 64, "tiles_ms": {str(WsConfig(16, 1)): 1.0}})
+    (tmp_path / "t.json").write_text(json.dumps({"meta": {}, "rows": rows}))
+    assert sparse24_rule_ab.table_misses(str(tmp_path / "t.json"), SMS, 0.03) == want
+    assert list(sparse24_rule_ab.table_misses(str(tmp_path / "t.json"), SMS, 0.05)) == [(128, 3072, 3072)]
+
+
 def test_table_vs_sweep_compares_the_same_tile_on_the_same_problem_by_kind(tmp_path, capsys):
     """tools/table_vs_sweep.py (docs/design/0055): the sweep's speedup over the tile table's, where both timed one
     tile on one problem, grouped by kind of tile; tiles and problems only one of them timed say nothing."""
@@ -254,6 +274,17 @@ def test_table_vs_sweep_compares_the_same_tile_on_the_same_problem_by_kind(tmp_p
     assert WsConfig(64).kind == "one CTA a tile"
     assert table_vs_sweep.main(["--tables", str(tables), "--sweeps", str(sweep)]) == 0
     assert "K split: 1 problems, the sweep's speedup over the table's: median 1.100" in capsys.readouterr().out
+
+
+def test_the_fit_names_the_tables_timed_with_short_graphs(tmp_path, capsys):
+    """docs/design/0056: tables without meta.timer were timed with short graphs, which read K-split tiles slow."""
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps({"meta": {"sms": SMS}, "rows": []}))
+    new.write_text(json.dumps({"meta": {"sms": SMS, "timer": "graph_us, rep 10 ms"}, "rows": []}))
+    assert fit_ws_rule.short_graph_tables([str(old), str(new)]) == [str(old)]
+    fit_ws_rule.main([str(old), str(new), "--report"])
+    err = capsys.readouterr().err
+    assert str(old) in err and str(new) not in err and "short graphs" in err
 
 
 def test_the_harness_ab_bench_times_the_rules_tile_and_one_of_each_other_kind():
