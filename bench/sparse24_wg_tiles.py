@@ -197,8 +197,8 @@ def main() -> int:
                 errs[name] = float((y.float() - want).abs().max()) / scale
                 if errs[name] <= 2.0 ** -5:
                     fns[name] = fs
-            # The sweep's timer: a graph of 6-100 calls replayed (graph_ms, until 85d7767) read K-split tiles 7%
-            # slow against it, and x multicast 2% (docs/design/0056).
+            # The sweep's timer.  The one before (graph_ms: a graph of 6-100 calls, replayed; until 85d7767) read
+            # K-split tiles 7% slow against it, and x multicast 2% (docs/design/0056).
             times = {name: [] for name in fns}
             for r in range(a.rounds):  # passes in alternating order, so that a slow spell of the GPU lands on all
                 for name in list(fns) if r % 2 == 0 else list(fns)[::-1]:
