@@ -44,6 +44,9 @@ from kernelplan.sparse24.dispatch import backend_for
 from kernelplan.sparse24.layout import pack_reason
 from kernelplan.timing import graph_us
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from fit_ws_rule import weights_of, ws_tile  # noqa: E402
+
 
 class FixedTile(WsKernel):
     """``cuda_ws`` on one tile, whatever the rule would pick."""
@@ -84,18 +87,8 @@ def table_misses(path: str, sms: int, min_gain: float) -> dict[tuple[int, int, i
             continue
         best = min(times, key=times.get)
         if times[rule] >= (1 + min_gain) * times[best]:
-            out[(row["n"], row["m"], row["k"])] = eval(best, {"WsConfig": WsConfig})  # the table's repr of a tile
+            out[(row["n"], row["m"], row["k"])] = ws_tile(best)
     return out
-
-
-def weights_of(settings: list[str]) -> RuleWeights:
-    """``WEIGHTS`` with the ``FIELD=VALUE`` settings given."""
-    fields = {f.name for f in dataclasses.fields(RuleWeights)}
-    pairs = [s.split("=", 1) for s in settings]
-    bad = [s for s, p in zip(settings, pairs) if len(p) != 2 or p[0] not in fields]
-    if bad:
-        raise SystemExit(f"--weights {bad}: each must be FIELD=VALUE with FIELD one of {sorted(fields)}")
-    return dataclasses.replace(WEIGHTS, **{f: float(v) for f, v in pairs})
 
 
 def main() -> int:

@@ -56,10 +56,10 @@ def direct_launch(kernel, cfg, x, y, n: int, m: int, k: int, epilogue: str | Non
                                                m, k, x.stride(0), y.stride(0)), raw_stream(0))
 
 
-def calls_per_graph(n: int, m: int, k: int, min_calls: int = 6) -> int:
+def calls_per_graph(n: int, m: int, k: int) -> int:
     """Calls in one ``graph_ms`` graph as this bench timed tiles until 85d7767 (``sparse24_harness_ab.py``'s
     ``tile-bench``): about 2 ms of work at 2 PFLOP/s, 6 to 100 (6 on the largest problems)."""
-    return max(min_calls, min(100, int(2e-3 * 2e12 / (2 * m * k * n + 1))))
+    return max(6, min(100, int(2e-3 * 2e12 / (2 * m * k * n + 1))))
 
 
 def graph_ms(fns, calls: int, rounds: int, during=None) -> list[float]:

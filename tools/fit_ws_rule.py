@@ -49,6 +49,21 @@ def problems(path: str):
     return out
 
 
+def ws_tile(text: str) -> WsConfig:
+    """The tile a bench wrote into its JSON as the ``repr`` of a ``WsConfig``."""
+    return eval(text, {"WsConfig": WsConfig})
+
+
+def weights_of(settings: list[str]) -> RuleWeights:
+    """``WEIGHTS`` with the ``FIELD=VALUE`` settings given."""
+    fields = {f.name for f in dataclasses.fields(RuleWeights)}
+    pairs = [s.split("=", 1) for s in settings]
+    bad = [s for s, p in zip(settings, pairs) if len(p) != 2 or p[0] not in fields]
+    if bad:
+        raise SystemExit(f"weights {bad}: each must be FIELD=VALUE with FIELD one of {sorted(fields)}")
+    return dataclasses.replace(WEIGHTS, **{f: float(v) for f, v in pairs})
+
+
 def short_graph_tables(paths: list[str]) -> list[str]:
     """The tables timed before the tile bench took the sweep's timer (their meta has no ``timer``)."""
     return [p for p in paths if "timer" not in json.loads(Path(p).read_text()).get("meta", {})]
@@ -61,7 +76,7 @@ def sweep_pairs(paths: list[str], sms: int = 132):
     for path in paths:
         for row in json.loads(Path(path).read_text())["rows"]:
             if row.get("ws_config") and row.get("cuda_ws_ms"):
-                cfg = eval(row["ws_config"], {"WsConfig": WsConfig})  # the sweep's own repr of a WsConfig
+                cfg = ws_tile(row["ws_config"])
                 seen.setdefault((row["n"], row["m"], row["k"]), {})[cfg] = row["cuda_ws_ms"] / row["dense_ms"]
     out = []
     for (n, m, k), tiles in seen.items():
@@ -175,7 +190,7 @@ def main(argv: list[str]) -> int:
         print(f"note: {path} was timed with short graphs (no meta.timer: before 98d1cf6), which read K-split tiles "
               f"7% slow and x multicast 2% against the sweep's timer (docs/design/0056)", file=sys.stderr)
     tables = [problems(p) for p in a.tables] + ([sweep_pairs(a.sweep)] if a.sweep else [])
-    w = dataclasses.replace(WEIGHTS, **{f: float(v) for f, v in (s.split("=") for s in a.start)})
+    w = weights_of(a.start)
     if a.unicast:
         for p, t in zip(paths, tables):
             r, u = timed(w, t), timed(w, t, unicast=True, waves=a.unicast_waves, cms=tuple(a.unicast_cm or (2, 4)))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kernelplan.kernels.sparse24_ws import WsConfig  # noqa: E402
+from fit_ws_rule import ws_tile  # noqa: E402
 
 
 def speedups(paths: list[str], sweep: bool) -> dict[tuple[int, int, int, str], float]:
@@ -42,7 +42,7 @@ def by_kind(tables: list[str], sweeps: list[str]) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
     for key, s in sweep.items():
         if key in table:
-            out.setdefault(eval(key[3], {"WsConfig": WsConfig}).kind, []).append(s / table[key])
+            out.setdefault(ws_tile(key[3]).kind, []).append(s / table[key])
     return out
 
 
