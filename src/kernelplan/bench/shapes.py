@@ -46,6 +46,22 @@ MODELS = (
     ModelConfig("BERT-large", 1024, 4096, 16, 16, 64, gated=False, vocabs=(30522,)),
 )
 
+# Public models outside MODELS, mostly smaller ones, whose projections fall between and below the sweep set's: held
+# out of every rule's fit, to time a rule change on shapes it was not fitted on (docs/design/0057).  The sizes are
+# their published config.json's.
+HELD_OUT_MODELS = (
+    ModelConfig("Qwen2.5-0.5B", 896, 4864, 14, 2, 64),
+    ModelConfig("Qwen2.5-1.5B", 1536, 8960, 12, 2, 128),
+    ModelConfig("Qwen2.5-3B", 2048, 11008, 16, 2, 128),
+    ModelConfig("Llama-3.2-1B", 2048, 8192, 32, 8, 64),
+    ModelConfig("Llama-3.2-3B", 3072, 8192, 24, 8, 128),
+    ModelConfig("TinyLlama-1.1B", 2048, 5632, 32, 4, 64),
+    ModelConfig("Gemma-2-2B", 2304, 9216, 8, 4, 256),
+    ModelConfig("Phi-2", 2560, 10240, 32, 32, 80, gated=False),
+    ModelConfig("GPT-2-XL", 1600, 6400, 25, 25, 64, gated=False),
+    ModelConfig("Mistral-Nemo-12B", 5120, 14336, 32, 8, 128),
+)
+
 BATCH_SIZES = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -65,4 +81,16 @@ def sweep_shapes() -> dict[tuple[int, int], list[str]]:
     for model in MODELS:
         for layer, shape in model.layers().items():
             shapes.setdefault(shape, []).append(f"{model.name} {layer}")
+    return shapes
+
+
+def held_out_shapes() -> dict[tuple[int, int], list[str]]:
+    """Every distinct (M, K) of ``HELD_OUT_MODELS`` that is not in the sweep set, with the model layers that have
+    it."""
+    fitted = sweep_shapes()
+    shapes: dict[tuple[int, int], list[str]] = {}
+    for model in HELD_OUT_MODELS:
+        for layer, shape in model.layers().items():
+            if shape not in fitted:
+                shapes.setdefault(shape, []).append(f"{model.name} {layer}")
     return shapes

@@ -27,7 +27,7 @@ import statistics
 
 import torch
 
-from .shapes import BATCH_SIZES, lm_head_shapes, sweep_shapes
+from .shapes import BATCH_SIZES, held_out_shapes, lm_head_shapes, sweep_shapes
 
 QUICK_BATCH_SIZES = (1, 16, 64, 256, 1024, 4096)
 # What a sweep's JSON says of its two columns and its L2 mode.
@@ -246,8 +246,9 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
 
 
 # The shapes a sweep can time: the sweep set (the models' attention and MLP projections, on which the kernels' rules
-# were fitted) or the same models' LM heads, held out of those fits (docs/design/0052).
-SHAPE_SETS = {"sweep set": sweep_shapes, "lm heads": lm_head_shapes}
+# were fitted), the same models' LM heads (docs/design/0052) or other public models' projections (docs/design/0057),
+# both held out of those fits.
+SHAPE_SETS = {"sweep set": sweep_shapes, "lm heads": lm_head_shapes, "held-out models": held_out_shapes}
 
 
 def default_name(device: str, dtype: str, l2: str = "cold", shape_set: str = "sweep set") -> str:

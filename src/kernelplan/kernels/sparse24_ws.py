@@ -232,6 +232,8 @@ class RuleWeights:
     split: float  # per (row x 64-row block) of a tile's partial sums met across the cluster, per extra K slice
     pp_tile: float  # ping-pong: per tile past a CTA's first (its epilogue, where the other warpgroup's K loop
     #                 does not hide it)
+    mma_floor: float = 0.0  # per step, the least its MMAs take however few rows they have: a small tile's wgmma
+    #                         is latency-bound, not rate-bound (docs/design/0057)
     cluster: float = 0.0  # per CTA of a cluster of more than one (cm x kc > 1): the cluster barriers at its start
     #                       and end, whatever its K loop (sparse24-ws-small-h100.json: up to 0.73x at K <= 1024)
 
@@ -266,7 +268,8 @@ def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = 
     ctas = n_tiles * m_tiles * slices
     step_bytes = cfg.bn * 128 / cfg.cm + cfg.wm * 4608
     waves = -(-ctas // _cluster_sms(cfg, sms))  # ping-pong: tiles a CTA, one after another
-    step = w.step + max(cfg.bn * cfg.wm * w.mma, step_bytes * w.copy) + (w.l2 * step_bytes if waves > 1 else 0)
+    mma = max(cfg.bn * cfg.wm * w.mma, w.mma_floor)
+    step = w.step + max(mma, step_bytes * w.copy) + (w.l2 * step_bytes if waves > 1 else 0)
     if cfg.pp:
         return waves * (k // 64 * step + w.pp_tile) + w.cta - w.pp_tile
     clustered = w.cluster if cfg.cm * cfg.kc > 1 else 0.0
