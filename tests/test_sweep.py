@@ -223,6 +223,41 @@ def test_the_lm_heads_sweep_times_the_heads_and_is_named_and_merged_as_its_own(t
     capsys.readouterr()
 
 
+def test_held_out_shapes_are_other_models_projections_outside_the_sweep_set_and_the_heads():
+    from kernelplan.bench.shapes import HELD_OUT_MODELS, MODELS, held_out_shapes, lm_head_shapes
+
+    held = held_out_shapes()
+    assert held[(1152, 896)] == ["Qwen2.5-0.5B qkv"]  # 14 heads of 64 and 2 KV heads: 896 + 2 x 128 rows
+    assert held[(2048, 2048)] == ["Qwen2.5-3B o", "Llama-3.2-1B o", "TinyLlama-1.1B o"]
+    assert held[(6400, 1600)] == ["GPT-2-XL gate_up"]  # not gated: one up projection of 4 x hidden
+    assert not set(held) & (set(sweep_shapes()) | set(lm_head_shapes()))
+    assert not {m.name for m in HELD_OUT_MODELS} & {m.name for m in MODELS}
+    every = {s for m in HELD_OUT_MODELS for s in m.layers().values()}
+    assert set(held) == every - set(sweep_shapes()) and (3072, 3072) in every - set(held)  # Llama-3.2-3B o, Phi-3-mini o
+
+
+def test_the_cli_sweeps_the_held_out_models_under_their_own_name(tmp_path, monkeypatch, capsys):
+    from kernelplan import cli
+    from kernelplan.bench.shapes import held_out_shapes
+
+    asked = []
+
+    def fake_run_sweep(dev, dtype, sizes, shapes, log, l2, done):
+        asked.append(shapes)
+        return copy.deepcopy([r for r in _rows() if "n" not in r or r["n"] in sizes])
+
+    monkeypatch.setattr(sweep, "run_sweep", fake_run_sweep)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "NVIDIA H200")
+    monkeypatch.setenv("KERNELPLAN_COMMIT", "abc1234")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "sparse24", "--sweep", "--held-out", "--batch", "8"]) == 0
+    assert asked == [held_out_shapes()]
+    assert json.loads((tmp_path / "sparse24-sweep-held-out-models-h200.json").read_text())["shape_set"] == \
+        "held-out models"
+    capsys.readouterr()
+
+
 def test_lm_heads_are_the_sweep_models_vocabularies_by_their_hidden_size_and_not_in_the_sweep_set():
     from kernelplan.bench.shapes import MODELS, lm_head_shapes
 

@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--lm-heads", action="store_true",
                        help="with --sweep: the LM heads (vocab x hidden) of the sweep set's models instead of the "
                        "sweep set, shapes no kernel rule was fitted on; writes sparse24-sweep-lm-heads-<gpu>.json")
+    bench.add_argument("--held-out", action="store_true",
+                       help="with --sweep: the projections of public models outside the sweep set (Qwen2.5 0.5-3B, "
+                       "Llama-3.2, Gemma-2-2B, Phi-2, GPT-2-XL, Mistral-Nemo), which no kernel rule was fitted on; "
+                       "writes sparse24-sweep-held-out-models-<gpu>.json")
 
     sparsify = sub.add_parser("sparsify", help="prune a checkpoint to 2:4 and write it compressed",
                               description="IN is a .safetensors file of dense weights (pruned by magnitude, written "
@@ -125,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import run_sweep_command
 
         return run_sweep_command(args.device, args.dtype, args.quick, args.json, args.l2, args.batch,
-                                 "lm heads" if args.lm_heads else "sweep set")
+                                 "lm heads" if args.lm_heads else "held-out models" if args.held_out else "sweep set")
     from .bench import run_bench
 
     return run_bench(args.suite, device=args.device, json_path=args.json)
@@ -185,15 +189,17 @@ def _bench_args_problem(args) -> str | None:
         return "--batch and --merge belong to --sweep (kernelplan bench sparse24 --sweep --batch 2048 8192)"
     if args.merge:
         if (args.batch or args.quick or args.device is not None or args.dtype != "bf16" or args.l2 != "cold"
-                or args.lm_heads):
+                or args.lm_heads or args.held_out):
             return ("--merge joins finished parts: it takes their dtype, L2 mode, shapes and device from the files; "
-                    "leave out --batch, --quick, --device, --dtype, --l2 and --lm-heads")
+                    "leave out --batch, --quick, --device, --dtype, --l2, --lm-heads and --held-out")
     elif args.batch:
         bad = [n for n in args.batch if n < 1]
         if bad:
             return f"--batch {bad[0]}: a batch size is 1 or more"
         if args.quick:
             return "--batch and --quick both choose the batch sizes: give one of them"
+    if args.lm_heads and args.held_out:
+        return "--lm-heads and --held-out each choose the shapes: give one of them"
     if args.sweep:
         if args.suite != "sparse24":
             return f"--sweep times the 2:4 kernels: give the suite sparse24 (kernelplan bench sparse24 --sweep), not {args.suite!r}"
@@ -201,9 +207,9 @@ def _bench_args_problem(args) -> str | None:
         if no_gpu and not args.merge:  # --merge joins files: it needs no device
             return ("--sweep times the 2:4 GPU kernels against dense on a CUDA device, and this run has none; "
                     "leave --sweep out for the CPU checks of every op")
-    elif args.quick or args.dtype != "bf16" or args.l2 != "cold" or args.lm_heads:
-        return ("--quick, --dtype, --l2 and --lm-heads belong to --sweep (kernelplan bench sparse24 --sweep --quick "
-                "--dtype f16)")
+    elif args.quick or args.dtype != "bf16" or args.l2 != "cold" or args.lm_heads or args.held_out:
+        return ("--quick, --dtype, --l2, --lm-heads and --held-out belong to --sweep (kernelplan bench sparse24 "
+                "--sweep --quick --dtype f16)")
     if args.json is not None:
         folder = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(folder):

@@ -268,7 +268,7 @@ def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = 
     ctas = n_tiles * m_tiles * slices
     step_bytes = cfg.bn * 128 / cfg.cm + cfg.wm * 4608
     waves = -(-ctas // _cluster_sms(cfg, sms))  # ping-pong: tiles a CTA, one after another
-    mma = max(cfg.bn * cfg.wm * w.mma, w.mma_floor)
+    mma = max(cfg.bn * cfg.wm * w.mma, w.mma_floor if cfg.wm == 1 else 0.0)
     step = w.step + max(mma, step_bytes * w.copy) + (w.l2 * step_bytes if waves > 1 else 0)
     if cfg.pp:
         return waves * (k // 64 * step + w.pp_tile) + w.cta - w.pp_tile
