@@ -204,6 +204,12 @@ def test_the_rule_ab_bench_times_exactly_the_picks_another_multicast_threshold_m
     assert all(sparse24_rule_ab.other_pick(nn, mm, kk, SMS, 16) == ws_config(nn, mm, kk, SMS)
                for mm, kk in shapes for nn in (128, 1024, 2048) if (nn, mm, kk) not in got)
     assert sparse24_rule_ab.FixedTile(here).config(1, 64, 64, 0) == here
+    # A weight keeps its launches by the kernel's name: each tile's own, not the first tile a weight was called with.
+    from kernelplan.kernels.sparse24_mma import MmaLinear
+
+    other = dataclasses.replace(here, cm=1)
+    keys = {MmaLinear(None, sparse24_rule_ab.FixedTile(c))._key for c in (here, other)}
+    assert len(keys) == 2 and MmaLinear(None, sparse24_ws.WsKernel())._key not in keys
 
 
 def test_the_rule_ab_bench_times_the_picks_other_weights_move():
