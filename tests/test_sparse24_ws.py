@@ -500,6 +500,26 @@ def test_tiles_of_192_rows_fit_and_the_rule_picks_them_where_they_fill_the_sms()
     assert ws_config(512, 4608, 3584, 132).wm == 3
 
 
+def test_a_step_of_few_rows_costs_the_mma_floor_and_the_one_wave_rows_split_k():
+    """RuleWeights.mma_floor (docs/design/0057): a step's MMAs cost at least the floor however few rows they have, so
+    that the lone 64-row ping-pong tiles of one-wave grids give way to K-split tiles with more CTAs (3072x3072 at
+    n = 128 and 768x3072 at n = 512 ran 0.87x and 0.85x of the time so, through the sweep's path)."""
+    from kernelplan.kernels.sparse24_ws import WEIGHTS
+
+    small, big = WsConfig(bn=32, wm=1, cm=1, kc=1, stages=8), WsConfig(bn=128, wm=2, cm=1, kc=1, stages=6)
+    assert small.bn * small.wm * WEIGHTS.mma < WEIGHTS.mma_floor < big.bn * big.wm * WEIGHTS.mma
+    none = replace(WEIGHTS, mma_floor=0.0)
+    steps = 4096 // 64
+    assert tile_cost(small, 32, 4096, 4096, 132) - tile_cost(small, 32, 4096, 4096, 132, none) == \
+        pytest.approx(steps * (WEIGHTS.mma_floor - small.bn * small.wm * WEIGHTS.mma))
+    assert tile_cost(big, 512, 4096, 4096, 132) == tile_cost(big, 512, 4096, 4096, 132, none)
+    for n, m, k in ((128, 3072, 3072), (512, 768, 3072)):
+        lone = ws_config.__wrapped__(n, m, k, 132, w=none)
+        assert lone.pp and lone.wm == 1 and math.prod(lone.grid(n, m)) <= 132
+        split = ws_config(n, m, k, 132)
+        assert split.kc == 2 and split.wm == 2 and not split.pp
+
+
 def test_narrow_tiles_of_x_only_where_k_is_short_and_with_one_block_of_w():
     """Tiles of 16 and 32 rows of x where n needs more: of one 64-row block of W, and only up to 16 K steps; the
     rule takes them on small layers with few CTAs (sparse24-ws-narrow-h100.json), not on long K."""

@@ -251,8 +251,13 @@ class RuleWeights:
 # step 384 -> 453 since the K slices push their sums (docs/design/0051): fitted with the picks at n = 1-16 and
 # 2048-8192 held (fit_ws_rule.py --hold) on sparse24-ws-top8-pushed-h100.json and -h200.json (43 sweep shapes x
 # n = 32..1024, a276283); 15 picks move to fewer, K-split steps, means 0.982 -> 0.983 (H100), 0.983 -> 0.987 (H200).
+# mma_floor 0 -> 300 (docs/design/0057): a ping-pong tile of 32 or 64 rows of x and one 64-row block ran a 2048-column K
+# in the same 7.0 us at n = 32 and 64, so a step of few rows costs its latency, not its rows.  Moves 4 sweep-set picks
+# (3072x3072 n = 64, 128; 768x3072 n = 256, 512) and 17 of the held-out models' at n = 32-256 to K-split tiles; through
+# the sweep's path (sparse24_rule_ab.py, b65be27, H200) 20 of those 21 ran faster, by 0.69-0.97x of the time, one
+# 1.017x.  Flat between 250 and 400 over the graph_us tile tables.
 WEIGHTS = RuleWeights(mma=3.34, copy=0.00625, step=453, l2=0.014, cta=30600, split=18.6, pp_tile=6530,
-                      cluster=10000)
+                      mma_floor=300, cluster=10000)
 # Clusters of 4 or more CTAs of one SM each: cuOccupancyMaxActiveClusters gave 30 clusters of 4 (120 of 132 SMs).
 _BIG_CLUSTER_SMS = 120 / 132
 
@@ -268,7 +273,7 @@ def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = 
     ctas = n_tiles * m_tiles * slices
     step_bytes = cfg.bn * 128 / cfg.cm + cfg.wm * 4608
     waves = -(-ctas // _cluster_sms(cfg, sms))  # ping-pong: tiles a CTA, one after another
-    mma = max(cfg.bn * cfg.wm * w.mma, w.mma_floor if cfg.wm == 1 else 0.0)
+    mma = max(cfg.bn * cfg.wm * w.mma, w.mma_floor)
     step = w.step + max(mma, step_bytes * w.copy) + (w.l2 * step_bytes if waves > 1 else 0)
     if cfg.pp:
         return waves * (k // 64 * step + w.pp_tile) + w.cta - w.pp_tile
