@@ -50,8 +50,8 @@ from fit_ws_rule import weights_of, ws_tile  # noqa: E402
 
 class FixedTile(WsKernel):
     """``cuda_ws`` on one tile, whatever the rule would pick.  Named after its tile: a weight keeps its launches
-    under its kernel's name (``MmaLinear``), so that under ``cuda_ws``'s a weight called through one FixedTile kept
-    that tile for every later n and every other FixedTile (docs/design/0057)."""
+    under its kernel's name (``MmaLinear._key``), and under ``cuda_ws``'s own a weight kept the first FixedTile's tile
+    for every later n and every other FixedTile (docs/design/0057)."""
 
     def __init__(self, cfg):
         self.cfg = cfg
