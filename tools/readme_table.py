@@ -81,6 +81,8 @@ def sweep_rows(name: str) -> list[str]:
         what = f"{shapes} LM heads held out of the rules' fits" + (
             f" (at the odd vocabularies, whose dense calls cuBLAS runs slowly, {min(odd):.2f}-{max(odd):.2f}x)"
             if odd else "")
+    if doc.get("shape_set") == "held-out models":  # other public models' projections, held out too (0057)
+        what = f"{shapes} projections of other public models (0.5-12B), held out of the rules' fits"
     return [f"| 2:4 linear, default ({held}), {dt}, {what} x {ns} n, "
             f"{l2}, CUDA graph | "
             + " | ".join(graph) + f" | {_source(doc, name)} |",
@@ -510,14 +512,14 @@ def table() -> str:
     # part again (0051's rule, a0f610c), and their n >= 1024 part after the pushed sums (87515b0, 0052; the H200's
     # n = 1024 and 2048), then the LM heads at n <= 512 and the H200's at n = 1024-2048 (0053), then n = 256-2048
     # again under 0054's multicast rule and the rest of the heads' n (1e71ed3), then the H200's f16 at n = 32-2048
-    # (0055) and 4096-8192 (0056); the bf16 quick sweeps (4f17378) stay in results/.
+    # (0055) and 4096-8192 (0056), and the held-out models (0057); the bf16 quick sweeps (4f17378) stay in results/.
     for name in ("sparse24-sweep-h200", "sparse24-sweep-h100", "sparse24-sweep-small-n-h200",
                  "sparse24-sweep-small-n-h100", "sparse24-sweep-mid-n-h200", "sparse24-sweep-mid-n-h100",
                  "sparse24-sweep-large-n-h200", "sparse24-sweep-large-n-h100",
                  "sparse24-sweep-lm-heads-h200", "sparse24-sweep-lm-heads-h100",
                  "sparse24-sweep-unicast-h200", "sparse24-sweep-unicast-h100", "sparse24-sweep-unicast-n512-h100",
                  "sparse24-sweep-lm-heads-large-n-h200", "sparse24-sweep-lm-heads-large-n-h100",
-                 "sparse24-sweep-lm-heads-xl-n-h200",
+                 "sparse24-sweep-lm-heads-xl-n-h200", "sparse24-sweep-held-out-models-h200",
                  "sparse24-sweep-h100-l2warm", "sparse24-sweep-h200-l2warm",
                  "sparse24-sweep-h200-f16-quick", "sparse24-sweep-h100-f16-quick", "sparse24-sweep-small-n-f16-h200",
                  "sparse24-sweep-small-n-f16-h100", "sparse24-sweep-f16-mid-h200", "sparse24-sweep-f16-large-n-h200",
