@@ -322,3 +322,31 @@ def test_the_harness_ab_bench_times_the_rules_tile_and_one_of_each_other_kind():
     assert sparse24_harness_ab.summary([{"kind": "ping-pong", "speedup": {"sweep": 1.0, "tuner": 0.9}}]) == \
         ["ping-pong (1): over the sweep's reading: tuner 0.900"]
     assert set(sparse24_harness_ab.timers(512, 4096, 4096)) == {t for _, _, t in sparse24_harness_ab.VARIANTS.values()}
+
+
+def test_ab_scores_the_picks_other_weights_move_by_the_pairs_an_ab_timed(tmp_path, capsys):
+    """``--ab``: each pick ``--start``'s weights move from the present ones, scored by an A/B row that timed that very
+    pair (either way round), the rest listed as untimed; rows of other pairs say nothing."""
+    from kernelplan.bench.shapes import BATCH_SIZES
+    from kernelplan.bench.sweep import sweep_shapes
+
+    old = dataclasses.replace(WEIGHTS, mma_floor=0.0)
+    moves = [(n, m, k) for m, k in sweep_shapes() for n in BATCH_SIZES
+             if ws_config.__wrapped__(n, m, k, SMS, w=old) != ws_config(n, m, k, SMS)]
+    assert (128, 3072, 3072) in moves and len(moves) >= 2
+    present, new = ws_config(128, 3072, 3072, SMS), ws_config.__wrapped__(128, 3072, 3072, SMS, w=old)
+    decoy = next(c for c in ws_candidates(128, 3072, 3072) if c not in (present, new))
+    rows = [{"m": 3072, "k": 3072, "n": 128, "here": str(new), "other": str(present), "here_us": 9.6, "other_us": 8.0},
+            {"m": 3072, "k": 3072, "n": 128, "here": str(present), "other": str(new), "here_us": 8.4, "other_us": 9.6},
+            {"m": 3072, "k": 3072, "n": 128, "here": str(present), "other": str(decoy), "here_us": 8.0, "other_us": 1.0}]
+    ab = tmp_path / "ab.json"
+    ab.write_text(json.dumps({"rows": rows}))
+    got = fit_ws_rule.ab_pairs([str(ab)])[(128, 3072, 3072)]
+    assert got[(present, new)] == pytest.approx([9.6 / 8.0, 9.6 / 8.4]) and got[(new, present)][0] == pytest.approx(8.0 / 9.6)
+    timed, guesses = fit_ws_rule.ab_moves(old, fit_ws_rule.ab_pairs([str(ab)]), sweep_shapes(), BATCH_SIZES)
+    assert timed == [pytest.approx((9.6 / 8.0 + 9.6 / 8.4) / 2)] and len(guesses) == len(moves) - 1
+    assert (128, 3072, 3072) not in [g[:3] for g in guesses]
+    table = _table(tmp_path, [_row(128, 3072, 3072, {present: 1.0})])  # the tables are read, not used
+    assert table and fit_ws_rule.main([str(tmp_path / "tiles.json"), "--start", "mma_floor=0", "--ab", str(ab)]) == 0
+    out = capsys.readouterr().out
+    assert f"sweep set: {len(moves)} picks move; 1 timed in the A/B" in out and "faster in 0" in out

@@ -86,6 +86,43 @@ def sweep_pairs(paths: list[str], sms: int = 132):
     return out
 
 
+def ab_pairs(paths: list[str]) -> dict:
+    """``{(n, M, K): {(tile A, tile B): [B's time over A's, ...]}}`` from rule A/B files
+    (``bench/sparse24_rule_ab.py``): each row's two tiles, timed in one process through the sweep's path.  Files from
+    before b65be27 timed, past a shape's first n, that n's tile again (docs/design/0057): give none of those."""
+    out: dict = {}
+    for path in paths:
+        for row in json.loads(Path(path).read_text())["rows"]:
+            here, other = ws_tile(row["here"]), ws_tile(row["other"])
+            at = out.setdefault((row["n"], row["m"], row["k"]), {})
+            at.setdefault((here, other), []).append(row["other_us"] / row["here_us"])
+            at.setdefault((other, here), []).append(row["here_us"] / row["other_us"])
+    return out
+
+
+def ab_moves(w: RuleWeights, pairs: dict, shapes, batch, sms: int = 132) -> tuple[list[float], list[tuple]]:
+    """The picks ``w`` moves from the present weights' (``ws_config``, where ``cuda_ws`` runs) over ``shapes`` at
+    ``batch``: the A/B's time of the new pick over the present one's where a row timed that pair (the median of
+    rows), and the moves none timed."""
+    from kernelplan.kernels.sparse24_ws import ws_config
+    from kernelplan.sparse24.dispatch import backend_for
+
+    timed, untimed_moves = [], []
+    for m, k in shapes:
+        for n in batch:
+            if backend_for((9, 0), n, m, k, "bf16") != "cuda_ws":
+                continue
+            present, new = ws_config.__wrapped__(n, m, k, sms), ws_config.__wrapped__(n, m, k, sms, w=w)
+            if present == new:
+                continue
+            got = pairs.get((n, m, k), {}).get((present, new))
+            if got:
+                timed.append(statistics.median(got))
+            else:
+                untimed_moves.append((n, m, k, present, new))
+    return timed, untimed_moves
+
+
 def ratios(w: RuleWeights, table, unicast: bool = False, waves: float = math.inf,
            cms: tuple[int, ...] = (2, 4)) -> list[float | None]:
     """Per problem, the best time over the rule's pick's (None where the table did not time the pick).
@@ -184,6 +221,9 @@ def main(argv: list[str]) -> int:
                     help="start the search from this weight (a weight at 0 is not moved by the search's factors)")
     ap.add_argument("--hold", type=int, nargs="*", default=[], metavar="N",
                     help="keep the present picks over the sweep set at these n (those the tables did not time)")
+    ap.add_argument("--ab", action="append", default=[], metavar="AB.json",
+                    help="only print, per shape set, the picks --start's weights move from the present ones and each "
+                         "move's time over the present pick's where these rule A/B files timed that pair")
     a = ap.parse_args(argv)
     paths = a.tables + (["sweep pairs"] if a.sweep else [])
     for path in short_graph_tables(a.tables):
@@ -196,6 +236,20 @@ def main(argv: list[str]) -> int:
             r, u = timed(w, t), timed(w, t, unicast=True, waves=a.unicast_waves, cms=tuple(a.unicast_cm or (2, 4)))
             print(f"{p} ({len(t)} problems): mean {statistics.mean(r):.4f} min {min(r):.3f}; without multicast "
                   f"where kc = 1: mean {statistics.mean(u):.4f} min {min(u):.3f}")
+        return 0
+    if a.ab:
+        from kernelplan.bench.shapes import BATCH_SIZES
+        from kernelplan.bench.sweep import SHAPE_SETS
+
+        pairs = ab_pairs(a.ab)
+        for name, shapes in SHAPE_SETS.items():
+            timed_moves, guesses = ab_moves(w, pairs, shapes(), BATCH_SIZES)
+            summary = (f"median {statistics.median(timed_moves):.3f}, max {max(timed_moves):.3f}, faster in "
+                       f"{sum(r < 1 for r in timed_moves)}" if timed_moves else "none timed")
+            print(f"{name}: {len(timed_moves) + len(guesses)} picks move; {len(timed_moves)} timed in the A/B, new over "
+                  f"present: {summary}; {len(guesses)} untimed")
+            for n, m, k, present, new in guesses:
+                print(f"  untimed: {m}x{k} n = {n}: {present} -> {new}")
         return 0
     if a.report:
         for p, t in zip(paths, tables):
