@@ -338,11 +338,13 @@ def test_ab_scores_the_picks_other_weights_move_by_the_pairs_an_ab_timed(tmp_pat
     decoy = next(c for c in ws_candidates(128, 3072, 3072) if c not in (present, new))
     rows = [{"m": 3072, "k": 3072, "n": 128, "here": str(new), "other": str(present), "here_us": 9.6, "other_us": 8.0},
             {"m": 3072, "k": 3072, "n": 128, "here": str(present), "other": str(new), "here_us": 8.4, "other_us": 9.6},
-            {"m": 3072, "k": 3072, "n": 128, "here": str(present), "other": str(decoy), "here_us": 8.0, "other_us": 1.0}]
+            {"m": 3072, "k": 3072, "n": 128, "here": str(present), "other": str(decoy), "here_us": 8.0,
+             "other_us": 1.0}]
     ab = tmp_path / "ab.json"
     ab.write_text(json.dumps({"rows": rows}))
     got = fit_ws_rule.ab_pairs([str(ab)])[(128, 3072, 3072)]
-    assert got[(present, new)] == pytest.approx([9.6 / 8.0, 9.6 / 8.4]) and got[(new, present)][0] == pytest.approx(8.0 / 9.6)
+    assert got[(present, new)] == pytest.approx([9.6 / 8.0, 9.6 / 8.4])
+    assert got[(new, present)][0] == pytest.approx(8.0 / 9.6)
     timed, guesses = fit_ws_rule.ab_moves(old, fit_ws_rule.ab_pairs([str(ab)]), sweep_shapes(), BATCH_SIZES)
     assert timed == [pytest.approx((9.6 / 8.0 + 9.6 / 8.4) / 2)] and len(guesses) == len(moves) - 1
     assert (128, 3072, 3072) not in [g[:3] for g in guesses]
