@@ -40,12 +40,11 @@ from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_ws import WEIGHTS, RuleWeights, WsConfig, WsKernel, ws_config
 from kernelplan.sparse24 import compress, prune
-from kernelplan.sparse24.dispatch import backend_for
 from kernelplan.sparse24.layout import pack_reason
 from kernelplan.timing import graph_us
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from fit_ws_rule import weights_of, ws_tile  # noqa: E402
+from fit_ws_rule import moved_picks, weights_of, ws_tile  # noqa: E402
 
 
 class FixedTile(WsKernel):
@@ -74,9 +73,7 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
 
 def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS) -> list[tuple[int, int, int]]:
     """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves`` and ``w``."""
-    return [(n, m, k) for m, k in shapes for n in batch
-            if backend_for((9, 0), n, m, k, "bf16") == "cuda_ws"
-            and ws_config(n, m, k, sms) != other_pick(n, m, k, sms, waves, w)]
+    return [move[:3] for move in moved_picks(shapes, batch, lambda n, m, k: other_pick(n, m, k, sms, waves, w), sms)]
 
 
 def table_misses(path: str, sms: int, min_gain: float) -> dict[tuple[int, int, int], WsConfig]:

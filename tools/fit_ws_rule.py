@@ -100,26 +100,35 @@ def ab_pairs(paths: list[str]) -> dict:
     return out
 
 
-def ab_moves(w: RuleWeights, pairs: dict, shapes, batch, sms: int = 132) -> tuple[list[float], list[tuple]]:
-    """The picks ``w`` moves from the present weights' (``ws_config``, where ``cuda_ws`` runs) over ``shapes`` at
-    ``batch``: the A/B's time of the new pick over the present one's where a row timed that pair (the median of
-    rows), and the moves none timed."""
+def moved_picks(shapes, batch, other, sms: int = 132) -> list[tuple]:
+    """``(n, M, K, the rule's tile, other(n, M, K))`` over ``shapes`` at ``batch`` where ``cuda_ws`` runs (Hopper,
+    bf16) and the two tiles differ."""
     from kernelplan.kernels.sparse24_ws import ws_config
     from kernelplan.sparse24.dispatch import backend_for
 
-    timed, untimed_moves = [], []
+    out = []
     for m, k in shapes:
         for n in batch:
-            if backend_for((9, 0), n, m, k, "bf16") != "cuda_ws":
-                continue
-            present, new = ws_config.__wrapped__(n, m, k, sms), ws_config.__wrapped__(n, m, k, sms, w=w)
-            if present == new:
-                continue
-            got = pairs.get((n, m, k), {}).get((present, new))
-            if got:
-                timed.append(statistics.median(got))
-            else:
-                untimed_moves.append((n, m, k, present, new))
+            if backend_for((9, 0), n, m, k, "bf16") == "cuda_ws":
+                present, new = ws_config(n, m, k, sms), other(n, m, k)
+                if present != new:
+                    out.append((n, m, k, present, new))
+    return out
+
+
+def ab_moves(w: RuleWeights, pairs: dict, shapes, batch, sms: int = 132) -> tuple[list[float], list[tuple]]:
+    """The picks ``w`` moves from the present weights' (``moved_picks``): the A/B's time of the new pick over the
+    present one's where a row timed that pair (the median of rows), and the moves none timed."""
+    from kernelplan.kernels.sparse24_ws import ws_config
+
+    timed, untimed_moves = [], []
+    for move in moved_picks(shapes, batch, lambda n, m, k: ws_config.__wrapped__(n, m, k, sms, w=w), sms):
+        n, m, k, present, new = move
+        got = pairs.get((n, m, k), {}).get((present, new))
+        if got:
+            timed.append(statistics.median(got))
+        else:
+            untimed_moves.append(move)
     return timed, untimed_moves
 
 
