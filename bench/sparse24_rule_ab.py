@@ -1,14 +1,15 @@
 """The cuda_ws rule against the same rule with another x-multicast threshold or other weights, through the sweep's
 own path.
 
-Every problem of the sweep set (or the LM heads) where ``ws_config`` picks another tile than it would with x multicast
-without a K split past ``--multicast-min-waves`` waves (``sparse24_ws.MULTICAST_MIN_WAVES``), or with the cost
-weights ``--weights`` (``RuleWeights``, fields not named as they are), is timed with both tiles
-as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the one device layout, each call on the next of
-the weight's copies past twice the L2, ``graph_us`` replays), in one process, alternating A B B A, beside dense
-``F.linear``.  Each side has its own
-copies of the weight, so that each tile's launches are its own.  A check of a rule change that the tile tables'
-timings (``sparse24_wg_tiles.py``) and a sweep part disagreed on (docs/design/0055).
+Every problem of the sweep set (or another shape set, or ``--shapes``) where ``ws_config`` picks another tile than
+it would with x multicast without a K split past ``--multicast-min-waves`` waves
+(``sparse24_ws.MULTICAST_MIN_WAVES``), or with the cost weights ``--weights`` (``RuleWeights``, fields not named as
+they are), or with K split only where the split divides K's steps (``--even-k-split``, the rule before
+docs/design/0058), is timed with both tiles as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the
+one device layout, each call on the next of the weight's copies past twice the L2, ``graph_us`` replays), in one
+process, alternating A B B A, beside dense ``F.linear``. Each side has its own copies of the weight, so that each
+tile's launches are its own. A check of a rule change that the tile tables' timings (``sparse24_wg_tiles.py``) and a
+sweep part disagreed on (docs/design/0055).
 
 ``--table-misses TABLE`` takes the other side from a tile table instead: at each problem where the table's best tile
 ran ``--min-gain`` (3%) or more faster than the rule's, that tile (docs/design/0056).  Writes
@@ -17,6 +18,7 @@ ran ``--min-gain`` (3%) or more faster than the rule's, that tile (docs/design/0
     PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_rule_ab.py \
         --multicast-min-waves 16
     ... python bench/sparse24_rule_ab.py --weights l2=0.0071 pp_tile=5550
+    ... python bench/sparse24_rule_ab.py --even-k-split --batch 1 8 16 32 64 --shapes 2048x1600 8192x2880
     ... python bench/sparse24_rule_ab.py --table-misses bench/results/sparse24-ws-top4-graphus-h200.json
 """
 
@@ -38,7 +40,8 @@ from kernelplan.bench.sweep import SHAPE_SETS, _cycling, copies_past_l2
 from kernelplan.kernels import sparse24_ws
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
-from kernelplan.kernels.sparse24_ws import WEIGHTS, RuleWeights, WsConfig, WsKernel, ws_config
+from kernelplan.kernels.sparse24_ws import (WEIGHTS, RuleWeights, WsConfig, WsKernel, push_pays, rule_pick,
+                                            ws_candidates, ws_config)
 from kernelplan.sparse24 import compress, prune
 from kernelplan.sparse24.layout import pack_reason
 from kernelplan.timing import graph_us
@@ -60,20 +63,28 @@ class FixedTile(WsKernel):
         return self.cfg
 
 
-def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = WEIGHTS):
+def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False):
     """``ws_config``'s tile had it ``MULTICAST_MIN_WAVES = waves`` and weights ``w`` (its cache neither read nor
-    written)."""
+    written); with ``even_split``, among K splits that divide K's steps alone, as the rule was before uneven slices
+    (docs/design/0058)."""
     present = sparse24_ws.MULTICAST_MIN_WAVES
     sparse24_ws.MULTICAST_MIN_WAVES = waves
     try:
-        return ws_config.__wrapped__(n, m, k, sms, w=w)
+        cfg = ws_config.__wrapped__(n, m, k, sms, w=w)
+        if even_split and (k // 64) % cfg.kc:
+            cfg = rule_pick([c for c in ws_candidates(n, m, k) if (k // 64) % c.kc == 0], n, m, k, sms, w)
+            cfg = cfg if push_pays(cfg, n, m, sms) else dataclasses.replace(cfg, push=False)
+        return cfg
     finally:
         sparse24_ws.MULTICAST_MIN_WAVES = present
 
 
-def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS) -> list[tuple[int, int, int]]:
-    """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves`` and ``w``."""
-    return [move[:3] for move in moved_picks(shapes, batch, lambda n, m, k: other_pick(n, m, k, sms, waves, w), sms)]
+def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS,
+          even_split: bool = False) -> list[tuple[int, int, int]]:
+    """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w`` and
+    ``even_split``."""
+    return [move[:3] for move in moved_picks(shapes, batch,
+                                             lambda n, m, k: other_pick(n, m, k, sms, waves, w, even_split), sms)]
 
 
 def table_misses(path: str, sms: int, min_gain: float) -> dict[tuple[int, int, int], WsConfig]:
@@ -97,18 +108,26 @@ def main() -> int:
                     help="the other rule's: x multicast without a K split only in grids of more than W waves")
     ap.add_argument("--weights", nargs="+", default=[], metavar="FIELD=VALUE",
                     help="the other rule's cost weights (RuleWeights), the rest as they are")
+    ap.add_argument("--even-k-split", action="store_true",
+                    help="the other rule splits K over a cluster only where the split divides K's steps")
     ap.add_argument("--table-misses", default=None, metavar="TABLE",
                     help="instead of another rule: each problem where this tile table's best tile ran --min-gain "
                          "faster than the rule's, against that tile")
     ap.add_argument("--min-gain", type=float, default=0.03)
     ap.add_argument("--shape-set", default="sweep set", choices=sorted(SHAPE_SETS))
+    ap.add_argument("--shapes", nargs="+", default=None, metavar="MxK", help="these layers instead of a shape set")
     ap.add_argument("--batch", type=int, nargs="+", default=[n for n in BATCH_SIZES if n > 16])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=20, help="graph_us's rep (ms), as the sweep's")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    if (a.multicast_min_waves is None and not a.weights) == (a.table_misses is None):
-        ap.error("give the other rule (--multicast-min-waves, --weights or both) or --table-misses, not both")
+    if (a.multicast_min_waves is None and not a.weights and not a.even_k_split) == (a.table_misses is None):
+        ap.error("give the other rule (--multicast-min-waves, --weights, --even-k-split or more of them) or "
+                 "--table-misses, not both")
+    try:
+        shapes = SHAPE_SETS[a.shape_set]() if a.shapes is None else [tuple(map(int, s.split("x"))) for s in a.shapes]
+    except ValueError:
+        ap.error(f"--shapes takes layers as MxK (4096x1600), not {a.shapes}")
     waves = sparse24_ws.MULTICAST_MIN_WAVES if a.multicast_min_waves is None else a.multicast_min_waves
     other_w = weights_of(a.weights)
     sms = sm_count(0)
@@ -118,10 +137,11 @@ def main() -> int:
         print(f"{len(problems)} problems where {a.table_misses}'s best tile ran {a.min_gain:.0%} or more faster than "
               f"the rule's", flush=True)
     else:
-        problems = moved(SHAPE_SETS[a.shape_set](), a.batch, sms, waves, other_w)
-        others = {p: other_pick(*p, sms, waves, other_w) for p in problems}
+        problems = moved(shapes, a.batch, sms, waves, other_w, a.even_k_split)
+        others = {p: other_pick(*p, sms, waves, other_w, a.even_k_split) for p in problems}
         print(f"{len(problems)} problems where the rule with x multicast past {waves:g} waves (now "
-              f"{sparse24_ws.MULTICAST_MIN_WAVES}) and {other_w} picks another tile", flush=True)
+              f"{sparse24_ws.MULTICAST_MIN_WAVES}), {other_w}{' and even K splits' if a.even_k_split else ''} "
+              f"picks another tile", flush=True)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows, dtype = [], torch.bfloat16
 
@@ -129,9 +149,10 @@ def main() -> int:
         results.write("sparse24-rule-ab", {"rows": rows}, a.out, dtype="bf16", sms=sms,
                       here={"multicast_min_waves": sparse24_ws.MULTICAST_MIN_WAVES,
                             "weights": dataclasses.asdict(WEIGHTS)},
-                      other={"multicast_min_waves": waves, "weights": dataclasses.asdict(other_w)},
-                      shape_set=a.shape_set, table_misses=a.table_misses, min_gain=a.min_gain, rounds=a.rounds,
-                      rep=a.rep)
+                      other={"multicast_min_waves": waves, "weights": dataclasses.asdict(other_w),
+                             "even_k_split": a.even_k_split},
+                      shape_set=a.shape_set if a.shapes is None else "given", shapes=a.shapes,
+                      table_misses=a.table_misses, min_gain=a.min_gain, rounds=a.rounds, rep=a.rep)
 
     torch.manual_seed(0)
     with torch.inference_mode():

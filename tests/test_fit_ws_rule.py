@@ -236,6 +236,31 @@ def test_the_rule_ab_bench_times_the_picks_other_weights_move():
     assert sparse24_rule_ab.moved(shapes, [512, 1024], SMS, sparse24_ws.MULTICAST_MIN_WAVES, WEIGHTS) == []
 
 
+def test_the_rule_ab_bench_times_uneven_k_splits_against_the_rule_before_them(monkeypatch, capsys):
+    """bench/sparse24_rule_ab.py --even-k-split --shapes (docs/design/0058): the other rule's pick is among K splits
+    that divide K's steps (the pick before uneven slices); where K's steps divide, the two agree."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
+    import sparse24_rule_ab
+    from kernelplan.kernels import sparse24_ws
+
+    waves = sparse24_ws.MULTICAST_MIN_WAVES
+    assert ws_config(32, 1600, 1600, SMS).kc == 4  # 25 steps: 6, 6, 6 and 7
+    assert sparse24_rule_ab.other_pick(32, 1600, 1600, SMS, waves, even_split=True) == \
+        WsConfig(bn=32, wm=1, cm=1, kc=1, stages=8, pp=True)  # the pick at 51935dc
+    shapes = [(1024, 2880), (4096, 4096), (2048, 1600)]
+    got = sparse24_rule_ab.moved(shapes, [1, 8, 16, 32, 64, 128], SMS, waves, WEIGHTS, True)
+    assert got and all(k == 2880 or (n, k) == (32, 1600) for n, m, k in got)
+    for n, m, k in got:
+        other = sparse24_rule_ab.other_pick(n, m, k, SMS, waves, WEIGHTS, True)
+        assert (k // 64) % other.kc == 0 and (k // 64) % ws_config(n, m, k, SMS).kc
+    assert sparse24_rule_ab.moved(shapes, [1, 8, 16, 32, 64, 128], SMS, waves, WEIGHTS, False) == []
+    with pytest.raises(SystemExit) as bad:  # before any CUDA
+        with monkeypatch.context() as mp:
+            mp.setattr(sys, "argv", ["sparse24_rule_ab.py", "--even-k-split", "--shapes", "2048,1600"])
+            sparse24_rule_ab.main()
+    assert bad.value.code == 2 and "--shapes takes layers as MxK" in capsys.readouterr().err
+
+
 def test_the_rule_ab_bench_takes_a_tables_misses_against_their_best_tile(tmp_path):
     """bench/sparse24_rule_ab.py --table-misses (docs/design/0056): the problems where the table's best tile ran
     min_gain or more faster than the rule's own tile, timed in the same row, each against that best tile."""

@@ -143,7 +143,7 @@ def test_wgmma_kernels_and_cuda_sp_hold_one_layout(kernel, seed):
 
 CANDIDATE_CASES = [("cuda_wg", 200, 1000, 2048), ("cuda_wg", 77, 520, 1024), ("cuda_wg", 300, 260, 4096),
                    ("cuda_ws", 200, 1000, 2048), ("cuda_ws", 77, 528, 1024), ("cuda_ws", 300, 272, 4096),
-                   ("cuda_ws", 256, 4096, 1024)]
+                   ("cuda_ws", 256, 4096, 1024), ("cuda_ws", 90, 400, 1600), ("cuda_ws", 8, 400, 1600)]
 
 
 def _tiled_problem(n, m, k):

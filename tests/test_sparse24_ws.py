@@ -24,8 +24,8 @@ from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_sp import SM_SHARED, SP_LAYOUT
 from kernelplan.kernels.sparse24_wg import INSTRUCTION_N
 from kernelplan.kernels.sparse24_ws import (MULTICAST_MIN_WAVES, SPLIT_MAX_N, WsConfig, WsKernel, gated_tile,
-                                           multicast_pays, push_pays, resident, rule_order, tile_cost, ws_candidates,
-                                           ws_config)
+                                           k_slices, multicast_pays, push_pays, resident, rule_order, tile_cost,
+                                           ws_candidates, ws_config)
 from kernelplan.sparse24.dispatch import wide_weight
 
 gpu = pytest.mark.gpu
@@ -33,7 +33,7 @@ gpu = pytest.mark.gpu
 
 @pytest.mark.parametrize("sms", [78, 114, 132])
 def test_tile_rule_fits_every_sweep_shape_and_batch(sms):
-    for (m, k) in sweep_shapes():
+    for (m, k) in list(sweep_shapes()) + [(2048, 1600), (1024, 2880), (4096, 7040)]:  # and K of 25, 45, 110 steps
         for n in BATCH_SIZES + (3, 33, 200, 1000):
             picked = ws_config(n, m, k, sms)
             cfg = replace(picked, push=True)  # the candidates' form; push only where it costs no wave
@@ -52,7 +52,7 @@ def test_tile_rule_fits_every_sweep_shape_and_batch(sms):
             assert cfg == want, (m, k, n)
             assert cfg.shared <= SM_SHARED and cfg.stages >= 3 and cfg.stage_bytes % 1024 == 0, (n, m, k, cfg)
             assert cfg.bn <= 256 and cfg.bn % 8 == 0 and cfg.bn % cfg.ni == 0 and cfg.ni in INSTRUCTION_N
-            assert (k // 64) % cfg.kc == 0 and cfg.bn % (8 * cfg.kc) == 0
+            assert k // 64 >= (4 * cfg.kc if cfg.kc > 1 else 1) and cfg.bn % (8 * cfg.kc) == 0
             assert cfg.threads == (384 if cfg.pp else 128 * (cfg.wm + 1)) and not cfg.sk
             assert cfg.bn % (8 * cfg.cm) == 0 and cfg.cm * cfg.kc <= 8
 
@@ -94,6 +94,27 @@ def test_k_split_only_where_each_cta_keeps_four_steps():
     assert {c.kc for c in ws_candidates(256, 4096, 4096)} == {1, 2, 4}
     assert {c.kc for c in ws_candidates(256, 4096, 256)} == {1}  # 4 steps: no split
     assert {c.kc for c in ws_candidates(256, 4096, 64 * 6)} == {1}  # 6 steps: 2 x 3 would leave 3 a CTA
+    assert {c.kc for c in ws_candidates(256, 4096, 64 * 9)} == {1, 2}  # 4 and 5 steps
+    assert {c.kc for c in ws_candidates(256, 4096, 64 * 25)} == {1, 2, 4}  # 6, 6, 6 and 7 steps
+
+
+@pytest.mark.parametrize("steps", [4, 9, 14, 25, 26, 27, 28, 462])
+@pytest.mark.parametrize("kc", [1, 2, 4])
+def test_k_slices_run_every_step_once_at_most_one_apart(steps, kc):
+    """sparse24_ws.cu's step0 and steps, where the split does not divide K's steps too (docs/design/0058)."""
+    slices = k_slices(64 * steps, kc)
+    assert len(slices) == kc and [s for r in slices for s in r] == list(range(steps))
+    assert max(map(len, slices)) - min(map(len, slices)) <= 1 and len(slices[-1]) == max(map(len, slices))
+
+
+def test_a_k_split_costs_its_longest_slice():
+    """An uneven split's cluster waits for its longest slice: 25 steps over 4 CTAs cost as 28 do (7 a CTA), more
+    than 24 (6 a CTA)."""
+    cfg = WsConfig(bn=64, wm=2, cm=1, kc=4, stages=8)
+    assert tile_cost(cfg, 64, 2048, 64 * 25, 132) == tile_cost(cfg, 64, 2048, 64 * 28, 132)
+    assert tile_cost(cfg, 64, 2048, 64 * 25, 132) > tile_cost(cfg, 64, 2048, 64 * 24, 132)
+    whole = replace(cfg, kc=1)
+    assert tile_cost(whole, 64, 2048, 64 * 25, 132) < tile_cost(whole, 64, 2048, 64 * 28, 132)
 
 
 @pytest.mark.parametrize("tiles_n, groups", [(1, 1), (1, 37), (32, 224), (7, 9), (3, 8), (5, 17), (16, 3)])
@@ -316,13 +337,21 @@ def test_tensor_maps_follow_x_between_calls(seed):
 
 
 
-@pytest.mark.parametrize("n, m, k", [(200, 1000, 2048), (77, 528, 1024), (300, 272, 4096), (256, 4096, 1024)])
+@pytest.mark.parametrize("n, m, k", [(200, 1000, 2048), (77, 528, 1024), (300, 272, 4096), (256, 4096, 1024),
+                                     (90, 400, 1600)])
 def test_candidate_space_of_the_gpu_test_shapes(n, m, k):
     """The shapes test_sparse24_wg.py's every-candidate GPU test runs reach every kind of tile, clusters of both."""
     cands = ws_candidates(n, m, k)
     assert {c.kc for c in cands} >= {1, 2, 4} and {c.cm for c in cands} == {1, 2, 4}
     assert {c.wm for c in cands} == {1, 2, 3}
     assert any(c.cm > 1 and c.kc > 1 for c in cands)
+
+
+def test_the_gpu_test_shapes_split_k_unevenly_at_small_n_too():
+    """K of 25 steps (test_sparse24_wg.py's 400 x 1600 cases): slices of 12 and 13, 6 and 7 steps, in the one-a-tile
+    tiles and, at n = 8, the wide weight's split tile."""
+    assert wide_weight(400, 1600) and ws_config(8, 400, 1600, 132).kc == 4
+    assert {c.kc for c in ws_candidates(8, 400, 1600)} == {1, 2, 4}
 
 
 @pytest.mark.parametrize("table", ["tiles-h100", "tiles-h200", "core-matrix-h100", "small-h100", "small-big-n-h100",

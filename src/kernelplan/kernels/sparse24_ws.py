@@ -149,6 +149,9 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
     needs more: a short K loop leaves a CTA's time to its fixed costs, and a grid of more, smaller CTAs fills more
     SMs (docs/design/0017).
 
+    K splits over 2 or 4 CTAs of a cluster where each keeps 4 steps or more, also where the split does not divide K's
+    steps (``k_slices``: 1600 columns are 25 steps; docs/design/0058).
+
     Tiles of 192 rows of W (``wm = 3``: three consumer warpgroups, or a ping-pong warpgroup's three 64-row blocks)
     fill the SMs where 64 and 128 rows do not (docs/design/0016).  They do not split K across a cluster: at n = 128
     that lost to the 128-row tiles by up to 16% (sparse24-ws-wide-h100.json).
@@ -163,7 +166,7 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
         for wm in (1,) if bn in narrow else (1, 2, 3):
             for cm in (1, 2, 4) if wm < 3 or bn <= _WIDE_MAX_BN else ():
                 for kc in (1, 2, 4) if wm < 3 else (1,):
-                    if (k // 64) % kc or kc > 1 and k // 64 < 4 * kc or bn % (8 * kc) or bn % (8 * cm):
+                    if kc > 1 and k // 64 < 4 * kc or bn % (8 * kc) or bn % (8 * cm):
                         continue
                     if cm * kc > 8 or cm > 1 and -(-m // (64 * wm)) < cm:  # 8 CTAs a cluster; an M group of tiles
                         continue
@@ -267,6 +270,13 @@ def _cluster_sms(cfg: WsConfig, sms: int) -> int:
     return int(sms * _BIG_CLUSTER_SMS) if cfg.cm * cfg.kc >= 4 else sms
 
 
+def k_slices(k: int, kc: int) -> list[range]:
+    """The 64-column steps of K each of a cluster's ``kc`` slices runs (``sparse24_ws.cu``: ``step0``, ``steps``): as
+    even as they divide, at most one step apart where ``kc`` does not divide them, the last the longest."""
+    ksteps = k // 64
+    return [range(ksteps * z // kc, ksteps * (z + 1) // kc) for z in range(kc)]
+
+
 def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) -> float:
     """The rule's estimate of a tile's time, relative: lower is faster (not for the split persistent variant)."""
     n_tiles, m_tiles, slices = cfg.grid(n, m)
@@ -278,7 +288,8 @@ def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = 
     if cfg.pp:
         return waves * (k // 64 * step + w.pp_tile) + w.cta - w.pp_tile
     clustered = w.cluster if cfg.cm * cfg.kc > 1 else 0.0
-    return waves * ((k // 64 // cfg.kc) * step + w.cta + clustered + w.split * (cfg.kc - 1) * cfg.bn * cfg.wm)
+    longest = -(-(k // 64) // cfg.kc)  # a cluster waits for its longest K slice (k_slices)
+    return waves * (longest * step + w.cta + clustered + w.split * (cfg.kc - 1) * cfg.bn * cfg.wm)
 
 
 # Ties between tiles that differ only in x's multicast (cm): where a step brings at least this many rows of x (16 KiB,
@@ -337,7 +348,7 @@ def _small_n_split(n: int, m: int, k: int) -> WsConfig | None:
     from ..sparse24.dispatch import wide_weight
 
     bn, wm, cm, kc = _SPLIT
-    if n > SPLIT_MAX_N or not wide_weight(m, k) or (k // 64) % kc or k // 64 < 4 * kc:
+    if n > SPLIT_MAX_N or not wide_weight(m, k) or k // 64 < 4 * kc:
         return None
     return _deepest(bn, wm, cm, kc)
 
