@@ -291,10 +291,11 @@ def test_gated_linear_on_the_gpu_matches_fp64(n, h, k, kind, gate, approximate, 
 
 @gpu
 @sm90
-@pytest.mark.parametrize("n, m, k", [(200, 1024, 2048), (77, 544, 1024), (300, 1056, 4096), (16, 4096, 1024)])
+@pytest.mark.parametrize("n, m, k", [(200, 1024, 2048), (77, 544, 1024), (300, 1056, 4096), (16, 4096, 1024),
+                                     (90, 544, 1600)])
 def test_every_gated_tile_matches_fp64(n, m, k, seed):
-    """Each tile the gated rule may pick (N tiles of every size, clusters along M and K, ping-pong), rows past
-    M / 2."""
+    """Each tile the gated rule may pick (N tiles of every size, clusters along M and K, K splits of 25 steps into
+    slices one step apart, ping-pong), rows past M / 2."""
     from kernelplan.kernels import raw_stream
     from kernelplan.kernels.sparse24_sp import _tiled
     from kernelplan.kernels.sparse24_ws import WsKernel, gated_tile, ws_candidates
