@@ -82,7 +82,7 @@ def sweep_rows(name: str) -> list[str]:
             f" (at the odd vocabularies, whose dense calls cuBLAS runs slowly, {min(odd):.2f}-{max(odd):.2f}x)"
             if odd else "")
     if doc.get("shape_set") == "held-out models":  # other public models' projections, held out too (0057)
-        what = f"{shapes} projections of other public models (0.5-12B), held out of the rules' fits"
+        what = f"{shapes} projections of other public models (0.5-12B), outside the sweep set the rule was fitted on"
     return [f"| 2:4 linear, default ({held}), {dt}, {what} x {ns} n, "
             f"{l2}, CUDA graph | "
             + " | ".join(graph) + f" | {_source(doc, name)} |",
