@@ -258,7 +258,8 @@ class RuleWeights:
 # in the same 7.0 us at n = 32 and 64, so a step of few rows costs its latency, not its rows.  Moves 4 sweep-set picks
 # (3072x3072 n = 64, 128; 768x3072 n = 256, 512) and 17 of the held-out models' at n = 32-256 to K-split tiles; through
 # the sweep's path (sparse24_rule_ab.py, b65be27, H200) 20 of those 21 ran faster, by 0.69-0.98x of the time, one
-# 1.025x.  Flat between 250 and 400 over the graph_us tile tables.
+# 1.025x.  Flat between 250 and 400 over the graph_us tile tables.  Its 21 held-out moves at n = 1-16 (bn 16 ping-pong
+# -> K split over 2) ran 1.05-1.35x faster (0058).
 WEIGHTS = RuleWeights(mma=3.34, copy=0.00625, step=453, l2=0.014, cta=30600, split=18.6, pp_tile=6530,
                       mma_floor=300, cluster=10000)
 # Clusters of 4 or more CTAs of one SM each: cuOccupancyMaxActiveClusters gave 30 clusters of 4 (120 of 132 SMs).
