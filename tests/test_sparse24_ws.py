@@ -549,6 +549,18 @@ def test_a_step_of_few_rows_costs_the_mma_floor_and_the_one_wave_rows_split_k():
         assert split.kc == 2 and split.wm == 2 and not split.pp
 
 
+def test_a_lone_one_block_tile_under_a_wave_gives_way_to_a_k_split_with_more_ctas():
+    """mma_floor 350 (docs/design/0058): 768x1600 at n = 64 ran one ping-pong tile of 64 rows a CTA, 12 CTAs for 132
+    SMs, at 0.84x of dense; K split over 4 (48 CTAs) ran 1.19x.  At 300 the rule kept the lone tiles."""
+    from kernelplan.kernels.sparse24_ws import WEIGHTS
+
+    for n, m, k in ((64, 768, 1600), (64, 1024, 1536), (32, 3072, 1536)):
+        before = ws_config.__wrapped__(n, m, k, 132, w=replace(WEIGHTS, mma_floor=300))
+        now = ws_config(n, m, k, 132)
+        assert before.pp and before.wm == 1 and now.kc == 4 and not now.pp, (n, m, k)
+        assert math.prod(now.grid(n, m)) >= 2 * math.prod(before.grid(n, m)) <= 132
+
+
 def test_narrow_tiles_of_x_only_where_k_is_short_and_with_one_block_of_w():
     """Tiles of 16 and 32 rows of x where n needs more: of one 64-row block of W, and only up to 16 K steps; the
     rule takes them on small layers with few CTAs (sparse24-ws-narrow-h100.json), not on long K."""

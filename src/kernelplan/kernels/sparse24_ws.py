@@ -260,8 +260,12 @@ class RuleWeights:
 # the sweep's path (sparse24_rule_ab.py, b65be27, H200) 20 of those 21 ran faster, by 0.69-0.98x of the time, one
 # 1.025x.  Flat between 250 and 400 over the graph_us tile tables.  Its 21 held-out moves at n = 1-16 (bn 16 ping-pong
 # -> K split over 2) ran 1.05-1.35x faster (0058).
+# mma_floor 300 -> 350 (0058): moves no pick of the sweep set or the LM heads; 4 of the held-out models' and 21 of
+# 1584 on a generic grid of 11 M x 12 K, 18 of them lone 64-row ping-pong tiles of grids under a wave to K splits over
+# 4 with 4x the CTAs.  Timed through the sweep's path (466dcfa, H200), all 23 moves ran faster: new over old time
+# median 0.73, at most 0.99; 512-3072-row layers of K = 1536-1600 went from 0.84-0.98x of dense to 1.14-1.20x.
 WEIGHTS = RuleWeights(mma=3.34, copy=0.00625, step=453, l2=0.014, cta=30600, split=18.6, pp_tile=6530,
-                      mma_floor=300, cluster=10000)
+                      mma_floor=350, cluster=10000)
 # Clusters of 4 or more CTAs of one SM each: cuOccupancyMaxActiveClusters gave 30 clusters of 4 (120 of 132 SMs).
 _BIG_CLUSTER_SMS = 120 / 132
 
