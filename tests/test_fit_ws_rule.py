@@ -377,3 +377,31 @@ def test_ab_scores_the_picks_other_weights_move_by_the_pairs_an_ab_timed(tmp_pat
     assert table and fit_ws_rule.main([str(tmp_path / "tiles.json"), "--start", "mma_floor=0", "--ab", str(ab)]) == 0
     out = capsys.readouterr().out
     assert f"sweep set: {len(moves)} picks move; 1 timed in the A/B" in out and "faster in 0" in out
+
+
+def test_guard_keeps_the_search_off_a_move_an_ab_timed_slower(tmp_path, capsys):
+    """``--guard``: a tile table favours moving a pick; an A/B timed that very move slower than the present pick, so
+    the guarded search keeps the pick (docs/design/0058); the same A/B timing it faster leaves the move free."""
+    n, m, k = 128, 3584, 3584  # a sweep-set problem: the guard reads the moves over the shape sets
+    pick = ws_config(n, m, k, SMS)
+    table = tmp_path / "tiles.json"
+
+    def fit(*extra):
+        assert fit_ws_rule.main([str(table), *extra]) == 0
+        fitted = eval(capsys.readouterr().out.strip().splitlines()[-1], {"RuleWeights": type(WEIGHTS)})
+        return fitted, ws_config.__wrapped__(n, m, k, SMS, w=fitted)
+
+    for other in [c for c in ws_candidates(n, m, k) if c != pick]:
+        table.write_text(json.dumps({"meta": {"sms": SMS}, "rows": [_row(n, m, k, {pick: 2.0, other: 1.0})]}))
+        unguarded, moved_to = fit()
+        if moved_to == other:
+            break
+    else:
+        pytest.fail("no tile the unguarded search moves this pick to")
+    ab = tmp_path / "ab.json"
+    for other_us, want in ((9.0, pick), (7.0, other)):  # the move timed 1.125x slower, then 0.875x
+        ab.write_text(json.dumps({"rows": [{"m": m, "k": k, "n": n, "here": str(pick), "other": str(other),
+                                            "here_us": 8.0, "other_us": other_us}]}))
+        assert fit("--guard", str(ab))[1] == want
+        losses = fit_ws_rule.ab_losses(unguarded, fit_ws_rule.ab_pairs([str(ab)]), [n])
+        assert losses == ([(n, m, k, pick, other, pytest.approx(9.0 / 8.0))] if other_us > 8 else [])

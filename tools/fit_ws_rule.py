@@ -13,6 +13,11 @@ Sweeps (``kernelplan bench sparse24 --sweep --json``) add evidence: each timed t
 shapes x 12 n, so two sweeps under different rules give, where their picks differ, two measured tiles of one problem
 (times relative to dense, measured beside each): one more table, of those pairs.
 
+Rule A/Bs (``bench/sparse24_rule_ab.py``) time moves of picks through the sweep's path. ``--guard AB.json`` keeps the
+search off weights that move any pick of the shape sets to a tile an A/B timed slower (``ab_losses``): the tables
+favoured a refit whose moves lost up to 8% there (docs/design/0058). ``--start ... --ab AB.json`` lists a weight set's
+moves and what the A/Bs timed of them.
+
     python tools/fit_ws_rule.py bench/results/sparse24-ws-tiles-h100.json bench/results/sparse24-ws-tiles-h200.json \
         --sweep <(git show 1c5de79:bench/results/sparse24-sweep-h200.json) \
         --sweep <(git show 25a8ca5:bench/results/sparse24-sweep-h200.json)
@@ -29,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from kernelplan.bench.shapes import BATCH_SIZES  # noqa: E402
 from kernelplan.kernels.sparse24_ws import WEIGHTS, RuleWeights, WsConfig, rule_pick, ws_candidates  # noqa: E402
 
 STEPS = (0.5, 0.7, 0.85, 1.18, 1.4, 2.0)
@@ -203,6 +209,28 @@ def held(ns: list[int], sms: int = 132):
     return out
 
 
+# A move an A/B timed at more than this much of the present pick's time is a loss the search does not take (--guard):
+# A/B medians of the same pair read within 2% of each other (docs/design/0056).
+GUARD_TOL = 0.02
+
+
+def ab_losses(w: RuleWeights, pairs: dict, batch, sms: int = 132) -> list[tuple]:
+    """The picks ``w`` moves from the present weights', over every shape set at ``batch``, whose move an A/B timed
+    slower than the present pick by more than ``GUARD_TOL`` (the median of its rows): ``(n, M, K, present, new,
+    new's time over present's)``."""
+    from kernelplan.bench.sweep import SHAPE_SETS
+    from kernelplan.kernels.sparse24_ws import ws_config
+
+    out = []
+    for shapes in SHAPE_SETS.values():
+        for n, m, k, present, new in moved_picks(shapes(), batch,
+                                                 lambda n, m, k: ws_config.__wrapped__(n, m, k, sms, w=w), sms):
+            got = pairs.get((n, m, k), {}).get((present, new))
+            if got and statistics.median(got) > 1 + GUARD_TOL:
+                out.append((n, m, k, present, new, statistics.median(got)))
+    return out
+
+
 def score(w: RuleWeights, tables) -> float:
     rs = [r for r in (timed(w, t) for t in tables) if r]
     return statistics.mean(statistics.mean(r) for r in rs) + 0.1 * min(min(r) for r in rs)
@@ -233,6 +261,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--ab", action="append", default=[], metavar="AB.json",
                     help="only print, per shape set, the picks --start's weights move from the present ones and each "
                          "move's time over the present pick's where these rule A/B files timed that pair")
+    ap.add_argument("--guard", action="append", default=[], metavar="AB.json",
+                    help="the search takes no weights that move a pick of a shape set to a tile these rule A/B files "
+                         "timed slower than the present pick (by more than GUARD_TOL)")
     a = ap.parse_args(argv)
     paths = a.tables + (["sweep pairs"] if a.sweep else [])
     for path in short_graph_tables(a.tables):
@@ -247,7 +278,6 @@ def main(argv: list[str]) -> int:
                   f"where kc = 1: mean {statistics.mean(u):.4f} min {min(u):.3f}")
         return 0
     if a.ab:
-        from kernelplan.bench.shapes import BATCH_SIZES
         from kernelplan.bench.sweep import SHAPE_SETS
 
         pairs = ab_pairs(a.ab)
@@ -266,6 +296,7 @@ def main(argv: list[str]) -> int:
             print("\n".join("  " + line for line in report(w, t)))
         return 0
     kept = [held(a.hold)] if a.hold else []  # counted as untimed where a pick moves, never scored
+    guard = ab_pairs(a.guard) if a.guard else {}
     best, gaps = score(w, tables), untimed(w, tables + kept)
     improved = True
     while improved:
@@ -276,6 +307,8 @@ def main(argv: list[str]) -> int:
                 if untimed(trial, tables + kept) > gaps:
                     continue
                 s = score(trial, tables)
+                if s > best + 1e-6 and guard and ab_losses(trial, guard, BATCH_SIZES):
+                    continue
                 if s > best + 1e-6:
                     w, best, improved = trial, s, True
     for p, t in zip(paths, tables):
