@@ -100,8 +100,8 @@ def intake(cfg, n: int, m: int, k: int, sms: int) -> tuple[int, int, int]:
     if cfg.pp or cfg.sk:  # one CTA an SM, over every tile
         return tiles * (k // 64) * step, min(sms, tiles), tiles * (k // 64)
     tiles_n, blocks, slices = cfg.grid(n, m)
-    ctas = tiles_n * blocks * slices
-    return ctas * (k // 64 // cfg.kc) * step, min(sms, ctas), ctas * (k // 64 // cfg.kc)
+    ctas, steps = tiles_n * blocks * slices, tiles_n * blocks * (k // 64)  # a tile's K slices run its steps once
+    return steps * step, min(sms, ctas), steps
 
 
 def check(fns: dict, y: torch.Tensor, want: torch.Tensor, what: str) -> None:

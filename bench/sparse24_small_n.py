@@ -65,7 +65,7 @@ def main() -> int:
         out = []
         for bn, kc in ((32, 4), (64, 8)):
             for wm in (1, 2):
-                if bn >= 2 * -(-n // 16) * 16 and (k // 64) % kc == 0 and k // 64 >= 4 * kc:
+                if bn >= 2 * -(-n // 16) * 16 and k // 64 >= 4 * kc:  # slices one step apart where kc does not divide
                     cfg = _deepest(bn, wm, 1, kc)
                     if cfg is not None:
                         out.append(cfg)
