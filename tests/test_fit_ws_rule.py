@@ -70,14 +70,19 @@ def test_report_at_the_present_weights_agrees_with_ratios(tmp_path, n):
     assert fit_ws_rule.report(WEIGHTS, table)[1] == f"{n} | {1 / r[0]:.3f} | {1 / r[0]:.3f} | {int(1 / r[0] > 1.05)}"
 
 
+def _fitted(path, capsys, *args):
+    """The weights ``fit_ws_rule`` prints last, fitted to the table at ``path``."""
+    assert fit_ws_rule.main([str(path), *args]) == 0
+    return eval(capsys.readouterr().out.strip().splitlines()[-1], {"RuleWeights": type(WEIGHTS)})
+
+
 def _fit(tmp_path, capsys, *args):
     n, m, k = 128, 3584, 3584
     # The rule's pick is slow and every other tile fast: the search has a reason to move a weight (step does it).
     times = {c: (2.0 if c == ws_config(n, m, k, SMS) else 1.0) for c in ws_candidates(n, m, k)}
     path = tmp_path / "tiles.json"
     path.write_text(json.dumps({"meta": {"sms": SMS}, "rows": [_row(n, m, k, times)]}))
-    assert fit_ws_rule.main([str(path), *args]) == 0
-    return eval(capsys.readouterr().out.strip().splitlines()[-1], {"RuleWeights": type(WEIGHTS)})
+    return _fitted(path, capsys, *args)
 
 
 def test_field_restricts_the_search_to_the_weights_named(tmp_path, capsys):
@@ -105,8 +110,7 @@ def test_the_search_never_moves_a_pick_onto_a_tile_no_table_timed(tmp_path, caps
     path = tmp_path / "tiles.json"
     for other in [c for c in ws_candidates(n, m, k) if c != pick][:6]:
         path.write_text(json.dumps({"meta": {"sms": SMS}, "rows": [_row(n, m, k, {pick: 2.0, other: 1.0})]}))
-        assert fit_ws_rule.main([str(path)]) == 0
-        fitted = eval(capsys.readouterr().out.strip().splitlines()[-1], {"RuleWeights": type(WEIGHTS)})
+        fitted = _fitted(path, capsys)
         assert fit_ws_rule.ratios(fitted, fit_ws_rule.problems(str(path))) != [None]
 
 
@@ -387,8 +391,7 @@ def test_guard_keeps_the_search_off_a_move_an_ab_timed_slower(tmp_path, capsys):
     table = tmp_path / "tiles.json"
 
     def fit(*extra):
-        assert fit_ws_rule.main([str(table), *extra]) == 0
-        fitted = eval(capsys.readouterr().out.strip().splitlines()[-1], {"RuleWeights": type(WEIGHTS)})
+        fitted = _fitted(table, capsys, *extra)
         return fitted, ws_config.__wrapped__(n, m, k, SMS, w=fitted)
 
     for other in [c for c in ws_candidates(n, m, k) if c != pick]:

@@ -122,20 +122,22 @@ def moved_picks(shapes, batch, other, sms: int = 132) -> list[tuple]:
     return out
 
 
-def ab_moves(w: RuleWeights, pairs: dict, shapes, batch, sms: int = 132) -> tuple[list[float], list[tuple]]:
-    """The picks ``w`` moves from the present weights' (``moved_picks``): the A/B's time of the new pick over the
-    present one's where a row timed that pair (the median of rows), and the moves none timed."""
+def timed_moves(w: RuleWeights, pairs: dict, shapes, batch, sms: int = 132) -> list[tuple[tuple, float | None]]:
+    """Each pick ``w`` moves from the present weights' (``moved_picks``) with the A/B's time of the new pick over the
+    present one's where a row timed that pair (the median of rows), else None."""
     from kernelplan.kernels.sparse24_ws import ws_config
 
-    timed, untimed_moves = [], []
+    out = []
     for move in moved_picks(shapes, batch, lambda n, m, k: ws_config.__wrapped__(n, m, k, sms, w=w), sms):
-        n, m, k, present, new = move
-        got = pairs.get((n, m, k), {}).get((present, new))
-        if got:
-            timed.append(statistics.median(got))
-        else:
-            untimed_moves.append(move)
-    return timed, untimed_moves
+        got = pairs.get(move[:3], {}).get(move[3:])
+        out.append((move, statistics.median(got) if got else None))
+    return out
+
+
+def ab_moves(w: RuleWeights, pairs: dict, shapes, batch, sms: int = 132) -> tuple[list[float], list[tuple]]:
+    """The picks ``w`` moves (``timed_moves``): the A/B's times of those a row timed, and the moves none timed."""
+    moves = timed_moves(w, pairs, shapes, batch, sms)
+    return [r for _, r in moves if r is not None], [move for move, r in moves if r is None]
 
 
 def ratios(w: RuleWeights, table, unicast: bool = False, waves: float = math.inf,
@@ -219,16 +221,9 @@ def ab_losses(w: RuleWeights, pairs: dict, batch, sms: int = 132) -> list[tuple]
     slower than the present pick by more than ``GUARD_TOL`` (the median of its rows): ``(n, M, K, present, new,
     new's time over present's)``."""
     from kernelplan.bench.sweep import SHAPE_SETS
-    from kernelplan.kernels.sparse24_ws import ws_config
 
-    out = []
-    for shapes in SHAPE_SETS.values():
-        for n, m, k, present, new in moved_picks(shapes(), batch,
-                                                 lambda n, m, k: ws_config.__wrapped__(n, m, k, sms, w=w), sms):
-            got = pairs.get((n, m, k), {}).get((present, new))
-            if got and statistics.median(got) > 1 + GUARD_TOL:
-                out.append((n, m, k, present, new, statistics.median(got)))
-    return out
+    return [(*move, r) for shapes in SHAPE_SETS.values() for move, r in timed_moves(w, pairs, shapes(), batch, sms)
+            if r is not None and r > 1 + GUARD_TOL]
 
 
 def score(w: RuleWeights, tables) -> float:
