@@ -43,6 +43,19 @@ def test_boundary_compares_todays_choice_with_the_faster_rule_and_the_tables_own
     assert fit_sp_rule.boundary(rows, SMS) == (pytest.approx(1.0), pytest.approx(0.8))  # the table ran cuda_ws
 
 
+def test_slice_moves_time_the_dividing_pick_against_todays_where_both_were_timed():
+    n, m, k = 8, 2304, 768  # 12 steps: 8 slices of 1 and 2 today, 4 of 3 in the tables' space
+    today = sp_config(n, m, k, SMS)
+    with fit_sp_rule.timed_space():
+        before = sp_config(n, m, k, SMS)
+    assert (today.k_warps, before.k_warps) == (8, 4)
+    assert sparse24_sp.sp_config(n, m, k, SMS) == today  # the rule is put back
+    rows = [_row(n, m, k, {today: 1.0, before: 1.3}, ws_ms=2.0), _row(n, m, k, {before: 1.3}, ws_ms=2.0),
+            _row(8, 3584, 14336, {sp_config(8, 3584, 14336, SMS): 1.0}, ws_ms=2.0)]  # 224 steps: nothing moves
+    assert fit_sp_rule.slice_moves(rows, SMS) == [(n, m, k, pytest.approx(1.3))]
+    assert "1 picks moved" in fit_sp_rule.slice_report(rows, SMS)[0] and fit_sp_rule.slice_report(rows[1:], SMS) == []
+
+
 @pytest.mark.skipif(not all(t.exists() for t in TABLES), reason="the committed small-n tables")
 def test_todays_small_n_rule_is_the_best_setting_of_the_grid_over_both_committed_tables():
     tables = [json.loads(t.read_text()) for t in TABLES]

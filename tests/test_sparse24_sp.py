@@ -11,10 +11,12 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import kernelplan as kp
 from kernelplan.bench.shapes import sweep_shapes
 from kernelplan.kernels.sparse24_sp import SpConfig, _tiled, sp_candidates, sp_config
+from kernelplan.kernels.sparse24_ws import k_slices
 from test_sparse24_triton import check_backend
 
 gpu = pytest.mark.gpu
@@ -109,18 +111,30 @@ def test_config_at_n_up_to_16_takes_32_row_ctas_and_16_warps_an_sm():
     # 16 warps)
     assert sp_config(1, 73728, 4608, 132) == SpConfig(1, m_warps=4, k_warps=1, stages=4, min_blocks=4)
     assert sp_config(16, 35840, 5120, 132) == SpConfig(2, m_warps=2, k_warps=1, stages=6, min_blocks=5)  # 560 of 64
-    assert sp_config(1, 4096, 192, 132) == SpConfig(1, row_tiles=1, m_warps=2, k_warps=1, stages=6)  # 3 K steps
+    assert sp_config(1, 4096, 192, 132) == SpConfig(1, row_tiles=1, m_warps=2, k_warps=2, stages=6)  # 3 K steps
+
+
+def test_k_slices_need_not_divide_ks_steps_but_each_has_one():
+    # 128 CTAs of 32 rows want 8 slices; 25 steps run as 3, 3, 3, 3, 3, 3, 3 and 4; 3 steps as 1 and 2
+    assert sp_config(8, 4096, 1600, 132).k_warps == 8
+    assert [len(s) for s in k_slices(1600, 8)] == [3, 3, 3, 3, 3, 3, 3, 4]
+    assert sp_config(8, 4096, 192, 132).k_warps == 2 and sp_config(8, 4096, 64, 132).k_warps == 1
+    for n in (1, 16, 64):
+        for m, k in ((1000, 64), (4096, 320), (2304, 768), (8192, 29568)):
+            cfg = sp_config(n, m, k, 132)
+            assert 1 <= cfg.k_warps <= k // 64 and cfg.k_warps & (cfg.k_warps - 1) == 0
 
 
 def emulate_ctas(cfg: SpConfig, w: torch.Tensor, x: torch.Tensor, gated: bool) -> list[torch.Tensor]:
     """What ``kp_sparse24_sp``'s grid of ``cfg`` writes, from its index arithmetic (``sparse24_sp.cu``): each CTA's
-    warps (``mw``, ``kw``) multiply row tile ``tile`` of W over K slice ``kw`` into the reduction buffer at local rows
+    warps (``mw``, ``kw``) multiply row tile ``tile`` of W over K slice ``kw`` (``step0``, ``mine``: ``k_slices``,
+    which the cuda_ws kernel shares) into the reduction buffer at local rows
     ``16 c``, and output column ``m`` of the CTA sums the slices of local row ``ml`` (and ``kOut + ml``, gated).
     Returns the sums per region, ``[N, M / regions]`` each, NaN where no CTA wrote."""
     m, k = w.shape
     regions = 2 if gated else 1
-    tiles, ksteps = -(-m // 16), k // 64
-    steps, half = ksteps // cfg.k_warps, tiles // regions
+    tiles = -(-m // 16)
+    slices, half = k_slices(k, cfg.k_warps), tiles // regions
     padded = torch.nn.functional.pad(w, (0, 0, 0, 16 * tiles - m))
     cta_tiles, rows = cfg.m_warps * cfg.row_tiles // regions, cfg.rows
     k_out, cols = rows // regions, m // regions
@@ -133,7 +147,7 @@ def emulate_ctas(cfg: SpConfig, w: torch.Tensor, x: torch.Tensor, gated: bool) -
                     c = mw * cfg.row_tiles + r
                     in_half = b * cta_tiles + c % cta_tiles
                     tile = in_half + c // cta_tiles * half if in_half < half else 0
-                    ks = slice(64 * kw * steps, 64 * (kw + 1) * steps)
+                    ks = slice(64 * slices[kw].start, 64 * slices[kw].stop)
                     red[kw, 16 * c:16 * c + 16] = padded[16 * tile:16 * tile + 16, ks] @ x[:, ks].T
         for ml in range(k_out):
             col = b * k_out + ml
@@ -146,7 +160,8 @@ def emulate_ctas(cfg: SpConfig, w: torch.Tensor, x: torch.Tensor, gated: bool) -
 
 @pytest.mark.parametrize("gated", [False, True])
 def test_every_candidate_tiles_grid_writes_each_column_once_from_its_rows(gated, seed):
-    for n, m, k in ((1, 96, 192), (5, 70, 512), (8, 1056, 1024), (13, 2080, 256), (16, 256, 4096), (40, 544, 512)):
+    for n, m, k in ((1, 96, 192), (5, 70, 512), (8, 1056, 1024), (13, 2080, 256), (16, 256, 4096), (40, 544, 512),
+                    (3, 96, 320), (9, 160, 704)):  # 5 and 11 steps: slices that do not divide them
         if gated and m % 32:
             continue
         w, x = torch.randn(m, k, dtype=torch.float64), torch.randn(n, k, dtype=torch.float64)
@@ -172,7 +187,7 @@ def test_every_rule_tile_fits_hoppers_shared_memory_and_is_fitted_to_smaller_gpu
                 for limit in (A100_SHARED, ADA_SHARED):
                     fitted = fit_shared(cfg, limit)
                     assert fitted.shared <= limit and fitted.stages >= 2 and fitted.rows == cfg.rows
-                    assert (k // 64) % fitted.k_warps == 0 and fitted.n_tiles == cfg.n_tiles
+                    assert fitted.k_warps <= k // 64 and fitted.n_tiles == cfg.n_tiles
                     assert fitted.k_warps < cfg.k_warps or fitted.k_warps == cfg.k_warps and (
                         fitted.stages <= cfg.stages)
                     cut += fitted != cfg
@@ -199,6 +214,7 @@ def test_the_kernel_fits_its_tile_to_the_devices_shared_memory(monkeypatch):
     (1, 64, 128, None, False, "contiguous"),
     (5, 70, 192, "relu", True, "contiguous"),  # n <= 16: 32-row CTAs, the last one part M
     (13, 1000, 4096, "gelu", True, "strided"),  # n <= 16: 32-row CTAs, K split in 8 slices
+    (13, 1000, 1600, "gelu", True, "strided"),  # K of 25 steps in 8 slices of 3 and 4
     (17, 70, 192, "relu", True, "contiguous"),  # M not a multiple of 16 or of the CTA's 64 rows
     (24, 1000, 4096, "gelu", True, "transposed"),  # non-contiguous x: copied
     (33, 256, 1024, "gelu_tanh", True, "strided"),  # five N tiles of eight staged
@@ -211,3 +227,24 @@ def test_cuda_sp_matches_fp64(n, m, k, activation, bias, layout, dtype, seed):
 
 # 3-D and misaligned x, strided y, too many rows, graph replay, dispatch and refusals:
 # tests/test_sparse24_mma.py, for both tiled kernels.
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("n, m, k", [(8, 1000, 1600), (40, 272, 704), (3, 96, 192)])
+def test_every_candidate_tile_matches_fp64_where_k_slices_do_not_divide_ks_steps(n, m, k, seed):
+    """K of 25, 11 and 3 steps, in every tile ``sp_candidates`` gives (1 to 8 slices), each fitted to the device's
+    shared memory as it would run: slices a step apart sum to the whole of K."""
+    from helpers import FWD_ATOL, assert_close, poisoned
+    from kernelplan.kernels.sparse24 import sm_count
+    from kernelplan.kernels.sparse24_sp import SpKernel
+    from test_sparse24_wg import _tiled_problem
+
+    w, x, b, run = _tiled_problem(n, m, k)
+    ref = F.gelu(F.linear(x.double(), w.double(), b.double()))
+    cands = sp_candidates(n, m, k, sm_count(0))
+    assert any((k // 64) % c.k_warps for c in cands)
+    for cfg in cands:
+        y = poisoned((n, m), torch.bfloat16, "cuda")
+        run(*SpKernel().launch_config(cfg, n, m, "bf16", True, "gelu", 0), y)
+        assert_close(y, ref, F.gelu(F.linear(x, w, b)), atol=FWD_ATOL[torch.bfloat16], what=str(cfg))

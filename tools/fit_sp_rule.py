@@ -8,7 +8,9 @@ Each table row has every ``cuda_sp`` tile's time and ``cuda_ws``'s first 4, time
   geometric mean and the worst, over the rows where ``cuda_sp``'s best tile beats ``cuda_ws``'s rule by 3% or more
   (where the tile matters); today's setting is marked;
 * per table, the boundary of today's ``backend_for`` with today's tiles: its time over the faster of the two rules'
-  tiles, and over the choice the table was made under (each row's ``rule`` and ``sp_rule``), geometric means.
+  tiles, and over the choice the table was made under (each row's ``rule`` and ``sp_rule``), geometric means;
+* where the table timed both, the pick with K slices that divide K's steps against today's, which may run slices a
+  step apart (docs/design/0059).
 
 Docs: docs/design/0042.
 
@@ -17,6 +19,7 @@ Docs: docs/design/0042.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import statistics
@@ -55,34 +58,72 @@ def _timed(sp: dict, cfg) -> float:
     return same[0]
 
 
+def _dividing(k_warps: int, k: int) -> int:
+    while (k // 64) % k_warps:
+        k_warps //= 2
+    return k_warps
+
+
+@contextlib.contextmanager
+def timed_space():
+    """``sp_config`` in the space the tables timed: K slices that divide K's steps, halved until they do.  Slices a
+    step apart came after the tables (docs/design/0059) and were A/B-timed on their own; here the rule's settings are
+    compared on tiles the tables hold."""
+    present = sparse24_sp._sliced
+    sparse24_sp._sliced = _dividing
+    try:
+        yield
+    finally:
+        sparse24_sp._sliced = present
+
+
 def rule_ratios(rows: list[dict], sms: int, ctas: int, warps: int) -> list[float]:
     """The rule's pick over the best ``cuda_sp`` tile, per row where the tile matters, with the rule set to ``ctas``
     and ``warps`` an SM (``_timed``: every tile of the space is timed, at one ring each)."""
     saved = sparse24_sp.SMALL_N_CTAS_PER_SM, sparse24_sp.SMALL_N_WARPS_PER_SM
     sparse24_sp.SMALL_N_CTAS_PER_SM, sparse24_sp.SMALL_N_WARPS_PER_SM = ctas, warps
+    out = []
     try:
-        out = []
-        for row in rows:
-            sp = _sp_times(row)
-            if min(sp.values()) <= MATTERS * row["tiles_ms"][row["ws_rule"]]:
-                out.append(_timed(sp, sparse24_sp.sp_config(row["n"], row["m"], row["k"], sms)) / min(sp.values()))
+        with timed_space():
+            for row in rows:
+                sp = _sp_times(row)
+                if min(sp.values()) <= MATTERS * row["tiles_ms"][row["ws_rule"]]:
+                    pick = sparse24_sp.sp_config(row["n"], row["m"], row["k"], sms)
+                    out.append(_timed(sp, pick) / min(sp.values()))
         return out
     finally:
         sparse24_sp.SMALL_N_CTAS_PER_SM, sparse24_sp.SMALL_N_WARPS_PER_SM = saved
 
 
 def boundary(rows: list[dict], sms: int) -> tuple[float, float]:
-    """Today's backend and tiles: (time over the faster of the two rules' tiles, time over the table's own choice),
-    geometric means over the rows."""
+    """Today's backend and tiles (``timed_space``): (time over the faster of the two rules' tiles, time over the
+    table's own choice), geometric means over the rows."""
     best, before = [], []
     for row in rows:
         n, m, k = row["n"], row["m"], row["k"]
-        ws, sp = row["tiles_ms"][row["ws_rule"]], row["tiles_ms"][str(sparse24_sp.sp_config(n, m, k, sms))]
+        with timed_space():
+            pick = sparse24_sp.sp_config(n, m, k, sms)
+        ws, sp = row["tiles_ms"][row["ws_rule"]], row["tiles_ms"][str(pick)]
         today = sp if backend_for((9, 0), n, m, k, "bf16") == "cuda_sp" else ws
         then = row["tiles_ms"][row["sp_rule"]] if row["rule"] == "cuda_sp" else ws
         best.append(today / min(ws, sp))
         before.append(today / then)
     return geomean(best), geomean(before)
+
+
+def slice_moves(rows: list[dict], sms: int) -> list[tuple[int, int, int, float]]:
+    """(n, M, K, the pick among slices that divide K's steps over today's pick, in time) for each row where the two
+    differ and the table timed both: the A/B of slices a step apart (docs/design/0059)."""
+    out = []
+    for row in rows:
+        n, m, k = row["n"], row["m"], row["k"]
+        with timed_space():
+            before = sparse24_sp.sp_config(n, m, k, sms)
+        today = sparse24_sp.sp_config(n, m, k, sms)
+        sp = _sp_times(row)
+        if today != before and str(today) in sp and str(before) in sp:
+            out.append((n, m, k, sp[str(before)] / sp[str(today)]))
+    return out
 
 
 def report(path: str) -> list[str]:
@@ -98,7 +139,17 @@ def report(path: str) -> list[str]:
                          f"(worst {max(ratios):.3f}, {len(ratios)} rows){mark}")
     best, before = boundary(rows, sms)
     lines.append(f"  today's boundary: {best:.4f} of the faster rule's tile; {before:.4f} of the table's own choice")
-    return lines
+    return lines + slice_report(rows, sms)
+
+
+def slice_report(rows: list[dict], sms: int) -> list[str]:
+    moves = slice_moves(rows, sms)
+    if not moves:
+        return []
+    ratios = [r for *_, r in moves]
+    return [f"  K slices a step apart: {len(moves)} picks moved; dividing slices' time over today's: median "
+            f"{statistics.median(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f}, "
+            f"{sum(r < 1 for r in ratios)} slower"] + [f"    n={n:3d} {m}x{k}: {r:.3f}" for n, m, k, r in moves]
 
 
 def main(argv: list[str]) -> int:

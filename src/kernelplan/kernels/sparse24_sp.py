@@ -118,7 +118,7 @@ def sp_config(n: int, m: int, k: int, sms: int) -> SpConfig:
         return _small_n_config(n_tiles, m, k, sms)
     m_warps = 4 if -(-m // 128) >= 0.8 * sms else 2
     per_sm = -(-m // (32 * m_warps * sms))  # CTAs an SM holds for one wave
-    k_warps = _dividing(max(1, min(8, (16 if n_tiles == 8 else 8) // (m_warps * per_sm))), k)
+    k_warps = _sliced(max(1, min(8, (16 if n_tiles == 8 else 8) // (m_warps * per_sm))), k)
     return _filled(SpConfig(n_tiles, m_warps=m_warps, k_warps=k_warps), per_sm)
 
 
@@ -126,13 +126,14 @@ def _small_n_config(n_tiles: int, m: int, k: int, sms: int) -> SpConfig:
     rows, m_warps, row_tiles = next((r for r in _SMALL_N_ROWS if -(-m // r[0]) >= SMALL_N_CTAS_PER_SM * sms),
                                     _SMALL_N_ROWS[-1])
     ctas = -(-m // rows)
-    k_warps = _dividing(min(8, 1 << (max(1, SMALL_N_WARPS_PER_SM * sms // (ctas * m_warps)).bit_length() - 1)), k)
+    k_warps = _sliced(min(8, 1 << (max(1, SMALL_N_WARPS_PER_SM * sms // (ctas * m_warps)).bit_length() - 1)), k)
     return _filled(SpConfig(n_tiles, row_tiles, m_warps, k_warps), -(-ctas // sms))
 
 
-def _dividing(k_warps: int, k: int) -> int:
-    """``k_warps`` halved until the K slices divide K's steps of 64 (a power of two, so 1 always does)."""
-    while (k // 64) % k_warps:
+def _sliced(k_warps: int, k: int) -> int:
+    """``k_warps`` halved until each K slice has a step of 64 columns or more.  The slices need not divide K's steps:
+    they run at most one step apart (``sparse24_ws.k_slices``; 768 columns are 12 steps, 8 slices of 1 or 2)."""
+    while k_warps > max(1, k // 64):
         k_warps //= 2
     return k_warps
 
@@ -165,8 +166,7 @@ def _filled(cfg: SpConfig, per_sm: int) -> SpConfig:
 def fit_shared(cfg: SpConfig, limit: int) -> SpConfig:
     """``cfg`` with its ring, then its K slices, cut until a CTA's shared memory is at most ``limit`` bytes (the
     GPU's ``shared_per_block``).  The rules size rings by Hopper's 227 KiB, where every tile they give fits and this
-    returns ``cfg``; on the A100 (163 KiB) and Ada (99 KiB) the deepest rings and widest K splits would not launch.
-    Halving the K slices keeps them a divisor of K's steps."""
+    returns ``cfg``; on the A100 (163 KiB) and Ada (99 KiB) the deepest rings and widest K splits would not launch."""
     k_warps = cfg.k_warps
     while True:
         for stages in range(cfg.stages, 1, -1):
@@ -180,12 +180,12 @@ def fit_shared(cfg: SpConfig, limit: int) -> SpConfig:
 
 def sp_candidates(n: int, m: int, k: int, sms: int) -> list[SpConfig]:
     """The tiles the kernel can run for (n, M, K) on ``sms`` SMs, the rule's pick (``sp_config``) first: 32 to 128
-    rows of W a CTA (2 or 4 warps along M, 1 or 2 row tiles each), 1 to 8 K slices that divide K's steps, 16 warps
+    rows of W a CTA (2 or 4 warps along M, 1 or 2 row tiles each), 1 to 8 K slices of a step or more, 16 warps
     a CTA at most, each with the ring ``sp_config`` would give it.  What tile tuning times (``sparse24/tiles.py``)."""
     rule = sp_config(n, m, k, sms)
     space = [rule]
     for m_warps, row_tiles, k_warps in itertools.product((2, 4), (1, 2), (1, 2, 4, 8)):
-        if (k // 64) % k_warps or m_warps * k_warps > 16:
+        if k_warps > max(1, k // 64) or m_warps * k_warps > 16:
             continue
         cfg = SpConfig(rule.n_tiles, row_tiles, m_warps, k_warps)
         cfg = _filled(cfg, -(-m // (cfg.rows * sms)))

@@ -30,7 +30,10 @@ kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int mw = warp % MW, kw = warp / MW;
     const int g = lane >> 2, t = lane & 3;
-    const int ksteps = K / 64, steps = ksteps / KW, tiles = (M + 15) / 16;
+    const int ksteps = K / 64, tiles = (M + 15) / 16;
+    // Slice z runs steps ksteps z / KW .. ksteps (z + 1) / KW - 1: at most one step apart where KW does not divide
+    // them (sparse24_ws.k_slices); the loop runs the longest, the last.
+    const int step0 = ksteps * kw / KW, mine = ksteps * (kw + 1) / KW - step0, steps = (ksteps + KW - 1) / KW;
 
     // Per row tile and step: 256 words of values, 32 of metadata; a tile's steps follow each other.  Gated, the
     // CTA's first half of tiles comes from W's first half of rows and its second from the same rows of the other.
@@ -43,7 +46,7 @@ kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
         const int c = mw * RT + r, in_half = blockIdx.x * kCtaTiles + c % kCtaTiles;
         const int tile = in_half + c / kCtaTiles * half;
         tok[r] = in_half < half;
-        long base = (long)(tok[r] ? tile : 0) * ksteps + kw * steps;
+        long base = (long)(tok[r] ? tile : 0) * ksteps + step0;
         vp[r] = vals + base * 256 + lane * 4;
         ep[r] = meta + base * 32 + lane;
     }
@@ -63,15 +66,16 @@ kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
 #pragma unroll
         for (int i = threadIdx.x; i < KW * kRows * 8; i += kThreads) {
             int c = i & 7, row = (i >> 3) % kRows, q = i / (kRows * 8);
-            bool ok = step < steps && row < N;
-            const u16 *src = ok ? x + (long)row * sxn + (long)(q * steps + step) * 64 + c * 8 : x;
+            const int q0 = ksteps * q / KW;
+            bool ok = step < ksteps * (q + 1) / KW - q0 && row < N;
+            const u16 *src = ok ? x + (long)row * sxn + (long)(q0 + step) * 64 + c * 8 : x;
             cp16(sx + buf * kStageBytes + (q * kRows + row) * 128 + ((c ^ (row & 7)) << 4), src, ok);
         }
     };
     // This warp's fragments of step `step`, each lane's own, into buffer `buf`.
     const u32 wslot = sx + kXBytes + warp * RT * 1152;
     auto copy_w = [&](int buf, int step) {
-        bool live = step < steps;
+        bool live = step < mine;
 #pragma unroll
         for (int r = 0; r < RT; ++r) {
             u32 d = wslot + buf * kStageBytes + r * 1152;
@@ -95,7 +99,7 @@ kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
             cp_wait<STAGES - 2>();  // this thread's copies of step s have landed
             __syncthreads();        // everyone's have, and everyone is done with step s - 1's buffer
             issue((u + STAGES - 1) % STAGES, s + STAGES - 1);
-            if (s < steps) {
+            if (s < mine) {
                 const u32 buf = sx + u * kStageBytes + kw * kRows * 128;
                 uint4 a[RT][2]; u32 e[RT];  // per row tile: the two halves' A fragments, this lane's metadata word
 #pragma unroll
