@@ -44,11 +44,11 @@ def test_boundary_compares_todays_choice_with_the_faster_rule_and_the_tables_own
 
 
 def test_slice_moves_time_the_dividing_pick_against_todays_where_both_were_timed():
-    n, m, k = 8, 2304, 768  # 12 steps: 8 slices of 1 and 2 today, 4 of 3 in the tables' space
+    n, m, k = 8, 4096, 1600  # 25 steps: 8 slices of 3 and 4 today, one in the tables' space
     today = sp_config(n, m, k, SMS)
     with fit_sp_rule.timed_space():
         before = sp_config(n, m, k, SMS)
-    assert (today.k_warps, before.k_warps) == (8, 4)
+    assert (today.k_warps, before.k_warps) == (8, 1)
     assert sparse24_sp.sp_config(n, m, k, SMS) == today  # the rule is put back
     rows = [_row(n, m, k, {today: 1.0, before: 1.3}, ws_ms=2.0), _row(n, m, k, {before: 1.3}, ws_ms=2.0),
             _row(8, 3584, 14336, {sp_config(8, 3584, 14336, SMS): 1.0}, ws_ms=2.0)]  # 224 steps: nothing moves

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import kernelplan as kp
 from kernelplan.bench.shapes import sweep_shapes
-from kernelplan.kernels.sparse24_sp import SpConfig, _tiled, sp_candidates, sp_config
+from kernelplan.kernels.sparse24_sp import MIN_SLICE_STEPS, SpConfig, _tiled, sp_candidates, sp_config
 from kernelplan.kernels.sparse24_ws import k_slices
 from test_sparse24_triton import check_backend
 
@@ -111,18 +111,20 @@ def test_config_at_n_up_to_16_takes_32_row_ctas_and_16_warps_an_sm():
     # 16 warps)
     assert sp_config(1, 73728, 4608, 132) == SpConfig(1, m_warps=4, k_warps=1, stages=4, min_blocks=4)
     assert sp_config(16, 35840, 5120, 132) == SpConfig(2, m_warps=2, k_warps=1, stages=6, min_blocks=5)  # 560 of 64
-    assert sp_config(1, 4096, 192, 132) == SpConfig(1, row_tiles=1, m_warps=2, k_warps=2, stages=6)  # 3 K steps
+    assert sp_config(1, 4096, 192, 132) == SpConfig(1, row_tiles=1, m_warps=2, k_warps=1, stages=6)  # 3 K steps
 
 
-def test_k_slices_need_not_divide_ks_steps_but_each_has_one():
-    # 128 CTAs of 32 rows want 8 slices; 25 steps run as 3, 3, 3, 3, 3, 3, 3 and 4; 3 steps as 1 and 2
+def test_k_slices_need_not_divide_ks_steps_but_each_has_two():
+    # 128 CTAs of 32 rows want 8 slices; 25 steps run as 3, 3, 3, 3, 3, 3, 3 and 4
     assert sp_config(8, 4096, 1600, 132).k_warps == 8
     assert [len(s) for s in k_slices(1600, 8)] == [3, 3, 3, 3, 3, 3, 3, 4]
-    assert sp_config(8, 4096, 192, 132).k_warps == 2 and sp_config(8, 4096, 64, 132).k_warps == 1
+    # 12 steps: 4 slices of 3, not 8 of 1 and 2; 5 steps: 2 slices of 2 and 3; 3 steps: one slice
+    assert [sp_config(8, 4096, k, 132).k_warps for k in (768, 320, 192, 64)] == [4, 2, 1, 1]
     for n in (1, 16, 64):
-        for m, k in ((1000, 64), (4096, 320), (2304, 768), (8192, 29568)):
+        for m, k in ((1000, 64), (4096, 320), (2304, 768), (8192, 29568), (3072, 2240)):
             cfg = sp_config(n, m, k, 132)
-            assert 1 <= cfg.k_warps <= k // 64 and cfg.k_warps & (cfg.k_warps - 1) == 0
+            assert cfg.k_warps & (cfg.k_warps - 1) == 0
+            assert cfg.k_warps == 1 or min(len(s) for s in k_slices(k, cfg.k_warps)) >= MIN_SLICE_STEPS
 
 
 def emulate_ctas(cfg: SpConfig, w: torch.Tensor, x: torch.Tensor, gated: bool) -> list[torch.Tensor]:

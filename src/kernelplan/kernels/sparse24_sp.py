@@ -130,10 +130,16 @@ def _small_n_config(n_tiles: int, m: int, k: int, sms: int) -> SpConfig:
     return _filled(SpConfig(n_tiles, row_tiles, m_warps, k_warps), -(-ctas // sms))
 
 
+# Steps of 64 columns a K slice of the rule's runs at least.  The slices need not divide K's steps: they run at most
+# one step apart (sparse24_ws.k_slices).  Slices of one step ran 0.83-0.97x of 4 slices of 3 at K = 768 (12 steps) on
+# the H200; at two steps or more they ran 1.00-2.30x of the slices that divide K's steps (44 problems,
+# sparse24-small-n-uneven-sp-h200.json; docs/design/0059).
+MIN_SLICE_STEPS = 2
+
+
 def _sliced(k_warps: int, k: int) -> int:
-    """``k_warps`` halved until each K slice has a step of 64 columns or more.  The slices need not divide K's steps:
-    they run at most one step apart (``sparse24_ws.k_slices``; 768 columns are 12 steps, 8 slices of 1 or 2)."""
-    while k_warps > max(1, k // 64):
+    """``k_warps`` halved until each K slice has ``MIN_SLICE_STEPS`` steps or more (or there is one slice)."""
+    while k_warps > 1 and k_warps * MIN_SLICE_STEPS > k // 64:
         k_warps //= 2
     return k_warps
 
