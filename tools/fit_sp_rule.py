@@ -134,6 +134,9 @@ def report(path: str) -> list[str]:
     for ctas in CTAS_PER_SM:
         for warps in WARPS_PER_SM:
             ratios = rule_ratios(rows, sms, ctas, warps)
+            if not ratios:
+                lines.append(f"  no rows where cuda_sp's best tile beats cuda_ws's rule by {1 - MATTERS:.0%}")
+                break
             mark = "  <- today" if (ctas, warps) == today else ""
             lines.append(f"  >= {ctas} CTAs an SM, {warps:2d} warps an SM: {geomean(ratios):.4f} "
                          f"(worst {max(ratios):.3f}, {len(ratios)} rows){mark}")
