@@ -56,6 +56,18 @@ def test_slice_moves_time_the_dividing_pick_against_todays_where_both_were_timed
     assert "1 picks moved" in fit_sp_rule.slice_report(rows, SMS)[0] and fit_sp_rule.slice_report(rows[1:], SMS) == []
 
 
+def test_report_reads_a_table_where_cuda_sp_never_matters(tmp_path):
+    n, m, k = 8, 4096, 1600
+    with fit_sp_rule.timed_space():
+        before = sp_config(n, m, k, SMS)
+    rows = [_row(n, m, k, {sp_config(n, m, k, SMS): 2.0, before: 3.0}, ws_ms=1.0)]  # cuda_ws twice as fast
+    table = tmp_path / "small-n.json"
+    table.write_text(json.dumps({"rows": rows, "meta": {"sms": SMS, "device": "H200", "commit": "abc"}}))
+    lines = fit_sp_rule.report(str(table))
+    assert sum("no rows where" in line for line in lines) == len(fit_sp_rule.CTAS_PER_SM)
+    assert "1 picks moved" in lines[-2] and lines[-1].endswith("1.500")
+
+
 @pytest.mark.skipif(not all(t.exists() for t in TABLES), reason="the committed small-n tables")
 def test_todays_small_n_rule_is_the_best_setting_of_the_grid_over_both_committed_tables():
     tables = [json.loads(t.read_text()) for t in TABLES]
