@@ -27,7 +27,8 @@ expansion and the dense products grow with the weight, and x, read once per
   each fragment, and ``MW`` warps share each staged step.
 
 A CTA is ``MW x KW`` warps over ``16 RT MW`` rows of W: ``MW`` warps along
-M, ``KW`` slices of K, the slices summed through shared memory in a fixed
+M, ``KW`` slices of K (at most one 64-column step apart where ``KW`` does not
+divide K's steps), the slices summed through shared memory in a fixed
 order (deterministic).  Then bias and activation, and y is written.
 """
 
