@@ -277,10 +277,10 @@ def main(argv: list[str]) -> int:
 
         pairs = ab_pairs(a.ab)
         for name, shapes in SHAPE_SETS.items():
-            timed_moves, guesses = ab_moves(w, pairs, shapes(), BATCH_SIZES)
-            summary = (f"median {statistics.median(timed_moves):.3f}, max {max(timed_moves):.3f}, faster in "
-                       f"{sum(r < 1 for r in timed_moves)}" if timed_moves else "none timed")
-            print(f"{name}: {len(timed_moves) + len(guesses)} picks move; {len(timed_moves)} timed in the A/B, new "
+            times, guesses = ab_moves(w, pairs, shapes(), BATCH_SIZES)
+            summary = (f"median {statistics.median(times):.3f}, max {max(times):.3f}, faster in "
+                       f"{sum(r < 1 for r in times)}" if times else "none timed")
+            print(f"{name}: {len(times) + len(guesses)} picks move; {len(times)} timed in the A/B, new "
                   f"over present: {summary}; {len(guesses)} untimed")
             for n, m, k, present, new in guesses:
                 print(f"  untimed: {m}x{k} n = {n}: {present} -> {new}")

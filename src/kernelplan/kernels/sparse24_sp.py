@@ -193,7 +193,7 @@ def sp_candidates(n: int, m: int, k: int, sms: int) -> list[SpConfig]:
     rule = sp_config(n, m, k, sms)
     space = [rule]
     for m_warps, row_tiles, k_warps in itertools.product((2, 4), (1, 2), (1, 2, 4, 8)):
-        if k_warps > max(1, k // 64) or m_warps * k_warps > 16:
+        if k_warps > k // 64 or m_warps * k_warps > 16:
             continue
         cfg = SpConfig(rule.n_tiles, row_tiles, m_warps, k_warps)
         cfg = _filled(cfg, -(-m // (cfg.rows * sms)))
