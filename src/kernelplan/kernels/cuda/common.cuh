@@ -16,6 +16,11 @@ __device__ __forceinline__ u16 from_f32(float v) {
     u16 h; asm("cvt.rn." DT ".f32 %0, %1;" : "=h"(h) : "f"(v)); return h;
 }
 
+// The first of K's `ksteps` 64-column steps that slice z of `parts` runs; slice z runs up to the next slice's first.
+// The slices' lengths are at most one apart where `parts` does not divide `ksteps` (sparse24_ws.k_slices, its
+// Python twin): cuda_ws splits K over a cluster's CTAs by it, cuda_sp over a CTA's warps.
+__device__ __forceinline__ int k_slice_begin(int ksteps, int z, int parts) { return ksteps * z / parts; }
+
 // erfc(x) for x >= 0 as t exp(-x^2 + P(t)), t = 1 / (1 + x / 2), P of degree 5: the fit the Triton kernels take for
 // 16-bit results (kernels/activations.py, _normal_cdf), fractional error under 6.4e-5, and the outputs here are 16-bit.
 // With the fast exponential and division, gelu's relative error is under 7e-5 over z in [-12, 12] (emulated in fp32

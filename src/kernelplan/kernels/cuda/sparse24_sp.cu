@@ -31,9 +31,9 @@ kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
     const int mw = warp % MW, kw = warp / MW;
     const int g = lane >> 2, t = lane & 3;
     const int ksteps = K / 64, tiles = (M + 15) / 16;
-    // Slice z runs steps ksteps z / KW .. ksteps (z + 1) / KW - 1: at most one step apart where KW does not divide
-    // them (sparse24_ws.k_slices); the loop runs the longest, the last.
-    const int step0 = ksteps * kw / KW, mine = ksteps * (kw + 1) / KW - step0, steps = (ksteps + KW - 1) / KW;
+    // Warp kw's K slice (k_slice_begin): `mine` steps from step0.  The loop runs the longest, the last.
+    const int step0 = k_slice_begin(ksteps, kw, KW), mine = k_slice_begin(ksteps, kw + 1, KW) - step0;
+    const int steps = (ksteps + KW - 1) / KW;
 
     // Per row tile and step: 256 words of values, 32 of metadata; a tile's steps follow each other.  Gated, the
     // CTA's first half of tiles comes from W's first half of rows and its second from the same rows of the other.
@@ -66,8 +66,8 @@ kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
 #pragma unroll
         for (int i = threadIdx.x; i < KW * kRows * 8; i += kThreads) {
             int c = i & 7, row = (i >> 3) % kRows, q = i / (kRows * 8);
-            const int q0 = ksteps * q / KW;
-            bool ok = step < ksteps * (q + 1) / KW - q0 && row < N;
+            const int q0 = k_slice_begin(ksteps, q, KW);
+            bool ok = step < k_slice_begin(ksteps, q + 1, KW) - q0 && row < N;
             const u16 *src = ok ? x + (long)row * sxn + (long)(q0 + step) * 64 + c * 8 : x;
             cp16(sx + buf * kStageBytes + (q * kRows + row) * 128 + ((c ^ (row & 7)) << 4), src, ok);
         }
