@@ -24,10 +24,9 @@ __device__ __forceinline__ uint4 ldsm4(u32 addr) {
     return v;
 }
 
-// 16 bytes global -> shared; zero-filled where !ok.  The L2 fetches the 256 bytes around them from DRAM at once, as
-// cuda_ws's tensor maps ask (CU_TENSOR_MAP_L2_PROMOTION_L2_256B): a warp's copy of a step is a 512-byte run.
+// 16 bytes global -> shared; zero-filled where !ok.
 __device__ __forceinline__ void cp16(u32 dst, const void *src, bool ok) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(ok ? 16 : 0));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(ok ? 16 : 0));
 }
 
 __device__ __forceinline__ void cp4(u32 dst, const void *src, bool ok) {
