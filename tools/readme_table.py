@@ -513,7 +513,8 @@ def table() -> str:
     # n = 1024 and 2048), then the LM heads at n <= 512 and the H200's at n = 1024-2048 (0053), then n = 256-2048
     # again under 0054's multicast rule and the rest of the heads' n (1e71ed3), then the H200's f16 at n = 32-2048
     # (0055) and 4096-8192 (0056), the held-out models (0057, 0059), and the H200's n = 32-512 under the floor on a
-    # step (b050ae4, 0059; f16 at 175e4e8); the bf16 quick sweeps (4f17378) stay in results/.
+    # step (b050ae4, 0059; f16 at 175e4e8), then the H200's n <= 16 and n >= 1024 under today's rule and kernels (1662b90,
+    # 0060; f16 to n = 2048); the bf16 quick sweeps (4f17378) stay in results/.
     for name in ("sparse24-sweep-h200", "sparse24-sweep-h100", "sparse24-sweep-small-n-h200",
                  "sparse24-sweep-small-n-h100", "sparse24-sweep-mid-n-h200", "sparse24-sweep-mid-n-h100",
                  "sparse24-sweep-large-n-h200", "sparse24-sweep-large-n-h100",
@@ -521,11 +522,13 @@ def table() -> str:
                  "sparse24-sweep-unicast-h200", "sparse24-sweep-unicast-h100", "sparse24-sweep-unicast-n512-h100",
                  "sparse24-sweep-lm-heads-large-n-h200", "sparse24-sweep-lm-heads-large-n-h100",
                  "sparse24-sweep-lm-heads-xl-n-h200", "sparse24-sweep-held-out-models-h200",
-                 "sparse24-sweep-floor-mid-n-h200",
+                 "sparse24-sweep-floor-mid-n-h200", "sparse24-sweep-uneven-k-small-n-h200",
+                 "sparse24-sweep-uneven-k-large-n-h200", "sparse24-sweep-uneven-k-xl-n-h200",
                  "sparse24-sweep-h100-l2warm", "sparse24-sweep-h200-l2warm",
                  "sparse24-sweep-h200-f16-quick", "sparse24-sweep-h100-f16-quick", "sparse24-sweep-small-n-f16-h200",
                  "sparse24-sweep-small-n-f16-h100", "sparse24-sweep-f16-mid-h200", "sparse24-sweep-f16-large-n-h200",
-                 "sparse24-sweep-f16-floor-mid-n-h200",
+                 "sparse24-sweep-f16-floor-mid-n-h200", "sparse24-sweep-f16-uneven-k-small-n-h200",
+                 "sparse24-sweep-f16-uneven-k-large-n-h200",
                  "sparse24-sweep-h100-f16-l2warm",
                  "sparse24-sweep-h200-f16-l2warm"):
         body += sweep_rows(name)
