@@ -88,15 +88,6 @@ __device__ __forceinline__ void band_tile(int N, int K, int &tile_n, int &group)
 #define KP_WARP_PRODUCER 0
 #endif
 
-// Where N <= KP_ROTATE_MAX_N, M group g runs its K slice's steps from step g % steps on, wrapping round: the grid's
-// CTAs, which otherwise all read the same 64 columns of x at once, read different ones.  At n = 1 a step's box of x is
-// one 128-byte line, held by one L2 slice; the K-split tile of 32 rows (kc = 4, one warpgroup) read 7-57% slower at
-// n = 1 than at n = 8 on wide weights (sparse24-sweep-uneven-k-small-n-h200.json, held-out models at 69a1c17).
-// KP_ROTATE_MAX_N=0 builds the grid's one order, for the A/B.  The sums' order stays a function of the M group.
-#ifndef KP_ROTATE_MAX_N
-#define KP_ROTATE_MAX_N 16
-#endif
-
 // Where K is split without multicast, each K slice pushes the partial sums of the rows another slice stores into that
 // CTA's shared memory, past its barriers (st.async, completing on its "sums" barrier), and each reads its own rows'
 // sums locally.  No CTA then reads another's shared memory or waits for another's K loop: the cluster's one sync is
@@ -202,14 +193,11 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
             const bool issuer = !KP_WARP_PRODUCER || lane == 0;
             KP_PHASE(1);
             constexpr u32 bytes = kXBytes + kWBytes;  // boxes past N or M count in full (zero-filled)
-            // The ring's s-th step (KP_ROTATE_MAX_N): the M group's, the same for a multicast group's CTAs.
-            const int rot = N <= KP_ROTATE_MAX_N ? tile.block / CM % steps : 0;
-            auto step_at = [&](int s) { return step0 + (s + rot < steps ? s + rot : s + rot - steps); };
 #if KP_PDL
             const int pre = KP_PDL == 1 ? min(steps, STAGES) : 0;  // steps whose W goes out before the wait
             for (int s = 0; issuer && s < pre; ++s) {
                 mbar_expect_tx(full0 + 8 * s, bytes);
-                load_w(sbase + s * kStageBytes, &vmap, &emap, step_at(s), w_block(tile, tiles_m), w_half(tile),
+                load_w(sbase + s * kStageBytes, &vmap, &emap, step0 + s, w_block(tile, tiles_m), w_half(tile),
                        full0 + 8 * s);
             }
             griddep_wait();  // x is the kernel before's output
@@ -220,7 +208,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
                 const int b = ring_stage(s);
                 mbar_wait(empty0 + 8 * b, ring_parity(s) ^ 1);
                 const u32 full = full0 + 8 * b, at = sbase + b * kStageBytes;
-                const int step = step_at(s);
+                const int step = step0 + s;
 #if KP_PROBE == 2  // sparse24_ring.cuh: the MMAs alone
                 (void)at, (void)step, (void)bytes;
                 if (issuer) mbar_arrive(full);
