@@ -12,16 +12,26 @@ HOPPER, AMPERE, ADA, TURING = (9, 0), (8, 0), (8, 9), (7, 5)
 
 
 # The sweep set's wide weights of few rows that mma.sp runs at n <= 8 on Hopper (K >= 2.5 M, 2048 < M <= 4096),
-# besides every weight of 9216 rows or more; and those of fewer rows, which cuda_ws's K-split tile runs at n <= 16.
+# besides the weights of 9216 rows or more and K over 4096; and those of fewer rows, which cuda_ws's K-split tile
+# runs at n <= 16.
 WIDE_SP = {(3072, 8192), (3584, 14336), (3584, 18944), (4096, 14336)}
 WIDE_SPLIT = WIDE_SP | {(768, 3072), (1024, 4096)}
+
+
+def test_tall_weights_take_mma_sp_only_past_4096_columns():
+    # The held-out models' tall weights (K 896-2560) ran cuda_ws faster at n <= 8 (docs/design/0060).
+    for m, k in ((9728, 896), (22016, 2048), (28672, 4096), (28672, 4160), (73728, 4608)):
+        for n in (1, 5, 8, 9):
+            want = "cuda_sp" if n <= 8 and k > 4096 else "cuda_ws"
+            assert backend_for(HOPPER, n, m, k, "bf16") == want, (m, k, n)
+            assert backend_for(AMPERE, n, m, k, "bf16") == "cuda_sp"
 
 
 def test_the_table_over_the_sweep_set():
     for (m, k) in sweep_shapes():
         for n in BATCH_SIZES + (3, 9, 17, 65, 1000):
             for dtype in ("bf16", "f16"):
-                sp = n <= 8 and (m >= 9216 or (m, k) in WIDE_SP)  # the sweeps' n <= 8 rows (dispatch.py)
+                sp = n <= 8 and (m >= 9216 and k > 4096 or (m, k) in WIDE_SP)  # the sweeps' n <= 8 rows
                 assert backend_for(HOPPER, n, m, k, dtype) == ("cuda_sp" if sp else "cuda_ws"), (m, k, n)
                 tile = config_for("cuda_ws", n, m, k, 132)
                 if n <= 16:  # past it the rule's cost may pick the same tile

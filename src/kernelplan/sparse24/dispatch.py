@@ -22,10 +22,10 @@ from __future__ import annotations
 MEMORY_POLICIES = ("compact", "fast")
 LAYOUT_DTYPES = ("f16", "bf16")  # the sparse tensor cores' operand types
 
-# Hopper at n <= SP_MAX_N_HOPPER: mma.sp (cuda_sp) for tall weights, M >= SP_MIN_M_HOPPER, and for wide ones of
-# few rows, K >= SP_WIDE_K_OVER_M x M with M <= SP_WIDE_MAX_M; else cuda_ws.  From every cuda_sp tile and cuda_ws's
-# first 4 timed over the sweep set at n = 1, 8 and 16 in one process each (sparse24-small-n-h{100,200}.json,
-# 6365b46; docs/design/0042), with cuda_sp's tile by sp_config's rule for n <= 16:
+# Hopper at n <= SP_MAX_N_HOPPER: mma.sp (cuda_sp) for tall weights, M >= SP_MIN_M_HOPPER (and K >= SP_TALL_MIN_K,
+# below), and for wide ones of few rows, K >= SP_WIDE_K_OVER_M x M with M <= SP_WIDE_MAX_M; else cuda_ws.  From
+# every cuda_sp tile and cuda_ws's first 4 timed over the sweep set at n = 1, 8 and 16 in one process each
+# (sparse24-small-n-h{100,200}.json, 6365b46; docs/design/0042), with cuda_sp's tile by sp_config's rule for n <= 16:
 # * at n = 16 cuda_ws won on 36 (H100) and 39 (H200) of 43 shapes, by up to 1.42x; cuda_sp by 1.07x at most;
 # * at n <= 8 on the tall weights cuda_sp ran 0.97-1.11x of cuda_ws's speed on the H200, 0.95-1.04x on the H100;
 # * at n <= 8 on wide weights of few rows, whose 64-row warpgroup tiles fill under half of the SMs (M <= 4096 is 64
@@ -39,8 +39,16 @@ LAYOUT_DTYPES = ("f16", "bf16")  # the sparse tensor cores' operand types
 # and ran 0.87-1.00x (H100) and 0.69-1.00x (H200) of its speed on those of 3072 to 4096 rows
 # (sparse24-small-n-wide-split-h{100,200}.json, b69c688; docs/design/0047): cuda_sp keeps the wide weights of more
 # than SP_WIDE_MIN_M rows.  The boundary is where that tile's grid, 4 CTAs a 64 rows, passes 132 SMs.
+#
+# Tall weights take cuda_sp only where K is over SP_TALL_MIN_K: read from the sweeps, which time both backends'
+# rule tiles side by side (docs/design/0060).  On the sweep set's tall weights at n <= 8, cuda_sp was faster by a
+# geometric mean of 1.04-1.10x where K is 4608-8192 and ran 0.97-1.04x of cuda_ws where K is 3072-4096 (H200,
+# 1662b90).  With cuda_ws at K <= 4096 the 10 moved rows of the sweep set ran 1.011x (bf16) and 1.012x (f16) faster
+# on the H200 at 1662b90, 0.998x at 22b6c20, 1.026x and 1.020x on the H100 (dcb9e08, d3d2493); the held-out models'
+# 14, tall weights of K 896-2560 the sweep set does not have, 1.077x (up to 1.27x; 69a1c17).
 SP_MAX_N_HOPPER = 8
 SP_MIN_M_HOPPER = 9216
+SP_TALL_MIN_K = 4160  # K past 4096, in 64-column steps
 SP_WIDE_MIN_M = 2048
 SP_WIDE_MAX_M = 4096
 SP_WIDE_K_OVER_M = 2.5
@@ -82,8 +90,8 @@ def backend_for(capability: tuple[int, int] | None, n: int, m: int, k: int, dtyp
     """The backend of the ``compact`` policy for one call: a pure function, no GPU touched.
 
     * the one layout where its kernels run: ``cuda_ws`` (``wgmma.sp``, warp-specialized) on Hopper,
-      except at n <= 8 on weights of 9216 rows or more, or on wide ones (``wide_weight``) of more than 2048 rows;
-      else ``cuda_sp``
+      except at n <= 8 on weights of 9216 rows or more and K over 4096, or on wide ones (``wide_weight``) of more
+      than 2048 rows; else ``cuda_sp``
       (``mma.sp``; on Ampere and Ada at every n, in chunks of 64 rows of x past 64);
     * else the Triton kernel on CUDA, which reads the public format itself
       (f32 weights, K not a multiple of 64), and the reference on CPU.
@@ -96,7 +104,8 @@ def backend_for(capability: tuple[int, int] | None, n: int, m: int, k: int, dtyp
         return "reference"
     if layout_reason(capability, k, dtype) is None:
         if capability == (9, 0):
-            sp = n <= SP_MAX_N_HOPPER and (m >= SP_MIN_M_HOPPER or m > SP_WIDE_MIN_M and wide_weight(m, k))
+            tall = m >= SP_MIN_M_HOPPER and k >= SP_TALL_MIN_K
+            sp = n <= SP_MAX_N_HOPPER and (tall or m > SP_WIDE_MIN_M and wide_weight(m, k))
             return "cuda_sp" if sp else "cuda_ws"
         return "cuda_sp"
     return "triton"
