@@ -216,7 +216,7 @@ def _tile_of_last_launch(layer, by_shape: bool = False):
 @sm90
 def test_tuning_times_measures_stores_and_reads_back(tmp_path, monkeypatch, seed):
     monkeypatch.setenv("KERNELPLAN_CACHE_DIR", str(tmp_path))
-    shapes = [(3584, 3584), (1536, 768, "gated_silu_first"), (28672, 4096), (1024, 200)]
+    shapes = [(3584, 3584), (1536, 768, "gated_silu_first"), (9216, 4608), (1024, 200)]
     got = kp.sparse24.tune_tiles(shapes, [8, 128, 200], rounds=3)
     assert len(got) == 12
     untuned = [c for c in got if c.tile is None]
@@ -226,7 +226,7 @@ def test_tuning_times_measures_stores_and_reads_back(tmp_path, monkeypatch, seed
     for c in got:
         if c.tile is not None:
             backend = backend_for(cap, c.n, c.m, c.k, "bf16")
-            assert tiles.backend_of(c.tile) == backend and (backend == "cuda_sp") == (c.m == 28672 and c.n == 8)
+            assert tiles.backend_of(c.tile) == backend and (backend == "cuda_sp") == (c.m == 9216 and c.n == 8)
             assert c.source == "measured" and c.rule_ms > 0 and c.tile_ms > 0
             assert list(c.times_ms)[0] == str(c.rule) and c.times_ms[str(c.tile)] == c.tile_ms
             assert c.tile == c.rule or c.gain >= 1 + tiles.MIN_GAIN
@@ -244,7 +244,7 @@ def test_tuning_times_measures_stores_and_reads_back(tmp_path, monkeypatch, seed
 
 @gpu
 @sm90
-@pytest.mark.parametrize("n, m, k", [(128, 3584, 3584), (125, 3584, 3584), (121, 3584, 3584), (3, 28672, 1024)])
+@pytest.mark.parametrize("n, m, k", [(128, 3584, 3584), (125, 3584, 3584), (121, 3584, 3584), (3, 9216, 4608)])
 def test_a_tuned_tile_reaches_a_layer_called_before_and_matches_fp64(n, m, k, seed):
     layer, dense = _layer(m, k)
     x = torch.randn(n, 2, k, device="cuda", dtype=torch.bfloat16).transpose(0, 1)  # 3-D, not contiguous: 2n rows
