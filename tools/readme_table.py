@@ -252,8 +252,8 @@ def _held_out_models() -> list[str]:
 def sparse24_notes() -> list[str]:
     """The 2:4 model, conversion and host-work results, one line each."""
     lines = []
-    for name in ("sparse24-model-h100", "sparse24-model-h200", "sparse24-model-tuned-h100",
-                 "sparse24-model-tuned-h200"):
+    for name in ("sparse24-model-h100", "sparse24-model-h200", "sparse24-model-tall-k-h200",
+                 "sparse24-model-tuned-h100", "sparse24-model-tuned-h200"):
         model = _load(name)
         if model:
             cases = "; ".join(f"{r['case']} {r['graph_speedup']:.2f}x graph{_ungrouped(r)}, "
@@ -513,8 +513,9 @@ def table() -> str:
     # n = 1024 and 2048), then the LM heads at n <= 512 and the H200's at n = 1024-2048 (0053), then n = 256-2048
     # again under 0054's multicast rule and the rest of the heads' n (1e71ed3), then the H200's f16 at n = 32-2048
     # (0055) and 4096-8192 (0056), the held-out models (0057, 0059), and the H200's n = 32-512 under the floor on a
-    # step (b050ae4, 0059; f16 at 175e4e8), then the H200's n <= 16 and n >= 1024 under today's rule and kernels (1662b90,
-    # 0060; f16 to n = 2048); the bf16 quick sweeps (4f17378) stay in results/.
+    # step (b050ae4, 0059; f16 at 175e4e8), then the H200's n <= 16 and n >= 1024 under today's rule and kernels
+    # (1662b90, 0060; f16 to n = 2048) and the held-out models' n <= 8 under the tall weights' K bound (bfa4f0a,
+    # 0060); the bf16 quick sweeps (4f17378) stay in results/.
     for name in ("sparse24-sweep-h200", "sparse24-sweep-h100", "sparse24-sweep-small-n-h200",
                  "sparse24-sweep-small-n-h100", "sparse24-sweep-mid-n-h200", "sparse24-sweep-mid-n-h100",
                  "sparse24-sweep-large-n-h200", "sparse24-sweep-large-n-h100",
@@ -522,6 +523,7 @@ def table() -> str:
                  "sparse24-sweep-unicast-h200", "sparse24-sweep-unicast-h100", "sparse24-sweep-unicast-n512-h100",
                  "sparse24-sweep-lm-heads-large-n-h200", "sparse24-sweep-lm-heads-large-n-h100",
                  "sparse24-sweep-lm-heads-xl-n-h200", "sparse24-sweep-held-out-models-h200",
+                 "sparse24-sweep-held-out-tall-k-h200",
                  "sparse24-sweep-floor-mid-n-h200", "sparse24-sweep-uneven-k-small-n-h200",
                  "sparse24-sweep-uneven-k-large-n-h200", "sparse24-sweep-uneven-k-xl-n-h200",
                  "sparse24-sweep-h100-l2warm", "sparse24-sweep-h200-l2warm",
