@@ -43,10 +43,10 @@ LAYOUT_DTYPES = ("f16", "bf16")  # the sparse tensor cores' operand types
 # Tall weights take cuda_sp only where K is over SP_TALL_MIN_K: read from the sweeps, which time both backends'
 # rule tiles side by side (docs/design/0060; tools/fit_backend_rule.py reads them).  On the sweep set's tall weights
 # at n <= 8, cuda_sp was faster by a geometric mean of 1.05-1.08x (by n and dtype) where K is 4608-8192, and ran
-# 0.98-1.00x of cuda_ws where K is 3072-4096 (H200, 1662b90).  With cuda_ws at K <= 4096 the 10 moved rows of the sweep set ran 1.011x (bf16) and
-# 1.012x (f16) faster on the H200 at 1662b90, 0.998x at 22b6c20, 1.026x and 1.020x on the H100 (dcb9e08, d3d2493);
-# the held-out models' 14, tall weights of K 896-2560 the sweep set does not have, 1.077x (up to 1.27x; 69a1c17),
-# and read again under the bound, 1.065x against dense (bfa4f0a).
+# 0.98-1.00x of cuda_ws where K is 3072-4096 (H200, 1662b90).  With cuda_ws at K <= 4096 the 10 moved rows of the
+# sweep set ran 1.011x (bf16) and 1.012x (f16) faster on the H200 at 1662b90, 0.998x at 22b6c20, 1.026x and 1.020x
+# on the H100 (dcb9e08, d3d2493); the held-out models' 14, tall weights of K 896-2560 the sweep set does not have,
+# 1.077x (up to 1.27x; 69a1c17), and read again under the bound, 1.065x against dense (bfa4f0a).
 SP_MAX_N_HOPPER = 8
 SP_MIN_M_HOPPER = 9216
 SP_TALL_MIN_K = 4160  # K past 4096, in 64-column steps
