@@ -40,7 +40,7 @@ from kernelplan.bench.sweep import SHAPE_SETS, _cycling, copies_past_l2
 from kernelplan.kernels import sparse24_ws
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
-from kernelplan.kernels.sparse24_ws import (WEIGHTS, RuleWeights, WsConfig, WsKernel, push_pays, rule_pick,
+from kernelplan.kernels.sparse24_ws import (WEIGHTS, RuleWeights, WsConfig, WsKernel, rule_pick, with_push,
                                             ws_candidates, ws_config)
 from kernelplan.sparse24 import compress, prune
 from kernelplan.sparse24.layout import pack_reason
@@ -72,8 +72,8 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
     try:
         cfg = ws_config.__wrapped__(n, m, k, sms, w=w)
         if even_split and (k // 64) % cfg.kc:
-            cfg = rule_pick([c for c in ws_candidates(n, m, k) if (k // 64) % c.kc == 0], n, m, k, sms, w)
-            cfg = cfg if push_pays(cfg, n, m, sms) else dataclasses.replace(cfg, push=False)
+            cfg = with_push(rule_pick([c for c in ws_candidates(n, m, k) if (k // 64) % c.kc == 0], n, m, k, sms, w),
+                            n, m, sms)
         return cfg
     finally:
         sparse24_ws.MULTICAST_MIN_WAVES = present

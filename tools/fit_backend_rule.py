@@ -18,12 +18,12 @@ Docs: docs/design/0060.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -58,15 +58,9 @@ def by_kind(rows: list[dict]) -> dict[tuple[str, int], list[float]]:
     return out
 
 
-@contextlib.contextmanager
 def tall_min_k(k: int):
-    """``backend_for`` with tall weights taking cuda_sp from ``k`` columns on."""
-    present = dispatch.SP_TALL_MIN_K
-    dispatch.SP_TALL_MIN_K = k
-    try:
-        yield
-    finally:
-        dispatch.SP_TALL_MIN_K = present
+    """``backend_for`` with tall weights taking cuda_sp from ``k`` columns on (a context)."""
+    return mock.patch.object(dispatch, "SP_TALL_MIN_K", k)
 
 
 def moves(rows: list[dict], k: int) -> list[tuple[float, int, int, int]]:

@@ -19,12 +19,12 @@ Docs: docs/design/0042.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -64,17 +64,11 @@ def _dividing(k_warps: int, k: int) -> int:
     return k_warps
 
 
-@contextlib.contextmanager
 def timed_space():
-    """``sp_config`` in the space the tables timed: K slices that divide K's steps, halved until they do.  Slices a
-    step apart came after the tables (docs/design/0059) and were A/B-timed on their own; here the rule's settings are
-    compared on tiles the tables hold."""
-    present = sparse24_sp._sliced
-    sparse24_sp._sliced = _dividing
-    try:
-        yield
-    finally:
-        sparse24_sp._sliced = present
+    """``sp_config`` in the space the tables timed (a context): K slices that divide K's steps, halved until they do.
+    Slices a step apart came after the tables (docs/design/0059) and were A/B-timed on their own; here the rule's
+    settings are compared on tiles the tables hold."""
+    return mock.patch.object(sparse24_sp, "_sliced", _dividing)
 
 
 def rule_ratios(rows: list[dict], sms: int, ctas: int, warps: int) -> list[float]:

@@ -365,7 +365,7 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
     split = None if gated else _small_n_split(n, m, k)
     if split is None:
         split = rule_pick([c for c in ws_candidates(n, m, k) if not gated or gated_tile(c)], n, m, k, sms, w)
-    return split if push_pays(split, n, m, sms) else replace(split, push=False)
+    return with_push(split, n, m, sms)
 
 
 def resident(cfg: WsConfig) -> int:
@@ -375,6 +375,11 @@ def resident(cfg: WsConfig) -> int:
     if _CONSUMER_REGS[2 if cfg.pp else cfg.wm]:
         return 1
     return (SM_SHARED + 1024) // (cfg.shared + 1024)
+
+
+def with_push(cfg: WsConfig, n: int, m: int, sms: int) -> WsConfig:
+    """``cfg`` with its K slices pushing their sums where that pays (``push_pays``), else without."""
+    return cfg if push_pays(cfg, n, m, sms) else replace(cfg, push=False)
 
 
 def push_pays(cfg: WsConfig, n: int, m: int, sms: int) -> bool:
