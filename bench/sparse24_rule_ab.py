@@ -5,11 +5,12 @@ Every problem of the sweep set (or another shape set, or ``--shapes``) where ``w
 it would with x multicast without a K split past ``--multicast-min-waves`` waves
 (``sparse24_ws.MULTICAST_MIN_WAVES``), or with the cost weights ``--weights`` (``RuleWeights``, fields not named as
 they are), or with K split only where the split divides K's steps (``--even-k-split``, the rule before
-docs/design/0058), is timed with both tiles as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the
-one device layout, each call on the next of the weight's copies past twice the L2, ``graph_us`` replays), in one
-process, alternating A B B A, beside dense ``F.linear``. Each side has its own copies of the weight, so that each
-tile's launches are its own. A check of a rule change that the tile tables' timings (``sparse24_wg_tiles.py``) and a
-sweep part disagreed on (docs/design/0055).
+docs/design/0058), or with the small-n K splits on wide weights alone (``--wide-split-only``, the rule before 0061),
+is timed with both tiles as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the one device layout,
+each call on the next of the weight's copies past twice the L2, ``graph_us`` replays), in one process, alternating
+A B B A, beside dense ``F.linear``. Each side has its own copies of the weight, so that each tile's launches are its
+own. A check of a rule change that the tile tables' timings (``sparse24_wg_tiles.py``) and a sweep part disagreed on
+(docs/design/0055).
 
 ``--table-misses TABLE`` takes the other side from a tile table instead: at each problem where the table's best tile
 ran ``--min-gain`` (3%) or more faster than the rule's, that tile (docs/design/0056).  Writes
@@ -19,6 +20,7 @@ ran ``--min-gain`` (3%) or more faster than the rule's, that tile (docs/design/0
         --multicast-min-waves 16
     ... python bench/sparse24_rule_ab.py --weights l2=0.0071 pp_tile=5550
     ... python bench/sparse24_rule_ab.py --even-k-split --batch 1 8 16 32 64 --shapes 2048x1600 8192x2880
+    ... python bench/sparse24_rule_ab.py --wide-split-only --batch 1 8 16 --shape-set "held-out models"
     ... python bench/sparse24_rule_ab.py --table-misses bench/results/sparse24-ws-top4-graphus-h200.json
 """
 
@@ -40,9 +42,10 @@ from kernelplan.bench.sweep import SHAPE_SETS, _cycling, copies_past_l2
 from kernelplan.kernels import sparse24_ws
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
-from kernelplan.kernels.sparse24_ws import (WEIGHTS, RuleWeights, WsConfig, WsKernel, rule_pick, with_push,
-                                            ws_candidates, ws_config)
+from kernelplan.kernels.sparse24_ws import (WEIGHTS, RuleWeights, WsConfig, WsKernel, rule_pick, small_n_splits,
+                                            with_push, ws_candidates, ws_config)
 from kernelplan.sparse24 import compress, prune
+from kernelplan.sparse24.dispatch import wide_weight
 from kernelplan.sparse24.layout import pack_reason
 from kernelplan.timing import graph_us
 
@@ -63,14 +66,25 @@ class FixedTile(WsKernel):
         return self.cfg
 
 
-def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False):
+def wide_split_pick(n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) -> WsConfig:
+    """The rule before docs/design/0061: at n <= 16 the K-split tile of 32 rows of x (``small_n_splits``) only on a
+    wide weight, and there its one-block form whatever it costs; elsewhere the least-cost tile of the rest."""
+    splits = small_n_splits(n, k)
+    if splits and wide_weight(m, k):
+        return with_push(next(c for c in splits if c.wm == 1), n, m, sms)
+    return with_push(rule_pick([c for c in ws_candidates(n, m, k) if c not in splits], n, m, k, sms, w), n, m, sms)
+
+
+def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
+               wide_split_only: bool = False):
     """``ws_config``'s tile had it ``MULTICAST_MIN_WAVES = waves`` and weights ``w`` (its cache neither read nor
     written); with ``even_split``, among K splits that divide K's steps alone, as the rule was before uneven slices
-    (docs/design/0058)."""
+    (docs/design/0058); with ``wide_split_only``, as it was before the small-n K splits joined the cost
+    (``wide_split_pick``)."""
     present = sparse24_ws.MULTICAST_MIN_WAVES
     sparse24_ws.MULTICAST_MIN_WAVES = waves
     try:
-        cfg = ws_config.__wrapped__(n, m, k, sms, w=w)
+        cfg = (wide_split_pick if wide_split_only else ws_config.__wrapped__)(n, m, k, sms, w=w)
         if even_split and (k // 64) % cfg.kc:
             cfg = with_push(rule_pick([c for c in ws_candidates(n, m, k) if (k // 64) % c.kc == 0], n, m, k, sms, w),
                             n, m, sms)
@@ -79,12 +93,14 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
         sparse24_ws.MULTICAST_MIN_WAVES = present
 
 
-def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS,
-          even_split: bool = False) -> list[tuple[int, int, int]]:
-    """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w`` and
-    ``even_split``."""
-    return [move[:3] for move in moved_picks(shapes, batch,
-                                             lambda n, m, k: other_pick(n, m, k, sms, waves, w, even_split), sms)]
+def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
+          wide_split_only: bool = False) -> list[tuple[int, int, int]]:
+    """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w``,
+    ``even_split`` and ``wide_split_only``."""
+    def other(n, m, k):
+        return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only)
+
+    return [move[:3] for move in moved_picks(shapes, batch, other, sms)]
 
 
 def table_misses(path: str, sms: int, min_gain: float) -> dict[tuple[int, int, int], WsConfig]:
@@ -110,6 +126,9 @@ def main() -> int:
                     help="the other rule's cost weights (RuleWeights), the rest as they are")
     ap.add_argument("--even-k-split", action="store_true",
                     help="the other rule splits K over a cluster only where the split divides K's steps")
+    ap.add_argument("--wide-split-only", action="store_true",
+                    help="the other rule weighs the small-n K-split tiles only on wide weights, one block of W "
+                         "(before docs/design/0061)")
     ap.add_argument("--table-misses", default=None, metavar="TABLE",
                     help="instead of another rule: each problem where this tile table's best tile ran --min-gain "
                          "faster than the rule's, against that tile")
@@ -121,9 +140,10 @@ def main() -> int:
     ap.add_argument("--rep", type=int, default=20, help="graph_us's rep (ms), as the sweep's")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    if (a.multicast_min_waves is None and not a.weights and not a.even_k_split) == (a.table_misses is None):
-        ap.error("give the other rule (--multicast-min-waves, --weights, --even-k-split or more of them) or "
-                 "--table-misses, not both")
+    other_rule = a.multicast_min_waves is not None or a.weights or a.even_k_split or a.wide_split_only
+    if bool(other_rule) == (a.table_misses is not None):
+        ap.error("give the other rule (--multicast-min-waves, --weights, --even-k-split, --wide-split-only or more "
+                 "of them) or --table-misses, not both")
     try:
         shapes = SHAPE_SETS[a.shape_set]() if a.shapes is None else [tuple(map(int, s.split("x"))) for s in a.shapes]
     except ValueError:
@@ -137,11 +157,12 @@ def main() -> int:
         print(f"{len(problems)} problems where {a.table_misses}'s best tile ran {a.min_gain:.0%} or more faster than "
               f"the rule's", flush=True)
     else:
-        problems = moved(shapes, a.batch, sms, waves, other_w, a.even_k_split)
-        others = {p: other_pick(*p, sms, waves, other_w, a.even_k_split) for p in problems}
+        problems = moved(shapes, a.batch, sms, waves, other_w, a.even_k_split, a.wide_split_only)
+        others = {p: other_pick(*p, sms, waves, other_w, a.even_k_split, a.wide_split_only) for p in problems}
         print(f"{len(problems)} problems where the rule with x multicast past {waves:g} waves (now "
-              f"{sparse24_ws.MULTICAST_MIN_WAVES}), {other_w}{' and even K splits' if a.even_k_split else ''} "
-              f"picks another tile", flush=True)
+              f"{sparse24_ws.MULTICAST_MIN_WAVES}), {other_w}{' and even K splits' if a.even_k_split else ''}"
+              f"{' and small-n K splits on wide weights alone' if a.wide_split_only else ''} picks another tile",
+              flush=True)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows, dtype = [], torch.bfloat16
 
@@ -150,7 +171,7 @@ def main() -> int:
                       here={"multicast_min_waves": sparse24_ws.MULTICAST_MIN_WAVES,
                             "weights": dataclasses.asdict(WEIGHTS)},
                       other={"multicast_min_waves": waves, "weights": dataclasses.asdict(other_w),
-                             "even_k_split": a.even_k_split},
+                             "even_k_split": a.even_k_split, "wide_split_only": a.wide_split_only},
                       shape_set=a.shape_set if a.shapes is None else "given", shapes=a.shapes,
                       table_misses=a.table_misses, min_gain=a.min_gain, rounds=a.rounds, rep=a.rep)
 

@@ -22,8 +22,8 @@ def _row(n, m, k, sp_ms, ws_ms):
 
 def test_kind_names_backend_fors_kinds_of_weight():
     assert fit_backend_rule.kind(9216, 896) == fit_backend_rule.kind(59136, 8192) == "tall"
-    assert fit_backend_rule.kind(3584, 18944) == "wide, few rows"
-    assert fit_backend_rule.kind(1024, 4096) == "wide, fewest rows"
+    assert fit_backend_rule.kind(4096, 14336) == "wide, few rows"
+    assert fit_backend_rule.kind(3584, 18944) == fit_backend_rule.kind(1024, 4096) == "wide, fewest rows"
     assert fit_backend_rule.kind(4096, 4096) == "other"
 
 

@@ -253,7 +253,8 @@ def test_the_rule_ab_bench_times_uneven_k_splits_against_the_rule_before_them(mo
         WsConfig(bn=32, wm=1, cm=1, kc=1, stages=8, pp=True)  # the pick at 51935dc
     shapes = [(1024, 2880), (4096, 4096), (2048, 1600)]
     got = sparse24_rule_ab.moved(shapes, [1, 8, 16, 32, 64, 128], SMS, waves, WEIGHTS, True)
-    assert got and all(k == 2880 or (n, k) == (32, 1600) for n, m, k in got)
+    # 25 steps at n <= 32: the K splits over 4 CTAs (at n <= 16 of 32 rows of x, docs/design/0061)
+    assert got and all(k == 2880 or (k == 1600 and n <= 32) for n, m, k in got)
     for n, m, k in got:
         other = sparse24_rule_ab.other_pick(n, m, k, SMS, waves, WEIGHTS, True)
         assert (k // 64) % other.kc == 0 and (k // 64) % ws_config(n, m, k, SMS).kc
@@ -263,6 +264,25 @@ def test_the_rule_ab_bench_times_uneven_k_splits_against_the_rule_before_them(mo
             mp.setattr(sys, "argv", ["sparse24_rule_ab.py", "--even-k-split", "--shapes", "2048,1600"])
             sparse24_rule_ab.main()
     assert bad.value.code == 2 and "--shapes takes layers as MxK" in capsys.readouterr().err
+
+
+def test_the_rule_ab_bench_times_the_small_n_splits_against_the_rule_before_them():
+    """bench/sparse24_rule_ab.py --wide-split-only (docs/design/0061): the other rule gives a wide weight the one-block
+    K split at n <= 16 and every other weight the least-cost tile without the splits, so the two part only at n <= 16,
+    on the weights whose pick today is a split of two blocks or that are no longer wide-only."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
+    import sparse24_rule_ab
+    from kernelplan.kernels import sparse24_ws
+
+    one, two = (WsConfig(32, wm, 1, 4, 8) for wm in (1, 2))
+    assert sparse24_rule_ab.wide_split_pick(8, 3584, 18944, SMS) == one and ws_config(8, 3584, 18944, SMS) == two
+    other = sparse24_rule_ab.wide_split_pick(8, 3072, 3072, SMS)  # not wide: the least cost without the splits
+    assert other.bn == 16 and ws_config(8, 3072, 3072, SMS) == two
+    assert sparse24_rule_ab.wide_split_pick(8, 768, 3072, SMS) == ws_config(8, 768, 3072, SMS) == one
+    waves = sparse24_ws.MULTICAST_MIN_WAVES
+    got = sparse24_rule_ab.moved([(3072, 3072), (768, 3072), (8192, 3584)], [1, 8, 16, 32, 128], SMS, waves,
+                                 wide_split_only=True)
+    assert got == [(1, 3072, 3072), (8, 3072, 3072), (16, 3072, 3072)]
 
 
 def test_the_rule_ab_bench_takes_a_tables_misses_against_their_best_tile(tmp_path):

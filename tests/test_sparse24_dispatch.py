@@ -11,11 +11,13 @@ from kernelplan.sparse24.dispatch import MEMORY_POLICIES, N_GRAIN, backend_for, 
 HOPPER, AMPERE, ADA, TURING = (9, 0), (8, 0), (8, 9), (7, 5)
 
 
-# The sweep set's wide weights of few rows that mma.sp runs at n <= 8 on Hopper (K >= 2.5 M, 2048 < M <= 4096),
-# besides the weights of 9216 rows or more and K over 4096; and those of fewer rows, which cuda_ws's K-split tile
-# runs at n <= 16.
-WIDE_SP = {(3072, 8192), (3584, 14336), (3584, 18944), (4096, 14336)}
-WIDE_SPLIT = WIDE_SP | {(768, 3072), (1024, 4096)}
+# The sweep set's wide weights of few rows that mma.sp runs at n <= 8 on Hopper (K >= 2.5 M, 3840 < M <= 4096),
+# besides the weights of 9216 rows or more and K over 4096.
+WIDE_SP = {(4096, 14336)}
+# The sweep set's layers whose cuda_ws tile at n <= 16 splits K over 4 CTAs with 32 rows of x, by the rule's cost
+# (docs/design/0061): one 64-row block of W a CTA up to 1920 rows, two past it.
+SMALL_N_SPLIT = {(768, 3072): 1, (1024, 4096): 1, (3072, 3072): 2, (3072, 8192): 2, (3584, 3584): 2, (3584, 4096): 2,
+                 (3584, 14336): 2, (3584, 18944): 2}
 
 
 def test_tall_weights_take_mma_sp_only_past_4096_columns():
@@ -35,8 +37,10 @@ def test_the_table_over_the_sweep_set():
                 assert backend_for(HOPPER, n, m, k, dtype) == ("cuda_sp" if sp else "cuda_ws"), (m, k, n)
                 tile = config_for("cuda_ws", n, m, k, 132)
                 if n <= 16:  # past it the rule's cost may pick the same tile
-                    assert ((m, k) in WIDE_SPLIT) == ((tile.bn, tile.wm, tile.cm, tile.kc) == (32, 1, 1, 4)), (m, k, n)
-                assert config_for("cuda_ws", n, m, k, 132, gated=True).wm % 2 == 0  # one 64-row block: not gated
+                    split = (tile.bn, tile.cm, tile.kc) == (32, 1, 4)
+                    assert (split and tile.wm) == SMALL_N_SPLIT.get((m, k), False), (m, k, n)
+                gated = config_for("cuda_ws", n, m, k, 132, gated=True)
+                assert gated.wm % 2 == 0 and (n > 16 or gated.bn == 16), (m, k, n)  # no split tile timed gated
                 for gpu in (AMPERE, ADA):
                     assert backend_for(gpu, n, m, k, dtype) == "cuda_sp"  # mma.sp at every n, chunks past 64
             assert backend_for(None, n, m, k, "bf16") == "reference"

@@ -23,9 +23,9 @@ from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_sp import SM_SHARED, SP_LAYOUT
 from kernelplan.kernels.sparse24_wg import INSTRUCTION_N
-from kernelplan.kernels.sparse24_ws import (MULTICAST_MIN_WAVES, SPLIT_MAX_N, WsConfig, WsKernel, gated_tile,
+from kernelplan.kernels.sparse24_ws import (MULTICAST_MIN_WAVES, WsConfig, WsKernel, gated_tile,
                                            k_slices, multicast_pays, push_pays, resident, rule_order, tile_cost,
-                                           ws_candidates, ws_config)
+                                           with_push, ws_candidates, ws_config)
 from kernelplan.sparse24.dispatch import wide_weight
 
 gpu = pytest.mark.gpu
@@ -40,9 +40,6 @@ def test_tile_rule_fits_every_sweep_shape_and_batch(sms):
             assert picked.push == push_pays(cfg, n, m, sms), (m, k, n)
             cands = ws_candidates(n, m, k)
             assert cfg in cands
-            if n <= SPLIT_MAX_N and wide_weight(m, k):  # K over a cluster of 4 CTAs, 32 rows of x: not by cost
-                assert (cfg.bn, cfg.wm, cfg.cm, cfg.kc) == (32, 1, 1, 4), (m, k, n)
-                continue
             least = min(tile_cost(c, n, m, k, sms) for c in cands)
             tied = [c for c in cands if tile_cost(c, n, m, k, sms) == least]
             # least cost; ties to ping-pong, then to x multicast to 2 CTAs where x's tile has 128 rows or more
@@ -66,15 +63,14 @@ def test_the_rule_multicasts_x_without_a_k_split_only_past_two_waves(n, m, k, sm
     a grid of more than MULTICAST_MIN_WAVES waves, and is otherwise the least-cost tile itself."""
     picked = ws_config(n, m, k, sms, gated)
     cfg = replace(picked, push=True)
-    cands = ws_candidates(n, m, k)
+    cands = ws_candidates(n, m, k, gated=gated)
     assert cfg in cands and (not gated or gated_tile(cfg))
     assert multicast_pays(cfg, n, m, sms)
     if cfg.cm > 1 and cfg.kc == 1:
         assert math.prod(cfg.grid(n, m)) > MULTICAST_MIN_WAVES * sms
-    if gated or not (n <= SPLIT_MAX_N and wide_weight(m, k)):  # else the small-n K-split tile, not by cost
-        least = min((c for c in cands if not gated or gated_tile(c)), key=lambda c: rule_order(c, n, m, k, sms))
-        assert cfg in (least, replace(least, cm=1))
-        assert cfg == least or math.prod(least.grid(n, m)) <= MULTICAST_MIN_WAVES * sms
+    least = min((c for c in cands if not gated or gated_tile(c)), key=lambda c: rule_order(c, n, m, k, sms))
+    assert cfg in (least, replace(least, cm=1))
+    assert cfg == least or math.prod(least.grid(n, m)) <= MULTICAST_MIN_WAVES * sms
 
 def test_shared_memory_holds_the_ring_the_partial_sums_and_the_barriers():
     cfg = WsConfig(bn=256, wm=2, stages=5)
@@ -169,14 +165,15 @@ def test_a_grid_in_bands_matches_fp64(seed):
 @gpu
 @sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_a_wide_weight_at_small_n_runs_the_k_split_tile_against_fp64(dtype, seed):
-    """At n <= 16 a wide weight (K >= 2.5 M, M <= 4096) runs cuda_ws's tile of 32 rows of x with K over a cluster of
-    4 CTAs, through Sparse24Linear and kp.sparse24.linear: rows of y written by each CTA of the cluster, odd M (rows
-    padded to the 64-row block), odd n, 3-D and transposed x, bias, an activation, graph replay, against fp64."""
+def test_small_n_runs_the_k_split_tiles_against_fp64(dtype, seed):
+    """At n <= 16 cuda_ws's tiles of 32 rows of x with K over a cluster of 4 CTAs, of one 64-row block of W (1000 and
+    768 rows) and of two (2000 rows), through Sparse24Linear and kp.sparse24.linear: rows of y written by each CTA of
+    the cluster, M off the 64-row block, odd n, 3-D and transposed x, bias, an activation, graph replay, against
+    fp64."""
     from kernelplan.kernels.sparse24_ws import _deepest
     from test_sparse24_tiles import _tile_of_last_launch
 
-    for m, k in ((1000, 4096), (768, 3072)):
+    for m, k, wm in ((1000, 4096, 1), (768, 3072, 1), (2000, 2048, 2)):
         layer = kp.nn.Sparse24Linear.from_dense(torch.nn.Linear(k, m, device="cuda", dtype=dtype))
         w, b = layer.to_dense().double(), layer.bias.detach().double()
 
@@ -194,7 +191,7 @@ def test_a_wide_weight_at_small_n_runs_the_k_split_tile_against_fp64(dtype, seed
             for x in (x3, xt):
                 check(layer(x), x, f"x of {tuple(x.shape)}")
             # 1000 rows are held public, their tiled layout derived beside them: found by the weight's shape.
-            assert _tile_of_last_launch(layer, by_shape=True) == {str(_deepest(32, 1, 1, 4))}
+            assert _tile_of_last_launch(layer, by_shape=True) == {str(_deepest(32, wm, 1, 4))}
             xg = torch.randn(11, k, device="cuda", dtype=dtype)
             layer(xg)
             graph = torch.cuda.CUDAGraph()
@@ -697,13 +694,13 @@ def test_the_pushed_sums_buffer_never_costs_the_grid_a_wave():
     """push_pays: a K-split tile keeps its pushed sums' buffer only where the grid then runs in as many waves.  64
     clusters of 4 CTAs of 32 x 64 (4096x14336 at n <= 16) fit 120 SMs' clusters at three CTAs an SM, not at two
     (measured, docs/design/0050): no push there; 56 of them (3584x14336) and the one-CTA-an-SM tiles (setmaxnreg)
-    keep it."""
+    keep it.  (Since docs/design/0061 the rule gives both weights other tiles; a tuner still weighs this one.)"""
     tile = WsConfig(32, 1, 1, 4, 8)
     assert (resident(tile), resident(replace(tile, push=False))) == (2, 3)
     assert resident(WsConfig(16, 2, 1, 2, 8)) == resident(WsConfig(64, 3, 1, 1, 7, pp=True)) == 1
     assert not push_pays(tile, 16, 4096, 132) and push_pays(tile, 16, 3584, 132)
     for n in (1, 8, 16):
-        assert ws_config(n, 4096, 14336, 132) == replace(tile, push=False) and ws_config(n, 3584, 14336, 132) == tile
+        assert with_push(tile, n, 4096, 132) == replace(tile, push=False) and with_push(tile, n, 3584, 132) == tile
     off = replace(tile, push=False)
     assert off.recv_bytes == 0 and repr(off).endswith(", push=False)") and "push" not in repr(tile)
     for n in (1, 16, 64, 256):  # the rule turns the push off on K-split tiles without multicast alone

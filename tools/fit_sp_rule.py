@@ -91,16 +91,26 @@ def rule_ratios(rows: list[dict], sms: int, ctas: int, warps: int) -> list[float
 
 def boundary(rows: list[dict], sms: int) -> tuple[float, float]:
     """Today's backend and tiles (``timed_space``): (time over the faster of the two rules' tiles, time over the
-    table's own choice), geometric means over the rows."""
+    table's own choice), geometric means over the rows.  A row whose ``cuda_ws`` pick today the table did not time
+    (its rule was another then, docs/design/0061) counts only where today's backend is ``cuda_sp``, against the
+    table's ``cuda_ws`` tile."""
+    from kernelplan.kernels.sparse24_ws import ws_config
+
     best, before = [], []
     for row in rows:
         n, m, k = row["n"], row["m"], row["k"]
         with timed_space():
             pick = sparse24_sp.sp_config(n, m, k, sms)
-        ws, sp = row["tiles_ms"][row["ws_rule"]], row["tiles_ms"][str(pick)]
-        today = sp if backend_for((9, 0), n, m, k, "bf16") == "cuda_sp" else ws
-        then = row["tiles_ms"][row["sp_rule"]] if row["rule"] == "cuda_sp" else ws
-        best.append(today / min(ws, sp))
+        then_ws, sp = row["tiles_ms"][row["ws_rule"]], row["tiles_ms"][str(pick)]
+        ws = row["tiles_ms"].get(str(ws_config(n, m, k, sms)))
+        if backend_for((9, 0), n, m, k, "bf16") == "cuda_sp":
+            today = sp
+        elif ws is None:
+            continue
+        else:
+            today = ws
+        then = row["tiles_ms"][row["sp_rule"]] if row["rule"] == "cuda_sp" else then_ws
+        best.append(today / min(ws or then_ws, sp))
         before.append(today / then)
     return geomean(best), geomean(before)
 

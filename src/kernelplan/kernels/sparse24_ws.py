@@ -138,7 +138,7 @@ _NARROW_MAX_STEPS = 16
 
 
 def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = False,
-                  between: bool = False) -> list[WsConfig]:
+                  between: bool = False, gated: bool = False) -> list[WsConfig]:
     """Every tile the kernel can run for this problem, the rule's space: one CTA a tile (``sparse24_ws.cu``) and,
     with ``pingpong``, the persistent ping-pong tiles (``cfg.pp``).  With ``split``, the persistent variant with
     split tails (``cfg.sk``) too, which ``bench/sparse24_wg_tiles.py --kernel ws`` also measures; it is not the
@@ -156,7 +156,8 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
     fill the SMs where 64 and 128 rows do not (docs/design/0016).  They do not split K across a cluster: at n = 128
     that lost to the 128-row tiles by up to 16% (sparse24-ws-wide-h100.json).
 
-    At small n on a wide weight, the rule's K-split tile too (``_small_n_split``)."""
+    At n <= ``SPLIT_MAX_N``, K splits over 4 CTAs with x's tile twice what n needs too (``small_n_splits``), except
+    under a gated epilogue (``gated``), whose split tiles were not timed."""
     out = []
     fitted = -(-(-(-n // -(-n // 256))) // 16) * 16  # n in the fewest N tiles of at most 256, rounded to 16
     more = {b for b in _BETWEEN if b < n} if between else set()
@@ -176,8 +177,8 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
             persistent = (_deepest(bn, wm, 1, 1, sk=True) if split and wm < 3 else None,
                           _deepest(bn, wm, 1, 1, pp=True) if pingpong and bn % 16 == 0 and bn * wm <= 256 else None)
             out += [c for c in persistent if c is not None]
-    split = _small_n_split(n, m, k)
-    return out + [split] if split is not None and split not in out else out
+    splits = [] if gated else small_n_splits(n, k)
+    return out + [c for c in splits if c not in out]
 
 
 # Split-K parts shorter than this many 64-column steps are not worth their hand-over.
@@ -339,33 +340,35 @@ def rule_pick(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS)
     return cfg if multicast_pays(cfg, n, m, sms) else replace(cfg, cm=1)
 
 
-# At n <= SPLIT_MAX_N, a wide weight (dispatch.wide_weight: K >= 2.5 M, M <= 4096) takes 32 rows of x, twice what
-# n needs, so that K splits over a cluster of 4 CTAs (each writes 8 rows of y), in 64-row blocks of W: four times
-# the CTAs of its 16-row tiles, whose grid filled under half of the SMs over a long K.  Over the sweep set's wide
-# weights at n = 16 it ran 1.04-1.28x (H100) and 1.00-1.37x (H200) of the rule's tile, and up to 1.48x of cuda_sp at
-# n <= 8 on the fewest rows; most other rows of the table lost with it (sparse24-small-n-wide-split-h{100,200}.json,
-# b69c688; docs/design/0047).  Not gated: one 64-row block of W cannot pair the two halves.
+# At n <= SPLIT_MAX_N the rule's space has tiles of 32 rows of x, twice what n needs, so that K splits over a
+# cluster of 4 CTAs (each writes 8 rows of y), of one or two 64-row blocks of W: up to four times the CTAs of the
+# 16-row tiles, whose grids fill under half of the SMs on weights of few rows.  Until docs/design/0061 the one-block
+# tile was the wide weights' own (dispatch.wide_weight), outside the cost (0047: 1.04-1.37x of the rule's tile at
+# n = 16, sparse24-small-n-wide-split-h{100,200}.json, b69c688).  Both tiles timed over the sweep set and the held-out
+# models at n = 1, 8 and 16 beside the rule's first 6 and cuda_sp's first 2 (sparse24-small-n-split-wm-h200.json and
+# -held-out-h200.json, fa624d0): picked by cost, they moved 13 sweep-set and 35 held-out picks, whose time went to
+# 0.997x and 0.965x of the rule's before (geometric means over all 129 and 102 problems), lifting 1536x1536, 1600x1600
+# and 2048x1536 at n = 8 and 16 from 0.91-0.93x of dense to 1.16-1.32x.  The cost model picks the two-block tile from
+# 2048 rows, where the one-block grid passes the 120 SMs clusters of 4 place on.  Not gated (ws_candidates).
 SPLIT_MAX_N = 16
-_SPLIT = (32, 1, 1, 4)  # bn, wm, cm, kc
+_SPLIT = (32, 1, 4)  # bn, cm, kc
 
 
-def _small_n_split(n: int, m: int, k: int) -> WsConfig | None:
-    from ..sparse24.dispatch import wide_weight
-
-    bn, wm, cm, kc = _SPLIT
-    if n > SPLIT_MAX_N or not wide_weight(m, k) or k // 64 < 4 * kc:
-        return None
-    return _deepest(bn, wm, cm, kc)
+def small_n_splits(n: int, k: int) -> list[WsConfig]:
+    """The K-split tiles of 32 rows of x the rule weighs at n <= ``SPLIT_MAX_N``, one and two 64-row blocks of W,
+    where each of K's 4 slices keeps 4 steps or more."""
+    bn, cm, kc = _SPLIT
+    if n > SPLIT_MAX_N or k // 64 < 4 * kc:
+        return []
+    return [c for wm in (1, 2) if (c := _deepest(bn, wm, cm, kc)) is not None]
 
 
 @functools.lru_cache(maxsize=4096)
 def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeights = WEIGHTS) -> WsConfig:
-    """The tile for N = n: at small n on a wide weight, its K-split tile (``_SPLIT``); else ``rule_pick`` of
-    ``ws_candidates`` under ``w``.  ``gated``: among the tiles a gated epilogue runs on (``gated_tile``)."""
-    split = None if gated else _small_n_split(n, m, k)
-    if split is None:
-        split = rule_pick([c for c in ws_candidates(n, m, k) if not gated or gated_tile(c)], n, m, k, sms, w)
-    return with_push(split, n, m, sms)
+    """The tile for N = n: ``rule_pick`` of ``ws_candidates`` under ``w``, with its K slices pushing their sums where
+    that pays.  ``gated``: among the tiles a gated epilogue runs on (``gated_tile``)."""
+    space = [c for c in ws_candidates(n, m, k, gated=gated) if not gated or gated_tile(c)]
+    return with_push(rule_pick(space, n, m, k, sms, w), n, m, sms)
 
 
 def resident(cfg: WsConfig) -> int:

@@ -37,8 +37,11 @@ LAYOUT_DTYPES = ("f16", "bf16")  # the sparse tensor cores' operand types
 # Past that table, wide weights at n <= 16 got a cuda_ws tile of their own (ws_config: K split over a cluster of 4
 # CTAs), which beat cuda_sp at n <= 8 on those of 1024 rows or fewer, by 1.01-1.25x (H100) and 1.20-1.48x (H200),
 # and ran 0.87-1.00x (H100) and 0.69-1.00x (H200) of its speed on those of 3072 to 4096 rows
-# (sparse24-small-n-wide-split-h{100,200}.json, b69c688; docs/design/0047): cuda_sp keeps the wide weights of more
-# than SP_WIDE_MIN_M rows.  The boundary is where that tile's grid, 4 CTAs a 64 rows, passes 132 SMs.
+# (sparse24-small-n-wide-split-h{100,200}.json, b69c688; docs/design/0047).  Since the rule also weighs that split
+# with two 64-row blocks of W a CTA (docs/design/0061), cuda_ws beat cuda_sp at n <= 8 on 3072x8192 (1.15x) and the
+# held-out 2304x9216 and 2560x10240 (1.22-1.28x), and ran 0.96-1.03x of it on 3584x18944 and 0.94x on 4096x14336
+# (sparse24-small-n-split-wm-h200.json, -held-out-h200.json, fa624d0): cuda_sp keeps the wide weights of more than
+# SP_WIDE_MIN_M rows, where that tile's grid, 4 CTAs a 128 rows, passes the 120 SMs that clusters of 4 place on.
 #
 # Tall weights take cuda_sp only where K is over SP_TALL_MIN_K: read from the sweeps, which time both backends'
 # rule tiles side by side (docs/design/0060; tools/fit_backend_rule.py reads them).  On the sweep set's tall weights
@@ -50,7 +53,7 @@ LAYOUT_DTYPES = ("f16", "bf16")  # the sparse tensor cores' operand types
 SP_MAX_N_HOPPER = 8
 SP_MIN_M_HOPPER = 9216
 SP_TALL_MIN_K = 4160  # K past 4096, in 64-column steps
-SP_WIDE_MIN_M = 2048
+SP_WIDE_MIN_M = 3840
 SP_WIDE_MAX_M = 4096
 SP_WIDE_K_OVER_M = 2.5
 
@@ -92,7 +95,7 @@ def backend_for(capability: tuple[int, int] | None, n: int, m: int, k: int, dtyp
 
     * the one layout where its kernels run: ``cuda_ws`` (``wgmma.sp``, warp-specialized) on Hopper,
       except at n <= 8 on weights of 9216 rows or more and K over 4096, or on wide ones (``wide_weight``) of more
-      than 2048 rows; else ``cuda_sp``
+      than 3840 rows; else ``cuda_sp``
       (``mma.sp``; on Ampere and Ada at every n, in chunks of 64 rows of x past 64);
     * else the Triton kernel on CUDA, which reads the public format itself
       (f32 weights, K not a multiple of 64), and the reference on CPU.
