@@ -253,6 +253,7 @@ def sparse24_notes() -> list[str]:
     """The 2:4 model, conversion and host-work results, one line each."""
     lines = []
     for name in ("sparse24-model-h100", "sparse24-model-h200", "sparse24-model-tall-k-h200",
+                 "sparse24-model-small-n-split-h200",
                  "sparse24-model-tuned-h100", "sparse24-model-tuned-h200"):
         model = _load(name)
         if model:
@@ -515,7 +516,8 @@ def table() -> str:
     # (0055) and 4096-8192 (0056), the held-out models (0057, 0059), and the H200's n = 32-512 under the floor on a
     # step (b050ae4, 0059; f16 at 175e4e8), then the H200's n <= 16 and n >= 1024 under today's rule and kernels
     # (1662b90, 0060; f16 to n = 2048) and the held-out models' n <= 8 under the tall weights' K bound (bfa4f0a,
-    # 0060); the bf16 quick sweeps (4f17378) stay in results/.
+    # 0060), then n <= 16 of the sweep set (bf16, f16) and the held-out models under the small-n K splits (dff7c60,
+    # 0061); the bf16 quick sweeps (4f17378) stay in results/.
     for name in ("sparse24-sweep-h200", "sparse24-sweep-h100", "sparse24-sweep-small-n-h200",
                  "sparse24-sweep-small-n-h100", "sparse24-sweep-mid-n-h200", "sparse24-sweep-mid-n-h100",
                  "sparse24-sweep-large-n-h200", "sparse24-sweep-large-n-h100",
@@ -526,11 +528,12 @@ def table() -> str:
                  "sparse24-sweep-held-out-tall-k-h200",
                  "sparse24-sweep-floor-mid-n-h200", "sparse24-sweep-uneven-k-small-n-h200",
                  "sparse24-sweep-uneven-k-large-n-h200", "sparse24-sweep-uneven-k-xl-n-h200",
+                 "sparse24-sweep-small-n-split-h200", "sparse24-sweep-held-out-small-n-split-h200",
                  "sparse24-sweep-h100-l2warm", "sparse24-sweep-h200-l2warm",
                  "sparse24-sweep-h200-f16-quick", "sparse24-sweep-h100-f16-quick", "sparse24-sweep-small-n-f16-h200",
                  "sparse24-sweep-small-n-f16-h100", "sparse24-sweep-f16-mid-h200", "sparse24-sweep-f16-large-n-h200",
                  "sparse24-sweep-f16-floor-mid-n-h200", "sparse24-sweep-f16-uneven-k-small-n-h200",
-                 "sparse24-sweep-f16-uneven-k-large-n-h200",
+                 "sparse24-sweep-f16-uneven-k-large-n-h200", "sparse24-sweep-f16-small-n-split-h200",
                  "sparse24-sweep-h100-f16-l2warm",
                  "sparse24-sweep-h200-f16-l2warm"):
         body += sweep_rows(name)
