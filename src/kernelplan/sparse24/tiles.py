@@ -115,7 +115,7 @@ def candidates(n: int, m: int, k: int, sms: int, gated: bool, top: int = DEFAULT
         return sp_candidates(n, m, k, sms)[:top]
     from ..kernels.sparse24_ws import gated_tile, rule_order, ws_candidates, ws_config
 
-    rule = ws_config(n, m, k, sms, gated)  # first: at small n on a wide weight it is not the least-cost tile
+    rule = ws_config(n, m, k, sms, gated)  # first: where it drops x multicast it does not lead rule_order
     space = [c for c in ws_candidates(n, m, k) if (not gated or gated_tile(c)) and c != rule]
     return [rule, *sorted(space, key=lambda c: rule_order(c, n, m, k, sms))][:top]
 
