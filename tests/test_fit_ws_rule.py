@@ -51,6 +51,17 @@ def test_report_leaves_out_the_pairs_where_the_table_timed_no_multicast_tile(tmp
     assert lines == ["n | mean | max | over 5%", "256 | 1.000 | 1.000 | 0", f"miss 1.000: {m}x{k} n = {n}"]
 
 
+def test_problems_read_the_cuda_ws_tiles_of_a_small_n_tables_rows(tmp_path):
+    """A small-n table (bench/sparse24_small_n.py) times cuda_sp's tiles beside cuda_ws's: the rule is scored against
+    the best cuda_ws tile, and a row of cuda_sp's tiles alone says nothing about it."""
+    n, m, k = 8, 3072, 3072
+    pick, other = ws_config(n, m, k, SMS), next(c for c in ws_candidates(n, m, k) if c != ws_config(n, m, k, SMS))
+    rows = [{"m": m, "k": k, "n": n, "tiles_ms": {"SpConfig(a)": 0.5, str(pick): 1.0, str(other): 1.25}},
+            {"m": m, "k": k, "n": 1, "tiles_ms": {"SpConfig(a)": 0.5}}]
+    table = _table(tmp_path, rows)
+    assert len(table) == 1 and fit_ws_rule.ratios(WEIGHTS, table) == [1.0]
+
+
 def test_report_runs_from_the_command_line(tmp_path, capsys):
     n, m, k = 128, 3072, 3072
     path = tmp_path / "tiles.json"

@@ -1,7 +1,8 @@
 """Fits the ``cuda_ws`` tile rule's weights (``kernels/sparse24_ws.py``, ``RuleWeights``) to measured tile tables.
 
-Each table (``bench/results/sparse24-ws-tiles-<gpu>.json``, from ``bench/sparse24_wg_tiles.py --kernel ws``) has,
-per (M, K, n), the times of the candidates it ran (``--top`` tables: a few).  For a set of weights the rule picks,
+Each table (``bench/results/sparse24-ws-tiles-<gpu>.json``, from ``bench/sparse24_wg_tiles.py --kernel ws``, or a
+small-n table from ``bench/sparse24_small_n.py``, whose ``cuda_ws`` tiles alone it reads) has, per (M, K, n), the
+times of the candidates it ran (``--top`` tables: a few).  For a set of weights the rule picks,
 per problem, the least-cost candidate of its whole space (without x multicast where it does not pay), as
 ``ws_config`` does (``rule_pick``); where the table did not time that tile the problem is untimed and says nothing
 about those weights.  The score is the mean over timed problems of best time / picked time, over all tables (each
@@ -46,9 +47,11 @@ def problems(path: str):
     sms = data["meta"]["sms"]
     out = []
     for row in data["rows"]:
-        times = row.get("tiles_ms")
-        if not times or not next(iter(times)).startswith("WsConfig"):  # a tuning bench's row (sparse24_tile_tuning.py)
-            continue  # the rule gave another kernel, or cuda_sp's tiles were tuned: not this rule's
+        # cuda_ws's tiles alone: the small-n tables (sparse24_small_n.py) time cuda_sp's beside them, and a tuning
+        # bench's row (sparse24_tile_tuning.py) where cuda_sp's tiles were tuned has none of this rule's.
+        times = {c: t for c, t in (row.get("tiles_ms") or {}).items() if c.startswith("WsConfig")}
+        if not times:
+            continue
         cands = ws_candidates(row["n"], row["m"], row["k"], between=BETWEEN)
         out.append((row["n"], row["m"], row["k"], sms, cands, [times.get(str(c)) for c in cands],
                     min(times.values())))
