@@ -74,7 +74,8 @@ def weights_of(settings: list[str]) -> RuleWeights:
 
 
 def short_graph_tables(paths: list[str]) -> list[str]:
-    """The tables timed before the tile bench took the sweep's timer (their meta has no ``timer``)."""
+    """The tables not timed with the sweep's timer (their meta has no ``timer``): the tile bench's before 98d1cf6, and
+    the small-n bench's (``timing.graph_rounds``, replays of about 1 ms)."""
     return [p for p in paths if "timer" not in json.loads(Path(p).read_text()).get("meta", {})]
 
 
@@ -265,8 +266,9 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     paths = a.tables + (["sweep pairs"] if a.sweep else [])
     for path in short_graph_tables(a.tables):
-        print(f"note: {path} was timed with short graphs (no meta.timer: before 98d1cf6), which read K-split tiles "
-              f"7% slow and x multicast 2% against the sweep's timer (docs/design/0056)", file=sys.stderr)
+        print(f"note: {path} was timed with short graphs (no meta.timer: the tile bench before 98d1cf6, or the small-n "
+              f"bench), which read K-split tiles 7% slow and x multicast 2% against the sweep's timer "
+              f"(docs/design/0056)", file=sys.stderr)
     tables = [problems(p) for p in a.tables] + ([sweep_pairs(a.sweep)] if a.sweep else [])
     w = weights_of(a.start)
     if a.unicast:
