@@ -215,7 +215,8 @@ def test_every_variant_compiles_for_sm90a(compile_for):
 
     cfgs = {WsConfig(256, 2, 2, 1, 5), WsConfig(64, 1, 1, 4, 8), WsConfig(96, 2, 1, 2, 8), WsConfig(128, 1, 4, 2, 8),
             WsConfig(128, 2, stages=6, pp=True), WsConfig(48, 1, stages=8, pp=True), WsConfig(256, 2, stages=5, sk=True),
-            WsConfig(192, 3, 2, 1, 5), WsConfig(64, 3, stages=7, pp=True)}
+            WsConfig(192, 3, 2, 1, 5), WsConfig(64, 3, stages=7, pp=True),
+            WsConfig(32, 2, 1, 4, 8)}  # the small-n split of two blocks (docs/design/0061)
     # Each tile once, the dtypes and epilogues taken in turn (a compile takes seconds on CI's two cores).
     variants = itertools.cycle((("bf16", True, "gelu"), ("f16", False, None)))
     for cfg, (dtype, bias, act) in zip(sorted(cfgs, key=str), variants):
