@@ -296,6 +296,18 @@ def test_the_rule_ab_bench_times_the_small_n_splits_against_the_rule_before_them
     assert got == [(1, 3072, 3072), (8, 3072, 3072), (16, 3072, 3072)]
 
 
+def test_the_rule_ab_bench_takes_one_other_side(monkeypatch, capsys):
+    """--wide-split-only is another rule: with --table-misses too it is refused before any CUDA."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
+    import sparse24_rule_ab
+
+    with pytest.raises(SystemExit) as bad:
+        with monkeypatch.context() as mp:
+            mp.setattr(sys, "argv", ["sparse24_rule_ab.py", "--wide-split-only", "--table-misses", "t.json"])
+            sparse24_rule_ab.main()
+    assert bad.value.code == 2 and "not both" in capsys.readouterr().err
+
+
 def test_the_rule_ab_bench_takes_a_tables_misses_against_their_best_tile(tmp_path):
     """bench/sparse24_rule_ab.py --table-misses (docs/design/0056): the problems where the table's best tile ran
     min_gain or more faster than the rule's own tile, timed in the same row, each against that best tile."""
