@@ -19,21 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import sys
 from pathlib import Path
 from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from fit_sp_rule import geomean  # noqa: E402
 from kernelplan.sparse24 import dispatch  # noqa: E402
 
 HOPPER = (9, 0)
-
-
-def geomean(values: list[float]) -> float:
-    return math.exp(statistics.mean(math.log(v) for v in values))
 
 
 def kind(m: int, k: int) -> str:

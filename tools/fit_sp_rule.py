@@ -29,6 +29,7 @@ from unittest import mock
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kernelplan.kernels import sparse24_sp  # noqa: E402
+from kernelplan.kernels.sparse24_ws import ws_config  # noqa: E402
 from kernelplan.sparse24.dispatch import backend_for  # noqa: E402
 
 CTAS_PER_SM = (1, 2, 4, 8)
@@ -94,8 +95,6 @@ def boundary(rows: list[dict], sms: int) -> tuple[float, float]:
     table's own choice), geometric means over the rows.  A row whose ``cuda_ws`` pick today the table did not time
     (its rule was another then, docs/design/0061) counts only where today's backend is ``cuda_sp``, against the
     table's ``cuda_ws`` tile."""
-    from kernelplan.kernels.sparse24_ws import ws_config
-
     best, before = [], []
     for row in rows:
         n, m, k = row["n"], row["m"], row["k"]
