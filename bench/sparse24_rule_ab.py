@@ -76,15 +76,18 @@ def wide_split_pick(n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) 
 
 
 def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
-               wide_split_only: bool = False):
+               wide_split_only: bool = False, no_split3: bool = False):
     """``ws_config``'s tile had it ``MULTICAST_MIN_WAVES = waves`` and weights ``w`` (its cache neither read nor
     written); with ``even_split``, among K splits that divide K's steps alone, as the rule was before uneven slices
     (docs/design/0058); with ``wide_split_only``, as it was before the small-n K splits joined the cost
-    (``wide_split_pick``)."""
+    (``wide_split_pick``); with ``no_split3``, without the small-n K split over 3 CTAs (the rule before
+    docs/design/0063)."""
     present = sparse24_ws.MULTICAST_MIN_WAVES
     sparse24_ws.MULTICAST_MIN_WAVES = waves
     try:
         cfg = (wide_split_pick if wide_split_only else ws_config.__wrapped__)(n, m, k, sms, w=w)
+        if no_split3 and cfg.kc == 3:
+            cfg = with_push(rule_pick([c for c in ws_candidates(n, m, k) if c.kc != 3], n, m, k, sms, w), n, m, sms)
         if even_split and (k // 64) % cfg.kc:
             cfg = with_push(rule_pick([c for c in ws_candidates(n, m, k) if (k // 64) % c.kc == 0], n, m, k, sms, w),
                             n, m, sms)
@@ -94,11 +97,11 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
 
 
 def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
-          wide_split_only: bool = False) -> list[tuple[int, int, int]]:
+          wide_split_only: bool = False, no_split3: bool = False) -> list[tuple[int, int, int]]:
     """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w``,
-    ``even_split`` and ``wide_split_only``."""
+    ``even_split``, ``wide_split_only`` and ``no_split3``."""
     def other(n, m, k):
-        return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only)
+        return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only, no_split3)
 
     return [move[:3] for move in moved_picks(shapes, batch, other, sms)]
 
@@ -129,6 +132,8 @@ def main() -> int:
     ap.add_argument("--wide-split-only", action="store_true",
                     help="the other rule weighs the small-n K-split tiles only on wide weights, one block of W "
                          "(before docs/design/0061)")
+    ap.add_argument("--no-split3", action="store_true",
+                    help="the other rule has no small-n K split over 3 CTAs (before docs/design/0063)")
     ap.add_argument("--table-misses", default=None, metavar="TABLE",
                     help="instead of another rule: each problem where this tile table's best tile ran --min-gain "
                          "faster than the rule's, against that tile")
@@ -140,10 +145,11 @@ def main() -> int:
     ap.add_argument("--rep", type=int, default=20, help="graph_us's rep (ms), as the sweep's")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    other_rule = a.multicast_min_waves is not None or a.weights or a.even_k_split or a.wide_split_only
+    other_rule = (a.multicast_min_waves is not None or a.weights or a.even_k_split or a.wide_split_only
+                  or a.no_split3)
     if bool(other_rule) == (a.table_misses is not None):
-        ap.error("give the other rule (--multicast-min-waves, --weights, --even-k-split, --wide-split-only or more "
-                 "of them) or --table-misses, not both")
+        ap.error("give the other rule (--multicast-min-waves, --weights, --even-k-split, --wide-split-only, "
+                 "--no-split3 or more of them) or --table-misses, not both")
     try:
         shapes = SHAPE_SETS[a.shape_set]() if a.shapes is None else [tuple(map(int, s.split("x"))) for s in a.shapes]
     except ValueError:
@@ -157,11 +163,13 @@ def main() -> int:
         print(f"{len(problems)} problems where {a.table_misses}'s best tile ran {a.min_gain:.0%} or more faster than "
               f"the rule's", flush=True)
     else:
-        problems = moved(shapes, a.batch, sms, waves, other_w, a.even_k_split, a.wide_split_only)
-        others = {p: other_pick(*p, sms, waves, other_w, a.even_k_split, a.wide_split_only) for p in problems}
+        problems = moved(shapes, a.batch, sms, waves, other_w, a.even_k_split, a.wide_split_only, a.no_split3)
+        others = {p: other_pick(*p, sms, waves, other_w, a.even_k_split, a.wide_split_only, a.no_split3)
+                  for p in problems}
         print(f"{len(problems)} problems where the rule with x multicast past {waves:g} waves (now "
               f"{sparse24_ws.MULTICAST_MIN_WAVES}), {other_w}{' and even K splits' if a.even_k_split else ''}"
-              f"{' and small-n K splits on wide weights alone' if a.wide_split_only else ''} picks another tile",
+              f"{' and small-n K splits on wide weights alone' if a.wide_split_only else ''}"
+              f"{' and no K split over 3' if a.no_split3 else ''} picks another tile",
               flush=True)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows, dtype = [], torch.bfloat16
@@ -171,7 +179,8 @@ def main() -> int:
                       here={"multicast_min_waves": sparse24_ws.MULTICAST_MIN_WAVES,
                             "weights": dataclasses.asdict(WEIGHTS)},
                       other={"multicast_min_waves": waves, "weights": dataclasses.asdict(other_w),
-                             "even_k_split": a.even_k_split, "wide_split_only": a.wide_split_only},
+                             "even_k_split": a.even_k_split, "wide_split_only": a.wide_split_only,
+                             "no_split3": a.no_split3},
                       shape_set=a.shape_set if a.shapes is None else "given", shapes=a.shapes,
                       table_misses=a.table_misses, min_gain=a.min_gain, rounds=a.rounds, rep=a.rep)
 

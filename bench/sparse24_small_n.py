@@ -37,7 +37,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--ws-top", type=int, default=4, help="cuda_ws's first tiles by its rule's cost")
     ap.add_argument("--wide-split", action="store_true",
-                    help="cuda_ws tiles wider than n needs, with K split across a cluster of bn / 8 CTAs (4 or 8)")
+                    help="cuda_ws tiles wider than n needs, with K split across a cluster of bn / 8 CTAs (3, 4 or 8)")
     ap.add_argument("--persistent-split", action="store_true",
                     help="cuda_ws's persistent tiles with K split to fill every SM (sk_plan), 1 and 2 row blocks of W")
     ap.add_argument("--sp-top", type=int, default=None, help="cuda_sp's first tiles (default: all)")
@@ -57,15 +57,15 @@ def main() -> int:
     sms, cap = sm_count(0), torch.cuda.get_device_capability(0)
 
     def wide_split(n, m, k):
-        """Tiles of 32 or 64 rows of x (n needs 16) so that K splits across a cluster of 4 or 8 CTAs (each writes
-        bn / kc rows of y): more CTAs, more of the weight in flight, where a grid of 16-row tiles fills under an SM
+        """Tiles of 24, 32 or 64 rows of x (n needs 16) so that K splits across a cluster of 3, 4 or 8 CTAs (each
+        writes 8 rows of y): more CTAs, more of the weight in flight, where a grid of 16-row tiles fills under an SM
         each."""
         from kernelplan.kernels.sparse24_ws import _deepest
 
         out = []
-        for bn, kc in ((32, 4), (64, 8)):
+        for bn, kc in ((24, 3), (32, 4), (64, 8)):
             for wm in (1, 2):
-                if bn >= 2 * -(-n // 16) * 16 and k // 64 >= 4 * kc:  # slices one step apart where kc does not divide
+                if bn > -(-n // 16) * 16 and k // 64 >= 4 * kc:  # slices one step apart where kc does not divide
                     cfg = _deepest(bn, wm, 1, kc)
                     if cfg is not None:
                         out.append(cfg)

@@ -166,14 +166,16 @@ def test_a_grid_in_bands_matches_fp64(seed):
 @sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_small_n_runs_the_k_split_tiles_against_fp64(dtype, seed):
-    """At n <= 16 cuda_ws's tiles of 32 rows of x with K over a cluster of 4 CTAs, of one 64-row block of W (1000 and
-    768 rows) and of two (2000 rows), through Sparse24Linear and kp.sparse24.linear: rows of y written by each CTA of
+    """At n <= 16 cuda_ws's K-split tiles the rule picks, through Sparse24Linear and kp.sparse24.linear: 32 rows of x
+    with K over a cluster of 4 CTAs, of one 64-row block of W (1000 and 768 rows), and 24 rows with K over 3 of one
+    block (2000 rows) and of two (4500 rows, K of 25 steps: slices of 8, 8 and 9): rows of y written by each CTA of
     the cluster, M off the 64-row block, odd n, 3-D and transposed x, bias, an activation, graph replay, against
     fp64."""
     from kernelplan.kernels.sparse24_ws import _deepest
     from test_sparse24_tiles import _tile_of_last_launch
 
-    for m, k, wm in ((1000, 4096, 1), (768, 3072, 1), (2000, 2048, 2)):
+    for m, k, (bn, wm, kc) in ((1000, 4096, (32, 1, 4)), (768, 3072, (32, 1, 4)), (2000, 2048, (24, 1, 3)),
+                               (4500, 1600, (24, 2, 3))):
         layer = kp.nn.Sparse24Linear.from_dense(torch.nn.Linear(k, m, device="cuda", dtype=dtype))
         w, b = layer.to_dense().double(), layer.bias.detach().double()
 
@@ -191,7 +193,7 @@ def test_small_n_runs_the_k_split_tiles_against_fp64(dtype, seed):
             for x in (x3, xt):
                 check(layer(x), x, f"x of {tuple(x.shape)}")
             # 1000 rows are held public, their tiled layout derived beside them: found by the weight's shape.
-            assert _tile_of_last_launch(layer, by_shape=True) == {str(_deepest(32, wm, 1, 4))}
+            assert _tile_of_last_launch(layer, by_shape=True) == {str(_deepest(bn, wm, 1, kc))}
             xg = torch.randn(11, k, device="cuda", dtype=dtype)
             layer(xg)
             graph = torch.cuda.CUDAGraph()
@@ -200,6 +202,34 @@ def test_small_n_runs_the_k_split_tiles_against_fp64(dtype, seed):
             xg.copy_(torch.randn_like(xg))
             graph.replay()
         check(yg, xg, "graph replay")
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("n", [1, 7, 16])
+def test_every_small_n_split_tile_matches_fp64(n, seed):
+    """Each tile of small_n_splits (K over 4 CTAs with 32 rows of x, over 3 with 24; one and two 64-row blocks of W),
+    launched as it is, whichever the rule picks: M off the blocks, K whose steps the slices do not divide (25 steps:
+    6, 6, 6, 7 and 8, 8, 9), bias and an activation, against fp64.  y starts as NaN: a row no slice wrote fails."""
+    from kernelplan.kernels import raw_stream
+    from kernelplan.kernels.sparse24_sp import _tiled
+    from kernelplan.kernels.sparse24_ws import small_n_splits
+
+    m, k = 1000, 1600
+    x = torch.randn(n, k, device="cuda").bfloat16()
+    w = kp.sparse24.prune(torch.randn(m, k, device="cuda")).bfloat16()
+    bias = torch.randn(m, device="cuda").bfloat16()
+    w24 = kp.sparse24.compress(w)
+    values, codes = _tiled(w24.values, w24.metadata)
+    want = F.gelu(F.linear(x.double(), w.double(), bias.double()))
+    cfgs = small_n_splits(n, k)
+    assert {(c.bn, c.kc, c.wm) for c in cfgs} == {(32, 4, 1), (32, 4, 2), (24, 3, 1), (24, 3, 2)}
+    for cfg in cfgs:
+        y = torch.full((n, m), float("nan"), device="cuda", dtype=torch.bfloat16)
+        launch, grid = WsKernel().launch_config(cfg, n, m, "bf16", True, "gelu", 0)
+        launch(grid, (x.data_ptr(), values.data_ptr(), codes.data_ptr(), bias.data_ptr(), y.data_ptr(), n, m, k,
+                      x.stride(0), y.stride(0)), raw_stream(0))
+        assert_close(y, want, F.gelu(F.linear(x, w, bias)), atol=FWD_ATOL[torch.bfloat16], what=str(cfg))
 
 
 def test_cuda_ws_reads_the_one_layout():
@@ -216,7 +246,8 @@ def test_every_variant_compiles_for_sm90a(compile_for):
     cfgs = {WsConfig(256, 2, 2, 1, 5), WsConfig(64, 1, 1, 4, 8), WsConfig(96, 2, 1, 2, 8), WsConfig(128, 1, 4, 2, 8),
             WsConfig(128, 2, stages=6, pp=True), WsConfig(48, 1, stages=8, pp=True), WsConfig(256, 2, stages=5, sk=True),
             WsConfig(192, 3, 2, 1, 5), WsConfig(64, 3, stages=7, pp=True),
-            WsConfig(32, 2, 1, 4, 8)}  # the small-n split of two blocks (docs/design/0061)
+            WsConfig(32, 2, 1, 4, 8),  # the small-n split of two blocks (docs/design/0061)
+            WsConfig(24, 2, 1, 3, 8)}  # ... over 3 CTAs (0063)
     # Each tile once, the dtypes and epilogues taken in turn (a compile takes seconds on CI's two cores).
     variants = itertools.cycle((("bf16", True, "gelu"), ("f16", False, None)))
     for cfg, (dtype, bias, act) in zip(sorted(cfgs, key=str), variants):
@@ -347,9 +378,9 @@ def test_candidate_space_of_the_gpu_test_shapes(n, m, k):
 
 def test_the_gpu_test_shapes_split_k_unevenly_at_small_n_too():
     """K of 25 steps (test_sparse24_wg.py's 400 x 1600 cases): slices of 12 and 13, 6 and 7 steps, in the one-a-tile
-    tiles and, at n = 8, the wide weight's split tile."""
+    tiles and, at n = 8, the wide weight's split tile (and 8, 8 and 9 in the split over 3, docs/design/0063)."""
     assert wide_weight(400, 1600) and ws_config(8, 400, 1600, 132).kc == 4
-    assert {c.kc for c in ws_candidates(8, 400, 1600)} == {1, 2, 4}
+    assert {c.kc for c in ws_candidates(8, 400, 1600)} == {1, 2, 3, 4}
 
 
 @pytest.mark.parametrize("table", ["tiles-h100", "tiles-h200", "core-matrix-h100", "small-h100", "small-big-n-h100",

@@ -351,16 +351,17 @@ def rule_pick(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS)
 # and 2048x1536 at n = 8 and 16 from 0.91-0.93x of dense to 1.16-1.32x.  The cost model picks the two-block tile from
 # 2048 rows, where the one-block grid passes the 120 SMs clusters of 4 place on.  Not gated (ws_candidates).
 SPLIT_MAX_N = 16
-_SPLIT = (32, 1, 4)  # bn, cm, kc
+_SPLITS = ((32, 1, 4), (24, 1, 3))  # bn, cm, kc: each K slice stores 8 rows of y
 
 
 def small_n_splits(n: int, k: int) -> list[WsConfig]:
-    """The K-split tiles of 32 rows of x the rule weighs at n <= ``SPLIT_MAX_N``, one and two 64-row blocks of W,
-    where each of K's 4 slices keeps 4 steps or more."""
-    bn, cm, kc = _SPLIT
-    if n > SPLIT_MAX_N or k // 64 < 4 * kc:
+    """The K-split tiles the rule weighs at n <= ``SPLIT_MAX_N``, of x's tile widened so that each of K's slices
+    stores 8 rows of y (32 rows over 4 slices, 24 over 3), one and two 64-row blocks of W, where each slice keeps 4
+    steps or more."""
+    if n > SPLIT_MAX_N:
         return []
-    return [c for wm in (1, 2) if (c := _deepest(bn, wm, cm, kc)) is not None]
+    return [c for bn, cm, kc in _SPLITS if k // 64 >= 4 * kc for wm in (1, 2)
+            if (c := _deepest(bn, wm, cm, kc)) is not None]
 
 
 @functools.lru_cache(maxsize=4096)
