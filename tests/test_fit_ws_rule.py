@@ -297,6 +297,22 @@ def test_the_rule_ab_bench_times_the_small_n_splits_against_the_rule_before_them
     assert got == [(1, 3072, 3072), (8, 3072, 3072), (16, 3072, 3072)]
 
 
+def test_the_rule_ab_bench_times_the_split_over_3_against_the_rule_before_it():
+    """bench/sparse24_rule_ab.py --no-split3 (docs/design/0063): the other rule is the least-cost tile without the K
+    split over 3 CTAs, so the two part only at n <= 16, where today's pick splits over 3."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
+    import sparse24_rule_ab
+    from kernelplan.kernels import sparse24_ws
+
+    waves = sparse24_ws.MULTICAST_MIN_WAVES
+    got = sparse24_rule_ab.moved([(4608, 3584), (4096, 4096), (3072, 3072)], [1, 8, 16, 32, 128], SMS, waves,
+                                 no_split3=True)
+    assert got == [(1, 4608, 3584), (8, 4608, 3584), (16, 4608, 3584)]
+    for p in got:
+        other = sparse24_rule_ab.other_pick(*p, SMS, waves, no_split3=True)
+        assert ws_config(*p, SMS).kc == 3 and (other.kc, other.wm) == (2, 2)
+
+
 def test_the_rule_ab_bench_takes_one_other_side(monkeypatch, capsys):
     """--wide-split-only is another rule: with --table-misses too it is refused before any CUDA."""
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))

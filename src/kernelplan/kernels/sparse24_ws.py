@@ -267,13 +267,16 @@ class RuleWeights:
 # median 0.73, at most 0.99; 512-3072-row layers of K = 1536-1600 went from 0.84-0.98x of dense to 1.14-1.20x.
 WEIGHTS = RuleWeights(mma=3.34, copy=0.00625, step=453, l2=0.014, cta=30600, split=18.6, pp_tile=6530,
                       mma_floor=350, cluster=10000)
-# Clusters of 4 or more CTAs of one SM each: cuOccupancyMaxActiveClusters gave 30 clusters of 4 (120 of 132 SMs).
-_BIG_CLUSTER_SMS = 120 / 132
+# The SMs of 132 that clusters of 3, and of 4 or more, CTAs of one SM each place on at once: a cluster stays inside
+# a GPC, whose SMs are not a multiple of 3 or 4.  cuOccupancyMaxActiveClusters gave 30 clusters of 4 (120 SMs) and 38
+# of 3 (114; bench/sparse24_cluster_slots.py, docs/design/0063); a grid of 40 clusters of 3 ran 1.5x slower than 36.
+_CLUSTER_SMS_OF_132 = {3: 114, 4: 120}
 
 
 def _cluster_sms(cfg: WsConfig, sms: int) -> int:
-    """The SMs a grid of ``cfg``'s clusters places on: fewer than all where a cluster has 4 CTAs or more."""
-    return int(sms * _BIG_CLUSTER_SMS) if cfg.cm * cfg.kc >= 4 else sms
+    """The SMs a grid of ``cfg``'s clusters places on: fewer than all where a cluster has 3 CTAs or more."""
+    size = cfg.cm * cfg.kc
+    return sms * _CLUSTER_SMS_OF_132[min(size, 4)] // 132 if size >= 3 else sms
 
 
 def k_slices(k: int, kc: int) -> list[range]:
@@ -352,6 +355,12 @@ def rule_pick(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS)
 # 2048 rows, where the one-block grid passes the 120 SMs clusters of 4 place on.  Not gated (ws_candidates).
 SPLIT_MAX_N = 16
 _SPLITS = ((32, 1, 4), (24, 1, 3))  # bn, cm, kc: each K slice stores 8 rows of y
+# The split over 3 (docs/design/0063) fills SMs that the splits over 2 and 4 leave idle: 36 row blocks of 128 rows
+# (4608 rows) are 72 CTAs over 2, 108 over 3, and 144 over 4, past the 120 SMs clusters of 4 place on.  Weighed by
+# tile_cost alone it also took weights whose pick without it runs more CTAs (4096 rows: 128 CTAs of one 64-row block
+# over 2 against 96 of two blocks over 3), and there ran 1.5-5% slower through the sweep's path
+# (sparse24-rule-ab-split3-*-h200.json): at n <= 16 a call streams its weight, and the cost counts a step's time,
+# not the bytes the grid keeps in flight.  So ws_config takes it only where its grid has more CTAs.
 
 
 def small_n_splits(n: int, k: int) -> list[WsConfig]:
@@ -369,7 +378,17 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
     """The tile for N = n: ``rule_pick`` of ``ws_candidates`` under ``w``, with its K slices pushing their sums where
     that pays.  ``gated``: among the tiles a gated epilogue runs on (``gated_tile``)."""
     space = [c for c in ws_candidates(n, m, k, gated=gated) if not gated or gated_tile(c)]
-    return with_push(rule_pick(space, n, m, k, sms, w), n, m, sms)
+    cfg = rule_pick(space, n, m, k, sms, w)
+    if cfg.kc == 3:  # the split over 3 only where it runs on more SMs than the pick without it (the note at _SPLITS)
+        rest = rule_pick([c for c in space if c.kc != 3], n, m, k, sms, w)
+        cfg = cfg if grid_ctas(cfg, n, m, sms) > grid_ctas(rest, n, m, sms) else rest
+    return with_push(cfg, n, m, sms)
+
+
+def grid_ctas(cfg: WsConfig, n: int, m: int, sms: int) -> int:
+    """The CTAs ``cfg``'s launch runs: its grid, or a ping-pong launch's one an SM, at most one a tile."""
+    n_tiles, m_tiles, slices = cfg.grid(n, m)
+    return min(sms, n_tiles * m_tiles) if cfg.pp else n_tiles * m_tiles * slices
 
 
 def resident(cfg: WsConfig) -> int:

@@ -1,0 +1,59 @@
+"""How many clusters of each K-split tile the GPU runs at once: ``cuOccupancyMaxActiveClusters`` on the compiled
+``cuda_ws`` kernel, for the small-n splits over 2, 3 and 4 CTAs and the 64-row block forms.
+
+Why: the tile rule counts a grid's waves over the SMs its clusters can be placed on (``sparse24_ws._cluster_sms``).
+Clusters are placed inside a GPC, and a GPC's SMs are not a multiple of every cluster size, so clusters of 3 and 4
+fill fewer than all 132 SMs of an H100 or H200.  A grid of one more cluster than fit runs a second wave: 40 clusters
+of 3 (5120 rows of two 64-row blocks) ran 1.5x slower than 36 (docs/design/0063).  Writes
+``bench/results/sparse24-cluster-slots-<gpu>.json``.
+
+    PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_cluster_slots.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kernelplan.bench import results
+from kernelplan.kernels.sparse24 import sm_count
+from kernelplan.kernels.sparse24_ws import WsKernel, _deepest, with_push
+
+
+def max_clusters(cfg, n: int, m: int) -> int:
+    """The driver's count of ``cfg``'s clusters resident at once, for its launch at n x m on device 0."""
+    from cuda.bindings import driver as cu
+
+    launch, grid = WsKernel().launch_config(cfg, n, m, "bf16", False, None, 0)
+    conf = cu.CUlaunchConfig()
+    conf.gridDimX, conf.gridDimY, conf.gridDimZ = grid
+    conf.blockDimX, conf.blockDimY, conf.blockDimZ = cfg.threads, 1, 1
+    conf.sharedMemBytes = launch.shared
+    conf.numAttrs = 0
+    err, count = cu.cuOccupancyMaxActiveClusters(launch.function, conf)
+    if err:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters({cfg}): {err.name}")
+    return count
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    sms, rows = sm_count(0), []
+    for bn, kc in ((16, 2), (24, 3), (32, 4), (64, 8)):
+        for wm in (1, 2):
+            cfg = _deepest(bn, wm, 1, kc)
+            if cfg is None:
+                continue
+            cfg = with_push(cfg, 8, 4096, sms)
+            clusters = max_clusters(cfg, 8, 4096)
+            rows.append({"tile": str(cfg), "cluster": kc, "threads": cfg.threads, "shared": cfg.shared,
+                         "clusters": clusters, "ctas": clusters * kc, "sms": sms})
+            print(f"{cfg}: {clusters} clusters of {kc} at once ({clusters * kc} CTAs on {sms} SMs)", flush=True)
+    results.write("sparse24-cluster-slots", {"rows": rows}, a.out, sms=sms)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
