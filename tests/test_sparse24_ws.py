@@ -442,12 +442,12 @@ def test_small_n_rule_matches_the_tables_of_the_k_splits(table):
 
 
 def test_clusters_of_3_and_4_place_on_fewer_than_all_sms():
-    """A cluster stays inside a GPC (sparse24-cluster-slots-h200.json): on 132 SMs, 38 clusters of 3 and 30 of 4 at
+    """A cluster stays inside a GPC (sparse24-cluster-slots-h200.json): on 132 SMs, 39 clusters of 3 and 30 of 4 at
     once.  40 clusters of 3 (5120 rows, two 64-row blocks) cost two waves; 36 (4608 rows) one (docs/design/0063)."""
     from kernelplan.kernels.sparse24_ws import _cluster_sms, _deepest
 
     three, four, two = _deepest(24, 2, 1, 3), _deepest(32, 2, 1, 4), _deepest(16, 2, 1, 2)
-    assert (_cluster_sms(three, 132), _cluster_sms(four, 132), _cluster_sms(two, 132)) == (114, 120, 132)
+    assert (_cluster_sms(three, 132), _cluster_sms(four, 132), _cluster_sms(two, 132)) == (117, 120, 132)
     assert tile_cost(three, 8, 5120, 4096, 132) > 1.9 * tile_cost(three, 8, 4608, 4096, 132)
 
 

@@ -268,9 +268,10 @@ class RuleWeights:
 WEIGHTS = RuleWeights(mma=3.34, copy=0.00625, step=453, l2=0.014, cta=30600, split=18.6, pp_tile=6530,
                       mma_floor=350, cluster=10000)
 # The SMs of 132 that clusters of 3, and of 4 or more, CTAs of one SM each place on at once: a cluster stays inside
-# a GPC, whose SMs are not a multiple of 3 or 4.  cuOccupancyMaxActiveClusters gave 30 clusters of 4 (120 SMs) and 38
-# of 3 (114; bench/sparse24_cluster_slots.py, docs/design/0063); a grid of 40 clusters of 3 ran 1.5x slower than 36.
-_CLUSTER_SMS_OF_132 = {3: 114, 4: 120}
+# a GPC, whose SMs are not a multiple of 3 or 4.  cuOccupancyMaxActiveClusters gave 30 clusters of 4 (120 SMs) and 39
+# of 3 (117) of one CTA an SM (sparse24-cluster-slots-h200.json, docs/design/0063); a grid of 40 clusters of 3 ran
+# 1.5x slower than one of 36.
+_CLUSTER_SMS_OF_132 = {3: 117, 4: 120}
 
 
 def _cluster_sms(cfg: WsConfig, sms: int) -> int:
