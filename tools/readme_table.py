@@ -253,7 +253,7 @@ def sparse24_notes() -> list[str]:
     """The 2:4 model, conversion and host-work results, one line each."""
     lines = []
     for name in ("sparse24-model-h100", "sparse24-model-h200", "sparse24-model-tall-k-h200",
-                 "sparse24-model-small-n-split-h200",
+                 "sparse24-model-small-n-split-h200", "sparse24-model-split3-ab1-h200",
                  "sparse24-model-tuned-h100", "sparse24-model-tuned-h200"):
         model = _load(name)
         if model:
@@ -529,11 +529,13 @@ def table() -> str:
                  "sparse24-sweep-floor-mid-n-h200", "sparse24-sweep-uneven-k-small-n-h200",
                  "sparse24-sweep-uneven-k-large-n-h200", "sparse24-sweep-uneven-k-xl-n-h200",
                  "sparse24-sweep-small-n-split-h200", "sparse24-sweep-held-out-small-n-split-h200",
+                 "sparse24-sweep-small-n-split3-h200", "sparse24-sweep-held-out-small-n-split3-h200",
                  "sparse24-sweep-h100-l2warm", "sparse24-sweep-h200-l2warm",
                  "sparse24-sweep-h200-f16-quick", "sparse24-sweep-h100-f16-quick", "sparse24-sweep-small-n-f16-h200",
                  "sparse24-sweep-small-n-f16-h100", "sparse24-sweep-f16-mid-h200", "sparse24-sweep-f16-large-n-h200",
                  "sparse24-sweep-f16-floor-mid-n-h200", "sparse24-sweep-f16-uneven-k-small-n-h200",
                  "sparse24-sweep-f16-uneven-k-large-n-h200", "sparse24-sweep-f16-small-n-split-h200",
+                 "sparse24-sweep-f16-small-n-split3-h200",
                  "sparse24-sweep-h100-f16-l2warm",
                  "sparse24-sweep-h200-f16-l2warm"):
         body += sweep_rows(name)

@@ -359,7 +359,7 @@ _SPLITS = ((32, 1, 4), (24, 1, 3))  # bn, cm, kc: each K slice stores 8 rows of 
 # The split over 3 (docs/design/0063) fills SMs that the splits over 2 and 4 leave idle: 36 row blocks of 128 rows
 # (4608 rows) are 72 CTAs over 2, 108 over 3, and 144 over 4, past the 120 SMs clusters of 4 place on.  Weighed by
 # tile_cost alone it also took weights whose pick without it runs more CTAs (4096 rows: 128 CTAs of one 64-row block
-# over 2 against 96 of two blocks over 3), and there ran 1.5-5% slower through the sweep's path
+# over 2 against 96 of two blocks over 3), and there ran 1.4-5.4% slower through the sweep's path
 # (sparse24-rule-ab-split3-*-h200.json): at n <= 16 a call streams its weight, and the cost counts a step's time,
 # not the bytes the grid keeps in flight.  So ws_config takes it only where its grid has more CTAs.
 
