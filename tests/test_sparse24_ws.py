@@ -158,24 +158,32 @@ def test_the_grid_runs_its_tiles_in_bands_where_x_is_large_each_once(tiles_n, gr
 def test_a_grid_in_bands_matches_fp64(seed):
     """x of 24 MiB and more runs the grid in bands (``band_tile``): tiles of one CTA a tile, with and without x's
     multicast and K's split, against fp64, bias and an activation included."""
-    from kernelplan.kernels import raw_stream
-    from kernelplan.kernels.sparse24_sp import _tiled
     from kernelplan.kernels.sparse24_ws import BAND_MIN_X, _deepest
 
-    k, m = 4096, 1040
+    k = 4096
     n = -(-BAND_MIN_X // (2 * k)) + 27  # 3099 rows: past the bound, not a multiple of any tile
+    _launch_against_fp64([_deepest(240, 2, 1, 1), _deepest(256, 2, 2, 1), _deepest(128, 2, 2, 2), _deepest(96, 3, 1, 1)],
+                         n, 1040, k)
+
+
+def _launch_against_fp64(cfgs, n: int, m: int, k: int) -> None:
+    """Each of ``cfgs`` launched as it is on x [n, k] and a pruned bf16 W [m, k], bias and GELU, y first all NaN (a
+    row no CTA wrote fails), against fp64."""
+    from kernelplan.kernels import raw_stream
+    from kernelplan.kernels.sparse24_sp import _tiled
+
     x = torch.randn(n, k, device="cuda").bfloat16()
     w = kp.sparse24.prune(torch.randn(m, k, device="cuda")).bfloat16()
     bias = torch.randn(m, device="cuda").bfloat16()
     w24 = kp.sparse24.compress(w)
     values, codes = _tiled(w24.values, w24.metadata)
     want = F.gelu(F.linear(x.double(), w.double(), bias.double()))
-    for cfg in (_deepest(240, 2, 1, 1), _deepest(256, 2, 2, 1), _deepest(128, 2, 2, 2), _deepest(96, 3, 1, 1)):
+    for cfg in cfgs:
         y = torch.full((n, m), float("nan"), device="cuda", dtype=torch.bfloat16)
         launch, grid = WsKernel().launch_config(cfg, n, m, "bf16", True, "gelu", 0)
         launch(grid, (x.data_ptr(), values.data_ptr(), codes.data_ptr(), bias.data_ptr(), y.data_ptr(), n, m, k,
                       x.stride(0), y.stride(0)), raw_stream(0))
-        assert_close(y, want, F.gelu(F.linear(x, w, bias)), atol=FWD_ATOL[torch.bfloat16])
+        assert_close(y, want, F.gelu(F.linear(x, w, bias)), atol=FWD_ATOL[torch.bfloat16], what=str(cfg))
 
 
 @gpu
@@ -227,25 +235,11 @@ def test_every_small_n_split_tile_matches_fp64(n, seed):
     """Each tile of small_n_splits (K over 4 CTAs with 32 rows of x, over 3 with 24; one and two 64-row blocks of W),
     launched as it is, whichever the rule picks: M off the blocks, K whose steps the slices do not divide (25 steps:
     6, 6, 6, 7 and 8, 8, 9), bias and an activation, against fp64.  y starts as NaN: a row no slice wrote fails."""
-    from kernelplan.kernels import raw_stream
-    from kernelplan.kernels.sparse24_sp import _tiled
     from kernelplan.kernels.sparse24_ws import small_n_splits
 
-    m, k = 1000, 1600
-    x = torch.randn(n, k, device="cuda").bfloat16()
-    w = kp.sparse24.prune(torch.randn(m, k, device="cuda")).bfloat16()
-    bias = torch.randn(m, device="cuda").bfloat16()
-    w24 = kp.sparse24.compress(w)
-    values, codes = _tiled(w24.values, w24.metadata)
-    want = F.gelu(F.linear(x.double(), w.double(), bias.double()))
-    cfgs = small_n_splits(n, k)
+    cfgs = small_n_splits(n, 1600)
     assert {(c.bn, c.kc, c.wm) for c in cfgs} == {(32, 4, 1), (32, 4, 2), (24, 3, 1), (24, 3, 2)}
-    for cfg in cfgs:
-        y = torch.full((n, m), float("nan"), device="cuda", dtype=torch.bfloat16)
-        launch, grid = WsKernel().launch_config(cfg, n, m, "bf16", True, "gelu", 0)
-        launch(grid, (x.data_ptr(), values.data_ptr(), codes.data_ptr(), bias.data_ptr(), y.data_ptr(), n, m, k,
-                      x.stride(0), y.stride(0)), raw_stream(0))
-        assert_close(y, want, F.gelu(F.linear(x, w, bias)), atol=FWD_ATOL[torch.bfloat16], what=str(cfg))
+    _launch_against_fp64(cfgs, n, 1000, 1600)
 
 
 def test_cuda_ws_reads_the_one_layout():
