@@ -162,8 +162,8 @@ def test_a_grid_in_bands_matches_fp64(seed):
 
     k = 4096
     n = -(-BAND_MIN_X // (2 * k)) + 27  # 3099 rows: past the bound, not a multiple of any tile
-    _launch_against_fp64([_deepest(240, 2, 1, 1), _deepest(256, 2, 2, 1), _deepest(128, 2, 2, 2), _deepest(96, 3, 1, 1)],
-                         n, 1040, k)
+    cfgs = [_deepest(240, 2, 1, 1), _deepest(256, 2, 2, 1), _deepest(128, 2, 2, 2), _deepest(96, 3, 1, 1)]
+    _launch_against_fp64(cfgs, n, 1040, k)
 
 
 def _launch_against_fp64(cfgs, n: int, m: int, k: int) -> None:
