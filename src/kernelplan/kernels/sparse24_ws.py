@@ -377,10 +377,11 @@ def small_n_splits(n: int, k: int) -> list[WsConfig]:
 @functools.lru_cache(maxsize=4096)
 def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeights = WEIGHTS) -> WsConfig:
     """The tile for N = n: ``rule_pick`` of ``ws_candidates`` under ``w``, with its K slices pushing their sums where
-    that pays.  ``gated``: among the tiles a gated epilogue runs on (``gated_tile``)."""
+    that pays; a K split over 3 CTAs only where its grid runs more CTAs than the pick without it (docs/design/0063).
+    ``gated``: among the tiles a gated epilogue runs on (``gated_tile``)."""
     space = [c for c in ws_candidates(n, m, k, gated=gated) if not gated or gated_tile(c)]
     cfg = rule_pick(space, n, m, k, sms, w)
-    if cfg.kc == 3:  # the split over 3 only where it runs on more SMs than the pick without it (the note at _SPLITS)
+    if cfg.kc == 3:  # the split over 3 only where it runs more CTAs than the pick without it (the note at _SPLITS)
         rest = rule_pick([c for c in space if c.kc != 3], n, m, k, sms, w)
         cfg = cfg if grid_ctas(cfg, n, m, sms) > grid_ctas(rest, n, m, sms) else rest
     return with_push(cfg, n, m, sms)
