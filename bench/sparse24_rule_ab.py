@@ -6,7 +6,8 @@ it would with x multicast without a K split past ``--multicast-min-waves`` waves
 (``sparse24_ws.MULTICAST_MIN_WAVES``), or with the cost weights ``--weights`` (``RuleWeights``, fields not named as
 they are), or with K split only where the split divides K's steps (``--even-k-split``, the rule before
 docs/design/0058), or with the small-n K splits on wide weights alone (``--wide-split-only``, the rule before 0061),
-is timed with both tiles as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the one device layout,
+or without the small-n split over 3 (``--no-split3``, before 0063) or the small-grid split (``--no-small-grid-split``,
+before 0064), is timed with both tiles as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the one device layout,
 each call on the next of the weight's copies past twice the L2, ``graph_us`` replays), in one process, alternating
 A B B A, beside dense ``F.linear``. Each side has its own copies of the weight, so that each tile's launches are its
 own. A check of a rule change that the tile tables' timings (``sparse24_wg_tiles.py``) and a sweep part disagreed on
@@ -42,8 +43,8 @@ from kernelplan.bench.sweep import SHAPE_SETS, _cycling, copies_past_l2
 from kernelplan.kernels import sparse24_ws
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
-from kernelplan.kernels.sparse24_ws import (WEIGHTS, RuleWeights, WsConfig, WsKernel, rule_pick, small_n_splits,
-                                            with_push, ws_candidates, ws_config)
+from kernelplan.kernels.sparse24_ws import (WEIGHTS, RuleWeights, WsConfig, WsKernel, cost_pick, rule_pick,
+                                            small_n_splits, with_push, ws_candidates, ws_config)
 from kernelplan.sparse24 import compress, prune
 from kernelplan.sparse24.dispatch import wide_weight
 from kernelplan.sparse24.layout import pack_reason
@@ -76,16 +77,18 @@ def wide_split_pick(n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) 
 
 
 def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
-               wide_split_only: bool = False, no_split3: bool = False):
+               wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False):
     """``ws_config``'s tile had it ``MULTICAST_MIN_WAVES = waves`` and weights ``w`` (its cache neither read nor
     written); with ``even_split``, among K splits that divide K's steps alone, as the rule was before uneven slices
     (docs/design/0058); with ``wide_split_only``, as it was before the small-n K splits joined the cost
     (``wide_split_pick``); with ``no_split3``, without the small-n K split over 3 CTAs (the rule before
-    docs/design/0063)."""
+    docs/design/0063); with ``no_small_grid``, without ``small_grid_split`` (before 0064)."""
     present = sparse24_ws.MULTICAST_MIN_WAVES
     sparse24_ws.MULTICAST_MIN_WAVES = waves
     try:
         cfg = (wide_split_pick if wide_split_only else ws_config.__wrapped__)(n, m, k, sms, w=w)
+        if no_small_grid:
+            cfg = with_push(cost_pick(n, m, k, sms, w=w), n, m, sms)
         if no_split3 and cfg.kc == 3:
             cfg = with_push(rule_pick([c for c in ws_candidates(n, m, k) if c.kc != 3], n, m, k, sms, w), n, m, sms)
         if even_split and (k // 64) % cfg.kc:
@@ -97,11 +100,12 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
 
 
 def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
-          wide_split_only: bool = False, no_split3: bool = False) -> list[tuple[int, int, int]]:
+          wide_split_only: bool = False, no_split3: bool = False,
+          no_small_grid: bool = False) -> list[tuple[int, int, int]]:
     """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w``,
-    ``even_split``, ``wide_split_only`` and ``no_split3``."""
+    ``even_split``, ``wide_split_only``, ``no_split3`` and ``no_small_grid``."""
     def other(n, m, k):
-        return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only, no_split3)
+        return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only, no_split3, no_small_grid)
 
     return [move[:3] for move in moved_picks(shapes, batch, other, sms)]
 
@@ -134,6 +138,9 @@ def main() -> int:
                          "(before docs/design/0061)")
     ap.add_argument("--no-split3", action="store_true",
                     help="the other rule has no small-n K split over 3 CTAs (before docs/design/0063)")
+    ap.add_argument("--no-small-grid-split", action="store_true",
+                    help="the other rule keeps its pick by cost where the grid is under a quarter of the SMs "
+                         "(before docs/design/0064)")
     ap.add_argument("--table-misses", default=None, metavar="TABLE",
                     help="instead of another rule: each problem where this tile table's best tile ran --min-gain "
                          "faster than the rule's, against that tile")
@@ -146,10 +153,10 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     other_rule = (a.multicast_min_waves is not None or a.weights or a.even_k_split or a.wide_split_only
-                  or a.no_split3)
+                  or a.no_split3 or a.no_small_grid_split)
     if bool(other_rule) == (a.table_misses is not None):
         ap.error("give the other rule (--multicast-min-waves, --weights, --even-k-split, --wide-split-only, "
-                 "--no-split3 or more of them) or --table-misses, not both")
+                 "--no-split3, --no-small-grid-split or more of them) or --table-misses, not both")
     try:
         shapes = SHAPE_SETS[a.shape_set]() if a.shapes is None else [tuple(map(int, s.split("x"))) for s in a.shapes]
     except ValueError:
@@ -163,13 +170,14 @@ def main() -> int:
         print(f"{len(problems)} problems where {a.table_misses}'s best tile ran {a.min_gain:.0%} or more faster than "
               f"the rule's", flush=True)
     else:
-        problems = moved(shapes, a.batch, sms, waves, other_w, a.even_k_split, a.wide_split_only, a.no_split3)
-        others = {p: other_pick(*p, sms, waves, other_w, a.even_k_split, a.wide_split_only, a.no_split3)
-                  for p in problems}
+        flags = (a.even_k_split, a.wide_split_only, a.no_split3, a.no_small_grid_split)
+        problems = moved(shapes, a.batch, sms, waves, other_w, *flags)
+        others = {p: other_pick(*p, sms, waves, other_w, *flags) for p in problems}
         print(f"{len(problems)} problems where the rule with x multicast past {waves:g} waves (now "
               f"{sparse24_ws.MULTICAST_MIN_WAVES}), {other_w}{' and even K splits' if a.even_k_split else ''}"
               f"{' and small-n K splits on wide weights alone' if a.wide_split_only else ''}"
-              f"{' and no K split over 3' if a.no_split3 else ''} picks another tile",
+              f"{' and no K split over 3' if a.no_split3 else ''}"
+              f"{' and no small-grid split' if a.no_small_grid_split else ''} picks another tile",
               flush=True)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows, dtype = [], torch.bfloat16
@@ -180,7 +188,7 @@ def main() -> int:
                             "weights": dataclasses.asdict(WEIGHTS)},
                       other={"multicast_min_waves": waves, "weights": dataclasses.asdict(other_w),
                              "even_k_split": a.even_k_split, "wide_split_only": a.wide_split_only,
-                             "no_split3": a.no_split3},
+                             "no_split3": a.no_split3, "no_small_grid_split": a.no_small_grid_split},
                       shape_set=a.shape_set if a.shapes is None else "given", shapes=a.shapes,
                       table_misses=a.table_misses, min_gain=a.min_gain, rounds=a.rounds, rep=a.rep)
 

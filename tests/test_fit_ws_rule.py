@@ -313,6 +313,22 @@ def test_the_rule_ab_bench_times_the_split_over_3_against_the_rule_before_it():
         assert ws_config(*p, SMS).kc == 3 and (other.kc, other.wm) == (2, 2)
 
 
+def test_the_rule_ab_bench_times_the_small_grid_split_against_the_pick_by_cost():
+    """bench/sparse24_rule_ab.py --no-small-grid-split (docs/design/0064): the other rule keeps the pick by cost, so the
+    two part only at n <= 16 on grids under a quarter of the SMs."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
+    import sparse24_rule_ab
+    from kernelplan.kernels import sparse24_ws
+
+    waves = sparse24_ws.MULTICAST_MIN_WAVES
+    got = sparse24_rule_ab.moved([(1024, 1024), (2304, 768), (4608, 3584)], [1, 8, 16, 32], SMS, waves,
+                                 no_small_grid=True)
+    assert got == [(1, 1024, 1024), (8, 1024, 1024), (16, 1024, 1024)]
+    for p in got:
+        other = sparse24_rule_ab.other_pick(*p, SMS, waves, no_small_grid=True)
+        assert ws_config(*p, SMS).kc == 4 and (other.kc, other.pp) == (1, True)
+
+
 def test_the_rule_ab_bench_takes_one_other_side(monkeypatch, capsys):
     """--wide-split-only is another rule: with --table-misses too it is refused before any CUDA."""
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))

@@ -15,9 +15,13 @@ HOPPER, AMPERE, ADA, TURING = (9, 0), (8, 0), (8, 9), (7, 5)
 # besides the weights of 9216 rows or more and K over 4096.
 WIDE_SP = {(4096, 14336)}
 # The sweep set's layers whose cuda_ws tile at n <= 16 splits K over 4 CTAs with 32 rows of x, by the rule's cost
-# (docs/design/0061): one 64-row block of W a CTA up to 1920 rows, two past it.
+# (docs/design/0061): one 64-row block of W a CTA up to 1920 rows, two past it; and 1024x1024, whose grid by cost is
+# under a quarter of the SMs (0064).
 SMALL_N_SPLIT = {(768, 3072): 1, (1024, 4096): 1, (3072, 3072): 2, (3072, 8192): 2, (3584, 3584): 2, (3584, 4096): 2,
-                 (3584, 14336): 2, (3584, 18944): 2}
+                 (3584, 14336): 2, (3584, 18944): 2, (1024, 1024): 1}
+# ... over 3 CTAs with 24 rows of x: where that grid runs more CTAs than the pick without it (0063), and 768x768, the
+# small grid whose 12 steps of K do not split over 4 (0064).
+SMALL_N_SPLIT3 = {(4608, 3584): 2, (4608, 4096): 2, (4608, 36864): 2, (768, 768): 1}
 
 
 def test_tall_weights_take_mma_sp_only_past_4096_columns():
@@ -37,8 +41,9 @@ def test_the_table_over_the_sweep_set():
                 assert backend_for(HOPPER, n, m, k, dtype) == ("cuda_sp" if sp else "cuda_ws"), (m, k, n)
                 tile = config_for("cuda_ws", n, m, k, 132)
                 if n <= 16:  # past it the rule's cost may pick the same tile
-                    split = (tile.bn, tile.cm, tile.kc) == (32, 1, 4)
+                    split, split3 = ((tile.bn, tile.cm, tile.kc) == form for form in ((32, 1, 4), (24, 1, 3)))
                     assert (split and tile.wm) == SMALL_N_SPLIT.get((m, k), False), (m, k, n)
+                    assert (split3 and tile.wm) == SMALL_N_SPLIT3.get((m, k), False), (m, k, n)
                 gated = config_for("cuda_ws", n, m, k, 132, gated=True)
                 assert gated.wm % 2 == 0 and (n > 16 or gated.bn == 16), (m, k, n)  # no split tile timed gated
                 for gpu in (AMPERE, ADA):

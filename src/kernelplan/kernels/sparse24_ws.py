@@ -376,15 +376,41 @@ def small_n_splits(n: int, k: int) -> list[WsConfig]:
 
 @functools.lru_cache(maxsize=4096)
 def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeights = WEIGHTS) -> WsConfig:
-    """The tile for N = n: ``rule_pick`` of ``ws_candidates`` under ``w``, with its K slices pushing their sums where
-    that pays; a K split over 3 CTAs only where its grid runs more CTAs than the pick without it (docs/design/0063).
-    ``gated``: among the tiles a gated epilogue runs on (``gated_tile``)."""
+    """The tile for N = n: ``rule_pick`` of ``ws_candidates`` under ``w``, a K split over 3 CTAs only where its grid runs
+    more CTAs than the pick without it (docs/design/0063), a grid under a quarter of the SMs at n <= 16 given way to a
+    small-n split (``small_grid_split``, 0064), with its K slices pushing their sums where that pays.  ``gated``: among
+    the tiles a gated epilogue runs on (``gated_tile``), none of them small-n splits."""
+    cfg = cost_pick(n, m, k, sms, gated, w)
+    return with_push(cfg if gated else small_grid_split(cfg, n, m, k, sms, w), n, m, sms)
+
+
+def cost_pick(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeights = WEIGHTS) -> WsConfig:
+    """``ws_config``'s pick by cost, before ``small_grid_split`` and the push."""
     space = [c for c in ws_candidates(n, m, k, gated=gated) if not gated or gated_tile(c)]
     cfg = rule_pick(space, n, m, k, sms, w)
     if cfg.kc == 3:  # the split over 3 only where it runs more CTAs than the pick without it (the note at _SPLITS)
         rest = rule_pick([c for c in space if c.kc != 3], n, m, k, sms, w)
         cfg = cfg if grid_ctas(cfg, n, m, sms) > grid_ctas(rest, n, m, sms) else rest
-    return with_push(cfg, n, m, sms)
+    return cfg
+
+
+# At n <= SPLIT_MAX_N a pick whose grid runs under this share of the SMs gives way to the small-n split of the most
+# CTAs in one wave (docs/design/0064).  Such grids are weights of 768-1152 rows, whose picks are a CTA a 64-row block
+# and K whole: 12-18 CTAs stream the weight.  Their splits over 3 or 4 ran 1.13-1.30x faster in the small-n tables
+# (sparse24-small-n-split3-h200.json, -held-out-); tile_cost prices the cluster's fixed cost over K's few steps
+# (RuleWeights.cluster, fitted before the pushed sums) above the SMs the split adds.  At half the SMs the rule would
+# also move grids of 48-64 CTAs, where the split ran 2-10% slower.
+SMALL_GRID_SHARE = 0.25
+
+
+def small_grid_split(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) -> WsConfig:
+    """``cfg``, or where its grid runs under ``SMALL_GRID_SHARE`` of the SMs at n <= ``SPLIT_MAX_N``, the small-n
+    split of the most CTAs that place in one wave (the least cost among those), if it runs more."""
+    ctas = grid_ctas(cfg, n, m, sms)
+    if ctas >= SMALL_GRID_SHARE * sms:
+        return cfg
+    wider = [c for c in small_n_splits(n, k) if ctas < grid_ctas(c, n, m, sms) <= _cluster_sms(c, sms)]
+    return max(wider, key=lambda c: (grid_ctas(c, n, m, sms), -tile_cost(c, n, m, k, sms, w)), default=cfg)
 
 
 def grid_ctas(cfg: WsConfig, n: int, m: int, sms: int) -> int:
