@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from kernelplan.bench import results
 from kernelplan.bench.shapes import BATCH_SIZES
-from kernelplan.bench.sweep import SHAPE_SETS, _cycling, copies_past_l2
+from kernelplan.bench.sweep import EAGER_CALLS, EAGER_ROUNDS, SHAPE_SETS, _cycling, copies_past_l2
 from kernelplan.kernels import sparse24_ws
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
@@ -48,7 +48,7 @@ from kernelplan.kernels.sparse24_ws import (WEIGHTS, RuleWeights, WsConfig, WsKe
 from kernelplan.sparse24 import compress, prune
 from kernelplan.sparse24.dispatch import wide_weight
 from kernelplan.sparse24.layout import pack_reason
-from kernelplan.timing import graph_us
+from kernelplan.timing import graph_us, host_us_per_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from fit_ws_rule import moved_picks, weights_of, ws_tile  # noqa: E402
@@ -150,6 +150,9 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[n for n in BATCH_SIZES if n > 16])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=20, help="graph_us's rep (ms), as the sweep's")
+    ap.add_argument("--eager", action="store_true",
+                    help="also each side called eagerly, host work included (wall per call of the sweep's "
+                         "EAGER_CALLS back-to-back calls, EAGER_ROUNDS paired rounds, other and here alternating)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     other_rule = (a.multicast_min_waves is not None or a.weights or a.even_k_split or a.wide_split_only
@@ -190,7 +193,7 @@ def main() -> int:
                              "even_k_split": a.even_k_split, "wide_split_only": a.wide_split_only,
                              "no_split3": a.no_split3, "no_small_grid_split": a.no_small_grid_split},
                       shape_set=a.shape_set if a.shapes is None else "given", shapes=a.shapes,
-                      table_misses=a.table_misses, min_gain=a.min_gain, rounds=a.rounds, rep=a.rep)
+                      table_misses=a.table_misses, min_gain=a.min_gain, rounds=a.rounds, rep=a.rep, eager=a.eager)
 
     torch.manual_seed(0)
     with torch.inference_mode():
@@ -225,9 +228,17 @@ def main() -> int:
                 row = {"m": m, "k": k, "n": n, "weight_copies": copies, "here": str(cfgs["here"]),
                        "other": str(cfgs["other"]), "dense_us": med["dense"], "here_us": med["here"],
                        "other_us": med["other"], "other_over_here": ratio, "errors": errs, "wrong": wrong}
+                if a.eager:  # paired rounds: the host's speed drifts within seconds (bench/sweep.py)
+                    dev = torch.device("cuda")
+                    pairs = [(host_us_per_call(fns["other"], dev, EAGER_CALLS),
+                              host_us_per_call(fns["here"], dev, EAGER_CALLS)) for _ in range(EAGER_ROUNDS)]
+                    row |= {"eager_here_us": statistics.median(h for _, h in pairs),
+                            "eager_other_us": statistics.median(o for o, _ in pairs),
+                            "eager_other_over_here": statistics.median(o / h for o, h in pairs)}
                 rows.append(row)
+                eager = f"; eager other/here {row['eager_other_over_here']:.3f}" if a.eager else ""
                 print(f"  {m}x{k} n={n}: here {med['dense'] / med['here']:.2f}x, other "
-                      f"{med['dense'] / med['other']:.2f}x of dense; other/here {ratio:.3f}"
+                      f"{med['dense'] / med['other']:.2f}x of dense; other/here {ratio:.3f}{eager}"
                       f"{'  WRONG ' + str(wrong) if wrong else ''}", flush=True)
             write()
     write()
