@@ -7,11 +7,11 @@ it would with x multicast without a K split past ``--multicast-min-waves`` waves
 they are), or with K split only where the split divides K's steps (``--even-k-split``, the rule before
 docs/design/0058), or with the small-n K splits on wide weights alone (``--wide-split-only``, the rule before 0061),
 or without the small-n split over 3 (``--no-split3``, before 0063) or the small-grid split (``--no-small-grid-split``,
-before 0064), is timed with both tiles as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the one device layout,
-each call on the next of the weight's copies past twice the L2, ``graph_us`` replays), in one process, alternating
-A B B A, beside dense ``F.linear``. Each side has its own copies of the weight, so that each tile's launches are its
-own. A check of a rule change that the tile tables' timings (``sparse24_wg_tiles.py``) and a sweep part disagreed on
-(docs/design/0055).
+before 0064), is timed with both tiles as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the one
+device layout, each call on the next of the weight's copies past twice the L2, ``graph_us`` replays), in one process,
+alternating A B B A, beside dense ``F.linear``; with ``--eager``, also eagerly, host work included. Each side has
+its own copies of the weight, so that each tile's launches are its own. A check of a rule change that the tile
+tables' timings (``sparse24_wg_tiles.py``) and a sweep part disagreed on (docs/design/0055).
 
 ``--table-misses TABLE`` takes the other side from a tile table instead: at each problem where the table's best tile
 ran ``--min-gain`` (3%) or more faster than the rule's, that tile (docs/design/0056).  Writes

@@ -399,7 +399,7 @@ def cost_pick(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
 # and K whole: 12-18 CTAs stream the weight.  Their splits over 3 or 4 ran 1.13-1.30x faster in the small-n tables
 # (sparse24-small-n-split3-h200.json, -held-out-); tile_cost prices the cluster's fixed cost over K's few steps
 # (RuleWeights.cluster, fitted before the pushed sums) above the SMs the split adds.  At half the SMs the rule would
-# also move grids of 48-64 CTAs, where the split ran 2-10% slower.
+# also move grids of 36-64 CTAs, five of whose seven weights ran 1.5-10% slower split.
 SMALL_GRID_SHARE = 0.25
 
 
