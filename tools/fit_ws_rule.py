@@ -2,11 +2,11 @@
 
 Each table (``bench/results/sparse24-ws-tiles-<gpu>.json``, from ``bench/sparse24_wg_tiles.py --kernel ws``, or a
 small-n table from ``bench/sparse24_small_n.py``, whose ``cuda_ws`` tiles alone it reads) has, per (M, K, n), the
-times of the candidates it ran (``--top`` tables: a few).  For a set of weights the rule picks,
-per problem, the least-cost candidate of its whole space (without x multicast where it does not pay), as
-``ws_config`` does (``rule_pick``); where the table did not time that tile the problem is untimed and says nothing
-about those weights.  The score is the mean over timed problems of best time / picked time, over all tables (each
-table weighs alike), less a penalty for the worst pick.  A coordinate
+times of the candidates it ran (``--top`` tables: a few).  For a set of weights the rule picks, per problem, the
+least-cost candidate of its whole space (without x multicast where it does not pay), with the rule's two steps after
+the cost at n <= 16 (docs/design/0063, 0064), as ``ws_config`` does (``pick_from``); where the table did not time
+that tile the problem is untimed and says nothing about those weights.  The score is the mean over timed problems of
+best time / picked time, over all tables (each table weighs alike), less a penalty for the worst pick.  A coordinate
 search over multiplicative steps, from the present weights, that never adds an untimed problem: a step that moves a
 pick onto a tile no table timed is a guess, and a sweep showed such guesses lose (docs/design/0040).
 
@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kernelplan.bench.shapes import BATCH_SIZES  # noqa: E402
-from kernelplan.kernels.sparse24_ws import WEIGHTS, RuleWeights, WsConfig, rule_pick, ws_candidates  # noqa: E402
+from kernelplan.kernels.sparse24_ws import WEIGHTS, RuleWeights, WsConfig, pick_from, ws_candidates  # noqa: E402
 
 STEPS = (0.5, 0.7, 0.85, 1.18, 1.4, 2.0)
 BETWEEN = "--between" in sys.argv  # the rule's space with ws_candidates' between tiles
@@ -152,7 +152,7 @@ def ratios(w: RuleWeights, table, unicast: bool = False, waves: float = math.inf
     not multicasting there too (docs/design/0039, 0053, 0054)."""
     out = []
     for n, m, k, sms, cands, times, best in table:
-        pick = rule_pick(cands, n, m, k, sms, w)
+        pick = pick_from(cands, n, m, k, sms, w)
         if unicast and pick.kc == 1 and pick.cm in cms and math.prod(pick.grid(n, m)) <= waves * sms:
             one = dataclasses.replace(pick, cm=1)
             pick = one if one in cands and times[cands.index(one)] is not None else pick
@@ -210,7 +210,7 @@ def held(ns: list[int], sms: int = 132):
     for m, k in sweep_shapes():
         for n in ns:
             cands = ws_candidates(n, m, k, between=BETWEEN)
-            pick = rule_pick(cands, n, m, k, sms)
+            pick = pick_from(cands, n, m, k, sms)
             out.append((n, m, k, sms, cands, [1.0 if c == pick else None for c in cands], 1.0))
     return out
 

@@ -380,18 +380,26 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
     more CTAs than the pick without it (docs/design/0063), a grid under a quarter of the SMs at n <= 16 given way to a
     small-n split (``small_grid_split``, 0064), with its K slices pushing their sums where that pays.  ``gated``: among
     the tiles a gated epilogue runs on (``gated_tile``), none of them small-n splits."""
-    cfg = cost_pick(n, m, k, sms, gated, w)
-    return with_push(cfg if gated else small_grid_split(cfg, n, m, k, sms, w), n, m, sms)
+    space = [c for c in ws_candidates(n, m, k, gated=gated) if not gated or gated_tile(c)]
+    return with_push(pick_from(space, n, m, k, sms, w, small_grids=not gated), n, m, sms)
+
+
+def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
+              small_grids: bool = True) -> WsConfig:
+    """``ws_config``'s pick among ``space``, before the push: ``rule_pick``, a split over 3 only where its grid runs
+    more CTAs than the pick without it (the note at _SPLITS), then, with ``small_grids``, ``small_grid_split``.  Also
+    how tools/fit_ws_rule.py picks among a table's tiles."""
+    cfg = rule_pick(space, n, m, k, sms, w)
+    if cfg.kc == 3:
+        rest = rule_pick([c for c in space if c.kc != 3], n, m, k, sms, w)
+        cfg = cfg if grid_ctas(cfg, n, m, sms) > grid_ctas(rest, n, m, sms) else rest
+    return small_grid_split(cfg, n, m, k, sms, w) if small_grids else cfg
 
 
 def cost_pick(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeights = WEIGHTS) -> WsConfig:
-    """``ws_config``'s pick by cost, before ``small_grid_split`` and the push."""
+    """``ws_config``'s pick before ``small_grid_split`` and the push (bench/sparse24_rule_ab.py's rule before 0064)."""
     space = [c for c in ws_candidates(n, m, k, gated=gated) if not gated or gated_tile(c)]
-    cfg = rule_pick(space, n, m, k, sms, w)
-    if cfg.kc == 3:  # the split over 3 only where it runs more CTAs than the pick without it (the note at _SPLITS)
-        rest = rule_pick([c for c in space if c.kc != 3], n, m, k, sms, w)
-        cfg = cfg if grid_ctas(cfg, n, m, sms) > grid_ctas(rest, n, m, sms) else rest
-    return cfg
+    return pick_from(space, n, m, k, sms, w, small_grids=False)
 
 
 # At n <= SPLIT_MAX_N a pick whose grid runs under this share of the SMs gives way to the small-n split of the most
