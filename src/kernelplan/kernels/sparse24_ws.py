@@ -380,8 +380,8 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
     more CTAs than the pick without it (docs/design/0063), a grid under a quarter of the SMs at n <= 16 given way to a
     small-n split (``small_grid_split``, 0064), with its K slices pushing their sums where that pays.  ``gated``: among
     the tiles a gated epilogue runs on (``gated_tile``), none of them small-n splits."""
-    space = [c for c in ws_candidates(n, m, k, gated=gated) if not gated or gated_tile(c)]
-    return with_push(pick_from(space, n, m, k, sms, w, small_grids=not gated), n, m, sms)
+    cfg = cost_pick(n, m, k, sms, gated, w)
+    return with_push(cfg if gated else small_grid_split(cfg, n, m, k, sms, w), n, m, sms)
 
 
 def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
