@@ -4,7 +4,8 @@
 Why: the tile rule counts a grid's waves over the SMs its clusters can be placed on (``sparse24_ws._cluster_sms``).
 Clusters are placed inside a GPC, and a GPC's SMs are not a multiple of every cluster size, so clusters of 3 and 4
 fill fewer than all 132 SMs of an H100 or H200.  A grid of one more cluster than fit runs a second wave: 40 clusters
-of 3 (5120 rows of two 64-row blocks) ran 1.5x slower than 36 (docs/design/0063).  Writes
+of 3 (5120 rows of two 64-row blocks) ran 1.5x slower than 36 (docs/design/0063).  Beside each, the count the rule
+uses on a device (``cluster_slots.device_slots``: an empty kernel of the same CTAs an SM, docs/design/0065).  Writes
 ``bench/results/sparse24-cluster-slots-<gpu>.json``.
 
     PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_cluster_slots.py
@@ -16,24 +17,15 @@ import argparse
 import sys
 
 from kernelplan.bench import results
+from kernelplan.kernels.cluster_slots import device_slots, max_active_clusters
 from kernelplan.kernels.sparse24 import sm_count
-from kernelplan.kernels.sparse24_ws import WsKernel, _deepest, with_push
+from kernelplan.kernels.sparse24_ws import WsKernel, _deepest, resident, with_push
 
 
 def max_clusters(cfg, n: int, m: int) -> int:
     """The driver's count of ``cfg``'s clusters resident at once, for its launch at n x m on device 0."""
-    from cuda.bindings import driver as cu
-
     launch, grid = WsKernel().launch_config(cfg, n, m, "bf16", False, None, 0)
-    conf = cu.CUlaunchConfig()
-    conf.gridDimX, conf.gridDimY, conf.gridDimZ = grid
-    conf.blockDimX, conf.blockDimY, conf.blockDimZ = cfg.threads, 1, 1
-    conf.sharedMemBytes = launch.shared
-    conf.numAttrs = 0
-    err, count = cu.cuOccupancyMaxActiveClusters(launch.function, conf)
-    if err:
-        raise RuntimeError(f"cuOccupancyMaxActiveClusters({cfg}): {err.name}")
-    return count
+    return max_active_clusters(launch.function, grid, cfg.threads, launch.shared)
 
 
 def main() -> int:
@@ -47,10 +39,12 @@ def main() -> int:
             if cfg is None:
                 continue
             cfg = with_push(cfg, 8, 4096, sms)
-            clusters = max_clusters(cfg, 8, 4096)
+            clusters, probe = max_clusters(cfg, 8, 4096), device_slots(0).at(kc, resident(cfg))
             rows.append({"tile": str(cfg), "cluster": kc, "threads": cfg.threads, "shared": cfg.shared,
-                         "clusters": clusters, "ctas": clusters * kc, "sms": sms})
-            print(f"{cfg}: {clusters} clusters of {kc} at once ({clusters * kc} CTAs on {sms} SMs)", flush=True)
+                         "clusters": clusters, "ctas": clusters * kc, "sms": sms, "resident": resident(cfg),
+                         "probe_ctas": probe})
+            print(f"{cfg}: {clusters} clusters of {kc} at once ({clusters * kc} CTAs on {sms} SMs; the probe's "
+                  f"slots at {resident(cfg)} an SM: {probe})", flush=True)
     results.write("sparse24-cluster-slots", {"rows": rows}, a.out, sms=sms)
     return 0
 

@@ -694,9 +694,9 @@ class _Maps:
 def test_a_bound_launch_packs_what_the_launch_does(monkeypatch, cfg):
     """The eager fast path (``BoundLaunch``) writes the parameters and grid the full launch would, for each x."""
     from helpers import stub_driver
-    from kernelplan.kernels import sparse24, sparse24_ws
+    from kernelplan.kernels import sparse24_ws
 
-    monkeypatch.setattr(sparse24, "sm_count", lambda device: 132)
+    monkeypatch.setattr(sparse24_ws, "sm_count", lambda device: 132)
     types = sparse24_ws._PP_PARAMS if cfg.pp else sparse24_ws._PARAMS
     stub = stub_driver(monkeypatch, types)
     launch = (sparse24_ws.PingPongLaunch if cfg.pp else sparse24_ws.MapLaunch)("fn", "kp", cfg, _Maps(), 0)
@@ -715,9 +715,9 @@ def test_a_bound_launch_packs_what_the_launch_does(monkeypatch, cfg):
 
 def test_a_split_tail_launch_is_not_bound(monkeypatch):
     from helpers import stub_driver
-    from kernelplan.kernels import sparse24, sparse24_ws
+    from kernelplan.kernels import sparse24_ws
 
-    monkeypatch.setattr(sparse24, "sm_count", lambda device: 132)
+    monkeypatch.setattr(sparse24_ws, "sm_count", lambda device: 132)
     stub_driver(monkeypatch, sparse24_ws._SK_PARAMS)
     cfg = WsConfig(bn=128, wm=2, stages=6, sk=True)
     assert sparse24_ws.StreamKLaunch("fn", "kp", cfg, _Maps(), 0).bind((1, 1, 1), (0,) * 10) is None

@@ -53,13 +53,14 @@ def _rel_err(out, ref) -> float:
     return float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def _precompile(shapes, batch, sms: int, dtype: str, device: int) -> None:
+def _precompile(shapes, batch, dtype: str, device: int) -> None:
     """Every cuda_ws variant the sweep will run, compiled in threads (NVRTC is thread-safe), before any timing."""
     import concurrent.futures
 
-    from ..kernels.sparse24_ws import _launcher, ws_config
+    from ..kernels.sparse24_ws import WsKernel, _launcher
 
-    configs = {ws_config(n, m, k, sms) for (m, k) in shapes for n in batch if n > 16}
+    kernel = WsKernel()
+    configs = {kernel.config(n, m, k, device) for (m, k) in shapes for n in batch if n > 16}
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda c: _launcher(c, dtype, False, None, device), configs))
 
@@ -89,9 +90,8 @@ def run_sweep(device: torch.device, dtype: torch.dtype = torch.bfloat16, batch=B
     ``done(rows)``, if given, gets the rows so far after each shape."""
     import torch.nn.functional as F
 
-    from ..kernels.sparse24 import sm_count
     from ..kernels.sparse24_mma import MmaLinear
-    from ..kernels.sparse24_ws import ws_config
+    from ..kernels.sparse24_ws import WsKernel
     from ..sparse24 import compress, linear, prune
     from ..sparse24.dispatch import backend_for
     from ..sparse24.layout import pack_reason
@@ -100,9 +100,8 @@ def run_sweep(device: torch.device, dtype: torch.dtype = torch.bfloat16, batch=B
     shapes = sweep_shapes() if shapes is None else shapes
     row_dtype = {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
     index = device.index if device.index is not None else torch.cuda.current_device()
-    sms = sm_count(index)
     l2_bytes = torch.cuda.get_device_properties(index).L2_cache_size
-    _precompile(shapes, batch, sms, row_dtype, index)
+    _precompile(shapes, batch, row_dtype, index)
     kernels = _kernels()
 
     def graph_ms(fn) -> float:
@@ -160,7 +159,7 @@ def run_sweep(device: torch.device, dtype: torch.dtype = torch.bfloat16, batch=B
                 row["dense_host_ms"] = host_us_per_call(dense, device, EAGER_CALLS, wait=False) / 1e3
                 row["rule_host_ms"] = host_us_per_call(user, device, EAGER_CALLS, wait=False) / 1e3
                 if rule == "cuda_ws":
-                    row["ws_config"] = str(ws_config(n, m, k, sms))
+                    row["ws_config"] = str(WsKernel().config(n, m, k, index))
                 for name, t in times.items():
                     row[f"{name}_speedup"] = row["dense_ms"] / t
                 if times:

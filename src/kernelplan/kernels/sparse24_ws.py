@@ -9,7 +9,7 @@ cluster of CTAs.  It reads the weight in the one device layout
 Every operand is read through a tensor map, which encodes its address and
 shape (``TensorMaps``, kept per address).
 
-``ws_config`` is the configuration rule: a pure function of (N, M, K, SMs).
+``ws_config`` is the configuration rule: a pure function of (N, M, K, SMs, the clusters the GPU runs at once).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from ..errors import KernelPlanError
 from .nvrtc import cuda_source
 from .sparse24_mma import COMMON_SOURCE, defines
 from .sparse24_sp import SM_SHARED
+from .cluster_slots import ClusterSlots, device_slots, model_slots
+from .sparse24 import sm_count
 from .direct import FunctionLaunch, _stream
 from .sparse24_wg import WgKernel, instruction_n
 
@@ -267,17 +269,13 @@ class RuleWeights:
 # median 0.73, at most 0.99; 512-3072-row layers of K = 1536-1600 went from 0.84-0.98x of dense to 1.14-1.20x.
 WEIGHTS = RuleWeights(mma=3.34, copy=0.00625, step=453, l2=0.014, cta=30600, split=18.6, pp_tile=6530,
                       mma_floor=350, cluster=10000)
-# The SMs of 132 that clusters of 3, and of 4 or more, CTAs of one SM each place on at once: a cluster stays inside
-# a GPC, whose SMs are not a multiple of 3 or 4.  cuOccupancyMaxActiveClusters gave 30 clusters of 4 (120 SMs) and 39
-# of 3 (117) of one CTA an SM (sparse24-cluster-slots-h200.json, docs/design/0063); a grid of 40 clusters of 3 ran
-# 1.5x slower than one of 36.
-_CLUSTER_SMS_OF_132 = {3: 117, 4: 120}
 
 
-def _cluster_sms(cfg: WsConfig, sms: int) -> int:
-    """The SMs a grid of ``cfg``'s clusters places on: fewer than all where a cluster has 3 CTAs or more."""
-    size = cfg.cm * cfg.kc
-    return sms * _CLUSTER_SMS_OF_132[min(size, 4)] // 132 if size >= 3 else sms
+def _cluster_sms(cfg: WsConfig, sms: int, slots: ClusterSlots | None = None) -> int:
+    """The SMs a grid of ``cfg``'s clusters places on at one CTA an SM: fewer than all where a cluster has 3 CTAs or
+    more (a grid of 40 clusters of 3 ran 1.5x slower than one of 36 on an H200, where 39 place: docs/design/0063).
+    ``slots``: the device's (``cluster_slots.device_slots``), else ``ClusterSlots.model(sms)``."""
+    return (slots or model_slots(sms)).at(cfg.cm * cfg.kc)
 
 
 def k_slices(k: int, kc: int) -> list[range]:
@@ -287,12 +285,13 @@ def k_slices(k: int, kc: int) -> list[range]:
     return [range(ksteps * z // kc, ksteps * (z + 1) // kc) for z in range(kc)]
 
 
-def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) -> float:
+def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
+              slots: ClusterSlots | None = None) -> float:
     """The rule's estimate of a tile's time, relative: lower is faster (not for the split persistent variant)."""
     n_tiles, m_tiles, slices = cfg.grid(n, m)
     ctas = n_tiles * m_tiles * slices
     step_bytes = cfg.bn * 128 / cfg.cm + cfg.wm * 4608
-    waves = -(-ctas // _cluster_sms(cfg, sms))  # ping-pong: tiles a CTA, one after another
+    waves = -(-ctas // _cluster_sms(cfg, sms, slots))  # ping-pong: tiles a CTA, one after another
     mma = max(cfg.bn * cfg.wm * w.mma, w.mma_floor)
     step = w.step + max(mma, step_bytes * w.copy) + (w.l2 * step_bytes if waves > 1 else 0)
     if cfg.pp:
@@ -310,12 +309,12 @@ def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = 
 _MCAST_TIE_MIN_BN = 128
 
 
-def rule_order(cfg: WsConfig, n: int, m: int, k: int, sms: int,
-               w: RuleWeights = WEIGHTS) -> tuple[float, bool, bool]:
+def rule_order(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
+               slots: ClusterSlots | None = None) -> tuple[float, bool, bool]:
     """The rule's sort key: ``tile_cost``, then ping-pong first, then x multicast to 2 CTAs where x's tile is
     ``_MCAST_TIE_MIN_BN`` rows or more.  A ping-pong tile and the same tile one a CTA cost alike where each CTA has
     one tile; there the ping-pong one ran faster on 20 of 24 problems, by up to 6% (sparse24-ws-small-h100.json)."""
-    return tile_cost(cfg, n, m, k, sms, w), not cfg.pp, cfg.bn >= _MCAST_TIE_MIN_BN and cfg.cm != 2
+    return tile_cost(cfg, n, m, k, sms, w, slots), not cfg.pp, cfg.bn >= _MCAST_TIE_MIN_BN and cfg.cm != 2
 
 
 # x multicast without a K split (cm > 1, kc = 1) only in grids of more than this many waves of CTAs.  Each such
@@ -333,14 +332,16 @@ def multicast_pays(cfg: WsConfig, n: int, m: int, sms: int) -> bool:
     return cfg.cm == 1 or cfg.kc > 1 or math.prod(cfg.grid(n, m)) > MULTICAST_MIN_WAVES * sms
 
 
-def least_cost(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) -> WsConfig:
+def least_cost(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
+               slots: ClusterSlots | None = None) -> WsConfig:
     """The first of ``space`` in ``rule_order`` (further ties: the first in its order)."""
-    return min(space, key=lambda c: rule_order(c, n, m, k, sms, w))
+    return min(space, key=lambda c: rule_order(c, n, m, k, sms, w, slots))
 
 
-def rule_pick(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) -> WsConfig:
+def rule_pick(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
+              slots: ClusterSlots | None = None) -> WsConfig:
     """``least_cost`` of ``space``, without x multicast where that does not pay (``multicast_pays``)."""
-    cfg = least_cost(space, n, m, k, sms, w)
+    cfg = least_cost(space, n, m, k, sms, w, slots)
     return cfg if multicast_pays(cfg, n, m, sms) else replace(cfg, cm=1)
 
 
@@ -375,31 +376,35 @@ def small_n_splits(n: int, k: int) -> list[WsConfig]:
 
 
 @functools.lru_cache(maxsize=4096)
-def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeights = WEIGHTS) -> WsConfig:
+def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeights = WEIGHTS,
+              slots: ClusterSlots | None = None) -> WsConfig:
     """The tile for N = n: ``rule_pick`` of ``ws_candidates`` under ``w``, a K split over 3 CTAs only where its grid runs
     more CTAs than the pick without it (docs/design/0063), a grid under a quarter of the SMs at n <= 16 given way to a
     small-n split (``small_grid_split``, 0064), with its K slices pushing their sums where that pays.  ``gated``: among
-    the tiles a gated epilogue runs on (``gated_tile``), none of them small-n splits."""
-    cfg = cost_pick(n, m, k, sms, gated, w)
-    return with_push(cfg if gated else small_grid_split(cfg, n, m, k, sms, w), n, m, sms)
+    the tiles a gated epilogue runs on (``gated_tile``), none of them small-n splits.  ``slots``: the clusters the GPU
+    runs at once, which waves are counted by (``WsKernel.config`` passes the driver's, docs/design/0065); None, the
+    model of a GPU of ``sms`` SMs (``ClusterSlots.model``)."""
+    cfg = cost_pick(n, m, k, sms, gated, w, slots)
+    return with_push(cfg if gated else small_grid_split(cfg, n, m, k, sms, w, slots), n, m, sms, slots)
 
 
-def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
-              small_grids: bool = True) -> WsConfig:
+def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS, small_grids: bool = True,
+              slots: ClusterSlots | None = None) -> WsConfig:
     """``ws_config``'s pick among ``space``, before the push: ``rule_pick``, a split over 3 only where its grid runs
     more CTAs than the pick without it (the note at _SPLITS), then, with ``small_grids``, ``small_grid_split``.  Also
     how tools/fit_ws_rule.py picks among a table's tiles."""
-    cfg = rule_pick(space, n, m, k, sms, w)
+    cfg = rule_pick(space, n, m, k, sms, w, slots)
     if cfg.kc == 3:
-        rest = rule_pick([c for c in space if c.kc != 3], n, m, k, sms, w)
+        rest = rule_pick([c for c in space if c.kc != 3], n, m, k, sms, w, slots)
         cfg = cfg if grid_ctas(cfg, n, m, sms) > grid_ctas(rest, n, m, sms) else rest
-    return small_grid_split(cfg, n, m, k, sms, w) if small_grids else cfg
+    return small_grid_split(cfg, n, m, k, sms, w, slots) if small_grids else cfg
 
 
-def cost_pick(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeights = WEIGHTS) -> WsConfig:
+def cost_pick(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeights = WEIGHTS,
+              slots: ClusterSlots | None = None) -> WsConfig:
     """``ws_config``'s pick before ``small_grid_split`` and the push (bench/sparse24_rule_ab.py's rule before 0064)."""
     space = [c for c in ws_candidates(n, m, k, gated=gated) if not gated or gated_tile(c)]
-    return pick_from(space, n, m, k, sms, w, small_grids=False)
+    return pick_from(space, n, m, k, sms, w, small_grids=False, slots=slots)
 
 
 # At n <= SPLIT_MAX_N a pick whose grid runs under this share of the SMs gives way to the small-n split of the most
@@ -411,14 +416,15 @@ def cost_pick(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
 SMALL_GRID_SHARE = 0.25
 
 
-def small_grid_split(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) -> WsConfig:
+def small_grid_split(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
+                     slots: ClusterSlots | None = None) -> WsConfig:
     """``cfg``, or where its grid runs under ``SMALL_GRID_SHARE`` of the SMs at n <= ``SPLIT_MAX_N``, the small-n
     split of the most CTAs that place in one wave (the least cost among those), if it runs more."""
     ctas = grid_ctas(cfg, n, m, sms)
     if ctas >= SMALL_GRID_SHARE * sms:
         return cfg
-    wider = [c for c in small_n_splits(n, k) if ctas < grid_ctas(c, n, m, sms) <= _cluster_sms(c, sms)]
-    return max(wider, key=lambda c: (grid_ctas(c, n, m, sms), -tile_cost(c, n, m, k, sms, w)), default=cfg)
+    wider = [c for c in small_n_splits(n, k) if ctas < grid_ctas(c, n, m, sms) <= _cluster_sms(c, sms, slots)]
+    return max(wider, key=lambda c: (grid_ctas(c, n, m, sms), -tile_cost(c, n, m, k, sms, w, slots)), default=cfg)
 
 
 def grid_ctas(cfg: WsConfig, n: int, m: int, sms: int) -> int:
@@ -436,12 +442,12 @@ def resident(cfg: WsConfig) -> int:
     return (SM_SHARED + 1024) // (cfg.shared + 1024)
 
 
-def with_push(cfg: WsConfig, n: int, m: int, sms: int) -> WsConfig:
+def with_push(cfg: WsConfig, n: int, m: int, sms: int, slots: ClusterSlots | None = None) -> WsConfig:
     """``cfg`` with its K slices pushing their sums where that pays (``push_pays``), else without."""
-    return cfg if push_pays(cfg, n, m, sms) else replace(cfg, push=False)
+    return cfg if push_pays(cfg, n, m, sms, slots) else replace(cfg, push=False)
 
 
-def push_pays(cfg: WsConfig, n: int, m: int, sms: int) -> bool:
+def push_pays(cfg: WsConfig, n: int, m: int, sms: int, slots: ClusterSlots | None = None) -> bool:
     """Whether the pushed sums' buffer (``recv_bytes``) leaves the grid in as many waves as without it.  It can cost
     an SM a CTA: 64 clusters of 4 CTAs of 64 x 32 (4096x14336, n <= 16) ran in one wave at three CTAs an SM and
     spilled past it at two, 15-26% slower on both GPUs, where 56 of them (3584x14336) ran faster
@@ -449,8 +455,8 @@ def push_pays(cfg: WsConfig, n: int, m: int, sms: int) -> bool:
     if not cfg.recv_bytes:
         return True
     tiles_n, blocks, slices = cfg.grid(n, m)
-    usable = _cluster_sms(cfg, sms)
-    waves = [-(-tiles_n * blocks * slices // (usable * resident(c))) for c in (cfg, replace(cfg, push=False))]
+    at = (slots or model_slots(sms)).at
+    waves = [-(-tiles_n * blocks * slices // at(c.cm * c.kc, resident(c))) for c in (cfg, replace(cfg, push=False))]
     return waves[0] <= waves[1]
 
 
@@ -653,8 +659,6 @@ class StreamKLaunch(MapLaunch):
     _TYPES = _SK_PARAMS
 
     def __init__(self, fn, name: str, cfg: WsConfig, maps: TensorMaps, device_index: int):
-        from .sparse24 import sm_count
-
         super().__init__(fn, name, cfg, maps, device_index)
         self.device, self.sms = device_index, sm_count(device_index)
         self._plans: dict = {}  # (N, M, K) -> SkPlan: a dictionary hit costs less host time than sk_plan's cache
@@ -689,8 +693,6 @@ class PingPongLaunch(MapLaunch):
     _TYPES = _PP_PARAMS
 
     def __init__(self, fn, name: str, cfg: WsConfig, maps: TensorMaps, device_index: int):
-        from .sparse24 import sm_count
-
         super().__init__(fn, name, cfg, maps, device_index)
         self.sms = sm_count(device_index)
 
@@ -710,11 +712,14 @@ class WsKernel(WgKernel):
     source = staticmethod(source)
 
     def config(self, n, m, k, device, activation=None):
-        """The tile this process tuned for the problem (``sparse24/tiles.py``, opt-in), else the rule's."""
+        """The tile this process tuned for the problem (``sparse24/tiles.py``, opt-in), else the rule's, with the
+        device's own cluster slots."""
+        from ..sparse24.dispatch import config_for
         from ..sparse24.tiles import tuned_tile
 
-        return (tuned_tile(device, n, m, k, activation in GATED_EPILOGUES, self.name)
-                or super().config(n, m, k, device, activation))
+        gated = activation in GATED_EPILOGUES
+        return (tuned_tile(device, n, m, k, gated, self.name)
+                or config_for(self.name, n, m, k, sm_count(device), gated, device_slots(device)))
 
     def launch_config(self, cfg: WsConfig, n, m, dtype, has_bias, activation, device):
         if cfg.sk or cfg.pp:  # the launch takes its grid from the problem (sk_plan; one CTA an SM)
