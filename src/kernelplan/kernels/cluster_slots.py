@@ -86,6 +86,7 @@ def device_slots(device_index: int) -> ClusterSlots:
     """The driver's ``ClusterSlots`` of CUDA device ``device_index`` (sm_90 and later: clusters are Hopper's)."""
     from cuda.bindings import driver as cu
 
+    from . import on_device
     from .nvrtc import cuda_source, device_attribute, function
 
     sms = device_attribute(device_index, "MULTIPROCESSOR_COUNT")
@@ -93,11 +94,13 @@ def device_slots(device_index: int) -> ClusterSlots:
     reserved = device_attribute(device_index, "RESERVED_SHARED_MEMORY_PER_BLOCK")
     fn = function(cuda_source("cluster_probe.cu"), "kp_cluster_probe", device_index)
     largest = per_sm_bytes - reserved
-    err, = cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, largest)
-    if err:
-        raise KernelPlanError(f"the cluster probe cannot have {largest} bytes of shared memory on cuda:{device_index}: "
-                              f"{err.name}")
-    # per_sm CTAs of this much shared memory fit an SM, per_sm + 1 do not
-    ctas = tuple(tuple(size * max_active_clusters(fn, (size * sms, 1, 1), 128, per_sm_bytes // per_sm - reserved, size)
-                       for per_sm in PER_SM) for size in SIZES)
+    with on_device(device_index):  # the probe's function belongs to that device's context
+        err, = cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                     largest)
+        if err:
+            raise KernelPlanError(f"the cluster probe cannot have {largest} bytes of shared memory on "
+                                  f"cuda:{device_index}: {err.name}")
+        # per_sm CTAs of this much shared memory fit an SM, per_sm + 1 do not
+        ctas = tuple(tuple(size * max_active_clusters(fn, (size * sms, 1, 1), 128, per_sm_bytes // per_sm - reserved,
+                                                      size) for per_sm in PER_SM) for size in SIZES)
     return ClusterSlots(sms, ctas, "driver")
