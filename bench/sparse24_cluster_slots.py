@@ -5,7 +5,7 @@ Why: the tile rule counts a grid's waves over the SMs its clusters can be placed
 Clusters are placed inside a GPC, and a GPC's SMs are not a multiple of every cluster size, so clusters of 3 and 4
 fill fewer than all 132 SMs of an H100 or H200.  A grid of one more cluster than fit runs a second wave: 40 clusters
 of 3 (5120 rows of two 64-row blocks) ran 1.5x slower than 36 (docs/design/0063).  Beside each, the count the rule
-uses on a device (``cluster_slots.device_slots``: an empty kernel of the same CTAs an SM, docs/design/0065), and the
+uses on a device (``gpu_facts.device_facts``: an empty kernel of the same CTAs an SM, docs/design/0065), and the
 picks of the sweep set and the held-out models that the device's slots move from the model's.  Writes
 ``bench/results/sparse24-cluster-slots-<gpu>.json``.
 
@@ -18,7 +18,7 @@ import argparse
 import sys
 
 from kernelplan.bench import results
-from kernelplan.kernels.cluster_slots import device_slots, max_active_clusters
+from kernelplan.kernels.gpu_facts import device_facts, max_active_clusters
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.bench.shapes import BATCH_SIZES, held_out_shapes, sweep_shapes
 from kernelplan.kernels.sparse24_ws import WsKernel, _deepest, resident, with_push, ws_config
@@ -41,13 +41,13 @@ def main() -> int:
             if cfg is None:
                 continue
             cfg = with_push(cfg, 8, 4096, sms)
-            clusters, probe = max_clusters(cfg, 8, 4096), device_slots(0).at(kc, resident(cfg))
+            clusters, probe = max_clusters(cfg, 8, 4096), device_facts(0).at(kc, resident(cfg))
             rows.append({"tile": str(cfg), "cluster": kc, "threads": cfg.threads, "shared": cfg.shared,
                          "clusters": clusters, "ctas": clusters * kc, "sms": sms, "resident": resident(cfg),
                          "probe_ctas": probe})
             print(f"{cfg}: {clusters} clusters of {kc} at once ({clusters * kc} CTAs on {sms} SMs; the probe's "
                   f"slots at {resident(cfg)} an SM: {probe})", flush=True)
-    moved = moved_picks(device_slots(0))
+    moved = moved_picks(device_facts(0))
     print(f"the rule's picks the driver's slots move from the model's ({len(moved)}):")
     for row in moved:
         print(f"  {row['m']}x{row['k']} n={row['n']} gated={row['gated']}: {row['model']} -> {row['driver']}")
@@ -57,12 +57,12 @@ def main() -> int:
 
 def moved_picks(slots) -> list[dict]:
     """The picks of ``ws_config`` over the sweep set and the held-out models, at every n of the sweep and gated or
-    not, that ``slots`` moves from ``ClusterSlots.model``'s for the same SMs."""
+    not, that ``slots`` moves from ``GpuFacts.model``'s for the same SMs."""
     out = []
     for m, k in [*sweep_shapes(), *held_out_shapes()]:
         for n in BATCH_SIZES:
             for gated in (False, True):
-                model, driver = ws_config(n, m, k, slots.sms, gated), ws_config(n, m, k, slots.sms, gated, slots=slots)
+                model, driver = ws_config(n, m, k, slots.sms, gated), ws_config(n, m, k, slots.sms, gated, gpu=slots)
                 if model != driver:
                     out.append({"m": m, "k": k, "n": n, "gated": gated, "model": str(model), "driver": str(driver)})
     return out

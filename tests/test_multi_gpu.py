@@ -499,11 +499,11 @@ def test_graph_timings_capture_on_the_current_device_whatever_capture_came_first
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2 or torch.cuda.get_device_capability(1) < (9, 0),
                     reason="needs a second device with thread-block clusters (sm_90)")
-def test_cluster_slots_of_a_device_that_is_not_current():
+def test_gpu_facts_of_a_device_that_is_not_current():
     """The tile rule's clusters of cuda:1 asked while cuda:0 is current: its probe loads and is queried there."""
-    from kernelplan.kernels.cluster_slots import device_slots
+    from kernelplan.kernels.gpu_facts import device_facts
 
     torch.cuda.set_device(0)
-    slots = device_slots(1)
+    slots = device_facts(1)
     assert slots.source == "driver" and slots.sms == torch.cuda.get_device_properties(1).multi_processor_count
     assert 0 < slots.at(3) <= slots.sms and torch.cuda.current_device() == 0

@@ -102,11 +102,11 @@ def test_a_stored_choice_holds_only_under_todays_rule_and_candidates():
 
 def test_the_kernel_takes_a_tuned_tile_for_the_run_of_n_and_the_rule_elsewhere(monkeypatch):
     from kernelplan.kernels import sparse24_sp, sparse24_wg, sparse24_ws
-    from kernelplan.kernels.cluster_slots import ClusterSlots
+    from kernelplan.kernels.gpu_facts import GpuFacts
 
     monkeypatch.setattr(sparse24_wg, "sm_count", lambda device: SMS)
     monkeypatch.setattr(sparse24_ws, "sm_count", lambda device: SMS)
-    monkeypatch.setattr(sparse24_ws, "device_slots", lambda device: ClusterSlots.model(SMS))
+    monkeypatch.setattr(sparse24_ws, "device_facts", lambda device: GpuFacts.model(SMS))
     monkeypatch.setattr(sparse24_sp, "sm_count", lambda device: SMS)
     monkeypatch.setattr(sparse24_sp, "shared_per_block", lambda device: 227 * 1024)  # Hopper's
     sp_other = sp_candidates(8, 28672, 4096, SMS)[3]
@@ -336,7 +336,7 @@ def fake_hopper(monkeypatch, tmp_path):
     script: ``timed`` lists each call's (n, m, k, candidates); the tile named by ``faster[(m, k, n)]`` reads 0.8 of
     the rule's time, every other one 1.0."""
     from kernelplan import cache, kernels
-    from kernelplan.kernels import cluster_slots, sparse24_ws
+    from kernelplan.kernels import gpu_facts, sparse24_ws
     from kernelplan.kernels import sparse24 as kernels_sparse24
 
     monkeypatch.setenv("KERNELPLAN_CACHE_DIR", str(tmp_path))
@@ -345,8 +345,8 @@ def fake_hopper(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     monkeypatch.setattr(kernels_sparse24, "sm_count", lambda index: SMS)
     monkeypatch.setattr(sparse24_ws, "sm_count", lambda index: SMS)
-    for module in (cluster_slots, sparse24_ws):  # the rule's clusters: the model's, not a driver's
-        monkeypatch.setattr(module, "device_slots", lambda index: cluster_slots.ClusterSlots.model(SMS))
+    for module in (gpu_facts, sparse24_ws):  # the rule's clusters: the model's, not a driver's
+        monkeypatch.setattr(module, "device_facts", lambda index: gpu_facts.GpuFacts.model(SMS))
     monkeypatch.setattr(kernels, "on_device", lambda index: __import__("contextlib").nullcontext())
     monkeypatch.setattr(kernels, "stream_capturing", lambda: False)
     monkeypatch.setattr(cache, "environment_fingerprint", lambda device="cpu": {"gpu": "fake H100", "device": device})

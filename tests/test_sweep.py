@@ -352,7 +352,7 @@ def test_results_record_the_gpus_attributes_and_never_fail_on_them(tmp_path, mon
     """Every results file's metadata carries its GPU's driver attributes (what tells an H100 from an H200 of the same
     SM count, docs/design/0054); where the driver cannot give them it says why, and the file is still written."""
     from kernelplan.bench import results
-    from kernelplan.kernels import cluster_slots, nvrtc
+    from kernelplan.kernels import gpu_facts, nvrtc
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
     values = {"MULTIPROCESSOR_COUNT": 132, "L2_CACHE_SIZE": 50 << 20, "MEMORY_CLOCK_RATE": 3_201_000,
@@ -365,14 +365,14 @@ def test_results_record_the_gpus_attributes_and_never_fail_on_them(tmp_path, mon
                            "clock_khz": 1_980_000}
 
     values["COMPUTE_CAPABILITY_MAJOR"] = 9  # Hopper: the clusters the tile rule counts, the driver's
-    monkeypatch.setattr(cluster_slots, "device_slots", lambda index: cluster_slots.ClusterSlots.model(132))
-    assert results.gpu_attributes(0)["cluster_slots"]["ctas"]["3"]["1"] == 117
+    monkeypatch.setattr(gpu_facts, "device_facts", lambda index: gpu_facts.GpuFacts.model(132))
+    assert results.gpu_attributes(0)["rule_facts"]["ctas"]["3"]["1"] == 117
 
     def no_probe(index):
         raise nvrtc.KernelPlanError("cuOccupancyMaxActiveClusters failed: CUDA_ERROR_INVALID_VALUE")
 
-    monkeypatch.setattr(cluster_slots, "device_slots", no_probe)
-    assert results.gpu_attributes(0) == {**meta["gpu"], "cluster_slots": "unreadable: KernelPlanError: "
+    monkeypatch.setattr(gpu_facts, "device_facts", no_probe)
+    assert results.gpu_attributes(0) == {**meta["gpu"], "rule_facts": "unreadable: KernelPlanError: "
                                          "cuOccupancyMaxActiveClusters failed: CUDA_ERROR_INVALID_VALUE"}
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)

@@ -22,9 +22,9 @@ GPU_ATTRIBUTES = {"sms": "MULTIPROCESSOR_COUNT", "l2_bytes": "L2_CACHE_SIZE", "m
 
 
 def gpu_attributes(device_index: int | None = 0) -> dict:
-    """``GPU_ATTRIBUTES`` of CUDA device ``device_index`` (None: the current one), and on sm_90 and later its cluster
-    slots (``kernels.cluster_slots``); where the driver cannot give them, why (a results file's metadata is never the
-    reason a bench fails)."""
+    """``GPU_ATTRIBUTES`` of CUDA device ``device_index`` (None: the current one), and on sm_90 and later what the
+    tile rule reads of it (``kernels.gpu_facts``); where the driver cannot give them, why (a results file's metadata
+    is never the reason a bench fails)."""
     import torch
 
     from ..kernels.nvrtc import device_attribute
@@ -35,12 +35,12 @@ def gpu_attributes(device_index: int | None = 0) -> dict:
     except Exception as e:  # noqa: BLE001 - the bench's results matter more than this record of its GPU
         return {"unreadable": f"{type(e).__name__}: {e}"}
     try:
-        if device_attribute(index, "COMPUTE_CAPABILITY_MAJOR") >= 9:  # clusters: what cuda_ws's rule counts
-            from ..kernels.cluster_slots import device_slots
+        if device_attribute(index, "COMPUTE_CAPABILITY_MAJOR") >= 9:  # what cuda_ws's rule reads
+            from ..kernels.gpu_facts import device_facts
 
-            out["cluster_slots"] = device_slots(index).to_json()
+            out["rule_facts"] = device_facts(index).to_json()
     except Exception as e:  # noqa: BLE001
-        out["cluster_slots"] = f"unreadable: {type(e).__name__}: {e}"
+        out["rule_facts"] = f"unreadable: {type(e).__name__}: {e}"
     return out
 
 

@@ -24,7 +24,7 @@ from ..errors import KernelPlanError
 from .nvrtc import cuda_source
 from .sparse24_mma import COMMON_SOURCE, defines
 from .sparse24_sp import SM_SHARED
-from .cluster_slots import ClusterSlots, device_slots, model_slots
+from .gpu_facts import GpuFacts, device_facts, model_facts
 from .sparse24 import sm_count
 from .direct import FunctionLaunch, _stream
 from .sparse24_wg import WgKernel, instruction_n
@@ -201,14 +201,14 @@ class SkPlan:
     part_floats: int  # f32 of one handed-over part (BN x rows)
 
     @property
-    def slots(self) -> int:
+    def gpu(self) -> int:
         """Parts handed over: all but each split tile's last."""
         return (self.splits - 1) * self.rest
 
     @property
     def workspace_bytes(self) -> int:
         """The parts' flags (in whole KiB) and the parts; none where no tile is split."""
-        return -(-4 * self.slots // 1024) * 1024 + 4 * self.slots * self.part_floats if self.slots else 0
+        return -(-4 * self.gpu // 1024) * 1024 + 4 * self.gpu * self.part_floats if self.gpu else 0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -271,11 +271,11 @@ WEIGHTS = RuleWeights(mma=3.34, copy=0.00625, step=453, l2=0.014, cta=30600, spl
                       mma_floor=350, cluster=10000)
 
 
-def _cluster_sms(cfg: WsConfig, sms: int, slots: ClusterSlots | None = None) -> int:
+def _cluster_sms(cfg: WsConfig, sms: int, gpu: GpuFacts | None = None) -> int:
     """The SMs a grid of ``cfg``'s clusters places on at one CTA an SM: fewer than all where a cluster has 3 CTAs or
     more (a grid of 40 clusters of 3 ran 1.5x slower than one of 36 on an H200, where 39 place: docs/design/0063).
-    ``slots``: the device's (``cluster_slots.device_slots``), else ``ClusterSlots.model(sms)``."""
-    return (slots or model_slots(sms)).at(cfg.cm * cfg.kc)
+    ``gpu``: the device's (``gpu_facts.device_facts``), else ``GpuFacts.model(sms)``."""
+    return (gpu or model_facts(sms)).at(cfg.cm * cfg.kc)
 
 
 def k_slices(k: int, kc: int) -> list[range]:
@@ -286,12 +286,12 @@ def k_slices(k: int, kc: int) -> list[range]:
 
 
 def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
-              slots: ClusterSlots | None = None) -> float:
+              gpu: GpuFacts | None = None) -> float:
     """The rule's estimate of a tile's time, relative: lower is faster (not for the split persistent variant)."""
     n_tiles, m_tiles, slices = cfg.grid(n, m)
     ctas = n_tiles * m_tiles * slices
     step_bytes = cfg.bn * 128 / cfg.cm + cfg.wm * 4608
-    waves = -(-ctas // _cluster_sms(cfg, sms, slots))  # ping-pong: tiles a CTA, one after another
+    waves = -(-ctas // _cluster_sms(cfg, sms, gpu))  # ping-pong: tiles a CTA, one after another
     mma = max(cfg.bn * cfg.wm * w.mma, w.mma_floor)
     step = w.step + max(mma, step_bytes * w.copy) + (w.l2 * step_bytes if waves > 1 else 0)
     if cfg.pp:
@@ -310,11 +310,11 @@ _MCAST_TIE_MIN_BN = 128
 
 
 def rule_order(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
-               slots: ClusterSlots | None = None) -> tuple[float, bool, bool]:
+               gpu: GpuFacts | None = None) -> tuple[float, bool, bool]:
     """The rule's sort key: ``tile_cost``, then ping-pong first, then x multicast to 2 CTAs where x's tile is
     ``_MCAST_TIE_MIN_BN`` rows or more.  A ping-pong tile and the same tile one a CTA cost alike where each CTA has
     one tile; there the ping-pong one ran faster on 20 of 24 problems, by up to 6% (sparse24-ws-small-h100.json)."""
-    return tile_cost(cfg, n, m, k, sms, w, slots), not cfg.pp, cfg.bn >= _MCAST_TIE_MIN_BN and cfg.cm != 2
+    return tile_cost(cfg, n, m, k, sms, w, gpu), not cfg.pp, cfg.bn >= _MCAST_TIE_MIN_BN and cfg.cm != 2
 
 
 # x multicast without a K split (cm > 1, kc = 1) only in grids of more than this many waves of CTAs.  Each such
@@ -333,15 +333,15 @@ def multicast_pays(cfg: WsConfig, n: int, m: int, sms: int) -> bool:
 
 
 def least_cost(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
-               slots: ClusterSlots | None = None) -> WsConfig:
+               gpu: GpuFacts | None = None) -> WsConfig:
     """The first of ``space`` in ``rule_order`` (further ties: the first in its order)."""
-    return min(space, key=lambda c: rule_order(c, n, m, k, sms, w, slots))
+    return min(space, key=lambda c: rule_order(c, n, m, k, sms, w, gpu))
 
 
 def rule_pick(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
-              slots: ClusterSlots | None = None) -> WsConfig:
+              gpu: GpuFacts | None = None) -> WsConfig:
     """``least_cost`` of ``space``, without x multicast where that does not pay (``multicast_pays``)."""
-    cfg = least_cost(space, n, m, k, sms, w, slots)
+    cfg = least_cost(space, n, m, k, sms, w, gpu)
     return cfg if multicast_pays(cfg, n, m, sms) else replace(cfg, cm=1)
 
 
@@ -377,34 +377,34 @@ def small_n_splits(n: int, k: int) -> list[WsConfig]:
 
 @functools.lru_cache(maxsize=4096)
 def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeights = WEIGHTS,
-              slots: ClusterSlots | None = None) -> WsConfig:
+              gpu: GpuFacts | None = None) -> WsConfig:
     """The tile for N = n: ``rule_pick`` of ``ws_candidates`` under ``w``, a K split over 3 CTAs only where its grid runs
     more CTAs than the pick without it (docs/design/0063), a grid under a quarter of the SMs at n <= 16 given way to a
     small-n split (``small_grid_split``, 0064), with its K slices pushing their sums where that pays.  ``gated``: among
-    the tiles a gated epilogue runs on (``gated_tile``), none of them small-n splits.  ``slots``: the clusters the GPU
+    the tiles a gated epilogue runs on (``gated_tile``), none of them small-n splits.  ``gpu``: the clusters the GPU
     runs at once, which waves are counted by (``WsKernel.config`` passes the driver's, docs/design/0065); None, the
-    model of a GPU of ``sms`` SMs (``ClusterSlots.model``)."""
-    cfg = cost_pick(n, m, k, sms, gated, w, slots)
-    return with_push(cfg if gated else small_grid_split(cfg, n, m, k, sms, w, slots), n, m, sms, slots)
+    model of a GPU of ``sms`` SMs (``GpuFacts.model``)."""
+    cfg = cost_pick(n, m, k, sms, gated, w, gpu)
+    return with_push(cfg if gated else small_grid_split(cfg, n, m, k, sms, w, gpu), n, m, sms, gpu)
 
 
 def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS, small_grids: bool = True,
-              slots: ClusterSlots | None = None) -> WsConfig:
+              gpu: GpuFacts | None = None) -> WsConfig:
     """``ws_config``'s pick among ``space``, before the push: ``rule_pick``, a split over 3 only where its grid runs
     more CTAs than the pick without it (the note at _SPLITS), then, with ``small_grids``, ``small_grid_split``.  Also
     how tools/fit_ws_rule.py picks among a table's tiles."""
-    cfg = rule_pick(space, n, m, k, sms, w, slots)
+    cfg = rule_pick(space, n, m, k, sms, w, gpu)
     if cfg.kc == 3:
-        rest = rule_pick([c for c in space if c.kc != 3], n, m, k, sms, w, slots)
+        rest = rule_pick([c for c in space if c.kc != 3], n, m, k, sms, w, gpu)
         cfg = cfg if grid_ctas(cfg, n, m, sms) > grid_ctas(rest, n, m, sms) else rest
-    return small_grid_split(cfg, n, m, k, sms, w, slots) if small_grids else cfg
+    return small_grid_split(cfg, n, m, k, sms, w, gpu) if small_grids else cfg
 
 
 def cost_pick(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeights = WEIGHTS,
-              slots: ClusterSlots | None = None) -> WsConfig:
+              gpu: GpuFacts | None = None) -> WsConfig:
     """``ws_config``'s pick before ``small_grid_split`` and the push (bench/sparse24_rule_ab.py's rule before 0064)."""
     space = [c for c in ws_candidates(n, m, k, gated=gated) if not gated or gated_tile(c)]
-    return pick_from(space, n, m, k, sms, w, small_grids=False, slots=slots)
+    return pick_from(space, n, m, k, sms, w, small_grids=False, gpu=gpu)
 
 
 # At n <= SPLIT_MAX_N a pick whose grid runs under this share of the SMs gives way to the small-n split of the most
@@ -417,14 +417,14 @@ SMALL_GRID_SHARE = 0.25
 
 
 def small_grid_split(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
-                     slots: ClusterSlots | None = None) -> WsConfig:
+                     gpu: GpuFacts | None = None) -> WsConfig:
     """``cfg``, or where its grid runs under ``SMALL_GRID_SHARE`` of the SMs at n <= ``SPLIT_MAX_N``, the small-n
     split of the most CTAs that place in one wave (the least cost among those), if it runs more."""
     ctas = grid_ctas(cfg, n, m, sms)
     if ctas >= SMALL_GRID_SHARE * sms:
         return cfg
-    wider = [c for c in small_n_splits(n, k) if ctas < grid_ctas(c, n, m, sms) <= _cluster_sms(c, sms, slots)]
-    return max(wider, key=lambda c: (grid_ctas(c, n, m, sms), -tile_cost(c, n, m, k, sms, w, slots)), default=cfg)
+    wider = [c for c in small_n_splits(n, k) if ctas < grid_ctas(c, n, m, sms) <= _cluster_sms(c, sms, gpu)]
+    return max(wider, key=lambda c: (grid_ctas(c, n, m, sms), -tile_cost(c, n, m, k, sms, w, gpu)), default=cfg)
 
 
 def grid_ctas(cfg: WsConfig, n: int, m: int, sms: int) -> int:
@@ -442,12 +442,12 @@ def resident(cfg: WsConfig) -> int:
     return (SM_SHARED + 1024) // (cfg.shared + 1024)
 
 
-def with_push(cfg: WsConfig, n: int, m: int, sms: int, slots: ClusterSlots | None = None) -> WsConfig:
+def with_push(cfg: WsConfig, n: int, m: int, sms: int, gpu: GpuFacts | None = None) -> WsConfig:
     """``cfg`` with its K slices pushing their sums where that pays (``push_pays``), else without."""
-    return cfg if push_pays(cfg, n, m, sms, slots) else replace(cfg, push=False)
+    return cfg if push_pays(cfg, n, m, sms, gpu) else replace(cfg, push=False)
 
 
-def push_pays(cfg: WsConfig, n: int, m: int, sms: int, slots: ClusterSlots | None = None) -> bool:
+def push_pays(cfg: WsConfig, n: int, m: int, sms: int, gpu: GpuFacts | None = None) -> bool:
     """Whether the pushed sums' buffer (``recv_bytes``) leaves the grid in as many waves as without it.  It can cost
     an SM a CTA: 64 clusters of 4 CTAs of 64 x 32 (4096x14336, n <= 16) ran in one wave at three CTAs an SM and
     spilled past it at two, 15-26% slower on both GPUs, where 56 of them (3584x14336) ran faster
@@ -455,7 +455,7 @@ def push_pays(cfg: WsConfig, n: int, m: int, sms: int, slots: ClusterSlots | Non
     if not cfg.recv_bytes:
         return True
     tiles_n, blocks, slices = cfg.grid(n, m)
-    at = (slots or model_slots(sms)).at
+    at = (gpu or model_facts(sms)).at
     waves = [-(-tiles_n * blocks * slices // at(c.cm * c.kc, resident(c))) for c in (cfg, replace(cfg, push=False))]
     return waves[0] <= waves[1]
 
@@ -676,12 +676,12 @@ class StreamKLaunch(MapLaunch):
                 self._plans.clear()
             plan = self._plans[n, m, k] = sk_plan(self.cfg, n, m, k, self.sms)
         work, address = None, 0
-        if plan.slots:
+        if plan.gpu:
             work = torch.empty(plan.workspace_bytes // 4, dtype=torch.int32, device=self.device)
             address = work.data_ptr()
-            err, = self._cu.cuMemsetD32Async(address, 0, plan.slots, _stream(self._cu, stream))
+            err, = self._cu.cuMemsetD32Async(address, 0, plan.gpu, _stream(self._cu, stream))
             if err:
-                raise KernelPlanError(f"{self.name}: zeroing its {plan.slots} flags failed: {err.name}")
+                raise KernelPlanError(f"{self.name}: zeroing its {plan.gpu} flags failed: {err.name}")
         params = self._mapped(args) + (plan.tiles_n, plan.dp_tiles, plan.splits, address)
         FunctionLaunch.__call__(self, (plan.grid, 1, 1), params, stream, packed=True)
 
@@ -713,13 +713,13 @@ class WsKernel(WgKernel):
 
     def config(self, n, m, k, device, activation=None):
         """The tile this process tuned for the problem (``sparse24/tiles.py``, opt-in), else the rule's, with the
-        device's own cluster slots."""
+        device's own cluster gpu."""
         from ..sparse24.dispatch import config_for
         from ..sparse24.tiles import tuned_tile
 
         gated = activation in GATED_EPILOGUES
         return (tuned_tile(device, n, m, k, gated, self.name)
-                or config_for(self.name, n, m, k, sm_count(device), gated, device_slots(device)))
+                or config_for(self.name, n, m, k, sm_count(device), gated, device_facts(device)))
 
     def launch_config(self, cfg: WsConfig, n, m, dtype, has_bias, activation, device):
         if cfg.sk or cfg.pp:  # the launch takes its grid from the problem (sk_plan; one CTA an SM)

@@ -105,7 +105,7 @@ def backend_of(cfg) -> str:
 
 
 def candidates(n: int, m: int, k: int, sms: int, gated: bool, top: int = DEFAULT_TOP,
-               backend: str = "cuda_ws", slots=None) -> list:
+               backend: str = "cuda_ws", gpu=None) -> list:
     """``backend``'s ``top`` first tiles for (n, M, K), the rule's own pick first: ``cuda_ws``'s in the order of its
     rule's cost (``rule_order``); ``cuda_sp``'s, whose rule has no cost to rank by, its pick's neighbours first
     (``sp_candidates``; every one of them runs a gated epilogue)."""
@@ -115,9 +115,9 @@ def candidates(n: int, m: int, k: int, sms: int, gated: bool, top: int = DEFAULT
         return sp_candidates(n, m, k, sms)[:top]
     from ..kernels.sparse24_ws import gated_tile, rule_order, ws_candidates, ws_config
 
-    rule = ws_config(n, m, k, sms, gated, slots=slots)  # first: where it drops x multicast it does not lead rule_order
+    rule = ws_config(n, m, k, sms, gated, gpu=gpu)  # first: where it drops x multicast it does not lead rule_order
     space = [c for c in ws_candidates(n, m, k) if (not gated or gated_tile(c)) and c != rule]
-    return [rule, *sorted(space, key=lambda c: rule_order(c, n, m, k, sms, slots=slots))][:top]
+    return [rule, *sorted(space, key=lambda c: rule_order(c, n, m, k, sms, gpu=gpu))][:top]
 
 
 def decide(rounds_ms: dict, rule, min_gain: float = MIN_GAIN) -> tuple:
@@ -259,7 +259,7 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
     from ..cache import plan_cache
     from ..dtypes import dtype_info
     from ..kernels import on_device, stream_capturing
-    from ..kernels.cluster_slots import device_slots
+    from ..kernels.gpu_facts import device_facts
     from ..kernels.sparse24 import sm_count
 
     if not torch.cuda.is_available():
@@ -287,8 +287,8 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
                 if backend not in OPS or n > kernels[backend].max_n:
                     plan.append((m, k, epilogue, n, backend, None, None, None))
                     continue
-                slots = device_slots(index) if backend == "cuda_ws" else None
-                cands = candidates(n, m, k, sms, gated, top, backend, slots)
+                gpu = device_facts(index) if backend == "cuda_ws" else None
+                cands = candidates(n, m, k, sms, gated, top, backend, gpu)
                 value = (plan_cache().get(OPS[backend], _problem(m, k, n, gated, sms), device=f"cuda:{index}")
                          if store else None)
                 tile = _stored(value, cands[0], cands) if value is not None else None

@@ -1,44 +1,47 @@
-"""The clusters a GPU runs at once (``kernels/cluster_slots.py``), which ``cuda_ws``'s rule counts waves by: the model
-on CPU, the driver's probe on a GPU (docs/design/0065)."""
+"""What ``cuda_ws``'s rule knows of a GPU (``kernels/gpu_facts.py``): the clusters it runs at once, which the rule
+counts waves by, and its DRAM bandwidth; the model on CPU, the driver's on a GPU (docs/design/0065, 0066)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from helpers import sm90
 from kernelplan.bench.shapes import sweep_shapes
-from kernelplan.kernels.cluster_slots import PER_SM, SIZES, ClusterSlots
+from kernelplan.kernels.gpu_facts import PER_SM, SIZES, GpuFacts
 from kernelplan.kernels.sparse24_ws import _deepest, grid_ctas, push_pays, resident, ws_config
 
 gpu = pytest.mark.gpu
 
 
-def _with(size: int, per_sm: int, ctas: int, sms: int = 132) -> ClusterSlots:
+def _with(size: int, per_sm: int, ctas: int, sms: int = 132) -> GpuFacts:
     """The model of ``sms`` SMs, but clusters of ``size`` place ``ctas`` CTAs at ``per_sm`` an SM."""
-    rows = [list(row) for row in ClusterSlots.model(sms).ctas]
+    model = GpuFacts.model(sms)
+    rows = [list(row) for row in model.ctas]
     rows[SIZES.index(size)][PER_SM.index(per_sm)] = ctas
-    return ClusterSlots(sms, tuple(map(tuple, rows)), "test")
+    return dataclasses.replace(model, ctas=tuple(map(tuple, rows)), source="test")
 
 
 def test_the_model_is_the_h200s_clusters_scaled_to_the_sms():
     """sparse24-cluster-slots-h200.json at one CTA an SM: 66 clusters of 2, 39 of 3, 30 of 4, 15 of 8."""
-    here = ClusterSlots.model(132)
+    here = GpuFacts.model(132)
     assert [here.at(s) for s in (1, 2, 3, 4, 8)] == [132, 132, 117, 120, 120]
     assert (here.at(1, 3), here.at(3, 3), here.at(4, 2)) == (396, 351, 240)
-    assert [ClusterSlots.model(78).at(s) for s in (2, 3, 4)] == [78, 69, 70]
+    assert [GpuFacts.model(78).at(s) for s in (2, 3, 4)] == [78, 69, 70]
 
 
 @pytest.mark.parametrize("size, per_sm", [(5, 1), (16, 1), (3, 0), (2, 5)])
 def test_slots_refuse_the_sizes_and_ctas_an_sm_they_do_not_hold(size, per_sm):
     with pytest.raises(ValueError, match="the slots are known for"):
-        ClusterSlots.model(132).at(size, per_sm)
+        GpuFacts.model(132).at(size, per_sm)
 
 
 @pytest.mark.parametrize("sms", [78, 132])
 def test_the_rule_without_slots_is_the_rule_with_the_model(sms):
     for m, k in sweep_shapes():
         for n in (1, 8, 16, 32, 128, 1024):
-            assert ws_config(n, m, k, sms) == ws_config(n, m, k, sms, slots=ClusterSlots.model(sms)), (m, k, n)
+            assert ws_config(n, m, k, sms) == ws_config(n, m, k, sms, gpu=GpuFacts.model(sms)), (m, k, n)
 
 
 def test_the_rule_counts_waves_by_the_slots_it_is_given():
@@ -46,7 +49,7 @@ def test_the_rule_counts_waves_by_the_slots_it_is_given():
     of 3 place on 105 SMs they take two, and the rule keeps the split over 2 (72 CTAs)."""
     model = ws_config(8, 4608, 4096, 132)
     assert (model.kc, grid_ctas(model, 8, 4608, 132)) == (3, 108)
-    fewer = ws_config(8, 4608, 4096, 132, slots=_with(3, 1, 105))
+    fewer = ws_config(8, 4608, 4096, 132, gpu=_with(3, 1, 105))
     assert (fewer.kc, grid_ctas(fewer, 8, 4608, 132)) == (2, 72)
 
 
@@ -63,9 +66,9 @@ def test_the_ws_kernel_picks_with_its_devices_slots(monkeypatch):
     import kernelplan.kernels.sparse24_ws as ws
 
     monkeypatch.setattr(ws, "sm_count", lambda index: 132)
-    monkeypatch.setattr(ws, "device_slots", lambda index: _with(3, 1, 105))
+    monkeypatch.setattr(ws, "device_facts", lambda index: _with(3, 1, 105))
     assert ws.WsKernel().config(8, 4608, 4096, 0).kc == 2
-    monkeypatch.setattr(ws, "device_slots", lambda index: ClusterSlots.model(132))
+    monkeypatch.setattr(ws, "device_facts", lambda index: GpuFacts.model(132))
     assert ws.WsKernel().config(8, 4608, 4096, 0).kc == 3
 
 
@@ -76,10 +79,10 @@ def test_the_probes_slots_are_the_ws_kernels_own():
     (``cuOccupancyMaxActiveClusters`` of each), for the K splits over 2, 3, 4 and 8 of one and two 64-row blocks."""
     import torch
 
-    from kernelplan.kernels.cluster_slots import device_slots, max_active_clusters
+    from kernelplan.kernels.gpu_facts import device_facts, max_active_clusters
     from kernelplan.kernels.sparse24_ws import WsKernel, with_push
 
-    slots, sms = device_slots(0), torch.cuda.get_device_properties(0).multi_processor_count
+    slots, sms = device_facts(0), torch.cuda.get_device_properties(0).multi_processor_count
     assert slots.source == "driver" and slots.sms == sms
     for size in SIZES:
         row = [slots.at(size, r) for r in PER_SM]
@@ -97,9 +100,9 @@ def test_the_probes_slots_are_the_ws_kernels_own():
 def test_the_ws_kernel_on_a_gpu_picks_with_the_drivers_slots():
     import torch
 
-    from kernelplan.kernels.cluster_slots import device_slots
+    from kernelplan.kernels.gpu_facts import device_facts
     from kernelplan.kernels.sparse24_ws import WsKernel
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for n, m, k in ((8, 4608, 4096), (16, 3584, 3584), (8, 5120, 4096), (256, 4096, 14336)):
-        assert WsKernel().config(n, m, k, 0) == ws_config(n, m, k, sms, slots=device_slots(0))
+        assert WsKernel().config(n, m, k, 0) == ws_config(n, m, k, sms, gpu=device_facts(0))
