@@ -464,7 +464,7 @@ def test_grids_under_a_quarter_of_the_sms_at_small_n_take_the_widest_split():
 
 
 def test_clusters_of_3_and_4_place_on_fewer_than_all_sms():
-    """A cluster stays inside a GPC (sparse24-cluster-gpu-h200.json): on 132 SMs, 39 clusters of 3 and 30 of 4 at
+    """A cluster stays inside a GPC (sparse24-cluster-slots-h200.json): on 132 SMs, 39 clusters of 3 and 30 of 4 at
     once.  40 clusters of 3 (5120 rows, two 64-row blocks) cost two waves; 36 (4608 rows) one (docs/design/0063)."""
     from kernelplan.kernels.sparse24_ws import _cluster_sms, _deepest
 
@@ -541,7 +541,7 @@ def test_split_workspace_is_the_flags_and_each_handed_over_part():
     cfg = WsConfig(128, 2, stages=8, sk=True)
     plan = sk_plan(cfg, 256, 5120, 13824, 132)  # 80 tiles on 132 SMs: split along K
     assert plan.dp_tiles == 0 and plan.rest == 80 and plan.splits > 1 and plan.grid == min(132, 80 * plan.splits)
-    assert plan.workspace_bytes == -(-4 * plan.gpu // 1024) * 1024 + plan.gpu * 128 * 128 * 4
+    assert plan.workspace_bytes == -(-4 * plan.slots // 1024) * 1024 + plan.slots * 128 * 128 * 4
     assert sk_plan(cfg, 256, 8448, 4096, 132).splits == 1  # 132 tiles: one whole wave, no workspace
     assert sk_plan(cfg, 256, 8448, 4096, 132).workspace_bytes == 0
     wide = sk_plan(cfg, 4096, 5120, 13824, 132)  # 1280 tiles: 9 whole waves, then 92 tiles split
@@ -726,8 +726,8 @@ def test_a_split_tail_launch_is_not_bound(monkeypatch):
 @pytest.mark.parametrize("bn, wm, kc", [(16, 1, 2), (16, 2, 2), (32, 1, 4), (64, 3, 2)])
 def test_pushed_sums_index_arithmetic_meets_every_slice_once(bn, wm, kc):
     """The pushed sums' index arithmetic (sparse24_ws.cu), emulated over a cluster of K slices: each slice pushes the
-    other slices' rows of its partial sums to their CTAs' gpu, past the ring and its barriers (recv_bytes: the
-    gpu and the sums barrier), and each CTA's rows, read back in rank order from its own sums and its gpu, are
+    other slices' rows of its partial sums to their CTAs' slots, past the ring and its barriers (recv_bytes: the
+    slots and the sums barrier), and each CTA's rows, read back in rank order from its own sums and its slots, are
     the sum over every slice, each slice's part exactly once."""
     rows_here, bm = bn // kc, 64 * wm
     stride = bm + 4

@@ -201,14 +201,14 @@ class SkPlan:
     part_floats: int  # f32 of one handed-over part (BN x rows)
 
     @property
-    def gpu(self) -> int:
+    def slots(self) -> int:
         """Parts handed over: all but each split tile's last."""
         return (self.splits - 1) * self.rest
 
     @property
     def workspace_bytes(self) -> int:
         """The parts' flags (in whole KiB) and the parts; none where no tile is split."""
-        return -(-4 * self.gpu // 1024) * 1024 + 4 * self.gpu * self.part_floats if self.gpu else 0
+        return -(-4 * self.slots // 1024) * 1024 + 4 * self.slots * self.part_floats if self.slots else 0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -274,7 +274,7 @@ WEIGHTS = RuleWeights(mma=3.34, copy=0.00625, step=453, l2=0.014, cta=30600, spl
 def _cluster_sms(cfg: WsConfig, sms: int, gpu: GpuFacts | None = None) -> int:
     """The SMs a grid of ``cfg``'s clusters places on at one CTA an SM: fewer than all where a cluster has 3 CTAs or
     more (a grid of 40 clusters of 3 ran 1.5x slower than one of 36 on an H200, where 39 place: docs/design/0063).
-    ``gpu``: the device's (``gpu_facts.device_facts``), else ``GpuFacts.model(sms)``."""
+    ``gpu``: the device's facts (``gpu_facts.device_facts``), else ``GpuFacts.model(sms)``."""
     return (gpu or model_facts(sms)).at(cfg.cm * cfg.kc)
 
 
@@ -676,12 +676,12 @@ class StreamKLaunch(MapLaunch):
                 self._plans.clear()
             plan = self._plans[n, m, k] = sk_plan(self.cfg, n, m, k, self.sms)
         work, address = None, 0
-        if plan.gpu:
+        if plan.slots:
             work = torch.empty(plan.workspace_bytes // 4, dtype=torch.int32, device=self.device)
             address = work.data_ptr()
-            err, = self._cu.cuMemsetD32Async(address, 0, plan.gpu, _stream(self._cu, stream))
+            err, = self._cu.cuMemsetD32Async(address, 0, plan.slots, _stream(self._cu, stream))
             if err:
-                raise KernelPlanError(f"{self.name}: zeroing its {plan.gpu} flags failed: {err.name}")
+                raise KernelPlanError(f"{self.name}: zeroing its {plan.slots} flags failed: {err.name}")
         params = self._mapped(args) + (plan.tiles_n, plan.dp_tiles, plan.splits, address)
         FunctionLaunch.__call__(self, (plan.grid, 1, 1), params, stream, packed=True)
 
@@ -713,7 +713,7 @@ class WsKernel(WgKernel):
 
     def config(self, n, m, k, device, activation=None):
         """The tile this process tuned for the problem (``sparse24/tiles.py``, opt-in), else the rule's, with the
-        device's own cluster gpu."""
+        device's own facts (its cluster slots and DRAM bandwidth)."""
         from ..sparse24.dispatch import config_for
         from ..sparse24.tiles import tuned_tile
 

@@ -118,8 +118,8 @@ def backend_for(capability: tuple[int, int] | None, n: int, m: int, k: int, dtyp
 def config_for(backend: str, n: int, m: int, k: int, sms: int, gated: bool = False, gpu=None):
     """The tile configuration ``backend`` runs (n, M, K) with on a GPU of ``sms`` SMs: the kernels' own rules.
     ``gated``: under a gated epilogue, which ``cuda_ws`` runs on fewer tiles (``gated_tile``); ``cuda_sp``'s are
-    all gated-capable.  ``gpu``: the GPU's clusters (``kernels.gpu_facts``), which ``cuda_ws``'s rule counts
-    waves by; None, the model of a GPU of ``sms`` SMs."""
+    all gated-capable.  ``gpu``: what ``cuda_ws``'s rule reads of the GPU (``kernels.gpu_facts``); None, the model
+    of a GPU of ``sms`` SMs."""
     if backend == "cuda_ws":
         from ..kernels.sparse24_ws import ws_config
 
