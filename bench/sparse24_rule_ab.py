@@ -7,7 +7,7 @@ it would with x multicast without a K split past ``--multicast-min-waves`` waves
 they are), or with K split only where the split divides K's steps (``--even-k-split``, the rule before
 docs/design/0058), or with the small-n K splits on wide weights alone (``--wide-split-only``, the rule before 0061),
 or without the small-n split over 3 (``--no-split3``, before 0063) or the small-grid split (``--no-small-grid-split``,
-before 0064), is timed with both tiles as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the one
+before 0064), or with the ring at its 8 stages where the rule deepens it (``--no-deep-ring``, before 0066), is timed with both tiles as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the one
 device layout, each call on the next of the weight's copies past twice the L2, ``graph_us`` replays), in one process,
 alternating A B B A, beside dense ``F.linear``; with ``--eager``, also eagerly, host work included. Each side has
 its own copies of the weight, so that each tile's launches are its own. A check of a rule change that the tile
@@ -43,8 +43,9 @@ from kernelplan.bench.sweep import EAGER_CALLS, EAGER_ROUNDS, SHAPE_SETS, _cycli
 from kernelplan.kernels import sparse24_ws
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
-from kernelplan.kernels.sparse24_ws import (WEIGHTS, RuleWeights, WsConfig, WsKernel, cost_pick, rule_pick,
-                                            small_n_splits, with_push, ws_candidates, ws_config)
+from kernelplan.kernels.sparse24_ws import (_MAX_STAGES, WEIGHTS, RuleWeights, WsConfig, WsKernel, _deepest,
+                                            cost_pick, rule_pick, small_n_splits, with_push, with_ring,
+                                            ws_candidates, ws_config)
 from kernelplan.sparse24 import compress, prune
 from kernelplan.sparse24.dispatch import wide_weight
 from kernelplan.sparse24.layout import pack_reason
@@ -73,39 +74,47 @@ def wide_split_pick(n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) 
     splits = small_n_splits(n, k)
     if splits and wide_weight(m, k):
         return with_push(next(c for c in splits if c.wm == 1), n, m, sms)
-    return with_push(rule_pick([c for c in ws_candidates(n, m, k) if c not in splits], n, m, k, sms, w), n, m, sms)
+    cfg = rule_pick([c for c in ws_candidates(n, m, k) if c not in splits], n, m, k, sms, w)
+    return with_push(with_ring(cfg, n, m, k, sms), n, m, sms)
 
 
 def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
-               wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False):
+               wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
+               no_deep_ring: bool = False):
     """``ws_config``'s tile had it ``MULTICAST_MIN_WAVES = waves`` and weights ``w`` (its cache neither read nor
     written); with ``even_split``, among K splits that divide K's steps alone, as the rule was before uneven slices
     (docs/design/0058); with ``wide_split_only``, as it was before the small-n K splits joined the cost
     (``wide_split_pick``); with ``no_split3``, without the small-n K split over 3 CTAs (the rule before
-    docs/design/0063); with ``no_small_grid``, without ``small_grid_split`` (before 0064)."""
+    docs/design/0063); with ``no_small_grid``, without ``small_grid_split`` (before 0064); with ``no_deep_ring``, the
+    ring ``_deepest`` gives where ``with_ring`` deepens it (before 0066).  Each other step of the rule as it is."""
     present = sparse24_ws.MULTICAST_MIN_WAVES
     sparse24_ws.MULTICAST_MIN_WAVES = waves
     try:
         cfg = (wide_split_pick if wide_split_only else ws_config.__wrapped__)(n, m, k, sms, w=w)
+        def pushed(cfg):  # the rule's last steps: its ring, then the push
+            return with_push(with_ring(cfg, n, m, k, sms), n, m, sms)
+
         if no_small_grid:
-            cfg = with_push(cost_pick(n, m, k, sms, w=w), n, m, sms)
+            cfg = pushed(cost_pick(n, m, k, sms, w=w))
         if no_split3 and cfg.kc == 3:
-            cfg = with_push(rule_pick([c for c in ws_candidates(n, m, k) if c.kc != 3], n, m, k, sms, w), n, m, sms)
+            cfg = pushed(rule_pick([c for c in ws_candidates(n, m, k) if c.kc != 3], n, m, k, sms, w))
         if even_split and (k // 64) % cfg.kc:
-            cfg = with_push(rule_pick([c for c in ws_candidates(n, m, k) if (k // 64) % c.kc == 0], n, m, k, sms, w),
-                            n, m, sms)
+            cfg = pushed(rule_pick([c for c in ws_candidates(n, m, k) if (k // 64) % c.kc == 0], n, m, k, sms, w))
+        if no_deep_ring and cfg.stages > _MAX_STAGES:
+            cfg = with_push(_deepest(cfg.bn, cfg.wm, cfg.cm, cfg.kc, cfg.sk, cfg.pp), n, m, sms)
         return cfg
     finally:
         sparse24_ws.MULTICAST_MIN_WAVES = present
 
 
 def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
-          wide_split_only: bool = False, no_split3: bool = False,
-          no_small_grid: bool = False) -> list[tuple[int, int, int]]:
+          wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
+          no_deep_ring: bool = False) -> list[tuple[int, int, int]]:
     """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w``,
-    ``even_split``, ``wide_split_only``, ``no_split3`` and ``no_small_grid``."""
+    ``even_split``, ``wide_split_only``, ``no_split3``, ``no_small_grid`` and ``no_deep_ring``."""
     def other(n, m, k):
-        return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only, no_split3, no_small_grid)
+        return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only, no_split3, no_small_grid,
+                          no_deep_ring)
 
     return [move[:3] for move in moved_picks(shapes, batch, other, sms)]
 
@@ -141,6 +150,9 @@ def main() -> int:
     ap.add_argument("--no-small-grid-split", action="store_true",
                     help="the other rule keeps its pick by cost where the grid is under a quarter of the SMs "
                          "(before docs/design/0064)")
+    ap.add_argument("--no-deep-ring", action="store_true",
+                    help="the other rule keeps the ring at 8 stages where this one deepens it at n <= 16 (before "
+                         "docs/design/0066)")
     ap.add_argument("--table-misses", default=None, metavar="TABLE",
                     help="instead of another rule: each problem where this tile table's best tile ran --min-gain "
                          "faster than the rule's, against that tile")
@@ -156,10 +168,10 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     other_rule = (a.multicast_min_waves is not None or a.weights or a.even_k_split or a.wide_split_only
-                  or a.no_split3 or a.no_small_grid_split)
+                  or a.no_split3 or a.no_small_grid_split or a.no_deep_ring)
     if bool(other_rule) == (a.table_misses is not None):
         ap.error("give the other rule (--multicast-min-waves, --weights, --even-k-split, --wide-split-only, "
-                 "--no-split3, --no-small-grid-split or more of them) or --table-misses, not both")
+                 "--no-split3, --no-small-grid-split, --no-deep-ring or more of them) or --table-misses, not both")
     try:
         shapes = SHAPE_SETS[a.shape_set]() if a.shapes is None else [tuple(map(int, s.split("x"))) for s in a.shapes]
     except ValueError:
@@ -173,14 +185,15 @@ def main() -> int:
         print(f"{len(problems)} problems where {a.table_misses}'s best tile ran {a.min_gain:.0%} or more faster than "
               f"the rule's", flush=True)
     else:
-        flags = (a.even_k_split, a.wide_split_only, a.no_split3, a.no_small_grid_split)
+        flags = (a.even_k_split, a.wide_split_only, a.no_split3, a.no_small_grid_split, a.no_deep_ring)
         problems = moved(shapes, a.batch, sms, waves, other_w, *flags)
         others = {p: other_pick(*p, sms, waves, other_w, *flags) for p in problems}
         print(f"{len(problems)} problems where the rule with x multicast past {waves:g} waves (now "
               f"{sparse24_ws.MULTICAST_MIN_WAVES}), {other_w}{' and even K splits' if a.even_k_split else ''}"
               f"{' and small-n K splits on wide weights alone' if a.wide_split_only else ''}"
               f"{' and no K split over 3' if a.no_split3 else ''}"
-              f"{' and no small-grid split' if a.no_small_grid_split else ''} picks another tile",
+              f"{' and no small-grid split' if a.no_small_grid_split else ''}"
+              f"{' and no deeper ring' if a.no_deep_ring else ''} picks another tile",
               flush=True)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows, dtype = [], torch.bfloat16
@@ -191,7 +204,8 @@ def main() -> int:
                             "weights": dataclasses.asdict(WEIGHTS)},
                       other={"multicast_min_waves": waves, "weights": dataclasses.asdict(other_w),
                              "even_k_split": a.even_k_split, "wide_split_only": a.wide_split_only,
-                             "no_split3": a.no_split3, "no_small_grid_split": a.no_small_grid_split},
+                             "no_split3": a.no_split3, "no_small_grid_split": a.no_small_grid_split,
+                             "no_deep_ring": a.no_deep_ring},
                       shape_set=a.shape_set if a.shapes is None else "given", shapes=a.shapes,
                       table_misses=a.table_misses, min_gain=a.min_gain, rounds=a.rounds, rep=a.rep, eager=a.eager)
 

@@ -329,6 +329,22 @@ def test_the_rule_ab_bench_times_the_small_grid_split_against_the_pick_by_cost()
         assert ws_config(*p, SMS).kc == 4 and (other.kc, other.pp) == (1, True)
 
 
+def test_the_rule_ab_bench_times_the_deeper_ring_against_the_8_stage_one():
+    """bench/sparse24_rule_ab.py --no-deep-ring (docs/design/0066): the other rule is the same tile at the 8 stages of
+    its candidate, only where with_ring deepens it (n <= 16, few CTAs, long K slices)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
+    import sparse24_rule_ab
+    from kernelplan.kernels import sparse24_ws
+
+    waves = sparse24_ws.MULTICAST_MIN_WAVES
+    got = sparse24_rule_ab.moved([(5120, 5120), (8192, 8192), (2048, 2048)], [1, 8, 16, 32], SMS, waves,
+                                 no_deep_ring=True)
+    assert got == [(1, 5120, 5120), (8, 5120, 5120), (16, 5120, 5120)]
+    for p in got:
+        other = sparse24_rule_ab.other_pick(*p, SMS, waves, no_deep_ring=True)
+        assert ws_config(*p, SMS) == dataclasses.replace(other, stages=12) and other.stages == 8
+
+
 def test_the_rule_ab_bench_takes_one_other_side(monkeypatch, capsys):
     """--wide-split-only is another rule: with --table-misses too it is refused before any CUDA."""
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))

@@ -31,13 +31,32 @@ from kernelplan.sparse24.dispatch import wide_weight
 gpu = pytest.mark.gpu
 
 
+def _candidate_form(picked: WsConfig) -> WsConfig:
+    """The pick as ``ws_candidates`` holds it: the push on, the ring ``_deepest`` gives."""
+    from kernelplan.kernels.sparse24_ws import _deepest
+
+    return replace(picked, push=True, stages=_deepest(picked.bn, picked.wm, picked.cm, picked.kc, picked.sk,
+                                                      picked.pp).stages)
+
+
+def _check_ring(picked: WsConfig, cfg: WsConfig, n: int, m: int, k: int, sms: int) -> None:
+    """A ring deeper than the candidate's only at n <= 16, one CTA an SM, 12 or 16 stages, each K slice at least two
+    rings of steps, in the SM's shared memory beside the pushed sums (docs/design/0066)."""
+    if picked.stages == cfg.stages:
+        return
+    assert n <= 16 and resident(cfg) == 1 and picked.stages in (12, 16), (m, k, n, picked)
+    assert -(-(k // 64) // cfg.kc) >= 2 * picked.stages and picked.shared <= SM_SHARED, (m, k, n, picked)
+    assert picked.recv_bytes == replace(cfg, push=picked.push).recv_bytes, (m, k, n, picked)
+
+
 @pytest.mark.parametrize("sms", [78, 114, 132])
 def test_tile_rule_fits_every_sweep_shape_and_batch(sms):
     for (m, k) in list(sweep_shapes()) + [(2048, 1600), (1024, 2880), (4096, 7040)]:  # and K of 25, 45, 110 steps
         for n in BATCH_SIZES + (3, 33, 200, 1000):
             picked = ws_config(n, m, k, sms)
-            cfg = replace(picked, push=True)  # the candidates' form; push only where it costs no wave
-            assert picked.push == push_pays(cfg, n, m, sms), (m, k, n)
+            cfg = _candidate_form(picked)  # push only where it costs no wave; a deeper ring at n <= 16 (with_ring)
+            assert picked.push == push_pays(replace(picked, push=True), n, m, sms), (m, k, n)
+            _check_ring(picked, cfg, n, m, k, sms)
             cands = ws_candidates(n, m, k)
             assert cfg in cands
 
@@ -78,7 +97,8 @@ def test_the_rule_multicasts_x_without_a_k_split_only_past_two_waves(n, m, k, sm
     from kernelplan.kernels.sparse24_ws import grid_ctas, small_grid_split
 
     picked = ws_config(n, m, k, sms, gated)
-    cfg = replace(picked, push=True)
+    cfg = _candidate_form(picked)
+    _check_ring(picked, cfg, n, m, k, sms)
     cands = [c for c in ws_candidates(n, m, k, gated=gated) if not gated or gated_tile(c)]
     assert cfg in cands and (not gated or gated_tile(cfg))
     assert multicast_pays(cfg, n, m, sms)
@@ -443,7 +463,8 @@ def test_small_n_rule_matches_the_tables_of_the_k_splits(table):
     for row in data["rows"]:
         n, m, k = row["n"], row["m"], row["k"]
         times = {c: t for c, t in row["tiles_ms"].items() if c.startswith("WsConfig")}
-        ratios.append(min(times.values()) / times[str(ws_config(n, m, k, sms))])
+        pick = ws_config(n, m, k, sms)  # these tables timed 8-stage rings: with_ring's depth is 0066's A/B's
+        ratios.append(min(times.values()) / times[str(replace(_candidate_form(pick), push=pick.push))])
     assert statistics.mean(ratios) >= 0.98 and min(ratios) >= 0.9, (statistics.mean(ratios), min(ratios))
 
 
@@ -839,3 +860,82 @@ def test_the_pdl_build_waits_for_the_kernel_before_and_lets_the_next_start(compi
         assert "ACQBULK" not in plain and "PREEXIT" not in plain, cfg
     with pytest.raises(KernelPlanError, match="KP_PDL"):
         compile_for("#define KP_PDL 1\n" + source(WsConfig(64, 2), "bf16", False, None, grouped=True), "sm_90a")
+
+
+def test_a_ring_deepens_where_the_grid_holds_less_than_the_drams_bandwidth_times_its_latency():
+    """with_ring (docs/design/0066): at n <= 16 a grid of one CTA an SM whose 8-stage ring holds less than the DRAM's
+    bytes a second times RING_LATENCY_S (8.2 MB on an H200) runs 12 stages, where each K slice has 24 steps or more."""
+    import dataclasses
+
+    from kernelplan.kernels.gpu_facts import GpuFacts
+    from kernelplan.kernels.sparse24_ws import RING_LATENCY_S, grid_ctas, with_ring
+
+    h200 = GpuFacts.model(132)
+    h100 = dataclasses.replace(h200, dram_bytes_per_s=2_619_000e3 * 5120 * 2 / 8)  # 3.35 TB/s: needs 5.7 MB
+    assert 8.1e6 < h200.dram_bytes_per_s * RING_LATENCY_S < 8.3e6
+    for n in (1, 8, 16):
+        five = ws_config(n, 5120, 5120, 132)  # 80 CTAs of 16 x 128 over 2: 7.2 MB at 8 stages, 40 steps a slice
+        assert (five.bn, five.wm, five.kc, five.stages, grid_ctas(five, n, 5120, 132)) == (16, 2, 2, 12, 80)
+        assert five.shared <= SM_SHARED and five.recv_bytes > 0  # the pushed sums still fit beside the ring
+        assert ws_config(n, 5120, 5120, 132, gpu=h100).stages == 8
+        assert ws_config(n, 2048, 8192, 132).stages == 12  # 64 CTAs of 32 x 128 over 4: 6.8 MB, 32 steps a slice
+        assert ws_config(n, 8192, 8192, 132).stages == 8  # 128 CTAs: 11.5 MB
+        assert ws_config(n, 2048, 2048, 132).stages == 8  # 8 steps a slice
+        one_block = ws_config(n, 1024, 4096, 132)
+        assert resident(one_block) > 1 and one_block.stages == 8  # several CTAs an SM
+        assert ws_config(n, 5120, 5120, 132, gated=True).stages <= 8
+    assert ws_config(17, 5120, 5120, 132).stages <= 8
+    deep = ws_config(8, 5120, 5120, 132)
+    assert with_ring(deep, 8, 5120, 5120, 132) == deep  # it holds enough now
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("n", [1, 9, 16])
+def test_deeper_rings_match_fp64(n, seed):
+    """with_ring's 12 and 16 stages (docs/design/0066), launched as they are, on every kind of tile one CTA an SM: K
+    over 2 with the pushed sums, over 4, over 3, K whole and ping-pong of one and two blocks; K of 33 steps (slices of
+    16 and 17; 8 and 9; 11) and of 25 (a ring deeper than a slice: the producer stops at the slice's end), M off the
+    blocks, bias and GELU, against fp64.  y starts as NaN."""
+    from kernelplan.kernels.sparse24_ws import _deepest
+
+    forms = [(16, 2, 1, 2, False), (32, 2, 1, 4, False), (24, 2, 1, 3, False), (16, 2, 1, 1, False),
+             (16, 2, 1, 1, True), (16, 1, 1, 1, True)]
+    for k in (2112, 1600):
+        cfgs = []
+        for bn, wm, cm, kc, pp in forms:
+            base = _deepest(bn, wm, cm, kc, pp=pp)
+            cfgs += [replace(base, stages=s) for s in (12, 16) if replace(base, stages=s).shared <= SM_SHARED]
+        assert {c.stages for c in cfgs} == {12, 16} and len(cfgs) >= 10
+        _launch_against_fp64(cfgs, n, 1000, k)
+
+
+@gpu
+@sm90
+def test_a_layer_runs_the_rules_deeper_ring(seed):
+    """Through Sparse24Linear: 5120 x 3072 at n <= 16 picks 80 CTAs of 16 x 128 over 2 with a ring of 12 (0066); its
+    launches are that tile's, against fp64, 3-D x and graph replay included."""
+    from kernelplan.kernels.sparse24_ws import ws_config
+    from test_sparse24_tiles import _tile_of_last_launch
+
+    m, k = 5120, 3072
+    layer = kp.nn.Sparse24Linear.from_dense(torch.nn.Linear(k, m, device="cuda", dtype=torch.bfloat16))
+    w, b = layer.to_dense().double(), layer.bias.detach().double()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    with torch.no_grad():
+        for x in (torch.randn(8, k, device="cuda", dtype=torch.bfloat16),
+                  torch.randn(2, 3, k, device="cuda", dtype=torch.bfloat16)):
+            assert_close(layer(x), F.linear(x.double(), w, b), F.linear(x, w.bfloat16(), b.bfloat16()),
+                         atol=FWD_ATOL[torch.bfloat16], what=f"x of {tuple(x.shape)}")
+        picks = {str(layer_pick) for layer_pick in (WsKernel().config(8, m, k, 0), WsKernel().config(6, m, k, 0))}
+        assert all(ws_config(n, m, k, sms).stages == 12 for n in (6, 8))
+        assert _tile_of_last_launch(layer, by_shape=True) == picks
+        xg = torch.randn(5, k, device="cuda", dtype=torch.bfloat16)
+        layer(xg)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
+            yg = layer(xg)
+        xg.copy_(torch.randn_like(xg))
+        graph.replay()
+    assert_close(yg, F.linear(xg.double(), w, b), F.linear(xg, w.bfloat16(), b.bfloat16()),
+                 atol=FWD_ATOL[torch.bfloat16], what="graph replay")

@@ -380,12 +380,14 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
               gpu: GpuFacts | None = None) -> WsConfig:
     """The tile for N = n: ``rule_pick`` of ``ws_candidates`` under ``w``, a K split over 3 CTAs only where its grid runs
     more CTAs than the pick without it (docs/design/0063), a grid under a quarter of the SMs at n <= 16 given way to a
-    small-n split (``small_grid_split``, 0064), with its K slices pushing their sums where that pays.  ``gated``: among
-    the tiles a gated epilogue runs on (``gated_tile``), none of them small-n splits.  ``gpu``: the clusters the GPU
-    runs at once, which waves are counted by (``WsKernel.config`` passes the driver's, docs/design/0065); None, the
-    model of a GPU of ``sms`` SMs (``GpuFacts.model``)."""
+    small-n split (``small_grid_split``, 0064), its ring deepened where the grid holds too few bytes in flight at n <= 16
+    (``with_ring``, 0066), with its K slices pushing their sums where that pays.  ``gated``: among the tiles a gated
+    epilogue runs on (``gated_tile``), none of them small-n splits or deeper rings (neither was timed gated).
+    ``gpu``: the GPU's cluster slots, which waves are counted by, and its DRAM bandwidth (``WsKernel.config`` passes
+    the driver's, docs/design/0065); None, the model of a GPU of ``sms`` SMs (``GpuFacts.model``)."""
     cfg = cost_pick(n, m, k, sms, gated, w, gpu)
-    return with_push(cfg if gated else small_grid_split(cfg, n, m, k, sms, w, gpu), n, m, sms, gpu)
+    cfg = cfg if gated else with_ring(small_grid_split(cfg, n, m, k, sms, w, gpu), n, m, k, sms, gpu)
+    return with_push(cfg, n, m, sms, gpu)
 
 
 def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS, small_grids: bool = True,
@@ -440,6 +442,38 @@ def resident(cfg: WsConfig) -> int:
     if _CONSUMER_REGS[2 if cfg.pp else cfg.wm]:
         return 1
     return (SM_SHARED + 1024) // (cfg.shared + 1024)
+
+
+# At n <= SPLIT_MAX_N a call streams its weight, and DRAM streams at its bandwidth only with its bandwidth times its
+# latency in flight (Little's law).  The grid's ring holds CTAs x stages x a step's bytes; where that is short of
+# the DRAM's bytes a second times RING_LATENCY_S, a deeper ring pays.  On the H200 (4.81 TB/s) the feed probe timed
+# 8, 12 and 16 stages over 37 layers x n = 1, 8, 16 (sparse24-feed-probe-*-stages-h200.json, docs/design/0062, 0066):
+# grids of one CTA an SM holding 6.5-8.5 MB at 8 stages ran 2-7% faster at 12 stages where each K slice had 24 steps
+# or more; 8.65 MB and more ran as fast or slower (up to 9%).  1.7 us puts the line at 8.2 MB, under the 8.5 MB that
+# gained.  Shorter K slices (6-22 steps) ran 0-3% slower deeper, and tiles of several CTAs an SM (one 64-row block)
+# did not gain (0.97-1.04x), so the ring stays at 8 for both.  The H100 (3.35 TB/s) needs 5.7 MB: 0048 read its
+# two-block tiles at 16 stages 0.98-1.08x of 8.
+RING_LATENCY_S = 1.7e-6
+_DEEP_STAGES = (12, 16)
+_RING_MIN_SLICE = 2  # a deeper ring only where each K slice runs at least this many rings of steps
+
+
+def with_ring(cfg: WsConfig, n: int, m: int, k: int, sms: int, gpu: GpuFacts | None = None) -> WsConfig:
+    """``cfg`` with the ring of ``_DEEP_STAGES`` that first holds the DRAM's bandwidth times ``RING_LATENCY_S`` in its
+    grid's CTAs (or the deepest), where ``cfg``'s does not, at n <= ``SPLIT_MAX_N``, one CTA an SM, K slices of
+    ``_RING_MIN_SLICE`` rings or more, and shared memory for it beside the pushed sums."""
+    if n > SPLIT_MAX_N or cfg.sk or resident(cfg) > 1:
+        return cfg
+    facts = gpu or model_facts(sms)
+    per_stage = min(grid_ctas(cfg, n, m, sms), _cluster_sms(cfg, sms, gpu)) * cfg.stage_bytes
+    need = facts.dram_bytes_per_s * RING_LATENCY_S
+    if cfg.stages * per_stage >= need:
+        return cfg
+    steps = -(-(k // 64) // cfg.kc)
+    fits = [s for s in _DEEP_STAGES if steps >= _RING_MIN_SLICE * s
+            and replace(cfg, stages=s)._fixed + cfg.recv_bytes <= SM_SHARED]
+    reach = [s for s in fits if s * per_stage >= need]
+    return replace(cfg, stages=min(reach) if reach else max(fits)) if fits else cfg
 
 
 def with_push(cfg: WsConfig, n: int, m: int, sms: int, gpu: GpuFacts | None = None) -> WsConfig:
