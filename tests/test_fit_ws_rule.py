@@ -316,32 +316,30 @@ def test_the_rule_ab_bench_times_the_split_over_3_against_the_rule_before_it():
 def test_the_rule_ab_bench_times_the_small_grid_split_against_the_pick_by_cost():
     """bench/sparse24_rule_ab.py --no-small-grid-split (docs/design/0064): the other rule keeps the pick by cost, so the
     two part only at n <= 16 on grids under a quarter of the SMs."""
+    moves = _rule_ab_moves([(1024, 1024), (2304, 768), (4608, 3584)], no_small_grid=True)
+    assert list(moves) == [(1, 1024, 1024), (8, 1024, 1024), (16, 1024, 1024)]
+    for p, other in moves.items():
+        assert ws_config(*p, SMS).kc == 4 and (other.kc, other.pp) == (1, True)
+
+
+def _rule_ab_moves(shapes, **other_rule) -> dict:
+    """bench/sparse24_rule_ab.py's problems at n = 1, 8, 16 and 32 where the rule and ``other_rule`` part, each with
+    the other rule's tile."""
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
     import sparse24_rule_ab
     from kernelplan.kernels import sparse24_ws
 
     waves = sparse24_ws.MULTICAST_MIN_WAVES
-    got = sparse24_rule_ab.moved([(1024, 1024), (2304, 768), (4608, 3584)], [1, 8, 16, 32], SMS, waves,
-                                 no_small_grid=True)
-    assert got == [(1, 1024, 1024), (8, 1024, 1024), (16, 1024, 1024)]
-    for p in got:
-        other = sparse24_rule_ab.other_pick(*p, SMS, waves, no_small_grid=True)
-        assert ws_config(*p, SMS).kc == 4 and (other.kc, other.pp) == (1, True)
+    got = sparse24_rule_ab.moved(shapes, [1, 8, 16, 32], SMS, waves, **other_rule)
+    return {p: sparse24_rule_ab.other_pick(*p, SMS, waves, **other_rule) for p in got}
 
 
 def test_the_rule_ab_bench_times_the_deeper_ring_against_the_8_stage_one():
     """bench/sparse24_rule_ab.py --no-deep-ring (docs/design/0066): the other rule is the same tile at the 8 stages of
     its candidate, only where with_ring deepens it (n <= 16, few CTAs, long K slices)."""
-    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
-    import sparse24_rule_ab
-    from kernelplan.kernels import sparse24_ws
-
-    waves = sparse24_ws.MULTICAST_MIN_WAVES
-    got = sparse24_rule_ab.moved([(5120, 5120), (8192, 8192), (2048, 2048)], [1, 8, 16, 32], SMS, waves,
-                                 no_deep_ring=True)
-    assert got == [(1, 5120, 5120), (8, 5120, 5120), (16, 5120, 5120)]
-    for p in got:
-        other = sparse24_rule_ab.other_pick(*p, SMS, waves, no_deep_ring=True)
+    moves = _rule_ab_moves([(5120, 5120), (8192, 8192), (2048, 2048)], no_deep_ring=True)
+    assert list(moves) == [(1, 5120, 5120), (8, 5120, 5120), (16, 5120, 5120)]
+    for p, other in moves.items():
         assert ws_config(*p, SMS) == dataclasses.replace(other, stages=12) and other.stages == 8
 
 

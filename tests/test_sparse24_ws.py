@@ -243,14 +243,20 @@ def test_small_n_runs_the_k_split_tiles_against_fp64(dtype, seed):
                 check(layer(x), x, f"x of {tuple(x.shape)}")
             # 1000 rows are held public, their tiled layout derived beside them: found by the weight's shape.
             assert _tile_of_last_launch(layer, by_shape=True) == {str(_deepest(bn, wm, 1, kc))}
-            xg = torch.randn(11, k, device="cuda", dtype=dtype)
-            layer(xg)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
-                yg = layer(xg)
-            xg.copy_(torch.randn_like(xg))
-            graph.replay()
+            xg, yg = _graph_replayed(layer, 11, dtype)
         check(yg, xg, "graph replay")
+
+
+def _graph_replayed(layer, rows: int, dtype):
+    """``layer`` on x of ``rows`` rows, captured in a CUDA graph after a first call and replayed on new x: (x, y)."""
+    xg = torch.randn(rows, layer.in_features, device="cuda", dtype=dtype)
+    layer(xg)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
+        yg = layer(xg)
+    xg.copy_(torch.randn_like(xg))
+    graph.replay()
+    return xg, yg
 
 
 @gpu
@@ -930,12 +936,6 @@ def test_a_layer_runs_the_rules_deeper_ring(seed):
         picks = {str(layer_pick) for layer_pick in (WsKernel().config(8, m, k, 0), WsKernel().config(6, m, k, 0))}
         assert all(ws_config(n, m, k, sms).stages == 12 for n in (6, 8))
         assert _tile_of_last_launch(layer, by_shape=True) == picks
-        xg = torch.randn(5, k, device="cuda", dtype=torch.bfloat16)
-        layer(xg)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
-            yg = layer(xg)
-        xg.copy_(torch.randn_like(xg))
-        graph.replay()
+        xg, yg = _graph_replayed(layer, 5, torch.bfloat16)
     assert_close(yg, F.linear(xg.double(), w, b), F.linear(xg, w.bfloat16(), b.bfloat16()),
                  atol=FWD_ATOL[torch.bfloat16], what="graph replay")
