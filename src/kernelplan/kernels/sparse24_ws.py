@@ -9,7 +9,8 @@ cluster of CTAs.  It reads the weight in the one device layout
 Every operand is read through a tensor map, which encodes its address and
 shape (``TensorMaps``, kept per address).
 
-``ws_config`` is the configuration rule: a pure function of (N, M, K, SMs, the clusters the GPU runs at once).
+``ws_config`` is the configuration rule: a pure function of (N, M, K, SMs, the GPU's facts: the clusters it runs at
+once and its DRAM bandwidth, ``gpu_facts``).
 """
 
 from __future__ import annotations
@@ -448,10 +449,10 @@ def resident(cfg: WsConfig) -> int:
 # latency in flight (Little's law).  The grid's ring holds CTAs x stages x a step's bytes; where that is short of
 # the DRAM's bytes a second times RING_LATENCY_S, a deeper ring pays.  On the H200 (4.81 TB/s) the feed probe timed
 # 8, 12 and 16 stages over 37 layers x n = 1, 8, 16 (sparse24-feed-probe-*-stages-h200.json, docs/design/0062, 0066):
-# grids of one CTA an SM holding 6.5-8.5 MB at 8 stages ran 2-7% faster at 12 stages where each K slice had 24 steps
-# or more; 8.65 MB and more ran as fast or slower (up to 9%).  1.7 us puts the line at 8.2 MB, under the 8.5 MB that
-# gained.  Shorter K slices (6-22 steps) ran 0-3% slower deeper, and tiles of several CTAs an SM (one 64-row block)
-# did not gain (0.97-1.04x), so the ring stays at 8 for both.  The H100 (3.35 TB/s) needs 5.7 MB: 0048 read its
+# grids of one CTA an SM holding 6.5-8.5 MB at 8 stages ran 0.3-7% faster at 12 stages where each K slice had 22
+# steps or more (53 of 53); 8.65 MB and more ran 0.99-1.06x the time.  1.7 us puts the line at 8.2 MB, under the 8.5 MB
+# that gained.  K slices of 6-10 steps ran 1.00-1.03x deeper, and tiles of several CTAs an SM (one 64-row block) did
+# not gain (0.97-1.04x, 19 of 21 slower), so the ring stays at 8 for both.  The H100 (3.35 TB/s) needs 5.7 MB: 0048 read its
 # two-block tiles at 16 stages 0.98-1.08x of 8.
 RING_LATENCY_S = 1.7e-6
 _DEEP_STAGES = (12, 16)
