@@ -7,11 +7,13 @@ it would with x multicast without a K split past ``--multicast-min-waves`` waves
 they are), or with K split only where the split divides K's steps (``--even-k-split``, the rule before
 docs/design/0058), or with the small-n K splits on wide weights alone (``--wide-split-only``, the rule before 0061),
 or without the small-n split over 3 (``--no-split3``, before 0063) or the small-grid split (``--no-small-grid-split``,
-before 0064), or with the ring at its 8 stages where the rule deepens it (``--no-deep-ring``, before 0066), is timed with both tiles as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the one
-device layout, each call on the next of the weight's copies past twice the L2, ``graph_us`` replays), in one process,
-alternating A B B A, beside dense ``F.linear``; with ``--eager``, also eagerly, host work included. Each side has
-its own copies of the weight, so that each tile's launches are its own. A check of a rule change that the tile
-tables' timings (``sparse24_wg_tiles.py``) and a sweep part disagreed on (docs/design/0055).
+before 0064), or with the ring at its 8 stages where the rule deepens it (``--no-deep-ring``, before 0066), is timed
+with both tiles as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the one device layout, each call on
+the next of the weight's copies past twice the L2, ``graph_us`` replays), in one process, alternating A B B A, beside
+dense ``F.linear``; with ``--eager``, also eagerly, host work included. Each side has its own copies of the weight, so
+that each tile's launches are its own, and both rules read the device's own facts (``gpu_facts.device_facts``).  A
+check of a rule change that the tile tables' timings (``sparse24_wg_tiles.py``) and a sweep part disagreed on
+(docs/design/0055).
 
 ``--table-misses TABLE`` takes the other side from a tile table instead: at each problem where the table's best tile
 ran ``--min-gain`` (3%) or more faster than the rule's, that tile (docs/design/0056).  Writes
@@ -41,6 +43,7 @@ from kernelplan.bench import results
 from kernelplan.bench.shapes import BATCH_SIZES
 from kernelplan.bench.sweep import EAGER_CALLS, EAGER_ROUNDS, SHAPE_SETS, _cycling, copies_past_l2
 from kernelplan.kernels import sparse24_ws
+from kernelplan.kernels.gpu_facts import device_facts
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_ws import (_MAX_STAGES, WEIGHTS, RuleWeights, WsConfig, WsKernel, _deepest,
@@ -68,40 +71,43 @@ class FixedTile(WsKernel):
         return self.cfg
 
 
-def wide_split_pick(n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS) -> WsConfig:
+def wide_split_pick(n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS, gpu=None) -> WsConfig:
     """The rule before docs/design/0061: at n <= 16 the K-split tile of 32 rows of x (``small_n_splits``) only on a
     wide weight, and there its one-block form whatever it costs; elsewhere the least-cost tile of the rest."""
     splits = small_n_splits(n, k)
     if splits and wide_weight(m, k):
-        return with_push(next(c for c in splits if c.wm == 1), n, m, sms)
-    cfg = rule_pick([c for c in ws_candidates(n, m, k) if c not in splits], n, m, k, sms, w)
-    return with_push(with_ring(cfg, n, m, k, sms), n, m, sms)
+        return with_push(next(c for c in splits if c.wm == 1), n, m, sms, gpu)
+    cfg = rule_pick([c for c in ws_candidates(n, m, k) if c not in splits], n, m, k, sms, w, gpu)
+    return with_push(with_ring(cfg, n, m, k, sms, gpu), n, m, sms, gpu)
 
 
 def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
                wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
-               no_deep_ring: bool = False):
+               no_deep_ring: bool = False, gpu=None):
     """``ws_config``'s tile had it ``MULTICAST_MIN_WAVES = waves`` and weights ``w`` (its cache neither read nor
     written); with ``even_split``, among K splits that divide K's steps alone, as the rule was before uneven slices
     (docs/design/0058); with ``wide_split_only``, as it was before the small-n K splits joined the cost
     (``wide_split_pick``); with ``no_split3``, without the small-n K split over 3 CTAs (the rule before
     docs/design/0063); with ``no_small_grid``, without ``small_grid_split`` (before 0064); with ``no_deep_ring``, the
-    ring ``_deepest`` gives where ``with_ring`` deepens it (before 0066).  Each other step of the rule as it is."""
+    ring ``_deepest`` gives where ``with_ring`` deepens it (before 0066).  Each other step of the rule as it is, on
+    the GPU facts ``gpu`` (None: the model's)."""
     present = sparse24_ws.MULTICAST_MIN_WAVES
     sparse24_ws.MULTICAST_MIN_WAVES = waves
     try:
-        cfg = (wide_split_pick if wide_split_only else ws_config.__wrapped__)(n, m, k, sms, w=w)
+        cfg = (wide_split_pick if wide_split_only else ws_config.__wrapped__)(n, m, k, sms, w=w, gpu=gpu)
+
         def pushed(cfg):  # the rule's last steps: its ring, then the push
-            return with_push(with_ring(cfg, n, m, k, sms), n, m, sms)
+            return with_push(with_ring(cfg, n, m, k, sms, gpu), n, m, sms, gpu)
 
         if no_small_grid:
-            cfg = pushed(cost_pick(n, m, k, sms, w=w))
+            cfg = pushed(cost_pick(n, m, k, sms, w=w, gpu=gpu))
         if no_split3 and cfg.kc == 3:
-            cfg = pushed(rule_pick([c for c in ws_candidates(n, m, k) if c.kc != 3], n, m, k, sms, w))
+            cfg = pushed(rule_pick([c for c in ws_candidates(n, m, k) if c.kc != 3], n, m, k, sms, w, gpu))
         if even_split and (k // 64) % cfg.kc:
-            cfg = pushed(rule_pick([c for c in ws_candidates(n, m, k) if (k // 64) % c.kc == 0], n, m, k, sms, w))
+            cfg = pushed(rule_pick([c for c in ws_candidates(n, m, k) if (k // 64) % c.kc == 0], n, m, k, sms, w,
+                                   gpu))
         if no_deep_ring and cfg.stages > _MAX_STAGES:
-            cfg = with_push(_deepest(cfg.bn, cfg.wm, cfg.cm, cfg.kc, cfg.sk, cfg.pp), n, m, sms)
+            cfg = with_push(_deepest(cfg.bn, cfg.wm, cfg.cm, cfg.kc, cfg.sk, cfg.pp), n, m, sms, gpu)
         return cfg
     finally:
         sparse24_ws.MULTICAST_MIN_WAVES = present
@@ -109,23 +115,23 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
 
 def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
           wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
-          no_deep_ring: bool = False) -> list[tuple[int, int, int]]:
+          no_deep_ring: bool = False, gpu=None) -> list[tuple[int, int, int]]:
     """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w``,
     ``even_split``, ``wide_split_only``, ``no_split3``, ``no_small_grid`` and ``no_deep_ring``."""
     def other(n, m, k):
         return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only, no_split3, no_small_grid,
-                          no_deep_ring)
+                          no_deep_ring, gpu)
 
-    return [move[:3] for move in moved_picks(shapes, batch, other, sms)]
+    return [move[:3] for move in moved_picks(shapes, batch, other, sms, gpu)]
 
 
-def table_misses(path: str, sms: int, min_gain: float) -> dict[tuple[int, int, int], WsConfig]:
+def table_misses(path: str, sms: int, min_gain: float, gpu=None) -> dict[tuple[int, int, int], WsConfig]:
     """(n, M, K) -> the best tile a tile table (``sparse24_wg_tiles.py --kernel ws``) timed, where it ran at least
     ``min_gain`` faster than the rule's own tile (``ws_config``, timed in the same row)."""
     out = {}
     for row in json.loads(Path(path).read_text())["rows"]:
         times = {t: ms for t, ms in row.get("tiles_ms", {}).items() if t.startswith("WsConfig")}
-        rule = str(ws_config(row["n"], row["m"], row["k"], sms))
+        rule = str(ws_config(row["n"], row["m"], row["k"], sms, gpu=gpu))
         if rule not in times:
             continue
         best = min(times, key=times.get)
@@ -178,16 +184,16 @@ def main() -> int:
         ap.error(f"--shapes takes layers as MxK (4096x1600), not {a.shapes}")
     waves = sparse24_ws.MULTICAST_MIN_WAVES if a.multicast_min_waves is None else a.multicast_min_waves
     other_w = weights_of(a.weights)
-    sms = sm_count(0)
+    sms, gpu = sm_count(0), device_facts(0)
     if a.table_misses:
-        others = table_misses(a.table_misses, sms, a.min_gain)
+        others = table_misses(a.table_misses, sms, a.min_gain, gpu)
         problems = list(others)
         print(f"{len(problems)} problems where {a.table_misses}'s best tile ran {a.min_gain:.0%} or more faster than "
               f"the rule's", flush=True)
     else:
         flags = (a.even_k_split, a.wide_split_only, a.no_split3, a.no_small_grid_split, a.no_deep_ring)
-        problems = moved(shapes, a.batch, sms, waves, other_w, *flags)
-        others = {p: other_pick(*p, sms, waves, other_w, *flags) for p in problems}
+        problems = moved(shapes, a.batch, sms, waves, other_w, *flags, gpu=gpu)
+        others = {p: other_pick(*p, sms, waves, other_w, *flags, gpu=gpu) for p in problems}
         print(f"{len(problems)} problems where the rule with x multicast past {waves:g} waves (now "
               f"{sparse24_ws.MULTICAST_MIN_WAVES}), {other_w}{' and even K splits' if a.even_k_split else ''}"
               f"{' and small-n K splits on wide weights alone' if a.wide_split_only else ''}"
@@ -219,7 +225,7 @@ def main() -> int:
             ws = [w] + [w.clone() for _ in range(copies - 1)]
             sides = {side: [held(c) for c in ws] for side in ("here", "other")}
             for n in [n for n, mm, kk in problems if (mm, kk) == (m, k)]:
-                cfgs = {"here": ws_config(n, m, k, sms), "other": others[(n, m, k)]}
+                cfgs = {"here": ws_config(n, m, k, sms, gpu=gpu), "other": others[(n, m, k)]}
                 x = torch.randn(n, k, device="cuda").to(dtype)
                 ref = F.linear(x.double(), w.double())
                 dense_err = float((F.linear(x, w).double() - ref).abs().max() / ref.abs().max())

@@ -50,11 +50,13 @@ def main() -> int:
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape] if a.shape else list(sweep_shapes())
     if a.lm_heads:
         shapes = list(lm_head_shapes())
+    from kernelplan.kernels.gpu_facts import device_facts
     from kernelplan.kernels.sparse24 import sm_count
     from kernelplan.kernels.sparse24_sp import SM_SHARED, sp_candidates
     from kernelplan.sparse24.dispatch import backend_for
 
     sms, cap = sm_count(0), torch.cuda.get_device_capability(0)
+    gpu = device_facts(0) if cap >= (9, 0) else None  # the device's own rule (docs/design/0065)
 
     def wide_split(n, m, k):
         """Tiles of 24, 32 or 64 rows of x (n needs 16) so that K splits across a cluster of 3, 4 or 8 CTAs (each
@@ -82,7 +84,7 @@ def main() -> int:
         return got
 
     def cands(n, m, k):
-        return sp_tiles(n, m, k) + tiles.candidates(n, m, k, sms, False, a.ws_top, "cuda_ws") \
+        return sp_tiles(n, m, k) + tiles.candidates(n, m, k, sms, False, a.ws_top, "cuda_ws", gpu) \
             + (wide_split(n, m, k) if a.wide_split else []) + (persistent_split(n) if a.persistent_split else [])
 
     t0 = time.perf_counter()
@@ -97,7 +99,7 @@ def main() -> int:
             ms = {name: statistics.median(t) for name, t in
                   graph_rounds(fns, tiles.calls_per_replay(n, m, k), a.rounds).items()}
             dense = ms.pop("dense")
-            sp_rule, ws_rule = str(cs[0]), str(tiles.candidates(n, m, k, sms, False, 1, "cuda_ws")[0])
+            sp_rule, ws_rule = str(cs[0]), str(tiles.candidates(n, m, k, sms, False, 1, "cuda_ws", gpu)[0])
             sp = {c: t for c, t in ms.items() if c.startswith("SpConfig")}
             ws = {c: t for c, t in ms.items() if c.startswith("WsConfig")}
             row = {"m": m, "k": k, "n": n, "rule": backend_for(cap, n, m, k, "bf16"), "dense_ms": dense,

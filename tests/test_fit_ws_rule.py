@@ -498,3 +498,13 @@ def test_guard_keeps_the_search_off_a_move_an_ab_timed_slower(tmp_path, capsys):
         assert fit("--guard", str(ab))[1] == want
         losses = fit_ws_rule.ab_losses(unguarded, fit_ws_rule.ab_pairs([str(ab)]), [n])
         assert losses == ([(n, m, k, pick, other, pytest.approx(9.0 / 8.0))] if other_us > 8 else [])
+
+
+def test_the_rule_ab_bench_picks_both_sides_on_the_gpu_facts_it_is_given():
+    """bench/sparse24_rule_ab.py on an H100's DRAM (3.35 TB/s: 5.7 MB in flight): the deeper ring moves no 5120-row
+    pick, so --no-deep-ring has nothing to time there (docs/design/0066)."""
+    from kernelplan.kernels.gpu_facts import GpuFacts
+
+    h100 = dataclasses.replace(GpuFacts.model(SMS), dram_bytes_per_s=2_619_000e3 * 5120 * 2 / 8)
+    assert _rule_ab_moves([(5120, 5120), (5120, 13824)], no_deep_ring=True, gpu=h100) == {}
+    assert len(_rule_ab_moves([(5120, 5120), (5120, 13824)], no_deep_ring=True)) == 6

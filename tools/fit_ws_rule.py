@@ -110,9 +110,9 @@ def ab_pairs(paths: list[str]) -> dict:
     return out
 
 
-def moved_picks(shapes, batch, other, sms: int = 132) -> list[tuple]:
+def moved_picks(shapes, batch, other, sms: int = 132, gpu=None) -> list[tuple]:
     """``(n, M, K, the rule's tile, other(n, M, K))`` over ``shapes`` at ``batch`` where ``cuda_ws`` runs (Hopper,
-    bf16) and the two tiles differ."""
+    bf16) and the two tiles differ; ``gpu``: the rule's GPU facts (``kernels.gpu_facts``; None, the model's)."""
     from kernelplan.kernels.sparse24_ws import ws_config
     from kernelplan.sparse24.dispatch import backend_for
 
@@ -120,7 +120,7 @@ def moved_picks(shapes, batch, other, sms: int = 132) -> list[tuple]:
     for m, k in shapes:
         for n in batch:
             if backend_for((9, 0), n, m, k, "bf16") == "cuda_ws":
-                present, new = ws_config(n, m, k, sms), other(n, m, k)
+                present, new = ws_config(n, m, k, sms, gpu=gpu), other(n, m, k)
                 if present != new:
                     out.append((n, m, k, present, new))
     return out
