@@ -430,3 +430,22 @@ def test_a_device_attribute_is_the_drivers_reading_of_that_attribute(monkeypatch
     with pytest.raises(nvrtc.KernelPlanError, match="cuda:3's l2_cache_size: CUDA_ERROR_INVALID_DEVICE"):
         nvrtc.device_attribute(3, "L2_CACHE_SIZE")
     nvrtc.shared_per_block.cache_clear()
+
+
+def test_a_sweeps_summary_says_what_the_tile_rule_read_of_its_gpu(tmp_path, capsys, monkeypatch):
+    """The sweep's printout names the GPU facts the rule read (docs/design/0065, 0066), from its file's gpu record;
+    a file without them (before 0065) prints none, one whose facts were unreadable says so."""
+    from kernelplan.bench import _write_sweep, sweep
+    from kernelplan.bench.sweep import facts_line
+    from kernelplan.kernels.gpu_facts import GpuFacts
+
+    monkeypatch.setattr(sweep, "plot", lambda *args: None)  # no rows to plot
+
+    gpu = {"sms": 132, "rule_facts": GpuFacts.model(132).to_json()}
+    assert facts_line(gpu) == ("the tile rule's GPU facts (model): 132 SMs; clusters of 2/3/4/8 CTAs place "
+                               "132/117/120/120 CTAs at once, one an SM; DRAM 4.81 TB/s")
+    assert facts_line({"sms": 132}) is None
+    assert facts_line({"rule_facts": "unreadable: KeyError"}) == "the tile rule's GPU facts: unreadable: KeyError"
+    doc = {"rows": [], "gpu": gpu, "dtype": "bf16", "l2": "cold", "device": "NVIDIA H200", "commit": "x"}
+    _write_sweep(doc, str(tmp_path / "s.json"))
+    assert "the tile rule's GPU facts (model)" in capsys.readouterr().out

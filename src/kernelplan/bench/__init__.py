@@ -151,6 +151,8 @@ def _write_sweep(doc: dict, path: str) -> int:
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     print("\n".join(sweep.summary(doc["rows"])))
+    if line := sweep.facts_line(doc.get("gpu", {})):
+        print(line)
     try:
         png = path.removesuffix(".json") + ".png"
         sweep.plot(doc["rows"], png, f"2:4 linear (one layout) vs dense, {doc['dtype']}, L2 {doc['l2']}, "

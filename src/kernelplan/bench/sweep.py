@@ -213,6 +213,18 @@ def summary(rows: list[dict], worst: int = 5) -> list[str]:
     return lines
 
 
+def facts_line(gpu: dict) -> str | None:
+    """What the tile rule read of the sweep's GPU (its results file's ``gpu`` record, ``rule_facts``), in one line:
+    where two GPUs of one name pick differently, this says why (docs/design/0065, 0066); None where not recorded."""
+    facts = gpu.get("rule_facts")
+    if not isinstance(facts, dict):
+        return None if facts is None else f"the tile rule's GPU facts: {facts}"
+    sizes = sorted(facts["ctas"], key=int)
+    return (f"the tile rule's GPU facts ({facts['source']}): {facts['sms']} SMs; clusters of {'/'.join(sizes)} CTAs "
+            f"place {'/'.join(str(facts['ctas'][s]['1']) for s in sizes)} CTAs at once, one an SM; DRAM "
+            f"{facts['dram_bytes_per_s'] / 1e12:.2f} TB/s")
+
+
 def plot(rows: list[dict], path: str, title: str = "") -> None:
     """The rule's speedup against n: every shape a faint line, the median and the min over shapes bold; graph
     replay left, eager right.  Needs matplotlib (ImportError without it)."""
