@@ -449,3 +449,33 @@ def test_a_sweeps_summary_says_what_the_tile_rule_read_of_its_gpu(tmp_path, caps
     doc = {"rows": [], "gpu": gpu, "dtype": "bf16", "l2": "cold", "device": "NVIDIA H200", "commit": "x"}
     _write_sweep(doc, str(tmp_path / "s.json"))
     assert "the tile rule's GPU facts (model)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (9, 0)])
+def test_the_sweep_precompiles_cuda_ws_only_where_the_dispatch_runs_it(monkeypatch, capability):
+    """On Ampere and Ada the dispatch runs cuda_sp alone: the sweep compiles no sm_90a kernel there, whose module
+    would not load; on Hopper every cuda_ws tile it will run past n = 16, the device's rule's."""
+    from kernelplan.bench import sweep
+    from kernelplan.kernels import gpu_facts, sparse24_ws
+    from kernelplan.sparse24.dispatch import backend_for
+
+    compiled = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(sparse24_ws, "sm_count", lambda index: 132)
+    monkeypatch.setattr(sparse24_ws, "device_facts", lambda index: gpu_facts.GpuFacts.model(132))
+    monkeypatch.setattr(sparse24_ws, "_launcher", lambda cfg, *args: compiled.append(cfg))
+    shapes, batch = [(4096, 4096), (28672, 4096)], [1, 16, 32, 512]
+    sweep._precompile(shapes, batch, "bf16", 0)
+    want = {sparse24_ws.ws_config(n, m, k, 132) for m, k in shapes for n in batch
+            if n > 16 and backend_for(capability, n, m, k, "bf16") == "cuda_ws"}
+    assert sorted(map(str, compiled)) == sorted(map(str, want)) and bool(want) == (capability == (9, 0))
+
+
+@pytest.mark.parametrize("capability, names", [((8, 0), ["cuda_sp"]), ((8, 9), ["cuda_sp"]),
+                                               ((9, 0), ["cuda_sp", "cuda_ws"])])
+def test_the_sweep_times_cuda_ws_only_on_hopper(capability, names):
+    """cuda_ws is sm_90a's (wgmma.sp, TMA, clusters): on Ampere and Ada the sweep times cuda_sp, the dispatch's kernel
+    there, rather than fail loading an sm_90a module."""
+    from kernelplan.bench import sweep
+
+    assert sorted(sweep._kernels(capability)) == names

@@ -42,11 +42,14 @@ EAGER_CALLS, EAGER_ROUNDS = 50, 9  # eager: back-to-back calls a reading, readin
 RANGES = (("n <= 16", 1, 16), ("n = 32-64", 32, 64), ("n = 128-512", 128, 512), ("n >= 1024", 1024, 1 << 30))
 
 
-def _kernels():
+def _kernels(capability: tuple[int, int]) -> dict:
+    """The one layout's kernels the sweep times on a GPU of ``capability``: name -> (kernel, largest n it is timed
+    at).  ``cuda_ws`` is sm_90a's alone (wgmma.sp, TMA, clusters): Ampere and Ada time ``cuda_sp``."""
     from ..kernels.sparse24_sp import SpKernel
     from ..kernels.sparse24_ws import WsKernel
 
-    return {"cuda_sp": (SpKernel, 64), "cuda_ws": (WsKernel, 1 << 30)}  # name: (kernel, largest n it is timed at)
+    out = {"cuda_sp": (SpKernel, 64), "cuda_ws": (WsKernel, 1 << 30)}
+    return out if capability == (9, 0) else {"cuda_sp": out["cuda_sp"]}
 
 
 def _rel_err(out, ref) -> float:
@@ -54,13 +57,16 @@ def _rel_err(out, ref) -> float:
 
 
 def _precompile(shapes, batch, dtype: str, device: int) -> None:
-    """Every cuda_ws variant the sweep will run, compiled in threads (NVRTC is thread-safe), before any timing."""
+    """Every cuda_ws variant the sweep will run past n = 16, compiled in threads (NVRTC is thread-safe), before any
+    timing; none on a GPU where the dispatch runs no cuda_ws (sm_90a only: Ampere and Ada run cuda_sp)."""
     import concurrent.futures
 
     from ..kernels.sparse24_ws import WsKernel, _launcher
+    from ..sparse24.dispatch import backend_for
 
-    kernel = WsKernel()
-    configs = {kernel.config(n, m, k, device) for (m, k) in shapes for n in batch if n > 16}
+    kernel, capability = WsKernel(), torch.cuda.get_device_capability(device)
+    configs = {kernel.config(n, m, k, device) for (m, k) in shapes for n in batch
+               if n > 16 and backend_for(capability, n, m, k, dtype) == "cuda_ws"}
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda c: _launcher(c, dtype, False, None, device), configs))
 
@@ -102,7 +108,7 @@ def run_sweep(device: torch.device, dtype: torch.dtype = torch.bfloat16, batch=B
     index = device.index if device.index is not None else torch.cuda.current_device()
     l2_bytes = torch.cuda.get_device_properties(index).L2_cache_size
     _precompile(shapes, batch, row_dtype, index)
-    kernels = _kernels()
+    kernels = _kernels(torch.cuda.get_device_capability(index))
 
     def graph_ms(fn) -> float:
         return graph_us(fn, rep) / 1e3
