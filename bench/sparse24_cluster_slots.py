@@ -18,9 +18,9 @@ import argparse
 import sys
 
 from kernelplan.bench import results
+from kernelplan.bench.shapes import BATCH_SIZES, held_out_shapes, sweep_shapes
 from kernelplan.kernels.gpu_facts import device_facts, max_active_clusters
 from kernelplan.kernels.sparse24 import sm_count
-from kernelplan.bench.shapes import BATCH_SIZES, held_out_shapes, sweep_shapes
 from kernelplan.kernels.sparse24_ws import WsKernel, _deepest, resident, with_push, ws_config
 
 
@@ -47,7 +47,7 @@ def main() -> int:
                          "probe_ctas": probe})
             print(f"{cfg}: {clusters} clusters of {kc} at once ({clusters * kc} CTAs on {sms} SMs; the probe's "
                   f"slots at {resident(cfg)} an SM: {probe})", flush=True)
-    moved = moved_picks(device_facts(0))
+    moved = picks_the_facts_move(device_facts(0))
     print(f"the rule's picks the driver's slots move from the model's ({len(moved)}):")
     for row in moved:
         print(f"  {row['m']}x{row['k']} n={row['n']} gated={row['gated']}: {row['model']} -> {row['driver']}")
@@ -55,7 +55,7 @@ def main() -> int:
     return 0
 
 
-def moved_picks(slots) -> list[dict]:
+def picks_the_facts_move(slots) -> list[dict]:
     """The picks of ``ws_config`` over the sweep set and the held-out models, at every n of the sweep and gated or
     not, that ``slots`` moves from ``GpuFacts.model``'s for the same SMs."""
     out = []

@@ -47,7 +47,7 @@ from kernelplan.kernels.gpu_facts import device_facts
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_ws import (_MAX_STAGES, WEIGHTS, RuleWeights, WsConfig, WsKernel, _deepest,
-                                            cost_pick, rule_pick, small_n_splits, with_push, with_ring,
+                                            cost_pick, rule_pick, rule_tail, small_n_splits, with_push,
                                             ws_candidates, ws_config)
 from kernelplan.sparse24 import compress, prune
 from kernelplan.sparse24.dispatch import wide_weight
@@ -78,7 +78,7 @@ def wide_split_pick(n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS, 
     if splits and wide_weight(m, k):
         return with_push(next(c for c in splits if c.wm == 1), n, m, sms, gpu)
     cfg = rule_pick([c for c in ws_candidates(n, m, k) if c not in splits], n, m, k, sms, w, gpu)
-    return with_push(with_ring(cfg, n, m, k, sms, gpu), n, m, sms, gpu)
+    return rule_tail(cfg, n, m, k, sms, gpu=gpu)
 
 
 def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
@@ -96,16 +96,16 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
     try:
         cfg = (wide_split_pick if wide_split_only else ws_config.__wrapped__)(n, m, k, sms, w=w, gpu=gpu)
 
-        def pushed(cfg):  # the rule's last steps: its ring, then the push
-            return with_push(with_ring(cfg, n, m, k, sms, gpu), n, m, sms, gpu)
+        def finished(cfg):
+            return rule_tail(cfg, n, m, k, sms, gpu=gpu)
 
         if no_small_grid:
-            cfg = pushed(cost_pick(n, m, k, sms, w=w, gpu=gpu))
+            cfg = finished(cost_pick(n, m, k, sms, w=w, gpu=gpu))
         if no_split3 and cfg.kc == 3:
-            cfg = pushed(rule_pick([c for c in ws_candidates(n, m, k) if c.kc != 3], n, m, k, sms, w, gpu))
+            cfg = finished(rule_pick([c for c in ws_candidates(n, m, k) if c.kc != 3], n, m, k, sms, w, gpu))
         if even_split and (k // 64) % cfg.kc:
-            cfg = pushed(rule_pick([c for c in ws_candidates(n, m, k) if (k // 64) % c.kc == 0], n, m, k, sms, w,
-                                   gpu))
+            cfg = finished(rule_pick([c for c in ws_candidates(n, m, k) if (k // 64) % c.kc == 0], n, m, k, sms, w,
+                                     gpu))
         if no_deep_ring and cfg.stages > _MAX_STAGES:
             cfg = with_push(_deepest(cfg.bn, cfg.wm, cfg.cm, cfg.kc, cfg.sk, cfg.pp), n, m, sms, gpu)
         return cfg

@@ -387,8 +387,7 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
     ``gpu``: the GPU's cluster slots, which waves are counted by, and its DRAM bandwidth (``WsKernel.config`` passes
     the driver's, docs/design/0065); None, the model of a GPU of ``sms`` SMs (``GpuFacts.model``)."""
     cfg = cost_pick(n, m, k, sms, gated, w, gpu)
-    cfg = cfg if gated else with_ring(small_grid_split(cfg, n, m, k, sms, w, gpu), n, m, k, sms, gpu)
-    return with_push(cfg, n, m, sms, gpu)
+    return rule_tail(cfg if gated else small_grid_split(cfg, n, m, k, sms, w, gpu), n, m, k, sms, gated, gpu)
 
 
 def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS, small_grids: bool = True,
@@ -475,6 +474,13 @@ def with_ring(cfg: WsConfig, n: int, m: int, k: int, sms: int, gpu: GpuFacts | N
             and replace(cfg, stages=s)._fixed + cfg.recv_bytes <= SM_SHARED]
     reach = [s for s in fits if s * per_stage >= need]
     return replace(cfg, stages=min(reach) if reach else max(fits)) if fits else cfg
+
+
+def rule_tail(cfg: WsConfig, n: int, m: int, k: int, sms: int, gated: bool = False,
+              gpu: GpuFacts | None = None) -> WsConfig:
+    """The rule's last steps on a picked tile: its ring (``with_ring``, not gated), then the push (``with_push``).
+    Also where bench/sparse24_rule_ab.py finishes another rule's pick."""
+    return with_push(cfg if gated else with_ring(cfg, n, m, k, sms, gpu), n, m, sms, gpu)
 
 
 def with_push(cfg: WsConfig, n: int, m: int, sms: int, gpu: GpuFacts | None = None) -> WsConfig:
