@@ -92,6 +92,16 @@ def _top(top: int, between: bool, sms: int, n: int, m: int, k: int) -> list:
     return list(dict.fromkeys(rule[:top] + space[:top] + [c for c in space if c.wm == 3][:top]))
 
 
+def _wide_split(candidates, n: int, m: int, k: int) -> list:
+    """``candidates`` and, beside each tile of 192 rows of W (``wm = 3``) that keeps K whole and has one CTA a tile,
+    the same tile with K split over 2 and 4 CTAs of a cluster, which ``ws_candidates`` leaves out (timed at n = 128 on
+    an H100 at 56cd67b, before the pushed sums: sparse24-ws-wide-h100.json)."""
+    out = candidates(n, m, k)
+    wide = [sparse24_ws._deepest(c.bn, 3, c.cm, kc) for c in out if c.wm == 3 and c.kc == 1 and not (c.pp or c.sk)
+            for kc in (2, 4) if k // 64 >= 4 * kc and c.bn % (8 * kc) == 0 and c.cm * kc <= 8]
+    return list(dict.fromkeys(out + [c for c in wide if c is not None]))
+
+
 def _unicast_pair(waves: float, sms: int, gated: bool, n: int, m: int, k: int) -> list:
     """The rule's least-cost tile (before ``multicast_pays``) and the same tile without x multicast, where the first
     multicasts x without splitting K in a grid of at most ``waves`` waves of CTAs; else nothing (docs/design/0053,
@@ -127,6 +137,8 @@ def main() -> int:
     ap.add_argument("--gated", action="store_true",
                     help="ws: the gated epilogue (gated_silu_first: silu of W's first M/2 rows' outputs times the "
                          "rest's) on the tiles it runs on; dense is the plain F.linear")
+    ap.add_argument("--wide-split", action="store_true",
+                    help="ws: tiles of 192 rows of W with K split over 2 and 4 CTAs too (not in the rule's space)")
     a = ap.parse_args()
     if a.gated and a.kernel != "ws":
         ap.error("--gated runs on --kernel ws only")
@@ -147,6 +159,8 @@ def main() -> int:
         candidates = functools.partial(_top, a.top, a.between, sms)
     elif a.kernel == "ws":  # the persistent split variant too, beside the rule's space
         candidates = functools.partial(candidates, split=True, between=a.between)
+    if a.wide_split:
+        candidates = functools.partial(_wide_split, candidates)
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shape] if a.shape else SHAPES[: a.shapes]
     if a.lm_heads or a.sweep_set:
         from kernelplan.bench.shapes import lm_head_shapes, sweep_shapes
