@@ -93,13 +93,10 @@ def _top(top: int, between: bool, sms: int, n: int, m: int, k: int) -> list:
 
 
 def _wide_split(candidates, n: int, m: int, k: int) -> list:
-    """``candidates`` and, beside each tile of 192 rows of W (``wm = 3``) that keeps K whole and has one CTA a tile,
-    the same tile with K split over 2 and 4 CTAs of a cluster, which ``ws_candidates`` leaves out (timed at n = 128 on
-    an H100 at 56cd67b, before the pushed sums: sparse24-ws-wide-h100.json)."""
+    """``candidates`` and ``sparse24_ws.wide_k_splits`` of them: tiles of 192 rows of W with K split, which the rule's
+    space leaves out (timed at n = 128 on an H100 at 56cd67b, before the pushed sums: sparse24-ws-wide-h100.json)."""
     out = candidates(n, m, k)
-    wide = [sparse24_ws._deepest(c.bn, 3, c.cm, kc) for c in out if c.wm == 3 and c.kc == 1 and not (c.pp or c.sk)
-            for kc in (2, 4) if k // 64 >= 4 * kc and c.bn % (8 * kc) == 0 and c.cm * kc <= 8]
-    return list(dict.fromkeys(out + [c for c in wide if c is not None]))
+    return out + sparse24_ws.wide_k_splits(out, k)
 
 
 def _unicast_pair(waves: float, sms: int, gated: bool, n: int, m: int, k: int) -> list:

@@ -184,6 +184,15 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
     return out + [c for c in splits if c not in out]
 
 
+def wide_k_splits(space: list[WsConfig], k: int) -> list[WsConfig]:
+    """Beside each tile of ``space`` of 192 rows of W (``wm = 3``) with K whole and one CTA a tile, the same tile with
+    K split over 2 and 4 CTAs of a cluster, where each slice keeps 4 steps or more: tiles ``ws_candidates`` leaves
+    out (its note on ``wm = 3``), for the benches that time them."""
+    wide = [_deepest(c.bn, 3, c.cm, kc) for c in space if c.wm == 3 and c.kc == 1 and not (c.pp or c.sk)
+            for kc in (2, 4) if k // 64 >= 4 * kc and c.bn % (8 * kc) == 0 and c.cm * kc <= 8]
+    return [c for c in dict.fromkeys(wide) if c is not None and c not in space]
+
+
 # Split-K parts shorter than this many 64-column steps are not worth their hand-over.
 _SK_MIN_STEPS = 4
 _MAX_SPLITS = 8
