@@ -75,6 +75,9 @@ def test_tile_rule_fits_every_sweep_shape_and_batch(sms):
             want = least(cands)
             if want.kc == 3 and ctas(want) <= ctas(rest := least([c for c in cands if c.kc != 3])):
                 want = rest  # the split over 3 only on a grid of more CTAs than the pick without it
+            rest = least([c for c in cands if c.wm < 3 or c.kc == 1])
+            if want.wm == 3 and want.kc > 1 and want.bn < rest.bn:
+                want = rest  # 192 rows of W splitting K only where x's tile is as wide as the pick's without them
             if n <= 16 and ctas(want) < sms / 4:  # a grid under a quarter of the SMs: the widest small-n split
                 wider = [c for c in small_n_splits(n, k) if ctas(want) < ctas(c) <= _cluster_sms(c, sms)]
                 want = max(wider, key=lambda c: (ctas(c), -tile_cost(c, n, m, k, sms)), default=want)
@@ -108,6 +111,9 @@ def test_the_rule_multicasts_x_without_a_k_split_only_past_two_waves(n, m, k, sm
     if least.kc == 3:
         rest = min((c for c in cands if c.kc != 3), key=lambda c: rule_order(c, n, m, k, sms))
         least = least if grid_ctas(least, n, m, sms) > grid_ctas(rest, n, m, sms) else rest
+    if least.wm == 3 and least.kc > 1:  # 192 rows of W splitting K: not on a narrower tile of x (docs/design/0067)
+        rest = min((c for c in cands if c.wm < 3 or c.kc == 1), key=lambda c: rule_order(c, n, m, k, sms))
+        least = least if least.bn >= rest.bn else rest
     if not gated:  # a grid under a quarter of the SMs at n <= 16 takes a split (0064): never one of x multicast
         least = small_grid_split(least, n, m, k, sms)
     assert cfg in (least, replace(least, cm=1))
@@ -288,7 +294,8 @@ def test_every_variant_compiles_for_sm90a(compile_for):
             WsConfig(128, 2, stages=6, pp=True), WsConfig(48, 1, stages=8, pp=True), WsConfig(256, 2, stages=5, sk=True),
             WsConfig(192, 3, 2, 1, 5), WsConfig(64, 3, stages=7, pp=True),
             WsConfig(32, 2, 1, 4, 8),  # the small-n split of two blocks (docs/design/0061)
-            WsConfig(24, 2, 1, 3, 8)}  # ... over 3 CTAs (0063)
+            WsConfig(24, 2, 1, 3, 8),  # ... over 3 CTAs (0063)
+            WsConfig(128, 3, 2, 2, 7), WsConfig(64, 3, 1, 4, 8)}  # 192 rows of W splitting K (0067)
     # Each tile once, the dtypes and epilogues taken in turn (a compile takes seconds on CI's two cores).
     variants = itertools.cycle((("bf16", True, "gelu"), ("f16", False, None)))
     for cfg, (dtype, bias, act) in zip(sorted(cfgs, key=str), variants):
@@ -651,15 +658,42 @@ def test_ping_pong_epilogue_puts_every_accumulator_in_its_place(ni, wm):
 
 def test_tiles_of_192_rows_fit_and_the_rule_picks_them_where_they_fill_the_sms():
     """Tiles of 192 rows of W (three consumer warpgroups, or three 64-row blocks a ping-pong warpgroup) stay within
-    their register budget and split no K across a cluster; the rule takes one where 128-row tiles leave SMs idle
-    (4608 rows at n = 512: 72 CTAs of 128 x 256 or 144 of 128 x 128, against 96 of 192 x 128)."""
-    for n, m, k in ((256, 4608, 3584), (1024, 2304, 768), (4096, 768, 3072), (16, 8192, 8192)):
+    their register budget and split no K across a cluster where a slice would have under 96 steps; the rule takes one
+    where 128-row tiles leave SMs idle (4608 rows at n = 512: 72 CTAs of 128 x 256 or 144 of 128 x 128, against 96 of
+    192 x 128)."""
+    for n, m, k in ((256, 4608, 3584), (1024, 2304, 768), (4096, 768, 3072), (16, 8192, 8192), (256, 5120, 12224)):
         wide = [c for c in ws_candidates(n, m, k, between=True) if c.wm == 3]
         assert wide and all(c.shared <= SM_SHARED and c.stages >= 3 and not c.sk and c.kc == 1 for c in wide)
         assert all(c.bn * 3 <= 256 and c.threads == 384 if c.pp else c.bn <= 192 and c.threads == 512 for c in wide)
     assert {c.bn for c in ws_candidates(4096, 4608, 3584) if c.wm == 3 and not c.pp} == {64, 128}
     assert {c.bn for c in ws_candidates(4096, 4608, 3584) if c.wm == 3 and c.pp} == {64}
     assert ws_config(512, 4608, 3584, 132).wm == 3
+
+
+def test_tiles_of_192_rows_split_k_only_on_long_slices_and_where_x_stays_as_wide():
+    """docs/design/0067: past n = 16, tiles of 192 rows of W split K over 2 or 4 CTAs where each slice keeps 96 steps
+    or more, and the rule takes one only where its tile of x is as wide as the pick's without them.  The sweep set's
+    weights of 4608-5120 rows and K of 13824-36864 at n = 256 move from a ping-pong tile of 64 rows of x, K whole, to
+    128 rows with K over 2 (0.84-0.94x the time through the sweep's path); at n = 128 5120x13824 keeps its 128-row
+    tiles, where the split of 192 rows would narrow x to 64."""
+    from kernelplan.kernels.sparse24_ws import WIDE_SPLIT_MIN_SLICE, wide_split
+
+    assert WIDE_SPLIT_MIN_SLICE == 96
+    for n, k in ((256, 64 * 192), (256, 64 * 191), (64, 64 * 384), (64, 64 * 383), (8, 64 * 400), (16, 64 * 400)):
+        splits = {c.kc for c in ws_candidates(n, 5120, k, between=True) if wide_split(c)}
+        assert splits == ({kc for kc in (2, 4) if k // 64 // kc >= 96} if n > 16 else set()), (n, k)
+    for n, m, k in ((256, 5120, 13824), (256, 5120, 17920), (256, 5120, 27648), (256, 4608, 36864),
+                    (128, 4608, 36864), (32, 5120, 27648)):
+        cfg = ws_config(n, m, k, 132)
+        assert wide_split(cfg) and (k // 64) // cfg.kc >= 96, (n, m, k, cfg)
+        before = min((c for c in ws_candidates(n, m, k) if not wide_split(c)),
+                     key=lambda c: rule_order(c, n, m, k, 132))
+        assert cfg.bn >= before.bn and cfg != before
+    assert ws_config(256, 5120, 13824, 132) == WsConfig(bn=128, wm=3, cm=2, kc=2, stages=7)
+    for n, m, k in ((128, 5120, 13824), (1024, 4608, 36864)):  # the least-cost split would narrow x's tile
+        least = min(ws_candidates(n, m, k), key=lambda c: rule_order(c, n, m, k, 132))
+        cfg = ws_config(n, m, k, 132)
+        assert wide_split(least) and not wide_split(cfg) and cfg.bn > least.bn, (n, m, k)
 
 
 def test_a_step_of_few_rows_costs_the_mma_floor_and_the_one_wave_rows_split_k():
@@ -937,5 +971,45 @@ def test_a_layer_runs_the_rules_deeper_ring(seed):
         assert all(ws_config(n, m, k, sms).stages == 12 for n in (6, 8))
         assert _tile_of_last_launch(layer, by_shape=True) == picks
         xg, yg = _graph_replayed(layer, 5, torch.bfloat16)
+    assert_close(yg, F.linear(xg.double(), w, b), F.linear(xg, w.bfloat16(), b.bfloat16()),
+                 atol=FWD_ATOL[torch.bfloat16], what="graph replay")
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("n", [200, 37])
+def test_tiles_of_192_rows_splitting_k_match_fp64(n, seed):
+    """wide_k_splits (docs/design/0067) launched as they are: 192 rows of W, x's tile of 64 and 128 rows, K over 2
+    (the pushed sums where their buffer fits beside the ring, else met through the cluster's loads) and over 4, x
+    multicast to 2 or not; K of 25 steps (slices of 12 and 13; 6, 6, 6 and 7), M off the blocks, bias and GELU,
+    against fp64.  y starts as NaN."""
+    from kernelplan.kernels.sparse24_ws import _deepest, wide_k_splits
+
+    k = 1600
+    cfgs = wide_k_splits([_deepest(bn, 3, cm, 1) for bn in (64, 128) for cm in (1, 2)], k)
+    assert {c.kc for c in cfgs} == {2, 4} and {c.cm for c in cfgs} == {1, 2} and len(cfgs) == 8
+    assert {c.recv_bytes > 0 for c in cfgs} == {True, False}
+    _launch_against_fp64(cfgs, n, 1000, k)
+
+
+@gpu
+@sm90
+def test_a_layer_runs_a_tile_of_192_rows_splitting_k(seed):
+    """Through Sparse24Linear: 5120 x 13824 at n = 256 runs the rule's tile, on 132 SMs 192 x 128 with K over a
+    cluster of 2 (docs/design/0067); against fp64, 3-D x and graph replay included."""
+    from kernelplan.kernels.sparse24_ws import wide_split
+    from test_sparse24_tiles import _tile_of_last_launch
+
+    m, k = 5120, 13824
+    layer = kp.nn.Sparse24Linear.from_dense(torch.nn.Linear(k, m, device="cuda", dtype=torch.bfloat16))
+    w, b = layer.to_dense().double(), layer.bias.detach().double()
+    with torch.no_grad():
+        x = torch.randn(2, 128, k, device="cuda", dtype=torch.bfloat16)
+        assert_close(layer(x), F.linear(x.double(), w, b), F.linear(x, w.bfloat16(), b.bfloat16()),
+                     atol=FWD_ATOL[torch.bfloat16], what="x of 2 x 128 rows")
+        pick = WsKernel().config(256, m, k, 0)
+        assert _tile_of_last_launch(layer, by_shape=True) == {str(pick)}
+        assert wide_split(pick) or torch.cuda.get_device_properties(0).multi_processor_count != 132
+        xg, yg = _graph_replayed(layer, 256, torch.bfloat16)
     assert_close(yg, F.linear(xg.double(), w, b), F.linear(xg, w.bfloat16(), b.bfloat16()),
                  atol=FWD_ATOL[torch.bfloat16], what="graph replay")

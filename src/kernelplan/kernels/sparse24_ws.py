@@ -156,8 +156,8 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
     steps (``k_slices``: 1600 columns are 25 steps; docs/design/0058).
 
     Tiles of 192 rows of W (``wm = 3``: three consumer warpgroups, or a ping-pong warpgroup's three 64-row blocks)
-    fill the SMs where 64 and 128 rows do not (docs/design/0016).  They do not split K across a cluster: at n = 128
-    that lost to the 128-row tiles by up to 16% (sparse24-ws-wide-h100.json).
+    fill the SMs where 64 and 128 rows do not (docs/design/0016).  Past n = ``SPLIT_MAX_N`` they split K across a
+    cluster where each slice keeps ``WIDE_SPLIT_MIN_SLICE`` steps or more (``wide_k_splits``, docs/design/0067).
 
     At n <= ``SPLIT_MAX_N``, K splits over 4 CTAs with x's tile twice what n needs too (``small_n_splits``), except
     under a gated epilogue (``gated``), whose split tiles were not timed."""
@@ -181,13 +181,25 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
                           _deepest(bn, wm, 1, 1, pp=True) if pingpong and bn % 16 == 0 and bn * wm <= 256 else None)
             out += [c for c in persistent if c is not None]
     splits = [] if gated else small_n_splits(n, k)
-    return out + [c for c in splits if c not in out]
+    out += [c for c in splits if c not in out]
+    wide = wide_k_splits(out, k) if n > SPLIT_MAX_N else []  # at n <= 16, K splits are small_n_splits'
+    return out + [c for c in wide if (k // 64) // c.kc >= WIDE_SPLIT_MIN_SLICE]
+
+
+# Tiles of 192 rows of W split K over a cluster only where each slice keeps this many 64-column steps or more.  The
+# cluster's fixed cost (its barriers; the sums of 192 rows met, without the push where its buffer does not fit beside
+# the ring) weighs on a short slice, which tile_cost prices low: at n = 128 they lost to the 128-row tiles by up to 16%
+# (sparse24-ws-wide-h100.json, 56cd67b).  Through the sweep's path (sparse24-rule-ab-wide-k-splits-*-h200.json,
+# f60b710; docs/design/0067) the rule with them at any slice picked them on 67 problems: those of slices of 40 steps
+# or fewer ran 0.95-1.15x the time (23 of 28 slower), 54-80 steps 0.87-1.13x, and all 13 of 96 steps or more
+# 0.835-0.968x.
+WIDE_SPLIT_MIN_SLICE = 96
 
 
 def wide_k_splits(space: list[WsConfig], k: int) -> list[WsConfig]:
     """Beside each tile of ``space`` of 192 rows of W (``wm = 3``) with K whole and one CTA a tile, the same tile with
-    K split over 2 and 4 CTAs of a cluster, where each slice keeps 4 steps or more: tiles ``ws_candidates`` leaves
-    out (its note on ``wm = 3``), for the benches that time them."""
+    K split over 2 and 4 CTAs of a cluster, where each slice keeps 4 steps or more and the tile is not in ``space``
+    (``ws_candidates`` holds those of slices of ``WIDE_SPLIT_MIN_SLICE`` steps or more; the benches time the rest)."""
     wide = [_deepest(c.bn, 3, c.cm, kc) for c in space if c.wm == 3 and c.kc == 1 and not (c.pp or c.sk)
             for kc in (2, 4) if k // 64 >= 4 * kc and c.bn % (8 * kc) == 0 and c.cm * kc <= 8]
     return [c for c in dict.fromkeys(wide) if c is not None and c not in space]
@@ -388,11 +400,13 @@ def small_n_splits(n: int, k: int) -> list[WsConfig]:
 @functools.lru_cache(maxsize=4096)
 def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeights = WEIGHTS,
               gpu: GpuFacts | None = None) -> WsConfig:
-    """The tile for N = n: ``rule_pick`` of ``ws_candidates`` under ``w``, a K split over 3 CTAs only where its grid runs
-    more CTAs than the pick without it (docs/design/0063), a grid under a quarter of the SMs at n <= 16 given way to a
-    small-n split (``small_grid_split``, 0064), its ring deepened where the grid holds too few bytes in flight at n <= 16
-    (``with_ring``, 0066), with its K slices pushing their sums where that pays.  ``gated``: among the tiles a gated
-    epilogue runs on (``gated_tile``), none of them small-n splits or deeper rings (neither was timed gated).
+    """The tile for N = n: ``rule_pick`` of ``ws_candidates`` under ``w``, a K split over 3 CTAs only where its grid
+    runs more CTAs than the pick without it (docs/design/0063), a tile of 192 rows of W splitting K only where its
+    tile of x is as wide as the pick's without it (0067), a grid under a quarter of the SMs at n <= 16 given way to a
+    small-n split (``small_grid_split``, 0064), its ring deepened where the grid holds too few bytes in flight at
+    n <= 16 (``with_ring``, 0066), with its K slices pushing their sums where that pays.  ``gated``: among the tiles a
+    gated epilogue runs on (``gated_tile``), none of them small-n splits, deeper rings or 192-row K splits (none was
+    timed gated).
     ``gpu``: the GPU's cluster slots, which waves are counted by, and its DRAM bandwidth (``WsKernel.config`` passes
     the driver's, docs/design/0065); None, the model of a GPU of ``sms`` SMs (``GpuFacts.model``)."""
     cfg = cost_pick(n, m, k, sms, gated, w, gpu)
@@ -402,13 +416,26 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
 def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS, small_grids: bool = True,
               gpu: GpuFacts | None = None) -> WsConfig:
     """``ws_config``'s pick among ``space``, before the push: ``rule_pick``, a split over 3 only where its grid runs
-    more CTAs than the pick without it (the note at _SPLITS), then, with ``small_grids``, ``small_grid_split``.  Also
-    how tools/fit_ws_rule.py picks among a table's tiles."""
+    more CTAs than the pick without it (the note at _SPLITS), a tile of 192 rows of W splitting K only where its tile
+    of x is as wide as the pick's without it (the note at ``wide_split``), then, with ``small_grids``,
+    ``small_grid_split``.  Also how tools/fit_ws_rule.py picks among a table's tiles."""
     cfg = rule_pick(space, n, m, k, sms, w, gpu)
     if cfg.kc == 3:
         rest = rule_pick([c for c in space if c.kc != 3], n, m, k, sms, w, gpu)
         cfg = cfg if grid_ctas(cfg, n, m, sms) > grid_ctas(rest, n, m, sms) else rest
+    if wide_split(cfg):
+        rest = rule_pick([c for c in space if not wide_split(c)], n, m, k, sms, w, gpu)
+        cfg = cfg if cfg.bn >= rest.bn else rest
     return small_grid_split(cfg, n, m, k, sms, w, gpu) if small_grids else cfg
+
+
+# A tile of 192 rows of W splitting K (wide_k_splits) where the pick without it has a wider tile of x: the narrower
+# tile reads W from L2 once for each of its more tiles of x, and each consumer warpgroup's fragments of W serve fewer
+# rows of x, neither of which tile_cost prices (docs/design/0060 section 6).  Through the sweep's path such moves ran
+# slower on 4 of 7 problems, by up to 1.13x (sparse24-rule-ab-wide-k-splits-*-h200.json, docs/design/0067).
+def wide_split(cfg: WsConfig) -> bool:
+    """Whether ``cfg`` is a tile of 192 rows of W with K split across its cluster (``wide_k_splits``)."""
+    return cfg.wm == 3 and cfg.kc > 1
 
 
 def cost_pick(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeights = WEIGHTS,
