@@ -674,14 +674,17 @@ def test_tiles_of_192_rows_split_k_only_on_long_slices_and_where_x_stays_as_wide
     """docs/design/0067: past n = 16, tiles of 192 rows of W split K over 2 or 4 CTAs where each slice keeps 96 steps
     or more, and the rule takes one only where its tile of x is as wide as the pick's without them.  The sweep set's
     weights of 4608-5120 rows and K of 13824-36864 at n = 256 move from a ping-pong tile of 64 rows of x, K whole, to
-    128 rows with K over 2 (0.84-0.94x the time through the sweep's path); at n = 128 5120x13824 keeps its 128-row
-    tiles, where the split of 192 rows would narrow x to 64."""
-    from kernelplan.kernels.sparse24_ws import WIDE_SPLIT_MIN_SLICE, wide_split
+    128 rows with K over 2 (0.84-0.98x the time through the sweep's path, two runs); at n = 128 5120x13824 keeps its 128-row
+    tiles, where the split of 192 rows would narrow x to 64; at n = 384 the 192 x 192 split, 1.15-1.22x the time, is
+    not in the space."""
+    from kernelplan.kernels.sparse24_ws import WIDE_SPLIT_MAX_BN, WIDE_SPLIT_MIN_SLICE, wide_split
 
-    assert WIDE_SPLIT_MIN_SLICE == 96
+    assert (WIDE_SPLIT_MIN_SLICE, WIDE_SPLIT_MAX_BN) == (96, 128)
     for n, k in ((256, 64 * 192), (256, 64 * 191), (64, 64 * 384), (64, 64 * 383), (8, 64 * 400), (16, 64 * 400)):
-        splits = {c.kc for c in ws_candidates(n, 5120, k, between=True) if wide_split(c)}
-        assert splits == ({kc for kc in (2, 4) if k // 64 // kc >= 96} if n > 16 else set()), (n, k)
+        splits = [c for c in ws_candidates(n, 5120, k, between=True) if wide_split(c)]
+        assert {c.kc for c in splits} == ({kc for kc in (2, 4) if k // 64 // kc >= 96} if n > 16 else set()), (n, k)
+        assert all(c.bn <= 128 for c in splits)
+    assert {c.bn for c in ws_candidates(384, 5120, 27648, between=True) if wide_split(c)} == {64, 96, 128}
     for n, m, k in ((256, 5120, 13824), (256, 5120, 17920), (256, 5120, 27648), (256, 4608, 36864),
                     (128, 4608, 36864), (32, 5120, 27648)):
         cfg = ws_config(n, m, k, 132)
@@ -690,6 +693,7 @@ def test_tiles_of_192_rows_split_k_only_on_long_slices_and_where_x_stays_as_wide
                      key=lambda c: rule_order(c, n, m, k, 132))
         assert cfg.bn >= before.bn and cfg != before
     assert ws_config(256, 5120, 13824, 132) == WsConfig(bn=128, wm=3, cm=2, kc=2, stages=7)
+    assert not wide_split(ws_config(384, 5120, 13824, 132)) and not wide_split(ws_config(192, 5120, 27648, 132))
     for n, m, k in ((128, 5120, 13824), (1024, 4608, 36864)):  # the least-cost split would narrow x's tile
         least = min(ws_candidates(n, m, k), key=lambda c: rule_order(c, n, m, k, 132))
         cfg = ws_config(n, m, k, 132)

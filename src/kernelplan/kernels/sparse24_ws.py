@@ -156,8 +156,9 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
     steps (``k_slices``: 1600 columns are 25 steps; docs/design/0058).
 
     Tiles of 192 rows of W (``wm = 3``: three consumer warpgroups, or a ping-pong warpgroup's three 64-row blocks)
-    fill the SMs where 64 and 128 rows do not (docs/design/0016).  Past n = ``SPLIT_MAX_N`` they split K across a
-    cluster where each slice keeps ``WIDE_SPLIT_MIN_SLICE`` steps or more (``wide_k_splits``, docs/design/0067).
+    fill the SMs where 64 and 128 rows do not (docs/design/0016).  Past n = ``SPLIT_MAX_N`` those of at most
+    ``WIDE_SPLIT_MAX_BN`` rows of x split K across a cluster where each slice keeps ``WIDE_SPLIT_MIN_SLICE`` steps or
+    more (``wide_k_splits``, docs/design/0067).
 
     At n <= ``SPLIT_MAX_N``, K splits over 4 CTAs with x's tile twice what n needs too (``small_n_splits``), except
     under a gated epilogue (``gated``), whose split tiles were not timed."""
@@ -183,17 +184,19 @@ def ws_candidates(n: int, m: int, k: int, pingpong: bool = True, split: bool = F
     splits = [] if gated else small_n_splits(n, k)
     out += [c for c in splits if c not in out]
     wide = wide_k_splits(out, k) if n > SPLIT_MAX_N else []  # at n <= 16, K splits are small_n_splits'
-    return out + [c for c in wide if (k // 64) // c.kc >= WIDE_SPLIT_MIN_SLICE]
+    return out + [c for c in wide if (k // 64) // c.kc >= WIDE_SPLIT_MIN_SLICE and c.bn <= WIDE_SPLIT_MAX_BN]
 
 
-# Tiles of 192 rows of W split K over a cluster only where each slice keeps this many 64-column steps or more.  The
-# cluster's fixed cost (its barriers; the sums of 192 rows met, without the push where its buffer does not fit beside
-# the ring) weighs on a short slice, which tile_cost prices low: at n = 128 they lost to the 128-row tiles by up to 16%
-# (sparse24-ws-wide-h100.json, 56cd67b).  Through the sweep's path (sparse24-rule-ab-wide-k-splits-*-h200.json,
-# f60b710; docs/design/0067) the rule with them at any slice picked them on 67 problems: those of slices of 40 steps
-# or fewer ran 0.95-1.15x the time (23 of 28 slower), 54-80 steps 0.87-1.13x, and all 13 of 96 steps or more
-# 0.835-0.968x.
+# Tiles of 192 rows of W split K over a cluster only where each slice keeps this many 64-column steps or more, and
+# x's tile is at most WIDE_SPLIT_MAX_BN rows.  The cluster's fixed cost (its barriers; the partial sums of 192 rows
+# met, without the push where its buffer does not fit beside the ring) weighs on a short slice, which tile_cost prices
+# low.  Through the sweep's path (sparse24-rule-ab-wide-k-splits-*-h200.json, f60b710; docs/design/0067) the rule with
+# them at any slice picked them on 67 problems: slices of 40 steps or fewer ran 0.87-1.15x the time (25 of 31
+# slower), 41-95 steps 0.90-1.13x (6 of 24 slower), and all 12 of 96 steps or more 0.835-0.968x.  Tiles of 192 x 192
+# (a 147 KiB f32 tile of sums, 5 stages in the ring) with K over 2 ran 1.15-1.22x the time at n = 384 (5 problems,
+# -final-, 2ba8f9c), and 160 and 192 rows of x 1.41-2.17x the best tile's in sparse24-ws-wide-h100.json (56cd67b).
 WIDE_SPLIT_MIN_SLICE = 96
+WIDE_SPLIT_MAX_BN = 128
 
 
 def wide_k_splits(space: list[WsConfig], k: int) -> list[WsConfig]:
