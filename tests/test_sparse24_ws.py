@@ -671,12 +671,12 @@ def test_tiles_of_192_rows_fit_and_the_rule_picks_them_where_they_fill_the_sms()
 
 
 def test_tiles_of_192_rows_split_k_only_on_long_slices_and_where_x_stays_as_wide():
-    """docs/design/0067: past n = 16, tiles of 192 rows of W split K over 2 or 4 CTAs where each slice keeps 96 steps
-    or more, and the rule takes one only where its tile of x is as wide as the pick's without them.  The sweep set's
-    weights of 4608-5120 rows and K of 13824-36864 at n = 256 move from a ping-pong tile of 64 rows of x, K whole, to
-    128 rows with K over 2 (0.84-0.98x the time through the sweep's path, two runs); at n = 128 5120x13824 keeps its 128-row
-    tiles, where the split of 192 rows would narrow x to 64; at n = 384 the 192 x 192 split, 1.15-1.22x the time, is
-    not in the space."""
+    """docs/design/0067: past n = 16, tiles of 192 rows of W and at most 128 of x split K over 2 or 4 CTAs where each
+    slice keeps 96 steps or more, and the rule takes one only where its tile of x is as wide as the pick's without
+    them.  The sweep set's weights of 4608-5120 rows and K of 13824-36864 at n = 256 move from a ping-pong tile of 64
+    rows of x, K whole, to 128 rows with K over 2 (0.84-0.98x the time through the sweep's path, two runs); at n = 128
+    5120x13824 keeps its 128-row tiles, where the split of 192 rows would narrow x to 64; at n = 384 the 192 x 192
+    split, 1.15-1.22x the time, is not in the space."""
     from kernelplan.kernels.sparse24_ws import WIDE_SPLIT_MAX_BN, WIDE_SPLIT_MIN_SLICE, wide_split
 
     assert (WIDE_SPLIT_MIN_SLICE, WIDE_SPLIT_MAX_BN) == (96, 128)
