@@ -435,7 +435,7 @@ def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
 # A tile of 192 rows of W splitting K (wide_k_splits) where the pick without it has a wider tile of x: the narrower
 # tile reads W from L2 once for each of its more tiles of x, and each consumer warpgroup's fragments of W serve fewer
 # rows of x, neither of which tile_cost prices (docs/design/0060 section 6).  Through the sweep's path such moves ran
-# slower on 4 of 7 problems, by up to 1.13x (sparse24-rule-ab-wide-k-splits-*-h200.json, docs/design/0067).
+# slower on 4 of 8 problems, by up to 1.13x, and even on one (sparse24-rule-ab-wide-k-splits-*-h200.json, 0067).
 def wide_split(cfg: WsConfig) -> bool:
     """Whether ``cfg`` is a tile of 192 rows of W with K split across its cluster (``wide_k_splits``)."""
     return cfg.wm == 3 and cfg.kc > 1
