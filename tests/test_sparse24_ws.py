@@ -197,24 +197,25 @@ def test_a_grid_in_bands_matches_fp64(seed):
     _launch_against_fp64(cfgs, n, 1040, k)
 
 
-def _launch_against_fp64(cfgs, n: int, m: int, k: int) -> None:
-    """Each of ``cfgs`` launched as it is on x [n, k] and a pruned bf16 W [m, k], bias and GELU, y first all NaN (a
-    row no CTA wrote fails), against fp64."""
+def _launch_against_fp64(cfgs, n: int, m: int, k: int, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Each of ``cfgs`` launched as it is on x [n, k] and a pruned W [m, k] of ``dtype``, bias and GELU, y first all
+    NaN (a row no CTA wrote fails), against fp64."""
     from kernelplan.kernels import raw_stream
     from kernelplan.kernels.sparse24_sp import _tiled
 
-    x = torch.randn(n, k, device="cuda").bfloat16()
-    w = kp.sparse24.prune(torch.randn(m, k, device="cuda")).bfloat16()
-    bias = torch.randn(m, device="cuda").bfloat16()
+    x = torch.randn(n, k, device="cuda").to(dtype)
+    w = kp.sparse24.prune(torch.randn(m, k, device="cuda")).to(dtype)
+    bias = torch.randn(m, device="cuda").to(dtype)
     w24 = kp.sparse24.compress(w)
     values, codes = _tiled(w24.values, w24.metadata)
     want = F.gelu(F.linear(x.double(), w.double(), bias.double()))
     for cfg in cfgs:
-        y = torch.full((n, m), float("nan"), device="cuda", dtype=torch.bfloat16)
-        launch, grid = WsKernel().launch_config(cfg, n, m, "bf16", True, "gelu", 0)
+        y = torch.full((n, m), float("nan"), device="cuda", dtype=dtype)
+        launch, grid = WsKernel().launch_config(cfg, n, m, {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype], True,
+                                                "gelu", 0)
         launch(grid, (x.data_ptr(), values.data_ptr(), codes.data_ptr(), bias.data_ptr(), y.data_ptr(), n, m, k,
                       x.stride(0), y.stride(0)), raw_stream(0))
-        assert_close(y, want, F.gelu(F.linear(x, w, bias)), atol=FWD_ATOL[torch.bfloat16], what=str(cfg))
+        assert_close(y, want, F.gelu(F.linear(x, w, bias)), atol=FWD_ATOL[dtype], what=str(cfg))
 
 
 @gpu
@@ -981,19 +982,19 @@ def test_a_layer_runs_the_rules_deeper_ring(seed):
 
 @gpu
 @sm90
-@pytest.mark.parametrize("n", [200, 37])
-def test_tiles_of_192_rows_splitting_k_match_fp64(n, seed):
+@pytest.mark.parametrize("n, dtype", [(200, torch.bfloat16), (37, torch.bfloat16), (200, torch.float16)], ids=str)
+def test_tiles_of_192_rows_splitting_k_match_fp64(n, dtype, seed):
     """wide_k_splits (docs/design/0067) launched as they are: 192 rows of W, x's tile of 64 and 128 rows, K over 2
     (the pushed sums where their buffer fits beside the ring, else met through the cluster's loads) and over 4, x
-    multicast to 2 or not; K of 25 steps (slices of 12 and 13; 6, 6, 6 and 7), M off the blocks, bias and GELU,
-    against fp64.  y starts as NaN."""
+    multicast to 2 or not; K of 25 steps (slices of 12 and 13; 6, 6, 6 and 7), M off the blocks, bias and GELU, bf16
+    and f16, against fp64.  y starts as NaN."""
     from kernelplan.kernels.sparse24_ws import _deepest, wide_k_splits
 
     k = 1600
     cfgs = wide_k_splits([_deepest(bn, 3, cm, 1) for bn in (64, 128) for cm in (1, 2)], k)
     assert {c.kc for c in cfgs} == {2, 4} and {c.cm for c in cfgs} == {1, 2} and len(cfgs) == 8
     assert {c.recv_bytes > 0 for c in cfgs} == {True, False}
-    _launch_against_fp64(cfgs, n, 1000, k)
+    _launch_against_fp64(cfgs, n, 1000, k, dtype)
 
 
 @gpu

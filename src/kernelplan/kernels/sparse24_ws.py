@@ -202,7 +202,8 @@ WIDE_SPLIT_MAX_BN = 128
 def wide_k_splits(space: list[WsConfig], k: int) -> list[WsConfig]:
     """Beside each tile of ``space`` of 192 rows of W (``wm = 3``) with K whole and one CTA a tile, the same tile with
     K split over 2 and 4 CTAs of a cluster, where each slice keeps 4 steps or more and the tile is not in ``space``
-    (``ws_candidates`` holds those of slices of ``WIDE_SPLIT_MIN_SLICE`` steps or more; the benches time the rest)."""
+    (``ws_candidates`` holds those past n = 16 of slices of ``WIDE_SPLIT_MIN_SLICE`` steps or more and at most
+    ``WIDE_SPLIT_MAX_BN`` rows of x; the benches time the rest)."""
     wide = [_deepest(c.bn, 3, c.cm, kc) for c in space if c.wm == 3 and c.kc == 1 and not (c.pp or c.sk)
             for kc in (2, 4) if k // 64 >= 4 * kc and c.bn % (8 * kc) == 0 and c.cm * kc <= 8]
     return [c for c in dict.fromkeys(wide) if c is not None and c not in space]
