@@ -540,6 +540,7 @@ def table() -> str:
                  "sparse24-sweep-f16-floor-mid-n-h200", "sparse24-sweep-f16-uneven-k-small-n-h200",
                  "sparse24-sweep-f16-uneven-k-large-n-h200", "sparse24-sweep-f16-small-n-split-h200",
                  "sparse24-sweep-f16-small-n-split3-h200", "sparse24-sweep-f16-small-n-deep-ring-h200",
+                 "sparse24-sweep-f16-wide-k-splits-h200",
                  "sparse24-sweep-h100-f16-l2warm",
                  "sparse24-sweep-h200-f16-l2warm"):
         body += sweep_rows(name)
