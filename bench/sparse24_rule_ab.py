@@ -1,20 +1,19 @@
 """The cuda_ws rule against the same rule with another x-multicast threshold or other weights, through the sweep's
 own path.
 
-Every problem of the sweep set (or another shape set, or ``--shapes``) where ``ws_config`` picks another tile than
-it would with x multicast without a K split past ``--multicast-min-waves`` waves
-(``sparse24_ws.MULTICAST_MIN_WAVES``), or with the cost weights ``--weights`` (``RuleWeights``, fields not named as
-they are), or with K split only where the split divides K's steps (``--even-k-split``, the rule before
-docs/design/0058), or with the small-n K splits on wide weights alone (``--wide-split-only``, the rule before 0061),
-or without the small-n split over 3 (``--no-split3``, before 0063) or the small-grid split (``--no-small-grid-split``,
-before 0064), or with the ring at its 8 stages where the rule deepens it (``--no-deep-ring``, before 0066), or
-without tiles of 192 rows of W splitting K (``--no-wide-k-splits``, ``sparse24_ws.wide_k_splits``, before 0067), is timed
-with both tiles as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the one device layout, each call on
-the next of the weight's copies past twice the L2, ``graph_us`` replays), in one process, alternating A B B A, beside
-dense ``F.linear``; with ``--eager``, also eagerly, host work included. Each side has its own copies of the weight, so
-that each tile's launches are its own, and both rules read the device's own facts (``gpu_facts.device_facts``).  A
-check of a rule change that the tile tables' timings (``sparse24_wg_tiles.py``) and a sweep part disagreed on
-(docs/design/0055).
+Every problem of the sweep set (or another shape set, or ``--shapes``) where ``ws_config`` picks another tile than it
+would with x multicast without a K split past ``--multicast-min-waves`` waves (``sparse24_ws.MULTICAST_MIN_WAVES``), or
+with the cost weights ``--weights`` (``RuleWeights``, fields not named as they are), or with K split only where the
+split divides K's steps (``--even-k-split``, the rule before docs/design/0058), or with the small-n K splits on wide
+weights alone (``--wide-split-only``, the rule before 0061), or without the small-n split over 3 (``--no-split3``,
+before 0063) or the small-grid split (``--no-small-grid-split``, before 0064), or with the ring at its 8 stages where
+the rule deepens it (``--no-deep-ring``, before 0066), or without tiles of 192 rows of W splitting K
+(``--no-wide-k-splits``, ``sparse24_ws.wide_k_splits``, before 0067), is timed with both tiles as the sweep times the
+rule's (``bench/sweep.py``: ``MmaLinear`` on the one device layout, each call on the next of the weight's copies past
+twice the L2, ``graph_us`` replays), in one process, alternating A B B A, beside dense ``F.linear``; with ``--eager``,
+also eagerly, host work included. Each side has its own copies of the weight, so that each tile's launches are its own,
+and both rules read the device's own facts (``gpu_facts.device_facts``). A check of a rule change that the tile tables'
+timings (``sparse24_wg_tiles.py``) and a sweep part disagreed on (docs/design/0055).
 
 ``--table-misses TABLE`` takes the other side from a tile table instead: at each problem where the table's best tile
 ran ``--min-gain`` (3%) or more faster than the rule's, that tile (docs/design/0056).  Writes

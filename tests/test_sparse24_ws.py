@@ -75,9 +75,9 @@ def test_tile_rule_fits_every_sweep_shape_and_batch(sms):
             want = least(cands)
             if want.kc == 3 and ctas(want) <= ctas(rest := least([c for c in cands if c.kc != 3])):
                 want = rest  # the split over 3 only on a grid of more CTAs than the pick without it
-            rest = least([c for c in cands if c.wm < 3 or c.kc == 1])
-            if want.wm == 3 and want.kc > 1 and want.bn < rest.bn:
-                want = rest  # 192 rows of W splitting K only where x's tile is as wide as the pick's without them
+            if want.wm == 3 and want.kc > 1:  # 192 rows of W splitting K: x's tile as wide as the pick's without
+                rest = least([c for c in cands if c.wm < 3 or c.kc == 1])
+                want = want if want.bn >= rest.bn else rest
             if n <= 16 and ctas(want) < sms / 4:  # a grid under a quarter of the SMs: the widest small-n split
                 wider = [c for c in small_n_splits(n, k) if ctas(want) < ctas(c) <= _cluster_sms(c, sms)]
                 want = max(wider, key=lambda c: (ctas(c), -tile_cost(c, n, m, k, sms)), default=want)
