@@ -322,15 +322,15 @@ def test_the_rule_ab_bench_times_the_small_grid_split_against_the_pick_by_cost()
         assert ws_config(*p, SMS).kc == 4 and (other.kc, other.pp) == (1, True)
 
 
-def _rule_ab_moves(shapes, **other_rule) -> dict:
-    """bench/sparse24_rule_ab.py's problems at n = 1, 8, 16 and 32 where the rule and ``other_rule`` part, each with
-    the other rule's tile."""
+def _rule_ab_moves(shapes, batch=(1, 8, 16, 32), **other_rule) -> dict:
+    """bench/sparse24_rule_ab.py's problems at n of ``batch`` where the rule and ``other_rule`` part, each with the
+    other rule's tile."""
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
     import sparse24_rule_ab
     from kernelplan.kernels import sparse24_ws
 
     waves = sparse24_ws.MULTICAST_MIN_WAVES
-    got = sparse24_rule_ab.moved(shapes, [1, 8, 16, 32], SMS, waves, **other_rule)
+    got = sparse24_rule_ab.moved(shapes, list(batch), SMS, waves, **other_rule)
     return {p: sparse24_rule_ab.other_pick(*p, SMS, waves, **other_rule) for p in got}
 
 
@@ -341,6 +341,17 @@ def test_the_rule_ab_bench_times_the_deeper_ring_against_the_8_stage_one():
     assert list(moves) == [(1, 5120, 5120), (8, 5120, 5120), (16, 5120, 5120)]
     for p, other in moves.items():
         assert ws_config(*p, SMS) == dataclasses.replace(other, stages=12) and other.stages == 8
+
+
+def test_the_rule_ab_bench_times_the_rule_without_the_192_row_k_splits():
+    """bench/sparse24_rule_ab.py --no-wide-k-splits (docs/design/0067): the other rule has no tile of 192 rows of W
+    splitting K; the two part only where this rule takes one (K slices of 96 steps or more, past n = 16)."""
+    from kernelplan.kernels.sparse24_ws import wide_split
+
+    moves = _rule_ab_moves([(5120, 27648), (5120, 5120), (3072, 8192)], batch=(16, 32, 256, 384), no_wide_splits=True)
+    assert sorted(moves) == [(32, 5120, 27648), (256, 5120, 27648)]
+    for p, other in moves.items():
+        assert wide_split(ws_config(*p, SMS)) and not wide_split(other)
 
 
 def test_the_rule_ab_bench_takes_one_other_side(monkeypatch, capsys):
