@@ -47,8 +47,8 @@ from kernelplan.kernels.gpu_facts import device_facts
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_ws import (_MAX_STAGES, WEIGHTS, RuleWeights, WsConfig, WsKernel, _deepest,
-                                            cost_pick, rule_pick, rule_tail, small_n_splits, with_push,
-                                            ws_candidates, ws_config)
+                                            cost_pick, pick_from, rule_pick, rule_tail, small_n_splits, wide_split,
+                                            with_push, ws_candidates, ws_config)
 from kernelplan.sparse24 import compress, prune
 from kernelplan.sparse24.dispatch import wide_weight
 from kernelplan.sparse24.layout import pack_reason
@@ -92,11 +92,8 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
     ring ``_deepest`` gives where ``with_ring`` deepens it (before 0066); with ``no_wide_splits``, without tiles of 192
     rows of W splitting K in its space (before 0067).  Each other step of the rule as it is, on the GPU facts ``gpu``
     (None: the model's)."""
-    present, space = sparse24_ws.MULTICAST_MIN_WAVES, sparse24_ws.ws_candidates
+    present = sparse24_ws.MULTICAST_MIN_WAVES
     sparse24_ws.MULTICAST_MIN_WAVES = waves
-    if no_wide_splits:
-        sparse24_ws.ws_candidates = lambda *args, **kwargs: [c for c in space(*args, **kwargs)
-                                                              if not sparse24_ws.wide_split(c)]
     try:
         cfg = (wide_split_pick if wide_split_only else ws_config.__wrapped__)(n, m, k, sms, w=w, gpu=gpu)
 
@@ -110,11 +107,14 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
         if even_split and (k // 64) % cfg.kc:
             cfg = finished(rule_pick([c for c in ws_candidates(n, m, k) if (k // 64) % c.kc == 0], n, m, k, sms, w,
                                      gpu))
+        if no_wide_splits and wide_split(cfg):
+            cfg = finished(pick_from([c for c in ws_candidates(n, m, k) if not wide_split(c)], n, m, k, sms, w,
+                                     gpu=gpu))
         if no_deep_ring and cfg.stages > _MAX_STAGES:
             cfg = with_push(_deepest(cfg.bn, cfg.wm, cfg.cm, cfg.kc, cfg.sk, cfg.pp), n, m, sms, gpu)
         return cfg
     finally:
-        sparse24_ws.MULTICAST_MIN_WAVES, sparse24_ws.ws_candidates = present, space
+        sparse24_ws.MULTICAST_MIN_WAVES = present
 
 
 def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
