@@ -6,9 +6,11 @@ import pytest
 
 from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
 from kernelplan.sparse24 import GemmSparse24Descriptor, GemmSparse24Plan
-from kernelplan.sparse24.dispatch import MEMORY_POLICIES, N_GRAIN, backend_for, config_for, layout_reason, rule_points
+from kernelplan.sparse24.dispatch import (MEMORY_POLICIES, N_GRAIN, backend_for, config_for, layout_reason, rule_points,
+                                         runs_mma_sp, runs_sm90a)
 
 HOPPER, AMPERE, ADA, TURING = (9, 0), (8, 0), (8, 9), (7, 5)
+BLACKWELL, SM_120 = (10, 0), (12, 0)
 
 
 # The sweep set's wide weights of few rows that mma.sp runs at n <= 8 on Hopper (K >= 2.5 M, 3840 < M <= 4096),
@@ -51,6 +53,17 @@ def test_the_table_over_the_sweep_set():
             assert backend_for(None, n, m, k, "bf16") == "reference"
             assert backend_for(HOPPER, n, m, k, "f32") == "triton"  # no f32 sparse tensor cores
             assert backend_for(TURING, n, m, k, "f16") == "triton"
+
+
+def test_sm90a_code_runs_on_hopper_alone_and_mma_sp_from_ampere_on():
+    # sm_90a's arch-specific instructions (wgmma.sp, tensor maps, clusters) do not run on later GPUs: there, and on
+    # Ampere and Ada, the one layout runs on mma.sp, whatever n.
+    assert [runs_sm90a(c) for c in (TURING, AMPERE, ADA, HOPPER, BLACKWELL, SM_120, None)] == [
+        False, False, False, True, False, False, False]
+    assert [runs_mma_sp(c) for c in (TURING, AMPERE, ADA, HOPPER, BLACKWELL, SM_120)] == [
+        False, True, True, True, True, True]
+    for gpu in (BLACKWELL, SM_120):
+        assert {backend_for(gpu, n, 4096, 4096, "bf16") for n in (1, 64, 4096)} == {"cuda_sp"}
 
 
 def test_layout_reasons_name_what_is_missing():

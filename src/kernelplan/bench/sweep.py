@@ -27,6 +27,7 @@ import statistics
 
 import torch
 
+from ..sparse24.dispatch import runs_sm90a
 from .shapes import BATCH_SIZES, held_out_shapes, lm_head_shapes, sweep_shapes
 
 QUICK_BATCH_SIZES = (1, 16, 64, 256, 1024, 4096)
@@ -49,7 +50,7 @@ def _kernels(capability: tuple[int, int]) -> dict:
     from ..kernels.sparse24_ws import WsKernel
 
     out = {"cuda_sp": (SpKernel, 64), "cuda_ws": (WsKernel, 1 << 30)}
-    return out if capability == (9, 0) else {"cuda_sp": out["cuda_sp"]}
+    return out if runs_sm90a(capability) else {"cuda_sp": out["cuda_sp"]}
 
 
 def _rel_err(out, ref) -> float:

@@ -22,6 +22,7 @@ import torch
 from ..activations import GATED_EPILOGUES
 from ..dtypes import dtype_info
 from ..errors import KernelPlanError
+from ..sparse24.dispatch import runs_sm90a
 from . import have_triton, on_device, raw_stream
 from .direct import BoundLaunch, FunctionLaunch, _param_sizes
 from .sparse24_ws import (SM_SHARED, _PARAMS, _PP_PARAMS, _PP_SIZES, _SIZES, TensorMaps, WsConfig, _deepest,
@@ -85,7 +86,7 @@ def grouped_reason(capability: tuple[int, int] | None, m: int, k: int, experts: 
     """Why ``grouped_linear`` cannot run these experts, or None."""
     if capability is None:
         return "the weights are not on a CUDA GPU"
-    if capability != (9, 0):
+    if not runs_sm90a(capability):
         return f"compute capability {capability[0]}.{capability[1]}: the grouped kernel is sm_90a code (wgmma.sp)"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {dtype}: the kernel takes bf16 and f16"

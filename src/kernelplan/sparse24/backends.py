@@ -35,6 +35,7 @@ from ..dtypes import dtype_info
 from ..kernels import triton_reason
 from ..plan import Backend, PrecisionGuarantee
 from .cusparselt import CusparseLtSparse24Backend
+from .dispatch import runs_mma_sp, runs_sm90a
 from .format import derived_from
 from .layout import PUBLIC, SP_LAYOUT
 from .plan import GemmSparse24Args, GemmSparse24Plan, ungated
@@ -176,7 +177,7 @@ class CudaMmaSparse24Backend(Backend):
         if desc.k % 64:
             return f"K = {desc.k} is not a multiple of 64, the kernel's K step"
         why = nvrtc_reason(desc.device)
-        if why is None and torch.cuda.get_device_capability(torch.device(desc.device)) < (8, 0):
+        if why is None and not runs_mma_sp(torch.cuda.get_device_capability(torch.device(desc.device))):
             return f"device {desc.device}: bf16 MMA (mma.sync, mma.sp) needs compute capability 8.0 or newer"
         return why
 
@@ -248,7 +249,7 @@ class CudaWgSparse24Backend(CudaMmaSparse24Backend):
 
     def supports(self, desc) -> str | None:
         why = super().supports(desc)
-        if why is None and torch.cuda.get_device_capability(torch.device(desc.device)) != (9, 0):
+        if why is None and not runs_sm90a(torch.cuda.get_device_capability(torch.device(desc.device))):
             return f"device {desc.device}: wgmma.mma_async.sp is an sm_90a (Hopper) instruction"
         return why
 

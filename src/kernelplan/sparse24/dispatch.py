@@ -22,6 +22,22 @@ from __future__ import annotations
 MEMORY_POLICIES = ("compact", "fast")
 LAYOUT_DTYPES = ("f16", "bf16")  # the sparse tensor cores' operand types
 
+# What the layout's kernels need of a GPU.  mma.sp (cuda_sp, cuda_mma) is sm_80's and later's.  wgmma.sp, the copy
+# engine's tensor maps and clusters (cuda_ws, cuda_wg, the grouped experts' kernel) are compiled for sm_90a, whose
+# arch-specific instructions run on compute capability 9.0 alone, not on later GPUs.
+MMA_SP_CAPABILITY = (8, 0)
+SM90A_CAPABILITY = (9, 0)
+
+
+def runs_mma_sp(capability: tuple[int, int]) -> bool:
+    """Whether a GPU of ``capability`` runs ``mma.sp`` (the sparse tensor cores of sm_80 and later)."""
+    return capability >= MMA_SP_CAPABILITY
+
+
+def runs_sm90a(capability: tuple[int, int] | None) -> bool:
+    """Whether a GPU of ``capability`` runs sm_90a code (``wgmma.sp``, tensor maps, clusters): 9.0 alone."""
+    return capability == SM90A_CAPABILITY
+
 # Hopper at n <= SP_MAX_N_HOPPER: mma.sp (cuda_sp) for tall weights, M >= SP_MIN_M_HOPPER (and K >= SP_TALL_MIN_K,
 # below), and for wide ones of few rows, K >= SP_WIDE_K_OVER_M x M with M <= SP_WIDE_MAX_M; else cuda_ws.  From
 # every cuda_sp tile and cuda_ws's first 4 timed over the sweep set at n = 1, 8 and 16 in one process each
@@ -81,7 +97,7 @@ def layout_reason(capability: tuple[int, int] | None, k: int, dtype: str) -> str
     """Why the one device layout's kernels cannot run a weight, or None if they can."""
     if capability is None:
         return "the device is not a CUDA GPU: the layout's kernels are CUDA C++"
-    if capability < (8, 0):
+    if not runs_mma_sp(capability):
         return f"compute capability {capability[0]}.{capability[1]}: mma.sp needs 8.0 or newer"
     if dtype not in LAYOUT_DTYPES:
         return f"dtype {dtype}: the sparse tensor cores take {' and '.join(LAYOUT_DTYPES)}"
@@ -107,7 +123,7 @@ def backend_for(capability: tuple[int, int] | None, n: int, m: int, k: int, dtyp
     if capability is None:
         return "reference"
     if layout_reason(capability, k, dtype) is None:
-        if capability == (9, 0):
+        if runs_sm90a(capability):
             tall = m >= SP_MIN_M_HOPPER and k >= SP_TALL_MIN_K
             sp = n <= SP_MAX_N_HOPPER and (tall or m > SP_WIDE_MIN_M and wide_weight(m, k))
             return "cuda_sp" if sp else "cuda_ws"
