@@ -160,5 +160,19 @@ def test_the_newest_rows_take_each_cell_at_its_newest_reading_and_leave_the_head
     cells = graph.split(" | ")[1:5]
     assert cells == ["1.50x (1.50-1.50x)", "1.50x (1.50-1.50x)", "1.70x (1.50-1.90x)", "1.50x (1.50-1.50x)"]
     assert eager.split(" | ")[3] == "0.85x (0.75-0.95x)"
-    assert "(0.5625x bytes), bf16, 43 sweep shapes x 4 n" in graph
+    assert "(0.5625x bytes), bf16, 2 sweep shapes x 4 n" in graph  # the shapes the sweeps read
     assert graph.endswith("| G, 2 sweep files at bas, new (`sparse24/expected.json`'s sources) |")
+
+    # The held-out models' projections get their own pair of rows, merged alike, where sweeps read them.
+    held = [(2048, 2048), (1536, 8960)]  # Qwen2.5-3B's o, Qwen2.5-1.5B's down: outside the sweep set
+    sweep("held-small", "2026-01-05", held, [1, 8], 1.2, shape_set="held-out models")
+    sweep("held-mid", "2026-01-06", held[:1], [8, 256], 0.9, shape_set="held-out models")
+    rows = readme_table.newest_rows()
+    assert rows[:2] == [graph, eager]
+    held_graph, held_eager = rows[2:]
+    # n = 8 of 2048x2048 at its newest reading (0.9x, eager 0.45x) beside the three cells of 1.2x
+    assert held_graph.split(" | ")[1:4] == ["1.20x (0.90-1.20x)", "-", "0.90x (0.90-0.90x)"]
+    assert held_eager.split(" | ")[1] == "0.60x (0.45-0.60x)"
+    assert "bf16, 2 projections of other public models (0.5-12B), outside the sweep set the rule was fitted on x 3 n" \
+        in held_graph
+    assert held_graph.endswith("| G, 2 sweep files at hel (`sparse24/expected.json`'s sources) |")

@@ -92,31 +92,38 @@ def sweep_rows(name: str) -> list[str]:
 def newest_rows() -> list[str]:
     """Per GPU and dtype, the sweep set's cells each at its newest reading: the sweeps and their parts merged as
     ``tools/expected_table.py`` merges them for ``kp.warmup`` (a part run again after a rule changed replaces the
-    older reading of its n), the LM heads left out."""
+    older reading of its n), the LM heads left out; then, where sweeps read them, the held-out models' projections
+    (shapes no rule was fitted on) merged alike."""
     from expected_table import tables
 
-    from kernelplan.bench.shapes import sweep_shapes
+    from kernelplan.bench.shapes import held_out_shapes, sweep_shapes
 
-    sweep_set = {f"{m}x{k}" for m, k in sweep_shapes()}
+    sets = (("sweep set", "sweep shapes", {f"{m}x{k}" for m, k in sweep_shapes()}),
+            ("held-out models", "projections of other public models (0.5-12B), outside the sweep set the rule was "
+             "fitted on", {f"{m}x{k}" for m, k in held_out_shapes()}))
     out = []
     for t in sorted(tables(RESULTS)["tables"], key=lambda t: (t["dtype"], t["gpu"])):
-        cells = [c for shape, rows in t["shapes"].items() if shape in sweep_set for c in rows]
         docs = {src["file"]: _load(src["file"].removesuffix(".json")) for src in t["sources"]}
-        files = [f for f, doc in docs.items() if doc.get("shape_set", "sweep set") == "sweep set"]  # as expected_table
-        commits = list(dict.fromkeys(docs[f]["commit"] for f in files))
-        ratios = [r["memory"]["ratio"] for f in files for r in docs[f]["rows"] if "memory" in r
-                  and f"{r['m']}x{r['k']}" in sweep_set]
-        ns = len({n for n, _, _ in cells})
-        graph = [_span([g for n, g, _ in cells if lo <= n <= hi]) for _, lo, hi in N_RANGES]
-        eager = [_span([e for n, _, e in cells if lo <= n <= hi and e is not None]) for _, lo, hi in N_RANGES]
-        where = (f"{t['gpu']}, {len(files)} sweep files at {', '.join(commits)} (`sparse24/expected.json`'s "
-                 f"sources)")
-        held = ("bytes held not recorded" if not ratios else f"{min(ratios):.4g}x bytes" if min(ratios) == max(ratios)
-                else f"{min(ratios):.4g}-{max(ratios):.4g}x bytes")
-        out += [f"| **2:4 linear, default ({held}), {t['dtype']}, {len(sweep_set)} sweep shapes x {ns} n, "
-                f"each at its newest reading**, weights read from DRAM (L2 {t['l2']}), CUDA graph | "
-                + " | ".join(graph) + f" | {where} |",
-                "| the same, eager | " + " | ".join(eager) + f" | {where} |"]
+        for shape_set, what, shapes in sets:
+            cells = [c for shape, rows in t["shapes"].items() if shape in shapes for c in rows]
+            files = [f for f, doc in docs.items() if doc.get("shape_set", "sweep set") == shape_set]
+            if not cells or not files:
+                continue
+            commits = list(dict.fromkeys(docs[f]["commit"] for f in files))
+            ratios = [r["memory"]["ratio"] for f in files for r in docs[f]["rows"] if "memory" in r
+                      and f"{r['m']}x{r['k']}" in shapes]
+            ns = len({n for n, _, _ in cells})
+            graph = [_span([g for n, g, _ in cells if lo <= n <= hi]) for _, lo, hi in N_RANGES]
+            eager = [_span([e for n, _, e in cells if lo <= n <= hi and e is not None]) for _, lo, hi in N_RANGES]
+            where = (f"{t['gpu']}, {len(files)} sweep files at {', '.join(commits)} (`sparse24/expected.json`'s "
+                     f"sources)")
+            held = ("bytes held not recorded" if not ratios else f"{min(ratios):.4g}x bytes"
+                    if min(ratios) == max(ratios) else f"{min(ratios):.4g}-{max(ratios):.4g}x bytes")
+            count = len({shape for shape in t["shapes"] if shape in shapes})
+            out += [f"| **2:4 linear, default ({held}), {t['dtype']}, {count} {what} x {ns} n, "
+                    f"each at its newest reading**, weights read from DRAM (L2 {t['l2']}), CUDA graph | "
+                    + " | ".join(graph) + f" | {where} |",
+                    "| the same, eager | " + " | ".join(eager) + f" | {where} |"]
     return out
 
 
@@ -253,7 +260,7 @@ def sparse24_notes() -> list[str]:
     """The 2:4 model, conversion and host-work results, one line each."""
     lines = []
     for name in ("sparse24-model-h100", "sparse24-model-h200", "sparse24-model-tall-k-h200",
-                 "sparse24-model-small-n-split-h200", "sparse24-model-split3-ab1-h200",
+                 "sparse24-model-small-n-split-h200", "sparse24-model-split3-ab1-h200", "sparse24-model-rules-0067-h200",
                  "sparse24-model-tuned-h100", "sparse24-model-tuned-h200"):
         model = _load(name)
         if model:
@@ -533,14 +540,15 @@ def table() -> str:
                  "sparse24-sweep-small-n-small-grid-h200", "sparse24-sweep-held-out-small-n-small-grid-h200",
                  "sparse24-sweep-small-n-slots-h200", "sparse24-sweep-small-n-deep-ring-h200",
                  "sparse24-sweep-held-out-small-n-deep-ring-h200", "sparse24-sweep-wide-k-splits-h200",
-                 "sparse24-sweep-wide-k-splits-n32-64-h200",
+                 "sparse24-sweep-wide-k-splits-n32-64-h200", "sparse24-sweep-held-out-mid-n-h200",
+                 "sparse24-sweep-held-out-large-n-h200",
                  "sparse24-sweep-h100-l2warm", "sparse24-sweep-h200-l2warm",
                  "sparse24-sweep-h200-f16-quick", "sparse24-sweep-h100-f16-quick", "sparse24-sweep-small-n-f16-h200",
                  "sparse24-sweep-small-n-f16-h100", "sparse24-sweep-f16-mid-h200", "sparse24-sweep-f16-large-n-h200",
                  "sparse24-sweep-f16-floor-mid-n-h200", "sparse24-sweep-f16-uneven-k-small-n-h200",
                  "sparse24-sweep-f16-uneven-k-large-n-h200", "sparse24-sweep-f16-small-n-split-h200",
                  "sparse24-sweep-f16-small-n-split3-h200", "sparse24-sweep-f16-small-n-deep-ring-h200",
-                 "sparse24-sweep-f16-wide-k-splits-h200",
+                 "sparse24-sweep-f16-wide-k-splits-h200", "sparse24-sweep-f16-wide-k-splits-n32-64-h200",
                  "sparse24-sweep-h100-f16-l2warm",
                  "sparse24-sweep-h200-f16-l2warm"):
         body += sweep_rows(name)
