@@ -25,7 +25,8 @@ from kernelplan.bench import results
 from kernelplan.bench.sweep import _cycling, copies_past_l2
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
-from kernelplan.kernels.sparse24_ws import WsKernel, ws_config
+from kernelplan.kernels.sparse24_ws import WsKernel
+from kernelplan.kernels.sparse24_ws_rule import ws_config
 from kernelplan.sparse24 import compress, prune
 
 SHAPES = [(8192, 28672), (28672, 8192), (57344, 8192), (4096, 4096), (3584, 18944), (6144, 4096)]

@@ -1,7 +1,7 @@
 """How many clusters of each K-split tile the GPU runs at once: ``cuOccupancyMaxActiveClusters`` on the compiled
 ``cuda_ws`` kernel, for the small-n splits over 2, 3 and 4 CTAs and the 64-row block forms.
 
-Why: the tile rule counts a grid's waves over the SMs its clusters can be placed on (``sparse24_ws._cluster_sms``).
+Why: the tile rule counts a grid's waves over the SMs its clusters can be placed on (``sparse24_ws_rule._cluster_sms``).
 Clusters are placed inside a GPC, and a GPC's SMs are not a multiple of every cluster size, so clusters of 3 and 4
 fill fewer than all 132 SMs of an H100 or H200.  A grid of one more cluster than fit runs a second wave: 40 clusters
 of 3 (5120 rows of two 64-row blocks) ran 1.5x slower than 36 (docs/design/0063).  Beside each, the count the rule
@@ -21,7 +21,8 @@ from kernelplan.bench import results
 from kernelplan.bench.shapes import BATCH_SIZES, held_out_shapes, sweep_shapes
 from kernelplan.kernels.gpu_facts import device_facts, max_active_clusters
 from kernelplan.kernels.sparse24 import sm_count
-from kernelplan.kernels.sparse24_ws import WsKernel, _deepest, resident, with_push, ws_config
+from kernelplan.kernels.sparse24_ws import WsKernel
+from kernelplan.kernels.sparse24_ws_rule import _deepest, resident, with_push, ws_config
 
 
 def max_clusters(cfg, n: int, m: int) -> int:

@@ -249,7 +249,8 @@ def tile_sequence_study(shapes, calls: int, top: int, blocks: int = 6) -> list[d
     from kernelplan.kernels import raw_stream
     from kernelplan.kernels.sparse24 import sm_count
     from kernelplan.kernels.sparse24_sp import _tiled
-    from kernelplan.kernels.sparse24_ws import _launcher, rule_order, tile_cost, ws_candidates, ws_config
+    from kernelplan.kernels.sparse24_ws import _launcher
+    from kernelplan.kernels.sparse24_ws_rule import rule_order, tile_cost, ws_candidates, ws_config
 
     dev = torch.device("cuda")
     sms = sm_count(0)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from kernelplan.bench import results
 from kernelplan.errors import KernelPlanError
-from kernelplan.kernels import raw_stream, sparse24_ws
+from kernelplan.kernels import raw_stream, sparse24_ws, sparse24_ws_rule
 from kernelplan.kernels.gpu_facts import device_facts
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_sp import SM_SHARED, _tiled
@@ -150,9 +150,9 @@ def main() -> int:
             x = torch.randn(n, k, device="cuda").bfloat16()
             y = torch.empty(n, m, device="cuda", dtype=torch.bfloat16)
             want = F.linear(x, ws[0]).float()
-            cost = lambda c: sparse24_ws.tile_cost(c, n, m, k, sms)
-            rule = sparse24_ws.ws_config(n, m, k, sms, gpu=device_facts(0))  # the device's own rule
-            tiles = list(dict.fromkeys([rule] + sorted(sparse24_ws.ws_candidates(n, m, k), key=cost)))[: a.top]
+            cost = lambda c: sparse24_ws_rule.tile_cost(c, n, m, k, sms)
+            rule = sparse24_ws_rule.ws_config(n, m, k, sms, gpu=device_facts(0))  # the device's own rule
+            tiles = list(dict.fromkeys([rule] + sorted(sparse24_ws_rule.ws_candidates(n, m, k), key=cost)))[: a.top]
             calls = max(20, min(400, int(2e-3 * 7e14 / (2 * m * k * n))))  # rounds of about 2 ms: NVML reads
             for cfg in tiles:
                 fns = {"dense": [lambda w=w: F.linear(x, w) for w in ws]}

@@ -22,7 +22,8 @@ from kernelplan.timing import graph_us
 from kernelplan.kernels import raw_stream
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_sp import _tiled
-from kernelplan.kernels.sparse24_ws import WsKernel, gated_tile, rule_order, ws_candidates, ws_config
+from kernelplan.kernels.sparse24_ws import WsKernel
+from kernelplan.kernels.sparse24_ws_rule import gated_tile, rule_order, ws_candidates, ws_config
 from kernelplan.sparse24.format import prune_compress
 
 PROBLEMS = [(256, 57344, 8192), (256, 37888, 3584), (256, 35840, 5120), (64, 35840, 5120), (512, 37888, 3584),

@@ -41,7 +41,8 @@ from kernelplan.bench.shapes import sweep_shapes
 from kernelplan.bench.sweep import _cycling, copies_past_l2
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
-from kernelplan.kernels.sparse24_ws import WsKernel, rule_order, ws_candidates, ws_config
+from kernelplan.kernels.sparse24_ws import WsKernel
+from kernelplan.kernels.sparse24_ws_rule import rule_order, ws_candidates, ws_config
 from kernelplan.sparse24 import compress, prune
 from kernelplan.sparse24.dispatch import backend_for
 from kernelplan.sparse24.layout import pack_reason

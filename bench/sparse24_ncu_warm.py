@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from kernelplan.bench.sweep import copies_past_l2
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
-from kernelplan.kernels.sparse24_ws import WsKernel, ws_config
+from kernelplan.kernels.sparse24_ws import WsKernel
+from kernelplan.kernels.sparse24_ws_rule import ws_config
 from kernelplan.sparse24 import compress, prune
 
 

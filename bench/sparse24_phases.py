@@ -26,7 +26,7 @@ from kernelplan.bench.sweep import copies_past_l2
 from kernelplan.kernels import raw_stream
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_sp import _tiled
-from kernelplan.kernels.sparse24_ws import ws_config
+from kernelplan.kernels.sparse24_ws_rule import ws_config
 from kernelplan.sparse24 import compress, prune
 from kernelplan.timing import capture, graph_rounds
 from sparse24_feed_probe import launchers

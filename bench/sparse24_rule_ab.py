@@ -2,18 +2,19 @@
 own path.
 
 Every problem of the sweep set (or another shape set, or ``--shapes``) where ``ws_config`` picks another tile than it
-would with x multicast without a K split past ``--multicast-min-waves`` waves (``sparse24_ws.MULTICAST_MIN_WAVES``), or
-with the cost weights ``--weights`` (``RuleWeights``, fields not named as they are), or with K split only where the
-split divides K's steps (``--even-k-split``, the rule before docs/design/0058), or with the small-n K splits on wide
-weights alone (``--wide-split-only``, the rule before 0061), or without the small-n split over 3 (``--no-split3``,
-before 0063) or the small-grid split (``--no-small-grid-split``, before 0064), or with the ring at its 8 stages where
-the rule deepens it (``--no-deep-ring``, before 0066), or without tiles of 192 rows of W splitting K
-(``--no-wide-k-splits``, ``sparse24_ws.wide_k_splits``, before 0067), is timed with both tiles as the sweep times the
-rule's (``bench/sweep.py``: ``MmaLinear`` on the one device layout, each call on the next of the weight's copies past
-twice the L2, ``graph_us`` replays), in one process, alternating A B B A, beside dense ``F.linear``; with ``--eager``,
-also eagerly, host work included. Each side has its own copies of the weight, so that each tile's launches are its own,
-and both rules read the device's own facts (``gpu_facts.device_facts``). A check of a rule change that the tile tables'
-timings (``sparse24_wg_tiles.py``) and a sweep part disagreed on (docs/design/0055).
+would with x multicast without a K split past ``--multicast-min-waves`` waves
+(``sparse24_ws_rule.MULTICAST_MIN_WAVES``), or with the cost weights ``--weights`` (``RuleWeights``, fields not named as
+they are), or with K split only where the split divides K's steps (``--even-k-split``, the rule before
+docs/design/0058), or with the small-n K splits on wide weights alone (``--wide-split-only``, the rule before 0061), or
+without the small-n split over 3 (``--no-split3``, before 0063) or the small-grid split (``--no-small-grid-split``,
+before 0064), or with the ring at its 8 stages where the rule deepens it (``--no-deep-ring``, before 0066), or without
+tiles of 192 rows of W splitting K (``--no-wide-k-splits``, ``sparse24_ws_rule.wide_k_splits``, before 0067), is timed
+with both tiles as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the one device layout, each call on
+the next of the weight's copies past twice the L2, ``graph_us`` replays), in one process, alternating A B B A, beside
+dense ``F.linear``; with ``--eager``, also eagerly, host work included. Each side has its own copies of the weight, so
+that each tile's launches are its own, and both rules read the device's own facts (``gpu_facts.device_facts``). A check
+of a rule change that the tile tables' timings (``sparse24_wg_tiles.py``) and a sweep part disagreed on
+(docs/design/0055).
 
 ``--table-misses TABLE`` takes the other side from a tile table instead: at each problem where the table's best tile
 ran ``--min-gain`` (3%) or more faster than the rule's, that tile (docs/design/0056).  Writes
@@ -42,13 +43,14 @@ import torch.nn.functional as F
 from kernelplan.bench import results
 from kernelplan.bench.shapes import BATCH_SIZES
 from kernelplan.bench.sweep import EAGER_CALLS, EAGER_ROUNDS, SHAPE_SETS, _cycling, copies_past_l2
-from kernelplan.kernels import sparse24_ws
+from kernelplan.kernels import sparse24_ws_rule
 from kernelplan.kernels.gpu_facts import device_facts
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
-from kernelplan.kernels.sparse24_ws import (_MAX_STAGES, WEIGHTS, RuleWeights, WsConfig, WsKernel, _deepest,
-                                            cost_pick, pick_from, rule_pick, rule_tail, small_n_splits, wide_split,
-                                            with_push, ws_candidates, ws_config)
+from kernelplan.kernels.sparse24_ws import WsKernel
+from kernelplan.kernels.sparse24_ws_rule import (_MAX_STAGES, WEIGHTS, RuleWeights, WsConfig, _deepest, cost_pick,
+                                                 pick_from, rule_pick, rule_tail, small_n_splits, wide_split, with_push,
+                                                 ws_candidates, ws_config)
 from kernelplan.sparse24 import compress, prune
 from kernelplan.sparse24.dispatch import wide_weight
 from kernelplan.sparse24.layout import pack_reason
@@ -92,8 +94,8 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
     ring ``_deepest`` gives where ``with_ring`` deepens it (before 0066); with ``no_wide_splits``, without tiles of 192
     rows of W splitting K in its space (before 0067).  Each other step of the rule as it is, on the GPU facts ``gpu``
     (None: the model's)."""
-    present = sparse24_ws.MULTICAST_MIN_WAVES
-    sparse24_ws.MULTICAST_MIN_WAVES = waves
+    present = sparse24_ws_rule.MULTICAST_MIN_WAVES
+    sparse24_ws_rule.MULTICAST_MIN_WAVES = waves
     try:
         cfg = (wide_split_pick if wide_split_only else ws_config.__wrapped__)(n, m, k, sms, w=w, gpu=gpu)
 
@@ -114,7 +116,7 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
             cfg = with_push(_deepest(cfg.bn, cfg.wm, cfg.cm, cfg.kc, cfg.sk, cfg.pp), n, m, sms, gpu)
         return cfg
     finally:
-        sparse24_ws.MULTICAST_MIN_WAVES = present
+        sparse24_ws_rule.MULTICAST_MIN_WAVES = present
 
 
 def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
@@ -189,7 +191,7 @@ def main() -> int:
         shapes = SHAPE_SETS[a.shape_set]() if a.shapes is None else [tuple(map(int, s.split("x"))) for s in a.shapes]
     except ValueError:
         ap.error(f"--shapes takes layers as MxK (4096x1600), not {a.shapes}")
-    waves = sparse24_ws.MULTICAST_MIN_WAVES if a.multicast_min_waves is None else a.multicast_min_waves
+    waves = sparse24_ws_rule.MULTICAST_MIN_WAVES if a.multicast_min_waves is None else a.multicast_min_waves
     other_w = weights_of(a.weights)
     sms, gpu = sm_count(0), device_facts(0)
     if a.table_misses:
@@ -203,7 +205,7 @@ def main() -> int:
         problems = moved(shapes, a.batch, sms, waves, other_w, *flags, gpu=gpu)
         others = {p: other_pick(*p, sms, waves, other_w, *flags, gpu=gpu) for p in problems}
         print(f"{len(problems)} problems where the rule with x multicast past {waves:g} waves (now "
-              f"{sparse24_ws.MULTICAST_MIN_WAVES}), {other_w}{' and even K splits' if a.even_k_split else ''}"
+              f"{sparse24_ws_rule.MULTICAST_MIN_WAVES}), {other_w}{' and even K splits' if a.even_k_split else ''}"
               f"{' and small-n K splits on wide weights alone' if a.wide_split_only else ''}"
               f"{' and no K split over 3' if a.no_split3 else ''}"
               f"{' and no small-grid split' if a.no_small_grid_split else ''}"
@@ -215,7 +217,7 @@ def main() -> int:
 
     def write():  # after each shape: a run cut off by a time limit keeps what it timed
         results.write("sparse24-rule-ab", {"rows": rows}, a.out, dtype="bf16", sms=sms,
-                      here={"multicast_min_waves": sparse24_ws.MULTICAST_MIN_WAVES,
+                      here={"multicast_min_waves": sparse24_ws_rule.MULTICAST_MIN_WAVES,
                             "weights": dataclasses.asdict(WEIGHTS)},
                       other={"multicast_min_waves": waves, "weights": dataclasses.asdict(other_w),
                              "even_k_split": a.even_k_split, "wide_split_only": a.wide_split_only,

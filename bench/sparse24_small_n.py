@@ -62,7 +62,7 @@ def main() -> int:
         """Tiles of 24, 32 or 64 rows of x (n needs 16) so that K splits across a cluster of 3, 4 or 8 CTAs (each
         writes 8 rows of y): more CTAs, more of the weight in flight, where a grid of 16-row tiles fills under an SM
         each."""
-        from kernelplan.kernels.sparse24_ws import _deepest, small_n_splits
+        from kernelplan.kernels.sparse24_ws_rule import _deepest, small_n_splits
 
         # The rule's own (over 3 and 4, at n <= 16), and 64 rows over 8 wherever n needs fewer rows of x.
         wider = [c for wm in (1, 2) if 64 > -(-n // 16) * 16 and k // 64 >= 32 and (c := _deepest(64, wm, 1, 8))]
@@ -71,7 +71,7 @@ def main() -> int:
     def persistent_split(n):
         """The persistent tiles of x's fitted rows whose launch splits the weight's row blocks along K into parts
         spread evenly over every SM (``sk_plan``): a grid of one-a-tile CTAs fills fewer than the SMs at small n."""
-        from kernelplan.kernels.sparse24_ws import _deepest
+        from kernelplan.kernels.sparse24_ws_rule import _deepest
 
         return [c for wm in (1, 2) if (c := _deepest(-(-n // 16) * 16, wm, 1, 1, sk=True)) is not None]
 

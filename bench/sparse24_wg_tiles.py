@@ -1,5 +1,6 @@
 """Every tile of a ``wgmma.sp`` kernel on a spread of sweep shapes: ``--kernel wg`` (``kernels/sparse24_wg.py``,
-``wg_candidates``) or ``--kernel ws`` (the warp-specialized one, ``kernels/sparse24_ws.py``, ``ws_candidates``).
+``wg_candidates``) or ``--kernel ws`` (the warp-specialized one, ``kernels/sparse24_ws.py``; its tiles are
+``sparse24_ws_rule.ws_candidates``).
 
 The data the configuration rule is built from.  For each (M, K) and n: dense
 ``F.linear`` and every candidate tile, each checked against the dense result
@@ -31,7 +32,7 @@ from kernelplan.bench.sweep import _cycling
 from kernelplan.kernels import raw_stream
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_sp import _tiled
-from kernelplan.kernels import sparse24_wg, sparse24_ws
+from kernelplan.kernels import sparse24_wg, sparse24_ws, sparse24_ws_rule
 from kernelplan.sparse24 import compress, prune
 from kernelplan.sparse24.plan import gated_reason
 from kernelplan.timing import graph_us
@@ -86,25 +87,26 @@ def graph_ms(fns, calls: int, rounds: int, during=None) -> list[float]:
 def _top(top: int, between: bool, sms: int, n: int, m: int, k: int) -> list:
     """The ``top`` tiles of least rule cost over the rule's space and (``between``) as many over the wider one,
     and as many of 192 rows of W (``wm = 3``)."""
-    cost = lambda c: sparse24_ws.tile_cost(c, n, m, k, sms)
-    rule = sorted(sparse24_ws.ws_candidates(n, m, k), key=cost)
-    space = sorted(sparse24_ws.ws_candidates(n, m, k, between=True), key=cost) if between else rule
+    cost = lambda c: sparse24_ws_rule.tile_cost(c, n, m, k, sms)
+    rule = sorted(sparse24_ws_rule.ws_candidates(n, m, k), key=cost)
+    space = sorted(sparse24_ws_rule.ws_candidates(n, m, k, between=True), key=cost) if between else rule
     return list(dict.fromkeys(rule[:top] + space[:top] + [c for c in space if c.wm == 3][:top]))
 
 
 def _wide_split(candidates, n: int, m: int, k: int) -> list:
-    """``candidates`` and ``sparse24_ws.wide_k_splits`` of them: tiles of 192 rows of W with K split, which the rule's
-    space leaves out (timed at n = 128 on an H100 at 56cd67b, before the pushed sums: sparse24-ws-wide-h100.json)."""
+    """``candidates`` and ``sparse24_ws_rule.wide_k_splits`` of them: tiles of 192 rows of W with K split, which the
+    rule's space leaves out (timed at n = 128 on an H100 at 56cd67b, before the pushed sums:
+    sparse24-ws-wide-h100.json)."""
     out = candidates(n, m, k)
-    return out + sparse24_ws.wide_k_splits(out, k)
+    return out + sparse24_ws_rule.wide_k_splits(out, k)
 
 
 def _unicast_pair(waves: float, sms: int, gated: bool, n: int, m: int, k: int) -> list:
     """The rule's least-cost tile (before ``multicast_pays``) and the same tile without x multicast, where the first
     multicasts x without splitting K in a grid of at most ``waves`` waves of CTAs; else nothing (docs/design/0053,
     0054).  ``gated``: among the tiles a gated epilogue runs on."""
-    pick = sparse24_ws.least_cost([c for c in sparse24_ws.ws_candidates(n, m, k)
-                                   if not gated or sparse24_ws.gated_tile(c)], n, m, k, sms)
+    pick = sparse24_ws_rule.least_cost([c for c in sparse24_ws_rule.ws_candidates(n, m, k)
+                                   if not gated or sparse24_ws_rule.gated_tile(c)], n, m, k, sms)
     if pick.kc != 1 or pick.cm == 1 or math.prod(pick.grid(n, m)) > waves * sms:
         return []
     return [pick, dataclasses.replace(pick, cm=1)]
@@ -151,7 +153,8 @@ def main() -> int:
     if a.kernel == "ws" and a.unicast_pairs is not None:
         candidates = functools.partial(_unicast_pair, a.unicast_pairs, sms, a.gated)
     elif a.gated:
-        candidates = lambda n, m, k: [c for c in sparse24_ws.ws_candidates(n, m, k) if sparse24_ws.gated_tile(c)]
+        candidates = lambda n, m, k: [c for c in sparse24_ws_rule.ws_candidates(n, m, k)
+                                      if sparse24_ws_rule.gated_tile(c)]
     elif a.kernel == "ws" and a.top:
         candidates = functools.partial(_top, a.top, a.between, sms)
     elif a.kernel == "ws":  # the persistent split variant too, beside the rule's space

@@ -14,7 +14,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tools"))
 import fit_sp_rule  # noqa: E402
 from kernelplan.kernels import sparse24_sp  # noqa: E402
 from kernelplan.kernels.sparse24_sp import sp_candidates, sp_config  # noqa: E402
-from kernelplan.kernels.sparse24_ws import ws_config  # noqa: E402
+from kernelplan.kernels.sparse24_ws_rule import ws_config  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parents[1] / "bench" / "results"
 TABLES = [RESULTS / f"sparse24-small-n-{gpu}.json" for gpu in ("h100", "h200")]

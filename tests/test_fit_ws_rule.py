@@ -12,8 +12,8 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tools"))
 
 import fit_ws_rule  # noqa: E402
-from kernelplan.kernels.sparse24_ws import (WEIGHTS, WsConfig, gated_tile, rule_order, ws_candidates,  # noqa: E402
-                                           ws_config)
+from kernelplan.kernels.sparse24_ws_rule import (WEIGHTS, WsConfig, gated_tile, rule_order,  # noqa: E402
+                                                ws_candidates, ws_config)
 
 SMS = 132
 
@@ -205,14 +205,14 @@ def test_the_rule_ab_bench_times_exactly_the_picks_another_multicast_threshold_m
     waves, the rule itself is left as it was, and the problems timed are those whose two tiles differ."""
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
     import sparse24_rule_ab
-    from kernelplan.kernels import sparse24_ws
+    from kernelplan.kernels import sparse24_ws, sparse24_ws_rule
 
     n, m, k = 1024, 28672, 4096  # x shared by 2 CTAs in a grid of 896 CTAs, 6.8 waves of 132
     here = ws_config(n, m, k, SMS)
     assert here.cm == 2 and here.kc == 1
     assert sparse24_rule_ab.other_pick(n, m, k, SMS, 16) == dataclasses.replace(here, cm=1)
     assert sparse24_rule_ab.other_pick(n, m, k, SMS, 6) == here  # more than 6 waves: multicast stays
-    assert sparse24_ws.MULTICAST_MIN_WAVES == 2 and ws_config(n, m, k, SMS) == here
+    assert sparse24_ws_rule.MULTICAST_MIN_WAVES == 2 and ws_config(n, m, k, SMS) == here
     shapes = [(28672, 4096), (768, 768), (3072, 3072)]
     got = sparse24_rule_ab.moved(shapes, [128, 1024, 2048], SMS, 16)
     assert (n, m, k) in got and all(sparse24_rule_ab.other_pick(*p, SMS, 16) != ws_config(*p, SMS) for p in got)
@@ -233,7 +233,7 @@ def test_the_rule_ab_bench_times_the_picks_other_weights_move():
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
     import sparse24_rule_ab
     from kernelplan.bench.shapes import sweep_shapes
-    from kernelplan.kernels import sparse24_ws
+    from kernelplan.kernels import sparse24_ws_rule
 
     other = sparse24_rule_ab.weights_of(["l2=0.007", "pp_tile=5550"])
     assert other == dataclasses.replace(WEIGHTS, l2=0.007, pp_tile=5550.0)
@@ -241,14 +241,14 @@ def test_the_rule_ab_bench_times_the_picks_other_weights_move():
         with pytest.raises(SystemExit, match="FIELD=VALUE with FIELD one of"):
             sparse24_rule_ab.weights_of(bad)
     shapes = list(sweep_shapes())
-    got = sparse24_rule_ab.moved(shapes, [512, 1024], SMS, sparse24_ws.MULTICAST_MIN_WAVES, other)
+    got = sparse24_rule_ab.moved(shapes, [512, 1024], SMS, sparse24_ws_rule.MULTICAST_MIN_WAVES, other)
     assert got
     for n, m, k in got:  # the library's rule under those weights, and not the rule's tile
         want = ws_config(n, m, k, SMS, w=other)
-        assert sparse24_rule_ab.other_pick(n, m, k, SMS, sparse24_ws.MULTICAST_MIN_WAVES, other) == want
+        assert sparse24_rule_ab.other_pick(n, m, k, SMS, sparse24_ws_rule.MULTICAST_MIN_WAVES, other) == want
         assert want != ws_config(n, m, k, SMS)
     assert len(got) < len(shapes) * 2
-    assert sparse24_rule_ab.moved(shapes, [512, 1024], SMS, sparse24_ws.MULTICAST_MIN_WAVES, WEIGHTS) == []
+    assert sparse24_rule_ab.moved(shapes, [512, 1024], SMS, sparse24_ws_rule.MULTICAST_MIN_WAVES, WEIGHTS) == []
 
 
 def test_the_rule_ab_bench_times_uneven_k_splits_against_the_rule_before_them(monkeypatch, capsys):
@@ -256,9 +256,9 @@ def test_the_rule_ab_bench_times_uneven_k_splits_against_the_rule_before_them(mo
     that divide K's steps (the pick before uneven slices); where K's steps divide, the two agree."""
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
     import sparse24_rule_ab
-    from kernelplan.kernels import sparse24_ws
+    from kernelplan.kernels import sparse24_ws_rule
 
-    waves = sparse24_ws.MULTICAST_MIN_WAVES
+    waves = sparse24_ws_rule.MULTICAST_MIN_WAVES
     assert ws_config(32, 1600, 1600, SMS).kc == 4  # 25 steps: 6, 6, 6 and 7
     assert sparse24_rule_ab.other_pick(32, 1600, 1600, SMS, waves, even_split=True) == \
         WsConfig(bn=32, wm=1, cm=1, kc=1, stages=8, pp=True)  # the pick at 51935dc
@@ -284,14 +284,14 @@ def test_the_rule_ab_bench_times_the_small_n_splits_against_the_rule_before_them
     on the weights whose pick today is a split of two blocks or that are no longer wide-only."""
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
     import sparse24_rule_ab
-    from kernelplan.kernels import sparse24_ws
+    from kernelplan.kernels import sparse24_ws_rule
 
     one, two = (WsConfig(32, wm, 1, 4, 8) for wm in (1, 2))
     assert sparse24_rule_ab.wide_split_pick(8, 3584, 18944, SMS) == one and ws_config(8, 3584, 18944, SMS) == two
     other = sparse24_rule_ab.wide_split_pick(8, 3072, 3072, SMS)  # not wide: the least cost without the splits
     assert other.bn == 16 and ws_config(8, 3072, 3072, SMS) == two
     assert sparse24_rule_ab.wide_split_pick(8, 768, 3072, SMS) == ws_config(8, 768, 3072, SMS) == one
-    waves = sparse24_ws.MULTICAST_MIN_WAVES
+    waves = sparse24_ws_rule.MULTICAST_MIN_WAVES
     got = sparse24_rule_ab.moved([(3072, 3072), (768, 3072), (8192, 3584)], [1, 8, 16, 32, 128], SMS, waves,
                                  wide_split_only=True)
     assert got == [(1, 3072, 3072), (8, 3072, 3072), (16, 3072, 3072)]
@@ -302,9 +302,9 @@ def test_the_rule_ab_bench_times_the_split_over_3_against_the_rule_before_it():
     split over 3 CTAs, so the two part only at n <= 16, where today's pick splits over 3."""
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
     import sparse24_rule_ab
-    from kernelplan.kernels import sparse24_ws
+    from kernelplan.kernels import sparse24_ws_rule
 
-    waves = sparse24_ws.MULTICAST_MIN_WAVES
+    waves = sparse24_ws_rule.MULTICAST_MIN_WAVES
     got = sparse24_rule_ab.moved([(4608, 3584), (4096, 4096), (3072, 3072)], [1, 8, 16, 32, 128], SMS, waves,
                                  no_split3=True)
     assert got == [(1, 4608, 3584), (8, 4608, 3584), (16, 4608, 3584)]
@@ -327,9 +327,9 @@ def _rule_ab_moves(shapes, batch=(1, 8, 16, 32), **other_rule) -> dict:
     other rule's tile."""
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
     import sparse24_rule_ab
-    from kernelplan.kernels import sparse24_ws
+    from kernelplan.kernels import sparse24_ws_rule
 
-    waves = sparse24_ws.MULTICAST_MIN_WAVES
+    waves = sparse24_ws_rule.MULTICAST_MIN_WAVES
     got = sparse24_rule_ab.moved(shapes, list(batch), SMS, waves, **other_rule)
     return {p: sparse24_rule_ab.other_pick(*p, SMS, waves, **other_rule) for p in got}
 
@@ -346,7 +346,7 @@ def test_the_rule_ab_bench_times_the_deeper_ring_against_the_8_stage_one():
 def test_the_rule_ab_bench_times_the_rule_without_the_192_row_k_splits():
     """bench/sparse24_rule_ab.py --no-wide-k-splits (docs/design/0067): the other rule has no tile of 192 rows of W
     splitting K; the two part only where this rule takes one (K slices of 96 steps or more, past n = 16)."""
-    from kernelplan.kernels.sparse24_ws import wide_split
+    from kernelplan.kernels.sparse24_ws_rule import wide_split
 
     moves = _rule_ab_moves([(5120, 27648), (5120, 5120), (3072, 8192)], batch=(16, 32, 256, 384), no_wide_splits=True)
     assert sorted(moves) == [(32, 5120, 27648), (256, 5120, 27648)]

@@ -10,7 +10,7 @@ import pytest
 from helpers import sm90
 from kernelplan.bench.shapes import sweep_shapes
 from kernelplan.kernels.gpu_facts import PER_SM, SIZES, GpuFacts
-from kernelplan.kernels.sparse24_ws import _deepest, grid_ctas, push_pays, resident, ws_config
+from kernelplan.kernels.sparse24_ws_rule import _deepest, grid_ctas, push_pays, resident, ws_config
 
 gpu = pytest.mark.gpu
 
@@ -80,7 +80,8 @@ def test_the_probes_slots_are_the_ws_kernels_own():
     import torch
 
     from kernelplan.kernels.gpu_facts import device_facts, max_active_clusters
-    from kernelplan.kernels.sparse24_ws import WsKernel, with_push
+    from kernelplan.kernels.sparse24_ws import WsKernel
+    from kernelplan.kernels.sparse24_ws_rule import with_push
 
     slots, sms = device_facts(0), torch.cuda.get_device_properties(0).multi_processor_count
     assert slots.source == "driver" and slots.sms == sms

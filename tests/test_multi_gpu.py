@@ -286,7 +286,8 @@ def test_sparse24_ws_tile_kinds_on_each_device(seed):
     workspace is allocated per call."""
     from kernelplan.kernels import raw_stream
     from kernelplan.kernels.sparse24_sp import _tiled
-    from kernelplan.kernels.sparse24_ws import WsConfig, WsKernel
+    from kernelplan.kernels.sparse24_ws import WsKernel
+    from kernelplan.kernels.sparse24_ws_rule import WsConfig
 
     n, m, k = 200, 1024, 2048
     cfgs = (WsConfig(128, 2, 2, 2, 8), WsConfig(64, 3, stages=7, pp=True), WsConfig(64, 1, stages=8, sk=True))

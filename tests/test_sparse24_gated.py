@@ -107,7 +107,7 @@ def test_only_the_layout_kernels_and_the_reference_take_the_gated_epilogue():
 
 @pytest.mark.parametrize("sms", [114, 132])
 def test_gated_tiles_for_every_sweep_shape_and_batch(sms):
-    from kernelplan.kernels.sparse24_ws import gated_tile, ws_candidates, ws_config
+    from kernelplan.kernels.sparse24_ws_rule import gated_tile, ws_candidates, ws_config
 
     for (m, k) in sweep_shapes():
         for n in BATCH_SIZES + (3, 200):
@@ -120,7 +120,8 @@ def test_gated_variants_compile(compile_for):
     """NVRTC builds the gated epilogue of the warp-specialized kernel (clusters along M and K included), of its
     ping-pong variant and of the mma.sp kernel on a CPU machine; a one-warpgroup tile is refused at compile time."""
     from kernelplan.kernels.sparse24_sp import SpConfig, source as sp_source
-    from kernelplan.kernels.sparse24_ws import WsConfig, source as ws_source
+    from kernelplan.kernels.sparse24_ws import source as ws_source
+    from kernelplan.kernels.sparse24_ws_rule import WsConfig
 
     assert compile_for(ws_source(WsConfig(128, 2, 2, 2, 4), "bf16", True, "gated_silu_first"), "sm_90a")
     assert compile_for(ws_source(WsConfig(64, 2, 1, 1, 8), "f16", False, "gated_gelu_tanh_second"), "sm_90a")
@@ -298,7 +299,8 @@ def test_every_gated_tile_matches_fp64(n, m, k, seed):
     slices one step apart, ping-pong), rows past M / 2."""
     from kernelplan.kernels import raw_stream
     from kernelplan.kernels.sparse24_sp import _tiled
-    from kernelplan.kernels.sparse24_ws import WsKernel, gated_tile, ws_candidates
+    from kernelplan.kernels.sparse24_ws import WsKernel
+    from kernelplan.kernels.sparse24_ws_rule import gated_tile, ws_candidates
 
     w = prune(torch.randn(m, k, device="cuda")).bfloat16()
     w24 = compress(w)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import kernelplan as kp
 from kernelplan.bench.shapes import sweep_shapes
 from kernelplan.kernels.sparse24_sp import MIN_SLICE_STEPS, SpConfig, _tiled, sp_candidates, sp_config
-from kernelplan.kernels.sparse24_ws import k_slices
+from kernelplan.kernels.sparse24_ws_rule import k_slices
 from test_sparse24_triton import check_backend
 
 gpu = pytest.mark.gpu

@@ -15,7 +15,8 @@ from kernelplan.bench.shapes import sweep_shapes
 from kernelplan.errors import InvalidProblem
 from kernelplan.sparse24 import tiles
 from kernelplan.kernels.sparse24_sp import SM_SHARED, SpConfig, SpKernel, sp_candidates, sp_config
-from kernelplan.kernels.sparse24_ws import WsConfig, WsKernel, gated_tile, ws_candidates, ws_config
+from kernelplan.kernels.sparse24_ws import WsKernel
+from kernelplan.kernels.sparse24_ws_rule import WsConfig, gated_tile, ws_candidates, ws_config
 from kernelplan.sparse24.dispatch import backend_for, config_for
 
 gpu = pytest.mark.gpu

@@ -18,7 +18,8 @@ from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_sp import SM_SHARED, SP_LAYOUT
 from kernelplan.kernels.sparse24_wg import INSTRUCTION_N, WgKernel, tile_cost, wg_candidates, wg_config
-from kernelplan.kernels.sparse24_ws import WsKernel, ws_candidates
+from kernelplan.kernels.sparse24_ws import WsKernel
+from kernelplan.kernels.sparse24_ws_rule import ws_candidates
 from test_sparse24_triton import check_backend
 
 gpu = pytest.mark.gpu
@@ -187,7 +188,7 @@ def test_persistent_split_kernel_matches_fp64_deterministically(kind, seed):
     """The persistent variant: whole tiles in waves, the tail's tiles split along K and handed over between CTAs,
     or both; the same bits on every call (the parts are added in a fixed order) and from a CUDA graph replay."""
     from kernelplan.kernels.sparse24 import sm_count
-    from kernelplan.kernels.sparse24_ws import WsConfig, sk_plan
+    from kernelplan.kernels.sparse24_ws_rule import WsConfig, sk_plan
 
     sms = sm_count(0)
     cfg = WsConfig(64, 1, stages=8, sk=True)
@@ -226,7 +227,7 @@ def test_ping_pong_kernel_matches_fp64(bn, wm, kind, seed):
     through the staging buffer with and without 16-byte rows; bias and an activation; the same bits from a CUDA
     graph replay."""
     from kernelplan.kernels.sparse24 import sm_count
-    from kernelplan.kernels.sparse24_ws import _deepest
+    from kernelplan.kernels.sparse24_ws_rule import _deepest
 
     sms = sm_count(0)
     cfg = _deepest(bn, wm, 1, 1, pp=True)

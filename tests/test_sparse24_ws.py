@@ -23,9 +23,10 @@ from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_sp import SM_SHARED, SP_LAYOUT
 from kernelplan.kernels.sparse24_wg import INSTRUCTION_N
-from kernelplan.kernels.sparse24_ws import (MULTICAST_MIN_WAVES, WsConfig, WsKernel, _cluster_sms, gated_tile,
-                                           k_slices, multicast_pays, push_pays, resident, rule_order, small_n_splits,
-                                           tile_cost, with_push, ws_candidates, ws_config)
+from kernelplan.kernels.sparse24_ws import WsKernel
+from kernelplan.kernels.sparse24_ws_rule import (MULTICAST_MIN_WAVES, WsConfig, _cluster_sms, gated_tile, k_slices,
+                                                 multicast_pays, push_pays, resident, rule_order, small_n_splits,
+                                                 tile_cost, with_push, ws_candidates, ws_config)
 from kernelplan.sparse24.dispatch import wide_weight
 
 gpu = pytest.mark.gpu
@@ -33,7 +34,7 @@ gpu = pytest.mark.gpu
 
 def _candidate_form(picked: WsConfig) -> WsConfig:
     """The pick as ``ws_candidates`` holds it: the push on, the ring ``_deepest`` gives."""
-    from kernelplan.kernels.sparse24_ws import _deepest
+    from kernelplan.kernels.sparse24_ws_rule import _deepest
 
     return replace(picked, push=True, stages=_deepest(picked.bn, picked.wm, picked.cm, picked.kc, picked.sk,
                                                       picked.pp).stages)
@@ -97,7 +98,7 @@ def test_the_rule_multicasts_x_without_a_k_split_only_past_two_waves(n, m, k, sm
     """Any shape (docs/design/0054): the pick is a tile of the rule's space, multicasts x without splitting K only in
     a grid of more than MULTICAST_MIN_WAVES waves, and is otherwise the least-cost tile itself (a K split over 3 only on
     a grid of more CTAs than the least-cost tile without it, docs/design/0063; small grids at n <= 16, 0064)."""
-    from kernelplan.kernels.sparse24_ws import grid_ctas, small_grid_split
+    from kernelplan.kernels.sparse24_ws_rule import grid_ctas, small_grid_split
 
     picked = ws_config(n, m, k, sms, gated)
     cfg = _candidate_form(picked)
@@ -167,18 +168,19 @@ def test_the_grid_runs_its_tiles_in_bands_where_x_is_large_each_once(tiles_n, gr
     order (x fastest, kept for smaller x) took every tile of x for a few groups."""
     import pathlib
 
-    from kernelplan.kernels import sparse24_ws
+    from kernelplan.kernels import sparse24_ws_rule
 
-    cu = (pathlib.Path(sparse24_ws.__file__).parent / "cuda" / "sparse24_ws.cu").read_text()
-    assert f"#define KP_BAND {sparse24_ws.BAND}\n" in cu  # the mirror's band is the kernel's
-    assert f"#define KP_BAND_MIN_X ({sparse24_ws.BAND_MIN_X >> 20} << 20)\n" in cu
+    cu = (pathlib.Path(sparse24_ws_rule.__file__).parent / "cuda" / "sparse24_ws.cu").read_text()
+    assert f"#define KP_BAND {sparse24_ws_rule.BAND}\n" in cu  # the mirror's band is the kernel's
+    assert f"#define KP_BAND_MIN_X ({sparse24_ws_rule.BAND_MIN_X >> 20} << 20)\n" in cu
     k = 8192
-    small, large = sparse24_ws.BAND_MIN_X // (2 * k) - 1, sparse24_ws.BAND_MIN_X // (2 * k)
+    band_min_x, band_order = sparse24_ws_rule.BAND_MIN_X, sparse24_ws_rule.band_order
+    small, large = band_min_x // (2 * k) - 1, band_min_x // (2 * k)
     every = sorted((t, g) for t in range(tiles_n) for g in range(groups))
-    assert sparse24_ws.band_order(small, k, tiles_n, groups) == [(t, g) for g in range(groups) for t in range(tiles_n)]
-    order = sparse24_ws.band_order(large, k, tiles_n, groups)
+    assert band_order(small, k, tiles_n, groups) == [(t, g) for g in range(groups) for t in range(tiles_n)]
+    order = band_order(large, k, tiles_n, groups)
     assert sorted(order) == every
-    wave, band = order[:132], min(sparse24_ws.BAND, groups)
+    wave, band = order[:132], min(sparse24_ws_rule.BAND, groups)
     assert len({t for t, _ in wave}) == min(tiles_n, -(-len(wave) // band))
     if tiles_n == 32 and groups == 224:  # n = 8192 in tiles of 256, 57344 rows in clusters of 2 x 128
         assert len({t for t, _ in wave}) == 17 and len({g for _, g in wave}) == 8  # own order: all 32 x 5 groups
@@ -189,7 +191,7 @@ def test_the_grid_runs_its_tiles_in_bands_where_x_is_large_each_once(tiles_n, gr
 def test_a_grid_in_bands_matches_fp64(seed):
     """x of 24 MiB and more runs the grid in bands (``band_tile``): tiles of one CTA a tile, with and without x's
     multicast and K's split, against fp64, bias and an activation included."""
-    from kernelplan.kernels.sparse24_ws import BAND_MIN_X, _deepest
+    from kernelplan.kernels.sparse24_ws_rule import BAND_MIN_X, _deepest
 
     k = 4096
     n = -(-BAND_MIN_X // (2 * k)) + 27  # 3099 rows: past the bound, not a multiple of any tile
@@ -227,7 +229,7 @@ def test_small_n_runs_the_k_split_tiles_against_fp64(dtype, seed):
     block (2000 rows; 800, a small grid's split: 0064) and of two (4500 rows, K of 25 steps: slices of 8, 8 and 9):
     rows of y written by each CTA of the cluster, M off the 64-row block, odd n, 3-D and transposed x, bias, an
     activation, graph replay, against fp64."""
-    from kernelplan.kernels.sparse24_ws import _deepest
+    from kernelplan.kernels.sparse24_ws_rule import _deepest
     from test_sparse24_tiles import _tile_of_last_launch
 
     for m, k, (bn, wm, kc) in ((1000, 4096, (32, 1, 4)), (768, 3072, (32, 1, 4)), (2000, 2048, (24, 1, 3)),
@@ -273,7 +275,7 @@ def test_every_small_n_split_tile_matches_fp64(n, seed):
     """Each tile of small_n_splits (K over 4 CTAs with 32 rows of x, over 3 with 24; one and two 64-row blocks of W),
     launched as it is, whichever the rule picks: M off the blocks, K whose steps the slices do not divide (25 steps:
     6, 6, 6, 7 and 8, 8, 9), bias and an activation, against fp64.  y starts as NaN: a row no slice wrote fails."""
-    from kernelplan.kernels.sparse24_ws import small_n_splits
+    from kernelplan.kernels.sparse24_ws_rule import small_n_splits
 
     cfgs = small_n_splits(n, 1600)
     assert {(c.bn, c.kc, c.wm) for c in cfgs} == {(32, 4, 1), (32, 4, 2), (24, 3, 1), (24, 3, 2)}
@@ -355,7 +357,8 @@ def test_no_variant_has_its_mmas_serialized(compile_for):
     they run: each HGMMA then waits for itself (`DEPBAR.LE gsb0, 0x0`), and a step's MMAs stop overlapping. One form of
     the descriptors did that to every tile of 16 or 32 rows of x (13% slower at 1024x1024, docs/design/0029); this
     checks the step's MMAs commit as one group in each kind of tile."""
-    from kernelplan.kernels.sparse24_ws import _deepest, source
+    from kernelplan.kernels.sparse24_ws import source
+    from kernelplan.kernels.sparse24_ws_rule import _deepest
 
     cfgs = [_deepest(16, 1, 1, 1, pp=True), WsConfig(32, 1, 1, 2, 8), WsConfig(16, 2, 2, 1, 8),
             _deepest(48, 1, 1, 1, pp=True), _deepest(64, 3, 1, 1, pp=True), WsConfig(128, 2, 2, 2, 8),
@@ -389,7 +392,8 @@ def test_the_k_loop_builds_its_descriptors_in_uniform_registers(compile_for):
     computed per thread and moved over (R2UR) each step: 32 of a 64x128 ping-pong tile's 139 loop instructions.  With
     the index broadcast from lane 0 (hopper.cuh, warp_uniform) the loop has none (docs/design/0030).  Tiles of one
     16- or 32-row N block keep descriptors made from the address (sparse24_ring.cuh), and are not checked here."""
-    from kernelplan.kernels.sparse24_ws import _deepest, source
+    from kernelplan.kernels.sparse24_ws import source
+    from kernelplan.kernels.sparse24_ws_rule import _deepest
 
     for cfg in [_deepest(48, 1, 1, 1, pp=True), _deepest(64, 2, 1, 1, pp=True), _deepest(128, 1, 1, 1, pp=True),
                 WsConfig(64, 1, 1, 1, 8), WsConfig(96, 2, 1, 2, 8), WsConfig(128, 2, 2, 2, 8), _deepest(256, 2, 1, 1)]:
@@ -486,7 +490,7 @@ def test_grids_under_a_quarter_of_the_sms_at_small_n_take_the_widest_split():
     """small_grid_split (docs/design/0064): at n <= 16 a pick of under 33 CTAs on 132 SMs gives way to the small-n
     split of the most CTAs in one wave: 768x768 (12 CTAs of one 64-row block, K whole) to 36 over 3 (12 steps: 4 a
     slice, no split over 4), 1024x1024 (16) to 64 over 4.  2304x768 (36 CTAs), n = 32 and gated picks keep theirs."""
-    from kernelplan.kernels.sparse24_ws import cost_pick, grid_ctas
+    from kernelplan.kernels.sparse24_ws_rule import cost_pick, grid_ctas
 
     for n in (1, 8, 16):
         assert grid_ctas(cost_pick(n, 768, 768, 132), n, 768, 132) == 12
@@ -501,7 +505,7 @@ def test_grids_under_a_quarter_of_the_sms_at_small_n_take_the_widest_split():
 def test_clusters_of_3_and_4_place_on_fewer_than_all_sms():
     """A cluster stays inside a GPC (sparse24-cluster-slots-h200.json): on 132 SMs, 39 clusters of 3 and 30 of 4 at
     once.  40 clusters of 3 (5120 rows, two 64-row blocks) cost two waves; 36 (4608 rows) one (docs/design/0063)."""
-    from kernelplan.kernels.sparse24_ws import _cluster_sms, _deepest
+    from kernelplan.kernels.sparse24_ws_rule import _cluster_sms, _deepest
 
     three, four, two = _deepest(24, 2, 1, 3), _deepest(32, 2, 1, 4), _deepest(16, 2, 1, 2)
     assert (_cluster_sms(three, 132), _cluster_sms(four, 132), _cluster_sms(two, 132)) == (117, 120, 132)
@@ -510,9 +514,9 @@ def test_clusters_of_3_and_4_place_on_fewer_than_all_sms():
 
 def test_the_split_over_3_only_where_it_runs_more_ctas():
     """ws_config takes a K split over 3 CTAs only where its grid has more CTAs than the pick without it (the note at
-    sparse24_ws._SPLITS): 4608 rows go from 72 CTAs over 2 to 108 over 3; 4096 rows keep 128 CTAs of one block over 2,
-    which the cost alone would trade for 96 over 3 (1.5-5% slower through the sweep's path)."""
-    from kernelplan.kernels.sparse24_ws import grid_ctas, rule_pick
+    sparse24_ws_rule._SPLITS): 4608 rows go from 72 CTAs over 2 to 108 over 3; 4096 rows keep 128 CTAs of one block
+    over 2, which the cost alone would trade for 96 over 3 (1.5-5% slower through the sweep's path)."""
+    from kernelplan.kernels.sparse24_ws_rule import grid_ctas, rule_pick
 
     for n in (1, 8, 16):
         split3 = ws_config(n, 4608, 3584, 132)
@@ -542,7 +546,7 @@ def test_split_schedule_covers_every_step_once_and_heads_come_last(sms):
     """The kernel's schedule, emulated: each (tile, step) once; whole waves first; each split tile's head (its
     last part) has the highest unit number of its parts, so every part it waits on runs before it or beside it;
     the split fills the SMs at least as well as whole tiles would."""
-    from kernelplan.kernels.sparse24_ws import sk_plan
+    from kernelplan.kernels.sparse24_ws_rule import sk_plan
 
     for (m, k) in list(sweep_shapes()) + [(200, 128), (64, 64), (4096, 64 * 7)]:
         for n in (17, 200, 1000, 4096):
@@ -571,7 +575,7 @@ def test_split_schedule_covers_every_step_once_and_heads_come_last(sms):
 
 
 def test_split_workspace_is_the_flags_and_each_handed_over_part():
-    from kernelplan.kernels.sparse24_ws import sk_plan
+    from kernelplan.kernels.sparse24_ws_rule import sk_plan
 
     cfg = WsConfig(128, 2, stages=8, sk=True)
     plan = sk_plan(cfg, 256, 5120, 13824, 132)  # 80 tiles on 132 SMs: split along K
@@ -585,7 +589,7 @@ def test_split_workspace_is_the_flags_and_each_handed_over_part():
 
 
 def test_ping_pong_tiles_are_persistent_candidates_that_fit():
-    from kernelplan.kernels.sparse24_ws import _deepest
+    from kernelplan.kernels.sparse24_ws_rule import _deepest
 
     assert not any(c.pp for c in ws_candidates(4096, 4096, 4096, pingpong=False))
     assert not any(c.sk for c in ws_candidates(4096, 4096, 4096))  # the split variant: not the rule's
@@ -678,7 +682,7 @@ def test_tiles_of_192_rows_split_k_only_on_long_slices_and_where_x_stays_as_wide
     rows of x, K whole, to 128 rows with K over 2 (0.84-0.98x the time through the sweep's path, two runs); at n = 128
     5120x13824 keeps its 128-row tiles, where the split of 192 rows would narrow x to 64; at n = 384 the 192 x 192
     split, 1.15-1.22x the time, is not in the space."""
-    from kernelplan.kernels.sparse24_ws import WIDE_SPLIT_MAX_BN, WIDE_SPLIT_MIN_SLICE, wide_split
+    from kernelplan.kernels.sparse24_ws_rule import WIDE_SPLIT_MAX_BN, WIDE_SPLIT_MIN_SLICE, wide_split
 
     assert (WIDE_SPLIT_MIN_SLICE, WIDE_SPLIT_MAX_BN) == (96, 128)
     for n, k in ((256, 64 * 192), (256, 64 * 191), (64, 64 * 384), (64, 64 * 383), (8, 64 * 400), (16, 64 * 400)):
@@ -705,7 +709,7 @@ def test_a_step_of_few_rows_costs_the_mma_floor_and_the_one_wave_rows_split_k():
     """RuleWeights.mma_floor (docs/design/0057): a step's MMAs cost at least the floor however few rows they have, so
     that the lone 64-row ping-pong tiles of one-wave grids give way to K-split tiles with more CTAs (3072x3072 at
     n = 128 and 768x3072 at n = 512 ran 0.87x and 0.85x of the time so, through the sweep's path)."""
-    from kernelplan.kernels.sparse24_ws import WEIGHTS
+    from kernelplan.kernels.sparse24_ws_rule import WEIGHTS
 
     small, big = WsConfig(bn=32, wm=1, cm=1, kc=1, stages=8), WsConfig(bn=128, wm=2, cm=1, kc=1, stages=6)
     assert small.bn * small.wm * WEIGHTS.mma < WEIGHTS.mma_floor < big.bn * big.wm * WEIGHTS.mma
@@ -724,7 +728,7 @@ def test_a_step_of_few_rows_costs_the_mma_floor_and_the_one_wave_rows_split_k():
 def test_a_lone_one_block_tile_under_a_wave_gives_way_to_a_k_split_with_more_ctas():
     """mma_floor 350 (docs/design/0058): 768x1600 at n = 64 ran one ping-pong tile of 64 rows a CTA, 12 CTAs for 132
     SMs, at 0.84x of dense; K split over 4 (48 CTAs) ran 1.19x.  At 300 the rule kept the lone tiles."""
-    from kernelplan.kernels.sparse24_ws import WEIGHTS
+    from kernelplan.kernels.sparse24_ws_rule import WEIGHTS
 
     for n, m, k in ((64, 768, 1600), (64, 1024, 1536), (32, 3072, 1536)):
         before = ws_config.__wrapped__(n, m, k, 132, w=replace(WEIGHTS, mma_floor=300))
@@ -913,7 +917,7 @@ def test_a_ring_deepens_where_the_grid_holds_less_than_the_drams_bandwidth_times
     import dataclasses
 
     from kernelplan.kernels.gpu_facts import GpuFacts
-    from kernelplan.kernels.sparse24_ws import RING_LATENCY_S, grid_ctas, with_ring
+    from kernelplan.kernels.sparse24_ws_rule import RING_LATENCY_S, grid_ctas, with_ring
 
     h200 = GpuFacts.model(132)
     h100 = dataclasses.replace(h200, dram_bytes_per_s=2_619_000e3 * 5120 * 2 / 8)  # 3.35 TB/s: needs 5.7 MB
@@ -942,7 +946,7 @@ def test_deeper_rings_match_fp64(n, seed):
     over 2 with the pushed sums, over 4, over 3, K whole and ping-pong of one and two blocks; K of 33 steps (slices of
     16 and 17; 8 and 9; 11) and of 25 (a ring deeper than a slice: the producer stops at the slice's end), M off the
     blocks, bias and GELU, against fp64.  y starts as NaN."""
-    from kernelplan.kernels.sparse24_ws import _deepest
+    from kernelplan.kernels.sparse24_ws_rule import _deepest
 
     forms = [(16, 2, 1, 2, False), (32, 2, 1, 4, False), (24, 2, 1, 3, False), (16, 2, 1, 1, False),
              (16, 2, 1, 1, True), (16, 1, 1, 1, True)]
@@ -960,7 +964,7 @@ def test_deeper_rings_match_fp64(n, seed):
 def test_a_layer_runs_the_rules_deeper_ring(seed):
     """Through Sparse24Linear: 5120 x 3072 at n <= 16 picks 80 CTAs of 16 x 128 over 2 with a ring of 12 (0066); its
     launches are that tile's, against fp64, 3-D x and graph replay included."""
-    from kernelplan.kernels.sparse24_ws import ws_config
+    from kernelplan.kernels.sparse24_ws_rule import ws_config
     from test_sparse24_tiles import _tile_of_last_launch
 
     m, k = 5120, 3072
@@ -988,7 +992,7 @@ def test_tiles_of_192_rows_splitting_k_match_fp64(n, dtype, seed):
     (the pushed sums where their buffer fits beside the ring, else met through the cluster's loads) and over 4, x
     multicast to 2 or not; K of 25 steps (slices of 12 and 13; 6, 6, 6 and 7), M off the blocks, bias and GELU, bf16
     and f16, against fp64.  y starts as NaN."""
-    from kernelplan.kernels.sparse24_ws import _deepest, wide_k_splits
+    from kernelplan.kernels.sparse24_ws_rule import _deepest, wide_k_splits
 
     k = 1600
     cfgs = wide_k_splits([_deepest(bn, 3, cm, 1) for bn in (64, 128) for cm in (1, 2)], k)
@@ -1002,7 +1006,7 @@ def test_tiles_of_192_rows_splitting_k_match_fp64(n, dtype, seed):
 def test_a_layer_runs_a_tile_of_192_rows_splitting_k(seed):
     """Through Sparse24Linear: 5120 x 13824 at n = 256 runs the rule's tile, on 132 SMs 192 x 128 with K over a
     cluster of 2 (docs/design/0067); against fp64, 3-D x and graph replay included."""
-    from kernelplan.kernels.sparse24_ws import wide_split
+    from kernelplan.kernels.sparse24_ws_rule import wide_split
     from test_sparse24_tiles import _tile_of_last_launch
 
     m, k = 5120, 13824

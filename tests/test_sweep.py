@@ -456,7 +456,7 @@ def test_the_sweep_precompiles_cuda_ws_only_where_the_dispatch_runs_it(monkeypat
     """On Ampere and Ada the dispatch runs cuda_sp alone: the sweep compiles no sm_90a kernel there, whose module
     would not load; on Hopper every cuda_ws tile it will run past n = 16, the device's rule's."""
     from kernelplan.bench import sweep
-    from kernelplan.kernels import gpu_facts, sparse24_ws
+    from kernelplan.kernels import gpu_facts, sparse24_ws, sparse24_ws_rule
     from kernelplan.sparse24.dispatch import backend_for
 
     compiled = []
@@ -466,7 +466,7 @@ def test_the_sweep_precompiles_cuda_ws_only_where_the_dispatch_runs_it(monkeypat
     monkeypatch.setattr(sparse24_ws, "_launcher", lambda cfg, *args: compiled.append(cfg))
     shapes, batch = [(4096, 4096), (28672, 4096)], [1, 16, 32, 512]
     sweep._precompile(shapes, batch, "bf16", 0)
-    want = {sparse24_ws.ws_config(n, m, k, 132) for m, k in shapes for n in batch
+    want = {sparse24_ws_rule.ws_config(n, m, k, 132) for m, k in shapes for n in batch
             if n > 16 and backend_for(capability, n, m, k, "bf16") == "cuda_ws"}
     assert sorted(map(str, compiled)) == sorted(map(str, want)) and bool(want) == (capability == (9, 0))
 

@@ -29,7 +29,7 @@ from unittest import mock
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kernelplan.kernels import sparse24_sp  # noqa: E402
-from kernelplan.kernels.sparse24_ws import ws_config  # noqa: E402
+from kernelplan.kernels.sparse24_ws_rule import ws_config  # noqa: E402
 from kernelplan.sparse24.dispatch import backend_for  # noqa: E402
 
 CTAS_PER_SM = (1, 2, 4, 8)

@@ -1,4 +1,4 @@
-"""Fits the ``cuda_ws`` tile rule's weights (``kernels/sparse24_ws.py``, ``RuleWeights``) to measured tile tables.
+"""Fits the ``cuda_ws`` tile rule's weights (``kernels/sparse24_ws_rule.py``, ``RuleWeights``) to measured tile tables.
 
 Each table (``bench/results/sparse24-ws-tiles-<gpu>.json``, from ``bench/sparse24_wg_tiles.py --kernel ws``, or a
 small-n table from ``bench/sparse24_small_n.py``, whose ``cuda_ws`` tiles alone it reads) has, per (M, K, n), the
@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kernelplan.bench.shapes import BATCH_SIZES  # noqa: E402
-from kernelplan.kernels.sparse24_ws import WEIGHTS, RuleWeights, WsConfig, pick_from, ws_candidates  # noqa: E402
+from kernelplan.kernels.sparse24_ws_rule import WEIGHTS, RuleWeights, WsConfig, pick_from, ws_candidates  # noqa: E402
 
 STEPS = (0.5, 0.7, 0.85, 1.18, 1.4, 2.0)
 BETWEEN = "--between" in sys.argv  # the rule's space with ws_candidates' between tiles
@@ -113,7 +113,7 @@ def ab_pairs(paths: list[str]) -> dict:
 def moved_picks(shapes, batch, other, sms: int = 132, gpu=None) -> list[tuple]:
     """``(n, M, K, the rule's tile, other(n, M, K))`` over ``shapes`` at ``batch`` where ``cuda_ws`` runs (Hopper,
     bf16) and the two tiles differ; ``gpu``: the rule's GPU facts (``kernels.gpu_facts``; None, the model's)."""
-    from kernelplan.kernels.sparse24_ws import ws_config
+    from kernelplan.kernels.sparse24_ws_rule import ws_config
     from kernelplan.sparse24.dispatch import backend_for
 
     out = []
@@ -129,7 +129,7 @@ def moved_picks(shapes, batch, other, sms: int = 132, gpu=None) -> list[tuple]:
 def timed_moves(w: RuleWeights, pairs: dict, shapes, batch, sms: int = 132) -> list[tuple[tuple, float | None]]:
     """Each pick ``w`` moves from the present weights' (``moved_picks``) with the A/B's time of the new pick over the
     present one's where a row timed that pair (the median of rows), else None."""
-    from kernelplan.kernels.sparse24_ws import ws_config
+    from kernelplan.kernels.sparse24_ws_rule import ws_config
 
     out = []
     for move in moved_picks(shapes, batch, lambda n, m, k: ws_config.__wrapped__(n, m, k, sms, w=w), sms):

@@ -7,8 +7,8 @@ an SM (bench/results/sparse24-cluster-slots-h200.json, docs/design/0063).  Which
 to chip, so on a device the counts are the driver's: ``cuOccupancyMaxActiveClusters`` over an empty kernel
 (``cuda/cluster_probe.cu``) whose dynamic shared memory lets 1-4 CTAs share an SM, asked once a device
 (``device_facts``, docs/design/0065).  The DRAM bandwidth, the driver's memory clock and bus width, sets the bytes a
-grid must keep in flight to stream a weight (``sparse24_ws.with_ring``, docs/design/0066).  ``GpuFacts.model`` is the
-rule's estimate where no device is asked: the tables, tools and tests on CPU.
+grid must keep in flight to stream a weight (``sparse24_ws_rule.with_ring``, docs/design/0066).  ``GpuFacts.model`` is
+the rule's estimate where no device is asked: the tables, tools and tests on CPU.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from ..errors import KernelPlanError
 
-SIZES = (2, 3, 4, 8)  # the cluster sizes the 2:4 tiles launch (cm x kc: sparse24_ws.ws_candidates)
-PER_SM = (1, 2, 3, 4)  # CTAs an SM holds at once, as its shared memory allows (sparse24_ws.resident)
+SIZES = (2, 3, 4, 8)  # the cluster sizes the 2:4 tiles launch (cm x kc: sparse24_ws_rule.ws_candidates)
+PER_SM = (1, 2, 3, 4)  # CTAs an SM holds at once, as its shared memory allows (sparse24_ws_rule.resident)
 # The SMs of 132 that clusters of 3, and of 4 or more, place on at one CTA an SM (an H200, sparse24-cluster-slots-
 # h200.json): ``model`` scales them to other SM counts.
 _MODEL_OF_132 = {2: 132, 3: 117, 4: 120, 8: 120}

@@ -25,8 +25,9 @@ from ..errors import KernelPlanError
 from ..sparse24.dispatch import runs_sm90a
 from . import have_triton, on_device, raw_stream
 from .direct import BoundLaunch, FunctionLaunch, _param_sizes
-from .sparse24_ws import (SM_SHARED, _PARAMS, _PP_PARAMS, _PP_SIZES, _SIZES, TensorMaps, WsConfig, _deepest,
-                          source)
+from .sparse24_sp import SM_SHARED
+from .sparse24_ws import _PARAMS, _PP_PARAMS, _PP_SIZES, _SIZES, TensorMaps, source
+from .sparse24_ws_rule import WsConfig, _deepest
 
 MAX_EXPERTS = 1024  # sparse24_grouped.cuh's kMaxExperts: the scan of tile counts is in shared memory
 _SCAN_BYTES = 4 * (MAX_EXPERTS + 1)

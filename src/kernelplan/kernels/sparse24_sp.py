@@ -132,8 +132,8 @@ def _small_n_config(n_tiles: int, m: int, k: int, sms: int) -> SpConfig:
 
 
 # Steps of 64 columns a K slice of the rule's runs at least.  The slices need not divide K's steps: they run at most
-# one step apart (sparse24_ws.k_slices).  Slices of one step ran 0.83-0.97x of 4 slices of 3 at K = 768 (12 steps) on
-# the H200; at two steps or more 1.05-2.30x of the slices that divide K's steps (44 problems,
+# one step apart (sparse24_ws_rule.k_slices).  Slices of one step ran 0.83-0.97x of 4 slices of 3 at K = 768 (12
+# steps) on the H200; at two steps or more 1.05-2.30x of the slices that divide K's steps (44 problems,
 # sparse24-small-n-uneven-sp-h200.json), and 0.94-2.54x on 9 shapes not fitted (36 problems, 3 slower: 1024x640,
 # sparse24-small-n-uneven-sp-grid-h200.json; docs/design/0059).
 MIN_SLICE_STEPS = 2

@@ -11,7 +11,7 @@ Two memory policies (``GemmSparse24Descriptor.memory``):
   per weight were measured in v1 (docs/design/0001).
 
 The measurements behind the rule: ``bench/results/sparse24-ws-tiles-h100.json`` and
-``-h200.json`` (the warp-specialized ``wgmma.sp`` tiles, from which ``kernels/sparse24_ws.py``'s
+``-h200.json`` (the warp-specialized ``wgmma.sp`` tiles, from which ``kernels/sparse24_ws_rule.py``'s
 ``ws_config`` is fitted by ``tools/fit_ws_rule.py``) and ``bench/results/sparse24-sweep-h100.json`` (the kernels
 of the layout against dense over the sweep set); docs/design/0002-0005 say what
 they showed.
@@ -137,7 +137,7 @@ def config_for(backend: str, n: int, m: int, k: int, sms: int, gated: bool = Fal
     all gated-capable.  ``gpu``: what ``cuda_ws``'s rule reads of the GPU (``kernels.gpu_facts``); None, the model
     of a GPU of ``sms`` SMs."""
     if backend == "cuda_ws":
-        from ..kernels.sparse24_ws import ws_config
+        from ..kernels.sparse24_ws_rule import ws_config
 
         return ws_config(n, m, k, sms, gated, gpu=gpu)
     if backend == "cuda_wg":

@@ -2,7 +2,7 @@
 n): the kernel's few first tiles timed on the caller's GPU for the caller's shapes, the fastest kept where it beats
 the rule's own pick.  The backend stays the rule's.
 
-The rule (``kernels/sparse24_ws.py``, ``ws_config``) picks a tile 1-3% slower than the best timed on the mean
+The rule (``kernels/sparse24_ws_rule.py``, ``ws_config``) picks a tile 1-3% slower than the best timed on the mean
 of the tile tables (docs/design/0039), but a few layers lose 7-25% to a tile it ranks lower, and the two GPUs
 disagree on some (3-4K-wide layers at n = 128: a K split wins on the H200, the ping-pong tile on the H100), which a
 rule that sees the SM count cannot tell apart (docs/design/0040).  Timing decides those.  ``cuda_sp``'s rule at
@@ -113,7 +113,7 @@ def candidates(n: int, m: int, k: int, sms: int, gated: bool, top: int = DEFAULT
         from ..kernels.sparse24_sp import sp_candidates
 
         return sp_candidates(n, m, k, sms)[:top]
-    from ..kernels.sparse24_ws import gated_tile, rule_order, ws_candidates, ws_config
+    from ..kernels.sparse24_ws_rule import gated_tile, rule_order, ws_candidates, ws_config
 
     rule = ws_config(n, m, k, sms, gated, gpu=gpu)  # first: where it drops x multicast it does not lead rule_order
     space = [c for c in ws_candidates(n, m, k) if (not gated or gated_tile(c)) and c != rule]
