@@ -44,6 +44,12 @@ def test_the_rule_without_slots_is_the_rule_with_the_model(sms):
             assert ws_config(n, m, k, sms) == ws_config(n, m, k, sms, gpu=GpuFacts.model(sms)), (m, k, n)
 
 
+def test_the_rule_refuses_facts_of_another_sm_count():
+    """The waves would count one GPU's SMs and another's cluster slots."""
+    with pytest.raises(ValueError, match="sms = 132, but the GPU facts given are of a GPU of 78 SMs"):
+        ws_config.__wrapped__(64, 4096, 4096, 132, gpu=GpuFacts.model(78))
+
+
 def test_the_rule_counts_waves_by_the_slots_it_is_given():
     """4608 rows at n = 8: 36 clusters of 3 (108 CTAs) fit the model's 117 SMs in one wave; on a chip whose clusters
     of 3 place on 105 SMs they take two, and the rule keeps the split over 2 (72 CTAs)."""

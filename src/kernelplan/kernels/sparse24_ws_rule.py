@@ -401,6 +401,8 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
     timed gated).
     ``gpu``: the GPU's cluster slots, which waves are counted by, and its DRAM bandwidth (``WsKernel.config`` passes
     the driver's, docs/design/0065); None, the model of a GPU of ``sms`` SMs (``GpuFacts.model``)."""
+    if gpu is not None and gpu.sms != sms:  # the waves would count one GPU's SMs and another's cluster slots
+        raise ValueError(f"sms = {sms}, but the GPU facts given are of a GPU of {gpu.sms} SMs")
     cfg = cost_pick(n, m, k, sms, gated, w, gpu)
     return rule_tail(cfg if gated else small_grid_split(cfg, n, m, k, sms, w, gpu), n, m, k, sms, gated, gpu)
 
