@@ -8,13 +8,14 @@ they are), or with K split only where the split divides K's steps (``--even-k-sp
 docs/design/0058), or with the small-n K splits on wide weights alone (``--wide-split-only``, the rule before 0061), or
 without the small-n split over 3 (``--no-split3``, before 0063) or the small-grid split (``--no-small-grid-split``,
 before 0064), or with the ring at its 8 stages where the rule deepens it (``--no-deep-ring``, before 0066), or without
-tiles of 192 rows of W splitting K (``--no-wide-k-splits``, ``sparse24_ws_rule.wide_k_splits``, before 0067), is timed
-with both tiles as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the one device layout, each call on
-the next of the weight's copies past twice the L2, ``graph_us`` replays), in one process, alternating A B B A, beside
-dense ``F.linear``; with ``--eager``, also eagerly, host work included. Each side has its own copies of the weight, so
-that each tile's launches are its own, and both rules read the device's own facts (``gpu_facts.device_facts``). A check
-of a rule change that the tile tables' timings (``sparse24_wg_tiles.py``) and a sweep part disagreed on
-(docs/design/0055).
+tiles of 192 rows of W splitting K (``--no-wide-k-splits``, ``sparse24_ws_rule.wide_k_splits``, before 0067), or without
+a K split's twin of one block of W and one tile of x (``--no-one-x``, ``sparse24_ws_rule.one_x_twin``, before 0068), is
+timed with both tiles as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the one device layout, each
+call on the next of the weight's copies past twice the L2, ``graph_us`` replays), in one process, alternating A B B A,
+beside dense ``F.linear``; with ``--eager``, also eagerly, host work included. Each side has its own copies of the
+weight, so that each tile's launches are its own, and both rules read the device's own facts
+(``gpu_facts.device_facts``). A check of a rule change that the tile tables' timings (``sparse24_wg_tiles.py``) and a
+sweep part disagreed on (docs/design/0055).
 
 ``--table-misses TABLE`` takes the other side from a tile table instead: at each problem where the table's best tile
 ran ``--min-gain`` (3%) or more faster than the rule's, that tile (docs/design/0056).  Writes
@@ -79,20 +80,22 @@ def wide_split_pick(n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS, 
     splits = small_n_splits(n, k)
     if splits and wide_weight(m, k):
         return with_push(next(c for c in splits if c.wm == 1), n, m, sms, gpu)
-    cfg = rule_pick([c for c in ws_candidates(n, m, k) if c not in splits], n, m, k, sms, w, gpu)
+    cfg = pick_from([c for c in ws_candidates(n, m, k) if c not in splits], n, m, k, sms, w, small_grids=False,
+                    gpu=gpu)  # past n = 16 the rule's own pick
     return rule_tail(cfg, n, m, k, sms, gpu=gpu)
 
 
 def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
                wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
-               no_deep_ring: bool = False, no_wide_splits: bool = False, gpu=None):
+               no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False, gpu=None):
     """``ws_config``'s tile had it ``MULTICAST_MIN_WAVES = waves`` and weights ``w`` (its cache neither read nor
     written); with ``even_split``, among K splits that divide K's steps alone, as the rule was before uneven slices
     (docs/design/0058); with ``wide_split_only``, as it was before the small-n K splits joined the cost
     (``wide_split_pick``); with ``no_split3``, without the small-n K split over 3 CTAs (the rule before
     docs/design/0063); with ``no_small_grid``, without ``small_grid_split`` (before 0064); with ``no_deep_ring``, the
     ring ``_deepest`` gives where ``with_ring`` deepens it (before 0066); with ``no_wide_splits``, without tiles of 192
-    rows of W splitting K in its space (before 0067).  Each other step of the rule as it is, on the GPU facts ``gpu``
+    rows of W splitting K in its space (before 0067); with ``no_one_x``, without ``one_x_twin`` (before 0068).  Each
+    other step of the rule as it is, on the GPU facts ``gpu``
     (None: the model's)."""
     present = sparse24_ws_rule.MULTICAST_MIN_WAVES
     sparse24_ws_rule.MULTICAST_MIN_WAVES = waves
@@ -112,6 +115,10 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
         if no_wide_splits and wide_split(cfg):
             cfg = finished(pick_from([c for c in ws_candidates(n, m, k) if not wide_split(c)], n, m, k, sms, w,
                                      gpu=gpu))
+        if no_one_x:
+            space = ws_candidates(n, m, k)
+            before = pick_from(space, n, m, k, sms, w, gpu=gpu, one_x=False)
+            cfg = cfg if before == pick_from(space, n, m, k, sms, w, gpu=gpu) else finished(before)
         if no_deep_ring and cfg.stages > _MAX_STAGES:
             cfg = with_push(_deepest(cfg.bn, cfg.wm, cfg.cm, cfg.kc, cfg.sk, cfg.pp), n, m, sms, gpu)
         return cfg
@@ -121,12 +128,14 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
 
 def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
           wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
-          no_deep_ring: bool = False, no_wide_splits: bool = False, gpu=None) -> list[tuple[int, int, int]]:
+          no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False,
+          gpu=None) -> list[tuple[int, int, int]]:
     """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w``,
-    ``even_split``, ``wide_split_only``, ``no_split3``, ``no_small_grid``, ``no_deep_ring`` and ``no_wide_splits``."""
+    ``even_split``, ``wide_split_only``, ``no_split3``, ``no_small_grid``, ``no_deep_ring``, ``no_wide_splits`` and
+    ``no_one_x``."""
     def other(n, m, k):
         return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only, no_split3, no_small_grid,
-                          no_deep_ring, no_wide_splits, gpu)
+                          no_deep_ring, no_wide_splits, no_one_x, gpu)
 
     return [move[:3] for move in moved_picks(shapes, batch, other, sms, gpu)]
 
@@ -167,6 +176,9 @@ def main() -> int:
                          "docs/design/0066)")
     ap.add_argument("--no-wide-k-splits", action="store_true",
                     help="the other rule has no tiles of 192 rows of W splitting K (before docs/design/0067)")
+    ap.add_argument("--no-one-x", action="store_true",
+                    help="the other rule keeps a K split of two 64-row blocks of W where this one takes its twin of "
+                         "one block and one tile of x (before docs/design/0068)")
     ap.add_argument("--table-misses", default=None, metavar="TABLE",
                     help="instead of another rule: each problem where this tile table's best tile ran --min-gain "
                          "faster than the rule's, against that tile")
@@ -182,10 +194,11 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     other_rule = (a.multicast_min_waves is not None or a.weights or a.even_k_split or a.wide_split_only
-                  or a.no_split3 or a.no_small_grid_split or a.no_deep_ring or a.no_wide_k_splits)
+                  or a.no_split3 or a.no_small_grid_split or a.no_deep_ring or a.no_wide_k_splits or a.no_one_x)
     if bool(other_rule) == (a.table_misses is not None):
         ap.error("give the other rule (--multicast-min-waves, --weights, --even-k-split, --wide-split-only, "
-                 "--no-split3, --no-small-grid-split, --no-deep-ring, --no-wide-k-splits or more of them) or "
+                 "--no-split3, --no-small-grid-split, --no-deep-ring, --no-wide-k-splits, --no-one-x or more of them) "
+                 "or "
                  "--table-misses, not both")
     try:
         shapes = SHAPE_SETS[a.shape_set]() if a.shapes is None else [tuple(map(int, s.split("x"))) for s in a.shapes]
@@ -201,7 +214,7 @@ def main() -> int:
               f"the rule's", flush=True)
     else:
         flags = (a.even_k_split, a.wide_split_only, a.no_split3, a.no_small_grid_split, a.no_deep_ring,
-                 a.no_wide_k_splits)
+                 a.no_wide_k_splits, a.no_one_x)
         problems = moved(shapes, a.batch, sms, waves, other_w, *flags, gpu=gpu)
         others = {p: other_pick(*p, sms, waves, other_w, *flags, gpu=gpu) for p in problems}
         print(f"{len(problems)} problems where the rule with x multicast past {waves:g} waves (now "
@@ -210,7 +223,8 @@ def main() -> int:
               f"{' and no K split over 3' if a.no_split3 else ''}"
               f"{' and no small-grid split' if a.no_small_grid_split else ''}"
               f"{' and no deeper ring' if a.no_deep_ring else ''}"
-              f"{' and no wide K splits' if a.no_wide_k_splits else ''} picks another tile",
+              f"{' and no wide K splits' if a.no_wide_k_splits else ''}"
+              f"{' and no one-x twins' if a.no_one_x else ''} picks another tile",
               flush=True)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows, dtype = [], torch.bfloat16
@@ -222,7 +236,8 @@ def main() -> int:
                       other={"multicast_min_waves": waves, "weights": dataclasses.asdict(other_w),
                              "even_k_split": a.even_k_split, "wide_split_only": a.wide_split_only,
                              "no_split3": a.no_split3, "no_small_grid_split": a.no_small_grid_split,
-                             "no_deep_ring": a.no_deep_ring, "no_wide_k_splits": a.no_wide_k_splits},
+                             "no_deep_ring": a.no_deep_ring, "no_wide_k_splits": a.no_wide_k_splits,
+                             "no_one_x": a.no_one_x},
                       shape_set=a.shape_set if a.shapes is None else "given", shapes=a.shapes,
                       table_misses=a.table_misses, min_gain=a.min_gain, rounds=a.rounds, rep=a.rep, eager=a.eager)
 

@@ -408,10 +408,11 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
 
 
 def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS, small_grids: bool = True,
-              gpu: GpuFacts | None = None) -> WsConfig:
+              gpu: GpuFacts | None = None, one_x: bool = True) -> WsConfig:
     """``ws_config``'s pick among ``space``, before the push: ``rule_pick``, a split over 3 only where its grid runs
     more CTAs than the pick without it (the note at _SPLITS), a tile of 192 rows of W splitting K only where its tile
-    of x is as wide as the pick's without it (the note at ``wide_split``), then, with ``small_grids``,
+    of x is as wide as the pick's without it (the note at ``wide_split``), with ``one_x`` a K split of two 64-row
+    blocks given way to its twin of one block and one tile of x (``one_x_twin``), then, with ``small_grids``,
     ``small_grid_split``.  Also how tools/fit_ws_rule.py picks among a table's tiles."""
     cfg = rule_pick(space, n, m, k, sms, w, gpu)
     if cfg.kc == 3:
@@ -420,7 +421,30 @@ def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
     if wide_split(cfg):
         rest = rule_pick([c for c in space if not wide_split(c)], n, m, k, sms, w, gpu)
         cfg = cfg if cfg.bn >= rest.bn else rest
+    if one_x:
+        cfg = one_x_twin(cfg, space, n)
     return small_grid_split(cfg, n, m, k, sms, w, gpu) if small_grids else cfg
+
+
+# A K split of 64 rows of x and two 64-row blocks of W a CTA, where n takes two such tiles of x, and its twin of one
+# block and one tile of x covering n (at most ONE_X_MAX_BN rows) run the same CTAs and MMAs, and tile_cost prices them
+# alike.  The twin reads W from L2 once, not once a tile of x.  Its warpgroup's wgmma also takes twice the rows of x
+# for the 4 KiB of W it reads from shared memory each step, whose ceiling is 1.60x dense's rate at 128 rows against
+# 1.33x at 64 (docs/design/0012, 0013).  In every tile table that timed both at n = 128, the twin was faster or even:
+# 0.84-1.01x the time (4096x4096, 4096x14336, 3584x3584, 3584x4096, 3072x3072, 1024x4096; H100 and H200). Where n
+# takes more tiles of x (n = 256-512), the one-block tile lost by up to 1.12x: one warpgroup then reads W as often.
+# Tiles of 256 rows of x and one block lost 1.05-1.09x at n = 256 (docs/design/0068).
+ONE_X_MAX_BN = 128
+
+
+def one_x_twin(cfg: WsConfig, space, n: int) -> WsConfig:
+    """``cfg``, or where it splits K over two 64-row blocks of W and two or more tiles of x without multicast, the
+    tile of ``space`` with one block, the same split and one tile of x of ``ONE_X_MAX_BN`` rows or fewer covering n."""
+    if not (cfg.kc > 1 and cfg.wm == 2 and cfg.cm == 1 and not (cfg.pp or cfg.sk) and cfg.bn < n):
+        return cfg
+    twins = [c for c in space if c.wm == 1 and c.cm == 1 and c.kc == cfg.kc and not (c.pp or c.sk)
+             and n <= c.bn <= ONE_X_MAX_BN]
+    return min(twins, key=lambda c: c.bn, default=cfg)
 
 
 # A tile of 192 rows of W splitting K (wide_k_splits) where the pick without it has a wider tile of x: the narrower
