@@ -354,6 +354,16 @@ def test_the_rule_ab_bench_times_the_rule_without_the_192_row_k_splits():
         assert wide_split(ws_config(*p, SMS)) and not wide_split(other)
 
 
+def test_the_rule_ab_bench_times_the_rule_without_the_one_x_twins():
+    """bench/sparse24_rule_ab.py --no-one-x (docs/design/0068): the other rule keeps the K split of two blocks of W
+    and 64 rows of x; the two part only where this rule takes the twin of one block and one tile of x."""
+    moves = _rule_ab_moves([(4096, 4096), (8192, 8192), (768, 3072)], batch=(64, 120, 128, 256, 512), no_one_x=True)
+    assert sorted(moves) == [(120, 4096, 4096), (128, 4096, 4096)]
+    for p, other in moves.items():
+        here = ws_config(*p, SMS)
+        assert (here.bn, here.wm, other.bn, other.wm, here.kc) == (128, 1, 64, 2, other.kc)
+
+
 def test_the_rule_ab_bench_takes_one_other_side(monkeypatch, capsys):
     """--wide-split-only is another rule: with --table-misses too it is refused before any CUDA."""
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))

@@ -79,6 +79,10 @@ def test_tile_rule_fits_every_sweep_shape_and_batch(sms):
             if want.wm == 3 and want.kc > 1:  # 192 rows of W splitting K: x's tile as wide as the pick's without
                 rest = least([c for c in cands if c.wm < 3 or c.kc == 1])
                 want = want if want.bn >= rest.bn else rest
+            if want.kc > 1 and want.wm == 2 and want.cm == 1 and not want.pp and want.bn < n:
+                # two blocks of W and two or more tiles of x: the twin of one block and one tile of x (0068)
+                twins = [c for c in cands if (c.wm, c.cm, c.kc, c.pp) == (1, 1, want.kc, False) and n <= c.bn <= 128]
+                want = min(twins, key=lambda c: c.bn, default=want)
             if n <= 16 and ctas(want) < sms / 4:  # a grid under a quarter of the SMs: the widest small-n split
                 wider = [c for c in small_n_splits(n, k) if ctas(want) < ctas(c) <= _cluster_sms(c, sms)]
                 want = max(wider, key=lambda c: (ctas(c), -tile_cost(c, n, m, k, sms)), default=want)
@@ -705,6 +709,34 @@ def test_tiles_of_192_rows_split_k_only_on_long_slices_and_where_x_stays_as_wide
         assert wide_split(least) and not wide_split(cfg) and cfg.bn > least.bn, (n, m, k)
 
 
+def test_a_k_split_of_two_blocks_takes_its_twin_of_one_block_and_one_tile_of_x():
+    """docs/design/0068: where the rule's pick splits K over 64 rows of x and two 64-row blocks of W and n takes two
+    tiles of x, it takes the tile of one block and one tile of x covering n instead: the same CTAs and MMAs, at the
+    same cost (12 of 12 sweep-set moves and 7 of 8 held-out ones faster through the sweep's path, 1.00-1.12x).  Not
+    past 128 rows of x (one block and 256 rows ran 1.05-1.09x slower), nor where one tile of x covers n already."""
+    from kernelplan.kernels.sparse24_ws_rule import ONE_X_MAX_BN, one_x_twin, pick_from
+
+    assert ONE_X_MAX_BN == 128
+    for m, k in ((4096, 4096), (4096, 14336), (3584, 3584), (3584, 4096), (3072, 3072), (1024, 4096)):
+        for n in (120, 128):
+            space = ws_candidates(n, m, k)
+            before = pick_from(space, n, m, k, 132, one_x=False)
+            cfg = ws_config(n, m, k, 132)
+            assert (before.bn, before.wm, before.cm) == (64, 2, 1) and before.kc > 1, (m, k, n)
+            assert (cfg.bn, cfg.wm, cfg.cm, cfg.kc) == (128, 1, 1, before.kc), (m, k, n)
+            assert math.prod(cfg.grid(n, m)) == math.prod(before.grid(n, m))
+            assert tile_cost(cfg, n, m, k, 132) == tile_cost(before, n, m, k, 132)
+    for n, m, k in ((256, 4096, 4096), (512, 1024, 4096), (64, 3584, 3584), (96, 4096, 4096)):
+        space = ws_candidates(n, m, k)
+        assert pick_from(space, n, m, k, 132) == pick_from(space, n, m, k, 132, one_x=False), (n, m, k)
+    space = ws_candidates(128, 4096, 4096)
+    for cfg in (WsConfig(64, 2, 2, 2, 8), WsConfig(64, 2, 1, 1, 8), WsConfig(64, 2, 1, 1, 8, pp=True),
+                WsConfig(128, 2, 1, 2, 8)):  # multicast, K whole, ping-pong, one tile of x already: as they are
+        assert one_x_twin(cfg, space, 128) == cfg
+    gated = ws_config(128, 4096, 4096, 132, gated=True)
+    assert gated.wm % 2 == 0  # a gated epilogue takes pairs of blocks: no twin of one
+
+
 def test_a_step_of_few_rows_costs_the_mma_floor_and_the_one_wave_rows_split_k():
     """RuleWeights.mma_floor (docs/design/0057): a step's MMAs cost at least the floor however few rows they have, so
     that the lone 64-row ping-pong tiles of one-wave grids give way to K-split tiles with more CTAs (3072x3072 at
@@ -721,8 +753,8 @@ def test_a_step_of_few_rows_costs_the_mma_floor_and_the_one_wave_rows_split_k():
     for n, m, k in ((128, 3072, 3072), (512, 768, 3072)):
         lone = ws_config.__wrapped__(n, m, k, 132, w=none)
         assert lone.pp and lone.wm == 1 and math.prod(lone.grid(n, m)) <= 132
-        split = ws_config(n, m, k, 132)
-        assert split.kc == 2 and split.wm == 2 and not split.pp
+        split = ws_config(n, m, k, 132)  # at n = 128 the twin of one block and one tile of x (docs/design/0068)
+        assert split.kc == 2 and split.bn * split.wm == 128 and not split.pp
 
 
 def test_a_lone_one_block_tile_under_a_wave_gives_way_to_a_k_split_with_more_ctas():
@@ -1022,3 +1054,27 @@ def test_a_layer_runs_a_tile_of_192_rows_splitting_k(seed):
         xg, yg = _graph_replayed(layer, 256, torch.bfloat16)
     assert_close(yg, F.linear(xg.double(), w, b), F.linear(xg, w.bfloat16(), b.bfloat16()),
                  atol=FWD_ATOL[torch.bfloat16], what="graph replay")
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_layer_runs_the_twin_of_one_block_and_one_tile_of_x(seed, dtype):
+    """Through Sparse24Linear: 4096 x 4096 at n = 128 runs the rule's tile, on 132 SMs 128 rows of x and one block of
+    W with K over a cluster of 2 (docs/design/0068); against fp64, 3-D x (2 x 60 rows: n = 120) and graph replay."""
+    from test_sparse24_tiles import _tile_of_last_launch
+
+    m, k = 4096, 4096
+    layer = kp.nn.Sparse24Linear.from_dense(torch.nn.Linear(k, m, device="cuda", dtype=dtype))
+    w, b = layer.to_dense().double(), layer.bias.detach().double()
+    with torch.no_grad():
+        x = torch.randn(2, 60, k, device="cuda", dtype=dtype)
+        assert_close(layer(x), F.linear(x.double(), w, b), F.linear(x, w.to(dtype), b.to(dtype)),
+                     atol=FWD_ATOL[dtype], what="x of 2 x 60 rows")
+        pick = WsKernel().config(120, m, k, 0)
+        assert _tile_of_last_launch(layer, by_shape=True) == {str(pick)}
+        on_132 = torch.cuda.get_device_properties(0).multi_processor_count == 132
+        assert (pick.bn, pick.wm, pick.kc) == (128, 1, 2) or not on_132
+        xg, yg = _graph_replayed(layer, 128, dtype)
+    assert_close(yg, F.linear(xg.double(), w, b), F.linear(xg, w.to(dtype), b.to(dtype)),
+                 atol=FWD_ATOL[dtype], what="graph replay")
