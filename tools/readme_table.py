@@ -541,7 +541,7 @@ def table() -> str:
                  "sparse24-sweep-small-n-slots-h200", "sparse24-sweep-small-n-deep-ring-h200",
                  "sparse24-sweep-held-out-small-n-deep-ring-h200", "sparse24-sweep-wide-k-splits-h200",
                  "sparse24-sweep-wide-k-splits-n32-64-h200", "sparse24-sweep-held-out-mid-n-h200",
-                 "sparse24-sweep-held-out-large-n-h200",
+                 "sparse24-sweep-held-out-large-n-h200", "sparse24-sweep-one-x-n128-h200",
                  "sparse24-sweep-h100-l2warm", "sparse24-sweep-h200-l2warm",
                  "sparse24-sweep-h200-f16-quick", "sparse24-sweep-h100-f16-quick", "sparse24-sweep-small-n-f16-h200",
                  "sparse24-sweep-small-n-f16-h100", "sparse24-sweep-f16-mid-h200", "sparse24-sweep-f16-large-n-h200",
