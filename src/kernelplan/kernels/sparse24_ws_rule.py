@@ -394,11 +394,12 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
               gpu: GpuFacts | None = None) -> WsConfig:
     """The tile for N = n: ``rule_pick`` of ``ws_candidates`` under ``w``, a K split over 3 CTAs only where its grid
     runs more CTAs than the pick without it (docs/design/0063), a tile of 192 rows of W splitting K only where its
-    tile of x is as wide as the pick's without it (0067), a grid under a quarter of the SMs at n <= 16 given way to a
+    tile of x is as wide as the pick's without it (0067), a K split of two blocks of W given way to its twin of one
+    block and one tile of x (``one_x_twin``, 0068), a grid under a quarter of the SMs at n <= 16 given way to a
     small-n split (``small_grid_split``, 0064), its ring deepened where the grid holds too few bytes in flight at
     n <= 16 (``with_ring``, 0066), with its K slices pushing their sums where that pays.  ``gated``: among the tiles a
     gated epilogue runs on (``gated_tile``), none of them small-n splits, deeper rings or 192-row K splits (none was
-    timed gated).
+    timed gated), nor tiles of one block (no twins).
     ``gpu``: the GPU's cluster slots, which waves are counted by, and its DRAM bandwidth (``WsKernel.config`` passes
     the driver's, docs/design/0065); None, the model of a GPU of ``sms`` SMs (``GpuFacts.model``)."""
     if gpu is not None and gpu.sms != sms:  # the waves would count one GPU's SMs and another's cluster slots
@@ -431,9 +432,11 @@ def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
 # alike.  The twin reads W from L2 once, not once a tile of x.  Its warpgroup's wgmma also takes twice the rows of x
 # for the 4 KiB of W it reads from shared memory each step, whose ceiling is 1.60x dense's rate at 128 rows against
 # 1.33x at 64 (docs/design/0012, 0013).  In every tile table that timed both at n = 128, the twin was faster or even:
-# 0.84-1.01x the time (4096x4096, 4096x14336, 3584x3584, 3584x4096, 3072x3072, 1024x4096; H100 and H200). Where n
-# takes more tiles of x (n = 256-512), the one-block tile lost by up to 1.12x: one warpgroup then reads W as often.
-# Tiles of 256 rows of x and one block lost 1.05-1.09x at n = 256 (docs/design/0068).
+# 0.84-1.01x the time (4096x4096, 4096x14336, 3584x3584, 3584x4096, 3072x3072, 1024x4096; H100 and H200); through
+# the sweep's path (sparse24-rule-ab-one-x-*-h200.json, 2213480) the old pick took 1.000-1.122x the twin's time on the
+# 20 moves (n = 120 and 128; 10 layers of the sweep set and the held-out models).  Where n takes more tiles of x
+# (n = 256-512), the one-block tile lost by up to 1.12x in the tables, and 256 rows of x with one block 1.25-1.37x
+# (docs/design/0068).
 ONE_X_MAX_BN = 128
 
 
