@@ -87,18 +87,23 @@ def wide_split_pick(n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS, 
 
 def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
                wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
-               no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False, gpu=None):
+               no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False,
+               pp_ties: bool = False, gpu=None):
     """``ws_config``'s tile had it ``MULTICAST_MIN_WAVES = waves`` and weights ``w`` (its cache neither read nor
     written); with ``even_split``, among K splits that divide K's steps alone, as the rule was before uneven slices
     (docs/design/0058); with ``wide_split_only``, as it was before the small-n K splits joined the cost
     (``wide_split_pick``); with ``no_split3``, without the small-n K split over 3 CTAs (the rule before
     docs/design/0063); with ``no_small_grid``, without ``small_grid_split`` (before 0064); with ``no_deep_ring``, the
     ring ``_deepest`` gives where ``with_ring`` deepens it (before 0066); with ``no_wide_splits``, without tiles of 192
-    rows of W splitting K in its space (before 0067); with ``no_one_x``, without ``one_x_twin`` (before 0068).  Each
+    rows of W splitting K in its space (before 0067); with ``no_one_x``, without ``one_x_twin`` (before 0068); with
+    ``pp_ties``, each tie between a ping-pong tile and the same tile one a CTA to the ping-pong one (before 0068's
+    ``PP_TIE_MAX_ACC``).  Each
     other step of the rule as it is, on the GPU facts ``gpu``
     (None: the model's)."""
-    present = sparse24_ws_rule.MULTICAST_MIN_WAVES
+    present = sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC
     sparse24_ws_rule.MULTICAST_MIN_WAVES = waves
+    if pp_ties:
+        sparse24_ws_rule.PP_TIE_MAX_ACC = 1 << 30
     try:
         cfg = (wide_split_pick if wide_split_only else ws_config.__wrapped__)(n, m, k, sms, w=w, gpu=gpu)
 
@@ -123,19 +128,19 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
             cfg = with_push(_deepest(cfg.bn, cfg.wm, cfg.cm, cfg.kc, cfg.sk, cfg.pp), n, m, sms, gpu)
         return cfg
     finally:
-        sparse24_ws_rule.MULTICAST_MIN_WAVES = present
+        sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC = present
 
 
 def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
           wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
-          no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False,
+          no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False, pp_ties: bool = False,
           gpu=None) -> list[tuple[int, int, int]]:
     """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w``,
     ``even_split``, ``wide_split_only``, ``no_split3``, ``no_small_grid``, ``no_deep_ring``, ``no_wide_splits`` and
-    ``no_one_x``."""
+    ``no_one_x`` and ``pp_ties``."""
     def other(n, m, k):
         return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only, no_split3, no_small_grid,
-                          no_deep_ring, no_wide_splits, no_one_x, gpu)
+                          no_deep_ring, no_wide_splits, no_one_x, pp_ties, gpu)
 
     return [move[:3] for move in moved_picks(shapes, batch, other, sms, gpu)]
 
@@ -179,6 +184,9 @@ def main() -> int:
     ap.add_argument("--no-one-x", action="store_true",
                     help="the other rule keeps a K split of two 64-row blocks of W where this one takes its twin of "
                          "one block and one tile of x (before docs/design/0068)")
+    ap.add_argument("--pp-ties", action="store_true",
+                    help="the other rule gives every tie between a ping-pong tile and the same tile one a CTA to the "
+                         "ping-pong one (before docs/design/0068's PP_TIE_MAX_ACC)")
     ap.add_argument("--table-misses", default=None, metavar="TABLE",
                     help="instead of another rule: each problem where this tile table's best tile ran --min-gain "
                          "faster than the rule's, against that tile")
@@ -194,10 +202,12 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     other_rule = (a.multicast_min_waves is not None or a.weights or a.even_k_split or a.wide_split_only
-                  or a.no_split3 or a.no_small_grid_split or a.no_deep_ring or a.no_wide_k_splits or a.no_one_x)
+                  or a.no_split3 or a.no_small_grid_split or a.no_deep_ring or a.no_wide_k_splits or a.no_one_x
+                  or a.pp_ties)
     if bool(other_rule) == (a.table_misses is not None):
         ap.error("give the other rule (--multicast-min-waves, --weights, --even-k-split, --wide-split-only, "
-                 "--no-split3, --no-small-grid-split, --no-deep-ring, --no-wide-k-splits, --no-one-x or more of them) "
+                 "--no-split3, --no-small-grid-split, --no-deep-ring, --no-wide-k-splits, --no-one-x, --pp-ties or "
+                 "more of them) "
                  "or "
                  "--table-misses, not both")
     try:
@@ -214,7 +224,7 @@ def main() -> int:
               f"the rule's", flush=True)
     else:
         flags = (a.even_k_split, a.wide_split_only, a.no_split3, a.no_small_grid_split, a.no_deep_ring,
-                 a.no_wide_k_splits, a.no_one_x)
+                 a.no_wide_k_splits, a.no_one_x, a.pp_ties)
         problems = moved(shapes, a.batch, sms, waves, other_w, *flags, gpu=gpu)
         others = {p: other_pick(*p, sms, waves, other_w, *flags, gpu=gpu) for p in problems}
         print(f"{len(problems)} problems where the rule with x multicast past {waves:g} waves (now "
@@ -224,7 +234,8 @@ def main() -> int:
               f"{' and no small-grid split' if a.no_small_grid_split else ''}"
               f"{' and no deeper ring' if a.no_deep_ring else ''}"
               f"{' and no wide K splits' if a.no_wide_k_splits else ''}"
-              f"{' and no one-x twins' if a.no_one_x else ''} picks another tile",
+              f"{' and no one-x twins' if a.no_one_x else ''}"
+              f"{' and ping-pong ties' if a.pp_ties else ''} picks another tile",
               flush=True)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows, dtype = [], torch.bfloat16
@@ -237,7 +248,7 @@ def main() -> int:
                              "even_k_split": a.even_k_split, "wide_split_only": a.wide_split_only,
                              "no_split3": a.no_split3, "no_small_grid_split": a.no_small_grid_split,
                              "no_deep_ring": a.no_deep_ring, "no_wide_k_splits": a.no_wide_k_splits,
-                             "no_one_x": a.no_one_x},
+                             "no_one_x": a.no_one_x, "pp_ties": a.pp_ties},
                       shape_set=a.shape_set if a.shapes is None else "given", shapes=a.shapes,
                       table_misses=a.table_misses, min_gain=a.min_gain, rounds=a.rounds, rep=a.rep, eager=a.eager)
 

@@ -321,14 +321,23 @@ def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = 
 # cm = 2 with kc = 2-4 ran 3-12% faster than cm = 1 at K of 13824-36864 and n = 128-512
 # (sparse24-ws-largek-h100.json), and was best or within 2% where cm = 4 also fit.
 _MCAST_TIE_MIN_BN = 128
+# Ties between a ping-pong tile and the same tile one a CTA (grids of one wave, where each CTA has one tile) go to the
+# ping-pong one where a warpgroup's tile is under PP_TIE_MAX_ACC rows of x x 64-row blocks (bn x wm), and to the
+# one-a-CTA tile at it (the most a ping-pong warpgroup holds: 128 x 2).  Over every tile table's such ties, the
+# one-a-CTA 128 x 2 tile ran 0.952 (n = 256) and 0.963 (n = 512) of the ping-pong one's time (geometric means of 32 and
+# 58, 7-8 of 8 faster in each top-4/top-8 table, both GPUs); the smaller tiles' ties went to ping-pong, 1.05-1.07
+# (docs/design/0068).  The ping-pong one stages y in shared memory (6 stages against 8), with nothing to overlap.
+PP_TIE_MAX_ACC = 256
 
 
 def rule_order(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
                gpu: GpuFacts | None = None) -> tuple[float, bool, bool]:
-    """The rule's sort key: ``tile_cost``, then ping-pong first, then x multicast to 2 CTAs where x's tile is
-    ``_MCAST_TIE_MIN_BN`` rows or more.  A ping-pong tile and the same tile one a CTA cost alike where each CTA has
-    one tile; there the ping-pong one ran faster on 20 of 24 problems, by up to 6% (sparse24-ws-small-h100.json)."""
-    return tile_cost(cfg, n, m, k, sms, w, gpu), not cfg.pp, cfg.bn >= _MCAST_TIE_MIN_BN and cfg.cm != 2
+    """The rule's sort key: ``tile_cost``, then ping-pong first (under ``PP_TIE_MAX_ACC``), then x multicast to 2 CTAs
+    where x's tile is ``_MCAST_TIE_MIN_BN`` rows or more.  A ping-pong tile and the same tile one a CTA cost alike
+    where each CTA has one tile; there the ping-pong one ran faster on 20 of 24 problems, by up to 6%
+    (sparse24-ws-small-h100.json: tiles of 16-64 rows of x)."""
+    pp_first = cfg.pp and cfg.bn * cfg.wm < PP_TIE_MAX_ACC
+    return tile_cost(cfg, n, m, k, sms, w, gpu), not pp_first, cfg.bn >= _MCAST_TIE_MIN_BN and cfg.cm != 2
 
 
 # x multicast without a K split (cm > 1, kc = 1) only in grids of more than this many waves of CTAs.  Each such
