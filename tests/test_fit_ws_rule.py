@@ -364,6 +364,16 @@ def test_the_rule_ab_bench_times_the_rule_without_the_one_x_twins():
         assert (here.bn, here.wm, other.bn, other.wm, here.kc) == (128, 1, 64, 2, other.kc)
 
 
+def test_the_rule_ab_bench_times_the_rule_with_every_ping_pong_tie_to_ping_pong():
+    """bench/sparse24_rule_ab.py --pp-ties (docs/design/0068): the other rule gives each tie between a ping-pong tile
+    and the same tile one a CTA to the ping-pong one; the two part only at the 128 x 2 ties this rule gives the other
+    way (not at n = 2048 on 1024x1024, where x has more tiles than W has blocks)."""
+    moves = _rule_ab_moves([(4096, 4096), (1024, 1024), (4608, 3584)], batch=(128, 256, 512, 2048), pp_ties=True)
+    assert sorted(moves) == [(512, 4096, 4096)]
+    assert moves[(512, 4096, 4096)] == WsConfig(128, 2, 1, 1, 6, pp=True)
+    assert ws_config(512, 4096, 4096, SMS) == WsConfig(128, 2, 1, 1, 8)
+
+
 def test_the_rule_ab_bench_takes_one_other_side(monkeypatch, capsys):
     """--wide-split-only is another rule: with --table-misses too it is refused before any CUDA."""
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))

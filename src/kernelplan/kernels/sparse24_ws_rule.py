@@ -322,21 +322,25 @@ def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = 
 # (sparse24-ws-largek-h100.json), and was best or within 2% where cm = 4 also fit.
 _MCAST_TIE_MIN_BN = 128
 # Ties between a ping-pong tile and the same tile one a CTA (grids of one wave, where each CTA has one tile) go to the
-# ping-pong one where a warpgroup's tile is under PP_TIE_MAX_ACC rows of x x 64-row blocks (bn x wm), and to the
-# one-a-CTA tile at it (the most a ping-pong warpgroup holds: 128 x 2).  Over every tile table's such ties, the
-# one-a-CTA 128 x 2 tile ran 0.952 (n = 256) and 0.963 (n = 512) of the ping-pong one's time (geometric means of 32 and
-# 58, 7-8 of 8 faster in each top-4/top-8 table, both GPUs); the smaller tiles' ties went to ping-pong, 1.05-1.07
-# (docs/design/0068).  The ping-pong one stages y in shared memory (6 stages against 8), with nothing to overlap.
+# ping-pong one where a warpgroup's tile is under PP_TIE_MAX_ACC rows of x x 64-row blocks (bn x wm); at it (the most
+# a ping-pong warpgroup holds: 128 x 2) they go to the one-a-CTA tile, whose two warpgroups both issue, but for grids
+# of more tiles of x than blocks of W.  Over every tile table's such ties, the one-a-CTA 128 x 2 tile ran 0.962 of the
+# ping-pong one's time (geometric mean of 99, 94 faster, both GPUs); where x has more tiles (1024x1024 and 1024x4096
+# at n = 2048, the only such ties timed) 1.038 (10 of 10 slower).  Through the sweep's path
+# (sparse24-rule-ab-pp-ties-*-h200.json, 0f965bd) the 15 moves of the first kind ran 1.003-1.059x faster, and the 3 of
+# the second (896x896 too) 0.94-0.97x, which is why they keep the ping-pong tile: it was not taken apart why
+# (docs/design/0068).  The smaller tiles' ties went to ping-pong, 1.05-1.07x.
 PP_TIE_MAX_ACC = 256
 
 
 def rule_order(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
                gpu: GpuFacts | None = None) -> tuple[float, bool, bool]:
-    """The rule's sort key: ``tile_cost``, then ping-pong first (under ``PP_TIE_MAX_ACC``), then x multicast to 2 CTAs
-    where x's tile is ``_MCAST_TIE_MIN_BN`` rows or more.  A ping-pong tile and the same tile one a CTA cost alike
+    """The rule's sort key: ``tile_cost``, then ping-pong first (the note at ``PP_TIE_MAX_ACC``), then x multicast to 2
+    CTAs where x's tile is ``_MCAST_TIE_MIN_BN`` rows or more.  A ping-pong tile and the same tile one a CTA cost alike
     where each CTA has one tile; there the ping-pong one ran faster on 20 of 24 problems, by up to 6%
     (sparse24-ws-small-h100.json: tiles of 16-64 rows of x)."""
-    pp_first = cfg.pp and cfg.bn * cfg.wm < PP_TIE_MAX_ACC
+    tiles_n, blocks, _ = cfg.grid(n, m)
+    pp_first = cfg.pp and (cfg.bn * cfg.wm < PP_TIE_MAX_ACC or tiles_n > blocks)
     return tile_cost(cfg, n, m, k, sms, w, gpu), not pp_first, cfg.bn >= _MCAST_TIE_MIN_BN and cfg.cm != 2
 
 
