@@ -9,11 +9,12 @@ docs/design/0058), or with the small-n K splits on wide weights alone (``--wide-
 without the small-n split over 3 (``--no-split3``, before 0063) or the small-grid split (``--no-small-grid-split``,
 before 0064), or with the ring at its 8 stages where the rule deepens it (``--no-deep-ring``, before 0066), or without
 tiles of 192 rows of W splitting K (``--no-wide-k-splits``, ``sparse24_ws_rule.wide_k_splits``, before 0067), or without
-a K split's twin of one block of W and one tile of x (``--no-one-x``, ``sparse24_ws_rule.one_x_twin``, before 0068), is
-timed with both tiles as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the one device layout, each
-call on the next of the weight's copies past twice the L2, ``graph_us`` replays), in one process, alternating A B B A,
-beside dense ``F.linear``; with ``--eager``, also eagerly, host work included. Each side has its own copies of the
-weight, so that each tile's launches are its own, and both rules read the device's own facts
+a K split's twin of one block of W and one tile of x (``--no-one-x``, ``sparse24_ws_rule.one_x_twin``, before 0068), or
+with every tie between a ping-pong tile and the same tile one a CTA to the ping-pong one (``--pp-ties``, before 0068's
+``PP_TIE_MAX_ACC``), is timed with both tiles as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the
+one device layout, each call on the next of the weight's copies past twice the L2, ``graph_us`` replays), in one
+process, alternating A B B A, beside dense ``F.linear``; with ``--eager``, also eagerly, host work included. Each side
+has its own copies of the weight, so that each tile's launches are its own, and both rules read the device's own facts
 (``gpu_facts.device_facts``). A check of a rule change that the tile tables' timings (``sparse24_wg_tiles.py``) and a
 sweep part disagreed on (docs/design/0055).
 
@@ -97,9 +98,7 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
     ring ``_deepest`` gives where ``with_ring`` deepens it (before 0066); with ``no_wide_splits``, without tiles of 192
     rows of W splitting K in its space (before 0067); with ``no_one_x``, without ``one_x_twin`` (before 0068); with
     ``pp_ties``, each tie between a ping-pong tile and the same tile one a CTA to the ping-pong one (before 0068's
-    ``PP_TIE_MAX_ACC``).  Each
-    other step of the rule as it is, on the GPU facts ``gpu``
-    (None: the model's)."""
+    ``PP_TIE_MAX_ACC``).  Each other step of the rule as it is, on the GPU facts ``gpu`` (None: the model's)."""
     present = sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC
     sparse24_ws_rule.MULTICAST_MIN_WAVES = waves
     if pp_ties:
@@ -136,7 +135,7 @@ def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_
           no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False, pp_ties: bool = False,
           gpu=None) -> list[tuple[int, int, int]]:
     """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w``,
-    ``even_split``, ``wide_split_only``, ``no_split3``, ``no_small_grid``, ``no_deep_ring``, ``no_wide_splits`` and
+    ``even_split``, ``wide_split_only``, ``no_split3``, ``no_small_grid``, ``no_deep_ring``, ``no_wide_splits``,
     ``no_one_x`` and ``pp_ties``."""
     def other(n, m, k):
         return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only, no_split3, no_small_grid,
@@ -207,9 +206,7 @@ def main() -> int:
     if bool(other_rule) == (a.table_misses is not None):
         ap.error("give the other rule (--multicast-min-waves, --weights, --even-k-split, --wide-split-only, "
                  "--no-split3, --no-small-grid-split, --no-deep-ring, --no-wide-k-splits, --no-one-x, --pp-ties or "
-                 "more of them) "
-                 "or "
-                 "--table-misses, not both")
+                 "more of them) or --table-misses, not both")
     try:
         shapes = SHAPE_SETS[a.shape_set]() if a.shapes is None else [tuple(map(int, s.split("x"))) for s in a.shapes]
     except ValueError:
