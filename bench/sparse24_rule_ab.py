@@ -159,33 +159,37 @@ def table_misses(path: str, sms: int, min_gain: float, gpu=None) -> dict[tuple[i
     return out
 
 
+# The other rules besides --multicast-min-waves and --weights, each the rule before a record: (flag, other_pick's
+# keyword, the flag's help after "the other rule", what the summary line says of it).
+OTHER_RULES = (
+    ("--even-k-split", "even_split", "splits K over a cluster only where the split divides K's steps",
+     "even K splits"),
+    ("--wide-split-only", "wide_split_only",
+     "weighs the small-n K-split tiles only on wide weights, one block of W (before docs/design/0061)",
+     "small-n K splits on wide weights alone"),
+    ("--no-split3", "no_split3", "has no small-n K split over 3 CTAs (before docs/design/0063)", "no K split over 3"),
+    ("--no-small-grid-split", "no_small_grid",
+     "keeps its pick by cost where the grid is under a quarter of the SMs (before docs/design/0064)",
+     "no small-grid split"),
+    ("--no-deep-ring", "no_deep_ring",
+     "keeps the ring at 8 stages where this one deepens it at n <= 16 (before docs/design/0066)", "no deeper ring"),
+    ("--no-wide-k-splits", "no_wide_splits", "has no tiles of 192 rows of W splitting K (before docs/design/0067)",
+     "no wide K splits"),
+    ("--no-one-x", "no_one_x", "keeps a K split of two 64-row blocks of W where this one takes its twin of one block "
+     "and one tile of x (before docs/design/0068)", "no one-x twins"),
+    ("--pp-ties", "pp_ties", "gives every tie between a ping-pong tile and the same tile one a CTA to the ping-pong "
+     "one (before docs/design/0068's PP_TIE_MAX_ACC)", "ping-pong ties"),
+)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--multicast-min-waves", type=float, default=None, metavar="W",
                     help="the other rule's: x multicast without a K split only in grids of more than W waves")
     ap.add_argument("--weights", nargs="+", default=[], metavar="FIELD=VALUE",
                     help="the other rule's cost weights (RuleWeights), the rest as they are")
-    ap.add_argument("--even-k-split", action="store_true",
-                    help="the other rule splits K over a cluster only where the split divides K's steps")
-    ap.add_argument("--wide-split-only", action="store_true",
-                    help="the other rule weighs the small-n K-split tiles only on wide weights, one block of W "
-                         "(before docs/design/0061)")
-    ap.add_argument("--no-split3", action="store_true",
-                    help="the other rule has no small-n K split over 3 CTAs (before docs/design/0063)")
-    ap.add_argument("--no-small-grid-split", action="store_true",
-                    help="the other rule keeps its pick by cost where the grid is under a quarter of the SMs "
-                         "(before docs/design/0064)")
-    ap.add_argument("--no-deep-ring", action="store_true",
-                    help="the other rule keeps the ring at 8 stages where this one deepens it at n <= 16 (before "
-                         "docs/design/0066)")
-    ap.add_argument("--no-wide-k-splits", action="store_true",
-                    help="the other rule has no tiles of 192 rows of W splitting K (before docs/design/0067)")
-    ap.add_argument("--no-one-x", action="store_true",
-                    help="the other rule keeps a K split of two 64-row blocks of W where this one takes its twin of "
-                         "one block and one tile of x (before docs/design/0068)")
-    ap.add_argument("--pp-ties", action="store_true",
-                    help="the other rule gives every tie between a ping-pong tile and the same tile one a CTA to the "
-                         "ping-pong one (before docs/design/0068's PP_TIE_MAX_ACC)")
+    for flag, _, what, _ in OTHER_RULES:
+        ap.add_argument(flag, action="store_true", help=f"the other rule {what}")
     ap.add_argument("--table-misses", default=None, metavar="TABLE",
                     help="instead of another rule: each problem where this tile table's best tile ran --min-gain "
                          "faster than the rule's, against that tile")
@@ -200,13 +204,13 @@ def main() -> int:
                          "EAGER_CALLS back-to-back calls, EAGER_ROUNDS paired rounds, other and here alternating)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    other_rule = (a.multicast_min_waves is not None or a.weights or a.even_k_split or a.wide_split_only
-                  or a.no_split3 or a.no_small_grid_split or a.no_deep_ring or a.no_wide_k_splits or a.no_one_x
-                  or a.pp_ties)
+    dests = [(flag[2:].replace("-", "_"), key) for flag, key, _, _ in OTHER_RULES]
+    chosen = {dest: getattr(a, dest) for dest, _ in dests}  # by argparse's names: the results file's keys
+    flags = {key: chosen[dest] for dest, key in dests}  # by other_pick's keywords
+    other_rule = a.multicast_min_waves is not None or a.weights or any(chosen.values())
     if bool(other_rule) == (a.table_misses is not None):
-        ap.error("give the other rule (--multicast-min-waves, --weights, --even-k-split, --wide-split-only, "
-                 "--no-split3, --no-small-grid-split, --no-deep-ring, --no-wide-k-splits, --no-one-x, --pp-ties or "
-                 "more of them) or --table-misses, not both")
+        ap.error(f"give the other rule (--multicast-min-waves, --weights, "
+                 f"{', '.join(flag for flag, *_ in OTHER_RULES)} or more of them) or --table-misses, not both")
     try:
         shapes = SHAPE_SETS[a.shape_set]() if a.shapes is None else [tuple(map(int, s.split("x"))) for s in a.shapes]
     except ValueError:
@@ -220,20 +224,11 @@ def main() -> int:
         print(f"{len(problems)} problems where {a.table_misses}'s best tile ran {a.min_gain:.0%} or more faster than "
               f"the rule's", flush=True)
     else:
-        flags = (a.even_k_split, a.wide_split_only, a.no_split3, a.no_small_grid_split, a.no_deep_ring,
-                 a.no_wide_k_splits, a.no_one_x, a.pp_ties)
-        problems = moved(shapes, a.batch, sms, waves, other_w, *flags, gpu=gpu)
-        others = {p: other_pick(*p, sms, waves, other_w, *flags, gpu=gpu) for p in problems}
+        problems = moved(shapes, a.batch, sms, waves, other_w, **flags, gpu=gpu)
+        others = {p: other_pick(*p, sms, waves, other_w, **flags, gpu=gpu) for p in problems}
+        said = "".join(f" and {words}" for _, key, _, words in OTHER_RULES if flags[key])
         print(f"{len(problems)} problems where the rule with x multicast past {waves:g} waves (now "
-              f"{sparse24_ws_rule.MULTICAST_MIN_WAVES}), {other_w}{' and even K splits' if a.even_k_split else ''}"
-              f"{' and small-n K splits on wide weights alone' if a.wide_split_only else ''}"
-              f"{' and no K split over 3' if a.no_split3 else ''}"
-              f"{' and no small-grid split' if a.no_small_grid_split else ''}"
-              f"{' and no deeper ring' if a.no_deep_ring else ''}"
-              f"{' and no wide K splits' if a.no_wide_k_splits else ''}"
-              f"{' and no one-x twins' if a.no_one_x else ''}"
-              f"{' and ping-pong ties' if a.pp_ties else ''} picks another tile",
-              flush=True)
+              f"{sparse24_ws_rule.MULTICAST_MIN_WAVES}), {other_w}{said} picks another tile", flush=True)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows, dtype = [], torch.bfloat16
 
@@ -241,11 +236,7 @@ def main() -> int:
         results.write("sparse24-rule-ab", {"rows": rows}, a.out, dtype="bf16", sms=sms,
                       here={"multicast_min_waves": sparse24_ws_rule.MULTICAST_MIN_WAVES,
                             "weights": dataclasses.asdict(WEIGHTS)},
-                      other={"multicast_min_waves": waves, "weights": dataclasses.asdict(other_w),
-                             "even_k_split": a.even_k_split, "wide_split_only": a.wide_split_only,
-                             "no_split3": a.no_split3, "no_small_grid_split": a.no_small_grid_split,
-                             "no_deep_ring": a.no_deep_ring, "no_wide_k_splits": a.no_wide_k_splits,
-                             "no_one_x": a.no_one_x, "pp_ties": a.pp_ties},
+                      other={"multicast_min_waves": waves, "weights": dataclasses.asdict(other_w), **chosen},
                       shape_set=a.shape_set if a.shapes is None else "given", shapes=a.shapes,
                       table_misses=a.table_misses, min_gain=a.min_gain, rounds=a.rounds, rep=a.rep, eager=a.eager)
 
