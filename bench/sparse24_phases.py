@@ -26,7 +26,7 @@ from kernelplan.bench.sweep import copies_past_l2
 from kernelplan.kernels import raw_stream
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_sp import _tiled
-from kernelplan.kernels.sparse24_ws_rule import ws_config
+from kernelplan.kernels.sparse24_ws_rule import _deepest, ws_config
 from kernelplan.sparse24 import compress, prune
 from kernelplan.timing import capture, graph_rounds
 from sparse24_feed_probe import launchers
@@ -42,6 +42,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="*", default=[1, 16])
     ap.add_argument("--calls", type=int, default=40, help="back-to-back launches in the graph")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--plain", action="store_true",
+                    help="where the rule's tile is ping-pong, probe the same tile one a CTA (sparse24_ws.cu)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     sms = sm_count(0)
@@ -57,6 +59,8 @@ def main() -> int:
         tiled = [_tiled(w24.values, w24.metadata) for w24 in map(compress, ws)]
         for n in a.batch:
             cfg = ws_config(n, m, k, sms)
+            if cfg.pp and a.plain:
+                cfg = _deepest(cfg.bn, cfg.wm, 1, 1)
             if cfg.pp or cfg.sk:
                 print(f"{m}x{k} n={n}: the rule's tile {cfg} is persistent; the probe marks sparse24_ws.cu only")
                 continue
