@@ -543,7 +543,8 @@ def table() -> str:
                  "sparse24-sweep-held-out-small-n-deep-ring-h200", "sparse24-sweep-wide-k-splits-h200",
                  "sparse24-sweep-wide-k-splits-n32-64-h200", "sparse24-sweep-held-out-mid-n-h200",
                  "sparse24-sweep-held-out-large-n-h200", "sparse24-sweep-one-x-n128-h200",
-                 "sparse24-sweep-held-out-one-x-n128-h200",
+                 "sparse24-sweep-held-out-one-x-n128-h200", "sparse24-sweep-pp-ties-n128-1024-h200",
+                 "sparse24-sweep-held-out-pp-ties-n128-1024-h200",
                  "sparse24-sweep-h100-l2warm", "sparse24-sweep-h200-l2warm",
                  "sparse24-sweep-h200-f16-quick", "sparse24-sweep-h100-f16-quick", "sparse24-sweep-small-n-f16-h200",
                  "sparse24-sweep-small-n-f16-h100", "sparse24-sweep-f16-mid-h200", "sparse24-sweep-f16-large-n-h200",
@@ -551,7 +552,7 @@ def table() -> str:
                  "sparse24-sweep-f16-uneven-k-large-n-h200", "sparse24-sweep-f16-small-n-split-h200",
                  "sparse24-sweep-f16-small-n-split3-h200", "sparse24-sweep-f16-small-n-deep-ring-h200",
                  "sparse24-sweep-f16-wide-k-splits-h200", "sparse24-sweep-f16-wide-k-splits-n32-64-h200",
-                 "sparse24-sweep-f16-one-x-n128-h200",
+                 "sparse24-sweep-f16-one-x-n128-h200", "sparse24-sweep-f16-pp-ties-n128-1024-h200",
                  "sparse24-sweep-h100-f16-l2warm",
                  "sparse24-sweep-h200-f16-l2warm"):
         body += sweep_rows(name)
