@@ -321,13 +321,37 @@ def test_every_variant_compiles_for_sm90a(compile_for):
 def test_the_benches_builds_compile(compile_for):
     """The builds bench/sparse24_phases.py and the feed probe make (the phase stamps, KP_PROBE 3; the copies and the
     MMAs alone, 1 and 2; the cluster's sync before the K loop where K is split, KP_LOCAL_SYNC=0; the producer's loop
-    on warp 0, KP_WARP_PRODUCER=1; the sums met through the cluster's loads, KP_PUSH_SUMS=0) compile."""
+    on warp 0, KP_WARP_PRODUCER=1; the sums met through the cluster's loads, KP_PUSH_SUMS=0; y staged in f32 where K
+    is whole, KP_Y16=0) compile."""
     from kernelplan.kernels.sparse24_ws import source
 
     plain = WsConfig(16, 2, 1, 2, 8)
     for head in ("#define KP_PROBE 3\n", "#define KP_PROBE 1\n", "#define KP_PROBE 2\n", "#define KP_LOCAL_SYNC 0\n",
                  "#define KP_WARP_PRODUCER 1\n", "#define KP_PUSH_SUMS 0\n"):
         assert len(compile_for(head + source(plain, "bf16", False, None), "sm_90a")) > 0
+    assert len(compile_for("#define KP_Y16 0\n" + source(WsConfig(64, 2, 1, 1, 8), "bf16", True, "gelu"), "sm_90a"))
+
+
+def test_y_is_staged_in_16_bits_where_k_is_whole_and_no_gated_pair_meets(compile_for):
+    """A tile with K whole rounds each warpgroup's results to 16 bits and stages them through stmatrix (STSM in the
+    SASS), multicast or not; the ping-pong tile always did.  A K split stages f32 sums (its slices add them before
+    rounding), and so does a gated tile (a pair's two rows are in two warpgroups), and the KP_Y16=0 build for the A/B.
+    Erf's gelu at 192 rows of x and more does too: in 16 bits it spilled.  No variant here spills (STL)."""
+    from kernelplan.kernels.sparse24_ws import source
+    from kernelplan.kernels.sparse24_ws_rule import _deepest
+
+    want = {(WsConfig(128, 2, 1, 1, 8), "gelu", ""): True, (WsConfig(256, 2, 2, 1, 5), None, ""): True,
+            (_deepest(256, 2, 1, 1), "gelu_tanh", ""): True, (_deepest(256, 2, 1, 1), "gelu", ""): False,
+            (_deepest(192, 2, 1, 1), "gelu", ""): False,
+            (WsConfig(64, 3, stages=7, pp=True), None, ""): True, (WsConfig(64, 1, 1, 4, 8), "gelu", ""): False,
+            (WsConfig(64, 2, 1, 1, 8), "gated_silu_first", ""): False,
+            (WsConfig(128, 2, 1, 1, 8), "gelu", "#define KP_Y16 0\n"): False}
+    for (cfg, act, head), staged16 in want.items():
+        sass = _sass(compile_for(head + source(cfg, "bf16", True, act), "sm_90a"))
+        if sass is None:
+            pytest.skip("no cuobjdump next to Triton")
+        assert ("STSM" in sass) == staged16, (cfg, act, head)
+        assert "STL" not in sass, (cfg, act, head)
 
 
 def _sass(cubin: bytes) -> str | None:

@@ -15,9 +15,8 @@
 // never waits on a stage's phase while an older phase of that stage is still due, which a wait by parity cannot
 // tell apart; and one warpgroup's epilogue runs beside the other's MMAs.
 //
-// The epilogue: bias and activation in registers, the 16-bit results through stmatrix (transposed: a row of the
-// staging buffer is 8 rows of W, 16 bytes of y) into the warpgroup's own staging buffer [BN][kBM + 8] (rows padded
-// by 16 bytes: stmatrix's 8 rows then fall on distinct banks), then 16-byte stores of y's rows.
+// The epilogue: bias and activation in registers, then 16-bit through the warpgroup's own staging buffer
+// (sparse24_epilogue.cuh).
 //
 // Compile-time sizes come from the variant's #defines: BN (a multiple of 16), NI, WM (64-row blocks of W a tile: a
 // warpgroup's m64 instructions per k32), STAGES, CONSUMER_REGS, IS_BF16, HAS_BIAS, ACT, GATED, DT.  Gated
@@ -29,15 +28,11 @@
 #include "hopper.cuh"
 #include "sparse24_ring.cuh"
 #include "sparse24_grouped.cuh"
+#include "sparse24_epilogue.cuh"
 
 constexpr int kPpThreads = 384;                    // the producer warpgroup and two consumers (not ring.cuh's kThreads)
-constexpr int kYStride = kBM * 2 + 16;             // bytes a row of the staging buffer
 constexpr int kYBytes = (BN * kYStride + 1023) / 1024 * 1024;
 constexpr int kOutBlocks = WM / kRegions;          // 64-column blocks of y a tile
-constexpr int kOut = 64 * kOutBlocks;              // columns of y a tile
-static_assert(NI % 16 == 0, "stmatrix stores two 8-column groups of an instruction at once");
-
-__device__ __forceinline__ u32 pack2(float lo, float hi) { return from_f32(lo) | ((u32)from_f32(hi) << 16); }
 
 // Column `at` of a thread's accumulators of output block b: act(z + bias), or, gated, gate2 of the two halves' sums.
 __device__ __forceinline__ float out_value(const float (&acc)[WM][kInst][kAcc], int b, int i, int at,
@@ -54,11 +49,10 @@ __device__ __forceinline__ float out_value(const float (&acc)[WM][kInst][kAcc], 
 __device__ __forceinline__ void store_tile(float (&acc)[WM][kInst][kAcc], u32 stage, const u16 *__restrict__ bias,
                                            u16 *__restrict__ y, int n0, int m0, int N, int cols, int syn, int wq,
                                            int lane, int u, int bar, const Scatter &sc) {
-    const int g = lane >> 2, q = lane >> 3, i8 = lane & 7;
     named_sync(bar, 128);  // the last tile's rows have been read out of the staging buffer
 #pragma unroll
     for (int b = 0; b < kOutBlocks; ++b) {
-        const int row = m0 + 64 * b + 16 * wq + g;  // this thread's columns of y: row, row + 8 (of each half of W)
+        const int row = m0 + 64 * b + 16 * wq + (lane >> 2);  // this thread's columns of y: row, row + 8 (each half)
         float b0[kRegions], b1[kRegions];
 #pragma unroll
         for (int h = 0; h < kRegions; ++h) {
@@ -69,42 +63,11 @@ __device__ __forceinline__ void store_tile(float (&acc)[WM][kInst][kAcc], u32 st
 #endif
         }
         (void)row;
-#pragma unroll
-        for (int i = 0; i < kInst; ++i)
-#pragma unroll
-            for (int j = 0; j < NI / 8; j += 2) {
-                // The thread's columns of x in blocks j and j + 1: 8 c + 2 (lane & 3) and the next.
-                const int nx = n0 + i * NI + 8 * j + 2 * (lane & 3);
-                const float s[2][2] = {{row_scale(sc, nx, N), row_scale(sc, nx + 1, N)},
-                                       {row_scale(sc, nx + 8, N), row_scale(sc, nx + 9, N)}};
-                u32 r[4];
-#pragma unroll
-                for (int p = 0; p < 4; ++p) {  // matrix p: rows + 8 (p & 1) of W, columns 8 (j + p / 2) of x
-                    const int at = 4 * (j + (p >> 1)) + 2 * (p & 1);
-                    r[p] = pack2(out_value(acc, b, i, at, (p & 1) ? b1 : b0) * s[p >> 1][0],
-                                 out_value(acc, b, i, at + 1, (p & 1) ? b1 : b0) * s[p >> 1][1]);
-                }
-                const int nl = i * NI + 8 * (j + (q >> 1)) + i8, ml = 64 * b + 16 * wq + 8 * (q & 1);
-                stmatrix_t4(stage + nl * kYStride + ml * 2, r[0], r[1], r[2], r[3]);
-            }
+        stage_block16(stage, 64 * b, n0, N, wq, lane, sc,
+                      [&](int i, int at, bool hi) { return out_value(acc, b, i, at, hi ? b1 : b0); });
     }
     named_sync(bar, 128);
-    const bool vec = syn % 8 == 0 && ((unsigned long long)y & 15) == 0;
-    const int M = cols;
-    for (int idx = u; idx < BN * (kOut / 8); idx += 128) {
-        const int nl = idx / (kOut / 8), m8 = idx % (kOut / 8), n = n0 + nl, m = m0 + m8 * 8;
-        if (n >= N || m >= M) continue;
-        const uint4 v = lds4(stage + nl * kYStride + m8 * 16);
-        u16 *out = y + (long)(SCATTER ? sc.rows[n] : n) * syn + m;
-        if (vec && m + 8 <= M) {
-            *(uint4 *)out = v;
-        } else {
-            const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int e = 0; e < 8; ++e)
-                if (m + e < M) out[e] = (u16)(w[e >> 1] >> (16 * (e & 1)));
-        }
-    }
+    store_rows16(stage, y, BN, n0, m0, N, cols, syn, u, 128, sc);
 }
 
 extern "C" __global__ void __launch_bounds__(kPpThreads, 1)

@@ -35,6 +35,7 @@
 #include "hopper.cuh"
 #include "sparse24_ring.cuh"
 #include "sparse24_grouped.cuh"
+#include "sparse24_epilogue.cuh"
 
 constexpr int kRedStride = kBM + 4;                // f32 partial sums [BN][kBM + 4]: rows 16-byte aligned
 constexpr int kRedBytes = BN * kRedStride * 4;
@@ -122,6 +123,18 @@ constexpr int kSumsBar = kBarOffset + 16 * STAGES, kRecvAt = kSumsBar + 16;  // 
 #define KP_PDL 0
 #endif
 static_assert(!KP_PDL || (!GROUPED && !KP_PROBE), "KP_PDL: the grouped kernel reads its routing before any wait");
+
+// With K whole and no gated pair, each consumer warpgroup rounds its own results to 16 bits, bias and activation
+// applied in registers, and stages them for y's stores through stmatrix (sparse24_epilogue.cuh), as
+// sparse24_pp.cu does: half the staging's bytes of the f32 sums, a quarter of its store instructions, and one
+// 16-byte load a store of y, not two.  Erf's gelu keeps the f32 staging from BN = 192 on: applied to every
+// accumulator in registers it spilled (53-78 stores to local memory a thread at 168 registers; tests/
+// test_sparse24_ws.py), where the f32 staging applies it to 8 values at a time.  KP_Y16=0 builds the f32 staging
+// everywhere, for the A/B.
+#ifndef KP_Y16
+#define KP_Y16 1
+#endif
+constexpr bool kY16 = KP_Y16 && KC == 1 && kRegions == 1 && NI % 16 == 0 && !(ACT == ACT_GELU && BN >= 192);
 
 #if CM * KC > 1
 #define KP_CLUSTER __cluster_dims__(1, CM, KC)
@@ -249,8 +262,21 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         // Every consumer is past its last MMA before the ring is reused for the partial sums.
         named_sync(1, kConsumers);
         if (threadIdx.x == 128) KP_PHASE(3);
-        float *red = (float *)(smem_raw + (sbase - sraw));  // [BN][kRedStride]
-        store_acc<NI>(red, acc, wm * 64 + wq * 16, kRedStride, lane);
+        if constexpr (kY16) {
+            const int row = tile.block * kOut + 64 * wm + 16 * wq + (lane >> 2);  // its columns of y: row, row + 8
+            float b0 = 0.f, b1 = 0.f;
+#if HAS_BIAS
+            const u16 *own = bias + (long)tile.expert * M;  // grouped: the biases are [E, M]
+            if (row < M) b0 = to_f32(own[row]);
+            if (row + 8 < M) b1 = to_f32(own[row + 8]);
+#endif
+            (void)row;
+            stage_block16(sbase, 64 * wm, n0, tile.n_end, wq, lane, sc,
+                          [&](int i, int at, bool hi) { return activate(acc[i][at] + (hi ? b1 : b0)); });
+        } else {
+            float *red = (float *)(smem_raw + (sbase - sraw));  // [BN][kRedStride]
+            store_acc<NI>(red, acc, wm * 64 + wq * 16, kRedStride, lane);
+        }
     }
 
     if constexpr (CM * KC > 1 && !kPush) cluster_sync();  // every CTA's partial sums are in its shared memory
@@ -259,7 +285,6 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     if (warp >= 4) {
         // Bias, activation and y, 8 columns of y (16 bytes) a thread, along M: the K slices in rank order.  Gated,
         // column c of y is the pair of rows c (local row c) and H + c (local row kBM / 2 + c).
-        constexpr int kOut = kBM / kRegions;               // columns of y a CTA
         const int nl0 = blockIdx.z * kRowsHere, mo = tile.block * kOut;
         if constexpr (kPush) {
             // The other slices' rows, 16 bytes a thread at a time, into their CTAs: slice p's rows go to p, to the
@@ -279,55 +304,59 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         const u16 *own = HAS_BIAS ? bias + (long)tile.expert * M : bias;  // grouped: the biases are [E, M]
         (void)own;
         const int cols = M / kRegions;                     // of y
-        const bool vec = syn % 8 == 0 && ((unsigned long long)y & 15) == 0;
-        for (int idx = threadIdx.x - 128; idx < kRowsHere * (kOut / 8); idx += kConsumers) {
-            const int m8 = idx % (kOut / 8), nl = nl0 + idx / (kOut / 8), m = mo + m8 * 8, n = n0 + nl;
-            if (m >= cols || n >= tile.n_end) continue;
-            float v[kRegions][8];
+        if constexpr (kY16) {
+            store_rows16(sbase, y, BN, n0, mo, tile.n_end, cols, syn, threadIdx.x - 128, kConsumers, sc);
+        } else {
+            const bool vec = syn % 8 == 0 && ((unsigned long long)y & 15) == 0;
+            for (int idx = threadIdx.x - 128; idx < kRowsHere * (kOut / 8); idx += kConsumers) {
+                const int m8 = idx % (kOut / 8), nl = nl0 + idx / (kOut / 8), m = mo + m8 * 8, n = n0 + nl;
+                if (m >= cols || n >= tile.n_end) continue;
+                float v[kRegions][8];
 #pragma unroll
-            for (int h = 0; h < kRegions; ++h) {
-                const u32 at = sbase + (nl * kRedStride + h * kOut + m8 * 8) * 4;
+                for (int h = 0; h < kRegions; ++h) {
+                    const u32 at = sbase + (nl * kRedStride + h * kOut + m8 * 8) * 4;
 #pragma unroll
-                for (int j = 0; j < 8; ++j) v[h][j] = 0.f;
+                    for (int j = 0; j < 8; ++j) v[h][j] = 0.f;
 #pragma unroll
-                for (int r = 0; r < KC; ++r) {
+                    for (int r = 0; r < KC; ++r) {
 #if KC > 1
-                    float4 lo, hi;
-                    if constexpr (kPush) {  // slice r's sums: this CTA's own, or the slot r pushed them to
-                        const int slot = r - (r > cz);
-                        const u32 from = r == cz ? at : at + kRecvAt + ((slot * kRowsHere - nl0) * kRedStride) * 4;
-                        lo = lds4f(from), hi = lds4f(from + 16);
-                    } else {
-                        lo = ld_peer4(at, cy + r * CM), hi = ld_peer4(at + 16, cy + r * CM);
-                    }
+                        float4 lo, hi;
+                        if constexpr (kPush) {  // slice r's sums: this CTA's own, or the slot r pushed them to
+                            const int slot = r - (r > cz);
+                            const u32 from = r == cz ? at : at + kRecvAt + ((slot * kRowsHere - nl0) * kRedStride) * 4;
+                            lo = lds4f(from), hi = lds4f(from + 16);
+                        } else {
+                            lo = ld_peer4(at, cy + r * CM), hi = ld_peer4(at + 16, cy + r * CM);
+                        }
 #else
-                    const float4 lo = lds4f(at), hi = lds4f(at + 16);
+                        const float4 lo = lds4f(at), hi = lds4f(at + 16);
 #endif
-                    v[h][0] += lo.x; v[h][1] += lo.y; v[h][2] += lo.z; v[h][3] += lo.w;
-                    v[h][4] += hi.x; v[h][5] += hi.y; v[h][6] += hi.z; v[h][7] += hi.w;
-                }
+                        v[h][0] += lo.x; v[h][1] += lo.y; v[h][2] += lo.z; v[h][3] += lo.w;
+                        v[h][4] += hi.x; v[h][5] += hi.y; v[h][6] += hi.z; v[h][7] += hi.w;
+                    }
 #if HAS_BIAS
 #pragma unroll
-                for (int j = 0; j < 8; ++j)
-                    if (m + j < cols) v[h][j] += to_f32(own[h * cols + m + j]);
+                    for (int j = 0; j < 8; ++j)
+                        if (m + j < cols) v[h][j] += to_f32(own[h * cols + m + j]);
 #endif
-            }
-            u16 h[8];
-            const float s = row_scale(sc, n, tile.n_end);
+                }
+                u16 h[8];
+                const float s = row_scale(sc, n, tile.n_end);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) h[j] = from_f32(epilogue<kRegions>(v, j) * s);
-            u16 *out = y + (long)(SCATTER ? sc.rows[n] : n) * syn + m;
-            if (vec && m + 8 <= cols) {
-                uint4 packed;
-                packed.x = h[0] | ((u32)h[1] << 16);
-                packed.y = h[2] | ((u32)h[3] << 16);
-                packed.z = h[4] | ((u32)h[5] << 16);
-                packed.w = h[6] | ((u32)h[7] << 16);
-                *(uint4 *)out = packed;
-            } else {
+                for (int j = 0; j < 8; ++j) h[j] = from_f32(epilogue<kRegions>(v, j) * s);
+                u16 *out = y + (long)(SCATTER ? sc.rows[n] : n) * syn + m;
+                if (vec && m + 8 <= cols) {
+                    uint4 packed;
+                    packed.x = h[0] | ((u32)h[1] << 16);
+                    packed.y = h[2] | ((u32)h[3] << 16);
+                    packed.z = h[4] | ((u32)h[5] << 16);
+                    packed.w = h[6] | ((u32)h[7] << 16);
+                    *(uint4 *)out = packed;
+                } else {
 #pragma unroll
-                for (int j = 0; j < 8; ++j)
-                    if (m + j < cols) out[j] = h[j];
+                    for (int j = 0; j < 8; ++j)
+                        if (m + j < cols) out[j] = h[j];
+                }
             }
         }
     }
