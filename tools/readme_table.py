@@ -261,7 +261,7 @@ def sparse24_notes() -> list[str]:
     lines = []
     for name in ("sparse24-model-h100", "sparse24-model-h200", "sparse24-model-tall-k-h200",
                  "sparse24-model-small-n-split-h200", "sparse24-model-split3-ab1-h200", "sparse24-model-rules-0067-h200",
-                 "sparse24-model-one-x-h200",
+                 "sparse24-model-one-x-h200", "sparse24-model-y16-h200",
                  "sparse24-model-tuned-h100", "sparse24-model-tuned-h200"):
         model = _load(name)
         if model:
@@ -544,7 +544,8 @@ def table() -> str:
                  "sparse24-sweep-wide-k-splits-n32-64-h200", "sparse24-sweep-held-out-mid-n-h200",
                  "sparse24-sweep-held-out-large-n-h200", "sparse24-sweep-one-x-n128-h200",
                  "sparse24-sweep-held-out-one-x-n128-h200", "sparse24-sweep-pp-ties-n128-1024-h200",
-                 "sparse24-sweep-held-out-pp-ties-n128-1024-h200",
+                 "sparse24-sweep-held-out-pp-ties-n128-1024-h200", "sparse24-sweep-y16-cut-short-h200",
+                 "sparse24-sweep-y16-n256-2048-h200",
                  "sparse24-sweep-h100-l2warm", "sparse24-sweep-h200-l2warm",
                  "sparse24-sweep-h200-f16-quick", "sparse24-sweep-h100-f16-quick", "sparse24-sweep-small-n-f16-h200",
                  "sparse24-sweep-small-n-f16-h100", "sparse24-sweep-f16-mid-h200", "sparse24-sweep-f16-large-n-h200",
@@ -553,6 +554,7 @@ def table() -> str:
                  "sparse24-sweep-f16-small-n-split3-h200", "sparse24-sweep-f16-small-n-deep-ring-h200",
                  "sparse24-sweep-f16-wide-k-splits-h200", "sparse24-sweep-f16-wide-k-splits-n32-64-h200",
                  "sparse24-sweep-f16-one-x-n128-h200", "sparse24-sweep-f16-pp-ties-n128-1024-h200",
+                 "sparse24-sweep-f16-y16-h200",
                  "sparse24-sweep-h100-f16-l2warm",
                  "sparse24-sweep-h200-f16-l2warm"):
         body += sweep_rows(name)
