@@ -1,4 +1,6 @@
-"""The warp-specialized Hopper ``wgmma.sp`` 2:4 linear (``cuda_ws``): its tile rule on CPU, its tensor maps on a GPU.
+"""The warp-specialized Hopper ``wgmma.sp`` 2:4 linear (``cuda_ws``): its kernels' index arithmetic emulated and their
+SASS read on CPU, their results against fp64 and their tensor maps on a GPU.  The tile rule's own tests are in
+test_sparse24_ws_rule.py.
 
 Its fp64 tests share one body with ``cuda_wg``'s in test_sparse24_wg.py; the layout's own tests are in
 test_sparse24_layout.py and test_sparse24_sp.py.
@@ -7,171 +9,23 @@ test_sparse24_layout.py and test_sparse24_sp.py.
 from __future__ import annotations
 
 import itertools
-import math
 import re
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
 
 import kernelplan as kp
 from helpers import FWD_ATOL, assert_close, sm90
-from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
+from kernelplan.bench.shapes import sweep_shapes
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_sp import SM_SHARED, SP_LAYOUT
-from kernelplan.kernels.sparse24_wg import INSTRUCTION_N
 from kernelplan.kernels.sparse24_ws import WsKernel
-from kernelplan.kernels.sparse24_ws_rule import (MULTICAST_MIN_WAVES, WsConfig, _cluster_sms, gated_tile, k_slices,
-                                                 multicast_pays, push_pays, resident, rule_order, small_n_splits,
-                                                 tile_cost, with_push, ws_candidates, ws_config)
+from kernelplan.kernels.sparse24_ws_rule import WsConfig, ws_candidates, ws_config
 from kernelplan.sparse24.dispatch import wide_weight
 
 gpu = pytest.mark.gpu
-
-
-def _candidate_form(picked: WsConfig) -> WsConfig:
-    """The pick as ``ws_candidates`` holds it: the push on, the ring ``_deepest`` gives."""
-    from kernelplan.kernels.sparse24_ws_rule import _deepest
-
-    return replace(picked, push=True, stages=_deepest(picked.bn, picked.wm, picked.cm, picked.kc, picked.sk,
-                                                      picked.pp).stages)
-
-
-def _check_ring(picked: WsConfig, cfg: WsConfig, n: int, m: int, k: int, sms: int) -> None:
-    """A ring deeper than the candidate's only at n <= 16, one CTA an SM, 12 or 16 stages, each K slice at least two
-    rings of steps, in the SM's shared memory beside the pushed sums (docs/design/0066)."""
-    if picked.stages == cfg.stages:
-        return
-    assert n <= 16 and resident(cfg) == 1 and picked.stages in (12, 16), (m, k, n, picked)
-    assert -(-(k // 64) // cfg.kc) >= 2 * picked.stages and picked.shared <= SM_SHARED, (m, k, n, picked)
-    assert picked.recv_bytes == replace(cfg, push=picked.push).recv_bytes, (m, k, n, picked)
-
-
-@pytest.mark.parametrize("sms", [78, 114, 132])
-def test_tile_rule_fits_every_sweep_shape_and_batch(sms):
-    for (m, k) in list(sweep_shapes()) + [(2048, 1600), (1024, 2880), (4096, 7040)]:  # and K of 25, 45, 110 steps
-        for n in BATCH_SIZES + (3, 33, 200, 1000):
-            picked = ws_config(n, m, k, sms)
-            cfg = _candidate_form(picked)  # push only where it costs no wave; a deeper ring at n <= 16 (with_ring)
-            assert picked.push == push_pays(replace(picked, push=True), n, m, sms), (m, k, n)
-            _check_ring(picked, cfg, n, m, k, sms)
-            cands = ws_candidates(n, m, k)
-            assert cfg in cands
-
-            def least(cands):
-                cost = min(tile_cost(c, n, m, k, sms) for c in cands)
-                tied = [c for c in cands if tile_cost(c, n, m, k, sms) == cost]
-                # least cost; ties to ping-pong (at 128 x 2 only where x has more tiles than W has blocks: 0068),
-                # then to x multicast to 2 CTAs where x's tile has 128 rows or more
-                def pp_first(c):
-                    return c.pp and (c.bn * c.wm < 256 or -(-n // c.bn) > -(-m // c.rows))
-
-                want = min(tied, key=lambda c: (not pp_first(c), c.bn >= 128 and c.cm != 2))
-                if want.kc == 1 and want.cm > 1 and math.prod(want.grid(n, m)) <= 2 * sms:  # multicast past 2 waves
-                    want = replace(want, cm=1)
-                return want
-
-            def ctas(c):
-                return min(sms, math.prod(c.grid(n, m)[:2])) if c.pp else math.prod(c.grid(n, m))
-
-            want = least(cands)
-            if want.kc == 3 and ctas(want) <= ctas(rest := least([c for c in cands if c.kc != 3])):
-                want = rest  # the split over 3 only on a grid of more CTAs than the pick without it
-            if want.wm == 3 and want.kc > 1:  # 192 rows of W splitting K: x's tile as wide as the pick's without
-                rest = least([c for c in cands if c.wm < 3 or c.kc == 1])
-                want = want if want.bn >= rest.bn else rest
-            if want.kc > 1 and want.wm == 2 and want.cm == 1 and not want.pp and want.bn < n:
-                # two blocks of W and two or more tiles of x: the twin of one block and one tile of x (0068)
-                twins = [c for c in cands if (c.wm, c.cm, c.kc, c.pp) == (1, 1, want.kc, False) and n <= c.bn <= 128]
-                want = min(twins, key=lambda c: c.bn, default=want)
-            if n <= 16 and ctas(want) < sms / 4:  # a grid under a quarter of the SMs: the widest small-n split
-                wider = [c for c in small_n_splits(n, k) if ctas(want) < ctas(c) <= _cluster_sms(c, sms)]
-                want = max(wider, key=lambda c: (ctas(c), -tile_cost(c, n, m, k, sms)), default=want)
-            assert cfg == want, (m, k, n)
-            assert cfg.shared <= SM_SHARED and cfg.stages >= 3 and cfg.stage_bytes % 1024 == 0, (n, m, k, cfg)
-            assert cfg.bn <= 256 and cfg.bn % 8 == 0 and cfg.bn % cfg.ni == 0 and cfg.ni in INSTRUCTION_N
-            assert k // 64 >= (4 * cfg.kc if cfg.kc > 1 else 1) and cfg.bn % (8 * cfg.kc) == 0
-            assert cfg.threads == (384 if cfg.pp else 128 * (cfg.wm + 1)) and not cfg.sk
-            assert cfg.bn % (8 * cfg.cm) == 0 and cfg.cm * cfg.kc <= 8
-
-
-
-@settings(max_examples=300, deadline=None)
-@given(n=st.integers(1, 8192), m=st.integers(1, 4096).map(lambda v: 32 * v),
-       k=st.integers(1, 1024).map(lambda v: 64 * v), sms=st.sampled_from([78, 114, 132]), gated=st.booleans())
-@example(n=113, m=544, k=2240, sms=78, gated=False)  # a one-x twin (docs/design/0068), found by this test in CI
-def test_the_rule_multicasts_x_without_a_k_split_only_past_two_waves(n, m, k, sms, gated):
-    """Any shape (docs/design/0054): the pick is a tile of the rule's space, multicasts x without splitting K only in
-    a grid of more than MULTICAST_MIN_WAVES waves, and is otherwise the least-cost tile itself (a K split over 3 only on
-    a grid of more CTAs than the least-cost tile without it, docs/design/0063; a K split of two blocks of W and two tiles
-    of x its twin of one block and one tile of x, 0068; small grids at n <= 16, 0064)."""
-    from kernelplan.kernels.sparse24_ws_rule import grid_ctas, small_grid_split
-
-    picked = ws_config(n, m, k, sms, gated)
-    cfg = _candidate_form(picked)
-    _check_ring(picked, cfg, n, m, k, sms)
-    cands = [c for c in ws_candidates(n, m, k, gated=gated) if not gated or gated_tile(c)]
-    assert cfg in cands and (not gated or gated_tile(cfg))
-    assert multicast_pays(cfg, n, m, sms)
-    if cfg.cm > 1 and cfg.kc == 1:
-        assert math.prod(cfg.grid(n, m)) > MULTICAST_MIN_WAVES * sms
-    least = min(cands, key=lambda c: rule_order(c, n, m, k, sms))
-    if least.kc == 3:
-        rest = min((c for c in cands if c.kc != 3), key=lambda c: rule_order(c, n, m, k, sms))
-        least = least if grid_ctas(least, n, m, sms) > grid_ctas(rest, n, m, sms) else rest
-    if least.wm == 3 and least.kc > 1:  # 192 rows of W splitting K: not on a narrower tile of x (docs/design/0067)
-        rest = min((c for c in cands if c.wm < 3 or c.kc == 1), key=lambda c: rule_order(c, n, m, k, sms))
-        least = least if least.bn >= rest.bn else rest
-    if least.kc > 1 and least.wm == 2 and least.cm == 1 and not least.pp and least.bn < n:  # one tile of x (0068)
-        twins = [c for c in cands if (c.wm, c.cm, c.kc, c.pp) == (1, 1, least.kc, False) and n <= c.bn <= 128]
-        least = min(twins, key=lambda c: c.bn, default=least)
-    if not gated:  # a grid under a quarter of the SMs at n <= 16 takes a split (0064): never one of x multicast
-        least = small_grid_split(least, n, m, k, sms)
-    assert cfg in (least, replace(least, cm=1))
-    assert cfg == least or math.prod(least.grid(n, m)) <= MULTICAST_MIN_WAVES * sms
-
-def test_shared_memory_holds_the_ring_the_partial_sums_and_the_barriers():
-    cfg = WsConfig(bn=256, wm=2, stages=5)
-    assert cfg.stage_bytes == 32768 + 8 * 1152 == 41 * 1024  # x's 256 rows of 128 bytes, 8 tiles of W
-    assert cfg.shared == 5 * 41 * 1024 + 16 * 5 + 1024
-    wide = WsConfig(bn=256, wm=2, stages=3)  # the partial sums [256][132] f32 exceed a 3-step ring
-    assert wide.shared == 256 * 132 * 4 + 16 * 3 + 1024
-
-
-def test_m_groups_need_as_many_row_tiles():
-    assert {c.cm for c in ws_candidates(256, 4096, 4096)} == {1, 2, 4}
-    assert {c.cm for c in ws_candidates(256, 128, 4096) if c.wm == 2} == {1}  # one 128-row tile
-    assert {c.cm for c in ws_candidates(256, 128, 4096) if c.wm == 1} == {1, 2}
-
-
-def test_k_split_only_where_each_cta_keeps_four_steps():
-    assert {c.kc for c in ws_candidates(256, 4096, 4096)} == {1, 2, 4}
-    assert {c.kc for c in ws_candidates(256, 4096, 256)} == {1}  # 4 steps: no split
-    assert {c.kc for c in ws_candidates(256, 4096, 64 * 6)} == {1}  # 6 steps: 2 x 3 would leave 3 a CTA
-    assert {c.kc for c in ws_candidates(256, 4096, 64 * 9)} == {1, 2}  # 4 and 5 steps
-    assert {c.kc for c in ws_candidates(256, 4096, 64 * 25)} == {1, 2, 4}  # 6, 6, 6 and 7 steps
-
-
-@pytest.mark.parametrize("steps", [4, 9, 14, 25, 26, 27, 28, 462])
-@pytest.mark.parametrize("kc", [1, 2, 4])
-def test_k_slices_run_every_step_once_at_most_one_apart(steps, kc):
-    """sparse24_ws.cu's step0 and steps, where the split does not divide K's steps too (docs/design/0058)."""
-    slices = k_slices(64 * steps, kc)
-    assert len(slices) == kc and [s for r in slices for s in r] == list(range(steps))
-    assert max(map(len, slices)) - min(map(len, slices)) <= 1 and len(slices[-1]) == max(map(len, slices))
-
-
-def test_a_k_split_costs_its_longest_slice():
-    """An uneven split's cluster waits for its longest slice: 25 steps over 4 CTAs cost as 28 do (7 a CTA), more
-    than 24 (6 a CTA)."""
-    cfg = WsConfig(bn=64, wm=2, cm=1, kc=4, stages=8)
-    assert tile_cost(cfg, 64, 2048, 64 * 25, 132) == tile_cost(cfg, 64, 2048, 64 * 28, 132)
-    assert tile_cost(cfg, 64, 2048, 64 * 25, 132) > tile_cost(cfg, 64, 2048, 64 * 24, 132)
-    whole = replace(cfg, kc=1)
-    assert tile_cost(whole, 64, 2048, 64 * 25, 132) < tile_cost(whole, 64, 2048, 64 * 28, 132)
 
 
 @pytest.mark.parametrize("tiles_n, groups", [(1, 1), (1, 37), (32, 224), (7, 9), (3, 8), (5, 17), (16, 3)])
@@ -455,7 +309,6 @@ def test_tensor_maps_follow_x_between_calls(seed):
                      atol=FWD_ATOL[torch.bfloat16])
 
 
-
 @pytest.mark.parametrize("n, m, k", [(200, 1000, 2048), (77, 528, 1024), (300, 272, 4096), (256, 4096, 1024),
                                      (90, 400, 1600)])
 def test_candidate_space_of_the_gpu_test_shapes(n, m, k):
@@ -471,97 +324,6 @@ def test_the_gpu_test_shapes_split_k_unevenly_at_small_n_too():
     tiles and, at n = 8, the wide weight's split tile (and 8, 8 and 9 in the split over 3, docs/design/0063)."""
     assert wide_weight(400, 1600) and ws_config(8, 400, 1600, 132).kc == 4
     assert {c.kc for c in ws_candidates(8, 400, 1600)} == {1, 2, 3, 4}
-
-
-@pytest.mark.parametrize("table", ["tiles-h100", "tiles-h200", "core-matrix-h100", "small-h100", "small-big-n-h100",
-                                   "wide-h100", "wide-h200", "narrow-h100", "largek-h100", "top8-pushed-h100",
-                                   "top8-pushed-h200"])
-def test_tile_rule_matches_the_measured_tables(table):
-    """The rule against the tiles it was fitted on (tools/fit_ws_rule.py): within 0.95x of the best tile on average
-    and never below 0.7x; on the small layers (K <= 4096, n <= 256, where clusters cost more than they save) within
-    0.98x and never below 0.9x.  Each table measured part of the rule's space (the H100 and H200 ones predate the
-    ping-pong tiles, those of 192 rows and the narrow ones), so the rule picks among what it measured.  The tables
-    before the pushed sums (docs/design/0050, 0051) timed K-split tiles 2-24% slower than they run now: narrow-h100's
-    1024x4096 at n = 512 reads 0.87x on the K-split pick that top8-pushed-h100 times at 0.96x of the best.  The two
-    top-8 tables since the push: within 0.98x, never below 0.75x (H100: 4096x14336 at n = 512) and 0.85x (H200)."""
-    import json
-    import pathlib
-    import statistics
-
-    path = pathlib.Path(__file__).parents[1] / f"bench/results/sparse24-ws-{table}.json"
-    data = json.loads(path.read_text())
-    sms = data["meta"]["sms"]
-    ratios = []
-    for row in data["rows"]:
-        n, m, k, times = row["n"], row["m"], row["k"], row["tiles_ms"]
-        cfg = min((c for c in ws_candidates(n, m, k) if str(c) in times), key=lambda c: rule_order(c, n, m, k, sms))
-        ratios.append(min(times.values()) / times[str(cfg)])
-    mean, worst = {"small-h100": (0.98, 0.9), "narrow-h100": (0.98, 0.85), "top8-pushed-h100": (0.98, 0.75),
-                   "top8-pushed-h200": (0.98, 0.85)}.get(table, (0.95, 0.7))
-    assert statistics.mean(ratios) >= mean and min(ratios) >= worst, (statistics.mean(ratios), min(ratios))
-
-
-@pytest.mark.parametrize("table", ["split3-h200", "split3-held-out-h200"])
-def test_small_n_rule_matches_the_tables_of_the_k_splits(table):
-    """The rule's own pick at n <= 16 (ws_config) against the best cuda_ws tile its table timed: the sweep set and the
-    held-out models, each pick timed, the splits over 3 and 4 among the tiles (docs/design/0061, 0063, 0064).  Within
-    0.98x on average; never below 0.9x: 1024x1024, whose ping-pong tile the split beat by 1.30x (0.77x under 0063's
-    rule), now takes the split.  (The picks of cuda_sp's rows are cuda_ws's all the same: the backend is not the tile
-    rule's.)"""
-    import json
-    import pathlib
-    import statistics
-
-    path = pathlib.Path(__file__).parents[1] / f"bench/results/sparse24-small-n-{table}.json"
-    data = json.loads(path.read_text())
-    sms, ratios = data["meta"]["sms"], []
-    for row in data["rows"]:
-        n, m, k = row["n"], row["m"], row["k"]
-        times = {c: t for c, t in row["tiles_ms"].items() if c.startswith("WsConfig")}
-        pick = ws_config(n, m, k, sms)  # these tables timed 8-stage rings: with_ring's depth is 0066's A/B's
-        ratios.append(min(times.values()) / times[str(replace(_candidate_form(pick), push=pick.push))])
-    assert statistics.mean(ratios) >= 0.98 and min(ratios) >= 0.9, (statistics.mean(ratios), min(ratios))
-
-
-def test_grids_under_a_quarter_of_the_sms_at_small_n_take_the_widest_split():
-    """small_grid_split (docs/design/0064): at n <= 16 a pick of under 33 CTAs on 132 SMs gives way to the small-n
-    split of the most CTAs in one wave: 768x768 (12 CTAs of one 64-row block, K whole) to 36 over 3 (12 steps: 4 a
-    slice, no split over 4), 1024x1024 (16) to 64 over 4.  2304x768 (36 CTAs), n = 32 and gated picks keep theirs."""
-    from kernelplan.kernels.sparse24_ws_rule import cost_pick, grid_ctas
-
-    for n in (1, 8, 16):
-        assert grid_ctas(cost_pick(n, 768, 768, 132), n, 768, 132) == 12
-        assert (ws_config(n, 768, 768, 132).bn, ws_config(n, 768, 768, 132).kc) == (24, 3)
-        one = ws_config(n, 1024, 1024, 132)
-        assert (one.bn, one.wm, one.kc, grid_ctas(one, n, 1024, 132)) == (32, 1, 4, 64)
-        assert ws_config(n, 2304, 768, 132) == with_push(cost_pick(n, 2304, 768, 132), n, 2304, 132)
-        assert ws_config(n, 1024, 1024, 132, gated=True).kc == 1
-    assert ws_config(32, 1024, 1024, 132) == with_push(cost_pick(32, 1024, 1024, 132), 32, 1024, 132)
-
-
-def test_clusters_of_3_and_4_place_on_fewer_than_all_sms():
-    """A cluster stays inside a GPC (sparse24-cluster-slots-h200.json): on 132 SMs, 39 clusters of 3 and 30 of 4 at
-    once.  40 clusters of 3 (5120 rows, two 64-row blocks) cost two waves; 36 (4608 rows) one (docs/design/0063)."""
-    from kernelplan.kernels.sparse24_ws_rule import _cluster_sms, _deepest
-
-    three, four, two = _deepest(24, 2, 1, 3), _deepest(32, 2, 1, 4), _deepest(16, 2, 1, 2)
-    assert (_cluster_sms(three, 132), _cluster_sms(four, 132), _cluster_sms(two, 132)) == (117, 120, 132)
-    assert tile_cost(three, 8, 5120, 4096, 132) > 1.9 * tile_cost(three, 8, 4608, 4096, 132)
-
-
-def test_the_split_over_3_only_where_it_runs_more_ctas():
-    """ws_config takes a K split over 3 CTAs only where its grid has more CTAs than the pick without it (the note at
-    sparse24_ws_rule._SPLITS): 4608 rows go from 72 CTAs over 2 to 108 over 3; 4096 rows keep 128 CTAs of one block
-    over 2, which the cost alone would trade for 96 over 3 (1.5-5% slower through the sweep's path)."""
-    from kernelplan.kernels.sparse24_ws_rule import grid_ctas, rule_pick
-
-    for n in (1, 8, 16):
-        split3 = ws_config(n, 4608, 3584, 132)
-        assert (split3.kc, grid_ctas(split3, n, 4608, 132)) == (3, 108)
-        kept = ws_config(n, 4096, 4096, 132)
-        assert (kept.kc, kept.wm, grid_ctas(kept, n, 4096, 132)) == (2, 1, 128)
-        assert rule_pick(ws_candidates(n, 4096, 4096), n, 4096, 4096, 132).kc == 3  # by cost alone
-    assert all(ws_config(32, m, k, 132).kc != 3 for m, k in sweep_shapes())  # small n only
 
 
 def _units(plan, tiles: int, steps: int, c: int) -> list[tuple[int, int, int, int]]:
@@ -625,21 +387,6 @@ def test_split_workspace_is_the_flags_and_each_handed_over_part():
     assert cfg.shared == 8 * cfg.stage_bytes + 16 * 8 + 1024  # no partial sums in shared memory
 
 
-def test_ping_pong_tiles_are_persistent_candidates_that_fit():
-    from kernelplan.kernels.sparse24_ws_rule import _deepest
-
-    assert not any(c.pp for c in ws_candidates(4096, 4096, 4096, pingpong=False))
-    assert not any(c.sk for c in ws_candidates(4096, 4096, 4096))  # the split variant: not the rule's
-    pps = [c for c in ws_candidates(4096, 4096, 4096) if c.pp]
-    assert {(c.bn, c.wm) for c in pps} == {(64, 1), (64, 2), (64, 3), (128, 1), (128, 2), (256, 1)}
-    for c in pps:
-        assert c.shared <= SM_SHARED and c.stages >= 3 and c.threads == 384 and c.cm == c.kc == 1
-        assert c.staging_bytes >= c.bn * (2 * c.rows + 16)
-    assert _deepest(128, 2, 1, 1, pp=True).shared == 6 * 25 * 1024 + 2 * 34 * 1024 + 16 * 7 + 1024
-    with pytest.raises(ValueError, match="ping-pong"):
-        WsConfig(256, 2, stages=3, pp=True)  # 256 accumulators a thread
-
-
 @pytest.mark.parametrize("sms", [78, 132])
 def test_ping_pong_schedule_gives_each_tile_once_in_the_producers_order(sms):
     """cuda/sparse24_pp.cu's loops, emulated: the producer fills CTA-local tile j's steps at j K/64 ...; warpgroup c
@@ -662,10 +409,12 @@ def test_ping_pong_schedule_gives_each_tile_once_in_the_producers_order(sms):
 
 
 @pytest.mark.parametrize("ni, wm", [(16, 1), (64, 2), (256, 1)])
-def test_ping_pong_epilogue_puts_every_accumulator_in_its_place(ni, wm):
-    """store_tile's stmatrix addresses, emulated with PTX's stmatrix .trans (lane 8q + i addresses column i of
-    matrix q; register q holds row lane / 4, columns 2 (lane % 4) + 0, 1): the staging buffer's row n holds y's
-    columns m = W's rows, each accumulator (wgmma's m64nN layout) once."""
+def test_the_16_bit_staging_puts_every_accumulator_in_its_place(ni, wm):
+    """sparse24_epilogue.cuh's stage_block16 addresses (the ping-pong kernel's blocks b of one warpgroup, and the
+    K-whole tiles' one block of each warpgroup b), emulated with PTX's stmatrix .trans (lane 8q + i addresses column i
+    of matrix q; register q holds row lane / 4, columns 2 (lane % 4) + 0, 1): the staging buffer's row n holds y's
+    columns m = W's rows, each accumulator (wgmma's m64nN layout) once; and the `hi` the kernel's value() is given
+    (p & 1) is the accumulator's row + 8, whose bias it adds."""
     bn = ni * 2
     stride = (64 * wm * 2 + 16) // 2  # in elements
     staging = {}
@@ -680,6 +429,7 @@ def test_ping_pong_epilogue_puts_every_accumulator_in_its_place(ni, wm):
                             at = 4 * (j + (p >> 1)) + 2 * (p & 1)
                             pair = []
                             for r in (at, at + 1):  # wgmma accumulator r of lane: its row and column
+                                assert (r >> 1) & 1 == p & 1
                                 row = 64 * b + 16 * wq + g + 8 * ((r >> 1) & 1)
                                 col = i * ni + 8 * (r >> 2) + 2 * t + (r & 1)
                                 pair.append((row, col))
@@ -696,141 +446,6 @@ def test_ping_pong_epilogue_puts_every_accumulator_in_its_place(ni, wm):
     assert len(staging) == bn * 64 * wm
     for addr, (row, col) in staging.items():
         assert addr == col * stride + row
-
-
-def test_tiles_of_192_rows_fit_and_the_rule_picks_them_where_they_fill_the_sms():
-    """Tiles of 192 rows of W (three consumer warpgroups, or three 64-row blocks a ping-pong warpgroup) stay within
-    their register budget and split no K across a cluster where a slice would have under 96 steps; the rule takes one
-    where 128-row tiles leave SMs idle (4608 rows at n = 512: 72 CTAs of 128 x 256 or 144 of 128 x 128, against 96 of
-    192 x 128)."""
-    for n, m, k in ((256, 4608, 3584), (1024, 2304, 768), (4096, 768, 3072), (16, 8192, 8192), (256, 5120, 12224)):
-        wide = [c for c in ws_candidates(n, m, k, between=True) if c.wm == 3]
-        assert wide and all(c.shared <= SM_SHARED and c.stages >= 3 and not c.sk and c.kc == 1 for c in wide)
-        assert all(c.bn * 3 <= 256 and c.threads == 384 if c.pp else c.bn <= 192 and c.threads == 512 for c in wide)
-    assert {c.bn for c in ws_candidates(4096, 4608, 3584) if c.wm == 3 and not c.pp} == {64, 128}
-    assert {c.bn for c in ws_candidates(4096, 4608, 3584) if c.wm == 3 and c.pp} == {64}
-    assert ws_config(512, 4608, 3584, 132).wm == 3
-
-
-def test_tiles_of_192_rows_split_k_only_on_long_slices_and_where_x_stays_as_wide():
-    """docs/design/0067: past n = 16, tiles of 192 rows of W and at most 128 of x split K over 2 or 4 CTAs where each
-    slice keeps 96 steps or more, and the rule takes one only where its tile of x is as wide as the pick's without
-    them.  The sweep set's weights of 4608-5120 rows and K of 13824-36864 at n = 256 move from a ping-pong tile of 64
-    rows of x, K whole, to 128 rows with K over 2 (0.84-0.98x the time through the sweep's path, two runs); at n = 128
-    5120x13824 keeps its 128-row tiles, where the split of 192 rows would narrow x to 64; at n = 384 the 192 x 192
-    split, 1.15-1.22x the time, is not in the space."""
-    from kernelplan.kernels.sparse24_ws_rule import WIDE_SPLIT_MAX_BN, WIDE_SPLIT_MIN_SLICE, wide_split
-
-    assert (WIDE_SPLIT_MIN_SLICE, WIDE_SPLIT_MAX_BN) == (96, 128)
-    for n, k in ((256, 64 * 192), (256, 64 * 191), (64, 64 * 384), (64, 64 * 383), (8, 64 * 400), (16, 64 * 400)):
-        splits = [c for c in ws_candidates(n, 5120, k, between=True) if wide_split(c)]
-        assert {c.kc for c in splits} == ({kc for kc in (2, 4) if k // 64 // kc >= 96} if n > 16 else set()), (n, k)
-        assert all(c.bn <= 128 for c in splits)
-    assert {c.bn for c in ws_candidates(384, 5120, 27648, between=True) if wide_split(c)} == {64, 96, 128}
-    for n, m, k in ((256, 5120, 13824), (256, 5120, 17920), (256, 5120, 27648), (256, 4608, 36864),
-                    (128, 4608, 36864), (32, 5120, 27648)):
-        cfg = ws_config(n, m, k, 132)
-        assert wide_split(cfg) and (k // 64) // cfg.kc >= 96, (n, m, k, cfg)
-        before = min((c for c in ws_candidates(n, m, k) if not wide_split(c)),
-                     key=lambda c: rule_order(c, n, m, k, 132))
-        assert cfg.bn >= before.bn and cfg != before
-    assert ws_config(256, 5120, 13824, 132) == WsConfig(bn=128, wm=3, cm=2, kc=2, stages=7)
-    assert not wide_split(ws_config(384, 5120, 13824, 132)) and not wide_split(ws_config(192, 5120, 27648, 132))
-    for n, m, k in ((128, 5120, 13824), (1024, 4608, 36864)):  # the least-cost split would narrow x's tile
-        least = min(ws_candidates(n, m, k), key=lambda c: rule_order(c, n, m, k, 132))
-        cfg = ws_config(n, m, k, 132)
-        assert wide_split(least) and not wide_split(cfg) and cfg.bn > least.bn, (n, m, k)
-
-
-def test_a_k_split_of_two_blocks_takes_its_twin_of_one_block_and_one_tile_of_x():
-    """docs/design/0068: where the rule's pick splits K over 64 rows of x and two 64-row blocks of W and n takes two
-    tiles of x, it takes the tile of one block and one tile of x covering n instead: the same CTAs and MMAs, at the
-    same cost (12 of 12 sweep-set moves and 7 of 8 held-out ones faster through the sweep's path, 1.00-1.12x).  Not
-    past 128 rows of x (one block and 256 rows ran 1.05-1.09x slower), nor where one tile of x covers n already."""
-    from kernelplan.kernels.sparse24_ws_rule import ONE_X_MAX_BN, one_x_twin, pick_from
-
-    assert ONE_X_MAX_BN == 128
-    for m, k in ((4096, 4096), (4096, 14336), (3584, 3584), (3584, 4096), (3072, 3072), (1024, 4096)):
-        for n in (120, 128):
-            space = ws_candidates(n, m, k)
-            before = pick_from(space, n, m, k, 132, one_x=False)
-            cfg = ws_config(n, m, k, 132)
-            assert (before.bn, before.wm, before.cm) == (64, 2, 1) and before.kc > 1, (m, k, n)
-            assert (cfg.bn, cfg.wm, cfg.cm, cfg.kc) == (128, 1, 1, before.kc), (m, k, n)
-            assert math.prod(cfg.grid(n, m)) == math.prod(before.grid(n, m))
-            assert tile_cost(cfg, n, m, k, 132) == tile_cost(before, n, m, k, 132)
-    for n, m, k in ((256, 4096, 4096), (512, 1024, 4096), (64, 3584, 3584), (96, 4096, 4096)):
-        space = ws_candidates(n, m, k)
-        assert pick_from(space, n, m, k, 132) == pick_from(space, n, m, k, 132, one_x=False), (n, m, k)
-    space = ws_candidates(128, 4096, 4096)
-    for cfg in (WsConfig(64, 2, 2, 2, 8), WsConfig(64, 2, 1, 1, 8), WsConfig(64, 2, 1, 1, 8, pp=True),
-                WsConfig(128, 2, 1, 2, 8)):  # multicast, K whole, ping-pong, one tile of x already: as they are
-        assert one_x_twin(cfg, space, 128) == cfg
-    gated = ws_config(128, 4096, 4096, 132, gated=True)
-    assert gated.wm % 2 == 0  # a gated epilogue takes pairs of blocks: no twin of one
-
-
-def test_the_largest_ping_pong_ties_go_to_the_one_a_cta_tile_unless_x_has_more_tiles():
-    """docs/design/0068: in a grid of one wave a ping-pong tile and the same tile one a CTA cost alike.  At 128 rows of
-    x and two blocks of W the tie goes to the one-a-CTA tile (15 of 15 moves faster through the sweep's path), except
-    where x has more tiles than W has blocks (1024x1024, 1024x4096, 896x896 at n = 2048: the ping-pong tile 1.03-1.06x
-    faster); under 128 x 2 it goes to ping-pong as before."""
-    from kernelplan.kernels.sparse24_ws_rule import PP_TIE_MAX_ACC
-
-    assert PP_TIE_MAX_ACC == 256
-    plain = WsConfig(128, 2, 1, 1, 8)
-    for n, m, k in ((512, 4096, 4096), (512, 3584, 3584), (256, 8192, 3584), (256, 7680, 5120), (128, 16384, 3072),
-                    (1024, 2048, 2048), (1024, 1600, 1600)):
-        assert ws_config(n, m, k, 132) == plain, (n, m, k)
-        twin = replace(plain, stages=6, pp=True)
-        assert twin in ws_candidates(n, m, k) and tile_cost(twin, n, m, k, 132) == tile_cost(plain, n, m, k, 132)
-    for n, m, k in ((2048, 1024, 1024), (2048, 1024, 4096), (2048, 896, 896)):
-        assert ws_config(n, m, k, 132) == WsConfig(128, 2, 1, 1, 6, pp=True), (n, m, k)
-    assert ws_config(128, 4608, 3584, 132) == WsConfig(64, 2, 1, 1, 8, pp=True)  # 64 x 2: ping-pong first
-
-
-def test_a_step_of_few_rows_costs_the_mma_floor_and_the_one_wave_rows_split_k():
-    """RuleWeights.mma_floor (docs/design/0057): a step's MMAs cost at least the floor however few rows they have, so
-    that the lone 64-row ping-pong tiles of one-wave grids give way to K-split tiles with more CTAs (3072x3072 at
-    n = 128 and 768x3072 at n = 512 ran 0.87x and 0.85x of the time so, through the sweep's path)."""
-    from kernelplan.kernels.sparse24_ws_rule import WEIGHTS
-
-    small, big = WsConfig(bn=32, wm=1, cm=1, kc=1, stages=8), WsConfig(bn=128, wm=2, cm=1, kc=1, stages=6)
-    assert small.bn * small.wm * WEIGHTS.mma < WEIGHTS.mma_floor < big.bn * big.wm * WEIGHTS.mma
-    none = replace(WEIGHTS, mma_floor=0.0)
-    steps = 4096 // 64
-    assert tile_cost(small, 32, 4096, 4096, 132) - tile_cost(small, 32, 4096, 4096, 132, none) == \
-        pytest.approx(steps * (WEIGHTS.mma_floor - small.bn * small.wm * WEIGHTS.mma))
-    assert tile_cost(big, 512, 4096, 4096, 132) == tile_cost(big, 512, 4096, 4096, 132, none)
-    for n, m, k in ((128, 3072, 3072), (512, 768, 3072)):
-        lone = ws_config.__wrapped__(n, m, k, 132, w=none)
-        assert lone.pp and lone.wm == 1 and math.prod(lone.grid(n, m)) <= 132
-        split = ws_config(n, m, k, 132)  # at n = 128 the twin of one block and one tile of x (docs/design/0068)
-        assert split.kc == 2 and split.bn * split.wm == 128 and not split.pp
-
-
-def test_a_lone_one_block_tile_under_a_wave_gives_way_to_a_k_split_with_more_ctas():
-    """mma_floor 350 (docs/design/0058): 768x1600 at n = 64 ran one ping-pong tile of 64 rows a CTA, 12 CTAs for 132
-    SMs, at 0.84x of dense; K split over 4 (48 CTAs) ran 1.19x.  At 300 the rule kept the lone tiles."""
-    from kernelplan.kernels.sparse24_ws_rule import WEIGHTS
-
-    for n, m, k in ((64, 768, 1600), (64, 1024, 1536), (32, 3072, 1536)):
-        before = ws_config.__wrapped__(n, m, k, 132, w=replace(WEIGHTS, mma_floor=300))
-        now = ws_config(n, m, k, 132)
-        assert before.pp and before.wm == 1 and now.kc == 4 and not now.pp, (n, m, k)
-        assert math.prod(now.grid(n, m)) >= 2 * math.prod(before.grid(n, m)) <= 132
-
-
-def test_narrow_tiles_of_x_only_where_k_is_short_and_with_one_block_of_w():
-    """Tiles of 16 and 32 rows of x where n needs more: of one 64-row block of W, and only up to 16 K steps; the
-    rule takes them on small layers with few CTAs (sparse24-ws-narrow-h100.json), not on long K."""
-    narrow = [c for c in ws_candidates(128, 1024, 1024) if c.bn < 64]
-    assert {c.bn for c in narrow} == {16, 32} and all(c.wm == 1 for c in narrow)
-    assert min(c.bn for c in ws_candidates(128, 1024, 17 * 64)) == 64  # 17 K steps: none
-    assert any(c.wm > 1 for c in ws_candidates(32, 1024, 1024) if c.bn == 32)  # n = 32: 32 rows is not narrow
-    assert ws_config(64, 1024, 1024, 132).bn == 16 and ws_config(64, 768, 768, 132).bn == 16
-    assert ws_config(64, 1024, 4096, 132).bn == 64  # long K: split across a cluster instead
-    assert ws_config(512, 4096, 1024, 132).bn >= 64  # many CTAs already
 
 
 class _Maps:
@@ -938,40 +553,6 @@ def test_pushed_sums_leave_no_loads_from_a_peer(compile_for):
         assert "STAS" not in apart and _generic_loads(apart) and apart.count("UCGABAR_ARV") == 2, cfg
 
 
-def test_k_split_tiles_keep_room_for_the_pushed_sums_where_it_fits():
-    """recv_bytes: the other K slices' sums of a CTA's rows and their barrier, counted in its shared memory, for tiles
-    that split K without multicast and only where the SM holds them beside the ring."""
-    cfg = WsConfig(16, 2, 1, 2, 8)
-    assert cfg.recv_bytes == 1 * 8 * 132 * 4 + 16 and cfg.shared == 8 * cfg.stage_bytes + 16 * 8 + 1024 + 4240
-    assert WsConfig(32, 1, 1, 4, 8).recv_bytes == 3 * 8 * 68 * 4 + 16
-    assert WsConfig(128, 2, 2, 2, 8).recv_bytes == WsConfig(64, 2, 1, 1, 8).recv_bytes == 0  # multicast; no split
-    wide = WsConfig(128, 2, 1, 2, 8)  # 64 rows of sums from the other slice would not fit beside its 8 stages
-    assert wide.shared + 64 * 132 * 4 + 16 > SM_SHARED and wide.recv_bytes == 0
-    for n in (1, 16, 64, 256):
-        for m, k in ((1024, 4096), (4096, 4096), (8192, 8192), (3584, 18944)):
-            for c in ws_candidates(n, m, k):
-                assert c.shared <= SM_SHARED and (c.recv_bytes > 0) <= (c.kc > 1 and c.cm == 1), c
-
-
-def test_the_pushed_sums_buffer_never_costs_the_grid_a_wave():
-    """push_pays: a K-split tile keeps its pushed sums' buffer only where the grid then runs in as many waves.  64
-    clusters of 4 CTAs of 32 x 64 (4096x14336 at n <= 16) fit 120 SMs' clusters at three CTAs an SM, not at two
-    (measured, docs/design/0050): no push there; 56 of them (3584x14336) and the one-CTA-an-SM tiles (setmaxnreg)
-    keep it.  (Since docs/design/0061 the rule gives both weights other tiles; a tuner still weighs this one.)"""
-    tile = WsConfig(32, 1, 1, 4, 8)
-    assert (resident(tile), resident(replace(tile, push=False))) == (2, 3)
-    assert resident(WsConfig(16, 2, 1, 2, 8)) == resident(WsConfig(64, 3, 1, 1, 7, pp=True)) == 1
-    assert not push_pays(tile, 16, 4096, 132) and push_pays(tile, 16, 3584, 132)
-    for n in (1, 8, 16):
-        assert with_push(tile, n, 4096, 132) == replace(tile, push=False) and with_push(tile, n, 3584, 132) == tile
-    off = replace(tile, push=False)
-    assert off.recv_bytes == 0 and repr(off).endswith(", push=False)") and "push" not in repr(tile)
-    for n in (1, 16, 64, 256):  # the rule turns the push off on K-split tiles without multicast alone
-        for m, k in ((1024, 4096), (4096, 4096), (8192, 8192), (3584, 18944), (4096, 14336)):
-            cfg = ws_config(n, m, k, 132)
-            assert cfg.push or (cfg.kc > 1 and cfg.cm == 1), cfg
-
-
 def test_the_pdl_build_waits_for_the_kernel_before_and_lets_the_next_start(compile_for):
     """KP_PDL=1 (an experiment, docs/design/0050) builds griddepcontrol.launch_dependents (SASS PREEXIT) and
     griddepcontrol.wait (ACQBULK) on the producer's and the consumers' paths, before x is read and y stored, with W's
@@ -993,33 +574,6 @@ def test_the_pdl_build_waits_for_the_kernel_before_and_lets_the_next_start(compi
         assert "ACQBULK" not in plain and "PREEXIT" not in plain, cfg
     with pytest.raises(KernelPlanError, match="KP_PDL"):
         compile_for("#define KP_PDL 1\n" + source(WsConfig(64, 2), "bf16", False, None, grouped=True), "sm_90a")
-
-
-def test_a_ring_deepens_where_the_grid_holds_less_than_the_drams_bandwidth_times_its_latency():
-    """with_ring (docs/design/0066): at n <= 16 a grid of one CTA an SM whose 8-stage ring holds less than the DRAM's
-    bytes a second times RING_LATENCY_S (8.2 MB on an H200) runs 12 stages, where each K slice has 24 steps or more."""
-    import dataclasses
-
-    from kernelplan.kernels.gpu_facts import GpuFacts
-    from kernelplan.kernels.sparse24_ws_rule import RING_LATENCY_S, grid_ctas, with_ring
-
-    h200 = GpuFacts.model(132)
-    h100 = dataclasses.replace(h200, dram_bytes_per_s=2_619_000e3 * 5120 * 2 / 8)  # 3.35 TB/s: needs 5.7 MB
-    assert 8.1e6 < h200.dram_bytes_per_s * RING_LATENCY_S < 8.3e6
-    for n in (1, 8, 16):
-        five = ws_config(n, 5120, 5120, 132)  # 80 CTAs of 16 x 128 over 2: 7.2 MB at 8 stages, 40 steps a slice
-        assert (five.bn, five.wm, five.kc, five.stages, grid_ctas(five, n, 5120, 132)) == (16, 2, 2, 12, 80)
-        assert five.shared <= SM_SHARED and five.recv_bytes > 0  # the pushed sums still fit beside the ring
-        assert ws_config(n, 5120, 5120, 132, gpu=h100).stages == 8
-        assert ws_config(n, 2048, 8192, 132).stages == 12  # 64 CTAs of 32 x 128 over 4: 6.8 MB, 32 steps a slice
-        assert ws_config(n, 8192, 8192, 132).stages == 8  # 128 CTAs: 11.5 MB
-        assert ws_config(n, 2048, 2048, 132).stages == 8  # 8 steps a slice
-        one_block = ws_config(n, 1024, 4096, 132)
-        assert resident(one_block) > 1 and one_block.stages == 8  # several CTAs an SM
-        assert ws_config(n, 5120, 5120, 132, gated=True).stages <= 8
-    assert ws_config(17, 5120, 5120, 132).stages <= 8
-    deep = ws_config(8, 5120, 5120, 132)
-    assert with_ring(deep, 8, 5120, 5120, 132) == deep  # it holds enough now
 
 
 @gpu
