@@ -8,8 +8,8 @@
 // reads it: per 64-column step one tensor-map copy of x's BN x 64 box and one each of the CTA's tiles' values and
 // metadata.
 //
-// The work (host: kernels/sparse24_ws.py, sk_plan).  Output tiles are BN rows of x by kBM rows of W, numbered along
-// N first (tile_origin), each K / 64 steps long.  Work unit v goes to CTA v mod G (G CTAs, all resident):
+// The work (host: kernels/sparse24_ws_rule.py, sk_plan).  Output tiles are BN rows of x by kBM rows of W, numbered
+// along N first (tile_origin), each K / 64 steps long.  Work unit v goes to CTA v mod G (G CTAs, all resident):
 //  * units 0 .. dp_tiles - 1 are whole tiles, in waves (dp_tiles is a whole number of waves);
 //  * the R = tiles - dp_tiles tiles left are split along K into `splits` equal parts, numbered part-major: unit
 //    dp_tiles + p R + r is part p of tile dp_tiles + r.  So the CTAs at work at one time read the same K region

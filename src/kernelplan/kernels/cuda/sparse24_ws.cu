@@ -49,7 +49,7 @@ static_assert(kXPart % 8 == 0, "each part of x starts on a 1024-byte swizzle pha
 // blocks of W, which stay in L2 between them.  In the grid's own order (x's tiles fastest) a wave took every tile of
 // x for a few row blocks of W, and where x is larger than L2 (n = 8192 at K = 8192: 134 MB) each wave read all of it
 // from DRAM again: bands ran 1.04-1.11x faster at n = 8192 on an H200.  Where x is smaller, the grid's own order
-// was as fast or faster (up to 5% at x = 16 MB), so it stays (docs/design/0038).  kernels/sparse24_ws.py's
+// was as fast or faster (up to 5% at x = 16 MB), so it stays (docs/design/0038).  kernels/sparse24_ws_rule.py's
 // band_order is the same map.
 #ifndef KP_BAND
 #define KP_BAND 8
@@ -96,7 +96,7 @@ __device__ __forceinline__ void band_tile(int N, int K, int &tile_n, int &group)
 // sync after the K loops, the loads of the peers' sums and the sync before leaving go: 6.2% (H100) and 2.3% (H200)
 // faster with K over 2 CTAs on layers of 16 MB and more, 20% and 7.6% on smaller ones with K over 4 (geometric
 // means; docs/design/0050).
-// Where the buffer does not fit beside the ring (kernels/sparse24_ws.py's recv_bytes, RECV_BYTES 0), and in the
+// Where the buffer does not fit beside the ring (kernels/sparse24_ws_rule.py's recv_bytes, RECV_BYTES 0), and in the
 // KP_PUSH_SUMS=0 build for the A/B, the sums meet as before.
 #ifndef KP_PUSH_SUMS
 #define KP_PUSH_SUMS 1
