@@ -283,8 +283,9 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     else if (warp >= 4) named_sync(1, kConsumers);
     if (threadIdx.x == 128) KP_PHASE(4);
     if (warp >= 4) {
-        // Bias, activation and y, 8 columns of y (16 bytes) a thread, along M: the K slices in rank order.  Gated,
-        // column c of y is the pair of rows c (local row c) and H + c (local row kBM / 2 + c).
+        // y staged in 16 bits (kY16) is copied out.  Else bias, activation and y from the f32 sums, 8 columns of y
+        // (16 bytes) a thread, along M: the K slices in rank order.  Gated, column c of y is the pair of rows c
+        // (local row c) and H + c (local row kBM / 2 + c).
         const int nl0 = blockIdx.z * kRowsHere, mo = tile.block * kOut;
         if constexpr (kPush) {
             // The other slices' rows, 16 bytes a thread at a time, into their CTAs: slice p's rows go to p, to the
