@@ -374,6 +374,19 @@ def test_the_rule_ab_bench_times_the_rule_with_every_ping_pong_tie_to_ping_pong(
     assert ws_config(512, 4096, 4096, SMS) == WsConfig(128, 2, 1, 1, 8)
 
 
+def test_the_rule_ab_bench_times_the_rule_with_the_small_ping_pong_ties_to_the_one_a_cta_tile():
+    """bench/sparse24_rule_ab.py --plain-ties (docs/design/0069): the other rule gives the ties of ping-pong tiles under
+    128 x 2 to the same tile one a CTA too (this rule gives them to ping-pong); the two part only there, not where x
+    has more tiles than W has blocks, and not at the 128 x 2 ties this rule already gives the tile one a CTA."""
+    moves = _rule_ab_moves([(4096, 4096), (1024, 1024), (6144, 4096)], batch=(128, 256, 512, 2048), plain_ties=True)
+    assert moves and (512, 4096, 4096) not in moves
+    for (n, m, k), other in moves.items():
+        here = ws_config(n, m, k, SMS)
+        tiles_n, blocks, _ = here.grid(n, m)
+        assert here.pp and here.bn * here.wm < 256 and tiles_n <= blocks, (n, m, k, here)
+        assert other == WsConfig(here.bn, here.wm, 1, 1, other.stages) and not other.pp, (n, m, k, other)
+
+
 def test_the_rule_ab_bench_takes_one_other_side(monkeypatch, capsys):
     """--wide-split-only is another rule: with --table-misses too it is refused before any CUDA."""
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
