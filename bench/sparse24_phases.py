@@ -5,7 +5,8 @@ Why: at n <= 16 a 2:4 call fits ``4.9 us + held bytes / 3.14 TB/s`` on the H100 
 splits the fixed part.  The kernel built with ``KP_PROBE 3`` (``kernels/cuda/sparse24_ring.cuh``) runs as it ships
 and writes, per CTA, %globaltimer at: 0 entry, 1 barriers ready (after the CTA's sync, or the cluster's where x is
 multicast), 2 the ring's first stage landed, 3 the consumers past their last MMA, 4 the partial sums met (cluster
-sync), 5 exit.  Back-to-back launches in one CUDA graph, weights rotated past the L2, as the sweep times them; two
+sync), 5 exit.  The ping-pong kernel (``sparse24_pp.cu``) marks 0 and 1 alike, then warpgroup 0's first tile: 2 its
+first stage landed, 3 its K loop done, 4 its y stored, and 5 that warpgroup's exit (after its other tiles, if any).  Back-to-back launches in one CUDA graph, weights rotated past the L2, as the sweep times them; two
 y buffers alternate, so the last two launches give the gap from one kernel's last exit to the next one's first
 entry.
 
@@ -31,9 +32,11 @@ from kernelplan.sparse24 import compress, prune
 from kernelplan.timing import capture, graph_rounds
 from sparse24_feed_probe import launchers
 
-# Layers whose rule's tile at n = 1 and 16 is sparse24_ws.cu's on 132 SMs (the persistent tiles are not marked).
+# Layers whose rule's tile at n = 1 and 16 is sparse24_ws.cu's on 132 SMs (the ping-pong kernel marks its first tile,
+# the split persistent one nothing).
 SHAPES = ["4608x3584", "3584x3584", "5120x5120", "8192x3584", "4096x4096", "3072x3072"]
 PHASES = ("ready", "first stage", "K loop", "sums met", "y stored")
+PP_PHASES = ("ready", "first stage", "K loop", "y stored", "later tiles")  # sparse24_pp.cu: warpgroup 0's tiles
 
 
 def main() -> int:
@@ -61,8 +64,8 @@ def main() -> int:
             cfg = ws_config(n, m, k, sms)
             if cfg.pp and a.plain:
                 cfg = _deepest(cfg.bn, cfg.wm, 1, 1)
-            if cfg.pp or cfg.sk:
-                print(f"{m}x{k} n={n}: the rule's tile {cfg} is persistent; the probe marks sparse24_ws.cu only")
+            if cfg.sk:
+                print(f"{m}x{k} n={n}: the rule's tile {cfg} is split persistent; sparse24_sk.cu has no marks")
                 continue
             (launch, grid), = launchers(cfg, n, m, {"phases": {"KP_PROBE": 3}}).values()
             ctas = grid[0] * grid[1] * grid[2]
@@ -94,7 +97,8 @@ def main() -> int:
             span = float(last[:, 5].max() - last[:, 0].min()) / 1e3
             spread = float(last[:, 0].max() - last[:, 0].min()) / 1e3
             gap = float(last[:, 0].min() - before[:, 5].max()) / 1e3
-            phases = {name: float((last[:, p + 1] - last[:, p]).median()) / 1e3 for p, name in enumerate(PHASES)}
+            names = PP_PHASES if cfg.pp else PHASES
+            phases = {name: float((last[:, p + 1] - last[:, p]).median()) / 1e3 for p, name in enumerate(names)}
             row = {"m": m, "k": k, "n": n, "tile": str(cfg), "ctas": ctas, "per_call_us": per_call * 1e3,
                    "span_us": span, "entry_spread_us": spread, "gap_us": gap, "phases_us": phases}
             rows.append(row)

@@ -176,7 +176,7 @@ def test_the_benches_builds_compile(compile_for):
     """The builds bench/sparse24_phases.py and the feed probe make (the phase stamps, KP_PROBE 3; the copies and the
     MMAs alone, 1 and 2; the cluster's sync before the K loop where K is split, KP_LOCAL_SYNC=0; the producer's loop
     on warp 0, KP_WARP_PRODUCER=1; the sums met through the cluster's loads, KP_PUSH_SUMS=0; y staged in f32 where K
-    is whole, KP_Y16=0) compile."""
+    is whole, KP_Y16=0; the ping-pong kernel's phase stamps) compile."""
     from kernelplan.kernels.sparse24_ws import source
 
     plain = WsConfig(16, 2, 1, 2, 8)
@@ -184,6 +184,8 @@ def test_the_benches_builds_compile(compile_for):
                  "#define KP_WARP_PRODUCER 1\n", "#define KP_PUSH_SUMS 0\n"):
         assert len(compile_for(head + source(plain, "bf16", False, None), "sm_90a")) > 0
     assert len(compile_for("#define KP_Y16 0\n" + source(WsConfig(64, 2, 1, 1, 8), "bf16", True, "gelu"), "sm_90a"))
+    assert len(compile_for("#define KP_PROBE 3\n" + source(WsConfig(128, 2, stages=6, pp=True), "bf16", False, None),
+                           "sm_90a"))  # the ping-pong kernel's marks
 
 
 def test_y_is_staged_in_16_bits_where_k_is_whole_and_no_gated_pair_meets(compile_for):

@@ -96,12 +96,14 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #endif
 
     if (threadIdx.x == 0) {
+        KP_PHASE(0);  // bench/sparse24_phases.py's marks (KP_PROBE 3; sparse24_ring.cuh), else nothing
         ring_init(&xmap, &vmap, &emap, full0, empty0, 1);  // one release a stage: the warpgroup that reads it
         mbar_init(order0, 1);
         mbar_init(order0 + 8, 1);
         mbar_init_fence();
     }
     __syncthreads();
+    if (threadIdx.x == 0) KP_PHASE(1);
     const int tiles = GROUPED ? first[experts] : tiles_n * tiles_m;
 
     if (warp < 4) {
@@ -135,10 +137,21 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
             for (int i = 0; i < kInst; ++i)
 #pragma unroll
                 for (int r = 0; r < kAcc; ++r) acc[b][i][r] = 0.f;
+#if KP_PROBE == 3
+        // The phases of warpgroup 0's first tile: its first stage landed, its K loop done, its y stored; then the
+        // warpgroup's exit.  (Where a CTA has one tile, as sparse24_ws.cu's marks; warpgroup 1 then has none.)
+        if (threadIdx.x == 128 && j == 0) {
+            mbar_wait(full0, 0);
+            KP_PHASE(2);
+        }
+#endif
         consume_steps<true, WM>(acc, sbase, full0, empty0, j * steps, steps, wq, lane, wq, 0);
         if (u == 0) mbar_arrive(order0 + 8 * (c ^ 1));  // the warpgroup's MMAs are done, so are its waits
+        if (threadIdx.x == 128 && j == 0) KP_PHASE(3);
         const u16 *own = HAS_BIAS ? bias + (long)at.expert * M : bias;  // grouped: the biases are [E, M]
         store_tile(acc, ybase + c * kYBytes, own, y, at.n0, at.block * kOut, at.n_end, M / kRegions, syn, wq, lane, u,
                    1 + c, sc);
+        if (threadIdx.x == 128 && j == 0) KP_PHASE(4);
     }
+    if (threadIdx.x == 128) KP_PHASE(5);
 }
