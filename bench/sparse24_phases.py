@@ -6,9 +6,9 @@ splits the fixed part.  The kernel built with ``KP_PROBE 3`` (``kernels/cuda/spa
 and writes, per CTA, %globaltimer at: 0 entry, 1 barriers ready (after the CTA's sync, or the cluster's where x is
 multicast), 2 the ring's first stage landed, 3 the consumers past their last MMA, 4 the partial sums met (cluster
 sync), 5 exit.  The ping-pong kernel (``sparse24_pp.cu``) marks 0 and 1 alike, then warpgroup 0's first tile: 2 its
-first stage landed, 3 its K loop done, 4 its y stored, and 5 that warpgroup's exit (after its other tiles, if any).  Back-to-back launches in one CUDA graph, weights rotated past the L2, as the sweep times them; two
-y buffers alternate, so the last two launches give the gap from one kernel's last exit to the next one's first
-entry.
+first stage landed, 3 its K loop done, 4 its y stored, and 5 that warpgroup's exit (after its other tiles, if any).
+Back-to-back launches in one CUDA graph, weights rotated past the L2, as the sweep times them; two y buffers
+alternate, so the last two launches give the gap from one kernel's last exit to the next one's first entry.
 
     PYTHONPATH=src:bench KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_phases.py
 """
