@@ -1,20 +1,21 @@
-"""The cuda_ws rule against the same rule with another x-multicast threshold or other weights, through the sweep's
-own path.
+"""The cuda_ws rule against the same rule with another x-multicast threshold or other weights, through the sweep's own
+path.
 
 Every problem of the sweep set (or another shape set, or ``--shapes``) where ``ws_config`` picks another tile than it
 would with x multicast without a K split past ``--multicast-min-waves`` waves
-(``sparse24_ws_rule.MULTICAST_MIN_WAVES``), or with the cost weights ``--weights`` (``RuleWeights``, fields not named as
-they are), or with K split only where the split divides K's steps (``--even-k-split``, the rule before
-docs/design/0058), or with the small-n K splits on wide weights alone (``--wide-split-only``, the rule before 0061), or
-without the small-n split over 3 (``--no-split3``, before 0063) or the small-grid split (``--no-small-grid-split``,
+(``sparse24_ws_rule.MULTICAST_MIN_WAVES``), or with the cost weights ``--weights`` (``RuleWeights``, fields not named
+as they are), or with K split only where the split divides K's steps (``--even-k-split``, the rule before
+docs/design/0058), or with the small-n K splits on wide weights alone (``--wide-split-only``, the rule before 0061),
+or without the small-n split over 3 (``--no-split3``, before 0063) or the small-grid split (``--no-small-grid-split``,
 before 0064), or with the ring at its 8 stages where the rule deepens it (``--no-deep-ring``, before 0066), or without
-tiles of 192 rows of W splitting K (``--no-wide-k-splits``, ``sparse24_ws_rule.wide_k_splits``, before 0067), or without
-a K split's twin of one block of W and one tile of x (``--no-one-x``, ``sparse24_ws_rule.one_x_twin``, before 0068), or
-with every tie between a ping-pong tile and the same tile one a CTA to the ping-pong one (``--pp-ties``, before 0068's
-``PP_TIE_MAX_ACC``) or to the tile one a CTA (``--plain-ties``, since 0069's 16-bit staging), is timed with both tiles as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the
-one device layout, each call on the next of the weight's copies past twice the L2, ``graph_us`` replays), in one
-process, alternating A B B A, beside dense ``F.linear``; with ``--eager``, also eagerly, host work included. Each side
-has its own copies of the weight, so that each tile's launches are its own, and both rules read the device's own facts
+tiles of 192 rows of W splitting K (``--no-wide-k-splits``, ``sparse24_ws_rule.wide_k_splits``, before 0067), or
+without a K split's twin of one block of W and one tile of x (``--no-one-x``, ``sparse24_ws_rule.one_x_twin``, before
+0068), or with every tie between a ping-pong tile and the same tile one a CTA to the ping-pong one (``--pp-ties``,
+before 0068's ``PP_TIE_MAX_ACC``) or to the tile one a CTA (``--plain-ties``, since 0069's 16-bit staging), is timed
+with both tiles as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the one device layout, each call
+on the next of the weight's copies past twice the L2, ``graph_us`` replays), in one process, alternating A B B A,
+beside dense ``F.linear``; with ``--eager``, also eagerly, host work included. Each side has its own copies of the
+weight, so that each tile's launches are its own, and both rules read the device's own facts
 (``gpu_facts.device_facts``). A check of a rule change that the tile tables' timings (``sparse24_wg_tiles.py``) and a
 sweep part disagreed on (docs/design/0055).
 
