@@ -11,6 +11,21 @@ constexpr int kOut = kBM / kRegions;               // columns of y a tile
 
 __device__ __forceinline__ u32 pack2(float lo, float hi) { return from_f32(lo) | ((u32)from_f32(hi) << 16); }
 
+// The bias of a thread's columns of y, row and row + 8 (of each half of W where gated; 0 past `cols`, and without a
+// bias): b0 and b1 as stage_block16's value() adds them.
+__device__ __forceinline__ void bias_rows(const u16 *__restrict__ bias, int row, int cols, float (&b0)[kRegions],
+                                          float (&b1)[kRegions]) {
+#pragma unroll
+    for (int h = 0; h < kRegions; ++h) {
+        b0[h] = b1[h] = 0.f;
+#if HAS_BIAS
+        if (row < cols) b0[h] = to_f32(bias[h * cols + row]);
+        if (row + 8 < cols) b1[h] = to_f32(bias[h * cols + row + 8]);
+#endif
+    }
+    (void)bias, (void)row, (void)cols;
+}
+
 // One 64-row block of W of a warpgroup's results into the staging buffer at `stage`, its rows of W from the
 // buffer's column ml0 (this warp's 16 from ml0 + 16 wq); x's rows from n0, rows from N on scaled to 0.
 // value(i, at, hi) is the thread's result (bias and activation applied) at accumulator `at` of instruction i, hi
@@ -39,13 +54,12 @@ __device__ __forceinline__ void stage_block16(u32 stage, int ml0, int n0, int N,
         }
 }
 
-// The staging buffer's rows 0 .. rows - 1 to y's rows n0 ... (scattered: sc.rows[n]) and columns m0 ... m0 + kOut - 1,
-// by thread u of `threads`; x's rows from N and y's columns from `cols` on are not stored.
-__device__ __forceinline__ void store_rows16(u32 stage, u16 *__restrict__ y, int rows, int n0, int m0, int N, int cols,
-                                             int syn, int u, int threads, const Scatter &sc) {
-    (void)sc;
+// The staging buffer's BN rows to y's rows n0 ... (scattered: sc.rows[n]) and columns m0 ... m0 + kOut - 1, by thread
+// u of `threads`; x's rows from N and y's columns from `cols` on are not stored.
+__device__ __forceinline__ void store_rows16(u32 stage, u16 *__restrict__ y, int n0, int m0, int N, int cols, int syn,
+                                             int u, int threads, const Scatter &sc) {
     const bool vec = syn % 8 == 0 && ((unsigned long long)y & 15) == 0;
-    for (int idx = u; idx < rows * (kOut / 8); idx += threads) {
+    for (int idx = u; idx < BN * (kOut / 8); idx += threads) {
         const int nl = idx / (kOut / 8), m8 = idx % (kOut / 8), n = n0 + nl, m = m0 + m8 * 8;
         if (n >= N || m >= cols) continue;
         const uint4 v = lds4(stage + nl * kYStride + m8 * 16);

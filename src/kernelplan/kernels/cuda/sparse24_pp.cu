@@ -52,22 +52,13 @@ __device__ __forceinline__ void store_tile(float (&acc)[WM][kInst][kAcc], u32 st
     named_sync(bar, 128);  // the last tile's rows have been read out of the staging buffer
 #pragma unroll
     for (int b = 0; b < kOutBlocks; ++b) {
-        const int row = m0 + 64 * b + 16 * wq + (lane >> 2);  // this thread's columns of y: row, row + 8 (each half)
         float b0[kRegions], b1[kRegions];
-#pragma unroll
-        for (int h = 0; h < kRegions; ++h) {
-            b0[h] = b1[h] = 0.f;
-#if HAS_BIAS
-            if (row < cols) b0[h] = to_f32(bias[h * cols + row]);
-            if (row + 8 < cols) b1[h] = to_f32(bias[h * cols + row + 8]);
-#endif
-        }
-        (void)row;
+        bias_rows(bias, m0 + 64 * b + 16 * wq + (lane >> 2), cols, b0, b1);
         stage_block16(stage, 64 * b, n0, N, wq, lane, sc,
                       [&](int i, int at, bool hi) { return out_value(acc, b, i, at, hi ? b1 : b0); });
     }
     named_sync(bar, 128);
-    store_rows16(stage, y, BN, n0, m0, N, cols, syn, u, 128, sc);
+    store_rows16(stage, y, n0, m0, N, cols, syn, u, 128, sc);
 }
 
 extern "C" __global__ void __launch_bounds__(kPpThreads, 1)

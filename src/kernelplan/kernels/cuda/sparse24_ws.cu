@@ -177,6 +177,8 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     const Scatter sc{nullptr, nullptr};
 #endif
     const int n0 = tile.n0;
+    const u16 *own = HAS_BIAS ? bias + (long)tile.expert * M : bias;  // grouped: the biases are [E, M]
+    (void)own;
     // Cluster ranks run along y then z (x is 1 wide): this CTA's M group is ranks cz * CM ... cz * CM + CM - 1.
     const int cy = blockIdx.y % CM, cz = blockIdx.z;
     (void)cy, (void)cz;  // read by the cluster variants only
@@ -263,16 +265,10 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         named_sync(1, kConsumers);
         if (threadIdx.x == 128) KP_PHASE(3);
         if constexpr (kY16) {
-            const int row = tile.block * kOut + 64 * wm + 16 * wq + (lane >> 2);  // its columns of y: row, row + 8
-            float b0 = 0.f, b1 = 0.f;
-#if HAS_BIAS
-            const u16 *own = bias + (long)tile.expert * M;  // grouped: the biases are [E, M]
-            if (row < M) b0 = to_f32(own[row]);
-            if (row + 8 < M) b1 = to_f32(own[row + 8]);
-#endif
-            (void)row;
+            float b0[kRegions], b1[kRegions];  // kRegions is 1 here
+            bias_rows(own, tile.block * kOut + 64 * wm + 16 * wq + (lane >> 2), M, b0, b1);
             stage_block16(sbase, 64 * wm, n0, tile.n_end, wq, lane, sc,
-                          [&](int i, int at, bool hi) { return activate(acc[i][at] + (hi ? b1 : b0)); });
+                          [&](int i, int at, bool hi) { return activate(acc[i][at] + (hi ? b1[0] : b0[0])); });
         } else {
             float *red = (float *)(smem_raw + (sbase - sraw));  // [BN][kRedStride]
             store_acc<NI>(red, acc, wm * 64 + wq * 16, kRedStride, lane);
@@ -302,11 +298,9 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
             mbar_wait_cluster(sums_bar, 0);  // the other slices' sums of this CTA's rows are in
         }
         if constexpr (KP_PDL) griddep_wait();  // y may be memory the kernel before still reads
-        const u16 *own = HAS_BIAS ? bias + (long)tile.expert * M : bias;  // grouped: the biases are [E, M]
-        (void)own;
         const int cols = M / kRegions;                     // of y
         if constexpr (kY16) {
-            store_rows16(sbase, y, BN, n0, mo, tile.n_end, cols, syn, threadIdx.x - 128, kConsumers, sc);
+            store_rows16(sbase, y, n0, mo, tile.n_end, cols, syn, threadIdx.x - 128, kConsumers, sc);
         } else {
             const bool vec = syn % 8 == 0 && ((unsigned long long)y & 15) == 0;
             for (int idx = threadIdx.x - 128; idx < kRowsHere * (kOut / 8); idx += kConsumers) {
