@@ -216,6 +216,8 @@ def main() -> int:
     chosen = {dest: getattr(a, dest) for dest, _ in dests}  # by argparse's names: the results file's keys
     flags = {key: chosen[dest] for dest, key in dests}  # by other_pick's keywords
     other_rule = a.multicast_min_waves is not None or a.weights or any(chosen.values())
+    if a.pp_ties and a.plain_ties:
+        ap.error("--pp-ties and --plain-ties give the same ties to opposite tiles: give one of them")
     if bool(other_rule) == (a.table_misses is not None):
         ap.error(f"give the other rule (--multicast-min-waves, --weights, "
                  f"{', '.join(flag for flag, *_ in OTHER_RULES)} or more of them) or --table-misses, not both")

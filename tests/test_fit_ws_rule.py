@@ -388,7 +388,8 @@ def test_the_rule_ab_bench_times_the_rule_with_the_small_ping_pong_ties_to_the_o
 
 
 def test_the_rule_ab_bench_takes_one_other_side(monkeypatch, capsys):
-    """--wide-split-only is another rule: with --table-misses too it is refused before any CUDA."""
+    """--wide-split-only is another rule: with --table-misses too it is refused before any CUDA, and so are --pp-ties
+    and --plain-ties together."""
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
     import sparse24_rule_ab
 
@@ -397,6 +398,11 @@ def test_the_rule_ab_bench_takes_one_other_side(monkeypatch, capsys):
             mp.setattr(sys, "argv", ["sparse24_rule_ab.py", "--wide-split-only", "--table-misses", "t.json"])
             sparse24_rule_ab.main()
     assert bad.value.code == 2 and "not both" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad:
+        with monkeypatch.context() as mp:
+            mp.setattr(sys, "argv", ["sparse24_rule_ab.py", "--pp-ties", "--plain-ties"])
+            sparse24_rule_ab.main()
+    assert bad.value.code == 2 and "opposite tiles" in capsys.readouterr().err
 
 
 def test_the_rule_ab_bench_takes_a_tables_misses_against_their_best_tile(tmp_path):
