@@ -105,8 +105,8 @@ def _unicast_pair(waves: float, sms: int, gated: bool, n: int, m: int, k: int) -
     """The rule's least-cost tile (before ``multicast_pays``) and the same tile without x multicast, where the first
     multicasts x without splitting K in a grid of at most ``waves`` waves of CTAs; else nothing (docs/design/0053,
     0054).  ``gated``: among the tiles a gated epilogue runs on."""
-    pick = sparse24_ws_rule.least_cost([c for c in sparse24_ws_rule.ws_candidates(n, m, k)
-                                   if not gated or sparse24_ws_rule.gated_tile(c)], n, m, k, sms)
+    space = [c for c in sparse24_ws_rule.ws_candidates(n, m, k) if not gated or sparse24_ws_rule.gated_tile(c)]
+    pick = sparse24_ws_rule.least_cost(space, n, m, k, sms)
     if pick.kc != 1 or pick.cm == 1 or math.prod(pick.grid(n, m)) > waves * sms:
         return []
     return [pick, dataclasses.replace(pick, cm=1)]
