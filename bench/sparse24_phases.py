@@ -68,6 +68,8 @@ def main() -> int:
                 print(f"{m}x{k} n={n}: the rule's tile {cfg} is split persistent; sparse24_sk.cu has no marks")
                 continue
             (launch, grid), = launchers(cfg, n, m, {"phases": {"KP_PROBE": 3}}).values()
+            if cfg.pp:  # its launch takes the grid from the problem: one CTA an SM, or one a tile
+                grid = launch.problem_grid(n, m)
             ctas = grid[0] * grid[1] * grid[2]
             extra = -(-ctas * 64 // (2 * m))  # rows past N that hold 8 u64 a CTA
             x = torch.randn(n, k, device="cuda").bfloat16()

@@ -366,24 +366,27 @@ def test_the_rule_ab_bench_times_the_rule_without_the_one_x_twins():
 
 def test_the_rule_ab_bench_times_the_rule_with_every_ping_pong_tie_to_ping_pong():
     """bench/sparse24_rule_ab.py --pp-ties (docs/design/0068): the other rule gives each tie between a ping-pong tile
-    and the same tile one a CTA to the ping-pong one; the two part only at the 128 x 2 ties this rule gives the other
-    way (not at n = 2048 on 1024x1024, where x has more tiles than W has blocks)."""
+    and the same tile one a CTA to the ping-pong one; the two part only at the 64 x 3 and 128 x 2 ties this rule gives
+    the other way (not at n = 2048 on 1024x1024, where x has more tiles than W has blocks: 0070)."""
     moves = _rule_ab_moves([(4096, 4096), (1024, 1024), (4608, 3584)], batch=(128, 256, 512, 2048), pp_ties=True)
-    assert sorted(moves) == [(512, 4096, 4096)]
+    assert sorted(moves) == [(256, 4608, 3584), (512, 4096, 4096)]
     assert moves[(512, 4096, 4096)] == WsConfig(128, 2, 1, 1, 6, pp=True)
     assert ws_config(512, 4096, 4096, SMS) == WsConfig(128, 2, 1, 1, 8)
+    assert moves[(256, 4608, 3584)] == WsConfig(64, 3, 1, 1, 7, pp=True)
+    assert ws_config(256, 4608, 3584, SMS) == WsConfig(64, 3, 1, 1, 8)
 
 
 def test_the_rule_ab_bench_times_the_rule_with_the_small_ping_pong_ties_to_the_one_a_cta_tile():
     """bench/sparse24_rule_ab.py --plain-ties (docs/design/0069): the other rule gives the ties of ping-pong tiles under
-    128 x 2 to the same tile one a CTA too (this rule gives them to ping-pong); the two part only there, not where x
-    has more tiles than W has blocks, and not at the 128 x 2 ties this rule already gives the tile one a CTA."""
+    64 x 3 to the same tile one a CTA too (this rule gives them to ping-pong); the two part only there, not where x
+    has more tiles than W has blocks, and not at the 64 x 3 and 128 x 2 ties this rule already gives the tile one a
+    CTA (docs/design/0070)."""
     moves = _rule_ab_moves([(4096, 4096), (1024, 1024), (6144, 4096)], batch=(128, 256, 512, 2048), plain_ties=True)
     assert moves and (512, 4096, 4096) not in moves
     for (n, m, k), other in moves.items():
         here = ws_config(n, m, k, SMS)
         tiles_n, blocks, _ = here.grid(n, m)
-        assert here.pp and here.bn * here.wm < 256 and tiles_n <= blocks, (n, m, k, here)
+        assert here.pp and here.bn * here.wm < 192 and tiles_n <= blocks, (n, m, k, here)
         assert other == WsConfig(here.bn, here.wm, 1, 1, other.stages) and not other.pp, (n, m, k, other)
 
 

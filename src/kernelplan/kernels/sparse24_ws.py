@@ -238,10 +238,13 @@ class PingPongLaunch(MapLaunch):
         super().__init__(fn, name, cfg, maps, device_index)
         self.sms = sm_count(device_index)
 
+    def problem_grid(self, n: int, m: int) -> tuple[int, int, int]:
+        """The grid this launch takes for ``n`` rows of x and ``m`` rows of W."""
+        return min(self.sms, -(-n // self.cfg.bn) * -(-m // self.cfg.rows)), 1, 1
+
     def _grid_params(self, grid: tuple, args: tuple) -> tuple[tuple, tuple]:
         n, m = args[5], args[6]
-        tiles_n = -(-n // self.cfg.bn)
-        return (min(self.sms, tiles_n * -(-m // self.cfg.rows)), 1, 1), self._mapped(args) + (tiles_n,)
+        return self.problem_grid(n, m), self._mapped(args) + (-(-n // self.cfg.bn),)
 
     def __call__(self, grid: tuple, args: tuple, stream: int) -> None:
         FunctionLaunch.__call__(self, *self._grid_params(grid, args), stream, packed=True)

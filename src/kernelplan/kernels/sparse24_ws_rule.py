@@ -322,15 +322,17 @@ def tile_cost(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = 
 # (sparse24-ws-largek-h100.json), and was best or within 2% where cm = 4 also fit.
 _MCAST_TIE_MIN_BN = 128
 # Ties between a ping-pong tile and the same tile one a CTA (grids of one wave, where each CTA has one tile) go to the
-# ping-pong one where a warpgroup's tile is under PP_TIE_MAX_ACC rows of x x 64-row blocks (bn x wm); at it (the most
-# a ping-pong warpgroup holds: 128 x 2) they go to the one-a-CTA tile, whose two warpgroups both issue, but for grids
-# of more tiles of x than blocks of W.  Over every tile table's such ties, the one-a-CTA 128 x 2 tile ran 0.962 of the
-# ping-pong one's time (geometric mean of 99, 94 faster, both GPUs); where x has more tiles (1024x1024 and 1024x4096
-# at n = 2048, the only such ties timed) 1.038 (10 of 10 slower).  Through the sweep's path
-# (sparse24-rule-ab-pp-ties-*-h200.json, 0f965bd) the 15 moves of the first kind ran 1.003-1.059x faster, and the 3 of
-# the second (896x896 too) 0.94-0.97x, which is why they keep the ping-pong tile: it was not taken apart why
-# (docs/design/0068).  The smaller tiles' ties went to ping-pong, 1.05-1.07x.
-PP_TIE_MAX_ACC = 256
+# ping-pong one where a warpgroup's tile is under PP_TIE_MAX_ACC rows of x x 64-row blocks (bn x wm); from it on (64 x 3
+# and 128 x 2) they go to the one-a-CTA tile, whose warpgroups all issue and whose ring is a stage deeper (the ping-pong
+# tile stages two warpgroups' y), but for grids of more tiles of x than blocks of W.  At 128 x 2, over every tile
+# table's such ties, the one-a-CTA tile ran 0.962 of the ping-pong one's time (geometric mean of 99, 94 faster, both
+# GPUs), and through the sweep's path (sparse24-rule-ab-pp-ties-*-h200.json, 0f965bd) its 15 moves 1.003-1.059x faster;
+# where x has more tiles (1024x1024, 1024x4096, 896x896 at n = 2048) the ping-pong tile ran 1.03-1.06x faster, which is
+# why those keep it: it was not taken apart why (docs/design/0068).  At 64 x 3 through the sweep's path
+# (sparse24-rule-ab-plain-ties-*-h200.json, d27002c) the one-a-CTA tile ran 0.963 of the time at the median of 27
+# (0.93-1.01, 24 faster; sweep set and held-out models); under 64 x 3 the ping-pong tile ran faster at the median of
+# every kind (1.01-1.06x, 32 x 3 0.999x): docs/design/0070.
+PP_TIE_MAX_ACC = 192
 
 
 def rule_order(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
