@@ -90,7 +90,7 @@ def wide_split_pick(n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS, 
 def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
                wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
                no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False,
-               pp_ties: bool = False, plain_ties: bool = False, gpu=None):
+               pp_ties: bool = False, plain_ties: bool = False, plain_wide_x_ties: bool = False, gpu=None):
     """``ws_config``'s tile had it ``MULTICAST_MIN_WAVES = waves`` and weights ``w`` (its cache neither read nor
     written); with ``even_split``, among K splits that divide K's steps alone, as the rule was before uneven slices
     (docs/design/0058); with ``wide_split_only``, as it was before the small-n K splits joined the cost
@@ -100,10 +100,12 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
     rows of W splitting K in its space (before 0067); with ``no_one_x``, without ``one_x_twin`` (before 0068); with
     ``pp_ties``, each tie between a ping-pong tile and the same tile one a CTA to the ping-pong one (before 0068's
     ``PP_TIE_MAX_ACC``); with ``plain_ties``, those ties to the tile one a CTA at every size (``PP_TIE_MAX_ACC`` 0:
-    but where x has more tiles than W has blocks).  Each other step of the rule as it is, on the GPU facts ``gpu``
+    but where x has more tiles than W has blocks); with ``plain_wide_x_ties``, the ties where x has more tiles to the
+    tile one a CTA too (``PP_TIE_WIDE_X`` off).  Each other step of the rule as it is, on the GPU facts ``gpu``
     (None: the model's)."""
-    present = sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC
+    present = sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC, sparse24_ws_rule.PP_TIE_WIDE_X
     sparse24_ws_rule.MULTICAST_MIN_WAVES = waves
+    sparse24_ws_rule.PP_TIE_WIDE_X = not plain_wide_x_ties
     if pp_ties:
         sparse24_ws_rule.PP_TIE_MAX_ACC = 1 << 30
     if plain_ties:
@@ -132,19 +134,20 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
             cfg = with_push(_deepest(cfg.bn, cfg.wm, cfg.cm, cfg.kc, cfg.sk, cfg.pp), n, m, sms, gpu)
         return cfg
     finally:
-        sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC = present
+        (sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC,
+         sparse24_ws_rule.PP_TIE_WIDE_X) = present
 
 
 def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
           wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
           no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False, pp_ties: bool = False,
-          plain_ties: bool = False, gpu=None) -> list[tuple[int, int, int]]:
+          plain_ties: bool = False, plain_wide_x_ties: bool = False, gpu=None) -> list[tuple[int, int, int]]:
     """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w``,
     ``even_split``, ``wide_split_only``, ``no_split3``, ``no_small_grid``, ``no_deep_ring``, ``no_wide_splits``,
-    ``no_one_x``, ``pp_ties`` and ``plain_ties``."""
+    ``no_one_x``, ``pp_ties``, ``plain_ties`` and ``plain_wide_x_ties``."""
     def other(n, m, k):
         return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only, no_split3, no_small_grid,
-                          no_deep_ring, no_wide_splits, no_one_x, pp_ties, plain_ties, gpu)
+                          no_deep_ring, no_wide_splits, no_one_x, pp_ties, plain_ties, plain_wide_x_ties, gpu)
 
     return [move[:3] for move in moved_picks(shapes, batch, other, sms, gpu)]
 
@@ -187,6 +190,9 @@ OTHER_RULES = (
     ("--plain-ties", "plain_ties", "gives those ties to the tile one a CTA at every size, but where x has more tiles "
      "than W has blocks (since docs/design/0069 that tile stages y in 16 bits, as the ping-pong one does)",
      "plain-tile ties"),
+    ("--plain-wide-x-ties", "plain_wide_x_ties", "gives the ties where x has more tiles than W has blocks to the tile "
+     "one a CTA too (docs/design/0068 kept them ping-pong; 0070's phases read the tile one a CTA faster there)",
+     "plain-tile ties where x has more tiles"),
 )
 
 
@@ -216,8 +222,9 @@ def main() -> int:
     chosen = {dest: getattr(a, dest) for dest, _ in dests}  # by argparse's names: the results file's keys
     flags = {key: chosen[dest] for dest, key in dests}  # by other_pick's keywords
     other_rule = a.multicast_min_waves is not None or a.weights or any(chosen.values())
-    if a.pp_ties and a.plain_ties:
-        ap.error("--pp-ties and --plain-ties give the same ties to opposite tiles: give one of them")
+    if a.pp_ties and (a.plain_ties or a.plain_wide_x_ties):
+        ap.error(f"--pp-ties and {'--plain-ties' if a.plain_ties else '--plain-wide-x-ties'} give the same ties to "
+                 f"opposite tiles: give one of them")
     if bool(other_rule) == (a.table_misses is not None):
         ap.error(f"give the other rule (--multicast-min-waves, --weights, "
                  f"{', '.join(flag for flag, *_ in OTHER_RULES)} or more of them) or --table-misses, not both")

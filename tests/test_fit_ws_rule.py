@@ -390,6 +390,19 @@ def test_the_rule_ab_bench_times_the_rule_with_the_small_ping_pong_ties_to_the_o
         assert other == WsConfig(here.bn, here.wm, 1, 1, other.stages) and not other.pp, (n, m, k, other)
 
 
+def test_the_rule_ab_bench_times_the_ties_where_x_has_more_tiles_at_the_one_a_cta_tile():
+    """bench/sparse24_rule_ab.py --plain-wide-x-ties (docs/design/0070): the other rule gives the ping-pong ties where
+    x has more tiles than W has blocks to the tile one a CTA too; the two part only there, at 64 x 3 and 128 x 2."""
+    moves = _rule_ab_moves([(1024, 1024), (768, 768), (4096, 4096)], batch=(128, 512, 1024, 2048),
+                           plain_wide_x_ties=True)
+    assert sorted(moves) == [(2048, 768, 768), (2048, 1024, 1024)]
+    for (n, m, k), other in moves.items():
+        here = ws_config(n, m, k, SMS)
+        tiles_n, blocks, _ = here.grid(n, m)
+        assert here.pp and here.bn * here.wm >= 192 and tiles_n > blocks, (n, m, k, here)
+        assert other == dataclasses.replace(here, stages=8, pp=False), (n, m, k, other)
+
+
 def test_the_rule_ab_bench_takes_one_other_side(monkeypatch, capsys):
     """--wide-split-only is another rule: with --table-misses too it is refused before any CUDA, and so are --pp-ties
     and --plain-ties together."""

@@ -333,6 +333,7 @@ _MCAST_TIE_MIN_BN = 128
 # (0.93-1.01, 24 faster; sweep set and held-out models); under 64 x 3 the ping-pong tile ran faster at the median of
 # every kind (1.01-1.06x, 32 x 3 0.999x): docs/design/0070.
 PP_TIE_MAX_ACC = 192
+PP_TIE_WIDE_X = True  # ties where x has more tiles than W has blocks go to ping-pong at every size (0068)
 
 
 def rule_order(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
@@ -342,7 +343,7 @@ def rule_order(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights =
     where each CTA has one tile; there the ping-pong one ran faster on 20 of 24 problems, by up to 6%
     (sparse24-ws-small-h100.json: tiles of 16-64 rows of x)."""
     tiles_n, blocks, _ = cfg.grid(n, m)
-    pp_first = cfg.pp and (cfg.bn * cfg.wm < PP_TIE_MAX_ACC or tiles_n > blocks)
+    pp_first = cfg.pp and (cfg.bn * cfg.wm < PP_TIE_MAX_ACC or PP_TIE_WIDE_X and tiles_n > blocks)
     return tile_cost(cfg, n, m, k, sms, w, gpu), not pp_first, cfg.bn >= _MCAST_TIE_MIN_BN and cfg.cm != 2
 
 
