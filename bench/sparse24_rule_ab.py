@@ -11,7 +11,8 @@ before 0064), or with the ring at its 8 stages where the rule deepens it (``--no
 tiles of 192 rows of W splitting K (``--no-wide-k-splits``, ``sparse24_ws_rule.wide_k_splits``, before 0067), or
 without a K split's twin of one block of W and one tile of x (``--no-one-x``, ``sparse24_ws_rule.one_x_twin``, before
 0068), or with every tie between a ping-pong tile and the same tile one a CTA to the ping-pong one (``--pp-ties``,
-before 0068's ``PP_TIE_MAX_ACC``) or to the tile one a CTA (``--plain-ties``, since 0069's 16-bit staging), is timed
+before 0068's ``PP_TIE_MAX_ACC``) or to the tile one a CTA (``--plain-ties``, since 0069's 16-bit staging), or with
+the ties where x has more tiles than W has blocks to the ping-pong tile (``--pp-wide-x-ties``, before 0070), is timed
 with both tiles as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the one device layout, each call
 on the next of the weight's copies past twice the L2, ``graph_us`` replays), in one process, alternating A B B A,
 beside dense ``F.linear``; with ``--eager``, also eagerly, host work included. Each side has its own copies of the
@@ -90,7 +91,7 @@ def wide_split_pick(n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS, 
 def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
                wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
                no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False,
-               pp_ties: bool = False, plain_ties: bool = False, plain_wide_x_ties: bool = False, gpu=None):
+               pp_ties: bool = False, plain_ties: bool = False, pp_wide_x_ties: bool = False, gpu=None):
     """``ws_config``'s tile had it ``MULTICAST_MIN_WAVES = waves`` and weights ``w`` (its cache neither read nor
     written); with ``even_split``, among K splits that divide K's steps alone, as the rule was before uneven slices
     (docs/design/0058); with ``wide_split_only``, as it was before the small-n K splits joined the cost
@@ -99,13 +100,13 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
     ring ``_deepest`` gives where ``with_ring`` deepens it (before 0066); with ``no_wide_splits``, without tiles of 192
     rows of W splitting K in its space (before 0067); with ``no_one_x``, without ``one_x_twin`` (before 0068); with
     ``pp_ties``, each tie between a ping-pong tile and the same tile one a CTA to the ping-pong one (before 0068's
-    ``PP_TIE_MAX_ACC``); with ``plain_ties``, those ties to the tile one a CTA at every size (``PP_TIE_MAX_ACC`` 0:
-    but where x has more tiles than W has blocks); with ``plain_wide_x_ties``, the ties where x has more tiles to the
-    tile one a CTA too (``PP_TIE_WIDE_X`` off).  Each other step of the rule as it is, on the GPU facts ``gpu``
-    (None: the model's)."""
+    ``PP_TIE_MAX_ACC``); with ``plain_ties``, those ties to the tile one a CTA at every size (``PP_TIE_MAX_ACC`` 0);
+    with ``pp_wide_x_ties``, the ties where x has more tiles than W has blocks to the ping-pong tile at every size
+    (``PP_TIE_WIDE_X``, before 0070).  Each other step of the rule as it is, on the GPU facts ``gpu`` (None: the
+    model's)."""
     present = sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC, sparse24_ws_rule.PP_TIE_WIDE_X
     sparse24_ws_rule.MULTICAST_MIN_WAVES = waves
-    sparse24_ws_rule.PP_TIE_WIDE_X = not plain_wide_x_ties
+    sparse24_ws_rule.PP_TIE_WIDE_X = present[2] or pp_wide_x_ties
     if pp_ties:
         sparse24_ws_rule.PP_TIE_MAX_ACC = 1 << 30
     if plain_ties:
@@ -141,13 +142,13 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
 def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
           wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
           no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False, pp_ties: bool = False,
-          plain_ties: bool = False, plain_wide_x_ties: bool = False, gpu=None) -> list[tuple[int, int, int]]:
+          plain_ties: bool = False, pp_wide_x_ties: bool = False, gpu=None) -> list[tuple[int, int, int]]:
     """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w``,
     ``even_split``, ``wide_split_only``, ``no_split3``, ``no_small_grid``, ``no_deep_ring``, ``no_wide_splits``,
-    ``no_one_x``, ``pp_ties``, ``plain_ties`` and ``plain_wide_x_ties``."""
+    ``no_one_x``, ``pp_ties``, ``plain_ties`` and ``pp_wide_x_ties``."""
     def other(n, m, k):
         return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only, no_split3, no_small_grid,
-                          no_deep_ring, no_wide_splits, no_one_x, pp_ties, plain_ties, plain_wide_x_ties, gpu)
+                          no_deep_ring, no_wide_splits, no_one_x, pp_ties, plain_ties, pp_wide_x_ties, gpu)
 
     return [move[:3] for move in moved_picks(shapes, batch, other, sms, gpu)]
 
@@ -187,12 +188,10 @@ OTHER_RULES = (
      "and one tile of x (before docs/design/0068)", "no one-x twins"),
     ("--pp-ties", "pp_ties", "gives every tie between a ping-pong tile and the same tile one a CTA to the ping-pong "
      "one (before docs/design/0068's PP_TIE_MAX_ACC)", "ping-pong ties"),
-    ("--plain-ties", "plain_ties", "gives those ties to the tile one a CTA at every size, but where x has more tiles "
-     "than W has blocks (since docs/design/0069 that tile stages y in 16 bits, as the ping-pong one does)",
-     "plain-tile ties"),
-    ("--plain-wide-x-ties", "plain_wide_x_ties", "gives the ties where x has more tiles than W has blocks to the tile "
-     "one a CTA too (docs/design/0068 kept them ping-pong; 0070's phases read the tile one a CTA faster there)",
-     "plain-tile ties where x has more tiles"),
+    ("--plain-ties", "plain_ties", "gives those ties to the tile one a CTA at every size (since docs/design/0069 that "
+     "tile stages y in 16 bits, as the ping-pong one does)", "plain-tile ties"),
+    ("--pp-wide-x-ties", "pp_wide_x_ties", "gives the ties where x has more tiles than W has blocks to the ping-pong "
+     "tile at every size (docs/design/0068, before 0070)", "ping-pong ties where x has more tiles"),
 )
 
 
@@ -222,8 +221,8 @@ def main() -> int:
     chosen = {dest: getattr(a, dest) for dest, _ in dests}  # by argparse's names: the results file's keys
     flags = {key: chosen[dest] for dest, key in dests}  # by other_pick's keywords
     other_rule = a.multicast_min_waves is not None or a.weights or any(chosen.values())
-    if a.pp_ties and (a.plain_ties or a.plain_wide_x_ties):
-        ap.error(f"--pp-ties and {'--plain-ties' if a.plain_ties else '--plain-wide-x-ties'} give the same ties to "
+    if a.plain_ties and (a.pp_ties or a.pp_wide_x_ties):
+        ap.error(f"--plain-ties and {'--pp-ties' if a.pp_ties else '--pp-wide-x-ties'} give the same ties to "
                  f"opposite tiles: give one of them")
     if bool(other_rule) == (a.table_misses is not None):
         ap.error(f"give the other rule (--multicast-min-waves, --weights, "

@@ -367,45 +367,45 @@ def test_the_rule_ab_bench_times_the_rule_without_the_one_x_twins():
 def test_the_rule_ab_bench_times_the_rule_with_every_ping_pong_tie_to_ping_pong():
     """bench/sparse24_rule_ab.py --pp-ties (docs/design/0068): the other rule gives each tie between a ping-pong tile
     and the same tile one a CTA to the ping-pong one; the two part only at the 64 x 3 and 128 x 2 ties this rule gives
-    the other way (not at n = 2048 on 1024x1024, where x has more tiles than W has blocks: 0070)."""
+    the other way (0070)."""
     moves = _rule_ab_moves([(4096, 4096), (1024, 1024), (4608, 3584)], batch=(128, 256, 512, 2048), pp_ties=True)
-    assert sorted(moves) == [(256, 4608, 3584), (512, 4096, 4096)]
-    assert moves[(512, 4096, 4096)] == WsConfig(128, 2, 1, 1, 6, pp=True)
-    assert ws_config(512, 4096, 4096, SMS) == WsConfig(128, 2, 1, 1, 8)
+    assert sorted(moves) == [(256, 4608, 3584), (512, 4096, 4096), (2048, 1024, 1024)]
+    for n, m, k in ((512, 4096, 4096), (2048, 1024, 1024)):
+        assert moves[(n, m, k)] == WsConfig(128, 2, 1, 1, 6, pp=True)
+        assert ws_config(n, m, k, SMS) == WsConfig(128, 2, 1, 1, 8)
     assert moves[(256, 4608, 3584)] == WsConfig(64, 3, 1, 1, 7, pp=True)
     assert ws_config(256, 4608, 3584, SMS) == WsConfig(64, 3, 1, 1, 8)
 
 
 def test_the_rule_ab_bench_times_the_rule_with_the_small_ping_pong_ties_to_the_one_a_cta_tile():
     """bench/sparse24_rule_ab.py --plain-ties (docs/design/0069): the other rule gives the ties of ping-pong tiles under
-    64 x 3 to the same tile one a CTA too (this rule gives them to ping-pong); the two part only there, not where x
-    has more tiles than W has blocks, and not at the 64 x 3 and 128 x 2 ties this rule already gives the tile one a
-    CTA (docs/design/0070)."""
+    64 x 3 to the same tile one a CTA too (this rule gives them to ping-pong); the two part only there, not at the
+    64 x 3 and 128 x 2 ties this rule already gives the tile one a CTA (docs/design/0070)."""
     moves = _rule_ab_moves([(4096, 4096), (1024, 1024), (6144, 4096)], batch=(128, 256, 512, 2048), plain_ties=True)
-    assert moves and (512, 4096, 4096) not in moves
+    assert moves and (512, 4096, 4096) not in moves and (2048, 1024, 1024) not in moves
     for (n, m, k), other in moves.items():
         here = ws_config(n, m, k, SMS)
-        tiles_n, blocks, _ = here.grid(n, m)
-        assert here.pp and here.bn * here.wm < 192 and tiles_n <= blocks, (n, m, k, here)
+        assert here.pp and here.bn * here.wm < 192, (n, m, k, here)
         assert other == WsConfig(here.bn, here.wm, 1, 1, other.stages) and not other.pp, (n, m, k, other)
 
 
-def test_the_rule_ab_bench_times_the_ties_where_x_has_more_tiles_at_the_one_a_cta_tile():
-    """bench/sparse24_rule_ab.py --plain-wide-x-ties (docs/design/0070): the other rule gives the ping-pong ties where
-    x has more tiles than W has blocks to the tile one a CTA too; the two part only there, at 64 x 3 and 128 x 2."""
+def test_the_rule_ab_bench_times_the_ties_where_x_has_more_tiles_at_the_ping_pong_tile():
+    """bench/sparse24_rule_ab.py --pp-wide-x-ties (docs/design/0070): the other rule is 0068's, which gave the ties
+    where x has more tiles than W has blocks to the ping-pong tile at 64 x 3 and 128 x 2 too; the two part only
+    there."""
     moves = _rule_ab_moves([(1024, 1024), (768, 768), (4096, 4096)], batch=(128, 512, 1024, 2048),
-                           plain_wide_x_ties=True)
+                           pp_wide_x_ties=True)
     assert sorted(moves) == [(2048, 768, 768), (2048, 1024, 1024)]
     for (n, m, k), other in moves.items():
         here = ws_config(n, m, k, SMS)
         tiles_n, blocks, _ = here.grid(n, m)
-        assert here.pp and here.bn * here.wm >= 192 and tiles_n > blocks, (n, m, k, here)
-        assert other == dataclasses.replace(here, stages=8, pp=False), (n, m, k, other)
+        assert not here.pp and here.bn * here.wm >= 192 and tiles_n > blocks, (n, m, k, here)
+        assert other.pp and dataclasses.replace(other, stages=8, pp=False) == here, (n, m, k, other)
 
 
 def test_the_rule_ab_bench_takes_one_other_side(monkeypatch, capsys):
-    """--wide-split-only is another rule: with --table-misses too it is refused before any CUDA, and so are --pp-ties
-    and --plain-ties together."""
+    """--wide-split-only is another rule: with --table-misses too it is refused before any CUDA, and so is --plain-ties
+    with --pp-ties or --pp-wide-x-ties."""
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
     import sparse24_rule_ab
 
@@ -414,11 +414,12 @@ def test_the_rule_ab_bench_takes_one_other_side(monkeypatch, capsys):
             mp.setattr(sys, "argv", ["sparse24_rule_ab.py", "--wide-split-only", "--table-misses", "t.json"])
             sparse24_rule_ab.main()
     assert bad.value.code == 2 and "not both" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as bad:
-        with monkeypatch.context() as mp:
-            mp.setattr(sys, "argv", ["sparse24_rule_ab.py", "--pp-ties", "--plain-ties"])
-            sparse24_rule_ab.main()
-    assert bad.value.code == 2 and "opposite tiles" in capsys.readouterr().err
+    for other in ("--pp-ties", "--pp-wide-x-ties"):
+        with pytest.raises(SystemExit) as bad:
+            with monkeypatch.context() as mp:
+                mp.setattr(sys, "argv", ["sparse24_rule_ab.py", other, "--plain-ties"])
+                sparse24_rule_ab.main()
+        assert bad.value.code == 2 and f"--plain-ties and {other} give" in capsys.readouterr().err
 
 
 def test_the_rule_ab_bench_takes_a_tables_misses_against_their_best_tile(tmp_path):

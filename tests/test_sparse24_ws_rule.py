@@ -51,10 +51,10 @@ def test_tile_rule_fits_every_sweep_shape_and_batch(sms):
             def least(cands):
                 cost = min(tile_cost(c, n, m, k, sms) for c in cands)
                 tied = [c for c in cands if tile_cost(c, n, m, k, sms) == cost]
-                # least cost; ties to ping-pong (at 64 x 3 and 128 x 2 only where x has more tiles than W has blocks:
-                # 0068, 0070), then to x multicast to 2 CTAs where x's tile has 128 rows or more
+                # least cost; ties to ping-pong under 64 x 3 (0068, 0070), then to x multicast to 2 CTAs where x's
+                # tile has 128 rows or more
                 def pp_first(c):
-                    return c.pp and (c.bn * c.wm < 192 or -(-n // c.bn) > -(-m // c.rows))
+                    return c.pp and c.bn * c.wm < 192
 
                 want = min(tied, key=lambda c: (not pp_first(c), c.bn >= 128 and c.cm != 2))
                 if want.kc == 1 and want.cm > 1 and math.prod(want.grid(n, m)) <= 2 * sms:  # multicast past 2 waves
@@ -339,25 +339,23 @@ def test_a_k_split_of_two_blocks_takes_its_twin_of_one_block_and_one_tile_of_x()
     assert gated.wm % 2 == 0  # a gated epilogue takes pairs of blocks: no twin of one
 
 
-def test_the_largest_ping_pong_ties_go_to_the_one_a_cta_tile_unless_x_has_more_tiles():
+def test_the_largest_ping_pong_ties_go_to_the_one_a_cta_tile():
     """docs/design/0068, 0070: in a grid of one wave a ping-pong tile and the same tile one a CTA cost alike.  At 128
     rows of x and two blocks of W, and at 64 rows and three blocks, the tie goes to the one-a-CTA tile (15 of 15 and
-    24 of 27 moves faster through the sweep's path), except where x has more tiles than W has blocks (1024x1024,
-    1024x4096, 896x896 at n = 2048: the ping-pong tile 1.03-1.06x faster); under 64 x 3 it goes to ping-pong."""
-    from kernelplan.kernels.sparse24_ws_rule import PP_TIE_MAX_ACC
+    24 of 27 moves faster through the sweep's path), where x has more tiles than W has blocks too (6 of 8 faster; 0068
+    had kept those ping-pong); under 64 x 3 it goes to ping-pong."""
+    from kernelplan.kernels.sparse24_ws_rule import PP_TIE_MAX_ACC, PP_TIE_WIDE_X
 
-    assert PP_TIE_MAX_ACC == 192
+    assert PP_TIE_MAX_ACC == 192 and not PP_TIE_WIDE_X
     for plain, problems in ((WsConfig(128, 2, 1, 1, 8), ((512, 4096, 4096), (512, 3584, 3584), (256, 8192, 3584),
                                                           (256, 7680, 5120), (128, 16384, 3072), (1024, 2048, 2048),
-                                                          (1024, 1600, 1600))),
+                                                          (1024, 1600, 1600), (2048, 1024, 1024), (2048, 896, 896))),
                             (WsConfig(64, 3, 1, 1, 8), ((256, 6144, 5120), (512, 2304, 768), (128, 11264, 2048),
-                                                        (256, 4608, 3584)))):
+                                                        (256, 4608, 3584), (2048, 768, 768), (1024, 1536, 1536)))):
         for n, m, k in problems:
             assert ws_config(n, m, k, 132) == plain, (n, m, k)
             twin = next(c for c in ws_candidates(n, m, k) if c.pp and (c.bn, c.wm) == (plain.bn, plain.wm))
             assert twin.stages < plain.stages and tile_cost(twin, n, m, k, 132) == tile_cost(plain, n, m, k, 132)
-    for n, m, k in ((2048, 1024, 1024), (2048, 1024, 4096), (2048, 896, 896)):
-        assert ws_config(n, m, k, 132) == WsConfig(128, 2, 1, 1, 6, pp=True), (n, m, k)
     assert ws_config(128, 4608, 3584, 132) == WsConfig(64, 2, 1, 1, 8, pp=True)  # 64 x 2: ping-pong first
     assert ws_config(32, 18432, 2304, 132) == WsConfig(32, 3, 1, 1, 8, pp=True)  # 32 x 3 too
 

@@ -324,16 +324,16 @@ _MCAST_TIE_MIN_BN = 128
 # Ties between a ping-pong tile and the same tile one a CTA (grids of one wave, where each CTA has one tile) go to the
 # ping-pong one where a warpgroup's tile is under PP_TIE_MAX_ACC rows of x x 64-row blocks (bn x wm); from it on (64 x 3
 # and 128 x 2) they go to the one-a-CTA tile, whose warpgroups all issue and whose ring is a stage deeper (the ping-pong
-# tile stages two warpgroups' y), but for grids of more tiles of x than blocks of W.  At 128 x 2, over every tile
-# table's such ties, the one-a-CTA tile ran 0.962 of the ping-pong one's time (geometric mean of 99, 94 faster, both
-# GPUs), and through the sweep's path (sparse24-rule-ab-pp-ties-*-h200.json, 0f965bd) its 15 moves 1.003-1.059x faster;
-# where x has more tiles (1024x1024, 1024x4096, 896x896 at n = 2048) the ping-pong tile ran 1.03-1.06x faster, which is
-# why those keep it: it was not taken apart why (docs/design/0068).  At 64 x 3 through the sweep's path
-# (sparse24-rule-ab-plain-ties-*-h200.json, d27002c) the one-a-CTA tile ran 0.963 of the time at the median of 27
-# (0.93-1.01, 24 faster; sweep set and held-out models); under 64 x 3 the ping-pong tile ran faster at the median of
-# every kind (1.01-1.06x, 32 x 3 0.999x): docs/design/0070.
+# tile stages two warpgroups' y).  At 128 x 2, over every tile table's such ties, the one-a-CTA tile ran 0.962 of the
+# ping-pong one's time (geometric mean of 99, 94 faster, both GPUs), and through the sweep's path its 15 moves
+# 1.003-1.059x faster (sparse24-rule-ab-pp-ties-*-h200.json, 0f965bd; docs/design/0068).  At 64 x 3 through the
+# sweep's path the one-a-CTA tile ran 0.963 of the time at the median of 27 (0.93-1.01, 24 faster; sweep set and
+# held-out models, sparse24-rule-ab-plain-ties-*-h200.json at d27002c), and where x has more tiles than W has blocks,
+# which 0068 had kept ping-pong, 0.978 of 8 (0.95-1.01; 128 x 2 alone 0.985-1.014, where 0068 read the ping-pong
+# tile 1.03-1.06x faster; sparse24-rule-ab-plain-wide-x-ties-*-h200.json).  Under 64 x 3 the ping-pong tile ran
+# faster at the median of every kind (1.01-1.06x; 32 x 3 0.999x): docs/design/0070.
 PP_TIE_MAX_ACC = 192
-PP_TIE_WIDE_X = True  # ties where x has more tiles than W has blocks go to ping-pong at every size (0068)
+PP_TIE_WIDE_X = False  # True: ties where x has more tiles than W has blocks go to ping-pong at every size (0068)
 
 
 def rule_order(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
