@@ -8,7 +8,8 @@ multicast), 2 the ring's first stage landed, 3 the consumers past their last MMA
 sync), 5 exit.  The ping-pong kernel (``sparse24_pp.cu``) marks 0 and 1 alike, then warpgroup 0's first tile: 2 its
 first stage landed, 3 its K loop done, 4 its y stored, and 5 that warpgroup's exit (after its other tiles, if any).
 Back-to-back launches in one CUDA graph, weights rotated past the L2, as the sweep times them; two y buffers
-alternate, so the last two launches give the gap from one kernel's last exit to the next one's first entry.
+alternate, so the last two launches give the gap from one kernel's last exit to the next one's first entry.  The
+build as it ships is timed beside the one with marks, so that the marks' own cost shows.
 
     PYTHONPATH=src:bench KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_phases.py
 """
@@ -27,7 +28,7 @@ from kernelplan.bench.sweep import copies_past_l2
 from kernelplan.kernels import raw_stream
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_sp import _tiled
-from kernelplan.kernels.sparse24_ws_rule import _deepest, ws_config
+from kernelplan.kernels.sparse24_ws_rule import _deepest, ws_candidates, ws_config
 from kernelplan.sparse24 import compress, prune
 from kernelplan.timing import capture, graph_rounds
 from sparse24_feed_probe import launchers
@@ -45,14 +46,19 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="*", default=[1, 16])
     ap.add_argument("--calls", type=int, default=40, help="back-to-back launches in the graph")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--plain", action="store_true",
-                    help="where the rule's tile is ping-pong, probe the same tile one a CTA (sparse24_ws.cu)")
+    twin = ap.add_mutually_exclusive_group()
+    twin.add_argument("--plain", action="store_true",
+                      help="where the rule's tile is ping-pong, probe the same tile one a CTA (sparse24_ws.cu)")
+    twin.add_argument("--pp", action="store_true",
+                      help="where the rule's tile is one a CTA and has a ping-pong twin, probe the twin "
+                           "(sparse24_pp.cu)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     sms = sm_count(0)
     rows = []
-    print("us: the graph's time a call | the last launch: span (first entry to last exit), CTAs' entry spread, "
-          "then each phase's median over the CTAs | gap: the previous launch's last exit to this one's first entry",
+    print("us: the graph's time a call (the build without marks beside it) | the last launch: span (first entry to "
+          "last exit), CTAs' entry spread, then each phase's median over the CTAs | gap: the previous launch's last "
+          "exit to this one's first entry",
           flush=True)
     for shape in a.shape:
         m, k = (int(v) for v in shape.split("x"))
@@ -64,10 +70,13 @@ def main() -> int:
             cfg = ws_config(n, m, k, sms)
             if cfg.pp and a.plain:
                 cfg = _deepest(cfg.bn, cfg.wm, 1, 1)
+            if a.pp and not cfg.pp:
+                cfg = next((c for c in ws_candidates(n, m, k) if c.pp and (c.bn, c.wm) == (cfg.bn, cfg.wm)), cfg)
             if cfg.sk:
                 print(f"{m}x{k} n={n}: the rule's tile {cfg} is split persistent; sparse24_sk.cu has no marks")
                 continue
-            (launch, grid), = launchers(cfg, n, m, {"phases": {"KP_PROBE": 3}}).values()
+            builds = launchers(cfg, n, m, {"phases": {"KP_PROBE": 3}, "shipped": {}})
+            (launch, grid), shipped = builds["phases"], builds["shipped"][0]
             if cfg.pp:  # its launch takes the grid from the problem: one CTA an SM, or one a tile
                 grid = launch.problem_grid(n, m)
             ctas = grid[0] * grid[1] * grid[2]
@@ -75,7 +84,7 @@ def main() -> int:
             x = torch.randn(n, k, device="cuda").bfloat16()
             ys = [torch.zeros(n + extra, m, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
 
-            def call(i, tiled=tiled, ys=ys):
+            def call(i, tiled=tiled, ys=ys, launch=launch):
                 p, c = tiled[i % len(tiled)]
                 y = ys[i % 2]
                 launch(grid, (x.data_ptr(), p.data_ptr(), c.data_ptr(), 0, y.data_ptr(), n, m, k, x.stride(0),
@@ -86,8 +95,11 @@ def main() -> int:
             err = float((ys[0][:n].float() - want).abs().max() / want.abs().max())
             if not err <= 2.0 ** -6:
                 raise SystemExit(f"{m}x{k} n={n} {cfg}: relative error {err:.3g}")
-            per_call = statistics.median(graph_rounds({"kp": [lambda i=i: call(i) for i in range(a.calls)]},
-                                                      a.calls, a.rounds)["kp"])
+            # The build with marks beside the build as it ships, alternating: the marks' own cost.
+            per = graph_rounds({"marks": [lambda i=i: call(i) for i in range(a.calls)],
+                                "shipped": [lambda i=i: call(i, launch=shipped) for i in range(a.calls)]},
+                               a.calls, a.rounds)
+            per_call, shipped_call = (statistics.median(per[b]) for b in ("marks", "shipped"))
             graph = torch.cuda.CUDAGraph()
             with capture(graph):
                 for i in range(a.calls):
@@ -102,10 +114,12 @@ def main() -> int:
             names = PP_PHASES if cfg.pp else PHASES
             phases = {name: float((last[:, p + 1] - last[:, p]).median()) / 1e3 for p, name in enumerate(names)}
             row = {"m": m, "k": k, "n": n, "tile": str(cfg), "ctas": ctas, "per_call_us": per_call * 1e3,
+                   "shipped_per_call_us": shipped_call * 1e3,
                    "span_us": span, "entry_spread_us": spread, "gap_us": gap, "phases_us": phases}
             rows.append(row)
-            print(f"{m:6d}x{k:<6d} n={n:3d} {str(cfg)[9:-1]:<42} {ctas:4d} CTAs  call {per_call * 1e3:5.1f}  span "
-                  f"{span:5.1f}  entries {spread:4.1f}  " + "  ".join(f"{nm} {v:4.2f}" for nm, v in phases.items())
+            print(f"{m:6d}x{k:<6d} n={n:3d} {str(cfg)[9:-1]:<42} {ctas:4d} CTAs  call {per_call * 1e3:5.1f} "
+                  f"(shipped {shipped_call * 1e3:5.1f})  span {span:5.1f}  entries {spread:4.1f}  "
+                  + "  ".join(f"{nm} {v:4.2f}" for nm, v in phases.items())
                   + f"  gap {gap:4.2f}", flush=True)
         del ws, tiled
         torch.cuda.empty_cache()

@@ -525,7 +525,7 @@ def table() -> str:
     # step (b050ae4, 0059; f16 at 175e4e8), then the H200's n <= 16 and n >= 1024 under today's rule and kernels
     # (1662b90, 0060; f16 to n = 2048) and the held-out models' n <= 8 under the tall weights' K bound (bfa4f0a,
     # 0060), then n <= 16 of the sweep set (bf16, f16) and the held-out models under the small-n K splits (dff7c60,
-    # 0061); the bf16 quick sweeps (4f17378) stay in results/.
+    # 0061), and so on by record (the later files' names say which); the bf16 quick sweeps (4f17378) stay in results/.
     for name in ("sparse24-sweep-h200", "sparse24-sweep-h100", "sparse24-sweep-small-n-h200",
                  "sparse24-sweep-small-n-h100", "sparse24-sweep-mid-n-h200", "sparse24-sweep-mid-n-h100",
                  "sparse24-sweep-large-n-h200", "sparse24-sweep-large-n-h100",
@@ -545,7 +545,8 @@ def table() -> str:
                  "sparse24-sweep-held-out-large-n-h200", "sparse24-sweep-one-x-n128-h200",
                  "sparse24-sweep-held-out-one-x-n128-h200", "sparse24-sweep-pp-ties-n128-1024-h200",
                  "sparse24-sweep-held-out-pp-ties-n128-1024-h200", "sparse24-sweep-y16-cut-short-h200",
-                 "sparse24-sweep-y16-n256-2048-h200",
+                 "sparse24-sweep-y16-n256-2048-h200", "sparse24-sweep-pp-ties-192-n128-512-h200",
+                 "sparse24-sweep-held-out-pp-ties-192-n128-512-h200", "sparse24-sweep-n4096-8192-h200",
                  "sparse24-sweep-h100-l2warm", "sparse24-sweep-h200-l2warm",
                  "sparse24-sweep-h200-f16-quick", "sparse24-sweep-h100-f16-quick", "sparse24-sweep-small-n-f16-h200",
                  "sparse24-sweep-small-n-f16-h100", "sparse24-sweep-f16-mid-h200", "sparse24-sweep-f16-large-n-h200",
@@ -554,7 +555,7 @@ def table() -> str:
                  "sparse24-sweep-f16-small-n-split3-h200", "sparse24-sweep-f16-small-n-deep-ring-h200",
                  "sparse24-sweep-f16-wide-k-splits-h200", "sparse24-sweep-f16-wide-k-splits-n32-64-h200",
                  "sparse24-sweep-f16-one-x-n128-h200", "sparse24-sweep-f16-pp-ties-n128-1024-h200",
-                 "sparse24-sweep-f16-y16-h200",
+                 "sparse24-sweep-f16-y16-h200", "sparse24-sweep-f16-pp-ties-192-n256-512-h200",
                  "sparse24-sweep-h100-f16-l2warm",
                  "sparse24-sweep-h200-f16-l2warm"):
         body += sweep_rows(name)
