@@ -71,6 +71,29 @@ def test_sweep_runs_on_the_gpu(tmp_path):
     sweep.plot(rows, str(tmp_path / "s.png"))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_command_sweeps_given_shapes_on_the_gpu(tmp_path, monkeypatch, capsys):
+    """``--shapes``: a layer the device layout holds and one it does not (K = 200, held in the public format), each
+    right against fp64 at every n (the sweep marks a wrong result), with its bytes held."""
+    pytest.importorskip("matplotlib")
+    from kernelplan import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.json").write_text(json.dumps([[512, 1024], [96, 200]]))
+    assert cli.main(["bench", "sparse24", "--sweep", "--shapes", "s.json", "--batch", "1", "40",
+                     "--json", "given.json"]) == 0
+    doc = json.loads((tmp_path / "given.json").read_text())
+    timed = [r for r in doc["rows"] if "n" in r]
+    assert sorted((r["m"], r["k"], r["n"]) for r in timed) == [(96, 200, 1), (96, 200, 40), (512, 1024, 1),
+                                                             (512, 1024, 40)]
+    assert not any(k.endswith("_wrong") for r in doc["rows"] for k in r) and all(r["speedup"] > 0 for r in timed)
+    held = {(r["m"], r["k"]): r["memory"]["ratio"] for r in doc["rows"] if "memory" in r}
+    assert set(held) == {(512, 1024), (96, 200)} and held[(512, 1024)] == 0.5625
+    assert doc["shape_set"] == "given" and doc["shapes_from"] == "--shapes s.json"
+    capsys.readouterr()
+
+
 def test_cold_l2_rotates_copies_past_twice_the_l2():
     assert sweep.copies_past_l2(50 << 20, 1 << 20, "cold") == 100  # 100 copies of 1 MiB: twice 50 MiB
     assert sweep.copies_past_l2(50 << 20, 30 << 20, "cold") == 4
@@ -257,6 +280,77 @@ def test_the_cli_sweeps_the_held_out_models_under_their_own_name(tmp_path, monke
     assert json.loads((tmp_path / "sparse24-sweep-held-out-models-h200.json").read_text())["shape_set"] == \
         "held-out models"
     capsys.readouterr()
+
+
+def _fake_gpu_sweep(monkeypatch, tmp_path) -> list:
+    """The sweep's timing stubbed on a 'GPU': run_sweep records the shapes it is asked for."""
+    asked = []
+
+    def fake_run_sweep(dev, dtype, sizes, shapes, log, l2, done):
+        asked.append(shapes)
+        return copy.deepcopy([r for r in _rows() if "n" not in r or r["n"] in sizes])
+
+    monkeypatch.setattr(sweep, "run_sweep", fake_run_sweep)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "NVIDIA H200")
+    monkeypatch.setenv("KERNELPLAN_COMMIT", "abc1234")
+    monkeypatch.chdir(tmp_path)
+    return asked
+
+
+def test_the_cli_sweeps_a_users_shapes_and_model_under_the_given_name(tmp_path, monkeypatch, capsys):
+    """``--shapes FILE`` and ``--model DIR``: the sweep times those layers, each distinct (M, K) once with the names
+    of its layers, and the JSON says where they came from; merge keeps parts of other shapes apart."""
+    from kernelplan import cli
+
+    asked = _fake_gpu_sweep(monkeypatch, tmp_path)
+    given = tmp_path / "shapes.json"
+    given.write_text(json.dumps([[4096, 1600], [1600, 4096], [4096, 1600]]))
+    assert cli.main(["bench", "sparse24", "--sweep", "--shapes", str(given), "--batch", "8"]) == 0
+    assert asked == [{(4096, 1600): ["4096x1600"], (1600, 4096): ["1600x4096"]}]
+    doc = json.loads((tmp_path / "sparse24-sweep-given-h200.json").read_text())
+    assert doc["shape_set"] == "given" and doc["shapes_from"] == f"--shapes {given}"
+    assert sweep.default_name("NVIDIA H100 80GB HBM3", "f16", "cold", "given") == "sparse24-sweep-given-h100-f16"
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    assert cli.main(["bench", "sparse24", "--sweep", "--model", str(tmp_path / "llama"), "--batch", "16",
+                     "--json", str(tmp_path / "llama.json")]) == 0
+    layers = asked[-1]
+    assert sorted(layers) == [(32, 64), (64, 64), (64, 128), (128, 64)]  # k and v, q and o, down, gate and up
+    assert sorted(layers[(64, 64)]) == [f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("o_proj", "q_proj")]
+    assert json.loads((tmp_path / "llama.json").read_text())["shapes_from"] == f"--model {tmp_path / 'llama'}"
+    capsys.readouterr()
+    assert cli.main(["bench", "sparse24", "--sweep", "--merge", str(tmp_path / "llama.json"),
+                     str(tmp_path / "sparse24-sweep-given-h200.json")]) == 2
+    assert "shapes_from" in capsys.readouterr().err
+
+
+def test_the_cli_refuses_given_shapes_it_cannot_sweep_before_any_timing(tmp_path, monkeypatch, capsys):
+    """A bad --shapes file, a layer of K the 2:4 format cannot hold, a missing model directory, and --model or --shapes
+    beside another choice of shapes or without --sweep: exit 2 with one line naming it, and run_sweep never asked."""
+    from kernelplan import cli
+
+    asked = _fake_gpu_sweep(monkeypatch, tmp_path)
+    (tmp_path / "odd.json").write_text(json.dumps([[4096, 1600], [64, 100]]))
+    (tmp_path / "bad.json").write_text(json.dumps([[4096, "1600"]]))
+    cases = [
+        (["--sweep", "--shapes", "odd.json"], "64x100 has K = 100 in features, not a multiple of 8"),
+        (["--sweep", "--shapes", "bad.json"], "JSON list of [M, K] pairs of positive integers"),
+        (["--sweep", "--shapes", "missing.json"], "--shapes missing.json"),
+        (["--sweep", "--model", "nowhere"], "--model nowhere"),
+        (["--sweep", "--shapes", "odd.json", "--held-out"], "--held-out and --shapes each choose the shapes"),
+        (["--sweep", "--model", "x", "--shapes", "odd.json"], "--model and --shapes each choose the shapes"),
+        (["--shapes", "odd.json"], "belong to --sweep"),
+        (["--sweep", "--merge", "a.json", "b.json", "--model", "x"], "leave out"),
+    ]
+    for args, says in cases:
+        assert cli.main(["bench", "sparse24", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, (args, err)
+    assert asked == [] and not list(tmp_path.glob("sparse24-sweep-*"))
 
 
 def test_lm_heads_are_the_sweep_models_vocabularies_by_their_hidden_size_and_not_in_the_sweep_set():

@@ -41,6 +41,13 @@ def main(argv: list[str] | None = None) -> int:
                        help="with --sweep: the projections of public models outside the sweep set (Qwen2.5 0.5-3B, "
                        "Llama-3.2, Gemma-2-2B, Phi-2, GPT-2-XL, Mistral-Nemo), which no kernel rule was fitted on; "
                        "writes sparse24-sweep-held-out-models-<gpu>.json")
+    bench.add_argument("--model", default=None, metavar="DIR",
+                       help="with --sweep: the linear layers of a Hugging Face model directory instead (its 2:4 "
+                       "layers, or those kp.sparsify would prune; read from the safetensors headers), timed without "
+                       "bias; writes sparse24-sweep-given-<gpu>.json")
+    bench.add_argument("--shapes", default=None, metavar="FILE",
+                       help="with --sweep: the layers of a JSON file instead, [[M, K], ...] (out, in features); "
+                       "writes sparse24-sweep-given-<gpu>.json")
 
     sparsify = sub.add_parser("sparsify", help="prune a checkpoint to 2:4 and write it compressed",
                               description="IN is a .safetensors file of dense weights (pruned by magnitude, written "
@@ -128,8 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         from .bench import run_sweep_command
 
-        return run_sweep_command(args.device, args.dtype, args.quick, args.json, args.l2, args.batch,
-                                 "lm heads" if args.lm_heads else "held-out models" if args.held_out else "sweep set")
+        shapes, shapes_from = None, None
+        if args.model or args.shapes:
+            shapes_from = f"--model {args.model}" if args.model else f"--shapes {args.shapes}"
+            try:
+                shapes = _sweep_shapes(args.model, args.shapes)
+            except (OSError, ValueError) as e:
+                print(f"kernelplan bench: {shapes_from}: {e}", file=sys.stderr)
+                return 2
+        shape_set = ("given" if shapes else "lm heads" if args.lm_heads else "held-out models" if args.held_out
+                     else "sweep set")
+        return run_sweep_command(args.device, args.dtype, args.quick, args.json, args.l2, args.batch, shape_set,
+                                 shapes, shapes_from)
     from .bench import run_bench
 
     return run_bench(args.suite, device=args.device, json_path=args.json)
@@ -187,19 +204,22 @@ def _bench_args_problem(args) -> str | None:
                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     if (args.batch or args.merge) and not args.sweep:
         return "--batch and --merge belong to --sweep (kernelplan bench sparse24 --sweep --batch 2048 8192)"
+    chosen = [flag for flag, on in (("--lm-heads", args.lm_heads), ("--held-out", args.held_out),
+                                    ("--model", args.model), ("--shapes", args.shapes)) if on]
     if args.merge:
         if (args.batch or args.quick or args.device is not None or args.dtype != "bf16" or args.l2 != "cold"
-                or args.lm_heads or args.held_out):
+                or chosen):
             return ("--merge joins finished parts: it takes their dtype, L2 mode, shapes and device from the files; "
-                    "leave out --batch, --quick, --device, --dtype, --l2, --lm-heads and --held-out")
+                    "leave out --batch, --quick, --device, --dtype, --l2, --lm-heads, --held-out, --model and "
+                    "--shapes")
     elif args.batch:
         bad = [n for n in args.batch if n < 1]
         if bad:
             return f"--batch {bad[0]}: a batch size is 1 or more"
         if args.quick:
             return "--batch and --quick both choose the batch sizes: give one of them"
-    if args.lm_heads and args.held_out:
-        return "--lm-heads and --held-out each choose the shapes: give one of them"
+    if len(chosen) > 1:
+        return f"{' and '.join(chosen)} each choose the shapes: give one of them"
     if args.sweep:
         if args.suite != "sparse24":
             return f"--sweep times the 2:4 kernels: give the suite sparse24 (kernelplan bench sparse24 --sweep), not {args.suite!r}"
@@ -207,9 +227,9 @@ def _bench_args_problem(args) -> str | None:
         if no_gpu and not args.merge:  # --merge joins files: it needs no device
             return ("--sweep times the 2:4 GPU kernels against dense on a CUDA device, and this run has none; "
                     "leave --sweep out for the CPU checks of every op")
-    elif args.quick or args.dtype != "bf16" or args.l2 != "cold" or args.lm_heads or args.held_out:
-        return ("--quick, --dtype, --l2, --lm-heads and --held-out belong to --sweep (kernelplan bench sparse24 "
-                "--sweep --quick --dtype f16)")
+    elif args.quick or args.dtype != "bf16" or args.l2 != "cold" or chosen:
+        return ("--quick, --dtype, --l2, --lm-heads, --held-out, --model and --shapes belong to --sweep (kernelplan "
+                "bench sparse24 --sweep --quick --dtype f16)")
     if args.json is not None:
         folder = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(folder):
@@ -419,22 +439,49 @@ def _warmup(args) -> int:
     return 0
 
 
+def _given_layers(model: str | None, shapes: str | None) -> tuple[list[dict], str]:
+    """The layers of a model directory (``--model``) or a JSON file of shapes (``--shapes``), each ``{"name", "m",
+    "k", "bias", "dtype"}`` as ``hf.layer_shapes`` gives them, and a word saying which they are: ``"2:4"``, ``"would
+    prune"`` or ``"given"``."""
+    import torch
+
+    if shapes:
+        with open(shapes) as f:
+            pairs = json.load(f)
+        if not isinstance(pairs, list) or not all(isinstance(s, list) and len(s) == 2 and
+                                                  all(isinstance(v, int) and v > 0 for v in s) for s in pairs):
+            raise ValueError("it must be a JSON list of [M, K] pairs of positive integers")
+        return [{"name": f"{m}x{k}", "m": m, "k": k, "bias": False, "dtype": torch.bfloat16}
+                for m, k in dict.fromkeys(map(tuple, pairs))], "given"
+    from .hf import layer_shapes
+
+    which, found = layer_shapes(model)
+    if not found:
+        raise ValueError("it holds no 2:4 layer and no 2-D weight kp.sparsify would prune")
+    return found, which
+
+
+def _sweep_shapes(model: str | None, shapes: str | None) -> dict[tuple[int, int], list[str]]:
+    """``--sweep --model`` or ``--shapes``: each distinct (M, K) with the layers that have it, as the sweep set's
+    (``bench.shapes.sweep_shapes``).  A ValueError names a layer the 2:4 format cannot hold."""
+    from .sparse24.format import COMPRESS_K
+
+    out: dict[tuple[int, int], list[str]] = {}
+    for layer in _given_layers(model, shapes)[0]:
+        if layer["k"] % COMPRESS_K:
+            raise ValueError(f"{layer['name']} has K = {layer['k']} in features, not a multiple of {COMPRESS_K}, "
+                             f"which the 2:4 format needs; leave it out (kp.sparsify keeps such layers dense)")
+        out.setdefault((layer["m"], layer["k"]), []).append(layer["name"])
+    return out
+
+
 def _warmup_layers(args) -> tuple[list[tuple], str]:
     """Distinct ``(M, K, bias, dtype)`` to warm up, and a line saying where they came from (--model)."""
     import torch
 
-    if args.shapes:
-        with open(args.shapes) as f:
-            shapes = json.load(f)
-        if not isinstance(shapes, list) or not all(isinstance(s, list) and len(s) == 2 and
-                                                   all(isinstance(v, int) and v > 0 for v in s) for s in shapes):
-            raise ValueError("it must be a JSON list of [M, K] pairs of positive integers")
-        return [(m, k, False, torch.bfloat16) for m, k in dict.fromkeys(map(tuple, shapes))], ""
-    from .hf import layer_shapes
-
-    which, found = layer_shapes(args.model)
-    if not found:
-        raise ValueError("it holds no 2:4 layer and no 2-D weight kp.sparsify would prune")
+    found, which = _given_layers(args.model, args.shapes)
+    if which == "given":
+        return list(dict.fromkeys((f["m"], f["k"], f["bias"], f["dtype"]) for f in found)), ""
     floating = (torch.bfloat16, torch.float16, torch.float32)
     odd = [f for f in found if f["dtype"] not in floating]
     if odd and args.dtype is None:

@@ -270,8 +270,8 @@ SHAPE_SETS = {"sweep set": sweep_shapes, "lm heads": lm_head_shapes, "held-out m
 
 
 def default_name(device: str, dtype: str, l2: str = "cold", shape_set: str = "sweep set") -> str:
-    """``sparse24-sweep[-lm-heads]-<gpu>[-f16][-l2warm]`` for a GPU named ``device`` (``torch.cuda.get_device_name``):
-    the name's model word (h100, h200), as the committed results are named."""
+    """``sparse24-sweep[-lm-heads|-held-out-models|-given]-<gpu>[-f16][-l2warm]`` for a GPU named ``device``
+    (``torch.cuda.get_device_name``): the name's model word (h100, h200), as the committed results are named."""
     words = device.split()
     gpu = words[1].lower() if len(words) > 1 else "gpu"
     heads = "" if shape_set == "sweep set" else "-" + shape_set.replace(" ", "-")
@@ -288,8 +288,9 @@ def _part_value(doc: dict, key: str):
     return shape_set_of(doc) if key == "shape_set" else doc.get(key)
 
 
-# What a sweep's parts must share to be one sweep: one GPU model, one code version, one dtype, L2 mode and shape set.
-_SAME_ACROSS_PARTS = ("device", "torch", "triton", "commit", "dtype", "l2", "shape_set")
+# What a sweep's parts must share to be one sweep: one GPU model, one code version, one dtype, L2 mode and shape set
+# (and, for given shapes, where they came from).
+_SAME_ACROSS_PARTS = ("device", "torch", "triton", "commit", "dtype", "l2", "shape_set", "shapes_from")
 
 
 def merge(parts: list[tuple[str, dict]]) -> dict:

@@ -16,7 +16,7 @@ from ..hf import check_markable, mark_config
 from ..nn.experts import Sparse24Experts, experts_reason, experts_speed_reason
 from ..nn.siblings import fuse_siblings
 from ..nn.sparse24_linear import Sparse24Linear
-from ..sparse24.format import SPARSE24_DTYPES, Sparse24Weight, compress, prune_compress
+from ..sparse24.format import COMPRESS_K, SPARSE24_DTYPES, Sparse24Weight, compress, prune_compress
 from . import calibrate, methods
 from .experts import calibrate_experts
 
@@ -70,8 +70,8 @@ def eligibility(weight: torch.Tensor) -> str | None:
         return f"dtype {weight.dtype} is not one of {SPARSE24_DTYPES}"
     if weight.dim() != 2:
         return f"weight has {weight.dim()} dims; only 2-D weights are pruned"
-    if weight.shape[1] % 8:
-        return f"in_features={weight.shape[1]} is not a multiple of 8"
+    if weight.shape[1] % COMPRESS_K:
+        return f"in_features={weight.shape[1]} is not a multiple of {COMPRESS_K}"
     return None
 
 

@@ -36,6 +36,8 @@ from .layout import PUBLIC, SP_LAYOUT, check_layout, gpu_kernels, layout_of, pac
 FORMAT_NAME = "kernelplan.sparse24"
 FORMAT_VERSION = 1
 SPARSE24_DTYPES = ("f64", "f32", "f16", "bf16")
+# What compress needs of K: the metadata is 4 bits a group of 4 columns, so a byte covers 8 columns.
+COMPRESS_K = 8
 
 
 def _groups(w: torch.Tensor, operand: str, multiple: int) -> torch.Tensor:
@@ -126,7 +128,7 @@ def compress(w: torch.Tensor, packed: bool = False) -> "Sparse24Weight":
             f"w has shape {tuple(w.shape)}; compress takes a 2-D weight [M, K]: reshape it to 2-D first"
         )
     dtype_info(w.dtype, "w", SPARSE24_DTYPES)
-    groups = _groups(w, "w", 8)
+    groups = _groups(w, "w", COMPRESS_K)
     check_has_data(w, "w", "compress")
     parts = _gpu_compress(w, False, packed)
     if parts is not None:  # None: the torch ops, or a group of more than 2, named below
