@@ -74,22 +74,24 @@ def test_sweep_runs_on_the_gpu(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_command_sweeps_given_shapes_on_the_gpu(tmp_path, monkeypatch, capsys):
-    """``--shapes``: a layer the device layout holds and one it does not (K = 200, held in the public format), each
-    right against fp64 at every n (the sweep marks a wrong result), with its bytes held."""
+    """``--shapes``: a layer the device layout holds and one of odd M it holds padded, each right against fp64 at
+    every n (the sweep marks a wrong result), with its bytes held; one of K = 200, which no 2:4 GPU kernel runs, left
+    out and said so."""
     pytest.importorskip("matplotlib")
     from kernelplan import cli
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "s.json").write_text(json.dumps([[512, 1024], [96, 200]]))
+    (tmp_path / "s.json").write_text(json.dumps([[512, 1024], [200, 512], [96, 200]]))
     assert cli.main(["bench", "sparse24", "--sweep", "--shapes", "s.json", "--batch", "1", "40",
                      "--json", "given.json"]) == 0
     doc = json.loads((tmp_path / "given.json").read_text())
     timed = [r for r in doc["rows"] if "n" in r]
-    assert sorted((r["m"], r["k"], r["n"]) for r in timed) == [(96, 200, 1), (96, 200, 40), (512, 1024, 1),
+    assert sorted((r["m"], r["k"], r["n"]) for r in timed) == [(200, 512, 1), (200, 512, 40), (512, 1024, 1),
                                                              (512, 1024, 40)]
     assert not any(k.endswith("_wrong") for r in doc["rows"] for k in r) and all(r["speedup"] > 0 for r in timed)
     held = {(r["m"], r["k"]): r["memory"]["ratio"] for r in doc["rows"] if "memory" in r}
-    assert set(held) == {(512, 1024), (96, 200)} and held[(512, 1024)] == 0.5625
+    assert set(held) == {(512, 1024), (200, 512)} and held[(512, 1024)] == 0.5625
+    assert [(x["m"], x["k"]) for x in doc["skipped"]] == [(96, 200)]
     assert doc["shape_set"] == "given" and doc["shapes_from"] == "--shapes s.json"
     capsys.readouterr()
 
@@ -305,11 +307,13 @@ def test_the_cli_sweeps_a_users_shapes_and_model_under_the_given_name(tmp_path, 
 
     asked = _fake_gpu_sweep(monkeypatch, tmp_path)
     given = tmp_path / "shapes.json"
-    given.write_text(json.dumps([[4096, 1600], [1600, 4096], [4096, 1600]]))
+    given.write_text(json.dumps([[4096, 1600], [1600, 4096], [4096, 1600], [64, 200]]))
     assert cli.main(["bench", "sparse24", "--sweep", "--shapes", str(given), "--batch", "8"]) == 0
     assert asked == [{(4096, 1600): ["4096x1600"], (1600, 4096): ["1600x4096"]}]
+    assert "left out 64x200 (64x200): K = 200 is not a multiple of 64" in capsys.readouterr().err
     doc = json.loads((tmp_path / "sparse24-sweep-given-h200.json").read_text())
     assert doc["shape_set"] == "given" and doc["shapes_from"] == f"--shapes {given}"
+    assert [(x["m"], x["k"], x["layers"]) for x in doc["skipped"]] == [(64, 200, ["64x200"])]
     assert sweep.default_name("NVIDIA H100 80GB HBM3", "f16", "cold", "given") == "sparse24-sweep-given-h100-f16"
 
     transformers = pytest.importorskip("transformers")
@@ -329,15 +333,16 @@ def test_the_cli_sweeps_a_users_shapes_and_model_under_the_given_name(tmp_path, 
 
 
 def test_the_cli_refuses_given_shapes_it_cannot_sweep_before_any_timing(tmp_path, monkeypatch, capsys):
-    """A bad --shapes file, a layer of K the 2:4 format cannot hold, a missing model directory, and --model or --shapes
-    beside another choice of shapes or without --sweep: exit 2 with one line naming it, and run_sweep never asked."""
+    """A bad --shapes file, no layer a 2:4 GPU kernel runs, a missing model directory, and --model or --shapes beside
+    another choice of shapes or without --sweep: exit 2 with a line naming it (and one a layer left out), and
+    run_sweep never asked."""
     from kernelplan import cli
 
     asked = _fake_gpu_sweep(monkeypatch, tmp_path)
-    (tmp_path / "odd.json").write_text(json.dumps([[4096, 1600], [64, 100]]))
+    (tmp_path / "odd.json").write_text(json.dumps([[64, 100]]))
     (tmp_path / "bad.json").write_text(json.dumps([[4096, "1600"]]))
     cases = [
-        (["--sweep", "--shapes", "odd.json"], "64x100 has K = 100 in features, not a multiple of 8"),
+        (["--sweep", "--shapes", "odd.json"], "no layer left to sweep"),
         (["--sweep", "--shapes", "bad.json"], "JSON list of [M, K] pairs of positive integers"),
         (["--sweep", "--shapes", "missing.json"], "--shapes missing.json"),
         (["--sweep", "--model", "nowhere"], "--model nowhere"),
@@ -349,7 +354,7 @@ def test_the_cli_refuses_given_shapes_it_cannot_sweep_before_any_timing(tmp_path
     for args, says in cases:
         assert cli.main(["bench", "sparse24", *args]) == 2, args
         err = capsys.readouterr().err
-        assert says in err and err.count("\n") == 1, (args, err)
+        assert says in err and err.count("\n") == (2 if "left to sweep" in says else 1), (args, err)
     assert asked == [] and not list(tmp_path.glob("sparse24-sweep-*"))
 
 

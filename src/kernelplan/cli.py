@@ -135,18 +135,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         from .bench import run_sweep_command
 
-        shapes, shapes_from = None, None
+        shapes, shapes_from, skipped = None, None, []
         if args.model or args.shapes:
             shapes_from = f"--model {args.model}" if args.model else f"--shapes {args.shapes}"
             try:
-                shapes = _sweep_shapes(args.model, args.shapes)
+                shapes, skipped = _sweep_shapes(args.model, args.shapes)
             except (OSError, ValueError) as e:
                 print(f"kernelplan bench: {shapes_from}: {e}", file=sys.stderr)
+                return 2
+            for left in skipped:
+                print(f"kernelplan bench: {shapes_from}: left out {left['m']}x{left['k']} ({', '.join(left['layers'])})"
+                      f": {left['why']}", file=sys.stderr)
+            if not shapes:
+                print(f"kernelplan bench: {shapes_from}: no layer left to sweep", file=sys.stderr)
                 return 2
         shape_set = ("given" if shapes else "lm heads" if args.lm_heads else "held-out models" if args.held_out
                      else "sweep set")
         return run_sweep_command(args.device, args.dtype, args.quick, args.json, args.l2, args.batch, shape_set,
-                                 shapes, shapes_from)
+                                 shapes, shapes_from, skipped)
     from .bench import run_bench
 
     return run_bench(args.suite, device=args.device, json_path=args.json)
@@ -461,18 +467,20 @@ def _given_layers(model: str | None, shapes: str | None) -> tuple[list[dict], st
     return found, which
 
 
-def _sweep_shapes(model: str | None, shapes: str | None) -> dict[tuple[int, int], list[str]]:
+def _sweep_shapes(model: str | None, shapes: str | None) -> tuple[dict[tuple[int, int], list[str]], list[dict]]:
     """``--sweep --model`` or ``--shapes``: each distinct (M, K) with the layers that have it, as the sweep set's
-    (``bench.shapes.sweep_shapes``).  A ValueError names a layer the 2:4 format cannot hold."""
-    from .sparse24.format import COMPRESS_K
+    (``bench.shapes.sweep_shapes``), and the layers left out, each ``{"layers", "m", "k", "why"}``: those no 2:4 GPU
+    kernel runs (K not a multiple of the device layout's column step)."""
+    from .sparse24.layout import TILE_K
 
     out: dict[tuple[int, int], list[str]] = {}
     for layer in _given_layers(model, shapes)[0]:
-        if layer["k"] % COMPRESS_K:
-            raise ValueError(f"{layer['name']} has K = {layer['k']} in features, not a multiple of {COMPRESS_K}, "
-                             f"which the 2:4 format needs; leave it out (kp.sparsify keeps such layers dense)")
         out.setdefault((layer["m"], layer["k"]), []).append(layer["name"])
-    return out
+    skipped = [{"layers": names, "m": m, "k": k,
+                "why": f"K = {k} is not a multiple of {TILE_K}: no 2:4 GPU kernel runs it (kernelplan runs such a "
+                       f"layer on the reference, which decompresses the weight at every call)"}
+               for (m, k), names in out.items() if k % TILE_K]
+    return {mk: names for mk, names in out.items() if mk[1] % TILE_K == 0}, skipped
 
 
 def _warmup_layers(args) -> tuple[list[tuple], str]:

@@ -88,18 +88,19 @@ def run_bench(suite: str = "all", device: str | None = None, json_path: str | No
 
 def run_sweep_command(device: str | None, dtype: str, quick: bool, json_path: str | None, l2: str = "cold",
                       batch: list[int] | None = None, shape_set: str = "sweep set", shapes: dict | None = None,
-                      shapes_from: str | None = None) -> int:
+                      shapes_from: str | None = None, skipped: list | None = None) -> int:
     """``kernelplan bench sparse24 --sweep``: the sweep, its JSON and PNG, and its summary; 1 if a result was wrong.
     ``batch``: these batch sizes instead of the sweep's (a part of a sweep too long for one run; ``--merge``).
     ``shape_set``: the sweep set, or the same models' LM heads (``sweep.SHAPE_SETS``), or ``"given"``: ``shapes``,
-    ``{(M, K): [layer names]}``, which came from ``shapes_from`` (``--model DIR``, ``--shapes FILE``)."""
+    ``{(M, K): [layer names]}``, which came from ``shapes_from`` (``--model DIR``, ``--shapes FILE``), where the
+    layers ``skipped`` were left out (the JSON says which and why)."""
     from . import sweep
 
     dev = torch.device(device or "cuda")
     t0 = time.time()
     sizes = batch or (sweep.QUICK_BATCH_SIZES if quick else sweep.BATCH_SIZES)
     head = {**environment(dev), "dtype": dtype, "timing": sweep.TIMING, "l2": l2, "l2_means": sweep.L2_MEANS[l2],
-            "shape_set": shape_set, **({"shapes_from": shapes_from} if shapes_from else {})}
+            "shape_set": shape_set, **({"shapes_from": shapes_from, "skipped": skipped or []} if shapes_from else {})}
     path = json_path or f"{sweep.default_name(torch.cuda.get_device_name(dev), dtype, l2, shape_set)}.json"
     shapes = sweep.SHAPE_SETS[shape_set]() if shapes is None else shapes
     partial = path + ".partial"
