@@ -262,28 +262,6 @@ def test_held_out_shapes_are_other_models_projections_outside_the_sweep_set_and_
     assert (3072, 3072) in every - set(held)  # Llama-3.2-3B's o is Phi-3-mini's, in the sweep set
 
 
-def test_the_cli_sweeps_the_held_out_models_under_their_own_name(tmp_path, monkeypatch, capsys):
-    from kernelplan import cli
-    from kernelplan.bench.shapes import held_out_shapes
-
-    asked = []
-
-    def fake_run_sweep(dev, dtype, sizes, shapes, log, l2, done):
-        asked.append(shapes)
-        return copy.deepcopy([r for r in _rows() if "n" not in r or r["n"] in sizes])
-
-    monkeypatch.setattr(sweep, "run_sweep", fake_run_sweep)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "NVIDIA H200")
-    monkeypatch.setenv("KERNELPLAN_COMMIT", "abc1234")
-    monkeypatch.chdir(tmp_path)
-    assert cli.main(["bench", "sparse24", "--sweep", "--held-out", "--batch", "8"]) == 0
-    assert asked == [held_out_shapes()]
-    assert json.loads((tmp_path / "sparse24-sweep-held-out-models-h200.json").read_text())["shape_set"] == \
-        "held-out models"
-    capsys.readouterr()
-
-
 def _fake_gpu_sweep(monkeypatch, tmp_path) -> list:
     """The sweep's timing stubbed on a 'GPU': run_sweep records the shapes it is asked for."""
     asked = []
@@ -298,6 +276,18 @@ def _fake_gpu_sweep(monkeypatch, tmp_path) -> list:
     monkeypatch.setenv("KERNELPLAN_COMMIT", "abc1234")
     monkeypatch.chdir(tmp_path)
     return asked
+
+
+def test_the_cli_sweeps_the_held_out_models_under_their_own_name(tmp_path, monkeypatch, capsys):
+    from kernelplan import cli
+    from kernelplan.bench.shapes import held_out_shapes
+
+    asked = _fake_gpu_sweep(monkeypatch, tmp_path)
+    assert cli.main(["bench", "sparse24", "--sweep", "--held-out", "--batch", "8"]) == 0
+    assert asked == [held_out_shapes()]
+    assert json.loads((tmp_path / "sparse24-sweep-held-out-models-h200.json").read_text())["shape_set"] == \
+        "held-out models"
+    capsys.readouterr()
 
 
 def test_the_cli_sweeps_a_users_shapes_and_model_under_the_given_name(tmp_path, monkeypatch, capsys):
