@@ -220,6 +220,18 @@ def test_a_magnitude_report_says_that_it_looked_at_no_data(seed):
     assert MAGNITUDE_NOTE not in kp.sparsify(copy.deepcopy(model), lambda *_: False, progress=False).summary()
 
 
+def test_the_report_names_converted_layers_no_gpu_kernel_runs(seed):
+    """K = 72 is a multiple of 8 (the 2:4 format's) but not of 64 (the device layout's): converted, and named in the
+    report, which says what that costs on a GPU; K = 64 and 128 are not named, and filter_fn keeps the odd one dense."""
+    model = torch.nn.Sequential(torch.nn.Linear(72, 64), torch.nn.Linear(64, 128), torch.nn.Linear(128, 72))
+    report = kp.sparsify(copy.deepcopy(model), progress=False)
+    assert report.converted == ["0", "1", "2"] and report.no_gpu_kernel == ["0"]
+    line = next(ln for ln in report.summary().splitlines() if "no 2:4 GPU kernel" in ln)
+    assert "multiple of 64" in line and "decompresses the weight at every call" in line and line.endswith(": 0")
+    kept = kp.sparsify(copy.deepcopy(model), lambda name, layer: layer.in_features % 64 == 0, progress=False)
+    assert kept.converted == ["1", "2"] and kept.no_gpu_kernel == [] and "no 2:4 GPU kernel" not in kept.summary()
+
+
 def _alive_as_replaced(monkeypatch, name: str) -> list[int]:
     """Wraps ``sparsify``'s ``name`` (``_replace`` or ``_replace_experts``): at each replacement, how many of the dense
     modules replaced before it are still referenced (alive after a collection)."""
