@@ -210,31 +210,6 @@ def test_y_is_staged_in_16_bits_where_k_is_whole_and_no_gated_pair_meets(compile
         assert "STL" not in sass, (cfg, act, head)
 
 
-def test_the_first_stage_goes_out_before_the_ctas_sync_where_its_copies_are_its_own(compile_for):
-    """kEarly (sparse24_ws.cu): the thread that initialises the ring's barriers sends its first stage before the
-    CTA's sync (the first TMA load, UTMALDG, comes before the first BAR.SYNC in the SASS), K split or not; not where x
-    is multicast (the cluster's barrier first: its copies land in its peers), not in the KP_EARLY=0 build for the A/B,
-    and not where erf's gelu takes the f32 epilogue (a K split), which then spilled."""
-    import re
-
-    from kernelplan.kernels.sparse24_ws import source
-    from kernelplan.kernels.sparse24_ws_rule import _deepest
-
-    want = {(WsConfig(128, 2, 1, 1, 8), None, ""): True, (WsConfig(64, 1, 1, 4, 8), "silu", ""): True,
-            (WsConfig(128, 2, 1, 1, 8), "gelu", ""): True,
-            (WsConfig(128, 2, 1, 1, 8), None, "#define KP_EARLY 0\n"): False,
-            (_deepest(256, 2, 2, 1), None, ""): False, (WsConfig(128, 2, 1, 2, 8), "gelu", ""): False}
-    for (cfg, act, head), early in want.items():
-        sass = _sass(compile_for(head + source(cfg, "bf16", True, act), "sm_90a"))
-        if sass is None:
-            pytest.skip("no cuobjdump next to Triton")
-        ops = [line.split("*/", 1)[1] for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
-        tma = next(i for i, op in enumerate(ops) if "UTMALDG" in op)
-        sync = next(i for i, op in enumerate(ops) if "BAR.SYNC" in op or "UCGABAR" in op)
-        assert (tma < sync) == early, (cfg, act, head)
-        assert "STL" not in sass, (cfg, act, head)
-
-
 def _sass(cubin: bytes) -> str | None:
     """``cuobjdump -sass`` of a cubin, with the cuobjdump Triton ships; None where there is none."""
     import os

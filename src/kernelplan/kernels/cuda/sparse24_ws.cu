@@ -136,16 +136,6 @@ static_assert(!KP_PDL || (!GROUPED && !KP_PROBE), "KP_PDL: the grouped kernel re
 #endif
 constexpr bool kY16 = KP_Y16 && KC == 1 && kRegions == 1 && NI % 16 == 0 && !(ACT == ACT_GELU && BN >= 192);
 
-// The ring's first stage goes out from the thread that initialises its barriers, before the CTA's sync, where this
-// CTA's copies land in its own shared memory alone (no x multicast; PDL waits for x first), so that the sync and the
-// warps' start overlap the copy's latency.  Not where erf's gelu takes the f32 epilogue, which is at the register
-// limit: with the early stage it spilled (2 stores to local memory a thread at BN = 128-256; tests/
-// test_sparse24_ws.py), inlined or not.  KP_EARLY=0 builds the stage after the sync everywhere, for the A/B.
-#ifndef KP_EARLY
-#define KP_EARLY 1
-#endif
-constexpr bool kEarly = KP_EARLY && CM == 1 && !KP_PDL && KP_PROBE != 2 && (ACT != ACT_GELU || kY16);
-
 #if CM * KC > 1
 #define KP_CLUSTER __cluster_dims__(1, CM, KC)
 #else
@@ -200,11 +190,6 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
         if constexpr (kPush) mbar_init(sums_bar, 1);
         mbar_init_fence();
         if constexpr (kPush) mbar_expect_tx(sums_bar, (KC - 1) * kRowsHere * kBM * 4);
-        if constexpr (kEarly) {  // a fresh ring: its first stage is free
-            mbar_expect_tx(full0, kXBytes + kWBytes);
-            tma_load_2d(sbase, &xmap, step0 * 64, n0, full0);
-            load_w(sbase, &vmap, &emap, step0, w_block(tile, tiles_m), w_half(tile), full0);
-        }
     }
     if constexpr (CM > 1 || (KC > 1 && !KP_LOCAL_SYNC && !kPush)) {
         cluster_sync();  // every CTA's barriers are ready before any copy or arrival from a peer
@@ -234,14 +219,7 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
 #else
             constexpr int pre = 0;
 #endif
-            const int sent = kEarly ? 1 : 0;  // the first stage, sent before the sync
-#if KP_PROBE == 3
-            if (sent > 0) {
-                mbar_wait(full0, 0);
-                KP_PHASE(2);
-            }
-#endif
-            for (int s = sent; s < steps; ++s) {
+            for (int s = 0; s < steps; ++s) {
                 const int b = ring_stage(s);
                 mbar_wait(empty0 + 8 * b, ring_parity(s) ^ 1);
                 const u32 full = full0 + 8 * b, at = sbase + b * kStageBytes;
