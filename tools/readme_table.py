@@ -556,6 +556,7 @@ def table() -> str:
                  "sparse24-sweep-f16-wide-k-splits-h200", "sparse24-sweep-f16-wide-k-splits-n32-64-h200",
                  "sparse24-sweep-f16-one-x-n128-h200", "sparse24-sweep-f16-pp-ties-n128-1024-h200",
                  "sparse24-sweep-f16-y16-h200", "sparse24-sweep-f16-pp-ties-192-n256-512-h200",
+                 "sparse24-sweep-f16-n4096-8192-h200",
                  "sparse24-sweep-h100-f16-l2warm",
                  "sparse24-sweep-h200-f16-l2warm"):
         body += sweep_rows(name)
