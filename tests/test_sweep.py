@@ -22,7 +22,8 @@ def _rows(seed: int = 0) -> list[dict]:
         for n in BATCH_SIZES:
             s = rng.uniform(0.5, 2.0)
             rows.append({"m": m, "k": k, "n": n, "speedup": s, "eager_speedup": s * 0.9, "rule": "cuda_ws",
-                         "dense_eager_ms": 0.02, "rule_eager_ms": 0.02 / (s * 0.9)})
+                         "dense_ms": 0.01, "dense_eager_ms": 0.02, "rule_eager_ms": 0.02 / (s * 0.9),
+                         "layers": [f"{m}x{k} layer {i}" for i in range(1 + m % 3)]})
         rows.append({"m": m, "k": k, "memory": {"dense_bytes": 2 * m * k, "held_bytes": 1.125 * m * k,
                                                 "ratio": 0.5625}})
     return rows
@@ -303,6 +304,7 @@ def test_the_cli_sweeps_a_users_shapes_and_model_under_the_given_name(tmp_path, 
     assert "left out 64x200 (64x200): K = 200 is not a multiple of 64" in capsys.readouterr().err
     doc = json.loads((tmp_path / "sparse24-sweep-given-h200.json").read_text())
     assert doc["shape_set"] == "given" and doc["shapes_from"] == f"--shapes {given}"
+    assert doc["together"] == sweep.together(doc["rows"]) and doc["together"][1].startswith("  n = 8: ")
     assert [(x["m"], x["k"], x["layers"]) for x in doc["skipped"]] == [(64, 200, ["64x200"])]
     assert sweep.default_name("NVIDIA H100 80GB HBM3", "f16", "cold", "given") == "sparse24-sweep-given-h100-f16"
 
@@ -320,6 +322,24 @@ def test_the_cli_sweeps_a_users_shapes_and_model_under_the_given_name(tmp_path, 
     assert cli.main(["bench", "sparse24", "--sweep", "--merge", str(tmp_path / "llama.json"),
                      str(tmp_path / "sparse24-sweep-given-h200.json")]) == 2
     assert "shapes_from" in capsys.readouterr().err
+
+
+def test_given_layers_together_weigh_each_shape_by_its_layers():
+    """sweep.together: at each n, dense's summed time over the rule's, a shape counted once for each layer with it;
+    the bytes likewise; an n where a shape has no time is named, not summed."""
+    def row(m, n, dense, speedup, layers):
+        return {"m": m, "k": 64, "n": n, "dense_ms": dense, "speedup": speedup, "dense_eager_ms": 2 * dense,
+                "rule_eager_ms": 2 * dense / speedup * 1.25, "layers": [f"l{i}" for i in range(layers)]}
+
+    wrong = {"m": 256, "k": 64, "n": 8, "dense_ms": 3.0, "layers": ["l0"], "cuda_ws_wrong": True}
+    rows = [row(128, 1, 1.0, 2.0, 2), row(128, 8, 1.0, 1.0, 2),
+            {"m": 128, "k": 64, "memory": {"dense_bytes": 100, "held_bytes": 56}},
+            row(256, 1, 3.0, 1.0, 1), wrong, {"m": 256, "k": 64, "memory": {"dense_bytes": 300, "held_bytes": 150}}]
+    lines = sweep.together(rows)
+    # n = 1: dense 2 x 1 + 3 = 5 ms, the rule's 2 x 0.5 + 3 = 4 ms; eager each 1.25x longer
+    assert lines[1] == "  n = 1: 1.25x graph, 1.00x eager"
+    assert lines[2] == "  n = 8: incomplete, no time of the rule's kernel on 256x64"
+    assert lines[3].endswith(f"dense {500 / 2**20:.1f} MiB ({(2 * 56 + 150) / 500:.4f}x)")
 
 
 def test_the_cli_refuses_given_shapes_it_cannot_sweep_before_any_timing(tmp_path, monkeypatch, capsys):

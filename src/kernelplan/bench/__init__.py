@@ -151,9 +151,11 @@ def _write_sweep(doc: dict, path: str) -> int:
     exit status: 1 if a kernel's result was wrong."""
     from . import sweep
 
+    if sweep.shape_set_of(doc) == "given":  # a user's model: its layers as one, too
+        doc["together"] = sweep.together(doc["rows"])
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
-    print("\n".join(sweep.summary(doc["rows"])))
+    print("\n".join(sweep.summary(doc["rows"]) + doc.get("together", [])))
     if line := sweep.facts_line(doc.get("gpu", {})):
         print(line)
     try:

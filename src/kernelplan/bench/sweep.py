@@ -220,6 +220,33 @@ def summary(rows: list[dict], worst: int = 5) -> list[str]:
     return lines
 
 
+def together(rows: list[dict]) -> list[str]:
+    """A given model's layers (``--model``, ``--shapes``) as one: at each n, the sum of dense's times over the sum of
+    the rule's, each distinct (M, K) counted once for each layer that has it (its rows' ``layers``), CUDA graph and
+    eager; and the bytes all of them hold.  An n where a shape has no time (a wrong result) is said to be
+    incomplete, not summed."""
+    timed = [r for r in rows if "n" in r]
+    count = {(r["m"], r["k"]): len(r["layers"]) for r in timed}
+    lines = ["the layers together, each shape counted once for each layer that has it (dense's time over the rule's):"]
+    for n in sorted({r["n"] for r in timed}):
+        at = [r for r in timed if r["n"] == n]
+        missing = [f"{r['m']}x{r['k']}" for r in at if "speedup" not in r]
+        if missing:
+            lines.append(f"  n = {n}: incomplete, no time of the rule's kernel on {', '.join(missing)}")
+            continue
+        graph = sum(count[r["m"], r["k"]] * r["dense_ms"] for r in at) / sum(
+            count[r["m"], r["k"]] * r["dense_ms"] / r["speedup"] for r in at)
+        eager = sum(count[r["m"], r["k"]] * r["dense_eager_ms"] for r in at) / sum(
+            count[r["m"], r["k"]] * r["rule_eager_ms"] for r in at)
+        lines.append(f"  n = {n}: {graph:.2f}x graph, {eager:.2f}x eager")
+    held = [(count.get((r["m"], r["k"]), 0), r["memory"]) for r in rows if "memory" in r]
+    dense = sum(c * mem["dense_bytes"] for c, mem in held)
+    if dense:
+        kept = sum(c * mem["held_bytes"] for c, mem in held)
+        lines.append(f"  bytes held: {kept / 2**20:.1f} MiB, dense {dense / 2**20:.1f} MiB ({kept / dense:.4f}x)")
+    return lines
+
+
 def facts_line(gpu: dict) -> str | None:
     """What the tile rule read of the sweep's GPU (its results file's ``gpu`` record, ``rule_facts``), in one line:
     where two GPUs of one name pick differently, this says why (docs/design/0065, 0066); None where not recorded."""
