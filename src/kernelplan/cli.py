@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
         shapes, shapes_from, skipped = None, None, []
         if args.model or args.shapes:
-            shapes_from = f"--model {args.model}" if args.model else f"--shapes {args.shapes}"
+            shapes_from = _layers_source(args)
             try:
                 shapes, skipped = _sweep_shapes(args.model, args.shapes)
             except (OSError, ValueError) as e:
@@ -423,8 +423,7 @@ def _warmup(args) -> int:
     try:
         layers, which = _warmup_layers(args)
     except (OSError, ValueError, KernelPlanError) as e:
-        source = f"--model {args.model}" if args.model else f"--shapes {args.shapes}"
-        print(f"kernelplan warmup: {source}: {e}", file=sys.stderr)
+        print(f"kernelplan warmup: {_layers_source(args)}: {e}", file=sys.stderr)
         return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -443,6 +442,11 @@ def _warmup(args) -> int:
     if rows:
         print(f"{rows[0]['compiled']} kernels compiled or read from the cache in {rows[0]['compile_s']:.1f} s")
     return 0
+
+
+def _layers_source(args) -> str:
+    """Where ``--model`` or ``--shapes`` takes the layers from, as the user gave it."""
+    return f"--model {args.model}" if args.model else f"--shapes {args.shapes}"
 
 
 def _given_layers(model: str | None, shapes: str | None) -> tuple[list[dict], str]:
@@ -471,16 +475,20 @@ def _sweep_shapes(model: str | None, shapes: str | None) -> tuple[dict[tuple[int
     """``--sweep --model`` or ``--shapes``: each distinct (M, K) with the layers that have it, as the sweep set's
     (``bench.shapes.sweep_shapes``), and the layers left out, each ``{"layers", "m", "k", "why"}``: those no 2:4 GPU
     kernel runs (K not a multiple of the device layout's column step)."""
-    from .sparse24.layout import TILE_K
+    from .sparse24.layout import k_reason
 
     out: dict[tuple[int, int], list[str]] = {}
     for layer in _given_layers(model, shapes)[0]:
         out.setdefault((layer["m"], layer["k"]), []).append(layer["name"])
-    skipped = [{"layers": names, "m": m, "k": k,
-                "why": f"K = {k} is not a multiple of {TILE_K}: no 2:4 GPU kernel runs it (kernelplan runs such a "
-                       f"layer on the reference, which decompresses the weight at every call)"}
-               for (m, k), names in out.items() if k % TILE_K]
-    return {mk: names for mk, names in out.items() if mk[1] % TILE_K == 0}, skipped
+    swept, skipped = {}, []
+    for (m, k), names in out.items():
+        if (why := k_reason(k)) is None:
+            swept[m, k] = names
+        else:
+            skipped.append({"layers": names, "m": m, "k": k,
+                            "why": f"{why}: no 2:4 GPU kernel runs it (kernelplan runs such a layer on the reference, "
+                                   f"which decompresses the weight at every call)"})
+    return swept, skipped
 
 
 def _warmup_layers(args) -> tuple[list[tuple], str]:

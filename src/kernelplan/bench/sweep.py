@@ -227,6 +227,10 @@ def together(rows: list[dict]) -> list[str]:
     incomplete, not summed."""
     timed = [r for r in rows if "n" in r]
     count = {(r["m"], r["k"]): len(r["layers"]) for r in timed}
+
+    def total(at: list[dict], time) -> float:
+        return sum(count[r["m"], r["k"]] * time(r) for r in at)
+
     lines = ["the layers together, each shape counted once for each layer that has it (dense's time over the rule's):"]
     for n in sorted({r["n"] for r in timed}):
         at = [r for r in timed if r["n"] == n]
@@ -234,10 +238,8 @@ def together(rows: list[dict]) -> list[str]:
         if missing:
             lines.append(f"  n = {n}: incomplete, no time of the rule's kernel on {', '.join(missing)}")
             continue
-        graph = sum(count[r["m"], r["k"]] * r["dense_ms"] for r in at) / sum(
-            count[r["m"], r["k"]] * r["dense_ms"] / r["speedup"] for r in at)
-        eager = sum(count[r["m"], r["k"]] * r["dense_eager_ms"] for r in at) / sum(
-            count[r["m"], r["k"]] * r["rule_eager_ms"] for r in at)
+        graph = total(at, lambda r: r["dense_ms"]) / total(at, lambda r: r["dense_ms"] / r["speedup"])
+        eager = total(at, lambda r: r["dense_eager_ms"]) / total(at, lambda r: r["rule_eager_ms"])
         lines.append(f"  n = {n}: {graph:.2f}x graph, {eager:.2f}x eager")
     held = [(count.get((r["m"], r["k"]), 0), r["memory"]) for r in rows if "memory" in r]
     dense = sum(c * mem["dense_bytes"] for c, mem in held)

@@ -336,14 +336,19 @@ PP_TIE_MAX_ACC = 192
 PP_TIE_WIDE_X = False  # True: ties where x has more tiles than W has blocks go to ping-pong at every size (0068)
 
 
+def _x_wider(cfg: WsConfig, n: int, m: int) -> bool:
+    """Whether x has more tiles than W has blocks of ``cfg``'s rows."""
+    tiles_n, blocks, _ = cfg.grid(n, m)
+    return tiles_n > blocks
+
+
 def rule_order(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
                gpu: GpuFacts | None = None) -> tuple[float, bool, bool]:
     """The rule's sort key: ``tile_cost``, then ping-pong first (the note at ``PP_TIE_MAX_ACC``), then x multicast to 2
     CTAs where x's tile is ``_MCAST_TIE_MIN_BN`` rows or more.  A ping-pong tile and the same tile one a CTA cost alike
     where each CTA has one tile; there the ping-pong one ran faster on 20 of 24 problems, by up to 6%
     (sparse24-ws-small-h100.json: tiles of 16-64 rows of x)."""
-    tiles_n, blocks, _ = cfg.grid(n, m)
-    pp_first = cfg.pp and (cfg.bn * cfg.wm < PP_TIE_MAX_ACC or PP_TIE_WIDE_X and tiles_n > blocks)
+    pp_first = cfg.pp and (cfg.bn * cfg.wm < PP_TIE_MAX_ACC or PP_TIE_WIDE_X and _x_wider(cfg, n, m))
     return tile_cost(cfg, n, m, k, sms, w, gpu), not pp_first, cfg.bn >= _MCAST_TIE_MIN_BN and cfg.cm != 2
 
 

@@ -17,7 +17,7 @@ from ..nn.experts import Sparse24Experts, experts_reason, experts_speed_reason
 from ..nn.siblings import fuse_siblings
 from ..nn.sparse24_linear import Sparse24Linear
 from ..sparse24.format import COMPRESS_K, SPARSE24_DTYPES, Sparse24Weight, compress, prune_compress
-from ..sparse24.layout import TILE_K
+from ..sparse24.layout import TILE_K, k_reason
 from . import calibrate, methods
 from .experts import calibrate_experts
 
@@ -214,7 +214,7 @@ def _replace(model: nn.Module, name: str, layer: nn.Linear, w24: Sparse24Weight,
     parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
     setattr(parent, name.rpartition(".")[2], sparse)
     report.converted.append(name)
-    if layer.in_features % TILE_K:
+    if k_reason(layer.in_features) is not None:
         report.no_gpu_kernel.append(name)
     report.bytes_before += layer.weight.numel() * layer.weight.element_size()
     report.bytes_after += sparse.values.nbytes + sparse.metadata.nbytes  # as held: the device layout's 0.5625x

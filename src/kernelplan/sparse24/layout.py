@@ -54,13 +54,16 @@ def weight_shape(values: torch.Tensor) -> tuple[int, int]:
     return values.shape[0], 2 * values.shape[1]
 
 
+def k_reason(k: int) -> str | None:
+    """Why the device layout, and so every 2:4 GPU kernel (Triton's too), cannot take K columns, or None."""
+    return f"K = {k} is not a multiple of {TILE_K}, the layout's column step" if k % TILE_K else None
+
+
 def pack_reason(m: int, k: int) -> str | None:
     """Why a weight ``[M, K]`` cannot be held in the device layout, or None."""
     if m % TILE_M:
         return f"M = {m} is not a multiple of {TILE_M}, the layout's row tile"
-    if k % TILE_K:
-        return f"K = {k} is not a multiple of {TILE_K}, the layout's column step"
-    return None
+    return k_reason(k)
 
 
 def packed_shapes(m: int, k: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
