@@ -4,8 +4,8 @@ The sweep's eager rows cycle over as many copies of a weight as take its reads p
 many layers). For each layer size, n and number of weights cycled, host time alone per call (the clock stops when
 the last call returns; ``timing.host_us_per_call(wait=False)``), alternating in rounds, medians:
 
-* ``F.linear`` on the dense weights, and ``kp.sparse24.linear`` and ``Sparse24Linear`` on their 2:4 copies
-  (the device layout, no bias, as the sweep calls them);
+* ``F.linear`` on the dense weights and ``kp.sparse24.linear`` on their 2:4 copies (the device layout, no bias, as
+  the sweep calls them); ``nn.Linear`` modules on the dense weights and ``Sparse24Linear`` ones;
 * ``bound``: the weight's ``BoundLaunch`` called directly (``kernels/direct.py``: x's, bias's and y's slots
   written, ``cuLaunchKernel``), the layer under every lookup;
 * ``y``: ``x.new_empty`` of y alone;
@@ -75,8 +75,10 @@ def main() -> int:
             m, k = map(int, shape.split("x"))
             most = max(a.weights)
             ws = [kp.sparse24.prune(torch.randn(m, k, device=dev)).bfloat16() for _ in range(most)]
-            layers = [kp.nn.Sparse24Linear.from_dense(torch.nn.Linear(k, m, bias=False, device=dev,
-                                                                      dtype=torch.bfloat16)) for _ in range(most)]
+            denses = [torch.nn.Linear(k, m, bias=False, device="meta") for _ in range(most)]
+            for d, w in zip(denses, ws):
+                d.weight = torch.nn.Parameter(w, requires_grad=False)  # the dense weights themselves, no copy
+            layers = [kp.nn.Sparse24Linear.from_dense(d) for d in denses]
             w24s = [kp.sparse24.compress(w).packed() for w in ws]
             for n in a.n:
                 x = torch.randn(n, k, device=dev).bfloat16()
@@ -89,6 +91,7 @@ def main() -> int:
                     fns = {
                         "F.linear": _cycling([lambda w=w: F.linear(x, w) for w in ws[:weights]]),
                         "kp.sparse24.linear": _cycling([lambda c=c: kp.sparse24.linear(x, c) for c in w24s[:weights]]),
+                        "nn.Linear": _cycling([lambda d=d: d(x) for d in denses[:weights]]),
                         "Sparse24Linear": _cycling([lambda lay=lay: lay(x) for lay in layers[:weights]]),
                         "bound": _cycling([lambda b=b: b(x.data_ptr(), 0, y.data_ptr(), stream)
                                            for b in bounds[:weights]]),
@@ -98,7 +101,7 @@ def main() -> int:
                     rows.append(row)
                     print(f"{m}x{k} n={n} weights={weights}: " + ", ".join(
                         f"{name} {v:.2f}" for name, v in row.items() if isinstance(v, float)), flush=True)
-            del ws, w24s, layers, bounds
+            del ws, w24s, denses, layers, bounds
             torch.cuda.empty_cache()
     results.write("sparse24-host-weights", {"rows": rows}, a.json, calls=CALLS, rounds=a.rounds,
                   unit="us of host work per call, median of rounds")
