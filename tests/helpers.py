@@ -41,10 +41,10 @@ sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device
 
 class StubDriver:
     """cuLaunchKernel that records each launch: its grid, block, shared bytes, stream and each parameter slot's
-    bytes (``sizes``: the parameters' byte sizes)."""
+    bytes (``sizes``: the parameters' byte sizes), and in ``addresses`` where its parameter pointers were."""
 
     def __init__(self, sizes, error=0):
-        self.sizes, self.error, self.launches = sizes, error, []
+        self.sizes, self.error, self.launches, self.addresses = sizes, error, [], []
 
     def CUstream(self, raw):  # noqa: N802 (cuda-bindings' name)
         return ("stream", raw)
@@ -52,6 +52,7 @@ class StubDriver:
     def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra):  # noqa: N802
         import ctypes
 
+        self.addresses.append(params)
         slots = (ctypes.c_void_p * len(self.sizes)).from_address(params)
         self.launches.append(((gx, gy, gz), bx, shared, stream,
                               [ctypes.string_at(slots[i], size) for i, size in enumerate(self.sizes)]))

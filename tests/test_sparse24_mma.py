@@ -159,3 +159,68 @@ def test_dispatch_times_it(name, kernel, n, seed):
     plan.run(GemmSparse24Args(x, w24.values, w24.metadata, y))
     ref = F.linear(x.double(), w24.decompress().double())
     assert_close(y, ref, F.linear(x, w24.decompress()), atol=FWD_ATOL[torch.bfloat16])
+
+
+class _Weight:
+    """A _TiledWeight's part DirectCall reads: its addresses, device, launch table and slow call (counted)."""
+
+    def __init__(self, values, metadata, m):
+        self.weight, self.device, self.m, self._direct, self.slow_calls = (values.data_ptr(), metadata.data_ptr()), 0, \
+            m, {}, []
+
+    def linear(self, slow, x, values, metadata, bias):
+        self.slow_calls.append(tuple(x.shape))
+        y = x.new_zeros(*x.shape[:-1], self.m)
+        if x.is_contiguous() and x.data_ptr() % 16 == 0:  # as _first_linear: an entry for x of this shape
+            self._direct[(x.shape, bias is None)] = (lambda *a: launched.append(a), tuple(y.shape))
+        return y
+
+
+launched: list = []
+
+
+def test_a_direct_call_launches_its_kept_launch_and_sends_the_rest_through_the_weight(monkeypatch):
+    """``DirectCall`` (an eager fast-path entry on a weight held in the kernel's layout): its first call goes through
+    the weight and keeps the launch the weight made for x's shape; later calls launch it with x's, the bias's and
+    y's addresses.  x of another shape, with or without a bias where the kept launch was the other, a copy of x
+    that is strided or not 16-byte aligned, the weight's storage replaced, another current device, and launches
+    dropped (tile tuning) each go through the weight again."""
+    from kernelplan.kernels import sparse24_mma
+
+    monkeypatch.setattr(sparse24_mma, "raw_stream", lambda device: 77)
+    device = [0]
+    monkeypatch.setattr(sparse24_mma, "current_device", lambda: device[0])
+    values, metadata = torch.zeros(4, 2, 128), torch.zeros(4, 2, 32, dtype=torch.int32)
+    weight = _Weight(values, metadata, 64)
+    call = sparse24_mma.DirectCall(None, weight)
+    x = torch.zeros(3, 5, 128)
+    launched.clear()
+    y = call(x, values, metadata, None)
+    assert weight.slow_calls == [(3, 5, 128)] and launched == [] and y.shape == (3, 5, 64)
+    for _ in range(2):
+        y = call(x, values, metadata, None)
+        assert launched[-1] == (x.data_ptr(), 0, y.data_ptr(), 77) and y.shape == (3, 5, 64)
+    assert weight.slow_calls == [(3, 5, 128)] and len(launched) == 2
+    bias = torch.zeros(64)
+    unaligned = torch.zeros(3 * 5 * 128 + 1)[1:].view(3, 5, 128)
+    cases = {
+        "another shape": (torch.zeros(2, 128), values, metadata, None),
+        "a bias": (x, values, metadata, bias),
+        "strided x": (torch.zeros(3, 5, 256)[..., ::2], values, metadata, None),
+        "unaligned x": (unaligned, values, metadata, None),
+        "values replaced": (x, values.clone(), metadata, None),
+        "metadata replaced": (x, values, metadata.clone(), None),
+        "another device": (x, values, metadata, None),
+        "launches dropped": (x, values, metadata, None),
+    }
+    for case, args in cases.items():
+        slow, runs = len(weight.slow_calls), len(launched)
+        device[0] = 1 if case == "another device" else 0
+        if case == "launches dropped":
+            sparse24_mma.drop_launches()
+        call(*args)
+        device[0] = 0
+        assert len(weight.slow_calls) == slow + 1 and len(launched) == runs, case
+        call(x, values, metadata, None)  # x again: kept for it again where the other call kept another
+        y = call(x, values, metadata, None)
+        assert launched[-1] == (x.data_ptr(), 0, y.data_ptr(), 77) and len(launched) > runs, case

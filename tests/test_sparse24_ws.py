@@ -450,14 +450,27 @@ def test_the_16_bit_staging_puts_every_accumulator_in_its_place(ni, wm):
         assert addr == col * stride + row
 
 
-class _Maps:
-    """TensorMaps' two lookups, each map 128 bytes naming what it maps."""
+def _maps_class():
+    from kernelplan.kernels.sparse24_ws import TensorMaps
 
-    def x(self, x, n, k, stride):
-        return f"x {x:#x} {n} {k} {stride}".encode().ljust(128, b".")
+    class Maps(TensorMaps):
+        """TensorMaps' two lookups, each map 128 bytes naming what it maps, and its own table of x's maps."""
 
-    def w(self, values, codes, m, k):
-        return f"v {values:#x} {m} {k}".encode().ljust(128, b"."), f"e {codes:#x} {m} {k}".encode().ljust(128, b".")
+        def __init__(self):
+            self._x, self._x_params, self.encoded = {}, {}, []
+
+        def x(self, x, n, k, stride):
+            self.encoded.append((x, n, k, stride))
+            return f"x {x:#x} {n} {k} {stride}".encode().ljust(128, b".")
+
+        def w(self, values, codes, m, k):
+            return f"v {values:#x} {m} {k}".encode().ljust(128, b"."), f"e {codes:#x} {m} {k}".encode().ljust(128, b".")
+
+    return Maps
+
+
+def _Maps():
+    return _maps_class()()
 
 
 @pytest.mark.parametrize("cfg", [WsConfig(bn=128, wm=2, cm=2, kc=2, stages=8), WsConfig(bn=64, wm=3, stages=7, pp=True)],
@@ -482,6 +495,41 @@ def test_a_bound_launch_packs_what_the_launch_does(monkeypatch, cfg):
         assert got == unbound
         assert got[4][0].startswith(f"x {x:#x} {n} {k} {k}".encode()) and got[4][1].startswith(b"v 0xa000")
     assert stub.launches[-1][0] == ((132, 1, 1) if cfg.pp else grid)
+
+
+def test_bound_launches_of_one_shape_of_x_share_its_maps_and_each_thread_packs_its_own(monkeypatch):
+    """Bound launches on two weights with x of one shape read x's map from one table (``TensorMaps.x_params``): the
+    map of an address is encoded once for both; another shape of x has its own table; a full table is emptied.  A
+    thread other than the binding one packs into buffers of its own, and launches the same parameters."""
+    import threading
+
+    from helpers import stub_driver
+    from kernelplan.kernels import sparse24_ws
+
+    monkeypatch.setattr(sparse24_ws, "sm_count", lambda device: 132)
+    stub = stub_driver(monkeypatch, sparse24_ws._PARAMS)
+    cfg, maps = WsConfig(bn=128, wm=2, stages=6), _Maps()
+    launch = sparse24_ws.MapLaunch("fn", "kp", cfg, maps, 0)
+    args = lambda x, values, n: (x, values, 0xB000, 0, 0x3000, n, 4096, 1024, 1024, 4096)  # noqa: E731
+    first, second = (launch.bind((1, 32, 1), args(0x1000, values, 256)) for values in (0xA000, 0xC000))
+    maps.encoded.clear()  # binding packs x's map too (the real TensorMaps keeps it: the stub counts lookups)
+    for bound in (first, second, first):
+        bound(0x1000, 0, 0x3000, 3)
+        bound(0x2000, 0, 0x3000, 3)
+    assert maps.encoded == [(0x1000, 256, 1024, 1024), (0x2000, 256, 1024, 1024)]
+    assert first._maps is second._maps
+    other = launch.bind((1, 32, 1), args(0x1000, 0xA000, 128))
+    maps.encoded.clear()
+    other(0x1000, 0, 0x3000, 3)
+    assert other._maps is not first._maps and maps.encoded == [(0x1000, 128, 1024, 1024)]
+    for x in range(0x10000, 0x10000 + 16 * (maps.MAX_X_PARAMS + 1), 16):
+        first(x, 0, 0x3000, 3)
+    assert len(first._maps) <= maps.MAX_X_PARAMS
+    here = stub.launches[-1]
+    thread = threading.Thread(target=first, args=(x, 0, 0x3000, 3))
+    thread.start()
+    thread.join()
+    assert stub.launches[-1] == here and first._buffers[2] != stub.addresses[-1]
 
 
 def test_a_split_tail_launch_is_not_bound(monkeypatch):

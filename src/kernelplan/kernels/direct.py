@@ -176,25 +176,51 @@ def _launch_failed(launch, grid, err):
     )
 
 
+_thread_id = threading.get_ident
+
+
+class XParams(dict):
+    """x's tensor-map parameter by x's address: ``make(address)`` on a miss, at most ``most`` kept (all dropped when
+    full).  One table serves every bound launch of a kernel variant and shape of x (``TensorMaps.x_params``)."""
+
+    __slots__ = ("make", "most")
+
+    def __init__(self, make, most: int):
+        super().__init__()
+        self.make, self.most = make, most
+
+    def __missing__(self, address: int) -> bytes:
+        if len(self) >= self.most:
+            self.clear()
+        made = self[address] = self.make(address)
+        return made
+
+
 class BoundLaunch:
     """One launch of a 2:4 kernel for one weight and one shape of x, its parameters packed once but for x's
     (parameter 0), the bias's and y's (parameters 3 and 4: the kernels' order is x, values, codes, bias, y, ...).
     A call writes those three into its thread's buffer and launches.
 
-    x's parameter is its address, or, with ``x_map``, x's tensor map, kept here by x's address (the few buffers an
-    eager model's activations cycle through).  On an H100's host, a 768x768 layer's bound call (checks, y, launch)
-    went from 18.6 to 15.3 us with it (``bench/results/sparse24-host-768-n16-*h100.json``).
+    x's parameter is its address, or, with ``x_map``, x's tensor map, kept by x's address (the few buffers an
+    eager model's activations cycle through) in ``x_map`` itself where it is an ``XParams`` (a table the launches
+    of one kernel and shape of x share), else in a table of this launch's.  On an H100's host, a 768x768 layer's
+    bound call (checks, y, launch) went from 18.6 to 15.3 us with it
+    (``bench/results/sparse24-host-768-n16-*h100.json``).
+
+    The thread that binds it packs into buffers held here; other threads into their own (a thread-local).  A loop
+    over a model's layers reads each one's launch cold, and the host work of a call grew with every object it
+    touched per weight (docs/design/0071).
     """
 
     __slots__ = ("launch", "grid", "x_map", "_template", "_offsets", "_pack_x", "_pack_by", "_by_at", "_maps",
-                 "_local", "_cu", "_function", "_block", "_shared", "_pdl")
+                 "_owner", "_buffers", "_local", "_cu", "_function", "_block", "_shared", "_pdl")
     MAX_X = 16
 
     def __init__(self, launch: FunctionLaunch, grid: tuple, params: tuple, x_map=None):
         codes = launch._codes
-        if len(codes) < 5 or codes[3:5] != ["Q", "Q"] or codes[0] != ("128s" if x_map else "Q"):
+        if len(codes) < 5 or codes[3:5] != ["Q", "Q"] or codes[0] != ("Q" if x_map is None else "128s"):
             raise KernelPlanError(f"{launch.name}: parameters {codes} are not a 2:4 kernel's (x, values, codes, bias, "
-                                  f"y, ...), x {'a tensor map' if x_map else 'a pointer'}")
+                                  f"y, ...), x {'a pointer' if x_map is None else 'a tensor map'}")
         template = bytearray(max(launch.size, 8))
         launch.pack(template, 0, *params)
         self.launch, self.grid, self.x_map = launch, grid, x_map
@@ -202,7 +228,8 @@ class BoundLaunch:
         self._pack_x = struct.Struct("<" + codes[0]).pack_into
         self._pack_by = struct.Struct("<QQ").pack_into
         self._by_at = launch._offsets[3]
-        self._maps: dict = {}
+        self._maps = None if x_map is None else x_map if isinstance(x_map, XParams) else XParams(x_map, self.MAX_X)
+        self._owner, self._buffers = _thread_id(), _param_buffers(self._template, self._offsets)
         self._local = threading.local()
         self._cu, self._function, self._block, self._shared = launch._cu, launch.function, launch.block, launch.shared
         self._pdl = launch.pdl  # read per call as the fields above are: set on the launch before it is bound
@@ -214,18 +241,13 @@ class BoundLaunch:
 
     def _with_x(self, x: int) -> tuple:
         """This thread's parameter buffers (``_param_buffers``), x's parameter written into them."""
-        buffers = getattr(self._local, "buffers", None)
-        if buffers is None:
-            buffers = self._local.buffers = _param_buffers(self._template, self._offsets)
-        if self.x_map is not None:
-            xp = self._maps.get(x)
-            if xp is None:
-                if len(self._maps) >= self.MAX_X:
-                    self._maps.clear()
-                xp = self._maps[x] = self.x_map(x)
+        if _thread_id() == self._owner:
+            buffers = self._buffers
         else:
-            xp = x
-        self._pack_x(buffers[0], 0, xp)
+            buffers = getattr(self._local, "buffers", None)
+            if buffers is None:
+                buffers = self._local.buffers = _param_buffers(self._template, self._offsets)
+        self._pack_x(buffers[0], 0, x if self._maps is None else self._maps[x])
         return buffers
 
     def _launch(self, buffers: tuple, stream: int) -> None:

@@ -227,7 +227,7 @@ class MmaLinear:
         """
         if layout_of(values) != self.kernel.layout:
             return self._derived_linear  # the layout derived beside the weight: checked current on every call
-        return functools.partial(self._weight(values, metadata).linear, self)
+        return DirectCall(self, self._weight(values, metadata))
 
     def _derived_linear(self, x, values, metadata, bias) -> torch.Tensor:
         return self._weight(values, metadata).linear(self, x, values, metadata, bias)
@@ -264,9 +264,54 @@ class MmaLinear:
 def drop_launches() -> None:
     """Every live weight's prepared launches: its next call looks its kernel and tile up again (after tile tuning,
     ``sparse24/tiles.py``, changed a tile).  Captured CUDA graphs keep what they recorded."""
+    _DROPS[0] += 1  # every DirectCall's launch too
     for weight in list(_LIVE):
         weight._calls.clear()
         weight._direct.clear()
+
+
+_DROPS = [0]  # drop_launches' count: a DirectCall's launch is current while this has not moved
+
+
+class DirectCall:
+    """``call(x, values, metadata, bias) -> y`` on one weight held in the kernel's layout, for one shape of x and
+    bias or none (one entry of ``sparse24.gemm``'s fast path, whose key fixes both): ``_TiledWeight.linear``
+    with its launch for that shape kept here, so an eager call reaches ``cuLaunchKernel`` without a table lookup.
+
+    Its state is a few fields of one object: a loop over a model's many layers reads each call's state cold, and
+    the host work of a call grew with every object it touched per weight (``bench/sparse24_host_weights.py``;
+    docs/design/0071).  Calls the kept launch does not fit (x moved to an unaligned or strided copy, another shape,
+    the weight's storage replaced, another current device, launches dropped) go through ``_TiledWeight.linear``.
+    """
+
+    __slots__ = ("slow", "weight", "bound", "x_shape", "y_shape", "no_bias", "pairs", "codes", "device", "drops")
+
+    def __init__(self, slow: MmaLinear, weight: "_TiledWeight"):
+        self.slow, self.weight, self.bound = slow, weight, None
+        self.pairs, self.codes = weight.weight
+        self.device = weight.device
+
+    def __call__(self, x, values, metadata, bias) -> torch.Tensor:
+        bound = self.bound
+        x_ptr = x.data_ptr()
+        if bound is None or x_ptr & 15 or x.shape != self.x_shape or (bias is None) is not self.no_bias or \
+                not x.is_contiguous() or values.data_ptr() != self.pairs or metadata.data_ptr() != self.codes or \
+                current_device() != self.device or self.drops != _DROPS[0]:
+            return self._through_weight(x, values, metadata, bias)
+        y = x.new_empty(*self.y_shape)  # ints: output_rows says why
+        bound(x_ptr, 0 if bias is None else bias.data_ptr(), y.data_ptr(), raw_stream(self.device))
+        return y
+
+    def _through_weight(self, x, values, metadata, bias) -> torch.Tensor:
+        drops = _DROPS[0]
+        y = self.weight.linear(self.slow, x, values, metadata, bias)
+        hit = self.weight._direct.get((x.shape, bias is None))
+        if hit is None or values.data_ptr() != self.pairs or metadata.data_ptr() != self.codes:
+            self.bound = None
+        else:
+            self.bound, self.y_shape = hit
+            self.x_shape, self.no_bias, self.drops = tuple(x.shape), bias is None, drops
+        return y
 
 
 class _TiledWeight:

@@ -23,7 +23,7 @@ from .nvrtc import cuda_source
 from .sparse24_mma import COMMON_SOURCE, defines
 from .gpu_facts import device_facts
 from .sparse24 import sm_count
-from .direct import FunctionLaunch, _stream
+from .direct import FunctionLaunch, XParams, _stream
 from .sparse24_wg import WgKernel
 from .sparse24_ws_rule import CONSUMER_REGS, WsConfig, sk_plan
 
@@ -87,6 +87,7 @@ class TensorMaps:
 
     MAX_X = 64  # x moves between calls
     MAX_W = 4096  # weights stay: a model's layers of one variant (256 bytes each)
+    MAX_X_PARAMS = 256  # x's maps by address, one table per shape of x: what every bound launch of it reads
 
     def __init__(self, rows: int, tiles: int, dtype: str, gated: bool = False):
         from cuda.bindings import driver as cu
@@ -97,6 +98,7 @@ class TensorMaps:
         self._word = kinds.CU_TENSOR_MAP_DATA_TYPE_UINT32
         self._x: dict = {}
         self._w: dict = {}
+        self._x_params: dict = {}
 
     def x(self, x: int, n: int, k: int, stride: int) -> bytes:
         key = (x, n, k, stride)
@@ -108,6 +110,16 @@ class TensorMaps:
             hit = self._keep(self._x, self.MAX_X, key, encode_tensor_map(self._cu, self._x_dtype, x, [k, n], [stride * 2],
                                                              [64, self.rows], "128B"))
         return hit
+
+    def x_params(self, n: int, k: int, stride: int) -> XParams:
+        """x's maps of this shape by x's address, for bound launches (``BoundLaunch``): one table for all of them,
+        so that a loop over a model's layers finds x's map where the layer before put it."""
+        key = (n, k, stride)
+        table = self._x_params.get(key)
+        if table is None:
+            table = self._keep(self._x_params, self.MAX_X, key,
+                               XParams(lambda x: self.x(x, n, k, stride), self.MAX_X_PARAMS))
+        return table
 
     def w(self, values: int, codes: int, m: int, k: int, groups: int = 1) -> tuple[bytes, bytes]:
         """The maps of W's ``m`` rows; gated, those are ``groups`` weights end to end (a grouped launch's experts),
@@ -187,8 +199,7 @@ class MapLaunch(FunctionLaunch):
         return grid, self._mapped(args)
 
     def launch_params(self, grid: tuple, args: tuple):
-        n, k, stride, maps = args[5], args[7], args[8], self.maps
-        return *self._grid_params(grid, args), lambda x: maps.x(x, n, k, stride)
+        return *self._grid_params(grid, args), self.maps.x_params(args[5], args[7], args[8])
 
 
 class StreamKLaunch(MapLaunch):
