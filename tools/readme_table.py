@@ -262,7 +262,7 @@ def sparse24_notes() -> list[str]:
     for name in ("sparse24-model-h100", "sparse24-model-h200", "sparse24-model-tall-k-h200",
                  "sparse24-model-small-n-split-h200", "sparse24-model-split3-ab1-h200", "sparse24-model-rules-0067-h200",
                  "sparse24-model-one-x-h200", "sparse24-model-y16-h200", "sparse24-model-pp-ties-h200",
-                 "sparse24-model-tuned-h100", "sparse24-model-tuned-h200"):
+                 "sparse24-model-direct-call-h200", "sparse24-model-tuned-h100", "sparse24-model-tuned-h200"):
         model = _load(name)
         if model:
             cases = "; ".join(f"{r['case']} {r['graph_speedup']:.2f}x graph{_ungrouped(r)}, "
@@ -384,7 +384,26 @@ def sparse24_notes() -> list[str]:
             cells = ", ".join(f"{fn} {t:.1f} us" for fn, t in host["no_grad"].items())
             lines.append(f"- Host work of one eager call ({size}x{size} bf16, n = {n}, `torch.no_grad`): {cells}, "
                          f"{_source(host['meta'], name)}.")
+    weights = _load("sparse24-host-weights-h200")
+    if weights:
+        lines.append(_host_weights_note(weights, "sparse24-host-weights-h200"))
     return lines
+
+
+def _host_weights_note(doc: dict, name: str) -> str:
+    """Host work of an eager call against torch's, with one weight and with a loop over many, by call."""
+    rows = doc["rows"]
+    counts = sorted({r["weights"] for r in rows})
+    spans = []
+    for ours, theirs in (("kp.sparse24.linear", "F.linear"), ("Sparse24Linear", "nn.Linear")):
+        by = {w: _span([r[ours] / r[theirs] for r in rows if r["weights"] == w]) for w in counts}
+        spans.append(f"`{ours}` over `{theirs}` " + ", ".join(f"{v} with {w} weight{'s' * (w > 1)}"
+                                                               for w, v in by.items()))
+    shapes = ", ".join(sorted({f"{r['m']}x{r['k']}" for r in rows}))
+    ns = ", ".join(str(n) for n in sorted({r["n"] for r in rows}))
+    return (f"- Host work of one eager call as a loop cycles over one weight or many, as a model's layers are called "
+            f"(`bench/sparse24_host_weights.py`; {shapes}; n = {ns}; bf16, no bias), ours over torch's, medians of "
+            f"rounds: " + "; ".join(spans) + f", {_source(doc['meta'], name)}.")
 
 
 def _spread(doc: dict) -> tuple[float, float]:
