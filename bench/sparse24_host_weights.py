@@ -1,4 +1,4 @@
-"""Host work of an eager 2:4 call as a loop cycles over more weights, beside ``F.linear``'s, and in which layer it grows.
+"""Host work of an eager 2:4 call as a loop cycles over more weights, beside torch's, and in which layer it grows.
 
 The sweep's eager rows cycle over as many copies of a weight as take its reads past the L2 (up to 256: a model's
 many layers). For each layer size, n and number of weights cycled, host time alone per call (the clock stops when
@@ -9,16 +9,21 @@ the last call returns; ``timing.host_us_per_call(wait=False)``), alternating in 
 * ``bound``: the weight's ``BoundLaunch`` called directly (``kernels/direct.py``: x's, bias's and y's slots
   written, ``cuLaunchKernel``), the layer under every lookup;
 * ``y``: ``x.new_empty`` of y alone;
+* ``kp.sparse24.linear (table lookup)``: on other copies of the weights whose fast-path entries call the weight's
+  ``_TiledWeight.linear`` (its table of launches by x's shape), as before the ``DirectCall`` (docs/design/0071): the
+  two side by side in one process (``--lookup``);
 * ``..._no_driver``: ``kp.sparse24.linear`` and ``bound`` with ``cuLaunchKernel`` replaced by a no-op, so the
   Python layers alone (nothing runs on the GPU then).
 
     PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_host_weights.py \\
-        [--shape MxK ...] [--n 1 128] [--weights 1 256]
+        [--shape MxK ...] [--n 1 128] [--weights 1 256] [--lookup]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import statistics
 import sys
 
@@ -40,6 +45,19 @@ def bound_launch(w24, x):
     key = next(key for key in gemm._prepared if key[0] == id(w24.values) and key[5] == x.shape)
     call = gemm._prepared[key][5]  # a DirectCall (before 0071: functools.partial(_TiledWeight.linear, MmaLinear))
     return call.bound if hasattr(call, "bound") else call.func.__self__._direct[(x.shape, True)][0]
+
+
+@contextlib.contextmanager
+def table_lookup():
+    """Fast-path entries made inside call the weight's ``_TiledWeight.linear``, as before the ``DirectCall``."""
+    from kernelplan.kernels.sparse24_mma import MmaLinear
+
+    held = MmaLinear.held
+    MmaLinear.held = lambda self, values, metadata: functools.partial(self._weight(values, metadata).linear, self)
+    try:
+        yield
+    finally:
+        MmaLinear.held = held
 
 
 def read(fns: dict, rounds: int, dev) -> dict[str, float]:
@@ -66,6 +84,7 @@ def main() -> int:
     ap.add_argument("--weights", type=int, nargs="*", default=[1, 256])
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--lookup", action="store_true", help="also time calls whose entries look their launch up")
     a = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -80,11 +99,15 @@ def main() -> int:
                 d.weight = torch.nn.Parameter(w, requires_grad=False)  # the dense weights themselves, no copy
             layers = [kp.nn.Sparse24Linear.from_dense(d) for d in denses]
             w24s = [kp.sparse24.compress(w).packed() for w in ws]
+            looked = [kp.sparse24.compress(w).packed() for w in ws] if a.lookup else []
             for n in a.n:
                 x = torch.randn(n, k, device=dev).bfloat16()
                 y = x.new_empty(n, m)
                 for w24 in w24s:
                     kp.sparse24.linear(x, w24)
+                with table_lookup():
+                    for w24 in looked:
+                        kp.sparse24.linear(x, w24)
                 bounds = [bound_launch(w24, x) for w24 in w24s]
                 stream = torch.cuda.current_stream().cuda_stream
                 for weights in a.weights:
@@ -97,11 +120,14 @@ def main() -> int:
                                            for b in bounds[:weights]]),
                         "y": lambda: x.new_empty(n, m),
                     }
+                    if looked:
+                        fns["kp.sparse24.linear (table lookup)"] = _cycling(
+                            [lambda c=c: kp.sparse24.linear(x, c) for c in looked[:weights]])
                     row = {"m": m, "k": k, "n": n, "weights": weights, **read(fns, a.rounds, dev)}
                     rows.append(row)
                     print(f"{m}x{k} n={n} weights={weights}: " + ", ".join(
                         f"{name} {v:.2f}" for name, v in row.items() if isinstance(v, float)), flush=True)
-            del ws, w24s, denses, layers, bounds
+            del ws, w24s, looked, denses, layers, bounds
             torch.cuda.empty_cache()
     results.write("sparse24-host-weights", {"rows": rows}, a.json, calls=CALLS, rounds=a.rounds,
                   unit="us of host work per call, median of rounds")
