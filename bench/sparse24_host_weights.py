@@ -44,7 +44,7 @@ def bound_launch(w24, x):
 
     key = next(key for key in gemm._prepared if key[0] == id(w24.values) and key[5] == x.shape)
     call = gemm._prepared[key][5]  # a DirectCall (before 0071: functools.partial(_TiledWeight.linear, MmaLinear))
-    return call.bound if hasattr(call, "bound") else call.func.__self__._direct[(x.shape, True)][0]
+    return call.kept[0] if hasattr(call, "kept") else call.func.__self__._direct[(x.shape, True)][0]
 
 
 @contextlib.contextmanager

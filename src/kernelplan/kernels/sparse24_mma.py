@@ -284,22 +284,23 @@ class DirectCall:
     the weight's storage replaced, another current device, launches dropped) go through ``_TiledWeight.linear``.
     """
 
-    __slots__ = ("slow", "weight", "bound", "x_shape", "y_shape", "no_bias", "pairs", "codes", "device", "drops")
+    __slots__ = ("slow", "weight", "kept", "pairs", "codes", "device")
 
     def __init__(self, slow: MmaLinear, weight: "_TiledWeight"):
-        self.slow, self.weight, self.bound = slow, weight, None
+        self.slow, self.weight, self.kept = slow, weight, None
         self.pairs, self.codes = weight.weight
         self.device = weight.device
 
     def __call__(self, x, values, metadata, bias) -> torch.Tensor:
-        bound = self.bound
+        # One tuple, replaced whole: a thread never reads one shape's launch with another's y.
+        kept = self.kept  # (BoundLaunch, y's shape, x's shape, no bias, drop_launches' count)
         x_ptr = x.data_ptr()
-        if bound is None or x_ptr & 15 or x.shape != self.x_shape or (bias is None) is not self.no_bias or \
+        if kept is None or x_ptr & 15 or x.shape != kept[2] or (bias is None) is not kept[3] or \
                 not x.is_contiguous() or values.data_ptr() != self.pairs or metadata.data_ptr() != self.codes or \
-                current_device() != self.device or self.drops != _DROPS[0]:
+                current_device() != self.device or kept[4] != _DROPS[0]:
             return self._through_weight(x, values, metadata, bias)
-        y = x.new_empty(*self.y_shape)  # ints: output_rows says why
-        bound(x_ptr, 0 if bias is None else bias.data_ptr(), y.data_ptr(), raw_stream(self.device))
+        y = x.new_empty(*kept[1])  # ints: output_rows says why
+        kept[0](x_ptr, 0 if bias is None else bias.data_ptr(), y.data_ptr(), raw_stream(self.device))
         return y
 
     def _through_weight(self, x, values, metadata, bias) -> torch.Tensor:
@@ -307,10 +308,9 @@ class DirectCall:
         y = self.weight.linear(self.slow, x, values, metadata, bias)
         hit = self.weight._direct.get((x.shape, bias is None))
         if hit is None or values.data_ptr() != self.pairs or metadata.data_ptr() != self.codes:
-            self.bound = None
+            self.kept = None
         else:
-            self.bound, self.y_shape = hit
-            self.x_shape, self.no_bias, self.drops = tuple(x.shape), bias is None, drops
+            self.kept = (hit[0], hit[1], tuple(x.shape), bias is None, drops)
         return y
 
 
