@@ -162,21 +162,19 @@ def test_dispatch_times_it(name, kernel, n, seed):
 
 
 class _Weight:
-    """A _TiledWeight's part DirectCall reads: its addresses, device, launch table and slow call (counted)."""
+    """A _TiledWeight's part DirectCall reads: its addresses, device, launch table and slow call (counted), each
+    launch it made recorded in ``launched``."""
 
     def __init__(self, values, metadata, m):
-        self.weight, self.device, self.m, self._direct, self.slow_calls = (values.data_ptr(), metadata.data_ptr()), 0, \
-            m, {}, []
+        self.weight, self.device, self.m = (values.data_ptr(), metadata.data_ptr()), 0, m
+        self._direct, self.slow_calls, self.launched = {}, [], []
 
     def linear(self, slow, x, values, metadata, bias):
         self.slow_calls.append(tuple(x.shape))
         y = x.new_zeros(*x.shape[:-1], self.m)
         if x.is_contiguous() and x.data_ptr() % 16 == 0:  # as _first_linear: an entry for x of this shape
-            self._direct[(x.shape, bias is None)] = (lambda *a: launched.append(a), tuple(y.shape))
+            self._direct[(x.shape, bias is None)] = (lambda *a: self.launched.append(a), tuple(y.shape))
         return y
-
-
-launched: list = []
 
 
 def test_a_direct_call_launches_its_kept_launch_and_sends_the_rest_through_the_weight(monkeypatch):
@@ -193,8 +191,7 @@ def test_a_direct_call_launches_its_kept_launch_and_sends_the_rest_through_the_w
     values, metadata = torch.zeros(4, 2, 128), torch.zeros(4, 2, 32, dtype=torch.int32)
     weight = _Weight(values, metadata, 64)
     call = sparse24_mma.DirectCall(None, weight)
-    x = torch.zeros(3, 5, 128)
-    launched.clear()
+    x, launched = torch.zeros(3, 5, 128), weight.launched
     y = call(x, values, metadata, None)
     assert weight.slow_calls == [(3, 5, 128)] and launched == [] and y.shape == (3, 5, 64)
     for _ in range(2):

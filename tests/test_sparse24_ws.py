@@ -450,12 +450,12 @@ def test_the_16_bit_staging_puts_every_accumulator_in_its_place(ni, wm):
         assert addr == col * stride + row
 
 
-def _maps_class():
+def _Maps():
+    """A TensorMaps whose two lookups are stubbed, each map 128 bytes naming what it maps (``encoded`` lists x's
+    lookups), with the class's own table of x's maps by address."""
     from kernelplan.kernels.sparse24_ws import TensorMaps
 
     class Maps(TensorMaps):
-        """TensorMaps' two lookups, each map 128 bytes naming what it maps, and its own table of x's maps."""
-
         def __init__(self):
             self._x, self._x_params, self.encoded = {}, {}, []
 
@@ -466,11 +466,7 @@ def _maps_class():
         def w(self, values, codes, m, k):
             return f"v {values:#x} {m} {k}".encode().ljust(128, b"."), f"e {codes:#x} {m} {k}".encode().ljust(128, b".")
 
-    return Maps
-
-
-def _Maps():
-    return _maps_class()()
+    return Maps()
 
 
 @pytest.mark.parametrize("cfg", [WsConfig(bn=128, wm=2, cm=2, kc=2, stages=8), WsConfig(bn=64, wm=3, stages=7, pp=True)],
