@@ -212,7 +212,7 @@ class BoundLaunch:
     touched per weight (docs/design/0071).
     """
 
-    __slots__ = ("launch", "grid", "x_map", "_template", "_offsets", "_pack_x", "_pack_by", "_by_at", "_maps",
+    __slots__ = ("launch", "grid", "_template", "_offsets", "_pack_x", "_pack_by", "_by_at", "_maps",
                  "_owner", "_buffers", "_local", "_cu", "_function", "_block", "_shared", "_pdl")
     MAX_X = 16
 
@@ -223,7 +223,7 @@ class BoundLaunch:
                                   f"y, ...), x {'a pointer' if x_map is None else 'a tensor map'}")
         template = bytearray(max(launch.size, 8))
         launch.pack(template, 0, *params)
-        self.launch, self.grid, self.x_map = launch, grid, x_map
+        self.launch, self.grid = launch, grid
         self._template, self._offsets = bytes(template), launch._offsets
         self._pack_x = struct.Struct("<" + codes[0]).pack_into
         self._pack_by = struct.Struct("<QQ").pack_into
