@@ -75,7 +75,7 @@ def main() -> int:
         from kernelplan.sparse24.format import _DERIVED
         from kernelplan.sparse24.gemm import _prepared
 
-        call = next(hit[5] for key, hit in _prepared.items() if key[0] == id(layer.values))
+        call = next(hit.call for key, hit in _prepared.items() if key[0] == id(layer.values))
         tiled = next(v[1] for k, v in _DERIVED[id(layer.values)][1].items() if "launch" in str(k))
         y = torch.empty(a.n, s, device="cuda", dtype=torch.bfloat16)
         tiled(x, dense.bias, y)  # its launch for this x and y, looked up below

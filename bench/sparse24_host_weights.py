@@ -42,8 +42,8 @@ def bound_launch(w24, x):
     """The ``BoundLaunch`` an eager call on ``w24`` with this x made (after one call)."""
     from kernelplan.sparse24 import gemm
 
-    key = next(key for key in gemm._prepared if key[0] == id(w24.values) and key[5] == x.shape)
-    return gemm._prepared[key][5].kept[0]  # the entry's DirectCall, its kept launch
+    key = next(key for key in gemm._prepared if key[0] == id(w24.values) and key[1] == x.shape)
+    return gemm._prepared[key].call.kept[0]  # the entry's DirectCall, its kept launch
 
 
 @contextlib.contextmanager

@@ -352,6 +352,35 @@ def test_inference_fast_path_follows_new_measurements_and_changed_operands(monke
             kp.sparse24.linear(x, w24, memory="fast")
 
 
+def test_inference_fast_path_checks_again_what_its_key_leaves_out(seed):
+    """The fast path's key is the weight's values, x's shape, the bias, the epilogue, the policy and capture; its
+    entry checks the rest (metadata, x's dtype and device, the values' dtype and storage), and a call with any of
+    them changed is checked as a first call is: a wrong operand raises, where the entry would have run it."""
+    from kernelplan.sparse24.gemm import linear_parts
+
+    w = kp.sparse24.prune(torch.randn(64, 128, device=DEV))
+    w24, bias = kp.sparse24.compress(w), torch.randn(64, device=DEV)
+    x = torch.randn(5, 128, device=DEV)
+    with torch.inference_mode():
+        for _ in range(2):  # the entry, then a hit
+            y = linear_parts(x, w24.values, w24.metadata, bias)
+        assert_close(y, F.linear(x.double(), w.double(), bias.double()), F.linear(x, w, bias),
+                     atol=FWD_ATOL[torch.float32])
+        with pytest.raises(kp.InvalidProblem, match="metadata"):  # another weight's metadata, half its rows
+            linear_parts(x, w24.values, w24.metadata[:32].clone(), bias)
+        with pytest.raises(kp.InvalidProblem, match=r"x has dtype torch.float64"):
+            linear_parts(x.double(), w24.values, w24.metadata, bias)
+        with pytest.raises(kp.InvalidProblem, match=r"x is on meta"):
+            linear_parts(x.to("meta"), w24.values, w24.metadata, bias)
+        values = w24.values.clone()
+        linear_parts(x, values, w24.metadata, bias)
+        values.data = values.data.view(torch.int32)  # the same storage and address, another dtype
+        with pytest.raises(kp.InvalidProblem, match="int32"):
+            linear_parts(x, values, w24.metadata, bias)
+        y = linear_parts(x, w24.values, w24.metadata, bias)  # the first entry still stands
+    assert_close(y, F.linear(x.double(), w.double(), bias.double()), F.linear(x, w, bias), atol=FWD_ATOL[torch.float32])
+
+
 def test_weights_made_under_inference_mode_run(seed):
     """Inference tensors have no version counter: the layouts kept with a weight must not need one."""
     with torch.inference_mode():

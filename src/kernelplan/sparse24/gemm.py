@@ -214,18 +214,20 @@ def linear_parts(x, values, metadata, bias=None, activation=None, memory="compac
     """``linear`` on a weight's parts, for holders of them (``Sparse24Linear``): no Sparse24Weight built."""
     eager = plain_eager(x, values, bias)
     if eager:
-        # Inference on operands seen before: the checks below passed for exactly this key, and the
-        # plan is the one dispatch chose (the key's generation says the choice has not changed).
-        # A call recorded into a CUDA graph has its own choice (GemmSparse24Descriptor.graph).
-        key = (id(values), values.dtype, values.device, id(metadata), None if bias is None else id(bias),
-               x.shape, x.dtype, x.device, activation, x.is_cuda and stream_capturing(), memory)
+        # Inference on operands seen before: the checks below passed for exactly this entry, and its plan is the
+        # one dispatch chose (the generation says the choice has not changed).  A call recorded into a CUDA graph
+        # has its own choice (GemmSparse24Descriptor.graph).  The key holds what is cheap to hash; the entry checks
+        # the rest, each a read of one slot (_Entry says why).
+        key = (id(values), x.shape, None if bias is None else id(bias), activation, memory,
+               x.is_cuda and stream_capturing())
         hit = _prepared.get(key)
         # The data pointer too: a bound call holds the weight's address, and ``values.data = ...`` (Module._apply,
         # grouped siblings: nn/siblings.py) gives the same Parameter new storage.
-        if hit is not None and hit[0] == dispatch_generation(GemmSparse24Plan) and \
-                hit[1]() is values and hit[2]() is metadata and (bias is None or hit[3]() is bias) and \
-                hit[6] == values.data_ptr():
-            return hit[5](x, values, metadata, bias)
+        if hit is not None and hit.values() is values and hit.ptr == values.data_ptr() and \
+                hit.metadata() is metadata and (bias is None or hit.bias() is bias) and \
+                x.dtype is hit.dtype and values.dtype is hit.dtype and x.device == hit.device and \
+                hit.generation == dispatch_generation(GemmSparse24Plan):
+            return hit.call(x, values, metadata, bias)
     # Parts held apart (a Sparse24Weight built with _validate=False, a module's buffers) have not
     # been matched to each other: a wrong metadata shape would send kernels past its end.
     m, k = check_layout(values, metadata)
@@ -255,8 +257,7 @@ def linear_parts(x, values, metadata, bias=None, activation=None, memory="compac
         _prepared.clear()
         for keys in _weight_keys.values():
             keys.clear()
-    _prepared[key] = (dispatch_generation(GemmSparse24Plan), weakref.ref(values), weakref.ref(metadata),
-                      None if bias is None else weakref.ref(bias), plan, call, values.data_ptr())
+    _prepared[key] = _Entry(values, metadata, bias, x, plan, call)
     # The entries go with their weight: ``call`` may hold the weight's storage (a kernel bound to it, whose layout
     # is the weight itself), and a deleted model's weights stayed allocated while their entries lasted (about
     # 7 GiB of a 70B-shaped model; docs/design/0008).  One finalizer a weight, however many keys it gets.
@@ -302,9 +303,26 @@ def _ready_for_graphs(plan: GemmSparse24Plan, graphed: GemmSparse24Plan, x, valu
 _graph_ready: set = set()  # (id(values), its data pointer, backend) already run by _ready_for_graphs
 
 
-# linear()'s inference fast path: (operand ids and properties) -> (generation, weakrefs, plan, call).
-# ``call(x, values, metadata, bias) -> y`` is the plan's backend bound to its descriptor where the
-# backend offers that (``Backend.bind``): no args object, no plan, the least host work per call.
+class _Entry:
+    """One entry of ``linear()``'s inference fast path: what its key leaves out, checked per call, and the call.
+
+    ``call(x, values, metadata, bias) -> y`` is the plan's backend bound to its descriptor where the backend offers
+    that (``Backend.bind``), or bound further to the weight (``held``): no args object, no plan, the least host work
+    per call.  Slots of one object: a loop over a model's layers reads each entry cold, and a call's host work grew
+    with every object it touched per weight (docs/design/0071, 0072).
+    """
+
+    __slots__ = ("values", "metadata", "bias", "ptr", "dtype", "device", "generation", "plan", "call")
+
+    def __init__(self, values, metadata, bias, x, plan: GemmSparse24Plan, call):
+        self.values, self.metadata = weakref.ref(values), weakref.ref(metadata)
+        self.bias = None if bias is None else weakref.ref(bias)
+        self.ptr, self.dtype, self.device = values.data_ptr(), values.dtype, x.device
+        self.generation = dispatch_generation(GemmSparse24Plan)
+        self.plan, self.call = plan, call
+
+
+# linear()'s inference fast path: (id(values), x's shape, id(bias), activation, memory, capturing) -> _Entry.
 _prepared: dict = {}
 _weight_keys: dict = {}  # id(values) -> its keys in _prepared, dropped with the weight (_forget_weight)
 
@@ -315,7 +333,7 @@ def fast_path_backends() -> list[dict]:
     Entries made before the latest dispatch change (a new measurement) are left out: no call runs them.
     """
     generation = dispatch_generation(GemmSparse24Plan)
-    plans = (entry[4] for entry in _prepared.values() if entry[0] == generation)
+    plans = (entry.plan for entry in _prepared.values() if entry.generation == generation)
     rows = {(p.desc.n, p.desc.m, p.desc.k, p.desc.dtype, p.desc.graph, p.sku.backend) for p in plans}
     return [dict(zip(("n", "m", "k", "dtype", "graph", "backend"), r)) for r in sorted(rows)]
 _MAX_PREPARED = 4096
