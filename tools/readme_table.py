@@ -567,7 +567,7 @@ def table() -> str:
                  "sparse24-sweep-y16-n256-2048-h200", "sparse24-sweep-pp-ties-192-n128-512-h200",
                  "sparse24-sweep-held-out-pp-ties-192-n128-512-h200", "sparse24-sweep-n4096-8192-h200",
                  "sparse24-sweep-host-path-h200", "sparse24-sweep-fast-entry-h200",
-                 "sparse24-sweep-held-out-fast-entry-h200",
+                 "sparse24-sweep-held-out-fast-entry-h200", "sparse24-sweep-held-out-fast-entry-n64-4096-h200",
                  "sparse24-sweep-h100-l2warm", "sparse24-sweep-h200-l2warm",
                  "sparse24-sweep-h200-f16-quick", "sparse24-sweep-h100-f16-quick", "sparse24-sweep-small-n-f16-h200",
                  "sparse24-sweep-small-n-f16-h100", "sparse24-sweep-f16-mid-h200", "sparse24-sweep-f16-large-n-h200",
@@ -577,7 +577,7 @@ def table() -> str:
                  "sparse24-sweep-f16-wide-k-splits-h200", "sparse24-sweep-f16-wide-k-splits-n32-64-h200",
                  "sparse24-sweep-f16-one-x-n128-h200", "sparse24-sweep-f16-pp-ties-n128-1024-h200",
                  "sparse24-sweep-f16-y16-h200", "sparse24-sweep-f16-pp-ties-192-n256-512-h200",
-                 "sparse24-sweep-f16-n4096-8192-h200",
+                 "sparse24-sweep-f16-n4096-8192-h200", "sparse24-sweep-f16-fast-entry-cut-short-h200",
                  "sparse24-sweep-h100-f16-l2warm",
                  "sparse24-sweep-h200-f16-l2warm"):
         body += sweep_rows(name)
