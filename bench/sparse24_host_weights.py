@@ -6,14 +6,16 @@ the last call returns; ``timing.host_us_per_call(wait=False)``), alternating in 
 
 * ``F.linear`` on the dense weights and ``kp.sparse24.linear`` on their 2:4 copies (the device layout, no bias, as
   the sweep calls them); ``nn.Linear`` modules on the dense weights and ``Sparse24Linear`` ones;
+* ``direct``: the fast-path entry's ``DirectCall`` called directly (``kernels/sparse24_mma.py``: its checks, y's
+  allocation, the bound launch), the layers under ``kp.sparse24.linear`` and its fast path's entry;
 * ``bound``: the weight's ``BoundLaunch`` called directly (``kernels/direct.py``: x's, bias's and y's slots
   written, ``cuLaunchKernel``), the layer under every lookup;
 * ``y``: ``x.new_empty`` of y alone;
 * ``kp.sparse24.linear (table lookup)``: on other copies of the weights whose fast-path entries call the weight's
   ``_TiledWeight.linear`` (its table of launches by x's shape), as before the ``DirectCall`` (docs/design/0071): the
   two side by side in one process (``--lookup``);
-* ``..._no_driver``: ``kp.sparse24.linear`` and ``bound`` with ``cuLaunchKernel`` replaced by a no-op, so the
-  Python layers alone (nothing runs on the GPU then).
+* ``..._no_driver``: ``kp.sparse24.linear``, ``direct`` and ``bound`` with ``cuLaunchKernel`` replaced by a no-op,
+  so the Python layers alone (nothing runs on the GPU then).
 
     PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_host_weights.py \\
         [--shape MxK ...] [--n 1 128] [--weights 1 256] [--lookup]
@@ -38,12 +40,12 @@ from kernelplan.timing import host_us_per_call
 CALLS = 50  # as the sweep's EAGER_CALLS
 
 
-def bound_launch(w24, x):
-    """The ``BoundLaunch`` an eager call on ``w24`` with this x made (after one call)."""
+def direct_call(w24, x):
+    """The ``DirectCall`` of the fast-path entry an eager call on ``w24`` with this x made (after one call)."""
     from kernelplan.sparse24 import gemm
 
     key = next(key for key in gemm._prepared if key[0] == id(w24.values) and key[1] == x.shape)
-    return gemm._prepared[key].call.kept[0]  # the entry's DirectCall, its kept launch
+    return gemm._prepared[key].call
 
 
 @contextlib.contextmanager
@@ -69,7 +71,7 @@ def read(fns: dict, rounds: int, dev) -> dict[str, float]:
             reads.setdefault(name, []).append(host_us_per_call(fn, dev, CALLS, wait=False))
         cu.cuLaunchKernel = noop  # the module's attribute: every launch here reads it per call
         try:
-            for name in ("kp.sparse24.linear", "bound"):
+            for name in ("kp.sparse24.linear", "direct", "bound"):
                 reads.setdefault(f"{name}_no_driver", []).append(host_us_per_call(fns[name], dev, CALLS, wait=False))
         finally:
             cu.cuLaunchKernel = launch
@@ -107,7 +109,8 @@ def main() -> int:
                 with table_lookup():
                     for w24 in looked:
                         kp.sparse24.linear(x, w24)
-                bounds = [bound_launch(w24, x) for w24 in w24s]
+                directs = [direct_call(w24, x) for w24 in w24s]
+                bounds = [d.kept[0] for d in directs]  # each DirectCall's kept launch
                 stream = torch.cuda.current_stream().cuda_stream
                 for weights in a.weights:
                     fns = {
@@ -115,6 +118,8 @@ def main() -> int:
                         "kp.sparse24.linear": _cycling([lambda c=c: kp.sparse24.linear(x, c) for c in w24s[:weights]]),
                         "nn.Linear": _cycling([lambda d=d: d(x) for d in denses[:weights]]),
                         "Sparse24Linear": _cycling([lambda lay=lay: lay(x) for lay in layers[:weights]]),
+                        "direct": _cycling([lambda d=d, c=c: d(x, c.values, c.metadata, None)
+                                            for d, c in zip(directs[:weights], w24s)]),
                         "bound": _cycling([lambda b=b: b(x.data_ptr(), 0, y.data_ptr(), stream)
                                            for b in bounds[:weights]]),
                         "y": lambda: x.new_empty(n, m),
@@ -126,7 +131,7 @@ def main() -> int:
                     rows.append(row)
                     print(f"{m}x{k} n={n} weights={weights}: " + ", ".join(
                         f"{name} {v:.2f}" for name, v in row.items() if isinstance(v, float)), flush=True)
-            del ws, w24s, looked, denses, layers, bounds
+            del ws, w24s, looked, denses, layers, directs, bounds
             torch.cuda.empty_cache()
     results.write("sparse24-host-weights", {"rows": rows}, a.json, calls=CALLS, rounds=a.rounds,
                   unit="us of host work per call, median of rounds")
