@@ -378,7 +378,8 @@ def test_inference_fast_path_checks_again_what_its_key_leaves_out(seed):
         with pytest.raises(kp.InvalidProblem, match="int32"):
             linear_parts(x, values, w24.metadata, bias)
         y = linear_parts(x, w24.values, w24.metadata, bias)  # the first entry still stands
-    assert_close(y, F.linear(x.double(), w.double(), bias.double()), F.linear(x, w, bias), atol=FWD_ATOL[torch.float32])
+    assert_close(y, F.linear(x.double(), w.double(), bias.double()), F.linear(x, w, bias),
+                 atol=FWD_ATOL[torch.float32])
 
 
 def test_weights_made_under_inference_mode_run(seed):
