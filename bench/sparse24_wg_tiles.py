@@ -145,9 +145,10 @@ def main() -> int:
     dtype = torch.bfloat16
     sms = sm_count(0)
     module = {"wg": sparse24_wg, "ws": sparse24_ws}[a.kernel]
+    rules = {"wg": sparse24_wg, "ws": sparse24_ws_rule}[a.kernel]  # cuda_ws's tile rule has its own module
     kernel = module.WgKernel() if a.kernel == "wg" else module.WsKernel()
-    candidates, rule_config, _launcher = getattr(module, f"{a.kernel}_candidates"), \
-        getattr(module, f"{a.kernel}_config"), module._launcher
+    candidates, rule_config, _launcher = getattr(rules, f"{a.kernel}_candidates"), \
+        getattr(rules, f"{a.kernel}_config"), module._launcher
     if a.gated:
         rule_config = functools.partial(rule_config, gated=True)
     if a.kernel == "ws" and a.unicast_pairs is not None:
