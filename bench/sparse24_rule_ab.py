@@ -12,7 +12,8 @@ tiles of 192 rows of W splitting K (``--no-wide-k-splits``, ``sparse24_ws_rule.w
 without a K split's twin of one block of W and one tile of x (``--no-one-x``, ``sparse24_ws_rule.one_x_twin``, before
 0068), or with every tie between a ping-pong tile and the same tile one a CTA to the ping-pong one (``--pp-ties``,
 before 0068's ``PP_TIE_MAX_ACC``) or to the tile one a CTA (``--plain-ties``, since 0069's 16-bit staging), or with
-the ties where x has more tiles than W has blocks to the ping-pong tile (``--pp-wide-x-ties``, before 0070), is timed
+the ties where x has more tiles than W has blocks to the ping-pong tile (``--pp-wide-x-ties``, before 0070), or with
+a K split of 256 rows of x in one wave kept (``--split-wide-x``, before 0072), is timed
 with both tiles as the sweep times the rule's (``bench/sweep.py``: ``MmaLinear`` on the one device layout, each call
 on the next of the weight's copies past twice the L2, ``graph_us`` replays), in one process, alternating A B B A,
 beside dense ``F.linear``; with ``--eager``, also eagerly, host work included. Each side has its own copies of the
@@ -91,7 +92,8 @@ def wide_split_pick(n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS, 
 def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
                wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
                no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False,
-               pp_ties: bool = False, plain_ties: bool = False, pp_wide_x_ties: bool = False, gpu=None):
+               pp_ties: bool = False, plain_ties: bool = False, pp_wide_x_ties: bool = False,
+               split_wide_x: bool = False, gpu=None):
     """``ws_config``'s tile had it ``MULTICAST_MIN_WAVES = waves`` and weights ``w`` (its cache neither read nor
     written); with ``even_split``, among K splits that divide K's steps alone, as the rule was before uneven slices
     (docs/design/0058); with ``wide_split_only``, as it was before the small-n K splits joined the cost
@@ -102,8 +104,9 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
     ``pp_ties``, each tie between a ping-pong tile and the same tile one a CTA to the ping-pong one (before 0068's
     ``PP_TIE_MAX_ACC``); with ``plain_ties``, those ties to the tile one a CTA at every size (``PP_TIE_MAX_ACC`` 0);
     with ``pp_wide_x_ties``, the ties where x has more tiles than W has blocks to the ping-pong tile at every size
-    (``PP_TIE_WIDE_X``, before 0070).  Each other step of the rule as it is, on the GPU facts ``gpu`` (None: the
-    model's)."""
+    (``PP_TIE_WIDE_X``, before 0070); with ``split_wide_x``, keeping a K split of 256 rows of x in one wave where this
+    rule takes the pick with K whole (``sparse24_ws_rule.split_wide_x``, before 0072).  Each other step of the rule as
+    it is, on the GPU facts ``gpu`` (None: the model's)."""
     present = sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC, sparse24_ws_rule.PP_TIE_WIDE_X
     sparse24_ws_rule.MULTICAST_MIN_WAVES = waves
     sparse24_ws_rule.PP_TIE_WIDE_X = present[2] or pp_wide_x_ties
@@ -131,6 +134,10 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
             space = ws_candidates(n, m, k)
             before = pick_from(space, n, m, k, sms, w, gpu=gpu, one_x=False)
             cfg = cfg if before == pick_from(space, n, m, k, sms, w, gpu=gpu) else finished(before)
+        if split_wide_x:
+            space = ws_candidates(n, m, k)
+            before = pick_from(space, n, m, k, sms, w, gpu=gpu, whole_k=False)
+            cfg = cfg if before == pick_from(space, n, m, k, sms, w, gpu=gpu) else finished(before)
         if no_deep_ring and cfg.stages > _MAX_STAGES:
             cfg = with_push(_deepest(cfg.bn, cfg.wm, cfg.cm, cfg.kc, cfg.sk, cfg.pp), n, m, sms, gpu)
         return cfg
@@ -142,13 +149,15 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
 def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
           wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
           no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False, pp_ties: bool = False,
-          plain_ties: bool = False, pp_wide_x_ties: bool = False, gpu=None) -> list[tuple[int, int, int]]:
+          plain_ties: bool = False, pp_wide_x_ties: bool = False, split_wide_x: bool = False,
+          gpu=None) -> list[tuple[int, int, int]]:
     """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w``,
     ``even_split``, ``wide_split_only``, ``no_split3``, ``no_small_grid``, ``no_deep_ring``, ``no_wide_splits``,
-    ``no_one_x``, ``pp_ties``, ``plain_ties`` and ``pp_wide_x_ties``."""
+    ``no_one_x``, ``pp_ties``, ``plain_ties``, ``pp_wide_x_ties`` and ``split_wide_x``."""
     def other(n, m, k):
         return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only, no_split3, no_small_grid,
-                          no_deep_ring, no_wide_splits, no_one_x, pp_ties, plain_ties, pp_wide_x_ties, gpu)
+                          no_deep_ring, no_wide_splits, no_one_x, pp_ties, plain_ties, pp_wide_x_ties, split_wide_x,
+                          gpu)
 
     return [move[:3] for move in moved_picks(shapes, batch, other, sms, gpu)]
 
@@ -192,6 +201,8 @@ OTHER_RULES = (
      "tile stages y in 16 bits, as the ping-pong one does)", "plain-tile ties"),
     ("--pp-wide-x-ties", "pp_wide_x_ties", "gives the ties where x has more tiles than W has blocks to the ping-pong "
      "tile at every size (docs/design/0068, before 0070)", "ping-pong ties where x has more tiles"),
+    ("--split-wide-x", "split_wide_x", "keeps a K split of 256 rows of x in a grid of one wave where this one takes "
+     "the pick with K whole (before docs/design/0072)", "K splits of 256 rows of x in one wave"),
 )
 
 

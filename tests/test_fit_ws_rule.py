@@ -575,3 +575,13 @@ def test_the_rule_ab_bench_picks_both_sides_on_the_gpu_facts_it_is_given():
     h100 = dataclasses.replace(GpuFacts.model(SMS), dram_bytes_per_s=2_619_000e3 * 5120 * 2 / 8)
     assert _rule_ab_moves([(5120, 5120), (5120, 13824)], no_deep_ring=True, gpu=h100) == {}
     assert len(_rule_ab_moves([(5120, 5120), (5120, 13824)], no_deep_ring=True)) == 6
+
+
+def test_the_rule_ab_bench_times_the_rule_with_k_splits_of_256_rows_of_x_in_one_wave():
+    """bench/sparse24_rule_ab.py --split-wide-x (docs/design/0072): the other rule keeps a K split of 256 rows of x in
+    a grid of one wave; the two part only where x takes four such tiles or more and this rule takes K whole."""
+    moves = _rule_ab_moves([(2048, 8192), (5120, 14336), (8192, 8192)], batch=(256, 512, 1024, 2048),
+                           split_wide_x=True)
+    assert list(moves) == [(1024, 2048, 8192)]
+    assert moves[(1024, 2048, 8192)] == WsConfig(256, 2, 1, 2, 5)
+    assert ws_config(1024, 2048, 8192, SMS) == WsConfig(128, 2, 1, 1, 8)

@@ -339,6 +339,41 @@ def test_a_k_split_of_two_blocks_takes_its_twin_of_one_block_and_one_tile_of_x()
     assert gated.wm % 2 == 0  # a gated epilogue takes pairs of blocks: no twin of one
 
 
+def test_a_k_split_of_256_rows_of_x_in_one_wave_gives_way_to_k_whole_where_x_takes_four_tiles():
+    """docs/design/0072: where the pick splits K over 256 rows of x, x takes four such tiles or more, and the grid
+    places in one wave, the rule takes its pick among the tiles with K whole (5 held-out layers at n = 1024, 0.83-0.94x
+    the time through the sweep's path, one even).  On a generic grid of layers: every such pick moves, to a tile with
+    K whole and no more CTAs than a wave; every other pick stays; a grid of more waves keeps its split (5120 rows at
+    n = 1024, where the split was the best tile), as do one or two tiles of x (n = 256-512, not timed) and a gated
+    epilogue."""
+    from kernelplan.kernels.sparse24_ws_rule import WHOLE_K_BN, WHOLE_K_MIN_X_TILES, pick_from, split_wide_x
+
+    assert (WHOLE_K_BN, WHOLE_K_MIN_X_TILES) == (256, 4)
+    moved = 0
+    for m in range(512, 6145, 512):
+        for k in (2048, 4864, 6400, 8192, 11008, 14336):
+            for n in (256, 512, 1024, 2048, 4096):
+                space = ws_candidates(n, m, k)
+                before = pick_from(space, n, m, k, 132, whole_k=False)
+                after = pick_from(space, n, m, k, 132)
+                if split_wide_x(before, n, m, 132):
+                    moved += 1
+                    assert n >= 1024 and after.kc == 1 and after in space, (n, m, k)
+                    assert math.prod(after.grid(n, m)) <= 132 or after.pp, (n, m, k)
+                else:
+                    assert after == before, (n, m, k)
+    assert moved >= 5
+    for n, m, k in ((1024, 896, 4864), (1024, 2048, 8192), (1024, 1600, 6400)):  # the layers it was read on
+        assert ws_config(n, m, k, 132).kc == 1
+    kept = ws_config(1024, 5120, 14336, 132)
+    assert (kept.bn, kept.kc) == (256, 2) and not split_wide_x(kept, 1024, 5120, 132)
+    for n, m, k in ((256, 8192, 8192), (512, 4096, 14336)):  # a split of one or two tiles of x: as it was
+        cfg = ws_config(n, m, k, 132)
+        assert cfg.bn == 256 and cfg.kc == 2, (n, m, k)
+    gated = ws_config(1024, 2048, 8192, 132, gated=True)  # not timed gated: the split stays
+    assert split_wide_x(gated, 1024, 2048, 132)
+
+
 def test_the_largest_ping_pong_ties_go_to_the_one_a_cta_tile():
     """docs/design/0068, 0070: in a grid of one wave a ping-pong tile and the same tile one a CTA cost alike.  At 128
     rows of x and two blocks of W, and at 64 rows and three blocks, the tie goes to the one-a-CTA tile (15 of 15 and

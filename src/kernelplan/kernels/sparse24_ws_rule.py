@@ -416,11 +416,12 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
     """The tile for N = n: ``rule_pick`` of ``ws_candidates`` under ``w``, a K split over 3 CTAs only where its grid
     runs more CTAs than the pick without it (docs/design/0063), a tile of 192 rows of W splitting K only where its
     tile of x is as wide as the pick's without it (0067), a K split of two blocks of W given way to its twin of one
-    block and one tile of x (``one_x_twin``, 0068), a grid under a quarter of the SMs at n <= 16 given way to a
-    small-n split (``small_grid_split``, 0064), its ring deepened where the grid holds too few bytes in flight at
-    n <= 16 (``with_ring``, 0066), with its K slices pushing their sums where that pays.  ``gated``: among the tiles a
-    gated epilogue runs on (``gated_tile``), none of them small-n splits, deeper rings or 192-row K splits (none was
-    timed gated), nor tiles of one block (no twins).
+    block and one tile of x (``one_x_twin``, 0068), a K split of 256 rows of x in one wave given way to the pick with
+    K whole (``split_wide_x``, 0072), a grid under a quarter of the SMs at n <= 16 given way to a small-n split
+    (``small_grid_split``, 0064), its ring deepened where the grid holds too few bytes in flight at n <= 16
+    (``with_ring``, 0066), with its K slices pushing their sums where that pays.  ``gated``: among the tiles a gated
+    epilogue runs on (``gated_tile``), none of them small-n splits, deeper rings or 192-row K splits (none was timed
+    gated), nor tiles of one block (no twins), and K splits of 256 rows of x kept.
     ``gpu``: the GPU's cluster slots, which waves are counted by, and its DRAM bandwidth (``WsKernel.config`` passes
     the driver's, docs/design/0065); None, the model of a GPU of ``sms`` SMs (``GpuFacts.model``)."""
     if gpu is not None and gpu.sms != sms:  # the waves would count one GPU's SMs and another's cluster slots
@@ -430,12 +431,13 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
 
 
 def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS, small_grids: bool = True,
-              gpu: GpuFacts | None = None, one_x: bool = True) -> WsConfig:
+              gpu: GpuFacts | None = None, one_x: bool = True, whole_k: bool = True) -> WsConfig:
     """``ws_config``'s pick among ``space``, before the push: ``rule_pick``, a split over 3 only where its grid runs
     more CTAs than the pick without it (the note at _SPLITS), a tile of 192 rows of W splitting K only where its tile
     of x is as wide as the pick's without it (the note at ``wide_split``), with ``one_x`` a K split of two 64-row
-    blocks given way to its twin of one block and one tile of x (``one_x_twin``), then, with ``small_grids``,
-    ``small_grid_split``.  Also how tools/fit_ws_rule.py picks among a table's tiles."""
+    blocks given way to its twin of one block and one tile of x (``one_x_twin``), with ``whole_k`` a K split of
+    ``WHOLE_K_BN`` rows of x in one wave given way to the pick with K whole (``split_wide_x``), then, with
+    ``small_grids``, ``small_grid_split``.  Also how tools/fit_ws_rule.py picks among a table's tiles."""
     cfg = rule_pick(space, n, m, k, sms, w, gpu)
     if cfg.kc == 3:
         rest = rule_pick([c for c in space if c.kc != 3], n, m, k, sms, w, gpu)
@@ -445,7 +447,29 @@ def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
         cfg = cfg if cfg.bn >= rest.bn else rest
     if one_x:
         cfg = one_x_twin(cfg, space, n)
+    if whole_k and split_wide_x(cfg, n, m, sms, gpu):
+        whole = [c for c in space if c.kc == 1]
+        cfg = rule_pick(whole, n, m, k, sms, w, gpu) if whole else cfg
     return small_grid_split(cfg, n, m, k, sms, w, gpu) if small_grids else cfg
+
+
+# A K split of 256 rows of x in a grid of one wave, where x takes WHOLE_K_MIN_X_TILES such tiles or more.  At
+# n = 1024 the rule's pick was such a tile on 5 held-out layers of 896-2048 rows and K of 4864-11008, priced within
+# 0.3-5% of the best tile with K whole and the same or fewer CTAs (one wave too).  In a tile table it ran 1.00-1.19x the
+# time of that tile (sparse24-ws-tiles-ksplit-n1024-h200.json), and through the sweep's path 1.06-1.20x on the 4 of
+# them the table had apart by 3% or more (sparse24-rule-ab-ksplit-n1024-misses-h200.json; docs/design/0072).  Where
+# the grid takes more waves (5120 rows, 320 CTAs) the split was the best tile.  Its ring holds 5-6 steps against the
+# whole-K tile's 8, and each CTA runs half of K: a cause that tile_cost does not price, not measured apart.  At
+# n = 256-512 (one or two tiles of x) the same class is 8 picks of the sweep set, not timed against K whole: kept.
+WHOLE_K_BN = 256
+WHOLE_K_MIN_X_TILES = 4
+
+
+def split_wide_x(cfg: WsConfig, n: int, m: int, sms: int, gpu: GpuFacts | None = None) -> bool:
+    """Whether ``cfg`` splits K over ``WHOLE_K_MIN_X_TILES`` or more tiles of ``WHOLE_K_BN`` rows of x in a grid
+    that places in one wave."""
+    return cfg.kc > 1 and cfg.bn >= WHOLE_K_BN and -(-n // cfg.bn) >= WHOLE_K_MIN_X_TILES and \
+        grid_ctas(cfg, n, m, sms) <= _cluster_sms(cfg, sms, gpu)
 
 
 # A K split of 64 rows of x and two 64-row blocks of W a CTA, where n takes two such tiles of x, and its twin of one
@@ -484,7 +508,7 @@ def cost_pick(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
               gpu: GpuFacts | None = None) -> WsConfig:
     """``ws_config``'s pick before ``small_grid_split`` and the push (bench/sparse24_rule_ab.py's rule before 0064)."""
     space = [c for c in ws_candidates(n, m, k, gated=gated) if not gated or gated_tile(c)]
-    return pick_from(space, n, m, k, sms, w, small_grids=False, gpu=gpu)
+    return pick_from(space, n, m, k, sms, w, small_grids=False, gpu=gpu, whole_k=not gated)  # not timed gated
 
 
 # At n <= SPLIT_MAX_N a pick whose grid runs under this share of the SMs gives way to the small-n split of the most
