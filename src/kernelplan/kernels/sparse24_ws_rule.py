@@ -457,7 +457,9 @@ def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
 # n = 1024 the rule's pick was such a tile on 5 held-out layers of 896-2048 rows and K of 4864-11008, priced within
 # 0.3-5% of the best tile with K whole and the same or fewer CTAs (one wave too).  In a tile table it ran 1.00-1.19x the
 # time of that tile (sparse24-ws-tiles-ksplit-n1024-h200.json), and through the sweep's path 1.06-1.20x on the 4 of
-# them the table had apart by 3% or more (sparse24-rule-ab-ksplit-n1024-misses-h200.json; docs/design/0072).  Where
+# them the table had apart by 3% or more (sparse24-rule-ab-ksplit-n1024-misses-h200.json; docs/design/0072); with
+# the step taken, the rule before it took 1.01-1.21x the time on all 5 (rule_ab --split-wide-x at c773c66,
+# sparse24-rule-ab-split-wide-x-h200.json; eagerly 1.05-1.16x on 4, and 0.93x on 896x4864's ping-pong tile).  Where
 # the grid takes more waves (5120 rows, 320 CTAs) the split was the best tile.  Its ring holds 5-6 steps against the
 # whole-K tile's 8, and each CTA runs half of K: a cause that tile_cost does not price, not measured apart.  At
 # n = 256-512 (one or two tiles of x) the same class is 8 picks of the sweep set, not timed against K whole: kept.
