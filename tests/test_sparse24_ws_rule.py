@@ -89,11 +89,13 @@ def test_tile_rule_fits_every_sweep_shape_and_batch(sms):
 @given(n=st.integers(1, 8192), m=st.integers(1, 4096).map(lambda v: 32 * v),
        k=st.integers(1, 1024).map(lambda v: 64 * v), sms=st.sampled_from([78, 114, 132]), gated=st.booleans())
 @example(n=113, m=544, k=2240, sms=78, gated=False)  # a one-x twin (docs/design/0068), found by this test in CI
+@example(n=4993, m=32, k=4224, sms=78, gated=False)  # a K split of 256 rows of x in one wave (0072), found in CI
 def test_the_rule_multicasts_x_without_a_k_split_only_past_two_waves(n, m, k, sms, gated):
     """Any shape (docs/design/0054): the pick is a tile of the rule's space, multicasts x without splitting K only in
     a grid of more than MULTICAST_MIN_WAVES waves, and is otherwise the least-cost tile itself (a K split over 3 only on
     a grid of more CTAs than the least-cost tile without it, docs/design/0063; a K split of two blocks of W and two tiles
-    of x its twin of one block and one tile of x, 0068; small grids at n <= 16, 0064)."""
+    of x its twin of one block and one tile of x, 0068; a K split of 256 rows of x, four tiles of them or more, in one
+    wave, the least-cost tile with K whole, 0072; small grids at n <= 16, 0064)."""
     from kernelplan.kernels.sparse24_ws_rule import grid_ctas, small_grid_split
 
     picked = ws_config(n, m, k, sms, gated)
@@ -114,6 +116,9 @@ def test_the_rule_multicasts_x_without_a_k_split_only_past_two_waves(n, m, k, sm
     if least.kc > 1 and least.wm == 2 and least.cm == 1 and not least.pp and least.bn < n:  # one tile of x (0068)
         twins = [c for c in cands if (c.wm, c.cm, c.kc, c.pp) == (1, 1, least.kc, False) and n <= c.bn <= 128]
         least = min(twins, key=lambda c: c.bn, default=least)
+    one_wave = grid_ctas(least, n, m, sms) <= _cluster_sms(least, sms)
+    if not gated and least.kc > 1 and least.bn == 256 and -(-n // 256) >= 4 and one_wave:  # K whole (0072)
+        least = min((c for c in cands if c.kc == 1), key=lambda c: rule_order(c, n, m, k, sms), default=least)
     if not gated:  # a grid under a quarter of the SMs at n <= 16 takes a split (0064): never one of x multicast
         least = small_grid_split(least, n, m, k, sms)
     assert cfg in (least, replace(least, cm=1))

@@ -463,6 +463,8 @@ def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
 # the grid takes more waves (5120 rows, 320 CTAs) the split was the best tile.  Its ring holds 5-6 steps against the
 # whole-K tile's 8, and each CTA runs half of K: a cause that tile_cost does not price, not measured apart.  At
 # n = 256-512 (one or two tiles of x) the same class is 8 picks of the sweep set, not timed against K whole: kept.
+# On a generic grid (M 256-8192, K 1024-16384, n 1024-8192) the step moves 58 of 2048 picks, weights of 256-2048
+# rows and K of 6144 or more past n = 1024 (x takes 4-32 tiles): the same grids of one wave, none of them timed.
 WHOLE_K_BN = 256
 WHOLE_K_MIN_X_TILES = 4
 
