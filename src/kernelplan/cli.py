@@ -496,13 +496,13 @@ def _warmup_layers(args) -> tuple[list[tuple], str]:
     import torch
 
     found, which = _given_layers(args.model, args.shapes)
+    layers = list(dict.fromkeys((f["m"], f["k"], f["bias"], f["dtype"]) for f in found))
     if which == "given":
-        return list(dict.fromkeys((f["m"], f["k"], f["bias"], f["dtype"]) for f in found)), ""
+        return layers, ""
     floating = (torch.bfloat16, torch.float16, torch.float32)
     odd = [f for f in found if f["dtype"] not in floating]
     if odd and args.dtype is None:
         raise ValueError(f"{odd[0]['name']} is stored as {odd[0]['dtype']}; give --dtype bf16 or f16")
-    layers = list(dict.fromkeys((f["m"], f["k"], f["bias"], f["dtype"]) for f in found))
     what = "2:4 layers" if which == "2:4" else "layers kp.sparsify would prune (a dense checkpoint)"
     return layers, f"{args.model}: {len(found)} {what}, {len(layers)} distinct shapes"
 
