@@ -93,7 +93,7 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
                wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
                no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False,
                pp_ties: bool = False, plain_ties: bool = False, pp_wide_x_ties: bool = False,
-               split_wide_x: bool = False, gpu=None):
+               split_wide_x: bool = False, whole_k_min_x_tiles: int | None = None, gpu=None):
     """``ws_config``'s tile had it ``MULTICAST_MIN_WAVES = waves`` and weights ``w`` (its cache neither read nor
     written); with ``even_split``, among K splits that divide K's steps alone, as the rule was before uneven slices
     (docs/design/0058); with ``wide_split_only``, as it was before the small-n K splits joined the cost
@@ -105,10 +105,14 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
     ``PP_TIE_MAX_ACC``); with ``plain_ties``, those ties to the tile one a CTA at every size (``PP_TIE_MAX_ACC`` 0);
     with ``pp_wide_x_ties``, the ties where x has more tiles than W has blocks to the ping-pong tile at every size
     (``PP_TIE_WIDE_X``, before 0070); with ``split_wide_x``, keeping a K split of 256 rows of x in one wave where this
-    rule takes the pick with K whole (``sparse24_ws_rule.split_wide_x``, before 0072).  Each other step of the rule as
+    rule takes the pick with K whole (``sparse24_ws_rule.split_wide_x``, before 0072); with ``whole_k_min_x_tiles``,
+    that step from this many tiles of x on (``WHOLE_K_MIN_X_TILES``; 0073 timed 1 and 2).  Each other step of the rule as
     it is, on the GPU facts ``gpu`` (None: the model's)."""
-    present = sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC, sparse24_ws_rule.PP_TIE_WIDE_X
+    present = (sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC, sparse24_ws_rule.PP_TIE_WIDE_X,
+               sparse24_ws_rule.WHOLE_K_MIN_X_TILES)
     sparse24_ws_rule.MULTICAST_MIN_WAVES = waves
+    if whole_k_min_x_tiles is not None:
+        sparse24_ws_rule.WHOLE_K_MIN_X_TILES = whole_k_min_x_tiles
     sparse24_ws_rule.PP_TIE_WIDE_X = present[2] or pp_wide_x_ties
     if pp_ties:
         sparse24_ws_rule.PP_TIE_MAX_ACC = 1 << 30
@@ -142,22 +146,22 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
             cfg = with_push(_deepest(cfg.bn, cfg.wm, cfg.cm, cfg.kc, cfg.sk, cfg.pp), n, m, sms, gpu)
         return cfg
     finally:
-        (sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC,
-         sparse24_ws_rule.PP_TIE_WIDE_X) = present
+        (sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC, sparse24_ws_rule.PP_TIE_WIDE_X,
+         sparse24_ws_rule.WHOLE_K_MIN_X_TILES) = present
 
 
 def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
           wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
           no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False, pp_ties: bool = False,
           plain_ties: bool = False, pp_wide_x_ties: bool = False, split_wide_x: bool = False,
-          gpu=None) -> list[tuple[int, int, int]]:
+          whole_k_min_x_tiles: int | None = None, gpu=None) -> list[tuple[int, int, int]]:
     """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w``,
     ``even_split``, ``wide_split_only``, ``no_split3``, ``no_small_grid``, ``no_deep_ring``, ``no_wide_splits``,
-    ``no_one_x``, ``pp_ties``, ``plain_ties``, ``pp_wide_x_ties`` and ``split_wide_x``."""
+    ``no_one_x``, ``pp_ties``, ``plain_ties``, ``pp_wide_x_ties``, ``split_wide_x`` and ``whole_k_min_x_tiles``."""
     def other(n, m, k):
         return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only, no_split3, no_small_grid,
                           no_deep_ring, no_wide_splits, no_one_x, pp_ties, plain_ties, pp_wide_x_ties, split_wide_x,
-                          gpu)
+                          whole_k_min_x_tiles, gpu)
 
     return [move[:3] for move in moved_picks(shapes, batch, other, sms, gpu)]
 
@@ -210,6 +214,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--multicast-min-waves", type=float, default=None, metavar="W",
                     help="the other rule's: x multicast without a K split only in grids of more than W waves")
+    ap.add_argument("--whole-k-min-x-tiles", type=int, default=None, metavar="T",
+                    help="the other rule takes K whole over K splits of 256 rows of x in one wave from T tiles of x "
+                         f"on (now {sparse24_ws_rule.WHOLE_K_MIN_X_TILES})")
     ap.add_argument("--weights", nargs="+", default=[], metavar="FIELD=VALUE",
                     help="the other rule's cost weights (RuleWeights), the rest as they are")
     for flag, _, what, _ in OTHER_RULES:
@@ -230,13 +237,14 @@ def main() -> int:
     a = ap.parse_args()
     dests = [(flag[2:].replace("-", "_"), key) for flag, key, _, _ in OTHER_RULES]
     chosen = {dest: getattr(a, dest) for dest, _ in dests}  # by argparse's names: the results file's keys
-    flags = {key: chosen[dest] for dest, key in dests}  # by other_pick's keywords
-    other_rule = a.multicast_min_waves is not None or a.weights or any(chosen.values())
+    flags = {key: chosen[dest] for dest, key in dests} | {"whole_k_min_x_tiles": a.whole_k_min_x_tiles}
+    other_rule = (a.multicast_min_waves is not None or a.whole_k_min_x_tiles is not None or a.weights
+                  or any(chosen.values()))
     if a.plain_ties and (a.pp_ties or a.pp_wide_x_ties):
         ap.error(f"--plain-ties and {'--pp-ties' if a.pp_ties else '--pp-wide-x-ties'} give the same ties to "
                  f"opposite tiles: give one of them")
     if bool(other_rule) == (a.table_misses is not None):
-        ap.error(f"give the other rule (--multicast-min-waves, --weights, "
+        ap.error(f"give the other rule (--multicast-min-waves, --whole-k-min-x-tiles, --weights, "
                  f"{', '.join(flag for flag, *_ in OTHER_RULES)} or more of them) or --table-misses, not both")
     try:
         shapes = SHAPE_SETS[a.shape_set]() if a.shapes is None else [tuple(map(int, s.split("x"))) for s in a.shapes]
@@ -253,7 +261,8 @@ def main() -> int:
     else:
         problems = moved(shapes, a.batch, sms, waves, other_w, **flags, gpu=gpu)
         others = {p: other_pick(*p, sms, waves, other_w, **flags, gpu=gpu) for p in problems}
-        said = "".join(f" and {words}" for _, key, _, words in OTHER_RULES if flags[key])
+        said = "".join(f" and {words}" for _, key, _, words in OTHER_RULES if flags[key]) + (
+            "" if a.whole_k_min_x_tiles is None else f" and K whole from {a.whole_k_min_x_tiles} tiles of x")
         print(f"{len(problems)} problems where the rule with x multicast past {waves:g} waves (now "
               f"{sparse24_ws_rule.MULTICAST_MIN_WAVES}), {other_w}{said} picks another tile", flush=True)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -263,7 +272,8 @@ def main() -> int:
         results.write("sparse24-rule-ab", {"rows": rows}, a.out, dtype="bf16", sms=sms,
                       here={"multicast_min_waves": sparse24_ws_rule.MULTICAST_MIN_WAVES,
                             "weights": dataclasses.asdict(WEIGHTS)},
-                      other={"multicast_min_waves": waves, "weights": dataclasses.asdict(other_w), **chosen},
+                      other={"multicast_min_waves": waves, "weights": dataclasses.asdict(other_w), **chosen,
+                             "whole_k_min_x_tiles": a.whole_k_min_x_tiles},
                       shape_set=a.shape_set if a.shapes is None else "given", shapes=a.shapes,
                       table_misses=a.table_misses, min_gain=a.min_gain, rounds=a.rounds, rep=a.rep, eager=a.eager)
 
