@@ -94,8 +94,8 @@ def test_the_rule_multicasts_x_without_a_k_split_only_past_two_waves(n, m, k, sm
     """Any shape (docs/design/0054): the pick is a tile of the rule's space, multicasts x without splitting K only in
     a grid of more than MULTICAST_MIN_WAVES waves, and is otherwise the least-cost tile itself (a K split over 3 only on
     a grid of more CTAs than the least-cost tile without it, docs/design/0063; a K split of two blocks of W and two tiles
-    of x its twin of one block and one tile of x, 0068; a K split of 256 rows of x, four tiles of them or more, in one
-    wave, the least-cost tile with K whole, 0072; small grids at n <= 16, 0064)."""
+    of x its twin of one block and one tile of x, 0068; a K split over 2 CTAs of 256 rows of x, four tiles of them or
+    more, in one wave, the least-cost tile with K whole, 0072, 0073; small grids at n <= 16, 0064)."""
     from kernelplan.kernels.sparse24_ws_rule import grid_ctas, small_grid_split
 
     picked = ws_config(n, m, k, sms, gated)
@@ -117,7 +117,7 @@ def test_the_rule_multicasts_x_without_a_k_split_only_past_two_waves(n, m, k, sm
         twins = [c for c in cands if (c.wm, c.cm, c.kc, c.pp) == (1, 1, least.kc, False) and n <= c.bn <= 128]
         least = min(twins, key=lambda c: c.bn, default=least)
     one_wave = grid_ctas(least, n, m, sms) <= _cluster_sms(least, sms)
-    if not gated and least.kc > 1 and least.bn == 256 and -(-n // 256) >= 4 and one_wave:  # K whole (0072)
+    if not gated and least.kc == 2 and least.bn == 256 and -(-n // 256) >= 4 and one_wave:  # K whole (0072, 0073)
         least = min((c for c in cands if c.kc == 1), key=lambda c: rule_order(c, n, m, k, sms), default=least)
     if not gated:  # a grid under a quarter of the SMs at n <= 16 takes a split (0064): never one of x multicast
         least = small_grid_split(least, n, m, k, sms)
@@ -344,32 +344,37 @@ def test_a_k_split_of_two_blocks_takes_its_twin_of_one_block_and_one_tile_of_x()
     assert gated.wm % 2 == 0  # a gated epilogue takes pairs of blocks: no twin of one
 
 
-def test_a_k_split_of_256_rows_of_x_in_one_wave_gives_way_to_k_whole_where_x_takes_four_tiles():
-    """docs/design/0072: where the pick splits K over 256 rows of x, x takes four such tiles or more, and the grid
-    places in one wave, the rule takes its pick among the tiles with K whole (5 held-out layers at n = 1024, 0.83-0.94x
-    the time through the sweep's path, one even).  On a generic grid of layers: every such pick moves, to a tile with
-    K whole and no more CTAs than a wave; every other pick stays; a grid of more waves keeps its split (5120 rows at
-    n = 1024, where the split was the best tile), as do one or two tiles of x (n = 256-512, not timed) and a gated
-    epilogue."""
-    from kernelplan.kernels.sparse24_ws_rule import WHOLE_K_BN, WHOLE_K_MIN_X_TILES, pick_from, split_wide_x
+def test_a_k_split_over_two_ctas_of_256_rows_of_x_in_one_wave_gives_way_to_k_whole_where_x_takes_four_tiles():
+    """docs/design/0072, 0073: where the pick splits K over 2 CTAs on 256 rows of x, x takes four such tiles or more,
+    and the grid places in one wave, the rule takes its pick among the tiles with K whole (34 problems timed through
+    the sweep's path, the split 0.97-1.31x the time).  On a generic grid of layers: every such pick moves, to a tile
+    with K whole and no more CTAs than a wave; every other pick stays; a split over 4 CTAs stays (0.76-1.02x the time
+    of K whole on 10 problems), as do a grid of more waves (5120 rows at n = 1024, where the split was the best
+    tile), one to three tiles of x (n = 256-768: K whole 0.97-1.20x the split's time) and a gated epilogue."""
+    from kernelplan.kernels.sparse24_ws_rule import (WHOLE_K_BN, WHOLE_K_MAX_KC, WHOLE_K_MIN_X_TILES, pick_from,
+                                                     split_wide_x)
 
-    assert (WHOLE_K_BN, WHOLE_K_MIN_X_TILES) == (256, 4)
-    moved = 0
-    for m in range(512, 6145, 512):
-        for k in (2048, 4864, 6400, 8192, 11008, 14336):
+    assert (WHOLE_K_BN, WHOLE_K_MAX_KC, WHOLE_K_MIN_X_TILES) == (256, 2, 4)
+    moved, kept4 = 0, 0
+    for m in range(256, 6145, 256):
+        for k in (2048, 4864, 6400, 8192, 11008, 14336, 16384):
             for n in (256, 512, 1024, 2048, 4096):
                 space = ws_candidates(n, m, k)
                 before = pick_from(space, n, m, k, 132, whole_k=False)
                 after = pick_from(space, n, m, k, 132)
                 if split_wide_x(before, n, m, 132):
                     moved += 1
-                    assert n >= 1024 and after.kc == 1 and after in space, (n, m, k)
+                    assert n >= 1024 and before.kc == 2 and after.kc == 1 and after in space, (n, m, k)
                     assert math.prod(after.grid(n, m)) <= 132 or after.pp, (n, m, k)
                 else:
+                    kept4 += before.kc == 4 and before.bn == 256 and n >= 1024
                     assert after == before, (n, m, k)
-    assert moved >= 5
-    for n, m, k in ((1024, 896, 4864), (1024, 2048, 8192), (1024, 1600, 6400)):  # the layers it was read on
-        assert ws_config(n, m, k, 132).kc == 1
+    assert moved >= 20 and kept4 >= 2
+    for n, m, k in ((1024, 896, 4864), (1024, 2048, 8192), (1024, 1600, 6400), (8192, 256, 6144), (2048, 896, 8192)):
+        assert ws_config(n, m, k, 132).kc == 1, (n, m, k)  # timed: K whole 1.02-1.31x faster
+    for n, m, k in ((1024, 768, 16384), (1024, 384, 11008), (3072, 128, 14336)):  # timed: the split 1.16-1.32x faster
+        cfg = ws_config(n, m, k, 132)
+        assert (cfg.bn, cfg.kc) == (256, 4) and not split_wide_x(cfg, n, m, 132), (n, m, k)
     kept = ws_config(1024, 5120, 14336, 132)
     assert (kept.bn, kept.kc) == (256, 2) and not split_wide_x(kept, 1024, 5120, 132)
     for n, m, k in ((256, 8192, 8192), (512, 4096, 14336)):  # a split of one or two tiles of x: as it was

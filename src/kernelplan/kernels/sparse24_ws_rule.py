@@ -416,10 +416,10 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
     """The tile for N = n: ``rule_pick`` of ``ws_candidates`` under ``w``, a K split over 3 CTAs only where its grid
     runs more CTAs than the pick without it (docs/design/0063), a tile of 192 rows of W splitting K only where its
     tile of x is as wide as the pick's without it (0067), a K split of two blocks of W given way to its twin of one
-    block and one tile of x (``one_x_twin``, 0068), a K split of 256 rows of x in one wave given way to the pick with
-    K whole (``split_wide_x``, 0072), a grid under a quarter of the SMs at n <= 16 given way to a small-n split
-    (``small_grid_split``, 0064), its ring deepened where the grid holds too few bytes in flight at n <= 16
-    (``with_ring``, 0066), with its K slices pushing their sums where that pays.  ``gated``: among the tiles a gated
+    block and one tile of x (``one_x_twin``, 0068), a K split of 256 rows of x over 2 CTAs in one wave given way to
+    the pick with K whole (``split_wide_x``, 0072, 0073), a grid under a quarter of the SMs at n <= 16 given way to a
+    small-n split (``small_grid_split``, 0064), its ring deepened where the grid holds too few bytes in flight at
+    n <= 16 (``with_ring``, 0066), with its K slices pushing their sums where that pays.  ``gated``: among the tiles a gated
     epilogue runs on (``gated_tile``), none of them small-n splits, deeper rings or 192-row K splits (none was timed
     gated), nor tiles of one block (no twins), and K splits of 256 rows of x kept.
     ``gpu``: the GPU's cluster slots, which waves are counted by, and its DRAM bandwidth (``WsKernel.config`` passes
@@ -436,7 +436,7 @@ def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
     more CTAs than the pick without it (the note at _SPLITS), a tile of 192 rows of W splitting K only where its tile
     of x is as wide as the pick's without it (the note at ``wide_split``), with ``one_x`` a K split of two 64-row
     blocks given way to its twin of one block and one tile of x (``one_x_twin``), with ``whole_k`` a K split of
-    ``WHOLE_K_BN`` rows of x in one wave given way to the pick with K whole (``split_wide_x``), then, with
+    ``WHOLE_K_BN`` rows of x over 2 CTAs in one wave given way to the pick with K whole (``split_wide_x``), then, with
     ``small_grids``, ``small_grid_split``.  Also how tools/fit_ws_rule.py picks among a table's tiles."""
     cfg = rule_pick(space, n, m, k, sms, w, gpu)
     if cfg.kc == 3:
@@ -453,26 +453,27 @@ def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
     return small_grid_split(cfg, n, m, k, sms, w, gpu) if small_grids else cfg
 
 
-# A K split of 256 rows of x in a grid of one wave, where x takes WHOLE_K_MIN_X_TILES such tiles or more.  At
-# n = 1024 the rule's pick was such a tile on 5 held-out layers of 896-2048 rows and K of 4864-11008, priced within
-# 0.3-5% of the best tile with K whole and the same or fewer CTAs (one wave too).  In a tile table it ran 1.00-1.19x the
-# time of that tile (sparse24-ws-tiles-ksplit-n1024-h200.json), and through the sweep's path 1.06-1.20x on the 4 of
-# them the table had apart by 3% or more (sparse24-rule-ab-ksplit-n1024-misses-h200.json; docs/design/0072); with
-# the step taken, the rule before it took 1.01-1.21x the time on all 5 (rule_ab --split-wide-x at c773c66,
-# sparse24-rule-ab-split-wide-x-h200.json; eagerly 1.05-1.16x on 4, and 0.93x on 896x4864's ping-pong tile).  Where
-# the grid takes more waves (5120 rows, 320 CTAs) the split was the best tile.  Its ring holds 5-6 steps against the
-# whole-K tile's 8, and each CTA runs half of K: a cause that tile_cost does not price, not measured apart.  At
-# n = 256-512 (one or two tiles of x) the same class is 8 picks of the sweep set, not timed against K whole: kept.
-# On a generic grid (M 256-8192, K 1024-16384, n 1024-8192) the step moves 58 of 2048 picks, weights of 256-2048
-# rows and K of 6144 or more past n = 1024 (x takes 4-32 tiles): the same grids of one wave, none of them timed.
+# A K split over 2 CTAs (WHOLE_K_MAX_KC) of 256 rows of x in a grid of one wave, where x takes WHOLE_K_MIN_X_TILES
+# such tiles or more.  At n = 1024 the rule's pick was such a tile on 5 held-out layers of 896-2048 rows and K of
+# 4864-11008, priced within 0.3-5% of the best tile with K whole and the same or fewer CTAs (one wave too).  In a tile
+# table it ran 1.00-1.19x the time of that tile (sparse24-ws-tiles-ksplit-n1024-h200.json), and through the sweep's
+# path the rule before this step took 1.01-1.21x the time on all 5 (sparse24-rule-ab-split-wide-x-h200.json,
+# docs/design/0072).  On generic grids (0073, sparse24-rule-ab-split-wide-x-generic-, -pp-kc2- and -pp-kc4-h200.json):
+# over 2 CTAs the split took 0.97-1.31x the time of K whole on 29 more problems (256-2048 rows, K 4864-16384,
+# n = 1024-8192; median 1.16x, two under 1.0: 0.973 and 0.989); over 4 CTAs (K of 11008-16384 on 128-896 rows, where
+# the pick with K whole is a 64-row ping-pong tile) it took 0.76-1.02x (median 0.86x) on 10, and stays.  Where the grid
+# takes more waves (5120 rows, 320 CTAs) the split was the best tile.  The split's ring holds 5-6 steps against the
+# whole-K tile's 8: a cause that tile_cost does not price, not measured apart.  At n = 256-768 (one to three tiles of
+# x) K whole took 0.97-1.20x (median 1.03x) the time of the split on 10 problems: the split stays there (0073).
 WHOLE_K_BN = 256
+WHOLE_K_MAX_KC = 2
 WHOLE_K_MIN_X_TILES = 4
 
 
 def split_wide_x(cfg: WsConfig, n: int, m: int, sms: int, gpu: GpuFacts | None = None) -> bool:
-    """Whether ``cfg`` splits K over ``WHOLE_K_MIN_X_TILES`` or more tiles of ``WHOLE_K_BN`` rows of x in a grid
-    that places in one wave."""
-    return cfg.kc > 1 and cfg.bn >= WHOLE_K_BN and -(-n // cfg.bn) >= WHOLE_K_MIN_X_TILES and \
+    """Whether ``cfg`` splits K over 2 to ``WHOLE_K_MAX_KC`` CTAs on ``WHOLE_K_MIN_X_TILES`` or more tiles of
+    ``WHOLE_K_BN`` rows of x in a grid that places in one wave."""
+    return 1 < cfg.kc <= WHOLE_K_MAX_KC and cfg.bn >= WHOLE_K_BN and -(-n // cfg.bn) >= WHOLE_K_MIN_X_TILES and \
         grid_ctas(cfg, n, m, sms) <= _cluster_sms(cfg, sms, gpu)
 
 
