@@ -14,10 +14,8 @@ the last call returns; ``timing.host_us_per_call(wait=False)``), alternating in 
 * ``kp.sparse24.linear (table lookup)``: on other copies of the weights whose fast-path entries call the weight's
   ``_TiledWeight.linear`` (its table of launches by x's shape), as before the ``DirectCall`` (docs/design/0071): the
   two side by side in one process (``--lookup``);
-* ``..._bindings``: ``kp.sparse24.linear``, ``direct`` and ``bound`` with their launches through cuda-bindings'
-  ``cuLaunchKernel``, where the rest call the driver library's through ctypes (``route``; docs/design/0073);
-* ``..._no_driver``: ``kp.sparse24.linear``, ``direct`` and ``bound`` with cuda-bindings' ``cuLaunchKernel``
-  replaced by a no-op, so the Python layers alone (nothing runs on the GPU then).
+* ``..._no_driver``: ``kp.sparse24.linear``, ``direct`` and ``bound`` with ``cuLaunchKernel`` replaced by a no-op,
+  so the Python layers alone (nothing runs on the GPU then).
 
     PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_host_weights.py \\
         [--shape MxK ...] [--n 1 128] [--weights 1 256] [--lookup]
@@ -37,7 +35,6 @@ import torch.nn.functional as F
 import kernelplan as kp
 from kernelplan.bench import results
 from kernelplan.bench.sweep import _cycling
-from kernelplan.kernels.direct import route_of
 from kernelplan.timing import host_us_per_call
 
 CALLS = 50  # as the sweep's EAGER_CALLS
@@ -64,39 +61,18 @@ def table_lookup():
         MmaLinear.held = held
 
 
-@contextlib.contextmanager
-def routed(bounds, raw):
-    """The bound launches ``bounds`` calling ``raw`` for the driver library's cuLaunchKernel (None: cuda-bindings')."""
-    kept = [b._raw for b in bounds]
-    for b in bounds:
-        b._raw = raw
-    try:
-        yield
-    finally:
-        for b, r in zip(bounds, kept):
-            b._raw = r
-
-
-def read(fns: dict, rounds: int, dev, bounds) -> dict[str, float]:
+def read(fns: dict, rounds: int, dev) -> dict[str, float]:
     from cuda.bindings import driver as cu
 
     launch, noop = cu.cuLaunchKernel, (lambda *a: (cu.CUresult.CUDA_SUCCESS,))
     reads: dict[str, list[float]] = {}
-    layered = ("kp.sparse24.linear", "direct", "bound")
     for _ in range(rounds):
         for name, fn in fns.items():
             reads.setdefault(name, []).append(host_us_per_call(fn, dev, CALLS, wait=False))
-        if bounds[0]._raw is not None:  # the same launches through cuda-bindings' cuLaunchKernel (docs/design/0073)
-            with routed(bounds, None):
-                for name in layered:
-                    reads.setdefault(f"{name}_bindings", []).append(host_us_per_call(fns[name], dev, CALLS,
-                                                                                      wait=False))
         cu.cuLaunchKernel = noop  # the module's attribute: every launch here reads it per call
         try:
-            with routed(bounds, None):
-                for name in layered:
-                    reads.setdefault(f"{name}_no_driver", []).append(host_us_per_call(fns[name], dev, CALLS,
-                                                                                       wait=False))
+            for name in ("kp.sparse24.linear", "direct", "bound"):
+                reads.setdefault(f"{name}_no_driver", []).append(host_us_per_call(fns[name], dev, CALLS, wait=False))
         finally:
             cu.cuLaunchKernel = launch
     return {name: statistics.median(v) for name, v in reads.items()}
@@ -151,8 +127,7 @@ def main() -> int:
                     if looked:
                         fns["kp.sparse24.linear (table lookup)"] = _cycling(
                             [lambda c=c: kp.sparse24.linear(x, c) for c in looked[:weights]])
-                    row = {"m": m, "k": k, "n": n, "weights": weights, "route": route_of(bounds[0]),
-                           **read(fns, a.rounds, dev, bounds[:weights])}
+                    row = {"m": m, "k": k, "n": n, "weights": weights, **read(fns, a.rounds, dev)}
                     rows.append(row)
                     print(f"{m}x{k} n={n} weights={weights}: " + ", ".join(
                         f"{name} {v:.2f}" for name, v in row.items() if isinstance(v, float)), flush=True)

@@ -86,25 +86,7 @@ def stub_driver(monkeypatch, types, error=0) -> StubDriver:
     stub = StubDriver([direct._SIZE.get(t, 8) for t in types], error)
     monkeypatch.setattr(direct, "_driver", lambda: stub)
     monkeypatch.setattr(direct, "_STREAMS", {})  # the stub's streams never reach a real launch's cache
-    monkeypatch.setattr(direct, "_raw_launch", lambda: None)  # cuda-bindings' route: the stub's (raw_launch_into)
     return stub
-
-
-def raw_launch_into(monkeypatch, stub: StubDriver):
-    """``kernels.direct`` launching through the driver library's own ``cuLaunchKernel`` (``_raw_launch``), each
-    launch recorded into ``stub`` as its cuLaunchKernel records one, the stream as its raw int; the handle of each
-    launch's function in ``stub.handles``.  Returns the codes it answers with: set ``stub.raw_error``."""
-    from kernelplan.kernels import direct
-
-    stub.handles, stub.raw_error = [], 0
-
-    def raw(handle, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-        assert extra is None and isinstance(handle, int) and isinstance(stream, int)
-        stub.handles.append(handle)
-        stub.cuLaunchKernel(handle, gx, gy, gz, bx, by, bz, shared, stream, params, extra)
-        return stub.raw_error
-
-    monkeypatch.setattr(direct, "_raw_launch", lambda: raw)
 
 
 def kernelplan_cli(*args, env: dict | None = None):

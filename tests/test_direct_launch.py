@@ -1,5 +1,4 @@
-"""``kernels.direct``: compiled kernels launched by one cuLaunchKernel: the driver library's through ctypes, or
-cuda-bindings'."""
+"""``kernels.direct``: compiled Triton kernels launched by one cuLaunchKernel through cuda-bindings."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import raw_launch_into, stub_driver
+from helpers import stub_driver
 from kernelplan.errors import KernelPlanError
 from kernelplan.kernels import direct
 
@@ -164,68 +163,3 @@ def test_a_failed_bound_launch_names_the_kernel_and_its_grid(monkeypatch):
     bound = launch.bind((9, 1, 1), (0,) * 10)
     with pytest.raises(KernelPlanError, match=r"cuLaunchKernel of kp_test \(grid \(9, 1, 1\).*OUT_OF_RESOURCES"):
         bound(0x100, 0, 0x200, 0)
-
-
-def test_the_driver_librarys_launch_gets_what_cuda_bindings_gets(monkeypatch):
-    """docs/design/0073: where the driver library loads through ctypes, a launch, bound or not, calls its
-    cuLaunchKernel with the function's handle and the stream's as ints, the grid, block, shared bytes and every
-    parameter slot as cuda-bindings' route gives them; a PDL launch stays with cuda-bindings (cuLaunchKernelEx)."""
-    args = (0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 16, 768, 1024, 1024, 768)
-    stub = stub_driver(monkeypatch, _SPARSE24)
-    through_bindings = direct.FunctionLaunch(0xF00D, "kp_test", _SPARSE24, 128, 4096)
-    assert direct.route_of(through_bindings) == "cuda-bindings"
-    through_bindings((6, 2, 3), args, 7)
-    through_bindings.bind((6, 2, 3), args)(0x1000, 0x4000, 0x5000, 7)
-    want = [launch[:3] + launch[4:] for launch in stub.launches]
-    assert [launch[3] for launch in stub.launches] == [("stream", 7)] * 2
-    raw_launch_into(monkeypatch, stub)
-    launch = direct.FunctionLaunch(0xF00D, "kp_test", _SPARSE24, 128, 4096)
-    bound = launch.bind((6, 2, 3), args)
-    assert direct.route_of(launch) == direct.route_of(bound) == "ctypes"
-    del stub.launches[:]
-    launch((6, 2, 3), args, 7)
-    bound(0x1000, 0x4000, 0x5000, 7)
-    assert [got[:3] + got[4:] for got in stub.launches] == want
-    assert [got[3] for got in stub.launches] == [7, 7] and stub.handles == [0xF00D, 0xF00D]
-    launch.pdl = True
-    pdl = launch.bind((6, 2, 3), args)
-    assert direct.route_of(launch) == direct.route_of(pdl) == "cuda-bindings"
-    for call in (lambda: launch((6, 2, 3), args, 7), lambda: pdl(0x1000, 0x4000, 0x5000, 7)):
-        call()
-        assert stub.launches[-1][3] == ("stream", 7) and len(stub.handles) == 2  # through the stub's Ex
-
-
-def test_a_failed_launch_through_the_driver_library_names_its_error(monkeypatch):
-    stub = stub_driver(monkeypatch, _SPARSE24)
-    raw_launch_into(monkeypatch, stub)
-    stub.raw_error = 701
-
-    def cu_result(code):  # as cuda-bindings' enum: ValueError for a code it does not name
-        if code != 701:
-            raise ValueError(f"{code} is not a valid CUresult")
-        return SimpleNamespace(name="CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES")
-
-    stub.CUresult = cu_result
-    launch = direct.FunctionLaunch(0xF00D, "kp_test", _SPARSE24, 128, 4096)
-    for call in (lambda: launch((9, 1, 1), (0,) * 10, 0), lambda: launch.bind((9, 1, 1), (0,) * 10)(0, 0, 0, 0)):
-        with pytest.raises(KernelPlanError, match=r"cuLaunchKernel of kp_test \(grid \(9, 1, 1\).*OUT_OF_RESOURCES"):
-            call()
-    stub.raw_error = 12345  # a code cuda-bindings does not name: the number itself
-    with pytest.raises(KernelPlanError, match="failed: CUresult 12345"):
-        launch((9, 1, 1), (0,) * 10, 0)
-
-
-def test_the_driver_library_is_loaded_at_the_first_launch_not_at_import():
-    """Importing kernelplan touches no CUDA: ``_raw_launch`` loads the driver library at the first launch made. On a
-    machine without it, it is None, and launches go through cuda-bindings'."""
-    import subprocess
-    import sys
-
-    code = ("import kernelplan, kernelplan.kernels.direct as d, kernelplan.sparse24, kernelplan.nn; "
-            "assert d._RAW == [], d._RAW; print(d._raw_launch() is None)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    loaded = direct._libcuda_launch()
-    assert out.stdout.strip() == str(loaded is None)
-    if loaded is not None:
-        assert loaded.restype is __import__("ctypes").c_int and len(loaded.argtypes) == 11

@@ -13,11 +13,6 @@ Triton's C launcher called directly              5.7
 the same, arguments packed by ``struct``         6.6
 ============================================  =======
 
-Where the driver library loads through ``ctypes`` (``_raw_launch``), the launch calls its ``cuLaunchKernel``
-itself, with the function's handle and the stream's as ints: cuda-bindings' wrapper converts and checks each of
-its 11 arguments on every call (docs/design/0073 has the A/B).  Everything else about a launch, and the PDL
-launches' ``cuLaunchKernelEx``, stays with cuda-bindings.
-
 Triton's C launcher is generated per signature and its argument list differs
 between releases (38 positional arguments for this kernel on 3.6, a generic
 form on 3.9), so it is not called from here; cuda-bindings' ``cuLaunchKernel``
@@ -35,7 +30,6 @@ import ctypes
 import functools
 import operator
 import struct
-import sys
 import threading
 
 from ..errors import KernelPlanError
@@ -57,36 +51,6 @@ def _driver():
     except ImportError:
         return None
     return driver
-
-
-def _libcuda_launch():
-    """``cuLaunchKernel`` of the driver library through ``ctypes`` (its C signature: a function handle, 7 unsigned
-    ints, a stream handle, the parameters' pointer array, ``extra``), or None where the library does not load."""
-    name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
-    try:
-        launch = ctypes.CDLL(name).cuLaunchKernel
-    except (OSError, AttributeError):
-        return None
-    launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-    launch.restype = ctypes.c_int
-    return launch
-
-
-_RAW: list = []  # [_libcuda_launch()], filled at the first launch made: never at import
-
-
-def _raw_launch():
-    """The driver's own ``cuLaunchKernel`` (``_libcuda_launch``), loaded once; None where it does not load, and the
-    launches go through cuda-bindings' (the route ``route_of`` names)."""
-    if not _RAW:
-        _RAW.append(_libcuda_launch())
-    return _RAW[0]
-
-
-def route_of(launch) -> str:
-    """Which ``cuLaunchKernel`` a ``FunctionLaunch`` or ``BoundLaunch`` calls: the driver library's through ctypes,
-    or cuda-bindings' (where the library did not load through ctypes, or the launch is a PDL one)."""
-    return "cuda-bindings" if launch._raw is None or launch.pdl else "ctypes"
 
 
 def _slot_code(ty: str) -> tuple[str, int] | None:
@@ -125,7 +89,7 @@ class FunctionLaunch:
     """
 
     __slots__ = ("name", "function", "block", "shared", "pick", "pack", "size", "pdl", "_codes", "_offsets", "_local",
-                 "_cu", "_raw", "_handle")
+                 "_cu")
 
     def __init__(self, function, name: str, types: list[str], block: int, shared: int, extra: int = 0,
                  pick=None, pdl: bool = False):
@@ -143,8 +107,6 @@ class FunctionLaunch:
         self._offsets = [sum(slots[:i]) for i in range(len(slots))] or [0]
         self._local = threading.local()
         self._cu = _driver()
-        self._raw = _raw_launch()  # the driver's own cuLaunchKernel, or None: cuda-bindings'
-        self._handle = None if self._raw is None else int(function)
 
     def _buffers(self):
         self._local.buffers = buffers = _param_buffers(bytes(max(self.size, 8)), self._offsets)
@@ -154,12 +116,6 @@ class FunctionLaunch:
         """Launch on ``grid`` with ``args`` (the parameters themselves where ``packed``, else through ``pick``)."""
         buffers = getattr(self._local, "buffers", None) or self._buffers()
         self.pack(buffers[0], 0, *(args if packed else self.pick(args)))
-        if self._raw is not None and not self.pdl:
-            err = self._raw(self._handle, grid[0], grid[1], grid[2], self.block, 1, 1, self.shared, stream,
-                            buffers[2], None)
-            if err:
-                _launch_failed(self, grid, err)
-            return
         if self.pdl:
             err = _launch_pdl(self._cu, self.function, grid, self.block, self.shared, stream, buffers[2])
         else:
@@ -214,16 +170,9 @@ def _pdl_attributes(cu) -> list:
 
 
 def _launch_failed(launch, grid, err):
-    """Raise for the driver's error ``err``: cuda-bindings' ``CUresult``, or the int the driver's own call returned."""
-    if not hasattr(err, "name"):
-        try:
-            err = launch._cu.CUresult(err)
-        except (ValueError, AttributeError, TypeError):  # a code this cuda-bindings does not name
-            pass
     raise KernelPlanError(
         f"cuLaunchKernel of {launch.name} (grid {grid}, {launch.block} threads, {launch.shared} bytes of "
-        f"shared memory) failed: {getattr(err, 'name', f'CUresult {err}')}; the device is in an error state or the "
-        f"launch does not fit it"
+        f"shared memory) failed: {err.name}; the device is in an error state or the launch does not fit it"
     )
 
 
@@ -264,7 +213,7 @@ class BoundLaunch:
     """
 
     __slots__ = ("launch", "grid", "_template", "_offsets", "_pack_x", "_pack_by", "_by_at", "_maps",
-                 "_owner", "_buffers", "_local", "_cu", "_function", "_block", "_shared", "pdl", "_raw", "_handle")
+                 "_owner", "_buffers", "_local", "_cu", "_function", "_block", "_shared", "_pdl")
     MAX_X = 16
 
     def __init__(self, launch: FunctionLaunch, grid: tuple, params: tuple, x_map=None):
@@ -283,8 +232,7 @@ class BoundLaunch:
         self._owner, self._buffers = _thread_id(), _param_buffers(self._template, self._offsets)
         self._local = threading.local()
         self._cu, self._function, self._block, self._shared = launch._cu, launch.function, launch.block, launch.shared
-        self.pdl = launch.pdl  # read per call as the fields above are: set on the launch before it is bound
-        self._raw, self._handle = launch._raw, launch._handle
+        self._pdl = launch.pdl  # read per call as the fields above are: set on the launch before it is bound
 
     def __call__(self, x: int, bias: int, y: int, stream: int) -> None:
         buffers = self._with_x(x)
@@ -304,13 +252,7 @@ class BoundLaunch:
 
     def _launch(self, buffers: tuple, stream: int) -> None:
         grid = self.grid
-        if self._raw is not None and not self.pdl:
-            err = self._raw(self._handle, grid[0], grid[1], grid[2], self._block, 1, 1, self._shared, stream,
-                            buffers[2], None)
-            if err:
-                _launch_failed(self.launch, grid, err)
-            return
-        if self.pdl:
+        if self._pdl:
             err = _launch_pdl(self._cu, self._function, grid, self._block, self._shared, stream, buffers[2])
         else:
             err, = self._cu.cuLaunchKernel(self._function, grid[0], grid[1], grid[2], self._block, 1, 1,
