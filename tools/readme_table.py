@@ -106,7 +106,8 @@ def newest_rows() -> list[str]:
         docs = {src["file"]: _load(src["file"].removesuffix(".json")) for src in t["sources"]}
         for shape_set, what, shapes in sets:
             cells = [c for shape, rows in t["shapes"].items() if shape in shapes for c in rows]
-            files = [f for f, doc in docs.items() if doc.get("shape_set", "sweep set") == shape_set]
+            files = [f for f, doc in docs.items() if doc.get("shape_set", "sweep set") == shape_set
+                     or doc.get("shape_set") == "given" and {f"{r['m']}x{r['k']}" for r in doc["rows"]} <= shapes]
             if not cells or not files:
                 continue
             commits = list(dict.fromkeys(docs[f]["commit"] for f in files))
