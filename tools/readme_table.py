@@ -263,7 +263,8 @@ def sparse24_notes() -> list[str]:
     for name in ("sparse24-model-h100", "sparse24-model-h200", "sparse24-model-tall-k-h200",
                  "sparse24-model-small-n-split-h200", "sparse24-model-split3-ab1-h200", "sparse24-model-rules-0067-h200",
                  "sparse24-model-one-x-h200", "sparse24-model-y16-h200", "sparse24-model-pp-ties-h200",
-                 "sparse24-model-direct-call-h200", "sparse24-model-fast-entry-h200", "sparse24-model-tuned-h100",
+                 "sparse24-model-direct-call-h200", "sparse24-model-fast-entry-h200", "sparse24-model-whole-k-h200",
+                 "sparse24-model-tuned-h100",
                  "sparse24-model-tuned-h200"):
         model = _load(name)
         if model:
