@@ -93,7 +93,8 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
                wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
                no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False,
                pp_ties: bool = False, plain_ties: bool = False, pp_wide_x_ties: bool = False,
-               split_wide_x: bool = False, whole_k_min_x_tiles: int | None = None, gpu=None):
+               split_wide_x: bool = False, whole_k_min_x_tiles: int | None = None,
+               no_one_block_split: bool = False, gpu=None):
     """``ws_config``'s tile had it ``MULTICAST_MIN_WAVES = waves`` and weights ``w`` (its cache neither read nor
     written); with ``even_split``, among K splits that divide K's steps alone, as the rule was before uneven slices
     (docs/design/0058); with ``wide_split_only``, as it was before the small-n K splits joined the cost
@@ -106,7 +107,9 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
     with ``pp_wide_x_ties``, the ties where x has more tiles than W has blocks to the ping-pong tile at every size
     (``PP_TIE_WIDE_X``, before 0070); with ``split_wide_x``, keeping a K split of 256 rows of x in one wave where this
     rule takes the pick with K whole (``sparse24_ws_rule.split_wide_x``, before 0072); with ``whole_k_min_x_tiles``,
-    that step from this many tiles of x on (``WHOLE_K_MIN_X_TILES``; 0073 timed 1 and 2).  Each other step of the rule as
+    that step from this many tiles of x on (``WHOLE_K_MIN_X_TILES``; 0073 timed 1 and 2); with
+    ``no_one_block_split``, keeping a ping-pong tile of one block where this rule takes its K split over 2
+    (``one_block_split_of``, before 0073).  Each other step of the rule as
     it is, on the GPU facts ``gpu`` (None: the model's)."""
     present = (sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC, sparse24_ws_rule.PP_TIE_WIDE_X,
                sparse24_ws_rule.WHOLE_K_MIN_X_TILES)
@@ -142,6 +145,10 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
             space = ws_candidates(n, m, k)
             before = pick_from(space, n, m, k, sms, w, gpu=gpu, whole_k=False)
             cfg = cfg if before == pick_from(space, n, m, k, sms, w, gpu=gpu) else finished(before)
+        if no_one_block_split:
+            space = ws_candidates(n, m, k)
+            before = pick_from(space, n, m, k, sms, w, gpu=gpu, one_block_split=False)
+            cfg = cfg if before == pick_from(space, n, m, k, sms, w, gpu=gpu) else finished(before)
         if no_deep_ring and cfg.stages > _MAX_STAGES:
             cfg = with_push(_deepest(cfg.bn, cfg.wm, cfg.cm, cfg.kc, cfg.sk, cfg.pp), n, m, sms, gpu)
         return cfg
@@ -154,14 +161,16 @@ def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_
           wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
           no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False, pp_ties: bool = False,
           plain_ties: bool = False, pp_wide_x_ties: bool = False, split_wide_x: bool = False,
-          whole_k_min_x_tiles: int | None = None, gpu=None) -> list[tuple[int, int, int]]:
+          whole_k_min_x_tiles: int | None = None, no_one_block_split: bool = False,
+          gpu=None) -> list[tuple[int, int, int]]:
     """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w``,
     ``even_split``, ``wide_split_only``, ``no_split3``, ``no_small_grid``, ``no_deep_ring``, ``no_wide_splits``,
-    ``no_one_x``, ``pp_ties``, ``plain_ties``, ``pp_wide_x_ties``, ``split_wide_x`` and ``whole_k_min_x_tiles``."""
+    ``no_one_x``, ``pp_ties``, ``plain_ties``, ``pp_wide_x_ties``, ``split_wide_x``, ``whole_k_min_x_tiles`` and
+    ``no_one_block_split``."""
     def other(n, m, k):
         return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only, no_split3, no_small_grid,
                           no_deep_ring, no_wide_splits, no_one_x, pp_ties, plain_ties, pp_wide_x_ties, split_wide_x,
-                          whole_k_min_x_tiles, gpu)
+                          whole_k_min_x_tiles, no_one_block_split, gpu)
 
     return [move[:3] for move in moved_picks(shapes, batch, other, sms, gpu)]
 
@@ -197,6 +206,8 @@ OTHER_RULES = (
      "keeps the ring at 8 stages where this one deepens it at n <= 16 (before docs/design/0066)", "no deeper ring"),
     ("--no-wide-k-splits", "no_wide_splits", "has no tiles of 192 rows of W splitting K (before docs/design/0067)",
      "no wide K splits"),
+    ("--no-one-block-split", "no_one_block_split", "keeps a ping-pong tile of one block and 64 rows of x, one a CTA, "
+     "where this one takes its K split over 2 on 128 rows of x (before docs/design/0073)", "no one-block K splits"),
     ("--no-one-x", "no_one_x", "keeps a K split of two 64-row blocks of W where this one takes its twin of one block "
      "and one tile of x (before docs/design/0068)", "no one-x twins"),
     ("--pp-ties", "pp_ties", "gives every tie between a ping-pong tile and the same tile one a CTA to the ping-pong "
