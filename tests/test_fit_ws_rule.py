@@ -264,9 +264,10 @@ def test_the_rule_ab_bench_times_uneven_k_splits_against_the_rule_before_them(mo
         WsConfig(bn=32, wm=1, cm=1, kc=1, stages=8, pp=True)  # the pick at 51935dc
     shapes = [(1024, 2880), (4096, 4096), (2048, 1600)]
     got = sparse24_rule_ab.moved(shapes, [1, 8, 16, 32, 64, 128], SMS, waves, WEIGHTS, True)
-    # 25 steps at n <= 32: the K splits over 4 CTAs (at n <= 16 of 32 rows of x, docs/design/0061); 64 steps at
-    # n <= 16: the split over 3 (0063)
-    assert got and all(k == 2880 or (k == 1600 and n <= 32) or (k == 4096 and n <= 16) for n, m, k in got)
+    # 25 steps at n <= 32: the K splits over 4 CTAs (at n <= 16 of 32 rows of x, docs/design/0061), and at n = 128
+    # over 2 (the one-block K split, 0073); 64 steps at n <= 16: the split over 3 (0063)
+    assert got and all(k == 2880 or (k == 1600 and n in (1, 8, 16, 32, 128)) or (k == 4096 and n <= 16)
+                       for n, m, k in got)
     for n, m, k in got:
         other = sparse24_rule_ab.other_pick(n, m, k, SMS, waves, WEIGHTS, True)
         assert (k // 64) % other.kc == 0 and (k // 64) % ws_config(n, m, k, SMS).kc
@@ -519,22 +520,23 @@ def test_ab_scores_the_picks_other_weights_move_by_the_pairs_an_ab_timed(tmp_pat
     old = dataclasses.replace(WEIGHTS, mma_floor=0.0)
     moves = [(n, m, k) for m, k in sweep_shapes() for n in BATCH_SIZES
              if ws_config.__wrapped__(n, m, k, SMS, w=old) != ws_config(n, m, k, SMS)]
-    assert (128, 3072, 3072) in moves and len(moves) >= 2
-    present, new = ws_config(128, 3072, 3072, SMS), ws_config.__wrapped__(128, 3072, 3072, SMS, w=old)
-    decoy = next(c for c in ws_candidates(128, 3072, 3072) if c not in (present, new))
-    rows = [{"m": 3072, "k": 3072, "n": 128, "here": str(new), "other": str(present), "here_us": 9.6, "other_us": 8.0},
-            {"m": 3072, "k": 3072, "n": 128, "here": str(present), "other": str(new), "here_us": 8.4, "other_us": 9.6},
-            {"m": 3072, "k": 3072, "n": 128, "here": str(present), "other": str(decoy), "here_us": 8.0,
+    n, m, k = 512, 768, 3072  # 3072x3072 at n = 128 before 0073's one-block K split, which moves it either way
+    assert (n, m, k) in moves and len(moves) >= 2
+    present, new = ws_config(n, m, k, SMS), ws_config.__wrapped__(n, m, k, SMS, w=old)
+    decoy = next(c for c in ws_candidates(n, m, k) if c not in (present, new))
+    rows = [{"m": m, "k": k, "n": n, "here": str(new), "other": str(present), "here_us": 9.6, "other_us": 8.0},
+            {"m": m, "k": k, "n": n, "here": str(present), "other": str(new), "here_us": 8.4, "other_us": 9.6},
+            {"m": m, "k": k, "n": n, "here": str(present), "other": str(decoy), "here_us": 8.0,
              "other_us": 1.0}]
     ab = tmp_path / "ab.json"
     ab.write_text(json.dumps({"rows": rows}))
-    got = fit_ws_rule.ab_pairs([str(ab)])[(128, 3072, 3072)]
+    got = fit_ws_rule.ab_pairs([str(ab)])[(n, m, k)]
     assert got[(present, new)] == pytest.approx([9.6 / 8.0, 9.6 / 8.4])
     assert got[(new, present)][0] == pytest.approx(8.0 / 9.6)
     timed, guesses = fit_ws_rule.ab_moves(old, fit_ws_rule.ab_pairs([str(ab)]), sweep_shapes(), BATCH_SIZES)
     assert timed == [pytest.approx((9.6 / 8.0 + 9.6 / 8.4) / 2)] and len(guesses) == len(moves) - 1
-    assert (128, 3072, 3072) not in [g[:3] for g in guesses]
-    table = _table(tmp_path, [_row(128, 3072, 3072, {present: 1.0})])  # the tables are read, not used
+    assert (n, m, k) not in [g[:3] for g in guesses]
+    table = _table(tmp_path, [_row(n, m, k, {present: 1.0})])  # the tables are read, not used
     assert table and fit_ws_rule.main([str(tmp_path / "tiles.json"), "--start", "mma_floor=0", "--ab", str(ab)]) == 0
     out = capsys.readouterr().out
     assert f"sweep set: {len(moves)} picks move; 1 timed in the A/B" in out and "faster in 0" in out
@@ -575,6 +577,16 @@ def test_the_rule_ab_bench_picks_both_sides_on_the_gpu_facts_it_is_given():
     h100 = dataclasses.replace(GpuFacts.model(SMS), dram_bytes_per_s=2_619_000e3 * 5120 * 2 / 8)
     assert _rule_ab_moves([(5120, 5120), (5120, 13824)], no_deep_ring=True, gpu=h100) == {}
     assert len(_rule_ab_moves([(5120, 5120), (5120, 13824)], no_deep_ring=True)) == 6
+
+
+def test_the_rule_ab_bench_times_the_rule_before_the_one_block_k_split():
+    """bench/sparse24_rule_ab.py --no-one-block-split (docs/design/0073): the other rule keeps the ping-pong tile of
+    one block; the two part only where this rule takes the K split over 2 on 128 rows of x."""
+    moves = _rule_ab_moves([(2304, 2048), (2304, 768), (4096, 4096)], batch=(64, 128, 192, 256),
+                           no_one_block_split=True)
+    assert list(moves) == [(128, 2304, 2048)]
+    assert moves[(128, 2304, 2048)] == WsConfig(64, 1, 1, 1, 8, pp=True)
+    assert ws_config(128, 2304, 2048, SMS) == WsConfig(128, 1, 1, 2, 8)
 
 
 def test_the_rule_ab_bench_times_the_rule_with_k_splits_of_256_rows_of_x_in_one_wave():

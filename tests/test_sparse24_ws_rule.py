@@ -74,6 +74,10 @@ def test_tile_rule_fits_every_sweep_shape_and_batch(sms):
                 # two blocks of W and two or more tiles of x: the twin of one block and one tile of x (0068)
                 twins = [c for c in cands if (c.wm, c.cm, c.kc, c.pp) == (1, 1, want.kc, False) and n <= c.bn <= 128]
                 want = min(twins, key=lambda c: c.bn, default=want)
+            if want.pp and (want.bn, want.wm, want.cm) == (64, 1, 1) and k >= 1536 and \
+                    ctas(want) == math.prod(want.grid(n, m)[:2]):  # one a CTA: its K split over 2 on 128 rows (0073)
+                want = next((c for c in cands if (c.bn, c.wm, c.cm, c.kc, c.pp, c.sk) == (128, 1, 1, 2, False, False)
+                             and ctas(c) == ctas(want)), want)
             if n <= 16 and ctas(want) < sms / 4:  # a grid under a quarter of the SMs: the widest small-n split
                 wider = [c for c in small_n_splits(n, k) if ctas(want) < ctas(c) <= _cluster_sms(c, sms)]
                 want = max(wider, key=lambda c: (ctas(c), -tile_cost(c, n, m, k, sms)), default=want)
@@ -95,7 +99,9 @@ def test_the_rule_multicasts_x_without_a_k_split_only_past_two_waves(n, m, k, sm
     a grid of more than MULTICAST_MIN_WAVES waves, and is otherwise the least-cost tile itself (a K split over 3 only on
     a grid of more CTAs than the least-cost tile without it, docs/design/0063; a K split of two blocks of W and two tiles
     of x its twin of one block and one tile of x, 0068; a K split over 2 CTAs of 256 rows of x, four tiles of them or
-    more, in one wave, the least-cost tile with K whole, 0072, 0073; small grids at n <= 16, 0064)."""
+    more, in one wave, the least-cost tile with K whole, 0072, 0073; a ping-pong tile of one block and 64 rows of x one
+    a CTA, K of 1536 or more, its split over 2 on 128 rows of x where that runs as many CTAs, 0073; small grids at
+    n <= 16, 0064)."""
     from kernelplan.kernels.sparse24_ws_rule import grid_ctas, small_grid_split
 
     picked = ws_config(n, m, k, sms, gated)
@@ -119,6 +125,10 @@ def test_the_rule_multicasts_x_without_a_k_split_only_past_two_waves(n, m, k, sm
     one_wave = grid_ctas(least, n, m, sms) <= _cluster_sms(least, sms)
     if not gated and least.kc == 2 and least.bn == 256 and -(-n // 256) >= 4 and one_wave:  # K whole (0072, 0073)
         least = min((c for c in cands if c.kc == 1), key=lambda c: rule_order(c, n, m, k, sms), default=least)
+    tiles = math.prod(least.grid(n, m)[:2])
+    if least.pp and (least.bn, least.wm, least.cm) == (64, 1, 1) and k >= 1536 and tiles <= sms:  # (0073)
+        least = next((c for c in cands if (c.bn, c.wm, c.cm, c.kc, c.pp, c.sk) == (128, 1, 1, 2, False, False)
+                      and math.prod(c.grid(n, m)) == tiles), least)
     if not gated:  # a grid under a quarter of the SMs at n <= 16 takes a split (0064): never one of x multicast
         least = small_grid_split(least, n, m, k, sms)
     assert cfg in (least, replace(least, cm=1))
@@ -384,6 +394,37 @@ def test_a_k_split_over_two_ctas_of_256_rows_of_x_in_one_wave_gives_way_to_k_who
     assert split_wide_x(gated, 1024, 2048, 132)
 
 
+def test_a_lone_one_block_ping_pong_tile_gives_way_to_its_k_split_over_two_on_as_many_ctas():
+    """docs/design/0073: a ping-pong tile of one 64-row block and 64 rows of x, one tile a CTA, with K of 1536 or more
+    gives way to the tile of one block and 128 rows of x splitting K over 2 where that runs as many CTAs (16 problems
+    of the held-out models timed through the sweep's path, the ping-pong tile 1.011-1.086x the split's time).  Where the
+    split would run more CTAs (x in an odd number of 64-row tiles: 0.50-0.89x) or K is shorter (768-1024: 0.85-0.93x),
+    the ping-pong tile stays; so it does on a generic grid wherever the step's conditions do not all hold."""
+    from kernelplan.kernels.sparse24_ws_rule import ONE_BLOCK_SPLIT_MIN_K, grid_ctas, pick_from
+
+    assert ONE_BLOCK_SPLIT_MIN_K == 1536
+    split = (128, 1, 1, 2, False)
+    for n, m, k in ((128, 2304, 2048), (120, 1600, 1600), (256, 2048, 2048), (256, 1536, 1536)):  # timed: faster
+        cfg = ws_config(n, m, k, 132)
+        assert (cfg.bn, cfg.wm, cfg.cm, cfg.kc, cfg.pp) == split, (n, m, k)
+    for n, m, k in ((128, 2304, 768), (128, 4096, 1024), (512, 1024, 1024), (192, 2048, 2048), (320, 1536, 1536)):
+        cfg = ws_config(n, m, k, 132)  # timed: the ping-pong tile faster
+        assert cfg.pp and (cfg.bn, cfg.wm) == (64, 1), (n, m, k)
+    moved = 0
+    for m in range(256, 4353, 256):
+        for k in (1024, 1536, 2048, 2560, 4096):
+            for n in (64, 120, 128, 192, 256, 384, 512, 1024):
+                space = ws_candidates(n, m, k)
+                before = pick_from(space, n, m, k, 132, one_block_split=False)
+                after = pick_from(space, n, m, k, 132)
+                if after != before:
+                    moved += 1
+                    assert before.pp and (before.bn, before.wm, before.cm) == (64, 1, 1) and k >= 1536, (n, m, k)
+                    assert (after.bn, after.wm, after.cm, after.kc, after.pp) == split, (n, m, k)
+                    assert grid_ctas(after, n, m, 132) == math.prod(before.grid(n, m)[:2]) <= 132, (n, m, k)
+    assert moved >= 20
+
+
 def test_the_largest_ping_pong_ties_go_to_the_one_a_cta_tile():
     """docs/design/0068, 0070: in a grid of one wave a ping-pong tile and the same tile one a CTA cost alike.  At 128
     rows of x and two blocks of W, and at 64 rows and three blocks, the tie goes to the one-a-CTA tile (15 of 15 and
@@ -409,7 +450,7 @@ def test_a_step_of_few_rows_costs_the_mma_floor_and_the_one_wave_rows_split_k():
     """RuleWeights.mma_floor (docs/design/0057): a step's MMAs cost at least the floor however few rows they have, so
     that the lone 64-row ping-pong tiles of one-wave grids give way to K-split tiles with more CTAs (3072x3072 at
     n = 128 and 768x3072 at n = 512 ran 0.87x and 0.85x of the time so, through the sweep's path)."""
-    from kernelplan.kernels.sparse24_ws_rule import WEIGHTS
+    from kernelplan.kernels.sparse24_ws_rule import WEIGHTS, pick_from
 
     small, big = WsConfig(bn=32, wm=1, cm=1, kc=1, stages=8), WsConfig(bn=128, wm=2, cm=1, kc=1, stages=6)
     assert small.bn * small.wm * WEIGHTS.mma < WEIGHTS.mma_floor < big.bn * big.wm * WEIGHTS.mma
@@ -418,8 +459,8 @@ def test_a_step_of_few_rows_costs_the_mma_floor_and_the_one_wave_rows_split_k():
     assert tile_cost(small, 32, 4096, 4096, 132) - tile_cost(small, 32, 4096, 4096, 132, none) == \
         pytest.approx(steps * (WEIGHTS.mma_floor - small.bn * small.wm * WEIGHTS.mma))
     assert tile_cost(big, 512, 4096, 4096, 132) == tile_cost(big, 512, 4096, 4096, 132, none)
-    for n, m, k in ((128, 3072, 3072), (512, 768, 3072)):
-        lone = ws_config.__wrapped__(n, m, k, 132, w=none)
+    for n, m, k in ((128, 3072, 3072), (512, 768, 3072)):  # the lone tile as the rule took it before 0073's step
+        lone = pick_from(ws_candidates(n, m, k), n, m, k, 132, none, one_block_split=False)
         assert lone.pp and lone.wm == 1 and math.prod(lone.grid(n, m)) <= 132
         split = ws_config(n, m, k, 132)  # at n = 128 the twin of one block and one tile of x (docs/design/0068)
         assert split.kc == 2 and split.bn * split.wm == 128 and not split.pp
@@ -428,7 +469,7 @@ def test_a_step_of_few_rows_costs_the_mma_floor_and_the_one_wave_rows_split_k():
 def test_a_lone_one_block_tile_under_a_wave_gives_way_to_a_k_split_with_more_ctas():
     """mma_floor 350 (docs/design/0058): 768x1600 at n = 64 ran one ping-pong tile of 64 rows a CTA, 12 CTAs for 132
     SMs, at 0.84x of dense; K split over 4 (48 CTAs) ran 1.19x.  At 300 the rule kept the lone tiles."""
-    from kernelplan.kernels.sparse24_ws_rule import WEIGHTS
+    from kernelplan.kernels.sparse24_ws_rule import WEIGHTS, pick_from
 
     for n, m, k in ((64, 768, 1600), (64, 1024, 1536), (32, 3072, 1536)):
         before = ws_config.__wrapped__(n, m, k, 132, w=replace(WEIGHTS, mma_floor=300))

@@ -439,7 +439,7 @@ def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
     blocks given way to its twin of one block and one tile of x (``one_x_twin``), with ``whole_k`` a K split of
     ``WHOLE_K_BN`` rows of x over 2 CTAs in one wave given way to the pick with K whole (``split_wide_x``), with
     ``one_block_split`` a ping-pong tile of one block and 64 rows of x, one a CTA, given way to its K split over 2
-    on twice the rows of x (``one_block_split_of``), then, with ``small_grids``, ``small_grid_split``.  Also how tools/fit_ws_rule.py picks among a table's tiles."""
+    on twice the rows of x and as many CTAs (``one_block_split_of``), then, with ``small_grids``, ``small_grid_split``.  Also how tools/fit_ws_rule.py picks among a table's tiles."""
     cfg = rule_pick(space, n, m, k, sms, w, gpu)
     if cfg.kc == 3:
         rest = rule_pick([c for c in space if c.kc != 3], n, m, k, sms, w, gpu)
@@ -453,7 +453,7 @@ def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
         whole = [c for c in space if c.kc == 1]
         cfg = rule_pick(whole, n, m, k, sms, w, gpu) if whole else cfg
     if one_block_split:
-        cfg = one_block_split_of(cfg, space, n, m, sms)
+        cfg = one_block_split_of(cfg, space, n, m, k, sms)
     return small_grid_split(cfg, n, m, k, sms, w, gpu) if small_grids else cfg
 
 
@@ -504,20 +504,29 @@ def one_x_twin(cfg: WsConfig, space, n: int) -> WsConfig:
     return min(twins, key=lambda c: c.bn, default=cfg)
 
 
-# A ping-pong tile of one 64-row block of W and 64 rows of x, in a grid of one tile a CTA (one wave) where x takes two
-# tiles or more, and the tile of one block, 128 rows of x and K split over 2 CTAs: the same CTAs, the same MMAs.  In
-# one a CTA the ping-pong tile's second consumer warpgroup has no tile; the split's CTA runs half of K on twice the
-# rows of x.  tile_cost prices the split 1-2% dearer; in a tile table of the held-out models' layers it ran 0.88-0.93x
-# the time on 2304-3072 x 2048 and 2560x2560 at n = 128 and 2048x2048 at n = 256 (sparse24-ws-tiles-held-out-misses-
-# h200.json, docs/design/0059, where a cost term for it moved its twins of two blocks onto losses).  Timed through
-# the sweep's path in docs/design/0073.
-def one_block_split_of(cfg: WsConfig, space, n: int, m: int, sms: int) -> WsConfig:
+# A ping-pong tile of one 64-row block of W and 64 rows of x, in a grid of one tile a CTA (one wave), and the tile of
+# one block, 128 rows of x and K split over 2 CTAs where it runs as many CTAs (x takes an even number of the 64-row
+# tiles): the same CTAs and MMAs.  One a CTA, the ping-pong tile's second consumer warpgroup has no tile; the split's
+# CTA runs half of K on twice the rows of x.  tile_cost prices the split 1-2% dearer; a tile table of the held-out
+# models' layers timed it 0.88-0.93x on 2304-3072 x 2048 and 2560x2560 at n = 128 and 2048x2048 at n = 256
+# (sparse24-ws-tiles-held-out-misses-h200.json, docs/design/0059, where a cost term for it moved its twins of two
+# blocks onto losses).  Through the sweep's path (sparse24-rule-ab-one-block-split-*h200.json, 0073), the ping-pong
+# tile took 1.011-1.086x the split's time on all 16 problems of this class (K 1536-2048, n = 120-256, median 1.035x);
+# where the split runs more CTAs (x in an odd number of 64-row tiles, n = 192-704) 0.50-0.89x on 19, and with K of
+# 768-1024 (each slice 6-8 steps) and as many CTAs 0.85-0.93x on 17: the class ends at ONE_BLOCK_SPLIT_MIN_K.
+ONE_BLOCK_SPLIT_MIN_K = 1536
+
+
+def one_block_split_of(cfg: WsConfig, space, n: int, m: int, k: int, sms: int) -> WsConfig:
     """``cfg``, or where it is a ping-pong tile of one block and 64 rows of x without multicast, one tile a CTA in
-    one wave and two tiles of x or more, the tile of ``space`` of one block and 128 rows of x splitting K over 2."""
+    one wave, and K is ``ONE_BLOCK_SPLIT_MIN_K`` or more, the tile of ``space`` of one block and 128 rows of x
+    splitting K over 2 where it runs as many CTAs."""
     n_tiles, m_tiles, _ = cfg.grid(n, m)
-    if not (cfg.pp and cfg.bn == 64 and cfg.wm == 1 and cfg.cm == 1 and n_tiles >= 2 and n_tiles * m_tiles <= sms):
+    if not (cfg.pp and cfg.bn == 64 and cfg.wm == 1 and cfg.cm == 1 and k >= ONE_BLOCK_SPLIT_MIN_K
+            and n_tiles * m_tiles <= sms):
         return cfg
-    return next((c for c in space if (c.bn, c.wm, c.cm, c.kc, c.pp, c.sk) == (128, 1, 1, 2, False, False)), cfg)
+    split = next((c for c in space if (c.bn, c.wm, c.cm, c.kc, c.pp, c.sk) == (128, 1, 1, 2, False, False)), None)
+    return split if split is not None and grid_ctas(split, n, m, sms) == n_tiles * m_tiles else cfg
 
 
 # A tile of 192 rows of W splitting K (wide_k_splits) where the pick without it has a wider tile of x: the narrower
