@@ -513,7 +513,10 @@ def one_x_twin(cfg: WsConfig, space, n: int) -> WsConfig:
 # blocks onto losses).  Through the sweep's path (sparse24-rule-ab-one-block-split-*h200.json, 0073), the ping-pong
 # tile took 1.011-1.086x the split's time on all 16 problems of this class (K 1536-2048, n = 120-256, median 1.035x);
 # where the split runs more CTAs (x in an odd number of 64-row tiles, n = 192-704) 0.50-0.89x on 19, and with K of
-# 768-1024 (each slice 6-8 steps) and as many CTAs 0.85-0.93x on 17: the class ends at ONE_BLOCK_SPLIT_MIN_K.
+# 768-1024 (each slice 6-8 steps) and as many CTAs 0.85-0.93x on 17: the class ends at ONE_BLOCK_SPLIT_MIN_K.  On 21
+# of its moves on a generic grid (256-4096 rows, K 1536-2048, n = 128-1024; sparse24-rule-ab-one-block-split-generic-
+# h200.json) the ping-pong tile took 0.972-1.083x the split's time, median 1.029x, 4 under 1.0 (0.972-0.999: 256-1024
+# rows at n = 512-1024); eagerly 1.03-1.12x.
 ONE_BLOCK_SPLIT_MIN_K = 1536
 
 
