@@ -417,8 +417,9 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
     runs more CTAs than the pick without it (docs/design/0063), a tile of 192 rows of W splitting K only where its
     tile of x is as wide as the pick's without it (0067), a K split of two blocks of W given way to its twin of one
     block and one tile of x (``one_x_twin``, 0068), a K split of 256 rows of x over 2 CTAs in one wave given way to
-    the pick with K whole (``split_wide_x``, 0072, 0073), a grid under a quarter of the SMs at n <= 16 given way to a
-    small-n split (``small_grid_split``, 0064), its ring deepened where the grid holds too few bytes in flight at
+    the pick with K whole (``split_wide_x``, 0072, 0073), a ping-pong tile of one block one a CTA given way to its K
+    split over 2 on as many CTAs (``one_block_split_of``, 0073), a grid under a quarter of the SMs at n <= 16 given
+    way to a small-n split (``small_grid_split``, 0064), its ring deepened where the grid holds too few bytes in flight at
     n <= 16 (``with_ring``, 0066), with its K slices pushing their sums where that pays.  ``gated``: among the tiles a gated
     epilogue runs on (``gated_tile``), none of them small-n splits, deeper rings or 192-row K splits (none was timed
     gated), nor tiles of one block (no twins), and K splits of 256 rows of x kept.
