@@ -94,7 +94,7 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
                no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False,
                pp_ties: bool = False, plain_ties: bool = False, pp_wide_x_ties: bool = False,
                split_wide_x: bool = False, whole_k_min_x_tiles: int | None = None,
-               no_one_block_split: bool = False, gpu=None):
+               no_one_block_split: bool = False, unicast_ties: bool = False, gpu=None):
     """``ws_config``'s tile had it ``MULTICAST_MIN_WAVES = waves`` and weights ``w`` (its cache neither read nor
     written); with ``even_split``, among K splits that divide K's steps alone, as the rule was before uneven slices
     (docs/design/0058); with ``wide_split_only``, as it was before the small-n K splits joined the cost
@@ -109,11 +109,14 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
     rule takes the pick with K whole (``sparse24_ws_rule.split_wide_x``, before 0072); with ``whole_k_min_x_tiles``,
     that step from this many tiles of x on (``WHOLE_K_MIN_X_TILES``; 0073 timed 1 and 2); with
     ``no_one_block_split``, keeping a ping-pong tile of one block where this rule takes its K split over 2
-    (``one_block_split_of``, before 0073).  Each other step of the rule as
+    (``one_block_split_of``, before 0073); with ``unicast_ties``, the cost ties between x multicast to 2 CTAs and
+    none given to none (``_MCAST_TIE_MIN_BN`` past every tile, 0073).  Each other step of the rule as
     it is, on the GPU facts ``gpu`` (None: the model's)."""
     present = (sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC, sparse24_ws_rule.PP_TIE_WIDE_X,
-               sparse24_ws_rule.WHOLE_K_MIN_X_TILES)
+               sparse24_ws_rule.WHOLE_K_MIN_X_TILES, sparse24_ws_rule._MCAST_TIE_MIN_BN)
     sparse24_ws_rule.MULTICAST_MIN_WAVES = waves
+    if unicast_ties:
+        sparse24_ws_rule._MCAST_TIE_MIN_BN = 1 << 30
     if whole_k_min_x_tiles is not None:
         sparse24_ws_rule.WHOLE_K_MIN_X_TILES = whole_k_min_x_tiles
     sparse24_ws_rule.PP_TIE_WIDE_X = present[2] or pp_wide_x_ties
@@ -154,23 +157,23 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
         return cfg
     finally:
         (sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC, sparse24_ws_rule.PP_TIE_WIDE_X,
-         sparse24_ws_rule.WHOLE_K_MIN_X_TILES) = present
+         sparse24_ws_rule.WHOLE_K_MIN_X_TILES, sparse24_ws_rule._MCAST_TIE_MIN_BN) = present
 
 
 def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
           wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
           no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False, pp_ties: bool = False,
           plain_ties: bool = False, pp_wide_x_ties: bool = False, split_wide_x: bool = False,
-          whole_k_min_x_tiles: int | None = None, no_one_block_split: bool = False,
+          whole_k_min_x_tiles: int | None = None, no_one_block_split: bool = False, unicast_ties: bool = False,
           gpu=None) -> list[tuple[int, int, int]]:
     """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w``,
     ``even_split``, ``wide_split_only``, ``no_split3``, ``no_small_grid``, ``no_deep_ring``, ``no_wide_splits``,
-    ``no_one_x``, ``pp_ties``, ``plain_ties``, ``pp_wide_x_ties``, ``split_wide_x``, ``whole_k_min_x_tiles`` and
-    ``no_one_block_split``."""
+    ``no_one_x``, ``pp_ties``, ``plain_ties``, ``pp_wide_x_ties``, ``split_wide_x``, ``whole_k_min_x_tiles``,
+    ``no_one_block_split`` and ``unicast_ties``."""
     def other(n, m, k):
         return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only, no_split3, no_small_grid,
                           no_deep_ring, no_wide_splits, no_one_x, pp_ties, plain_ties, pp_wide_x_ties, split_wide_x,
-                          whole_k_min_x_tiles, no_one_block_split, gpu)
+                          whole_k_min_x_tiles, no_one_block_split, unicast_ties, gpu)
 
     return [move[:3] for move in moved_picks(shapes, batch, other, sms, gpu)]
 
@@ -208,6 +211,8 @@ OTHER_RULES = (
      "no wide K splits"),
     ("--no-one-block-split", "no_one_block_split", "keeps a ping-pong tile of one block and 64 rows of x, one a CTA, "
      "where this one takes its K split over 2 on 128 rows of x (before docs/design/0073)", "no one-block K splits"),
+    ("--unicast-ties", "unicast_ties", "gives each cost tie between x multicast to 2 CTAs and none to none "
+     "(docs/design/0073)", "multicast ties to none"),
     ("--no-one-x", "no_one_x", "keeps a K split of two 64-row blocks of W where this one takes its twin of one block "
      "and one tile of x (before docs/design/0068)", "no one-x twins"),
     ("--pp-ties", "pp_ties", "gives every tie between a ping-pong tile and the same tile one a CTA to the ping-pong "
