@@ -53,9 +53,9 @@ from kernelplan.kernels.gpu_facts import device_facts
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_ws import WsKernel
-from kernelplan.kernels.sparse24_ws_rule import (_MAX_STAGES, SPLIT_MAX_N, WEIGHTS, RuleWeights, WsConfig, _deepest,
-                                                 cost_pick, grid_ctas, pick_from, rule_pick, rule_tail, small_n_splits,
-                                                 wide_split, with_push, ws_candidates, ws_config)
+from kernelplan.kernels.sparse24_ws_rule import (_MAX_STAGES, WEIGHTS, RuleWeights, WsConfig, _deepest, cost_pick,
+                                                 pick_from, rule_pick, rule_tail, small_n_splits, wide_split, with_push,
+                                                 ws_candidates, ws_config)
 from kernelplan.sparse24 import compress, prune
 from kernelplan.sparse24.dispatch import wide_weight
 from kernelplan.sparse24.layout import pack_reason
@@ -94,7 +94,7 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
                no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False,
                pp_ties: bool = False, plain_ties: bool = False, pp_wide_x_ties: bool = False,
                split_wide_x: bool = False, whole_k_min_x_tiles: int | None = None,
-               no_one_block_split: bool = False, unicast_ties: bool = False, narrow_splits: bool = False, gpu=None):
+               no_one_block_split: bool = False, unicast_ties: bool = False, no_narrow_splits: bool = False, gpu=None):
     """``ws_config``'s tile had it ``MULTICAST_MIN_WAVES = waves`` and weights ``w`` (its cache neither read nor
     written); with ``even_split``, among K splits that divide K's steps alone, as the rule was before uneven slices
     (docs/design/0058); with ``wide_split_only``, as it was before the small-n K splits joined the cost
@@ -110,8 +110,9 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
     that step from this many tiles of x on (``WHOLE_K_MIN_X_TILES``; 0073 timed 1 and 2); with
     ``no_one_block_split``, keeping a ping-pong tile of one block where this rule takes its K split over 2
     (``one_block_split_of``, before 0073); with ``unicast_ties``, the cost ties between x multicast to 2 CTAs and
-    none given to none (``_MCAST_TIE_MIN_BN`` past every tile, 0073); with ``narrow_splits``, a step the rule does
-    not have (``narrow_split``).  Each other step of the rule as
+    none given to none (``_MCAST_TIE_MIN_BN`` past every tile, 0073); with ``no_narrow_splits``, keeping a ping-pong
+    tile of 16-32 rows of x where this rule takes a narrow K split over 2 (``narrow_split_of``, before 0073; timed as
+    a candidate at 9c9745f).  Each other step of the rule as
     it is, on the GPU facts ``gpu`` (None: the model's)."""
     present = (sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC, sparse24_ws_rule.PP_TIE_WIDE_X,
                sparse24_ws_rule.WHOLE_K_MIN_X_TILES, sparse24_ws_rule._MCAST_TIE_MIN_BN)
@@ -153,8 +154,10 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
             space = ws_candidates(n, m, k)
             before = pick_from(space, n, m, k, sms, w, gpu=gpu, one_block_split=False)
             cfg = cfg if before == pick_from(space, n, m, k, sms, w, gpu=gpu) else finished(before)
-        if narrow_splits:
-            cfg = narrow_split(cfg, n, m, k, sms, w, gpu, finished)
+        if no_narrow_splits:
+            space = ws_candidates(n, m, k)
+            before = pick_from(space, n, m, k, sms, w, gpu=gpu, narrow_split=False)
+            cfg = cfg if before == pick_from(space, n, m, k, sms, w, gpu=gpu) else finished(before)
         if no_deep_ring and cfg.stages > _MAX_STAGES:
             cfg = with_push(_deepest(cfg.bn, cfg.wm, cfg.cm, cfg.kc, cfg.sk, cfg.pp), n, m, sms, gpu)
         return cfg
@@ -163,32 +166,20 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
          sparse24_ws_rule.WHOLE_K_MIN_X_TILES, sparse24_ws_rule._MCAST_TIE_MIN_BN) = present
 
 
-def narrow_split(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights, gpu, finished) -> WsConfig:
-    """A candidate step, in no rule yet (docs/design/0073 section 5): past n = 16, a ping-pong tile of one block and
-    16-32 rows of x, one a CTA in one wave, given way to the least-cost tile of one block and 16-32 rows of x splitting
-    K over 2 whose grid places in one wave."""
-    n_tiles, m_tiles, _ = cfg.grid(n, m)
-    if n <= SPLIT_MAX_N or not (cfg.pp and cfg.bn <= 32 and cfg.wm == 1 and cfg.cm == 1 and n_tiles * m_tiles <= sms):
-        return cfg
-    splits = [c for c in ws_candidates(n, m, k) if (c.wm, c.cm, c.kc, c.pp, c.sk) == (1, 1, 2, False, False)
-              and c.bn <= 32 and grid_ctas(c, n, m, sms) <= sms]
-    return finished(rule_pick(splits, n, m, k, sms, w, gpu)) if splits else cfg
-
-
 def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
           wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
           no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False, pp_ties: bool = False,
           plain_ties: bool = False, pp_wide_x_ties: bool = False, split_wide_x: bool = False,
           whole_k_min_x_tiles: int | None = None, no_one_block_split: bool = False, unicast_ties: bool = False,
-          narrow_splits: bool = False, gpu=None) -> list[tuple[int, int, int]]:
+          no_narrow_splits: bool = False, gpu=None) -> list[tuple[int, int, int]]:
     """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w``,
     ``even_split``, ``wide_split_only``, ``no_split3``, ``no_small_grid``, ``no_deep_ring``, ``no_wide_splits``,
     ``no_one_x``, ``pp_ties``, ``plain_ties``, ``pp_wide_x_ties``, ``split_wide_x``, ``whole_k_min_x_tiles``,
-    ``no_one_block_split``, ``unicast_ties`` and ``narrow_splits``."""
+    ``no_one_block_split``, ``unicast_ties`` and ``no_narrow_splits``."""
     def other(n, m, k):
         return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only, no_split3, no_small_grid,
                           no_deep_ring, no_wide_splits, no_one_x, pp_ties, plain_ties, pp_wide_x_ties, split_wide_x,
-                          whole_k_min_x_tiles, no_one_block_split, unicast_ties, narrow_splits, gpu)
+                          whole_k_min_x_tiles, no_one_block_split, unicast_ties, no_narrow_splits, gpu)
 
     return [move[:3] for move in moved_picks(shapes, batch, other, sms, gpu)]
 
@@ -228,8 +219,8 @@ OTHER_RULES = (
      "where this one takes its K split over 2 on 128 rows of x (before docs/design/0073)", "no one-block K splits"),
     ("--unicast-ties", "unicast_ties", "gives each cost tie between x multicast to 2 CTAs and none to none "
      "(docs/design/0073)", "multicast ties to none"),
-    ("--narrow-splits", "narrow_splits", "gives a ping-pong tile of one block and 16-32 rows of x, one a CTA, to a K "
-     "split over 2 of 16-32 rows in one wave past n = 16 (a candidate, docs/design/0073)", "narrow K splits"),
+    ("--no-narrow-splits", "no_narrow_splits", "keeps a ping-pong tile of one block and 16-32 rows of x, one a CTA, "
+     "where this one takes a K split over 2 of 16-32 rows (before docs/design/0073)", "no narrow K splits"),
     ("--no-one-x", "no_one_x", "keeps a K split of two 64-row blocks of W where this one takes its twin of one block "
      "and one tile of x (before docs/design/0068)", "no one-x twins"),
     ("--pp-ties", "pp_ties", "gives every tie between a ping-pong tile and the same tile one a CTA to the ping-pong "

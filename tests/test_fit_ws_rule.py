@@ -384,6 +384,8 @@ def test_the_rule_ab_bench_times_the_rule_with_the_small_ping_pong_ties_to_the_o
     64 x 3 and 128 x 2 ties this rule already gives the tile one a CTA (docs/design/0070)."""
     moves = _rule_ab_moves([(4096, 4096), (1024, 1024), (6144, 4096)], batch=(128, 256, 512, 2048), plain_ties=True)
     assert moves and (512, 4096, 4096) not in moves and (2048, 1024, 1024) not in moves
+    # 1024x1024 at n = 128: this rule's ping-pong tile gives way to a narrow K split (0073), which needs one
+    assert ws_config(128, 1024, 1024, SMS).kc == 2 and moves.pop((128, 1024, 1024)).kc == 1
     for (n, m, k), other in moves.items():
         here = ws_config(n, m, k, SMS)
         assert here.pp and here.bn * here.wm < 192, (n, m, k, here)
@@ -587,6 +589,14 @@ def test_the_rule_ab_bench_times_the_rule_before_the_one_block_k_split():
     assert list(moves) == [(128, 2304, 2048)]
     assert moves[(128, 2304, 2048)] == WsConfig(64, 1, 1, 1, 8, pp=True)
     assert ws_config(128, 2304, 2048, SMS) == WsConfig(128, 1, 1, 2, 8)
+
+
+def test_the_rule_ab_bench_times_the_rule_before_the_narrow_k_split():
+    """bench/sparse24_rule_ab.py --no-narrow-splits (docs/design/0073): the other rule keeps the ping-pong tile of 16-32
+    rows of x; the two part only where this rule takes a K split over 2 of 16-32 rows."""
+    moves = _rule_ab_moves([(1024, 1024), (1024, 2048), (4096, 4096)], batch=(16, 32, 256), no_narrow_splits=True)
+    assert list(moves) == [(32, 1024, 1024)]
+    assert moves[(32, 1024, 1024)].pp and ws_config(32, 1024, 1024, SMS).kc == 2
 
 
 def test_the_rule_ab_bench_times_the_rule_with_k_splits_of_256_rows_of_x_in_one_wave():

@@ -78,6 +78,11 @@ def test_tile_rule_fits_every_sweep_shape_and_batch(sms):
                     ctas(want) == math.prod(want.grid(n, m)[:2]):  # one a CTA: its K split over 2 on 128 rows (0073)
                 want = next((c for c in cands if (c.bn, c.wm, c.cm, c.kc, c.pp, c.sk) == (128, 1, 1, 2, False, False)
                              and ctas(c) == ctas(want)), want)
+            if want.pp and want.bn <= 32 and (want.wm, want.cm) == (1, 1) and 16 < n <= 128 and 768 <= k <= 1024 \
+                    and ctas(want) == math.prod(want.grid(n, m)[:2]):  # one a CTA: a narrow K split over 2 (0073)
+                splits = [c for c in cands if (c.wm, c.cm, c.kc, c.pp, c.sk) == (1, 1, 2, False, False)
+                          and c.bn <= 32 and ctas(c) <= sms]
+                want = least(splits) if splits else want
             if n <= 16 and ctas(want) < sms / 4:  # a grid under a quarter of the SMs: the widest small-n split
                 wider = [c for c in small_n_splits(n, k) if ctas(want) < ctas(c) <= _cluster_sms(c, sms)]
                 want = max(wider, key=lambda c: (ctas(c), -tile_cost(c, n, m, k, sms)), default=want)
@@ -100,7 +105,8 @@ def test_the_rule_multicasts_x_without_a_k_split_only_past_two_waves(n, m, k, sm
     a grid of more CTAs than the least-cost tile without it, docs/design/0063; a K split of two blocks of W and two tiles
     of x its twin of one block and one tile of x, 0068; a K split over 2 CTAs of 256 rows of x, four tiles of them or
     more, in one wave, the least-cost tile with K whole, 0072, 0073; a ping-pong tile of one block and 64 rows of x one
-    a CTA, K of 1536 or more, its split over 2 on 128 rows of x where that runs as many CTAs, 0073; small grids at
+    a CTA, K of 1536 or more, its split over 2 on 128 rows of x where that runs as many CTAs, 0073; one of 16-32 rows
+    at n = 17-128 and K of 768-1024, the least-cost K split over 2 of 16-32 rows in one wave, 0073; small grids at
     n <= 16, 0064)."""
     from kernelplan.kernels.sparse24_ws_rule import grid_ctas, small_grid_split
 
@@ -129,6 +135,10 @@ def test_the_rule_multicasts_x_without_a_k_split_only_past_two_waves(n, m, k, sm
     if least.pp and (least.bn, least.wm, least.cm) == (64, 1, 1) and k >= 1536 and tiles <= sms:  # (0073)
         least = next((c for c in cands if (c.bn, c.wm, c.cm, c.kc, c.pp, c.sk) == (128, 1, 1, 2, False, False)
                       and math.prod(c.grid(n, m)) == tiles), least)
+    if least.pp and least.bn <= 32 and (least.wm, least.cm) == (1, 1) and 16 < n <= 128 and 768 <= k <= 1024 and \
+            tiles <= sms:  # a narrow K split over 2 in one wave (0073)
+        least = min((c for c in cands if (c.wm, c.cm, c.kc, c.pp, c.sk) == (1, 1, 2, False, False) and c.bn <= 32
+                     and math.prod(c.grid(n, m)) <= sms), key=lambda c: rule_order(c, n, m, k, sms), default=least)
     if not gated:  # a grid under a quarter of the SMs at n <= 16 takes a split (0064): never one of x multicast
         least = small_grid_split(least, n, m, k, sms)
     assert cfg in (least, replace(least, cm=1))
@@ -422,6 +432,35 @@ def test_a_lone_one_block_ping_pong_tile_gives_way_to_its_k_split_over_two_on_as
                     assert before.pp and (before.bn, before.wm, before.cm) == (64, 1, 1) and k >= 1536, (n, m, k)
                     assert (after.bn, after.wm, after.cm, after.kc, after.pp) == split, (n, m, k)
                     assert grid_ctas(after, n, m, 132) == math.prod(before.grid(n, m)[:2]) <= 132, (n, m, k)
+    assert moved >= 20
+
+
+def test_a_lone_narrow_ping_pong_tile_past_n_16_gives_way_to_a_narrow_k_split_over_two():
+    """docs/design/0073: past n = 16, a ping-pong tile of one block and 16-32 rows of x, one a CTA in one wave, with K
+    of 768-1024 gives way to the least-cost tile of one block and 16-32 rows of x splitting K over 2 in one wave (41
+    problems timed through the sweep's path, the ping-pong tile 1.05-1.17x the split's time).  Outside what was timed
+    (K of 512 or 1536, n past 128, n <= 16) the picks stay."""
+    from kernelplan.kernels.sparse24_ws_rule import NARROW_SPLIT_K, NARROW_SPLIT_MAX_N, grid_ctas, pick_from
+
+    assert (NARROW_SPLIT_K.start, NARROW_SPLIT_K.stop - 1, NARROW_SPLIT_MAX_N) == (768, 1024, 128)
+    for n, m, k in ((32, 768, 768), (64, 1024, 1024), (96, 896, 896), (24, 3072, 1024), (128, 640, 1024)):  # timed
+        cfg = ws_config(n, m, k, 132)
+        assert (cfg.wm, cfg.cm, cfg.kc, cfg.pp) == (1, 1, 2, False) and cfg.bn <= 32, (n, m, k)
+        assert grid_ctas(cfg, n, m, 132) <= 132
+    moved = 0
+    for m in range(256, 4353, 256):
+        for k in (512, 768, 1024, 1536):
+            for n in (8, 16, 24, 32, 64, 128, 136, 256):
+                space = ws_candidates(n, m, k)
+                before = pick_from(space, n, m, k, 132, narrow_split=False)
+                after = pick_from(space, n, m, k, 132)
+                if after != before:
+                    moved += 1
+                    assert 16 < n <= 128 and 768 <= k <= 1024, (n, m, k)
+                    assert before.pp and before.bn <= 32 and (before.wm, before.cm) == (1, 1), (n, m, k)
+                    assert math.prod(before.grid(n, m)[:2]) <= 132, (n, m, k)
+                    assert (after.wm, after.cm, after.kc, after.pp) == (1, 1, 2, False) and after.bn <= 32, (n, m, k)
+                    assert grid_ctas(after, n, m, 132) <= 132, (n, m, k)
     assert moved >= 20
 
 

@@ -418,9 +418,10 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
     tile of x is as wide as the pick's without it (0067), a K split of two blocks of W given way to its twin of one
     block and one tile of x (``one_x_twin``, 0068), a K split of 256 rows of x over 2 CTAs in one wave given way to
     the pick with K whole (``split_wide_x``, 0072, 0073), a ping-pong tile of one block one a CTA given way to its K
-    split over 2 on as many CTAs (``one_block_split_of``, 0073), a grid under a quarter of the SMs at n <= 16 given
-    way to a small-n split (``small_grid_split``, 0064), its ring deepened where the grid holds too few bytes in flight at
-    n <= 16 (``with_ring``, 0066), with its K slices pushing their sums where that pays.  ``gated``: among the tiles a gated
+    split over 2 on as many CTAs (``one_block_split_of``, 0073), one of 16-32 rows of x past n = 16 given way to a K
+    split over 2 (``narrow_split_of``, 0073), a grid under a quarter of the SMs at n <= 16 given way to a small-n
+    split (``small_grid_split``, 0064), its ring deepened where the grid holds too few bytes in flight at n <= 16
+    (``with_ring``, 0066), with its K slices pushing their sums where that pays.  ``gated``: among the tiles a gated
     epilogue runs on (``gated_tile``), none of them small-n splits, deeper rings or 192-row K splits (none was timed
     gated), nor tiles of one block (no twins), and K splits of 256 rows of x kept.
     ``gpu``: the GPU's cluster slots, which waves are counted by, and its DRAM bandwidth (``WsKernel.config`` passes
@@ -433,14 +434,16 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
 
 def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS, small_grids: bool = True,
               gpu: GpuFacts | None = None, one_x: bool = True, whole_k: bool = True,
-              one_block_split: bool = True) -> WsConfig:
+              one_block_split: bool = True, narrow_split: bool = True) -> WsConfig:
     """``ws_config``'s pick among ``space``, before the push: ``rule_pick``, a split over 3 only where its grid runs
     more CTAs than the pick without it (the note at _SPLITS), a tile of 192 rows of W splitting K only where its tile
     of x is as wide as the pick's without it (the note at ``wide_split``), with ``one_x`` a K split of two 64-row
     blocks given way to its twin of one block and one tile of x (``one_x_twin``), with ``whole_k`` a K split of
     ``WHOLE_K_BN`` rows of x over 2 CTAs in one wave given way to the pick with K whole (``split_wide_x``), with
     ``one_block_split`` a ping-pong tile of one block and 64 rows of x, one a CTA, given way to its K split over 2
-    on twice the rows of x and as many CTAs (``one_block_split_of``), then, with ``small_grids``, ``small_grid_split``.  Also how tools/fit_ws_rule.py picks among a table's tiles."""
+    on twice the rows of x and as many CTAs (``one_block_split_of``), with ``narrow_split`` one of 16-32 rows of x
+    given way to a K split over 2 of 16-32 rows (``narrow_split_of``), then, with ``small_grids``,
+    ``small_grid_split``.  Also how tools/fit_ws_rule.py picks among a table's tiles."""
     cfg = rule_pick(space, n, m, k, sms, w, gpu)
     if cfg.kc == 3:
         rest = rule_pick([c for c in space if c.kc != 3], n, m, k, sms, w, gpu)
@@ -455,6 +458,8 @@ def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
         cfg = rule_pick(whole, n, m, k, sms, w, gpu) if whole else cfg
     if one_block_split:
         cfg = one_block_split_of(cfg, space, n, m, k, sms)
+    if narrow_split:
+        cfg = narrow_split_of(cfg, space, n, m, k, sms, w, gpu)
     return small_grid_split(cfg, n, m, k, sms, w, gpu) if small_grids else cfg
 
 
@@ -531,6 +536,33 @@ def one_block_split_of(cfg: WsConfig, space, n: int, m: int, k: int, sms: int) -
         return cfg
     split = next((c for c in space if (c.bn, c.wm, c.cm, c.kc, c.pp, c.sk) == (128, 1, 1, 2, False, False)), None)
     return split if split is not None and grid_ctas(split, n, m, sms) == n_tiles * m_tiles else cfg
+
+
+# A ping-pong tile of one 64-row block of W and 16-32 rows of x, one tile a CTA in one wave, past n = 16 (where the
+# small-n splits end), and the least-cost tile of one block and 16-32 rows of x splitting K over 2 in one wave (as
+# many CTAs, or twice as many).  A step of so few rows is latency-bound (mma_floor): halving a CTA's steps halves its
+# chain, where the ping-pong tile's second consumer warpgroup has no tile.  Through the sweep's path (bench/
+# sparse24_rule_ab.py --narrow-splits at 9c9745f, sparse24-rule-ab-narrow-splits-*h200.json; docs/design/0073) the
+# ping-pong tile took 1.05-1.17x the split's time on all 41 problems timed (sweep set, held-out models and a generic
+# sample: 512-4096 rows, K 768-1024, n = 24-128; median 1.10x), eagerly 1.04-1.13x.  The step is held to what was
+# timed: K in NARROW_SPLIT_K, n up to NARROW_SPLIT_MAX_N.  On a generic grid (256-8192 rows, K 512-16384, n = 8-256;
+# 32768 picks) it moves 100; past it (K of 512 or 1536, n = 136-256) the same class has 174 more, untimed.
+NARROW_SPLIT_K = range(768, 1025)
+NARROW_SPLIT_MAX_N = 128
+
+
+def narrow_split_of(cfg: WsConfig, space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
+                    gpu: GpuFacts | None = None) -> WsConfig:
+    """``cfg``, or where it is a ping-pong tile of one block and 16-32 rows of x without multicast, one tile a CTA in
+    one wave, at n of SPLIT_MAX_N to NARROW_SPLIT_MAX_N and K in NARROW_SPLIT_K, the least-cost tile of ``space`` of
+    one block and 16-32 rows of x splitting K over 2 whose grid places in one wave."""
+    n_tiles, m_tiles, _ = cfg.grid(n, m)
+    if not (cfg.pp and cfg.bn <= 32 and cfg.wm == 1 and cfg.cm == 1 and SPLIT_MAX_N < n <= NARROW_SPLIT_MAX_N
+            and k in NARROW_SPLIT_K and n_tiles * m_tiles <= sms):
+        return cfg
+    splits = [c for c in space if (c.wm, c.cm, c.kc, c.pp, c.sk) == (1, 1, 2, False, False) and c.bn <= 32
+              and grid_ctas(c, n, m, sms) <= sms]
+    return rule_pick(splits, n, m, k, sms, w, gpu) if splits else cfg
 
 
 # A tile of 192 rows of W splitting K (wide_k_splits) where the pick without it has a wider tile of x: the narrower
