@@ -544,9 +544,10 @@ def one_block_split_of(cfg: WsConfig, space, n: int, m: int, k: int, sms: int) -
 # chain, where the ping-pong tile's second consumer warpgroup has no tile.  Through the sweep's path (bench/
 # sparse24_rule_ab.py --narrow-splits at 9c9745f, sparse24-rule-ab-narrow-splits-*h200.json; docs/design/0073) the
 # ping-pong tile took 1.05-1.17x the split's time on all 41 problems timed (sweep set, held-out models and a generic
-# sample: 512-4096 rows, K 768-1024, n = 24-128; median 1.10x), eagerly 1.04-1.13x.  The step is held to what was
-# timed: K in NARROW_SPLIT_K, n up to NARROW_SPLIT_MAX_N.  On a generic grid (256-8192 rows, K 512-16384, n = 8-256;
-# 32768 picks) it moves 100; past it (K of 512 or 1536, n = 136-256) the same class has 174 more, untimed.
+# sample: 512-4096 rows, K 768-1024, n = 24-128; median 1.11x), eagerly 1.04-1.13x; those rows went from 0.96-1.12x
+# of dense to 1.07-1.20x.  The step is held to what was timed: K in NARROW_SPLIT_K, n up to NARROW_SPLIT_MAX_N.
+# On a generic grid (256-8192 rows, K 512-16384, n = 8-256; 32768 picks) it moves 100; past it (K of 512 or 1536,
+# n = 136-256) the same class has 174 more, untimed.
 NARROW_SPLIT_K = range(768, 1025)
 NARROW_SPLIT_MAX_N = 128
 
