@@ -142,22 +142,12 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
         if no_wide_splits and wide_split(cfg):
             cfg = finished(pick_from([c for c in ws_candidates(n, m, k) if not wide_split(c)], n, m, k, sms, w,
                                      gpu=gpu))
-        if no_one_x:
-            space = ws_candidates(n, m, k)
-            before = pick_from(space, n, m, k, sms, w, gpu=gpu, one_x=False)
-            cfg = cfg if before == pick_from(space, n, m, k, sms, w, gpu=gpu) else finished(before)
-        if split_wide_x:
-            space = ws_candidates(n, m, k)
-            before = pick_from(space, n, m, k, sms, w, gpu=gpu, whole_k=False)
-            cfg = cfg if before == pick_from(space, n, m, k, sms, w, gpu=gpu) else finished(before)
-        if no_one_block_split:
-            space = ws_candidates(n, m, k)
-            before = pick_from(space, n, m, k, sms, w, gpu=gpu, one_block_split=False)
-            cfg = cfg if before == pick_from(space, n, m, k, sms, w, gpu=gpu) else finished(before)
-        if no_narrow_splits:
-            space = ws_candidates(n, m, k)
-            before = pick_from(space, n, m, k, sms, w, gpu=gpu, narrow_split=False)
-            cfg = cfg if before == pick_from(space, n, m, k, sms, w, gpu=gpu) else finished(before)
+        for off, step in ((no_one_x, "one_x"), (split_wide_x, "whole_k"), (no_one_block_split, "one_block_split"),
+                          (no_narrow_splits, "narrow_split")):  # pick_from's steps: the rule before each one's record
+            if off:
+                space = ws_candidates(n, m, k)
+                before = pick_from(space, n, m, k, sms, w, gpu=gpu, **{step: False})
+                cfg = cfg if before == pick_from(space, n, m, k, sms, w, gpu=gpu) else finished(before)
         if no_deep_ring and cfg.stages > _MAX_STAGES:
             cfg = with_push(_deepest(cfg.bn, cfg.wm, cfg.cm, cfg.kc, cfg.sk, cfg.pp), n, m, sms, gpu)
         return cfg

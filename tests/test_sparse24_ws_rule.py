@@ -404,13 +404,28 @@ def test_a_k_split_over_two_ctas_of_256_rows_of_x_in_one_wave_gives_way_to_k_who
     assert split_wide_x(gated, 1024, 2048, 132)
 
 
+def _step_moves(step: str, ms, ks, ns) -> list[tuple]:
+    """``(n, M, K, the pick without pick_from's step, the pick)`` on 132 SMs wherever ``step`` moves the pick."""
+    from kernelplan.kernels.sparse24_ws_rule import pick_from
+
+    out = []
+    for m in ms:
+        for k in ks:
+            for n in ns:
+                space = ws_candidates(n, m, k)
+                before, after = pick_from(space, n, m, k, 132, **{step: False}), pick_from(space, n, m, k, 132)
+                if after != before:
+                    out.append((n, m, k, before, after))
+    return out
+
+
 def test_a_lone_one_block_ping_pong_tile_gives_way_to_its_k_split_over_two_on_as_many_ctas():
     """docs/design/0073: a ping-pong tile of one 64-row block and 64 rows of x, one tile a CTA, with K of 1536 or more
     gives way to the tile of one block and 128 rows of x splitting K over 2 where that runs as many CTAs (16 problems
     of the held-out models timed through the sweep's path, the ping-pong tile 1.011-1.086x the split's time).  Where the
     split would run more CTAs (x in an odd number of 64-row tiles: 0.50-0.89x) or K is shorter (768-1024: 0.85-0.93x),
     the ping-pong tile stays; so it does on a generic grid wherever the step's conditions do not all hold."""
-    from kernelplan.kernels.sparse24_ws_rule import ONE_BLOCK_SPLIT_MIN_K, grid_ctas, pick_from
+    from kernelplan.kernels.sparse24_ws_rule import ONE_BLOCK_SPLIT_MIN_K, grid_ctas
 
     assert ONE_BLOCK_SPLIT_MIN_K == 1536
     split = (128, 1, 1, 2, False)
@@ -420,19 +435,13 @@ def test_a_lone_one_block_ping_pong_tile_gives_way_to_its_k_split_over_two_on_as
     for n, m, k in ((128, 2304, 768), (128, 4096, 1024), (512, 1024, 1024), (192, 2048, 2048), (320, 1536, 1536)):
         cfg = ws_config(n, m, k, 132)  # timed: the ping-pong tile faster
         assert cfg.pp and (cfg.bn, cfg.wm) == (64, 1), (n, m, k)
-    moved = 0
-    for m in range(256, 4353, 256):
-        for k in (1024, 1536, 2048, 2560, 4096):
-            for n in (64, 120, 128, 192, 256, 384, 512, 1024):
-                space = ws_candidates(n, m, k)
-                before = pick_from(space, n, m, k, 132, one_block_split=False)
-                after = pick_from(space, n, m, k, 132)
-                if after != before:
-                    moved += 1
-                    assert before.pp and (before.bn, before.wm, before.cm) == (64, 1, 1) and k >= 1536, (n, m, k)
-                    assert (after.bn, after.wm, after.cm, after.kc, after.pp) == split, (n, m, k)
-                    assert grid_ctas(after, n, m, 132) == math.prod(before.grid(n, m)[:2]) <= 132, (n, m, k)
-    assert moved >= 20
+    moves = _step_moves("one_block_split", range(256, 4353, 256), (1024, 1536, 2048, 2560, 4096),
+                        (64, 120, 128, 192, 256, 384, 512, 1024))
+    for n, m, k, before, after in moves:
+        assert before.pp and (before.bn, before.wm, before.cm) == (64, 1, 1) and k >= 1536, (n, m, k)
+        assert (after.bn, after.wm, after.cm, after.kc, after.pp) == split, (n, m, k)
+        assert grid_ctas(after, n, m, 132) == math.prod(before.grid(n, m)[:2]) <= 132, (n, m, k)
+    assert len(moves) >= 20
 
 
 def test_a_lone_narrow_ping_pong_tile_past_n_16_gives_way_to_a_narrow_k_split_over_two():
@@ -440,28 +449,22 @@ def test_a_lone_narrow_ping_pong_tile_past_n_16_gives_way_to_a_narrow_k_split_ov
     of 768-1024 gives way to the least-cost tile of one block and 16-32 rows of x splitting K over 2 in one wave (41
     problems timed through the sweep's path, the ping-pong tile 1.05-1.17x the split's time).  Outside what was timed
     (K of 512 or 1536, n past 128, n <= 16) the picks stay."""
-    from kernelplan.kernels.sparse24_ws_rule import NARROW_SPLIT_K, NARROW_SPLIT_MAX_N, grid_ctas, pick_from
+    from kernelplan.kernels.sparse24_ws_rule import NARROW_SPLIT_K, NARROW_SPLIT_MAX_N, grid_ctas
 
     assert (NARROW_SPLIT_K.start, NARROW_SPLIT_K.stop - 1, NARROW_SPLIT_MAX_N) == (768, 1024, 128)
     for n, m, k in ((32, 768, 768), (64, 1024, 1024), (96, 896, 896), (24, 3072, 1024), (128, 640, 1024)):  # timed
         cfg = ws_config(n, m, k, 132)
         assert (cfg.wm, cfg.cm, cfg.kc, cfg.pp) == (1, 1, 2, False) and cfg.bn <= 32, (n, m, k)
         assert grid_ctas(cfg, n, m, 132) <= 132
-    moved = 0
-    for m in range(256, 4353, 256):
-        for k in (512, 768, 1024, 1536):
-            for n in (8, 16, 24, 32, 64, 128, 136, 256):
-                space = ws_candidates(n, m, k)
-                before = pick_from(space, n, m, k, 132, narrow_split=False)
-                after = pick_from(space, n, m, k, 132)
-                if after != before:
-                    moved += 1
-                    assert 16 < n <= 128 and 768 <= k <= 1024, (n, m, k)
-                    assert before.pp and before.bn <= 32 and (before.wm, before.cm) == (1, 1), (n, m, k)
-                    assert math.prod(before.grid(n, m)[:2]) <= 132, (n, m, k)
-                    assert (after.wm, after.cm, after.kc, after.pp) == (1, 1, 2, False) and after.bn <= 32, (n, m, k)
-                    assert grid_ctas(after, n, m, 132) <= 132, (n, m, k)
-    assert moved >= 20
+    moves = _step_moves("narrow_split", range(256, 4353, 256), (512, 768, 1024, 1536),
+                        (8, 16, 24, 32, 64, 128, 136, 256))
+    for n, m, k, before, after in moves:
+        assert 16 < n <= 128 and 768 <= k <= 1024, (n, m, k)
+        assert before.pp and before.bn <= 32 and (before.wm, before.cm) == (1, 1), (n, m, k)
+        assert math.prod(before.grid(n, m)[:2]) <= 132, (n, m, k)
+        assert (after.wm, after.cm, after.kc, after.pp) == (1, 1, 2, False) and after.bn <= 32, (n, m, k)
+        assert grid_ctas(after, n, m, 132) <= 132, (n, m, k)
+    assert len(moves) >= 20
 
 
 def test_the_largest_ping_pong_ties_go_to_the_one_a_cta_tile():
@@ -508,7 +511,7 @@ def test_a_step_of_few_rows_costs_the_mma_floor_and_the_one_wave_rows_split_k():
 def test_a_lone_one_block_tile_under_a_wave_gives_way_to_a_k_split_with_more_ctas():
     """mma_floor 350 (docs/design/0058): 768x1600 at n = 64 ran one ping-pong tile of 64 rows a CTA, 12 CTAs for 132
     SMs, at 0.84x of dense; K split over 4 (48 CTAs) ran 1.19x.  At 300 the rule kept the lone tiles."""
-    from kernelplan.kernels.sparse24_ws_rule import WEIGHTS, pick_from
+    from kernelplan.kernels.sparse24_ws_rule import WEIGHTS
 
     for n, m, k in ((64, 768, 1600), (64, 1024, 1536), (32, 3072, 1536)):
         before = ws_config.__wrapped__(n, m, k, 132, w=replace(WEIGHTS, mma_floor=300))
