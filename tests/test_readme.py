@@ -176,3 +176,11 @@ def test_the_newest_rows_take_each_cell_at_its_newest_reading_and_leave_the_head
     assert "bf16, 2 projections of other public models (0.5-12B), outside the sweep set the rule was fitted on x 3 n" \
         in held_graph
     assert held_graph.endswith("| G, 2 sweep files at hel (`sparse24/expected.json`'s sources) |")
+
+    # A sweep of given layers (--shapes FILE) is among the sources of each set whose layers it read (0073).
+    sweep("given", "2026-01-07", shapes[1:], [1024], 1.3, shape_set="given")
+    sweep("mixed", "2026-01-08", [shapes[0], held[0]], [64], 1.1, shape_set="given")
+    graph, _, held_graph, _ = readme_table.newest_rows()
+    assert graph.split(" | ")[2:5] == ["1.30x (1.10-1.50x)", "1.70x (1.50-1.90x)", "1.40x (1.30-1.50x)"]
+    assert graph.endswith("| G, 4 sweep files at bas, new, giv, mix (`sparse24/expected.json`'s sources) |")
+    assert held_graph.endswith("| G, 3 sweep files at hel, mix (`sparse24/expected.json`'s sources) |")

@@ -107,7 +107,7 @@ def newest_rows() -> list[str]:
         for shape_set, what, shapes in sets:
             cells = [c for shape, rows in t["shapes"].items() if shape in shapes for c in rows]
             files = [f for f, doc in docs.items() if doc.get("shape_set", "sweep set") == shape_set
-                     or doc.get("shape_set") == "given" and {f"{r['m']}x{r['k']}" for r in doc["rows"]} <= shapes]
+                     or doc.get("shape_set") == "given" and {f"{r['m']}x{r['k']}" for r in doc["rows"]} & shapes]
             if not cells or not files:
                 continue
             commits = list(dict.fromkeys(docs[f]["commit"] for f in files))

@@ -555,8 +555,8 @@ NARROW_SPLIT_MAX_N = 128
 def narrow_split_of(cfg: WsConfig, space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
                     gpu: GpuFacts | None = None) -> WsConfig:
     """``cfg``, or where it is a ping-pong tile of one block and 16-32 rows of x without multicast, one tile a CTA in
-    one wave, at n of SPLIT_MAX_N to NARROW_SPLIT_MAX_N and K in NARROW_SPLIT_K, the least-cost tile of ``space`` of
-    one block and 16-32 rows of x splitting K over 2 whose grid places in one wave."""
+    one wave, at n past SPLIT_MAX_N up to NARROW_SPLIT_MAX_N and K in NARROW_SPLIT_K, the least-cost tile of
+    ``space`` of one block and 16-32 rows of x splitting K over 2 whose grid places in one wave."""
     n_tiles, m_tiles, _ = cfg.grid(n, m)
     if not (cfg.pp and cfg.bn <= 32 and cfg.wm == 1 and cfg.cm == 1 and SPLIT_MAX_N < n <= NARROW_SPLIT_MAX_N
             and k in NARROW_SPLIT_K and n_tiles * m_tiles <= sms):
