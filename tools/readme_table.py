@@ -264,8 +264,7 @@ def sparse24_notes() -> list[str]:
                  "sparse24-model-small-n-split-h200", "sparse24-model-split3-ab1-h200", "sparse24-model-rules-0067-h200",
                  "sparse24-model-one-x-h200", "sparse24-model-y16-h200", "sparse24-model-pp-ties-h200",
                  "sparse24-model-direct-call-h200", "sparse24-model-fast-entry-h200", "sparse24-model-whole-k-h200",
-                 "sparse24-model-tuned-h100",
-                 "sparse24-model-tuned-h200"):
+                 "sparse24-model-tuned-h100", "sparse24-model-tuned-h200"):
         model = _load(name)
         if model:
             cases = "; ".join(f"{r['case']} {r['graph_speedup']:.2f}x graph{_ungrouped(r)}, "

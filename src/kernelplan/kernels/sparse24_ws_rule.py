@@ -526,16 +526,26 @@ def one_x_twin(cfg: WsConfig, space, n: int) -> WsConfig:
 ONE_BLOCK_SPLIT_MIN_K = 1536
 
 
+def _lone_one_block_pp(cfg: WsConfig, n: int, m: int, sms: int) -> bool:
+    """Whether ``cfg`` is a ping-pong tile of one block without multicast whose grid runs one tile a CTA in one wave
+    (its second consumer warpgroup idle): what ``one_block_split_of`` and ``narrow_split_of`` move."""
+    n_tiles, m_tiles, _ = cfg.grid(n, m)
+    return cfg.pp and cfg.wm == 1 and cfg.cm == 1 and n_tiles * m_tiles <= sms
+
+
+def _one_block_k_splits(space) -> list[WsConfig]:
+    """The tiles of ``space`` of one block, without multicast, splitting K over 2 (not ping-pong, not persistent)."""
+    return [c for c in space if (c.wm, c.cm, c.kc, c.pp, c.sk) == (1, 1, 2, False, False)]
+
+
 def one_block_split_of(cfg: WsConfig, space, n: int, m: int, k: int, sms: int) -> WsConfig:
     """``cfg``, or where it is a ping-pong tile of one block and 64 rows of x without multicast, one tile a CTA in
     one wave, and K is ``ONE_BLOCK_SPLIT_MIN_K`` or more, the tile of ``space`` of one block and 128 rows of x
     splitting K over 2 where it runs as many CTAs."""
-    n_tiles, m_tiles, _ = cfg.grid(n, m)
-    if not (cfg.pp and cfg.bn == 64 and cfg.wm == 1 and cfg.cm == 1 and k >= ONE_BLOCK_SPLIT_MIN_K
-            and n_tiles * m_tiles <= sms):
+    if not (cfg.bn == 64 and k >= ONE_BLOCK_SPLIT_MIN_K and _lone_one_block_pp(cfg, n, m, sms)):
         return cfg
-    split = next((c for c in space if (c.bn, c.wm, c.cm, c.kc, c.pp, c.sk) == (128, 1, 1, 2, False, False)), None)
-    return split if split is not None and grid_ctas(split, n, m, sms) == n_tiles * m_tiles else cfg
+    split = next((c for c in _one_block_k_splits(space) if c.bn == 128), None)
+    return split if split is not None and grid_ctas(split, n, m, sms) == grid_ctas(cfg, n, m, sms) else cfg
 
 
 # A ping-pong tile of one 64-row block of W and 16-32 rows of x, one tile a CTA in one wave, past n = 16 (where the
@@ -557,12 +567,10 @@ def narrow_split_of(cfg: WsConfig, space, n: int, m: int, k: int, sms: int, w: R
     """``cfg``, or where it is a ping-pong tile of one block and 16-32 rows of x without multicast, one tile a CTA in
     one wave, at n past SPLIT_MAX_N up to NARROW_SPLIT_MAX_N and K in NARROW_SPLIT_K, the least-cost tile of
     ``space`` of one block and 16-32 rows of x splitting K over 2 whose grid places in one wave."""
-    n_tiles, m_tiles, _ = cfg.grid(n, m)
-    if not (cfg.pp and cfg.bn <= 32 and cfg.wm == 1 and cfg.cm == 1 and SPLIT_MAX_N < n <= NARROW_SPLIT_MAX_N
-            and k in NARROW_SPLIT_K and n_tiles * m_tiles <= sms):
+    if not (cfg.bn <= 32 and SPLIT_MAX_N < n <= NARROW_SPLIT_MAX_N and k in NARROW_SPLIT_K
+            and _lone_one_block_pp(cfg, n, m, sms)):
         return cfg
-    splits = [c for c in space if (c.wm, c.cm, c.kc, c.pp, c.sk) == (1, 1, 2, False, False) and c.bn <= 32
-              and grid_ctas(c, n, m, sms) <= sms]
+    splits = [c for c in _one_block_k_splits(space) if c.bn <= 32 and grid_ctas(c, n, m, sms) <= sms]
     return rule_pick(splits, n, m, k, sms, w, gpu) if splits else cfg
 
 
