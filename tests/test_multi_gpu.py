@@ -152,14 +152,15 @@ def _is_hopper(dev: torch.device) -> bool:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_sparse24_module_default_path_every_kernel_family(dtype, seed):
     """``Sparse24Linear`` on each device with the other current, over n = 1-4096: the rule's kernel for the weight's
-    own device (cuda_sp at n <= 8 on a 9216-row weight, cuda_ws's ping-pong and cluster tiles past it; cuda_sp on
+    own device (cuda_sp at n <= 8 on a tall weight, cuda_ws's ping-pong and cluster tiles past it; cuda_sp on
     Ampere), each call twice (the first binds the launch on the weight's device, the second takes the bound call),
     3-D and non-contiguous x, a CUDA graph, and one copy of the weight: 0.5625x of the dense bytes, f16 on
     device index 1 included."""
+    from kernelplan.sparse24.dispatch import SP_MAX_N_HOPPER, SP_MIN_M_HOPPER, SP_TALL_MIN_K
     from kernelplan.sparse24.gemm import rule_backend
     from kernelplan.sparse24.layout import SP_LAYOUT
 
-    m, k = 9216, 1024
+    m, k = SP_MIN_M_HOPPER, SP_TALL_MIN_K  # the smallest weight Hopper's rule gives cuda_sp at small n (dispatch.py)
 
     def run(dev):
         dense = torch.nn.Linear(k, m, device=dev, dtype=dtype)
@@ -170,7 +171,7 @@ def test_sparse24_module_default_path_every_kernel_family(dtype, seed):
             desc = GemmSparse24Descriptor(n, m, k, "bf16" if dtype == torch.bfloat16 else "f16", None, True, str(dev))
             backend = GemmSparse24Plan.select(desc).backend.name
             assert backend == rule_backend(desc)
-            assert backend == ("cuda_ws" if _is_hopper(dev) and n > 8 else "cuda_sp"), (n, backend)
+            assert backend == ("cuda_ws" if _is_hopper(dev) and n > SP_MAX_N_HOPPER else "cuda_sp"), (n, backend)
             x = torch.randn(n, k, device=dev, dtype=dtype)
             ref, same = F.linear(x.double(), w.double(), b.double()), F.linear(x, w, b)
             for call in range(2):
