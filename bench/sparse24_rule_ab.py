@@ -53,9 +53,9 @@ from kernelplan.kernels.gpu_facts import device_facts
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_ws import WsKernel
-from kernelplan.kernels.sparse24_ws_rule import (_MAX_STAGES, WEIGHTS, RuleWeights, WsConfig, _deepest, cost_pick,
-                                                 pick_from, rule_pick, rule_tail, small_n_splits, wide_split, with_push,
-                                                 ws_candidates, ws_config)
+from kernelplan.kernels.sparse24_ws_rule import (_MAX_STAGES, SPLIT_MAX_N, WEIGHTS, RuleWeights, WsConfig, _deepest,
+                                                 cost_pick, grid_ctas, pick_from, rule_pick, rule_tail, small_n_splits,
+                                                 wide_split, with_push, ws_candidates, ws_config)
 from kernelplan.sparse24 import compress, prune
 from kernelplan.sparse24.dispatch import wide_weight
 from kernelplan.sparse24.layout import pack_reason
@@ -94,7 +94,8 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
                no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False,
                pp_ties: bool = False, plain_ties: bool = False, pp_wide_x_ties: bool = False,
                split_wide_x: bool = False, whole_k_min_x_tiles: int | None = None,
-               no_one_block_split: bool = False, unicast_ties: bool = False, no_narrow_splits: bool = False, gpu=None):
+               no_one_block_split: bool = False, unicast_ties: bool = False, no_narrow_splits: bool = False,
+               mid_grid_splits: bool = False, gpu=None):
     """``ws_config``'s tile had it ``MULTICAST_MIN_WAVES = waves`` and weights ``w`` (its cache neither read nor
     written); with ``even_split``, among K splits that divide K's steps alone, as the rule was before uneven slices
     (docs/design/0058); with ``wide_split_only``, as it was before the small-n K splits joined the cost
@@ -112,7 +113,8 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
     (``one_block_split_of``, before 0073); with ``unicast_ties``, the cost ties between x multicast to 2 CTAs and
     none given to none (``_MCAST_TIE_MIN_BN`` past every tile, 0073); with ``no_narrow_splits``, keeping a ping-pong
     tile of 16-32 rows of x where this rule takes a narrow K split over 2 (``narrow_split_of``, before 0073; timed as
-    a candidate at 9c9745f).  Each other step of the rule as it is, on the GPU facts ``gpu`` (None: the model's)."""
+    a candidate at 9c9745f); with ``mid_grid_splits``, a step the rule does not have (``mid_grid_split``).  Each
+    other step of the rule as it is, on the GPU facts ``gpu`` (None: the model's)."""
     present = (sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC, sparse24_ws_rule.PP_TIE_WIDE_X,
                sparse24_ws_rule.WHOLE_K_MIN_X_TILES, sparse24_ws_rule._MCAST_TIE_MIN_BN)
     sparse24_ws_rule.MULTICAST_MIN_WAVES = waves
@@ -147,6 +149,8 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
                 space = ws_candidates(n, m, k)
                 before = pick_from(space, n, m, k, sms, w, gpu=gpu, **{step: False})
                 cfg = cfg if before == pick_from(space, n, m, k, sms, w, gpu=gpu) else finished(before)
+        if mid_grid_splits:
+            cfg = mid_grid_split(cfg, n, m, k, sms, w, gpu, finished)
         if no_deep_ring and cfg.stages > _MAX_STAGES:
             cfg = with_push(_deepest(cfg.bn, cfg.wm, cfg.cm, cfg.kc, cfg.sk, cfg.pp), n, m, sms, gpu)
         return cfg
@@ -155,20 +159,36 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
          sparse24_ws_rule.WHOLE_K_MIN_X_TILES, sparse24_ws_rule._MCAST_TIE_MIN_BN) = present
 
 
+def mid_grid_split(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights, gpu, finished) -> WsConfig:
+    """A candidate step, in no rule: past n = SPLIT_MAX_N up to MID_GRID_MAX_N, a pick whose grid runs under
+    SMALL_GRID_SHARE of the SMs given way to the least-cost K split of more CTAs whose grid places in one wave, as
+    ``small_grid_split`` does at n <= 16 (held-out 2048x1536 at n = 64 ran 1.11-1.17x faster split,
+    sparse24-rule-ab-top10-held-out-misses-h200.json and -cluster5000-held-out-h200.json)."""
+    ctas = grid_ctas(cfg, n, m, sms)
+    if not (SPLIT_MAX_N < n <= MID_GRID_MAX_N and ctas < sparse24_ws_rule.SMALL_GRID_SHARE * sms):
+        return cfg
+    splits = [c for c in ws_candidates(n, m, k) if c.kc > 1 and ctas < grid_ctas(c, n, m, sms) <= sms]
+    return finished(rule_pick(splits, n, m, k, sms, w, gpu)) if splits else cfg
+
+
+MID_GRID_MAX_N = 128
+
+
 def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
           wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
           no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False, pp_ties: bool = False,
           plain_ties: bool = False, pp_wide_x_ties: bool = False, split_wide_x: bool = False,
           whole_k_min_x_tiles: int | None = None, no_one_block_split: bool = False, unicast_ties: bool = False,
-          no_narrow_splits: bool = False, gpu=None) -> list[tuple[int, int, int]]:
+          no_narrow_splits: bool = False, mid_grid_splits: bool = False, gpu=None) -> list[tuple[int, int, int]]:
     """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w``,
     ``even_split``, ``wide_split_only``, ``no_split3``, ``no_small_grid``, ``no_deep_ring``, ``no_wide_splits``,
     ``no_one_x``, ``pp_ties``, ``plain_ties``, ``pp_wide_x_ties``, ``split_wide_x``, ``whole_k_min_x_tiles``,
-    ``no_one_block_split``, ``unicast_ties`` and ``no_narrow_splits``."""
+    ``no_one_block_split``, ``unicast_ties``, ``no_narrow_splits`` and ``mid_grid_splits``."""
     def other(n, m, k):
         return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only, no_split3, no_small_grid,
                           no_deep_ring, no_wide_splits, no_one_x, pp_ties, plain_ties, pp_wide_x_ties, split_wide_x,
-                          whole_k_min_x_tiles, no_one_block_split, unicast_ties, no_narrow_splits, gpu)
+                          whole_k_min_x_tiles, no_one_block_split, unicast_ties, no_narrow_splits,
+                          mid_grid_splits, gpu)
 
     return [move[:3] for move in moved_picks(shapes, batch, other, sms, gpu)]
 
@@ -210,6 +230,8 @@ OTHER_RULES = (
      "(docs/design/0073)", "multicast ties to none"),
     ("--no-narrow-splits", "no_narrow_splits", "keeps a ping-pong tile of one block and 16-32 rows of x, one a CTA, "
      "where this one takes a K split over 2 of 16-32 rows (before docs/design/0073)", "no narrow K splits"),
+    ("--mid-grid-splits", "mid_grid_splits", "gives a grid under a quarter of the SMs at n = 17-128 to the least-cost "
+     "K split of more CTAs in one wave (a candidate in no rule)", "mid-n small-grid K splits"),
     ("--no-one-x", "no_one_x", "keeps a K split of two 64-row blocks of W where this one takes its twin of one block "
      "and one tile of x (before docs/design/0068)", "no one-x twins"),
     ("--pp-ties", "pp_ties", "gives every tie between a ping-pong tile and the same tile one a CTA to the ping-pong "
@@ -223,6 +245,28 @@ OTHER_RULES = (
 )
 
 
+def set_constants(assignments: list[str]) -> dict[str, str]:
+    """Sets ``sparse24_ws_rule``'s upper-case constants from ``NAME=VALUE`` (an int, a float, or for a range
+    ``LO-HI``, HI included) and clears ``ws_config``'s cache; returns what was set, as given."""
+    done = {}
+    for item in assignments:
+        name, _, value = item.partition("=")
+        present = getattr(sparse24_ws_rule, name, None)
+        if not name.isupper() or not isinstance(present, (int, float, range)) or not value:
+            raise ValueError(f"--here-set takes NAME=VALUE for an int, float or range constant of sparse24_ws_rule, "
+                             f"not {item!r}")
+        try:
+            lo, _, hi = value.partition("-")
+            new = range(int(lo), int(hi) + 1) if isinstance(present, range) else type(present)(value)
+        except ValueError:
+            raise ValueError(f"--here-set {item!r}: {name} is {present!r}; give "
+                             f"{'LO-HI' if isinstance(present, range) else type(present).__name__}") from None
+        setattr(sparse24_ws_rule, name, new)
+        done[name] = value
+    ws_config.cache_clear()
+    return done
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--multicast-min-waves", type=float, default=None, metavar="W",
@@ -230,6 +274,9 @@ def main() -> int:
     ap.add_argument("--whole-k-min-x-tiles", type=int, default=None, metavar="T",
                     help="the other rule takes K whole over K splits of 256 rows of x in one wave from T tiles of x "
                          f"on (now {sparse24_ws_rule.WHOLE_K_MIN_X_TILES})")
+    ap.add_argument("--here-set", nargs="+", default=[], metavar="NAME=VALUE",
+                    help="this rule with its module's constants so (sparse24_ws_rule: NARROW_SPLIT_MAX_N=256, a range "
+                         "as NARROW_SPLIT_K=512-1536): to time a step past its bounds against the rule without it")
     ap.add_argument("--weights", nargs="+", default=[], metavar="FIELD=VALUE",
                     help="the other rule's cost weights (RuleWeights), the rest as they are")
     for flag, _, what, _ in OTHER_RULES:
@@ -263,6 +310,10 @@ def main() -> int:
         shapes = SHAPE_SETS[a.shape_set]() if a.shapes is None else [tuple(map(int, s.split("x"))) for s in a.shapes]
     except ValueError:
         ap.error(f"--shapes takes layers as MxK (4096x1600), not {a.shapes}")
+    try:
+        here_set = set_constants(a.here_set)
+    except ValueError as e:
+        ap.error(str(e))
     waves = sparse24_ws_rule.MULTICAST_MIN_WAVES if a.multicast_min_waves is None else a.multicast_min_waves
     other_w = weights_of(a.weights)
     sms, gpu = sm_count(0), device_facts(0)
@@ -283,7 +334,7 @@ def main() -> int:
 
     def write():  # after each shape: a run cut off by a time limit keeps what it timed
         results.write("sparse24-rule-ab", {"rows": rows}, a.out, dtype="bf16", sms=sms,
-                      here={"multicast_min_waves": sparse24_ws_rule.MULTICAST_MIN_WAVES,
+                      here={"multicast_min_waves": sparse24_ws_rule.MULTICAST_MIN_WAVES, "set": here_set,
                             "weights": dataclasses.asdict(WEIGHTS)},
                       other={"multicast_min_waves": waves, "weights": dataclasses.asdict(other_w), **chosen,
                              "whole_k_min_x_tiles": a.whole_k_min_x_tiles},
