@@ -161,17 +161,18 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
 
 def mid_grid_split(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights, gpu, finished) -> WsConfig:
     """A candidate step, in no rule: past n = SPLIT_MAX_N up to MID_GRID_MAX_N, a pick whose grid runs under
-    SMALL_GRID_SHARE of the SMs given way to the least-cost K split of more CTAs whose grid places in one wave, as
+    MID_GRID_SHARE of the SMs given way to the least-cost K split of more CTAs whose grid places in one wave, as
     ``small_grid_split`` does at n <= 16 (held-out 2048x1536 at n = 64 ran 1.11-1.17x faster split,
     sparse24-rule-ab-top10-held-out-misses-h200.json and -cluster5000-held-out-h200.json)."""
     ctas = grid_ctas(cfg, n, m, sms)
-    if not (SPLIT_MAX_N < n <= MID_GRID_MAX_N and ctas < sparse24_ws_rule.SMALL_GRID_SHARE * sms):
+    if not (SPLIT_MAX_N < n <= MID_GRID_MAX_N and ctas < MID_GRID_SHARE * sms):
         return cfg
     splits = [c for c in ws_candidates(n, m, k) if c.kc > 1 and ctas < grid_ctas(c, n, m, sms) <= sms]
     return finished(rule_pick(splits, n, m, k, sms, w, gpu)) if splits else cfg
 
 
-MID_GRID_MAX_N = 128
+MID_GRID_MAX_N = 128  # --mid-grid-bounds
+MID_GRID_SHARE = sparse24_ws_rule.SMALL_GRID_SHARE
 
 
 def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
@@ -268,6 +269,7 @@ def set_constants(assignments: list[str]) -> dict[str, str]:
 
 
 def main() -> int:
+    global MID_GRID_SHARE, MID_GRID_MAX_N
     ap = argparse.ArgumentParser()
     ap.add_argument("--multicast-min-waves", type=float, default=None, metavar="W",
                     help="the other rule's: x multicast without a K split only in grids of more than W waves")
@@ -277,6 +279,9 @@ def main() -> int:
     ap.add_argument("--here-set", nargs="+", default=[], metavar="NAME=VALUE",
                     help="this rule with its module's constants so (sparse24_ws_rule: NARROW_SPLIT_MAX_N=256, a range "
                          "as NARROW_SPLIT_K=512-1536): to time a step past its bounds against the rule without it")
+    ap.add_argument("--mid-grid-bounds", nargs=2, type=float, default=None, metavar=("SHARE", "MAX_N"),
+                    help=f"--mid-grid-splits' bounds: grids under SHARE of the SMs, n up to MAX_N (now "
+                         f"{MID_GRID_SHARE} and {MID_GRID_MAX_N})")
     ap.add_argument("--weights", nargs="+", default=[], metavar="FIELD=VALUE",
                     help="the other rule's cost weights (RuleWeights), the rest as they are")
     for flag, _, what, _ in OTHER_RULES:
@@ -310,6 +315,10 @@ def main() -> int:
         shapes = SHAPE_SETS[a.shape_set]() if a.shapes is None else [tuple(map(int, s.split("x"))) for s in a.shapes]
     except ValueError:
         ap.error(f"--shapes takes layers as MxK (4096x1600), not {a.shapes}")
+    if a.mid_grid_bounds is not None:
+        if not a.mid_grid_splits:
+            ap.error("--mid-grid-bounds bounds --mid-grid-splits: give both")
+        MID_GRID_SHARE, MID_GRID_MAX_N = a.mid_grid_bounds[0], int(a.mid_grid_bounds[1])
     try:
         here_set = set_constants(a.here_set)
     except ValueError as e:
@@ -337,7 +346,8 @@ def main() -> int:
                       here={"multicast_min_waves": sparse24_ws_rule.MULTICAST_MIN_WAVES, "set": here_set,
                             "weights": dataclasses.asdict(WEIGHTS)},
                       other={"multicast_min_waves": waves, "weights": dataclasses.asdict(other_w), **chosen,
-                             "whole_k_min_x_tiles": a.whole_k_min_x_tiles},
+                             "whole_k_min_x_tiles": a.whole_k_min_x_tiles,
+                             "mid_grid_bounds": [MID_GRID_SHARE, MID_GRID_MAX_N] if a.mid_grid_splits else None},
                       shape_set=a.shape_set if a.shapes is None else "given", shapes=a.shapes,
                       table_misses=a.table_misses, min_gain=a.min_gain, rounds=a.rounds, rep=a.rep, eager=a.eager)
 
