@@ -22,7 +22,9 @@ weight, so that each tile's launches are its own, and both rules read the device
 sweep part disagreed on (docs/design/0055).
 
 ``--table-misses TABLE`` takes the other side from a tile table instead: at each problem where the table's best tile
-ran ``--min-gain`` (3%) or more faster than the rule's, that tile (docs/design/0056).  Writes
+ran ``--min-gain`` (3%) or more faster than the rule's, that tile (docs/design/0056).  ``--here-set NAME=VALUE``
+gives this side ``sparse24_ws_rule``'s constants so, to time a step past its bounds against the rule without it
+(docs/design/0074); the later records' other rules are ``OTHER_RULES``.  Writes
 ``bench/results/sparse24-rule-ab-<gpu>.json``.
 
     PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_rule_ab.py \
@@ -31,6 +33,7 @@ ran ``--min-gain`` (3%) or more faster than the rule's, that tile (docs/design/0
     ... python bench/sparse24_rule_ab.py --even-k-split --batch 1 8 16 32 64 --shapes 2048x1600 8192x2880
     ... python bench/sparse24_rule_ab.py --wide-split-only --batch 1 8 16 --shape-set "held-out models"
     ... python bench/sparse24_rule_ab.py --table-misses bench/results/sparse24-ws-top4-graphus-h200.json
+    ... python bench/sparse24_rule_ab.py --no-narrow-splits --here-set NARROW_SPLIT_MAX_N=1024 --shapes 256x768
 """
 
 from __future__ import annotations
@@ -53,9 +56,9 @@ from kernelplan.kernels.gpu_facts import device_facts
 from kernelplan.kernels.sparse24 import sm_count
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_ws import WsKernel
-from kernelplan.kernels.sparse24_ws_rule import (_MAX_STAGES, SPLIT_MAX_N, WEIGHTS, RuleWeights, WsConfig, _deepest,
-                                                 cost_pick, grid_ctas, pick_from, rule_pick, rule_tail, small_n_splits,
-                                                 wide_split, with_push, ws_candidates, ws_config)
+from kernelplan.kernels.sparse24_ws_rule import (_MAX_STAGES, WEIGHTS, RuleWeights, WsConfig, _deepest, cost_pick,
+                                                 pick_from, rule_pick, rule_tail, small_n_splits, wide_split, with_push,
+                                                 ws_candidates, ws_config)
 from kernelplan.sparse24 import compress, prune
 from kernelplan.sparse24.dispatch import wide_weight
 from kernelplan.sparse24.layout import pack_reason
@@ -95,7 +98,7 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
                pp_ties: bool = False, plain_ties: bool = False, pp_wide_x_ties: bool = False,
                split_wide_x: bool = False, whole_k_min_x_tiles: int | None = None,
                no_one_block_split: bool = False, unicast_ties: bool = False, no_narrow_splits: bool = False,
-               mid_grid_splits: bool = False, gpu=None):
+               no_mid_grid_splits: bool = False, gpu=None):
     """``ws_config``'s tile had it ``MULTICAST_MIN_WAVES = waves`` and weights ``w`` (its cache neither read nor
     written); with ``even_split``, among K splits that divide K's steps alone, as the rule was before uneven slices
     (docs/design/0058); with ``wide_split_only``, as it was before the small-n K splits joined the cost
@@ -113,8 +116,9 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
     (``one_block_split_of``, before 0073); with ``unicast_ties``, the cost ties between x multicast to 2 CTAs and
     none given to none (``_MCAST_TIE_MIN_BN`` past every tile, 0073); with ``no_narrow_splits``, keeping a ping-pong
     tile of 16-32 rows of x where this rule takes a narrow K split over 2 (``narrow_split_of``, before 0073; timed as
-    a candidate at 9c9745f); with ``mid_grid_splits``, a step the rule does not have (``mid_grid_split``).  Each
-    other step of the rule as it is, on the GPU facts ``gpu`` (None: the model's)."""
+    a candidate at 9c9745f); with ``no_mid_grid_splits``, keeping a pick whose grid runs under a quarter of the SMs
+    past n = 16 where this rule takes a K split of more CTAs (``mid_grid_split``, before 0074; timed as a candidate
+    at 15d0309 and 0ab73e2).  Each other step of the rule as it is, on the GPU facts ``gpu`` (None: the model's)."""
     present = (sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC, sparse24_ws_rule.PP_TIE_WIDE_X,
                sparse24_ws_rule.WHOLE_K_MIN_X_TILES, sparse24_ws_rule._MCAST_TIE_MIN_BN)
     sparse24_ws_rule.MULTICAST_MIN_WAVES = waves
@@ -144,13 +148,12 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
             cfg = finished(pick_from([c for c in ws_candidates(n, m, k) if not wide_split(c)], n, m, k, sms, w,
                                      gpu=gpu))
         for off, step in ((no_one_x, "one_x"), (split_wide_x, "whole_k"), (no_one_block_split, "one_block_split"),
-                          (no_narrow_splits, "narrow_split")):  # pick_from's steps: the rule before each one's record
+                          (no_narrow_splits, "narrow_split"),
+                          (no_mid_grid_splits, "mid_grid")):  # pick_from's steps: the rule before each one's record
             if off:
                 space = ws_candidates(n, m, k)
                 before = pick_from(space, n, m, k, sms, w, gpu=gpu, **{step: False})
                 cfg = cfg if before == pick_from(space, n, m, k, sms, w, gpu=gpu) else finished(before)
-        if mid_grid_splits:
-            cfg = mid_grid_split(cfg, n, m, k, sms, w, gpu, finished)
         if no_deep_ring and cfg.stages > _MAX_STAGES:
             cfg = with_push(_deepest(cfg.bn, cfg.wm, cfg.cm, cfg.kc, cfg.sk, cfg.pp), n, m, sms, gpu)
         return cfg
@@ -159,37 +162,21 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
          sparse24_ws_rule.WHOLE_K_MIN_X_TILES, sparse24_ws_rule._MCAST_TIE_MIN_BN) = present
 
 
-def mid_grid_split(cfg: WsConfig, n: int, m: int, k: int, sms: int, w: RuleWeights, gpu, finished) -> WsConfig:
-    """A candidate step, in no rule: past n = SPLIT_MAX_N up to MID_GRID_MAX_N, a pick whose grid runs under
-    MID_GRID_SHARE of the SMs given way to the least-cost K split of more CTAs whose grid places in one wave, as
-    ``small_grid_split`` does at n <= 16 (held-out 2048x1536 at n = 64 ran 1.11-1.17x faster split,
-    sparse24-rule-ab-top10-held-out-misses-h200.json and -cluster5000-held-out-h200.json)."""
-    ctas = grid_ctas(cfg, n, m, sms)
-    if not (SPLIT_MAX_N < n <= MID_GRID_MAX_N and ctas < MID_GRID_SHARE * sms):
-        return cfg
-    splits = [c for c in ws_candidates(n, m, k) if c.kc > 1 and ctas < grid_ctas(c, n, m, sms) <= sms]
-    return finished(rule_pick(splits, n, m, k, sms, w, gpu)) if splits else cfg
-
-
-MID_GRID_MAX_N = 128  # --mid-grid-bounds
-MID_GRID_SHARE = sparse24_ws_rule.SMALL_GRID_SHARE
-
-
 def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
           wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
           no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False, pp_ties: bool = False,
           plain_ties: bool = False, pp_wide_x_ties: bool = False, split_wide_x: bool = False,
           whole_k_min_x_tiles: int | None = None, no_one_block_split: bool = False, unicast_ties: bool = False,
-          no_narrow_splits: bool = False, mid_grid_splits: bool = False, gpu=None) -> list[tuple[int, int, int]]:
+          no_narrow_splits: bool = False, no_mid_grid_splits: bool = False, gpu=None) -> list[tuple[int, int, int]]:
     """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w``,
     ``even_split``, ``wide_split_only``, ``no_split3``, ``no_small_grid``, ``no_deep_ring``, ``no_wide_splits``,
     ``no_one_x``, ``pp_ties``, ``plain_ties``, ``pp_wide_x_ties``, ``split_wide_x``, ``whole_k_min_x_tiles``,
-    ``no_one_block_split``, ``unicast_ties``, ``no_narrow_splits`` and ``mid_grid_splits``."""
+    ``no_one_block_split``, ``unicast_ties``, ``no_narrow_splits`` and ``no_mid_grid_splits``."""
     def other(n, m, k):
         return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only, no_split3, no_small_grid,
                           no_deep_ring, no_wide_splits, no_one_x, pp_ties, plain_ties, pp_wide_x_ties, split_wide_x,
                           whole_k_min_x_tiles, no_one_block_split, unicast_ties, no_narrow_splits,
-                          mid_grid_splits, gpu)
+                          no_mid_grid_splits, gpu)
 
     return [move[:3] for move in moved_picks(shapes, batch, other, sms, gpu)]
 
@@ -231,8 +218,8 @@ OTHER_RULES = (
      "(docs/design/0073)", "multicast ties to none"),
     ("--no-narrow-splits", "no_narrow_splits", "keeps a ping-pong tile of one block and 16-32 rows of x, one a CTA, "
      "where this one takes a K split over 2 of 16-32 rows (before docs/design/0073)", "no narrow K splits"),
-    ("--mid-grid-splits", "mid_grid_splits", "gives a grid under a quarter of the SMs at n = 17-128 to the least-cost "
-     "K split of more CTAs in one wave (a candidate in no rule)", "mid-n small-grid K splits"),
+    ("--no-mid-grid-splits", "no_mid_grid_splits", "keeps a grid under a quarter of the SMs past n = 16 where this one "
+     "takes a K split of more CTAs in one wave (before docs/design/0074)", "no mid-n small-grid K splits"),
     ("--no-one-x", "no_one_x", "keeps a K split of two 64-row blocks of W where this one takes its twin of one block "
      "and one tile of x (before docs/design/0068)", "no one-x twins"),
     ("--pp-ties", "pp_ties", "gives every tie between a ping-pong tile and the same tile one a CTA to the ping-pong "
@@ -269,7 +256,6 @@ def set_constants(assignments: list[str]) -> dict[str, str]:
 
 
 def main() -> int:
-    global MID_GRID_SHARE, MID_GRID_MAX_N
     ap = argparse.ArgumentParser()
     ap.add_argument("--multicast-min-waves", type=float, default=None, metavar="W",
                     help="the other rule's: x multicast without a K split only in grids of more than W waves")
@@ -279,9 +265,6 @@ def main() -> int:
     ap.add_argument("--here-set", nargs="+", default=[], metavar="NAME=VALUE",
                     help="this rule with its module's constants so (sparse24_ws_rule: NARROW_SPLIT_MAX_N=256, a range "
                          "as NARROW_SPLIT_K=512-1536): to time a step past its bounds against the rule without it")
-    ap.add_argument("--mid-grid-bounds", nargs=2, type=float, default=None, metavar=("SHARE", "MAX_N"),
-                    help=f"--mid-grid-splits' bounds: grids under SHARE of the SMs, n up to MAX_N (now "
-                         f"{MID_GRID_SHARE} and {MID_GRID_MAX_N})")
     ap.add_argument("--weights", nargs="+", default=[], metavar="FIELD=VALUE",
                     help="the other rule's cost weights (RuleWeights), the rest as they are")
     for flag, _, what, _ in OTHER_RULES:
@@ -315,10 +298,6 @@ def main() -> int:
         shapes = SHAPE_SETS[a.shape_set]() if a.shapes is None else [tuple(map(int, s.split("x"))) for s in a.shapes]
     except ValueError:
         ap.error(f"--shapes takes layers as MxK (4096x1600), not {a.shapes}")
-    if a.mid_grid_bounds is not None:
-        if not a.mid_grid_splits:
-            ap.error("--mid-grid-bounds bounds --mid-grid-splits: give both")
-        MID_GRID_SHARE, MID_GRID_MAX_N = a.mid_grid_bounds[0], int(a.mid_grid_bounds[1])
     try:
         here_set = set_constants(a.here_set)
     except ValueError as e:
@@ -346,8 +325,7 @@ def main() -> int:
                       here={"multicast_min_waves": sparse24_ws_rule.MULTICAST_MIN_WAVES, "set": here_set,
                             "weights": dataclasses.asdict(WEIGHTS)},
                       other={"multicast_min_waves": waves, "weights": dataclasses.asdict(other_w), **chosen,
-                             "whole_k_min_x_tiles": a.whole_k_min_x_tiles,
-                             "mid_grid_bounds": [MID_GRID_SHARE, MID_GRID_MAX_N] if a.mid_grid_splits else None},
+                             "whole_k_min_x_tiles": a.whole_k_min_x_tiles},
                       shape_set=a.shape_set if a.shapes is None else "given", shapes=a.shapes,
                       table_misses=a.table_misses, min_gain=a.min_gain, rounds=a.rounds, rep=a.rep, eager=a.eager)
 

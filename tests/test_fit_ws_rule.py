@@ -264,9 +264,10 @@ def test_the_rule_ab_bench_times_uneven_k_splits_against_the_rule_before_them(mo
         WsConfig(bn=32, wm=1, cm=1, kc=1, stages=8, pp=True)  # the pick at 51935dc
     shapes = [(1024, 2880), (4096, 4096), (2048, 1600)]
     got = sparse24_rule_ab.moved(shapes, [1, 8, 16, 32, 64, 128], SMS, waves, WEIGHTS, True)
-    # 25 steps at n <= 32: the K splits over 4 CTAs (at n <= 16 of 32 rows of x, docs/design/0061), and at n = 128
-    # over 2 (the one-block K split, 0073); 64 steps at n <= 16: the split over 3 (0063)
-    assert got and all(k == 2880 or (k == 1600 and n in (1, 8, 16, 32, 128)) or (k == 4096 and n <= 16)
+    # 25 steps at n <= 32: the K splits over 4 CTAs (at n <= 16 of 32 rows of x, docs/design/0061), at n = 64 over 2
+    # (a grid of 32 CTAs split, 0074) and at n = 128 over 2 (the one-block K split, 0073); 64 steps at n <= 16: the
+    # split over 3 (0063)
+    assert got and all(k == 2880 or (k == 1600 and n in (1, 8, 16, 32, 64, 128)) or (k == 4096 and n <= 16)
                        for n, m, k in got)
     for n, m, k in got:
         other = sparse24_rule_ab.other_pick(n, m, k, SMS, waves, WEIGHTS, True)
@@ -593,10 +594,55 @@ def test_the_rule_ab_bench_times_the_rule_before_the_one_block_k_split():
 
 def test_the_rule_ab_bench_times_the_rule_before_the_narrow_k_split():
     """bench/sparse24_rule_ab.py --no-narrow-splits (docs/design/0073): the other rule keeps the ping-pong tile of 16-32
-    rows of x; the two part only where this rule takes a K split over 2 of 16-32 rows."""
-    moves = _rule_ab_moves([(1024, 1024), (1024, 2048), (4096, 4096)], batch=(16, 32, 256), no_narrow_splits=True)
-    assert list(moves) == [(32, 1024, 1024)]
-    assert moves[(32, 1024, 1024)].pp and ws_config(32, 1024, 1024, SMS).kc == 2
+    rows of x, or where its grid runs under a quarter of the SMs takes the mid-grid K split (0074); the two part only
+    where this rule takes a K split over 2 of 16-32 rows."""
+    moves = _rule_ab_moves([(1024, 1024), (1024, 2048), (4096, 4096), (2048, 1024)], batch=(16, 32, 256),
+                           no_narrow_splits=True)
+    assert list(moves) == [(32, 1024, 1024), (32, 2048, 1024)]
+    assert moves[(32, 1024, 1024)] == WsConfig(32, 1, 1, 4, 8)  # 32 lone ping-pong tiles: the mid-grid split
+    assert moves[(32, 2048, 1024)].pp and moves[(32, 2048, 1024)].bn <= 32
+    for p in moves:
+        cfg = ws_config(*p, SMS)
+        assert (cfg.wm, cfg.kc, cfg.pp) == (1, 2, False) and cfg.bn <= 32, p
+
+
+def test_the_rule_ab_bench_times_the_rule_before_the_mid_grid_k_split():
+    """bench/sparse24_rule_ab.py --no-mid-grid-splits (docs/design/0074): the other rule keeps a grid under a quarter
+    of the SMs past n = 16; the two part only where this rule takes a K split of more CTAs."""
+    moves = _rule_ab_moves([(2048, 1536), (1024, 1280), (4096, 4096)], batch=(16, 48, 64, 1024),
+                           no_mid_grid_splits=True)
+    assert sorted(moves) == [(48, 1024, 1280), (48, 2048, 1536), (64, 1024, 1280), (64, 2048, 1536)]
+    from kernelplan.kernels.sparse24_ws_rule import grid_ctas
+
+    for (n, m, k), other in moves.items():
+        cfg = ws_config(n, m, k, SMS)
+        assert other.pp and grid_ctas(other, n, m, SMS) < SMS / 4, (n, m)
+        assert cfg.kc > 1 and grid_ctas(other, n, m, SMS) < grid_ctas(cfg, n, m, SMS), (n, m)
+
+
+def test_the_rule_ab_bench_sets_this_rules_constants_by_name():
+    """bench/sparse24_rule_ab.py --here-set: int, float and range constants of sparse24_ws_rule, a range as LO-HI
+    (HI included); anything else refused with what it takes."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
+    import sparse24_rule_ab
+    from kernelplan.kernels import sparse24_ws_rule
+
+    present = (sparse24_ws_rule.NARROW_SPLIT_K, sparse24_ws_rule.NARROW_SPLIT_MAX_N, sparse24_ws_rule.SMALL_GRID_SHARE)
+    try:
+        got = sparse24_rule_ab.set_constants(["NARROW_SPLIT_K=512-2048", "NARROW_SPLIT_MAX_N=1024",
+                                              "SMALL_GRID_SHARE=0.5"])
+        assert got == {"NARROW_SPLIT_K": "512-2048", "NARROW_SPLIT_MAX_N": "1024", "SMALL_GRID_SHARE": "0.5"}
+        assert sparse24_ws_rule.NARROW_SPLIT_K == range(512, 2049) and sparse24_ws_rule.NARROW_SPLIT_MAX_N == 1024
+        assert sparse24_ws_rule.SMALL_GRID_SHARE == 0.5
+        for bad, says in (("WEIGHTS=1", "int, float or range"), ("narrow_split_k=1", "int, float or range"),
+                          ("NARROW_SPLIT_K=600", "give LO-HI"), ("NARROW_SPLIT_MAX_N=1.5", "give int"),
+                          ("NARROW_SPLIT_MAX_N=", "int, float or range")):
+            with pytest.raises(ValueError, match=says):
+                sparse24_rule_ab.set_constants([bad])
+    finally:
+        (sparse24_ws_rule.NARROW_SPLIT_K, sparse24_ws_rule.NARROW_SPLIT_MAX_N,
+         sparse24_ws_rule.SMALL_GRID_SHARE) = present
+        ws_config.cache_clear()
 
 
 def test_the_rule_ab_bench_times_the_rule_with_k_splits_of_256_rows_of_x_in_one_wave():

@@ -78,10 +78,13 @@ def test_tile_rule_fits_every_sweep_shape_and_batch(sms):
                     ctas(want) == math.prod(want.grid(n, m)[:2]):  # one a CTA: its K split over 2 on 128 rows (0073)
                 want = next((c for c in cands if (c.bn, c.wm, c.cm, c.kc, c.pp, c.sk) == (128, 1, 1, 2, False, False)
                              and ctas(c) == ctas(want)), want)
-            if want.pp and want.bn <= 32 and (want.wm, want.cm) == (1, 1) and 16 < n <= 128 and 768 <= k <= 1024 \
-                    and ctas(want) == math.prod(want.grid(n, m)[:2]):  # one a CTA: a narrow K split over 2 (0073)
+            if want.pp and want.bn <= 32 and (want.wm, want.cm) == (1, 1) and 16 < n <= 512 and 576 <= k <= 1728 \
+                    and ctas(want) == math.prod(want.grid(n, m)[:2]):  # one a CTA: a narrow K split over 2 (0073-4)
                 splits = [c for c in cands if (c.wm, c.cm, c.kc, c.pp, c.sk) == (1, 1, 2, False, False)
                           and c.bn <= 32 and ctas(c) <= sms]
+                want = least(splits) if splits else want
+            if 16 < n <= 512 and ctas(want) < sms / 4:  # a grid under a quarter of the SMs: a K split of more (0074)
+                splits = [c for c in cands if c.kc > 1 and ctas(want) < ctas(c) <= _cluster_sms(c, sms)]
                 want = least(splits) if splits else want
             if n <= 16 and ctas(want) < sms / 4:  # a grid under a quarter of the SMs: the widest small-n split
                 wider = [c for c in small_n_splits(n, k) if ctas(want) < ctas(c) <= _cluster_sms(c, sms)]
@@ -106,7 +109,8 @@ def test_the_rule_multicasts_x_without_a_k_split_only_past_two_waves(n, m, k, sm
     of x its twin of one block and one tile of x, 0068; a K split over 2 CTAs of 256 rows of x, four tiles of them or
     more, in one wave, the least-cost tile with K whole, 0072, 0073; a ping-pong tile of one block and 64 rows of x one
     a CTA, K of 1536 or more, its split over 2 on 128 rows of x where that runs as many CTAs, 0073; one of 16-32 rows
-    at n = 17-128 and K of 768-1024, the least-cost K split over 2 of 16-32 rows in one wave, 0073; small grids at
+    at n = 17-512 and K of 576-1728, the least-cost K split over 2 of 16-32 rows in one wave, 0073, 0074; a grid under
+    a quarter of the SMs at n = 17-512, the least-cost K split of more CTAs in one wave, 0074; small grids at
     n <= 16, 0064)."""
     from kernelplan.kernels.sparse24_ws_rule import grid_ctas, small_grid_split
 
@@ -135,10 +139,14 @@ def test_the_rule_multicasts_x_without_a_k_split_only_past_two_waves(n, m, k, sm
     if least.pp and (least.bn, least.wm, least.cm) == (64, 1, 1) and k >= 1536 and tiles <= sms:  # (0073)
         least = next((c for c in cands if (c.bn, c.wm, c.cm, c.kc, c.pp, c.sk) == (128, 1, 1, 2, False, False)
                       and math.prod(c.grid(n, m)) == tiles), least)
-    if least.pp and least.bn <= 32 and (least.wm, least.cm) == (1, 1) and 16 < n <= 128 and 768 <= k <= 1024 and \
-            tiles <= sms:  # a narrow K split over 2 in one wave (0073)
+    if least.pp and least.bn <= 32 and (least.wm, least.cm) == (1, 1) and 16 < n <= 512 and 576 <= k <= 1728 and \
+            tiles <= sms:  # a narrow K split over 2 in one wave (0073, 0074)
         least = min((c for c in cands if (c.wm, c.cm, c.kc, c.pp, c.sk) == (1, 1, 2, False, False) and c.bn <= 32
                      and math.prod(c.grid(n, m)) <= sms), key=lambda c: rule_order(c, n, m, k, sms), default=least)
+    ctas = grid_ctas(least, n, m, sms)
+    if not gated and 16 < n <= 512 and ctas < sms / 4:  # a grid under a quarter of the SMs: a K split of more (0074)
+        least = min((c for c in cands if c.kc > 1 and ctas < grid_ctas(c, n, m, sms) <= _cluster_sms(c, sms)),
+                    key=lambda c: rule_order(c, n, m, k, sms), default=least)
     if not gated:  # a grid under a quarter of the SMs at n <= 16 takes a split (0064): never one of x multicast
         least = small_grid_split(least, n, m, k, sms)
     assert cfg in (least, replace(least, cm=1))
@@ -404,16 +412,19 @@ def test_a_k_split_over_two_ctas_of_256_rows_of_x_in_one_wave_gives_way_to_k_who
     assert split_wide_x(gated, 1024, 2048, 132)
 
 
-def _step_moves(step: str, ms, ks, ns) -> list[tuple]:
-    """``(n, M, K, the pick without pick_from's step, the pick)`` on 132 SMs wherever ``step`` moves the pick."""
+def _step_moves(step: str, ms, ks, ns, off: tuple[str, ...] = ()) -> list[tuple]:
+    """``(n, M, K, the pick without pick_from's step, the pick)`` on 132 SMs wherever ``step`` moves the pick, both
+    without pick_from's steps ``off`` (those after ``step`` that would move its picks again)."""
     from kernelplan.kernels.sparse24_ws_rule import pick_from
 
     out = []
+    without = {name: False for name in off}
     for m in ms:
         for k in ks:
             for n in ns:
                 space = ws_candidates(n, m, k)
-                before, after = pick_from(space, n, m, k, 132, **{step: False}), pick_from(space, n, m, k, 132)
+                before = pick_from(space, n, m, k, 132, **without, **{step: False})
+                after = pick_from(space, n, m, k, 132, **without)
                 if after != before:
                     out.append((n, m, k, before, after))
     return out
@@ -445,26 +456,54 @@ def test_a_lone_one_block_ping_pong_tile_gives_way_to_its_k_split_over_two_on_as
 
 
 def test_a_lone_narrow_ping_pong_tile_past_n_16_gives_way_to_a_narrow_k_split_over_two():
-    """docs/design/0073: past n = 16, a ping-pong tile of one block and 16-32 rows of x, one a CTA in one wave, with K
-    of 768-1024 gives way to the least-cost tile of one block and 16-32 rows of x splitting K over 2 in one wave (41
-    problems timed through the sweep's path, the ping-pong tile 1.05-1.17x the split's time).  Outside what was timed
-    (K of 512 or 1536, n past 128, n <= 16) the picks stay."""
+    """docs/design/0073, 0074: past n = 16, a ping-pong tile of one block and 16-32 rows of x, one a CTA in one wave,
+    with K of 576-1728 and n up to 512 gives way to the least-cost tile of one block and 16-32 rows of x splitting K
+    over 2 in one wave (the ping-pong tile 1.05-1.17x the split's time on 41 problems with K of 768-1024 and n up to
+    128, then 1.02-1.18x on 32 of 33 past those bounds).  With K of 512 (0.97-1.02x) and n <= 16 the picks stay."""
     from kernelplan.kernels.sparse24_ws_rule import NARROW_SPLIT_K, NARROW_SPLIT_MAX_N, grid_ctas
 
-    assert (NARROW_SPLIT_K.start, NARROW_SPLIT_K.stop - 1, NARROW_SPLIT_MAX_N) == (768, 1024, 128)
-    for n, m, k in ((32, 768, 768), (64, 1024, 1024), (96, 896, 896), (24, 3072, 1024), (128, 640, 1024)):  # timed
+    assert (NARROW_SPLIT_K.start, NARROW_SPLIT_K.stop - 1, NARROW_SPLIT_MAX_N) == (576, 1728, 512)
+    for n, m, k in ((32, 768, 768), (64, 1024, 1024), (96, 896, 896), (24, 3072, 1024), (128, 640, 1024),  # timed
+                    (256, 512, 1024), (192, 256, 896), (512, 256, 1024), (32, 4096, 1600), (24, 3584, 1408),
+                    (64, 1280, 832), (32, 3072, 704)):
         cfg = ws_config(n, m, k, 132)
         assert (cfg.wm, cfg.cm, cfg.kc, cfg.pp) == (1, 1, 2, False) and cfg.bn <= 32, (n, m, k)
         assert grid_ctas(cfg, n, m, 132) <= 132
-    moves = _step_moves("narrow_split", range(256, 4353, 256), (512, 768, 1024, 1536),
-                        (8, 16, 24, 32, 64, 128, 136, 256))
+    for n, m, k in ((24, 2048, 512), (64, 2048, 512)):  # timed at K = 512: the ping-pong tile as fast or faster
+        cfg = ws_config(n, m, k, 132)
+        assert cfg.pp and cfg.bn <= 32, (n, m, k)
+    moves = _step_moves("narrow_split", range(256, 4353, 256), (512, 576, 768, 1024, 1536, 1792),
+                        (8, 16, 24, 32, 64, 128, 136, 256, 384, 512, 640), off=("mid_grid",))
     for n, m, k, before, after in moves:
-        assert 16 < n <= 128 and 768 <= k <= 1024, (n, m, k)
+        assert 16 < n <= 512 and 576 <= k <= 1728, (n, m, k)
         assert before.pp and before.bn <= 32 and (before.wm, before.cm) == (1, 1), (n, m, k)
         assert math.prod(before.grid(n, m)[:2]) <= 132, (n, m, k)
         assert (after.wm, after.cm, after.kc, after.pp) == (1, 1, 2, False) and after.bn <= 32, (n, m, k)
         assert grid_ctas(after, n, m, 132) <= 132, (n, m, k)
-    assert len(moves) >= 20
+    assert len(moves) >= 40 and {k for _, _, k, _, _ in moves} >= {576, 1536} and max(n for n, *_ in moves) > 256
+
+
+def test_a_grid_under_a_quarter_of_the_sms_past_n_16_gives_way_to_a_k_split_of_more_ctas():
+    """docs/design/0074: past n = 16 up to 512, a pick whose grid runs under a quarter of the SMs gives way to the
+    least-cost K split whose grid runs more CTAs in one wave (36 problems timed through the sweep's path, the pick
+    1.00-1.30x the split's time).  Under half the SMs the step would move grids of 64 CTAs onto splits of 128, timed
+    up to 1.42x slower: those stay, as do grids at n <= 16 (small_grid_split's) and past n = 512."""
+    from kernelplan.kernels.sparse24_ws_rule import MID_GRID_MAX_N, SMALL_GRID_SHARE, grid_ctas
+
+    assert (MID_GRID_MAX_N, SMALL_GRID_SHARE) == (512, 0.25)
+    for n, m, k in ((64, 2048, 1536), (48, 1536, 1536), (48, 1600, 1600), (96, 1024, 1536), (64, 1024, 1280),
+                    (256, 512, 1280), (512, 256, 1536), (48, 1792, 1536)):  # timed: the split faster
+        cfg = ws_config(n, m, k, 132)
+        assert cfg.kc > 1 and not cfg.pp and grid_ctas(cfg, n, m, 132) >= 33, (n, m, k)
+    for n, m, k in ((96, 1024, 2048), (128, 1024, 4096), (64, 2048, 2048)):  # timed at half the SMs: slower split
+        cfg = ws_config(n, m, k, 132)
+        assert grid_ctas(cfg, n, m, 132) >= 33 and grid_ctas(cfg, n, m, 132) <= 64, (n, m, k, cfg)
+    moves = _step_moves("mid_grid", range(256, 4353, 256), (512, 1024, 1280, 1536, 2048, 4096),
+                        (8, 16, 24, 48, 64, 128, 256, 512, 1024))
+    for n, m, k, before, after in moves:
+        assert 16 < n <= 512 and grid_ctas(before, n, m, 132) < 33, (n, m, k)
+        assert after.kc > 1 and grid_ctas(before, n, m, 132) < grid_ctas(after, n, m, 132) <= 132, (n, m, k)
+    assert len(moves) >= 10
 
 
 def test_the_largest_ping_pong_ties_go_to_the_one_a_cta_tile():
@@ -513,8 +552,11 @@ def test_a_lone_one_block_tile_under_a_wave_gives_way_to_a_k_split_with_more_cta
     SMs, at 0.84x of dense; K split over 4 (48 CTAs) ran 1.19x.  At 300 the rule kept the lone tiles."""
     from kernelplan.kernels.sparse24_ws_rule import WEIGHTS
 
-    for n, m, k in ((64, 768, 1600), (64, 1024, 1536), (32, 3072, 1536)):
-        before = ws_config.__wrapped__(n, m, k, 132, w=replace(WEIGHTS, mma_floor=300))
+    from kernelplan.kernels.sparse24_ws_rule import pick_from
+
+    for n, m, k in ((64, 768, 1600), (64, 1024, 1536), (32, 3072, 1536)):  # without 0073-0074's steps: they split too
+        space = ws_candidates(n, m, k)
+        before = pick_from(space, n, m, k, 132, replace(WEIGHTS, mma_floor=300), narrow_split=False, mid_grid=False)
         now = ws_config(n, m, k, 132)
         assert before.pp and before.wm == 1 and now.kc == 4 and not now.pp, (n, m, k)
         assert math.prod(now.grid(n, m)) >= 2 * math.prod(before.grid(n, m)) <= 132

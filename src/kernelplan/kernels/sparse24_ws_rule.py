@@ -419,9 +419,9 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
     block and one tile of x (``one_x_twin``, 0068), a K split of 256 rows of x over 2 CTAs in one wave given way to
     the pick with K whole (``split_wide_x``, 0072, 0073), a ping-pong tile of one block one a CTA given way to its K
     split over 2 on as many CTAs (``one_block_split_of``, 0073), one of 16-32 rows of x past n = 16 given way to a K
-    split over 2 (``narrow_split_of``, 0073), a grid under a quarter of the SMs at n <= 16 given way to a small-n
-    split (``small_grid_split``, 0064), its ring deepened where the grid holds too few bytes in flight at n <= 16
-    (``with_ring``, 0066), with its K slices pushing their sums where that pays.  ``gated``: among the tiles a gated
+    split over 2 (``narrow_split_of``, 0073, 0074), a grid under a quarter of the SMs past n = 16 given way to a K
+    split of more CTAs (``mid_grid_split``, 0074), one at n <= 16 to a small-n split (``small_grid_split``, 0064),
+    its ring deepened where the grid holds too few bytes in flight at n <= 16 (``with_ring``, 0066), with its K slices pushing their sums where that pays.  ``gated``: among the tiles a gated
     epilogue runs on (``gated_tile``), none of them small-n splits, deeper rings or 192-row K splits (none was timed
     gated), nor tiles of one block (no twins), and K splits of 256 rows of x kept.
     ``gpu``: the GPU's cluster slots, which waves are counted by, and its DRAM bandwidth (``WsKernel.config`` passes
@@ -434,7 +434,7 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
 
 def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS, small_grids: bool = True,
               gpu: GpuFacts | None = None, one_x: bool = True, whole_k: bool = True,
-              one_block_split: bool = True, narrow_split: bool = True) -> WsConfig:
+              one_block_split: bool = True, narrow_split: bool = True, mid_grid: bool = True) -> WsConfig:
     """``ws_config``'s pick among ``space``, before the push: ``rule_pick``, a split over 3 only where its grid runs
     more CTAs than the pick without it (the note at _SPLITS), a tile of 192 rows of W splitting K only where its tile
     of x is as wide as the pick's without it (the note at ``wide_split``), with ``one_x`` a K split of two 64-row
@@ -442,7 +442,8 @@ def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
     ``WHOLE_K_BN`` rows of x over 2 CTAs in one wave given way to the pick with K whole (``split_wide_x``), with
     ``one_block_split`` a ping-pong tile of one block and 64 rows of x, one a CTA, given way to its K split over 2
     on twice the rows of x and as many CTAs (``one_block_split_of``), with ``narrow_split`` one of 16-32 rows of x
-    given way to a K split over 2 of 16-32 rows (``narrow_split_of``), then, with ``small_grids``,
+    given way to a K split over 2 of 16-32 rows (``narrow_split_of``), with ``mid_grid`` a grid under a quarter of
+    the SMs past n = 16 given way to a K split of more CTAs (``mid_grid_split``), then, with ``small_grids``,
     ``small_grid_split``.  Also how tools/fit_ws_rule.py picks among a table's tiles."""
     cfg = rule_pick(space, n, m, k, sms, w, gpu)
     if cfg.kc == 3:
@@ -460,6 +461,8 @@ def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
         cfg = one_block_split_of(cfg, space, n, m, k, sms)
     if narrow_split:
         cfg = narrow_split_of(cfg, space, n, m, k, sms, w, gpu)
+    if mid_grid:
+        cfg = mid_grid_split(cfg, space, n, m, k, sms, w, gpu)
     return small_grid_split(cfg, n, m, k, sms, w, gpu) if small_grids else cfg
 
 
@@ -552,14 +555,14 @@ def one_block_split_of(cfg: WsConfig, space, n: int, m: int, k: int, sms: int) -
 # small-n splits end), and the least-cost tile of one block and 16-32 rows of x splitting K over 2 in one wave (as
 # many CTAs, or twice as many).  A step of so few rows is latency-bound (mma_floor): halving a CTA's steps halves its
 # chain, where the ping-pong tile's second consumer warpgroup has no tile.  Through the sweep's path (bench/
-# sparse24_rule_ab.py --narrow-splits at 9c9745f, sparse24-rule-ab-narrow-splits-*h200.json; docs/design/0073) the
-# ping-pong tile took 1.05-1.17x the split's time on all 41 problems timed (sweep set, held-out models and a generic
-# sample: 512-4096 rows, K 768-1024, n = 24-128; median 1.11x), eagerly 1.04-1.13x; those rows went from 0.96-1.12x
-# of dense to 1.07-1.20x.  The step is held to what was timed: K in NARROW_SPLIT_K, n up to NARROW_SPLIT_MAX_N.
-# On a generic grid (256-8192 rows, K 512-16384, n = 8-256; 32768 picks) it moves 100; past it (K of 512 or 1536,
-# n = 136-256) the same class has 174 more, untimed.
-NARROW_SPLIT_K = range(768, 1025)
-NARROW_SPLIT_MAX_N = 128
+# sparse24_rule_ab.py; docs/design/0073, 0074) the ping-pong tile took 1.05-1.17x the split's time on all 41 problems
+# first timed (sweep set, held-out models, generic: K 768-1024, n = 24-128; sparse24-rule-ab-narrow-splits-*h200.json),
+# and past those bounds (-past-k-, -past-n-, -wide-k-generic-, -wide-n-generic-h200.json) 1.02-1.18x on 32 of 33
+# with K of 576-1600 and n up to 512 (one even: 0.997x, 1024x576 at n = 128); with K of 512 0.97-1.02x on 7, where it
+# stays.  On a generic grid (256-8192 rows, K 512-4096 in 64-column steps, n = 24-512) the class ends at K = 1728,
+# and past n = 256 it is weights of 256 rows alone.
+NARROW_SPLIT_K = range(576, 1729)
+NARROW_SPLIT_MAX_N = 512
 
 
 def narrow_split_of(cfg: WsConfig, space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
@@ -571,6 +574,28 @@ def narrow_split_of(cfg: WsConfig, space, n: int, m: int, k: int, sms: int, w: R
             and _lone_one_block_pp(cfg, n, m, sms)):
         return cfg
     splits = [c for c in _one_block_k_splits(space) if c.bn <= 32 and grid_ctas(c, n, m, sms) <= sms]
+    return rule_pick(splits, n, m, k, sms, w, gpu) if splits else cfg
+
+
+# Past n = SPLIT_MAX_N, up to MID_GRID_MAX_N, a pick whose grid runs under SMALL_GRID_SHARE of the SMs (in the
+# sweep set none; held-out 1536-2048 x 1536 at n = 48-64, lone ping-pong tiles of one block, 24-32 CTAs) and the
+# least-cost K split of more CTAs in one wave.  tile_cost prices the split's cluster and partial sums above the SMs
+# it adds over K's few steps, as at n <= 16 (the note at SMALL_GRID_SHARE).  Timed as a candidate through the
+# sweep's path (bench/sparse24_rule_ab.py --mid-grid-splits at 15d0309 and 0ab73e2, sparse24-rule-ab-mid-grid-
+# splits-h200.json, -generic-h200.json; docs/design/0074): the pick took 1.00-1.30x the split's time on all 36
+# problems (256-2048 rows, K 512-1536, n = 24-512; median 1.15x), eagerly 1.01-1.13x.  Under half the SMs instead it
+# also moved grids of 64 CTAs onto splits of 128, which ran up to 1.42x slower (-half-h200.json): the share stays.
+MID_GRID_MAX_N = 512
+
+
+def mid_grid_split(cfg: WsConfig, space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
+                   gpu: GpuFacts | None = None) -> WsConfig:
+    """``cfg``, or where its grid runs under ``SMALL_GRID_SHARE`` of the SMs at n past ``SPLIT_MAX_N`` up to
+    ``MID_GRID_MAX_N``, the least-cost tile of ``space`` splitting K whose grid runs more CTAs in one wave."""
+    ctas = grid_ctas(cfg, n, m, sms)
+    if not (SPLIT_MAX_N < n <= MID_GRID_MAX_N and ctas < SMALL_GRID_SHARE * sms):
+        return cfg
+    splits = [c for c in space if c.kc > 1 and ctas < grid_ctas(c, n, m, sms) <= _cluster_sms(c, sms, gpu)]
     return rule_pick(splits, n, m, k, sms, w, gpu) if splits else cfg
 
 
@@ -587,7 +612,8 @@ def cost_pick(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
               gpu: GpuFacts | None = None) -> WsConfig:
     """``ws_config``'s pick before ``small_grid_split`` and the push (bench/sparse24_rule_ab.py's rule before 0064)."""
     space = [c for c in ws_candidates(n, m, k, gated=gated) if not gated or gated_tile(c)]
-    return pick_from(space, n, m, k, sms, w, small_grids=False, gpu=gpu, whole_k=not gated)  # not timed gated
+    return pick_from(space, n, m, k, sms, w, small_grids=False, gpu=gpu, whole_k=not gated,
+                     mid_grid=not gated)  # neither timed gated
 
 
 # At n <= SPLIT_MAX_N a pick whose grid runs under this share of the SMs gives way to the small-n split of the most
