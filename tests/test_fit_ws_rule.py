@@ -594,16 +594,15 @@ def test_the_rule_ab_bench_times_the_rule_before_the_one_block_k_split():
 
 def test_the_rule_ab_bench_times_the_rule_before_the_narrow_k_split():
     """bench/sparse24_rule_ab.py --no-narrow-splits (docs/design/0073): the other rule keeps the ping-pong tile of 16-32
-    rows of x, or where its grid runs under a quarter of the SMs takes the mid-grid K split (0074); the two part only
-    where this rule takes a K split over 2 of 16-32 rows."""
+    rows of x; the two part only where this rule takes a K split over 2 of 16-32 rows, not where the mid-grid split
+    (0074, before it) took the grid first."""
     moves = _rule_ab_moves([(1024, 1024), (1024, 2048), (4096, 4096), (2048, 1024)], batch=(16, 32, 256),
                            no_narrow_splits=True)
-    assert list(moves) == [(32, 1024, 1024), (32, 2048, 1024)]
-    assert moves[(32, 1024, 1024)] == WsConfig(32, 1, 1, 4, 8)  # 32 lone ping-pong tiles: the mid-grid split
+    assert list(moves) == [(32, 2048, 1024)]
     assert moves[(32, 2048, 1024)].pp and moves[(32, 2048, 1024)].bn <= 32
-    for p in moves:
-        cfg = ws_config(*p, SMS)
-        assert (cfg.wm, cfg.kc, cfg.pp) == (1, 2, False) and cfg.bn <= 32, p
+    cfg = ws_config(32, 2048, 1024, SMS)
+    assert (cfg.wm, cfg.kc, cfg.pp) == (1, 2, False) and cfg.bn <= 32
+    assert ws_config(32, 1024, 1024, SMS) == WsConfig(32, 1, 1, 4, 8)  # 32 lone ping-pong tiles: the mid-grid split
 
 
 def test_the_rule_ab_bench_times_the_rule_before_the_mid_grid_k_split():

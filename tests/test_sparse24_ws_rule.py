@@ -78,13 +78,13 @@ def test_tile_rule_fits_every_sweep_shape_and_batch(sms):
                     ctas(want) == math.prod(want.grid(n, m)[:2]):  # one a CTA: its K split over 2 on 128 rows (0073)
                 want = next((c for c in cands if (c.bn, c.wm, c.cm, c.kc, c.pp, c.sk) == (128, 1, 1, 2, False, False)
                              and ctas(c) == ctas(want)), want)
+            if 16 < n <= 512 and ctas(want) < sms / 4:  # a grid under a quarter of the SMs: a K split of more (0074)
+                splits = [c for c in cands if c.kc > 1 and ctas(want) < ctas(c) <= _cluster_sms(c, sms)]
+                want = least(splits) if splits else want
             if want.pp and want.bn <= 32 and (want.wm, want.cm) == (1, 1) and 16 < n <= 512 and 576 <= k <= 1728 \
                     and ctas(want) == math.prod(want.grid(n, m)[:2]):  # one a CTA: a narrow K split over 2 (0073-4)
                 splits = [c for c in cands if (c.wm, c.cm, c.kc, c.pp, c.sk) == (1, 1, 2, False, False)
                           and c.bn <= 32 and ctas(c) <= sms]
-                want = least(splits) if splits else want
-            if 16 < n <= 512 and ctas(want) < sms / 4:  # a grid under a quarter of the SMs: a K split of more (0074)
-                splits = [c for c in cands if c.kc > 1 and ctas(want) < ctas(c) <= _cluster_sms(c, sms)]
                 want = least(splits) if splits else want
             if n <= 16 and ctas(want) < sms / 4:  # a grid under a quarter of the SMs: the widest small-n split
                 wider = [c for c in small_n_splits(n, k) if ctas(want) < ctas(c) <= _cluster_sms(c, sms)]
@@ -109,9 +109,9 @@ def test_the_rule_multicasts_x_without_a_k_split_only_past_two_waves(n, m, k, sm
     of x its twin of one block and one tile of x, 0068; a K split over 2 CTAs of 256 rows of x, four tiles of them or
     more, in one wave, the least-cost tile with K whole, 0072, 0073; a ping-pong tile of one block and 64 rows of x one
     a CTA, K of 1536 or more, its split over 2 on 128 rows of x where that runs as many CTAs, 0073; one of 16-32 rows
-    at n = 17-512 and K of 576-1728, the least-cost K split over 2 of 16-32 rows in one wave, 0073, 0074; a grid under
-    a quarter of the SMs at n = 17-512, the least-cost K split of more CTAs in one wave, 0074; small grids at
-    n <= 16, 0064)."""
+    at n = 17-512 and K of 576-1728, the least-cost K split over 2 of 16-32 rows in one wave, 0073, 0074; before
+    that, a grid under a quarter of the SMs at n = 17-512, the least-cost K split of more CTAs in one wave, 0074;
+    small grids at n <= 16, 0064)."""
     from kernelplan.kernels.sparse24_ws_rule import grid_ctas, small_grid_split
 
     picked = ws_config(n, m, k, sms, gated)
@@ -139,14 +139,15 @@ def test_the_rule_multicasts_x_without_a_k_split_only_past_two_waves(n, m, k, sm
     if least.pp and (least.bn, least.wm, least.cm) == (64, 1, 1) and k >= 1536 and tiles <= sms:  # (0073)
         least = next((c for c in cands if (c.bn, c.wm, c.cm, c.kc, c.pp, c.sk) == (128, 1, 1, 2, False, False)
                       and math.prod(c.grid(n, m)) == tiles), least)
-    if least.pp and least.bn <= 32 and (least.wm, least.cm) == (1, 1) and 16 < n <= 512 and 576 <= k <= 1728 and \
-            tiles <= sms:  # a narrow K split over 2 in one wave (0073, 0074)
-        least = min((c for c in cands if (c.wm, c.cm, c.kc, c.pp, c.sk) == (1, 1, 2, False, False) and c.bn <= 32
-                     and math.prod(c.grid(n, m)) <= sms), key=lambda c: rule_order(c, n, m, k, sms), default=least)
     ctas = grid_ctas(least, n, m, sms)
     if not gated and 16 < n <= 512 and ctas < sms / 4:  # a grid under a quarter of the SMs: a K split of more (0074)
         least = min((c for c in cands if c.kc > 1 and ctas < grid_ctas(c, n, m, sms) <= _cluster_sms(c, sms)),
                     key=lambda c: rule_order(c, n, m, k, sms), default=least)
+    tiles = math.prod(least.grid(n, m)[:2])
+    if least.pp and least.bn <= 32 and (least.wm, least.cm) == (1, 1) and 16 < n <= 512 and 576 <= k <= 1728 and \
+            tiles <= sms:  # a narrow K split over 2 in one wave (0073, 0074)
+        least = min((c for c in cands if (c.wm, c.cm, c.kc, c.pp, c.sk) == (1, 1, 2, False, False) and c.bn <= 32
+                     and math.prod(c.grid(n, m)) <= sms), key=lambda c: rule_order(c, n, m, k, sms), default=least)
     if not gated:  # a grid under a quarter of the SMs at n <= 16 takes a split (0064): never one of x multicast
         least = small_grid_split(least, n, m, k, sms)
     assert cfg in (least, replace(least, cm=1))
@@ -487,7 +488,11 @@ def test_a_grid_under_a_quarter_of_the_sms_past_n_16_gives_way_to_a_k_split_of_m
     """docs/design/0074: past n = 16 up to 512, a pick whose grid runs under a quarter of the SMs gives way to the
     least-cost K split whose grid runs more CTAs in one wave (36 problems timed through the sweep's path, the pick
     1.00-1.30x the split's time).  Under half the SMs the step would move grids of 64 CTAs onto splits of 128, timed
-    up to 1.42x slower: those stay, as do grids at n <= 16 (small_grid_split's) and past n = 512."""
+    up to 1.42x slower: those stay, as do grids at n <= 16 (small_grid_split's) and past n = 512.  The step comes
+    before the narrow one: where both would move a pick, its split ran faster on 10 of 14 and even on the rest."""
+    for n, m, k in ((24, 256, 1024), (64, 512, 1024), (32, 1024, 1024), (24, 1536, 1152)):  # timed against narrow's
+        cfg = ws_config(n, m, k, 132)
+        assert cfg.kc == 4 and not cfg.pp, (n, m, k)
     from kernelplan.kernels.sparse24_ws_rule import MID_GRID_MAX_N, SMALL_GRID_SHARE, grid_ctas
 
     assert (MID_GRID_MAX_N, SMALL_GRID_SHARE) == (512, 0.25)
@@ -499,7 +504,7 @@ def test_a_grid_under_a_quarter_of_the_sms_past_n_16_gives_way_to_a_k_split_of_m
         cfg = ws_config(n, m, k, 132)
         assert grid_ctas(cfg, n, m, 132) >= 33 and grid_ctas(cfg, n, m, 132) <= 64, (n, m, k, cfg)
     moves = _step_moves("mid_grid", range(256, 4353, 256), (512, 1024, 1280, 1536, 2048, 4096),
-                        (8, 16, 24, 48, 64, 128, 256, 512, 1024))
+                        (8, 16, 24, 48, 64, 128, 256, 512, 1024), off=("narrow_split",))
     for n, m, k, before, after in moves:
         assert 16 < n <= 512 and grid_ctas(before, n, m, 132) < 33, (n, m, k)
         assert after.kc > 1 and grid_ctas(before, n, m, 132) < grid_ctas(after, n, m, 132) <= 132, (n, m, k)

@@ -441,9 +441,9 @@ def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
     blocks given way to its twin of one block and one tile of x (``one_x_twin``), with ``whole_k`` a K split of
     ``WHOLE_K_BN`` rows of x over 2 CTAs in one wave given way to the pick with K whole (``split_wide_x``), with
     ``one_block_split`` a ping-pong tile of one block and 64 rows of x, one a CTA, given way to its K split over 2
-    on twice the rows of x and as many CTAs (``one_block_split_of``), with ``narrow_split`` one of 16-32 rows of x
-    given way to a K split over 2 of 16-32 rows (``narrow_split_of``), with ``mid_grid`` a grid under a quarter of
-    the SMs past n = 16 given way to a K split of more CTAs (``mid_grid_split``), then, with ``small_grids``,
+    on twice the rows of x and as many CTAs (``one_block_split_of``), with ``mid_grid`` a grid under a quarter of the
+    SMs past n = 16 given way to a K split of more CTAs (``mid_grid_split``), with ``narrow_split`` one of 16-32 rows
+    of x given way to a K split over 2 of 16-32 rows (``narrow_split_of``), then, with ``small_grids``,
     ``small_grid_split``.  Also how tools/fit_ws_rule.py picks among a table's tiles."""
     cfg = rule_pick(space, n, m, k, sms, w, gpu)
     if cfg.kc == 3:
@@ -459,10 +459,10 @@ def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
         cfg = rule_pick(whole, n, m, k, sms, w, gpu) if whole else cfg
     if one_block_split:
         cfg = one_block_split_of(cfg, space, n, m, k, sms)
+    if mid_grid:  # before narrow_split_of: where both would move a pick, the mid-grid split ran faster (0074)
+        cfg = mid_grid_split(cfg, space, n, m, k, sms, w, gpu)
     if narrow_split:
         cfg = narrow_split_of(cfg, space, n, m, k, sms, w, gpu)
-    if mid_grid:
-        cfg = mid_grid_split(cfg, space, n, m, k, sms, w, gpu)
     return small_grid_split(cfg, n, m, k, sms, w, gpu) if small_grids else cfg
 
 
@@ -585,6 +585,9 @@ def narrow_split_of(cfg: WsConfig, space, n: int, m: int, k: int, sms: int, w: R
 # splits-h200.json, -generic-h200.json; docs/design/0074): the pick took 1.00-1.30x the split's time on all 36
 # problems (256-2048 rows, K 512-1536, n = 24-512; median 1.15x), eagerly 1.01-1.13x.  Under half the SMs instead it
 # also moved grids of 64 CTAs onto splits of 128, which ran up to 1.42x slower (-half-h200.json): the share stays.
+# It comes before narrow_split_of: where that step would take the lone grid first, this split ran 1.07-1.12x faster
+# on 10 of 14 and even on 4 (2048 rows; sparse24-rule-ab-narrow-over-mid-grid-h200.json), and where this one moved
+# the narrow split's grid again, 1.08-1.18x faster on 13 of 13 (-mid-grid-after-narrow-h200.json).
 MID_GRID_MAX_N = 512
 
 
