@@ -98,7 +98,7 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
                pp_ties: bool = False, plain_ties: bool = False, pp_wide_x_ties: bool = False,
                split_wide_x: bool = False, whole_k_min_x_tiles: int | None = None,
                no_one_block_split: bool = False, unicast_ties: bool = False, no_narrow_splits: bool = False,
-               no_mid_grid_splits: bool = False, gpu=None):
+               no_mid_grid_splits: bool = False, other_set: dict | None = None, gpu=None):
     """``ws_config``'s tile had it ``MULTICAST_MIN_WAVES = waves`` and weights ``w`` (its cache neither read nor
     written); with ``even_split``, among K splits that divide K's steps alone, as the rule was before uneven slices
     (docs/design/0058); with ``wide_split_only``, as it was before the small-n K splits joined the cost
@@ -118,10 +118,14 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
     tile of 16-32 rows of x where this rule takes a narrow K split over 2 (``narrow_split_of``, before 0073; timed as
     a candidate at 9c9745f); with ``no_mid_grid_splits``, keeping a pick whose grid runs under a quarter of the SMs
     past n = 16 where this rule takes a K split of more CTAs (``mid_grid_split``, before 0074; timed as a candidate
-    at 15d0309 and 0ab73e2).  Each other step of the rule as it is, on the GPU facts ``gpu`` (None: the model's)."""
+    at 15d0309 and 0ab73e2); with ``other_set``, ``sparse24_ws_rule``'s constants so (name -> value).  Each other
+    step of the rule as it is, on the GPU facts ``gpu`` (None: the model's)."""
     present = (sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC, sparse24_ws_rule.PP_TIE_WIDE_X,
                sparse24_ws_rule.WHOLE_K_MIN_X_TILES, sparse24_ws_rule._MCAST_TIE_MIN_BN)
     sparse24_ws_rule.MULTICAST_MIN_WAVES = waves
+    kept = {name: getattr(sparse24_ws_rule, name) for name in other_set or {}}
+    for name, value in (other_set or {}).items():
+        setattr(sparse24_ws_rule, name, value)
     if unicast_ties:
         sparse24_ws_rule._MCAST_TIE_MIN_BN = 1 << 30
     if whole_k_min_x_tiles is not None:
@@ -158,6 +162,8 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
             cfg = with_push(_deepest(cfg.bn, cfg.wm, cfg.cm, cfg.kc, cfg.sk, cfg.pp), n, m, sms, gpu)
         return cfg
     finally:
+        for name, value in kept.items():
+            setattr(sparse24_ws_rule, name, value)
         (sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC, sparse24_ws_rule.PP_TIE_WIDE_X,
          sparse24_ws_rule.WHOLE_K_MIN_X_TILES, sparse24_ws_rule._MCAST_TIE_MIN_BN) = present
 
@@ -167,16 +173,17 @@ def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_
           no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False, pp_ties: bool = False,
           plain_ties: bool = False, pp_wide_x_ties: bool = False, split_wide_x: bool = False,
           whole_k_min_x_tiles: int | None = None, no_one_block_split: bool = False, unicast_ties: bool = False,
-          no_narrow_splits: bool = False, no_mid_grid_splits: bool = False, gpu=None) -> list[tuple[int, int, int]]:
+          no_narrow_splits: bool = False, no_mid_grid_splits: bool = False, other_set: dict | None = None,
+          gpu=None) -> list[tuple[int, int, int]]:
     """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w``,
     ``even_split``, ``wide_split_only``, ``no_split3``, ``no_small_grid``, ``no_deep_ring``, ``no_wide_splits``,
     ``no_one_x``, ``pp_ties``, ``plain_ties``, ``pp_wide_x_ties``, ``split_wide_x``, ``whole_k_min_x_tiles``,
-    ``no_one_block_split``, ``unicast_ties``, ``no_narrow_splits`` and ``no_mid_grid_splits``."""
+    ``no_one_block_split``, ``unicast_ties``, ``no_narrow_splits``, ``no_mid_grid_splits`` and ``other_set``."""
     def other(n, m, k):
         return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only, no_split3, no_small_grid,
                           no_deep_ring, no_wide_splits, no_one_x, pp_ties, plain_ties, pp_wide_x_ties, split_wide_x,
                           whole_k_min_x_tiles, no_one_block_split, unicast_ties, no_narrow_splits,
-                          no_mid_grid_splits, gpu)
+                          no_mid_grid_splits, other_set, gpu)
 
     return [move[:3] for move in moved_picks(shapes, batch, other, sms, gpu)]
 
@@ -233,26 +240,32 @@ OTHER_RULES = (
 )
 
 
-def set_constants(assignments: list[str]) -> dict[str, str]:
-    """Sets ``sparse24_ws_rule``'s upper-case constants from ``NAME=VALUE`` (an int, a float, or for a range
-    ``LO-HI``, HI included) and clears ``ws_config``'s cache; returns what was set, as given."""
-    done = {}
+def parse_constants(assignments: list[str], flag: str) -> dict[str, object]:
+    """``sparse24_ws_rule``'s upper-case constants from ``NAME=VALUE`` (an int, a float, or for a range ``LO-HI``,
+    HI included), each as its present value's type; ``flag`` names the option in what a bad one is told."""
+    out = {}
     for item in assignments:
         name, _, value = item.partition("=")
         present = getattr(sparse24_ws_rule, name, None)
         if not name.isupper() or not isinstance(present, (int, float, range)) or not value:
-            raise ValueError(f"--here-set takes NAME=VALUE for an int, float or range constant of sparse24_ws_rule, "
+            raise ValueError(f"{flag} takes NAME=VALUE for an int, float or range constant of sparse24_ws_rule, "
                              f"not {item!r}")
         try:
             lo, _, hi = value.partition("-")
-            new = range(int(lo), int(hi) + 1) if isinstance(present, range) else type(present)(value)
+            out[name] = range(int(lo), int(hi) + 1) if isinstance(present, range) else type(present)(value)
         except ValueError:
-            raise ValueError(f"--here-set {item!r}: {name} is {present!r}; give "
+            raise ValueError(f"{flag} {item!r}: {name} is {present!r}; give "
                              f"{'LO-HI' if isinstance(present, range) else type(present).__name__}") from None
-        setattr(sparse24_ws_rule, name, new)
-        done[name] = value
+    return out
+
+
+def set_constants(assignments: list[str]) -> dict[str, str]:
+    """Sets ``sparse24_ws_rule``'s constants from ``NAME=VALUE`` (``parse_constants``) for this rule and clears
+    ``ws_config``'s cache; returns what was set, as given."""
+    for name, value in parse_constants(assignments, "--here-set").items():
+        setattr(sparse24_ws_rule, name, value)
     ws_config.cache_clear()
-    return done
+    return dict(item.partition("=")[::2] for item in assignments)
 
 
 def main() -> int:
@@ -265,6 +278,8 @@ def main() -> int:
     ap.add_argument("--here-set", nargs="+", default=[], metavar="NAME=VALUE",
                     help="this rule with its module's constants so (sparse24_ws_rule: NARROW_SPLIT_MAX_N=256, a range "
                          "as NARROW_SPLIT_K=512-1536): to time a step past its bounds against the rule without it")
+    ap.add_argument("--other-set", nargs="+", default=[], metavar="NAME=VALUE",
+                    help="the other rule with sparse24_ws_rule's constants so (as --here-set takes them)")
     ap.add_argument("--weights", nargs="+", default=[], metavar="FIELD=VALUE",
                     help="the other rule's cost weights (RuleWeights), the rest as they are")
     for flag, _, what, _ in OTHER_RULES:
@@ -286,13 +301,17 @@ def main() -> int:
     dests = [(flag[2:].replace("-", "_"), key) for flag, key, _, _ in OTHER_RULES]
     chosen = {dest: getattr(a, dest) for dest, _ in dests}  # by argparse's names: the results file's keys
     flags = {key: chosen[dest] for dest, key in dests} | {"whole_k_min_x_tiles": a.whole_k_min_x_tiles}
+    try:
+        flags["other_set"] = parse_constants(a.other_set, "--other-set")
+    except ValueError as e:
+        ap.error(str(e))
     other_rule = (a.multicast_min_waves is not None or a.whole_k_min_x_tiles is not None or a.weights
-                  or any(chosen.values()))
+                  or a.other_set or any(chosen.values()))
     if a.plain_ties and (a.pp_ties or a.pp_wide_x_ties):
         ap.error(f"--plain-ties and {'--pp-ties' if a.pp_ties else '--pp-wide-x-ties'} give the same ties to "
                  f"opposite tiles: give one of them")
     if bool(other_rule) == (a.table_misses is not None):
-        ap.error(f"give the other rule (--multicast-min-waves, --whole-k-min-x-tiles, --weights, "
+        ap.error(f"give the other rule (--multicast-min-waves, --whole-k-min-x-tiles, --weights, --other-set, "
                  f"{', '.join(flag for flag, *_ in OTHER_RULES)} or more of them) or --table-misses, not both")
     try:
         shapes = SHAPE_SETS[a.shape_set]() if a.shapes is None else [tuple(map(int, s.split("x"))) for s in a.shapes]
@@ -314,7 +333,8 @@ def main() -> int:
         problems = moved(shapes, a.batch, sms, waves, other_w, **flags, gpu=gpu)
         others = {p: other_pick(*p, sms, waves, other_w, **flags, gpu=gpu) for p in problems}
         said = "".join(f" and {words}" for _, key, _, words in OTHER_RULES if flags[key]) + (
-            "" if a.whole_k_min_x_tiles is None else f" and K whole from {a.whole_k_min_x_tiles} tiles of x")
+            "" if a.whole_k_min_x_tiles is None else f" and K whole from {a.whole_k_min_x_tiles} tiles of x") + (
+            "" if not a.other_set else f" and {' '.join(a.other_set)}")
         print(f"{len(problems)} problems where the rule with x multicast past {waves:g} waves (now "
               f"{sparse24_ws_rule.MULTICAST_MIN_WAVES}), {other_w}{said} picks another tile", flush=True)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -325,7 +345,7 @@ def main() -> int:
                       here={"multicast_min_waves": sparse24_ws_rule.MULTICAST_MIN_WAVES, "set": here_set,
                             "weights": dataclasses.asdict(WEIGHTS)},
                       other={"multicast_min_waves": waves, "weights": dataclasses.asdict(other_w), **chosen,
-                             "whole_k_min_x_tiles": a.whole_k_min_x_tiles},
+                             "whole_k_min_x_tiles": a.whole_k_min_x_tiles, "set": a.other_set},
                       shape_set=a.shape_set if a.shapes is None else "given", shapes=a.shapes,
                       table_misses=a.table_misses, min_gain=a.min_gain, rounds=a.rounds, rep=a.rep, eager=a.eager)
 

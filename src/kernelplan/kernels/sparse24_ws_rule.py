@@ -421,9 +421,10 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
     split over 2 on as many CTAs (``one_block_split_of``, 0073), one of 16-32 rows of x past n = 16 given way to a K
     split over 2 (``narrow_split_of``, 0073, 0074), a grid under a quarter of the SMs past n = 16 given way to a K
     split of more CTAs (``mid_grid_split``, 0074), one at n <= 16 to a small-n split (``small_grid_split``, 0064),
-    its ring deepened where the grid holds too few bytes in flight at n <= 16 (``with_ring``, 0066), with its K slices pushing their sums where that pays.  ``gated``: among the tiles a gated
-    epilogue runs on (``gated_tile``), none of them small-n splits, deeper rings or 192-row K splits (none was timed
-    gated), nor tiles of one block (no twins), and K splits of 256 rows of x kept.
+    its ring deepened where the grid holds too few bytes in flight at n <= 16 (``with_ring``, 0066), with its K
+    slices pushing their sums where that pays.  ``gated``: among the tiles a gated epilogue runs on (``gated_tile``),
+    none of them small-n splits, deeper rings or 192-row K splits (none was timed gated), nor tiles of one block (no
+    twins), and K splits of 256 rows of x and grids under a quarter of the SMs past n = 16 kept.
     ``gpu``: the GPU's cluster slots, which waves are counted by, and its DRAM bandwidth (``WsKernel.config`` passes
     the driver's, docs/design/0065); None, the model of a GPU of ``sms`` SMs (``GpuFacts.model``)."""
     if gpu is not None and gpu.sms != sms:  # the waves would count one GPU's SMs and another's cluster slots
@@ -589,6 +590,7 @@ def narrow_split_of(cfg: WsConfig, space, n: int, m: int, k: int, sms: int, w: R
 # on 10 of 14 and even on 4 (2048 rows; sparse24-rule-ab-narrow-over-mid-grid-h200.json), and where this one moved
 # the narrow split's grid again, 1.08-1.18x faster on 13 of 13 (-mid-grid-after-narrow-h200.json).
 MID_GRID_MAX_N = 512
+MID_GRID_PP_SHARE = 0.25  # the share for a lone ping-pong tile of one block (K whole, one a CTA)
 
 
 def mid_grid_split(cfg: WsConfig, space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
@@ -596,7 +598,8 @@ def mid_grid_split(cfg: WsConfig, space, n: int, m: int, k: int, sms: int, w: Ru
     """``cfg``, or where its grid runs under ``SMALL_GRID_SHARE`` of the SMs at n past ``SPLIT_MAX_N`` up to
     ``MID_GRID_MAX_N``, the least-cost tile of ``space`` splitting K whose grid runs more CTAs in one wave."""
     ctas = grid_ctas(cfg, n, m, sms)
-    if not (SPLIT_MAX_N < n <= MID_GRID_MAX_N and ctas < SMALL_GRID_SHARE * sms):
+    share = MID_GRID_PP_SHARE if cfg.kc == 1 and _lone_one_block_pp(cfg, n, m, sms) else SMALL_GRID_SHARE
+    if not (SPLIT_MAX_N < n <= MID_GRID_MAX_N and ctas < share * sms):
         return cfg
     splits = [c for c in space if c.kc > 1 and ctas < grid_ctas(c, n, m, sms) <= _cluster_sms(c, sms, gpu)]
     return rule_pick(splits, n, m, k, sms, w, gpu) if splits else cfg
