@@ -596,12 +596,12 @@ def test_the_rule_ab_bench_times_the_rule_before_the_narrow_k_split():
     """bench/sparse24_rule_ab.py --no-narrow-splits (docs/design/0073): the other rule keeps the ping-pong tile of 16-32
     rows of x; the two part only where this rule takes a K split over 2 of 16-32 rows, not where the mid-grid split
     (0074, before it) took the grid first."""
-    moves = _rule_ab_moves([(1024, 1024), (1024, 2048), (4096, 4096), (2048, 1024)], batch=(16, 32, 256),
-                           no_narrow_splits=True)
-    assert list(moves) == [(32, 2048, 1024)]
-    assert moves[(32, 2048, 1024)].pp and moves[(32, 2048, 1024)].bn <= 32
-    cfg = ws_config(32, 2048, 1024, SMS)
-    assert (cfg.wm, cfg.kc, cfg.pp) == (1, 2, False) and cfg.bn <= 32
+    moves = _rule_ab_moves([(1024, 1024), (1024, 2048), (4096, 4096), (2048, 1024), (4096, 1024), (3072, 768)],
+                           batch=(16, 32, 64, 256), no_narrow_splits=True)
+    assert sorted(moves) == [(32, 3072, 768), (32, 4096, 1024), (64, 2048, 1024)]
+    for p, other in moves.items():
+        cfg = ws_config(*p, SMS)
+        assert other.pp and other.bn <= 32 and (cfg.wm, cfg.kc, cfg.pp) == (1, 2, False) and cfg.bn <= 32, p
     assert ws_config(32, 1024, 1024, SMS) == WsConfig(32, 1, 1, 4, 8)  # 32 lone ping-pong tiles: the mid-grid split
 
 

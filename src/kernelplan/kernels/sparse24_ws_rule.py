@@ -578,30 +578,36 @@ def narrow_split_of(cfg: WsConfig, space, n: int, m: int, k: int, sms: int, w: R
     return rule_pick(splits, n, m, k, sms, w, gpu) if splits else cfg
 
 
-# Past n = SPLIT_MAX_N, up to MID_GRID_MAX_N, a pick whose grid runs under SMALL_GRID_SHARE of the SMs (in the
-# sweep set none; held-out 1536-2048 x 1536 at n = 48-64, lone ping-pong tiles of one block, 24-32 CTAs) and the
-# least-cost K split of more CTAs in one wave.  tile_cost prices the split's cluster and partial sums above the SMs
-# it adds over K's few steps, as at n <= 16 (the note at SMALL_GRID_SHARE).  Timed as a candidate through the
-# sweep's path (bench/sparse24_rule_ab.py --mid-grid-splits at 15d0309 and 0ab73e2, sparse24-rule-ab-mid-grid-
-# splits-h200.json, -generic-h200.json; docs/design/0074): the pick took 1.00-1.30x the split's time on all 36
-# problems (256-2048 rows, K 512-1536, n = 24-512; median 1.15x), eagerly 1.01-1.13x.  Under half the SMs instead it
-# also moved grids of 64 CTAs onto splits of 128, which ran up to 1.42x slower (-half-h200.json): the share stays.
-# It comes before narrow_split_of: where that step would take the lone grid first, this split ran 1.07-1.12x faster
-# on 10 of 14 and even on 4 (2048 rows; sparse24-rule-ab-narrow-over-mid-grid-h200.json), and where this one moved
-# the narrow split's grid again, 1.08-1.18x faster on 13 of 13 (-mid-grid-after-narrow-h200.json).
+# Past n = SPLIT_MAX_N, up to MID_GRID_MAX_N, a pick whose grid runs under SMALL_GRID_SHARE of the SMs, or a lone
+# ping-pong tile of one block (K whole, one tile a CTA) under MID_GRID_PP_SHARE, and the least-cost K split of one
+# block without multicast whose grid runs more CTAs in one wave.  In the sweep set none; held-out 2048x1536 at n = 64
+# (32 lone ping-pong tiles).  tile_cost prices the split's cluster and partial sums above the SMs it adds over K's
+# few steps, as at n <= 16 (the note at SMALL_GRID_SHARE).  Through the sweep's path (bench/sparse24_rule_ab.py;
+# sparse24-rule-ab-mid-grid-*-h200.json, docs/design/0074), on 256-3584 rows, K 512-1536, n = 24-512:
+# * under a quarter, as a candidate of any split: the pick took 1.00-1.30x the split's time on all 36 (median 1.15x),
+#   eagerly 1.01-1.13x; 34 of those splits had one block;
+# * under half, any split: K splits of 64 CTAs moved onto splits of 128 with x multicast ran 1.10-1.42x slower
+#   (-half-), lone ping-pong tiles 1.01-1.27x faster (9 of 9): so half only for those;
+# * lone ping-pong tiles under half (-pp-half-): 1.00-1.21x faster on 22 of 24; the two slower (0.93-0.94x, 3072x1280
+#   at n = 24-32) were splits of two blocks, which the narrow split beat: so splits of one block only;
+# * before narrow_split_of: where that step would take a lone grid under a quarter first, this split ran 1.07-1.12x
+#   faster on 10 of 14 and even on 4 (-narrow-over-mid-grid-), and where this one moved the narrow split's grid
+#   again, 1.08-1.18x faster on 13 of 13 (-mid-grid-after-narrow-).
 MID_GRID_MAX_N = 512
-MID_GRID_PP_SHARE = 0.25  # the share for a lone ping-pong tile of one block (K whole, one a CTA)
+MID_GRID_PP_SHARE = 0.5
 
 
 def mid_grid_split(cfg: WsConfig, space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
                    gpu: GpuFacts | None = None) -> WsConfig:
-    """``cfg``, or where its grid runs under ``SMALL_GRID_SHARE`` of the SMs at n past ``SPLIT_MAX_N`` up to
-    ``MID_GRID_MAX_N``, the least-cost tile of ``space`` splitting K whose grid runs more CTAs in one wave."""
+    """``cfg``, or where its grid runs under ``SMALL_GRID_SHARE`` of the SMs (a lone ping-pong tile of one block,
+    under ``MID_GRID_PP_SHARE``) at n past ``SPLIT_MAX_N`` up to ``MID_GRID_MAX_N``, the least-cost tile of ``space``
+    of one block without multicast splitting K whose grid runs more CTAs in one wave."""
     ctas = grid_ctas(cfg, n, m, sms)
     share = MID_GRID_PP_SHARE if cfg.kc == 1 and _lone_one_block_pp(cfg, n, m, sms) else SMALL_GRID_SHARE
     if not (SPLIT_MAX_N < n <= MID_GRID_MAX_N and ctas < share * sms):
         return cfg
-    splits = [c for c in space if c.kc > 1 and ctas < grid_ctas(c, n, m, sms) <= _cluster_sms(c, sms, gpu)]
+    splits = [c for c in space if c.kc > 1 and c.wm == 1 and c.cm == 1
+              and ctas < grid_ctas(c, n, m, sms) <= _cluster_sms(c, sms, gpu)]
     return rule_pick(splits, n, m, k, sms, w, gpu) if splits else cfg
 
 
