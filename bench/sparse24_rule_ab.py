@@ -117,7 +117,7 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
     none given to none (``_MCAST_TIE_MIN_BN`` past every tile, 0073); with ``no_narrow_splits``, keeping a ping-pong
     tile of 16-32 rows of x where this rule takes a narrow K split over 2 (``narrow_split_of``, before 0073; timed as
     a candidate at 9c9745f); with ``no_mid_grid_splits``, keeping a pick whose grid runs under a quarter of the SMs
-    past n = 16 where this rule takes a K split of more CTAs (``mid_grid_split``, before 0074; timed as a candidate
+    (a lone ping-pong tile, half) past n = 16 where this rule takes a K split of more CTAs (``mid_grid_split``, before 0074; timed as a candidate
     at 15d0309 and 0ab73e2); with ``other_set``, ``sparse24_ws_rule``'s constants so (name -> value).  Each other
     step of the rule as it is, on the GPU facts ``gpu`` (None: the model's)."""
     present = (sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC, sparse24_ws_rule.PP_TIE_WIDE_X,
@@ -225,8 +225,9 @@ OTHER_RULES = (
      "(docs/design/0073)", "multicast ties to none"),
     ("--no-narrow-splits", "no_narrow_splits", "keeps a ping-pong tile of one block and 16-32 rows of x, one a CTA, "
      "where this one takes a K split over 2 of 16-32 rows (before docs/design/0073)", "no narrow K splits"),
-    ("--no-mid-grid-splits", "no_mid_grid_splits", "keeps a grid under a quarter of the SMs past n = 16 where this one "
-     "takes a K split of more CTAs in one wave (before docs/design/0074)", "no mid-n small-grid K splits"),
+    ("--no-mid-grid-splits", "no_mid_grid_splits", "keeps a grid under a quarter of the SMs (a lone ping-pong tile, "
+     "half) past n = 16 where this one takes a K split of more CTAs in one wave (before docs/design/0074)",
+     "no mid-n small-grid K splits"),
     ("--no-one-x", "no_one_x", "keeps a K split of two 64-row blocks of W where this one takes its twin of one block "
      "and one tile of x (before docs/design/0068)", "no one-x twins"),
     ("--pp-ties", "pp_ties", "gives every tie between a ping-pong tile and the same tile one a CTA to the ping-pong "
