@@ -117,9 +117,9 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
     none given to none (``_MCAST_TIE_MIN_BN`` past every tile, 0073); with ``no_narrow_splits``, keeping a ping-pong
     tile of 16-32 rows of x where this rule takes a narrow K split over 2 (``narrow_split_of``, before 0073; timed as
     a candidate at 9c9745f); with ``no_mid_grid_splits``, keeping a pick whose grid runs under a quarter of the SMs
-    (a lone ping-pong tile, half) past n = 16 where this rule takes a K split of more CTAs (``mid_grid_split``, before 0074; timed as a candidate
-    at 15d0309 and 0ab73e2); with ``other_set``, ``sparse24_ws_rule``'s constants so (name -> value).  Each other
-    step of the rule as it is, on the GPU facts ``gpu`` (None: the model's)."""
+    (a lone ping-pong tile, half) past n = 16 where this rule takes a K split of more CTAs (``mid_grid_split``,
+    before 0074; timed as a candidate at 15d0309 and 0ab73e2); with ``other_set``, ``sparse24_ws_rule``'s constants
+    so (name -> value).  Each other step of the rule as it is, on the GPU facts ``gpu`` (None: the model's)."""
     present = (sparse24_ws_rule.MULTICAST_MIN_WAVES, sparse24_ws_rule.PP_TIE_MAX_ACC, sparse24_ws_rule.PP_TIE_WIDE_X,
                sparse24_ws_rule.WHOLE_K_MIN_X_TILES, sparse24_ws_rule._MCAST_TIE_MIN_BN)
     sparse24_ws_rule.MULTICAST_MIN_WAVES = waves
