@@ -168,22 +168,12 @@ def other_pick(n: int, m: int, k: int, sms: int, waves: float, w: RuleWeights = 
          sparse24_ws_rule.WHOLE_K_MIN_X_TILES, sparse24_ws_rule._MCAST_TIE_MIN_BN) = present
 
 
-def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, even_split: bool = False,
-          wide_split_only: bool = False, no_split3: bool = False, no_small_grid: bool = False,
-          no_deep_ring: bool = False, no_wide_splits: bool = False, no_one_x: bool = False, pp_ties: bool = False,
-          plain_ties: bool = False, pp_wide_x_ties: bool = False, split_wide_x: bool = False,
-          whole_k_min_x_tiles: int | None = None, no_one_block_split: bool = False, unicast_ties: bool = False,
-          no_narrow_splits: bool = False, no_mid_grid_splits: bool = False, other_set: dict | None = None,
-          gpu=None) -> list[tuple[int, int, int]]:
-    """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w``,
-    ``even_split``, ``wide_split_only``, ``no_split3``, ``no_small_grid``, ``no_deep_ring``, ``no_wide_splits``,
-    ``no_one_x``, ``pp_ties``, ``plain_ties``, ``pp_wide_x_ties``, ``split_wide_x``, ``whole_k_min_x_tiles``,
-    ``no_one_block_split``, ``unicast_ties``, ``no_narrow_splits``, ``no_mid_grid_splits`` and ``other_set``."""
+def moved(shapes, batch, sms: int, waves: float, w: RuleWeights = WEIGHTS, gpu=None,
+          **other_rule) -> list[tuple[int, int, int]]:
+    """(n, M, K) where cuda_ws runs and the rule's tile is not the one it would pick with ``waves``, ``w`` and
+    ``other_rule`` (``other_pick``'s keywords)."""
     def other(n, m, k):
-        return other_pick(n, m, k, sms, waves, w, even_split, wide_split_only, no_split3, no_small_grid,
-                          no_deep_ring, no_wide_splits, no_one_x, pp_ties, plain_ties, pp_wide_x_ties, split_wide_x,
-                          whole_k_min_x_tiles, no_one_block_split, unicast_ties, no_narrow_splits,
-                          no_mid_grid_splits, other_set, gpu)
+        return other_pick(n, m, k, sms, waves, w, gpu=gpu, **other_rule)
 
     return [move[:3] for move in moved_picks(shapes, batch, other, sms, gpu)]
 

@@ -263,7 +263,7 @@ def test_the_rule_ab_bench_times_uneven_k_splits_against_the_rule_before_them(mo
     assert sparse24_rule_ab.other_pick(32, 1600, 1600, SMS, waves, even_split=True) == \
         WsConfig(bn=32, wm=1, cm=1, kc=1, stages=8, pp=True)  # the pick at 51935dc
     shapes = [(1024, 2880), (4096, 4096), (2048, 1600)]
-    got = sparse24_rule_ab.moved(shapes, [1, 8, 16, 32, 64, 128], SMS, waves, WEIGHTS, True)
+    got = sparse24_rule_ab.moved(shapes, [1, 8, 16, 32, 64, 128], SMS, waves, WEIGHTS, even_split=True)
     # 25 steps at n <= 32: the K splits over 4 CTAs (at n <= 16 of 32 rows of x, docs/design/0061), at n = 64 over 2
     # (a grid of 32 CTAs split, 0074) and at n = 128 over 2 (the one-block K split, 0073); 64 steps at n <= 16: the
     # split over 3 (0063)
@@ -272,7 +272,7 @@ def test_the_rule_ab_bench_times_uneven_k_splits_against_the_rule_before_them(mo
     for n, m, k in got:
         other = sparse24_rule_ab.other_pick(n, m, k, SMS, waves, WEIGHTS, True)
         assert (k // 64) % other.kc == 0 and (k // 64) % ws_config(n, m, k, SMS).kc
-    assert sparse24_rule_ab.moved(shapes, [1, 8, 16, 32, 64, 128], SMS, waves, WEIGHTS, False) == []
+    assert sparse24_rule_ab.moved(shapes, [1, 8, 16, 32, 64, 128], SMS, waves, WEIGHTS, even_split=False) == []
     with pytest.raises(SystemExit) as bad:  # before any CUDA
         with monkeypatch.context() as mp:
             mp.setattr(sys, "argv", ["sparse24_rule_ab.py", "--even-k-split", "--shapes", "2048,1600"])
