@@ -464,7 +464,7 @@ def test_a_lone_narrow_ping_pong_tile_past_n_16_gives_way_to_a_narrow_k_split_ov
     """docs/design/0073, 0074: past n = 16, a ping-pong tile of one block and 16-32 rows of x, one a CTA in one wave,
     with K of 576-1728 and n up to 512 gives way to the least-cost tile of one block and 16-32 rows of x splitting K
     over 2 in one wave (the ping-pong tile 1.05-1.17x the split's time on 41 problems with K of 768-1024 and n up to
-    128, then 1.02-1.18x on 32 of 33 past those bounds).  With K of 512 (0.97-1.02x) and n <= 16 the picks stay."""
+    128, then 1.02-1.18x on 42 of 43 past those bounds).  With K of 512 (0.97-1.02x) and n <= 16 the picks stay."""
     from kernelplan.kernels.sparse24_ws_rule import NARROW_SPLIT_K, NARROW_SPLIT_MAX_N, grid_ctas
 
     assert (NARROW_SPLIT_K.start, NARROW_SPLIT_K.stop - 1, NARROW_SPLIT_MAX_N) == (576, 1728, 512)

@@ -418,9 +418,10 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
     tile of x is as wide as the pick's without it (0067), a K split of two blocks of W given way to its twin of one
     block and one tile of x (``one_x_twin``, 0068), a K split of 256 rows of x over 2 CTAs in one wave given way to
     the pick with K whole (``split_wide_x``, 0072, 0073), a ping-pong tile of one block one a CTA given way to its K
-    split over 2 on as many CTAs (``one_block_split_of``, 0073), one of 16-32 rows of x past n = 16 given way to a K
-    split over 2 (``narrow_split_of``, 0073, 0074), a grid under a quarter of the SMs past n = 16 given way to a K
-    split of more CTAs (``mid_grid_split``, 0074), one at n <= 16 to a small-n split (``small_grid_split``, 0064),
+    split over 2 on as many CTAs (``one_block_split_of``, 0073), a grid under a quarter of the SMs past n = 16 (a
+    lone ping-pong tile, half) given way to a K split of more CTAs (``mid_grid_split``, 0074), one of 16-32 rows of x
+    past n = 16 to a K split over 2 (``narrow_split_of``, 0073, 0074), one at n <= 16 to a small-n split
+    (``small_grid_split``, 0064),
     its ring deepened where the grid holds too few bytes in flight at n <= 16 (``with_ring``, 0066), with its K
     slices pushing their sums where that pays.  ``gated``: among the tiles a gated epilogue runs on (``gated_tile``),
     none of them small-n splits, deeper rings or 192-row K splits (none was timed gated), nor tiles of one block (no
@@ -443,9 +444,9 @@ def pick_from(space, n: int, m: int, k: int, sms: int, w: RuleWeights = WEIGHTS,
     ``WHOLE_K_BN`` rows of x over 2 CTAs in one wave given way to the pick with K whole (``split_wide_x``), with
     ``one_block_split`` a ping-pong tile of one block and 64 rows of x, one a CTA, given way to its K split over 2
     on twice the rows of x and as many CTAs (``one_block_split_of``), with ``mid_grid`` a grid under a quarter of the
-    SMs past n = 16 given way to a K split of more CTAs (``mid_grid_split``), with ``narrow_split`` one of 16-32 rows
-    of x given way to a K split over 2 of 16-32 rows (``narrow_split_of``), then, with ``small_grids``,
-    ``small_grid_split``.  Also how tools/fit_ws_rule.py picks among a table's tiles."""
+    SMs past n = 16 (a lone ping-pong tile, half) given way to a K split of more CTAs (``mid_grid_split``), with
+    ``narrow_split`` one of 16-32 rows of x given way to a K split over 2 of 16-32 rows (``narrow_split_of``), then,
+    with ``small_grids``, ``small_grid_split``.  Also how tools/fit_ws_rule.py picks among a table's tiles."""
     cfg = rule_pick(space, n, m, k, sms, w, gpu)
     if cfg.kc == 3:
         rest = rule_pick([c for c in space if c.kc != 3], n, m, k, sms, w, gpu)
@@ -558,7 +559,7 @@ def one_block_split_of(cfg: WsConfig, space, n: int, m: int, k: int, sms: int) -
 # chain, where the ping-pong tile's second consumer warpgroup has no tile.  Through the sweep's path (bench/
 # sparse24_rule_ab.py; docs/design/0073, 0074) the ping-pong tile took 1.05-1.17x the split's time on all 41 problems
 # first timed (sweep set, held-out models, generic: K 768-1024, n = 24-128; sparse24-rule-ab-narrow-splits-*h200.json),
-# and past those bounds (-past-k-, -past-n-, -wide-k-generic-, -wide-n-generic-h200.json) 1.02-1.18x on 32 of 33
+# and past those bounds (-past-k-, -past-n-, -wide-k-generic-, -wide-n-generic-h200.json) 1.02-1.18x on 42 of 43
 # with K of 576-1600 and n up to 512 (one even: 0.997x, 1024x576 at n = 128); with K of 512 0.97-1.02x on 7, where it
 # stays.  On a generic grid (256-8192 rows, K 512-4096 in 64-column steps, n = 24-512) the class ends at K = 1728,
 # and past n = 256 it is weights of 256 rows alone.
