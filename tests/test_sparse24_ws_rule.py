@@ -104,6 +104,10 @@ def test_tile_rule_fits_every_sweep_shape_and_batch(sms):
        k=st.integers(1, 1024).map(lambda v: 64 * v), sms=st.sampled_from([78, 114, 132]), gated=st.booleans())
 @example(n=113, m=544, k=2240, sms=78, gated=False)  # a one-x twin (docs/design/0068), found by this test in CI
 @example(n=4993, m=32, k=4224, sms=78, gated=False)  # a K split of 256 rows of x in one wave (0072), found in CI
+@example(n=64, m=2048, k=1536, sms=132, gated=False)  # a lone grid under a quarter of the SMs: mid-grid (0074)
+@example(n=384, m=512, k=1280, sms=132, gated=False)  # a lone ping-pong tile under half: the mid-grid split (0074)
+@example(n=24, m=3072, k=1280, sms=132, gated=False)  # under half, whose split of one block is the narrow one (0074)
+@example(n=256, m=512, k=1024, sms=132, gated=False)  # the narrow split past n = 128 (0074)
 def test_the_rule_multicasts_x_without_a_k_split_only_past_two_waves(n, m, k, sms, gated):
     """Any shape (docs/design/0054): the pick is a tile of the rule's space, multicasts x without splitting K only in
     a grid of more than MULTICAST_MIN_WAVES waves, and is otherwise the least-cost tile itself (a K split over 3 only on
