@@ -232,21 +232,26 @@ OTHER_RULES = (
 
 
 def parse_constants(assignments: list[str], flag: str) -> dict[str, object]:
-    """``sparse24_ws_rule``'s upper-case constants from ``NAME=VALUE`` (an int, a float, or for a range ``LO-HI``,
-    HI included), each as its present value's type; ``flag`` names the option in what a bad one is told."""
+    """``sparse24_ws_rule``'s upper-case constants from ``NAME=VALUE`` (an int, a float, True or False, or for a
+    range ``LO-HI``, HI included), each as its present value's type; ``flag`` names the option in what a bad one is
+    told."""
     out = {}
     for item in assignments:
         name, _, value = item.partition("=")
         present = getattr(sparse24_ws_rule, name, None)
         if not name.isupper() or not isinstance(present, (int, float, range)) or not value:
-            raise ValueError(f"{flag} takes NAME=VALUE for an int, float or range constant of sparse24_ws_rule, "
+            raise ValueError(f"{flag} takes NAME=VALUE for an int, float, bool or range constant of sparse24_ws_rule, "
                              f"not {item!r}")
+        kind = "LO-HI" if isinstance(present, range) else "True or False" if isinstance(present, bool) else \
+            type(present).__name__
         try:
-            lo, _, hi = value.partition("-")
-            out[name] = range(int(lo), int(hi) + 1) if isinstance(present, range) else type(present)(value)
-        except ValueError:
-            raise ValueError(f"{flag} {item!r}: {name} is {present!r}; give "
-                             f"{'LO-HI' if isinstance(present, range) else type(present).__name__}") from None
+            if isinstance(present, bool):  # bool("False") is True: the words alone
+                out[name] = {"True": True, "False": False}[value]
+            else:
+                lo, _, hi = value.partition("-")
+                out[name] = range(int(lo), int(hi) + 1) if isinstance(present, range) else type(present)(value)
+        except (KeyError, ValueError):
+            raise ValueError(f"{flag} {item!r}: {name} is {present!r}; give {kind}") from None
     return out
 
 

@@ -620,8 +620,8 @@ def test_the_rule_ab_bench_times_the_rule_before_the_mid_grid_k_split():
 
 
 def test_the_rule_ab_bench_sets_this_rules_constants_by_name():
-    """bench/sparse24_rule_ab.py --here-set: int, float and range constants of sparse24_ws_rule, a range as LO-HI
-    (HI included); anything else refused with what it takes."""
+    """bench/sparse24_rule_ab.py --here-set and --other-set: int, float, bool and range constants of sparse24_ws_rule,
+    a bool as True or False, a range as LO-HI (HI included); anything else refused with what it takes."""
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
     import sparse24_rule_ab
     from kernelplan.kernels import sparse24_ws_rule
@@ -633,11 +633,14 @@ def test_the_rule_ab_bench_sets_this_rules_constants_by_name():
         assert got == {"NARROW_SPLIT_K": "512-2048", "NARROW_SPLIT_MAX_N": "1024", "SMALL_GRID_SHARE": "0.5"}
         assert sparse24_ws_rule.NARROW_SPLIT_K == range(512, 2049) and sparse24_ws_rule.NARROW_SPLIT_MAX_N == 1024
         assert sparse24_ws_rule.SMALL_GRID_SHARE == 0.5
-        for bad, says in (("WEIGHTS=1", "int, float or range"), ("narrow_split_k=1", "int, float or range"),
+        for bad, says in (("WEIGHTS=1", "int, float, bool or range"), ("narrow_split_k=1", "int, float, bool or"),
                           ("NARROW_SPLIT_K=600", "give LO-HI"), ("NARROW_SPLIT_MAX_N=1.5", "give int"),
-                          ("NARROW_SPLIT_MAX_N=", "int, float or range")):
+                          ("NARROW_SPLIT_MAX_N=", "int, float, bool or range"),
+                          ("PP_TIE_WIDE_X=0", "give True or False")):
             with pytest.raises(ValueError, match=says):
                 sparse24_rule_ab.set_constants([bad])
+        assert sparse24_rule_ab.parse_constants(["PP_TIE_WIDE_X=False"], "--other-set") == {"PP_TIE_WIDE_X": False}
+        assert sparse24_rule_ab.parse_constants(["PP_TIE_WIDE_X=True"], "--other-set") == {"PP_TIE_WIDE_X": True}
     finally:
         (sparse24_ws_rule.NARROW_SPLIT_K, sparse24_ws_rule.NARROW_SPLIT_MAX_N,
          sparse24_ws_rule.SMALL_GRID_SHARE) = present
@@ -652,3 +655,16 @@ def test_the_rule_ab_bench_times_the_rule_with_k_splits_of_256_rows_of_x_in_one_
     assert list(moves) == [(1024, 2048, 8192)]
     assert moves[(1024, 2048, 8192)] == WsConfig(256, 2, 1, 2, 5)
     assert ws_config(1024, 2048, 8192, SMS) == WsConfig(128, 2, 1, 1, 8)
+
+
+def test_the_rule_ab_bench_times_another_value_of_a_constant_and_restores_it():
+    """bench/sparse24_rule_ab.py --other-set (docs/design/0074): the other rule with the mid-grid split's share for
+    lone ping-pong tiles at a quarter, as timed; the module's value is back after each pick."""
+    from kernelplan.kernels import sparse24_ws_rule
+
+    moves = _rule_ab_moves([(512, 1280), (4096, 4096)], batch=(16, 384, 1024),
+                           other_set={"MID_GRID_PP_SHARE": 0.25})
+    assert list(moves) == [(384, 512, 1280)]
+    cfg = ws_config(384, 512, 1280, SMS)
+    assert moves[(384, 512, 1280)].pp and cfg.kc == 2 and not cfg.pp
+    assert sparse24_ws_rule.MID_GRID_PP_SHARE == 0.5
