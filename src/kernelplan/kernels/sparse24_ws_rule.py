@@ -421,11 +421,11 @@ def ws_config(n: int, m: int, k: int, sms: int, gated: bool = False, w: RuleWeig
     split over 2 on as many CTAs (``one_block_split_of``, 0073), a grid under a quarter of the SMs past n = 16 (a
     lone ping-pong tile, half) given way to a K split of more CTAs (``mid_grid_split``, 0074), one of 16-32 rows of x
     past n = 16 to a K split over 2 (``narrow_split_of``, 0073, 0074), one at n <= 16 to a small-n split
-    (``small_grid_split``, 0064),
-    its ring deepened where the grid holds too few bytes in flight at n <= 16 (``with_ring``, 0066), with its K
-    slices pushing their sums where that pays.  ``gated``: among the tiles a gated epilogue runs on (``gated_tile``),
-    none of them small-n splits, deeper rings or 192-row K splits (none was timed gated), nor tiles of one block (no
-    twins), and K splits of 256 rows of x and grids under a quarter of the SMs past n = 16 kept.
+    (``small_grid_split``, 0064), its ring deepened where the grid holds too few bytes in flight at n <= 16
+    (``with_ring``, 0066), with its K slices pushing their sums where that pays.  ``gated``: among the tiles a gated
+    epilogue runs on (``gated_tile``), none of them small-n splits, deeper rings or 192-row K splits (none was timed
+    gated), nor tiles of one block (no twins), and K splits of 256 rows of x and grids under a quarter of the SMs past
+    n = 16 kept.
     ``gpu``: the GPU's cluster slots, which waves are counted by, and its DRAM bandwidth (``WsKernel.config`` passes
     the driver's, docs/design/0065); None, the model of a GPU of ``sms`` SMs (``GpuFacts.model``)."""
     if gpu is not None and gpu.sms != sms:  # the waves would count one GPU's SMs and another's cluster slots
@@ -533,14 +533,16 @@ ONE_BLOCK_SPLIT_MIN_K = 1536
 
 def _lone_one_block_pp(cfg: WsConfig, n: int, m: int, sms: int) -> bool:
     """Whether ``cfg`` is a ping-pong tile of one block without multicast whose grid runs one tile a CTA in one wave
-    (its second consumer warpgroup idle): what ``one_block_split_of`` and ``narrow_split_of`` move."""
+    (its second consumer warpgroup idle): what ``one_block_split_of`` and ``narrow_split_of`` move, and what
+    ``mid_grid_split`` moves under ``MID_GRID_PP_SHARE``."""
     n_tiles, m_tiles, _ = cfg.grid(n, m)
     return cfg.pp and cfg.wm == 1 and cfg.cm == 1 and n_tiles * m_tiles <= sms
 
 
 def _one_block_k_splits(space) -> list[WsConfig]:
-    """The tiles of ``space`` of one block, without multicast, splitting K over 2 (not ping-pong, not persistent)."""
-    return [c for c in space if (c.wm, c.cm, c.kc, c.pp, c.sk) == (1, 1, 2, False, False)]
+    """The tiles of ``space`` of one block, without multicast, splitting K (not ping-pong, not persistent): what
+    ``one_block_split_of`` and ``narrow_split_of`` (over 2) and ``mid_grid_split`` (over any) move to."""
+    return [c for c in space if c.kc > 1 and (c.wm, c.cm, c.pp, c.sk) == (1, 1, False, False)]
 
 
 def one_block_split_of(cfg: WsConfig, space, n: int, m: int, k: int, sms: int) -> WsConfig:
@@ -549,7 +551,7 @@ def one_block_split_of(cfg: WsConfig, space, n: int, m: int, k: int, sms: int) -
     splitting K over 2 where it runs as many CTAs."""
     if not (cfg.bn == 64 and k >= ONE_BLOCK_SPLIT_MIN_K and _lone_one_block_pp(cfg, n, m, sms)):
         return cfg
-    split = next((c for c in _one_block_k_splits(space) if c.bn == 128), None)
+    split = next((c for c in _one_block_k_splits(space) if (c.bn, c.kc) == (128, 2)), None)
     return split if split is not None and grid_ctas(split, n, m, sms) == grid_ctas(cfg, n, m, sms) else cfg
 
 
@@ -575,7 +577,7 @@ def narrow_split_of(cfg: WsConfig, space, n: int, m: int, k: int, sms: int, w: R
     if not (cfg.bn <= 32 and SPLIT_MAX_N < n <= NARROW_SPLIT_MAX_N and k in NARROW_SPLIT_K
             and _lone_one_block_pp(cfg, n, m, sms)):
         return cfg
-    splits = [c for c in _one_block_k_splits(space) if c.bn <= 32 and grid_ctas(c, n, m, sms) <= sms]
+    splits = [c for c in _one_block_k_splits(space) if c.kc == 2 and c.bn <= 32 and grid_ctas(c, n, m, sms) <= sms]
     return rule_pick(splits, n, m, k, sms, w, gpu) if splits else cfg
 
 
@@ -607,8 +609,7 @@ def mid_grid_split(cfg: WsConfig, space, n: int, m: int, k: int, sms: int, w: Ru
     share = MID_GRID_PP_SHARE if cfg.kc == 1 and _lone_one_block_pp(cfg, n, m, sms) else SMALL_GRID_SHARE
     if not (SPLIT_MAX_N < n <= MID_GRID_MAX_N and ctas < share * sms):
         return cfg
-    splits = [c for c in space if c.kc > 1 and c.wm == 1 and c.cm == 1
-              and ctas < grid_ctas(c, n, m, sms) <= _cluster_sms(c, sms, gpu)]
+    splits = [c for c in _one_block_k_splits(space) if ctas < grid_ctas(c, n, m, sms) <= _cluster_sms(c, sms, gpu)]
     return rule_pick(splits, n, m, k, sms, w, gpu) if splits else cfg
 
 
