@@ -206,3 +206,32 @@ def test_modules_compile_fullgraph_forward_and_backward(module):
     for g, w in zip(got, [x.grad] + [p.grad for p in m.parameters()]):
         assert w.norm() > 0
         torch.testing.assert_close(g, w)
+
+
+def test_the_ops_body_runs_the_eager_fast_paths_entry_not_a_dispatch_a_call():
+    """A compiled graph (or autograd) runs the op's body on every call: it dispatches once per operands and then
+    runs the entry it kept, as an eager call does; new operands, another epilogue or an in-place change of the
+    weight are seen."""
+    from unittest import mock
+
+    from kernelplan.sparse24 import gemm
+
+    torch.manual_seed(0)
+    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(48, 64)))
+    bias = torch.randn(48)
+    op = torch.ops.kernelplan.sparse24_linear
+    x = torch.randn(5, 64)
+    with mock.patch.object(gemm, "_plan_for", wraps=gemm._plan_for) as plan_for:
+        for _ in range(3):
+            got = op(x, w24.values, w24.metadata, bias, "", "compact")
+        assert plan_for.call_count == 1
+        torch.testing.assert_close(got, x @ w24.decompress().T + bias)
+        relu = op(x, w24.values, w24.metadata, bias, "relu", "compact")
+        other = op(torch.randn(7, 64), w24.values, w24.metadata, None, "", "compact")
+        assert plan_for.call_count == 3 and other.shape == (7, 48)
+        torch.testing.assert_close(relu, torch.relu(x @ w24.decompress().T + bias))
+        with torch.no_grad():
+            w24.values.mul_(2)  # in place: the same tensors, the entry kept
+        torch.testing.assert_close(op(x, w24.values, w24.metadata, bias, "", "compact"),
+                                   x @ w24.decompress().T + bias)
+        assert plan_for.call_count == 3

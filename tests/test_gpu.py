@@ -109,6 +109,34 @@ def test_gated_compiles_with_inductor_fullgraph():
     torch.testing.assert_close(g, x.grad, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_sparse24_linear_under_inductor_matches_fp64_and_sees_in_place_weight_changes(mode):
+    """A compiled graph runs the op's body through the eager path's kept entries (sparse24/gemm.py): inductor's
+    kernels and CUDA graphs alike.  Fresh inputs each call, odd n, 3-D and non-contiguous x; after an in-place change
+    of the weight (as an optimizer step makes) the compiled call reads the new values."""
+    from kernelplan.sparse24.layout import SP_LAYOUT
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(1024, 768, device="cuda", dtype=torch.bfloat16)
+    layer = kp.nn.Sparse24Linear.from_dense(dense)
+    assert layer.layout == SP_LAYOUT
+    compiled = torch.compile(lambda t: torch.nn.functional.gelu(layer(t)), mode=mode, fullgraph=True)
+    for step, shape in enumerate([(1, 1024), (3, 37, 1024), (3, 37, 1024), (3, 37, 1024), (200, 2048)]):
+        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+        if shape[-1] == 2048:
+            x = x[:, ::2]  # K-strided
+        if step == 3:
+            with torch.no_grad():
+                layer.values.mul_(-0.5)
+        with torch.no_grad():
+            got = compiled(x).clone()  # a replay's output is overwritten by the next
+            w = layer.to_dense()
+            want = torch.nn.functional.gelu(torch.nn.functional.linear(x.double(), w.double(), layer.bias.double()))
+            base = torch.nn.functional.gelu(torch.nn.functional.linear(x, w, layer.bias))
+        assert_close(got, want, base, atol=FWD_ATOL[torch.bfloat16], what=f"call {step}, x {tuple(x.shape)}")
+
+
 # -- 2:4 linear on the GPU backends ---------------------------------------------
 
 _SPARSE_CASES = [(1, 4096, 4096, None, False, "contiguous"), (7, 1000, 512, "gelu", True, "transposed"),

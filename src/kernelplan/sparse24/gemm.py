@@ -42,10 +42,15 @@ def _sparse24_linear_impl(
     x: torch.Tensor, values: torch.Tensor, metadata: torch.Tensor, bias: Optional[torch.Tensor], activation: str,
     memory: str,
 ) -> torch.Tensor:
-    plan = _plan_for(x, values, metadata, bias, activation, memory)
-    if not _reads(plan.backend, layout_of(values)):
-        values, metadata = public_parts(values, metadata)
-    return _linear_with(plan, x, values, metadata, bias)
+    # The op's body, as a compiled graph or autograd runs it: through the same prepared entries as an eager call
+    # (a call of a compiled model took the whole dispatch each time: bench/sparse24_compiled.py).  linear_parts
+    # checked the operands, eagerly or when the graph was traced; the entry checks that they are the same tensors.
+    key = (id(values), x.shape, None if bias is None else id(bias), activation, memory,
+           x.is_cuda and stream_capturing())
+    hit = _prepared.get(key)
+    if hit is not None and hit.current(x, values, metadata, bias):
+        return hit.call(x, values, metadata, bias)
+    return _prepare(key, x, values, metadata, bias, activation, memory)
 
 
 def _reads(backend: Backend, layout: str) -> bool:
@@ -221,12 +226,7 @@ def linear_parts(x, values, metadata, bias=None, activation=None, memory="compac
         key = (id(values), x.shape, None if bias is None else id(bias), activation, memory,
                x.is_cuda and stream_capturing())
         hit = _prepared.get(key)
-        # The data pointer too: a bound call holds the weight's address, and ``values.data = ...`` (Module._apply,
-        # grouped siblings: nn/siblings.py) gives the same Parameter new storage.
-        if hit is not None and hit.values() is values and hit.ptr == values.data_ptr() and \
-                hit.metadata() is metadata and (bias is None or hit.bias() is bias) and \
-                x.dtype is hit.dtype and values.dtype is hit.dtype and x.device == hit.device and \
-                hit.generation == dispatch_generation(GemmSparse24Plan):
+        if hit is not None and hit.current(x, values, metadata, bias):
             return hit.call(x, values, metadata, bias)
     # Parts held apart (a Sparse24Weight built with _validate=False, a module's buffers) have not
     # been matched to each other: a wrong metadata shape would send kernels past its end.
@@ -248,7 +248,12 @@ def linear_parts(x, values, metadata, bias=None, activation=None, memory="compac
     memory = choice(memory, "memory", MEMORY_POLICIES)
     if not eager:
         return _sparse24_linear_op(x, values, metadata, bias, activation or "", memory)
-    plan = _plan_for(x, values, metadata, bias, activation or "", memory)
+    return _prepare(key, x, values, metadata, bias, activation or "", memory)
+
+
+def _prepare(key, x, values, metadata, bias, activation: str, memory: str) -> torch.Tensor:
+    """The first call of a fast-path ``key``: its plan dispatched, its call bound and kept (``_Entry``), and run."""
+    plan = _plan_for(x, values, metadata, bias, activation, memory)
     layout = layout_of(values)
     call = _bound(plan, layout)
     if hasattr(call, "held"):  # a kernel's call bound to the weight: as held, or the layout it derived beside it
@@ -320,6 +325,14 @@ class _Entry:
         self.ptr, self.dtype, self.device = values.data_ptr(), values.dtype, x.device
         self.generation = dispatch_generation(GemmSparse24Plan)
         self.plan, self.call = plan, call
+
+    def current(self, x, values, metadata, bias) -> bool:
+        """Whether this entry runs a call on these operands: the same tensors (the data pointer too: a bound call
+        holds the weight's address, and ``values.data = ...``, as Module._apply and grouped siblings do
+        (nn/siblings.py), gives the same Parameter new storage), dtype and device, and no dispatch change since."""
+        return self.values() is values and self.ptr == values.data_ptr() and self.metadata() is metadata and \
+            (bias is None or self.bias() is bias) and x.dtype is self.dtype and values.dtype is self.dtype and \
+            x.device == self.device and self.generation == dispatch_generation(GemmSparse24Plan)
 
 
 # linear()'s inference fast path: (id(values), x's shape, id(bias), activation, memory, capturing) -> _Entry.

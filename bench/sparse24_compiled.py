@@ -1,0 +1,129 @@
+"""``torch.compile``, dense against ``kp.sparsify``'d, in one process: what a user who compiles a model gets.
+
+Under ``torch.compile`` a 2:4 layer is one custom op in the compiled graph (``kernelplan::sparse24_linear``), called
+through the dispatcher on every step; the eager fast path's checks are traced away.  Two parts, each timed in rounds
+that alternate the variants (medians):
+
+* **layer**: a ``--size`` x ``--size`` bf16 layer at n = 1 and ``--n``, calls back to back (host-bound where the
+  kernels are short): ``nn.Linear`` and ``Sparse24Linear``, eager and ``torch.compile``'d (``--mode``), and the
+  custom op called directly.  Per call: the wall time of back-to-back calls, waited for.
+* **model**: ``bench/sparse24_model.py``'s decoder (``--model``, ``--layers``), dense and sparsified (head pruned
+  too, siblings fused, as that bench), one decode step at each ``--batch``: eager and with ``model.forward``
+  compiled (``--mode``, ``dynamic=False``; each batch compiles its own graph).  The compiled sparse model's logits
+  are checked against its eager step's first.
+
+Writes ``bench/results/sparse24-compiled-<gpu>.json``.
+
+    PYTHONPATH=src:bench KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_compiled.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+
+import torch
+import transformers
+
+import kernelplan as kp
+from kernelplan.bench import results
+from kernelplan.bench.decode import DecodeStep
+from kernelplan.timing import host_us_per_call, interleaved, wall_seconds
+from sparse24_model import ARCHITECTURES, DEFAULT, build_model
+
+
+def layer_part(size: int, ns: list[int], mode: str, rounds: int) -> list[dict]:
+    dense = torch.nn.Linear(size, size, device="cuda", dtype=torch.bfloat16)
+    sparse = kp.nn.Sparse24Linear.from_dense(dense)
+    op = torch.ops.kernelplan.sparse24_linear
+    compiled = {"nn.Linear": torch.compile(dense, mode=mode, dynamic=False),
+                "Sparse24Linear": torch.compile(sparse, mode=mode, dynamic=False)}
+    rows = []
+    for n in ns:
+        x = torch.randn(n, size, device="cuda", dtype=torch.bfloat16)
+        variants = {"nn.Linear": lambda: dense(x), "Sparse24Linear": lambda: sparse(x),
+                    "nn.Linear compiled": lambda: compiled["nn.Linear"](x),
+                    "Sparse24Linear compiled": lambda: compiled["Sparse24Linear"](x),
+                    "kernelplan::sparse24_linear": lambda: op(x, sparse.values, sparse.metadata, sparse.bias, "",
+                                                              "compact")}
+        with torch.inference_mode():
+            want = torch.nn.functional.linear(x.double(), sparse.to_dense().double(), sparse.bias.double())
+            errs = {name: float((fn().double() - want).abs().max() / want.abs().max()) for name, fn in variants.items()
+                    if "Sparse" in name or "::" in name}
+            us = interleaved({name: lambda fn=fn: host_us_per_call(fn, x.device, 1000) for name, fn in variants.items()},
+                             rounds)
+        rows.append({"part": "layer", "m": size, "k": size, "n": n, "us_per_call": us, "rel_err_vs_fp64": errs,
+                     "compiled_speedup": us["nn.Linear compiled"] / us["Sparse24Linear compiled"],
+                     "eager_speedup": us["nn.Linear"] / us["Sparse24Linear"]})
+        print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
+    return rows
+
+
+def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: int) -> list[dict]:
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        dense = build_model(name, layers).to(torch.bfloat16).eval()
+    sparse = copy.deepcopy(dense)
+    kp.sparsify(sparse, progress=False, prune_output=True)  # the head too, as bench/sparse24_model.py
+    vocab = dense.config.vocab_size
+    rows = []
+    for batch in batches:
+        prompt = torch.randint(0, vocab, (batch, 16), device="cuda")
+        max_len = 16 + 8 * (rounds + 4) * 3
+        with torch.inference_mode():
+            steps = {f"{n} eager": DecodeStep(m, prompt, max_len) for n, m in (("dense", dense), ("sparse", sparse))}
+        compiled, compile_s = {}, {}
+        for n, m in (("dense", dense), ("sparse", sparse)):
+            c = copy.copy(m)  # the same modules and weights; its own forward attribute, compiled
+            c.forward = torch.compile(m.forward, mode=mode, dynamic=False)
+            with torch.inference_mode():
+                compiled[f"{n} compiled"] = step = DecodeStep(m, prompt, max_len)  # the prefill eager: one compile
+                step.model = c
+                t0 = time.perf_counter()
+                step()  # the decode graph's compile
+                torch.cuda.synchronize()
+                compile_s[n] = time.perf_counter() - t0
+        with torch.inference_mode():
+            # One step from the same state, compiled and eager: the sparse model's compiled graph runs its kernels.
+            a, b = compiled["sparse compiled"], steps["sparse eager"]
+            for t, s in zip(b.state(), a.state()):
+                t.copy_(s)
+            got, want = a().float(), b().float()
+            err = float((got - want).abs().max() / want.abs().max())
+            steps |= compiled
+            ms = interleaved({n: lambda s=s: wall_seconds(s) * 1e3 for n, s in steps.items()}, rounds, 3)
+        rows.append({"part": "model", "case": f"decode batch {batch}", "ms": ms, "compile_s": compile_s,
+                     "compiled_vs_eager_rel_err": err,
+                     "compiled_speedup": ms["dense compiled"] / ms["sparse compiled"],
+                     "eager_speedup": ms["dense eager"] / ms["sparse eager"]})
+        print(rows[-1], flush=True)
+        del steps, compiled
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=DEFAULT, choices=sorted(ARCHITECTURES))
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--n", type=int, default=64, help="the layer part's second n (its first is 1)")
+    ap.add_argument("--mode", default="default", help="torch.compile's mode")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--skip", choices=("layer", "model"), default=None)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    rows = []
+    if a.skip != "layer":
+        rows += layer_part(a.size, [1, a.n], a.mode, a.rounds)
+    if a.skip != "model":
+        rows += model_part(a.model, a.layers, a.batch, a.mode, a.rounds)
+    results.write("sparse24-compiled", {"rows": rows}, a.out, transformers=transformers.__version__, mode=a.mode,
+                  architecture=a.model, layers=a.layers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
