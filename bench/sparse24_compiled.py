@@ -30,7 +30,7 @@ import transformers
 import kernelplan as kp
 from kernelplan.bench import results
 from kernelplan.bench.decode import DecodeStep
-from kernelplan.timing import host_us_per_call, interleaved, wall_seconds
+from kernelplan.timing import host_us_per_call, interleaved, kernel_device_ms, wall_seconds
 from sparse24_model import ARCHITECTURES, DEFAULT, build_model
 
 
@@ -61,7 +61,14 @@ def layer_part(size: int, ns: list[int], mode: str, rounds: int) -> list[dict]:
     return rows
 
 
-def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: int) -> list[dict]:
+def device_split(fn) -> dict:
+    """Device ms a call of ``fn`` spends in all its kernels, their count, and the eight longest by name (CUPTI)."""
+    ms = kernel_device_ms(fn, 3)
+    top = dict(sorted(ms.items(), key=lambda kv: -kv[1])[:8])
+    return {"total_ms": sum(ms.values()), "kernels": len(ms), "top": {k[:90]: round(v, 4) for k, v in top.items()}}
+
+
+def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: int, profile: bool) -> list[dict]:
     torch.manual_seed(0)
     with torch.device("cuda"):
         dense = build_model(name, layers).to(torch.bfloat16).eval()
@@ -97,7 +104,9 @@ def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: in
                 errs[n] = float((got - want).abs().max() / want.abs().max())
             steps |= compiled
             ms = interleaved({n: lambda s=s: wall_seconds(s) * 1e3 for n, s in steps.items()}, rounds, 3)
+            split = {n: device_split(s) for n, s in steps.items()} if profile else None
         rows.append({"part": "model", "case": f"decode batch {batch}", "ms": ms, "compile_s": compile_s,
+                     "device_ms_by_kernel": split,
                      "compiled_vs_eager_rel_err": errs,
                      "compiled_speedup": ms["dense compiled"] / ms["sparse compiled"],
                      "eager_speedup": ms["dense eager"] / ms["sparse eager"]})
@@ -116,13 +125,15 @@ def main() -> int:
     ap.add_argument("--mode", default="default", help="torch.compile's mode")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--skip", choices=("layer", "model"), default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="each model step's device time by kernel (CUPTI; under CUDA graphs it sees the replays only)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     rows = []
     if a.skip != "layer":
         rows += layer_part(a.size, [1, a.n], a.mode, a.rounds)
     if a.skip != "model":
-        rows += model_part(a.model, a.layers, a.batch, a.mode, a.rounds)
+        rows += model_part(a.model, a.layers, a.batch, a.mode, a.rounds, a.profile)
     results.write("sparse24-compiled", {"rows": rows}, a.out, transformers=transformers.__version__, mode=a.mode,
                   architecture=a.model, layers=a.layers)
     return 0
