@@ -9,8 +9,9 @@ that alternate the variants (medians):
   custom op called directly.  Per call: the wall time of back-to-back calls, waited for.
 * **model**: ``bench/sparse24_model.py``'s decoder (``--model``, ``--layers``), dense and sparsified (head pruned
   too, siblings fused, as that bench), one decode step at each ``--batch``: eager and with ``model.forward``
-  compiled (``--mode``, ``dynamic=False``; each batch compiles its own graph).  The compiled sparse model's logits
-  are checked against its eager step's first.
+  compiled (``--mode``, ``dynamic=False``; each batch compiles its own graph).  Each compiled model's logits are
+  checked against its eager step's first.  Then the bytes each model holds, the 2:4 layouts its calls built
+  included.
 
 Writes ``bench/results/sparse24-compiled-<gpu>.json``.
 
@@ -29,7 +30,7 @@ import transformers
 
 import kernelplan as kp
 from kernelplan.bench import results
-from kernelplan.bench.decode import DecodeStep
+from kernelplan.bench.decode import DecodeStep, weight_bytes
 from kernelplan.timing import host_us_per_call, interleaved, kernel_device_ms, wall_seconds
 from sparse24_model import ARCHITECTURES, DEFAULT, build_model
 
@@ -52,8 +53,8 @@ def layer_part(size: int, ns: list[int], mode: str, rounds: int) -> list[dict]:
             want = torch.nn.functional.linear(x.double(), sparse.to_dense().double(), sparse.bias.double())
             errs = {name: float((fn().double() - want).abs().max() / want.abs().max()) for name, fn in variants.items()
                     if "Sparse" in name or "::" in name}
-            us = interleaved({name: lambda fn=fn: host_us_per_call(fn, x.device, 1000) for name, fn in variants.items()},
-                             rounds)
+            us = interleaved({name: lambda fn=fn: host_us_per_call(fn, x.device, 1000)
+                              for name, fn in variants.items()}, rounds)
         rows.append({"part": "layer", "m": size, "k": size, "n": n, "us_per_call": us, "rel_err_vs_fp64": errs,
                      "compiled_speedup": us["nn.Linear compiled"] / us["Sparse24Linear compiled"],
                      "eager_speedup": us["nn.Linear"] / us["Sparse24Linear"]})
@@ -112,6 +113,11 @@ def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: in
                      "eager_speedup": ms["dense eager"] / ms["sparse eager"]})
         print(rows[-1], flush=True)
         del steps, compiled
+    # What each model holds, the 2:4 layouts its calls built included: compiled graphs read the same held weights.
+    held = {"dense": weight_bytes(dense), "sparse": weight_bytes(sparse)}
+    rows.append({"part": "model", "case": "weight bytes", "bytes": held,
+                 "sparse_over_dense": held["sparse"] / held["dense"]})
+    print(rows[-1], flush=True)
     return rows
 
 
