@@ -257,6 +257,23 @@ def _held_out_models() -> list[str]:
     return lines + [""]
 
 
+def _compiled_note(doc: dict, name: str) -> str:
+    """bench/sparse24_compiled.py: the model's steps, dense and sparse both compiled in one mode, and the op's call."""
+    meta = doc["meta"]
+    steps = [r for r in doc["rows"] if r["part"] == "model" and "ms" in r]
+    held = next(r for r in doc["rows"] if r.get("case") == "weight bytes")
+    cases = "; ".join(f"{r['case']} {r['compiled_speedup']:.2f}x ({r['ms']['sparse compiled']:.2f} against "
+                      f"{r['ms']['dense compiled']:.2f} ms a step; not compiled {r['eager_speedup']:.2f}x)"
+                      for r in steps)
+    layer = [r for r in doc["rows"] if r["part"] == "layer"]
+    op = ("; the op called alone " + ", ".join(f"{r['us_per_call']['kernelplan::sparse24_linear']:.1f} us" for r in
+                                               layer) + f" a call ({layer[0]['m']}x{layer[0]['k']} at n = "
+          + ", ".join(str(r["n"]) for r in layer) + ")") if layer else ""
+    return (f"- 2:4 under `torch.compile` (mode \"{meta['mode']}\", `bench/sparse24_compiled.py`), Llama with "
+            f"Qwen2.5-7B sizes ({meta['layers']} layers), sparsified against dense, both compiled: {cases}{op}; "
+            f"weights {held['sparse_over_dense']:.3f}x of dense, {_source(meta, name)}.")
+
+
 def sparse24_notes() -> list[str]:
     """The 2:4 model, conversion and host-work results, one line each."""
     lines = []
@@ -275,6 +292,8 @@ def sparse24_notes() -> list[str]:
                          f"against dense: {cases}; weights {model['sparse_over_dense_bytes']:.3f}x of dense "
                          f"(embeddings dense, the LM head pruned too), {_source(model['meta'], name)}.")
     lines += _held_out_models()
+    lines += [_compiled_note(doc, name) for name in ("sparse24-compiled-default-h200",
+                                                     "sparse24-compiled-reduce-overhead-h200") if (doc := _load(name))]
     for name in ("sparse24-experts-h100", "sparse24-experts-h200"):
         doc = _load(name)
         if doc and "graph_ms" in doc["rows"][0]:
