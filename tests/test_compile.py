@@ -80,6 +80,45 @@ def test_sparse24_inference_skips_the_op_in_eager_but_not_under_compile():
     torch.testing.assert_close(eager, torch.relu(x @ w24.decompress().T))
 
 
+def test_compiled_inference_takes_the_op_without_autograd_and_training_the_one_with_it():
+    """A traced call that needs no gradient is ``kernelplan::sparse24_linear_inference`` (no autograd layer to
+    cross on each call); one that does is ``kernelplan::sparse24_linear``, whose backward runs."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(32, 64)))
+    bias = torch.randn(32)
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    fn = torch.compile(lambda t, b: kp.sparse24.linear(t, w24, b, activation="gelu"), fullgraph=True, backend=backend)
+    x = torch.randn(2, 3, 64)
+    want = torch.nn.functional.gelu(x @ w24.decompress().T + bias)
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x, bias), want)
+    assert "kernelplan.sparse24_linear_inference" in graphs[-1]
+    xg, bg = x.clone().requires_grad_(), bias.clone().requires_grad_()
+    fn(xg, bg).sum().backward()  # grad mode and requires_grad are guarded: a second graph, the autograd op
+    assert len(graphs) == 2 and "kernelplan.sparse24_linear_inference" not in graphs[-1]
+    assert "kernelplan.sparse24_linear." in graphs[-1]
+    xr, br = x.clone().requires_grad_(), bias.clone().requires_grad_()
+    torch.nn.functional.gelu(xr @ w24.decompress().T + br).sum().backward()
+    torch.testing.assert_close(xg.grad, xr.grad)
+    torch.testing.assert_close(bg.grad, br.grad)
+
+
+@pytest.mark.parametrize("op", ["sparse24_linear", "sparse24_linear_inference"])
+def test_the_sparse24_ops_pass_opcheck(op):
+    """torch.library.opcheck: schema, fake form against the real output, dispatch under AOT (odd, 3-D, bias)."""
+    torch.manual_seed(0)
+    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(48, 64)))
+    x = torch.randn(3, 5, 64)
+    torch.library.opcheck(getattr(torch.ops.kernelplan, op).default,
+                          (x, w24.values, w24.metadata, torch.randn(48), "silu", "compact"))
+
+
 def test_gated_inference_skips_the_op_in_eager_and_compile_keeps_it():
     from unittest import mock
 

@@ -118,9 +118,22 @@ def _linear_with(plan, x, values, metadata, bias) -> torch.Tensor:
 _sparse24_linear_op = torch.library.custom_op("kernelplan::sparse24_linear", mutates_args=())(_sparse24_linear_impl)
 
 
-@_sparse24_linear_op.register_fake
-def _(x, values, metadata, bias, activation, memory):
+def _linear_fake(x, values, metadata, bias, activation, memory):
     return x.new_empty((*x.shape[:-1], epilogue_columns(weight_shape(values)[0], activation or None)))
+
+
+_sparse24_linear_op.register_fake(_linear_fake)
+
+# The same body as an op with no autograd formula, for calls that need none (a compiled inference graph, a tensor
+# subclass under no_grad): registered through torch.library's low level, the dispatcher reaches it without
+# custom_op's Python autograd and aliasing layers.  An empty body took 4.8 us a call this way against custom_op's 8.1
+# under inference_mode, and 4.9 against 15.4 under no_grad (CPU CI host; docs/design/0075).
+_LIBRARY = torch.library.Library("kernelplan", "FRAGMENT")
+_LIBRARY.define("sparse24_linear_inference(Tensor x, Tensor values, Tensor metadata, Tensor? bias, str activation, "
+                "str memory) -> Tensor")
+_LIBRARY.impl("sparse24_linear_inference", _sparse24_linear_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("kernelplan::sparse24_linear_inference", _linear_fake, lib=_LIBRARY)
+_sparse24_inference_op = torch.ops.kernelplan.sparse24_linear_inference.default
 
 
 def _setup(ctx, inputs, output):
@@ -247,7 +260,11 @@ def linear_parts(x, values, metadata, bias=None, activation=None, memory="compac
                                  f"pad each half (gate and up) to a multiple of 16 rows")
     memory = choice(memory, "memory", MEMORY_POLICIES)
     if not eager:
-        return _sparse24_linear_op(x, values, metadata, bias, activation or "", memory)
+        # Traced, the choice is made once and guarded (grad mode, each tensor's requires_grad).
+        grad = torch.is_grad_enabled() and (x.requires_grad or values.requires_grad or
+                                            bias is not None and bias.requires_grad)
+        op = _sparse24_linear_op if grad else _sparse24_inference_op
+        return op(x, values, metadata, bias, activation or "", memory)
     return _prepare(key, x, values, metadata, bias, activation or "", memory)
 
 
