@@ -4,6 +4,9 @@ Under ``torch.compile`` a 2:4 layer is one custom op in the compiled graph (``ke
 through the dispatcher on every step; the eager fast path's checks are traced away.  Two parts, each timed in rounds
 that alternate the variants (medians):
 
+``--context``: the calls run under ``torch.inference_mode`` (the default) or ``torch.no_grad`` (as Hugging Face's
+``generate`` runs them).
+
 * **layer**: a ``--size`` x ``--size`` bf16 layer at n = 1 and ``--n``, calls back to back (host-bound where the
   kernels are short): ``nn.Linear`` and ``Sparse24Linear``, eager and ``torch.compile``'d (``--mode``), and the
   custom op called directly.  Per call: the wall time of back-to-back calls, waited for.
@@ -35,7 +38,11 @@ from kernelplan.timing import host_us_per_call, interleaved, kernel_device_ms, w
 from sparse24_model import ARCHITECTURES, DEFAULT, build_model
 
 
-def layer_part(size: int, ns: list[int], mode: str, rounds: int) -> list[dict]:
+# What the calls run under: inference_mode, or no_grad as Hugging Face's generate() runs a step.
+CONTEXTS = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
+
+
+def layer_part(size: int, ns: list[int], mode: str, rounds: int, context: str) -> list[dict]:
     dense = torch.nn.Linear(size, size, device="cuda", dtype=torch.bfloat16)
     sparse = kp.nn.Sparse24Linear.from_dense(dense)
     op = torch.ops.kernelplan.sparse24_linear
@@ -49,7 +56,7 @@ def layer_part(size: int, ns: list[int], mode: str, rounds: int) -> list[dict]:
                     "Sparse24Linear compiled": lambda: compiled["Sparse24Linear"](x),
                     "kernelplan::sparse24_linear": lambda: op(x, sparse.values, sparse.metadata, sparse.bias, "",
                                                               "compact")}
-        with torch.inference_mode():
+        with CONTEXTS[context]():
             want = torch.nn.functional.linear(x.double(), sparse.to_dense().double(), sparse.bias.double())
             errs = {name: float((fn().double() - want).abs().max() / want.abs().max()) for name, fn in variants.items()
                     if "Sparse" in name or "::" in name}
@@ -69,7 +76,8 @@ def device_split(fn) -> dict:
     return {"total_ms": sum(ms.values()), "kernels": len(ms), "top": {k[:90]: round(v, 4) for k, v in top.items()}}
 
 
-def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: int, profile: bool) -> list[dict]:
+def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: int, profile: bool,
+               context: str) -> list[dict]:
     torch.manual_seed(0)
     with torch.device("cuda"):
         dense = build_model(name, layers).to(torch.bfloat16).eval()
@@ -80,13 +88,13 @@ def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: in
     for batch in batches:
         prompt = torch.randint(0, vocab, (batch, 16), device="cuda")
         max_len = 16 + 8 * (rounds + 4) * 3
-        with torch.inference_mode():
+        with CONTEXTS[context]():
             steps = {f"{n} eager": DecodeStep(m, prompt, max_len) for n, m in (("dense", dense), ("sparse", sparse))}
         compiled, compile_s = {}, {}
         for n, m in (("dense", dense), ("sparse", sparse)):
             c = copy.copy(m)  # the same modules and weights; its own forward attribute, compiled
             c.forward = torch.compile(m.forward, mode=mode, dynamic=False)
-            with torch.inference_mode():
+            with CONTEXTS[context]():
                 compiled[f"{n} compiled"] = step = DecodeStep(m, prompt, max_len)  # the prefill eager: one compile
                 step.model = c
                 t0 = time.perf_counter()
@@ -94,7 +102,7 @@ def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: in
                 torch.cuda.synchronize()
                 compile_s[n] = time.perf_counter() - t0
         errs = {}
-        with torch.inference_mode():
+        with CONTEXTS[context]():
             # One step from the same state, compiled and eager, for each model: inductor's own rounding (dense's)
             # beside the sparse model's, whose compiled graph runs the 2:4 kernels.
             for n in ("dense", "sparse"):
@@ -129,6 +137,7 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--n", type=int, default=64, help="the layer part's second n (its first is 1)")
     ap.add_argument("--mode", default="default", help="torch.compile's mode")
+    ap.add_argument("--context", default="inference_mode", choices=sorted(CONTEXTS))
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--skip", choices=("layer", "model"), default=None)
     ap.add_argument("--profile", action="store_true",
@@ -137,11 +146,11 @@ def main() -> int:
     a = ap.parse_args()
     rows = []
     if a.skip != "layer":
-        rows += layer_part(a.size, [1, a.n], a.mode, a.rounds)
+        rows += layer_part(a.size, [1, a.n], a.mode, a.rounds, a.context)
     if a.skip != "model":
-        rows += model_part(a.model, a.layers, a.batch, a.mode, a.rounds, a.profile)
+        rows += model_part(a.model, a.layers, a.batch, a.mode, a.rounds, a.profile, a.context)
     results.write("sparse24-compiled", {"rows": rows}, a.out, transformers=transformers.__version__, mode=a.mode,
-                  architecture=a.model, layers=a.layers)
+                  architecture=a.model, layers=a.layers, context=a.context)
     return 0
 
 
