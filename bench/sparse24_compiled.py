@@ -1,15 +1,15 @@
 """``torch.compile``, dense against ``kp.sparsify``'d, in one process: what a user who compiles a model gets.
 
-Under ``torch.compile`` a 2:4 layer is one custom op in the compiled graph (``kernelplan::sparse24_linear``), called
-through the dispatcher on every step; the eager fast path's checks are traced away.  Two parts, each timed in rounds
-that alternate the variants (medians):
-
-``--context``: the calls run under ``torch.inference_mode`` (the default) or ``torch.no_grad`` (as Hugging Face's
-``generate`` runs them).
+Under ``torch.compile`` a 2:4 layer is one custom op in the compiled graph (``kernelplan::sparse24_linear``, or its
+``_inference`` form where no gradient is needed), called through the dispatcher on every step; the eager fast
+path's checks are traced away.  The calls run under ``torch.inference_mode`` or, with ``--context no_grad``, under
+``torch.no_grad`` as Hugging Face's ``generate`` runs them.  Two parts, each timed in rounds that alternate the
+variants (medians):
 
 * **layer**: a ``--size`` x ``--size`` bf16 layer at n = 1 and ``--n``, calls back to back (host-bound where the
   kernels are short): ``nn.Linear`` and ``Sparse24Linear``, eager and ``torch.compile``'d (``--mode``), and the
-  custom op called directly.  Per call: the wall time of back-to-back calls, waited for.
+  custom op called directly, in its autograd form and (where the tree has it) its inference form.  Per call: the
+  wall time of back-to-back calls, waited for.
 * **model**: ``bench/sparse24_model.py``'s decoder (``--model``, ``--layers``), dense and sparsified (head pruned
   too, siblings fused, as that bench), one decode step at each ``--batch``: eager and with ``model.forward``
   compiled (``--mode``, ``dynamic=False``; each batch compiles its own graph).  Each compiled model's logits are
@@ -56,6 +56,9 @@ def layer_part(size: int, ns: list[int], mode: str, rounds: int, context: str) -
                     "Sparse24Linear compiled": lambda: compiled["Sparse24Linear"](x),
                     "kernelplan::sparse24_linear": lambda: op(x, sparse.values, sparse.metadata, sparse.bias, "",
                                                               "compact")}
+        if hasattr(torch.ops.kernelplan, "sparse24_linear_inference"):  # what a compiled graph needing no grad calls
+            variants["kernelplan::sparse24_linear_inference"] = lambda: torch.ops.kernelplan.sparse24_linear_inference(
+                x, sparse.values, sparse.metadata, sparse.bias, "", "compact")
         with CONTEXTS[context]():
             want = torch.nn.functional.linear(x.double(), sparse.to_dense().double(), sparse.bias.double())
             errs = {name: float((fn().double() - want).abs().max() / want.abs().max()) for name, fn in variants.items()

@@ -266,10 +266,12 @@ def _compiled_note(doc: dict, name: str) -> str:
                       f"{r['ms']['dense compiled']:.2f} ms a step; not compiled {r['eager_speedup']:.2f}x)"
                       for r in steps)
     layer = [r for r in doc["rows"] if r["part"] == "layer"]
-    op = ("; the op called alone " + ", ".join(f"{r['us_per_call']['kernelplan::sparse24_linear']:.1f} us" for r in
-                                               layer) + f" a call ({layer[0]['m']}x{layer[0]['k']} at n = "
-          + ", ".join(str(r["n"]) for r in layer) + ")") if layer else ""
-    return (f"- 2:4 under `torch.compile` (mode \"{meta['mode']}\", `bench/sparse24_compiled.py`), Llama with "
+    op = ("; `kernelplan::sparse24_linear` (the op's autograd form) called alone "
+          + ", ".join(f"{r['us_per_call']['kernelplan::sparse24_linear']:.1f} us" for r in layer)
+          + f" a call ({layer[0]['m']}x{layer[0]['k']} at n = " + ", ".join(str(r["n"]) for r in layer) + ")") \
+        if layer else ""
+    return (f"- 2:4 under `torch.compile` (mode \"{meta['mode']}\", under `torch.{meta.get('context', 'inference_mode')}`, "
+            f"`bench/sparse24_compiled.py`), Llama with "
             f"Qwen2.5-7B sizes ({meta['layers']} layers), sparsified against dense, both compiled: {cases}{op}; "
             f"weights {held['sparse_over_dense']:.3f}x of dense, {_source(meta, name)}.")
 
@@ -293,6 +295,8 @@ def sparse24_notes() -> list[str]:
                          f"(embeddings dense, the LM head pruned too), {_source(model['meta'], name)}.")
     lines += _held_out_models()
     lines += [_compiled_note(doc, name) for name in ("sparse24-compiled-default-h200",
+                                                     "sparse24-compiled-inference-op-inference_mode-h200",
+                                                     "sparse24-compiled-inference-op-no_grad-h200",
                                                      "sparse24-compiled-reduce-overhead-h200") if (doc := _load(name))]
     for name in ("sparse24-experts-h100", "sparse24-experts-h200"):
         doc = _load(name)
