@@ -203,3 +203,24 @@ def test_scales_off_the_operands_device_and_an_expanded_2_4_output_are_refused()
     with pytest.raises(kp.InvalidProblem, match=r"y has shape \(4, 64\) and strides \(0, 1\).*share memory"):
         plan.run(GemmSparse24Args(torch.randn(4, 128), w24.values, w24.metadata, y))
     assert (y == 7).all()
+
+
+@pytest.mark.parametrize("op", ["sparse24_linear", "sparse24_linear_inference"])
+def test_the_sparse24_ops_called_directly_check_their_operands(op):
+    """The custom ops are reachable as ``torch.ops.kernelplan.*``: a direct call's first call on its operands checks
+    them as ``kp.sparse24.linear`` does (a K that does not match would send the kernels past x's rows)."""
+    from kernelplan.errors import KernelPlanError
+
+    call = getattr(torch.ops.kernelplan, op)
+    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(32, 64)))
+    x = torch.randn(3, 64)
+    cases = [((torch.randn(3, 32), w24.values, w24.metadata, None, "", "compact"), r"x has shape \(3, 32\)"),
+             ((x, w24.values, w24.metadata, torch.randn(5), "", "compact"), r"bias"),
+             ((x, w24.values, w24.metadata[:16], None, "", "compact"), r"metadata"),
+             ((x.double(), w24.values, w24.metadata, None, "", "compact"), r"x has dtype"),
+             ((x, w24.values, w24.metadata, None, "bogus", "compact"), r"activation is 'bogus'"),
+             ((x, w24.values, w24.metadata, None, "", "roomy"), r"memory is 'roomy'")]
+    for args, message in cases:
+        with pytest.raises(KernelPlanError, match=message):
+            call(*args)
+    torch.testing.assert_close(call(x, w24.values, w24.metadata, None, "", "compact"), x @ w24.decompress().T)

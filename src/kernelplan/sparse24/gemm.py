@@ -43,13 +43,14 @@ def _sparse24_linear_impl(
     memory: str,
 ) -> torch.Tensor:
     # The op's body, as a compiled graph or autograd runs it: through the same prepared entries as an eager call
-    # (a call of a compiled model took the whole dispatch each time: bench/sparse24_compiled.py).  linear_parts
-    # checked the operands, eagerly or when the graph was traced; the entry checks that they are the same tensors.
+    # (a call of a compiled model took the whole dispatch each time: bench/sparse24_compiled.py).
     key = (id(values), x.shape, None if bias is None else id(bias), activation, memory,
            x.is_cuda and stream_capturing())
     hit = _prepared.get(key)
     if hit is not None and hit.current(x, values, metadata, bias):
         return hit.call(x, values, metadata, bias)
+    # An entry's first call checks the operands (an op can be called directly); the entry holds them to it after.
+    _checked(x, values, metadata, bias, activation or None, memory)
     return _prepare(key, x, values, metadata, bias, activation, memory)
 
 
@@ -241,6 +242,19 @@ def linear_parts(x, values, metadata, bias=None, activation=None, memory="compac
         hit = _prepared.get(key)
         if hit is not None and hit.current(x, values, metadata, bias):
             return hit.call(x, values, metadata, bias)
+    activation, memory = _checked(x, values, metadata, bias, activation, memory)
+    if not eager:
+        # Traced, the choice is made once and guarded (grad mode, each tensor's requires_grad).
+        grad = torch.is_grad_enabled() and (x.requires_grad or values.requires_grad or
+                                            bias is not None and bias.requires_grad)
+        op = _sparse24_linear_op if grad else _sparse24_inference_op
+        return op(x, values, metadata, bias, activation or "", memory)
+    return _prepare(key, x, values, metadata, bias, activation or "", memory)
+
+
+def _checked(x, values, metadata, bias, activation, memory) -> tuple[str | None, str]:
+    """A call's operands checked (``linear_parts``'s, and an op's first call on them): the epilogue and the policy
+    as the plan takes them."""
     # Parts held apart (a Sparse24Weight built with _validate=False, a module's buffers) have not
     # been matched to each other: a wrong metadata shape would send kernels past its end.
     m, k = check_layout(values, metadata)
@@ -258,14 +272,7 @@ def linear_parts(x, values, metadata, bias=None, activation=None, memory="compac
         if why is not None:
             raise InvalidProblem(f"the gated epilogue {activation!r} pairs the weight's two halves of rows, but {why}; "
                                  f"pad each half (gate and up) to a multiple of 16 rows")
-    memory = choice(memory, "memory", MEMORY_POLICIES)
-    if not eager:
-        # Traced, the choice is made once and guarded (grad mode, each tensor's requires_grad).
-        grad = torch.is_grad_enabled() and (x.requires_grad or values.requires_grad or
-                                            bias is not None and bias.requires_grad)
-        op = _sparse24_linear_op if grad else _sparse24_inference_op
-        return op(x, values, metadata, bias, activation or "", memory)
-    return _prepare(key, x, values, metadata, bias, activation or "", memory)
+    return activation, choice(memory, "memory", MEMORY_POLICIES)
 
 
 def _prepare(key, x, values, metadata, bias, activation: str, memory: str) -> torch.Tensor:
