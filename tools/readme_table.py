@@ -270,9 +270,10 @@ def _compiled_note(doc: dict, name: str) -> str:
           + ", ".join(f"{r['us_per_call']['kernelplan::sparse24_linear']:.1f} us" for r in layer)
           + f" a call ({layer[0]['m']}x{layer[0]['k']} at n = " + ", ".join(str(r["n"]) for r in layer) + ")") \
         if layer else ""
-    return (f"- 2:4 under `torch.compile` (mode \"{meta['mode']}\", under `torch.{meta.get('context', 'inference_mode')}`, "
-            f"`bench/sparse24_compiled.py`), Llama with "
-            f"Qwen2.5-7B sizes ({meta['layers']} layers), sparsified against dense, both compiled: {cases}{op}; "
+    context = meta.get("context", "inference_mode")
+    return (f"- 2:4 under `torch.compile` (mode \"{meta['mode']}\", under `torch.{context}`, "
+            f"`bench/sparse24_compiled.py`), Llama with Qwen2.5-7B sizes ({meta['layers']} layers), sparsified "
+            f"against dense, both compiled: {cases}{op}; "
             f"weights {held['sparse_over_dense']:.3f}x of dense, {_source(meta, name)}.")
 
 

@@ -44,14 +44,19 @@ def _sparse24_linear_impl(
 ) -> torch.Tensor:
     # The op's body, as a compiled graph or autograd runs it: through the same prepared entries as an eager call
     # (a call of a compiled model took the whole dispatch each time: bench/sparse24_compiled.py).
-    key = (id(values), x.shape, None if bias is None else id(bias), activation, memory,
-           x.is_cuda and stream_capturing())
+    key = _entry_key(x, values, bias, activation, memory)
     hit = _prepared.get(key)
     if hit is not None and hit.current(x, values, metadata, bias):
         return hit.call(x, values, metadata, bias)
     # An entry's first call checks the operands (an op can be called directly); the entry holds them to it after.
     _checked(x, values, metadata, bias, activation or None, memory)
     return _prepare(key, x, values, metadata, bias, activation, memory)
+
+
+def _entry_key(x, values, bias, activation, memory) -> tuple:
+    """A fast-path entry's key (``_prepared``): what is cheap to hash; ``_Entry.current`` checks the rest."""
+    return id(values), x.shape, None if bias is None else id(bias), activation, memory, \
+        x.is_cuda and stream_capturing()
 
 
 def _reads(backend: Backend, layout: str) -> bool:
@@ -237,8 +242,7 @@ def linear_parts(x, values, metadata, bias=None, activation=None, memory="compac
         # one dispatch chose (the generation says the choice has not changed).  A call recorded into a CUDA graph
         # has its own choice (GemmSparse24Descriptor.graph).  The key holds what is cheap to hash; the entry checks
         # the rest, each a read of one slot (_Entry says why).
-        key = (id(values), x.shape, None if bias is None else id(bias), activation, memory,
-               x.is_cuda and stream_capturing())
+        key = _entry_key(x, values, bias, activation, memory)
         hit = _prepared.get(key)
         if hit is not None and hit.current(x, values, metadata, bias):
             return hit.call(x, values, metadata, bias)
