@@ -95,7 +95,10 @@ class ActivatedMlp(EpilogueRoute):
     def call_fused(self, x: torch.Tensor, capturing: bool) -> torch.Tensor | None:
         if self.mod.training:
             return None
-        h = self.epilogue_gemm(x, capturing)
-        if h is None or self.second is None:
-            return h
-        return self.second(h)
+        return self._then_second(self.epilogue_gemm(x, capturing))
+
+    def traced(self, x: torch.Tensor) -> torch.Tensor | None:
+        return None if self.mod.training else self._then_second(self.layer_traced(self.first, x, self.activation))
+
+    def _then_second(self, h: torch.Tensor | None) -> torch.Tensor | None:
+        return h if h is None or self.second is None else self.second(h)

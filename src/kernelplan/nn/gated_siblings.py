@@ -12,7 +12,7 @@ output is contiguous: it runs at any number of rows of x.
 ``route_gated_mlps`` gives each such module a route (``nn/routes.py``: its first fused call is checked against
 the module's own forward).  The names only propose: a module whose act_fn is not one of the kernels' activations,
 identified by its values on a probe, is not routed.  The module's own forward also runs:
-* under autograd (each layer its own op, as without a group);
+* under autograd (each layer its own op, as without a group), traced or not;
 * until gate_proj and up_proj have settled as one group of those two, gate first (Phi-3's form needs no group);
 * wherever the group's GEMM would run alone (``_Group.gated``: an x a layer refuses, a capture before the gated
   GEMM has run eagerly, a broken group).
@@ -138,4 +138,13 @@ class GatedMlp(EpilogueRoute):
 
     def call_fused(self, x: torch.Tensor, capturing: bool) -> torch.Tensor | None:
         h = self.gated(x, capturing)
+        return self.mlp.down_proj(h) if h is not None else None
+
+    def traced(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.fused:
+            h = self.layer_traced(self.mlp.gate_up_proj, x, self.epilogue)
+        else:
+            group = self.group()
+            traceable = group is not None and group.traceable(x, any_rows=True)
+            h = group.traced_gemm(x, self.epilogue) if traceable else None
         return self.mlp.down_proj(h) if h is not None else None

@@ -26,9 +26,17 @@ view:
 Gated MLPs (gate_proj/up_proj/down_proj/act_fn) are routed as well, to their group's GEMM with the activation in
 its epilogue (``gated_siblings.py``; counted as "gated"), and so are MLPs with one activation, to their first
 layer's GEMM with the activation in its epilogue (``activated.py``).  ``Siblings.stats`` counts the calls of each
-kind, so what ran is never a guess.  Under torch.compile each member
-is its own op, as without a group, and is not counted.  A member's calls reach its group through an instance
-``forward`` (``_route``); its own GEMM is ``forward_alone``.
+kind, so what ran is never a guess (traced calls are not counted: ``sparse24.group.CALLS`` counts the group op's).
+A member's calls reach its group through an instance ``forward`` (``_route``); its own GEMM is ``forward_alone``.
+
+Under torch.compile a settled group whose buffers an eager call laid out traces as one op for the members that read
+one input (``Spec.traced``; ``sparse24/group.py``), where no gradient is needed and x has at most
+``GROUP_MAX_ROWS`` rows: the first member's call adds the op, and the others take their columns of its output.
+That is remembered while tracing, not checked per call: a traced x is one value for the whole graph, and an
+in-place change of x between members' calls (which eager calls check by its version) is not seen.  Where members
+stop reading one input while traced, the group is broken, as eagerly.  A traced pass that calls some members but
+not the rest leaves their output with the group (each compiled call stores it again).  Not settled, not laid out,
+or under autograd, each member is its own op.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .._checks import _is_compiling, plain_eager
+from .._checks import _is_compiling, needs_grad, plain_eager
 from ..kernels import stream_capturing
 
 
@@ -56,6 +64,11 @@ class Spec:
     # (first member, x, *parts, bias, epilogue) -> act(gate) * other of two members' rows (activations.GATED_EPILOGUES),
     # or None where the kind of module has no gated epilogue (nn/gated_siblings.py)
     gated: Callable | None = None
+    # Traced (torch.compile): (first member, x, [each part's member tensors], member biases or None, epilogue) -> the
+    # members' outputs side by side under the epilogue, one op of the graph; None: traced, each member runs alone
+    traced: Callable | None = None
+    # (each part's member tensors, member biases or None, the group's buffers): the members were laid out on them
+    laid_out: Callable = lambda parts, bias, buffers: None
 
 
 # Rows of x (tokens) up to which a group runs as one GEMM.  Over the sweep set's q/k/v and gate/up (H200, bf16,
@@ -199,10 +212,11 @@ class _Group:
         self.fused: list | None = None  # per part and the bias: its buffer, or None (no bias)
         self.addresses: list | None = None  # each member tensor's data pointer in the buffers, as laid out
         self.pending: tuple | None = None  # (weakref to x, x's version, y, members served (bits), their versions)
+        self.traced_pass: tuple | None = None  # while tracing: (x, y, members served (bits)); _traced
         self._all = (1 << len(index)) - 1
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "pending": None}
+        return {**self.__dict__, "pending": None, "traced_pass": None}
 
     @property
     def spec(self) -> Spec:
@@ -213,8 +227,8 @@ class _Group:
         return [t._version for t in map(_read, slots) if t is not None]
 
     def forward(self, pos: int, x: torch.Tensor) -> torch.Tensor:
-        if _is_compiling():  # traced, each layer is its own op
-            return self.members[pos].forward_alone(x)
+        if _is_compiling():
+            return self._traced(pos, x)
         stats = self.owner.stats
         pending = self.pending
         if pending is not None:
@@ -273,6 +287,42 @@ class _Group:
         self.owner.stats["gated"] = self.owner.stats.get("gated", 0) + 1
         return y
 
+    def traceable(self, x: torch.Tensor, any_rows: bool = False) -> bool:
+        """Whether a traced call on ``x`` may run the group's op: laid out by an eager call, not broken, an x its
+        members take, of rows a group runs (``any_rows``: a gated output, contiguous, at any), no gradient needed."""
+        first = self.members[0]
+        if self.fused is None or self.broken or self.spec.traced is None or x.dim() == 0 or \
+                x.shape[-1] != first.in_features or not any_rows and x.numel() > GROUP_MAX_ROWS * x.shape[-1]:
+            return False
+        return not needs_grad(x, *map(_read, self.flat))
+
+    def traced_gemm(self, x: torch.Tensor, epilogue: str | None = None) -> torch.Tensor:
+        """The group's op in a traced graph: every member's output side by side under ``epilogue``."""
+        parts = [[_read(slots[j]) for slots in self.slots] for j in range(len(self.parts))]
+        bias = parts.pop()
+        return self.spec.traced(self.members[0], x, parts, None if bias[0] is None else bias, epilogue)
+
+    def _traced(self, pos: int, x: torch.Tensor) -> torch.Tensor:
+        """A member's traced call: the group's op, added by the first member that reads x and taken by the others
+        (``traced_pass``: x, the op's output, the members served, as bits).  Kept on the group while tracing: dynamo
+        replays the assignment after each compiled call, and a pass that served every member leaves None."""
+        if not self.traceable(x):
+            return self.members[pos].forward_alone(x)
+        memo = self.traced_pass
+        if memo is not None:
+            px, y, served = memo
+            if px is x and not served >> pos & 1:
+                served |= 1 << pos
+                self.traced_pass = None if served == self._all else (px, y, served)
+                return y.narrow(-1, self.offsets[pos], self.rows[pos])
+            self.traced_pass = None
+            if served != self._all:  # a member did not take its columns: they no longer read one input
+                self.broken = True
+                return self.members[pos].forward_alone(x)
+        y = self.traced_gemm(x)
+        self.traced_pass = None if self._all == 1 << pos else (x, y, 1 << pos)
+        return y.narrow(-1, self.offsets[pos], self.rows[pos])
+
     def _addresses(self) -> list:
         return [None if t is None else t.data_ptr() for t in map(_read, self.flat)]
 
@@ -292,12 +342,13 @@ class _Group:
     def _lay_out(self) -> None:
         """One buffer per part (and the bias), the members' rows end to end; each member's tensors become views
         (the same Parameter objects: an optimizer keeps its reference)."""
-        fused = []
+        fused, parts = [], []
         with torch.no_grad(), torch.inference_mode(False):
             for j, name in enumerate(self.parts):
                 own = [_read(slots[j]) for slots in self.slots]
                 if own[0] is None:
                     fused.append(None)
+                    parts.append(None)
                     continue
                 buffer = torch.cat([t.detach() for t in own])
                 row = 0
@@ -310,5 +361,8 @@ class _Group:
                     else:
                         mod._buffers[name] = view
                 fused.append(buffer)
+                parts.append([_read(slots[j]) for slots in self.slots])
         self.fused, self.pending, self.warmed, self.gated_warmed = fused, None, False, set()
         self.addresses = self._addresses()
+        bias = parts.pop()
+        self.spec.laid_out(parts, bias, fused)
