@@ -13,8 +13,9 @@ variants (medians):
 * **model**: ``bench/sparse24_model.py``'s decoder (``--model``, ``--layers``), dense and sparsified (head pruned
   too, siblings fused, as that bench), one decode step at each ``--batch``: eager and with ``model.forward``
   compiled (``--mode``, ``dynamic=False``; each batch compiles its own graph).  Each compiled model's logits are
-  checked against its eager step's first.  Then the bytes each model holds, the 2:4 layouts its calls built
-  included.
+  checked against its eager step's first, and the custom ops one compiled sparse step calls are counted (sibling
+  groups and gated MLPs trace as one op each where their groups settled eagerly first, as here).  Then the bytes
+  each model holds, the 2:4 layouts its calls built included.
 
 Writes ``bench/results/sparse24-compiled-<gpu>.json``.
 
@@ -79,6 +80,20 @@ def device_split(fn) -> dict:
     return {"total_ms": sum(ms.values()), "kernels": len(ms), "top": {k[:90]: round(v, 4) for k, v in top.items()}}
 
 
+def op_calls(fn) -> dict:
+    """kernelplan's custom ops called in one call of ``fn``, by name (torch.profiler's CPU events: under CUDA graphs
+    the replays call none)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        if event.name.startswith("kernelplan::"):
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return counts
+
+
 def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: int, profile: bool,
                context: str) -> list[dict]:
     torch.manual_seed(0)
@@ -117,8 +132,9 @@ def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: in
             steps |= compiled
             ms = interleaved({n: lambda s=s: wall_seconds(s) * 1e3 for n, s in steps.items()}, rounds, 3)
             split = {n: device_split(s) for n, s in steps.items()} if profile else None
+            ops = op_calls(steps["sparse compiled"])
         rows.append({"part": "model", "case": f"decode batch {batch}", "ms": ms, "compile_s": compile_s,
-                     "device_ms_by_kernel": split,
+                     "device_ms_by_kernel": split, "sparse_compiled_op_calls": ops,
                      "compiled_vs_eager_rel_err": errs,
                      "compiled_speedup": ms["dense compiled"] / ms["sparse compiled"],
                      "eager_speedup": ms["dense eager"] / ms["sparse eager"]})
