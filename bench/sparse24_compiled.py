@@ -12,7 +12,8 @@ variants (medians):
   wall time of back-to-back calls, waited for.
 * **model**: ``bench/sparse24_model.py``'s decoder (``--model``, ``--layers``), dense and sparsified (head pruned
   too, siblings fused, as that bench), one decode step at each ``--batch``: eager and with ``model.forward``
-  compiled (``--mode``, ``dynamic=False``; each batch compiles its own graph).  Each compiled model's logits are
+  compiled (``--mode``, ``dynamic=False``; each batch compiles its own graph); with ``--unfused``, the same sparse
+  model with ``fuse=False`` beside them.  Each compiled model's logits are
   checked against its eager step's first, and the custom ops one compiled sparse step calls are counted (sibling
   groups and gated MLPs trace as one op each where their groups settled eagerly first, as here).  Then the bytes
   each model holds, the 2:4 layouts its calls built included.
@@ -95,21 +96,24 @@ def op_calls(fn) -> dict:
 
 
 def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: int, profile: bool,
-               context: str) -> list[dict]:
+               context: str, unfused: bool = False) -> list[dict]:
     torch.manual_seed(0)
     with torch.device("cuda"):
         dense = build_model(name, layers).to(torch.bfloat16).eval()
-    sparse = copy.deepcopy(dense)
-    kp.sparsify(sparse, progress=False, prune_output=True)  # the head too, as bench/sparse24_model.py
+    models = {"dense": dense, "sparse": copy.deepcopy(dense)}
+    kp.sparsify(models["sparse"], progress=False, prune_output=True)  # the head too, as bench/sparse24_model.py
+    if unfused:  # the same pruned weights, each layer its own GEMM (no sibling groups, no epilogue routes)
+        models["sparse unfused"] = copy.deepcopy(dense)
+        kp.sparsify(models["sparse unfused"], progress=False, prune_output=True, fuse=False)
     vocab = dense.config.vocab_size
     rows = []
     for batch in batches:
         prompt = torch.randint(0, vocab, (batch, 16), device="cuda")
         max_len = 16 + 8 * (rounds + 4) * 3
         with CONTEXTS[context]():
-            steps = {f"{n} eager": DecodeStep(m, prompt, max_len) for n, m in (("dense", dense), ("sparse", sparse))}
+            steps = {f"{n} eager": DecodeStep(m, prompt, max_len) for n, m in models.items()}
         compiled, compile_s = {}, {}
-        for n, m in (("dense", dense), ("sparse", sparse)):
+        for n, m in models.items():
             c = copy.copy(m)  # the same modules and weights; its own forward attribute, compiled
             c.forward = torch.compile(m.forward, mode=mode, dynamic=False)
             with CONTEXTS[context]():
@@ -123,7 +127,7 @@ def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: in
         with CONTEXTS[context]():
             # One step from the same state, compiled and eager, for each model: inductor's own rounding (dense's)
             # beside the sparse model's, whose compiled graph runs the 2:4 kernels.
-            for n in ("dense", "sparse"):
+            for n in models:
                 a, b = compiled[f"{n} compiled"], steps[f"{n} eager"]
                 for t, s in zip(b.state(), a.state()):
                     t.copy_(s)
@@ -138,10 +142,13 @@ def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: in
                      "compiled_vs_eager_rel_err": errs,
                      "compiled_speedup": ms["dense compiled"] / ms["sparse compiled"],
                      "eager_speedup": ms["dense eager"] / ms["sparse eager"]})
+        if unfused:
+            rows[-1]["unfused_compiled_speedup"] = ms["dense compiled"] / ms["sparse unfused compiled"]
+            rows[-1]["unfused_op_calls"] = op_calls(steps["sparse unfused compiled"])
         print(rows[-1], flush=True)
         del steps, compiled
     # What each model holds, the 2:4 layouts its calls built included: compiled graphs read the same held weights.
-    held = {"dense": weight_bytes(dense), "sparse": weight_bytes(sparse)}
+    held = {"dense": weight_bytes(dense), "sparse": weight_bytes(models["sparse"])}
     rows.append({"part": "model", "case": "weight bytes", "bytes": held,
                  "sparse_over_dense": held["sparse"] / held["dense"]})
     print(rows[-1], flush=True)
@@ -158,6 +165,8 @@ def main() -> int:
     ap.add_argument("--mode", default="default", help="torch.compile's mode")
     ap.add_argument("--context", default="inference_mode", choices=sorted(CONTEXTS))
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--unfused", action="store_true",
+                    help="also the sparsified model without sibling groups and epilogue routes (fuse=False)")
     ap.add_argument("--skip", choices=("layer", "model"), default=None)
     ap.add_argument("--profile", action="store_true",
                     help="each model step's device time by kernel (CUPTI; under CUDA graphs it sees the replays only)")
@@ -167,7 +176,7 @@ def main() -> int:
     if a.skip != "layer":
         rows += layer_part(a.size, [1, a.n], a.mode, a.rounds, a.context)
     if a.skip != "model":
-        rows += model_part(a.model, a.layers, a.batch, a.mode, a.rounds, a.profile, a.context)
+        rows += model_part(a.model, a.layers, a.batch, a.mode, a.rounds, a.profile, a.context, a.unfused)
     results.write("sparse24-compiled", {"rows": rows}, a.out, transformers=transformers.__version__, mode=a.mode,
                   architecture=a.model, layers=a.layers, context=a.context)
     return 0
