@@ -141,10 +141,12 @@ class GatedMlp(EpilogueRoute):
         return self.mlp.down_proj(h) if h is not None else None
 
     def traced(self, x: torch.Tensor) -> torch.Tensor | None:
+        # Through self.mod and the group found eagerly (a checked route found it): the paths dynamo already took
+        # (Group.traced_gemm says why).
+        mod = self.mod
         if self.fused:
-            h = self.layer_traced(self.mlp.gate_up_proj, x, self.epilogue)
+            h = self.layer_traced(mod.gate_up_proj, x, self.epilogue)
         else:
-            group = self.group()
-            traceable = group is not None and group.traceable(x, any_rows=True)
-            h = group.traced_gemm(x, self.epilogue) if traceable else None
-        return self.mlp.down_proj(h) if h is not None else None
+            group = self._settled
+            h = group.traced_gemm(x, self.epilogue, any_rows=True) if group is not None else None
+        return mod.down_proj(h) if h is not None else None

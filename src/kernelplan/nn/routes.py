@@ -52,6 +52,7 @@ class EpilogueRoute:
         self.off: str | None = None  # why this module runs its own forward for good
         self.stats = {"fused": 0, "own": 0}
         self.children = tuple(mod._modules.items())  # by identity: what the fused GEMMs read
+        self.child_ids = self._ids()
         mod.__dict__["forward"] = self.forward
         mod.__dict__["_epilogue_route"] = self
 
@@ -87,13 +88,24 @@ class EpilogueRoute:
         self.mod.__dict__.pop("forward", None)
         self.mod.__dict__.pop("_epilogue_route", None)
 
+    def _ids(self) -> tuple:
+        return tuple((name, id(child)) for name, child in self.children)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.child_ids = self._ids()  # a copy's children are new objects
+
     def children_replaced(self) -> bool:
-        """Whether the module's children are not the ones it held when routed (one replaced, added or removed)."""
+        """Whether the module's children are not the ones it held when routed (one replaced, added or removed).
+
+        By the children's ids (``children`` holds them, so no other object has one): traced, dynamo would guard a
+        comparison of the objects themselves, each reached through the model and through the route, by a Python
+        guard on every call of the compiled model (nn/siblings.py, ``_Group.traced_gemm``)."""
         modules = self.mod._modules  # a loop, not any(<generator>): 0.27 us against 1.1 a call on the CI host
-        for name, child in self.children:
-            if modules.get(name) is not child:
+        for name, child_id in self.child_ids:
+            if id(modules.get(name)) != child_id:
                 return True
-        return len(modules) != len(self.children)
+        return len(modules) != len(self.child_ids)
 
     @staticmethod
     def capturing(x: torch.Tensor) -> bool:

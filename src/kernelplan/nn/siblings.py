@@ -64,8 +64,9 @@ class Spec:
     # (first member, x, *parts, bias, epilogue) -> act(gate) * other of two members' rows (activations.GATED_EPILOGUES),
     # or None where the kind of module has no gated epilogue (nn/gated_siblings.py)
     gated: Callable | None = None
-    # Traced (torch.compile): (first member, x, [each part's member tensors], member biases or None, epilogue) -> the
-    # members' outputs side by side under the epilogue, one op of the graph; None: traced, each member runs alone
+    # Traced (torch.compile): (the first member's key, x, [each part's member tensors], member biases or None,
+    # epilogue) -> the members' outputs side by side under the epilogue, one op of the graph; None: traced, each
+    # member runs alone
     traced: Callable | None = None
     # (each part's member tensors, member biases or None, the group's buffers): the members were laid out on them
     laid_out: Callable = lambda parts, bias, buffers: None
@@ -207,6 +208,10 @@ class _Group:
         self.rows = [m.out_features for m in self.members]
         self.offsets = [sum(self.rows[:p]) for p in range(len(self.rows))]
         self.broken = False
+        # Read by traced calls in place of the members (see traced_gemm): what they share and the spec's traced call
+        spec = SPECS[type(self.members[0])]
+        self.in_features, self.traced_call = self.members[0].in_features, spec.traced
+        self.traced_key, self.has_bias = spec.key(self.members[0]), False
         self.warmed = False  # the group's GEMM has run outside a capture since its buffers were laid out
         self.gated_warmed: set = set()  # the gated epilogues (gated_siblings.py) that have, likewise
         self.fused: list | None = None  # per part and the bias: its buffer, or None (no bias)
@@ -287,27 +292,29 @@ class _Group:
         self.owner.stats["gated"] = self.owner.stats.get("gated", 0) + 1
         return y
 
-    def traceable(self, x: torch.Tensor, any_rows: bool = False) -> bool:
-        """Whether a traced call on ``x`` may run the group's op: laid out by an eager call, not broken, an x its
-        members take, of rows a group runs (``any_rows``: a gated output, contiguous, at any), no gradient needed."""
-        first = self.members[0]
-        if self.fused is None or self.broken or self.spec.traced is None or x.dim() == 0 or \
-                x.shape[-1] != first.in_features or not any_rows and x.numel() > GROUP_MAX_ROWS * x.shape[-1]:
-            return False
-        return not needs_grad(x, *map(_read, self.flat))
+    # Traced (torch.compile), the group is read by as few paths as it can: dynamo guards each object it reached by two
+    # paths (a member module through the model and through the group, say) by a Python guard on every call of the
+    # compiled model, and the first form of this traced path, through ``members``, ``flat`` and ``spec``, gave a
+    # 2-layer Llama 72 such guards: more host time than its 6 fewer op calls saved (docs/design/0076).
 
-    def traced_gemm(self, x: torch.Tensor, epilogue: str | None = None) -> torch.Tensor:
-        """The group's op in a traced graph: every member's output side by side under ``epilogue``."""
-        parts = [[_read(slots[j]) for slots in self.slots] for j in range(len(self.parts))]
-        bias = parts.pop()
-        return self.spec.traced(self.members[0], x, parts, None if bias[0] is None else bias, epilogue)
+    def traced_gemm(self, x: torch.Tensor, epilogue: str | None = None, any_rows: bool = False):
+        """The group's op in a traced graph, every member's output side by side under ``epilogue``; None where it
+        cannot run (not laid out by an eager call, broken, an x its members refuse, of more rows than a group runs
+        unless ``any_rows``: a gated output is contiguous, or a gradient needed)."""
+        if self.fused is None or self.broken or self.traced_call is None or x.dim() == 0 or \
+                x.shape[-1] != self.in_features or not any_rows and x.numel() > GROUP_MAX_ROWS * x.shape[-1]:
+            return None
+        slots = self.slots
+        parts = [[_read(member[j]) for member in slots] for j in range(len(self.parts) - 1)]
+        bias = [_read(member[-1]) for member in slots] if self.has_bias else None
+        if needs_grad(x, *parts[0], *(bias or ())):
+            return None
+        return self.traced_call(self.traced_key, x, parts, bias, epilogue)
 
     def _traced(self, pos: int, x: torch.Tensor) -> torch.Tensor:
         """A member's traced call: the group's op, added by the first member that reads x and taken by the others
         (``traced_pass``: x, the op's output, the members served, as bits).  Kept on the group while tracing: dynamo
         replays the assignment after each compiled call, and a pass that served every member leaves None."""
-        if not self.traceable(x):
-            return self.members[pos].forward_alone(x)
         memo = self.traced_pass
         if memo is not None:
             px, y, served = memo
@@ -318,8 +325,9 @@ class _Group:
             self.traced_pass = None
             if served != self._all:  # a member did not take its columns: they no longer read one input
                 self.broken = True
-                return self.members[pos].forward_alone(x)
         y = self.traced_gemm(x)
+        if y is None:
+            return self.members[pos].forward_alone(x)
         self.traced_pass = None if self._all == 1 << pos else (x, y, 1 << pos)
         return y.narrow(-1, self.offsets[pos], self.rows[pos])
 
@@ -364,5 +372,6 @@ class _Group:
                 parts.append([_read(slots[j]) for slots in self.slots])
         self.fused, self.pending, self.warmed, self.gated_warmed = fused, None, False, set()
         self.addresses = self._addresses()
+        self.traced_key, self.has_bias = self.spec.key(self.members[0]), fused[-1] is not None
         bias = parts.pop()
         self.spec.laid_out(parts, bias, fused)

@@ -145,16 +145,19 @@ class Sparse24Linear(nn.Module):
 def _sibling_key(mod: Sparse24Linear) -> tuple | None:
     if mod.layout == PUBLIC:  # its rows are not whole tiles of the device layout
         return None
-    return mod.in_features, mod.values.dtype, mod.values.device, mod.memory, mod.bias is None
+    return mod.in_features, mod.values.dtype, mod.values.device, mod.memory, mod.bias is None  # _KEY_MEMORY: 3
+
+
+_KEY_MEMORY = 3  # the memory policy's place in a group's key
 
 
 def _sibling_call(first: Sparse24Linear, x, values, metadata, bias, epilogue: str | None = None) -> torch.Tensor:
     return linear_parts(x, values, metadata, bias, epilogue, first.memory)
 
 
-def _sibling_traced(first: Sparse24Linear, x, parts, bias, epilogue: str | None = None) -> torch.Tensor:
+def _sibling_traced(key: tuple, x, parts, bias, epilogue: str | None = None) -> torch.Tensor:
     values, metadata = parts
-    return group_linear(x, values, metadata, bias, epilogue, first.memory)
+    return group_linear(x, values, metadata, bias, epilogue, key[_KEY_MEMORY])
 
 
 def _sibling_laid_out(parts, bias, buffers) -> None:

@@ -42,6 +42,16 @@ class _Laid:
         self.ptrs = [t.data_ptr() for t in tensors]
         self.buffers = [None if b is None else weakref.ref(b) for b in buffers]
 
+    def holds(self, tensors: list) -> bool:
+        """Whether ``tensors`` are the ones laid out, each where it was laid (``.data = ...``, as Module._apply and
+        ``.to()`` do, keeps a Parameter and moves its storage)."""
+        if len(tensors) != len(self.tensors):
+            return False
+        for t, ref, ptr in zip(tensors, self.tensors, self.ptrs):
+            if ref() is not t or t.data_ptr() != ptr:
+                return False
+        return True
+
 
 _LAID: dict[int, _Laid] = {}  # id of the first member's values -> _Laid
 
@@ -58,14 +68,8 @@ def laid_out(values: list, metadata: list, bias: list | None, buffers: list) -> 
 def _buffers(values: list, metadata: list, bias: list) -> list | None:
     """The group's buffers, where these are the tensors it laid out and each still lies where it was laid."""
     laid = _LAID.get(id(values[0]))
-    if laid is None:
+    if laid is None or not laid.holds([*values, *metadata, *bias]):
         return None
-    tensors = [*values, *metadata, *bias]
-    if len(tensors) != len(laid.tensors):
-        return None
-    for t, ref, ptr in zip(tensors, laid.tensors, laid.ptrs):
-        if ref() is not t or t.data_ptr() != ptr:
-            return None
     buffers = [None if ref is None else ref() for ref in laid.buffers]
     return None if buffers[0] is None or buffers[1] is None else buffers
 
