@@ -98,6 +98,9 @@ def op_calls(fn) -> dict:
 def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: int, profile: bool,
                context: str, unfused: bool = False) -> list[dict]:
     torch.manual_seed(0)
+    # Every model's forward is one code object to dynamo, compiled once a model and batch: past its default limit of
+    # 8 compiles, a third model at a third batch ran uncompiled.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(batches))
     with torch.device("cuda"):
         dense = build_model(name, layers).to(torch.bfloat16).eval()
     models = {"dense": dense, "sparse": copy.deepcopy(dense)}
