@@ -170,25 +170,29 @@ def test_a_sparsified_llama_compiles_in_one_graph_with_its_groups_and_routes():
     assert len(graphs) == 1 and (_ops(graphs, GROUP), _ops(graphs, ALONE)) == (4, 4)  # a layer: q/k/v, o, gate/up, down
 
 
-def test_the_group_op_checks_its_lists_and_passes_opcheck():
-    torch.manual_seed(0)
-    parts = [kp.sparse24.compress(kp.sparse24.prune(torch.randn(m, 64))) for m in (32, 48)]
-    values, metadata = [p.values for p in parts], [p.metadata for p in parts]
-    x, bias = torch.randn(3, 5, 64), [torch.randn(32), torch.randn(48)]
+def test_the_group_op_refuses_a_weight_of_no_group_and_its_fake_form_matches_it():
+    model, _, siblings = _settled()
+    g = siblings.groups[0]
+    x = torch.randn(3, 5, 128)
     op = torch.ops.kernelplan.sparse24_linear_group.default
-    for args, message in [((x, values, metadata[:1], bias, "", "compact"), "2 values, 1 metadata and 2 biases"),
-                          ((x, values, metadata, bias[:1], "", "compact"), "a bias for every member or for none"),
-                          ((x, [], [], [], "", "compact"), "at least one member")]:
-        with pytest.raises(InvalidProblem, match=message):
-            op(*args)
-    with pytest.warns(RuntimeWarning, match="no longer where the group laid them out"):
-        got = op(x, values, metadata, bias, "", "compact")
-    want = torch.cat([x.double() @ p.decompress().double().T + b.double() for p, b in zip(parts, bias)], -1)
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-    square = [kp.sparse24.compress(kp.sparse24.prune(torch.randn(32, 64))) for _ in range(2)]
-    for args in [(x, values, metadata, bias, "", "compact"),
-                 (x, [p.values for p in square], [p.metadata for p in square], [], "gated_silu_first", "compact")]:
-        torch.library.opcheck(op, args)
+    w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(48, 128)))
+    with pytest.raises(InvalidProblem, match="values is no sibling group's buffer.*kernelplan.sparse24.linear"):
+        op(x, w24.values, w24.metadata, None, "", "compact")
+    with torch.no_grad():
+        want = torch.cat([x.double() @ m.to_dense().double().T + m.bias.double() for m in g.members], -1)
+        torch.testing.assert_close(op(x, *g.fused, "", "compact").double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(op(x, *g.fused, "gated_silu_first", "compact").double(),
+                                   torch.nn.functional.silu(want[..., :112]) * want[..., 112:], rtol=1e-5, atol=1e-5)
+    # The fake form against the real output (torch.library.opcheck runs an op on copies of its inputs, which no group
+    # laid out: it cannot check this one).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for epilogue in ("", "gated_silu_first"):
+        with torch.no_grad():
+            real = op(x, *g.fused, epilogue, "compact")
+        with FakeTensorMode() as mode:
+            fake = op(mode.from_tensor(x), *map(mode.from_tensor, g.fused), epilogue, "compact")
+        assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
 
 
 @pytest.mark.gpu

@@ -30,7 +30,7 @@ kind, so what ran is never a guess (traced calls are not counted: ``sparse24.gro
 A member's calls reach its group through an instance ``forward`` (``_route``); its own GEMM is ``forward_alone``.
 
 Under torch.compile a settled group whose buffers an eager call laid out traces as one op for the members that read
-one input (``Spec.traced``; ``sparse24/group.py``), where no gradient is needed and x has at most
+one input (``Spec.traced``; ``sparse24/group.py``), where grad mode is off and x has at most
 ``GROUP_MAX_ROWS`` rows: the first member's call adds the op, and the others take their columns of its output.
 That is remembered while tracing, not checked per call: a traced x is one value for the whole graph, and an
 in-place change of x between members' calls (which eager calls check by its version) is not seen.  Where members
@@ -49,7 +49,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .._checks import _is_compiling, needs_grad, plain_eager
+from .._checks import _is_compiling, plain_eager
 from ..kernels import stream_capturing
 
 
@@ -64,12 +64,12 @@ class Spec:
     # (first member, x, *parts, bias, epilogue) -> act(gate) * other of two members' rows (activations.GATED_EPILOGUES),
     # or None where the kind of module has no gated epilogue (nn/gated_siblings.py)
     gated: Callable | None = None
-    # Traced (torch.compile): (the first member's key, x, [each part's member tensors], member biases or None,
-    # epilogue) -> the members' outputs side by side under the epilogue, one op of the graph; None: traced, each
-    # member runs alone
+    # Traced (torch.compile): (the first member's key, x, *the group's buffers, epilogue) -> the members' outputs side
+    # by side under the epilogue, one op of the graph that checks per call that the members still lie in the buffers
+    # (sparse24/group.py); None: traced, each member runs alone
     traced: Callable | None = None
-    # (each part's member tensors, member biases or None, the group's buffers): the members were laid out on them
-    laid_out: Callable = lambda parts, bias, buffers: None
+    # (the group's buffers, the group): they were laid out, the traced op's check asks the group (_Group.on_buffers)
+    laid_out: Callable = lambda buffers, group: None
 
 
 # Rows of x (tokens) up to which a group runs as one GEMM.  Over the sweep set's q/k/v and gate/up (H200, bf16,
@@ -211,7 +211,7 @@ class _Group:
         # Read by traced calls in place of the members (see traced_gemm): what they share and the spec's traced call
         spec = SPECS[type(self.members[0])]
         self.in_features, self.traced_call = self.members[0].in_features, spec.traced
-        self.traced_key, self.has_bias = spec.key(self.members[0]), False
+        self.traced_key = spec.key(self.members[0])
         self.warmed = False  # the group's GEMM has run outside a capture since its buffers were laid out
         self.gated_warmed: set = set()  # the gated epilogues (gated_siblings.py) that have, likewise
         self.fused: list | None = None  # per part and the bias: its buffer, or None (no bias)
@@ -292,24 +292,29 @@ class _Group:
         self.owner.stats["gated"] = self.owner.stats.get("gated", 0) + 1
         return y
 
-    # Traced (torch.compile), the group is read by as few paths as it can: dynamo guards each object it reached by two
-    # paths (a member module through the model and through the group, say) by a Python guard on every call of the
-    # compiled model, and the first form of this traced path, through ``members``, ``flat`` and ``spec``, gave a
-    # 2-layer Llama 72 such guards: more host time than its 6 fewer op calls saved (docs/design/0076).
+    # Traced (torch.compile), the group's op reads its buffers alone and checks the members per call (on_buffers):
+    # dynamo guards every object a trace reads on every call of the compiled model, and a first form of this path
+    # that read each member's tensors (and the members by two paths) cost more host time than its fewer op calls
+    # saved (docs/design/0076).
 
     def traced_gemm(self, x: torch.Tensor, epilogue: str | None = None, any_rows: bool = False):
         """The group's op in a traced graph, every member's output side by side under ``epilogue``; None where it
-        cannot run (not laid out by an eager call, broken, an x its members refuse, of more rows than a group runs
-        unless ``any_rows``: a gated output is contiguous, or a gradient needed)."""
-        if self.fused is None or self.broken or self.traced_call is None or x.dim() == 0 or \
+        cannot run: not laid out by an eager call, broken, grad mode on (each member's gradient is its own), an x its
+        members refuse, or of more rows than a group runs unless ``any_rows`` (a gated output is contiguous)."""
+        fused = self.fused
+        if fused is None or self.broken or self.traced_call is None or torch.is_grad_enabled() or x.dim() == 0 or \
                 x.shape[-1] != self.in_features or not any_rows and x.numel() > GROUP_MAX_ROWS * x.shape[-1]:
             return None
-        slots = self.slots
-        parts = [[_read(member[j]) for member in slots] for j in range(len(self.parts) - 1)]
-        bias = [_read(member[-1]) for member in slots] if self.has_bias else None
-        if needs_grad(x, *parts[0], *(bias or ())):
-            return None
-        return self.traced_call(self.traced_key, x, parts, bias, epilogue)
+        return self.traced_call(self.traced_key, x, *fused, epilogue)
+
+    def on_buffers(self, values: torch.Tensor) -> bool:
+        """Whether ``values`` is the group's values buffer and every member still lies in the buffers (the traced
+        op's check, ``sparse24/group.py``)."""
+        return self.fused is not None and self.fused[0] is values and not self._off_buffers()
+
+    def alone(self, x: torch.Tensor) -> torch.Tensor:
+        """Every member's own GEMM on x, side by side (the traced op's, where the members left the buffers)."""
+        return torch.cat([mod.forward_alone(x) for mod in self.members], -1)
 
     def _traced(self, pos: int, x: torch.Tensor) -> torch.Tensor:
         """A member's traced call: the group's op, added by the first member that reads x and taken by the others
@@ -350,13 +355,12 @@ class _Group:
     def _lay_out(self) -> None:
         """One buffer per part (and the bias), the members' rows end to end; each member's tensors become views
         (the same Parameter objects: an optimizer keeps its reference)."""
-        fused, parts = [], []
+        fused = []
         with torch.no_grad(), torch.inference_mode(False):
             for j, name in enumerate(self.parts):
                 own = [_read(slots[j]) for slots in self.slots]
                 if own[0] is None:
                     fused.append(None)
-                    parts.append(None)
                     continue
                 buffer = torch.cat([t.detach() for t in own])
                 row = 0
@@ -369,9 +373,7 @@ class _Group:
                     else:
                         mod._buffers[name] = view
                 fused.append(buffer)
-                parts.append([_read(slots[j]) for slots in self.slots])
         self.fused, self.pending, self.warmed, self.gated_warmed = fused, None, False, set()
         self.addresses = self._addresses()
-        self.traced_key, self.has_bias = self.spec.key(self.members[0]), fused[-1] is not None
-        bias = parts.pop()
-        self.spec.laid_out(parts, bias, fused)
+        self.traced_key = self.spec.key(self.members[0])
+        self.spec.laid_out(fused, self)

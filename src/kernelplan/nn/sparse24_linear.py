@@ -11,7 +11,7 @@ from ..sparse24.dispatch import MEMORY_POLICIES
 from ..sparse24 import Sparse24Weight
 from ..sparse24.format import prune_compress
 from ..sparse24.gemm import forget, gated_epilogue, linear_parts
-from ..sparse24.group import group_linear, laid_out
+from ..sparse24.group import group_op, register
 from ..sparse24.layout import PUBLIC, layout_of, pack_reason, unpack
 from .siblings import SPECS, Spec
 
@@ -155,15 +155,9 @@ def _sibling_call(first: Sparse24Linear, x, values, metadata, bias, epilogue: st
     return linear_parts(x, values, metadata, bias, epilogue, first.memory)
 
 
-def _sibling_traced(key: tuple, x, parts, bias, epilogue: str | None = None) -> torch.Tensor:
-    values, metadata = parts
-    return group_linear(x, values, metadata, bias, epilogue, key[_KEY_MEMORY])
-
-
-def _sibling_laid_out(parts, bias, buffers) -> None:
-    values, metadata = parts
-    laid_out(values, metadata, bias, buffers)
+def _sibling_traced(key: tuple, x, values, metadata, bias, epilogue: str | None = None) -> torch.Tensor:
+    return group_op(x, values, metadata, bias, epilogue or "", key[_KEY_MEMORY])
 
 
 SPECS[Sparse24Linear] = Spec(("values", "metadata"), _sibling_key, _sibling_call, forget, _sibling_call,
-                             _sibling_traced, _sibling_laid_out)
+                             _sibling_traced, lambda buffers, group: register(buffers[0], group))
