@@ -373,6 +373,13 @@ class _Group:
                     else:
                         mod._buffers[name] = view
                 fused.append(buffer)
+        for buffer in fused:
+            if buffer is not None:
+                # To CUDA-graph trees (torch.compile's "reduce-overhead"), a traced op's tensor input that is no
+                # module's parameter or buffer is copied into the graph's own memory before every replay: the group's
+                # weights, each step (decode batch 1 ran 1.17x slower grouped than not; docs/design/0076).  Marked,
+                # they are read where they lie, and a graph is recorded again if they move.
+                torch._dynamo.mark_static_address(buffer)
         self.fused, self.pending, self.warmed, self.gated_warmed = fused, None, False, set()
         self.addresses = self._addresses()
         self.traced_key = self.spec.key(self.members[0])
