@@ -108,6 +108,8 @@ def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: in
     if unfused:  # the same pruned weights, each layer its own GEMM (no sibling groups, no epilogue routes)
         models["sparse unfused"] = copy.deepcopy(dense)
         kp.sparsify(models["sparse unfused"], progress=False, prune_output=True, fuse=False)
+        # and grouped, but with q/k/v each its own op when traced (gate/up's group still one gated op)
+        models["sparse qkv alone"] = copy.deepcopy(models["sparse"])
     vocab = dense.config.vocab_size
     rows = []
     for batch in batches:
@@ -117,6 +119,12 @@ def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: in
             steps = {f"{n} eager": DecodeStep(m, prompt, max_len) for n, m in models.items()}
         compiled, compile_s = {}, {}
         for n, m in models.items():
+            if n == "sparse qkv alone":  # the groups settled on the eager steps above
+                for mod in m.modules():
+                    owner = kp.nn.siblings_of(mod)
+                    for group in (owner.groups or ()) if owner is not None else ():
+                        if len(group.members) == 3:
+                            group.traced_call = None  # _Group.traced_gemm: each member its own op
             c = copy.copy(m)  # the same modules and weights; its own forward attribute, compiled
             c.forward = torch.compile(m.forward, mode=mode, dynamic=False)
             with CONTEXTS[context]():
