@@ -110,6 +110,8 @@ def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: in
         kp.sparsify(models["sparse unfused"], progress=False, prune_output=True, fuse=False)
         # and grouped, but with q/k/v each its own op when traced (gate/up's group still one gated op)
         models["sparse qkv alone"] = copy.deepcopy(models["sparse"])
+        # and grouped, but gated MLPs their own forward when traced (gate/up one group op, silu * up inductor's)
+        models["sparse gated alone"] = copy.deepcopy(models["sparse"])
     vocab = dense.config.vocab_size
     rows = []
     for batch in batches:
@@ -125,6 +127,12 @@ def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: in
                     for group in (owner.groups or ()) if owner is not None else ():
                         if len(group.members) == 3:
                             group.traced_call = None  # _Group.traced_gemm: each member its own op
+            if n == "sparse gated alone":
+                from kernelplan.nn.gated_siblings import gated_mlp_of
+
+                for mod in m.modules():
+                    if gated_mlp_of(mod) is not None:
+                        gated_mlp_of(mod).checked = False  # routes.EpilogueRoute.forward: traced, its own forward
             c = copy.copy(m)  # the same modules and weights; its own forward attribute, compiled
             c.forward = torch.compile(m.forward, mode=mode, dynamic=False)
             with CONTEXTS[context]():
