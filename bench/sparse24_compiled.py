@@ -95,6 +95,19 @@ def op_calls(fn) -> dict:
     return counts
 
 
+def _variant(name: str, model) -> None:
+    """The grouped model's variants (``--unfused``), set after its groups settled and its routes were checked."""
+    from kernelplan.nn.gated_siblings import gated_mlp_of
+
+    for mod in model.modules():
+        owner = kp.nn.siblings_of(mod) if name == "sparse qkv alone" else None
+        for group in (owner.groups or ()) if owner is not None else ():
+            if len(group.members) == 3:
+                group.traced_call = None  # _Group.traced_gemm: each member its own op
+        if name == "sparse gated alone" and gated_mlp_of(mod) is not None:
+            gated_mlp_of(mod).checked = False  # routes.EpilogueRoute.forward: traced, the module's own forward
+
+
 def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: int, profile: bool,
                context: str, unfused: bool = False) -> list[dict]:
     torch.manual_seed(0)
@@ -121,22 +134,11 @@ def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: in
             steps = {f"{n} eager": DecodeStep(m, prompt, max_len) for n, m in models.items()}
         compiled, compile_s = {}, {}
         for n, m in models.items():
-            if n == "sparse qkv alone":  # the groups settled on the eager steps above
-                for mod in m.modules():
-                    owner = kp.nn.siblings_of(mod)
-                    for group in (owner.groups or ()) if owner is not None else ():
-                        if len(group.members) == 3:
-                            group.traced_call = None  # _Group.traced_gemm: each member its own op
-            if n == "sparse gated alone":
-                from kernelplan.nn.gated_siblings import gated_mlp_of
-
-                for mod in m.modules():
-                    if gated_mlp_of(mod) is not None:
-                        gated_mlp_of(mod).checked = False  # routes.EpilogueRoute.forward: traced, its own forward
             c = copy.copy(m)  # the same modules and weights; its own forward attribute, compiled
             c.forward = torch.compile(m.forward, mode=mode, dynamic=False)
             with CONTEXTS[context]():
                 compiled[f"{n} compiled"] = step = DecodeStep(m, prompt, max_len)  # the prefill eager: one compile
+                _variant(n, m)  # after the eager prefill, which would check a gated route again
                 step.model = c
                 t0 = time.perf_counter()
                 step()  # the decode graph's compile
