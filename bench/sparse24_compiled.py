@@ -14,9 +14,8 @@ variants (medians):
   too, siblings fused, as that bench), one decode step at each ``--batch``: eager and with ``model.forward``
   compiled (``--mode``, ``dynamic=False``; each batch compiles its own graph); with ``--unfused``, the same sparse
   model with ``fuse=False`` beside them.  Each compiled model's logits are
-  checked against its eager step's first, and the custom ops one compiled sparse step calls are counted (sibling
-  groups and gated MLPs trace as one op each where their groups settled eagerly first, as here).  Then the bytes
-  each model holds, the 2:4 layouts its calls built included.
+  checked against its eager step's first, and the custom ops one compiled sparse step calls are counted.  Then the
+  bytes each model holds, the 2:4 layouts its calls built included.
 
 Writes ``bench/results/sparse24-compiled-<gpu>.json``.
 
@@ -95,25 +94,11 @@ def op_calls(fn) -> dict:
     return counts
 
 
-def _variant(name: str, model) -> None:
-    """The grouped model's variants (``--unfused``), set after its groups settled and its routes were checked (their
-    eager steps are not the grouped model's: only their compiled ones are read)."""
-    from kernelplan.nn.gated_siblings import gated_mlp_of
-
-    for mod in model.modules():
-        owner = kp.nn.siblings_of(mod) if name == "sparse qkv alone" else None
-        for group in (owner.groups or ()) if owner is not None else ():
-            if len(group.members) == 3:
-                group.traced_call = None  # _Group.traced_gemm: each member its own op
-        if name == "sparse gated alone" and gated_mlp_of(mod) is not None:
-            gated_mlp_of(mod).off = "bench variant"  # its own forward, eager (not timed here) and traced
-
-
 def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: int, profile: bool,
                context: str, unfused: bool = False) -> list[dict]:
     torch.manual_seed(0)
     # Every model's forward is one code object to dynamo, compiled once a model and batch: past its default limit of
-    # 8 compiles, a third model at a third batch ran uncompiled.
+    # 8 compiles, a third model (--unfused) at a third batch ran uncompiled.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(batches))
     with torch.device("cuda"):
         dense = build_model(name, layers).to(torch.bfloat16).eval()
@@ -122,10 +107,6 @@ def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: in
     if unfused:  # the same pruned weights, each layer its own GEMM (no sibling groups, no epilogue routes)
         models["sparse unfused"] = copy.deepcopy(dense)
         kp.sparsify(models["sparse unfused"], progress=False, prune_output=True, fuse=False)
-        # and grouped, but with q/k/v each its own op when traced (gate/up's group still one gated op)
-        models["sparse qkv alone"] = copy.deepcopy(models["sparse"])
-        # and grouped, but gated MLPs their own forward when traced (gate/up one group op, silu * up inductor's)
-        models["sparse gated alone"] = copy.deepcopy(models["sparse"])
     vocab = dense.config.vocab_size
     rows = []
     for batch in batches:
@@ -139,7 +120,6 @@ def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: in
             c.forward = torch.compile(m.forward, mode=mode, dynamic=False)
             with CONTEXTS[context]():
                 compiled[f"{n} compiled"] = step = DecodeStep(m, prompt, max_len)  # the prefill eager: one compile
-                _variant(n, m)  # after the eager prefill, which would check a gated route again
                 step.model = c
                 t0 = time.perf_counter()
                 step()  # the decode graph's compile

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import kernelplan as kp
+from helpers import compiled_graphs
 from kernelplan.bench.decode import weight_bytes
 from kernelplan.nn import Sparse24Linear, fuse_siblings, siblings_of
 
@@ -155,6 +156,21 @@ def test_layers_called_one_by_one_do_not_settle_the_watch_and_warmup_leaves_it_a
     assert {(r["m"], r["k"], r["n"]) for r in rows} == {(128, 128, 1), (128, 128, 4), (48, 128, 1), (48, 128, 4),
                                                          (224, 128, 1), (224, 128, 4)}
     assert siblings.stats["fused"] == 1 and siblings.groups[0].warmed
+
+
+@pytest.mark.parametrize("settled", [False, True])
+def test_torch_compile_traces_each_member_as_its_own_op_in_one_graph(settled):
+    torch._dynamo.reset()
+    model, alone, siblings = _pair()
+    x = torch.randn(3, 128)
+    with torch.no_grad():
+        for _ in range(2 if settled else 0):
+            model(x)
+        before = dict(siblings.stats)
+        got, graphs = compiled_graphs(model, x)
+        torch.testing.assert_close(got, alone(x), rtol=0, atol=0)
+    assert sum(g.count("kernelplan.sparse24_linear") for g in graphs) == 4
+    assert siblings.stats == before and (siblings.groups is not None) == settled
 
 
 def test_cross_attention_groups_only_the_layers_that_share_their_input():

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import kernelplan as kp
-from helpers import FWD_ATOL, assert_close, compiles_after_warmup, poisoned, sm90
+from helpers import FWD_ATOL, assert_close, compiled_graphs, compiles_after_warmup, poisoned, sm90
 from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
 from kernelplan.errors import InvalidProblem
 from kernelplan.nn.gated_siblings import activation_of, gated_mlp_of
@@ -204,6 +204,22 @@ def test_phi3s_fused_gate_up_runs_on_the_gated_epilogue():
     assert set(model.state_dict()) == set(plain.state_dict())
 
 
+def test_torch_compile_traces_the_mlps_own_forward_in_one_graph():
+    """Under torch.compile a routed MLP is its own forward (each projection its own op), in one graph."""
+    torch._dynamo.reset()
+    model = _llama()
+    kp.sparsify(model, progress=False)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 5, 128)
+    with torch.no_grad():
+        model(torch.randint(0, 100, (1, 4))), model(torch.randint(0, 100, (1, 4)))  # settled and checked
+        route = gated_mlp_of(mlp)
+        before = dict(route.stats)
+        got, graphs = compiled_graphs(mlp, x)
+        torch.testing.assert_close(got, type(mlp).forward(mlp, x))
+    assert sum(g.count("kernelplan.sparse24_linear") for g in graphs) == 3 and route.stats == before
+
+
 def test_warmup_lists_the_gated_gemms_once_their_groups_settle():
     from kernelplan.warm import table
 
@@ -359,3 +375,26 @@ def test_on_the_gpu_warmup_builds_the_gated_mlps_kernels(monkeypatch, tmp_path):
         model(torch.randint(0, 100, (1, 4), device="cuda"))  # the first pass settles the groups
     assert compiles_after_warmup(model) == 0
     assert gated_mlp_of(model.model.layers[0].mlp).stats["fused"] == 3
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_on_the_gpu_a_compiled_llama_with_settled_groups_matches_the_unfused_model(mode):
+    """Compiled after its groups settled and its gated routes were checked (each layer its own op when traced):
+    inductor's kernels and CUDA graphs around the 2:4 ops, the unfused model's logits at three batch sizes."""
+    torch._dynamo.reset()
+    model = _llama().cuda().bfloat16()
+    plain = copy.deepcopy(model)
+    kp.sparsify(model, progress=False)
+    kp.sparsify(plain, progress=False, fuse=False)
+    compiled = torch.compile(model, mode=mode, fullgraph=True)
+    with torch.no_grad():
+        for _ in range(2):
+            model(torch.randint(0, 100, (2, 9), device="cuda"))  # settled, laid out and checked
+        assert gated_mlp_of(model.model.layers[0].mlp).checked
+        for shape in [(1, 1), (3, 17), (2, 64), (3, 17)]:
+            ids = torch.randint(0, 100, shape, device="cuda")
+            for _ in range(3):  # reduce-overhead: warm-up runs, then the graph's replays
+                got = compiled(ids).logits.clone()
+            want = plain(ids).logits
+            assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max()), shape

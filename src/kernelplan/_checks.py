@@ -165,17 +165,6 @@ def plain_eager(*tensors: torch.Tensor | None) -> bool:
     return True
 
 
-def needs_grad(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd records a call on these tensors: grad mode on and one of them requires grad (traced, dynamo
-    guards on both)."""
-    if not torch.is_grad_enabled():
-        return False
-    for t in tensors:  # a loop, not any(<generator>): traced by every torch the project supports
-        if t is not None and t.requires_grad:
-            return True
-    return False
-
-
 # Bound once: each module attribute read costs host time on every eager call (plain_eager runs on each one).
 # torch.compile recognizes the function itself, whatever name calls it.
 _is_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled

@@ -77,8 +77,6 @@ class ActivatedMlp(EpilogueRoute):
     def __init__(self, mod: nn.Module, activation: str, first: nn.Module, second: nn.Module | None = None):
         self.activation, self.first, self.second = activation, first, second
         super().__init__(mod)
-        # Traced, the layers are read through the module (what dynamo reads them by), by name: nn/routes.py says why.
-        self.names = [next(n for n, child in self.children if child is layer) for layer in (first, second) if layer]
 
     def __repr__(self) -> str:
         return (f"ActivatedMlp({type(self.mod).__name__}, {self.activation!r}, off={self.off!r}, "
@@ -97,14 +95,7 @@ class ActivatedMlp(EpilogueRoute):
     def call_fused(self, x: torch.Tensor, capturing: bool) -> torch.Tensor | None:
         if self.mod.training:
             return None
-        return self._then_second(self.epilogue_gemm(x, capturing))
-
-    def traced(self, x: torch.Tensor) -> torch.Tensor | None:
-        modules = self.mod._modules
-        if self.mod.training:
-            return None
-        h = self.layer_traced(modules[self.names[0]], x, self.activation)
-        return h if h is None or len(self.names) == 1 else modules[self.names[1]](h)
-
-    def _then_second(self, h: torch.Tensor | None) -> torch.Tensor | None:
-        return h if h is None or self.second is None else self.second(h)
+        h = self.epilogue_gemm(x, capturing)
+        if h is None or self.second is None:
+            return h
+        return self.second(h)

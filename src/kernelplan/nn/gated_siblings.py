@@ -12,7 +12,7 @@ output is contiguous: it runs at any number of rows of x.
 ``route_gated_mlps`` gives each such module a route (``nn/routes.py``: its first fused call is checked against
 the module's own forward).  The names only propose: a module whose act_fn is not one of the kernels' activations,
 identified by its values on a probe, is not routed.  The module's own forward also runs:
-* under autograd (each layer its own op, as without a group), traced or not;
+* under autograd (each layer its own op, as without a group);
 * until gate_proj and up_proj have settled as one group of those two, gate first (Phi-3's form needs no group);
 * wherever the group's GEMM would run alone (``_Group.gated``: an x a layer refuses, a capture before the gated
   GEMM has run eagerly, a broken group).
@@ -139,14 +139,3 @@ class GatedMlp(EpilogueRoute):
     def call_fused(self, x: torch.Tensor, capturing: bool) -> torch.Tensor | None:
         h = self.gated(x, capturing)
         return self.mlp.down_proj(h) if h is not None else None
-
-    def traced(self, x: torch.Tensor) -> torch.Tensor | None:
-        # Through self.mod and the group found eagerly (a checked route found it): the paths dynamo already took
-        # (Group.traced_gemm says why).
-        mod = self.mod
-        if self.fused:
-            h = self.layer_traced(mod.gate_up_proj, x, self.epilogue)
-        else:
-            group = self._settled
-            h = group.traced_gemm(x, self.epilogue, any_rows=True) if group is not None else None
-        return mod.down_proj(h) if h is not None else None

@@ -7,10 +7,8 @@ its forward computes.  So the first fused call of each module is compared with t
 input; a module whose results differ goes back to its own forward for good, with a warning.
 
 A route is the module's instance ``forward``, which Module.__call__ finds before the class's; it holds no tensors,
-so state dicts are unchanged.  Under torch.compile, a route whose first fused call was checked eagerly traces its
-fused GEMMs as ops of the graph (``traced``), where no gradient is needed; one not yet checked traces the module's
-own forward.  The module's own forward runs:
-* for calls of other than one input;
+so state dicts are unchanged.  The module's own forward runs:
+* under torch.compile (each layer its own op, as without a route), or for calls of other than one input;
 * wherever the subclass's ``call_fused`` returns None (autograd, an input a layer refuses, a capture before the
   fused GEMM has run eagerly: the route cannot build a kernel inside a capture);
 * for the first call, when it falls inside a CUDA graph capture (the check needs the two results);
@@ -24,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import _is_compiling, needs_grad, plain_eager, warn_once
+from .._checks import _is_compiling, plain_eager, warn_once
 from ..kernels import stream_capturing
 
 # The first fused call against the module's own forward: an error of rounding (bf16's is 2^-8 of a value, and the
@@ -52,7 +50,6 @@ class EpilogueRoute:
         self.off: str | None = None  # why this module runs its own forward for good
         self.stats = {"fused": 0, "own": 0}
         self.children = tuple(mod._modules.items())  # by identity: what the fused GEMMs read
-        self.child_ids = self._ids()
         mod.__dict__["forward"] = self.forward
         mod.__dict__["_epilogue_route"] = self
 
@@ -73,10 +70,6 @@ class EpilogueRoute:
         ``capturing`` as ``call_fused``'s, asked here where not given."""
         raise NotImplementedError
 
-    def traced(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The module's result on ``x`` by the fused GEMMs' ops in a traced graph, or None where they cannot run."""
-        raise NotImplementedError
-
     def ready(self) -> bool:
         """Whether the epilogue's GEMM can run now (a gated MLP's group may not have settled yet)."""
         return True
@@ -88,24 +81,13 @@ class EpilogueRoute:
         self.mod.__dict__.pop("forward", None)
         self.mod.__dict__.pop("_epilogue_route", None)
 
-    def _ids(self) -> tuple:
-        return tuple((name, id(child)) for name, child in self.children)
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self.child_ids = self._ids()  # a copy's children are new objects
-
     def children_replaced(self) -> bool:
-        """Whether the module's children are not the ones it held when routed (one replaced, added or removed).
-
-        By the children's ids (``children`` holds them, so no other object has one): traced, dynamo would guard a
-        comparison of the objects themselves, each reached through the model and through the route, by a Python
-        guard on every call of the compiled model (nn/siblings.py, ``_Group.traced_gemm``)."""
+        """Whether the module's children are not the ones it held when routed (one replaced, added or removed)."""
         modules = self.mod._modules  # a loop, not any(<generator>): 0.27 us against 1.1 a call on the CI host
-        for name, child_id in self.child_ids:
-            if id(modules.get(name)) != child_id:
+        for name, child in self.children:
+            if modules.get(name) is not child:
                 return True
-        return len(modules) != len(self.child_ids)
+        return len(modules) != len(self.children)
 
     @staticmethod
     def capturing(x: torch.Tensor) -> bool:
@@ -124,22 +106,12 @@ class EpilogueRoute:
         self.warmed = self.warmed or not capturing
         return h
 
-    @staticmethod
-    def layer_traced(layer: nn.Module, x: torch.Tensor, epilogue: str) -> torch.Tensor | None:
-        """``layer``'s GEMM on ``x`` with ``epilogue`` as an op of a traced graph, or None: an x the layer refuses, or
-        a gradient needed."""
-        if x.dim() == 0 or x.shape[-1] != layer.in_features or needs_grad(x, layer.values, layer.bias):
-            return None
-        return layer.with_epilogue(x, epilogue)
-
     def forward(self, *args, **kwargs):
         mod = self.mod
         own = type(mod).forward
-        if self.off is not None or len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+        if self.off is not None or _is_compiling() or len(args) != 1 or kwargs or \
+                not isinstance(args[0], torch.Tensor):
             return own(mod, *args, **kwargs)
-        if _is_compiling():  # not counted, as a group's traced calls are not
-            y = self.traced(args[0]) if self.checked and not self.children_replaced() else None
-            return own(mod, *args) if y is None else y
         if self.children_replaced():
             self.stats["own"] += 1
             return own(mod, *args)

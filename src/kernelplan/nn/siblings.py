@@ -26,17 +26,9 @@ view:
 Gated MLPs (gate_proj/up_proj/down_proj/act_fn) are routed as well, to their group's GEMM with the activation in
 its epilogue (``gated_siblings.py``; counted as "gated"), and so are MLPs with one activation, to their first
 layer's GEMM with the activation in its epilogue (``activated.py``).  ``Siblings.stats`` counts the calls of each
-kind, so what ran is never a guess (traced calls are not counted: ``sparse24.group.CALLS`` counts the group op's).
-A member's calls reach its group through an instance ``forward`` (``_route``); its own GEMM is ``forward_alone``.
-
-Under torch.compile a settled group whose buffers an eager call laid out traces as one op for the members that read
-one input (``Spec.traced``; ``sparse24/group.py``), where grad mode is off and x has at most
-``GROUP_MAX_ROWS`` rows: the first member's call adds the op, and the others take their columns of its output.
-That is remembered while tracing, not checked per call: a traced x is one value for the whole graph, and an
-in-place change of x between members' calls (which eager calls check by its version) is not seen.  Where members
-stop reading one input while traced, the group is broken, as eagerly.  A traced pass that calls some members but
-not the rest leaves their output with the group (each compiled call stores it again).  Not settled, not laid out,
-or under autograd, each member is its own op.
+kind, so what ran is never a guess.  Under torch.compile each member
+is its own op, as without a group, and is not counted.  A member's calls reach its group through an instance
+``forward`` (``_route``); its own GEMM is ``forward_alone``.
 """
 
 from __future__ import annotations
@@ -64,12 +56,6 @@ class Spec:
     # (first member, x, *parts, bias, epilogue) -> act(gate) * other of two members' rows (activations.GATED_EPILOGUES),
     # or None where the kind of module has no gated epilogue (nn/gated_siblings.py)
     gated: Callable | None = None
-    # Traced (torch.compile): (the first member's key, x, *the group's buffers, epilogue) -> the members' outputs side
-    # by side under the epilogue, one op of the graph that checks per call that the members still lie in the buffers
-    # (sparse24/group.py); None: traced, each member runs alone
-    traced: Callable | None = None
-    # (the group's buffers, the group): they were laid out, the traced op's check asks the group (_Group.on_buffers)
-    laid_out: Callable = lambda buffers, group: None
 
 
 # Rows of x (tokens) up to which a group runs as one GEMM.  Over the sweep set's q/k/v and gate/up (H200, bf16,
@@ -208,20 +194,15 @@ class _Group:
         self.rows = [m.out_features for m in self.members]
         self.offsets = [sum(self.rows[:p]) for p in range(len(self.rows))]
         self.broken = False
-        # Read by traced calls in place of the members (see traced_gemm): what they share and the spec's traced call
-        spec = SPECS[type(self.members[0])]
-        self.in_features, self.traced_call = self.members[0].in_features, spec.traced
-        self.traced_key = spec.key(self.members[0])
         self.warmed = False  # the group's GEMM has run outside a capture since its buffers were laid out
         self.gated_warmed: set = set()  # the gated epilogues (gated_siblings.py) that have, likewise
         self.fused: list | None = None  # per part and the bias: its buffer, or None (no bias)
         self.addresses: list | None = None  # each member tensor's data pointer in the buffers, as laid out
         self.pending: tuple | None = None  # (weakref to x, x's version, y, members served (bits), their versions)
-        self.traced_pass: tuple | None = None  # while tracing: (x, y, members served (bits)); _traced
         self._all = (1 << len(index)) - 1
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "pending": None, "traced_pass": None}
+        return {**self.__dict__, "pending": None}
 
     @property
     def spec(self) -> Spec:
@@ -232,8 +213,8 @@ class _Group:
         return [t._version for t in map(_read, slots) if t is not None]
 
     def forward(self, pos: int, x: torch.Tensor) -> torch.Tensor:
-        if _is_compiling():
-            return self._traced(pos, x)
+        if _is_compiling():  # traced, each layer is its own op
+            return self.members[pos].forward_alone(x)
         stats = self.owner.stats
         pending = self.pending
         if pending is not None:
@@ -292,50 +273,6 @@ class _Group:
         self.owner.stats["gated"] = self.owner.stats.get("gated", 0) + 1
         return y
 
-    # Traced (torch.compile), the group's op reads its buffers alone and checks the members per call (on_buffers):
-    # dynamo guards every object a trace reads on every call of the compiled model, and a first form of this path
-    # that read each member's tensors (and the members by two paths) cost more host time than its fewer op calls
-    # saved (docs/design/0076).
-
-    def traced_gemm(self, x: torch.Tensor, epilogue: str | None = None, any_rows: bool = False):
-        """The group's op in a traced graph, every member's output side by side under ``epilogue``; None where it
-        cannot run: not laid out by an eager call, broken, grad mode on (each member's gradient is its own), an x its
-        members refuse, or of more rows than a group runs unless ``any_rows`` (a gated output is contiguous)."""
-        fused = self.fused
-        if fused is None or self.broken or self.traced_call is None or torch.is_grad_enabled() or x.dim() == 0 or \
-                x.shape[-1] != self.in_features or not any_rows and x.numel() > GROUP_MAX_ROWS * x.shape[-1]:
-            return None
-        return self.traced_call(self.traced_key, x, *fused, epilogue)
-
-    def on_buffers(self, values: torch.Tensor) -> bool:
-        """Whether ``values`` is the group's values buffer and every member still lies in the buffers (the traced
-        op's check, ``sparse24/group.py``)."""
-        return self.fused is not None and self.fused[0] is values and not self._off_buffers()
-
-    def alone(self, x: torch.Tensor) -> torch.Tensor:
-        """Every member's own GEMM on x, side by side (the traced op's, where the members left the buffers)."""
-        return torch.cat([mod.forward_alone(x) for mod in self.members], -1)
-
-    def _traced(self, pos: int, x: torch.Tensor) -> torch.Tensor:
-        """A member's traced call: the group's op, added by the first member that reads x and taken by the others
-        (``traced_pass``: x, the op's output, the members served, as bits).  Kept on the group while tracing: dynamo
-        replays the assignment after each compiled call, and a pass that served every member leaves None."""
-        memo = self.traced_pass
-        if memo is not None:
-            px, y, served = memo
-            if px is x and not served >> pos & 1:
-                served |= 1 << pos
-                self.traced_pass = None if served == self._all else (px, y, served)
-                return y.narrow(-1, self.offsets[pos], self.rows[pos])
-            self.traced_pass = None
-            if served != self._all:  # a member did not take its columns: they no longer read one input
-                self.broken = True
-        y = self.traced_gemm(x)
-        if y is None:
-            return self.members[pos].forward_alone(x)
-        self.traced_pass = None if self._all == 1 << pos else (x, y, 1 << pos)
-        return y.narrow(-1, self.offsets[pos], self.rows[pos])
-
     def _addresses(self) -> list:
         return [None if t is None else t.data_ptr() for t in map(_read, self.flat)]
 
@@ -373,14 +310,5 @@ class _Group:
                     else:
                         mod._buffers[name] = view
                 fused.append(buffer)
-        for buffer in fused:
-            if buffer is not None:
-                # To CUDA-graph trees (torch.compile's "reduce-overhead"), a traced op's tensor input that is no
-                # module's parameter or buffer is copied into the graph's own memory before every replay: the group's
-                # weights, each step (decode batch 1 ran 1.17x slower grouped than not; docs/design/0076).  Marked,
-                # they are read where they lie, and a graph is recorded again if they move.
-                torch._dynamo.mark_static_address(buffer)
         self.fused, self.pending, self.warmed, self.gated_warmed = fused, None, False, set()
         self.addresses = self._addresses()
-        self.traced_key = self.spec.key(self.members[0])
-        self.spec.laid_out(fused, self)

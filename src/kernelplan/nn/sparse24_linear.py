@@ -11,7 +11,6 @@ from ..sparse24.dispatch import MEMORY_POLICIES
 from ..sparse24 import Sparse24Weight
 from ..sparse24.format import prune_compress
 from ..sparse24.gemm import forget, gated_epilogue, linear_parts
-from ..sparse24.group import group_op, register
 from ..sparse24.layout import PUBLIC, layout_of, pack_reason, unpack
 from .siblings import SPECS, Spec
 
@@ -145,19 +144,11 @@ class Sparse24Linear(nn.Module):
 def _sibling_key(mod: Sparse24Linear) -> tuple | None:
     if mod.layout == PUBLIC:  # its rows are not whole tiles of the device layout
         return None
-    return mod.in_features, mod.values.dtype, mod.values.device, mod.memory, mod.bias is None  # _KEY_MEMORY: 3
-
-
-_KEY_MEMORY = 3  # the memory policy's place in a group's key
+    return mod.in_features, mod.values.dtype, mod.values.device, mod.memory, mod.bias is None
 
 
 def _sibling_call(first: Sparse24Linear, x, values, metadata, bias, epilogue: str | None = None) -> torch.Tensor:
     return linear_parts(x, values, metadata, bias, epilogue, first.memory)
 
 
-def _sibling_traced(key: tuple, x, values, metadata, bias, epilogue: str | None = None) -> torch.Tensor:
-    return group_op(x, values, metadata, bias, epilogue or "", key[_KEY_MEMORY])
-
-
-SPECS[Sparse24Linear] = Spec(("values", "metadata"), _sibling_key, _sibling_call, forget, _sibling_call,
-                             _sibling_traced, lambda buffers, group: register(buffers[0], group))
+SPECS[Sparse24Linear] = Spec(("values", "metadata"), _sibling_key, _sibling_call, forget, _sibling_call)

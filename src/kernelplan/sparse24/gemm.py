@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .._checks import check_tensor, choice, needs_grad, plain_eager
+from .._checks import check_tensor, choice, plain_eager
 from ..activations import ACTIVATIONS, GATED_EPILOGUES, GATED_GATES, epilogue_columns
 from ..gated import gate_activation
 from ..dtypes import dtype_info
@@ -249,7 +249,9 @@ def linear_parts(x, values, metadata, bias=None, activation=None, memory="compac
     activation, memory = _checked(x, values, metadata, bias, activation, memory)
     if not eager:
         # Traced, the choice is made once and guarded (grad mode, each tensor's requires_grad).
-        op = _sparse24_linear_op if needs_grad(x, values, bias) else _sparse24_inference_op
+        grad = torch.is_grad_enabled() and (x.requires_grad or values.requires_grad or
+                                            bias is not None and bias.requires_grad)
+        op = _sparse24_linear_op if grad else _sparse24_inference_op
         return op(x, values, metadata, bias, activation or "", memory)
     return _prepare(key, x, values, metadata, bias, activation or "", memory)
 
