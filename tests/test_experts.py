@@ -762,7 +762,8 @@ def test_the_sparsify_command_holds_a_moe_directory_s_experts_2_4_without_calibr
     done = kernelplan_cli("sparsify", tmp_path / "dense", tmp_path / "out", "--device", "cpu")
     assert done.returncode == 0, done.stderr
     assert "2 MoE experts modules (model.layers.0.mlp.experts ...): the model is loaded whole" in done.stdout
-    assert "or with transformers' AutoModelForCausalLM.from_pretrained(DIR) once" in done.stdout
+    assert "or with transformers (AutoModelForCausalLM, or the class config.json names) from_pretrained(DIR) once" \
+        in done.stdout
     loaded = kp.hf.load_model(tmp_path / "out")
     experts = loaded.model.layers[0].mlp.experts
     assert isinstance(experts, Sparse24Experts)

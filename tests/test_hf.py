@@ -311,6 +311,30 @@ def test_a_dense_directory_sparsified_shard_by_shard_is_what_the_in_memory_path_
         hf.sparsify_directory(tmp_path / "streamed", tmp_path / "again", fmt)
 
 
+@pytest.mark.parametrize("head", ["BertModel", "BertForSequenceClassification"])
+def test_a_model_of_another_head_loads_as_the_class_its_config_names(tmp_path, seed, head):
+    """load_model and the shard-by-shard sparsify build the class config.json's ``architectures`` names (an encoder,
+    a classifier), whose parameter names the checkpoint holds: a causal LM's are others (``bert.`` before them)."""
+    import copy
+
+    config = transformers.BertConfig(vocab_size=96, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                                     num_attention_heads=4, num_labels=3)
+    dense = getattr(transformers, head)(config).eval()
+    dense.save_pretrained(tmp_path / "dense")
+    sparse = copy.deepcopy(dense)
+    expected = kp.sparsify(sparse, progress=False)
+    hf.save_model(sparse, tmp_path / "saved")
+    report = hf.sparsify_directory(tmp_path / "dense", tmp_path / "streamed")
+    assert len(expected.converted) >= 12 and sorted(report.converted) == sorted(expected.converted)
+    ids = torch.randint(0, 96, (2, 7))
+    with torch.no_grad():
+        want = sparse(ids)[0]
+        for saved in ("saved", "streamed"):
+            loaded = hf.load_model(tmp_path / saved)
+            assert type(loaded) is type(dense)
+            torch.testing.assert_close(loaded(ids)[0], want, rtol=0, atol=0)
+
+
 # -- GPT-2: Hugging Face's Conv1D, a linear layer whose weight is stored [in, out] -------------------------------------
 
 def _gpt2():

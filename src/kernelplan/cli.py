@@ -386,8 +386,8 @@ def _load_hint(fmt: str) -> str:
     if fmt != "kernelplan":
         return ("load it with kp.hf.load_model(DIR); transformers reads the pruned weights of format dense, and "
                 "compressed-tensors reads sparse-24-bitmask")
-    return ("load it with kp.hf.load_model(DIR), or with transformers' AutoModelForCausalLM.from_pretrained(DIR) once "
-            "kp.hf.register_quantizer() has run in the process")
+    return ("load it with kp.hf.load_model(DIR), or with transformers (AutoModelForCausalLM, or the class config.json "
+            "names) from_pretrained(DIR) once kp.hf.register_quantizer() has run in the process")
 
 
 def _example_checkpoint(directory: str) -> str:

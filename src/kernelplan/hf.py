@@ -287,18 +287,38 @@ def dense_layer(model: nn.Module, name: str) -> tuple[nn.Module | None, tuple[in
     return layer, (tuple(layer.weight.shape) if isinstance(layer, nn.Linear) else None)
 
 
+def model_class(config):
+    """The transformers class a model's config names (``architectures``, which ``save_pretrained`` and
+    ``kp.hf.save_model`` write: ``BertModel``, ``BertForSequenceClassification``, ``LlamaForCausalLM``), whose
+    parameter names the checkpoint holds; ``AutoModelForCausalLM`` where it names none that transformers has."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            return cls
+    return transformers.AutoModelForCausalLM
+
+
+def _build(config, **kwargs) -> nn.Module:
+    """``model_class(config)`` built from ``config``: a concrete class through ``_from_config``, as the auto classes'
+    ``from_config`` builds theirs."""
+    import transformers
+
+    cls = model_class(config)
+    return (cls.from_config if cls is transformers.AutoModelForCausalLM else cls._from_config)(config, **kwargs)
+
+
 def _skeleton(config, dtype: torch.dtype | None) -> nn.Module:
     """The model ``config`` describes, on the CPU, its weights allocated but not initialized (transformers'
     ``no_init_weights``, which its from_pretrained builds under; it moved from modeling_utils in 4.x to
     initialization in 5.x), tied as configured.  Buffers computed in ``__init__`` (rotary frequencies) are kept."""
-    import transformers
-
     try:
         from transformers.initialization import no_init_weights
     except ImportError:
         from transformers.modeling_utils import no_init_weights
     with no_init_weights():
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = _build(config, dtype=dtype)
     model.tie_weights()  # transformers 5 ties in the init_weights that no_init_weights skips
     return model
 
@@ -461,7 +481,7 @@ def experts_modules(path: str | os.PathLike) -> list[str]:
     from .pruning.sparsify import _three_d
 
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(str(path)))
+        model = _build(transformers.AutoConfig.from_pretrained(str(path)))
     return [name for name, m in model.named_modules() if _three_d(m) and experts_reason(m) is None]
 
 
@@ -473,7 +493,8 @@ def load_for_pruning(path: str | os.PathLike, device: str | torch.device = "cpu"
         return load_model(path, device)
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=_stored_dtype(path))
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    model = model_class(config).from_pretrained(str(path), dtype=_stored_dtype(path))
     return model.to(device).eval()
 
 
@@ -599,8 +620,7 @@ def sparsify_directory(src: str | os.PathLike, dst: str | os.PathLike, format: s
     if holds_2_4(config):
         raise InvalidProblem(f"{src} is a 2:4 checkpoint already ({checkpoint_format(config)}); sparsify a dense one")
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(str(src)),
-                                                              dtype=_stored_dtype(src))
+        model = _build(transformers.AutoConfig.from_pretrained(str(src)), dtype=_stored_dtype(src))
     report = SparsifyReport()
     conv1d = {name for name, m in model.named_modules() if is_conv1d(m)}  # stored [in, out]: read transposed
     chosen = {name for name, _ in _select(model, filter_fn, False, report, experts_dense=(
@@ -722,6 +742,8 @@ def save_model(model: nn.Module, path: str | os.PathLike, format: str = "kernelp
         (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         files.append(INDEX)
     config = model.config.to_dict() if hasattr(model, "config") else {}
+    if config and not config.get("architectures"):  # as save_pretrained records it: the class load_model builds
+        config["architectures"] = [type(model).__name__]
     _write_config(out, config, format, sorted(n for n, m in model.named_modules()
                                               if isinstance(m, nn.Linear) and n not in sparse))
     return files + ["config.json"]
