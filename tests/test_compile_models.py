@@ -52,3 +52,29 @@ def test_a_sparsified_model_compiles_in_one_graph_of_its_2_4_ops_and_matches_the
         torch.testing.assert_close(got[key], plain(ids)[key], rtol=0, atol=0)
     ops = sum(g.count("kernelplan.sparse24_linear_inference.") for g in graphs)
     assert len(graphs) == 1 and layers >= 8 and ops == layers
+
+
+def test_a_sparsified_t5_runs_compiles_and_round_trips_as_the_unfused_model(tmp_path):
+    """T5 reads ``wo.weight.dtype`` in its feed-forward (Sparse24Linear.weight, sparse24/dense_view.py) and ties its
+    stacks' embeddings to ``shared`` (a checkpoint holds them once: kp.hf.load_model)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=100, d_model=128, d_kv=32, d_ff=256, num_layers=2, num_heads=4,
+                                   decoder_start_token_id=0, pad_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    plain = copy.deepcopy(model)
+    report = kp.sparsify(model, progress=False)
+    kp.sparsify(plain, progress=False, fuse=False)
+    args = (torch.randint(0, 100, (2, 9)),)
+    kwargs = {"decoder_input_ids": torch.randint(0, 100, (2, 5))}
+    with torch.no_grad():
+        want = plain(*args, **kwargs).logits
+        for _ in range(2):
+            torch.testing.assert_close(model(*args, **kwargs).logits, want, rtol=0, atol=0)
+        graphs = []
+        compiled = torch.compile(model, fullgraph=True, backend=lambda gm, _: graphs.append(gm) or gm.forward)
+        torch.testing.assert_close(compiled(*args, **kwargs).logits, want, rtol=0, atol=0)
+        kp.hf.save_model(model, tmp_path / "t5")
+        loaded = kp.hf.load_model(tmp_path / "t5")
+        torch.testing.assert_close(loaded(*args, **kwargs).logits, want, rtol=0, atol=0)
+    assert len(report.converted) == 32 and len(graphs) == 1 and type(loaded) is type(model)

@@ -403,9 +403,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
         else:
             stacked[key] = items
     result = model.load_state_dict(state, strict=False)
-    tied = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)
-            and getattr(config, "tie_word_embeddings", False) and m is model.get_output_embeddings()}
-    missing = [k for k in result.missing_keys if k not in tied and k not in sparse]
+    missing = [k for k in result.missing_keys if k not in sparse and k not in _tied_and_loaded(model, state)]
     if missing or result.unexpected_keys:
         moe = any(".experts." in k for k in [*missing, *result.unexpected_keys])
         unmarked = checkpoint_format(read_config(path)) == "dense" and any(
@@ -429,6 +427,16 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
 
         fuse_siblings(model)
     return model
+
+
+def _tied_and_loaded(model: nn.Module, state: dict) -> set[str]:
+    """The names of parameters tied to one that ``state`` loads (one tensor under several names, as the model's
+    ``tie_weights`` left it: an LM head and its embeddings, T5's shared embeddings and each stack's): a checkpoint
+    holds such a tensor once."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {n for group in names.values() if len(group) > 1 and any(g in state for g in group) for n in group}
 
 
 def experts_module(model: nn.Module, prefix: str) -> nn.Module:

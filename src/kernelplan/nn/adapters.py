@@ -77,8 +77,8 @@ def _lora_linear(masked: bool) -> type:
         output plus the adapters'); merging is refused (kernelplan/nn/adapters.py)."""
 
         def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device=None) -> None:
-            # PEFT reads the device and dtype off ``base_layer.weight``, which a 2:4 layer does not have: left
-            # alone, the adapters would stay on the CPU in float32 under a GPU model.
+            # PEFT reads the device and dtype off ``base_layer.weight``, which a 2:4 layer did not have (the adapters
+            # stayed on the CPU in float32 under a GPU model); placed by the values, as the GPU test checks.
             values = self.get_base_layer().values
             super()._move_adapter_to_device_of_base_layer(adapter_name, device if device is not None
                                                           else values.device)

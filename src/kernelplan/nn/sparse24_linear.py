@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import choice
+from .._checks import _is_compiling, choice
 from ..errors import InvalidProblem
 from ..sparse24.dispatch import MEMORY_POLICIES
 from ..sparse24 import Sparse24Weight
 from ..sparse24.format import prune_compress
 from ..sparse24.gemm import forget, gated_epilogue, linear_parts
+from ..sparse24.dense_view import DenseView
 from ..sparse24.layout import PUBLIC, layout_of, pack_reason, unpack
 from .siblings import SPECS, Spec
 
@@ -88,6 +89,15 @@ class Sparse24Linear(nn.Module):
 
     def to_dense(self) -> torch.Tensor:
         return self.weight24.decompress()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight as model code reads an nn.Linear's (``sparse24/dense_view.py``): its dense shape, dtype and
+        device with no dense copy held; an op on it runs on the weight decompressed (and warns once).  Traced, the
+        decompressed weight itself, as ops the compiler drops where nothing reads its values."""
+        if _is_compiling():
+            return self.to_dense()
+        return DenseView(self.values, self.metadata)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A layer in a sibling group (nn/siblings.py) has its calls routed to the group by an instance forward;

@@ -1,0 +1,54 @@
+"""A 2:4 layer's ``weight`` as model code reads it: a tensor of the dense shape, dtype and device, with no dense copy.
+
+Hugging Face's modelling code reads a linear layer's ``weight`` outside its forward: T5's feed-forward casts its
+input to ``wo.weight.dtype`` on every call, PEFT reads the device and dtype off ``base_layer.weight``.  A
+``Sparse24Linear`` holds ``values`` and ``metadata``, not a dense weight, and had no ``weight``: a sparsified T5
+raised AttributeError in its forward.
+
+``DenseView`` answers what such code reads (``shape``, ``dtype``, ``device``, ``isinstance(w, torch.Tensor)``) from
+its own metadata, holding only the compressed tensors.  Any op on it (``F.linear(x, layer.weight)``, ``w.sum()``,
+``w.clone()``) runs on the weight decompressed for that op, so every result is the weight's, and warns once that it
+does: a dense copy each time, which a 2:4 layer exists to avoid.  An op that would write it is refused (it would
+change the copy).  Outside autograd: a gradient goes to ``values`` through the layer's own forward.  Traced (``torch.compile``), the layer gives the decompressed weight as
+ops of the graph instead, which the compiler drops where only its dtype or shape is read.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .._checks import warn_once
+from ..errors import InvalidProblem
+from .format import Sparse24Weight
+from .layout import weight_shape
+
+
+class DenseView(torch.Tensor):
+    """The dense ``[M, K]`` weight of 2:4 ``values`` and ``metadata`` (either layout), decompressed per op."""
+
+    @staticmethod
+    def __new__(cls, values: torch.Tensor, metadata: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, weight_shape(values), dtype=values.dtype,
+                                                   device=values.device, requires_grad=False)
+
+    def __init__(self, values: torch.Tensor, metadata: torch.Tensor):
+        self.values, self.metadata = values, metadata
+
+    def __repr__(self) -> str:
+        return f"DenseView(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, 2:4)"
+
+    def dense(self) -> torch.Tensor:
+        with torch.no_grad():
+            return Sparse24Weight(self.values.detach(), self.metadata, _validate=False).decompress()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func._schema.is_mutable:  # it would change a copy made for the op, not the layer
+            raise InvalidProblem(f"{func} would write a 2:4 layer's weight, which is held as values and metadata: "
+                                 f"change layer.values (its kept entries; the mask in layer.metadata stays), or build "
+                                 f"a new layer from a dense weight with Sparse24Linear.from_dense")
+        warn_once(f"an op ({func}) read a 2:4 layer's weight: it ran on the weight decompressed, a dense copy made "
+                  f"for it (kernelplan.sparse24.dense_view)")
+        unwrap = lambda t: t.dense() if isinstance(t, DenseView) else t  # noqa: E731
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))

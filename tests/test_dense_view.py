@@ -1,0 +1,66 @@
+"""``Sparse24Linear.weight`` (``sparse24/dense_view.py``): what model code reads off a linear layer's weight, with no
+dense copy held; any op on it runs on the decompressed weight; a write is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernelplan as kp
+from helpers import compiled_graphs
+from kernelplan import _checks
+from kernelplan.bench.decode import weight_bytes
+from kernelplan.errors import InvalidProblem
+from kernelplan.sparse24.dense_view import DenseView
+
+
+@pytest.fixture(autouse=True)
+def _warn_afresh(monkeypatch):
+    monkeypatch.setattr(_checks, "_WARNED", set())
+
+
+def _layer(layout, dtype, m=48, k=128):
+    dense = torch.nn.Linear(k, m).to(dtype)
+    return kp.nn.Sparse24Linear.from_dense(dense, layout=layout)
+
+
+@pytest.mark.parametrize("layout", ["auto", "public"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_weight_reads_like_a_dense_one_and_ops_on_it_run_on_the_decompressed_weight(layout, dtype, seed):
+    layer = _layer(layout, dtype)
+    held = weight_bytes(layer)
+    w = layer.weight
+    assert isinstance(w, DenseView) and isinstance(w, torch.Tensor) and not w.requires_grad
+    assert (w.shape, w.dtype, w.device) == ((48, 128), dtype, torch.device("cpu"))
+    assert weight_bytes(layer) == held and "weight" not in layer.state_dict()
+    x = torch.randn(3, 5, 128, dtype=dtype)
+    want = x.double() @ layer.to_dense().double().T + layer.bias.double()
+    with pytest.warns(RuntimeWarning, match="ran on the weight decompressed"):
+        got = torch.nn.functional.linear(x, w, layer.bias)
+    torch.testing.assert_close(got.double(), want, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+    torch.testing.assert_close(w.clone(), layer.to_dense(), rtol=0, atol=0)
+    assert type(w.clone()) is torch.Tensor and weight_bytes(layer) == held
+
+
+def test_a_write_to_the_weight_is_refused_and_nothing_changes(seed):
+    layer = _layer("auto", torch.float32)
+    before = layer.values.detach().clone()
+    for write in (lambda w: w.mul_(2), lambda w: w.copy_(torch.zeros(48, 128)), lambda w: w.zero_()):
+        with pytest.raises(InvalidProblem, match="would write a 2:4 layer's weight.*change layer.values"):
+            write(layer.weight)
+    assert torch.equal(layer.values, before)
+
+
+def test_traced_the_weight_is_the_decompressed_weight_in_the_graph(seed):
+    torch._dynamo.reset()
+    layer = _layer("auto", torch.float32)
+    x = torch.randn(4, 128)
+
+    def fn(t):  # as T5's feed-forward does: the input cast to the weight's dtype, then the layer
+        return layer(t.to(layer.weight.dtype)) + torch.nn.functional.linear(t, layer.weight).sum()
+
+    with torch.no_grad():
+        want = layer(x) + (x @ layer.to_dense().T).sum()
+        got, graphs = compiled_graphs(fn, x)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert len(graphs) == 1
