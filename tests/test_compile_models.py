@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 _SMALL = dict(num_hidden_layers=2, num_attention_heads=4, vocab_size=100)
 _DECODERS = dict(hidden_size=128, intermediate_size=256, num_key_value_heads=2, **_SMALL)
 FAMILIES = {
-    "llama": lambda: transformers.LlamaConfig(**_DECODERS),  # Qwen2's and Mistral's modules are Llama's: 0077
+    "llama": lambda: transformers.LlamaConfig(**_DECODERS),  # and Mistral's modules (0077)
+    "qwen2": lambda: transformers.Qwen2Config(**_DECODERS),  # q/k/v with biases: a group with a bias buffer
     "gemma2": lambda: transformers.Gemma2Config(head_dim=32, **_DECODERS),
     "phi3": lambda: transformers.Phi3Config(pad_token_id=0, **_DECODERS),
     "phi": lambda: transformers.PhiConfig(hidden_size=128, intermediate_size=512, **_SMALL),
