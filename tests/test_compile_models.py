@@ -15,7 +15,7 @@ from kernelplan.nn import Sparse24Linear
 
 transformers = pytest.importorskip("transformers")
 
-_SMALL = dict(num_hidden_layers=2, num_attention_heads=4, vocab_size=100)
+_SMALL = dict(num_hidden_layers=1, num_attention_heads=4, vocab_size=100)  # a layer: tracing is CI's time
 _DECODERS = dict(hidden_size=128, intermediate_size=256, num_key_value_heads=2, **_SMALL)
 FAMILIES = {
     "llama": lambda: transformers.LlamaConfig(**_DECODERS),  # and Mistral's modules (0077)
@@ -25,7 +25,7 @@ FAMILIES = {
     "phi": lambda: transformers.PhiConfig(hidden_size=128, intermediate_size=512, **_SMALL),
     "gpt_neox": lambda: transformers.GPTNeoXConfig(hidden_size=128, intermediate_size=512, **_SMALL),
     "falcon": lambda: transformers.FalconConfig(hidden_size=128, new_decoder_architecture=False, **_SMALL),
-    "gpt2": lambda: transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=100, bos_token_id=0,
+    "gpt2": lambda: transformers.GPT2Config(n_embd=128, n_layer=1, n_head=4, vocab_size=100, bos_token_id=0,
                                             eos_token_id=0),
     "bert": lambda: transformers.BertConfig(hidden_size=128, intermediate_size=512, **_SMALL),
 }
@@ -50,7 +50,7 @@ def test_a_sparsified_model_compiles_in_one_graph_of_its_2_4_ops_and_matches_the
         got, graphs = compiled_graphs(model, ids)
         torch.testing.assert_close(got[key], plain(ids)[key], rtol=0, atol=0)
     ops = sum(g.count("kernelplan.sparse24_linear_inference.") for g in graphs)
-    assert len(graphs) == 1 and layers >= 8 and ops == layers
+    assert len(graphs) == 1 and layers >= 4 and ops == layers
 
 
 def test_a_sparsified_t5_runs_compiles_and_round_trips_as_the_unfused_model(tmp_path):
@@ -58,7 +58,7 @@ def test_a_sparsified_t5_runs_compiles_and_round_trips_as_the_unfused_model(tmp_
     stacks' embeddings to ``shared`` (a checkpoint holds them once: kp.hf.load_model)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    config = transformers.T5Config(vocab_size=100, d_model=128, d_kv=32, d_ff=256, num_layers=2, num_heads=4,
+    config = transformers.T5Config(vocab_size=100, d_model=128, d_kv=32, d_ff=256, num_layers=1, num_heads=4,
                                    decoder_start_token_id=0, pad_token_id=0)
     model = transformers.T5ForConditionalGeneration(config).eval()
     plain = copy.deepcopy(model)
@@ -76,4 +76,4 @@ def test_a_sparsified_t5_runs_compiles_and_round_trips_as_the_unfused_model(tmp_
         kp.hf.save_model(model, tmp_path / "t5")
         loaded = kp.hf.load_model(tmp_path / "t5")
         torch.testing.assert_close(loaded(*args, **kwargs).logits, want, rtol=0, atol=0)
-    assert len(report.converted) == 32 and len(graphs) == 1 and type(loaded) is type(model)
+    assert len(report.converted) == 16 and len(graphs) == 1 and type(loaded) is type(model)
