@@ -1,6 +1,6 @@
-"""``torch.compile`` over sparsified models of the families the README names, one of each modelling code: one graph (``fullgraph=True``), every
-2:4 layer one op of it, and the unfused model's outputs, after eager passes settled the model's sibling groups and
-checked its epilogue routes (which step aside while traced: docs/design/0076)."""
+"""``torch.compile`` over sparsified models of the families the README names, one of each modelling code: one graph
+(``fullgraph=True``), every 2:4 layer one op of it, and the unfused model's outputs, after eager passes settled the
+model's sibling groups and checked its epilogue routes (which step aside while traced: docs/design/0076)."""
 
 from __future__ import annotations
 

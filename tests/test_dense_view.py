@@ -49,6 +49,10 @@ def test_a_write_to_the_weight_is_refused_and_nothing_changes(seed):
         with pytest.raises(InvalidProblem, match="would write a 2:4 layer's weight.*change layer.values"):
             write(layer.weight)
     assert torch.equal(layer.values, before)
+    y = torch.zeros(48, 128)
+    with pytest.warns(RuntimeWarning, match="ran on the weight decompressed"):
+        y.add_(layer.weight)  # a write to another tensor that reads the weight
+    torch.testing.assert_close(y, layer.to_dense(), rtol=0, atol=0)
 
 
 def test_traced_the_weight_is_the_decompressed_weight_in_the_graph(seed):

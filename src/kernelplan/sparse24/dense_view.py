@@ -8,9 +8,10 @@ raised AttributeError in its forward.
 ``DenseView`` answers what such code reads (``shape``, ``dtype``, ``device``, ``isinstance(w, torch.Tensor)``) from
 its own metadata, holding only the compressed tensors.  Any op on it (``F.linear(x, layer.weight)``, ``w.sum()``,
 ``w.clone()``) runs on the weight decompressed for that op, so every result is the weight's, and warns once that it
-does: a dense copy each time, which a 2:4 layer exists to avoid.  An op that would write it is refused (it would
-change the copy).  Outside autograd: a gradient goes to ``values`` through the layer's own forward.  Traced (``torch.compile``), the layer gives the decompressed weight as
-ops of the graph instead, which the compiler drops where only its dtype or shape is read.
+does (once for each op): a dense copy each time, which a 2:4 layer exists to avoid.  An op that would write it is
+refused (it would change the copy).  Outside autograd: a gradient goes to ``values`` through the layer's own
+forward.  Traced (``torch.compile``), the layer gives the decompressed weight as ops of the graph instead, which the
+compiler drops where only its dtype or shape is read.
 """
 
 from __future__ import annotations
@@ -44,11 +45,18 @@ class DenseView(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func._schema.is_mutable:  # it would change a copy made for the op, not the layer
-            raise InvalidProblem(f"{func} would write a 2:4 layer's weight, which is held as values and metadata: "
-                                 f"change layer.values (its kept entries; the mask in layer.metadata stays), or build "
-                                 f"a new layer from a dense weight with Sparse24Linear.from_dense")
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            if isinstance(value, DenseView) and arg.alias_info is not None and arg.alias_info.is_write:
+                raise InvalidProblem(  # it would change a copy made for the op, not the layer
+                    f"{func} would write a 2:4 layer's weight, which is held as values and metadata: change "
+                    f"layer.values (its kept entries; the mask in layer.metadata stays), or build a new layer from a "
+                    f"dense weight with Sparse24Linear.from_dense")
         warn_once(f"an op ({func}) read a 2:4 layer's weight: it ran on the weight decompressed, a dense copy made "
                   f"for it (kernelplan.sparse24.dense_view)")
-        unwrap = lambda t: t.dense() if isinstance(t, DenseView) else t  # noqa: E731
-        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        return func(*tree_map(_dense, args), **tree_map(_dense, kwargs))
+
+
+def _dense(t):
+    return t.dense() if isinstance(t, DenseView) else t
