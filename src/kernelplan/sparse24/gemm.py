@@ -49,8 +49,8 @@ def _sparse24_linear_impl(
     if hit is not None and hit.current(x, values, metadata, bias):
         return hit.call(x, values, metadata, bias)
     # An entry's first call checks the operands (an op can be called directly); the entry holds them to it after.
-    _checked(x, values, metadata, bias, activation or None, memory)
-    return _prepare(key, x, values, metadata, bias, activation, memory)
+    activation, memory = _checked(x, values, metadata, bias, activation or None, memory)
+    return _prepare(key, x, values, metadata, bias, activation or "", memory)
 
 
 def _entry_key(x, values, bias, activation, memory) -> tuple:
