@@ -35,7 +35,7 @@ import transformers
 import kernelplan as kp
 from kernelplan.bench import results
 from kernelplan.bench.decode import DecodeStep, weight_bytes
-from kernelplan.timing import host_us_per_call, interleaved, kernel_device_ms, wall_seconds
+from kernelplan.timing import host_us_per_call, interleaved, kernel_device_ms, profiled_calls, wall_seconds
 from sparse24_model import ARCHITECTURES, DEFAULT, build_model
 
 
@@ -81,17 +81,10 @@ def device_split(fn) -> dict:
 
 
 def op_calls(fn) -> dict:
-    """kernelplan's custom ops called in one call of ``fn``, by name (torch.profiler's CPU events: under CUDA graphs
+    """kernelplan's custom ops called in one call of ``fn``, by name (torch.profiler's host events: under CUDA graphs
     the replays call none)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    counts: dict[str, int] = {}
-    for event in prof.events():
-        if event.name.startswith("kernelplan::"):
-            counts[event.name] = counts.get(event.name, 0) + 1
-    return counts
+    prof = profiled_calls(fn, 1, cpu=True)
+    return {ev.key: ev.count for ev in prof.key_averages() if ev.key.startswith("kernelplan::")}
 
 
 def model_part(name: str, layers: int, batches: list[int], mode: str, rounds: int, profile: bool,

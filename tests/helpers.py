@@ -134,16 +134,16 @@ def in_processes(target, arguments: list[tuple], timeout: float = 300) -> list[i
     return [p.exitcode for p in procs]
 
 
-def compiled_graphs(module, *args):
-    """``(output, graphs)`` of ``torch.compile(module, fullgraph=True)(*args)``: the FX graphs dynamo traced, as text
-    (a backend that records them and runs the graph as traced)."""
+def compiled_graphs(module, *args, **kwargs):
+    """``(output, graphs)`` of ``torch.compile(module, fullgraph=True)(*args, **kwargs)``: the FX graphs dynamo traced,
+    as text (a backend that records them and runs the graph as traced)."""
     graphs = []
 
     def backend(gm, inputs):
         graphs.append(str(gm.graph))
         return gm.forward
 
-    return torch.compile(module, fullgraph=True, backend=backend)(*args), graphs
+    return torch.compile(module, fullgraph=True, backend=backend)(*args, **kwargs), graphs
 
 
 def compiles_after_warmup(model, batch_sizes=(4, 64, 200), vocab: int = 100) -> int:

@@ -101,14 +101,14 @@ def host_report_line(report: dict, where: str) -> str:
             f"back to back, waited for: {wall['kernelplan']:.1f} us, {wall['F.linear']:.1f} us")
 
 
-def profiled_calls(fn: Callable, calls: int):
-    """``torch.profiler``'s record (CUPTI's kernels) of ``calls`` back-to-back calls of ``fn``, after one call
-    unprofiled."""
+def profiled_calls(fn: Callable, calls: int, cpu: bool = False):
+    """``torch.profiler``'s record (CUPTI's kernels; with ``cpu``, the host's ops instead) of ``calls`` back-to-back
+    calls of ``fn``, after one call unprofiled."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU if cpu else ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
