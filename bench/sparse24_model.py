@@ -35,7 +35,7 @@ from kernelplan.bench.shapes import MODELS
 from kernelplan.nn import Sparse24Linear, fuse_siblings
 from kernelplan.activations import GATED_EPILOGUES
 from kernelplan.nn.gated_siblings import gated_mlp_of
-from kernelplan.nn.siblings import SPECS, Spec, siblings_of
+from kernelplan.nn.siblings import SPECS, Spec, member_forward, siblings_of
 from kernelplan.timing import interleaved, kernel_device_ms, wall_seconds
 
 
@@ -65,6 +65,7 @@ class SiblingLinear(torch.nn.Linear):
     def adopt(cls, model, name: str, mod: torch.nn.Linear) -> None:
         mod.__class__ = cls  # the same parameters; only forward changes
 
+    forward = member_forward
     forward_alone = torch.nn.Linear.forward
 
 

@@ -16,6 +16,7 @@ from helpers import FWD_ATOL, assert_close, compiled_graphs, compiles_after_warm
 from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
 from kernelplan.errors import InvalidProblem
 from kernelplan.nn.gated_siblings import activation_of, gated_mlp_of
+from kernelplan.nn.routes import route_of
 from kernelplan.sparse24 import compress, gated_linear, prune
 from kernelplan.sparse24.plan import GemmSparse24Descriptor, GemmSparse24Plan
 
@@ -219,6 +220,37 @@ def test_torch_compile_traces_the_mlps_own_forward_in_one_graph():
         got, graphs = compiled_graphs(mlp, x)
         torch.testing.assert_close(got, type(mlp).forward(mlp, x))
     assert sum(g.count("kernelplan.sparse24_linear") for g in graphs) == 3 and route.stats == before
+
+
+def test_a_compiled_model_guards_nothing_of_its_groups_and_routes():
+    """Traced, a grouped layer and a routed MLP read none of their route's state, so dynamo guards none of it: those
+    guards had been a reduce-overhead decode step's host work (docs/design/0078).  Routes swapped for new objects,
+    and a route turned off, recompile nothing."""
+    torch._dynamo.reset()
+    model = _llama()
+    kp.sparsify(model, progress=False)
+    ids = torch.randint(0, 100, (2, 9))
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        model(ids), model(ids)  # settled and checked
+        want = compiled(ids).logits
+        swapped = 0
+        for mod in model.modules():
+            if "_siblings" in mod.__dict__:
+                mod.__dict__["_siblings"] = copy.copy(mod.__dict__["_siblings"])
+                swapped += 1
+            if route_of(mod) is not None:
+                route_of(mod).off, route_of(mod).stats = "off", {}
+                swapped += 1
+        got = compiled(ids).logits
+    assert swapped == 2 * (4 + 2 + 1) and len(graphs) == 1  # a layer: q/k/v/o, gate/up and the MLP's route
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_warmup_lists_the_gated_gemms_once_their_groups_settle():

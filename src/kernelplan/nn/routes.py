@@ -108,9 +108,10 @@ class EpilogueRoute:
 
     def forward(self, *args, **kwargs):
         mod = self.mod
+        if _is_compiling():  # first: traced, the route's state is not read, so dynamo guards none of it (0078)
+            return type(mod).forward(mod, *args, **kwargs)
         own = type(mod).forward
-        if self.off is not None or _is_compiling() or len(args) != 1 or kwargs or \
-                not isinstance(args[0], torch.Tensor):
+        if self.off is not None or len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
             return own(mod, *args, **kwargs)
         if self.children_replaced():
             self.stats["own"] += 1
@@ -136,3 +137,4 @@ class EpilogueRoute:
             self.checked = True
         self.stats["fused"] += 1
         return y
+

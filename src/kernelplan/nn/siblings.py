@@ -27,8 +27,9 @@ Gated MLPs (gate_proj/up_proj/down_proj/act_fn) are routed as well, to their gro
 its epilogue (``gated_siblings.py``; counted as "gated"), and so are MLPs with one activation, to their first
 layer's GEMM with the activation in its epilogue (``activated.py``).  ``Siblings.stats`` counts the calls of each
 kind, so what ran is never a guess.  Under torch.compile each member
-is its own op, as without a group, and is not counted.  A member's calls reach its group through an instance
-``forward`` (``_route``); its own GEMM is ``forward_alone``.
+is its own op, as without a group, and is not counted.  A member's calls reach its group through its class's
+``forward``, which hands them to ``route_of_member`` where it is set and the call is eager; its own GEMM is
+``forward_alone``.
 """
 
 from __future__ import annotations
@@ -94,10 +95,24 @@ def fuse_siblings(model: nn.Module) -> list["Siblings"]:
 
 
 def _route(mod: nn.Module, call) -> None:
-    """Calls of ``mod`` go to ``call``: its instance's ``forward``, which Module.__call__ finds before the class's, so
-    a layer in no group pays nothing for grouping.  Kept in the instance's __dict__, not as a submodule: no
-    state_dict entries, no second visit by modules(); ``_siblings`` names it for ``siblings_of``."""
-    mod.__dict__["forward"] = mod.__dict__["_siblings"] = call
+    """Eager calls of ``mod`` go to ``call``: kept in the instance's __dict__ as ``_siblings``, not as a submodule (no
+    state_dict entries, no second visit by modules()), and read by the kind's own ``forward`` (``member_forward``)."""
+    mod.__dict__["_siblings"] = call
+
+
+def member_forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A ``SPECS`` kind's ``forward``: its group's call where it has one and the call is eager, else its own GEMM.
+
+    Not an instance ``forward``, which Module.__call__ would find before the class's: dynamo guards everything a
+    traced call reads, and a route read that way (a partial of a group's method, the group, its members) added ~15
+    guards a layer, among them identity checks evaluated in Python.  Under reduce-overhead on an H200 that host work
+    made a decode step of a 4-layer Qwen2.5-7B-sized model 10-12% slower than the same model with no groups, on the
+    same kernels (docs/design/0078).  Here a traced call reads nothing of the route."""
+    if not _is_compiling():  # first: traced, the instance's dict is not read at all (60 ns a call, eager)
+        call = mod.__dict__.get("_siblings")
+        if call is not None:
+            return call(x)
+    return mod.forward_alone(x)
 
 
 def siblings_of(mod: nn.Module) -> "Siblings | None":
@@ -130,8 +145,6 @@ class Siblings:
         return {**self.__dict__, "_leader": {}, "_last": None}
 
     def _watch(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        if _is_compiling():
-            return self.members[i].forward_alone(x)
         self.stats["alone"] += 1
         y = self.members[i].forward_alone(x)
         if type(x) is not torch.Tensor:  # a tensor subclass (FakeTensor, DTensor) is no input to watch
@@ -165,8 +178,7 @@ class Siblings:
             _route(mod, functools.partial(g.forward, pos) if g else functools.partial(self._alone, i))
 
     def _alone(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        if not _is_compiling():
-            self.stats["alone"] += 1
+        self.stats["alone"] += 1
         return self.members[i].forward_alone(x)
 
 
@@ -213,8 +225,6 @@ class _Group:
         return [t._version for t in map(_read, slots) if t is not None]
 
     def forward(self, pos: int, x: torch.Tensor) -> torch.Tensor:
-        if _is_compiling():  # traced, each layer is its own op
-            return self.members[pos].forward_alone(x)
         stats = self.owner.stats
         pending = self.pending
         if pending is not None:

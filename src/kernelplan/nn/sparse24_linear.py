@@ -13,7 +13,7 @@ from ..sparse24.format import prune_compress
 from ..sparse24.gemm import forget, gated_epilogue, linear_parts
 from ..sparse24.dense_view import DenseView
 from ..sparse24.layout import PUBLIC, layout_of, pack_reason, unpack
-from .siblings import SPECS, Spec
+from .siblings import SPECS, Spec, member_forward
 
 
 LAYOUTS = ("auto", "public")
@@ -99,9 +99,11 @@ class Sparse24Linear(nn.Module):
             return self.to_dense()
         return DenseView(self.values, self.metadata)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A layer in a sibling group (nn/siblings.py) has its calls routed to the group by an instance forward;
-        # this is the layer's own GEMM, ``forward_alone`` to the group.
+    # A layer in a sibling group (nn/siblings.py) has its eager calls routed to the group; ``forward_alone`` is its
+    # own GEMM.
+    forward = member_forward
+
+    def forward_alone(self, x: torch.Tensor) -> torch.Tensor:
         # Read from the module's own dictionaries: ``self.values`` and ``self.metadata`` go through
         # Module.__getattr__, a Python call each (about 4 us of the module's 28 us a call on an H100's host, where
         # the functional call on the same weight took 24: bench/sparse24_host.py).  A parametrization or a
@@ -111,8 +113,6 @@ class Sparse24Linear(nn.Module):
         bias = params["bias"] if "bias" in params else self.bias
         metadata = buffers["metadata"] if "metadata" in buffers else self.metadata
         return linear_parts(x, values, metadata, bias, None, self.memory)
-
-    forward_alone = forward  # the class's, past an instance forward that routes to a group
 
     def gated(self, x: torch.Tensor, kind: str = "swiglu", gate: str = "first", approximate: str = "none"):
         """``kernelplan.gated_activation(self(x), kind, gate=gate, approximate=approximate)`` as one GEMM: the weight's
