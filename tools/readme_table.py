@@ -263,7 +263,9 @@ def _compiled_note(doc: dict, name: str) -> str:
     steps = [r for r in doc["rows"] if r["part"] == "model" and "ms" in r]
     held = next(r for r in doc["rows"] if r.get("case") == "weight bytes")
     cases = "; ".join(f"{r['case']} {r['compiled_speedup']:.2f}x ({r['ms']['sparse compiled']:.2f} against "
-                      f"{r['ms']['dense compiled']:.2f} ms a step; not compiled {r['eager_speedup']:.2f}x)"
+                      f"{r['ms']['dense compiled']:.2f} ms a step; not compiled {r['eager_speedup']:.2f}x"
+                      + (f"; sparsified with `fuse=False` {r['unfused_compiled_speedup']:.2f}x"
+                         if "unfused_compiled_speedup" in r else "") + ")"
                       for r in steps)
     layer = [r for r in doc["rows"] if r["part"] == "layer"]
     op = ("; `kernelplan::sparse24_linear` (the op's autograd form) called alone "
