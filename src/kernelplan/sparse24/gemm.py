@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from .._checks import check_tensor, choice, plain_eager
+from .._ops import inference_op
 from ..activations import ACTIVATIONS, GATED_EPILOGUES, GATED_GATES, epilogue_columns
 from ..gated import gate_activation
 from ..dtypes import dtype_info
@@ -131,15 +132,10 @@ def _linear_fake(x, values, metadata, bias, activation, memory):
 _sparse24_linear_op.register_fake(_linear_fake)
 
 # The same body as an op with no autograd formula, for calls that need none (a compiled inference graph, a tensor
-# subclass under no_grad): registered through torch.library's low level, the dispatcher reaches it without
-# custom_op's Python autograd and aliasing layers.  An empty body took 4.8 us a call this way against custom_op's 8.1
-# under inference_mode, and 4.9 against 15.4 under no_grad (CPU CI host; docs/design/0075).
-_LIBRARY = torch.library.Library("kernelplan", "FRAGMENT")
-_LIBRARY.define("sparse24_linear_inference(Tensor x, Tensor values, Tensor metadata, Tensor? bias, str activation, "
-                "str memory) -> Tensor")
-_LIBRARY.impl("sparse24_linear_inference", _sparse24_linear_impl, "CompositeExplicitAutograd")
-torch.library.register_fake("kernelplan::sparse24_linear_inference", _linear_fake, lib=_LIBRARY)
-_sparse24_inference_op = torch.ops.kernelplan.sparse24_linear_inference.default
+# subclass under no_grad).
+_sparse24_inference_op = inference_op("sparse24_linear_inference(Tensor x, Tensor values, Tensor metadata, "
+                                      "Tensor? bias, str activation, str memory) -> Tensor",
+                                      _sparse24_linear_impl, _linear_fake)
 
 
 def _setup(ctx, inputs, output):
