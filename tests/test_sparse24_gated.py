@@ -222,6 +222,33 @@ def test_torch_compile_traces_the_mlps_own_forward_in_one_graph():
     assert sum(g.count("kernelplan.sparse24_linear") for g in graphs) == 3 and route.stats == before
 
 
+@gpu
+def test_on_the_gpu_reduce_overhead_survives_the_groups_laying_out_after_the_compile():
+    """Compiled with reduce-overhead before the sibling groups laid out their buffers: the next eager call lays them
+    out, so the members' weights move, and cudagraph trees re-record the step inside a capture, the first call on the
+    moved weights.  At 1188d72 that raised InvalidState (a held weight's launches built through derived_from, which
+    refuses builds in a capture; docs/design/0078)."""
+    torch._dynamo.reset()
+    model = _llama().cuda().bfloat16()
+    plain = copy.deepcopy(model)
+    kp.sparsify(model, progress=False)
+    kp.sparsify(plain, progress=False, fuse=False)
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    ids = torch.randint(0, 100, (2, 9), device="cuda")
+    layer = model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        model(ids)  # the watch settles the groups; nothing laid out yet
+        for _ in range(3):  # warm-up, then the graph recorded on each member's own storage
+            compiled(ids)
+        before = layer.values.data_ptr()
+        model(ids)  # the first grouped call lays the buffers out
+        assert layer.values.data_ptr() != before
+        for _ in range(3):
+            got = compiled(ids).logits.clone()
+        want = plain(ids).logits
+    assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max())
+
+
 def test_a_compiled_model_guards_nothing_of_its_groups_and_routes():
     """Traced, a grouped layer and a routed MLP read none of their route's state, so dynamo guards none of it: those
     guards had been a reduce-overhead decode step's host work (docs/design/0078).  Routes swapped for new objects,

@@ -161,6 +161,27 @@ def test_dispatch_times_it(name, kernel, n, seed):
     assert_close(y, ref, F.linear(x, w24.decompress()), atol=FWD_ATOL[torch.bfloat16])
 
 
+def test_a_held_weight_s_launches_build_nothing_a_capture_refuses(monkeypatch):
+    """A weight held in the kernel's layout is read as it is: its _TiledWeight takes the weight's own tensors without
+    ``derived_from``, which refuses any build inside a CUDA graph capture.  A capture can be a weight state's first
+    call (cudagraph trees re-record a graph whose weights moved, in a capture: docs/design/0078).  A weight in
+    another layout still goes through derived_from."""
+    from kernelplan.kernels import sparse24_mma
+    from kernelplan.sparse24.format import prune_compress
+
+    def refused(*args, **kwargs):
+        raise AssertionError("derived_from called")
+
+    monkeypatch.setattr(sparse24_mma, "derived_from", refused)
+    held = prune_compress(torch.randn(48, 256, dtype=torch.bfloat16), packed=True)
+    weight = sparse24_mma._TiledWeight(held.values, held.metadata, None, SpKernel())
+    assert weight.held and weight.pairs.data_ptr() == held.values.data_ptr()
+    assert weight.codes.data_ptr() == held.metadata.data_ptr()
+    public = held.public()
+    with pytest.raises(AssertionError, match="derived_from called"):
+        sparse24_mma._TiledWeight(public.values, public.metadata, None, SpKernel())
+
+
 class _Weight:
     """A _TiledWeight's part DirectCall reads: its addresses, device, launch table and slow call (counted), each
     launch it made recorded in ``launched``."""

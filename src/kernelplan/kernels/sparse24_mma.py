@@ -325,11 +325,15 @@ class _TiledWeight:
     _MAX_KEYS = 256
 
     def __init__(self, values, metadata, activation, kernel: TiledKernel):
-        # Keyed by the layout, not the kernel: kernels that read one layout share one copy of it.
-        self.pairs, self.codes = derived_from(values, metadata, kernel.layout, kernel.tiled)
-        self.weight = (self.pairs.data_ptr(), self.codes.data_ptr())
         # Held: the weight's own tensors are the layout (else a copy derived from them, current as its caller checked)
         self.held = layout_of(values) == kernel.layout
+        # A held weight is read as it is: nothing to build, so nothing for derived_from to refuse inside a capture.
+        # A capture can be the first call on a weight's state: cudagraph trees re-record, in a capture, a graph
+        # whose weights moved (a sibling group laying out its buffer after torch.compile, ``.to()``; 0078).
+        # Derived layouts are keyed by the layout, not the kernel: kernels that read one layout share one copy of it.
+        self.pairs, self.codes = kernel.tiled(values, metadata) if self.held else \
+            derived_from(values, metadata, kernel.layout, kernel.tiled)
+        self.weight = (self.pairs.data_ptr(), self.codes.data_ptr())
         self.m, self.k = weight_shape(values)
         self.cols = epilogue_columns(self.m, activation)  # of y: M, or M / 2 under a gated epilogue
         self.dtype = dtype_info(values.dtype).name
