@@ -233,7 +233,9 @@ def derived_from(values: torch.Tensor, metadata: torch.Tensor, key, build: Calla
     if device_work and values.is_cuda and torch.cuda.is_current_stream_capturing():
         raise InvalidState(
             f"the 2:4 weight's {key} layout (shape {tuple(values.shape)}) would first be built inside a CUDA "
-            f"graph capture, where its kernels only record; run the same call once eagerly before capturing"
+            f"graph capture, where its kernels only record; run the same call once eagerly before capturing (a "
+            f"model compiled with mode='reduce-overhead' captures again after its weights move: call it once "
+            f"uncompiled after moving or loading them)"
         )
     layout = build(values, metadata)
     per_weight[key] = (state, layout)
