@@ -137,4 +137,3 @@ class EpilogueRoute:
             self.checked = True
         self.stats["fused"] += 1
         return y
-

@@ -27,9 +27,8 @@ Gated MLPs (gate_proj/up_proj/down_proj/act_fn) are routed as well, to their gro
 its epilogue (``gated_siblings.py``; counted as "gated"), and so are MLPs with one activation, to their first
 layer's GEMM with the activation in its epilogue (``activated.py``).  ``Siblings.stats`` counts the calls of each
 kind, so what ran is never a guess.  Under torch.compile each member
-is its own op, as without a group, and is not counted.  A member's calls reach its group through its class's
-``forward``, which hands them to ``route_of_member`` where it is set and the call is eager; its own GEMM is
-``forward_alone``.
+is its own op, as without a group, and is not counted.  A member's eager calls reach its group through its class's
+``forward`` (``member_forward``), which hands them to the call ``_route`` set; its own GEMM is ``forward_alone``.
 """
 
 from __future__ import annotations
@@ -106,8 +105,8 @@ def member_forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     Not an instance ``forward``, which Module.__call__ would find before the class's: dynamo guards everything a
     traced call reads, and a route read that way (a partial of a group's method, the group, its members) added ~15
     guards a layer, among them identity checks evaluated in Python.  Under reduce-overhead on an H200 that host work
-    made a decode step of a 4-layer Qwen2.5-7B-sized model 10-12% slower than the same model with no groups, on the
-    same kernels (docs/design/0078).  Here a traced call reads nothing of the route."""
+    made a decode step of a 4-layer Qwen2.5-7B-sized model 13-23% slower at batch 1 and 32 than the same model with
+    no groups, on the same kernels (docs/design/0078).  Here a traced call reads nothing of the route."""
     if not _is_compiling():  # first: traced, the instance's dict is not read at all (60 ns a call, eager)
         call = mod.__dict__.get("_siblings")
         if call is not None:
