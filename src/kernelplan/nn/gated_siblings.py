@@ -5,9 +5,9 @@ Llama, Qwen2, Mistral, Gemma and others write their feed-forward block as module
 input: nn/siblings.py), their weights lie end to end, gate rows first: the weight of
 ``kernelplan.sparse24.gated_linear``.  Phi-3 holds that weight as one layer already: ``gate_up_proj``, with
 ``down_proj`` and ``activation_fn`` (``up * act(gate)`` of its output's halves, gate first).  Its kernels apply
-``act(gate) * up`` in their epilogue, so the MLP's [N, 2 x intermediate] pre-activation is never written or read back, and the silu and the product are not
-two more kernels.  Unlike the group's own GEMM, whose members take strided columns of its output, the gated
-output is contiguous: it runs at any number of rows of x.
+``act(gate) * up`` in their epilogue, so the MLP's [N, 2 x intermediate] pre-activation is never written or read
+back, and the silu and the product are not two more kernels.  Unlike the group's own GEMM, whose members take
+strided columns of its output, the gated output is contiguous: it runs at any number of rows of x.
 
 ``route_gated_mlps`` gives each such module a route (``nn/routes.py``: its first fused call is checked against
 the module's own forward).  The names only propose: a module whose act_fn is not one of the kernels' activations,
