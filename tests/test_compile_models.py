@@ -76,3 +76,31 @@ def test_a_sparsified_t5_runs_compiles_and_round_trips_as_the_unfused_model(tmp_
         loaded = kp.hf.load_model(tmp_path / "t5")
         torch.testing.assert_close(loaded(*args, **kwargs).logits, want, rtol=0, atol=0)
     assert len(report.converted) == 16 and len(graphs) == 1 and type(loaded) is type(model)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_sparsified_llama_exports_with_each_2_4_layer_one_op_and_matches_the_unfused_model(strict):
+    """``torch.export`` (dynamo's trace, or the non-strict one), after eager passes settled the groups and checked
+    the routes: they step aside in the export as under compile, and each 2:4 layer is one op of the graph."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES["llama"]()).eval()
+    plain = copy.deepcopy(model)
+    kp.sparsify(model, progress=False)
+    kp.sparsify(plain, progress=False, fuse=False)
+
+    class Logits(torch.nn.Module):  # no cache: export's outputs must be tensors
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids):
+            return self.lm(ids, use_cache=False).logits
+
+    ids = torch.randint(0, 100, (2, 9))
+    with torch.no_grad():
+        for _ in range(2):
+            model(ids)
+        program = torch.export.export(Logits(model), (ids,), strict=strict)
+        torch.testing.assert_close(program.module()(ids), Logits(plain)(ids), rtol=0, atol=0)
+    ops = [n for n in program.graph.nodes if n.op == "call_function" and "sparse24_linear" in str(n.target)]
+    assert len(ops) == sum(isinstance(m, Sparse24Linear) for m in model.modules()) == 7
