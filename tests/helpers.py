@@ -134,15 +134,22 @@ def in_processes(target, arguments: list[tuple], timeout: float = 300) -> list[i
     return [p.exitcode for p in procs]
 
 
-def compiled_graphs(module, *args, **kwargs):
-    """``(output, graphs)`` of ``torch.compile(module, fullgraph=True)(*args, **kwargs)``: the FX graphs dynamo traced,
-    as text (a backend that records them and runs the graph as traced)."""
+def recording_backend() -> tuple:
+    """``(backend, graphs)``: a torch.compile backend that runs each FX graph as dynamo traced it, and the list it
+    appends each graph to, as text."""
     graphs = []
 
     def backend(gm, inputs):
         graphs.append(str(gm.graph))
         return gm.forward
 
+    return backend, graphs
+
+
+def compiled_graphs(module, *args, **kwargs):
+    """``(output, graphs)`` of ``torch.compile(module, fullgraph=True)(*args, **kwargs)``: the FX graphs dynamo traced,
+    as text (``recording_backend``)."""
+    backend, graphs = recording_backend()
     return torch.compile(module, fullgraph=True, backend=backend)(*args, **kwargs), graphs
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kernelplan as kp
+from helpers import recording_backend
 
 
 def test_sparse24_linear_and_gated_activation_compile_fullgraph():
@@ -68,11 +69,7 @@ def test_sparse24_inference_skips_the_op_in_eager_but_not_under_compile():
         kp.sparse24.linear(xg, w24, activation="relu").sum().backward()
         assert op.call_count == 1 and xg.grad is not None  # autograd takes the op
     # Under compile the traced graph holds the custom op (fullgraph would fail on the raw kernels).
-    graphs = []
-
-    def backend(gm, inputs):
-        graphs.append(str(gm.graph))
-        return gm.forward
+    backend, graphs = recording_backend()
 
     compiled = torch.compile(lambda t: kp.sparse24.linear(t, w24, activation="relu"), fullgraph=True, backend=backend)(x)
     assert any("kernelplan.sparse24_linear" in g for g in graphs)
@@ -87,11 +84,7 @@ def test_compiled_inference_takes_the_op_without_autograd_and_training_the_one_w
     torch.manual_seed(0)
     w24 = kp.sparse24.compress(kp.sparse24.prune(torch.randn(32, 64)))
     bias = torch.randn(32)
-    graphs = []
-
-    def backend(gm, inputs):
-        graphs.append(str(gm.graph))
-        return gm.forward
+    backend, graphs = recording_backend()
 
     fn = torch.compile(lambda t, b: kp.sparse24.linear(t, w24, b, activation="gelu"), fullgraph=True, backend=backend)
     x = torch.randn(2, 3, 64)
@@ -131,11 +124,7 @@ def test_gated_inference_skips_the_op_in_eager_and_compile_keeps_it():
         assert op.call_count == 0
         kp.gated_activation(x.clone().requires_grad_(), "geglu", gate="first").sum().backward()
         assert op.call_count == 1
-    graphs = []
-
-    def backend(gm, inputs):
-        graphs.append(str(gm.graph))
-        return gm.forward
+    backend, graphs = recording_backend()
 
     compiled = torch.compile(lambda t: kp.gated_activation(t, "geglu", gate="first"), fullgraph=True, backend=backend)(x)
     assert any("kernelplan.gated_activation" in g for g in graphs)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import kernelplan as kp
-from helpers import FWD_ATOL, assert_close, compiled_graphs, compiles_after_warmup, poisoned, sm90
+from helpers import FWD_ATOL, assert_close, compiled_graphs, compiles_after_warmup, poisoned, recording_backend, sm90
 from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
 from kernelplan.errors import InvalidProblem
 from kernelplan.nn.gated_siblings import activation_of, gated_mlp_of
@@ -257,12 +257,7 @@ def test_a_compiled_model_guards_nothing_of_its_groups_and_routes():
     model = _llama()
     kp.sparsify(model, progress=False)
     ids = torch.randint(0, 100, (2, 9))
-    graphs = []
-
-    def backend(gm, inputs):
-        graphs.append(gm)
-        return gm.forward
-
+    backend, graphs = recording_backend()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     with torch.no_grad():
         model(ids), model(ids)  # settled and checked
