@@ -35,7 +35,8 @@ import transformers
 import kernelplan as kp
 from kernelplan.bench import results
 from kernelplan.bench.decode import DecodeStep, weight_bytes
-from kernelplan.timing import host_us_per_call, interleaved, kernel_device_ms, profiled_calls, wall_seconds
+from kernelplan.timing import (by_short_name, host_us_per_call, interleaved, kernel_device_ms, profiled_calls,
+                               wall_seconds)
 from sparse24_model import ARCHITECTURES, DEFAULT, build_model
 
 
@@ -76,8 +77,8 @@ def layer_part(size: int, ns: list[int], mode: str, rounds: int, context: str) -
 def device_split(fn) -> dict:
     """Device ms a call of ``fn`` spends in all its kernels, their count, and the eight longest by name (CUPTI)."""
     ms = kernel_device_ms(fn, 3)
-    top = dict(sorted(ms.items(), key=lambda kv: -kv[1])[:8])
-    return {"total_ms": sum(ms.values()), "kernels": len(ms), "top": {k[:90]: round(v, 4) for k, v in top.items()}}
+    top = sorted(by_short_name(ms, 90).items(), key=lambda kv: -kv[1])[:8]
+    return {"total_ms": sum(ms.values()), "kernels": len(ms), "top": {k: round(v, 4) for k, v in top}}
 
 
 def op_calls(fn) -> dict:

@@ -36,7 +36,7 @@ import kernelplan as kp
 from kernelplan.bench import results
 from kernelplan.kernels.sparse24_mma import MmaLinear
 from kernelplan.kernels.sparse24_ws import WsKernel
-from kernelplan.timing import kernel_device_ms
+from kernelplan.timing import by_short_name, kernel_device_ms
 
 SHAPES = ("4608x36864x256", "5120x17920x256", "16384x3072x256", "8192x8192x256", "4096x14336x256",
           "4096x4096x4096")
@@ -345,7 +345,7 @@ def main() -> int:
         row = {"m": m, "k": k, "n": n, "errors": errs}
         for name, fn in fns.items():
             row[name] = {key: statistics.median(v) for key, v in reads[name].items()}
-            row[name]["kernels"] = {kn[:60]: t for kn, t in kernel_device_ms(fn, 20).items()}
+            row[name]["kernels"] = by_short_name(kernel_device_ms(fn, 20), 60)
         rows.append(row)
         print(f"{m}x{k} n={n}: " + "  ".join(
             f"{name} graph {row[name]['graph'] * 1e3:.1f} events {row[name]['events'] * 1e3:.1f} us"

@@ -36,7 +36,7 @@ from kernelplan.nn import Sparse24Linear, fuse_siblings
 from kernelplan.activations import GATED_EPILOGUES
 from kernelplan.nn.gated_siblings import gated_mlp_of
 from kernelplan.nn.siblings import SPECS, Spec, member_forward, siblings_of
-from kernelplan.timing import interleaved, kernel_device_ms, wall_seconds
+from kernelplan.timing import by_short_name, interleaved, kernel_device_ms, wall_seconds
 
 
 # Kernel names by class, first match wins: the 2:4 kernels (kp_sparse24_*, cuSPARSELt's), cuBLAS's GEMMs, attention.
@@ -53,8 +53,8 @@ def kernel_split(fn, calls: int = 3) -> dict[str, float]:
         cls = next((c for c, marks in _CLASSES if any(mk in key for mk in marks)), "other")
         split[cls] += ms
         if cls == "other":
-            other[name[:80]] = ms
-    split["top other"] = dict(sorted(other.items(), key=lambda kv: -kv[1])[:6])
+            other[name] = ms
+    split["top other"] = dict(sorted(by_short_name(other, 80).items(), key=lambda kv: -kv[1])[:6])
     return split
 
 

@@ -13,6 +13,7 @@ import torch
 
 from kernelplan.bench import sweep
 from kernelplan.bench.shapes import BATCH_SIZES, sweep_shapes
+from kernelplan.timing import by_short_name
 
 
 def _rows(seed: int = 0) -> list[dict]:
@@ -113,6 +114,13 @@ def test_cycling_calls_each_in_turn():
     for _ in range(7):
         call()
     assert seen == [0, 1, 2] + [0, 1, 2, 0, 1, 2, 0]  # each once eagerly first, then in turn
+
+
+def test_kernel_times_by_cut_names_sum_the_kernels_whose_cut_names_meet():
+    """Inductor's kernel names start alike: cut to 20 characters, two of them share a key, and both times count."""
+    ms = {"triton_poi_fused_add_cat_0": 0.5, "triton_poi_fused_add_cat_1": 0.25, "kp_sparse24_ws": 0.125}
+    assert by_short_name(ms, 20) == {"triton_poi_fused_add": 0.75, "kp_sparse24_ws": 0.125}
+    assert by_short_name(ms, 100) == ms
 
 
 def _part(rows, sizes, date, **meta):

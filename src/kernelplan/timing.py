@@ -123,6 +123,15 @@ def kernel_device_ms(fn: Callable, calls: int) -> dict[str, float]:
             if ev.device_type == torch.autograd.DeviceType.CUDA and ev.self_device_time_total}
 
 
+def by_short_name(ms: dict[str, float], chars: int) -> dict[str, float]:
+    """``kernel_device_ms``'s times by name cut to ``chars`` characters, summed where cut names meet (inductor's kernel
+    names start alike: a dict of cut names built by assignment kept the last such kernel's time alone)."""
+    short: dict[str, float] = {}
+    for name, t in ms.items():
+        short[name[:chars]] = short.get(name[:chars], 0.0) + t
+    return short
+
+
 def capture(graph: "torch.cuda.CUDAGraph"):
     """``torch.cuda.graph(graph)`` on a new stream of the current device.
 
