@@ -147,3 +147,64 @@ def test_grouped_forward_routes_as_the_per_expert_path():
             grouped = sparse(x, index, weights)
         loop = sparse(x, index, weights).detach()  # autograd on: one GEMM an expert, torch's routing
         torch.testing.assert_close(grouped, loop, rtol=0, atol=2e-2 * loop.abs().max().item())
+
+
+def _recorded_routes(monkeypatch):
+    """route off the interpreter, each kernel's compile and launches recorded on the host: ``compiles`` gets
+    (kernel, arguments as ints, constexprs, warps) for each compile, ``launches`` (kernel, grid, arguments, stream)."""
+    from kernelplan.kernels import Launcher, moe_route
+
+    compiles, launches = [], []
+
+    def compiled(self, args, constexprs, **options):
+        name = self.fn.__name__
+        compiles.append((name, tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args), constexprs,
+                         options["num_warps"]))
+        return lambda grid, ints, stream: launches.append((name, grid, ints, stream))
+
+    monkeypatch.setattr(Launcher, "compiled", compiled)
+    for launcher in (moe_route._COUNT, moe_route._SCAN, moe_route._ROUTE):
+        monkeypatch.setattr(launcher, "interpreted", False)
+    monkeypatch.setattr(moe_route, "raw_stream", lambda index: 7)
+    monkeypatch.setattr(moe_route, "_PLANS", {})
+    return moe_route.route, compiles, launches
+
+
+@pytest.mark.parametrize("scanned", [False, True])
+def test_a_call_signature_compiles_once_and_each_call_launches_its_own_pointers(monkeypatch, scanned):
+    """The second call of a signature binds nothing: its launches are the first's but for the pointers, which are the
+    call's own (the outputs it returns, its counts shared by the launches); x at another alignment compiles again."""
+    from kernelplan.kernels import moe_route
+
+    if scanned:
+        monkeypatch.setattr(moe_route, "_SCAN_MIN_CHUNKS", 1)
+    route, compiles, launches = _recorded_routes(monkeypatch)
+    kernels = ["_count", "_scan", "_route"] if scanned else ["_count", "_route"]
+    reads = []
+    for call in range(3):
+        g = torch.Generator().manual_seed(call)
+        ids, weights = torch.randint(0, 8, (40, 2), generator=g), torch.rand(40, 2, generator=g)
+        x = torch.randn(40, 24, dtype=torch.bfloat16)
+        y = torch.empty(80, 32, dtype=torch.bfloat16)
+        xs, order, offsets, scale = route(ids, weights, x, 8, y)
+        reads.append((ids, weights, x, xs, order, offsets, scale, y))
+    assert [c[0] for c in compiles] == kernels  # once, at the first call
+    assert [launch[0] for launch in launches] == kernels * 3 and {launch[3] for launch in launches} == {7}
+    for at, (ids, weights, x, xs, order, offsets, scale, y) in enumerate(reads):
+        mine = {launch[0]: launch for launch in launches[at * len(kernels):(at + 1) * len(kernels)]}
+        counts = mine["_count"][2][1]
+        assert mine["_count"][2][:2] == (ids.data_ptr(), counts)
+        if scanned:
+            assert mine["_scan"][2][0] == counts
+        assert mine["_route"][2][:9] == (ids.data_ptr(), counts, weights.data_ptr(), x.data_ptr(), xs.data_ptr(),
+                                         order.data_ptr(), offsets.data_ptr(), scale.data_ptr(), y.data_ptr())
+        for name, grid, ints, _ in mine.values():  # the integers and the grid as compiled: a 3-D grid
+            compiled = next(c for c in compiles if c[0] == name)
+            pointers = 1 if name == "_scan" else 2 if name == "_count" else 9
+            assert ints[pointers:] == compiled[1][pointers:] and len(grid) == 3
+        if at == 0:  # the first call launches with the pointers it compiled with
+            assert all(launch[2] == next(c for c in compiles if c[0] == launch[0])[1] for launch in mine.values())
+    assert launches[0][2][2:] == (40 * 2, 8)  # _count: the pairs and the experts after the two pointers
+    odd = torch.randn(40, 25, dtype=torch.bfloat16)[:, 1:]  # x 2 bytes past 16-byte alignment
+    route(reads[0][0], reads[0][1], odd, 8, reads[0][7])
+    assert len(compiles) == 2 * len(kernels)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import Launcher
+from . import Launcher, on_device, raw_stream
 
 # Pairs a program places.  Its rank step compares B x B ids, held in registers: 199 a thread at 128 (one program an
 # SM), 40-64 at 32.  Graph time of an experts call, H200, 16384 pairs: 0.94-1.07x at 32 against 1.00-1.12x at 128 of
@@ -130,6 +130,68 @@ _COUNT, _SCAN, _ROUTE = Launcher(_count), Launcher(_scan), Launcher(_route)
 _BITS = {2: torch.int16, 4: torch.int32}
 
 
+class _Plan:
+    """``route``'s launches for one call signature: each one's grid, integer arguments, constexprs and warps, and (off
+    the interpreter) its kernel compiled for the signature's specialization, then launched with the call's pointers.
+
+    Through ``Launcher`` each launch keyed its compiled kernel by the specialization of its 4 or 17 arguments on every
+    call: 13 us of an unbound ``route``'s 36 on the CPU CI machine (launches stubbed), where a signature is one dict
+    lookup."""
+
+    __slots__ = ("counts_len", "count", "scan", "route", "kernels")
+
+    def __init__(self, pairs: int, top_k: int, experts: int, h: int, stride_x: int, y_cols: tuple | None):
+        width = max(h, y_cols[0]) if y_cols is not None else h
+        # Integer arithmetic, not triton.cdiv / next_power_of_2: those are constexpr functions, about 4.5 us a call on
+        # the host (five here were a sixth of an experts call's host work on the CPU CI machine).
+        chunks, blocks = -(-pairs // _B), -(-width // _BH)
+        span = -(-blocks // max(1, min(blocks, _PROGRAMS // chunks)))  # column blocks a program copies
+        bins = 1 << (experts + 1).bit_length()  # the power of two at or past experts + 2
+        scanned = chunks >= _SCAN_MIN_CHUNKS
+        self.counts_len = (chunks + scanned) * bins
+        step = max(1, min(_CB, 8192 // bins))  # chunks a summing step
+        eb = min(bins, _SCAN_BINS)
+        # Each launch: (grid, the integer arguments after its pointers, constexprs, warps); no _scan below
+        # _SCAN_MIN_CHUNKS chunks.
+        self.count = ((chunks, 1, 1), (pairs, experts), {"B": _B, "EP": bins}, 4)
+        self.scan = ((bins // eb, 1, 1), (chunks,), {"EP": bins, "EB": eb, "CB": max(1, _SCAN_STEP // eb)}, 4) \
+            if scanned else None
+        self.route = ((chunks, -(-blocks // span), 1),
+                      (pairs, top_k, experts, h, stride_x, *(y_cols or (0, 0)), span),
+                      {"B": _B, "CB": step, "EP": bins, "BH": _BH, "ZERO_Y": y_cols is not None, "SCANNED": scanned},
+                      8)
+        self.kernels = None  # (count, scan or None, route), compiled at the first call off the interpreter
+
+    def launch(self, ids, counts, weights, x, xs, order, offsets, scale, y) -> None:
+        """The launches on these operands (``y`` None: xs in its place, which ZERO_Y False leaves unwritten)."""
+        if self.kernels is None or _COUNT.interpreted:
+            bits = _BITS[x.element_size()]  # the rows copied as bits: no arithmetic, which the interpreter gets wrong
+            steps = ((_COUNT, self.count, (ids, counts)), (_SCAN, self.scan, (counts,)),
+                     (_ROUTE, self.route, (ids, counts, weights, x.view(bits), xs.view(bits), order, offsets, scale,
+                                           (y if y is not None else xs).view(bits))))
+            if _COUNT.interpreted:
+                for launcher, (grid, ints, constexprs, warps), ptrs in (s for s in steps if s[1] is not None):
+                    launcher(grid, ptrs + ints, constexprs, num_warps=warps)
+                return
+            self.kernels = tuple(None if plan is None else
+                                 launcher.compiled(ptrs + plan[1], plan[2], num_warps=plan[3])
+                                 for launcher, plan, ptrs in steps)
+        count, scan, route = self.kernels
+        device = x.get_device()
+        stream, i, c = raw_stream(device), ids.data_ptr(), counts.data_ptr()
+        with on_device(device):  # the kernels are loaded into x's device's context
+            count(self.count[0], (i, c) + self.count[1], stream)
+            if scan is not None:
+                scan(self.scan[0], (c,) + self.scan[1], stream)
+            route(self.route[0], (i, c, weights.data_ptr(), x.data_ptr(), xs.data_ptr(), order.data_ptr(),
+                                  offsets.data_ptr(), scale.data_ptr(), (y if y is not None else xs).data_ptr())
+                  + self.route[1], stream)
+
+
+_PLANS: dict = {}  # route's plans, by call signature
+_MAX_PLANS = 256
+
+
 def route(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, experts: int,
           y: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(xs, order, offsets, scale)`` for ``ids`` / ``weights`` ``[T, k]`` (contiguous, as transformers' top-k gives
@@ -152,23 +214,17 @@ def route(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, experts: in
     if pairs == 0:
         offsets.zero_()
         return xs, order, offsets, scale
-    bits = _BITS[x.element_size()]
-    width = max(h, y.shape[1]) if y is not None else h
-    # Integer arithmetic, not triton.cdiv / next_power_of_2: those are constexpr functions, about 4.5 us a call on
-    # the host (five here were a sixth of an experts call's host work on the CPU CI machine).
-    chunks, blocks = -(-pairs // _B), -(-width // _BH)
-    span = -(-blocks // max(1, min(blocks, _PROGRAMS // chunks)))  # column blocks a program copies
-    bins = 1 << (experts + 1).bit_length()  # the power of two at or past experts + 2
-    scanned = chunks >= _SCAN_MIN_CHUNKS
-    counts = torch.empty((chunks + scanned) * bins, dtype=torch.int32, device=x.device)
-    step = max(1, min(_CB, 8192 // bins))  # chunks a summing step
-    _COUNT((chunks,), (ids, counts, pairs, experts), {"B": _B, "EP": bins}, num_warps=4)
-    if scanned:
-        eb = min(bins, _SCAN_BINS)
-        _SCAN((bins // eb,), (counts, chunks), {"EP": bins, "EB": eb, "CB": max(1, _SCAN_STEP // eb)}, num_warps=4)
-    _ROUTE((chunks, -(-blocks // span)),
-           (ids, counts, weights, x.view(bits), xs.view(bits), order, offsets, scale,
-            y.view(bits) if y is not None else xs.view(bits), pairs, top_k, experts, h, x.stride(0),
-            y.shape[1] if y is not None else 0, y.stride(0) if y is not None else 0, span),
-           {"B": _B, "CB": step, "EP": bins, "BH": _BH, "ZERO_Y": y is not None, "SCANNED": scanned}, num_warps=8)
+    y_cols = (y.shape[1], y.stride(0)) if y is not None else None
+    # Everything a launch specializes on: the sizes, strides and dtypes, and each outside pointer's 16-byte alignment
+    # (the buffers made here are the allocator's, always aligned); the module's constants too, as tests change them.
+    key = (x.get_device(), x.dtype, ids.dtype, weights.dtype, pairs, top_k, experts, h, x.stride(0), y_cols,
+           ids.data_ptr() % 16, weights.data_ptr() % 16, x.data_ptr() % 16, 0 if y is None else y.data_ptr() % 16,
+           _B, _CB, _BH, _PROGRAMS, _SCAN_MIN_CHUNKS, _SCAN_BINS, _SCAN_STEP)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _Plan(pairs, top_k, experts, h, x.stride(0), y_cols)
+    counts = torch.empty(plan.counts_len, dtype=torch.int32, device=x.device)
+    plan.launch(ids, counts, weights, x, xs, order, offsets, scale, y)
     return xs, order, offsets, scale
