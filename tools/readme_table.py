@@ -204,6 +204,28 @@ def _moe_route_note(doc: dict, name: str) -> str:
             + f"; outputs {'bit for bit equal' if equal else 'NOT all equal'}, {_source(doc['meta'], name)}.")
 
 
+def _moe_route_bound_note(doc: dict, name: str) -> str:
+    """The routing's bound plans against the older module's launches: host work of route alone and of an experts
+    call, and the experts call's wall time."""
+    rows = doc["rows"]
+
+    def span(part: str, key: str) -> str:
+        ratios = [r[key]["bound"] / r[key]["launcher"] for r in rows if r["part"] == part]
+        return f"{min(ratios):.2f}-{max(ratios):.2f}x (median {statistics.median(ratios):.2f}x)"
+
+    def models(part: str) -> str:
+        at = [r for r in rows if r["part"] == part]
+        return (f"{', '.join(sorted({r['model'] for r in at}))} at "
+                f"{', '.join(str(t) for t in sorted({r['tokens'] for r in at}))} tokens")
+
+    equal = all(r["equal"] for r in rows)
+    return (f"- MoE routing's host work, each call signature's launches bound once (`moe_route._Plan`) over each "
+            f"launch keyed by its arguments (`Launcher`), one process: `route` alone {span('route', 'host_us')} "
+            f"({models('route')}); an eager `Sparse24Experts` call's host work {span('module', 'host_us')}, its wall "
+            f"time {span('module', 'wall_us')} ({models('module')}); outputs "
+            f"{'bit for bit equal' if equal else 'NOT all equal'}, {_source(doc['meta'], name)}.")
+
+
 def _by_tokens(rows: list[dict]) -> str:
     def cell(values: list[float]) -> str:
         return f"{statistics.median(values):.2f}x ({min(values):.2f}x)"
@@ -309,7 +331,8 @@ def sparse24_notes() -> list[str]:
                           "sparse24-tile-tuning-top16-h200", "sparse24-tile-tuning-small-n-h100"), _tile_tuning_note),
                         (("sparse24-moe-model-h100", "sparse24-moe-model-h200"), _moe_model_note),
                         (("sparse24-moe-route-h200", "sparse24-moe-route-chunks-h200", "sparse24-moe-route-scan-h200"),
-                         _moe_route_note)):
+                         _moe_route_note),
+                        (("sparse24-moe-route-bound-h200",), _moe_route_bound_note)):
         lines += [note(doc, name) for name in names if (doc := _load(name))]
     for name in ("sparse24-siblings-sweep-h100", "sparse24-siblings-sweep-h200"):
         sweep = _load(name)
