@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -180,3 +181,49 @@ def test_sparsify_leaves_the_output_projection_dense_unless_asked():
     assert "out_proj" in report.skipped and isinstance(hf.out_proj, nn.Linear)
     ids = torch.randint(0, 96, (2, 5))
     assert hf(ids).shape == (2, 5, 96)
+
+
+class _TopKRouter(nn.Linear):
+    """A router as Phi-MoE's and Llama-4's are: an nn.Linear subclass whose forward returns its top-k too."""
+
+    def forward(self, x):
+        logits = super().forward(x)
+        return logits.topk(2, dim=-1)
+
+
+class _Tagged(nn.Linear):
+    """A subclass that adds an attribute and keeps nn.Linear's forward."""
+
+    tag = "kept"
+
+
+def test_sparsify_leaves_a_linear_subclass_with_its_own_forward_dense_and_converts_the_others():
+    model = nn.Sequential(_TopKRouter(64, 32), nn.Sequential(_Tagged(64, 32), nn.Linear(64, 16)))
+    report = kp.sparsify(model, progress=False)
+    assert report.converted == ["1.0", "1.1"]
+    assert "_TopKRouter: an nn.Linear subclass with a forward of its own" in report.skipped["0"]
+    assert type(model[0]) is _TopKRouter and isinstance(model[1][0], kp.nn.Sparse24Linear)
+    values, index = model[0](torch.randn(3, 64))  # still a router
+    assert values.shape == index.shape == (3, 2)
+
+
+def test_sparsify_keeps_a_sparsified_phimoe_and_llama4_routing():
+    """Their routers are nn.Linear subclasses returning a tuple: converted, both models failed in their first forward
+    (0079)."""
+    transformers = pytest.importorskip("transformers")
+    small = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=100, num_local_experts=4)
+    for config in (transformers.PhimoeConfig(num_experts_per_tok=2, **small),
+                   transformers.Llama4TextConfig(num_experts_per_tok=1, head_dim=32, intermediate_size_mlp=256,
+                                                 **small)):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        masked = copy.deepcopy(model)
+        report = kp.sparsify(model, progress=False)
+        routers = [name for name in report.skipped if name.endswith("router")]
+        assert routers and all("forward of its own" in report.skipped[name] for name in routers)
+        ids = torch.randint(0, 100, (2, 7))
+        with torch.no_grad():
+            for name in report.converted:
+                masked.get_submodule(name).weight.copy_(model.get_submodule(name).to_dense())
+            torch.testing.assert_close(model(ids).logits, masked(ids).logits, rtol=1e-5, atol=1e-5)

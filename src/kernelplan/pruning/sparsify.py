@@ -107,6 +107,21 @@ def as_linear(conv: nn.Module) -> nn.Linear:
     return linear
 
 
+# nn.Linear subclasses whose own forward is a linear layer's: x @ W^T + b, written out.  Any other subclass with a forward
+# of its own stays dense: Phi-MoE's and Llama-4's routers are nn.Linear subclasses that return their top-k, which a
+# Sparse24Linear in their place dropped (their models failed in their first forward).
+LINEAR_FORWARDS = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
+
+
+def _own_forward(layer: nn.Module) -> str | None:
+    """The class of an nn.Linear subclass with a forward of its own not in ``LINEAR_FORWARDS``, else None."""
+    cls = type(layer)
+    if not isinstance(layer, nn.Linear) or cls.forward is nn.Linear.forward:
+        return None
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    return None if name in LINEAR_FORWARDS else name
+
+
 def _owner(p: torch.Tensor) -> tuple:
     return ("meta", id(p)) if p.is_meta else (p.data_ptr(), tuple(p.shape))
 
@@ -145,6 +160,11 @@ def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyRep
             continue
         if filter_fn is not None and not filter_fn(name, layer):
             report.skipped[name] = "filtered out by filter_fn"
+            continue
+        own = _own_forward(layer)
+        if own is not None:
+            report.skipped[name] = (f"a {own}: an nn.Linear subclass with a forward of its own (a router's top-k, an "
+                                    f"extra input), which a Sparse24Linear in its place would drop")
             continue
         w = layer.weight
         tied = [o for o in owners.get(_owner(w), []) if o != f"{name}.weight"]
