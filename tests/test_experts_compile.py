@@ -95,6 +95,22 @@ def test_moving_or_loading_the_experts_lays_them_out_again(seed):
     assert torch.equal(again.first[1].values, sparse.first[1].values)
 
 
+def test_the_per_expert_path_compiles_in_one_graph_with_an_expert_no_row_reaches(seed):
+    """Off the grouped kernel (the CPU, autograd, other GPUs) each expert's rows run through its own layers. Traced, the
+    experts' ends are data-dependent sizes: a branch on an expert's rows being empty failed fullgraph=True (0079)."""
+    from helpers import compiled_graphs
+
+    sparse = Sparse24Experts.from_experts(_mixtral_experts(torch.float32))
+    x = torch.randn(9, 128)
+    _, weights = _routing(9, 4)
+    index = torch.tensor([0, 2, 3])[torch.stack([torch.randperm(3)[:2] for _ in range(9)])]  # expert 1 gets no row
+    with torch.no_grad():
+        want = sparse(x, index, weights)
+        got, graphs = compiled_graphs(sparse, x, index, weights)
+    assert len(graphs) == 1 and not (index == 1).any()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def _oracle(dense, sparse, experts):
     oracle = copy.deepcopy(dense)
     with torch.no_grad():

@@ -546,8 +546,12 @@ class Sparse24Experts(nn.Module):
         """Each expert's rows through its own layers (the CPU, autograd, GPUs the grouped kernel does not run on)."""
         out = x.new_zeros(x.shape[0], self.down[0].out_features)
         start = 0
+        traced = _is_compiling()
         for e, end in enumerate(ends):
-            if end > start:
+            if traced:  # the ends are unbacked sizes there: what they are bounded by, and no branch on them
+                torch._check(start <= end)
+                torch._check(end <= x.shape[0])
+            if traced or end > start:
                 if self._epilogue is not None and not torch.is_grad_enabled():
                     h = self.first[e].with_epilogue(x[start:end], self._epilogue)
                 else:
