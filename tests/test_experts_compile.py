@@ -15,7 +15,7 @@ import torch
 from kernelplan.kernels import interpreting
 from kernelplan.nn import Sparse24Experts
 
-from helpers import FWD_ATOL, assert_close, sm90
+from helpers import BWD_ATOL, FWD_ATOL, assert_close, sm90
 from test_experts import _routing
 
 transformers = pytest.importorskip("transformers")
@@ -153,6 +153,30 @@ def test_grouped_experts_compile_fullgraph_and_match_eager_and_fp64(seed):
         assert_close(got, want.cuda(), eager, atol=FWD_ATOL[torch.bfloat16])
     assert any("kernelplan.moe_route" in g for g in graphs)  # the routing kernel's sizes
     assert all("kernelplan.grouped_linear_scatter" in g and "kernelplan.grouped_linear." in g for g in graphs)
+
+
+@gpu
+def test_on_the_gpu_a_training_step_through_the_per_expert_path_compiles_in_one_graph(seed):
+    """With autograd the experts run each expert's rows through its own layers, on the GPU too: compiled with
+    inductor (fullgraph, an expert no row reaches), the output and x's gradient against eager's and fp64's."""
+    dense = _mixtral_experts(torch.float64)
+    sparse = Sparse24Experts.from_experts(copy.deepcopy(dense).to(torch.bfloat16)).cuda()
+    oracle = _oracle(dense, sparse, 4)
+    _, weights = _routing(37, 4)
+    index = torch.tensor([0, 2, 3])[torch.stack([torch.randperm(3)[:2] for _ in range(37)])]  # expert 1: no row
+    x = torch.randn(37, 128, dtype=torch.float64, requires_grad=True)
+    want = oracle(x, index, weights.double())
+    want.square().sum().backward()
+    runs = {}
+    torch._dynamo.reset()
+    for name, module in (("eager", sparse), ("compiled", torch.compile(sparse, fullgraph=True))):
+        xd = x.detach().to("cuda", torch.bfloat16).requires_grad_()
+        out = module(xd, index.cuda(), weights.to("cuda", torch.bfloat16))
+        out.float().square().sum().backward()
+        runs[name] = (out.detach(), xd.grad)
+    assert not sparse._grouped(xd)  # autograd: the per-expert path
+    assert_close(runs["compiled"][0], want.detach().cuda(), runs["eager"][0], atol=FWD_ATOL[torch.bfloat16])
+    assert_close(runs["compiled"][1], x.grad.cuda(), runs["eager"][1], atol=BWD_ATOL[torch.bfloat16], what="dx")
 
 
 @gpu
