@@ -134,9 +134,9 @@ class _Plan:
     """``route``'s launches for one call signature: each one's grid, integer arguments, constexprs and warps, and (off
     the interpreter) its kernel compiled for the signature's specialization, then launched with the call's pointers.
 
-    Through ``Launcher`` each launch keyed its compiled kernel by the specialization of its 4 or 17 arguments on every
-    call: 13 us of an unbound ``route``'s 36 on the CPU CI machine (launches stubbed), where a signature is one dict
-    lookup."""
+    ``Launcher`` keys a compiled kernel by the specialization of each of a launch's arguments (17 for ``_route``) on
+    every call, where a call signature is one dict lookup: route's host Python took 33-37 us that way on the CPU CI
+    machine and 12 bound, its launches stubbed (docs/design/0079)."""
 
     __slots__ = ("counts_len", "count", "scan", "route", "kernels")
 

@@ -107,9 +107,9 @@ def as_linear(conv: nn.Module) -> nn.Linear:
     return linear
 
 
-# nn.Linear subclasses whose own forward is a linear layer's: x @ W^T + b, written out.  Any other subclass with a forward
-# of its own stays dense: Phi-MoE's and Llama-4's routers are nn.Linear subclasses that return their top-k, which a
-# Sparse24Linear in their place dropped (their models failed in their first forward).
+# nn.Linear subclasses whose own forward is a linear layer's: x @ W^T + b, written out.  Any other subclass with a
+# forward of its own stays dense: Phi-MoE's and Llama-4's routers are nn.Linear subclasses that return their top-k,
+# which a Sparse24Linear in their place would drop (docs/design/0079).
 LINEAR_FORWARDS = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
 
 
