@@ -113,12 +113,33 @@ def as_linear(conv: nn.Module) -> nn.Linear:
 LINEAR_FORWARDS = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
 
 
+# Linear layers whose weight their parent's code reads directly, by the parent's class: Mamba-1's mixers pass x_proj's,
+# dt_proj's and out_proj's weights to mamba_ssm's fused kernel, and multiply by dt_proj's weight without it.  A 2:4
+# layer would give them its weight decompressed on every call (a dense copy, sparse24/dense_view.py): they stay dense.
+DIRECT_WEIGHT_READS = {
+    "transformers.models.mamba.modeling_mamba.MambaMixer": ("x_proj", "dt_proj", "out_proj"),
+    "transformers.models.falcon_mamba.modeling_falcon_mamba.FalconMambaMixer": ("x_proj", "dt_proj", "out_proj"),
+    "transformers.models.jamba.modeling_jamba.JambaMambaMixer": ("dt_proj",),
+}
+
+
+def _class_name(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _read_directly(model: nn.Module, name: str) -> str | None:
+    """The class of the parent whose code reads the weight of the layer at ``name`` directly (``DIRECT_WEIGHT_READS``),
+    else None."""
+    parent, _, child = name.rpartition(".")
+    owner = _class_name(model.get_submodule(parent))
+    return owner if child in DIRECT_WEIGHT_READS.get(owner, ()) else None
+
+
 def _own_forward(layer: nn.Module) -> str | None:
     """The class of an nn.Linear subclass with a forward of its own not in ``LINEAR_FORWARDS``, else None."""
-    cls = type(layer)
-    if not isinstance(layer, nn.Linear) or cls.forward is nn.Linear.forward:
+    if not isinstance(layer, nn.Linear) or type(layer).forward is nn.Linear.forward:
         return None
-    name = f"{cls.__module__}.{cls.__qualname__}"
+    name = _class_name(layer)
     return None if name in LINEAR_FORWARDS else name
 
 
@@ -165,6 +186,11 @@ def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyRep
         if own is not None:
             report.skipped[name] = (f"a {own}: an nn.Linear subclass with a forward of its own (a router's top-k, an "
                                     f"extra input), which a Sparse24Linear in its place would drop")
+            continue
+        reader = _read_directly(model, name) if "." in name else None
+        if reader is not None:
+            report.skipped[name] = (f"its parent, a {reader}, reads its weight directly (a fused kernel's operand, "
+                                    f"a matmul of its own), which a 2:4 layer would give it decompressed on every call")
             continue
         w = layer.weight
         tied = [o for o in owners.get(_owner(w), []) if o != f"{name}.weight"]
