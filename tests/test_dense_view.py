@@ -45,7 +45,8 @@ def test_the_weight_reads_like_a_dense_one_and_ops_on_it_run_on_the_decompressed
 def test_a_write_to_the_weight_is_refused_and_nothing_changes(seed):
     layer = _layer("auto", torch.float32)
     before = layer.values.detach().clone()
-    for write in (lambda w: w.mul_(2), lambda w: w.copy_(torch.zeros(48, 128)), lambda w: w.zero_()):
+    for write in (lambda w: w.add_(1), lambda w: w.mul_(torch.rand(48, 128)), lambda w: w.copy_(torch.zeros(48, 128)),
+                  lambda w: w.zero_()):
         with pytest.raises(InvalidProblem, match="would write a 2:4 layer's weight.*change layer.values"):
             write(layer.weight)
     assert torch.equal(layer.values, before)
@@ -53,6 +54,21 @@ def test_a_write_to_the_weight_is_refused_and_nothing_changes(seed):
     with pytest.warns(RuntimeWarning, match="ran on the weight decompressed"):
         y.add_(layer.weight)  # a write to another tensor that reads the weight
     torch.testing.assert_close(y, layer.to_dense(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layout", ["auto", "public"])
+def test_scaling_the_weight_in_place_scales_the_layer_s_kept_entries(layout, seed):
+    """RWKV's eval forward rescales its layers' weights with ``mul_`` and ``div_`` by a power of 2: a scalar keeps the
+    weight 2:4, so the layer's values take it, its metadata unchanged, and the layer computes the scaled weight."""
+    layer = _layer(layout, torch.float32)
+    dense, metadata = layer.to_dense(), layer.metadata.clone()
+    with torch.no_grad():
+        assert layer.weight.mul_(4) is not None and layer.weight.div_(torch.tensor(8.0)) is not None
+    assert torch.equal(layer.metadata, metadata)
+    torch.testing.assert_close(layer.to_dense(), dense / 2, rtol=0, atol=0)
+    x = torch.randn(3, 128, dtype=torch.float64)
+    want = x @ (dense.double() / 2).T + layer.bias.double()
+    torch.testing.assert_close(layer(x.float()).double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_traced_the_weight_is_the_decompressed_weight_in_the_graph(seed):

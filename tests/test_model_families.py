@@ -2,9 +2,10 @@
 not: routers that are ``nn.Linear`` subclasses (Phi-MoE, Llama-4), shared experts and multi-head latent attention
 (DeepSeek-V3, Qwen2-MoE, GLM-4-MoE), biased experts with their own gating (gpt-oss), hybrid Mamba and
 linear-attention layers (Jamba, Bamba, Falcon-H1, Qwen3-Next, LFM2), Mamba-1 mixers that read their projections'
-weights directly (Mamba, Falcon-Mamba), an encoder (ModernBERT) and an audio encoder-decoder (Whisper).  Each from its transformers class at tiny sizes, float64, its experts 2:4 too: two eager
-passes (the first settles the sibling groups) against the dense model holding the pruned weights, then
-``kp.hf.save_model`` and ``load_model`` (docs/design/0077, 0079)."""
+weights directly (Mamba, Falcon-Mamba), weights scaled in place (RWKV), an encoder (ModernBERT) and an audio
+encoder-decoder (Whisper).  Each from its transformers class at tiny sizes, float64, its experts 2:4 too: two eager
+passes (the first settles the sibling groups) against the dense model holding the pruned weights, and the model
+``kp.hf.save_model`` wrote before them, loaded by ``load_model`` (docs/design/0077, 0079)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ FAMILIES = {  # model type -> its config's keywords (the families' own names for
                        layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
                        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, **_MOE),
     "lfm2": dict(_D, layer_types=["conv", "full_attention"], block_ff_dim=256),
+    "rwkv": dict(hidden_size=128, num_hidden_layers=2, vocab_size=128, attention_hidden_size=128,
+                 intermediate_size=256, rescale_every=1),  # its eval forward scales layer 1's weights in place
     "mamba": dict(hidden_size=128, num_hidden_layers=2, vocab_size=128, state_size=8, expand=2),
     "falcon_mamba": dict(hidden_size=128, num_hidden_layers=2, vocab_size=128, state_size=8, expand=2),
 }
@@ -69,18 +72,17 @@ def _check(model, inputs: dict, tmp_path, experts: bool) -> kp.SparsifyReport:
     report = kp.sparsify(sparse, progress=False, experts="all")
     assert report.converted and (not experts or any(isinstance(m, Sparse24Experts) for m in sparse.modules()))
     twin = _dense_twin(sparse, dense)
+    kp.hf.save_model(sparse, tmp_path / "model")  # before any forward: RWKV's scales its weights in place
+    loaded = kp.hf.load_model(tmp_path / "model").eval()
+    assert type(loaded) is type(sparse)
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         want = twin(**inputs).logits
         for _ in range(2):
             torch.testing.assert_close(sparse(**inputs).logits, want, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(loaded(**inputs).logits, want, rtol=1e-10, atol=1e-10)
     # No op of the model's own code read a 2:4 layer's weight (each such read is a dense copy: dense_view.py).
     assert not [w for w in caught if "read a 2:4 layer's weight" in str(w.message)]
-    with torch.no_grad():
-        kp.hf.save_model(sparse, tmp_path / "model")
-        loaded = kp.hf.load_model(tmp_path / "model")
-        assert type(loaded) is type(sparse)
-        torch.testing.assert_close(loaded(**inputs).logits, want, rtol=1e-10, atol=1e-10)
     return report
 
 

@@ -8,8 +8,9 @@ raised AttributeError in its forward.
 ``DenseView`` answers what such code reads (``shape``, ``dtype``, ``device``, ``isinstance(w, torch.Tensor)``) from
 its own metadata, holding only the compressed tensors.  Any op on it (``F.linear(x, layer.weight)``, ``w.sum()``,
 ``w.clone()``) runs on the weight decompressed for that op, so every result is the weight's, and warns once that it
-does (once for each op): a dense copy each time, which a 2:4 layer exists to avoid.  An op that would write it is
-refused (it would change the copy).  Outside autograd: a gradient goes to ``values`` through the layer's own
+does (once for each op): a dense copy each time, which a 2:4 layer exists to avoid.  Scaling it in place by a scalar
+(``mul_``, ``div_``) scales the layer's kept entries, which keeps it 2:4; any other op that would write it is refused
+(it would change the copy).  Outside autograd: a gradient goes to ``values`` through the layer's own
 forward.  Traced (``torch.compile``), the layer gives the decompressed weight as ops of the graph instead, which the
 compiler drops where only its dtype or shape is read.
 """
@@ -46,6 +47,9 @@ class DenseView(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _SCALINGS and not kwargs and isinstance(args[0], DenseView) and _scalar(args[1]):
+            func(args[0].values, args[1])  # a weight scaled in place: its kept entries, its mask unchanged
+            return args[0]
         for i, arg in enumerate(func._schema.arguments):
             value = args[i] if i < len(args) else kwargs.get(arg.name)
             if isinstance(value, DenseView) and arg.alias_info is not None and arg.alias_info.is_write:
@@ -56,6 +60,18 @@ class DenseView(torch.Tensor):
         warn_once(f"an op ({func}) read a 2:4 layer's weight: it ran on the weight decompressed, a dense copy made "
                   f"for it (kernelplan.sparse24.dense_view)")
         return func(*tree_map(_dense, args), **tree_map(_dense, kwargs))
+
+
+# In-place scalings, which keep a 2:4 weight 2:4: RWKV's eval forward rescales its layers' weights this way.
+_SCALINGS = frozenset({torch.ops.aten.mul_.Tensor, torch.ops.aten.mul_.Scalar, torch.ops.aten.div_.Tensor,
+                       torch.ops.aten.div_.Scalar})
+
+
+def _scalar(other) -> bool:
+    """A Python number or a one-element tensor that is not itself a 2:4 layer's weight."""
+    if isinstance(other, torch.Tensor):
+        return other.numel() == 1 and not isinstance(other, DenseView)
+    return isinstance(other, (int, float))
 
 
 def _dense(t):
