@@ -461,3 +461,55 @@ def test_folded_outliers_keep_the_function_and_wandas_mask_and_move_magnitudes()
     kept = masks["magnitude", "folded"][q][:, channels].float().mean()
     assert kept < 0.05, f"magnitude kept {float(kept):.2f} of the downscaled columns' weights"
     assert masks["magnitude", "plain"][q][:, channels].float().mean() > 0.3
+
+
+_HIDDEN = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+# Blocks that take arguments of their own: Gemma-3's sliding layers a mask and rotary tables of their own (a window
+# under the sequence, so the masks differ), Zamba2's hybrid layers their index.
+_OWN_ARGUMENTS = {
+    "gemma3_text": dict(_HIDDEN, num_hidden_layers=3, head_dim=32, sliding_window=4,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "zamba2": dict(_HIDDEN, num_hidden_layers=3, mamba_d_state=8, mamba_headdim=32, mamba_ngroups=1,
+                   n_mamba_heads=8, hybrid_layer_ids=[1], layers_block_type=["mamba", "hybrid", "mamba"],
+                   num_mem_blocks=1, use_mem_rope=False, attention_head_dim=32),
+}
+
+
+@pytest.mark.skipif(transformers is None, reason="needs transformers")
+@pytest.mark.parametrize("family", sorted(_OWN_ARGUMENTS))
+def test_calibration_gives_each_block_the_inputs_the_model_gives_it(family):
+    """Unpruned, the blocks run one after another on the captured calls see exactly the hidden states the model's own
+    forward gives each block: every block with its own arguments.  With the first block's arguments passed to every
+    block, as the Wanda and SparseGPT reference code does, Gemma-3's full-attention layer ran under the sliding mask,
+    and Zamba2's hybrid layer raised KeyError (docs/design/0079)."""
+    from kernelplan.pruning import calibrate
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(family, **_OWN_ARGUMENTS[family])
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    _, blocks = calibrate.find_blocks(model)
+    ids = torch.randint(0, 128, (2, 12))
+
+    def hidden_in(block, into: list):
+        return block.register_forward_pre_hook(
+            lambda m, args, kwargs: into.append((args[0] if args else kwargs["hidden_states"]).clone()),
+            with_kwargs=True)
+
+    want = [[] for _ in blocks]
+    handles = [hidden_in(block, want[i]) for i, block in enumerate(blocks)]
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    for handle in handles:
+        handle.remove()
+    got = [[] for _ in blocks]
+
+    def record(i, block, dense_pass):
+        handle = hidden_in(block, got[i])
+        dense_pass()
+        handle.remove()
+
+    with torch.no_grad():
+        calibrate.run_blocks(list(blocks), calibrate.capture_inputs(model, list(blocks), [ids]), record, iter)
+    assert len(blocks) == 3 and all(len(g) == 1 for g in got)
+    for i in range(3):
+        torch.testing.assert_close(got[i][0], want[i][0], rtol=0, atol=0)

@@ -6,11 +6,19 @@ In a Hugging Face decoder model that is its decoder layers
 (``model.model.layers`` of a Llama, Qwen, Mistral, Mixtral, Gemma or Phi;
 ``transformer.h`` of GPT-style models); ``blocks=`` overrides it.
 
-As the Wanda and SparseGPT papers do, the inputs of the first block are
-captured once (the model runs until the first block is reached), then for each
-block: its linear layers' input statistics are gathered on a dense pass, its
-layers are pruned, and a second pass of the pruned block gives the next block's
-inputs.  Only one block's activations are held at a time, on the model's device.
+Each block's arguments are captured once, as the model calls it (the model
+runs to its last block), then for each block: its linear layers' input
+statistics are gathered on a dense pass, its layers are pruned, and a second
+pass of the pruned block gives the next block's hidden states, passed with that
+block's own other arguments.  Only one block's activations are held at a time,
+on the model's device.
+
+The Wanda and SparseGPT reference code captures the first block's arguments
+and passes them to every block.  That holds where every block takes the same
+mask and positions (their OPT and LLaMA-1), not where blocks take arguments of
+their own: Gemma-2/3's, Cohere-2's and gpt-oss's sliding-window layers their
+own masks (and Gemma-3's its own rotary tables), hybrid models' attention and
+Mamba layers theirs, Zamba2's hybrid layers their index (a KeyError there).
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from ..errors import InvalidProblem
 
 
 class _Reached(Exception):
-    """Raised by the hook on the first block: the rest of the model need not run."""
+    """Raised by the hook on the last block: the rest of the model need not run."""
 
 
 def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -92,26 +100,44 @@ def _call(model: nn.Module, batch) -> object:
     return model(batch.to(device), **extra)
 
 
-def capture_inputs(model: nn.Module, first: nn.Module, data: list) -> list[tuple[tuple, dict]]:
-    """The (args, kwargs) the first block is called with, one per calibration batch."""
-    captured = []
+def capture_inputs(model: nn.Module, blocks: list[nn.Module], data: list) -> list[list[tuple[tuple, dict]]]:
+    """Each block's ``(args, kwargs)`` as the model calls it, one per calibration batch: ``calls[block][batch]``.  The
+    first block's whole; the others' without their hidden states (``_without_hidden``), which the pruned blocks before
+    them give.  A block the model calls twice in a batch (one module at several places) keeps its first call."""
+    calls: list[list] = [[] for _ in blocks]
+    at = {id(block): i for i, block in enumerate(blocks)}
+    batch = 0
 
     def hook(module, args, kwargs):
-        captured.append((args, kwargs))
-        raise _Reached
+        i = at[id(module)]
+        if len(calls[i]) == batch:
+            calls[i].append((args, kwargs) if i == 0 else _without_hidden(args, kwargs))
+        if all(len(c) > batch for c in calls):
+            raise _Reached
 
-    handle = first.register_forward_pre_hook(hook, with_kwargs=True)
+    handles = [block.register_forward_pre_hook(hook, with_kwargs=True) for block in blocks]
     try:
-        for batch in data:
+        for batch, inputs in enumerate(data):
             try:
-                _call(model, batch)
+                _call(model, inputs)
             except _Reached:
                 continue
-            raise InvalidProblem("the model ran to the end without calling its first block; pass blocks= naming the "
-                                 "layers its forward runs")
+            missed = [i for i, c in enumerate(calls) if len(c) == batch]
+            raise InvalidProblem(
+                f"the model ran to the end without calling its block{'s' * (len(missed) > 1)} "
+                f"{', '.join(map(str, missed[:8]))} (of {len(blocks)}); pass blocks= naming the layers its forward "
+                f"runs, in order")
     finally:
-        handle.remove()
-    return captured
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+def _without_hidden(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A block's call with its hidden states left out (None in their place), for ``_with_hidden`` to fill."""
+    if args:
+        return (None, *args[1:]), kwargs
+    return args, {k: v for k, v in kwargs.items() if k != "hidden_states"}
 
 
 def _hidden(out) -> torch.Tensor:
@@ -125,10 +151,12 @@ def _with_hidden(call: tuple[tuple, dict], hidden: torch.Tensor) -> tuple[tuple,
     return args, {**kwargs, "hidden_states": hidden}
 
 
-def run_blocks(blocks: list[nn.Module], inputs: list[tuple[tuple, dict]],
+def run_blocks(blocks: list[nn.Module], calls: list[list[tuple[tuple, dict]]],
                prune_block: Callable[[int, nn.Module, Callable[[], None]], None], progress,
                timed: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
-    """For each block: ``prune_block(i, block, dense_pass)``, then the pruned block's outputs feed the next."""
+    """For each block: ``prune_block(i, block, dense_pass)``, then the pruned block's outputs are the next block's
+    hidden states, beside its own other arguments (``capture_inputs``)."""
+    inputs, calls[0] = calls[0], []  # one block's activations held at a time
     for i, block in enumerate(progress(blocks)):
 
         def dense_pass(block=block):
@@ -138,7 +166,9 @@ def run_blocks(blocks: list[nn.Module], inputs: list[tuple[tuple, dict]],
         prune_block(i, block, dense_pass)
         if i + 1 < len(blocks):
             with timed():
-                inputs = [_with_hidden(call, _hidden(block(*call[0], **call[1]))) for call in inputs]
+                inputs = [_with_hidden(after, _hidden(block(*call[0], **call[1])))
+                          for call, after in zip(inputs, calls[i + 1])]
+            calls[i + 1] = []  # the next block's calls are in inputs now, with its hidden states
 
 
 def model_pass(model: nn.Module, data: list) -> None:

@@ -382,7 +382,7 @@ def sparsify(
         chosen.clear()  # each dense layer referenced once from here on, by its block's list, cleared as it is pruned
         held.clear()
         with torch.no_grad(), clock("capture"):
-            inputs = calibrate.capture_inputs(model, blocks[0], data)
+            inputs = calibrate.capture_inputs(model, blocks, data)
         bar = lambda it: tqdm(it, desc=f"sparsify ({method})", unit="layer", disable=not progress)  # noqa: E731
 
         def prune_block(i: int, block: nn.Module, dense_pass: Callable[[], None]) -> None:
