@@ -465,8 +465,11 @@ def test_folded_outliers_keep_the_function_and_wandas_mask_and_move_magnitudes()
 
 _HIDDEN = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 # Blocks that take arguments of their own: Gemma-3's sliding layers a mask and rotary tables of their own (a window
-# under the sequence, so the masks differ), Zamba2's hybrid layers their index.
+# under the sequence, so the masks differ), Zamba2's hybrid layers their index, T5's later layers the relative
+# position bias its first layer computes.
 _OWN_ARGUMENTS = {
+    "t5": dict(vocab_size=128, d_model=128, d_kv=32, d_ff=256, num_layers=3, num_heads=4, decoder_start_token_id=0,
+               pad_token_id=0),
     "gemma3_text": dict(_HIDDEN, num_hidden_layers=3, head_dim=32, sliding_window=4,
                         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "zamba2": dict(_HIDDEN, num_hidden_layers=3, mamba_d_state=8, mamba_headdim=32, mamba_ngroups=1,
@@ -481,14 +484,17 @@ def test_calibration_gives_each_block_the_inputs_the_model_gives_it(family):
     """Unpruned, the blocks run one after another on the captured calls see exactly the hidden states the model's own
     forward gives each block: every block with its own arguments.  With the first block's arguments passed to every
     block, as the Wanda and SparseGPT reference code does, Gemma-3's full-attention layer ran under the sliding mask,
-    and Zamba2's hybrid layer raised KeyError (docs/design/0079)."""
+    T5's later layers without the position bias, and Zamba2's hybrid layer raised KeyError (docs/design/0079)."""
     from kernelplan.pruning import calibrate
 
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model(family, **_OWN_ARGUMENTS[family])
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    _, blocks = calibrate.find_blocks(model)
-    ids = torch.randint(0, 128, (2, 12))
+    build = transformers.AutoModelForSeq2SeqLM if family == "t5" else transformers.AutoModelForCausalLM
+    model = build.from_config(config).eval()
+    _, blocks = calibrate.find_blocks(model)  # T5's: its encoder's
+    batch = {"input_ids": torch.randint(0, 128, (2, 12))}
+    if family == "t5":
+        batch["decoder_input_ids"] = torch.randint(0, 128, (2, 5))
 
     def hidden_in(block, into: list):
         return block.register_forward_pre_hook(
@@ -498,7 +504,7 @@ def test_calibration_gives_each_block_the_inputs_the_model_gives_it(family):
     want = [[] for _ in blocks]
     handles = [hidden_in(block, want[i]) for i, block in enumerate(blocks)]
     with torch.no_grad():
-        model(ids, use_cache=False)
+        model(**batch, use_cache=False)
     for handle in handles:
         handle.remove()
     got = [[] for _ in blocks]
@@ -509,7 +515,7 @@ def test_calibration_gives_each_block_the_inputs_the_model_gives_it(family):
         handle.remove()
 
     with torch.no_grad():
-        calibrate.run_blocks(list(blocks), calibrate.capture_inputs(model, list(blocks), [ids]), record, iter)
+        calibrate.run_blocks(list(blocks), calibrate.capture_inputs(model, list(blocks), [batch]), record, iter)
     assert len(blocks) == 3 and all(len(g) == 1 for g in got)
     for i in range(3):
         torch.testing.assert_close(got[i][0], want[i][0], rtol=0, atol=0)
