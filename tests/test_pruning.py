@@ -491,7 +491,8 @@ def test_calibration_gives_each_block_the_inputs_the_model_gives_it(family):
     config = transformers.AutoConfig.for_model(family, **_OWN_ARGUMENTS[family])
     build = transformers.AutoModelForSeq2SeqLM if family == "t5" else transformers.AutoModelForCausalLM
     model = build.from_config(config).eval()
-    _, blocks = calibrate.find_blocks(model)  # T5's: its encoder's
+    name, blocks = calibrate.find_blocks(model)
+    assert name == ("encoder.block" if family == "t5" else "model.layers")
     batch = {"input_ids": torch.randint(0, 128, (2, 12))}
     if family == "t5":
         batch["decoder_input_ids"] = torch.randint(0, 128, (2, 5))
@@ -519,3 +520,25 @@ def test_calibration_gives_each_block_the_inputs_the_model_gives_it(family):
     assert len(blocks) == 3 and all(len(g) == 1 for g in got)
     for i in range(3):
         torch.testing.assert_close(got[i][0], want[i][0], rtol=0, atol=0)
+
+
+@pytest.mark.skipif(transformers is None, reason="transformers is not installed")
+def test_a_vision_language_model_is_calibrated_on_its_language_model_s_blocks(seed):
+    """LLaVA's vision tower's layers come first in module order, and text-only calibration never reaches them: the
+    blocks are its language model's (``get_decoder()``).  The towers it does not reach are refused by name, as any
+    layer calibration cannot score; with filter_fn leaving them out, the language model is pruned by Wanda."""
+    from kernelplan.pruning import calibrate
+
+    vision = transformers.CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, image_size=32, patch_size=8)
+    text = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=128)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=127)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    assert calibrate.find_blocks(model)[0] == "model.language_model.layers"
+    ids = torch.randint(0, 120, (4, 16))
+    with pytest.raises(InvalidProblem, match="vision_tower.*did not run on the calibration data.*filter_fn"):
+        kp.sparsify(copy.deepcopy(model), method="wanda", calibration=ids, progress=False)
+    report = kp.sparsify(model, method="wanda", calibration=ids, progress=False,
+                         filter_fn=lambda name, layer: name.startswith("model.language_model."))
+    assert len(report.converted) == 14 and all(n.startswith("model.language_model.layers.") for n in report.converted)

@@ -38,12 +38,21 @@ class _Reached(Exception):
 
 
 def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The model's repeated blocks: its first ``nn.ModuleList`` whose every entry holds an ``nn.Linear``."""
-    for name, mod in model.named_modules():
+    """The model's repeated blocks: its first ``nn.ModuleList`` whose every entry holds an ``nn.Linear``; in a model
+    with a language model beside other towers (a config with a ``text_config``: LLaVA, Qwen2-VL, Gemma-3, Llama-4 ...),
+    the language model's (``get_decoder()``).  Its vision tower's layers come first in module order, and text-only
+    calibration never reaches them; the language model holds most of the weights."""
+    scope, prefix = model, ""
+    decoder = model.get_decoder() if getattr(getattr(model, "config", None), "text_config", None) is not None and \
+        callable(getattr(model, "get_decoder", None)) else None
+    if isinstance(decoder, nn.Module) and decoder is not model:
+        prefix = next((f"{name}." for name, mod in model.named_modules() if mod is decoder), "")
+        scope = decoder if prefix else model
+    for name, mod in scope.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) and all(
             any(isinstance(m, nn.Linear) for m in block.modules()) for block in mod
         ):
-            return name, mod
+            return prefix + name, mod
     raise InvalidProblem(
         f"{type(model).__name__} has no nn.ModuleList of blocks holding nn.Linear layers, which calibration prunes "
         f"one after another: pass blocks= (the list of the model's repeated layers, e.g. model.model.layers)"
