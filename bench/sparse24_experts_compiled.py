@@ -24,7 +24,6 @@ Writes ``bench/results/sparse24-experts-compiled-<gpu>.json``.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from typing import Optional
 
@@ -32,7 +31,7 @@ import torch
 
 from kernelplan.bench import results
 from kernelplan.nn import experts_ops
-from kernelplan.timing import host_us_per_call
+from kernelplan.timing import host_us_per_call, interleaved
 
 from sparse24_experts import MODELS, sparse_calls
 
@@ -78,13 +77,9 @@ def _op_calls(module, args) -> dict:
             "grouped_linear_scatter": (h.contiguous(), *down, offsets, experts, scatter, order, scale)}
 
 
-def _alternating(modes: dict, rounds: int, cuda: torch.device) -> dict:
-    """Wall us a call of each mode (20 calls waited for), the modes alternating by round: medians."""
-    wall = {m: [] for m in modes}
-    for r in range(rounds):
-        for m in (modes if r % 2 == 0 else list(modes)[::-1]):
-            wall[m].append(host_us_per_call(modes[m], cuda, 20, wait=True))
-    return {m: statistics.median(v) for m, v in wall.items()}
+def _walls(modes: dict, rounds: int, cuda: torch.device) -> dict:
+    """Wall us a call of each mode (20 calls waited for), in alternating rounds: medians."""
+    return interleaved({m: lambda fn=fn: host_us_per_call(fn, cuda, 20) for m, fn in modes.items()}, rounds)
 
 
 def main() -> int:
@@ -111,27 +106,22 @@ def main() -> int:
                 ways = {f"{name} {way}": (lambda op=op, a=a: op(*a))
                         for name, a in calls.items()
                         for way, op in (("inference op", getattr(experts_ops, name)), ("custom_op", custom[name]))}
-                host = {w: [] for w in ways}
                 with torch.inference_mode(context == "inference_mode"):
-                    for r in range(a.rounds):
-                        names = list(ways) if r % 2 == 0 else list(ways)[::-1]
-                        for w in names:
-                            for _ in range(3):
-                                ways[w]()
-                            host[w].append(host_us_per_call(ways[w], cuda, 50, wait=False))
-                row[f"op_host_us_{context}"] = {w: statistics.median(v) for w, v in host.items()}
+                    row[f"op_host_us_{context}"] = interleaved(
+                        {w: lambda fn=fn: host_us_per_call(fn, cuda, 50, wait=False) for w, fn in ways.items()},
+                        a.rounds)
             # The module compiled in the default mode (its ops as it has them) against eager, for scale.
             want = module(*args).clone()
             got = compiled(*args).clone()
-            row["module_wall_us"] = _alternating({"eager": lambda: module(*args), "compiled": lambda: compiled(*args)},
-                                                 a.rounds, cuda)
+            row["module_wall_us"] = _walls({"eager": lambda: module(*args), "compiled": lambda: compiled(*args)},
+                                           a.rounds, cuda)
             # Then with mode="reduce-overhead" (the launches replayed as a CUDA graph), beside eager again: dynamo's
             # entries reset first, so that no call passes the other mode's guards before it finds its own.
             torch._dynamo.reset()
             replayed = torch.compile(module, mode="reduce-overhead", dynamic=False)
             for _ in range(3):  # cudagraph trees warm up, then record
                 got_replayed = replayed(*args).clone()
-            row["module_wall_us_reduce_overhead"] = _alternating(
+            row["module_wall_us_reduce_overhead"] = _walls(
                 {"eager": lambda: module(*args), "reduce-overhead": lambda: replayed(*args)}, a.rounds, cuda)
         row["compiled_bitwise_equal_to_eager"] = torch.equal(got, want) and torch.equal(got_replayed, want)
         rows.append(row)
