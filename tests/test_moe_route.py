@@ -62,6 +62,7 @@ def test_route_with_several_summing_steps_and_column_blocks_a_program(monkeypatc
     """Summing steps of fewer chunks than there are, and programs that copy several column blocks (the last past H)."""
     from kernelplan.kernels import moe_route
 
+    monkeypatch.setattr(moe_route, "_PLANS", {})  # plans made under the constants below stay in this test
     monkeypatch.setattr(moe_route, "_CB", 2)  # 600 pairs, 19 chunks of 32: ten steps, the last partial
     monkeypatch.setattr(moe_route, "_PROGRAMS", 38)  # 19 chunks x 2 programs of 3 column blocks (of 5 in H)
     _check(150, 4, 16, 600, torch.bfloat16, seed=6, outside=[((7, 2), 16)], y_width=600)
@@ -73,6 +74,7 @@ def test_route_with_the_counts_summed_once_by_their_own_launch(monkeypatch, scan
     at every size, with bins split over several scan programs and chunks over several steps of each."""
     from kernelplan.kernels import moe_route
 
+    monkeypatch.setattr(moe_route, "_PLANS", {})  # plans made under the constants below stay in this test
     monkeypatch.setattr(moe_route, "_SCAN_MIN_CHUNKS", 1)
     monkeypatch.setattr(moe_route, "_SCAN_BINS", scan_bins)
     monkeypatch.setattr(moe_route, "_SCAN_STEP", scan_step)  # (4, 16): 4 chunks a step, 19 chunks in 5 steps

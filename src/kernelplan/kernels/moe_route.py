@@ -216,10 +216,10 @@ def route(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, experts: in
         return xs, order, offsets, scale
     y_cols = (y.shape[1], y.stride(0)) if y is not None else None
     # Everything a launch specializes on: the sizes, strides and dtypes, and each outside pointer's 16-byte alignment
-    # (the buffers made here are the allocator's, always aligned); the module's constants too, as tests change them.
+    # (the buffers made here are the allocator's, always aligned).  Not the module's constants: a test that changes
+    # them gives _PLANS a new dict too.
     key = (x.get_device(), x.dtype, ids.dtype, weights.dtype, pairs, top_k, experts, h, x.stride(0), y_cols,
-           ids.data_ptr() % 16, weights.data_ptr() % 16, x.data_ptr() % 16, 0 if y is None else y.data_ptr() % 16,
-           _B, _CB, _BH, _PROGRAMS, _SCAN_MIN_CHUNKS, _SCAN_BINS, _SCAN_STEP)
+           ids.data_ptr() % 16, weights.data_ptr() % 16, x.data_ptr() % 16, 0 if y is None else y.data_ptr() % 16)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _MAX_PLANS:

@@ -187,7 +187,7 @@ def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyRep
             report.skipped[name] = (f"a {own}: an nn.Linear subclass with a forward of its own (a router's top-k, an "
                                     f"extra input), which a Sparse24Linear in its place would drop")
             continue
-        reader = _read_directly(model, name) if "." in name else None
+        reader = _read_directly(model, name)
         if reader is not None:
             report.skipped[name] = (f"its parent, a {reader}, reads its weight directly (a fused kernel's operand, "
                                     f"a matmul of its own), which a 2:4 layer would give it decompressed on every call")
