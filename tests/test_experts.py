@@ -38,11 +38,11 @@ def _dense_twin(sparse_model, dense_model):
         for name, mod in sparse_model.named_modules():
             if isinstance(mod, Sparse24Experts):
                 dense = twin.get_submodule(name)
-                first = "gate_up_proj" if dense.has_gate else "up_proj"
+                first = "gate_up_proj" if mod.has_gate else "up_proj"  # the source's flags, as it held them
                 for e in range(mod.num_experts):
                     for part, layer in ((first, mod.first[e]), ("down_proj", mod.down[e])):
                         w = layer.to_dense().to(getattr(dense, part))  # from any device and dtype
-                        getattr(dense, part)[e] = w.t() if dense.is_transposed else w
+                        getattr(dense, part)[e] = w.t() if mod.is_transposed else w
             elif isinstance(mod, Sparse24Linear) and ".first." not in name and ".down." not in name:
                 twin.get_submodule(name).weight.copy_(mod.to_dense())  # copy_ converts device and dtype
     return twin

@@ -154,16 +154,18 @@ def test_from_pretrained_refuses_metadata_that_is_not_2_4(tmp_path, seed):
 
 def _sparse_moe(kind: str):
     """A small MoE model with its experts 2:4: Mixtral (saved under transformers' renames: mlp as block_sparse_moe),
-    or gpt-oss (experts transposed, with biases)."""
+    gpt-oss (experts transposed, with biases) or Llama-4 (every token through every expert)."""
     from test_experts import _gpt_oss_model, _mixtral
+    from test_experts_every_token import _llama4_model
 
-    model = _mixtral(torch.float32) if kind == "mixtral" else _gpt_oss_model()
+    model = {"mixtral": lambda: _mixtral(torch.float32), "gpt-oss": _gpt_oss_model,
+             "llama4": lambda: _llama4_model(torch.float32, vocab=256)}[kind]()
     kp.sparsify(model, progress=False, experts="all")
     return model
 
 
 @pytest.mark.parametrize("loader", ["from_pretrained", "load_model"])
-@pytest.mark.parametrize("kind", ["mixtral", "gpt-oss"])
+@pytest.mark.parametrize("kind", ["mixtral", "gpt-oss", "llama4"])
 def test_both_loaders_read_a_sparsified_moe_models_own_save_pretrained(tmp_path, seed, kind, loader):
     """save_pretrained writes a Sparse24Experts' state_dict, one layer an expert (<experts>.first.<e>), under the
     names transformers saves the model by; both loaders rename them back as transformers' loader does and build one
@@ -173,8 +175,8 @@ def test_both_loaders_read_a_sparsified_moe_models_own_save_pretrained(tmp_path,
     model = _sparse_moe(kind)
     model.save_pretrained(tmp_path, max_shard_size="100KB")
     keys = {k for f in tmp_path.glob("*.safetensors") for k in safe_open(f, "pt").keys()}
-    renamed = "block_sparse_moe" if kind == "mixtral" else "mlp"  # the rename this test is about, where there is one
-    assert f"model.layers.1.{renamed}.experts.first.2.values" in keys
+    renamed = {"mixtral": "block_sparse_moe", "gpt-oss": "mlp", "llama4": "feed_forward"}[kind]  # the rename this test
+    assert f"model.layers.1.{renamed}.experts.first.2.values" in keys  # is about, where there is one
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path) if loader == "from_pretrained" else \
         hf.load_model(tmp_path)
     assert sum(isinstance(m, kp.nn.Sparse24Experts) for m in loaded.modules()) == 2
@@ -186,7 +188,7 @@ def test_both_loaders_read_a_sparsified_moe_models_own_save_pretrained(tmp_path,
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-13 * (kind == "gpt-oss"))
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "gpt-oss"])
+@pytest.mark.parametrize("kind", ["mixtral", "gpt-oss", "llama4"])
 def test_from_pretrained_lays_each_expert_out_as_transformers_loads_it(tmp_path, seed, monkeypatch, kind):
     """A save_pretrained MoE directory (one layer an expert): where the conversion kernels run, each expert is
     converted into its rows of the projection's span as soon as the loader has set its values and metadata, so that
@@ -217,7 +219,7 @@ def test_from_pretrained_lays_each_expert_out_as_transformers_loads_it(tmp_path,
     monkeypatch.setattr(hf_quantizer._ExpertHolder, "__init__", kept)
     monkeypatch.setattr(module, "gpu_kernels", lambda t: TorchOps)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
-    experts = 4 if kind == "mixtral" else 3
+    experts = 3 if kind == "gpt-oss" else 4
     assert len(holders) == len(packed) == 2 * 2 * experts  # layers x projections x experts, each converted once
     assert {public for public, _ in packed} == {1}  # the expert converted alone holds its checkpoint's tensors
     for experts in (m for m in loaded.modules() if isinstance(m, kp.nn.Sparse24Experts)):
@@ -229,7 +231,7 @@ def test_from_pretrained_lays_each_expert_out_as_transformers_loads_it(tmp_path,
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-13 * (kind == "gpt-oss"))
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "gpt-oss"])
+@pytest.mark.parametrize("kind", ["mixtral", "gpt-oss", "llama4"])
 def test_dequantize_gives_back_the_experts_modules_with_the_pruned_weights(tmp_path, seed, kind):
     """``dequantize`` of a loaded MoE model: each Sparse24Experts becomes the transformers experts module it was built
     from, holding ``dense_parts``; the model computes what the 2:4 one did, and saves a plain dense directory."""
@@ -244,7 +246,7 @@ def test_dequantize_gives_back_the_experts_modules_with_the_pruned_weights(tmp_p
     assert not any(isinstance(m, (kp.nn.Sparse24Experts, kp.nn.Sparse24Linear)) for m in dense.modules())
     for name, held in parts.items():
         experts = dense.get_submodule(name)
-        assert type(experts).__name__ in ("MixtralExperts", "GptOssExperts")
+        assert type(experts).__name__ in ("MixtralExperts", "GptOssExperts", "Llama4TextExperts")
         assert {k: v for k, v in experts.named_parameters()}.keys() == held.keys()
         assert all(torch.equal(getattr(experts, k), v) for k, v in held.items())
     dense.config._experts_implementation = "eager"  # transformers' reference loop: grouped_mm refuses float64

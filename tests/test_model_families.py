@@ -52,9 +52,8 @@ FAMILIES = {  # model type -> its config's keywords (the families' own names for
 # Layers their parent's code reads the weight of (sparsify's DIRECT_WEIGHT_READS): dense, with the reason.
 READ_DIRECTLY = {"mamba": ("x_proj", "dt_proj", "out_proj"), "falcon_mamba": ("x_proj", "dt_proj", "out_proj"),
                  "jamba": ("dt_proj",)}
-# Families whose experts are held 2:4 (Llama-4's run every token through every expert, scaled by its router's scores,
-# in a module without transformers' experts flags: they stay dense, the report says why).
-MOE = {"phimoe", "deepseek_v3", "qwen2_moe", "glm4_moe", "gpt_oss", "jamba", "qwen3_next"}
+# Families whose experts are held 2:4 (Llama-4's run every token through every expert: nn/experts.py's EVERY_TOKEN).
+MOE = {"phimoe", "llama4_text", "deepseek_v3", "qwen2_moe", "glm4_moe", "gpt_oss", "jamba", "qwen3_next"}
 
 
 def _config(model_type: str, **kw):
@@ -97,7 +96,7 @@ def test_a_sparsified_family_computes_its_pruned_dense_twin_and_round_trips(fami
     read = sorted(name for name, why in report.skipped.items() if "reads its weight directly" in why)
     assert {name.rpartition(".")[2] for name in read} == set(READ_DIRECTLY.get(family, ()))
     if family == "llama4_text":
-        assert "use_experts_implementation flags" in report.skipped["model.layers.1.feed_forward.experts"]
+        assert "model.layers.1.feed_forward.experts" not in report.skipped
 
 
 def test_a_sparsified_modernbert_and_whisper_compute_their_pruned_dense_twins_and_round_trip(tmp_path):

@@ -29,8 +29,24 @@ from .sparse24_linear import Sparse24Linear
 FLAGS = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm")
 
 
+# Experts modules without those flags whose forward kernelplan knows, by class name -> their flags.  Each runs every
+# token through every expert: forward(hidden_states [E T, H]) takes expert e's T rows at e T, and gives its outputs in
+# the same rows.  Llama-4's MoE repeats its tokens E times, each copy scaled by the router's score for that expert
+# (zero where the expert was not chosen), and sums the E outputs of a token.
+EVERY_TOKEN = {"Llama4TextExperts": {"has_gate": True, "is_transposed": True, "has_bias": False,
+                                     "has_post_expert_norm": False}}
+
+
+def every_token(module: nn.Module) -> bool:
+    """Whether ``module``'s forward runs every token through every expert (``EVERY_TOKEN``)."""
+    return type(module).__name__ in EVERY_TOKEN
+
+
 def _flags(module: nn.Module) -> dict[str, bool] | None:
     """The module's flags, or None where it has no is_transposed (no sign of the decorator)."""
+    known = EVERY_TOKEN.get(type(module).__name__)
+    if known is not None:
+        return dict(known)
     if not hasattr(module, "is_transposed"):
         return None
     has_gate = getattr(module, "has_gate", isinstance(getattr(module, "gate_up_proj", None), torch.Tensor))
@@ -58,7 +74,7 @@ def parts_of(module: nn.Module) -> tuple[str, str]:
 def expert_weight(module: nn.Module, name: str, e: int) -> torch.Tensor:
     """Expert ``e``'s weight of projection ``name`` as a linear layer's ``[out, in]`` (a view)."""
     w = getattr(module, name)[e]
-    return w.t() if module.is_transposed else w
+    return w.t() if _flags(module)["is_transposed"] else w
 
 
 def expert_bias(module: nn.Module, name: str) -> torch.Tensor | None:
@@ -236,11 +252,13 @@ class Sparse24Experts(nn.Module):
     ``first[e]`` is expert ``e``'s gate/up projection (``up_proj`` where the experts have no gate) and ``down[e]`` its
     down projection, each a ``Sparse24Linear`` that runs the rows of x routed to the expert.  The gating is the
     source module's own ``_apply_gate`` (gpt-oss clamps and interleaves), with its activation and scalar attributes
-    carried over.
+    carried over.  ``every_token``: the forward is an ``EVERY_TOKEN`` module's, ``forward(hidden_states [E T, H])``,
+    each expert's T rows in turn, with no routing.
     """
 
     def __init__(self, first: list[Sparse24Linear], down: list[Sparse24Linear], act_fn: nn.Module | None,
-                 has_gate: bool = True, gate=None, post_expert_norm: nn.Module | None = None, **attributes):
+                 has_gate: bool = True, gate=None, post_expert_norm: nn.Module | None = None,
+                 every_token: bool = False, **attributes):
         super().__init__()
         if len(first) != len(down) or not first:
             raise InvalidProblem(f"first has {len(first)} experts and down {len(down)}; both need the same count, "
@@ -250,6 +268,7 @@ class Sparse24Experts(nn.Module):
         self.act_fn = act_fn
         self.post_expert_norm = post_expert_norm
         self.has_gate = has_gate
+        self.every_token = every_token
         self.num_experts = len(first)
         self.is_transposed = False  # how the source held its weights: dense_parts writes them so
         self._gate = gate if gate is not None else _default_gate
@@ -330,7 +349,7 @@ class Sparse24Experts(nn.Module):
         gate = getattr(type(experts), "_apply_gate", None)
         norm = experts.post_expert_norm if flags["has_post_expert_norm"] else None
         act = getattr(experts, "act_fn", None)
-        out = cls(layers[0], layers[1], act, flags["has_gate"], gate, norm, **attributes)
+        out = cls(layers[0], layers[1], act, flags["has_gate"], gate, norm, every_token(experts), **attributes)
         out.is_transposed = flags["is_transposed"]
         out.__dict__["_dense_skeleton"] = _meta_skeleton(experts)  # not a child: no state, moved with nothing
         return out.train(experts.training)
@@ -442,14 +461,18 @@ class Sparse24Experts(nn.Module):
         builds."""
         first, down = self.first[0], self.down[0]
         return [(first.out_features, first.in_features, first.bias is not None, self._epilogue, False),
-                (down.out_features, down.in_features, down.bias is not None, None, self.post_expert_norm is None)]
+                (down.out_features, down.in_features, down.bias is not None, None,
+                 self.post_expert_norm is None and not self.every_token)]
 
     def warm_routing(self) -> None:
         """Compile the grouped forward's routing kernels for this module's shapes, as ``kp.warmup`` does: routing
         weights in the experts' dtype and in float32 (routers give either), for a decode's pairs and for as many as
-        take the counts' own summing launch (``_SCAN_MIN_CHUNKS``): one variant of each for every token count."""
+        take the counts' own summing launch (``_SCAN_MIN_CHUNKS``): one variant of each for every token count.  An
+        ``every_token`` module has no routing."""
         from ..kernels import moe_route
 
+        if self.every_token:
+            return
         w = self.first[0].values
         many = moe_route._SCAN_MIN_CHUNKS * moe_route._B
         x = torch.zeros(many, self.first[0].in_features, dtype=w.dtype, device=w.device)
@@ -460,8 +483,10 @@ class Sparse24Experts(nn.Module):
                 moe_route.route(ids, torch.ones(pairs, 1, dtype=dtype, device=w.device), x[:pairs], self.num_experts,
                                 y[:pairs] if y is not None else None)
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
+                top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if self.every_token or top_k_index is None or top_k_weights is None:
+            return self._every_token_forward(hidden_states, top_k_index, top_k_weights)
         if hidden_states.dim() != 2 or top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape or \
                 top_k_index.shape[0] != hidden_states.shape[0]:
             raise InvalidProblem(
@@ -475,6 +500,39 @@ class Sparse24Experts(nn.Module):
             x, order, offsets = self._sorted_pairs(hidden_states, top_k_index)
             pairs = _combine(self._per_expert(x, offsets[1:].tolist()), order, top_k_weights)
         return pairs.view(tokens, k, pairs.shape[1]).sum(dim=1).to(hidden_states.dtype)
+
+    def _every_token_forward(self, hidden: torch.Tensor, index, weights) -> torch.Tensor:
+        """An ``EVERY_TOKEN`` module's forward: expert e's rows of ``hidden [E T, H]`` are ``e T .. (e + 1) T``, the
+        output's the same.  The grouped kernel's offsets are then ``0, T, 2 T ...``: one launch a projection."""
+        experts = self.num_experts
+        if not self.every_token or index is not None or weights is not None:
+            given = "routing (top_k_index and top_k_weights)" if self.every_token else \
+                f"top_k_index {None if index is None else tuple(index.shape)} and top_k_weights " \
+                f"{None if weights is None else tuple(weights.shape)}"
+            want = "hidden_states [E T, H] alone (each expert's T rows in turn)" if self.every_token else \
+                "hidden_states [T, H] with top_k_index and top_k_weights [T, k], as transformers' experts modules do"
+            raise InvalidProblem(f"these experts were given {given}: they take {want}")
+        width = self.first[0].in_features
+        if hidden.dim() != 2 or hidden.shape[1] != width or hidden.shape[0] % experts:
+            raise InvalidProblem(f"hidden_states {tuple(hidden.shape)}: these {experts} experts take [E T, {width}], "
+                                 f"each expert's T rows in turn (E = {experts}), as {type(self).__name__}'s source "
+                                 f"module did")
+        tokens = hidden.shape[0] // experts
+        if self._grouped(hidden) and tokens:
+            traced = _is_compiling()
+            if traced:
+                grouped_linear = experts_ops.grouped_linear
+            else:
+                from ..kernels.sparse24_grouped import grouped_linear
+            if hidden.stride(1) != 1:
+                hidden = hidden.contiguous()
+            offsets = torch.arange(0, (experts + 1) * tokens, tokens, dtype=torch.int32, device=hidden.device)
+            if self._epilogue is not None:
+                h = grouped_linear(hidden, *self._span(self.first), offsets, experts, self._epilogue)
+            else:
+                h = self._activate(grouped_linear(hidden, *self._span(self.first), offsets, experts, None))
+            return self._norm(grouped_linear(h.contiguous(), *self._span(self.down), offsets, experts, None))
+        return self._per_expert(hidden, [tokens * (e + 1) for e in range(experts)])
 
     def _sorted_pairs(self, hidden: torch.Tensor, index: torch.Tensor):
         """``(x, order, offsets)`` by torch ops: the (token, expert) pairs by expert (``order``), so that each expert's
@@ -563,4 +621,4 @@ class Sparse24Experts(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.first[0].in_features}, "
                 f"intermediate={self.down[0].in_features}, has_gate={self.has_gate}, "
-                f"bias={self.first[0].bias is not None}")
+                f"bias={self.first[0].bias is not None}{', every_token=True' * self.every_token}")

@@ -2,7 +2,8 @@
 
 A transformers experts module (``nn/experts.py``) takes ``(hidden_states [T, H], top_k_index [T, k], ...)``.  A
 forward pre-hook on it reads, for each expert ``e``, the rows of ``hidden_states`` that ``top_k_index`` sends to
-``e``: the inputs of its first projection (gate/up).  The inputs of its down projection are those rows through the
+``e``: the inputs of its first projection (gate/up).  An ``every_token`` module (Llama-4's) takes each expert's block
+of rows in turn, each row a token scaled by the router's score: the rows of ``e``'s block that are not zero.  The inputs of its down projection are those rows through the
 expert's own dense first projection and the module's own gating (``_apply_gate``, or the activation where there is
 no gate), computed in the hook: the module's forward never exposes them.  As for the linear layers
 (``calibrate.py``), the statistics come from a pass of the block before its experts are pruned.
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn.experts import ExpertSpan, expert_bias, expert_weight, parts_of, source_activation
+from ..nn.experts import ExpertSpan, every_token, expert_bias, expert_weight, parts_of, source_activation
 from ..sparse24.format import Sparse24Weight
 from . import methods
 
@@ -38,6 +39,7 @@ class _Gatherer:
         self.first_name, self.down_name = parts_of(module)
         self.activate = source_activation(module)
         self.bias = expert_bias(module, self.first_name)
+        self.every_token, self.count = every_token(module), getattr(module, self.first_name).shape[0]
         device = getattr(module, self.first_name).device
         k_first = expert_weight(module, self.first_name, 0).shape[1]
         k_down = expert_weight(module, self.down_name, 0).shape[1]
@@ -45,18 +47,26 @@ class _Gatherer:
         self.down = {e: methods.InputStats(k_down, device, full, dtype) for e in ids}
 
     def __call__(self, module, args, kwargs) -> None:
-        names = ("hidden_states", "top_k_index")
-        hidden, index = (args[i] if len(args) > i else kwargs[name] for i, name in enumerate(names))
         bias = self.bias
         for e in self.ids:
-            rows = (index == e).any(dim=-1).nonzero().squeeze(1)
-            if not rows.numel():
+            x = self._routed(args, kwargs, e)
+            if not x.shape[0]:
                 continue
-            x = hidden.index_select(0, rows)
             self.first[e].add(x)
             h = F.linear(x, expert_weight(module, self.first_name, e).to(x.dtype),
                          bias[e].to(x.dtype) if bias is not None else None)
             self.down[e].add(self.activate(h))
+
+    def _routed(self, args, kwargs, e: int) -> torch.Tensor:
+        """The rows of the call's hidden states that go to expert ``e``: those its routing sends there or, for an
+        ``every_token`` module, the rows of its block that are not zero (its MoE scales a token's copy for an expert
+        it did not choose by zero: Llama-4's sigmoid of -inf)."""
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if self.every_token:
+            x = hidden.view(self.count, -1, hidden.shape[-1])[e]
+            return x[(x != 0).any(dim=-1)]
+        index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        return hidden.index_select(0, (index == e).any(dim=-1).nonzero().squeeze(1))
 
 
 def _bytes_per_expert(module: nn.Module, full: bool, dtype: torch.dtype) -> int:

@@ -1,0 +1,204 @@
+"""Experts modules that run every token through every expert (``nn/experts.py``'s ``EVERY_TOKEN``: Llama-4's) held
+2:4: ``Sparse24Experts`` with ``every_token``, its forward ``(hidden_states [E T, H])`` each expert's T rows in turn.
+
+CPU: the module against the source holding the pruned weights (float64), the routing Llama-4's MoE gives it, odd and
+non-contiguous inputs; error inputs; calibration's rows for each expert; a fullgraph compile.  GPU: the grouped
+kernel with offsets ``0, T, 2T ...`` against the fp64 oracle, a CUDA graph, a compiled call, a sparsified model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import kernelplan as kp
+from kernelplan.errors import InvalidProblem
+from kernelplan.nn import Sparse24Experts
+
+from helpers import FWD_ATOL, assert_close, sm90
+from test_experts import _dense_twin
+
+transformers = pytest.importorskip("transformers")
+llama4 = pytest.importorskip("transformers.models.llama4.modeling_llama4")
+gpu = pytest.mark.gpu
+
+
+def _experts(dtype, experts=4, hidden=128, inner=192):
+    config = transformers.Llama4TextConfig(hidden_size=hidden, intermediate_size=inner, num_local_experts=experts,
+                                           hidden_act="silu")
+    module = llama4.Llama4TextExperts(config)
+    with torch.no_grad():  # the class leaves gate_up_proj zero and down_proj uninitialized
+        module.gate_up_proj.copy_(torch.randn_like(module.gate_up_proj) / hidden ** 0.5)
+        module.down_proj.copy_(torch.randn_like(module.down_proj) / inner ** 0.5)
+    return module.to(dtype)
+
+
+def _routed(tokens: int, experts: int, hidden: int = 128, top_k: int = 1, dtype=torch.float64, skip=()):
+    """What Llama4TextMoe gives its experts: the tokens repeated once an expert, each copy times the router's sigmoid
+    score for that expert, zero where the expert is not among the token's top ``top_k`` (never one of ``skip``)."""
+    x = torch.randn(tokens, hidden, dtype=dtype)
+    logits = torch.randn(tokens, experts, dtype=torch.float64)
+    logits[:, list(skip)] = -torch.inf
+    top, index = torch.topk(logits, top_k, dim=1)
+    scores = torch.full_like(logits, -torch.inf).scatter_(1, index, top).sigmoid().to(dtype)
+    return x.repeat(experts, 1) * scores.t().reshape(-1, 1), index
+
+
+def _oracle(dense: torch.nn.Module, sparse: Sparse24Experts) -> torch.nn.Module:
+    """``dense`` (float64) holding the 2:4 module's pruned weights."""
+    oracle = copy.deepcopy(dense).double()
+    with torch.no_grad():
+        for e in range(sparse.num_experts):
+            oracle.gate_up_proj[e] = sparse.first[e].to_dense().t().double().cpu()
+            oracle.down_proj[e] = sparse.down[e].to_dense().t().double().cpu()
+    return oracle
+
+
+def test_every_token_experts_compute_the_source_module_on_the_pruned_weights(seed):
+    dense = _experts(torch.float64)
+    sparse = Sparse24Experts.from_experts(dense)
+    assert sparse.every_token and sparse.num_experts == 4
+    shapes = [(m.out_features, m.in_features) for m in (sparse.first[0], sparse.down[0])]
+    assert shapes == [(384, 128), (128, 192)]  # Llama-4's [E, in, out] weights as linear layers' [out, in]
+    oracle = _oracle(dense, sparse)
+    wide = torch.randn(4 * 5, 300, dtype=torch.float64)
+    inputs = [_routed(tokens, 4, top_k=k)[0] for tokens, k in ((0, 1), (1, 1), (7, 1), (33, 2))]
+    inputs.append(wide[:, 17:145])  # rows 300 apart: not contiguous
+    with torch.no_grad():
+        for x in inputs:
+            got = sparse(x)
+            assert got.shape == x.shape and got.dtype == x.dtype
+            torch.testing.assert_close(got, oracle(x), rtol=1e-10, atol=1e-10)
+    # The weights are 2 of every 4 along each expert's inputs, and differ from the dense ones.
+    w = sparse.first[2].to_dense()
+    assert ((w.view(384, 32, 4) != 0).sum(-1) <= 2).all()
+    assert not torch.equal(w, dense.gate_up_proj[2].t())
+
+
+def test_error_inputs_are_refused_with_what_the_experts_take(seed):
+    sparse = Sparse24Experts.from_experts(_experts(torch.float64))
+    x, index = _routed(3, 4)
+    weights = torch.ones_like(index, dtype=x.dtype)
+    cases = [((x, index, weights), "were given routing .* take hidden_states \\[E T, H\\] alone"),
+             ((x[:-1],), "hidden_states \\(11, 128\\): these 4 experts take \\[E T, 128\\]"),
+             ((x[:, :64],), "hidden_states \\(12, 64\\)"),
+             ((x.view(4, 3, 128),), "hidden_states \\(4, 3, 128\\)")]
+    for args, match in cases:
+        with pytest.raises(InvalidProblem, match=match):
+            sparse(*args)
+    from test_experts_grouped import _mixtral_experts
+
+    top_k = Sparse24Experts.from_experts(_mixtral_experts(torch.float64))
+    with pytest.raises(InvalidProblem, match="top_k_index None and top_k_weights None: they take hidden_states "
+                                             "\\[T, H\\] with top_k_index"):
+        top_k(torch.randn(4, 128, dtype=torch.float64))
+
+
+def test_calibration_reads_each_expert_s_rows_that_its_router_chose(seed):
+    """Each expert's statistics gather the rows of its block that are not zero: the tokens that chose it.  An expert
+    no token chose (its block all zero) is reported unreached, and pruned by magnitude."""
+    from kernelplan.pruning import experts as calib
+
+    dense = _experts(torch.float64)
+    x, index = _routed(40, 4, top_k=2, skip=(1,))
+    gatherer = calib._Gatherer(dense, range(4), True, torch.float64)
+    calib._gather(lambda: dense(x), dense, gatherer)
+    for e in range(4):
+        chose = (index == e).any(dim=1)
+        assert gatherer.first[e].tokens == int(chose.sum())
+        rows = x.view(4, 40, 128)[e][chose]
+        torch.testing.assert_close(gatherer.first[e].gram, rows.t() @ rows, rtol=1e-12, atol=1e-12)
+    assert gatherer.first[1].tokens == 0
+    pruned, unreached, _ = calib.calibrate_experts(dense, "wanda", lambda: dense(x), False, 128, 0.01)
+    assert unreached == [1]
+    assert [len(v) for v in pruned.values()] == [4, 4]
+
+
+def _llama4_model(dtype=torch.float64, vocab: int = 128) -> torch.nn.Module:
+    """A tiny Llama-4 (text), both layers MoE, its experts' weights random (the class leaves them zero)."""
+    config = transformers.Llama4TextConfig(hidden_size=128, intermediate_size=192, intermediate_size_mlp=256,
+                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                           head_dim=32, vocab_size=vocab, num_local_experts=4, num_experts_per_tok=1,
+                                           interleave_moe_layer_step=1)
+    model = transformers.Llama4ForCausalLM(config).to(dtype).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, llama4.Llama4TextExperts):
+                module.gate_up_proj.normal_(0, 0.1)
+                module.down_proj.normal_(0, 0.1)
+    return model
+
+
+def test_a_sparsified_llama4_calibrates_its_experts_and_compiles_in_one_graph(seed):
+    """kp.sparsify with Wanda on a tiny Llama-4: the experts held 2:4, calibrated; the model against its pruned
+    dense twin; the experts module compiled fullgraph (the per-expert path) against eager."""
+    from helpers import compiled_graphs
+
+    dense = _llama4_model()
+    model = copy.deepcopy(dense)
+    report = kp.sparsify(model, progress=False, method="wanda", calibration=torch.randint(0, 128, (4, 16)),
+                         experts="all")
+    names = [f"model.layers.{i}.feed_forward.experts" for i in range(2)]
+    assert set(names) <= set(report.converted)
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, _dense_twin(model, dense)(ids).logits, rtol=1e-10, atol=1e-10)
+    experts = model.get_submodule(names[0])
+    x, _ = _routed(5, 4)
+    with torch.no_grad():
+        got, graphs = compiled_graphs(experts, x)
+        torch.testing.assert_close(got, experts(x), rtol=0, atol=0)
+    assert len(graphs) == 1
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_token_experts_on_the_grouped_kernel(seed, dtype):
+    """One grouped launch a projection, offsets 0, T, 2T ...: against the fp64 oracle (within 2x the error of the
+    dense module in the same dtype), from a decode's T to a prefill's, odd T included; replayed in a CUDA graph on
+    new inputs; compiled fullgraph (the launches as ops)."""
+    dense = _experts(torch.float64, experts=6, hidden=256, inner=320)
+    sparse = Sparse24Experts.from_experts(copy.deepcopy(dense).to(dtype)).cuda()
+    oracle = _oracle(dense, sparse)
+    baseline = copy.deepcopy(oracle).to(dtype).cuda()
+    assert sparse.runs_grouped(torch.device("cuda", torch.cuda.current_device()), dtype)
+    compiled = torch.compile(sparse, fullgraph=True)
+    with torch.no_grad():
+        for tokens in (1, 5, 64, 301, 1024):
+            x, _ = _routed(tokens, 6, hidden=256, top_k=2)
+            want = oracle(x).cuda()
+            xd = x.to(dtype).cuda()
+            got = sparse(xd)
+            assert_close(got, want, baseline(xd), atol=FWD_ATOL[dtype])
+            torch.testing.assert_close(compiled(xd), got, rtol=0, atol=0)
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            sparse(xd)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            captured = sparse(xd)
+        xd.copy_(_routed(1024, 6, hidden=256, top_k=2)[0].to(dtype))
+        graph.replay()
+        torch.testing.assert_close(captured, sparse(xd), rtol=0, atol=0)
+
+
+@gpu
+@sm90
+def test_a_llama4_sparsified_on_the_gpu_holds_its_experts_at_0_5625x_and_runs(seed):
+    config = transformers.Llama4TextConfig(hidden_size=256, intermediate_size=512, intermediate_size_mlp=512,
+                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                           head_dim=64, vocab_size=256, num_local_experts=8, num_experts_per_tok=1,
+                                           interleave_moe_layer_step=1)
+    model = transformers.Llama4ForCausalLM(config).to(torch.bfloat16).cuda().eval()
+    report = kp.sparsify(model, progress=False)  # "auto": the grouped kernel runs these experts
+    experts = [m for m in model.modules() if isinstance(m, Sparse24Experts)]
+    assert len(experts) == 2 and all(m.every_token for m in experts)
+    held = sum(t.numel() * t.element_size() for m in experts for t in (*m._span(m.first)[:2], *m._span(m.down)[:2]))
+    assert held * 16 == 9 * 2 * 8 * (2 * 512 * 256 + 256 * 512)
+    assert all(not name.endswith("experts") for name in report.skipped)
+    with torch.no_grad():
+        logits = model(torch.randint(0, 256, (3, 17), device="cuda")).logits
+    assert logits.shape == (3, 17, 256) and torch.isfinite(logits).all()
