@@ -197,7 +197,8 @@ def test_a_llama4_sparsified_on_the_gpu_holds_its_experts_at_0_5625x_and_runs(se
     experts = [m for m in model.modules() if isinstance(m, Sparse24Experts)]
     assert len(experts) == 2 and all(m.every_token for m in experts)
     held = sum(t.numel() * t.element_size() for m in experts for t in (*m._span(m.first)[:2], *m._span(m.down)[:2]))
-    assert held * 16 == 9 * 2 * 8 * (2 * 512 * 256 + 256 * 512)
+    dense = 2 * 8 * (2 * 512 * 256 + 256 * 512) * 2  # layers x experts x (gate_up + down) x bf16 bytes
+    assert held * 16 == 9 * dense
     assert all(not name.endswith("experts") for name in report.skipped)
     with torch.no_grad():
         logits = model(torch.randint(0, 256, (3, 17), device="cuda")).logits
