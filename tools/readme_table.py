@@ -226,6 +226,26 @@ def _moe_route_bound_note(doc: dict, name: str) -> str:
             f"{'bit for bit equal' if equal else 'NOT all equal'}, {_source(doc['meta'], name)}.")
 
 
+def _every_token_note(doc: dict, name: str) -> str:
+    """Experts that run every token through every expert (Llama-4's), 2:4 against the dense module, by config and
+    token count: CUDA graph / eager, and the host work of an eager call."""
+    cells = []
+    for model in dict.fromkeys(r["model"] for r in doc["rows"]):
+        at = [r for r in doc["rows"] if r["model"] == model]
+        shape = f"{at[0]['experts']} x {at[0]['hidden']} -> {at[0]['intermediate']}"
+        cells.append(f"{model} ({shape}): " + ", ".join(
+            f"{r['tokens']} token{'s' * (r['tokens'] != 1)} {r['graph_speedup']:.2f}x / {r['speedup']:.2f}x"
+            for r in at))
+    host = [r["host_us"]["sparse24"] / r["host_us"]["dense"] for r in doc["rows"]]
+    held = {round(r["held_bytes"] / r["dense_bytes"], 4) for r in doc["rows"]}
+    grouped = all(r["grouped"] for r in doc["rows"])
+    return (f"- 2:4 experts that run every token through every expert (Llama-4's `Llama4TextExperts`, as "
+            f"`kp.nn.Sparse24Experts`: one grouped launch a projection{'' if grouped else ' where it ran'}) against "
+            f"the dense module (`torch.bmm`) on the same pruned weights, CUDA graph / eager: " + "; ".join(cells) +
+            f"; an eager call's host work {min(host):.2f}-{max(host):.2f}x of dense's; bytes "
+            f"{'-'.join(f'{b:.4f}' for b in sorted(held))}x, {_source(doc['meta'], name)}.")
+
+
 def _by_tokens(rows: list[dict]) -> str:
     def cell(values: list[float]) -> str:
         return f"{statistics.median(values):.2f}x ({min(values):.2f}x)"
@@ -332,7 +352,8 @@ def sparse24_notes() -> list[str]:
                         (("sparse24-moe-model-h100", "sparse24-moe-model-h200"), _moe_model_note),
                         (("sparse24-moe-route-h200", "sparse24-moe-route-chunks-h200", "sparse24-moe-route-scan-h200"),
                          _moe_route_note),
-                        (("sparse24-moe-route-bound-h200",), _moe_route_bound_note)):
+                        (("sparse24-moe-route-bound-h200",), _moe_route_bound_note),
+                        (("sparse24-experts-every-token-h200",), _every_token_note)):
         lines += [note(doc, name) for name in names if (doc := _load(name))]
     for name in ("sparse24-siblings-sweep-h100", "sparse24-siblings-sweep-h200"):
         sweep = _load(name)
