@@ -246,6 +246,25 @@ def _every_token_note(doc: dict, name: str) -> str:
             f"{'-'.join(f'{b:.4f}' for b in sorted(held))}x, {_source(doc['meta'], name)}.")
 
 
+def _fits_note(doc: dict, name: str) -> str:
+    """A model on one GPU, dense and sparsified (``bench/sparse24_70b_memory.py --model``): its weights, whether each
+    fits, and the decode step of each that does."""
+    meta, s = doc["meta"], doc["sparse"]
+
+    def model(which: str) -> str:
+        d = doc[which]
+        if not d["fits"]:
+            return f"{which} does not fit ({d['allocated_when_it_failed_gib']:.1f} GiB allocated when it failed)"
+        step = f", decode step at batch 1, CUDA graph, {d['decode_step_ms']:.1f} ms" if "decode_step_ms" in d else \
+            f", decode step {d.get('decode_step', 'not run')}"
+        return (f"{which} holds {d['weight_gib']:.1f} GiB of weights{step}, {d['free_after_step_gib']:.1f} GiB free "
+                f"after it ({d['kv_tokens_that_fit_in_free']:,} more tokens of KV cache)")
+
+    return (f"- 2:4, {meta['model']} ({meta['layers']} layers, its experts as `kp.nn.Sparse24Experts`) on one GPU of "
+            f"{s['device_total_gib']:.1f} GiB: weights {s['dense_weight_gib']:.1f} GiB dense; {model('sparse')}; "
+            f"{model('dense')}, {_source(meta, name)}.")
+
+
 def _by_tokens(rows: list[dict]) -> str:
     def cell(values: list[float]) -> str:
         return f"{statistics.median(values):.2f}x ({min(values):.2f}x)"
@@ -408,6 +427,9 @@ def sparse24_notes() -> list[str]:
                      f"graph, {d['decode_step_ms']:.1f} ms dense, {s['decode_step_ms']:.1f} ms sparse "
                      f"({d['decode_step_ms'] / s['decode_step_ms']:.2f}x; the models in turn, they do not fit together), "
                      f"{_source(big['meta'], 'sparse24-70b-memory-h200')}.")
+    scout = _load("sparse24-llama4-scout-memory-h200")
+    if scout:
+        lines.append(_fits_note(scout, "sparse24-llama4-scout-memory-h200"))
     for gpu in ("h100", "h200"):
         convert = _load(f"sparse24-convert-{gpu}")
         if convert:
