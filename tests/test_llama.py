@@ -114,3 +114,37 @@ def test_decode_step_on_a_static_cache_is_greedy_generate(seed, batch):
         assert id(step.tok) in state and id(step.pos) in state and len(state) > 2
     assert int(step.pos) == 7 + 5
     torch.testing.assert_close(torch.cat(got, 1), want, rtol=0, atol=0)
+
+
+@needs_transformers
+def test_decode_step_lists_the_cache_s_python_counters(seed):
+    """Llama-4's chunked-attention layers count their tokens in a Python int: a graph's capture advances it without
+    running the step, so ``GraphedDecode`` sets it back (``counters``), as it does in ``check``."""
+    from kernelplan.bench.decode import DecodeStep
+    from test_experts_every_token import _llama4_model
+
+    model = _llama4_model(torch.float32)
+    with torch.inference_mode():
+        step = DecodeStep(model, torch.randint(0, 128, (1, 7)), max_len=16)
+        for _ in range(3):
+            step()
+    counters = step.counters()
+    assert counters and all(type(layer).__name__ == "StaticSlidingWindowLayer" for layer, _, _ in counters)
+    assert {(name, value) for _, name, value in counters} == {("cumulative_length_int", int(step.pos))}
+
+
+@pytest.mark.gpu
+@needs_transformers
+def test_a_graphed_decode_step_replays_the_eager_step_with_a_sliding_window_cache(seed):
+    """A sparsified Llama-4 (chunked-attention layers keep a Python counter) and a Llama: the replay from a state
+    equals the eager step from it, bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from kernelplan.bench.decode import DecodeStep, GraphedDecode
+    from test_experts_every_token import _llama4_model
+
+    for model in (_llama4_model(torch.bfloat16).cuda(), _tiny_llama().to(torch.bfloat16).cuda()):
+        kp.sparsify(model, progress=False)
+        with torch.inference_mode():
+            graph = GraphedDecode(DecodeStep(model, torch.randint(0, 128, (1, 7), device="cuda"), max_len=32))
+            assert graph.check() == 0.0

@@ -77,6 +77,14 @@ class DecodeStep:
         self.pos.add_(1)
         return logits
 
+    def counters(self) -> list[tuple[object, str, int]]:
+        """The cache's positions held as Python ints, ``(layer, attribute, value)``: transformers 5's sliding-window
+        layers (Llama-4's chunked attention, Gemma's local layers) count their tokens in ``cumulative_length_int``.
+        An eager step advances them; a graph's capture advances them without running the step, and its replays read
+        the value the capture saw."""
+        return [(layer, name, value) for layer in getattr(self.cache, "layers", ())
+                for name, value in vars(layer).items() if type(value) is int and name.startswith("cumulative")]
+
     def state(self) -> list[torch.Tensor]:
         """Every tensor a step reads and writes: the token, its position, the cache."""
         tensors = [self.tok, self.pos]
@@ -99,8 +107,18 @@ class Graphed:
         torch.cuda.current_stream().wait_stream(side)
         self.fn = fn
         self.graph = torch.cuda.CUDAGraph()
+        held = self._host_state()
         with capture(self.graph):
             self.out = fn()
+        self._set_host_state(held)
+
+    def _host_state(self) -> list:
+        """What of ``fn``'s state lives on the host: the capture records ``fn`` without running it, so it is set back
+        after (``_set_host_state``)."""
+        return []
+
+    def _set_host_state(self, held: list) -> None:
+        pass
 
     def check(self) -> float:
         """max |replay - eager| / max |eager| of one call (for a ``fn`` whose state it does not advance)."""
@@ -125,10 +143,22 @@ class GraphedDecode(Graphed):
         self.step = step
         super().__init__(step, warmup)
 
+    def _host_state(self) -> list:
+        # The cache's Python counters: the capture advances them and none of its tensors.  Set back, they say where
+        # the tensors are, and an eager step from there is the step the graph holds (a sliding-window layer's replays
+        # write the slot the capture saw, as any graph of such a cache does).
+        return self.step.counters()
+
+    def _set_host_state(self, held: list) -> None:
+        for layer, name, value in held:
+            setattr(layer, name, value)
+
     def check(self) -> float:
         saved = [t.clone() for t in self.step.state()]
+        counters = self._host_state()
         eager = self.step().float()
         for t, s in zip(self.step.state(), saved):
             t.copy_(s)
+        self._set_host_state(counters)
         self.graph.replay()
         return float((self.out.float() - eager).abs().max() / eager.abs().max())
