@@ -1,8 +1,9 @@
 """Whole MoE models, dense against ``kp.sparsify``'d (experts held 2:4 and run on the grouped kernel), in one process.
 
 Published configs' sizes (``MODELS``), a few decoder layers each, random bf16 weights, no download: Mixtral-8x7B
-(8 experts of 14336, top 2) and Qwen3-30B-A3B (128 experts of 768, top 8, Qwen3-MoE's own module).  The dense
-model's experts run transformers' ``grouped_mm``, its default on the GPU.  The sparsified model's logits are checked
+(8 experts of 14336, top 2), Qwen3-30B-A3B (128 experts of 768, top 8, Qwen3-MoE's own module) and Llama-4-Scout
+(16 experts of 8192 and a shared one, top 1, every token through every expert).  The dense model's experts run
+transformers' ``grouped_mm``, its default on the GPU (Llama-4's, ``torch.bmm``).  The sparsified model's logits are checked
 against the dense model holding the same pruned weights first, on the sequences whose every token both route alike
 in every layer (in bf16 a router's near-tie can go either way; a token routed elsewhere is another function, not an
 error, and the tokens after it in its sequence attend to it).  Then, alternating dense and sparse (medians of
@@ -38,6 +39,10 @@ MODELS = {
         hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_attention_heads=32,
         num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
         vocab_size=151936)),
+    "Llama-4-Scout-17B-16E": ("Llama4TextConfig", "Llama4ForCausalLM", 4, dict(
+        hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384, num_attention_heads=40,
+        num_key_value_heads=8, head_dim=128, num_local_experts=16, num_experts_per_tok=1, interleave_moe_layer_step=1,
+        attention_chunk_size=8192, rope_theta=500000.0, vocab_size=202048)),
 }
 
 
@@ -74,6 +79,8 @@ def routed_logits(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     for mod in model.modules():
         if type(mod).__name__.endswith("TopKRouter"):  # (logits, top-k weights, top-k experts)
             hooks.append(mod.register_forward_hook(lambda m, args, out: routes.append(out[2].sort(-1).values)))
+        elif type(mod).__name__ == "Llama4Router":  # (scores [T, E], zero for the experts not chosen; logits)
+            hooks.append(mod.register_forward_hook(lambda m, args, out: routes.append(out[0].gt(0).long())))
     try:
         logits = model(ids).logits.float()
     finally:
@@ -146,8 +153,8 @@ def one_model(model: str, rounds: int) -> dict:
     out["weight_bytes"] = {n: weight_bytes(m) for n, m in models.items()}
     out["sparse_over_dense_bytes"] = out["weight_bytes"]["sparse"] / out["weight_bytes"]["dense"]
     experts = [m for m in sparse.modules() if isinstance(m, Sparse24Experts)]
-    out["experts_bytes"] = {"dense": sum(p.nbytes for mod in dense.modules() if hasattr(mod, "is_transposed")
-                                         for p in mod.parameters(recurse=False)),
+    out["experts_bytes"] = {"dense": sum(p.nbytes for mod in dense.modules()  # experts' weights: 3-D
+                                         for p in mod.parameters(recurse=False) if p.dim() == 3),
                             "sparse": sum(weight_bytes(m) for m in experts)}
     del experts, models, report
     with_both = allocated()

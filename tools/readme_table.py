@@ -368,7 +368,8 @@ def sparse24_notes() -> list[str]:
             lines.append(_experts_note(doc, name))
     for names, note in ((("sparse24-tile-tuning-h100", "sparse24-tile-tuning-h200", "sparse24-tile-tuning-top16-h100",
                           "sparse24-tile-tuning-top16-h200", "sparse24-tile-tuning-small-n-h100"), _tile_tuning_note),
-                        (("sparse24-moe-model-h100", "sparse24-moe-model-h200"), _moe_model_note),
+                        (("sparse24-moe-model-h100", "sparse24-moe-model-h200", "sparse24-moe-model-llama4-h200"),
+                         _moe_model_note),
                         (("sparse24-moe-route-h200", "sparse24-moe-route-chunks-h200", "sparse24-moe-route-scan-h200"),
                          _moe_route_note),
                         (("sparse24-moe-route-bound-h200",), _moe_route_bound_note),
