@@ -49,7 +49,8 @@ MODELS = {
 def build(model: str):
     config_cls, model_cls, layers, sizes = MODELS[model]
     cfg = getattr(transformers, config_cls)(num_hidden_layers=layers, max_position_embeddings=4096, **sizes)
-    cfg._experts_implementation = "grouped_mm"
+    if model_cls != "Llama4ForCausalLM":  # Llama-4's experts have one implementation (torch.bmm), which it refuses to set
+        cfg._experts_implementation = "grouped_mm"
     with torch.device("cuda"):
         dense = getattr(transformers, model_cls)(cfg).to(torch.bfloat16).eval()
     with torch.no_grad():
