@@ -187,7 +187,14 @@ def test_every_token_experts_on_the_grouped_kernel(seed, dtype):
 
 @gpu
 @sm90
-def test_a_llama4_sparsified_on_the_gpu_holds_its_experts_at_0_5625x_and_runs(seed):
+def test_a_llama4_sparsified_on_the_gpu_holds_its_experts_at_0_5625x_and_runs(seed, monkeypatch, tmp_path):
+    """Sparsified on the GPU ("auto": the grouped kernel runs these experts), each expert in the device layout
+    alone; after ``kp.warmup`` (both projections' grouped tiles, no scattered store: no routing), forwards compile
+    nothing."""
+    from kernelplan.kernels import nvrtc
+    from kernelplan.kernels.sparse24_grouped import GROUPED_ROWS
+
+    monkeypatch.setenv("KERNELPLAN_CACHE_DIR", str(tmp_path))  # a cold disk cache
     config = transformers.Llama4TextConfig(hidden_size=256, intermediate_size=512, intermediate_size_mlp=512,
                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                            head_dim=64, vocab_size=256, num_local_experts=8, num_experts_per_tok=1,
@@ -200,6 +207,15 @@ def test_a_llama4_sparsified_on_the_gpu_holds_its_experts_at_0_5625x_and_runs(se
     dense = 2 * 8 * (2 * 512 * 256 + 256 * 512) * 2  # layers x experts x (gate_up + down) x bf16 bytes
     assert held * 16 == 9 * dense
     assert all(not name.endswith("experts") for name in report.skipped)
-    with torch.no_grad():
+    rows = kp.warmup(model, batch_sizes=(1, 16), progress=False)
+    grouped = [r for r in rows if r["backend"] == "grouped"]
+    assert sorted((r["m"], r["k"], r["n"]) for r in grouped) == sorted(
+        (m, k, n) for m, k in ((1024, 256), (256, 512)) for n in GROUPED_ROWS)
+    assert not any("scattered" in r["config"] for r in grouped)
+    compiles = nvrtc.COMPILES[0]
+    with torch.inference_mode():
+        for tokens in (1, 5, 64):
+            model(torch.randint(0, 256, (1, tokens), device="cuda"))
         logits = model(torch.randint(0, 256, (3, 17), device="cuda")).logits
+    assert nvrtc.COMPILES[0] == compiles
     assert logits.shape == (3, 17, 256) and torch.isfinite(logits).all()
