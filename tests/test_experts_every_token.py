@@ -212,10 +212,13 @@ def test_a_llama4_sparsified_on_the_gpu_holds_its_experts_at_0_5625x_and_runs(se
     assert sorted((r["m"], r["k"], r["n"]) for r in grouped) == sorted(
         (m, k, n) for m, k in ((1024, 256), (256, 512)) for n in GROUPED_ROWS)
     assert not any("scattered" in r["config"] for r in grouped)
-    compiles = nvrtc.COMPILES[0]
+    built = []  # the defines of each kernel compiled after warmup: what the failure names
+    compile_ = nvrtc._compile
+    monkeypatch.setattr(nvrtc, "_compile", lambda lib, source, arch: built.append(
+        [line for line in source.splitlines() if line.startswith("#define")]) or compile_(lib, source, arch))
     with torch.inference_mode():
         for tokens in (1, 5, 64):
             model(torch.randint(0, 256, (1, tokens), device="cuda"))
         logits = model(torch.randint(0, 256, (3, 17), device="cuda")).logits
-    assert nvrtc.COMPILES[0] == compiles
+    assert not built, built
     assert logits.shape == (3, 17, 256) and torch.isfinite(logits).all()
