@@ -207,7 +207,7 @@ def test_a_llama4_sparsified_on_the_gpu_holds_its_experts_at_0_5625x_and_runs(se
     dense = 2 * 8 * (2 * 512 * 256 + 256 * 512) * 2  # layers x experts x (gate_up + down) x bf16 bytes
     assert held * 16 == 9 * dense
     assert all(not name.endswith("experts") for name in report.skipped)
-    rows = kp.warmup(model, batch_sizes=(1, 16), progress=False)
+    rows = kp.warmup(model, batch_sizes=(1, 16, 51), progress=False)  # the linear layers' tiles are by rows
     grouped = [r for r in rows if r["backend"] == "grouped"]
     assert sorted((r["m"], r["k"], r["n"]) for r in grouped) == sorted(
         (m, k, n) for m, k in ((1024, 256), (256, 512)) for n in GROUPED_ROWS)
@@ -217,7 +217,7 @@ def test_a_llama4_sparsified_on_the_gpu_holds_its_experts_at_0_5625x_and_runs(se
     monkeypatch.setattr(nvrtc, "_compile", lambda lib, source, arch: built.append(
         [line for line in source.splitlines() if line.startswith("#define")]) or compile_(lib, source, arch))
     with torch.inference_mode():
-        for tokens in (1, 5, 64):
+        for tokens in (1, 16):
             model(torch.randint(0, 256, (1, tokens), device="cuda"))
         logits = model(torch.randint(0, 256, (3, 17), device="cuda")).logits
     assert not built, built

@@ -176,8 +176,10 @@ def _moe_model_note(doc: dict, name: str) -> str:
         models.append(f"{m['model']} ({m['layers']} layers): {cases}; weights {m['sparse_over_dense_bytes']:.3f}x of "
                       f"dense (experts {m['experts_bytes']['sparse'] / m['experts_bytes']['dense']:.4f}x, embeddings "
                       f"and LM head dense), GPU memory held {gib['sparse']:.2f} against {gib['dense']:.2f} GiB")
+    dense = "Llama-4's module, `torch.bmm`" if all(m["model"].startswith("Llama-4") for m in doc["models"]) else \
+        "transformers' `grouped_mm`"
     return ("- 2:4 MoE models (`bench/sparse24_moe_model.py`, published configs' sizes, random weights), sparsified "
-            "against dense (experts on transformers' `grouped_mm`): " + "; ".join(models) +
+            f"against dense (experts on {dense}): " + "; ".join(models) +
             f"; {_source(doc['meta'], name)}.")
 
 
