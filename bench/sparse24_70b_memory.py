@@ -4,13 +4,12 @@ and a decode step.
 ``--model llama-3-70b`` (the default): 80 decoder layers with Llama-3-70B's published sizes (hidden 8192,
 intermediate 28672, 64 heads, 8 KV heads, vocabulary 128256).  ``--model llama-4-scout``: Llama-4-Scout-17B-16E's
 text model (48 layers, hidden 5120, 40 heads, 8 KV heads, 16 experts of 8192 and a shared one in every layer,
-vocabulary 202048: 108B parameters).  Random bf16 weights, no download.  Each model is built one decoder layer at a time on the GPU (the
-sparse one prunes and compresses each layer's linears there, ``kp.sparsify``,
-before building the next), each in a process of its own, so that nothing one
-left behind counts against the other.  For each: the bytes of its weights, whether it fits, and if it does, one
-greedy decode step at batch 1 after a 128-token prompt, replayed as a CUDA graph
-(the two models in turn, not alternating: they do not fit together), and the
-KV-cache tokens the memory left over would hold.  Writes
+vocabulary 202048: 108B parameters).  Random bf16 weights, no download.  Each model is built one decoder layer at a
+time on the GPU (the sparse one prunes and compresses each layer's linears there, ``kp.sparsify``, before building the
+next), each in a process of its own, so that nothing one left behind counts against the other.  For each: the bytes
+of its weights, whether it fits, and if it does, one greedy decode step at batch 1 after a 128-token prompt, replayed
+as a CUDA graph (the two models in turn, not alternating: they do not fit together), and the KV-cache tokens the
+memory left over would hold.  Writes
 ``bench/results/sparse24-70b-memory-<gpu>.json`` (``sparse24-llama4-scout-memory-<gpu>.json``).
 
     PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_70b_memory.py

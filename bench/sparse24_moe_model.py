@@ -3,13 +3,13 @@
 Published configs' sizes (``MODELS``), a few decoder layers each, random bf16 weights, no download: Mixtral-8x7B
 (8 experts of 14336, top 2), Qwen3-30B-A3B (128 experts of 768, top 8, Qwen3-MoE's own module) and Llama-4-Scout
 (16 experts of 8192 and a shared one, top 1, every token through every expert).  The dense model's experts run
-transformers' ``grouped_mm``, its default on the GPU (Llama-4's, ``torch.bmm``).  The sparsified model's logits are checked
-against the dense model holding the same pruned weights first, on the sequences whose every token both route alike
-in every layer (in bf16 a router's near-tie can go either way; a token routed elsewhere is another function, not an
-error, and the tokens after it in its sequence attend to it).  Then, alternating dense and sparse (medians of
-rounds): one decode step at batch 1, 32 and 128 and a 512-token prefill, each replayed as a CUDA graph and run
-eagerly (Hugging Face's Python included).  Bytes of each model's weights (the 2:4 layouts its calls built included)
-and the GPU memory each one holds are reported.  Writes ``bench/results/sparse24-moe-model-<gpu>.json``.
+transformers' ``grouped_mm``, its default on the GPU (Llama-4's, ``torch.bmm``).  The sparsified model's logits are
+checked against the dense model holding the same pruned weights first, on the sequences whose every token both route
+alike in every layer (in bf16 a router's near-tie can go either way; a token routed elsewhere is another function, not
+an error, and the tokens after it in its sequence attend to it).  Then, alternating dense and sparse (medians of
+rounds): one decode step at batch 1, 32 and 128 and a 512-token prefill (Llama-4's without a cache), each replayed as
+a CUDA graph and run eagerly (Hugging Face's Python included).  Bytes of each model's weights (the 2:4 layouts its
+calls built included) and the GPU memory each one holds are reported.  Writes ``bench/results/sparse24-moe-model-<gpu>.json``.
 
     PYTHONPATH=src KERNELPLAN_COMMIT=$(git rev-parse --short HEAD) python bench/sparse24_moe_model.py
 """
@@ -28,6 +28,8 @@ import kernelplan as kp
 from kernelplan.bench import results
 from kernelplan.bench.decode import DecodeStep, Graphed, GraphedDecode, weight_bytes
 from kernelplan.nn import Sparse24Experts, Sparse24Linear
+from kernelplan.nn.moe_routes import RoutedMoe
+from kernelplan.nn.routes import route_of
 from kernelplan.timing import interleaved, wall_seconds
 
 # Each config.json's sizes; `layers` of them (the weights of two models and a masked twin fit one 80 GB GPU).
@@ -50,7 +52,7 @@ PREFILL_WITHOUT_CACHE = {"Llama-4-Scout-17B-16E"}
 def build(model: str):
     config_cls, model_cls, layers, sizes = MODELS[model]
     cfg = getattr(transformers, config_cls)(num_hidden_layers=layers, max_position_embeddings=4096, **sizes)
-    if model_cls != "Llama4ForCausalLM":  # Llama-4's experts have one implementation (torch.bmm), which it refuses to set
+    if model_cls != "Llama4ForCausalLM":  # Llama-4's experts have one implementation (torch.bmm): it refuses to set one
         cfg._experts_implementation = "grouped_mm"
     with torch.device("cuda"):
         dense = getattr(transformers, model_cls)(cfg).to(torch.bfloat16).eval()
@@ -124,6 +126,15 @@ def one_model(model: str, rounds: int) -> dict:
     sparse = copy.deepcopy(dense)
     report = kp.sparsify(sparse, progress=False, experts="all")
     models = {"dense": dense, "sparse": sparse}
+    if any(isinstance(route_of(m), RoutedMoe) for m in sparse.modules()):
+        # Llama-4's MoE layers routed to their chosen experts (nn/moe_routes.py), and a copy that runs every expert
+        # on every token as transformers' module does: the routing's gain apart from 2:4's.
+        unrouted = copy.deepcopy(sparse)
+        for m in unrouted.modules():
+            if isinstance(route_of(m), RoutedMoe):
+                route_of(m).detach()
+        models["sparse_unrouted"] = unrouted
+        del unrouted
     out: dict = {"model": model, "layers": cfg.num_hidden_layers, "converted": len(report.converted),
                  "skipped": dict(report.skipped), "rows": []}
     with torch.inference_mode():
@@ -162,6 +173,7 @@ def one_model(model: str, rounds: int) -> dict:
     out["experts_bytes"] = {"dense": sum(p.nbytes for mod in dense.modules()  # experts' weights: 3-D
                                          for p in mod.parameters(recurse=False) if p.dim() == 3),
                             "sparse": sum(weight_bytes(m) for m in experts)}
+    models.pop("sparse_unrouted", None)
     del experts, models, report
     with_both = allocated()
     del sparse
@@ -182,9 +194,14 @@ def _row(case: str, graph: dict, eager: dict, check) -> dict:
     for mode, t in (("graph", graph), ("eager", eager)):
         row |= {f"{mode}_{name}_ms": s * 1e3 for name, s in t.items()}
         row[f"{mode}_speedup"] = t["dense"] / t["sparse"]
+        if "sparse_unrouted" in t:
+            row[f"{mode}_speedup_unrouted"] = t["dense"] / t["sparse_unrouted"]
+    unrouted = "".join(f"; every expert on every token {row[f'{mode}_sparse_unrouted_ms']:7.3f} ms "
+                       f"({row[f'{mode}_speedup_unrouted']:.2f}x)" for mode in ("graph", "eager")
+                       if f"{mode}_speedup_unrouted" in row)
     print(f"  {case:15s} graph {row['graph_dense_ms']:7.3f} / {row['graph_sparse_ms']:7.3f} ms "
           f"({row['graph_speedup']:.2f}x)   eager {row['eager_dense_ms']:7.3f} / {row['eager_sparse_ms']:7.3f} ms "
-          f"({row['eager_speedup']:.2f}x)   replay err {check}", flush=True)
+          f"({row['eager_speedup']:.2f}x){unrouted}   replay err {check}", flush=True)
     return row
 
 

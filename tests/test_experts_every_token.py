@@ -115,12 +115,12 @@ def test_calibration_reads_each_expert_s_rows_that_its_router_chose(seed):
     assert [len(v) for v in pruned.values()] == [4, 4]
 
 
-def _llama4_model(dtype=torch.float64, vocab: int = 128) -> torch.nn.Module:
+def _llama4_model(dtype=torch.float64, vocab: int = 128, top_k: int = 1) -> torch.nn.Module:
     """A tiny Llama-4 (text), both layers MoE, its experts' weights random (the class leaves them zero)."""
     config = transformers.Llama4TextConfig(hidden_size=128, intermediate_size=192, intermediate_size_mlp=256,
                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                           head_dim=32, vocab_size=vocab, num_local_experts=4, num_experts_per_tok=1,
-                                           interleave_moe_layer_step=1)
+                                           head_dim=32, vocab_size=vocab, num_local_experts=4,
+                                           num_experts_per_tok=top_k, interleave_moe_layer_step=1)
     model = transformers.Llama4ForCausalLM(config).to(dtype).eval()
     with torch.no_grad():
         for module in model.modules():
@@ -150,6 +150,43 @@ def test_a_sparsified_llama4_calibrates_its_experts_and_compiles_in_one_graph(se
         got, graphs = compiled_graphs(experts, x)
         torch.testing.assert_close(got, experts(x), rtol=0, atol=0)
     assert len(graphs) == 1
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_a_sparsified_llama4_s_moe_layers_run_each_token_on_its_chosen_experts(seed, top_k):
+    """``fuse_siblings`` routes each Llama4TextMoe (nn/moe_routes.py): each token's scaled copies go to the experts
+    its router chose alone.  The model equals its pruned dense twin, which runs every expert on every token (float64),
+    and so do one MoE layer's output and x's gradient through it.  After the first call's check (against the layer's
+    own forward), the experts run no every-token call."""
+    from kernelplan.nn.routes import route_of
+
+    dense = _llama4_model(top_k=top_k)
+    model = copy.deepcopy(dense)
+    kp.sparsify(model, progress=False, experts="all")
+    twin = _dense_twin(model, dense)
+    moes = [m for m in model.modules() if type(m).__name__ == "Llama4TextMoe"]
+    routes = [route_of(m) for m in moes]
+    assert len(routes) == 2 and all(type(r).__name__ == "RoutedMoe" for r in routes)
+    every = []
+    for moe in moes:
+        moe.experts.register_forward_pre_hook(lambda m, args: every.append(args[0].shape))
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        want = twin(ids).logits
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-10, atol=1e-10)
+        assert every == [torch.Size([4 * 18, 128])] * 2  # each layer's check: its own forward, every expert's rows
+        every.clear()
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-10, atol=1e-10)
+    assert not every and all(r.stats == {"fused": 2, "own": 0} and r.checked for r in routes)
+    x = torch.randn(3, 5, 128, dtype=torch.float64, requires_grad=True)
+    x_twin = x.detach().clone().requires_grad_()
+    got, want = moes[1](x), twin.model.layers[1].feed_forward(x_twin)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)  # the router's logits
+    got[0].square().sum().backward()
+    want[0].square().sum().backward()
+    torch.testing.assert_close(x.grad, x_twin.grad, rtol=1e-10, atol=1e-10)
+    assert not every and routes[1].stats["fused"] == 3
 
 
 @gpu
@@ -210,8 +247,9 @@ def test_a_llama4_sparsified_on_the_gpu_holds_its_experts_at_0_5625x_and_runs(se
     rows = kp.warmup(model, batch_sizes=(1, 16, 51), progress=False)  # the linear layers' tiles are by rows
     grouped = [r for r in rows if r["backend"] == "grouped"]
     assert sorted((r["m"], r["k"], r["n"]) for r in grouped) == sorted(
-        (m, k, n) for m, k in ((1024, 256), (256, 512)) for n in GROUPED_ROWS)
-    assert not any("scattered" in r["config"] for r in grouped)
+        (m, k, n) for m, k in ((1024, 256), (256, 512), (256, 512)) for n in GROUPED_ROWS)
+    # The down projection's twice: its every-token launch, and the routed calls' scattered store (nn/moe_routes.py).
+    assert sum("scattered" in r["config"] for r in grouped) == len(GROUPED_ROWS)
     built = []  # the defines of each kernel compiled after warmup: what the failure names
     compile_ = nvrtc._compile
     monkeypatch.setattr(nvrtc, "_compile", lambda lib, source, arch: built.append(

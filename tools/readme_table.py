@@ -170,8 +170,9 @@ def _moe_model_note(doc: dict, name: str) -> str:
     """Whole MoE models, sparsified against dense, by case; their weights and GPU memory."""
     models = []
     for m in doc["models"]:
-        cases = "; ".join(f"{r['case']} {r['graph_speedup']:.2f}x graph, {r['eager_speedup']:.2f}x eager"
-                          for r in m["rows"])
+        cases = "; ".join(f"{r['case']} {r['graph_speedup']:.2f}x graph, {r['eager_speedup']:.2f}x eager" + (
+            f" (every expert on every token, as transformers' module runs them: {r['graph_speedup_unrouted']:.2f}x, "
+            f"{r['eager_speedup_unrouted']:.2f}x)" if "graph_speedup_unrouted" in r else "") for r in m["rows"])
         gib = {k: v / 2**30 for k, v in m["gpu_memory_bytes"].items()}
         models.append(f"{m['model']} ({m['layers']} layers): {cases}; weights {m['sparse_over_dense_bytes']:.3f}x of "
                       f"dense (experts {m['experts_bytes']['sparse'] / m['experts_bytes']['dense']:.4f}x, embeddings "

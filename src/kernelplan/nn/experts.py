@@ -460,19 +460,20 @@ class Sparse24Experts(nn.Module):
         """``(M, K, bias, epilogue, scatter)`` of each projection's grouped launch: the kernels ``kp.warmup``
         builds."""
         first, down = self.first[0], self.down[0]
-        return [(first.out_features, first.in_features, first.bias is not None, self._epilogue, False),
-                (down.out_features, down.in_features, down.bias is not None, None,
-                 self.post_expert_norm is None and not self.every_token)]
+        gemms = [(first.out_features, first.in_features, first.bias is not None, self._epilogue, False),
+                 (down.out_features, down.in_features, down.bias is not None, None,
+                  self.post_expert_norm is None and not self.every_token)]
+        if self.every_token and self.post_expert_norm is None:  # its MoE layer's routed calls (nn/moe_routes.py)
+            gemms.append((down.out_features, down.in_features, down.bias is not None, None, True))
+        return gemms
 
     def warm_routing(self) -> None:
         """Compile the grouped forward's routing kernels for this module's shapes, as ``kp.warmup`` does: routing
         weights in the experts' dtype and in float32 (routers give either), for a decode's pairs and for as many as
         take the counts' own summing launch (``_SCAN_MIN_CHUNKS``): one variant of each for every token count.  An
-        ``every_token`` module has no routing."""
+        ``every_token`` module's are its MoE layer's routed calls' (``nn/moe_routes.py``)."""
         from ..kernels import moe_route
 
-        if self.every_token:
-            return
         w = self.first[0].values
         many = moe_route._SCAN_MIN_CHUNKS * moe_route._B
         x = torch.zeros(many, self.first[0].in_features, dtype=w.dtype, device=w.device)
@@ -487,6 +488,14 @@ class Sparse24Experts(nn.Module):
                 top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
         if self.every_token or top_k_index is None or top_k_weights is None:
             return self._every_token_forward(hidden_states, top_k_index, top_k_weights)
+        return self.routed(hidden_states, top_k_index, top_k_weights)
+
+    def routed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+               top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The experts on routed tokens, as transformers' top-k experts modules take them: each of ``hidden_states
+        [T, H]`` through its ``top_k_index [T, k]`` experts, their outputs weighted by ``top_k_weights`` and summed.
+        ``forward`` for a top-k module; for an ``every_token`` one, the route of its MoE layer (``nn/moe_routes.py``),
+        which sends each token to the experts its router chose alone."""
         if hidden_states.dim() != 2 or top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape or \
                 top_k_index.shape[0] != hidden_states.shape[0]:
             raise InvalidProblem(

@@ -87,9 +87,11 @@ def fuse_siblings(model: nn.Module) -> list["Siblings"]:
                 out.append(Siblings([m for _, m in members], [n for n, _ in members]))
     from .activated import route_activated_mlps
     from .gated_siblings import route_gated_mlps
+    from .moe_routes import route_every_token_moes
 
     route_gated_mlps(model)
     route_activated_mlps(model)  # after: a gated MLP's three layers are not an activated MLP's one or two
+    route_every_token_moes(model)
     return out
 
 

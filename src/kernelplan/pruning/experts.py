@@ -3,9 +3,10 @@
 A transformers experts module (``nn/experts.py``) takes ``(hidden_states [T, H], top_k_index [T, k], ...)``.  A
 forward pre-hook on it reads, for each expert ``e``, the rows of ``hidden_states`` that ``top_k_index`` sends to
 ``e``: the inputs of its first projection (gate/up).  An ``every_token`` module (Llama-4's) takes each expert's block
-of rows in turn, each row a token scaled by the router's score: the rows of ``e``'s block that are not zero.  The inputs of its down projection are those rows through the
-expert's own dense first projection and the module's own gating (``_apply_gate``, or the activation where there is
-no gate), computed in the hook: the module's forward never exposes them.  As for the linear layers
+of rows in turn, each row a token scaled by the router's score: the rows of ``e``'s block that are not zero.  The
+inputs of its down projection are those rows through the expert's own dense first projection and the module's own
+gating (``_apply_gate``, or the activation where there is no gate), computed in the hook: the module's forward never
+exposes them.  As for the linear layers
 (``calibrate.py``), the statistics come from a pass of the block before its experts are pruned.
 
 SparseGPT holds ``X^T X`` for both projections of every expert: ``E (H^2 + I^2)`` fp32 values, 7 GiB for a
@@ -63,7 +64,7 @@ class _Gatherer:
         it did not choose by zero: Llama-4's sigmoid of -inf)."""
         hidden = args[0] if args else kwargs["hidden_states"]
         if self.every_token:
-            x = hidden.view(self.count, -1, hidden.shape[-1])[e]
+            x = hidden.reshape(self.count, -1, hidden.shape[-1])[e]
             return x[(x != 0).any(dim=-1)]
         index = args[1] if len(args) > 1 else kwargs["top_k_index"]
         return hidden.index_select(0, (index == e).any(dim=-1).nonzero().squeeze(1))

@@ -275,9 +275,10 @@ def sparsify(
     inputs as a linear layer is) in place with a 2:4 ``Sparse24Linear``.
 
     A MoE layer's experts stored as 3-D weights (transformers 5's experts modules: Mixtral, Qwen-MoE, OLMoE,
-    DeepSeek, gpt-oss ...; Llama-4's, which run every token through every expert) can become a ``Sparse24Experts``, each expert's projections pruned by ``method``: with
-    calibration, on the tokens the router sends it (``pruning/experts.py``; an expert no token reached is pruned by
-    magnitude and named in the report's ``uncalibrated``).
+    DeepSeek, gpt-oss ...; Llama-4's, which run every token through every expert) can become a ``Sparse24Experts``,
+    each expert's projections pruned by ``method``: with calibration, on the tokens the router sends it
+    (``pruning/experts.py``; an expert no token reached is pruned by magnitude and named in the report's
+    ``uncalibrated``).
     ``experts``: "auto" (the default) does so where the grouped kernel runs them (weights on a Hopper GPU: each
     projection one launch over every expert) or where each expert holds at least ``EXPERTS_MIN_BYTES`` (256 MiB:
     Mixtral's do; Phi-3.5-MoE's, Qwen3-MoE's and DeepSeek's do not), since elsewhere they run one GEMM per expert,
