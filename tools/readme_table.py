@@ -171,7 +171,8 @@ def _moe_model_note(doc: dict, name: str) -> str:
     models = []
     for m in doc["models"]:
         cases = "; ".join(f"{r['case']} {r['graph_speedup']:.2f}x graph, {r['eager_speedup']:.2f}x eager" + (
-            f" (every expert on every token, as transformers' module runs them: {r['graph_speedup_unrouted']:.2f}x, "
+            f" (routed to the chosen experts; 2:4 alone, every expert on every token as transformers' module runs "
+            f"them: {r['graph_speedup_unrouted']:.2f}x, "
             f"{r['eager_speedup_unrouted']:.2f}x)" if "graph_speedup_unrouted" in r else "") for r in m["rows"])
         gib = {k: v / 2**30 for k, v in m["gpu_memory_bytes"].items()}
         models.append(f"{m['model']} ({m['layers']} layers): {cases}; weights {m['sparse_over_dense_bytes']:.3f}x of "
