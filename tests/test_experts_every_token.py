@@ -61,6 +61,9 @@ def test_every_token_experts_compute_the_source_module_on_the_pruned_weights(see
     assert sparse.every_token and sparse.num_experts == 4
     shapes = [(m.out_features, m.in_features) for m in (sparse.first[0], sparse.down[0])]
     assert shapes == [(384, 128), (128, 192)]  # Llama-4's [E, in, out] weights as linear layers' [out, in]
+    # kp.warmup's launches: the down projection's every-token one, and its routed calls' scattered store.
+    assert [(m, k, scatter) for m, k, _, _, scatter in sparse.grouped_gemms()] == [
+        (384, 128, False), (128, 192, False), (128, 192, True)]
     oracle = _oracle(dense, sparse)
     wide = torch.randn(4 * 5, 300, dtype=torch.float64)
     inputs = [_routed(tokens, 4, top_k=k)[0] for tokens, k in ((0, 1), (1, 1), (7, 1), (33, 2))]
