@@ -1,8 +1,9 @@
-"""A module's calls routed to 2:4 GEMMs with an epilogue, checked once against the module's own forward.
+"""A module's calls routed to 2:4 GEMMs with an epilogue (or its chosen experts), checked against its own forward.
 
-Two kinds of route share this: gated MLPs (``nn/gated_siblings.py``: ``down(act(gate) * up)`` on one GEMM with a
-gated epilogue) and MLPs with one activation (``nn/activated.py``: ``act(dense(x))`` or ``fc2(act(fc1(x)))`` with
-the activation in fc1's epilogue).  Both are found by what a module holds, and what a module holds does not say what
+Three kinds of route share this: gated MLPs (``nn/gated_siblings.py``: ``down(act(gate) * up)`` on one GEMM with a
+gated epilogue), MLPs with one activation (``nn/activated.py``: ``act(dense(x))`` or ``fc2(act(fc1(x)))`` with
+the activation in fc1's epilogue) and Llama-4's MoE layers (``nn/moe_routes.py``: each token through the experts its
+router chose alone).  Each is found by what a module holds, and what a module holds does not say what
 its forward computes.  So the first fused call of each module is compared with the module's own forward on the same
 input; a module whose results differ goes back to its own forward for good, with a warning.
 

@@ -25,7 +25,8 @@ view:
 
 Gated MLPs (gate_proj/up_proj/down_proj/act_fn) are routed as well, to their group's GEMM with the activation in
 its epilogue (``gated_siblings.py``; counted as "gated"), and so are MLPs with one activation, to their first
-layer's GEMM with the activation in its epilogue (``activated.py``).  ``Siblings.stats`` counts the calls of each
+layer's GEMM with the activation in its epilogue (``activated.py``), and Llama-4's MoE layers to their chosen experts
+alone (``moe_routes.py``).  ``Siblings.stats`` counts the calls of each
 kind, so what ran is never a guess.  Under torch.compile each member
 is its own op, as without a group, and is not counted.  A member's eager calls reach its group through its class's
 ``forward`` (``member_forward``), which hands them to the call ``_route`` set; its own GEMM is ``forward_alone``.

@@ -298,7 +298,8 @@ def sparsify(
     ``fuse`` (the default) lets sibling layers that read one input (q/k/v,
     gate/up) run as one GEMM at inference, their weights laid end to end in one
     copy (``kernelplan.nn.fuse_siblings``), and gated MLPs apply their activation
-    in that GEMM's epilogue (``kernelplan.nn.gated_siblings``); the state_dict is the same.
+    in that GEMM's epilogue (``kernelplan.nn.gated_siblings``), and Llama-4's MoE layers send each token to the
+    experts its router chose alone (``kernelplan.nn.moe_routes``); the state_dict is the same.
 
     Memory: each dense layer is freed once it is replaced (calibrated, once its block is), so sparsifying needs the
     dense model plus about one layer's 2:4 weights, not the two models side by side (a Mixtral-8x7B-sized model of two
