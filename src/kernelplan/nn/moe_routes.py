@@ -67,6 +67,7 @@ class RoutedMoe(EpilogueRoute):
         ones = torch.ones(pairs.shape[0], 1, dtype=pairs.dtype, device=pairs.device)
         routed = mod.experts.routed(pairs, index.reshape(-1, 1), ones)
         out = mod.shared_expert(hidden)
-        out.add_(routed.view(-1, mod.top_k, routed.shape[-1]).sum(dim=1))
+        # Llama-4's top_k is 1: each token's one pair is its row, with no sum of one term (a launch and a buffer).
+        out.add_(routed if mod.top_k == 1 else routed.view(-1, mod.top_k, routed.shape[-1]).sum(dim=1))
         self.warmed = self.warmed or not capturing
         return out, logits
