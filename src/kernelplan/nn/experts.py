@@ -486,8 +486,16 @@ class Sparse24Experts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
                 top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
+        routing = top_k_index is not None or top_k_weights is not None
+        if self.every_token and not routing:
+            return self._every_token_forward(hidden_states)
         if self.every_token or top_k_index is None or top_k_weights is None:
-            return self._every_token_forward(hidden_states, top_k_index, top_k_weights)
+            given = "routing (top_k_index and top_k_weights)" if self.every_token else \
+                f"top_k_index {None if top_k_index is None else tuple(top_k_index.shape)} and top_k_weights " \
+                f"{None if top_k_weights is None else tuple(top_k_weights.shape)}"
+            want = "hidden_states [E T, H] alone (each expert's T rows in turn)" if self.every_token else \
+                "hidden_states [T, H] with top_k_index and top_k_weights [T, k], as transformers' experts modules do"
+            raise InvalidProblem(f"these experts were given {given}: they take {want}")
         return self.routed(hidden_states, top_k_index, top_k_weights)
 
     def routed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -510,17 +518,10 @@ class Sparse24Experts(nn.Module):
             pairs = _combine(self._per_expert(x, offsets[1:].tolist()), order, top_k_weights)
         return pairs.view(tokens, k, pairs.shape[1]).sum(dim=1).to(hidden_states.dtype)
 
-    def _every_token_forward(self, hidden: torch.Tensor, index, weights) -> torch.Tensor:
+    def _every_token_forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """An ``EVERY_TOKEN`` module's forward: expert e's rows of ``hidden [E T, H]`` are ``e T .. (e + 1) T``, the
         output's the same.  The grouped kernel's offsets are then ``0, T, 2 T ...``: one launch a projection."""
         experts = self.num_experts
-        if not self.every_token or index is not None or weights is not None:
-            given = "routing (top_k_index and top_k_weights)" if self.every_token else \
-                f"top_k_index {None if index is None else tuple(index.shape)} and top_k_weights " \
-                f"{None if weights is None else tuple(weights.shape)}"
-            want = "hidden_states [E T, H] alone (each expert's T rows in turn)" if self.every_token else \
-                "hidden_states [T, H] with top_k_index and top_k_weights [T, k], as transformers' experts modules do"
-            raise InvalidProblem(f"these experts were given {given}: they take {want}")
         width = self.first[0].in_features
         if hidden.dim() != 2 or hidden.shape[1] != width or hidden.shape[0] % experts:
             raise InvalidProblem(f"hidden_states {tuple(hidden.shape)}: these {experts} experts take [E T, {width}], "
@@ -528,18 +529,11 @@ class Sparse24Experts(nn.Module):
                                  f"module did")
         tokens = hidden.shape[0] // experts
         if self._grouped(hidden) and tokens:
-            traced = _is_compiling()
-            if traced:
-                grouped_linear = experts_ops.grouped_linear
-            else:
-                from ..kernels.sparse24_grouped import grouped_linear
+            _, grouped_linear = self._grouped_ops()
             if hidden.stride(1) != 1:
                 hidden = hidden.contiguous()
             offsets = torch.arange(0, (experts + 1) * tokens, tokens, dtype=torch.int32, device=hidden.device)
-            if self._epilogue is not None:
-                h = grouped_linear(hidden, *self._span(self.first), offsets, experts, self._epilogue)
-            else:
-                h = self._activate(grouped_linear(hidden, *self._span(self.first), offsets, experts, None))
+            h = self._grouped_first(grouped_linear, hidden, offsets)
             return self._norm(grouped_linear(h.contiguous(), *self._span(self.down), offsets, experts, None))
         return self._per_expert(hidden, [tokens * (e + 1) for e in range(experts)])
 
@@ -573,12 +567,7 @@ class Sparse24Experts(nn.Module):
         experts call's graph time with the kernel was 0.76-0.98x of the same with the ops at 64-65536 pairs (H200,
         bench/results/sparse24-moe-route-scan-h200.json, docs/design/0036)."""
         traced = _is_compiling()
-        if traced:  # the kernels as ops a compiled graph holds (experts_ops), not raw launches that break it
-            route, grouped_linear = experts_ops.moe_route, experts_ops.grouped_linear
-        else:
-            from ..kernels.moe_route import route
-            from ..kernels.sparse24_grouped import grouped_linear
-
+        route, grouped_linear = self._grouped_ops()
         experts = self.num_experts
         if hidden.stride(1) != 1:
             hidden = hidden.contiguous()
@@ -588,10 +577,7 @@ class Sparse24Experts(nn.Module):
         scatter = self.post_expert_norm is None
         pairs = hidden.new_empty(index.numel(), self._out) if scatter else None
         x, order, offsets, scale = route(index.contiguous(), weights.contiguous(), hidden, experts, pairs)
-        if self._epilogue is not None:  # the gating in the first launch's epilogue: no [S, 2I] pass
-            h = grouped_linear(x, *self._span(self.first), offsets, experts, self._epilogue)
-        else:
-            h = self._activate(grouped_linear(x, *self._span(self.first), offsets, experts, None))
+        h = self._grouped_first(grouped_linear, x, offsets)
         down = self._span(self.down)
         if scatter:
             if traced:
@@ -601,6 +587,24 @@ class Sparse24Experts(nn.Module):
         out = self._norm(grouped_linear(h.contiguous(), *down, offsets, experts, None))
         unrouted = torch.arange(out.shape[0], device=out.device) >= offsets[experts:]  # rows no launch wrote
         return _combine(out.masked_fill(unrouted[:, None], 0), order, weights)
+
+    @staticmethod
+    def _grouped_ops():
+        """``(route, grouped_linear)``: traced, the kernels as ops a compiled graph holds (experts_ops), not raw
+        launches that break it."""
+        if _is_compiling():
+            return experts_ops.moe_route, experts_ops.grouped_linear
+        from ..kernels.moe_route import route
+        from ..kernels.sparse24_grouped import grouped_linear
+
+        return route, grouped_linear
+
+    def _grouped_first(self, grouped_linear, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The first projection's grouped launch on x's rows by expert, through the gating: in the launch's epilogue
+        where it has one (no [S, 2I] pass), else as the module's own ops after it."""
+        if self._epilogue is not None:
+            return grouped_linear(x, *self._span(self.first), offsets, self.num_experts, self._epilogue)
+        return self._activate(grouped_linear(x, *self._span(self.first), offsets, self.num_experts, None))
 
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
         """The first projection's output through the gating (or, without a gate, the activation)."""
