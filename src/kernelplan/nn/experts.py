@@ -37,7 +37,7 @@ EVERY_TOKEN = {"Llama4TextExperts": {"has_gate": True, "is_transposed": True, "h
                                      "has_post_expert_norm": False}}
 
 
-def every_token(module: nn.Module) -> bool:
+def runs_every_token(module: nn.Module) -> bool:
     """Whether ``module``'s forward runs every token through every expert (``EVERY_TOKEN``)."""
     return type(module).__name__ in EVERY_TOKEN
 
@@ -349,7 +349,7 @@ class Sparse24Experts(nn.Module):
         gate = getattr(type(experts), "_apply_gate", None)
         norm = experts.post_expert_norm if flags["has_post_expert_norm"] else None
         act = getattr(experts, "act_fn", None)
-        out = cls(layers[0], layers[1], act, flags["has_gate"], gate, norm, every_token(experts), **attributes)
+        out = cls(layers[0], layers[1], act, flags["has_gate"], gate, norm, runs_every_token(experts), **attributes)
         out.is_transposed = flags["is_transposed"]
         out.__dict__["_dense_skeleton"] = _meta_skeleton(experts)  # not a child: no state, moved with nothing
         return out.train(experts.training)

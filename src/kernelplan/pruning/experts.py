@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn.experts import ExpertSpan, every_token, expert_bias, expert_weight, parts_of, source_activation
+from ..nn.experts import ExpertSpan, expert_bias, expert_weight, parts_of, runs_every_token, source_activation
 from ..sparse24.format import Sparse24Weight
 from . import methods
 
@@ -40,7 +40,7 @@ class _Gatherer:
         self.first_name, self.down_name = parts_of(module)
         self.activate = source_activation(module)
         self.bias = expert_bias(module, self.first_name)
-        self.every_token, self.count = every_token(module), getattr(module, self.first_name).shape[0]
+        self.every_token, self.count = runs_every_token(module), getattr(module, self.first_name).shape[0]
         device = getattr(module, self.first_name).device
         k_first = expert_weight(module, self.first_name, 0).shape[1]
         k_down = expert_weight(module, self.down_name, 0).shape[1]
