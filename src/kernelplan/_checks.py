@@ -11,6 +11,12 @@ import torch
 from .errors import BufferTooSmall, InvalidProblem
 
 
+def class_name(obj) -> str:
+    """``obj``'s class, qualified by its module: how tables of known classes (sparsify's, the experts') key them, so
+    that a class of the same name elsewhere is not taken for one of them."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
 def same_device(actual: torch.device, wanted: str | torch.device) -> bool:
     """``actual`` is ``wanted``, where a bare ``"cuda"`` means the current CUDA device (as in torch)."""
     want = torch.device(wanted)

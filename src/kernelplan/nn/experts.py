@@ -16,7 +16,7 @@ import copy
 import torch
 from torch import nn
 
-from .._checks import _is_compiling
+from .._checks import _is_compiling, class_name
 from ..errors import InvalidProblem
 from ..sparse24.format import Sparse24Weight, compress, prune_compress
 from ..sparse24.layout import PUBLIC, gpu_kernels, pack_reason, packed_shapes
@@ -33,18 +33,18 @@ FLAGS = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm")
 # token through every expert: forward(hidden_states [E T, H]) takes expert e's T rows at e T, and gives its outputs in
 # the same rows.  Llama-4's MoE repeats its tokens E times, each copy scaled by the router's score for that expert
 # (zero where the expert was not chosen), and sums the E outputs of a token.
-EVERY_TOKEN = {"Llama4TextExperts": {"has_gate": True, "is_transposed": True, "has_bias": False,
-                                     "has_post_expert_norm": False}}
+EVERY_TOKEN = {"transformers.models.llama4.modeling_llama4.Llama4TextExperts": {
+    "has_gate": True, "is_transposed": True, "has_bias": False, "has_post_expert_norm": False}}
 
 
 def runs_every_token(module: nn.Module) -> bool:
     """Whether ``module``'s forward runs every token through every expert (``EVERY_TOKEN``)."""
-    return type(module).__name__ in EVERY_TOKEN
+    return class_name(module) in EVERY_TOKEN
 
 
 def _flags(module: nn.Module) -> dict[str, bool] | None:
     """The module's flags, or None where it has no is_transposed (no sign of the decorator)."""
-    known = EVERY_TOKEN.get(type(module).__name__)
+    known = EVERY_TOKEN.get(class_name(module))
     if known is not None:
         return dict(known)
     if not hasattr(module, "is_transposed"):

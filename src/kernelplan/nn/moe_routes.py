@@ -17,13 +17,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._checks import class_name
 from .experts import Sparse24Experts
 from .routes import EpilogueRoute, route_of
 
 # The MoE layers the route computes, by class name: children router (returning ``(scores [T, E], logits)``),
 # experts (an ``EVERY_TOKEN`` module) and shared_expert, attributes top_k and hidden_dim; forward returns
 # ``(out [T, H], router logits)``.
-EVERY_TOKEN_MOES = ("Llama4TextMoe",)
+EVERY_TOKEN_MOES = ("transformers.models.llama4.modeling_llama4.Llama4TextMoe",)
 
 
 def route_every_token_moes(model: nn.Module) -> list["RoutedMoe"]:
@@ -32,7 +33,7 @@ def route_every_token_moes(model: nn.Module) -> list["RoutedMoe"]:
     out = []
     for mod in model.modules():
         experts = getattr(mod, "experts", None)
-        if type(mod).__name__ not in EVERY_TOKEN_MOES or not isinstance(experts, Sparse24Experts) or \
+        if class_name(mod) not in EVERY_TOKEN_MOES or not isinstance(experts, Sparse24Experts) or \
                 not experts.every_token:
             continue
         route = route_of(mod)

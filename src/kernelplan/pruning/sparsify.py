@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from .._checks import choice
+from .._checks import choice, class_name
 from ..errors import InvalidProblem
 from ..hf import check_markable, mark_config
 from ..nn.experts import Sparse24Experts, experts_reason, experts_speed_reason
@@ -123,15 +123,11 @@ DIRECT_WEIGHT_READS = {
 }
 
 
-def _class_name(obj) -> str:
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
-
-
 def _read_directly(model: nn.Module, name: str) -> str | None:
     """The class of the parent whose code reads the weight of the layer at ``name`` directly (``DIRECT_WEIGHT_READS``),
     else None."""
     parent, _, child = name.rpartition(".")
-    owner = _class_name(model.get_submodule(parent))
+    owner = class_name(model.get_submodule(parent))
     return owner if child in DIRECT_WEIGHT_READS.get(owner, ()) else None
 
 
@@ -139,7 +135,7 @@ def _own_forward(layer: nn.Module) -> str | None:
     """The class of an nn.Linear subclass with a forward of its own not in ``LINEAR_FORWARDS``, else None."""
     if not isinstance(layer, nn.Linear) or type(layer).forward is nn.Linear.forward:
         return None
-    name = _class_name(layer)
+    name = class_name(layer)
     return None if name in LINEAR_FORWARDS else name
 
 
