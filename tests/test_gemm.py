@@ -179,10 +179,17 @@ def test_fp8_scaled_linear_matches_dequantised_fp64(recipe, formats, out_dtype):
     assert y.dtype == out_dtype
     assert_close(y, oracle, baseline, atol=FWD_ATOL[out_dtype])
     torch.testing.assert_close(amax.double(), oracle.abs().max(), rtol=1e-5, atol=0)
-    # and the quantised product is close to the unquantised one: 25 dB signal-to-noise
+    # and the quantised product is as close to the unquantised one as quantising allows: the kernel's signal-to-noise
+    # within 1 dB of the dequantised fp64 product's (0.2 dB at most over 300 draws of each case, bf16's rounding).
+    # Quantising alone reads down to 24.7 dB (e4m3) and 20.1 dB (e5m2 x) over 3000 draws of these shapes, so a fixed
+    # bar of 25 dB failed on about 0.1% of draws (CI at 88d0ade: 24.8 dB); the floors sit under those.
     exact = F.gelu(F.linear(x.double(), w.double(), b.double()), approximate="tanh")
-    snr = 10 * torch.log10(exact.pow(2).sum() / (y.double() - exact).pow(2).sum())
-    assert snr > (25 if formats[0] == torch.float8_e4m3fn else 18), f"SNR {snr:.1f} dB"
+
+    def snr(t):
+        return float(10 * torch.log10(exact.pow(2).sum() / (t.double() - exact).pow(2).sum()))
+
+    assert snr(y) > snr(oracle) - 1.0, f"SNR {snr(y):.1f} dB, the dequantised product's {snr(oracle):.1f} dB"
+    assert snr(y) > (20 if formats[0] == torch.float8_e4m3fn else 15), f"SNR {snr(y):.1f} dB"
 
 
 def test_fp8_output_is_scaled_and_saturated():
