@@ -45,6 +45,14 @@ def _routed(tokens: int, experts: int, hidden: int = 128, top_k: int = 1, dtype=
     return x.repeat(experts, 1) * scores.t().reshape(-1, 1), index
 
 
+def _routed_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """A model with its Llama-4 MoE layers routed (nn/moe_routes.py) against the module's own forward, in float64.
+    The router's scores are float32 (Llama4Router's sigmoid of ``.float()``), and torch's CPU sigmoid rounds the
+    route's [T, k] and the router's [T, E] a unit of float32's last place apart now and then (6e-8 of a score): 1e-6
+    of the largest value.  All else is float64; a wrong expert or a missing score is off by the values' order."""
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+
+
 def _oracle(dense: torch.nn.Module, sparse: Sparse24Experts) -> torch.nn.Module:
     """``dense`` (float64) holding the 2:4 module's pruned weights."""
     oracle = copy.deepcopy(dense).double()
@@ -77,6 +85,34 @@ def test_every_token_experts_compute_the_source_module_on_the_pruned_weights(see
     w = sparse.first[2].to_dense()
     assert ((w.view(384, 32, 4) != 0).sum(-1) <= 2).all()
     assert not torch.equal(w, dense.gate_up_proj[2].t())
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_routed_calls_weigh_each_pair_s_input_as_llama4_s_moe_does(seed, top_k):
+    """``routed(..., weigh=...)``: each chosen expert on its token scaled by the weight ("inputs") or by the sigmoid
+    of it in float32, rounded to its dtype ("sigmoid inputs": the router's top logits), summed; against the oracle
+    run on every expert's scaled copies, as Llama4TextMoe runs it (float64, odd token counts, a strided x)."""
+    from kernelplan.kernels.moe_route import WEIGHINGS
+    from kernelplan.nn.experts import INPUT_WEIGHTS
+
+    assert set(WEIGHINGS) == {"outputs", *INPUT_WEIGHTS}  # the kernel's names are the module's
+    dense = _experts(torch.float64, experts=5)
+    sparse = Sparse24Experts.from_experts(dense)
+    oracle = _oracle(dense, sparse)
+    for tokens in (1, 7, 33):
+        hidden = torch.randn(tokens, 200, dtype=torch.float64)[:, 40:168]  # rows 200 apart
+        logits = torch.randn(tokens, 5, dtype=torch.float64)
+        top, index = torch.topk(logits, top_k, dim=1)
+        for weigh, scale in (("inputs", top), ("sigmoid inputs", torch.sigmoid(top.float()).double())):
+            scores = torch.zeros_like(logits).scatter_(1, index, scale)  # zero for the experts not chosen
+            want = oracle(hidden.repeat(5, 1) * scores.t().reshape(-1, 1)).view(5, tokens, 128).sum(0)
+            with torch.no_grad():
+                got = sparse.routed(hidden, index, top, weigh=weigh)
+            assert got.shape == (tokens, 128) and got.dtype == torch.float64
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    with pytest.raises(InvalidProblem, match="weigh 'input': the routing weights scale the experts' outputs "
+                                             "\\(\"outputs\"\\) or their inputs \\('inputs', 'sigmoid inputs'\\)"):
+        sparse.routed(hidden, index, top, weigh="input")
 
 
 def test_error_inputs_are_refused_with_what_the_experts_take(seed):
@@ -146,7 +182,7 @@ def test_a_sparsified_llama4_calibrates_its_experts_and_compiles_in_one_graph(se
     assert set(names) <= set(report.converted)
     ids = torch.randint(0, 128, (2, 9))
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, _dense_twin(model, dense)(ids).logits, rtol=1e-10, atol=1e-10)
+        _routed_close(model(ids).logits, _dense_twin(model, dense)(ids).logits)
     experts = model.get_submodule(names[0])
     x, _ = _routed(5, 4)
     with torch.no_grad():
@@ -158,9 +194,9 @@ def test_a_sparsified_llama4_calibrates_its_experts_and_compiles_in_one_graph(se
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_a_sparsified_llama4_s_moe_layers_run_each_token_on_its_chosen_experts(seed, top_k):
     """``fuse_siblings`` routes each Llama4TextMoe (nn/moe_routes.py): each token's scaled copies go to the experts
-    its router chose alone.  The model equals its pruned dense twin, which runs every expert on every token (float64),
-    and so do one MoE layer's output and x's gradient through it.  After the first call's check (against the layer's
-    own forward), the experts run no every-token call."""
+    its router chose alone.  The model equals its pruned dense twin, which runs every expert on every token (float64,
+    the router's float32 scores aside: _routed_close), and so do one MoE layer's output and x's gradient through it.
+    After the first call's check (against the layer's own forward), the experts run no every-token call."""
     from kernelplan.nn.routes import route_of
 
     dense = _llama4_model(top_k=top_k)
@@ -176,20 +212,57 @@ def test_a_sparsified_llama4_s_moe_layers_run_each_token_on_its_chosen_experts(s
     ids = torch.randint(0, 128, (2, 9))
     with torch.no_grad():
         want = twin(ids).logits
-        torch.testing.assert_close(model(ids).logits, want, rtol=1e-10, atol=1e-10)
+        _routed_close(model(ids).logits, want)
         assert every == [torch.Size([4 * 18, 128])] * 2  # each layer's check: its own forward, every expert's rows
         every.clear()
-        torch.testing.assert_close(model(ids).logits, want, rtol=1e-10, atol=1e-10)
+        _routed_close(model(ids).logits, want)
     assert not every and all(r.stats == {"fused": 2, "own": 0} and r.checked for r in routes)
     x = torch.randn(3, 5, 128, dtype=torch.float64, requires_grad=True)
     x_twin = x.detach().clone().requires_grad_()
     got, want = moes[1](x), twin.model.layers[1].feed_forward(x_twin)
-    torch.testing.assert_close(got[0], want[0], rtol=1e-10, atol=1e-10)
+    _routed_close(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)  # the router's logits
     got[0].square().sum().backward()
     want[0].square().sum().backward()
-    torch.testing.assert_close(x.grad, x_twin.grad, rtol=1e-10, atol=1e-10)
+    _routed_close(x.grad, x_twin.grad)
     assert not every and routes[1].stats["fused"] == 3
+
+
+def test_the_moe_route_calls_a_router_that_something_wraps_and_skips_another_router_class(seed):
+    """The route reads the router's weight itself: where a hook or an instance forward wraps the router's calls
+    (accelerate's offloading), the layer runs its own forward (the router called) until they are gone.  A layer whose
+    router is not Llama4Router is not routed."""
+    from kernelplan.nn.moe_routes import route_every_token_moes
+    from kernelplan.nn.routes import route_of
+
+    model = _llama4_model()
+    kp.sparsify(model, progress=False, experts="all")
+    moe = model.model.layers[0].feed_forward
+    route = route_of(moe)
+    x = torch.randn(2, 3, 128, dtype=torch.float64)
+    calls = []
+    with torch.no_grad():
+        want = type(moe).forward(moe, x)[0]
+        for wrap in ("hook", "forward"):
+            if wrap == "hook":
+                handle = moe.router.register_forward_hook(lambda m, args, out: calls.append(m))
+            else:
+                router = moe.router
+                router.forward = lambda h: calls.append(router) or type(router).forward(router, h)
+            _routed_close(moe(x)[0], want)
+            assert len(calls) == 1 and route.stats["fused"] == 0
+            handle.remove() if wrap == "hook" else moe.router.__dict__.pop("forward")
+            calls.clear()
+        _routed_close(moe(x)[0], want)
+    assert not calls and route.stats == {"fused": 1, "own": 2} and route.checked
+
+    other = _llama4_model()
+    kp.sparsify(other, progress=False, experts="all")
+    for layer in other.model.layers:
+        route_of(layer.feed_forward).detach()
+        router = layer.feed_forward.router
+        layer.feed_forward.router = type("Router", (torch.nn.Linear,), {"forward": type(router).forward})(128, 4)
+    assert route_every_token_moes(other) == []
 
 
 @gpu
@@ -227,12 +300,43 @@ def test_every_token_experts_on_the_grouped_kernel(seed, dtype):
 
 @gpu
 @sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_routed_calls_weighing_the_inputs_on_the_grouped_kernel(seed, dtype):
+    """The routing kernel scaling each row it copies by the sigmoid of its top logit (Llama-4's MoE route), then the
+    grouped launches: against the fp64 oracle run on every expert's copies, within 2x the error of the dense module
+    in the same dtype on Llama-4's own product; top 1 and 2, from a decode's token to a prefill's whose counts the
+    scan launch sums."""
+    from kernelplan.kernels import moe_route
+
+    dense = _experts(torch.float64, experts=6, hidden=256, inner=320)
+    sparse = Sparse24Experts.from_experts(copy.deepcopy(dense).to(dtype)).cuda()
+    oracle = _oracle(dense, sparse)
+    baseline = copy.deepcopy(oracle).to(dtype).cuda()
+    assert 2048 // moe_route._B >= moe_route._SCAN_MIN_CHUNKS
+    with torch.no_grad():
+        for tokens in (1, 5, 301, 2048):
+            for top_k in (1, 2):
+                hidden = torch.randn(tokens, 256, device="cuda").to(dtype)
+                top, index = torch.topk(torch.randn(tokens, 6, device="cuda").to(dtype), top_k, dim=1)
+                scores = torch.zeros(tokens, 6, device="cuda", dtype=dtype).scatter_(
+                    1, index, torch.sigmoid(top.float()).to(dtype))  # Llama4Router's, zero where not chosen
+                copies = hidden.repeat(6, 1) * scores.t().reshape(-1, 1)  # Llama4TextMoe's product, in dtype
+                want = oracle(copies.double().cpu()).view(6, tokens, 256).sum(0)
+                base = baseline(copies).view(6, tokens, 256).sum(0)
+                got = sparse.routed(hidden, index, top, weigh="sigmoid inputs")
+                assert_close(got, want.cuda(), base, atol=FWD_ATOL[dtype], what=f"{tokens} tokens, top {top_k}")
+
+
+@gpu
+@sm90
 def test_a_llama4_sparsified_on_the_gpu_holds_its_experts_at_0_5625x_and_runs(seed, monkeypatch, tmp_path):
     """Sparsified on the GPU ("auto": the grouped kernel runs these experts), each expert in the device layout
     alone; after ``kp.warmup`` (both projections' grouped tiles, no scattered store: no routing), forwards compile
     nothing."""
     from kernelplan.kernels import nvrtc
+    from kernelplan.kernels.moe_route import _ROUTE
     from kernelplan.kernels.sparse24_grouped import GROUPED_ROWS
+    from kernelplan.nn.routes import route_of
 
     monkeypatch.setenv("KERNELPLAN_CACHE_DIR", str(tmp_path))  # a cold disk cache
     config = transformers.Llama4TextConfig(hidden_size=256, intermediate_size=512, intermediate_size_mlp=512,
@@ -254,6 +358,7 @@ def test_a_llama4_sparsified_on_the_gpu_holds_its_experts_at_0_5625x_and_runs(se
     # The down projection's twice: its every-token launch, and the routed calls' scattered store (nn/moe_routes.py).
     assert sum("scattered" in r["config"] for r in grouped) == len(GROUPED_ROWS)
     built = []  # the defines of each kernel compiled after warmup: what the failure names
+    routing = dict(_ROUTE._compiled)  # the routing kernels (Triton's): warmed for the routes' weighing
     compile_ = nvrtc._compile
     monkeypatch.setattr(nvrtc, "_compile", lambda lib, source, arch: built.append(
         [line for line in source.splitlines() if line.startswith("#define")]) or compile_(lib, source, arch))
@@ -262,4 +367,7 @@ def test_a_llama4_sparsified_on_the_gpu_holds_its_experts_at_0_5625x_and_runs(se
             model(torch.randint(0, 256, (1, tokens), device="cuda"))
         logits = model(torch.randint(0, 256, (3, 17), device="cuda")).logits
     assert not built, built
+    assert _ROUTE._compiled == routing
+    routes = [route_of(m) for m in model.modules() if route_of(m) is not None]
+    assert len(routes) == 2 and all(r.stats["fused"] == 3 for r in routes)  # the routed calls ran, warmed
     assert logits.shape == (3, 17, 256) and torch.isfinite(logits).all()

@@ -20,16 +20,25 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-def _want(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, experts: int):
-    """What the kernel must give, by torch ops: ids outside [0, E) sort last."""
+def _want(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, experts: int, weigh: str = "outputs"):
+    """What the kernel must give, by torch ops: ids outside [0, E) sort last.  Weighing the inputs, each row times
+    its pair's weight (or the sigmoid of it in float32, rounded to its dtype: Llama4Router's scores) in float64,
+    rounded once to x's dtype: the exact product correctly rounded, as torch's product in x's dtype is."""
     flat = ids.reshape(-1).long().cpu()
     key = torch.where((flat >= 0) & (flat < experts), flat, experts)
     ordered, order = torch.sort(key, stable=True)
     offsets = torch.searchsorted(ordered, torch.arange(experts + 1))
-    return order, offsets, x.cpu()[order // ids.shape[1]], weights.reshape(-1).float().cpu(), key == experts
+    xs, w = x.cpu()[order // ids.shape[1]], weights.reshape(-1).cpu()
+    if weigh == "sigmoid inputs":
+        w = torch.sigmoid(w.float()).to(w.dtype)
+    if weigh != "outputs":
+        xs = (xs.double() * w[order].double()[:, None]).to(x.dtype)
+    scale = w.float() if weigh == "outputs" else torch.ones(w.shape)
+    return order, offsets, xs, scale, key == experts
 
 
-def _check(tokens, k, experts, h, dtype, ids_dtype=torch.int64, seed=0, row_pad=0, y_width=None, outside=()):
+def _check(tokens, k, experts, h, dtype, ids_dtype=torch.int64, seed=0, row_pad=0, y_width=None, outside=(),
+           weigh="outputs"):
     from kernelplan.kernels.moe_route import route
 
     g = torch.Generator().manual_seed(seed)
@@ -37,14 +46,26 @@ def _check(tokens, k, experts, h, dtype, ids_dtype=torch.int64, seed=0, row_pad=
     ids = torch.randint(0, experts, (tokens, k), generator=g).to(ids_dtype)
     for (t, j), e in outside:
         ids[t, j] = e
-    weights = torch.rand(tokens, k, generator=g).to(dtype)
+    weights = (torch.rand(tokens, k, generator=g) * (12 if weigh == "sigmoid inputs" else 1) - 6 * (
+        weigh == "sigmoid inputs")).to(dtype)  # logits of -6 .. 6 for the sigmoid
     y = torch.full((tokens * k, y_width), 7.0, dtype=dtype, device=DEV) if y_width else None
-    xs, order, offsets, scale = route(ids.to(DEV), weights.to(DEV), x.to(DEV), experts, y)
-    want_order, want_offsets, want_xs, want_scale, dropped = _want(ids, weights, x, experts)
+    xs, order, offsets, scale = route(ids.to(DEV), weights.to(DEV), x.to(DEV), experts, y, weigh)
+    want_order, want_offsets, want_xs, want_scale, dropped = _want(ids, weights, x, experts, weigh)
     assert torch.equal(order.cpu(), want_order)
     assert offsets.dtype == torch.int32 and torch.equal(offsets.cpu().long(), want_offsets)
     routed = int(want_offsets[-1])
-    assert torch.equal(_bits(xs.cpu()[:routed]), _bits(want_xs[:routed]))
+    got_bits, want_bits = _bits(xs.cpu()[:routed]).long(), _bits(want_xs[:routed]).long()
+    if weigh == "sigmoid inputs":
+        # The sigmoid's float32 rounding is not torch's (1 / (1 + exp(-w)) by Triton's exp): within four units of the
+        # last place of x's dtype, where a missing sigmoid is off by a third of the value or more.
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(xs.cpu()[:routed].double(), want_xs[:routed].double(), rtol=4 * eps, atol=0)
+    elif weigh != "outputs" and interpreting() and dtype == torch.bfloat16:
+        # The interpreter rounds float32 to bf16 toward zero (the GPU to nearest): one unit of the last place nearer
+        # zero or none, which is one less in the bits as int16 whatever the sign.
+        assert torch.isin(want_bits - got_bits, torch.tensor([0, 1])).all()
+    else:
+        assert torch.equal(got_bits, want_bits)
     assert torch.equal(scale.cpu(), want_scale)
     if y is not None:
         y = y.cpu()
@@ -106,6 +127,16 @@ def test_route_of_no_tokens():
     empty = torch.empty(0, 2, dtype=torch.int64, device=DEV)
     xs, order, offsets, scale = route(empty, empty.float(), torch.empty(0, 16, device=DEV), 4)
     assert xs.shape == (0, 16) and order.numel() == scale.numel() == 0 and offsets.tolist() == [0] * 5
+
+
+@pytest.mark.parametrize("weigh", ["inputs", "sigmoid inputs"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_route_weighing_the_inputs_copies_each_row_times_its_weight(dtype, weigh):
+    """Each copied row times its pair's weight (Llama-4's MoE scales each token's copy by its router's score, the
+    sigmoid of its top logit), rounded to x's dtype as torch's product is; the scattered store's scale is then 1."""
+    _check(1, 1, 16, 64, dtype, weigh=weigh)  # Scout's decode: one token, top 1
+    _check(37, 2, 8, 200, dtype, seed=1, row_pad=3, weigh=weigh, outside=[((3, 1), 8)], y_width=200)
+    _check(300, 1, 128, 96, dtype, seed=2, weigh=weigh)  # Maverick's 128 experts
 
 
 @pytest.mark.gpu

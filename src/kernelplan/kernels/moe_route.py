@@ -16,7 +16,10 @@ a division and an ``index_select`` for the rows of x, a ``float`` of the routing
   x there (as bits: no arithmetic, which the Triton interpreter gets wrong for bf16) and, in its first span, writes
   ``order``, the routing weights as float32 and, in program 0, the offsets;
 * ids outside ``[0, E)`` (transformers' expert-parallel sentinel is ``E``) sort last; their rows of ``y`` are
-  zeroed, since the down launch writes only the experts' rows.
+  zeroed, since the down launch writes only the experts' rows;
+* where the routing weights scale each pair's input (``WEIGHINGS``: Llama-4's MoE scales each token's copy by its
+  router's score), the copy multiplies each row by its weight, as the module's product rounds it, and ``scale`` is
+  1 (the down launch's scattered store weighs nothing more).
 
 One launch that recounted every chunk's ids in each program (2c47d5c) cost up to 275 us more than the torch ops on
 the device at 16384 pairs over 128 experts (H200): a histogram is dearer than summing the counts it leaves.
@@ -46,6 +49,10 @@ _PROGRAMS = 512  # about this many programs where the pairs allow: each sums eve
 _SCAN_MIN_CHUNKS = 32
 _SCAN_BINS = 16  # bins a _scan program sums over every chunk
 _SCAN_STEP = 8192  # counts a step of a _scan program's loop
+# How the routing weights apply -> the _route kernel's WEIGH: to each pair's output (transformers' top-k experts:
+# route passes them on as ``scale``), or to its row of x as it is copied, the weight itself or the sigmoid of it
+# rounded to its dtype (Llama-4's router's scores, from its top logits: Llama4Router.forward).
+WEIGHINGS = {"outputs": 0, "inputs": 1, "sigmoid inputs": 2}
 
 
 @triton.jit
@@ -82,7 +89,7 @@ def _scan(counts_ptr, CHUNKS, EP: tl.constexpr, EB: tl.constexpr, CB: tl.constex
 @triton.jit(do_not_specialize=["P", "TOP_K", "SPAN"])
 def _route(ids_ptr, counts_ptr, w_ptr, x_ptr, xs_ptr, order_ptr, offsets_ptr, scale_ptr, y_ptr, P, TOP_K, E, H,
            stride_x, YW, stride_y, SPAN, B: tl.constexpr, CB: tl.constexpr, EP: tl.constexpr, BH: tl.constexpr,
-           ZERO_Y: tl.constexpr, SCANNED: tl.constexpr):
+           ZERO_Y: tl.constexpr, SCANNED: tl.constexpr, WEIGH: tl.constexpr):
     c = tl.program_id(0)
     hb = tl.program_id(1)
     lanes = tl.arange(0, B)
@@ -107,9 +114,12 @@ def _route(ids_ptr, counts_ptr, w_ptr, x_ptr, xs_ptr, order_ptr, offsets_ptr, sc
     rank = tl.sum(((b[:, None] == b[None, :]) & (lanes[None, :] < lanes[:, None])).to(tl.int32), 1)
     place = tl.gather(starts + before, b, 0) + rank
 
+    w = tl.load(w_ptr + p, mask=live, other=0).to(tl.float32)
+    if WEIGH == 2:  # the router's scores: the sigmoid in float32, rounded to the logits' dtype
+        w = tl.sigmoid(w).to(w_ptr.dtype.element_ty).to(tl.float32)
     if hb == 0:
         tl.store(order_ptr + place, p.to(tl.int64), mask=live)
-        tl.store(scale_ptr + p, tl.load(w_ptr + p, mask=live, other=0).to(tl.float32), mask=live)
+        tl.store(scale_ptr + p, w if WEIGH == 0 else tl.full([B], 1.0, tl.float32), mask=live)
         if c == 0:
             tl.store(offsets_ptr + bins, starts, mask=bins <= E)
 
@@ -120,10 +130,12 @@ def _route(ids_ptr, counts_ptr, w_ptr, x_ptr, xs_ptr, order_ptr, offsets_ptr, sc
     for blk in range(0, SPAN):  # SPAN column blocks a program
         cols = (hb * SPAN + blk) * BH + tl.arange(0, BH)
         rows = tl.load(src + cols[None, :], mask=routed[:, None] & (cols[None, :] < H))
+        if WEIGH != 0:  # x's product with the weight in float32, rounded once, as torch's product of the two is
+            rows = (rows.to(tl.float32) * w[:, None]).to(xs_ptr.dtype.element_ty)
         tl.store(dst + cols[None, :], rows, mask=routed[:, None] & (cols[None, :] < H))
         if ZERO_Y:
             tl.store(y_ptr + p.to(tl.int64)[:, None] * stride_y + cols[None, :],
-                     tl.zeros([B, BH], dtype=rows.dtype), mask=dropped[:, None] & (cols[None, :] < YW))
+                     tl.zeros([B, BH], dtype=y_ptr.dtype.element_ty), mask=dropped[:, None] & (cols[None, :] < YW))
 
 
 _COUNT, _SCAN, _ROUTE = Launcher(_count), Launcher(_scan), Launcher(_route)
@@ -138,9 +150,10 @@ class _Plan:
     every call, where a call signature is one dict lookup: route's host Python took 33-37 us that way on the CPU CI
     machine and 12 bound, its launches stubbed (docs/design/0079)."""
 
-    __slots__ = ("counts_len", "count", "scan", "route", "kernels")
+    __slots__ = ("counts_len", "count", "scan", "route", "kernels", "weighs")
 
-    def __init__(self, pairs: int, top_k: int, experts: int, h: int, stride_x: int, y_cols: tuple | None):
+    def __init__(self, pairs: int, top_k: int, experts: int, h: int, stride_x: int, y_cols: tuple | None,
+                 weigh: int):
         width = max(h, y_cols[0]) if y_cols is not None else h
         # Integer arithmetic, not triton.cdiv / next_power_of_2: those are constexpr functions, about 4.5 us a call on
         # the host (five here were a sixth of an experts call's host work on the CPU CI machine).
@@ -158,16 +171,20 @@ class _Plan:
             if scanned else None
         self.route = ((chunks, -(-blocks // span), 1),
                       (pairs, top_k, experts, h, stride_x, *(y_cols or (0, 0)), span),
-                      {"B": _B, "CB": step, "EP": bins, "BH": _BH, "ZERO_Y": y_cols is not None, "SCANNED": scanned},
-                      8)
+                      {"B": _B, "CB": step, "EP": bins, "BH": _BH, "ZERO_Y": y_cols is not None, "SCANNED": scanned,
+                       "WEIGH": weigh}, 8)
+        self.weighs = weigh != 0
         self.kernels = None  # (count, scan or None, route), compiled at the first call off the interpreter
 
     def launch(self, ids, counts, weights, x, xs, order, offsets, scale, y) -> None:
         """The launches on these operands (``y`` None: xs in its place, which ZERO_Y False leaves unwritten)."""
         if self.kernels is None or _COUNT.interpreted:
-            bits = _BITS[x.element_size()]  # the rows copied as bits: no arithmetic, which the interpreter gets wrong
+            # Rows copied as they are, as bits: no arithmetic, which the interpreter gets wrong for bf16.  Weighed,
+            # in their dtype: the kernel converts them to float32 first.
+            bits = _BITS[x.element_size()]
+            rows = (x, xs) if self.weighs else (x.view(bits), xs.view(bits))
             steps = ((_COUNT, self.count, (ids, counts)), (_SCAN, self.scan, (counts,)),
-                     (_ROUTE, self.route, (ids, counts, weights, x.view(bits), xs.view(bits), order, offsets, scale,
+                     (_ROUTE, self.route, (ids, counts, weights, *rows, order, offsets, scale,
                                            (y if y is not None else xs).view(bits))))
             if _COUNT.interpreted:
                 for launcher, (grid, ints, constexprs, warps), ptrs in (s for s in steps if s[1] is not None):
@@ -192,8 +209,8 @@ _PLANS: dict = {}  # route's plans, by call signature
 _MAX_PLANS = 256
 
 
-def route(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, experts: int,
-          y: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, experts: int, y: torch.Tensor | None = None,
+          weigh: str = "outputs") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(xs, order, offsets, scale)`` for ``ids`` / ``weights`` ``[T, k]`` (contiguous, as transformers' top-k gives
     them) and ``x [T, H]``:
 
@@ -201,7 +218,9 @@ def route(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, experts: in
     * ``offsets`` int32 ``[experts + 1]``: where each expert's rows start in that order, the last entry where the
       others' start;
     * ``xs [T k, H]``: row ``n`` is ``x[order[n] // k]``, for the experts' rows (the others' are not written);
-    * ``scale`` float32 ``[T k]``: ``weights`` flat, as float32 (by pair, as the scattered store reads it).
+      weighing the inputs (``weigh``, a key of ``WEIGHINGS``), times its pair's weight (or its sigmoid) in x's dtype;
+    * ``scale`` float32 ``[T k]``: ``weights`` flat, as float32 (by pair, as the scattered store reads it); weighing
+      the inputs, ones.
 
     With ``y`` (``[T k, W]``, rows of unit stride), the rows of the pairs outside the experts are zeroed in it.
     These are internal operands: ``Sparse24Experts`` checks the shapes."""
@@ -219,12 +238,13 @@ def route(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, experts: in
     # (the buffers made here are the allocator's, always aligned).  Not the module's constants: a test that changes
     # them gives _PLANS a new dict too.
     key = (x.get_device(), x.dtype, ids.dtype, weights.dtype, pairs, top_k, experts, h, x.stride(0), y_cols,
-           ids.data_ptr() % 16, weights.data_ptr() % 16, x.data_ptr() % 16, 0 if y is None else y.data_ptr() % 16)
+           ids.data_ptr() % 16, weights.data_ptr() % 16, x.data_ptr() % 16, 0 if y is None else y.data_ptr() % 16,
+           weigh)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        plan = _PLANS[key] = _Plan(pairs, top_k, experts, h, x.stride(0), y_cols)
+        plan = _PLANS[key] = _Plan(pairs, top_k, experts, h, x.stride(0), y_cols, WEIGHINGS[weigh])
     counts = torch.empty(plan.counts_len, dtype=torch.int32, device=x.device)
     plan.launch(ids, counts, weights, x, xs, order, offsets, scale, y)
     return xs, order, offsets, scale

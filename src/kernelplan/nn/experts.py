@@ -216,11 +216,19 @@ def _meta_skeleton(module: nn.Module) -> nn.Module:
     return skeleton
 
 
-def _combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Rows sorted by expert (``out``) back in their (token, k) pairs' order, each times its routing weight."""
+# What the routing weights of ``Sparse24Experts.routed`` scale, besides each pair's output ("outputs", transformers'
+# top-k experts): each pair's input, by the weight itself or by the sigmoid of it in float32 rounded to its dtype
+# (Llama-4's router's scores, from its top logits: Llama4Router.forward) -> that scale, by torch ops.  The routing
+# kernel's table of the same names (kernels/moe_route.py's WEIGHINGS) does it as it copies the rows.
+INPUT_WEIGHTS = {"inputs": lambda w: w, "sigmoid inputs": lambda w: torch.sigmoid(w.float()).to(w.dtype)}
+
+
+def _combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Rows sorted by expert (``out``) back in their (token, k) pairs' order, each times its routing weight (none
+    where the weights scaled the inputs)."""
     pairs = torch.empty_like(out)
     pairs[order] = out
-    return pairs * weights.reshape(-1, 1).to(pairs.dtype)
+    return pairs if weights is None else pairs * weights.reshape(-1, 1).to(pairs.dtype)
 
 
 def _after_load(module: "Sparse24Experts", incompatible_keys) -> None:
@@ -471,8 +479,11 @@ class Sparse24Experts(nn.Module):
         """Compile the grouped forward's routing kernels for this module's shapes, as ``kp.warmup`` does: routing
         weights in the experts' dtype and in float32 (routers give either), for a decode's pairs and for as many as
         take the counts' own summing launch (``_SCAN_MIN_CHUNKS``): one variant of each for every token count.  An
-        ``every_token`` module's are its MoE layer's routed calls' (``nn/moe_routes.py``)."""
+        ``every_token`` module's are its MoE layer's routed calls' (``nn/moe_routes.py``), which scale the inputs by
+        the sigmoid of the router's logits."""
         from ..kernels import moe_route
+
+        weigh = "sigmoid inputs" if self.every_token else "outputs"
 
         w = self.first[0].values
         many = moe_route._SCAN_MIN_CHUNKS * moe_route._B
@@ -482,7 +493,7 @@ class Sparse24Experts(nn.Module):
             ids = torch.zeros(pairs, 1, dtype=torch.int64, device=w.device)
             for dtype in (w.dtype, torch.float32):
                 moe_route.route(ids, torch.ones(pairs, 1, dtype=dtype, device=w.device), x[:pairs], self.num_experts,
-                                y[:pairs] if y is not None else None)
+                                y[:pairs] if y is not None else None, weigh)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
                 top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -498,24 +509,34 @@ class Sparse24Experts(nn.Module):
             raise InvalidProblem(f"these experts were given {given}: they take {want}")
         return self.routed(hidden_states, top_k_index, top_k_weights)
 
-    def routed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-               top_k_weights: torch.Tensor) -> torch.Tensor:
+    def routed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+               weigh: str = "outputs") -> torch.Tensor:
         """The experts on routed tokens, as transformers' top-k experts modules take them: each of ``hidden_states
         [T, H]`` through its ``top_k_index [T, k]`` experts, their outputs weighted by ``top_k_weights`` and summed.
         ``forward`` for a top-k module; for an ``every_token`` one, the route of its MoE layer (``nn/moe_routes.py``),
-        which sends each token to the experts its router chose alone."""
+        which sends each token to the experts its router chose alone.  With ``weigh`` a key of ``INPUT_WEIGHTS``, the
+        weights scale each pair's input instead (Llama-4's MoE: each token's copy by its router's score)."""
         if hidden_states.dim() != 2 or top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape or \
                 top_k_index.shape[0] != hidden_states.shape[0]:
             raise InvalidProblem(
                 f"hidden_states {tuple(hidden_states.shape)}, top_k_index {tuple(top_k_index.shape)} and "
                 f"top_k_weights {tuple(top_k_weights.shape)}: the experts take hidden_states [T, H] and routing "
                 f"[T, k] of the same T, as transformers' experts modules do")
+        if weigh != "outputs" and weigh not in INPUT_WEIGHTS:
+            raise InvalidProblem(f"weigh {weigh!r}: the routing weights scale the experts' outputs (\"outputs\") or "
+                                 f"their inputs ({', '.join(map(repr, INPUT_WEIGHTS))})")
         tokens, k = top_k_index.shape
         if self._grouped(hidden_states):
-            pairs = self._grouped_forward(hidden_states, top_k_index, top_k_weights)
+            pairs = self._grouped_forward(hidden_states, top_k_index, top_k_weights, weigh)
         else:
             x, order, offsets = self._sorted_pairs(hidden_states, top_k_index)
-            pairs = _combine(self._per_expert(x, offsets[1:].tolist()), order, top_k_weights)
+            weights = top_k_weights
+            if weigh != "outputs":  # as the module's product: in x's dtype, or promoted and rounded back to it
+                x = (x * INPUT_WEIGHTS[weigh](weights.reshape(-1))[order, None]).to(x.dtype)
+                weights = None
+            pairs = _combine(self._per_expert(x, offsets[1:].tolist()), order, weights)
+        if k == 1:  # each token's one pair is its row: no sum of one term (a launch and a buffer)
+            return pairs.to(hidden_states.dtype)
         return pairs.view(tokens, k, pairs.shape[1]).sum(dim=1).to(hidden_states.dtype)
 
     def _every_token_forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -558,9 +579,11 @@ class Sparse24Experts(nn.Module):
             bounds = self._bound_cache[key] = torch.arange(self.num_experts + 1, device=ids.device, dtype=ids.dtype)
         return bounds
 
-    def _grouped_forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _grouped_forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                         weigh: str) -> torch.Tensor:
         """Each projection as one launch over every expert's rows.  Returns each (token, k) pair's weighted output,
-        in the pairs' order ``[T k, H]``.
+        in the pairs' order ``[T k, H]``.  The routing weights scale the outputs in the down launch's store, or the
+        inputs as the routing kernel copies them (``weigh``).
 
         The routing (the pairs sorted by expert, the offsets, the rows of x) is the routing kernel's launches
         (``kernels/moe_route.py``), in place of six torch ops: at a decode's sizes an eager call is host work, and an
@@ -576,7 +599,7 @@ class Sparse24Experts(nn.Module):
         # writes: the routing kernel zeroes them.
         scatter = self.post_expert_norm is None
         pairs = hidden.new_empty(index.numel(), self._out) if scatter else None
-        x, order, offsets, scale = route(index.contiguous(), weights.contiguous(), hidden, experts, pairs)
+        x, order, offsets, scale = route(index.contiguous(), weights.contiguous(), hidden, experts, pairs, weigh)
         h = self._grouped_first(grouped_linear, x, offsets)
         down = self._span(self.down)
         if scatter:
@@ -586,7 +609,7 @@ class Sparse24Experts(nn.Module):
             return grouped_linear(h.contiguous(), *down, offsets, experts, scatter=(pairs, order, scale))
         out = self._norm(grouped_linear(h.contiguous(), *down, offsets, experts, None))
         unrouted = torch.arange(out.shape[0], device=out.device) >= offsets[experts:]  # rows no launch wrote
-        return _combine(out.masked_fill(unrouted[:, None], 0), order, weights)
+        return _combine(out.masked_fill(unrouted[:, None], 0), order, weights if weigh == "outputs" else None)
 
     @staticmethod
     def _grouped_ops():

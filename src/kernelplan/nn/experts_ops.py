@@ -19,14 +19,14 @@ import torch
 from .._ops import inference_op
 
 
-def _route(ids, weights, x, experts, y):
+def _route(ids, weights, x, experts, y, weigh):
     """``kernels.moe_route.route``: ``(xs, order, offsets, scale)``; with ``y``, its rows of unrouted pairs zeroed."""
     from ..kernels.moe_route import route
 
-    return route(ids, weights, x, experts, y)
+    return route(ids, weights, x, experts, y, weigh)
 
 
-def _route_fake(ids, weights, x, experts, y):
+def _route_fake(ids, weights, x, experts, y, weigh):
     pairs = ids.numel()
     return (x.new_empty(pairs, x.shape[1]), ids.new_empty(pairs, dtype=torch.int64),
             ids.new_empty(experts + 1, dtype=torch.int32), x.new_empty(pairs, dtype=torch.float32))
@@ -57,7 +57,8 @@ def _scatter_fake(x, values, metadata, bias, offsets, experts, y, rows, scale):
     return None
 
 
-moe_route = inference_op("moe_route(Tensor ids, Tensor weights, Tensor x, int experts, Tensor(a!)? y) "
+moe_route = inference_op("moe_route(Tensor ids, Tensor weights, Tensor x, int experts, Tensor(a!)? y, "
+                         "str weigh=\"outputs\") "
                          "-> (Tensor, Tensor, Tensor, Tensor)", _route, _route_fake)
 grouped_linear = inference_op("grouped_linear(Tensor x, Tensor values, Tensor metadata, Tensor? bias, "
                               "Tensor offsets, int experts, str? epilogue) -> Tensor", _grouped, _grouped_fake)
