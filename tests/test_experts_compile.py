@@ -37,8 +37,8 @@ def _fake(*tensors):
 
 @pytest.mark.skipif(not torch.cuda.is_available() and not interpreting(),
                     reason="the routing kernel needs CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("scatter", [False, True])
-def test_the_fake_route_gives_the_kernel_s_shapes_and_dtypes(scatter):
+@pytest.mark.parametrize("scatter, weigh", [(False, "outputs"), (True, "outputs"), (True, "sigmoid inputs")])
+def test_the_fake_route_gives_the_kernel_s_shapes_and_dtypes(scatter, weigh):
     from kernelplan.kernels.moe_route import route
     from kernelplan.nn import experts_ops
 
@@ -47,10 +47,10 @@ def test_the_fake_route_gives_the_kernel_s_shapes_and_dtypes(scatter):
     weights = torch.rand(7, 3, device=dev, dtype=torch.bfloat16)
     x = torch.randn(7, 40, device=dev, dtype=torch.bfloat16)
     y = torch.zeros(21, 24, device=dev, dtype=torch.bfloat16) if scatter else None
-    real = route(ids, weights, x, 5, y)
+    real = route(ids, weights, x, 5, y, weigh)
     mode, args = _fake(ids, weights, x, y)
     with mode:
-        fake = experts_ops.moe_route(args[0], args[1], args[2], 5, args[3])
+        fake = experts_ops.moe_route(args[0], args[1], args[2], 5, args[3], weigh)
     assert len(fake) == len(real) == 4
     for got, want in zip(fake, real):
         assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride())
@@ -217,6 +217,7 @@ def test_the_grouped_ops_pass_opcheck(seed):
     weights = weights.to(torch.bfloat16)
     pairs = torch.empty(80, 128, dtype=torch.bfloat16, device="cuda")
     torch.library.opcheck(experts_ops.moe_route, (index, weights, x, 6, pairs))
+    torch.library.opcheck(experts_ops.moe_route, (index, weights, x, 6, pairs, "sigmoid inputs"))
     xs, order, offsets, scale = experts_ops.moe_route(index, weights, x, 6, pairs)
     first, down = sparse._span(sparse.first), sparse._span(sparse.down)
     torch.library.opcheck(experts_ops.grouped_linear, (xs, *first, offsets, 6, "gated_silu_first"))

@@ -19,14 +19,14 @@ import torch
 from .._ops import inference_op
 
 
-def _route(ids, weights, x, experts, y, weigh):
+def _route(ids, weights, x, experts, y, weigh="outputs"):  # the dispatcher leaves out an argument at its default
     """``kernels.moe_route.route``: ``(xs, order, offsets, scale)``; with ``y``, its rows of unrouted pairs zeroed."""
     from ..kernels.moe_route import route
 
     return route(ids, weights, x, experts, y, weigh)
 
 
-def _route_fake(ids, weights, x, experts, y, weigh):
+def _route_fake(ids, weights, x, experts, y, weigh="outputs"):
     pairs = ids.numel()
     return (x.new_empty(pairs, x.shape[1]), ids.new_empty(pairs, dtype=torch.int64),
             ids.new_empty(experts + 1, dtype=torch.int32), x.new_empty(pairs, dtype=torch.float32))
