@@ -95,8 +95,11 @@ def experts_reason(module: nn.Module) -> str | None:
     """Why ``module`` is not an experts module that ``Sparse24Experts.from_experts`` reads, or None if it is."""
     flags = _flags(module)
     if flags is None:
-        return ("its experts are 3-D weights in a module without transformers' use_experts_implementation flags "
-                "(is_transposed, has_gate, has_bias), so kernelplan cannot tell how its forward reads them")
+        # Not "its experts": a module of 3-D weights may hold none (RWKV's time_mix vectors [1, 1, H], Recurrent
+        # Gemma's block-diagonal gates).
+        return ("a module of 3-D weights without transformers' use_experts_implementation flags (is_transposed, "
+                "has_gate, has_bias) nor a class kernelplan knows as experts (EVERY_TOKEN), so kernelplan cannot "
+                "tell how its forward reads them")
     if not hasattr(module, "act_fn") and not (flags["has_gate"] and "_apply_gate" in vars(type(module))):
         return "it has no act_fn, and no gating of its own (_apply_gate) that would not need one"
     if getattr(module, "_is_expert_parallel", False):
