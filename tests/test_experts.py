@@ -234,6 +234,45 @@ def test_three_d_weights_of_an_unknown_module_are_reported(seed):
     assert isinstance(model.odd.stack, nn.Parameter)
 
 
+def test_routers_that_are_linear_layers_stay_dense_and_experts_of_2_d_weights_are_reported(seed):
+    """DBRX's ``router.layer`` and Hunyuan-MoE's ``gate.wg`` (an output an expert) and Qwen2-MoE's
+    ``shared_expert_gate`` (one output) are nn.Linear layers: pruned, they would change which experts tokens reach.
+    They stay dense, with the reason; the shared experts' layers beside them (Hunyuan's ``shared_mlp``, Qwen's
+    ``shared_expert``) are pruned.  DBRX's experts (``DbrxExpertGLU``: 2-D ``w1``, ``v1``, ``w2``) are reported as
+    staying dense, not left out of the report."""
+    base = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=128)
+    configs = {
+        "dbrx": (dict(d_model=128, n_heads=4, n_layers=2, vocab_size=128, max_seq_len=64,
+                      attn_config=dict(kv_n_heads=2, rope_theta=1e4),
+                      ffn_config=dict(ffn_hidden_size=256, moe_num_experts=4, moe_top_k=2)),
+                 "transformer.blocks.{}.ffn", ["router.layer"], []),
+        "hunyuan_v1_moe": (dict(base, moe_intermediate_size=64, num_experts=4, moe_topk=2, head_dim=32),
+                           "model.layers.{}.mlp", ["gate.wg"], ["shared_mlp.gate_proj", "shared_mlp.down_proj"]),
+        "qwen2_moe": (dict(base, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                           shared_expert_intermediate_size=128),
+                      "model.layers.{}.mlp", ["shared_expert_gate"],
+                      ["shared_expert.up_proj", "shared_expert.down_proj"]),
+    }
+    for family, (kw, block, routers, pruned) in configs.items():
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(family, **kw))
+        report = kp.sparsify(model, progress=False, experts="all")
+        for i in range(2):
+            for name in routers:
+                full = f"{block.format(i)}.{name}"
+                assert type(model.get_submodule(full)) is nn.Linear, full
+                assert report.skipped[full].startswith(f"a router of the MoE block {block.format(i)} ("), full
+            for name in pruned:
+                assert f"{block.format(i)}.{name}" in report.converted, (family, name)
+        assert any(n.endswith("self_attn.q_proj") or n.endswith("attn.Wqkv") for n in report.converted), family
+        if family == "dbrx":
+            why = report.skipped["transformer.blocks.0.ffn.experts.mlp"]
+            assert "DbrxExpertGLU holds its experts as 2-D weights (w1, v1, w2)" in why
+    mlp = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("llama", **base))
+    kp.sparsify(mlp, progress=False)  # a dense MLP's gate_proj is no router
+    assert isinstance(mlp.model.layers[0].mlp.gate_proj, Sparse24Linear)
+
+
 def test_error_inputs_are_refused_before_anything_runs(seed):
     sparse = Sparse24Experts.from_experts(_up_down())
     x = torch.randn(4, 128, dtype=torch.float64)

@@ -131,6 +131,27 @@ def _read_directly(model: nn.Module, name: str) -> str | None:
     return owner if child in DIRECT_WEIGHT_READS.get(owner, ()) else None
 
 
+def _router_of(model: nn.Module, name: str, layer: nn.Linear) -> str | None:
+    """The MoE block whose tokens the linear layer at ``name`` routes (its name), else None.
+
+    Some families' routers are nn.Linear layers: DBRX's ``router.layer`` and Hunyuan-MoE's ``gate.wg`` (an output an
+    expert), Qwen2-MoE's and Qwen3-Next's ``shared_expert_gate`` (one output).  Pruned, they would change which
+    experts each token reaches and how much of the shared expert it takes, to save an E x H weight's bytes; the
+    other families' routers are weights of router modules of their own, which stay dense.  Told by where they sit
+    and their shape: under a module with a child named ``experts`` (as its child or grandchild), outside that child
+    and the shared experts, with at most an eighth as many outputs as inputs (a shared MLP has more)."""
+    if layer.out_features * 8 > layer.in_features:
+        return None
+    parts = name.split(".")
+    for up in (1, 2):
+        if len(parts) <= up:
+            break
+        block = ".".join(parts[:-up])
+        if "experts" in model.get_submodule(block)._modules:
+            return None if parts[-up] in ("experts", "shared_expert", "shared_experts") else block
+    return None
+
+
 def _own_forward(layer: nn.Module) -> str | None:
     """The class of an nn.Linear subclass with a forward of its own not in ``LINEAR_FORWARDS``, else None."""
     if not isinstance(layer, nn.Linear) or type(layer).forward is nn.Linear.forward:
@@ -146,6 +167,14 @@ def _owner(p: torch.Tensor) -> tuple:
 def _three_d(module: nn.Module) -> list[str]:
     """The names of ``module``'s own floating-point Parameters of 3 dims (a MoE layer's experts, stacked)."""
     return [name for name, p in module.named_parameters(recurse=False) if p.dim() == 3 and p.is_floating_point()]
+
+
+def _two_d_experts(module: nn.Module) -> list[str]:
+    """The names of ``module``'s own 2-D floating-point Parameters where its class is named for experts (DBRX's
+    ``DbrxExpertGLU``: ``w1``, ``v1``, ``w2`` of ``[E I, H]``), else none."""
+    if "expert" not in type(module).__name__.lower():
+        return []
+    return [name for name, p in module.named_parameters(recurse=False) if p.dim() == 2 and p.is_floating_point()]
 
 
 def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyReport,
@@ -171,6 +200,12 @@ def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyRep
             _select_experts(name, layer, filter_fn, report, experts, policy, experts_dense)
             continue
         if not isinstance(layer, nn.Linear) and not conv:
+            stacked = _two_d_experts(layer)
+            if stacked:  # reported, not silently left: they are most of the model's weights
+                report.skipped[name] = (f"a {class_name(layer)} holds its experts as 2-D weights "
+                                        f"({', '.join(stacked)}), neither linear layers nor transformers' 3-D "
+                                        f"experts, so kernelplan cannot tell how its forward reads them; they stay "
+                                        f"dense")
             continue
         if not name:
             report.skipped["<model>"] = "the model itself is an nn.Linear: use Sparse24Linear.from_dense(model)"
@@ -182,6 +217,12 @@ def _select(model: nn.Module, filter_fn, prune_output: bool, report: SparsifyRep
         if own is not None:
             report.skipped[name] = (f"a {own}: an nn.Linear subclass with a forward of its own (a router's top-k, an "
                                     f"extra input), which a Sparse24Linear in its place would drop")
+            continue
+        block = _router_of(model, name, layer) if not conv else None
+        if block is not None:
+            report.skipped[name] = (f"a router of the MoE block {block} ({layer.out_features} x {layer.in_features}): "
+                                    f"pruned, it would change which experts each token reaches; it stays dense, as "
+                                    f"other families' routers do")
             continue
         reader = _read_directly(model, name)
         if reader is not None:
@@ -307,7 +348,10 @@ def sparsify(
     and, unless ``prune_output``, the model's output projection
     (``get_output_embeddings()`` of a Hugging Face model, else a layer named
     ``lm_head``), whose pruning harms accuracy most and which is not where 2:4
-    speeds a model up.
+    speeds a model up; a MoE block's routers that are linear layers (DBRX's,
+    Hunyuan-MoE's, Qwen-MoE's shared expert gate), whose pruning would change
+    which experts tokens reach; modules of weights kernelplan cannot read
+    (experts held as 2-D weights, as DBRX's).
     """
     from tqdm.auto import tqdm
 
