@@ -29,9 +29,11 @@ MOE_CONFIG = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hi
                   num_local_experts=8, num_experts_per_tok=2, output_router_logits=True)
 
 
-def main() -> int:
+def setup(steps: int):
+    """The trained-MoE benches' arguments (``--steps`` defaulting to ``steps``), seeded: ``(args, device, train split,
+    held-out split)``."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=steps)
     ap.add_argument("--out", default=None)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--windows", type=int, default=CALIBRATION, help="calibration windows")
@@ -39,9 +41,12 @@ def main() -> int:
     ap.add_argument("--held-out-bytes", type=int, default=None, help="the first this many (default: the whole split)")
     a = ap.parse_args()
     torch.manual_seed(0)
-    dev = torch.device(a.device)
     train, held = corpus()
-    held = held[:a.held_out_bytes]
+    return a, torch.device(a.device), train, held[:a.held_out_bytes]
+
+
+def main() -> int:
+    a, dev, train, held = setup(1500)
     cfg = transformers.MixtralConfig(**MOE_CONFIG)
     cfg._experts_implementation = "eager"  # trains in fp32 weights under autocast, one GEMM an expert
     model = transformers.MixtralForCausalLM(cfg).to(dev)

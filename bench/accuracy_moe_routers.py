@@ -13,7 +13,6 @@ model are reported.  Writes ``bench/results/accuracy-moe-routers-<gpu>.json``.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import importlib
@@ -25,7 +24,8 @@ import transformers
 
 import kernelplan as kp
 from kernelplan.bench import results
-from kernelplan.bench.accuracy import CALIBRATION, SEQ, calibration, corpus
+from kernelplan.bench.accuracy import SEQ, calibration
+from accuracy_moe import setup
 from train_tiny_lm import train_lm
 
 sparsify_module = importlib.import_module("kernelplan.pruning.sparsify")  # the package's name is the function
@@ -63,18 +63,7 @@ def chosen_experts(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=800)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--windows", type=int, default=CALIBRATION, help="calibration windows")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--held-out-bytes", type=int, default=None, help="the first this many (default: the whole split)")
-    a = ap.parse_args()
-    torch.manual_seed(0)
-    dev = torch.device(a.device)
-    train, held = corpus()
-    held = held[:a.held_out_bytes]
+    a, dev, train, held = setup(800)
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model("hunyuan_v1_moe", **CONFIG)).to(dev)
     t0 = time.perf_counter()
