@@ -428,6 +428,54 @@ def test_moe_experts_on_each_device(tokens, seed):
     _on_each_device(run)
 
 
+def test_llama4_routed_experts_on_each_device(seed):
+    """Llama-4's every-token experts called as its MoE route calls them (``routed``, the inputs scaled by the sigmoid
+    of the router's top logits in the routing kernel: nn/moe_routes.py) on each device with the other current,
+    against fp64 at a decode's token and a prefill's; then a tiny sparsified Llama-4 there, routed, against the same
+    model with its routes detached (every expert on every token)."""
+    import copy
+
+    pytest.importorskip("transformers")
+    from test_experts_every_token import _experts, _llama4_model, _oracle
+
+    from kernelplan.nn import Sparse24Experts
+    from kernelplan.nn.routes import route_of
+
+    dense = _experts(torch.float64, experts=6, hidden=256, inner=320)
+
+    def run(dev):
+        sparse = Sparse24Experts.from_experts(copy.deepcopy(dense).to(torch.bfloat16)).to(dev)
+        oracle = _oracle(dense, sparse)
+        baseline = copy.deepcopy(oracle).to(torch.bfloat16).to(dev)
+        with torch.no_grad():
+            for tokens in (1, 300):
+                hidden = torch.randn(tokens, 256, device=dev).to(torch.bfloat16)
+                top, index = torch.topk(torch.randn(tokens, 6, device=dev).to(torch.bfloat16), 2, dim=1)
+                scores = torch.zeros(tokens, 6, device=dev, dtype=torch.bfloat16).scatter_(
+                    1, index, torch.sigmoid(top.float()).to(torch.bfloat16))
+                copies = hidden.repeat(6, 1) * scores.t().reshape(-1, 1)
+                got = sparse.routed(hidden, index, top, weigh="sigmoid inputs")
+                assert got.device == dev
+                assert_close(got, oracle(copies.double().cpu()).view(6, tokens, 256).sum(0).to(dev),
+                             baseline(copies).view(6, tokens, 256).sum(0), atol=FWD_ATOL[torch.bfloat16])
+        model = _llama4_model(torch.bfloat16).to(dev)
+        kp.sparsify(model, progress=False, experts="all")  # on dev: the experts laid out for the grouped kernel
+        assert all(m.runs_grouped(dev, torch.bfloat16) == _is_hopper(dev) for m in model.modules()
+                   if isinstance(m, Sparse24Experts))
+        unrouted = copy.deepcopy(model)
+        for m in unrouted.modules():
+            if route_of(m) is not None:
+                route_of(m).detach()
+        ids = torch.randint(0, 128, (2, 9), device=dev)
+        with torch.no_grad():
+            for _ in range(2):  # the first call checks each route against its layer's own forward
+                got, want = model(ids).logits.float(), unrouted(ids).logits.float()
+        assert all(route_of(m).stats["fused"] == 2 for m in model.modules() if route_of(m) is not None)
+        assert (got - want).abs().max() <= 0.02 * want.abs().max()  # bf16: the two sum experts' outputs apart
+
+    _on_each_device(run)
+
+
 def test_a_moe_model_over_two_devices_sparsified_loaded_and_dequantized_where_each_layer_was_placed(tmp_path, seed):
     """Mixtral with its decoder layers split over cuda:0 and cuda:1 (a device_map, accelerate's hooks moving the
     activations): ``kp.sparsify`` prunes each layer's experts on its own device, straight into the span there;
