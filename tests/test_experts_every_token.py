@@ -99,7 +99,7 @@ def test_routed_calls_weigh_each_pair_s_input_as_llama4_s_moe_does(seed, top_k):
     dense = _experts(torch.float64, experts=5)
     sparse = Sparse24Experts.from_experts(dense)
     oracle = _oracle(dense, sparse)
-    for tokens in (1, 7, 33):
+    for tokens in (0, 1, 7, 33):
         hidden = torch.randn(tokens, 200, dtype=torch.float64)[:, 40:168]  # rows 200 apart
         logits = torch.randn(tokens, 5, dtype=torch.float64)
         top, index = torch.topk(logits, top_k, dim=1)
@@ -314,7 +314,7 @@ def test_routed_calls_weighing_the_inputs_on_the_grouped_kernel(seed, dtype):
     baseline = copy.deepcopy(oracle).to(dtype).cuda()
     assert 2048 // moe_route._B >= moe_route._SCAN_MIN_CHUNKS
     with torch.no_grad():
-        for tokens in (1, 5, 301, 2048):
+        for tokens in (0, 1, 5, 301, 2048):
             for top_k in (1, 2):
                 hidden = torch.randn(tokens, 256, device="cuda").to(dtype)
                 top, index = torch.topk(torch.randn(tokens, 6, device="cuda").to(dtype), top_k, dim=1)
@@ -324,6 +324,9 @@ def test_routed_calls_weighing_the_inputs_on_the_grouped_kernel(seed, dtype):
                 want = oracle(copies.double().cpu()).view(6, tokens, 256).sum(0)
                 base = baseline(copies).view(6, tokens, 256).sum(0)
                 got = sparse.routed(hidden, index, top, weigh="sigmoid inputs")
+                if not tokens:  # no launch: an empty output
+                    assert got.shape == (0, 256) and got.dtype == dtype
+                    continue
                 assert_close(got, want.cuda(), base, atol=FWD_ATOL[dtype], what=f"{tokens} tokens, top {top_k}")
 
 
