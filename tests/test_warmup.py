@@ -86,6 +86,10 @@ def test_on_the_gpu_after_warmup_no_call_of_those_shapes_compiles_or_tunes(monke
     monkeypatch.setenv("KERNELPLAN_CACHE_DIR", str(tmp_path))  # a cold disk cache
     model = _model("cuda", torch.bfloat16)
     before = nvrtc.COMPILES[0]
+    built = []  # the defines of each kernel NVRTC compiled: what a failure names
+    compile_ = nvrtc._compile
+    monkeypatch.setattr(nvrtc, "_compile", lambda lib, source, arch: built.append(
+        [line for line in source.splitlines() if line.startswith("#define")]) or compile_(lib, source, arch))
     rows = kp.warmup(model, batch_sizes=(1, 16, 128, 300), progress=False)
     assert {r["backend"] for r in rows} <= {"cuda_sp", "cuda_ws"}
     from kernelplan.sparse24.expected import gpus
@@ -93,13 +97,13 @@ def test_on_the_gpu_after_warmup_no_call_of_those_shapes_compiles_or_tunes(monke
     if (torch.cuda.get_device_name(), "bf16") in gpus():  # a GPU the sweeps measured: every row has its speedup
         assert all(r["expected"] is not None and r["expected"].graph > 0 for r in rows)
     # The calls of the warm-up compiled nothing the compile phase had not (this process may hold some already).
-    assert nvrtc.COMPILES[0] - before <= rows[0]["compiled"]
+    assert nvrtc.COMPILES[0] - before <= rows[0]["compiled"], (rows[0]["compiled"], built)
     monkeypatch.setattr(tuning, "tune", lambda *a, **k: pytest.fail("a call after warmup tuned"))
     compiles = nvrtc.COMPILES[0]
     with torch.inference_mode():  # the batch sizes, and n between them, which every_n compiled
         for n in (1, 16, 128, 300, 2, 9, 17, 33, 64, 77, 129, 200, 257, 299):
             model(torch.randn(n, 128, device="cuda").to(torch.bfloat16))
-    assert nvrtc.COMPILES[0] == compiles
+    assert nvrtc.COMPILES[0] == compiles, built
 
 
 def test_the_warmup_command_reads_a_model_directorys_layers_from_its_headers(tmp_path):
