@@ -149,6 +149,27 @@ def test_warnings_as_errors_do_not_fail_a_computation(tmp_path, monkeypatch):
         assert torch.isfinite(_compute_through_the_default_cache()).all()
 
 
+def test_warnings_as_errors_do_not_fail_a_2_4_layers_computation_and_the_message_is_logged(monkeypatch, caplog):
+    """kernelplan's own warnings (``_checks.warn``, ``warn_once``) under ``-W error``: an op that reads a 2:4 layer's
+    weight (run on a dense copy, which warns) still computes, and the warning goes to the ``kernelplan`` logger.
+    Before, the filter raised it out of the op."""
+    from kernelplan import _checks
+
+    monkeypatch.setattr(_checks, "_WARNED", set())  # warned before in this process or not, it warns here
+    torch.manual_seed(0)
+    layer = kp.nn.Sparse24Linear.from_dense(torch.nn.Linear(64, 32))
+    x = torch.randn(3, 64)
+    with warnings.catch_warnings(), caplog.at_level("WARNING", logger="kernelplan"):
+        warnings.simplefilter("error")
+        y = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    torch.testing.assert_close(y, layer(x))
+    assert "read a 2:4 layer's weight" in caplog.text
+    with warnings.catch_warnings(record=True) as caught:  # without the filter, a warning as before
+        warnings.simplefilter("always")
+        _checks.warn("a message", UserWarning)
+    assert [(w.category, str(w.message)) for w in caught] == [(UserWarning, "a message")]
+
+
 def test_a_fault_in_one_process_never_costs_another_process_its_entries(tmp_path):
     """v1 took any non-"locked" OperationalError for damage and moved the live file: 1,750 of 1,750 entries lost.
 

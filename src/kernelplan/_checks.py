@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Sequence
-
+import logging
 import warnings
+from typing import Sequence
 
 import torch
 
@@ -57,11 +57,21 @@ def check_tensor(
 _WARNED: set = set()
 
 
+def warn(message: str, category: type[Warning] = RuntimeWarning, stacklevel: int = 2) -> None:
+    """``warnings.warn``, never an exception: where warnings are turned into errors (``-W error``, pytest's
+    ``filterwarnings = error``), the message goes to the ``kernelplan`` logger instead, and the computation that
+    warned goes on (a warning must not be the reason a computation fails; ``cache.warn`` does the same)."""
+    try:
+        warnings.warn(message, category, stacklevel=stacklevel + 1)
+    except Exception:  # noqa: BLE001  the filter raised it
+        logging.getLogger("kernelplan").warning("%s", message)
+
+
 def warn_once(message: str, stacklevel: int = 3) -> None:
-    """A ``RuntimeWarning`` with ``message``, the first time this process meets it."""
+    """A ``RuntimeWarning`` with ``message`` (``warn``: never an exception), the first time this process meets it."""
     if message not in _WARNED:
         _WARNED.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+        warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 def check_has_data(t: torch.Tensor, operand: str, what: str) -> None:

@@ -31,13 +31,13 @@ import json
 import os
 import re
 import sys
-import warnings
 from pathlib import Path
 from typing import Iterator
 
 import torch
 from torch import nn
 
+from ._checks import warn
 from .errors import InvalidProblem
 from .hf_names import checkpoint_renamer, per_expert, rename_prefix, stack_experts
 from .sparse24.format import FORMAT_NAME, FORMAT_VERSION, Sparse24Weight, compress, is_sparse24
@@ -552,8 +552,8 @@ def mark_config(model: nn.Module) -> None:
         try:
             register_quantizer()
         except (ImportError, AttributeError, TypeError, ValueError) as e:  # must not fail the pruning it follows
-            warnings.warn(f"kernelplan could not register its transformers quantizer ({e!r}): from_pretrained will "
-                          f"not read this model's 2:4 directory; kp.hf.load_model(path) does", stacklevel=2)
+            warn(f"kernelplan could not register its transformers quantizer ({e!r}): from_pretrained will not read "
+                 f"this model's 2:4 directory; kp.hf.load_model(path) does", UserWarning, stacklevel=2)
 
 
 def register_quantizer() -> None:

@@ -109,7 +109,8 @@ def _compile(nvrtc, source: str, architecture: str) -> bytes:
 def _dump(nvrtc, prog, source: str, architecture: str) -> None:
     """Writes the compiled source and its PTX under $KERNELPLAN_DUMP_CUDA, for a kernel engineer; never fails the compile."""
     import hashlib
-    import warnings
+
+    from .._checks import warn
 
     try:
         folder = Path(os.environ[DUMP_ENV])
@@ -121,7 +122,7 @@ def _dump(nvrtc, prog, source: str, architecture: str) -> None:
         nvrtc.nvrtcGetPTX(prog, ptx)
         stem.with_suffix(".ptx").write_bytes(ptx.rstrip(b"\0 "))
     except OSError as e:
-        warnings.warn(f"{DUMP_ENV}: could not write the kernel dump ({e})", RuntimeWarning, stacklevel=3)
+        warn(f"{DUMP_ENV}: could not write the kernel dump ({e})", RuntimeWarning, stacklevel=3)
 
 
 def device_attribute(device_index: int, name: str) -> int:

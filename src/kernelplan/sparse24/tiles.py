@@ -33,11 +33,11 @@ import concurrent.futures
 import dataclasses
 import statistics
 import sys
-import warnings
 from typing import Iterable
 
 import torch
 
+from .._checks import warn
 from ..errors import InvalidProblem
 from .dispatch import N_GRAIN, backend_for, layout_reason
 from .plan import SPARSE24_EPILOGUES, gated_reason
@@ -190,9 +190,8 @@ def tile_calls(cands: list, n: int, m: int, k: int, dtype: torch.dtype, activati
         fns[cfg][0]()
         err = disagreement(y, want)
         if err > _AGREE[name]:
-            warnings.warn(f"tile tuning {m}x{k} n = {n}: {cfg} left out: its result differs from the rule's tile's by "
-                          f"{err:.3g} of the largest |y| (at most {_AGREE[name]:.3g} is rounding)", RuntimeWarning,
-                          stacklevel=3)
+            warn(f"tile tuning {m}x{k} n = {n}: {cfg} left out: its result differs from the rule's tile's by "
+                 f"{err:.3g} of the largest |y| (at most {_AGREE[name]:.3g} is rounding)", RuntimeWarning, stacklevel=3)
             del fns[cfg]
     return fns
 

@@ -9,11 +9,11 @@ memory="compact", never comes here (``dispatch.py``'s rule picks).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Callable
 
 import torch
 
+from .._checks import warn
 from ..errors import InvalidProblem, KernelPlanError
 from ..kernels import on_device
 from .plan import GemmSparse24Descriptor, GemmSparse24Plan
@@ -59,7 +59,7 @@ def measure(fns: dict[str, Callable], bench: Callable, what: str) -> dict:
             try:
                 times[name].append(bench(live[name]))
             except KernelPlanError as e:
-                warnings.warn(f"{what}: backend {name} left out: {e}", RuntimeWarning, stacklevel=3)
+                warn(f"{what}: backend {name} left out: {e}", RuntimeWarning, stacklevel=3)
                 del live[name]
 
     def median(samples: list):
@@ -179,8 +179,8 @@ def agreeing(fns: dict[str, Callable], oracle: Callable, tol: float, what: str) 
         if err <= tol:
             kept[name] = fn
         else:
-            warnings.warn(f"{what}: backend {name} left out: its result differs from the oracle's by {err:.3g} "
-                          f"of the largest |y| (at most {tol:.3g} is rounding)", RuntimeWarning, stacklevel=3)
+            warn(f"{what}: backend {name} left out: its result differs from the oracle's by {err:.3g} of the "
+                 f"largest |y| (at most {tol:.3g} is rounding)", RuntimeWarning, stacklevel=3)
     return kept
 
 
