@@ -487,7 +487,6 @@ class Sparse24Experts(nn.Module):
         from ..kernels import moe_route
 
         weigh = "sigmoid inputs" if self.every_token else "outputs"
-
         w = self.first[0].values
         many = moe_route._SCAN_MIN_CHUNKS * moe_route._B
         x = torch.zeros(many, self.first[0].in_features, dtype=w.dtype, device=w.device)
@@ -553,7 +552,7 @@ class Sparse24Experts(nn.Module):
                                  f"module did")
         tokens = hidden.shape[0] // experts
         if self._grouped(hidden) and tokens:
-            _, grouped_linear = self._grouped_ops()
+            _, grouped_linear = self._grouped_ops(_is_compiling())
             if hidden.stride(1) != 1:
                 hidden = hidden.contiguous()
             offsets = torch.arange(0, (experts + 1) * tokens, tokens, dtype=torch.int32, device=hidden.device)
@@ -593,7 +592,7 @@ class Sparse24Experts(nn.Module):
         experts call's graph time with the kernel was 0.76-0.98x of the same with the ops at 64-65536 pairs (H200,
         bench/results/sparse24-moe-route-scan-h200.json, docs/design/0036)."""
         traced = _is_compiling()
-        route, grouped_linear = self._grouped_ops()
+        route, grouped_linear = self._grouped_ops(traced)
         experts = self.num_experts
         if hidden.stride(1) != 1:
             hidden = hidden.contiguous()
@@ -615,10 +614,10 @@ class Sparse24Experts(nn.Module):
         return _combine(out.masked_fill(unrouted[:, None], 0), order, weights if weigh == "outputs" else None)
 
     @staticmethod
-    def _grouped_ops():
-        """``(route, grouped_linear)``: traced, the kernels as ops a compiled graph holds (experts_ops), not raw
-        launches that break it."""
-        if _is_compiling():
+    def _grouped_ops(traced: bool):
+        """``(route, grouped_linear)``: ``traced`` (the caller's ``_is_compiling()``), the kernels as ops a compiled
+        graph holds (experts_ops), not raw launches that break it."""
+        if traced:
             return experts_ops.moe_route, experts_ops.grouped_linear
         from ..kernels.moe_route import route
         from ..kernels.sparse24_grouped import grouped_linear
