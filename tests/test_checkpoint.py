@@ -26,9 +26,11 @@ def test_sparsify_swaps_eligible_linears_and_matches_the_masked_dense_model(seed
     assert report.converted == ["0", "2", "3.0"]
     assert report.skipped == {"3.1": "in_features=20 is not a multiple of 8"}
     assert report.bytes_before == 4 * (64 * 32 + 32 * 16 + 16 * 20)
-    # As held: layer 0 (32x64) in the device layout (4-bit positions), the others off its tile in the public format.
-    held = 32 * 64 // 2 * 4 + 32 * 64 // 8 + sum(m * k // 2 * 4 + m * k // 8 * 2 for m, k in ((16, 32), (20, 16)))
-    assert report.bytes_after == held and model[0].layout == "sp tiled" and model[2].layout == "public"
+    # As held: layers 0 (32x64) and 2 (16x32, K padded to 64) in the device layout (4-bit positions), 3.0 (20 rows,
+    # off its 16-row tile) in the public format.
+    held = sum(m * k // 2 * 4 + m * k // 8 for m, k in ((32, 64), (16, 64))) + 20 * 16 // 2 * 4 + 20 * 16 // 8 * 2
+    assert report.bytes_after == held and report.padded == {"2": (16 * 64 // 2 * 4 + 16 * 64 // 8) // 2}
+    assert model[0].layout == model[2].layout == "sp tiled" and model[3][0].layout == "public"
     assert isinstance(model[0], kp.nn.Sparse24Linear) and isinstance(model[3][1], nn.Linear)
     with torch.no_grad():
         for name in report.converted:  # the masked-dense reference: the same pruned weights, dense

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import kernelplan as kp
@@ -220,16 +221,29 @@ def test_a_magnitude_report_says_that_it_looked_at_no_data(seed):
     assert MAGNITUDE_NOTE not in kp.sparsify(copy.deepcopy(model), lambda *_: False, progress=False).summary()
 
 
-def test_the_report_names_converted_layers_no_gpu_kernel_runs(seed):
-    """K = 72 is a multiple of 8 (the 2:4 format's) but not of 64 (the device layout's): converted, and named in the
-    report, which says what that costs on a GPU; K = 64 and 128 are not named, and filter_fn keeps the odd one dense."""
+def test_the_report_names_layers_held_with_k_padded_and_their_bytes(seed):
+    """K = 72 is a multiple of 8 (the 2:4 format's) but not of 64 (the device layout's step): converted, held padded
+    to 128 columns, and named in the report with the padding's bytes, which bytes_after counts; K = 64 and 128 are
+    not named.  The layer runs as the dense one did, and saves at its own K."""
     model = torch.nn.Sequential(torch.nn.Linear(72, 64), torch.nn.Linear(64, 128), torch.nn.Linear(128, 72))
-    report = kp.sparsify(copy.deepcopy(model), progress=False)
-    assert report.converted == ["0", "1", "2"] and report.no_gpu_kernel == ["0"]
-    line = next(ln for ln in report.summary().splitlines() if "no 2:4 GPU kernel" in ln)
-    assert "multiple of 64" in line and "decompresses the weight at every call" in line and line.endswith(": 0")
+    sparse = copy.deepcopy(model)
+    report = kp.sparsify(sparse, progress=False)
+    assert report.converted == ["0", "1", "2"] and list(report.padded) == ["0"]
+    layer = sparse[0]
+    assert layer.layout == "sp tiled" and layer.in_features == 72 and layer.values.shape == (4, 2, 512)
+    held = layer.values.nbytes + layer.metadata.nbytes
+    assert report.padded["0"] == held - held * 72 // 128 == held * 56 // 128
+    assert report.bytes_after == sum(m.values.nbytes + m.metadata.nbytes for m in sparse)
+    line = next(ln for ln in report.summary().splitlines() if "padded" in ln)
+    assert "multiple of 64" in line and f"{report.padded['0'] / 1024:.1f} KiB" in line and line.endswith(": 0")
+    x = torch.randn(3, 72)
+    want = x.double()
+    for s in sparse:
+        want = F.linear(want, s.to_dense().double(), s.bias.double())
+    assert torch.allclose(sparse(x).double(), want, rtol=1e-5, atol=1e-5)
+    assert sparse.state_dict()["0.values"].shape == (64, 36)
     kept = kp.sparsify(copy.deepcopy(model), lambda name, layer: layer.in_features % 64 == 0, progress=False)
-    assert kept.converted == ["1", "2"] and kept.no_gpu_kernel == [] and "no 2:4 GPU kernel" not in kept.summary()
+    assert kept.converted == ["1", "2"] and kept.padded == {} and "padded" not in kept.summary()
 
 
 def _alive_as_replaced(monkeypatch, name: str) -> list[int]:

@@ -69,10 +69,22 @@ def test_sm90a_code_runs_on_hopper_alone_and_mma_sp_from_ampere_on():
 def test_layout_reasons_name_what_is_missing():
     assert "8.0 or newer" in layout_reason(TURING, 128, "f16")
     assert "f16 and bf16" in layout_reason(HOPPER, 128, "f32")
-    assert "multiple of 64" in layout_reason(HOPPER, 96, "bf16")
     assert "not a CUDA GPU" in layout_reason(None, 128, "bf16")
     assert layout_reason(HOPPER, 128, "bf16") is None
-    assert backend_for(HOPPER, 64, 128, 96, "bf16") == "triton"  # K off the layout's step: the public format's kernel
+
+
+@pytest.mark.parametrize("k", [72, 96, 4304])
+def test_a_k_off_the_layouts_step_runs_the_layouts_kernels_as_its_padded_k(k):
+    """K not a multiple of 64 is held padded to one (layout.padded_k): the layout's kernels run it, by the rule of
+    the padded K, on every GPU they run on (the Triton kernel, which reads the public format, needs K % 64 == 0)."""
+    padded = -(-k // 64) * 64
+    assert layout_reason(HOPPER, k, "bf16") is None and layout_reason(AMPERE, k, "f16") is None
+    for n in (1, 8, 9, 64, 4096):
+        for m in (128, 1152, 9216):
+            assert backend_for(HOPPER, n, m, k, "bf16") == backend_for(HOPPER, n, m, padded, "bf16")
+            assert backend_for(AMPERE, n, m, k, "bf16") == "cuda_sp"
+            for backend in ("cuda_ws", "cuda_sp"):
+                assert config_for(backend, n, m, k, 132) == config_for(backend, n, m, padded, 132)
 
 
 def test_configs_come_from_the_kernels_rules():

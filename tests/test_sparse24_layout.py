@@ -66,6 +66,46 @@ def test_pack_then_unpack_is_the_identity(tiles, steps, dtype, seed):
     assert tm.nbytes * 2 == w24.metadata.nbytes and tv.nbytes == w24.values.nbytes
 
 
+@settings(max_examples=25, deadline=None)
+@given(tiles=st.integers(1, 3), groups=st.integers(1, 40), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_a_k_off_the_step_packs_padded_and_unpacks_to_its_own_k(tiles, groups, dtype, seed):
+    """K any multiple of 8: held as K' = K rounded up to 64, the columns past K zeros at positions 0 and 1 (the
+    layout of the weight with zero columns appended, by the oracle), and unpacked at K to the weight itself."""
+    k = 8 * groups
+    held = -(-k // 64) * 64
+    w, w24 = _weight(16 * tiles, k, dtype, seed)
+    tv, tm = pack(w24.values, w24.metadata)
+    assert tv.shape == (tiles, held // 64, 512) and tm.shape == (tiles, held // 64, 32)
+    wide = kp.sparse24.compress(F.pad(w, (0, held - k)))
+    ov, om = _oracle(wide.values, wide.metadata)
+    assert torch.equal(tv, ov) and torch.equal(tm, om)
+    values, metadata = unpack(tv, tm, k)
+    assert torch.equal(values, w24.values) and torch.equal(metadata, w24.metadata)
+    assert values.is_contiguous() and metadata.is_contiguous()
+    assert torch.equal(unpack(tv, tm)[0], wide.values)  # no k: every column held
+    packed = kp.sparse24.Sparse24Weight(tv, tm, k=k)  # validated: zeros past K
+    assert packed.shape == w.shape and torch.equal(packed.decompress(), w) and torch.equal(packed.mask(), w24.mask())
+    assert torch.equal(packed.public().values, w24.values) and packed.to(torch.float64).shape == w.shape
+    again = kp.sparse24.compress(w, packed=True)
+    assert again.shape == w.shape and torch.equal(again.values, tv) and torch.equal(again.metadata, tm)
+    assert torch.equal(w24.packed().values, tv) and w24.packed().shape == w.shape
+
+
+def test_a_padded_weight_is_refused_a_k_it_does_not_hold_or_non_zeros_past_it():
+    w, w24 = _weight(16, 72)
+    tv, tm = pack(w24.values, w24.metadata)
+    for k in (64, 136, 76):  # a step less, a step more, not a multiple of 8
+        with pytest.raises(kp.InvalidProblem, match=f"k = {k}, but the device-layout values hold 128 columns"):
+            kp.sparse24.Sparse24Weight(tv, tm, k=k)
+        with pytest.raises(kp.InvalidProblem, match=f"k = {k}: a weight whose device layout holds 128 columns"):
+            unpack(tv, tm, k)
+    full = kp.sparse24.compress(kp.sparse24.prune(torch.randn(16, 128)).to(torch.bfloat16), packed=True)
+    with pytest.raises(kp.InvalidProblem, match="non-zeros past column 72"):
+        kp.sparse24.Sparse24Weight(full.values, full.metadata, k=72)
+    assert kp.sparse24.Sparse24Weight(full.values, full.metadata, k=128).k is None  # all of it: nothing padded
+    assert "held padded to 128 columns" in repr(kp.sparse24.Sparse24Weight(tv, tm, k=72))
+
+
 def test_the_kernels_read_the_packed_weight_as_they_would_derive_it():
     from kernelplan.kernels.sparse24_sp import _tiled
 
@@ -78,8 +118,8 @@ def test_the_kernels_read_the_packed_weight_as_they_would_derive_it():
 
 
 def test_shapes_off_the_tile_are_refused_with_the_reason():
-    assert "multiple of 16" in pack_reason(24, 64) and "multiple of 64" in pack_reason(16, 96)
-    assert pack_reason(16, 64) is None
+    assert "multiple of 16" in pack_reason(24, 64) and "multiple of 8" in pack_reason(16, 100)
+    assert pack_reason(16, 64) is None and pack_reason(16, 72) is None  # K padded to 128
     _, w24 = _weight(24, 64)
     with pytest.raises(kp.InvalidProblem, match=r"\[24, 64\] cannot be held.*multiple of 16.*layout='public'"):
         pack(w24.values, w24.metadata)
@@ -180,6 +220,56 @@ def test_state_dict_and_checkpoints_hold_the_public_format(tmp_path):
     kp.save_compressed(model.state_dict(), tmp_path / "m.safetensors")
     loaded = kp.load_compressed(tmp_path / "m.safetensors")
     assert torch.equal(loaded["0.values"], w24.values) and torch.equal(loaded["0.metadata"], w24.metadata)
+
+
+@pytest.mark.parametrize("k", [72, 200, 4304])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_layer_of_k_off_the_step_holds_it_padded_and_computes_saves_and_trains_at_its_own_k(k, dtype):
+    """in_features 72, 200 and 4304 (SigLIP-so400m's MLP): the device layout padded to K' (+1.1-78% bytes), no
+    other copy; forward against fp64 on 2-D, 3-D and strided x; x's and the kept values' gradients against the
+    dense weight's; state_dict and checkpoints at K; an x of K' columns refused, naming both."""
+    dense, layer = _layer(48, k, dtype)
+    held = -(-k // 64) * 64
+    assert layer.layout == SP_LAYOUT and layer.in_features == k and layer.values.shape == (3, held // 64, 512)
+    assert layer.weight.shape == (48, k) and layer.weight24.shape == (48, k)
+    # The dense weight's bytes at K': half the values, 4 bits a group of 4 columns.
+    assert layer.values.nbytes == 48 * held // 2 * dense.weight.element_size() and layer.metadata.nbytes == 48 * held // 8
+    w = kp.sparse24.prune(dense.weight.detach())
+    assert torch.equal(layer.to_dense(), w)
+    base = torch.randn(2, 5, 2 * k, dtype=dtype)
+    for x in (torch.randn(7, k, dtype=dtype), base[..., ::2], torch.randn(1, 3, k, dtype=dtype)):
+        x = x.clone().requires_grad_() if x.is_contiguous() else x.detach().requires_grad_()
+        y = layer(x)
+        assert_close(y, F.linear(x.double(), w.double(), dense.bias.double()), F.linear(x, w, dense.bias),
+                     atol=FWD_ATOL[dtype])
+        layer.values.grad = None
+        y.square().sum().backward()
+        w64 = w.double().clone().requires_grad_()  # fresh each pass: .double() of float64 is the tensor itself
+        x64 = x.detach().double().clone().requires_grad_()
+        F.linear(x64, w64, dense.bias.double()).square().sum().backward()
+        assert_close(x.grad, x64.grad, x64.grad.to(dtype), atol=BWD_ATOL[dtype])
+        grad = kp.sparse24.layout.unpack_values(layer.values.grad, k)
+        assert not kp.sparse24.layout.unpack_values(layer.values.grad)[:, k // 2:].any()  # the padding's stays 0
+        oracle = torch.gather(w64.grad, 1, layer.weight24.positions())
+        assert_close(grad, oracle, oracle.to(dtype), atol=BWD_ATOL[dtype])
+    assert layer.weight24.derived_bytes() == {}
+    state = layer.state_dict()
+    w24 = kp.sparse24.compress(w)
+    assert torch.equal(state["values"], w24.values) and torch.equal(state["metadata"], w24.metadata)
+    fresh = kp.nn.Sparse24Linear(state["values"], state["metadata"], state["bias"])
+    assert fresh.in_features == k and torch.equal(fresh.values, layer.values)
+    buf = io.BytesIO()
+    torch.save(layer.state_dict(), buf)
+    fresh.load_state_dict(torch.load(io.BytesIO(buf.getvalue())))
+    assert torch.equal(fresh.values, layer.values) and fresh.in_features == k
+    wide = torch.randn(2, held, dtype=dtype)
+    with pytest.raises(kp.InvalidProblem, match=rf"K = {k} .*held padded to {held} columns"):
+        layer(wide)
+    with pytest.raises(kp.InvalidProblem, match=rf"K = {k} "):
+        kp.sparse24.linear(wide, layer.weight24)
+    # The parts alone (an op called directly) say nothing of K: x of K or of the held K' reads the same weight.
+    got = kp.sparse24.gemm.linear_parts(F.pad(x.detach(), (0, held - k)), layer.values, layer.metadata, layer.bias)
+    assert torch.equal(got, layer(x.detach()))
 
 
 def test_loading_a_corrupt_state_dict_changes_nothing():

@@ -222,10 +222,10 @@ def test_tuning_times_measures_stores_and_reads_back(tmp_path, monkeypatch, seed
     monkeypatch.setenv("KERNELPLAN_CACHE_DIR", str(tmp_path))
     shapes = [(3584, 3584), (1536, 768, "gated_silu_first"), (9216, 4608), (1024, 200)]
     got = kp.sparse24.tune_tiles(shapes, [8, 128, 200], rounds=3)
-    assert len(got) == 12
-    untuned = [c for c in got if c.tile is None]
-    assert [(c.m, c.n) for c in untuned] == [(1024, 8), (1024, 128), (1024, 200)]
-    assert all("triton" in c.reason for c in untuned)
+    assert len(got) == 12 and all(c.tile is not None for c in got)  # K = 200: its padded K's tiles (0083)
+    untuned = kp.sparse24.tune_tiles([(1024, 256)], [8, 128], dtype=torch.float32)
+    assert [(c.m, c.n, c.tile) for c in untuned] == [(1024, 8, None), (1024, 128, None)]
+    assert all("triton" in c.reason and "f32" in c.reason for c in untuned)
     cap = torch.cuda.get_device_capability(0)
     for c in got:
         if c.tile is not None:
@@ -373,16 +373,21 @@ def test_tune_tiles_returns_a_choice_per_shape_and_n_and_applies_it(fake_hopper)
     fake_hopper["faster"][(*tall, 8)] = sp_other
     got = kp.sparse24.tune_tiles([(m, k), tall, (1024, 200)], [128, 8])
     assert [(c.m, c.n) for c in got] == [(m, 8), (m, 128), (tall[0], 8), (tall[0], 128), (1024, 8), (1024, 128)]
+    assert [c.k for c in got][-2:] == [200, 200]
     by = {(c.m, c.n): c for c in got}  # shapes in order, n ascending
     assert by[(m, 128)].tile == other and by[(m, 128)].gain == pytest.approx(1.25)
     assert by[(m, 8)].tile == by[(m, 8)].rule == ws_config(8, m, k, SMS) and by[(m, 8)].gain == 1.0
     assert by[(tall[0], 8)].rule == sp_config(8, *tall, SMS) and by[(tall[0], 8)].tile == sp_other
     assert tiles.tuned_tile(0, 5, *tall, False, "cuda_sp") == sp_other and tiles.tuned_tile(0, 5, *tall, False) is None
-    assert by[(1024, 8)].tile is None and "K = 200" in by[(1024, 8)].reason  # the Triton kernel's: no tiles
+    # K = 200 is held padded to 256 (0083): the tiles of K = 256 are timed, and kept for both.
+    assert by[(1024, 8)].rule == ws_config(8, 1024, 256, SMS) and by[(1024, 8)].tile == by[(1024, 8)].rule
+    assert tiles.tuned_tile(0, 8, 1024, 200, False) == tiles.tuned_tile(0, 8, 1024, 256, False) == by[(1024, 8)].tile
     assert tiles.tuned_tile(0, 125, m, k, False) == other  # n = 121 ... 128 take it
-    assert [t[:3] for t in fake_hopper["timed"]] == [(8, m, k), (128, m, k), (8, *tall), (128, *tall)]
+    assert [t[:3] for t in fake_hopper["timed"]] == [(8, m, k), (128, m, k), (8, *tall), (128, *tall),
+                                                     (8, 1024, 256), (128, 1024, 256)]
     assert [len(t[3]) for t in fake_hopper["timed"]] == [tiles.DEFAULT_TOP] * 2 + [
-        min(tiles.DEFAULT_TOP, len(sp_candidates(8, *tall, SMS))), tiles.DEFAULT_TOP]
+        min(tiles.DEFAULT_TOP, len(sp_candidates(8, *tall, SMS))), tiles.DEFAULT_TOP] + [
+        len(tiles.candidates(n, 1024, 256, SMS, False)) for n in (8, 128)]
     assert all(isinstance(c, SpConfig) for c in fake_hopper["timed"][2][3])
 
 

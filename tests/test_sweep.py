@@ -306,14 +306,15 @@ def test_the_cli_sweeps_a_users_shapes_and_model_under_the_given_name(tmp_path, 
 
     asked = _fake_gpu_sweep(monkeypatch, tmp_path)
     given = tmp_path / "shapes.json"
-    given.write_text(json.dumps([[4096, 1600], [1600, 4096], [4096, 1600], [64, 200]]))
+    given.write_text(json.dumps([[4096, 1600], [1600, 4096], [4096, 1600], [64, 204], [64, 200]]))
     assert cli.main(["bench", "sparse24", "--sweep", "--shapes", str(given), "--batch", "8"]) == 0
-    assert asked == [{(4096, 1600): ["4096x1600"], (1600, 4096): ["1600x4096"]}]
-    assert "left out 64x200 (64x200): K = 200 is not a multiple of 64" in capsys.readouterr().err
+    # K = 200 is held padded (0083) and swept; K = 204 is not a multiple of 8, the 2:4 format's.
+    assert asked == [{(4096, 1600): ["4096x1600"], (1600, 4096): ["1600x4096"], (64, 200): ["64x200"]}]
+    assert "left out 64x204 (64x204): K = 204 is not a multiple of 8" in capsys.readouterr().err
     doc = json.loads((tmp_path / "sparse24-sweep-given-h200.json").read_text())
     assert doc["shape_set"] == "given" and doc["shapes_from"] == f"--shapes {given}"
     assert doc["together"] == sweep.together(doc["rows"]) and doc["together"][1].startswith("  n = 8: ")
-    assert [(x["m"], x["k"], x["layers"]) for x in doc["skipped"]] == [(64, 200, ["64x200"])]
+    assert [(x["m"], x["k"], x["layers"]) for x in doc["skipped"]] == [(64, 204, ["64x204"])]
     assert sweep.default_name("NVIDIA H100 80GB HBM3", "f16", "cold", "given") == "sparse24-sweep-given-h100-f16"
 
     transformers = pytest.importorskip("transformers")

@@ -473,21 +473,20 @@ def _given_layers(model: str | None, shapes: str | None) -> tuple[list[dict], st
 
 def _sweep_shapes(model: str | None, shapes: str | None) -> tuple[dict[tuple[int, int], list[str]], list[dict]]:
     """``--sweep --model`` or ``--shapes``: each distinct (M, K) with the layers that have it, as the sweep set's
-    (``bench.shapes.sweep_shapes``), and the layers left out, each ``{"layers", "m", "k", "why"}``: those no 2:4 GPU
-    kernel runs (K not a multiple of the device layout's column step)."""
-    from .sparse24.layout import k_reason
+    (``bench.shapes.sweep_shapes``), and the layers left out, each ``{"layers", "m", "k", "why"}``: those the 2:4
+    format cannot hold (K not a multiple of 8; kp.sparsify leaves them dense)."""
+    from .sparse24.format import COMPRESS_K
 
     out: dict[tuple[int, int], list[str]] = {}
     for layer in _given_layers(model, shapes)[0]:
         out.setdefault((layer["m"], layer["k"]), []).append(layer["name"])
     swept, skipped = {}, []
     for (m, k), names in out.items():
-        if (why := k_reason(k)) is None:
+        if k % COMPRESS_K == 0:
             swept[m, k] = names
         else:
             skipped.append({"layers": names, "m": m, "k": k,
-                            "why": f"{why}: no 2:4 GPU kernel runs it (kernelplan runs such a layer on the reference, "
-                                   f"which decompresses the weight at every call)"})
+                            "why": f"K = {k} is not a multiple of {COMPRESS_K}, the 2:4 format's: the layer stays dense"})
     return swept, skipped
 
 

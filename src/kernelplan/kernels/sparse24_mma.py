@@ -334,7 +334,7 @@ class _TiledWeight:
         self.pairs, self.codes = kernel.tiled(values, metadata) if self.held else \
             derived_from(values, metadata, kernel.layout, kernel.tiled)
         self.weight = (self.pairs.data_ptr(), self.codes.data_ptr())
-        self.m, self.k = weight_shape(values)
+        self.m, self.k = weight_shape(values)  # K as held: padded to 64 in the device layout; x's K is a call's
         self.cols = epilogue_columns(self.m, activation)  # of y: M, or M / 2 under a gated epilogue
         self.dtype = dtype_info(values.dtype).name
         self.device = values.get_device()
@@ -361,7 +361,7 @@ class _TiledWeight:
         out = y if y_in_place else torch.empty(y.shape, dtype=y.dtype, device=y.device)
         pairs, codes = self.weight
         launch(grid, (x.data_ptr(), pairs, codes, bias.data_ptr() if bias is not None else 0, out.data_ptr(),
-                      key[0], self.m, self.k, x.stride(0), out.stride(0)), raw_stream(device))
+                      key[0], self.m, x.shape[1], x.stride(0), out.stride(0)), raw_stream(device))
         if out is not y:
             y.copy_(out)
 
@@ -373,7 +373,7 @@ class _TiledWeight:
             return None
         pairs, codes = self.weight
         args = (x.data_ptr(), pairs, codes, bias.data_ptr() if bias is not None else 0, y.data_ptr(), key[0], self.m,
-                self.k, x.stride(0), y.stride(0))
+                x.shape[1], x.stride(0), y.stride(0))
         device = self.device
         return lambda: launch(grid, args, raw_stream(device))
 
@@ -401,14 +401,15 @@ class _TiledWeight:
         y, x2, y2 = output_rows(x, self.cols)
         if x2.shape[0] and self.m and self.k:
             slow.launch_on(self, x2, bias, y2)
-        n = x.numel() // self.k if self.k else 0
+        k = x.shape[-1]  # the weight's K, or less where the layout holds it padded (sparse24/layout.py)
+        n = x.numel() // k if k else 0
         if 0 < n <= self.kernel.max_n and x.is_contiguous() and x.data_ptr() % 16 == 0:
             launch, grid = self.kernel.launch_for(n, self.m, self.k, self.dtype, bias is not None, self.activation,
                                                   self.device)
             pairs, codes = self.weight
             with on_device(self.device):  # the weight's tensor maps are encoded here, as a launch on it would
                 bound = launch.bind(grid, (x.data_ptr(), pairs, codes, 0 if bias is None else bias.data_ptr(),
-                                           y.data_ptr(), n, self.m, self.k, self.k, self.cols))
+                                           y.data_ptr(), n, self.m, k, k, self.cols))
             if bound is not None:  # None: a launch that does more than pack and launch, called as above
                 if len(self._direct) >= self._MAX_KEYS:
                     self._direct.clear()

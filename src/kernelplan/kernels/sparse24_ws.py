@@ -131,7 +131,7 @@ class TensorMaps:
             # first half's then the second's, in the order of the plain box; each half's tiles past it read as zeros.
             # A step's k32 u and matrix j (256 bytes apart, 512 along u) are one dimension of 4.  The halves of
             # consecutive weights are consecutive, so one dimension of 2 x groups holds them all.
-            halves, steps = 2 * groups, k // 64
+            halves, steps = 2 * groups, -(-k // 64)  # K padded to 64 (sparse24/layout.py, padded_k)
             half = m // (16 * halves)
             hit = self._keep(self._w, self.MAX_W, key, (
                 encode_tensor_map(self._cu, self._word, values, [64, half, halves, 4, steps],
@@ -139,7 +139,7 @@ class TensorMaps:
                 encode_tensor_map(self._cu, self._word, codes, [32, steps, half, halves],
                                   [128, steps * 128, half * steps * 128], [32, 1, self.tiles // 2, 2], "NONE")))
         elif hit is None:
-            tiles, steps = -(-m // 16), k // 64
+            tiles, steps = -(-m // 16), -(-k // 64)
             hit = self._keep(self._w, self.MAX_W, key, (
                 # (h, g, t pairs of one k32's matrix j, tile, j, u, step): the box writes [u][j][tile] (sparse24_ring.cuh)
                 encode_tensor_map(self._cu, self._word, values, [64, tiles, 2, 2, steps], [steps * 1024, 256, 512, 1024],

@@ -229,7 +229,7 @@ class SkPlan:
 def sk_plan(cfg: WsConfig, n: int, m: int, k: int, sms: int) -> SkPlan:
     """Whole waves of tiles, then the tiles left (less than a wave) split along K into the number of parts that
     fills the SMs best: tail time ceil(rest x parts / SMs) / parts, plus ``_PER_SPLIT`` a part."""
-    tiles_n, tiles_m, steps = -(-n // cfg.bn), -(-m // cfg.rows), k // 64
+    tiles_n, tiles_m, steps = -(-n // cfg.bn), -(-m // cfg.rows), -(-k // 64)  # K padded to 64 (layout.padded_k)
     tiles = tiles_n * tiles_m
     waves, rest = divmod(tiles, sms)
     if rest == 0:

@@ -19,7 +19,7 @@ from torch import nn
 from .._checks import _is_compiling, class_name
 from ..errors import InvalidProblem
 from ..sparse24.format import Sparse24Weight, compress, prune_compress
-from ..sparse24.layout import PUBLIC, gpu_kernels, pack_reason, packed_shapes
+from ..sparse24.layout import PUBLIC, TILE_K, gpu_kernels, pack_reason, packed_shapes
 from ..sparse24.gemm import forget
 from . import experts_ops
 from .sparse24_linear import Sparse24Linear
@@ -161,7 +161,9 @@ class ExpertSpan:
 
     def __init__(self, count: int, shape: tuple[int, int], like: torch.Tensor):
         self.count, self.shape, self.dtype, self.device = count, tuple(shape), like.dtype, like.device
-        self.kernels = gpu_kernels(like) if pack_reason(*shape) is None else None
+        # The grouped kernel reads K in whole 64-column steps: experts of another K are not padded, and stay in the
+        # public format (grouped_reason).
+        self.kernels = gpu_kernels(like) if pack_reason(*shape) is None and not shape[1] % TILE_K else None
         self.parts = None  # allocated by the first expert written: where all come laid out, never
 
     @classmethod
@@ -200,7 +202,7 @@ class ExpertSpan:
             rows = w if w.stride(-1) == 1 else w.contiguous()
             if self.kernels.compress_tiled(rows, prune=prune, out=(tv, tm)) is not None:
                 return Sparse24Weight(tv, tm, _validate=False)
-        return (prune_compress if prune else compress)(w, packed=True)
+        return (prune_compress if prune else compress)(w, packed=not w.shape[-1] % TILE_K)
 
 
 def _meta_skeleton(module: nn.Module) -> nn.Module:
@@ -351,7 +353,7 @@ class Sparse24Experts(nn.Module):
                     else:
                         w24 = span.compressed(e, expert_weight(experts, name, e).detach(), prune=True)
                     bias = biases[e].detach().clone() if biases is not None else None
-                built.append(Sparse24Linear(w24.values, w24.metadata, bias, _validate=False))
+                built.append(Sparse24Linear(w24.values, w24.metadata, bias, in_features=w24.shape[1], _validate=False))
             layers.append(built)
         # Scalars the source's gating may read (gpt-oss: alpha, limit), and its config.
         skip = set(FLAGS) | {"training", "num_experts"}

@@ -27,8 +27,9 @@ class Sparse24Linear(nn.Module):
 
     ``layout="auto"`` holds the weight in the one device layout that the 2:4
     kernels read (``sparse24/layout.py``: 0.5625x of the dense bytes at 16-bit
-    weights, and no other copy on the default path) wherever M % 16 == 0 and
-    K % 64 == 0, else in the public format (0.625x); ``layout="public"`` keeps
+    weights, and no other copy on the default path) wherever M % 16 == 0 (a K
+    not a multiple of 64 padded to one with zero columns), else in the public
+    format (0.625x); ``layout="public"`` keeps
     the public format.  Either way ``state_dict`` and checkpoints hold the
     public format (``values [M, K/2]``, ``metadata [M, K/8]``): it is converted
     to and from the device layout when the module is saved and loaded.
@@ -42,12 +43,14 @@ class Sparse24Linear(nn.Module):
     from_conv1d = False
 
     def __init__(self, values: torch.Tensor, metadata: torch.Tensor, bias: torch.Tensor | None = None,
-                 memory: str = "compact", layout: str = "auto", *, _validate: bool = True):
+                 memory: str = "compact", layout: str = "auto", *, in_features: int | None = None,
+                 _validate: bool = True):
         super().__init__()
         self.memory = choice(memory, "memory", MEMORY_POLICIES)
         layout = choice(layout, "layout", LAYOUTS)
         # Validates shapes and metadata bits, in either layout (skipped for parts compress() just built).
-        w24 = Sparse24Weight(values, metadata, _validate=_validate)
+        # in_features: the K of parts in the device layout that hold it padded (Sparse24Weight.k).
+        w24 = Sparse24Weight(values, metadata, k=in_features, _validate=_validate)
         self.out_features, self.in_features = w24.shape
         self.hold(w24, layout)
         self.bias = nn.Parameter(bias) if bias is not None else None
@@ -75,7 +78,7 @@ class Sparse24Linear(nn.Module):
             # Straight into the layout the module holds: one pass on the GPU, no public-format copy.
             w24 = prune_compress(linear_module.weight.detach(), packed=layout == "auto")
             bias = linear_module.bias.detach().clone() if linear_module.bias is not None else None
-        return cls(w24.values, w24.metadata, bias, layout=layout, _validate=False)
+        return cls(w24.values, w24.metadata, bias, layout=layout, in_features=w24.shape[1], _validate=False)
 
     @property
     def layout(self) -> str:
@@ -85,7 +88,7 @@ class Sparse24Linear(nn.Module):
     @property
     def weight24(self) -> Sparse24Weight:
         """The weight as held (either layout); ``.public()`` gives the public format."""
-        return Sparse24Weight(self.values, self.metadata, _validate=False)
+        return Sparse24Weight(self.values, self.metadata, k=self.in_features, _validate=False)
 
     def to_dense(self) -> torch.Tensor:
         return self.weight24.decompress()
@@ -97,7 +100,7 @@ class Sparse24Linear(nn.Module):
         decompressed weight itself, as ops the compiler drops where nothing reads its values."""
         if _is_compiling():
             return self.to_dense()
-        return DenseView(self.values, self.metadata)
+        return DenseView(self.values, self.metadata, self.in_features)
 
     # A layer in a sibling group (nn/siblings.py) has its eager calls routed to the group; ``forward_alone`` is its
     # own GEMM.
@@ -112,7 +115,7 @@ class Sparse24Linear(nn.Module):
         values = params["values"] if "values" in params else self.values
         bias = params["bias"] if "bias" in params else self.bias
         metadata = buffers["metadata"] if "metadata" in buffers else self.metadata
-        return linear_parts(x, values, metadata, bias, None, self.memory)
+        return linear_parts(x, values, metadata, bias, None, self.memory, self.in_features)
 
     def gated(self, x: torch.Tensor, kind: str = "swiglu", gate: str = "first", approximate: str = "none"):
         """``kernelplan.gated_activation(self(x), kind, gate=gate, approximate=approximate)`` as one GEMM: the weight's
@@ -122,7 +125,7 @@ class Sparse24Linear(nn.Module):
 
     def with_epilogue(self, x: torch.Tensor, epilogue: str | None) -> torch.Tensor:
         """The layer's GEMM under an epilogue by name (``kernelplan.sparse24.gemm.SPARSE24_EPILOGUES``)."""
-        return linear_parts(x, self.values, self.metadata, self.bias, epilogue, self.memory)
+        return linear_parts(x, self.values, self.metadata, self.bias, epilogue, self.memory, self.in_features)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -132,7 +135,8 @@ class Sparse24Linear(nn.Module):
             destination[prefix + "bias"] = self.bias.detach().clone()
         if self.layout != PUBLIC:  # checkpoints hold the public format
             values = self.values if keep_vars else self.values.detach()
-            destination[prefix + "values"], destination[prefix + "metadata"] = unpack(values, self.metadata)
+            destination[prefix + "values"], destination[prefix + "metadata"] = unpack(values, self.metadata,
+                                                                                      self.in_features)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -158,7 +162,7 @@ def _sibling_key(mod: Sparse24Linear) -> tuple | None:
 
 
 def _sibling_call(first: Sparse24Linear, x, values, metadata, bias, epilogue: str | None = None) -> torch.Tensor:
-    return linear_parts(x, values, metadata, bias, epilogue, first.memory)
+    return linear_parts(x, values, metadata, bias, epilogue, first.memory, first.in_features)
 
 
 SPECS[Sparse24Linear] = Spec(("values", "metadata"), _sibling_key, _sibling_call, forget, _sibling_call)

@@ -17,7 +17,7 @@ from ..nn.experts import Sparse24Experts, experts_reason, experts_speed_reason
 from ..nn.siblings import fuse_siblings
 from ..nn.sparse24_linear import Sparse24Linear
 from ..sparse24.format import COMPRESS_K, SPARSE24_DTYPES, Sparse24Weight, compress, prune_compress
-from ..sparse24.layout import TILE_K, k_reason
+from ..sparse24.layout import PUBLIC, TILE_K, padded_k
 from . import calibrate, methods
 from .experts import calibrate_experts
 
@@ -33,9 +33,9 @@ class SparsifyReport:
     seconds: dict[str, float] = field(default_factory=dict)  # calibration's wall time by phase (device drained)
     transposed: list[str] = field(default_factory=list)  # converted layers whose weight was stored [in, out]
     uncalibrated: dict[str, list[int]] = field(default_factory=dict)  # experts module -> experts no token reached
-    # Converted layers no 2:4 GPU kernel runs (K not a multiple of the device layout's column step): on a GPU they
-    # run on the reference, which decompresses the weight at every call (sparse24/plan.py says so once, at the call).
-    no_gpu_kernel: list[str] = field(default_factory=list)
+    # Converted layers held in the device layout with K padded to its 64-column step (sparse24/layout.py), each with
+    # the bytes the padding holds (in bytes_after).
+    padded: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
         saved = self.bytes_before - self.bytes_after
@@ -51,11 +51,9 @@ class SparsifyReport:
                          f"[out, in]: {', '.join(self.transposed)}")
         lines += [f"pruned by magnitude, no calibration token routed to them: {name} experts "
                   f"{', '.join(map(str, ids))}" for name, ids in self.uncalibrated.items()]
-        if self.no_gpu_kernel:
-            lines.append(f"converted, but no 2:4 GPU kernel runs them (in_features not a multiple of {TILE_K}): on a "
-                         f"GPU, under the default memory policy, they run on the reference, which decompresses the "
-                         f"weight at every call, slower than dense; keep them dense with filter_fn: "
-                         f"{', '.join(self.no_gpu_kernel)}")
+        if self.padded:
+            lines.append(f"held with in_features padded to a multiple of {TILE_K} (zero columns, "
+                         f"{sum(self.padded.values()) / 2**10:.1f} KiB of the bytes above): {', '.join(self.padded)}")
         lines += [f"skipped {name}: {why}" for name, why in self.skipped.items()]
         if self.method == "magnitude" and self.converted:
             lines.append(MAGNITUDE_NOTE)
@@ -291,16 +289,17 @@ def _replace_experts(model: nn.Module, name: str, layer: nn.Module, report: Spar
 def _replace(model: nn.Module, name: str, layer: nn.Linear, w24: Sparse24Weight, report: SparsifyReport) -> None:
     with torch.no_grad():
         bias = layer.bias.detach().clone() if layer.bias is not None else None
-    sparse = Sparse24Linear(w24.values, w24.metadata, bias, _validate=False)
+    sparse = Sparse24Linear(w24.values, w24.metadata, bias, in_features=w24.shape[1], _validate=False)
     if getattr(layer, "from_conv1d", False):
         sparse.from_conv1d = True
     parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
     setattr(parent, name.rpartition(".")[2], sparse)
     report.converted.append(name)
-    if k_reason(layer.in_features) is not None:
-        report.no_gpu_kernel.append(name)
+    held = sparse.values.nbytes + sparse.metadata.nbytes  # as held: the device layout's 0.5625x
+    if sparse.layout != PUBLIC and padded_k(layer.in_features) != layer.in_features:
+        report.padded[name] = held - held * layer.in_features // padded_k(layer.in_features)
     report.bytes_before += layer.weight.numel() * layer.weight.element_size()
-    report.bytes_after += sparse.values.nbytes + sparse.metadata.nbytes  # as held: the device layout's 0.5625x
+    report.bytes_after += held
 
 
 def sparsify(

@@ -159,6 +159,7 @@ class CudaMmaSparse24Backend(Backend):
     max_n = 16  # kernels/sparse24_mma.py MAX_N; here so that supports() imports no kernel module
     chunks = False  # more rows of x than max_n run in chunks (kernels/sparse24_mma.py, MmaLinear.launch)
     gated = False  # has the gated epilogue (activations.GATED_EPILOGUES)
+    pads_k = False  # reads the device layout's K padded to 64, x's columns past K as zeros (layout.padded_k)
 
     def kernel(self):
         from ..kernels.sparse24_mma import TiledKernel
@@ -174,8 +175,8 @@ class CudaMmaSparse24Backend(Backend):
             return f"dtype {desc.dtype}: the kernel multiplies f16 and bf16 on the tensor cores"
         if desc.n > self.max_n and not self.chunks:
             return f"n = {desc.n}: the kernel takes at most {self.max_n} rows of x ({self.what})"
-        if desc.k % 64:
-            return f"K = {desc.k} is not a multiple of 64, the kernel's K step"
+        if desc.k % 64 and not self.pads_k:
+            return f"K = {desc.k} is not a multiple of 64, the kernel's K step (cuda_sp and cuda_ws take it padded)"
         why = nvrtc_reason(desc.device)
         if why is None and not runs_mma_sp(torch.cuda.get_device_capability(torch.device(desc.device))):
             return f"device {desc.device}: bf16 MMA (mma.sync, mma.sp) needs compute capability 8.0 or newer"
@@ -216,6 +217,7 @@ class CudaSpSparse24Backend(CudaMmaSparse24Backend):
     max_n = 64  # kernels/sparse24_sp.py MAX_N
     chunks = True
     gated = True
+    pads_k = True
 
     def priority_for(self, desc) -> int:
         # A tuning candidate (memory="fast") up to its widest tile; past it, chunks of x re-read W: by rule only.
@@ -265,6 +267,7 @@ class CudaWsSparse24Backend(CudaWgSparse24Backend):
     name = "cuda_ws"
     what = "warp-specialized wgmma.sp tiles"
     gated = True
+    pads_k = True  # x's columns past K read as zeros by its tensor map
 
     def kernel(self):
         from ..kernels.sparse24_ws import WsKernel

@@ -30,19 +30,20 @@ class DenseView(torch.Tensor):
     """The dense ``[M, K]`` weight of 2:4 ``values`` and ``metadata`` (either layout), decompressed per op."""
 
     @staticmethod
-    def __new__(cls, values: torch.Tensor, metadata: torch.Tensor):
-        return torch.Tensor._make_wrapper_subclass(cls, weight_shape(values), dtype=values.dtype,
-                                                   device=values.device, requires_grad=False)
+    def __new__(cls, values: torch.Tensor, metadata: torch.Tensor, k: int | None = None):
+        # k: the logical K of a weight the device layout holds padded (Sparse24Weight.k)
+        return torch.Tensor._make_wrapper_subclass(cls, (weight_shape(values)[0], k or weight_shape(values)[1]),
+                                                   dtype=values.dtype, device=values.device, requires_grad=False)
 
-    def __init__(self, values: torch.Tensor, metadata: torch.Tensor):
-        self.values, self.metadata = values, metadata
+    def __init__(self, values: torch.Tensor, metadata: torch.Tensor, k: int | None = None):
+        self.values, self.metadata, self.k = values, metadata, k
 
     def __repr__(self) -> str:
         return f"DenseView(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, 2:4)"
 
     def dense(self) -> torch.Tensor:
         with torch.no_grad():
-            return Sparse24Weight(self.values.detach(), self.metadata, _validate=False).decompress()
+            return Sparse24Weight(self.values.detach(), self.metadata, k=self.k, _validate=False).decompress()
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

@@ -101,9 +101,7 @@ def layout_reason(capability: tuple[int, int] | None, k: int, dtype: str) -> str
         return f"compute capability {capability[0]}.{capability[1]}: mma.sp needs 8.0 or newer"
     if dtype not in LAYOUT_DTYPES:
         return f"dtype {dtype}: the sparse tensor cores take {' and '.join(LAYOUT_DTYPES)}"
-    if k % 64:
-        return f"K = {k} is not a multiple of 64, the layout's column step"
-    return None
+    return None  # a K not a multiple of 64 is held padded (layout.padded_k)
 
 
 def backend_for(capability: tuple[int, int] | None, n: int, m: int, k: int, dtype: str) -> str:
@@ -114,7 +112,7 @@ def backend_for(capability: tuple[int, int] | None, n: int, m: int, k: int, dtyp
       than 3840 rows; else ``cuda_sp``
       (``mma.sp``; on Ampere and Ada at every n, in chunks of 64 rows of x past 64);
     * else the Triton kernel on CUDA, which reads the public format itself
-      (f32 weights, K not a multiple of 64), and the reference on CPU.
+      (f32 weights), and the reference on CPU.
 
     The epilogue (bias, activation) is fused by every one of them and does not
     change the choice.  The tile within the kernel is the kernel's own rule
@@ -123,6 +121,7 @@ def backend_for(capability: tuple[int, int] | None, n: int, m: int, k: int, dtyp
     if capability is None:
         return "reference"
     if layout_reason(capability, k, dtype) is None:
+        k = -(-k // 64) * 64  # the kernels run the layout's K, padded to 64 (layout.padded_k)
         if runs_sm90a(capability):
             tall = m >= SP_MIN_M_HOPPER and k >= SP_TALL_MIN_K
             sp = n <= SP_MAX_N_HOPPER and (tall or m > SP_WIDE_MIN_M and wide_weight(m, k))
@@ -135,7 +134,8 @@ def config_for(backend: str, n: int, m: int, k: int, sms: int, gated: bool = Fal
     """The tile configuration ``backend`` runs (n, M, K) with on a GPU of ``sms`` SMs: the kernels' own rules.
     ``gated``: under a gated epilogue, which ``cuda_ws`` runs on fewer tiles (``gated_tile``); ``cuda_sp``'s are
     all gated-capable.  ``gpu``: what ``cuda_ws``'s rule reads of the GPU (``kernels.gpu_facts``); None, the model
-    of a GPU of ``sms`` SMs."""
+    of a GPU of ``sms`` SMs.  A K not a multiple of 64 is the layout's padded K (``layout.padded_k``)."""
+    k = -(-k // 64) * 64
     if backend == "cuda_ws":
         from ..kernels.sparse24_ws_rule import ws_config
 

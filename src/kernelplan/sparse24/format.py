@@ -30,7 +30,8 @@ import torch
 from .._checks import check_has_data, check_tensor
 from ..dtypes import dtype_info
 from ..errors import InvalidProblem, InvalidState, MisalignedOperand
-from .layout import PUBLIC, SP_LAYOUT, check_layout, gpu_kernels, layout_of, pack, pack_reason, unpack, weight_shape
+from .layout import (PUBLIC, SP_LAYOUT, check_layout, gpu_kernels, k_fits, layout_of, pack, pack_reason, padded_k,
+                     unpack, weight_shape)
 
 # The name and version kernelplan's checkpoints record (checkpoint.py, stream.py; config.json in hf.py).
 FORMAT_NAME = "kernelplan.sparse24"
@@ -120,8 +121,8 @@ def is_sparse24(w: torch.Tensor) -> bool:
 def compress(w: torch.Tensor, packed: bool = False) -> "Sparse24Weight":
     """Compress a 2:4-sparse ``w [M, K]`` (see :func:`prune`) to values + metadata.
 
-    ``packed``: in the device layout (``layout.py``) where M % 16 == 0 and K % 64 == 0, else in the public format,
-    as ``Sparse24Linear(layout="auto")`` holds a weight; on the GPU in one pass from ``w``."""
+    ``packed``: in the device layout (``layout.py``; K padded to a multiple of 64) where M % 16 == 0, else in the
+    public format, as ``Sparse24Linear(layout="auto")`` holds a weight; on the GPU in one pass from ``w``."""
     check_tensor(w, "w")
     if w.dim() != 2:
         raise InvalidProblem(
@@ -130,9 +131,9 @@ def compress(w: torch.Tensor, packed: bool = False) -> "Sparse24Weight":
     dtype_info(w.dtype, "w", SPARSE24_DTYPES)
     groups = _groups(w, "w", COMPRESS_K)
     check_has_data(w, "w", "compress")
-    parts = _gpu_compress(w, False, packed)
-    if parts is not None:  # None: the torch ops, or a group of more than 2, named below
-        return Sparse24Weight(*parts, _validate=False)
+    w24 = _gpu_compress(w, False, packed)
+    if w24 is not None:  # None: the torch ops, or a group of more than 2, named below
+        return w24
     nonzero = groups != 0
     counts = nonzero.sum(-1)
     if (counts > 2).any():
@@ -153,21 +154,27 @@ def compress(w: torch.Tensor, packed: bool = False) -> "Sparse24Weight":
 def prune_compress(w: torch.Tensor, packed: bool = False) -> "Sparse24Weight":
     """``compress(prune(w), packed)`` of a 2-D weight, in one pass on the GPU (no pruned dense copy)."""
     if w.dim() == 2 and w.shape[-1] % 8 == 0:
-        parts = _gpu_compress(w, True, packed)
-        if parts is not None:
-            return Sparse24Weight(*parts, _validate=False)
+        w24 = _gpu_compress(w, True, packed)
+        if w24 is not None:
+            return w24
     return compress(prune(w), packed)
 
 
-def _gpu_compress(w: torch.Tensor, prune: bool, packed: bool):
-    """The conversion kernels' parts of a 2-D ``w`` (``packed``: in the device layout where its shape allows), or
+def _gpu_compress(w: torch.Tensor, prune: bool, packed: bool) -> "Sparse24Weight | None":
+    """The conversion kernels' weight of a 2-D ``w`` (``packed``: in the device layout where its shape allows), or
     None where they do not run (not on the GPU, no data) or refuse ``w`` (the torch ops then name why)."""
     kernels = gpu_kernels(w) if w.numel() else None
     if kernels is None:
         return None
     if packed and pack_reason(*w.shape) is None:
-        return kernels.compress_tiled(_rows(w), prune=prune)
-    return kernels.compress(_rows(w), prune=prune)
+        k = w.shape[1]
+        # A K the layout pads: w's zero columns appended (a copy of w, once), which prune and compress to the
+        # padding's words and zeros.
+        rows = _rows(w) if k == padded_k(k) else torch.nn.functional.pad(w, (0, padded_k(k) - k))
+        parts = kernels.compress_tiled(rows, prune=prune)
+        return None if parts is None else Sparse24Weight(*parts, k=k, _validate=False)
+    parts = kernels.compress(_rows(w), prune=prune)
+    return None if parts is None else Sparse24Weight(*parts, _validate=False)
 
 
 def _metadata_bytes(metadata: torch.Tensor) -> torch.Tensor:
@@ -279,21 +286,33 @@ class Sparse24Weight:
     the metadata bits, since a bad word would otherwise scatter out of place.
     """
 
-    __slots__ = ("values", "metadata")
+    __slots__ = ("values", "metadata", "k")
 
-    def __init__(self, values: torch.Tensor, metadata: torch.Tensor, *, _validate: bool = True):
+    def __init__(self, values: torch.Tensor, metadata: torch.Tensor, *, k: int | None = None,
+                 _validate: bool = True):
+        # k: the logical K of a weight held in the device layout with K padded (layout.padded_k); None, the
+        # columns the tensors hold.  The public format holds K exactly.
         if _validate:
             if layout_of(values) == SP_LAYOUT:
-                check_layout(values, metadata)
-                _validate_compressed(*unpack(values, metadata))
+                held = check_layout(values, metadata)[1]
+                if k is not None and not k_fits(k, held):
+                    raise InvalidProblem(f"k = {k}, but the device-layout values hold {held} columns: a weight of K "
+                                         f"columns holds K rounded up to 64 (K % 8 == 0); pass the weight's own K")
+                full = unpack(values, metadata)
+                _validate_compressed(*full)
+                if k is not None and k < held and bool((full[0][:, k // 2:] != 0).any()):
+                    raise InvalidProblem(f"k = {k}, but the values hold non-zeros past column {k}: the padding of a "
+                                         f"weight of K = {k} is zeros; pass the weight's own K ({held}?)")
             else:
                 _validate_compressed(values, metadata)
         self.values = values
         self.metadata = metadata
+        self.k = None if k is None or k == weight_shape(values)[1] else k
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size(weight_shape(self.values))
+        m, held = weight_shape(self.values)
+        return torch.Size((m, held if self.k is None else self.k))
 
     @property
     def layout(self) -> str:
@@ -304,13 +323,14 @@ class Sparse24Weight:
         """This weight in the public format: itself, or its device layout unpacked (new tensors)."""
         if self.layout == PUBLIC:
             return self
-        return Sparse24Weight(*unpack(self.values, self.metadata), _validate=False)
+        return Sparse24Weight(*unpack(self.values, self.metadata, self.k), _validate=False)
 
     def packed(self) -> "Sparse24Weight":
-        """This weight in the device layout (``layout.py``): itself, or new tensors; M % 16 and K % 64 must be 0."""
+        """This weight in the device layout (``layout.py``): itself, or new tensors, K padded to a multiple of 64;
+        M % 16 must be 0."""
         if self.layout == SP_LAYOUT:
             return self
-        return Sparse24Weight(*pack(self.values, self.metadata), _validate=False)
+        return Sparse24Weight(*pack(self.values, self.metadata), k=self.shape[1], _validate=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -347,7 +367,7 @@ class Sparse24Weight:
     def to(self, *args, **kwargs) -> "Sparse24Weight":
         """Move/convert the values; metadata only moves (it is not a float tensor)."""
         values = self.values.to(*args, **kwargs)
-        return Sparse24Weight(values, self.metadata.to(values.device), _validate=False)
+        return Sparse24Weight(values, self.metadata.to(values.device), k=self.k, _validate=False)
 
     def derived(self, key, build: Callable[["Sparse24Weight"], object]):
         """A backend layout built from this weight once, and rebuilt after values change.
@@ -375,7 +395,8 @@ class Sparse24Weight:
 
     def __repr__(self) -> str:
         m, k = self.shape
-        return f"Sparse24Weight(shape=({m}, {k}), dtype={self.dtype}, device={self.device})"
+        padded = "" if self.k is None else f", held padded to {weight_shape(self.values)[1]} columns"
+        return f"Sparse24Weight(shape=({m}, {k}), dtype={self.dtype}, device={self.device}{padded})"
 
 
 def _validate_compressed(values: torch.Tensor, metadata: torch.Tensor) -> None:

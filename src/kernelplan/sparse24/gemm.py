@@ -25,7 +25,7 @@ from ..plan import Backend, dispatch_generation, memoised_select
 from . import tuning
 from .dispatch import MEMORY_POLICIES
 from .format import Sparse24Weight, derived_from, forget_derived, output_rows
-from .layout import PUBLIC, SP_LAYOUT, check_layout, layout_of, pack_values, unpack, weight_shape
+from .layout import PUBLIC, SP_LAYOUT, check_layout, k_fits, layout_of, pack_values, unpack, weight_shape
 # n_bucket and rule_backend are re-exported: callers (warm.py, tests) import the plan level's names from here too.
 from .plan import (SPARSE24_ACTIVATIONS, SPARSE24_EPILOGUES, GemmSparse24Args,  # noqa: F401
                    GemmSparse24Descriptor, GemmSparse24Plan, gated_reason, n_bucket, rule_backend)
@@ -65,14 +65,17 @@ def _reads(backend: Backend, layout: str) -> bool:
     return layout == PUBLIC or layout in getattr(backend, "layouts", (PUBLIC,))
 
 
-def public_parts(values: torch.Tensor, metadata: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The public format of a weight held in the device layout, for a backend that reads only that format.
+def public_parts(values: torch.Tensor, metadata: torch.Tensor,
+                 k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The public format of a weight held in the device layout, for a backend that reads only that format; ``k``:
+    the logical K of a weight held padded (x's).
 
     Built once per weight state and kept with it (``derived_from``), counted by
     ``Sparse24Weight.derived_bytes``: under memory="compact" only where the rule
     names such a backend (f32 weights on CUDA), under "fast" for the candidates.
     """
-    return derived_from(values, metadata, PUBLIC, lambda v, m: unpack(v.detach(), m))
+    key = PUBLIC if k is None or k == weight_shape(values)[1] else f"{PUBLIC} k={k}"
+    return derived_from(values, metadata, key, lambda v, m: unpack(v.detach(), m, k))
 
 
 def _plan_for(x, values, metadata, bias, activation, memory) -> GemmSparse24Plan:
@@ -110,7 +113,7 @@ def _bound(plan: GemmSparse24Plan, layout: str = PUBLIC):
 
 
 def _on_public_parts(call, x, values, metadata, bias) -> torch.Tensor:
-    return call(x, *public_parts(values, metadata), bias)
+    return call(x, *public_parts(values, metadata, x.shape[-1]), bias)
 
 
 def _linear_with(plan, x, values, metadata, bias) -> torch.Tensor:
@@ -149,10 +152,13 @@ def _backward(ctx, dy):
     # backward, one less [N, M] tensor kept alive between passes.
     x, values, metadata, bias = ctx.saved_tensors
     compute = dtype_info(x.dtype).compute
+    # The weight as its tensors hold it; x's K columns padded to as many (a weight the device layout pads) with zeros,
+    # and dx cut back to them.
     w24 = Sparse24Weight(values.to(compute), metadata, _validate=False).public()
     positions = w24.positions()  # unpacked once: for W and for the gradient gather
     w = w24.decompress(positions)
-    x2 = x.reshape(-1, x.shape[-1]).to(compute)
+    k = x.shape[-1]
+    x2 = torch.nn.functional.pad(x.reshape(-1, k).to(compute), (0, w.shape[1] - k))
     g = dy.reshape(-1, epilogue_columns(w.shape[0], ctx.activation or None)).to(compute)
     if ctx.activation:
         z = x2 @ w.T
@@ -160,7 +166,7 @@ def _backward(ctx, dy):
             z = z + bias.to(compute)
         gated = GATED_EPILOGUES.get(ctx.activation)
         g = gated.grad(z, g) if gated is not None else g * ACTIVATIONS[ctx.activation].grad(z)
-    dx = (g @ w).reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
+    dx = (g @ w[:, :k]).reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
     dvalues = None
     if ctx.needs_input_grad[1]:
         # Only the stored positions get gradient: the mask stays fixed.
@@ -195,7 +201,7 @@ def linear(
             f"w24 is a {type(w24).__name__}; it must be a Sparse24Weight: build it with "
             f"kernelplan.sparse24.compress(kernelplan.sparse24.prune(w))"
         )
-    return linear_parts(x, w24.values, w24.metadata, bias, activation, memory)
+    return linear_parts(x, w24.values, w24.metadata, bias, activation, memory, w24.shape[1])
 
 
 def gated_linear(
@@ -222,7 +228,8 @@ def gated_linear(
             f"w24 is a {type(w24).__name__}; it must be a Sparse24Weight: build it with "
             f"kernelplan.sparse24.compress(kernelplan.sparse24.prune(w))"
         )
-    return linear_parts(x, w24.values, w24.metadata, bias, gated_epilogue(kind, gate, approximate), memory)
+    return linear_parts(x, w24.values, w24.metadata, bias, gated_epilogue(kind, gate, approximate), memory,
+                        w24.shape[1])
 
 
 def gated_epilogue(kind: str, gate: str = "first", approximate: str = "none") -> str:
@@ -230,8 +237,9 @@ def gated_epilogue(kind: str, gate: str = "first", approximate: str = "none") ->
     return f"gated_{gate_activation(kind, approximate)}_{choice(gate, 'gate', GATED_GATES)}"
 
 
-def linear_parts(x, values, metadata, bias=None, activation=None, memory="compact") -> torch.Tensor:
-    """``linear`` on a weight's parts, for holders of them (``Sparse24Linear``): no Sparse24Weight built."""
+def linear_parts(x, values, metadata, bias=None, activation=None, memory="compact", in_features=None) -> torch.Tensor:
+    """``linear`` on a weight's parts, for holders of them (``Sparse24Linear``): no Sparse24Weight built.
+    ``in_features``: the weight's logical K, checked against x at an entry's first call (a weight held padded)."""
     eager = plain_eager(x, values, bias)
     if eager:
         # Inference on operands seen before: the checks below passed for exactly this entry, and its plan is the
@@ -242,7 +250,7 @@ def linear_parts(x, values, metadata, bias=None, activation=None, memory="compac
         hit = _prepared.get(key)
         if hit is not None and hit.current(x, values, metadata, bias):
             return hit.call(x, values, metadata, bias)
-    activation, memory = _checked(x, values, metadata, bias, activation, memory)
+    activation, memory = _checked(x, values, metadata, bias, activation, memory, in_features)
     if not eager:
         # Traced, the choice is made once and guarded (grad mode, each tensor's requires_grad).
         grad = torch.is_grad_enabled() and (x.requires_grad or values.requires_grad or
@@ -252,18 +260,26 @@ def linear_parts(x, values, metadata, bias=None, activation=None, memory="compac
     return _prepare(key, x, values, metadata, bias, activation or "", memory)
 
 
-def _checked(x, values, metadata, bias, activation, memory) -> tuple[str | None, str]:
+def _checked(x, values, metadata, bias, activation, memory, in_features=None) -> tuple[str | None, str]:
     """A call's operands checked (``linear_parts``'s, and an op's first call on them): the epilogue and the policy
-    as the plan takes them."""
+    as the plan takes them.  ``in_features``: the weight's logical K where its holder knows it; else x's K may be
+    any the tensors hold (a weight in the device layout holds K padded to 64: x of 4304 or 4352 columns reads a
+    weight of 4352; where the holder knows K, a wrong x is named)."""
     # Parts held apart (a Sparse24Weight built with _validate=False, a module's buffers) have not
     # been matched to each other: a wrong metadata shape would send kernels past its end.
-    m, k = check_layout(values, metadata)
+    m, held = check_layout(values, metadata)
     check_tensor(x, "x", dtype=values.dtype, device=values.device)
-    if x.dim() < 1 or x.shape[-1] != k:
+    k = held if in_features is None else in_features
+    if x.dim() < 1 or x.shape[-1] != k and not (in_features is None and layout_of(values) == SP_LAYOUT and
+                                                 k_fits(x.shape[-1], held)):
+        padded = "" if k == held or in_features is None else f", held padded to {held} columns"
         raise InvalidProblem(
             f"x has shape {tuple(x.shape)}; its last dimension must equal the weight's K = {k} "
-            f"(weight shape [M, K] = [{m}, {k}])"
+            f"(weight shape [M, K] = [{m}, {k}]{padded})"
         )
+    if in_features is not None and not k_fits(in_features, held):
+        raise InvalidProblem(f"in_features = {in_features}, but the weight's tensors hold {held} columns: a weight "
+                             f"of K columns holds K, or in the device layout K rounded up to 64")
     if bias is not None:
         check_tensor(bias, "bias", shape=(m,), dtype=values.dtype, device=values.device)
     if activation is not None:

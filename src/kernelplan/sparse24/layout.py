@@ -24,10 +24,15 @@ public format takes 0.625x.
   low half word, row ``g + 8`` in the high.
 
 A layout is told apart by its tensors: device-layout values are 3-D, public
-ones 2-D.  It needs M % 16 == 0 and K % 64 == 0; a weight of other shapes stays
-in the public format (``pack_reason``).  Every step is a view, a permute or an
-elementwise op, so the conversions run wherever the tensors are, on the GPU
-for a weight there.
+ones 2-D.  It needs M % 16 == 0; a weight of other rows stays in the public
+format (``pack_reason``).  A K that is not a multiple of 64 (SigLIP-so400m's
+MLP, K = 4304) is padded to the next one, ``padded_k``, with zero columns kept
+at positions 0 and 1: the tensors hold ``K'`` columns, and the logical K is
+the holder's (``Sparse24Weight.k``, ``Sparse24Linear.in_features``) or x's at
+a call.  The kernels read x's K columns and zeros past them
+(docs/design/0083).  Every step is a view, a permute, a pad or an elementwise
+op, so the conversions run wherever the tensors are, on the GPU for a weight
+there.
 """
 
 from __future__ import annotations
@@ -54,20 +59,28 @@ def weight_shape(values: torch.Tensor) -> tuple[int, int]:
     return values.shape[0], 2 * values.shape[1]
 
 
-def k_reason(k: int) -> str | None:
-    """Why the device layout, and so every 2:4 GPU kernel (Triton's too), cannot take K columns, or None."""
-    return f"K = {k} is not a multiple of {TILE_K}, the layout's column step" if k % TILE_K else None
+def padded_k(k: int) -> int:
+    """The columns the device layout holds for a weight of K columns: K rounded up to the layout's 64."""
+    return -(-k // TILE_K) * TILE_K
 
 
 def pack_reason(m: int, k: int) -> str | None:
     """Why a weight ``[M, K]`` cannot be held in the device layout, or None."""
     if m % TILE_M:
         return f"M = {m} is not a multiple of {TILE_M}, the layout's row tile"
-    return k_reason(k)
+    if k % 8:
+        return f"K = {k} is not a multiple of 8, the 2:4 format's"
+    return None
+
+
+def k_fits(k: int, held: int) -> bool:
+    """Whether x of ``k`` columns is read by a weight whose tensors hold ``held``: K itself, or padded to it."""
+    return k == held or k % 8 == 0 and padded_k(k) == held
 
 
 def packed_shapes(m: int, k: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    return (m // TILE_M, k // TILE_K, 512), (m // TILE_M, k // TILE_K, 32)
+    steps = -(-k // TILE_K)
+    return (m // TILE_M, steps, 512), (m // TILE_M, steps, 32)
 
 
 def check_layout(values: torch.Tensor, metadata: torch.Tensor) -> tuple[int, int]:
@@ -88,8 +101,10 @@ def check_layout(values: torch.Tensor, metadata: torch.Tensor) -> tuple[int, int
 
 
 def pack_values(values: torch.Tensor) -> torch.Tensor:
-    """Public ``values [M, K/2]`` -> the device layout's ``[M/16, K/64, 512]``; differentiable (a permutation)."""
+    """Public ``values [M, K/2]`` -> the device layout's ``[M/16, K'/64, 512]``; differentiable (a pad and a
+    permutation)."""
     m, k = _packable(values)
+    values, k = _padded(values, k, 0), padded_k(k)
     tv = values.reshape(m // 16, 2, 8, k // 64, 2, 2, 4, 2).permute(0, 3, 4, 5, 1, 2, 6, 7)  # (i, s, u, j, h, g, t, e)
     return tv.reshape(packed_shapes(m, k)[0])
 
@@ -103,6 +118,7 @@ def pack_metadata(metadata: torch.Tensor) -> torch.Tensor:
     int16 as bytes in a compiled backward (torch 2.11).
     """
     m, k = _packable(metadata, 8)
+    metadata, k = _padded(metadata, k, PAD_WORD), padded_k(k)
     words = metadata.to(torch.int64)
     groups = torch.stack((words & 0xFF, (words >> 8) & 0xFF), dim=-1).reshape(m, k // 16, 4)  # a byte per group
     quads = groups[..., 0] | groups[..., 1] << 4 | groups[..., 2] << 8 | groups[..., 3] << 12  # [M, K/16]
@@ -113,16 +129,29 @@ def pack_metadata(metadata: torch.Tensor) -> torch.Tensor:
 
 
 def pack(values: torch.Tensor, metadata: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Public ``(values [M, K/2], metadata [M, K/8] int16)`` -> the device layout; new tensors, same device.
+    """Public ``(values [M, K/2], metadata [M, K/8] int16)`` -> the device layout, K padded to ``padded_k``; new
+    tensors, same device.
 
-    On the GPU in one pass (``kernels/sparse24_convert.py``), not differentiable
-    there; ``pack_values`` is.
+    On the GPU in one pass (``kernels/sparse24_convert.py``) where K needs no
+    pad, not differentiable there; ``pack_values`` is.
     """
     kernels = _kernels(values)
     if kernels is not None:
-        _packable(values)
-        return kernels.pack(values.detach().contiguous(), metadata.contiguous())
+        m, k = _packable(values)
+        return kernels.pack(_padded(values.detach(), k, 0).contiguous(),
+                            _padded(metadata, k, PAD_WORD).contiguous())
     return pack_values(values), pack_metadata(metadata)
+
+
+# A padded group's word half: positions 0 and 1 (the format's byte 0b0100), the two values zeros.
+PAD_WORD = 0x0404
+
+
+def _padded(part: torch.Tensor, k: int, value: int) -> torch.Tensor:
+    """A public part (``values [M, K/2]`` or ``metadata [M, K/8]``) with the columns of ``padded_k(k) - k`` more
+    weight columns appended: ``value`` (zeros; the padding word), itself where K needs none."""
+    more = (padded_k(k) - k) * part.shape[1] // k
+    return torch.nn.functional.pad(part, (0, more), value=value) if more else part
 
 
 def gpu_kernels(t: torch.Tensor):
@@ -152,6 +181,7 @@ def _kernels(values: torch.Tensor):
 
 
 def _packable(part: torch.Tensor, per_row: int = 2) -> tuple[int, int]:
+    """``(M, K)`` of a public part (``per_row`` weight columns a column of it), checked to pack."""
     m, k = part.shape[0], per_row * part.shape[1]
     why = pack_reason(m, k)
     if why is not None:
@@ -160,14 +190,32 @@ def _packable(part: torch.Tensor, per_row: int = 2) -> tuple[int, int]:
     return m, k
 
 
-def unpack_values(values: torch.Tensor) -> torch.Tensor:
-    """The device layout's values -> public ``[M, K/2]``; differentiable (a permutation)."""
-    m, k = weight_shape(values)
-    return values.reshape(m // 16, k // 64, 2, 2, 2, 8, 4, 2).permute(0, 4, 5, 1, 2, 3, 6, 7).reshape(m, k // 2)
+def unpack_values(values: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    """The device layout's values -> public ``[M, K/2]``, K the logical ``k`` (the held columns where None: a
+    padded weight's first ``k``); differentiable (a permutation and a slice)."""
+    m, held = weight_shape(values)
+    public = values.reshape(m // 16, held // 64, 2, 2, 2, 8, 4, 2).permute(0, 4, 5, 1, 2, 3, 6, 7)
+    return _cut(public.reshape(m, held // 2), held, k)
 
 
-def unpack_metadata(metadata: torch.Tensor) -> torch.Tensor:
-    """The device layout's words -> public ``metadata [M, K/8]`` int16 (``pack_metadata`` run backwards)."""
+def _cut(part: torch.Tensor, held: int, k: int | None) -> torch.Tensor:
+    """A public part of ``held`` weight columns cut to the first ``k`` (a view; itself where ``k`` is None or all)."""
+    if k is None or k == held:
+        return part
+    if not k_fits(k, held):
+        raise InvalidProblem(f"k = {k}: a weight whose device layout holds {held} columns has K of {held - 63} to "
+                             f"{held}, a multiple of 8; pass its own in_features")
+    return part[:, :k * part.shape[1] // held]
+
+
+def unpack_metadata(metadata: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    """The device layout's words -> public ``metadata [M, K/8]`` int16 (``pack_metadata`` run backwards), K the
+    logical ``k`` as ``unpack_values``'s."""
+    public = _unpack_words(metadata)
+    return _cut(public, 8 * public.shape[1], k)
+
+
+def _unpack_words(metadata: torch.Tensor) -> torch.Tensor:
     m, k = TILE_M * metadata.shape[0], TILE_K * metadata.shape[1]
     lanes = metadata.reshape(m // 16, k // 64, 8, 4).to(torch.int64)
     quads = torch.stack((lanes & 0xFFFF, (lanes >> 16) & 0xFFFF), dim=1)  # [tile, h, step, g, t]
@@ -176,12 +224,15 @@ def unpack_metadata(metadata: torch.Tensor) -> torch.Tensor:
     return (groups[..., 0] | groups[..., 1] << 8).to(torch.int16)
 
 
-def unpack(values: torch.Tensor, metadata: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The device layout -> public ``(values [M, K/2], metadata [M, K/8] int16)``; new tensors, same device.
+def unpack(values: torch.Tensor, metadata: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device layout -> public ``(values [M, K/2], metadata [M, K/8] int16)``, K the logical ``k`` (all the
+    held columns where None); new contiguous tensors, same device.
 
     On the GPU in one pass, not differentiable there; ``unpack_values`` is.
     """
     kernels = _kernels(values)
     if kernels is not None:
-        return kernels.unpack(values.detach().contiguous(), metadata.contiguous())
-    return unpack_values(values), unpack_metadata(metadata)
+        held = weight_shape(values)[1]
+        public = kernels.unpack(values.detach().contiguous(), metadata.contiguous())
+        return tuple(_cut(part, held, k).contiguous() for part in public)
+    return unpack_values(values, k).contiguous(), unpack_metadata(metadata, k).contiguous()

@@ -173,7 +173,7 @@ class ReferenceSparse24Backend(Backend):
 
     def run(self, desc, args: GemmSparse24Args, workspace) -> None:
         compute = dtype_info(desc.dtype).compute
-        w = Sparse24Weight(args.values.to(compute), args.metadata, _validate=False).decompress()
+        w = Sparse24Weight(args.values.to(compute), args.metadata, k=args.x.shape[-1], _validate=False).decompress()
         z = args.x.to(compute) @ w.T
         if args.bias is not None:
             z += args.bias.to(compute)

@@ -40,6 +40,7 @@ import torch
 from .._checks import warn
 from ..errors import InvalidProblem
 from .dispatch import N_GRAIN, backend_for, layout_reason
+from .layout import padded_k
 from .plan import SPARSE24_EPILOGUES, gated_reason
 
 OPS = {"cuda_ws": "sparse24_ws_tile", "cuda_sp": "sparse24_sp_tile"}  # each tuned kernel's plan-cache op
@@ -61,7 +62,7 @@ def run_of(n: int) -> int:
 def tuned_tile(device: int, n: int, m: int, k: int, gated: bool, backend: str = "cuda_ws"):
     """The tile this process tuned for ``backend`` on (M, K) at n's run on cuda:``device``, or None: the rule's
     then."""
-    return _TUNED.get((device, backend, m, k, run_of(n), gated)) if _TUNED else None
+    return _TUNED.get((device, backend, m, padded_k(k), run_of(n), gated)) if _TUNED else None
 
 
 def clear_tuned_tiles() -> None:
@@ -287,8 +288,9 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
                     plan.append((m, k, epilogue, n, backend, None, None, None))
                     continue
                 gpu = device_facts(index) if backend == "cuda_ws" else None
-                cands = candidates(n, m, k, sms, gated, top, backend, gpu)
-                value = (plan_cache().get(OPS[backend], _problem(m, k, n, gated, sms), device=f"cuda:{index}")
+                # A K the layout pads runs the tiles of its padded K (layout.padded_k): those are timed and kept.
+                cands = candidates(n, m, padded_k(k), sms, gated, top, backend, gpu)
+                value = (plan_cache().get(OPS[backend], _problem(m, padded_k(k), n, gated, sms), device=f"cuda:{index}")
                          if store else None)
                 tile = _stored(value, cands[0], cands) if value is not None else None
                 gain = value.get("gain") if tile is not None else None
@@ -303,11 +305,11 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
                 out.append(TileChoice(m, k, n, gated, None, None, source="not tuned",
                                       reason=f"the rule runs {backend} here ({why}), no tile tuned"))
                 continue
-            rule, problem = cands[0], _problem(m, k, n, gated, sms)
+            rule, problem = cands[0], _problem(m, padded_k(k), n, gated, sms)
             if tile is not None:
                 choice = TileChoice(m, k, n, gated, rule, tile, gain=stored_gain, source="stored")
             else:
-                times = _measure(cands, n, m, k, dtype, epilogue, index, rounds)
+                times = _measure(cands, n, m, padded_k(k), dtype, epilogue, index, rounds)
                 tile, gain = decide(times, rule, min_gain)
                 ms = {str(c): statistics.median(t) for c, t in times.items()}
                 choice = TileChoice(m, k, n, gated, rule, tile, ms[str(rule)], ms[str(tile)], gain, times_ms=ms)
@@ -315,7 +317,7 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
                     plan_cache().put(OPS[backend], problem, {"rule": dataclasses.asdict(rule),
                                                              "tile": dataclasses.asdict(tile), "dtype": name,
                                                              "gain": gain, "ms": ms}, device=f"cuda:{index}")
-            _TUNED[(index, backend, m, k, run_of(n), gated)] = tile
+            _TUNED[(index, backend, m, padded_k(k), run_of(n), gated)] = tile
             out.append(choice)
     _drop_launches()
     return out

@@ -71,7 +71,7 @@ kp_sparse24_pp(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     const u32 ybase = sbase + kRingBytes, full0 = ybase + 2 * kYBytes, empty0 = full0 + 8 * STAGES;
     const u32 order0 = empty0 + 8 * STAGES;  // order0 + 8 c: warpgroup c may run its next K loop
     const int warp = warp_uniform(), lane = threadIdx.x & 31;
-    const int steps = K / 64, tiles_m = (M + kBM - 1) / kBM;
+    const int steps = (K + 63) / 64, tiles_m = (M + kBM - 1) / kBM;  // K padded to 64: x past K reads as zeros
 #if GROUPED
     __shared__ int first[kMaxExperts + 1];
     if (warp == 0) scan_tiles(first, offsets, experts, tiles_m, lane);

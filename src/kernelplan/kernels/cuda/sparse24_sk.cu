@@ -135,7 +135,7 @@ kp_sparse24_sk(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     const u32 sbase = ((u32)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
     const u32 full0 = sbase + kRingBytes, empty0 = full0 + 8 * STAGES;
     const int warp = warp_uniform(), lane = threadIdx.x & 31;
-    const int steps = K / 64, tiles_m = (M + kBM - 1) / kBM, tiles = tiles_n * tiles_m;
+    const int steps = (K + 63) / 64, tiles_m = (M + kBM - 1) / kBM, tiles = tiles_n * tiles_m;  // K padded to 64
     const int rest = tiles - dp_tiles, slots = (splits - 1) * rest;  // the parts handed over
     int *flags = (int *)work;
     float *parts = (float *)(work + (slots * 4 + 1023) / 1024 * 1024);

@@ -30,7 +30,7 @@ kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int mw = warp % MW, kw = warp / MW;
     const int g = lane >> 2, t = lane & 3;
-    const int ksteps = K / 64, tiles = (M + 15) / 16;
+    const int ksteps = (K + 63) / 64, tiles = (M + 15) / 16;  // K padded to 64 (sparse24/layout.py)
     // Warp kw's K slice (k_slice_begin): `mine` steps from step0.  The loop runs the longest, the last.
     const int step0 = k_slice_begin(ksteps, kw, KW), mine = k_slice_begin(ksteps, kw + 1, KW) - step0;
     const int steps = (ksteps + KW - 1) / KW;
@@ -61,14 +61,15 @@ kp_sparse24_sp(const u16 *__restrict__ x, const u32 *__restrict__ vals, const u3
             for (int e = 0; e < 4; ++e) acc[r][j][e] = 0.f;
 
     // Step `step` of every K slice's x into buffer `buf`: rows of 8 16-byte chunks, chunk c at c ^ (row % 8)
-    // so that ldmatrix's eight rows fall in different banks.  Rows past N are zeros.
+    // so that ldmatrix's eight rows fall in different banks.  Rows past N are zeros, and so are columns past K (a
+    // K padded to 64: K % 8 == 0, so a chunk is all in or all out).
     auto copy_x = [&](int buf, int step) {
 #pragma unroll
         for (int i = threadIdx.x; i < KW * kRows * 8; i += kThreads) {
             int c = i & 7, row = (i >> 3) % kRows, q = i / (kRows * 8);
-            const int q0 = k_slice_begin(ksteps, q, KW);
-            bool ok = step < k_slice_begin(ksteps, q + 1, KW) - q0 && row < N;
-            const u16 *src = ok ? x + (long)row * sxn + (long)(q0 + step) * 64 + c * 8 : x;
+            const int q0 = k_slice_begin(ksteps, q, KW), col = (q0 + step) * 64 + c * 8;
+            bool ok = step < k_slice_begin(ksteps, q + 1, KW) - q0 && row < N && col < K;
+            const u16 *src = ok ? x + (long)row * sxn + col : x;
             cp16(sx + buf * kStageBytes + (q * kRows + row) * 128 + ((c ^ (row & 7)) << 4), src, ok);
         }
     };

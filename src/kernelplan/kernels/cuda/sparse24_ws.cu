@@ -152,8 +152,9 @@ kp_sparse24_ws(const __grid_constant__ TensorMap xmap, const __grid_constant__ T
     const u32 sbase = (sraw + 1023u) & ~1023u;
     const u32 full0 = sbase + kBarOffset, empty0 = full0 + 8 * STAGES;
     const int warp = warp_uniform(), lane = threadIdx.x & 31;
-    // This CTA's 64-column steps: blockIdx.z is its K slice, its rank along z (k_slice_begin).
-    const int ksteps = K / 64, step0 = k_slice_begin(ksteps, (int)blockIdx.z, KC);
+    // This CTA's 64-column steps: blockIdx.z is its K slice, its rank along z (k_slice_begin).  A K the layout pads
+    // to 64 (sparse24/layout.py) ends in a step whose columns past K x's tensor map reads as zeros.
+    const int ksteps = (K + 63) / 64, step0 = k_slice_begin(ksteps, (int)blockIdx.z, KC);
     const int steps = k_slice_begin(ksteps, (int)blockIdx.z + 1, KC) - step0;
 #if GROUPED
     // Grouped (sparse24_grouped.cuh): CTA t is the launch's tile t, of a grid of at least as many; the rest leave.
