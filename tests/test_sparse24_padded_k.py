@@ -134,6 +134,7 @@ def test_the_gpu_conversions_of_a_padded_k_give_the_torch_ops_bits(seed):
     """compress(packed=True) and prune_compress on the GPU (w's zero columns appended, one pass), pack and unpack at
     K: the same tensors as the torch ops on the CPU; the state_dict of a layer made on the GPU is its public format
     at K."""
+    from kernelplan.sparse24.format import prune_compress
     from kernelplan.sparse24.layout import pack, unpack
 
     for m, k in SHAPES:
@@ -143,7 +144,7 @@ def test_the_gpu_conversions_of_a_padded_k_give_the_torch_ops_bits(seed):
         cpu = kp.sparse24.compress(pruned.cpu(), packed=True)
         assert gpu.shape == (m, k) and torch.equal(gpu.values.cpu(), cpu.values)
         assert torch.equal(gpu.metadata.cpu(), cpu.metadata)
-        both = kp.sparse24.prune_compress(w, packed=True)
+        both = prune_compress(w, packed=True)
         assert torch.equal(both.values, gpu.values) and torch.equal(both.metadata, gpu.metadata)
         public = kp.sparse24.compress(pruned)
         tv, tm = pack(public.values, public.metadata)
