@@ -112,3 +112,30 @@ def test_a_sparsified_modernbert_and_whisper_compute_their_pruned_dense_twins_an
     _check(transformers.WhisperForConditionalGeneration(whisper),
            {"input_features": torch.randn(2, 16, 64, dtype=torch.float64),
             "decoder_input_ids": torch.randint(0, 128, (2, 5))}, tmp_path / "whisper", False)
+
+
+def test_a_sparsified_siglip_tower_holds_fc2_padded_and_keeps_the_pooling_heads_out_proj_dense(tmp_path):
+    """SigLIP's vision tower, as Gemma-3's, PaliGemma's and LLaVA-OneVision's: its MLP's fc2 has K = 344 here (4304 in
+    so400m), not a multiple of 64, and is held padded (0083); the pooling head's nn.MultiheadAttention multiplies by
+    its out_proj's weight itself (F.multi_head_attention_forward), so that layer stays dense, with the reason, and
+    no op reads a 2:4 layer's weight.  The tower computes its pruned dense twin and round-trips."""
+    torch.manual_seed(0)
+    config = _config("siglip_vision_model", hidden_size=128, intermediate_size=344, num_attention_heads=4,
+                     num_hidden_layers=2, image_size=56, patch_size=14)
+    dense = transformers.SiglipVisionModel(config).double().eval()
+    sparse = copy.deepcopy(dense)
+    report = kp.sparsify(sparse, progress=False)
+    assert "reads its weight directly" in report.skipped["head.attention.out_proj"]
+    fc2 = sorted(name for name in report.converted if name.endswith("fc2"))
+    assert len(fc2) == 3 and sorted(report.padded) == fc2  # two layers' and the head's MLP
+    assert all(sparse.get_submodule(name).in_features == 344 for name in fc2)
+    twin = _dense_twin(sparse, dense)
+    kp.hf.save_model(sparse, tmp_path / "model")
+    loaded = kp.hf.load_model(tmp_path / "model").eval()
+    pixels = torch.randn(2, 3, 56, 56, dtype=torch.float64)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        want = twin(pixel_values=pixels).pooler_output
+        torch.testing.assert_close(sparse(pixel_values=pixels).pooler_output, want, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(loaded(pixel_values=pixels).pooler_output, want, rtol=1e-10, atol=1e-10)
+    assert not [w for w in caught if "read a 2:4 layer's weight" in str(w.message)]

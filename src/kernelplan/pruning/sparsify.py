@@ -118,6 +118,9 @@ DIRECT_WEIGHT_READS = {
     "transformers.models.mamba.modeling_mamba.MambaMixer": ("x_proj", "dt_proj", "out_proj"),
     "transformers.models.falcon_mamba.modeling_falcon_mamba.FalconMambaMixer": ("x_proj", "dt_proj", "out_proj"),
     "transformers.models.jamba.modeling_jamba.JambaMambaMixer": ("dt_proj",),
+    # F.multi_head_attention_forward multiplies by out_proj.weight itself: SigLIP's pooling head, CLIP-style heads,
+    # encoders built on torch's own attention.
+    "torch.nn.modules.activation.MultiheadAttention": ("out_proj",),
 }
 
 
