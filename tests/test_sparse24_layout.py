@@ -233,7 +233,8 @@ def test_a_layer_of_k_off_the_step_holds_it_padded_and_computes_saves_and_trains
     assert layer.layout == SP_LAYOUT and layer.in_features == k and layer.values.shape == (3, held // 64, 512)
     assert layer.weight.shape == (48, k) and layer.weight24.shape == (48, k)
     # The dense weight's bytes at K': half the values, 4 bits a group of 4 columns.
-    assert layer.values.nbytes == 48 * held // 2 * dense.weight.element_size() and layer.metadata.nbytes == 48 * held // 8
+    assert layer.values.nbytes == 48 * held // 2 * dense.weight.element_size()
+    assert layer.metadata.nbytes == 48 * held // 8
     w = kp.sparse24.prune(dense.weight.detach())
     assert torch.equal(layer.to_dense(), w)
     base = torch.randn(2, 5, 2 * k, dtype=dtype)
