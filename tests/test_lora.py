@@ -284,12 +284,16 @@ def test_on_the_gpu_the_adapters_sit_on_the_layers_device_and_the_model_trains(s
     assert len(adapters) == 28 and all(p.is_cuda and p.dtype == torch.float32 for p in adapters)  # PEFT's autocast
     ids = torch.randint(0, 96, (3, 10))
     with torch.no_grad():
-        want = _merged_twin(twin, adapted)(ids).logits
+        merged = _merged_twin(twin, adapted)
+        want = merged(ids).logits
+        # The bar: the same merged model run densely in bf16 on the GPU, whose own error the adapted model may
+        # double (a fixed 5% failed on 1 seed in some hundreds: bf16 logits of random weights).
+        dense_bf16 = merged.to(torch.bfloat16).cuda()(ids.cuda()).logits.double().cpu()
         got = adapted(ids.cuda()).logits.double().cpu()
         with adapted.disable_adapter():
             base = adapted(ids.cuda()).logits.double().cpu()
-    err, apart = (got - want).abs().max() / want.abs().max(), (base - want).abs().max() / want.abs().max()
-    assert err <= 0.05 < apart, (err, apart)  # bf16 logits, as the hf test
+    err, apart, torch_err = ((t - want).abs().max() / want.abs().max() for t in (got, base, dense_bf16))
+    assert err <= 2 * torch_err + 0.01 and apart > 4 * (2 * torch_err + 0.01), (err, apart, torch_err)
     loss = adapted(ids.cuda(), labels=ids.cuda()).loss
     loss.backward()
     assert all(p.grad is not None and p.grad.isfinite().all() for p in adapters)

@@ -76,24 +76,25 @@ def test_sweep_runs_on_the_gpu(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_command_sweeps_given_shapes_on_the_gpu(tmp_path, monkeypatch, capsys):
-    """``--shapes``: a layer the device layout holds and one of odd M it holds padded, each right against fp64 at
-    every n (the sweep marks a wrong result), with its bytes held; one of K = 200, which no 2:4 GPU kernel runs, left
-    out and said so."""
+    """``--shapes``: a layer the device layout holds, one of odd M it holds padded, and one of K = 200 it holds
+    padded to 256 (0083), each right against fp64 at every n (the sweep marks a wrong result), with its bytes held;
+    one of K = 204, which the 2:4 format cannot hold, left out and said so."""
     pytest.importorskip("matplotlib")
     from kernelplan import cli
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "s.json").write_text(json.dumps([[512, 1024], [200, 512], [96, 200]]))
+    (tmp_path / "s.json").write_text(json.dumps([[512, 1024], [200, 512], [96, 200], [96, 204]]))
     assert cli.main(["bench", "sparse24", "--sweep", "--shapes", "s.json", "--batch", "1", "40",
                      "--json", "given.json"]) == 0
     doc = json.loads((tmp_path / "given.json").read_text())
     timed = [r for r in doc["rows"] if "n" in r]
-    assert sorted((r["m"], r["k"], r["n"]) for r in timed) == [(200, 512, 1), (200, 512, 40), (512, 1024, 1),
-                                                             (512, 1024, 40)]
+    assert sorted((r["m"], r["k"], r["n"]) for r in timed) == [(96, 200, 1), (96, 200, 40), (200, 512, 1),
+                                                             (200, 512, 40), (512, 1024, 1), (512, 1024, 40)]
     assert not any(k.endswith("_wrong") for r in doc["rows"] for k in r) and all(r["speedup"] > 0 for r in timed)
     held = {(r["m"], r["k"]): r["memory"]["ratio"] for r in doc["rows"] if "memory" in r}
-    assert set(held) == {(512, 1024), (200, 512)} and held[(512, 1024)] == 0.5625
-    assert [(x["m"], x["k"]) for x in doc["skipped"]] == [(96, 200)]
+    assert set(held) == {(512, 1024), (200, 512), (96, 200)} and held[(512, 1024)] == 0.5625
+    assert held[(96, 200)] == 0.5625 * 256 / 200  # the padding's columns held too
+    assert [(x["m"], x["k"]) for x in doc["skipped"]] == [(96, 204)]
     assert doc["shape_set"] == "given" and doc["shapes_from"] == "--shapes s.json"
     capsys.readouterr()
 

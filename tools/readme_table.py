@@ -83,6 +83,12 @@ def sweep_rows(name: str) -> list[str]:
             if odd else "")
     if doc.get("shape_set") == "held-out models":  # other public models' projections, held out too (0057)
         what = f"{shapes} projections of other public models (0.5-12B), outside the sweep set the rule was fitted on"
+    if doc.get("shape_set") == "given" and name.startswith("sparse24-sweep-padded-k"):  # K the layout pads (0083)
+        ratios = [r["memory"]["ratio"] for r in doc["rows"] if "memory" in r]
+        held = f"K padded to 64 in the device layout, {min(ratios):.4g}-{max(ratios):.4g}x bytes"
+        what = (f"{shapes} public layers whose K is not a multiple of 64 (SigLIP-so400m's fc2, K = 4304; K = 96 "
+                f"and 160 as in Swin-T's and ConvNeXt-T's first stage and Mamba's dt_proj, which kp.sparsify keeps "
+                f"dense)")
     return [f"| 2:4 linear, default ({held}), {dt}, {what} x {ns} n, "
             f"{l2}, CUDA graph | "
             + " | ".join(graph) + f" | {_source(doc, name)} |",
@@ -269,6 +275,26 @@ def _fits_note(doc: dict, name: str) -> str:
             f"{model('dense')}, {_source(meta, name)}.")
 
 
+def _vision_note(doc: dict, before: dict | None) -> str:
+    """A vision tower dense against sparsified (``bench/sparse24_vision.py``), and the same bench before its fc2's K
+    was padded (0083), where that layer ran on the reference."""
+    def cells(d: dict) -> str:
+        return ", ".join(f"{r['images']} image{'s' * (r['images'] > 1)} {r['graph_speedup']:.2f}x graph / "
+                         f"{r['eager_speedup']:.2f}x eager" for r in d["rows"])
+
+    meta = doc["meta"]
+    line = (f"- 2:4, {meta['model']} ({meta['layers']} layers, fc2's K = 4304 held padded to 4352): {cells(doc)}; "
+            f"weights {doc['sparse_over_dense_bytes']:.3f}x of dense")
+    if "host" in doc:
+        host = doc["host"]["host_ms"]
+        line += f"; host work of one image's forward {host['sparse']:.2f} ms against dense's {host['dense']:.2f}"
+    line += f", {_source(meta, 'sparse24-vision-h200')}"
+    if before:
+        line += (f". Before (fc2 on the reference, decompressed at every call): {cells(before)}, "
+                 f"{_source(before['meta'], 'sparse24-vision-before-h200')}")
+    return line + "."
+
+
 def _by_tokens(rows: list[dict]) -> str:
     def cell(values: list[float]) -> str:
         return f"{statistics.median(values):.2f}x ({min(values):.2f}x)"
@@ -435,6 +461,9 @@ def sparse24_notes() -> list[str]:
     scout = _load("sparse24-llama4-scout-memory-h200")
     if scout:
         lines.append(_fits_note(scout, "sparse24-llama4-scout-memory-h200"))
+    vision = _load("sparse24-vision-h200")
+    if vision:
+        lines.append(_vision_note(vision, _load("sparse24-vision-before-h200")))
     for gpu in ("h100", "h200"):
         convert = _load(f"sparse24-convert-{gpu}")
         if convert:
@@ -667,6 +696,7 @@ def table() -> str:
                  "sparse24-sweep-held-out-pp-ties-192-n128-512-h200", "sparse24-sweep-n4096-8192-h200",
                  "sparse24-sweep-host-path-h200", "sparse24-sweep-fast-entry-h200",
                  "sparse24-sweep-held-out-fast-entry-h200", "sparse24-sweep-held-out-fast-entry-n64-4096-h200",
+                 "sparse24-sweep-padded-k-h200",
                  "sparse24-sweep-h100-l2warm", "sparse24-sweep-h200-l2warm",
                  "sparse24-sweep-h200-f16-quick", "sparse24-sweep-h100-f16-quick", "sparse24-sweep-small-n-f16-h200",
                  "sparse24-sweep-small-n-f16-h100", "sparse24-sweep-f16-mid-h200", "sparse24-sweep-f16-large-n-h200",
