@@ -95,7 +95,9 @@ def test_a_padded_weight_is_refused_a_k_it_does_not_hold_or_non_zeros_past_it():
     w, w24 = _weight(16, 72)
     tv, tm = pack(w24.values, w24.metadata)
     for k in (64, 136, 76):  # a step less, a step more, not a multiple of 8
-        with pytest.raises(kp.InvalidProblem, match=f"k = {k}, but the device-layout values hold 128 columns"):
+        with pytest.raises(kp.InvalidProblem, match=f"k = {k}, but the sp tiled values hold 128 columns"):
+            kp.sparse24.Sparse24Weight(tv, tm, k=k, _validate=False)  # checked, validated or not
+        with pytest.raises(kp.InvalidProblem, match=f"k = {k}, but the sp tiled values hold 128 columns"):
             kp.sparse24.Sparse24Weight(tv, tm, k=k)
         with pytest.raises(kp.InvalidProblem, match=f"k = {k}: a weight whose device layout holds 128 columns"):
             unpack(tv, tm, k)
@@ -104,6 +106,10 @@ def test_a_padded_weight_is_refused_a_k_it_does_not_hold_or_non_zeros_past_it():
         kp.sparse24.Sparse24Weight(full.values, full.metadata, k=72)
     assert kp.sparse24.Sparse24Weight(full.values, full.metadata, k=128).k is None  # all of it: nothing padded
     assert "held padded to 128 columns" in repr(kp.sparse24.Sparse24Weight(tv, tm, k=72))
+    with pytest.raises(kp.InvalidProblem, match="k = 64, but the public values hold 72 columns"):
+        kp.sparse24.Sparse24Weight(w24.values, w24.metadata, k=64)  # the public format holds K itself
+    with pytest.raises(kp.InvalidProblem, match="k = 64, but the public values hold 72 columns"):
+        kp.nn.Sparse24Linear(w24.values, w24.metadata, in_features=64)
 
 
 def test_the_kernels_read_the_packed_weight_as_they_would_derive_it():
@@ -288,9 +294,10 @@ def test_loading_a_corrupt_state_dict_changes_nothing():
         layer.load_state_dict(state)
 
 
-def test_the_packed_module_compiles_fullgraph_forward_and_backward():
-    _, layer = _layer(32, 128)
-    x = torch.randn(2, 3, 128, requires_grad=True)
+@pytest.mark.parametrize("k", [128, 200])  # 200: held padded to 256
+def test_the_packed_module_compiles_fullgraph_forward_and_backward(k):
+    _, layer = _layer(32, k)
+    x = torch.randn(2, 3, k, requires_grad=True)
     torch._dynamo.reset()
     y = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
     y.square().sum().backward()

@@ -292,12 +292,14 @@ class Sparse24Weight:
                  _validate: bool = True):
         # k: the logical K of a weight held in the device layout with K padded (layout.padded_k); None, the
         # columns the tensors hold.  The public format holds K exactly.
+        held = weight_shape(values)[1] if isinstance(values, torch.Tensor) and values.dim() in (2, 3) else None
+        if k is not None and held is not None and k != held and (layout_of(values) == PUBLIC or not k_fits(k, held)):
+            raise InvalidProblem(f"k = {k}, but the {layout_of(values)} values hold {held} columns: a weight of K "
+                                 f"columns holds K, or in the device layout K rounded up to 64 (K % 8 == 0); pass "
+                                 f"the weight's own K")
         if _validate:
             if layout_of(values) == SP_LAYOUT:
                 held = check_layout(values, metadata)[1]
-                if k is not None and not k_fits(k, held):
-                    raise InvalidProblem(f"k = {k}, but the device-layout values hold {held} columns: a weight of K "
-                                         f"columns holds K rounded up to 64 (K % 8 == 0); pass the weight's own K")
                 full = unpack(values, metadata)
                 _validate_compressed(*full)
                 if k is not None and k < held and bool((full[0][:, k // 2:] != 0).any()):
@@ -307,7 +309,7 @@ class Sparse24Weight:
                 _validate_compressed(values, metadata)
         self.values = values
         self.metadata = metadata
-        self.k = None if k is None or k == weight_shape(values)[1] else k
+        self.k = None if k is None or k == held else k
 
     @property
     def shape(self) -> torch.Size:

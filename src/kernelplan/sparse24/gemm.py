@@ -158,7 +158,9 @@ def _backward(ctx, dy):
     positions = w24.positions()  # unpacked once: for W and for the gradient gather
     w = w24.decompress(positions)
     k = x.shape[-1]
-    x2 = torch.nn.functional.pad(x.reshape(-1, k).to(compute), (0, w.shape[1] - k))
+    x2 = x.reshape(-1, k).to(compute)
+    if k < w.shape[1]:
+        x2 = torch.nn.functional.pad(x2, (0, w.shape[1] - k))
     g = dy.reshape(-1, epilogue_columns(w.shape[0], ctx.activation or None)).to(compute)
     if ctx.activation:
         z = x2 @ w.T
