@@ -556,3 +556,21 @@ def test_a_vision_language_model_is_calibrated_on_its_language_model_s_blocks(se
     report = kp.sparsify(model, method="wanda", calibration=ids, progress=False,
                          filter_fn=lambda name, layer: name.startswith("model.language_model."))
     assert len(report.converted) == 14 and all(n.startswith("model.language_model.layers.") for n in report.converted)
+
+
+@pytest.mark.parametrize("where, cls, child", [
+    ("torch.nn", "MultiheadAttention", "out_proj"),
+    ("transformers.models.detr.modeling_detr", "DetrMHAttentionMap", "k_proj"),
+    ("transformers.models.conditional_detr.modeling_conditional_detr", "ConditionalDetrMHAttentionMap", "k_proj"),
+    ("transformers.models.maskformer.modeling_maskformer", "MaskFormerDetrMHAttentionMap", "k_proj"),
+    ("transformers.models.dab_detr.modeling_dab_detr", "DabDetrMHAttentionMap", "k_linear"),
+])
+def test_a_layer_whose_parent_reads_its_weight_stays_dense_with_the_reason(where, cls, child):
+    """torch's MultiheadAttention multiplies by out_proj.weight (F.multi_head_attention_forward), the DETR family's
+    mask heads convolve with k_proj's weight: as 2:4 layers they would read it decompressed at every call."""
+    module = getattr(pytest.importorskip(where), cls)
+    parent = module(64, 64, 4) if cls.startswith("DabDetr") else module(64, 4)
+    model = nn.Sequential(parent, nn.Linear(64, 64))
+    report = kp.sparsify(model, progress=False)
+    assert "reads its weight directly" in report.skipped[f"0.{child}"] and cls in report.skipped[f"0.{child}"]
+    assert type(getattr(parent, child)) is not kp.nn.Sparse24Linear and "1" in report.converted

@@ -121,6 +121,11 @@ DIRECT_WEIGHT_READS = {
     # F.multi_head_attention_forward multiplies by out_proj.weight itself: SigLIP's pooling head, CLIP-style heads,
     # encoders built on torch's own attention.
     "torch.nn.modules.activation.MultiheadAttention": ("out_proj",),
+    # The DETR family's mask head convolves the keys with k_proj's weight as a 1 x 1 kernel.
+    "transformers.models.detr.modeling_detr.DetrMHAttentionMap": ("k_proj",),
+    "transformers.models.conditional_detr.modeling_conditional_detr.ConditionalDetrMHAttentionMap": ("k_proj",),
+    "transformers.models.maskformer.modeling_maskformer.MaskFormerDetrMHAttentionMap": ("k_proj",),
+    "transformers.models.dab_detr.modeling_dab_detr.DabDetrMHAttentionMap": ("k_linear",),
 }
 
 
