@@ -29,10 +29,10 @@ class Sparse24Linear(nn.Module):
     kernels read (``sparse24/layout.py``: 0.5625x of the dense bytes at 16-bit
     weights, and no other copy on the default path) wherever M % 16 == 0 (a K
     not a multiple of 64 padded to one with zero columns), else in the public
-    format (0.625x); ``layout="public"`` keeps
-    the public format.  Either way ``state_dict`` and checkpoints hold the
-    public format (``values [M, K/2]``, ``metadata [M, K/8]``): it is converted
-    to and from the device layout when the module is saved and loaded.
+    format (0.625x); ``layout="public"`` keeps the public format.  Either
+    way ``state_dict`` and checkpoints hold the public format (``values [M,
+    K/2]``, ``metadata [M, K/8]``, K the layer's own): it is converted to and
+    from the device layout when the module is saved and loaded.
 
     ``memory`` is the dispatch policy of its calls (``kernelplan.sparse24.linear``):
     "compact" (the one device layout, by rule) or "fast" (every backend timed).
