@@ -696,7 +696,7 @@ def table() -> str:
                  "sparse24-sweep-held-out-pp-ties-192-n128-512-h200", "sparse24-sweep-n4096-8192-h200",
                  "sparse24-sweep-host-path-h200", "sparse24-sweep-fast-entry-h200",
                  "sparse24-sweep-held-out-fast-entry-h200", "sparse24-sweep-held-out-fast-entry-n64-4096-h200",
-                 "sparse24-sweep-padded-k-h200",
+                 "sparse24-sweep-padded-k-h200", "sparse24-sweep-padded-k-h200-f16",
                  "sparse24-sweep-h100-l2warm", "sparse24-sweep-h200-l2warm",
                  "sparse24-sweep-h200-f16-quick", "sparse24-sweep-h100-f16-quick", "sparse24-sweep-small-n-f16-h200",
                  "sparse24-sweep-small-n-f16-h100", "sparse24-sweep-f16-mid-h200", "sparse24-sweep-f16-large-n-h200",
