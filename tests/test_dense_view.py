@@ -30,7 +30,9 @@ def test_the_weight_reads_like_a_dense_one_and_ops_on_it_run_on_the_decompressed
     layer = _layer(layout, dtype)
     held = weight_bytes(layer)
     w = layer.weight
-    assert isinstance(w, DenseView) and isinstance(w, torch.Tensor) and not w.requires_grad
+    assert isinstance(w, DenseView) and isinstance(w, torch.Tensor) and w.requires_grad  # a function of values
+    with torch.no_grad():
+        assert isinstance(layer.weight, DenseView) and not layer.weight.requires_grad
     assert (w.shape, w.dtype, w.device) == ((48, 128), dtype, torch.device("cpu"))
     assert weight_bytes(layer) == held and "weight" not in layer.state_dict()
     x = torch.randn(3, 5, 128, dtype=dtype)
@@ -40,6 +42,24 @@ def test_the_weight_reads_like_a_dense_one_and_ops_on_it_run_on_the_decompressed
     torch.testing.assert_close(got.double(), want, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
     torch.testing.assert_close(w.clone(), layer.to_dense(), rtol=0, atol=0)
     assert type(w.clone()) is torch.Tensor and weight_bytes(layer) == held
+
+
+@pytest.mark.parametrize("layout, k", [("auto", 128), ("auto", 72), ("public", 128)])  # 72: held padded to 128
+def test_an_op_on_the_weight_gives_the_kept_values_their_gradient(layout, k, seed):
+    """Model code that multiplies by ``layer.weight`` while training (a tied head, a weight's own matmul) gives the
+    layer's values the gradient its own forward would (before, none: the step left the layer out), in the layout
+    they are held in; values that do not require grad give a view outside autograd."""
+    layer = _layer(layout, torch.float64, k=k)
+    x = torch.randn(5, k, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="ran on the weight decompressed"):
+        torch.nn.functional.linear(x, layer.weight, layer.bias).square().sum().backward()
+    through_weight = layer.values.grad.clone()
+    layer.values.grad = None
+    layer(x).square().sum().backward()
+    torch.testing.assert_close(through_weight, layer.values.grad, rtol=1e-12, atol=1e-12)
+    assert through_weight.shape == layer.values.shape and through_weight.abs().sum() > 0
+    layer.values.requires_grad_(False)
+    assert not layer.weight.requires_grad
 
 
 def test_a_write_to_the_weight_is_refused_and_nothing_changes(seed):

@@ -11,7 +11,7 @@ from ..sparse24.dispatch import MEMORY_POLICIES
 from ..sparse24 import Sparse24Weight
 from ..sparse24.format import prune_compress
 from ..sparse24.gemm import forget, gated_epilogue, linear_parts
-from ..sparse24.dense_view import DenseView
+from ..sparse24.dense_view import dense_view
 from ..sparse24.layout import PUBLIC, layout_of, pack_reason, unpack
 from .siblings import SPECS, Spec, member_forward
 
@@ -100,7 +100,7 @@ class Sparse24Linear(nn.Module):
         decompressed weight itself, as ops the compiler drops where nothing reads its values."""
         if _is_compiling():
             return self.to_dense()
-        return DenseView(self.values, self.metadata, self.in_features)
+        return dense_view(self.values, self.metadata, self.in_features)
 
     # A layer in a sibling group (nn/siblings.py) has its eager calls routed to the group; ``forward_alone`` is its
     # own GEMM.

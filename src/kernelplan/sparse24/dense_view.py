@@ -10,9 +10,10 @@ its own metadata, holding only the compressed tensors.  Any op on it (``F.linear
 ``w.clone()``) runs on the weight decompressed for that op, so every result is the weight's, and warns once that it
 does (once for each op): a dense copy each time, which a 2:4 layer exists to avoid.  Scaling it in place by a scalar
 (``mul_``, ``div_``) scales the layer's kept entries, which keeps it 2:4; any other op that would write it is refused
-(it would change the copy).  Outside autograd: a gradient goes to ``values`` through the layer's own
-forward.  Traced (``torch.compile``), the layer gives the decompressed weight as ops of the graph instead, which the
-compiler drops where only its dtype or shape is read.
+(it would change the copy).  Read while autograd records (``dense_view``), the view is the output of a function
+of ``values``: an op on it gives the kept values their gradient, as the dense weight's would (before, such a read
+gave none, and a training step silently left the layer out).  Traced (``torch.compile``), the layer gives the
+decompressed weight as ops of the graph instead, which the compiler drops where only its dtype or shape is read.
 """
 
 from __future__ import annotations
@@ -61,6 +62,34 @@ class DenseView(torch.Tensor):
         warn_once(f"an op ({func}) read a 2:4 layer's weight: it ran on the weight decompressed, a dense copy made "
                   f"for it (kernelplan.sparse24.dense_view)")
         return func(*tree_map(_dense, args), **tree_map(_dense, kwargs))
+
+
+def dense_view(values: torch.Tensor, metadata: torch.Tensor, k: int | None = None) -> DenseView:
+    """A layer's ``weight``: a ``DenseView``, differentiable in ``values`` where autograd records and they require
+    grad."""
+    if torch.is_grad_enabled() and values.requires_grad:
+        return _Differentiable.apply(values, metadata, k)
+    return DenseView(values, metadata, k)
+
+
+class _Differentiable(torch.autograd.Function):
+    """``values -> DenseView``: the dense gradient of an op on the view, gathered at the kept positions into the
+    layout ``values`` are held in (the mask's other entries get none: it stays fixed)."""
+
+    @staticmethod
+    def forward(ctx, values, metadata, k):
+        ctx.save_for_backward(values, metadata)
+        ctx.k = k
+        return DenseView(values, metadata, k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from .layout import SP_LAYOUT, layout_of, pack_values
+
+        values, metadata = ctx.saved_tensors
+        w24 = Sparse24Weight(values.detach(), metadata, k=ctx.k, _validate=False)
+        dvalues = torch.gather(grad, 1, w24.positions()).to(values.dtype)
+        return (pack_values(dvalues) if layout_of(values) == SP_LAYOUT else dvalues), None, None
 
 
 # In-place scalings, which keep a 2:4 weight 2:4: RWKV's eval forward rescales its layers' weights this way.
