@@ -44,6 +44,8 @@ def test_a_padded_layer_matches_fp64_at_every_n_and_holds_nothing_beside_its_lay
     K split over clusters, one CTA a tile, persistent): against fp64, bias and an activation, 3-D and strided x,
     graph replay.  After calls at n = 1, 64, 256 and 4096 the weight holds its layout alone, at K' = K rounded up to
     64: 0.5625 K'/K of the dense bytes."""
+    from test_sparse24_ws import _graph_replayed
+
     for m, k in SHAPES:
         layer = _layer(m, k, dtype)
         held = -(-k // 64) * 64
@@ -63,13 +65,7 @@ def test_a_padded_layer_matches_fp64_at_every_n_and_holds_nothing_beside_its_lay
             xt = torch.randn(k, 13, device="cuda", dtype=dtype).t()  # copied
             for x in (x3, xt):
                 _check(layer(x), x, layer, f"{m}x{k} x of {tuple(x.shape)}")
-            xg = torch.randn(11, k, device="cuda", dtype=dtype)
-            layer(xg)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
-                yg = layer(xg)
-            xg.copy_(torch.randn_like(xg))
-            graph.replay()
+            xg, yg = _graph_replayed(layer, 11, dtype)
             _check(yg, xg, layer, f"{m}x{k} graph replay")
 
 
