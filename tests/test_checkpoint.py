@@ -31,6 +31,10 @@ def test_sparsify_swaps_eligible_linears_and_matches_the_masked_dense_model(seed
     held = sum(m * k // 2 * 4 + m * k // 8 for m, k in ((32, 64), (16, 64))) + 20 * 16 // 2 * 4 + 20 * 16 // 8 * 2
     assert report.bytes_after == held and report.padded == {"2": (16 * 64 // 2 * 4 + 16 * 64 // 8) // 2}
     assert model[0].layout == model[2].layout == "sp tiled" and model[3][0].layout == "public"
+    # 3.0's copy the GPU kernels derive: 32 rows (20 padded to the 16-row tile) of K = 16 padded to 64, 4-byte values.
+    assert report.derived_on_gpu == {"3.0": 32 * 64 // 2 * 4 + 32 * 64 // 8}
+    line = next(ln for ln in report.summary().splitlines() if "public format" in ln)
+    assert "not a multiple of 16" in line and line.endswith(": 3.0")
     assert isinstance(model[0], kp.nn.Sparse24Linear) and isinstance(model[3][1], nn.Linear)
     with torch.no_grad():
         for name in report.converted:  # the masked-dense reference: the same pruned weights, dense

@@ -17,7 +17,7 @@ from ..nn.experts import Sparse24Experts, experts_reason, experts_speed_reason
 from ..nn.siblings import fuse_siblings
 from ..nn.sparse24_linear import Sparse24Linear
 from ..sparse24.format import COMPRESS_K, SPARSE24_DTYPES, Sparse24Weight, compress, prune_compress
-from ..sparse24.layout import PUBLIC, TILE_K, padded_k
+from ..sparse24.layout import PUBLIC, TILE_K, TILE_M, packed_shapes, padded_k
 from . import calibrate, methods
 from .experts import calibrate_experts
 
@@ -36,6 +36,10 @@ class SparsifyReport:
     # Converted layers held in the device layout with K padded to its 64-column step (sparse24/layout.py), each with
     # the bytes the padding holds (in bytes_after).
     padded: dict[str, int] = field(default_factory=dict)
+    # Converted layers held in the public format (out_features not a multiple of the layout's 16-row tile), each with
+    # the bytes of the copy in the device layout, rows padded, that the GPU kernels derive beside it at its first call
+    # there (not in bytes_after: it is made on a GPU, by a call).
+    derived_on_gpu: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
         saved = self.bytes_before - self.bytes_after
@@ -54,6 +58,11 @@ class SparsifyReport:
         if self.padded:
             lines.append(f"held with in_features padded to a multiple of {TILE_K} (zero columns, "
                          f"{sum(self.padded.values()) / 2**10:.1f} KiB of the bytes above): {', '.join(self.padded)}")
+        if self.derived_on_gpu:
+            lines.append(f"held in the public format (out_features not a multiple of {TILE_M}): on a GPU the kernels "
+                         f"derive a copy in the device layout beside each at its first call, "
+                         f"{sum(self.derived_on_gpu.values()) / 2**10:.1f} KiB more than the bytes above: "
+                         f"{', '.join(self.derived_on_gpu)}")
         lines += [f"skipped {name}: {why}" for name, why in self.skipped.items()]
         if self.method == "magnitude" and self.converted:
             lines.append(MAGNITUDE_NOTE)
@@ -306,6 +315,9 @@ def _replace(model: nn.Module, name: str, layer: nn.Linear, w24: Sparse24Weight,
     held = sparse.values.nbytes + sparse.metadata.nbytes  # as held: the device layout's 0.5625x
     if sparse.layout != PUBLIC and padded_k(layer.in_features) != layer.in_features:
         report.padded[name] = held - held * layer.in_features // padded_k(layer.in_features)
+    elif sparse.layout == PUBLIC:
+        (rows, steps, _), (_, _, words) = packed_shapes(-(-layer.out_features // TILE_M) * TILE_M, layer.in_features)
+        report.derived_on_gpu[name] = rows * steps * (512 * sparse.values.element_size() + 4 * words)
     report.bytes_before += layer.weight.numel() * layer.weight.element_size()
     report.bytes_after += held
 
