@@ -139,3 +139,20 @@ def test_a_sparsified_siglip_tower_holds_fc2_padded_and_keeps_the_pooling_heads_
         torch.testing.assert_close(sparse(pixel_values=pixels).pooler_output, want, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(loaded(pixel_values=pixels).pooler_output, want, rtol=1e-10, atol=1e-10)
     assert not [w for w in caught if "read a 2:4 layer's weight" in str(w.message)]
+
+
+def test_a_llama_whose_every_k_is_off_the_layouts_step_computes_its_twin_and_round_trips(tmp_path):
+    """Hidden 208 and intermediate 352 (multiples of 16, not of 64): every layer is held padded (0083), q/k/v and
+    gate/up in sibling groups and gated pairs over the padded K; eager, loaded and compiled against the pruned twin.
+    Hidden 200 (rows off the 16-row tile): those layers stay public, their GPU copy named in the report."""
+    torch.manual_seed(0)
+    ids = {"input_ids": torch.randint(0, 128, (2, 9))}
+    config = _config("llama", hidden_size=208, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=4, vocab_size=128)
+    report = _check(transformers.AutoModelForCausalLM.from_config(config), ids, tmp_path / "208", False)
+    assert len(report.padded) == len(report.converted) == 14 and not report.derived_on_gpu  # 7 projections a layer
+    config = _config("llama", hidden_size=200, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=128)
+    report = _check(transformers.AutoModelForCausalLM.from_config(config), ids, tmp_path / "200", False)
+    assert sorted(report.padded) == [f"model.layers.{i}.mlp.{p}" for i in (0, 1) for p in ("gate_proj", "up_proj")]
+    assert len(report.derived_on_gpu) == 10  # q, k, v, o and down: 200 and 100 rows
