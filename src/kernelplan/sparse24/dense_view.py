@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map
 from .._checks import warn_once
 from ..errors import InvalidProblem
 from .format import Sparse24Weight
-from .layout import weight_shape
+from .layout import SP_LAYOUT, layout_of, pack_values, weight_shape
 
 
 class DenseView(torch.Tensor):
@@ -84,8 +84,6 @@ class _Differentiable(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from .layout import SP_LAYOUT, layout_of, pack_values
-
         values, metadata = ctx.saved_tensors
         w24 = Sparse24Weight(values.detach(), metadata, k=ctx.k, _validate=False)
         dvalues = torch.gather(grad, 1, w24.positions()).to(values.dtype)

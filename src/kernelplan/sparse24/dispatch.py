@@ -19,6 +19,8 @@ they showed.
 
 from __future__ import annotations
 
+from .layout import padded_k
+
 MEMORY_POLICIES = ("compact", "fast")
 LAYOUT_DTYPES = ("f16", "bf16")  # the sparse tensor cores' operand types
 
@@ -121,7 +123,7 @@ def backend_for(capability: tuple[int, int] | None, n: int, m: int, k: int, dtyp
     if capability is None:
         return "reference"
     if layout_reason(capability, k, dtype) is None:
-        k = -(-k // 64) * 64  # the kernels run the layout's K, padded to 64 (layout.padded_k)
+        k = padded_k(k)  # the kernels run the layout's K
         if runs_sm90a(capability):
             tall = m >= SP_MIN_M_HOPPER and k >= SP_TALL_MIN_K
             sp = n <= SP_MAX_N_HOPPER and (tall or m > SP_WIDE_MIN_M and wide_weight(m, k))
@@ -135,7 +137,7 @@ def config_for(backend: str, n: int, m: int, k: int, sms: int, gated: bool = Fal
     ``gated``: under a gated epilogue, which ``cuda_ws`` runs on fewer tiles (``gated_tile``); ``cuda_sp``'s are
     all gated-capable.  ``gpu``: what ``cuda_ws``'s rule reads of the GPU (``kernels.gpu_facts``); None, the model
     of a GPU of ``sms`` SMs.  A K not a multiple of 64 is the layout's padded K (``layout.padded_k``)."""
-    k = -(-k // 64) * 64
+    k = padded_k(k)
     if backend == "cuda_ws":
         from ..kernels.sparse24_ws_rule import ws_config
 

@@ -281,7 +281,7 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
         kernels = _kernels()
         plan = []  # (m, k, epilogue, n, the rule's backend, its candidates, a stored tile or None, its gain)
         for m, k, epilogue in problems:
-            gated = epilogue in GATED_EPILOGUES
+            gated, held = epilogue in GATED_EPILOGUES, padded_k(k)
             for n in sizes:
                 backend = backend_for(cap, n, m, k, name)
                 if backend not in OPS or n > kernels[backend].max_n:
@@ -289,8 +289,8 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
                     continue
                 gpu = device_facts(index) if backend == "cuda_ws" else None
                 # A K the layout pads runs the tiles of its padded K (layout.padded_k): those are timed and kept.
-                cands = candidates(n, m, padded_k(k), sms, gated, top, backend, gpu)
-                value = (plan_cache().get(OPS[backend], _problem(m, padded_k(k), n, gated, sms), device=f"cuda:{index}")
+                cands = candidates(n, m, held, sms, gated, top, backend, gpu)
+                value = (plan_cache().get(OPS[backend], _problem(m, held, n, gated, sms), device=f"cuda:{index}")
                          if store else None)
                 tile = _stored(value, cands[0], cands) if value is not None else None
                 gain = value.get("gain") if tile is not None else None
@@ -305,11 +305,12 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
                 out.append(TileChoice(m, k, n, gated, None, None, source="not tuned",
                                       reason=f"the rule runs {backend} here ({why}), no tile tuned"))
                 continue
-            rule, problem = cands[0], _problem(m, padded_k(k), n, gated, sms)
+            held = padded_k(k)
+            rule, problem = cands[0], _problem(m, held, n, gated, sms)
             if tile is not None:
                 choice = TileChoice(m, k, n, gated, rule, tile, gain=stored_gain, source="stored")
             else:
-                times = _measure(cands, n, m, padded_k(k), dtype, epilogue, index, rounds)
+                times = _measure(cands, n, m, held, dtype, epilogue, index, rounds)
                 tile, gain = decide(times, rule, min_gain)
                 ms = {str(c): statistics.median(t) for c, t in times.items()}
                 choice = TileChoice(m, k, n, gated, rule, tile, ms[str(rule)], ms[str(tile)], gain, times_ms=ms)
@@ -317,7 +318,7 @@ def tune_tiles(shapes: Iterable, batch_sizes: Iterable[int], *, device=None, dty
                     plan_cache().put(OPS[backend], problem, {"rule": dataclasses.asdict(rule),
                                                              "tile": dataclasses.asdict(tile), "dtype": name,
                                                              "gain": gain, "ms": ms}, device=f"cuda:{index}")
-            _TUNED[(index, backend, m, padded_k(k), run_of(n), gated)] = tile
+            _TUNED[(index, backend, m, held, run_of(n), gated)] = tile
             out.append(choice)
     _drop_launches()
     return out
